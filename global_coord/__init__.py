@@ -1,0 +1,1 @@
+"""global_coord — see DESIGN.md; built in a later issue."""

@@ -1,0 +1,1 @@
+"""Command-line entry points: ``hilum`` (simulator, topology tools, cluster) and ``hilumctl`` (admin CLI)."""

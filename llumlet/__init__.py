@@ -1,0 +1,1 @@
+"""llumlet — see DESIGN.md."""

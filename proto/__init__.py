@@ -1,0 +1,1 @@
+"""proto — see DESIGN.md; built in a later issue."""

@@ -1,0 +1,1 @@
+"""rack_sched — see DESIGN.md; built in a later issue."""

@@ -1,0 +1,1 @@
+"""Topology file, topology graph and migration cost model (imports nothing else of hilum)."""
