@@ -143,7 +143,7 @@ def render_sweep_table(rows: Sequence[SweepRow], *, title: str = "hilum sim swee
 def _to_text(table: Table, width: int) -> str:
     console = Console(file=io.StringIO(), record=True, width=width, color_system=None, soft_wrap=False)
     console.print(table)
-    return console.export_text()
+    return "\n".join(line.rstrip() for line in console.export_text().splitlines()) + "\n"
 
 
 def format_table(
