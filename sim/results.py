@@ -34,6 +34,7 @@ __all__ = [
     "ResultsError",
     "SimRun",
     "StoredRun",
+    "json_default",
     "load_results",
     "percentile",
     "results_document",
@@ -279,6 +280,8 @@ def _to_json_value(value: object, where: str) -> Any:
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else None
+    if isinstance(value, np.generic):
+        return _to_json_value(value.item(), where)
     if isinstance(value, enum.Enum):
         return _to_json_value(value.value, where)
     if isinstance(value, Path):
@@ -294,6 +297,13 @@ def _to_json_value(value: object, where: str) -> Any:
         items = sorted(value, key=repr) if isinstance(value, set | frozenset) else value
         return [_to_json_value(v, f"{where}[{i}]") for i, v in enumerate(items)]
     raise TypeError(f"{where}: cannot write a value of type {type(value).__name__} to JSON")
+
+
+def json_default(value: object) -> Any:
+    """``json.dumps`` hook: numpy scalars become Python numbers; anything else is a TypeError."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"cannot write a value of type {type(value).__name__} to JSON")
 
 
 def _finite_or_none(value: float | None) -> float | None:
@@ -361,7 +371,7 @@ def write_results(runs: Sequence[SimRun], out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS_FILE_NAME
-    text = json.dumps(results_document(runs), indent=1, allow_nan=False)
+    text = json.dumps(results_document(runs), indent=1, allow_nan=False, default=json_default)
     path.write_text(text + "\n", encoding="utf-8")
     return path
 

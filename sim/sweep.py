@@ -35,6 +35,7 @@ from sim.results import (
     PolicySummary,
     ResultsError,
     SimRun,
+    json_default,
     summarize,
     summary_from_dict,
     summary_to_dict,
@@ -341,7 +342,9 @@ def write_sweep(
         "rows": [_row_dict(r) for r in rows],
     }
     json_path = out / SWEEP_FILE_NAME
-    json_path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    json_path.write_text(
+        json.dumps(doc, indent=1, allow_nan=False, default=json_default) + "\n", encoding="utf-8"
+    )
     plots: dict[str, Path] = {}
     used: set[str] = set()
     for topology in dict.fromkeys(r.topology for r in rows):

@@ -267,7 +267,12 @@ class _Mode(enum.Enum):
 
 
 def test_config_values_converted_to_json_and_bad_ones_named(tmp_path: Path) -> None:
-    config = {"path": Path("/x/y.yaml"), "levels": (1, 2), "mode": _Mode.FAST, "cap": math.inf}
+    config = {
+        "path": Path("/x/y.yaml"),
+        "levels": (1, np.int64(2)),
+        "mode": _Mode.FAST,
+        "cap": math.inf,
+    }
     doc = results_document([hand_run(config=config)])
     assert doc["runs"][0]["spec"]["config"] == {
         "path": "/x/y.yaml",
@@ -277,6 +282,14 @@ def test_config_values_converted_to_json_and_bad_ones_named(tmp_path: Path) -> N
     }
     with pytest.raises(TypeError, match=r"runs\[0\]\.spec\.config\.nested\.fn: cannot write a value of type"):
         write_results([hand_run(config={"nested": {"fn": object()}})], tmp_path)
+
+
+def test_numpy_scalars_in_records_are_written_as_numbers(tmp_path: Path) -> None:
+    run = hand_run()
+    first = dataclasses.replace(run.requests[0], prompt_tokens=np.int64(100), arrival_s=np.float64(0.0))  # type: ignore[arg-type]
+    path = write_results([dataclasses.replace(run, requests=(first, *run.requests[1:]))], tmp_path)
+    stored = load_results(path)[0].requests[0]
+    assert (stored.prompt_tokens, type(stored.prompt_tokens)) == (100, int)
 
 
 def test_load_results_errors_name_file_and_key(tmp_path: Path) -> None:

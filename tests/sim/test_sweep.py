@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import sys
 import types
 from collections.abc import Iterator, Mapping
@@ -24,6 +26,8 @@ from sim.sweep import (
     run_point,
     run_sweep,
 )
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "sim-results.md"
 
 GOOD = """\
 trace: burstgpt
@@ -240,6 +244,10 @@ def test_sweep_on_ray_merges_table_json_and_plot(local_ray: None, tmp_path: Path
     ]
     assert [r.summary.ttft_p99_s for r in rows] == pytest.approx([0.2, 0.8, 0.05, 0.2])
     assert load_sweep(tmp_path / "out" / "sweep.json") == rows
+    doc = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    documented = set(re.findall(r"^\| `([a-z_0-9]+)`", DOC.read_text(), flags=re.MULTILINE))
+    assert (set(doc) | set(doc["rows"][0]) | set(doc["config"])) - documented == set()
+    assert doc["config"]["options"] == {"migration_interval_s": 0.05}
     plot = tmp_path / "out" / "p99_ttft_vs_load_2x8-a100.png"
     assert plot.read_bytes()[:4] == b"\x89PNG" and plot.stat().st_size > 5000
     table = format_sweep_table(rows)
