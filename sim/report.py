@@ -1,0 +1,164 @@
+"""Side-by-side tables of :class:`sim.results.PolicySummary` rows (rich), for the terminal and tests.
+
+Units in the table: latencies (TTFT, TBT, end-to-end, downtime) in milliseconds, bytes in GB
+(10^9 bytes), preemption loss, simulated and wall time in seconds. A missing value (no sample) is
+shown as ``-``.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.table import Table
+
+from sim.results import PolicySummary
+
+if TYPE_CHECKING:
+    from sim.sweep import SweepRow
+
+__all__ = [
+    "MISSING",
+    "format_sweep_table",
+    "format_table",
+    "render_sweep_table",
+    "render_table",
+    "ttft_p99_ratios",
+]
+
+MISSING = "-"
+"""Cell text for a value with no sample (e.g. no high-priority requests)."""
+
+_DEFAULT_WIDTH = 260  # characters; wide enough that no number is wrapped or cut
+
+
+def _ms(value: float | None) -> str:
+    return MISSING if value is None else f"{value * 1e3:.1f}"
+
+
+def _s(value: float | None) -> str:
+    return MISSING if value is None else f"{value:.1f}"
+
+
+def _gb(value_bytes: int) -> str:
+    return f"{value_bytes / 1e9:.2f}"
+
+
+# (header, cell) for every summary column after the leading label columns; headers are short and
+# broken over two lines so that 20+ columns fit a wide terminal.
+_SUMMARY_COLUMNS: tuple[tuple[str, Callable[[PolicySummary], str]], ...] = (
+    ("reqs", lambda s: str(s.requests)),
+    ("done", lambda s: str(s.finished)),
+    ("refused", lambda s: str(s.refused)),
+    ("TTFT\np50 ms", lambda s: _ms(s.ttft_p50_s)),
+    ("TTFT\np99 ms", lambda s: _ms(s.ttft_p99_s)),
+    ("TBT\np50 ms", lambda s: _ms(s.tbt_p50_s)),
+    ("TBT\np99 ms", lambda s: _ms(s.tbt_p99_s)),
+    ("E2E\np99 ms", lambda s: _ms(s.e2e_p99_s)),
+    ("high-pri TTFT\np99 ms", lambda s: _ms(s.high_priority_ttft_p99_s)),
+    ("preempt", lambda s: str(s.preemptions)),
+    ("preempt\nlost s", lambda s: _s(s.preempted_s)),
+    ("mig\nintra", lambda s: str(s.migrations_intra_domain)),
+    ("mig\ncross", lambda s: str(s.migrations_cross_domain)),
+    ("mig\naborted", lambda s: str(s.migrations_aborted)),
+    ("cross\nGB", lambda s: _gb(s.cross_domain_bytes)),
+    ("downtime\nmean ms", lambda s: _ms(s.downtime_mean_s)),
+    ("downtime\np99 ms", lambda s: _ms(s.downtime_p99_s)),
+    ("sim s", lambda s: _s(s.sim_duration_s)),
+    ("engine\nsteps", lambda s: str(s.engine_steps)),
+    ("wall s", lambda s: _s(s.wall_s)),
+    ("req per\nwall s", lambda s: _s(s.requests_per_wall_s)),
+)
+
+
+def ttft_p99_ratios(summaries: Sequence[PolicySummary], baseline: str) -> dict[str, float | None]:
+    """P99 TTFT of each policy divided by that of the policy named ``baseline``.
+
+    Returns policy -> ratio (1.0 for the baseline itself); None where either P99 is missing or the
+    baseline's P99 is 0. When a policy appears more than once, the first row with that name is used.
+
+    Raises:
+        ValueError: if no summary has policy ``baseline``.
+    """
+    by_policy: dict[str, PolicySummary] = {}
+    for s in summaries:
+        by_policy.setdefault(s.policy, s)
+    if baseline not in by_policy:
+        raise ValueError(f"baseline policy {baseline!r} not among {sorted(by_policy)}")
+    base = by_policy[baseline].ttft_p99_s
+    out: dict[str, float | None] = {}
+    for policy, s in by_policy.items():
+        value = s.ttft_p99_s
+        out[policy] = None if value is None or base is None or base == 0.0 else value / base
+    return out
+
+
+def _build(
+    title: str,
+    label_headers: Sequence[str],
+    rows: Sequence[tuple[Sequence[str], PolicySummary]],
+    ratios: Mapping[str, float | None] | None,
+    baseline: str | None,
+) -> Table:
+    table = Table(title=title, title_justify="left")
+    for header in label_headers:
+        table.add_column(header, no_wrap=True)
+    for header, _ in _SUMMARY_COLUMNS:
+        table.add_column(header, justify="right", no_wrap=True)
+    if ratios is not None:
+        table.add_column(f"TTFT p99\nvs {baseline}", justify="right", no_wrap=True)
+    for labels, summary in rows:
+        cells = [*labels, *(cell(summary) for _, cell in _SUMMARY_COLUMNS)]
+        if ratios is not None:
+            ratio = ratios.get(summary.policy)
+            cells.append(MISSING if ratio is None else f"{ratio:.2f}x")
+        table.add_row(*cells)
+    return table
+
+
+def render_table(
+    summaries: Sequence[PolicySummary], *, title: str = "hilum sim", baseline: str | None = None
+) -> Table:
+    """A rich table with one row per summary (policy) and the columns of :class:`PolicySummary`.
+
+    With ``baseline`` set, a last column gives each policy's P99 TTFT relative to that policy's
+    (see :func:`ttft_p99_ratios`).
+
+    Raises:
+        ValueError: if ``baseline`` names no policy among ``summaries``.
+    """
+    ratios = ttft_p99_ratios(summaries, baseline) if baseline is not None else None
+    rows = [((s.policy,), s) for s in summaries]
+    return _build(title, ("policy",), rows, ratios, baseline)
+
+
+def render_sweep_table(rows: Sequence[SweepRow], *, title: str = "hilum sim sweep") -> Table:
+    """A rich table with one row per sweep grid point: topology, policy, rate scale, seed + summary."""
+    labelled = [((r.topology, r.policy, f"{r.rate_scale:g}", str(r.seed)), r.summary) for r in rows]
+    return _build(title, ("topology", "policy", "rate", "seed"), labelled, None, None)
+
+
+def _to_text(table: Table, width: int) -> str:
+    console = Console(file=io.StringIO(), record=True, width=width, color_system=None, soft_wrap=False)
+    console.print(table)
+    return "\n".join(line.rstrip() for line in console.export_text().splitlines()) + "\n"
+
+
+def format_table(
+    summaries: Sequence[PolicySummary],
+    *,
+    title: str = "hilum sim",
+    baseline: str | None = None,
+    width: int = _DEFAULT_WIDTH,
+) -> str:
+    """:func:`render_table` as plain text (no colour), ``width`` characters wide."""
+    return _to_text(render_table(summaries, title=title, baseline=baseline), width)
+
+
+def format_sweep_table(
+    rows: Sequence[SweepRow], *, title: str = "hilum sim sweep", width: int = _DEFAULT_WIDTH
+) -> str:
+    """:func:`render_sweep_table` as plain text (no colour), ``width`` characters wide."""
+    return _to_text(render_sweep_table(rows, title=title), width)

@@ -1,0 +1,468 @@
+"""Results of one simulation run: per-request and per-migration records, summaries, ``results.json``.
+
+The simulator core (``sim.runner.run_simulation``) produces one :class:`SimRun` per policy run;
+:func:`summarize` reduces it to a :class:`PolicySummary` (the row printed by ``sim.report`` and the
+unit of comparison between policies); :func:`write_results` stores runs as ``results.json``, whose
+schema is documented field by field in ``docs/sim-results.md``; :func:`load_results` reads it back.
+
+Percentiles are computed with ``numpy.percentile`` (linear interpolation between closest ranks,
+numpy's default ``method="linear"``). An empty sample gives ``None``, never NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+__all__ = [
+    "HIGH_PRIORITY_MIN",
+    "RESULTS_FILE_NAME",
+    "SCHEMA_VERSION",
+    "KvTimeline",
+    "MigrationOutcome",
+    "MigrationRecord",
+    "PolicySummary",
+    "RequestRecord",
+    "ResultsError",
+    "SimRun",
+    "StoredRun",
+    "json_default",
+    "load_results",
+    "percentile",
+    "results_document",
+    "summarize",
+    "summary_from_dict",
+    "summary_to_dict",
+    "write_results",
+]
+
+SCHEMA_VERSION = 1
+"""Version of the ``results.json`` layout; bumped on any incompatible change (docs/sim-results.md)."""
+
+RESULTS_FILE_NAME = "results.json"
+
+HIGH_PRIORITY_MIN = 1
+"""Requests with ``priority >= HIGH_PRIORITY_MIN`` count as high-priority (0 is the normal class)."""
+
+MigrationOutcome = Literal["committed", "aborted"]
+
+
+class ResultsError(ValueError):
+    """A ``results.json`` file (or a record) is malformed; the message names the file and key path."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """What happened to one request of the trace during a simulation run.
+
+    Times are simulated seconds since the start of the run (the trace's time axis).
+    """
+
+    request_id: str  # the trace's request id
+    priority: int  # scheduling class: 0 normal, >= HIGH_PRIORITY_MIN high
+    arrival_s: float  # arrival time at the gateway, s
+    prompt_tokens: int  # prompt length, tokens
+    output_tokens: int  # target output length from the trace, tokens
+    generated_tokens: int  # output tokens actually produced by the end of the run, tokens
+    first_token_s: float | None  # time the first output token was produced, s; None if never
+    finish_s: float | None  # time the last output token was produced, s; None if unfinished/refused
+    token_gaps_s: tuple[float, ...]  # TBT samples: times between consecutive output tokens, s
+    preemptions: int  # times the request was preempted (recompute) on its instance
+    preempted_s: float  # time lost to preemption (from preemption until resumed decoding), s
+    migrations: int  # committed migrations of this request
+    refused: str | None  # refusal reason (e.g. "no_capacity"); None if the request was admitted
+    instance_id: str  # instance where the request finished (or was last), "" if never placed
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token (first_token_s − arrival_s), s; None if no token was produced."""
+        if self.first_token_s is None:
+            return None
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float | None:
+        """End-to-end latency (finish_s − arrival_s), s; None if the request did not finish."""
+        if self.finish_s is None:
+            return None
+        return self.finish_s - self.arrival_s
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationRecord:
+    """One live-migration attempt of a running request (pre-copy, DESIGN.md "Migration")."""
+
+    request_id: str  # the migrated request
+    src_instance_id: str  # instance the request ran on
+    dst_instance_id: str  # instance that reserved blocks for it
+    src_domain_id: str  # NVLink domain of the source instance
+    dst_domain_id: str  # NVLink domain of the destination instance
+    start_s: float  # time the destination reservation was made, s
+    end_s: float  # time of commit (or of abort), s
+    downtime_s: float  # time the request was suspended (last stage only), s; 0.0 if never suspended
+    bytes_transferred: int  # KV-cache bytes copied over all stages, bytes
+    stages: int  # pre-copy stages run, including the last (stop-and-copy) stage
+    outcome: MigrationOutcome  # "committed": the request resumed on dst; "aborted": it stayed on src
+    reason: str  # why the move was made (committed) or why it was aborted
+
+    @property
+    def cross_domain(self) -> bool:
+        """True when source and destination are in different NVLink domains."""
+        return self.src_domain_id != self.dst_domain_id
+
+
+@dataclass(frozen=True, slots=True)
+class KvTimeline:
+    """Per-instance KV-cache usage sampled at regular simulated times.
+
+    Raises:
+        ValueError: if a usage series does not have one value per sample time.
+    """
+
+    interval_s: float  # sampling interval, s
+    times_s: tuple[float, ...]  # sample times, s; shape (num_samples,)
+    usage_fraction: Mapping[str, tuple[float, ...]]  # instance_id -> used/capacity blocks, (num_samples,)
+
+    def __post_init__(self) -> None:
+        for instance_id, series in self.usage_fraction.items():
+            if len(series) != len(self.times_s):
+                raise ValueError(
+                    f"KvTimeline: usage_fraction[{instance_id!r}] has {len(series)} samples, "
+                    f"times_s has {len(self.times_s)}"
+                )
+
+    @staticmethod
+    def empty() -> KvTimeline:
+        """A timeline with no samples (for runs that did not record KV usage)."""
+        return KvTimeline(interval_s=0.0, times_s=(), usage_fraction={})
+
+
+@dataclass(frozen=True, slots=True)
+class SimRun:
+    """Everything one simulation run produced: its spec, records and cost."""
+
+    policy: str  # scheduling policy name (e.g. "hilum", "llumnix", "round_robin")
+    topology: str  # topology name or file
+    trace: str  # trace name or file
+    seed: int  # seed of the run's random sources
+    rate_scale: float  # arrival-rate multiplier applied to the trace (1.0 = as recorded)
+    sim_duration_s: float  # simulated time from the first arrival to the last event, s
+    wall_s: float  # wall-clock time the run took, s
+    engine_steps: int  # engine steps simulated over all instances
+    requests: tuple[RequestRecord, ...]  # one record per trace request, arrival order
+    migrations: tuple[MigrationRecord, ...]  # one record per migration attempt, start order
+    kv: KvTimeline  # per-instance KV usage over time
+    config: Mapping[str, object] = field(default_factory=dict)  # resolved options (JSON-able values)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySummary:
+    """The comparison row of one run. Latencies in seconds (the table shows ms); None = no sample."""
+
+    policy: str  # scheduling policy name
+    requests: int  # requests in the trace
+    finished: int  # requests whose last token was produced
+    refused: int  # requests refused at admission
+    ttft_p50_s: float | None  # median TTFT over requests with a first token, s
+    ttft_p99_s: float | None  # P99 TTFT, s
+    tbt_p50_s: float | None  # median TBT over all token gaps of all requests, s
+    tbt_p99_s: float | None  # P99 TBT, s
+    e2e_p99_s: float | None  # P99 end-to-end latency over finished requests, s
+    high_priority_ttft_p99_s: float | None  # P99 TTFT of high-priority requests, s; None if none
+    preemptions: int  # preemptions summed over requests
+    preempted_s: float  # time lost to preemption summed over requests, s
+    migrations_intra_domain: int  # committed migrations inside one NVLink domain
+    migrations_cross_domain: int  # committed migrations between domains
+    migrations_aborted: int  # aborted migration attempts (both kinds)
+    cross_domain_bytes: int  # bytes sent between domains by all cross-domain attempts, bytes
+    downtime_mean_s: float | None  # mean downtime of committed migrations, s
+    downtime_p99_s: float | None  # P99 downtime of committed migrations, s
+    sim_duration_s: float  # simulated duration, s
+    engine_steps: int  # engine steps over all instances
+    wall_s: float  # wall-clock time of the run, s
+    requests_per_wall_s: float | None  # simulated requests per wall-clock second; None if wall_s <= 0
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100) of ``values`` with linear interpolation; None when empty.
+
+    Raises:
+        ValueError: if ``q`` is outside [0, 100].
+    """
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile: q must be in [0, 100], got {q}")
+    arr = np.fromiter(values, dtype=np.float64)
+    if arr.size == 0:
+        return None
+    return float(np.percentile(arr, q, method="linear"))
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return float(np.mean(np.asarray(values, dtype=np.float64))) if values else None
+
+
+def summarize(run: SimRun) -> PolicySummary:
+    """Reduce a run to its :class:`PolicySummary`.
+
+    TTFT is taken over requests that produced a first token, end-to-end latency over finished ones,
+    TBT over every token gap of every request. Migration counts split committed moves by
+    :attr:`MigrationRecord.cross_domain`; ``cross_domain_bytes`` also counts aborted cross-domain
+    attempts (their bytes did cross the network); downtime statistics cover committed moves only.
+    """
+    reqs = run.requests
+    ttfts = [t for r in reqs if (t := r.ttft_s) is not None]
+    high_ttfts = [t for r in reqs if r.priority >= HIGH_PRIORITY_MIN and (t := r.ttft_s) is not None]
+    e2es = [t for r in reqs if (t := r.e2e_s) is not None]
+    gaps = [g for r in reqs for g in r.token_gaps_s]
+    committed = [m for m in run.migrations if m.outcome == "committed"]
+    downtimes = [m.downtime_s for m in committed]
+    return PolicySummary(
+        policy=run.policy,
+        requests=len(reqs),
+        finished=sum(1 for r in reqs if r.finish_s is not None),
+        refused=sum(1 for r in reqs if r.refused is not None),
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p99_s=percentile(ttfts, 99),
+        tbt_p50_s=percentile(gaps, 50),
+        tbt_p99_s=percentile(gaps, 99),
+        e2e_p99_s=percentile(e2es, 99),
+        high_priority_ttft_p99_s=percentile(high_ttfts, 99),
+        preemptions=sum(r.preemptions for r in reqs),
+        preempted_s=float(sum(r.preempted_s for r in reqs)),
+        migrations_intra_domain=sum(1 for m in committed if not m.cross_domain),
+        migrations_cross_domain=sum(1 for m in committed if m.cross_domain),
+        migrations_aborted=sum(1 for m in run.migrations if m.outcome == "aborted"),
+        cross_domain_bytes=sum(m.bytes_transferred for m in run.migrations if m.cross_domain),
+        downtime_mean_s=_mean(downtimes),
+        downtime_p99_s=percentile(downtimes, 99),
+        sim_duration_s=run.sim_duration_s,
+        engine_steps=run.engine_steps,
+        wall_s=run.wall_s,
+        requests_per_wall_s=len(reqs) / run.wall_s if run.wall_s > 0 else None,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# results.json
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRun:
+    """One run as read back from ``results.json`` (token gaps and the KV timeline are not stored)."""
+
+    policy: str
+    topology: str
+    trace: str
+    seed: int
+    rate_scale: float
+    config: Mapping[str, object]  # as stored (JSON values)
+    summary: PolicySummary
+    requests: tuple[RequestRecord, ...]  # token_gaps_s is () in every record
+    migrations: tuple[MigrationRecord, ...]
+
+
+_REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord) if f.name != "token_gaps_s")
+_MIGRATION_FIELDS = tuple(f.name for f in dataclasses.fields(MigrationRecord))
+_SUMMARY_FIELDS = tuple(f.name for f in dataclasses.fields(PolicySummary))
+
+
+def _to_json_value(value: object, where: str) -> Any:
+    """Convert a config value to plain JSON types, or raise naming its key path."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, np.generic):
+        return _to_json_value(value.item(), where)
+    if isinstance(value, enum.Enum):
+        return _to_json_value(value.value, where)
+    if isinstance(value, Path):
+        return str(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            f.name: _to_json_value(getattr(value, f.name), f"{where}.{f.name}")
+            for f in dataclasses.fields(value)
+        }
+    if isinstance(value, Mapping):
+        return {str(k): _to_json_value(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        items = sorted(value, key=repr) if isinstance(value, set | frozenset) else value
+        return [_to_json_value(v, f"{where}[{i}]") for i, v in enumerate(items)]
+    raise TypeError(f"{where}: cannot write a value of type {type(value).__name__} to JSON")
+
+
+def json_default(value: object) -> Any:
+    """``json.dumps`` hook: numpy scalars become Python numbers; anything else is a TypeError."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"cannot write a value of type {type(value).__name__} to JSON")
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    return value if value is None or math.isfinite(value) else None
+
+
+def _summary_dict(summary: PolicySummary) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in _SUMMARY_FIELDS:
+        value = getattr(summary, name)
+        out[name] = _finite_or_none(value) if isinstance(value, float) else value
+    return out
+
+
+def _request_dict(rec: RequestRecord) -> dict[str, Any]:
+    out = {name: getattr(rec, name) for name in _REQUEST_FIELDS}
+    out["ttft_s"] = rec.ttft_s
+    out["e2e_s"] = rec.e2e_s
+    return out
+
+
+def _migration_dict(rec: MigrationRecord) -> dict[str, Any]:
+    out = {name: getattr(rec, name) for name in _MIGRATION_FIELDS}
+    out["cross_domain"] = rec.cross_domain
+    return out
+
+
+def results_document(runs: Sequence[SimRun]) -> dict[str, Any]:
+    """The JSON document written by :func:`write_results` (see docs/sim-results.md).
+
+    Raises:
+        TypeError: if a run's config holds a value with no JSON form (message names the key path).
+    """
+    doc_runs = []
+    for i, run in enumerate(runs):
+        spec = {
+            "policy": run.policy,
+            "topology": run.topology,
+            "trace": run.trace,
+            "seed": run.seed,
+            "rate_scale": run.rate_scale,
+            "config": _to_json_value(run.config, f"runs[{i}].spec.config"),
+        }
+        doc_runs.append(
+            {
+                "spec": spec,
+                "summary": _summary_dict(summarize(run)),
+                "requests": [_request_dict(r) for r in run.requests],
+                "migrations": [_migration_dict(m) for m in run.migrations],
+            }
+        )
+    return {"schema_version": SCHEMA_VERSION, "runs": doc_runs}
+
+
+def write_results(runs: Sequence[SimRun], out_dir: str | Path) -> Path:
+    """Write ``results.json`` for ``runs`` into ``out_dir`` (created if missing); return its path.
+
+    The layout is documented in docs/sim-results.md. Token gaps and KV timelines are not stored
+    (they are summarised and plotted instead). The JSON is strict: no NaN or Infinity.
+
+    Raises:
+        TypeError: if a run's config holds a value with no JSON form.
+        OSError: if the directory or file cannot be written.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / RESULTS_FILE_NAME
+    text = json.dumps(results_document(runs), indent=1, allow_nan=False, default=json_default)
+    path.write_text(text + "\n", encoding="utf-8")
+    return path
+
+
+def _require(obj: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in obj:
+        raise ResultsError(f"{where}: missing key {key!r}")
+    return obj[key]
+
+
+def _mapping(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ResultsError(f"{where}: expected an object, got {type(value).__name__}")
+    return value
+
+
+def _record(cls: type[Any], names: Sequence[str], obj: Any, where: str, **extra: Any) -> Any:
+    data = _mapping(obj, where)
+    kwargs = {name: _require(data, name, where) for name in names}
+    try:
+        return cls(**kwargs, **extra)
+    except (TypeError, ValueError) as exc:
+        raise ResultsError(f"{where}: {exc}") from exc
+
+
+def _summary_from(obj: Any, where: str) -> PolicySummary:
+    summary: PolicySummary = _record(PolicySummary, _SUMMARY_FIELDS, obj, where)
+    return summary
+
+
+def summary_from_dict(obj: Mapping[str, Any], where: str = "summary") -> PolicySummary:
+    """Rebuild a :class:`PolicySummary` from its JSON object (as in results.json and sweep.json).
+
+    Raises:
+        ResultsError: if a field is missing (the message names ``where`` and the key).
+    """
+    return _summary_from(obj, where)
+
+
+def summary_to_dict(summary: PolicySummary) -> dict[str, Any]:
+    """The JSON object of a :class:`PolicySummary` (non-finite floats become null)."""
+    return _summary_dict(summary)
+
+
+def load_results(path: str | Path) -> list[StoredRun]:
+    """Read a ``results.json`` written by :func:`write_results`.
+
+    Raises:
+        ResultsError: on invalid JSON, an unsupported ``schema_version`` or a missing key; the
+            message gives the file and the key path
+            (e.g. ``out/results.json: runs[0].summary: missing key 'policy'``).
+        OSError: if the file cannot be read.
+    """
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ResultsError(f"{p}: not valid JSON: {exc}") from exc
+    top = _mapping(doc, str(p))
+    version = _require(top, "schema_version", str(p))
+    if version != SCHEMA_VERSION:
+        raise ResultsError(f"{p}: schema_version: unsupported {version!r} (this reader: {SCHEMA_VERSION})")
+    runs_obj = _require(top, "runs", str(p))
+    if not isinstance(runs_obj, list):
+        raise ResultsError(f"{p}: runs: expected a list")
+    stored: list[StoredRun] = []
+    for i, run_obj in enumerate(runs_obj):
+        where = f"{p}: runs[{i}]"
+        run_map = _mapping(run_obj, where)
+        spec = _mapping(_require(run_map, "spec", where), f"{where}.spec")
+        reqs = _require(run_map, "requests", where)
+        migs = _require(run_map, "migrations", where)
+        if not isinstance(reqs, list) or not isinstance(migs, list):
+            raise ResultsError(f"{where}: requests and migrations must be lists")
+        stored.append(
+            StoredRun(
+                policy=_require(spec, "policy", f"{where}.spec"),
+                topology=_require(spec, "topology", f"{where}.spec"),
+                trace=_require(spec, "trace", f"{where}.spec"),
+                seed=_require(spec, "seed", f"{where}.spec"),
+                rate_scale=_require(spec, "rate_scale", f"{where}.spec"),
+                config=_mapping(_require(spec, "config", f"{where}.spec"), f"{where}.spec.config"),
+                summary=_summary_from(_require(run_map, "summary", where), f"{where}.summary"),
+                requests=tuple(
+                    _record(RequestRecord, _REQUEST_FIELDS, r, f"{where}.requests[{j}]", token_gaps_s=())
+                    for j, r in enumerate(reqs)
+                ),
+                migrations=tuple(
+                    _record(MigrationRecord, _MIGRATION_FIELDS, m, f"{where}.migrations[{j}]")
+                    for j, m in enumerate(migs)
+                ),
+            )
+        )
+    return stored

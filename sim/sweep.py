@@ -1,0 +1,396 @@
+"""Parameter sweeps of the simulator: a YAML grid of policies x rate scales x seeds x topologies,
+each grid point run as one Ray task, merged into one table, ``sweep.json`` and P99-TTFT-vs-load plots.
+
+Example sweep file (every key documented in docs/sim-results.md)::
+
+    trace: burstgpt
+    topologies: [2x8-a100]
+    policies: [round_robin, llumnix, hilum]
+    rate_scales: [0.5, 1.0, 2.0]
+    seeds: [0, 1]
+    max_requests: 2000
+    options: {migration_interval_s: 0.05}
+
+Ray is an optional dependency (``pip install 'hilum[sweep]'``) and is imported only by
+:func:`run_sweep`. A local Ray is started when none is running and no address is given; set
+``RAY_AUTH_MODE=disabled`` in the environment to opt out of Ray's token authentication.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from sim.results import (
+    PolicySummary,
+    ResultsError,
+    SimRun,
+    json_default,
+    summarize,
+    summary_from_dict,
+    summary_to_dict,
+)
+
+__all__ = [
+    "SWEEP_FILE_NAME",
+    "SWEEP_SCHEMA_VERSION",
+    "GridPoint",
+    "RunFn",
+    "SweepConfig",
+    "SweepConfigError",
+    "SweepOutput",
+    "SweepPointError",
+    "SweepRow",
+    "grid_points",
+    "load_sweep",
+    "load_sweep_config",
+    "plot_file_name",
+    "run_point",
+    "run_sweep",
+    "write_sweep",
+]
+
+SWEEP_SCHEMA_VERSION = 1
+"""Version of the ``sweep.json`` layout (docs/sim-results.md)."""
+
+SWEEP_FILE_NAME = "sweep.json"
+
+
+class SweepConfigError(ValueError):
+    """A sweep file is invalid. ``errors`` holds one ``"<file>: <key.path>: <message>"`` per problem."""
+
+    def __init__(self, errors: Sequence[str]) -> None:
+        self.errors = list(errors)
+        super().__init__("invalid sweep config:\n  " + "\n  ".join(self.errors))
+
+
+class SweepPointError(RuntimeError):
+    """A grid point's simulation failed; the message names the grid point and the original error."""
+
+
+_PositiveFloat = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+_NonNegativeInt = Annotated[int, Field(ge=0)]
+_Name = Annotated[str, Field(min_length=1)]
+
+
+class SweepConfig(BaseModel):
+    """The grid of one sweep, as written in its YAML file. Unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+    trace: _Name  # trace name or file, as accepted by sim.traces.load_trace
+    topologies: list[_Name] = Field(min_length=1)  # topology names or files
+    policies: list[_Name] = Field(min_length=1)  # scheduling policy names
+    rate_scales: list[_PositiveFloat] = Field(min_length=1)  # arrival-rate multipliers (1.0 = trace)
+    seeds: list[_NonNegativeInt] = Field(default_factory=lambda: [0], min_length=1)  # one run per seed
+    max_requests: Annotated[int, Field(gt=0)] | None = None  # first N requests of the trace; None = all
+    options: dict[str, Any] = Field(default_factory=dict)  # passed unchanged to every run (SimSpec.options)
+
+    @field_validator("topologies", "policies", "rate_scales", "seeds")
+    @classmethod
+    def _no_duplicates(cls, values: list[Any]) -> list[Any]:
+        duplicates = sorted({repr(v) for v in values if values.count(v) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate entries: {', '.join(duplicates)}")
+        return values
+
+
+def _loc(loc: Sequence[int | str]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def load_sweep_config(path: str | Path) -> SweepConfig:
+    """Read and validate a sweep YAML file.
+
+    Raises:
+        SweepConfigError: on unreadable YAML, a top level that is not a mapping, unknown keys,
+            wrong types, empty lists, duplicates or non-positive rate scales; each error reads
+            ``"<file>: <key.path>: <message>"`` (e.g. ``sweep.yaml: rate_scales[1]: Input should be
+            greater than 0``).
+        OSError: if the file cannot be read.
+    """
+    p = Path(path)
+    text = p.read_text(encoding="utf-8")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SweepConfigError([f"{p}: (top level): not valid YAML: {exc}"]) from exc
+    if not isinstance(data, Mapping):
+        raise SweepConfigError([f"{p}: (top level): expected a mapping of keys, got {type(data).__name__}"])
+    try:
+        return SweepConfig.model_validate(data)
+    except ValidationError as exc:
+        raise SweepConfigError([f"{p}: {_loc(e['loc'])}: {e['msg']}" for e in exc.errors()]) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class GridPoint:
+    """One simulation of a sweep; the same fields as ``sim.runner.SimSpec``."""
+
+    topology: str  # topology name or file
+    trace: str  # trace name or file
+    policy: str  # scheduling policy name
+    rate_scale: float  # arrival-rate multiplier
+    max_requests: int | None  # first N requests of the trace; None = all
+    seed: int  # seed of the run's random sources
+    options: Mapping[str, object] = field(default_factory=dict)  # extra runner options
+
+    def label(self) -> str:
+        """A short human-readable name, e.g. ``2x8-a100/hilum/x1.5/seed0``."""
+        return f"{self.topology}/{self.policy}/x{self.rate_scale:g}/seed{self.seed}"
+
+
+RunFn = Callable[[GridPoint], SimRun]
+"""Runs one grid point. Must be picklable (a module-level function) to travel to Ray workers."""
+
+
+@dataclass(frozen=True, slots=True)
+class SweepRow:
+    """The result of one grid point: where it ran and its summary."""
+
+    topology: str
+    trace: str
+    policy: str
+    rate_scale: float  # arrival-rate multiplier
+    seed: int
+    max_requests: int | None
+    summary: PolicySummary
+
+
+@dataclass(frozen=True, slots=True)
+class SweepOutput:
+    """Files written by :func:`write_sweep`."""
+
+    json_path: Path  # sweep.json
+    plot_paths: Mapping[str, Path]  # topology -> its P99-TTFT-vs-load PNG
+
+
+def grid_points(config: SweepConfig) -> list[GridPoint]:
+    """All grid points, in the order topology, policy, rate scale, seed (outermost first)."""
+    return [
+        GridPoint(
+            topology=topology,
+            trace=config.trace,
+            policy=policy,
+            rate_scale=rate_scale,
+            max_requests=config.max_requests,
+            seed=seed,
+            options=dict(config.options),
+        )
+        for topology in config.topologies
+        for policy in config.policies
+        for rate_scale in config.rate_scales
+        for seed in config.seeds
+    ]
+
+
+def _run_with_simulator(point: GridPoint) -> SimRun:
+    """Default :data:`RunFn`: ``sim.runner.run_simulation`` on the point's ``SimSpec``."""
+    # Lazy: the simulator core is heavy and not needed to plan a sweep. (The ignore only matters
+    # while sim.runner is being written on another branch.)
+    from sim.runner import SimSpec, run_simulation  # type: ignore[import-not-found, unused-ignore]
+
+    spec = SimSpec(
+        topology=point.topology,
+        trace=point.trace,
+        policy=point.policy,
+        rate_scale=point.rate_scale,
+        max_requests=point.max_requests,
+        seed=point.seed,
+        options=dict(point.options),
+    )
+    run: SimRun = run_simulation(spec)
+    return run
+
+
+def run_point(point: GridPoint, run_fn: RunFn | None = None) -> SweepRow:
+    """Run one grid point with ``run_fn`` (default: the simulator) and summarise it.
+
+    This is the function each Ray task executes; it is module-level so Ray can pickle it.
+
+    Raises:
+        SweepPointError: if the run fails; the message names the grid point.
+    """
+    fn = run_fn if run_fn is not None else _run_with_simulator
+    try:
+        run = fn(point)
+    except Exception as exc:
+        raise SweepPointError(f"grid point {point.label()}: {type(exc).__name__}: {exc}") from exc
+    return SweepRow(
+        topology=point.topology,
+        trace=point.trace,
+        policy=point.policy,
+        rate_scale=point.rate_scale,
+        seed=point.seed,
+        max_requests=point.max_requests,
+        summary=summarize(run),
+    )
+
+
+def run_sweep(
+    config: SweepConfig,
+    *,
+    ray_address: str | None = None,
+    run_fn: RunFn | None = None,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+) -> list[SweepRow]:
+    """Run every grid point of ``config`` as a Ray task (1 CPU each) and return the rows in grid order.
+
+    Uses the running Ray if ``ray.is_initialized()``; otherwise connects to ``ray_address``, or
+    starts a local Ray with one CPU slot per core (``os.cpu_count()``) and no dashboard, and shuts
+    it down at the end. A rich progress bar on stderr counts finished points (``progress=False``
+    turns it off). With ``out_dir``, :func:`write_sweep` writes ``sweep.json`` and one plot per
+    topology there.
+
+    Raises:
+        ImportError: if Ray is not installed (install the ``sweep`` extra).
+        SweepPointError: (as Ray's task error) if a grid point's run fails.
+    """
+    try:
+        import ray
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("hilum sim sweep needs Ray: pip install 'hilum[sweep]'") from exc
+
+    points = grid_points(config)
+    started = False
+    if not ray.is_initialized():
+        if ray_address is None:
+            ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False)
+        else:
+            ray.init(address=ray_address)
+        started = True
+    try:
+        remote_run: Any = ray.remote(num_cpus=1)(run_point)  # Ray's stubs type only positional calls
+        index_of = {remote_run.remote(p, run_fn): i for i, p in enumerate(points)}
+        rows: list[SweepRow | None] = [None] * len(points)
+        pending = list(index_of)
+        console = Console(stderr=True)
+        with Progress(
+            TextColumn("sweep"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            disable=not progress,
+        ) as bar:
+            task = bar.add_task("sweep", total=len(points))
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                for ref in done:
+                    rows[index_of[ref]] = ray.get(ref)
+                    bar.advance(task)
+    finally:
+        if started:
+            ray.shutdown()
+    result = [r for r in rows if r is not None]
+    if out_dir is not None:
+        write_sweep(result, out_dir, config=config)
+    return result
+
+
+def plot_file_name(topology: str) -> str:
+    """File name of a topology's P99-TTFT-vs-load plot: ``p99_ttft_vs_load_<topology>.png``.
+
+    A topology given as a file contributes its stem; characters other than letters, digits, ``.``,
+    ``_`` and ``-`` become ``_``.
+    """
+    name = Path(topology).stem if topology.endswith((".yaml", ".yml")) else topology
+    return f"p99_ttft_vs_load_{re.sub(r'[^A-Za-z0-9._-]', '_', name)}.png"
+
+
+def _row_dict(row: SweepRow) -> dict[str, Any]:
+    return {
+        "topology": row.topology,
+        "trace": row.trace,
+        "policy": row.policy,
+        "rate_scale": row.rate_scale,
+        "seed": row.seed,
+        "max_requests": row.max_requests,
+        "summary": summary_to_dict(row.summary),
+    }
+
+
+def write_sweep(
+    rows: Sequence[SweepRow], out_dir: str | Path, *, config: SweepConfig | None = None
+) -> SweepOutput:
+    """Write ``sweep.json`` and one P99-TTFT-vs-load PNG per topology into ``out_dir``.
+
+    Raises:
+        OSError: if the files cannot be written.
+    """
+    from sim.plots import plot_p99_vs_load  # lazy: keeps matplotlib out of the Ray workers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "schema_version": SWEEP_SCHEMA_VERSION,
+        "config": config.model_dump(mode="json") if config is not None else None,
+        "rows": [_row_dict(r) for r in rows],
+    }
+    json_path = out / SWEEP_FILE_NAME
+    json_path.write_text(
+        json.dumps(doc, indent=1, allow_nan=False, default=json_default) + "\n", encoding="utf-8"
+    )
+    plots: dict[str, Path] = {}
+    used: set[str] = set()
+    for topology in dict.fromkeys(r.topology for r in rows):
+        name = plot_file_name(topology)
+        if name in used:  # two topology files with the same stem
+            name = name.removesuffix(".png") + f"_{len(used)}.png"
+        used.add(name)
+        plots[topology] = plot_p99_vs_load(
+            [r for r in rows if r.topology == topology], out / name, title=f"P99 TTFT vs load: {topology}"
+        )
+    return SweepOutput(json_path=json_path, plot_paths=plots)
+
+
+def load_sweep(path: str | Path) -> list[SweepRow]:
+    """Read the rows of a ``sweep.json`` written by :func:`write_sweep`.
+
+    Raises:
+        ResultsError: on invalid JSON, another schema version or a missing key (names file and key).
+    """
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ResultsError(f"{p}: not valid JSON: {exc}") from exc
+    if not isinstance(doc, Mapping) or doc.get("schema_version") != SWEEP_SCHEMA_VERSION:
+        raise ResultsError(f"{p}: schema_version: expected {SWEEP_SCHEMA_VERSION}")
+    rows = doc.get("rows")
+    if not isinstance(rows, list):
+        raise ResultsError(f"{p}: rows: expected a list")
+    out: list[SweepRow] = []
+    for i, obj in enumerate(rows):
+        where = f"{p}: rows[{i}]"
+        if not isinstance(obj, Mapping):
+            raise ResultsError(f"{where}: expected an object")
+        try:
+            out.append(
+                SweepRow(
+                    topology=obj["topology"],
+                    trace=obj["trace"],
+                    policy=obj["policy"],
+                    rate_scale=obj["rate_scale"],
+                    seed=obj["seed"],
+                    max_requests=obj["max_requests"],
+                    summary=summary_from_dict(obj["summary"], f"{where}.summary"),
+                )
+            )
+        except KeyError as exc:
+            raise ResultsError(f"{where}: missing key {exc.args[0]!r}") from exc
+    return out

@@ -1,0 +1,198 @@
+"""sim.report tables (text checked cell by cell) and sim.plots PNG output."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+
+from sim.plots import plot_kv_usage, plot_p99_vs_load, plot_ttft_cdf
+from sim.report import format_sweep_table, format_table, render_table, ttft_p99_ratios
+from sim.results import KvTimeline, PolicySummary, RequestRecord, SimRun, summarize
+from sim.sweep import SweepRow
+
+SUMMARY = PolicySummary(
+    policy="hilum",
+    requests=1000,
+    finished=990,
+    refused=3,
+    ttft_p50_s=0.0123,
+    ttft_p99_s=0.4567,
+    tbt_p50_s=0.021,
+    tbt_p99_s=0.0489,
+    e2e_p99_s=12.3456,
+    high_priority_ttft_p99_s=None,
+    preemptions=17,
+    preempted_s=4.26,
+    migrations_intra_domain=40,
+    migrations_cross_domain=5,
+    migrations_aborted=2,
+    cross_domain_bytes=3_456_000_000,
+    downtime_mean_s=0.0021,
+    downtime_p99_s=0.0099,
+    sim_duration_s=600.04,
+    engine_steps=123456,
+    wall_s=30.0,
+    requests_per_wall_s=33.33,
+)
+
+
+def body_rows(text: str) -> dict[str, list[str]]:
+    """Table body rows keyed by their first cell, split on rich's vertical rule."""
+    rows: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("│"):
+            cells = [c.strip() for c in line.strip().strip("│").split("│")]
+            if cells[0]:
+                rows[cells[0]] = cells
+    return rows
+
+
+def test_format_table_row_has_the_right_numbers() -> None:
+    text = format_table([SUMMARY], title="2x8-a100, burstgpt")
+    assert "2x8-a100, burstgpt" in text
+    assert body_rows(text)["hilum"] == [
+        "hilum",
+        "1000",
+        "990",
+        "3",
+        "12.3",  # TTFT p50 ms
+        "456.7",  # TTFT p99 ms
+        "21.0",
+        "48.9",
+        "12345.6",  # E2E p99 ms
+        "-",  # no high-priority requests
+        "17",
+        "4.3",
+        "40",
+        "5",
+        "2",
+        "3.46",  # GB
+        "2.1",
+        "9.9",
+        "600.0",
+        "123456",
+        "30.0",
+        "33.3",
+    ]
+
+
+def test_render_table_one_row_per_policy() -> None:
+    other = dataclasses.replace(SUMMARY, policy="round_robin")
+    table = render_table([SUMMARY, other], title="t")
+    assert table.row_count == 2
+    assert len(table.columns) == 22
+
+
+def test_baseline_ratio_column() -> None:
+    rr = dataclasses.replace(SUMMARY, policy="round_robin", ttft_p99_s=4.567)
+    empty = dataclasses.replace(SUMMARY, policy="idle", ttft_p99_s=None)
+    ratios = ttft_p99_ratios([SUMMARY, rr, empty], "round_robin")
+    assert ratios["round_robin"] == 1.0
+    assert ratios["hilum"] == pytest.approx(0.1)
+    assert ratios["idle"] is None
+    rows = body_rows(format_table([SUMMARY, rr, empty], baseline="round_robin"))
+    assert rows["hilum"][-1] == "0.10x"
+    assert rows["round_robin"][-1] == "1.00x"
+    assert rows["idle"][-1] == "-"
+    with pytest.raises(ValueError, match="baseline policy 'llumnix' not among"):
+        render_table([SUMMARY], baseline="llumnix")
+
+
+def test_sweep_table_has_grid_columns() -> None:
+    rows = [
+        SweepRow("2x8-a100", "burstgpt", "hilum", 1.5, 3, 100, SUMMARY),
+        SweepRow("2x8-a100", "burstgpt", "hilum", 0.5, 3, 100, dataclasses.replace(SUMMARY, ttft_p99_s=0.1)),
+    ]
+    cells = [r for r in format_sweep_table(rows).splitlines() if r.startswith("│ 2x8")]
+    split = [[c.strip() for c in line.strip("│").split("│")] for line in cells]
+    assert [s[:4] for s in split] == [["2x8-a100", "hilum", "1.5", "3"], ["2x8-a100", "hilum", "0.5", "3"]]
+    assert [s[8] for s in split] == ["456.7", "100.0"]
+
+
+# ---------------------------------------------------------------------------------------------- plots
+
+
+def record(i: int, ttft_s: float | None) -> RequestRecord:
+    return RequestRecord(
+        request_id=f"r{i}",
+        priority=0,
+        arrival_s=float(i),
+        prompt_tokens=10,
+        output_tokens=5,
+        generated_tokens=5 if ttft_s is not None else 0,
+        first_token_s=None if ttft_s is None else i + ttft_s,
+        finish_s=None if ttft_s is None else i + ttft_s + 1.0,
+        token_gaps_s=(0.02,) * 4 if ttft_s is not None else (),
+        preemptions=0,
+        preempted_s=0.0,
+        migrations=0,
+        refused=None if ttft_s is not None else "no_capacity",
+        instance_id="i0",
+    )
+
+
+def run_with(policy: str, ttfts: list[float | None], instances: int) -> SimRun:
+    times = tuple(float(t) for t in range(30))
+    usage = {f"i{k}": tuple((k + t) % 10 / 10 for t in range(30)) for k in range(instances)}
+    return SimRun(
+        policy=policy,
+        topology="2x8-a100",
+        trace="burstgpt",
+        seed=0,
+        rate_scale=1.0,
+        sim_duration_s=30.0,
+        wall_s=1.0,
+        engine_steps=10,
+        requests=tuple(record(i, t) for i, t in enumerate(ttfts)),
+        migrations=(),
+        kv=KvTimeline(interval_s=1.0, times_s=times, usage_fraction=usage),
+    )
+
+
+def assert_png_drawn(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = imread(path)
+    assert pixels.shape[0] > 100 and pixels.shape[1] > 100
+    assert float(np.std(pixels)) > 0.01  # not a blank canvas
+
+
+def test_plot_ttft_cdf(tmp_path: Path) -> None:
+    runs = [
+        run_with("hilum", [0.01, 0.02, 0.5, None], 2),
+        run_with("round_robin", [0.0, 0.2, 3.0, 9.0], 2),  # a 0 s TTFT must not break the log axis
+        run_with("empty", [None], 2),
+    ]
+    out = plot_ttft_cdf(runs, tmp_path / "sub" / "ttft.png")
+    assert out == tmp_path / "sub" / "ttft.png"
+    assert_png_drawn(out)
+    assert_png_drawn(plot_ttft_cdf([], tmp_path / "none.png"))
+
+
+@pytest.mark.parametrize("instances", [3, 40])  # lines; heat map
+def test_plot_kv_usage(tmp_path: Path, instances: int) -> None:
+    assert_png_drawn(plot_kv_usage(run_with("hilum", [0.1], instances), tmp_path / "kv.png"))
+
+
+def test_plot_kv_usage_without_samples(tmp_path: Path) -> None:
+    run = dataclasses.replace(run_with("hilum", [0.1], 1), kv=KvTimeline.empty())
+    assert_png_drawn(plot_kv_usage(run, tmp_path / "kv.png"))
+
+
+def test_plot_p99_vs_load(tmp_path: Path) -> None:
+    base = summarize(run_with("hilum", [0.1, 0.2], 1))
+    rows = [
+        SweepRow("t", "tr", policy, rate, seed, None, dataclasses.replace(base, policy=policy, ttft_p99_s=v))
+        for policy, rate, seed, v in [
+            ("hilum", 0.5, 0, 0.05),
+            ("hilum", 0.5, 1, 0.07),
+            ("hilum", 1.0, 0, 0.2),
+            ("rr", 0.5, 0, 0.5),
+            ("rr", 1.0, 0, None),  # missing P99 is skipped
+        ]
+    ]
+    assert_png_drawn(plot_p99_vs_load(rows, tmp_path / "p99.png"))
+    assert_png_drawn(plot_p99_vs_load([], tmp_path / "empty.png"))

@@ -1,0 +1,308 @@
+"""sim.results: summaries with hand-computed percentiles and counts, results.json round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.results import (
+    SCHEMA_VERSION,
+    KvTimeline,
+    MigrationRecord,
+    PolicySummary,
+    RequestRecord,
+    ResultsError,
+    SimRun,
+    load_results,
+    percentile,
+    results_document,
+    summarize,
+    write_results,
+)
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "sim-results.md"
+
+
+def req(
+    request_id: str,
+    *,
+    arrival_s: float,
+    first_token_s: float | None = None,
+    finish_s: float | None = None,
+    gaps: tuple[float, ...] = (),
+    priority: int = 0,
+    preemptions: int = 0,
+    preempted_s: float = 0.0,
+    migrations: int = 0,
+    refused: str | None = None,
+) -> RequestRecord:
+    return RequestRecord(
+        request_id=request_id,
+        priority=priority,
+        arrival_s=arrival_s,
+        prompt_tokens=100,
+        output_tokens=len(gaps) + 1,
+        generated_tokens=len(gaps) + 1 if first_token_s is not None else 0,
+        first_token_s=first_token_s,
+        finish_s=finish_s,
+        token_gaps_s=gaps,
+        preemptions=preemptions,
+        preempted_s=preempted_s,
+        migrations=migrations,
+        refused=refused,
+        instance_id="" if refused else "i0",
+    )
+
+
+def mig(
+    src_domain: str, dst_domain: str, *, outcome: str, downtime_s: float, bytes_: int, rid: str = "r1"
+) -> MigrationRecord:
+    return MigrationRecord(
+        request_id=rid,
+        src_instance_id=f"{src_domain}-i0",
+        dst_instance_id=f"{dst_domain}-i1",
+        src_domain_id=src_domain,
+        dst_domain_id=dst_domain,
+        start_s=1.0,
+        end_s=1.5,
+        downtime_s=downtime_s,
+        bytes_transferred=bytes_,
+        stages=3,
+        outcome=outcome,  # type: ignore[arg-type]
+        reason="load_balance" if outcome == "committed" else "destination_full",
+    )
+
+
+def hand_run(**overrides: object) -> SimRun:
+    """Four requests and four migrations whose statistics are worked out in the tests below."""
+    requests = (
+        req("r0", arrival_s=0.0, first_token_s=0.1, finish_s=1.0, gaps=(0.02, 0.04)),
+        req(
+            "r1",
+            arrival_s=1.0,
+            first_token_s=1.3,
+            finish_s=2.0,
+            gaps=(0.03,),
+            priority=1,
+            preemptions=1,
+            preempted_s=0.5,
+            migrations=1,
+        ),
+        req("r2", arrival_s=2.0, first_token_s=2.5, gaps=(0.05, 0.01), preemptions=2, preempted_s=0.25),
+        req("r3", arrival_s=3.0, refused="no_capacity"),
+    )
+    migrations = (
+        mig("d0", "d0", outcome="committed", downtime_s=0.002, bytes_=1_000_000),
+        mig("d0", "d1", outcome="committed", downtime_s=0.010, bytes_=3_000_000_000),
+        mig("d1", "d0", outcome="aborted", downtime_s=0.0, bytes_=500_000_000),
+        mig("d1", "d1", outcome="aborted", downtime_s=0.0, bytes_=10),
+    )
+    fields: dict[str, object] = {
+        "policy": "hilum",
+        "topology": "2x8-a100",
+        "trace": "burstgpt",
+        "seed": 7,
+        "rate_scale": 1.5,
+        "sim_duration_s": 10.0,
+        "wall_s": 2.0,
+        "engine_steps": 1234,
+        "requests": requests,
+        "migrations": migrations,
+        "kv": KvTimeline(interval_s=1.0, times_s=(0.0, 1.0), usage_fraction={"i0": (0.1, 0.5)}),
+        "config": {"migration_interval_s": 0.05, "cap_fraction": 0.2},
+    }
+    fields.update(overrides)
+    return SimRun(**fields)  # type: ignore[arg-type]
+
+
+def test_request_record_ttft_and_e2e() -> None:
+    r = req("a", arrival_s=1.0, first_token_s=1.25, finish_s=3.0)
+    assert r.ttft_s == pytest.approx(0.25)
+    assert r.e2e_s == pytest.approx(2.0)
+    unfinished = req("b", arrival_s=1.0, first_token_s=1.5)
+    assert unfinished.e2e_s is None
+    assert req("c", arrival_s=1.0, refused="no_capacity").ttft_s is None
+
+
+def test_migration_record_cross_domain() -> None:
+    assert mig("d0", "d1", outcome="committed", downtime_s=0.0, bytes_=0).cross_domain
+    assert not mig("d0", "d0", outcome="committed", downtime_s=0.0, bytes_=0).cross_domain
+
+
+def test_summarize_counts_and_percentiles_by_hand() -> None:
+    s = summarize(hand_run())
+    assert (s.policy, s.requests, s.finished, s.refused) == ("hilum", 4, 2, 1)
+    # TTFTs 0.1, 0.3, 0.5: median 0.3; P99 at rank 0.99*(3-1) = 1.98 -> 0.3 + 0.98*0.2 = 0.496
+    assert s.ttft_p50_s == pytest.approx(0.3)
+    assert s.ttft_p99_s == pytest.approx(0.496)
+    # TBT gaps 0.01..0.05: median 0.03; P99 at rank 3.96 -> 0.04 + 0.96*0.01 = 0.0496
+    assert s.tbt_p50_s == pytest.approx(0.03)
+    assert s.tbt_p99_s == pytest.approx(0.0496)
+    # two finished requests, both 1.0 s end to end; r2 (unfinished) and r3 (refused) left out
+    assert s.e2e_p99_s == pytest.approx(1.0)
+    # only r1 is high priority
+    assert s.high_priority_ttft_p99_s == pytest.approx(0.3)
+    assert s.preemptions == 3
+    assert s.preempted_s == pytest.approx(0.75)
+
+
+def test_summarize_migrations_split_intra_cross_and_aborted() -> None:
+    s = summarize(hand_run())
+    assert s.migrations_intra_domain == 1
+    assert s.migrations_cross_domain == 1
+    assert s.migrations_aborted == 2
+    # committed cross (3 GB) + aborted cross (0.5 GB); intra-domain bytes do not count
+    assert s.cross_domain_bytes == 3_500_000_000
+    # downtime over committed moves only: 2 ms and 10 ms
+    assert s.downtime_mean_s == pytest.approx(0.006)
+    assert s.downtime_p99_s == pytest.approx(0.002 + 0.99 * 0.008)
+    assert (s.sim_duration_s, s.engine_steps, s.wall_s) == (10.0, 1234, 2.0)
+    assert s.requests_per_wall_s == pytest.approx(2.0)
+
+
+def test_summarize_empty_run_gives_none_not_nan() -> None:
+    s = summarize(hand_run(requests=(), migrations=(), wall_s=0.0, kv=KvTimeline.empty()))
+    assert (s.requests, s.finished, s.refused, s.preemptions) == (0, 0, 0, 0)
+    for name in (
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "tbt_p50_s",
+        "tbt_p99_s",
+        "e2e_p99_s",
+        "high_priority_ttft_p99_s",
+        "downtime_mean_s",
+        "downtime_p99_s",
+        "requests_per_wall_s",
+    ):
+        assert getattr(s, name) is None, name
+    assert s.cross_domain_bytes == 0
+
+
+def test_summarize_without_high_priority_requests() -> None:
+    run = hand_run()
+    normal_only = tuple(dataclasses.replace(r, priority=0) for r in run.requests)
+    s = summarize(dataclasses.replace(run, requests=normal_only))
+    assert s.high_priority_ttft_p99_s is None
+    assert s.ttft_p99_s == pytest.approx(0.496)
+
+
+def test_percentile_edges() -> None:
+    assert percentile([], 99) is None
+    assert percentile([4.0], 99) == 4.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    with pytest.raises(ValueError, match="q must be in"):
+        percentile([1.0], 101)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(min_value=0.0, max_value=1e4, allow_nan=False), max_size=40))
+def test_percentiles_ordered_and_within_range(values: list[float]) -> None:
+    p50, p99 = percentile(values, 50), percentile(values, 99)
+    if not values:
+        assert p50 is None and p99 is None
+        return
+    assert p50 is not None and p99 is not None
+    assert min(values) <= p50 <= p99 <= max(values)
+    assert p99 == pytest.approx(float(np.percentile(values, 99)))
+
+
+def test_kv_timeline_rejects_series_of_wrong_length() -> None:
+    with pytest.raises(ValueError, match=r"usage_fraction\['i1'\] has 1 samples, times_s has 2"):
+        KvTimeline(interval_s=1.0, times_s=(0.0, 1.0), usage_fraction={"i0": (0.0, 0.1), "i1": (0.2,)})
+
+
+def test_write_and_load_round_trip(tmp_path: Path) -> None:
+    run = hand_run()
+    empty = hand_run(policy="round_robin", requests=(), migrations=(), wall_s=0.0)
+    path = write_results([run, empty], tmp_path / "out")
+    assert path == tmp_path / "out" / "results.json"
+    stored = load_results(path)
+    assert [s.summary for s in stored] == [summarize(run), summarize(empty)]
+    first = stored[0]
+    assert (first.policy, first.topology, first.trace, first.seed, first.rate_scale) == (
+        "hilum",
+        "2x8-a100",
+        "burstgpt",
+        7,
+        1.5,
+    )
+    assert dict(first.config) == {"migration_interval_s": 0.05, "cap_fraction": 0.2}
+    # token gaps are not stored; everything else of each record is
+    assert first.requests == tuple(dataclasses.replace(r, token_gaps_s=()) for r in run.requests)
+    assert first.migrations == run.migrations
+    assert stored[1].requests == () and stored[1].summary.ttft_p99_s is None
+
+
+def test_json_layout_has_documented_keys(tmp_path: Path) -> None:
+    doc = json.loads(write_results([hand_run()], tmp_path).read_text())
+    assert doc["schema_version"] == SCHEMA_VERSION
+    run = doc["runs"][0]
+    assert set(run) == {"spec", "summary", "requests", "migrations"}
+    assert set(run["spec"]) == {"policy", "topology", "trace", "seed", "rate_scale", "config"}
+    assert set(run["summary"]) == {f.name for f in dataclasses.fields(PolicySummary)}
+    request = run["requests"][0]
+    assert "token_gaps_s" not in request
+    assert request["ttft_s"] == pytest.approx(0.1) and request["e2e_s"] == pytest.approx(1.0)
+    assert run["requests"][3]["refused"] == "no_capacity"
+    assert run["migrations"][1]["cross_domain"] is True
+    assert run["migrations"][0]["cross_domain"] is False
+    # every key that appears in the file is documented in docs/sim-results.md
+    documented = set(re.findall(r"^\| `([a-z_0-9]+)`", DOC.read_text(), flags=re.MULTILINE))
+    keys = set(doc) | set(run) | set(run["spec"]) | set(run["summary"]) | set(request)
+    keys |= set(run["migrations"][0])
+    assert keys - documented == set()
+
+
+class _Mode(enum.Enum):
+    FAST = "fast"
+
+
+def test_config_values_converted_to_json_and_bad_ones_named(tmp_path: Path) -> None:
+    config = {
+        "path": Path("/x/y.yaml"),
+        "levels": (1, np.int64(2)),
+        "mode": _Mode.FAST,
+        "cap": math.inf,
+    }
+    doc = results_document([hand_run(config=config)])
+    assert doc["runs"][0]["spec"]["config"] == {
+        "path": "/x/y.yaml",
+        "levels": [1, 2],
+        "mode": "fast",
+        "cap": None,
+    }
+    with pytest.raises(TypeError, match=r"runs\[0\]\.spec\.config\.nested\.fn: cannot write a value of type"):
+        write_results([hand_run(config={"nested": {"fn": object()}})], tmp_path)
+
+
+def test_numpy_scalars_in_records_are_written_as_numbers(tmp_path: Path) -> None:
+    run = hand_run()
+    first = dataclasses.replace(run.requests[0], prompt_tokens=np.int64(100), arrival_s=np.float64(0.0))  # type: ignore[arg-type]
+    path = write_results([dataclasses.replace(run, requests=(first, *run.requests[1:]))], tmp_path)
+    stored = load_results(path)[0].requests[0]
+    assert (stored.prompt_tokens, type(stored.prompt_tokens)) == (100, int)
+
+
+def test_load_results_errors_name_file_and_key(tmp_path: Path) -> None:
+    path = write_results([hand_run()], tmp_path)
+    doc = json.loads(path.read_text())
+    del doc["runs"][0]["summary"]["ttft_p99_s"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ResultsError, match=r"results\.json: runs\[0\]\.summary: missing key 'ttft_p99_s'"):
+        load_results(path)
+    doc["schema_version"] = 99
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ResultsError, match="schema_version: unsupported 99"):
+        load_results(path)
+    path.write_text("{not json")
+    with pytest.raises(ResultsError, match="not valid JSON"):
+        load_results(path)

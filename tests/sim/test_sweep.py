@@ -1,0 +1,267 @@
+"""sim.sweep: sweep-file validation, grid order, and a 2 policies x 2 rate scales sweep on a local Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import types
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+
+from sim.report import format_sweep_table
+from sim.results import KvTimeline, RequestRecord, SimRun
+from sim.sweep import (
+    GridPoint,
+    SweepConfig,
+    SweepConfigError,
+    SweepPointError,
+    grid_points,
+    load_sweep,
+    load_sweep_config,
+    plot_file_name,
+    run_point,
+    run_sweep,
+)
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "sim-results.md"
+
+GOOD = """\
+trace: burstgpt
+topologies: [2x8-a100]
+policies: [round_robin, hilum]
+rate_scales: [0.5, 2.0]
+seeds: [3]
+max_requests: 100
+options: {migration_interval_s: 0.05}
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_load_good_config(tmp_path: Path) -> None:
+    cfg = load_sweep_config(write(tmp_path, GOOD))
+    assert cfg.policies == ["round_robin", "hilum"]
+    assert cfg.rate_scales == [0.5, 2.0]
+    assert (cfg.seeds, cfg.max_requests, cfg.options) == ([3], 100, {"migration_interval_s": 0.05})
+
+
+def test_defaults(tmp_path: Path) -> None:
+    cfg = load_sweep_config(write(tmp_path, "trace: t\ntopologies: [a]\npolicies: [p]\nrate_scales: [1]\n"))
+    assert (cfg.seeds, cfg.max_requests, cfg.options) == ([0], None, {})
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (GOOD.replace("policies:", "polices:"), "sweep.yaml: polices: Extra inputs are not permitted"),
+        (
+            GOOD.replace("[0.5, 2.0]", "[0.5, -2.0]"),
+            "sweep.yaml: rate_scales[1]: Input should be greater than 0",
+        ),
+        (
+            GOOD.replace("[round_robin, hilum]", "[]"),
+            "sweep.yaml: policies: List should have at least 1 item",
+        ),
+        (GOOD.replace("[3]", "[3, 3]"), "sweep.yaml: seeds: Value error, duplicate entries: 3"),
+        (
+            GOOD.replace("max_requests: 100", "max_requests: many"),
+            "sweep.yaml: max_requests: Input should be",
+        ),
+        (GOOD.replace("trace: burstgpt\n", ""), "sweep.yaml: trace: Field required"),
+        ("- a\n- b\n", "sweep.yaml: (top level): expected a mapping of keys, got list"),
+        ("trace: [unclosed\n", "sweep.yaml: (top level): not valid YAML"),
+    ],
+)
+def test_config_errors_name_file_and_key(tmp_path: Path, text: str, expected: str) -> None:
+    with pytest.raises(SweepConfigError) as exc:
+        load_sweep_config(write(tmp_path, text))
+    assert any(e.startswith(str(tmp_path / expected)) for e in exc.value.errors), exc.value.errors
+
+
+def test_grid_order_topology_policy_rate_seed() -> None:
+    cfg = SweepConfig(trace="t", topologies=["a", "b"], policies=["p", "q"], rate_scales=[1.0], seeds=[0, 1])
+    labels = [p.label() for p in grid_points(cfg)]
+    assert labels == [
+        "a/p/x1/seed0",
+        "a/p/x1/seed1",
+        "a/q/x1/seed0",
+        "a/q/x1/seed1",
+        "b/p/x1/seed0",
+        "b/p/x1/seed1",
+        "b/q/x1/seed0",
+        "b/q/x1/seed1",
+    ]
+
+
+def test_plot_file_name() -> None:
+    assert plot_file_name("2x8-a100") == "p99_ttft_vs_load_2x8-a100.png"
+    assert plot_file_name("conf/my cluster.yaml") == "p99_ttft_vs_load_my_cluster.png"
+
+
+# ------------------------------------------------------------------------------- fake simulations
+# Module-level so that Ray can ship them to its workers (pickled by value, see the fixture).
+
+
+def fake_run(point: GridPoint) -> SimRun:
+    """Ten requests with TTFT = base x rate_scale s, base 0.1 for hilum and 0.4 otherwise."""
+    ttft_s = (0.1 if point.policy == "hilum" else 0.4) * point.rate_scale
+    requests = tuple(
+        RequestRecord(
+            request_id=f"r{i}",
+            priority=0,
+            arrival_s=float(i),
+            prompt_tokens=10,
+            output_tokens=2,
+            generated_tokens=2,
+            first_token_s=i + ttft_s,
+            finish_s=i + ttft_s + 0.05,
+            token_gaps_s=(0.05,),
+            preemptions=0,
+            preempted_s=0.0,
+            migrations=0,
+            refused=None,
+            instance_id="i0",
+        )
+        for i in range(10)
+    )
+    return SimRun(
+        policy=point.policy,
+        topology=point.topology,
+        trace=point.trace,
+        seed=point.seed,
+        rate_scale=point.rate_scale,
+        sim_duration_s=10.0,
+        wall_s=0.5,
+        engine_steps=20,
+        requests=requests,
+        migrations=(),
+        kv=KvTimeline.empty(),
+        config=dict(point.options),
+    )
+
+
+def failing_run(point: GridPoint) -> SimRun:
+    raise RuntimeError(f"no such topology {point.topology!r}")
+
+
+def test_run_point_summarises_and_names_failures() -> None:
+    point = GridPoint("a", "t", "hilum", 2.0, None, 0, {})
+    row = run_point(point, fake_run)
+    assert (row.topology, row.policy, row.rate_scale, row.seed) == ("a", "hilum", 2.0, 0)
+    assert row.summary.ttft_p99_s == pytest.approx(0.2)
+    with pytest.raises(
+        SweepPointError, match=r"grid point a/hilum/x2/seed0: RuntimeError: no such topology 'a'"
+    ):
+        run_point(point, failing_run)
+
+
+def test_default_run_fn_builds_the_runner_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without run_fn, a grid point becomes sim.runner.SimSpec (here a stand-in) for run_simulation."""
+    seen: list[Mapping[str, object]] = []
+
+    class SimSpec:
+        def __init__(self, **fields: object) -> None:
+            self.fields = fields
+
+    def run_simulation(spec: SimSpec) -> SimRun:
+        seen.append(spec.fields)
+        return fake_run(GridPoint("a", "t", "hilum", 1.0, 5, 2, {}))
+
+    stand_in = types.ModuleType("sim.runner")
+    stand_in.SimSpec = SimSpec  # type: ignore[attr-defined]
+    stand_in.run_simulation = run_simulation  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "sim.runner", stand_in)
+    row = run_point(GridPoint("a", "t", "hilum", 1.0, 5, 2, {"k": 1}))
+    assert seen == [
+        {
+            "topology": "a",
+            "trace": "t",
+            "policy": "hilum",
+            "rate_scale": 1.0,
+            "max_requests": 5,
+            "seed": 2,
+            "options": {"k": 1},
+        }
+    ]
+    assert row.summary.requests == 10
+
+
+# ------------------------------------------------------------------------------------------ on Ray
+
+
+def test_sweep_starts_and_stops_its_own_local_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No Ray running: run_sweep starts a local one (all cores, no dashboard) and shuts it down."""
+    ray = pytest.importorskip("ray")
+    cloudpickle = pytest.importorskip("ray.cloudpickle")
+
+    if ray.is_initialized():  # this test must run before the module's shared Ray session
+        pytest.skip("a Ray session is already running")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        cfg = SweepConfig(trace="t", topologies=["a"], policies=["hilum"], rate_scales=[1.0])
+        rows = run_sweep(cfg, run_fn=fake_run, progress=False)
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    assert [r.summary.ttft_p99_s for r in rows] == pytest.approx([0.1])
+    assert not ray.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    ray = pytest.importorskip("ray")
+    cloudpickle = pytest.importorskip("ray.cloudpickle")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_AUTH_MODE", "disabled")
+        # pytest imports this file as a top-level module that Ray's workers cannot import; ship the
+        # fake run functions by value instead.
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            yield
+        finally:
+            ray.shutdown()
+            cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+def test_sweep_on_ray_merges_table_json_and_plot(local_ray: None, tmp_path: Path) -> None:
+    cfg = load_sweep_config(write(tmp_path, GOOD))
+    rows = run_sweep(cfg, run_fn=fake_run, out_dir=tmp_path / "out", progress=False)
+    assert [(r.policy, r.rate_scale, r.seed) for r in rows] == [
+        ("round_robin", 0.5, 3),
+        ("round_robin", 2.0, 3),
+        ("hilum", 0.5, 3),
+        ("hilum", 2.0, 3),
+    ]
+    assert [r.summary.ttft_p99_s for r in rows] == pytest.approx([0.2, 0.8, 0.05, 0.2])
+    assert load_sweep(tmp_path / "out" / "sweep.json") == rows
+    doc = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    documented = set(re.findall(r"^\| `([a-z_0-9]+)`", DOC.read_text(), flags=re.MULTILINE))
+    assert (set(doc) | set(doc["rows"][0]) | set(doc["config"])) - documented == set()
+    assert doc["config"]["options"] == {"migration_interval_s": 0.05}
+    plot = tmp_path / "out" / "p99_ttft_vs_load_2x8-a100.png"
+    assert plot.read_bytes()[:4] == b"\x89PNG" and plot.stat().st_size > 5000
+    table = format_sweep_table(rows)
+    lines = [line for line in table.splitlines() if line.startswith("│ 2x8-a100")]
+    assert [[c.strip() for c in line.strip("│").split("│")][8] for line in lines] == [
+        "200.0",
+        "800.0",
+        "50.0",
+        "200.0",
+    ]
+
+
+def test_sweep_on_ray_reports_the_failing_point(local_ray: None, tmp_path: Path) -> None:
+    cfg = SweepConfig(trace="t", topologies=["bad"], policies=["p"], rate_scales=[1.0])
+    with pytest.raises(SweepPointError, match="grid point bad/p/x1/seed0"):
+        run_sweep(cfg, run_fn=failing_run, progress=False)
+    assert os.environ.get("RAY_AUTH_MODE") == "disabled"  # still inside the module's Ray session
