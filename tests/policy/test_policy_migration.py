@@ -171,8 +171,8 @@ def test_potential() -> None:
 
 
 def test_pair_domains() -> None:
-    def dom(domain_id: str, blocks: list[int], **kw: bool) -> DomainSummary:
-        return summarize_domain(domain_id, [inst(domain_id + "-i", 100, blocks, **kw)], CFG)
+    def dom(domain_id: str, blocks: list[int], draining: bool = False) -> DomainSummary:
+        return summarize_domain(domain_id, [inst(domain_id + "-i", 100, blocks, draining=draining)], CFG)
 
     d1 = dom("d1", [33, 33, 33])  # F 0.33: source
     d2 = dom("d2", [50])  # F 50

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from policy import CANDIDATE_POLICIES, InstanceLoad, PolicyConfig, RequestLoad, candidate_order
@@ -16,8 +18,8 @@ from policy import CANDIDATE_POLICIES, InstanceLoad, PolicyConfig, RequestLoad, 
         ({"head_demand_blocks": -1, "num_waiting": 1}, "head_demand_blocks must be >= 0"),
     ],
 )
-def test_instance_load_rejects_bad_values(kwargs: dict[str, int], message: str) -> None:
-    fields: dict[str, int] = {"capacity_blocks": 100, "used_blocks": 0} | kwargs
+def test_instance_load_rejects_bad_values(kwargs: dict[str, Any], message: str) -> None:
+    fields: dict[str, Any] = {"capacity_blocks": 100, "used_blocks": 0} | kwargs
     with pytest.raises(ValueError, match=rf"InstanceLoad\('i0'\): {message}"):
         InstanceLoad("i0", **fields)
 
@@ -42,8 +44,8 @@ def test_instance_load_free_blocks_and_tuple_running() -> None:
         ({"num_tokens": -3}, "num_tokens must be >= 0, got -3"),
     ],
 )
-def test_request_load_rejects_negative_counts(kwargs: dict[str, int], message: str) -> None:
-    fields = {"blocks": 1} | kwargs
+def test_request_load_rejects_negative_counts(kwargs: dict[str, Any], message: str) -> None:
+    fields: dict[str, Any] = {"blocks": 1} | kwargs
     with pytest.raises(ValueError, match=message):
         RequestLoad("r1", **fields)
 
