@@ -1,0 +1,196 @@
+"""Dispatch: send a new request to the freest target that can hold it (Llumnix OSDI'24 §4.4.3).
+
+A view keeps the last load report of each target plus the requests it dispatched since then
+("reservations"), so a burst that arrives between two reports spreads out instead of piling onto
+the target that looked freest. A fresh report replaces the target's state and drops its
+reservations: the report already counts whatever arrived.
+
+Rule, per pick of a request needing `demand_blocks`:
+1. capable = targets not draining whose single-instance capacity >= demand; none -> refuse;
+2. prefer capable targets with room now (free blocks >= demand); if none, take the capable ones
+   anyway (the request will queue) and say so;
+3. take the highest freeness; targets within `tie_tolerance`·|F_best| of it are near-ties and one
+   is drawn with the seeded rng;
+4. reserve: add demand + priority headroom to its usage and one request to its batch.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from policy.domain import DomainSummary
+from policy.types import InstanceLoad, PolicyConfig
+from policy.usage import freeness_of, instance_virtual_usage
+
+__all__ = ["DispatchDecision", "DispatchView", "DomainDispatchView"]
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchDecision:
+    """Where a request goes: `target_id` (an instance or domain id), or None with the refusal reason."""
+
+    target_id: str | None
+    reason: str  # one line for logs and for the client on refusal
+
+
+@dataclass(slots=True)
+class _Target:
+    """Mutable per-target state inside a view: the last report plus local reservations."""
+
+    target_id: str
+    capacity_blocks: int  # M
+    usage: float  # ΣV as reported
+    num_running: int  # B as reported (before max(1, ·))
+    free_blocks: int  # blocks a new request could use now (instance: M − used − queued head)
+    max_request_blocks: int  # the largest request one instance of it can ever hold
+    draining: bool
+    reserved_usage: float = 0.0  # Σ(demand + headroom) dispatched since the report
+    reserved_blocks: int = 0  # Σ demand dispatched since the report
+    reserved_count: int = 0  # requests dispatched since the report
+
+    def freeness(self) -> float:
+        return freeness_of(
+            self.capacity_blocks, self.usage + self.reserved_usage, self.num_running + self.reserved_count
+        )
+
+    def has_room(self, demand_blocks: int) -> bool:
+        return self.free_blocks - self.reserved_blocks >= demand_blocks
+
+    def reserve(self, demand_blocks: int, virtual_blocks: int) -> None:
+        self.reserved_usage += virtual_blocks
+        self.reserved_blocks += demand_blocks
+        self.reserved_count += 1
+
+
+class _View:
+    """Mechanics shared by instance and domain views; subclasses turn reports into `_Target`s."""
+
+    _noun = "target"
+
+    def __init__(self, cfg: PolicyConfig, rng: random.Random) -> None:
+        self._cfg = cfg
+        self._rng = rng
+        self._targets: dict[str, _Target] = {}
+
+    def remove(self, target_id: str) -> None:
+        """Forget a target (gone, deregistered). Idempotent: an unknown id is ignored."""
+        self._targets.pop(target_id, None)
+
+    def freeness(self, target_id: str) -> float:
+        """Freeness of a target as this view sees it, reservations included. KeyError if unknown."""
+        return self._targets[target_id].freeness()
+
+    def pick(self, demand_blocks: int, priority: int = 0) -> DispatchDecision:
+        """Choose a target for a request needing `demand_blocks` (its prompt's KV blocks) and reserve it.
+
+        Raises ValueError if demand_blocks < 0. Returns target_id None, with the reason, only when no
+        target can ever hold the request.
+        """
+        if demand_blocks < 0:
+            raise ValueError(f"pick: demand_blocks must be >= 0, got {demand_blocks}")
+        capable = [
+            t for t in self._targets.values() if not t.draining and t.max_request_blocks >= demand_blocks
+        ]
+        if not capable:
+            return DispatchDecision(None, self._refusal(demand_blocks))
+        roomy = [t for t in capable if t.has_room(demand_blocks)]
+        chosen, num_near = self._choose(roomy or capable)
+        chosen.reserve(demand_blocks, demand_blocks + self._cfg.headroom_blocks(priority))
+        return DispatchDecision(chosen.target_id, self._reason(chosen, demand_blocks, num_near, bool(roomy)))
+
+    def _set(self, target: _Target) -> None:
+        self._targets[target.target_id] = target
+
+    def _choose(self, pool: list[_Target]) -> tuple[_Target, int]:
+        """The freest of `pool`; near-ties (within tie_tolerance of the best) drawn with the rng."""
+        scored = [(t.freeness(), t.target_id, t) for t in pool]
+        best = max(f for f, _, _ in scored)
+        floor = best - self._cfg.tie_tolerance * abs(best)
+        near = sorted((tid, t) for f, tid, t in scored if f >= floor)
+        return self._rng.choice(near)[1], len(near)
+
+    def _reason(self, chosen: _Target, demand_blocks: int, num_near: int, has_room: bool) -> str:
+        noun = self._noun
+        where = f"freest {noun} (F={chosen.freeness():.2f} after reserving, {num_near} near-tied)"
+        if has_room:
+            return f"{where} with room for {demand_blocks} blocks"
+        return f"no {noun} has {demand_blocks} free blocks now; the request will queue on the {where}"
+
+    def _refusal(self, demand_blocks: int) -> str:
+        noun = self._noun
+        if not self._targets:
+            return f"no {noun}s to dispatch to"
+        active = [t for t in self._targets.values() if not t.draining]
+        if not active:
+            return f"all {len(self._targets)} {noun}s are draining"
+        largest = max(t.max_request_blocks for t in active)
+        return (
+            f"request needs {demand_blocks} blocks but the largest non-draining {noun} "
+            f"can hold {largest} blocks; no {noun} can ever hold it"
+        )
+
+
+class DispatchView(_View):
+    """Dispatch over the instances of one domain (used by a domain scheduler and the simulator).
+
+    `loads`: the latest report of each instance; instance ids must be unique (ValueError otherwise).
+    `rng`: the seeded random source for near-ties. Not thread-safe; one view per scheduler loop.
+    """
+
+    _noun = "instance"
+
+    def __init__(self, loads: Iterable[InstanceLoad], cfg: PolicyConfig, rng: random.Random) -> None:
+        super().__init__(cfg, rng)
+        for load in loads:
+            if load.instance_id in self._targets:
+                raise ValueError(f"DispatchView: instance {load.instance_id!r} appears twice")
+            self.update(load)
+
+    def update(self, load: InstanceLoad) -> None:
+        """Replace an instance's state with a fresh report (or add it); drops its reservations."""
+        queued = load.head_demand_blocks if load.num_waiting > 0 else 0
+        self._set(
+            _Target(
+                target_id=load.instance_id,
+                capacity_blocks=load.capacity_blocks,
+                usage=instance_virtual_usage(load, self._cfg),
+                num_running=len(load.running),
+                free_blocks=load.free_blocks - queued,
+                max_request_blocks=load.capacity_blocks,
+                draining=load.draining,
+            )
+        )
+
+
+class DomainDispatchView(_View):
+    """Dispatch over domains (used by the gateway and the coordinator), from `DomainSummary` values.
+
+    The capacity check uses max_instance_capacity_blocks, the room check largest_free_blocks (a
+    reservation lowers it by the demand: conservative, the request may land elsewhere).
+    Raises ValueError on a repeated domain id.
+    """
+
+    _noun = "domain"
+
+    def __init__(self, summaries: Iterable[DomainSummary], cfg: PolicyConfig, rng: random.Random) -> None:
+        super().__init__(cfg, rng)
+        for summary in summaries:
+            if summary.domain_id in self._targets:
+                raise ValueError(f"DomainDispatchView: domain {summary.domain_id!r} appears twice")
+            self.update(summary)
+
+    def update(self, summary: DomainSummary) -> None:
+        """Replace a domain's state with a fresh summary (or add it); drops its reservations."""
+        self._set(
+            _Target(
+                target_id=summary.domain_id,
+                capacity_blocks=summary.capacity_blocks,
+                usage=summary.virtual_usage,
+                num_running=summary.num_running,
+                free_blocks=summary.largest_free_blocks,
+                max_request_blocks=summary.max_instance_capacity_blocks,
+                draining=summary.draining,
+            )
+        )

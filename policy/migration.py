@@ -1,0 +1,259 @@
+"""Migration planning: which request moves from which instance to which (Llumnix OSDI'24 §4.4.3).
+
+One planning round:
+1. sources: instances with F < migrate_out_freeness_below, or preempting, or draining;
+   destinations: not a source, not draining, F > migrate_in_freeness_above. A draining source may
+   also use any other instance that is neither draining nor preempting (everything must leave);
+2. pair the lowest-F source with the highest-F destination still free this round, and so on
+   (Llumnix's pairing); each instance takes part in at most one move per round;
+3. the request: the first of the source's migratable requests, in the configured candidate order,
+   that fits in the destination's real free blocks and lowers the potential Φ = Σ V_i²
+   (true iff V_src − V_dst > v_r; always true from a draining source).
+Because every move lowers Φ, the reverse move can never be planned next: no ping-pong.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from policy.domain import DomainSummary
+from policy.ordering import freest_first, fullest_first
+from policy.types import CANDIDATE_POLICIES, InstanceLoad, PolicyConfig, RequestLoad
+from policy.usage import freeness, instance_virtual_usage, request_virtual_usage
+
+__all__ = [
+    "CandidateOrder",
+    "MigrationDecision",
+    "candidate_order",
+    "move_lowers_potential",
+    "pair_domains",
+    "plan_migrations",
+    "potential",
+]
+
+#: Orders a source's migratable requests, first to move first; the bool is "source is draining".
+CandidateOrder = Callable[[Sequence[RequestLoad], bool], list[RequestLoad]]
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationDecision:
+    """Move request `request_id` (holding `blocks` KV blocks) from instance `src_id` to `dst_id`."""
+
+    src_id: str
+    dst_id: str
+    request_id: str
+    blocks: int  # KV cache blocks the request holds at planning time
+    reason: str  # one line: why this source, this destination, this request
+
+
+def potential(usages: Iterable[float]) -> float:
+    """Φ = Σ V_i² over instance virtual usages (blocks²); +inf if any usage is infinite.
+
+    A move of v blocks from s to d changes Φ by 2v(v − V_s + V_d): it lowers Φ iff V_s − V_d > v
+    (for v > 0). Source: hilum seed §10.1, after Llumnix's balancing goal (OSDI'24 §4.4).
+    """
+    return sum(v * v for v in usages)
+
+
+def _priority_then_size(requests: Sequence[RequestLoad], draining: bool) -> list[RequestLoad]:
+    # Normal priority leaves first, then the fewest blocks (cheapest to move). From a draining
+    # instance everything leaves, so the most important go first.
+    sign = -1 if draining else 1
+    return sorted(requests, key=lambda r: (sign * r.priority, r.blocks, r.request_id))
+
+
+def _shortest(requests: Sequence[RequestLoad], draining: bool) -> list[RequestLoad]:
+    return sorted(requests, key=lambda r: (r.blocks, r.request_id))
+
+
+def _longest(requests: Sequence[RequestLoad], draining: bool) -> list[RequestLoad]:
+    return sorted(requests, key=lambda r: (-r.blocks, r.request_id))
+
+
+_CANDIDATE_ORDERS: dict[str, CandidateOrder] = {
+    "priority-then-size": _priority_then_size,
+    "shortest": _shortest,
+    "longest": _longest,
+}
+assert tuple(_CANDIDATE_ORDERS) == CANDIDATE_POLICIES
+
+
+def candidate_order(name: str) -> CandidateOrder:
+    """The candidate ordering called `name`; raises ValueError naming the known policies."""
+    try:
+        return _CANDIDATE_ORDERS[name]
+    except KeyError:
+        known = ", ".join(CANDIDATE_POLICIES)
+        raise ValueError(f"unknown candidate policy {name!r}; known: {known}") from None
+
+
+def move_lowers_potential(
+    src: InstanceLoad, dst: InstanceLoad, request: RequestLoad, cfg: PolicyConfig
+) -> bool:
+    """True iff moving `request` from src to dst lowers Φ: V_src − V_dst > v_r with v_r > 0.
+
+    Always true from a draining source to a non-draining destination; never true into a draining one.
+    """
+    if dst.draining:
+        return False
+    if src.draining:
+        return True
+    v_r = request_virtual_usage(request, cfg)
+    gap = instance_virtual_usage(src, cfg) - instance_virtual_usage(dst, cfg)
+    return v_r > 0 and gap > v_r
+
+
+def plan_migrations(
+    loads: Sequence[InstanceLoad],
+    cfg: PolicyConfig,
+    rng: random.Random,
+    max_moves: int | None = None,
+) -> list[MigrationDecision]:
+    """Plan at most `max_moves` (default cfg.max_migrations_per_round) migrations among `loads`.
+
+    Ties in freeness are broken by a seeded draw from `rng`, then by instance id. Raises ValueError
+    on repeated instance ids or a negative max_moves.
+    """
+    limit = cfg.max_migrations_per_round if max_moves is None else max_moves
+    if limit < 0:
+        raise ValueError(f"plan_migrations: max_moves must be >= 0, got {limit}")
+    f = _freeness_by_id(loads, cfg)
+    draw = {i: rng.random() for i in sorted(f)}
+    sources = sorted(
+        (x for x in loads if _is_source(x, f[x.instance_id], cfg)),
+        key=lambda x: fullest_first(f[x.instance_id], x.instance_id, draw[x.instance_id]),
+    )
+    by_freeness = sorted(
+        loads, key=lambda x: freest_first(f[x.instance_id], x.instance_id, draw[x.instance_id])
+    )
+    source_ids = {x.instance_id for x in sources}
+    order = candidate_order(cfg.candidate_policy)
+    used: set[str] = set()
+    decisions: list[MigrationDecision] = []
+    for src in sources:
+        if len(decisions) >= limit:
+            break
+        if src.instance_id in used:
+            continue
+        pool = [d for d in by_freeness if _accepts(d, src, f[d.instance_id], cfg, used, source_ids)]
+        decision = _first_move(src, pool, order, f, cfg)
+        if decision is not None:
+            decisions.append(decision)
+            used.update((decision.src_id, decision.dst_id))
+    return decisions
+
+
+def _freeness_by_id(loads: Sequence[InstanceLoad], cfg: PolicyConfig) -> dict[str, float]:
+    f: dict[str, float] = {}
+    for load in loads:
+        if load.instance_id in f:
+            raise ValueError(f"plan_migrations: instance {load.instance_id!r} appears twice")
+        f[load.instance_id] = freeness(load, cfg)
+    return f
+
+
+def _is_source(load: InstanceLoad, f: float, cfg: PolicyConfig) -> bool:
+    return load.draining or load.preempting or f < cfg.migrate_out_freeness_below
+
+
+def _accepts(
+    dst: InstanceLoad,
+    src: InstanceLoad,
+    f_dst: float,
+    cfg: PolicyConfig,
+    used: set[str],
+    source_ids: set[str],
+) -> bool:
+    """Can `dst` receive from `src` this round? (`used`: instances already paired this round.)
+
+    Normally dst must not be a source and must be above the destination threshold; a draining
+    source may use any instance that is neither draining nor preempting (everything must leave).
+    """
+    if dst.draining or dst.instance_id == src.instance_id or dst.instance_id in used:
+        return False
+    if src.draining:
+        return not dst.preempting
+    return dst.instance_id not in source_ids and f_dst > cfg.migrate_in_freeness_above
+
+
+def _first_move(
+    src: InstanceLoad,
+    pool: list[InstanceLoad],
+    order: CandidateOrder,
+    f: dict[str, float],
+    cfg: PolicyConfig,
+) -> MigrationDecision | None:
+    """The first (destination, request) pair, destinations freest first, that is allowed."""
+    candidates = order([r for r in src.running if r.migratable], src.draining)
+    for dst in pool:
+        for request in candidates:
+            if request.blocks <= dst.free_blocks and move_lowers_potential(src, dst, request, cfg):
+                reason = _reason(src, dst, request, f, cfg)
+                return MigrationDecision(
+                    src.instance_id, dst.instance_id, request.request_id, request.blocks, reason
+                )
+    return None
+
+
+def _reason(
+    src: InstanceLoad, dst: InstanceLoad, request: RequestLoad, f: dict[str, float], cfg: PolicyConfig
+) -> str:
+    if src.draining:
+        why = "source draining"
+    elif src.preempting:
+        why = f"source preempting (F={f[src.instance_id]:.2f})"
+    else:
+        why = f"source F={f[src.instance_id]:.2f} < {cfg.migrate_out_freeness_below}"
+    v_src = instance_virtual_usage(src, cfg)
+    v_dst = instance_virtual_usage(dst, cfg)
+    return (
+        f"{why}; destination F={f[dst.instance_id]:.2f}; V_src {v_src:.0f} − V_dst {v_dst:.0f} > "
+        f"v_r {request_virtual_usage(request, cfg)} ({cfg.candidate_policy})"
+    )
+
+
+def pair_domains(summaries: Sequence[DomainSummary], cfg: PolicyConfig) -> list[tuple[str, str]]:
+    """Pair source domains with destination domains, as `plan_migrations` pairs instances.
+
+    Sources: draining or F < migrate_out_freeness_below, fullest first; destinations: not a source,
+    not draining, F > migrate_in_freeness_above, with free blocks on some instance, freest first.
+    A draining source may pair with any non-draining domain that has free blocks. Ties by domain
+    id. Returns (src_domain_id, dst_domain_id) pairs; each domain appears at most once. The
+    coordinator prices and approves the actual moves. Raises ValueError on repeated domain ids.
+    """
+    ids = [s.domain_id for s in summaries]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"pair_domains: repeated domain ids in {sorted(ids)}")
+    sources = sorted(
+        (s for s in summaries if s.draining or s.freeness < cfg.migrate_out_freeness_below),
+        key=lambda s: fullest_first(s.freeness, s.domain_id),
+    )
+    by_freeness = sorted(summaries, key=lambda s: freest_first(s.freeness, s.domain_id))
+    source_ids = {s.domain_id for s in sources}
+    used: set[str] = set()
+    pairs: list[tuple[str, str]] = []
+    for src in sources:
+        if src.domain_id in used:
+            continue
+        dst = next((d for d in by_freeness if _domain_accepts(d, src, used, source_ids, cfg)), None)
+        if dst is not None:
+            pairs.append((src.domain_id, dst.domain_id))
+            used.update((src.domain_id, dst.domain_id))
+    return pairs
+
+
+def _domain_accepts(
+    dst: DomainSummary, src: DomainSummary, used: set[str], source_ids: set[str], cfg: PolicyConfig
+) -> bool:
+    if (
+        dst.draining
+        or dst.largest_free_blocks <= 0
+        or dst.domain_id == src.domain_id
+        or dst.domain_id in used
+    ):
+        return False
+    if src.draining:
+        return True
+    return dst.domain_id not in source_ids and dst.freeness > cfg.migrate_in_freeness_above

@@ -1,0 +1,189 @@
+"""Value types of the rule book: what an instance reports, and how the rules are tuned.
+
+Everything here is a frozen value: the rules in `policy.usage`, `policy.dispatch` and
+`policy.migration` read these and never mutate them. Formulas and their sources are in
+`docs/policy.md`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+__all__ = [
+    "CANDIDATE_POLICIES",
+    "DEFAULT_CANDIDATE_POLICY",
+    "InstanceLoad",
+    "PolicyConfig",
+    "RequestLoad",
+]
+
+#: Names accepted by `PolicyConfig.candidate_policy` (see `policy.migration.candidate_order`).
+#: "priority-then-size": normal priority before high, then fewest blocks (cheapest to move);
+#: "shortest": fewest blocks first (Llumnix SJF/SR); "longest": most blocks first (Llumnix LJF/LR).
+CANDIDATE_POLICIES: tuple[str, ...] = ("priority-then-size", "shortest", "longest")
+DEFAULT_CANDIDATE_POLICY = "priority-then-size"
+
+
+def _require(ok: bool, where: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{where}: {message}")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLoad:
+    """One running request as its instance reports it.
+
+    Raises ValueError on an empty id or a negative count.
+    """
+
+    request_id: str  # unique within its instance
+    blocks: int  # KV cache blocks the request holds now
+    priority: int = 0  # 0 = normal; higher = more important (headroom per class in PolicyConfig)
+    num_tokens: int = 0  # tokens in its KV cache (prompt + generated so far)
+    migratable: bool = True  # False: the engine cannot move it (e.g. mid-prefill)
+
+    def __post_init__(self) -> None:
+        where = f"RequestLoad({self.request_id!r})"
+        _require(bool(self.request_id), "RequestLoad", "request_id must be a non-empty string")
+        _require(self.blocks >= 0, where, f"blocks must be >= 0, got {self.blocks}")
+        _require(self.priority >= 0, where, f"priority must be >= 0, got {self.priority}")
+        _require(self.num_tokens >= 0, where, f"num_tokens must be >= 0, got {self.num_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLoad:
+    """A load report of one instance (one engine), the only input of the rules.
+
+    Raises ValueError when capacity_blocks <= 0, a block count is negative, used_blocks exceeds
+    capacity_blocks, head_demand_blocks is set without a waiting request, or two running requests
+    share an id.
+    """
+
+    instance_id: str
+    capacity_blocks: int  # M: KV cache blocks of the instance
+    used_blocks: int  # KV cache blocks allocated now (running requests and reservations)
+    running: tuple[RequestLoad, ...] = ()  # the running batch; B = max(1, len(running))
+    num_waiting: int = 0  # requests queued on this instance, not yet admitted
+    head_demand_blocks: int = 0  # blocks the head-of-line queued request needs to be admitted
+    preempting: bool = False  # the engine preempted a request since the last report
+    draining: bool = False  # being emptied (scale-in, maintenance): infinite virtual usage
+    warming_up: bool = False  # freshly added: negative fake usage so it fills quickly
+    domain_id: str = ""  # NVLink domain of the instance ("" when not known)
+
+    def __post_init__(self) -> None:
+        where = f"InstanceLoad({self.instance_id!r})"
+        _require(bool(self.instance_id), "InstanceLoad", "instance_id must be a non-empty string")
+        _require(self.capacity_blocks > 0, where, f"capacity_blocks must be > 0, got {self.capacity_blocks}")
+        _require(self.used_blocks >= 0, where, f"used_blocks must be >= 0, got {self.used_blocks}")
+        _require(
+            self.used_blocks <= self.capacity_blocks,
+            where,
+            f"used_blocks {self.used_blocks} exceeds capacity_blocks {self.capacity_blocks}",
+        )
+        _require(self.num_waiting >= 0, where, f"num_waiting must be >= 0, got {self.num_waiting}")
+        _require(
+            self.head_demand_blocks >= 0,
+            where,
+            f"head_demand_blocks must be >= 0, got {self.head_demand_blocks}",
+        )
+        _require(
+            self.head_demand_blocks == 0 or self.num_waiting > 0,
+            where,
+            f"head_demand_blocks is {self.head_demand_blocks} but num_waiting is 0",
+        )
+        object.__setattr__(self, "running", tuple(self.running))
+        ids = [r.request_id for r in self.running]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        _require(not dupes, where, f"running request ids repeat: {dupes}")
+
+    @property
+    def free_blocks(self) -> int:
+        """Real free KV cache blocks now: M − used."""
+        return self.capacity_blocks - self.used_blocks
+
+
+def _freeze_headroom(headroom: Mapping[int, int]) -> Mapping[int, int]:
+    for priority, blocks in headroom.items():
+        where = f"PolicyConfig.priority_headroom_blocks[{priority!r}]"
+        _require(isinstance(priority, int) and priority > 0, where, "priority class must be an int > 0")
+        _require(
+            isinstance(blocks, int) and blocks >= 0, where, f"blocks must be an int >= 0, got {blocks!r}"
+        )
+    return MappingProxyType(dict(sorted(headroom.items())))
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """Tuning of the rule book (Llumnix OSDI'24 §4.4). Validated; raises ValueError on bad values.
+
+    Freeness thresholds are in freeness units, (blocks free after virtual usage) per running
+    request — Llumnix reads this as "decode steps the batch can still run".
+    """
+
+    # Extra virtual blocks each running request of a priority class carries (class 0 carries none).
+    priority_headroom_blocks: Mapping[int, int] = field(default_factory=lambda: {1: 128})
+    # Fake usage of a warming-up instance, <= 0: it looks this many blocks emptier than it is.
+    warmup_usage_blocks: int = -512
+    # Dispatch near-tie: instances with F >= F_best − tie_tolerance·|F_best| are picked at random.
+    tie_tolerance: float = 0.05
+    # Migration sources: F below this (or preempting, or draining). Llumnix MIGRATE_OUT_THRESHOLD 3.0.
+    migrate_out_freeness_below: float = 3.0
+    # Migration destinations: F above this, and not draining.
+    migrate_in_freeness_above: float = 3.0
+    # Which running request of a source moves first; one of CANDIDATE_POLICIES.
+    candidate_policy: str = DEFAULT_CANDIDATE_POLICY
+    # Most migrations one planning round returns.
+    max_migrations_per_round: int = 8
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "priority_headroom_blocks", _freeze_headroom(self.priority_headroom_blocks))
+        _require(
+            self.warmup_usage_blocks <= 0,
+            "PolicyConfig.warmup_usage_blocks",
+            f"must be <= 0 (a negative fake usage), got {self.warmup_usage_blocks}",
+        )
+        _require(
+            math.isfinite(self.tie_tolerance) and 0.0 <= self.tie_tolerance < 1.0,
+            "PolicyConfig.tie_tolerance",
+            f"must be in [0, 1), got {self.tie_tolerance}",
+        )
+        for name in ("migrate_out_freeness_below", "migrate_in_freeness_above"):
+            value = getattr(self, name)
+            _require(math.isfinite(value), f"PolicyConfig.{name}", f"must be finite, got {value}")
+        _require(
+            self.migrate_out_freeness_below <= self.migrate_in_freeness_above,
+            "PolicyConfig",
+            f"migrate_out_freeness_below ({self.migrate_out_freeness_below}) must be <= "
+            f"migrate_in_freeness_above ({self.migrate_in_freeness_above}), "
+            "or an instance could be both source and destination",
+        )
+        _require(
+            self.candidate_policy in CANDIDATE_POLICIES,
+            "PolicyConfig.candidate_policy",
+            f"unknown policy {self.candidate_policy!r}; known: {', '.join(CANDIDATE_POLICIES)}",
+        )
+        _require(
+            self.max_migrations_per_round >= 0,
+            "PolicyConfig.max_migrations_per_round",
+            f"must be >= 0, got {self.max_migrations_per_round}",
+        )
+
+    def __hash__(self) -> int:
+        return hash(
+            (
+                tuple(self.priority_headroom_blocks.items()),
+                self.warmup_usage_blocks,
+                self.tie_tolerance,
+                self.migrate_out_freeness_below,
+                self.migrate_in_freeness_above,
+                self.candidate_policy,
+                self.max_migrations_per_round,
+            )
+        )
+
+    def headroom_blocks(self, priority: int) -> int:
+        """Headroom a request of `priority` carries, in blocks (0 for an unlisted class)."""
+        return self.priority_headroom_blocks.get(priority, 0)

@@ -1,0 +1,64 @@
+"""Virtual usage and freeness (Llumnix OSDI'24 §4.4.2, Algorithm 1).
+
+Virtual usage expresses every scheduling goal as memory load, so one number drives dispatch and
+migration: load balancing (real blocks), de-fragmentation (the head-of-line queued request's
+demand), priorities (headroom), drain (infinite usage) and scale-out (negative warm-up usage).
+"""
+
+from __future__ import annotations
+
+import math
+
+from policy.types import InstanceLoad, PolicyConfig, RequestLoad
+
+__all__ = [
+    "batch_size",
+    "freeness",
+    "freeness_of",
+    "instance_virtual_usage",
+    "request_virtual_usage",
+]
+
+
+def request_virtual_usage(request: RequestLoad, cfg: PolicyConfig) -> int:
+    """V(r) = blocks held + headroom of its priority class, in blocks (Llumnix Alg. 1, GetHeadroom).
+
+    Hilum charges the headroom per request; Llumnix divides a per-class headroom among the
+    instance's requests of that class (see docs/policy.md).
+    """
+    return request.blocks + cfg.headroom_blocks(request.priority)
+
+
+def instance_virtual_usage(load: InstanceLoad, cfg: PolicyConfig) -> float:
+    """ΣV of an instance, in blocks; +inf when draining.
+
+    ΣV = used_blocks + Σ_running headroom + head-of-line demand (if a request waits)
+         + warmup_usage_blocks (if warming up, <= 0).
+    used_blocks stands for Σ real blocks so blocks reserved for incoming migrations count too.
+    Source: Llumnix OSDI'24 §4.4.2 and Algorithm 1 (CalcVirtualUsage, fake requests).
+    """
+    if load.draining:
+        return math.inf
+    headroom = sum(cfg.headroom_blocks(r.priority) for r in load.running)
+    queued = load.head_demand_blocks if load.num_waiting > 0 else 0
+    warmup = cfg.warmup_usage_blocks if load.warming_up else 0
+    return float(load.used_blocks + headroom + queued + warmup)
+
+
+def batch_size(load: InstanceLoad) -> int:
+    """B = max(1, number of running requests): the divisor of freeness."""
+    return max(1, len(load.running))
+
+
+def freeness_of(capacity_blocks: float, virtual_usage_blocks: float, num_running: int) -> float:
+    """F = (M − ΣV) / B with B = max(1, num_running); −inf when ΣV is +inf.
+
+    Units: blocks per running request — roughly the decode steps the batch can still run before
+    memory runs out (Llumnix OSDI'24 §4.4.2, CalcFreeness).
+    """
+    return (capacity_blocks - virtual_usage_blocks) / max(1, num_running)
+
+
+def freeness(load: InstanceLoad, cfg: PolicyConfig) -> float:
+    """Freeness F of one instance: (M − ΣV) / B. Never NaN; −inf when draining."""
+    return freeness_of(load.capacity_blocks, instance_virtual_usage(load, cfg), len(load.running))

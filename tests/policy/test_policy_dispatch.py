@@ -1,0 +1,167 @@
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from policy_factories import CFG, inst
+
+from policy import DispatchView, DomainDispatchView, DomainSummary, PolicyConfig, summarize_domain
+
+
+def view(*loads, cfg: PolicyConfig = CFG, seed: int = 0) -> DispatchView:  # type: ignore[no-untyped-def]
+    return DispatchView(loads, cfg, random.Random(seed))
+
+
+def test_load_balancing_picks_the_freest() -> None:
+    # F: a (100−60)/3 = 13.3, b (100−30)/1 = 70, c (100−80)/2 = 10
+    v = view(inst("a", 100, [20, 20, 20]), inst("b", 100, [30]), inst("c", 100, [40, 40]))
+    d = v.pick(10)
+    assert d.target_id == "b"
+    assert "room for 10 blocks" in d.reason
+
+
+def test_priority_instance_looks_heavier_and_new_work_avoids_it() -> None:
+    cfg = PolicyConfig(priority_headroom_blocks={1: 60}, tie_tolerance=0.0)
+    # Same real usage (45 blocks each). a runs a high-priority request: V = 45 + 60 = 105, F = −1.67;
+    # b: V = 45, F = 55.
+    a = inst("a", 100, [10, 15, 20], priorities=[1])
+    b = inst("b", 100, [45])
+    assert [view(a, b, cfg=cfg, seed=s).pick(5).target_id for s in range(5)] == ["b"] * 5
+
+
+def test_warming_up_instance_attracts_dispatch_until_it_looks_like_the_others() -> None:
+    # a, b: F = 40/3 = 13.33. c warming up, empty: V = −50, F = 150. Each pick of 10 blocks adds 10 to
+    # c's usage and 1 to its batch: after k picks F_c = (150 − 10k)/k = 140, 65, 40, 27.5, 20, 15, 11.4.
+    v = view(inst("a", 100, [20, 20, 20]), inst("b", 100, [20, 20, 20]), inst("c", 100, warming_up=True))
+    picks = [v.pick(10).target_id for _ in range(8)]
+    assert picks[:7] == ["c"] * 7
+    assert picks[7] in {"a", "b"}
+    assert v.freeness("c") == pytest.approx(80 / 7)
+
+
+def test_draining_instance_gets_nothing() -> None:
+    v = view(inst("a", 100, draining=True), inst("b", 100, [90, 5]))
+    assert {v.pick(5).target_id for _ in range(5)} == {"b"}
+
+
+def test_burst_of_8_spreads_over_8_equal_instances() -> None:
+    # Each pick reserves 10 blocks on its target: its F drops from 100 to 90, out of the 5 % near-tie band.
+    v = DispatchView([inst(f"i{k}", 100) for k in range(8)], PolicyConfig(), random.Random(7))
+    picks = {v.pick(10).target_id for _ in range(8)}
+    assert picks == {f"i{k}" for k in range(8)}
+
+
+def test_update_replaces_state_and_drops_reservations() -> None:
+    a, b = inst("a", 100), inst("b", 100, [5])  # F 100 and 95
+    v = view(a, b)
+    assert v.pick(10).target_id == "a"
+    assert v.freeness("a") == 90.0
+    assert v.pick(10).target_id == "b"  # a's reservation counts: 90 < 95
+    v.update(a)  # a fresh report of a (it did not count the request yet): reservation dropped
+    assert v.freeness("a") == 100.0
+    assert v.freeness("b") == pytest.approx((100 - 15) / 2)
+    v.update(inst("c", 100))  # a new instance joins
+    v.remove("a")
+    v.remove("a")  # idempotent
+    assert v.pick(10).target_id == "c"
+
+
+def test_priority_pick_reserves_headroom_too() -> None:
+    v = view(inst("a", 100))
+    v.pick(10, priority=1)
+    assert v.freeness("a") == 70.0  # (100 − (10 + 20)) / 1
+
+
+def test_room_now_beats_higher_freeness() -> None:
+    # a: F = 50 but only 50 free; b: F = 25 with 100 free. An 80-block request fits only b now.
+    v = view(inst("a", 200, [150]), inst("b", 200, [25, 25, 25, 25]))
+    assert v.pick(80).target_id == "b"
+
+
+def test_queued_head_of_line_demand_takes_room_first() -> None:
+    # a: 60 free but a queued request needs 50 of them, so a 20-block request has no room there.
+    # F_a = (100 − 40 − 50)/2 = 5; b: 30 free, F = 30.
+    a = inst("a", 100, [20, 20], num_waiting=1, head_demand_blocks=50)
+    assert view(a, inst("b", 100, [70])).pick(20).target_id == "b"
+
+
+def test_no_room_anywhere_picks_freest_capable_and_says_it_will_queue() -> None:
+    # 'small' is freest (F = 64) but can never hold 100 blocks; b (F = 40) and c (F = 20) could,
+    # but neither has 100 free now.
+    v = view(inst("small", 64), inst("b", 200, [160]), inst("c", 200, [90, 90]))
+    d = v.pick(100)
+    assert d.target_id == "b"
+    assert "no instance has 100 free blocks now; the request will queue" in d.reason
+
+
+@pytest.mark.parametrize(
+    ("loads", "reason"),
+    [
+        ((), "no instances to dispatch to"),
+        ((inst("a", 500, draining=True), inst("b", 500, draining=True)), "all 2 instances are draining"),
+        (
+            (inst("a", 100), inst("b", 120), inst("c", 500, draining=True)),
+            "request needs 150 blocks but the largest non-draining instance can hold 120 blocks",
+        ),
+    ],
+)
+def test_refusal_names_demand_and_largest_capacity(loads: tuple, reason: str) -> None:  # type: ignore[type-arg]
+    d = view(*loads).pick(150)
+    assert d.target_id is None
+    assert reason in d.reason
+
+
+def test_bad_input_is_rejected() -> None:
+    with pytest.raises(ValueError, match="demand_blocks must be >= 0, got -1"):
+        view(inst("a", 10)).pick(-1)
+    with pytest.raises(ValueError, match="instance 'a' appears twice"):
+        view(inst("a", 10), inst("a", 20))
+
+
+def test_near_ties_are_drawn_with_the_seeded_rng() -> None:
+    # F = 100, 98, 96, 80. Tolerance 5 %: floor 95, so a, b, c are near-tied and d never picked.
+    loads = [inst("a", 100), inst("b", 100, [2]), inst("c", 100, [4]), inst("d", 100, [20])]
+    cfg = PolicyConfig(tie_tolerance=0.05)
+    counts: Counter[str | None] = Counter()
+    for seed in range(300):
+        counts[DispatchView(loads, cfg, random.Random(seed)).pick(1).target_id] += 1
+    assert set(counts) == {"a", "b", "c"}
+    assert min(counts.values()) > 60
+    first = [DispatchView(loads, cfg, random.Random(3)).pick(1).target_id for _ in range(2)]
+    assert first[0] == first[1]
+
+
+def summary(domain_id: str, free: int, max_cap: int, **kw: object) -> DomainSummary:
+    fields: dict[str, object] = {
+        "num_instances": 2,
+        "capacity_blocks": 2 * max_cap,
+        "virtual_usage": float(2 * max_cap - free),
+        "freeness": float(free),
+        "largest_free_blocks": min(free, max_cap),
+        "max_instance_capacity_blocks": max_cap,
+        "num_running": 1,
+        "num_waiting": 0,
+        "draining": False,
+    } | kw
+    return DomainSummary(domain_id, **fields)  # type: ignore[arg-type]
+
+
+def test_domain_view_uses_largest_instance_capacity_and_spreads_a_burst() -> None:
+    # d1 is freest (F = 300) but its instances hold at most 100 blocks; d2 and d3 hold 400.
+    doms = [summary("d1", 300, 100), summary("d2", 200, 400), summary("d3", 200, 400)]
+    v = DomainDispatchView(doms, CFG, random.Random(0))
+    assert {v.pick(150).target_id, v.pick(150).target_id} == {"d2", "d3"}
+    assert v.pick(10).target_id == "d1"
+    d = v.pick(500)
+    assert d.target_id is None
+    assert "request needs 500 blocks but the largest non-draining domain can hold 400 blocks" in d.reason
+
+
+def test_domain_view_from_summaries_skips_draining_domain() -> None:
+    busy = summarize_domain("busy", [inst("a", 100, [50, 40])], CFG)  # F = 5
+    gone = summarize_domain("gone", [inst("b", 100, draining=True)], CFG)
+    v = DomainDispatchView([busy, gone], CFG, random.Random(0))
+    assert v.pick(5).target_id == "busy"
+    v.remove("busy")
+    assert v.pick(5).reason == "all 1 domains are draining"

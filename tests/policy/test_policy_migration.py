@@ -1,0 +1,187 @@
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from policy_factories import CFG, apply_move, inst
+
+from policy import (
+    DomainSummary,
+    InstanceLoad,
+    MigrationDecision,
+    PolicyConfig,
+    RequestLoad,
+    instance_virtual_usage,
+    pair_domains,
+    plan_migrations,
+    potential,
+    summarize_domain,
+)
+
+
+def plan(*loads: InstanceLoad, cfg: PolicyConfig = CFG, seed: int = 0, **kw: int) -> list[MigrationDecision]:
+    return plan_migrations(list(loads), cfg, random.Random(seed), **kw)
+
+
+def moves(decisions: list[MigrationDecision]) -> list[tuple[str, str, str, int]]:
+    return [(d.src_id, d.dst_id, d.request_id, d.blocks) for d in decisions]
+
+
+def test_load_balancing_moves_the_shortest_from_lowest_to_highest_freeness() -> None:
+    # a: V 90, F (100 − 90)/5 = 2 < 3: source. b: V 10, F 90: destination. c: F 40/3 = 13.3: neither
+    # is chosen (b is freer). Shortest request of a (all 18, tie by id): a-r0. 90 − 10 = 80 > 18.
+    a = inst("a", 100, [18, 18, 18, 18, 18])
+    b = inst("b", 100, [10])
+    c = inst("c", 100, [20, 20, 20])
+    decisions = plan(a, b, c)
+    assert moves(decisions) == [("a", "b", "a-r0", 18)]
+    assert "source F=2.00 < 3.0; destination F=90.00; V_src 90 − V_dst 10 > v_r 18" in decisions[0].reason
+
+
+def test_balanced_cluster_plans_nothing() -> None:
+    assert plan(inst("a", 100, [20, 20]), inst("b", 100, [30])) == []
+
+
+def test_defragmentation_queued_request_makes_its_instance_look_full() -> None:
+    # a: 60 used, 40 free, a queued request needs 50 -> V = 110, F = (100 − 110)/2 = −5: source.
+    # Moving a-r0 (30) to b (V 20) frees room: a then has 70 free >= 50.
+    a = inst("a", 100, [30, 30], num_waiting=1, head_demand_blocks=50)
+    b = inst("b", 100, [20])
+    decisions = plan(a, b)
+    assert moves(decisions) == [("a", "b", "a-r0", 30)]
+    after = apply_move([a, b], decisions[0])
+    assert after[0].free_blocks == 70 >= a.head_demand_blocks
+    # Without the queue a (F 20) is not a source.
+    assert plan(inst("a", 100, [30, 30]), b) == []
+
+
+def test_priority_normal_requests_move_off_the_high_priority_instance() -> None:
+    cfg = PolicyConfig(priority_headroom_blocks={1: 60})
+    # a: h (10, high), 15, 20 -> V = 45 + 60 = 105, F = −1.67. b: V 45, F 55. Same real usage.
+    # Normal before high, then shortest: a-r1 (15). 105 − 45 = 60 > 15.
+    a = inst("a", 100, [10, 15, 20], priorities=[1])
+    b = inst("b", 100, [45])
+    assert moves(plan(a, b, cfg=cfg)) == [("a", "b", "a-r1", 15)]
+    no_priority = PolicyConfig(priority_headroom_blocks={})
+    assert plan(a, b, cfg=no_priority) == []
+
+
+def test_scale_out_warming_instance_attracts_migrations() -> None:
+    # a: F 1 (source). b: F 13.3. c warming up: V −50, F 150 -> freest destination.
+    a = inst("a", 100, [19, 19, 19, 19, 19])
+    b = inst("b", 100, [20, 20, 20])
+    c = inst("c", 100, warming_up=True)
+    assert moves(plan(a, b, c)) == [("a", "c", "a-r0", 19)]
+
+
+def test_drain_everything_leaves_even_to_a_fuller_instance() -> None:
+    # a drains holding 30 blocks. b holds 70: fuller in real blocks, still takes both.
+    a = inst("a", 100, [10, 20], draining=True)
+    b = inst("b", 100, [14] * 5)
+    loads = [a, b]
+    planned = []
+    for _ in range(3):
+        decisions = plan(*loads)
+        planned += moves(decisions)
+        for d in decisions:
+            loads = apply_move(loads, d)
+    assert planned == [("a", "b", "a-r0", 10), ("a", "b", "a-r1", 20)]
+    assert loads[0].running == ()
+    assert loads[1].free_blocks == 0
+
+
+def test_drain_uses_a_low_freeness_instance_but_never_a_preempting_or_full_one() -> None:
+    a = inst("a", 100, [10], draining=True)
+    low = inst("low", 100, [18, 18, 18, 18, 18])  # F = 2: a source itself, but has 10 free
+    preempting = inst("p", 100, preempting=True)
+    full = inst("full", 100, [95])
+    assert moves(plan(a, low, preempting, full)) == [("a", "low", "a-r0", 10)]
+    assert plan(a, preempting, full) == []
+
+
+def test_draining_source_moves_high_priority_first() -> None:
+    a = inst("a", 100, [5, 30], priorities=[0, 1], draining=True)
+    assert moves(plan(a, inst("b", 100))) == [("a", "b", "a-r1", 30)]
+
+
+def test_preempting_instance_is_a_source_even_when_free() -> None:
+    a = inst("a", 100, [30, 20], preempting=True)  # F = 25, but preempting
+    b = inst("b", 100)
+    assert moves(plan(a, b)) == [("a", "b", "a-r1", 20)]
+
+
+def test_move_must_lower_potential_and_fit_real_free_blocks() -> None:
+    # a: V 98 (F 1). b: F 6 but only 12 free -> a-r0 (49) does not fit. No move.
+    a = inst("a", 100, [49, 49])
+    b = inst("b", 100, [11, 11, 11, 11, 11, 11, 11, 11])
+    assert plan(a, b) == []
+    # c: V 60, F 40: 98 − 60 = 38 < 49 -> would raise Φ. No move either.
+    c = inst("c", 100, [60])
+    assert plan(a, c) == []
+    assert potential([98, 60]) < potential([49, 109])
+
+
+def test_unmigratable_requests_stay() -> None:
+    pinned = RequestLoad("a-r0", 18, migratable=False)
+    a = InstanceLoad("a", 100, 90, (pinned, *inst("a", 100, [18] * 5).running[1:]))
+    assert moves(plan(a, inst("b", 100))) == [("a", "b", "a-r1", 18)]
+
+
+def test_pairing_lowest_source_with_highest_destination_and_max_moves() -> None:
+    s1 = inst("s1", 100, [24, 24, 24, 24])  # F = 1
+    s2 = inst("s2", 100, [49, 49])  # F = 1, tie with s1: broken by the seeded draw
+    s3 = inst("s3", 100, [33, 33, 33])  # F = 0.33: lowest
+    d1 = inst("d1", 100)  # F 100
+    d2 = inst("d2", 100, [10])  # F 90
+    d3 = inst("d3", 100, [30])  # F 70
+    decisions = plan(s1, s2, s3, d1, d2, d3)
+    pairs = [(d.src_id, d.dst_id) for d in decisions]
+    assert pairs[0] == ("s3", "d1")
+    assert {p[1] for p in pairs[1:]} == {"d2", "d3"}
+    assert {p[0] for p in pairs} == {"s1", "s2", "s3"}
+    assert len(plan(s1, s2, s3, d1, d2, d3, max_moves=1)) == 1
+    assert plan(s1, s2, s3, d1, d2, d3, max_moves=0) == []
+    capped = PolicyConfig(max_migrations_per_round=2)
+    assert len(plan(s1, s2, s3, d1, d2, d3, cfg=capped)) == 2
+
+
+def test_candidate_policy_longest() -> None:
+    a = inst("a", 100, [10, 30, 56])  # V 96, F 4/3
+    cfg = PolicyConfig(priority_headroom_blocks={}, candidate_policy="longest")
+    # longest 56: 96 − 0 > 56 -> moves the longest.
+    assert moves(plan(a, inst("b", 100), cfg=cfg)) == [("a", "b", "a-r2", 56)]
+
+
+def test_plan_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="instance 'a' appears twice"):
+        plan(inst("a", 10), inst("a", 10))
+    with pytest.raises(ValueError, match="max_moves must be >= 0, got -1"):
+        plan(inst("a", 10), max_moves=-1)
+
+
+def test_potential() -> None:
+    assert potential([3.0, 4.0]) == 25.0
+    assert potential([]) == 0
+    assert potential([1.0, math.inf]) == math.inf
+    a, b = inst("a", 100, [50, 45]), inst("b", 100, [10])  # a: F 2.5, moves its 45
+    before = potential(instance_virtual_usage(x, CFG) for x in (a, b))
+    after = potential(instance_virtual_usage(x, CFG) for x in apply_move([a, b], plan(a, b)[0]))
+    assert (before, after) == (95**2 + 10**2, 50**2 + 55**2)
+
+
+def test_pair_domains() -> None:
+    def dom(domain_id: str, blocks: list[int], draining: bool = False) -> DomainSummary:
+        return summarize_domain(domain_id, [inst(domain_id + "-i", 100, blocks, draining=draining)], CFG)
+
+    d1 = dom("d1", [33, 33, 33])  # F 0.33: source
+    d2 = dom("d2", [50])  # F 50
+    d3 = dom("d3", [80])  # F 20
+    d4 = dom("d4", [10], draining=True)  # F −inf: first source
+    d5 = dom("d5", [2] * 40)  # F 0.5: source, not a destination
+    assert pair_domains([d1, d2, d3, d4, d5], CFG) == [("d4", "d2"), ("d1", "d3")]
+    assert pair_domains([d2, d3], CFG) == []
+    full = summarize_domain("full", [inst("f", 100, [100])], CFG)
+    assert pair_domains([d4, full, d5], CFG) == [("d4", "d5")]
+    with pytest.raises(ValueError, match="repeated domain ids"):
+        pair_domains([d1, d1], CFG)

@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from policy import CANDIDATE_POLICIES, InstanceLoad, PolicyConfig, RequestLoad, candidate_order
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"capacity_blocks": 0}, "capacity_blocks must be > 0, got 0"),
+        ({"used_blocks": -1}, "used_blocks must be >= 0, got -1"),
+        ({"used_blocks": 101}, "used_blocks 101 exceeds capacity_blocks 100"),
+        ({"num_waiting": -2}, "num_waiting must be >= 0, got -2"),
+        ({"head_demand_blocks": 5}, "head_demand_blocks is 5 but num_waiting is 0"),
+        ({"head_demand_blocks": -1, "num_waiting": 1}, "head_demand_blocks must be >= 0"),
+    ],
+)
+def test_instance_load_rejects_bad_values(kwargs: dict[str, Any], message: str) -> None:
+    fields: dict[str, Any] = {"capacity_blocks": 100, "used_blocks": 0} | kwargs
+    with pytest.raises(ValueError, match=rf"InstanceLoad\('i0'\): {message}"):
+        InstanceLoad("i0", **fields)
+
+
+def test_instance_load_rejects_repeated_request_ids() -> None:
+    r = RequestLoad("r1", 4)
+    with pytest.raises(ValueError, match=r"running request ids repeat: \['r1'\]"):
+        InstanceLoad("i0", 100, 8, (r, r))
+
+
+def test_instance_load_free_blocks_and_tuple_running() -> None:
+    load = InstanceLoad("i0", 100, 30, [RequestLoad("r1", 30)])  # type: ignore[arg-type]
+    assert load.free_blocks == 70
+    assert load.running == (RequestLoad("r1", 30),)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"blocks": -1}, "blocks must be >= 0, got -1"),
+        ({"priority": -1}, "priority must be >= 0, got -1"),
+        ({"num_tokens": -3}, "num_tokens must be >= 0, got -3"),
+    ],
+)
+def test_request_load_rejects_negative_counts(kwargs: dict[str, Any], message: str) -> None:
+    fields: dict[str, Any] = {"blocks": 1} | kwargs
+    with pytest.raises(ValueError, match=message):
+        RequestLoad("r1", **fields)
+
+
+def test_ids_must_be_non_empty() -> None:
+    with pytest.raises(ValueError, match="request_id must be a non-empty string"):
+        RequestLoad("", 1)
+    with pytest.raises(ValueError, match="instance_id must be a non-empty string"):
+        InstanceLoad("", 10, 0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"warmup_usage_blocks": 10}, "warmup_usage_blocks: must be <= 0"),
+        ({"tie_tolerance": 1.0}, r"tie_tolerance: must be in \[0, 1\)"),
+        ({"tie_tolerance": float("nan")}, "tie_tolerance"),
+        ({"migrate_out_freeness_below": float("inf")}, "migrate_out_freeness_below: must be finite"),
+        ({"migrate_out_freeness_below": 5.0, "migrate_in_freeness_above": 4.0}, "could be both source"),
+        ({"candidate_policy": "fifo"}, "unknown policy 'fifo'; known: priority-then-size, shortest, longest"),
+        ({"max_migrations_per_round": -1}, "max_migrations_per_round: must be >= 0"),
+        ({"priority_headroom_blocks": {0: 10}}, r"priority_headroom_blocks\[0\]: priority class must be"),
+        ({"priority_headroom_blocks": {1: -10}}, r"priority_headroom_blocks\[1\]: blocks must be"),
+    ],
+)
+def test_policy_config_rejects_bad_values(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PolicyConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_policy_config_is_frozen_hashable_and_copies_headroom() -> None:
+    headroom = {2: 64, 1: 32}
+    cfg = PolicyConfig(priority_headroom_blocks=headroom)
+    headroom[1] = 999
+    assert cfg.headroom_blocks(1) == 32
+    assert cfg.headroom_blocks(2) == 64
+    assert cfg.headroom_blocks(0) == 0
+    assert cfg.headroom_blocks(7) == 0
+    assert cfg == PolicyConfig(priority_headroom_blocks={1: 32, 2: 64})
+    assert hash(cfg) == hash(PolicyConfig(priority_headroom_blocks={1: 32, 2: 64}))
+    with pytest.raises(TypeError):
+        cfg.priority_headroom_blocks[1] = 0  # type: ignore[index]
+
+
+def test_candidate_order_factory_knows_every_policy_and_rejects_others() -> None:
+    assert all(callable(candidate_order(name)) for name in CANDIDATE_POLICIES)
+    with pytest.raises(ValueError, match="unknown candidate policy 'lifo'; known: priority-then-size"):
+        candidate_order("lifo")
+
+
+def test_candidate_orders() -> None:
+    big = RequestLoad("a", 50)
+    small = RequestLoad("b", 10)
+    high = RequestLoad("c", 5, priority=1)
+    tie = RequestLoad("d", 10)
+    reqs = [big, small, high, tie]
+    assert candidate_order("priority-then-size")(reqs, False) == [small, tie, big, high]
+    assert candidate_order("priority-then-size")(reqs, True) == [high, small, tie, big]
+    assert candidate_order("shortest")(reqs, False) == [high, small, tie, big]
+    assert candidate_order("longest")(reqs, False) == [big, small, tie, high]
