@@ -38,7 +38,7 @@ def engine(num_blocks: int = 100, block: int = 4, budget: int = 8192, seqs: int 
 
 
 def run(e: EngineCore, max_steps: int = 1000) -> list[StepResult]:
-    out = []
+    out: list[StepResult] = []
     while e.has_work() and len(out) < max_steps:
         out.append(e.step())
         e.blocks.check_invariants()
