@@ -1,0 +1,347 @@
+"""KV cache block accounting: per-request block tables, reservations, optional prefix cache.
+
+Mechanism only: every operation that needs space returns ``None`` / ``False`` when it does not fit and
+changes nothing; it never raises for "full" and never picks a victim (the scheduler or policy does).
+
+Every block is in exactly one of four states, so ``used + free + reserved + cached == total`` always
+(``check_invariants``):
+
+- used: in a request's private blocks, or in a prefix-cache entry referenced by at least one request;
+- reserved: held by a reservation for an incoming migration;
+- cached: in a prefix-cache entry no request references (evictable, least recently used first);
+- free: on the free list.
+
+Prefix caching (after vLLM's automatic prefix caching, with Mooncake-style hash ids): a prompt's hash
+block ``j`` covers tokens ``[j·H, (j+1)·H)`` where ``H`` is the hash-block size in tokens (Mooncake: 512),
+``H`` a multiple of the engine block size. A cache entry maps a hash id to the ``H / block_size`` engine
+blocks holding that hash block's KV; the chain of a request's prefix is matched from its first hash block
+and stops at the first miss.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["BlockManager", "PrefixMatch"]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """Result of :meth:`BlockManager.match_prefix`."""
+
+    hit_tokens: int  # prompt tokens whose KV is reused
+    hit_blocks: int  # engine blocks shared with the cache
+
+
+@dataclass(slots=True)
+class _Entry:
+    blocks: tuple[int, ...]
+    refs: int = 0
+
+
+@dataclass(slots=True)
+class _Table:
+    shared: list[int] = field(default_factory=list)  # hash ids of referenced cache entries, in order
+    private: list[int] = field(default_factory=list)  # block ids owned by the request
+    num_tokens: int = 0  # token slots allocated
+
+
+class BlockManager:
+    """Fixed pool of ``num_blocks`` KV blocks of ``block_size_tokens`` tokens each.
+
+    Raises ValueError for non-positive sizes.
+    """
+
+    def __init__(self, num_blocks: int, block_size_tokens: int, enable_prefix_caching: bool = False) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"BlockManager: num_blocks = {num_blocks}, need >= 1")
+        if block_size_tokens < 1:
+            raise ValueError(f"BlockManager: block_size_tokens = {block_size_tokens}, need >= 1")
+        self.num_blocks = num_blocks
+        self.block_size_tokens = block_size_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        self._tables: dict[str, _Table] = {}
+        self._reservations: dict[str, list[int]] = {}
+        self._entries: dict[int, _Entry] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced entries, oldest first
+        self._used_private = 0
+        self._used_shared = 0
+        self._cached = 0
+        self.prefix_hit_tokens_total = 0  # prompt tokens reused from the cache since creation
+        self.prefix_queries_tokens_total = 0  # prompt tokens looked up (for a hit rate)
+
+    # ---- counters -----------------------------------------------------------------------------------
+    @property
+    def free_blocks(self) -> int:
+        """Blocks on the free list (not counting evictable cached blocks)."""
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks held by requests (private + referenced prefix entries)."""
+        return self._used_private + self._used_shared
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Blocks held by reservations."""
+        return sum(len(b) for b in self._reservations.values())
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks in unreferenced prefix-cache entries (evictable)."""
+        return self._cached
+
+    @property
+    def available_blocks(self) -> int:
+        """Blocks an allocation can get: free plus evictable cached."""
+        return len(self._free) + self._cached
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """ceil(num_tokens / block_size_tokens)."""
+        return -(-num_tokens // self.block_size_tokens)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether the request holds a block table here."""
+        return request_id in self._tables
+
+    def num_blocks_of(self, request_id: str) -> int:
+        """Blocks the request holds (0 if unknown)."""
+        t = self._tables.get(request_id)
+        if t is None:
+            return 0
+        return len(t.private) + sum(len(self._entries[h].blocks) for h in t.shared)
+
+    def num_tokens_of(self, request_id: str) -> int:
+        """Token slots allocated to the request (0 if unknown)."""
+        t = self._tables.get(request_id)
+        return 0 if t is None else t.num_tokens
+
+    def block_table(self, request_id: str) -> tuple[int, ...]:
+        """Block ids in token order (shared prefix blocks first); empty if unknown."""
+        t = self._tables.get(request_id)
+        if t is None:
+            return ()
+        out: list[int] = []
+        for h in t.shared:
+            out.extend(self._entries[h].blocks)
+        out.extend(t.private)
+        return tuple(out)
+
+    # ---- allocation ---------------------------------------------------------------------------------
+    def _take(self, n: int) -> list[int] | None:
+        """Take n blocks from the free list, evicting LRU cached entries if needed; None if impossible."""
+        if n > self.available_blocks:
+            return None
+        while len(self._free) < n:
+            h, _ = self._lru.popitem(last=False)
+            entry = self._entries.pop(h)
+            self._cached -= len(entry.blocks)
+            self._free.extend(entry.blocks)
+        return [self._free.pop() for _ in range(n)]
+
+    def allocate_slots(self, request_id: str, num_new_tokens: int) -> tuple[int, ...] | None:
+        """Extend the request's slots by ``num_new_tokens``; create its table if new.
+
+        Returns the newly allocated block ids (possibly empty: the last block had room), or None when the
+        pool cannot supply them (nothing changes). Raises ValueError for a negative count.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"allocate_slots({request_id!r}): num_new_tokens = {num_new_tokens} < 0")
+        t = self._tables.get(request_id)
+        held_tokens = 0 if t is None else t.num_tokens
+        held_blocks = self.num_blocks_of(request_id)
+        need = self.blocks_for_tokens(held_tokens + num_new_tokens) - held_blocks
+        new = self._take(need) if need > 0 else []
+        if new is None:
+            return None
+        if t is None:
+            t = self._tables[request_id] = _Table()
+        t.private.extend(new)
+        t.num_tokens += num_new_tokens
+        self._used_private += len(new)
+        return tuple(new)
+
+    def append_slot(self, request_id: str) -> bool:
+        """One more token slot (a decode); a new block every ``block_size_tokens`` tokens. False if full."""
+        return self.allocate_slots(request_id, 1) is not None
+
+    def free(self, request_id: str) -> int:
+        """Release the request's blocks; shared prefix entries lose a reference (cached when unreferenced).
+
+        Returns the number of blocks the request held; 0 (no-op) for an unknown request.
+        """
+        t = self._tables.pop(request_id, None)
+        if t is None:
+            return 0
+        n = len(t.private)
+        self._free.extend(reversed(t.private))
+        self._used_private -= len(t.private)
+        for h in t.shared:
+            entry = self._entries[h]
+            n += len(entry.blocks)
+            entry.refs -= 1
+            if entry.refs == 0:
+                self._used_shared -= len(entry.blocks)
+                self._cached += len(entry.blocks)
+                self._lru[h] = None
+        return n
+
+    # ---- reservations (incoming migrations) ---------------------------------------------------------
+    def reserve(self, reservation_id: str, n_blocks: int) -> bool:
+        """Hold ``n_blocks`` for an incoming migration. False if they don't fit or the id is in use."""
+        if n_blocks < 0:
+            raise ValueError(f"reserve({reservation_id!r}): n_blocks = {n_blocks} < 0")
+        if reservation_id in self._reservations:
+            return False
+        got = self._take(n_blocks)
+        if got is None:
+            return False
+        self._reservations[reservation_id] = got
+        return True
+
+    def reserved_for(self, reservation_id: str) -> int:
+        """Blocks held by the reservation (0 if unknown)."""
+        return len(self._reservations.get(reservation_id, ()))
+
+    def commit(self, reservation_id: str, request_id: str, num_tokens: int) -> tuple[int, ...] | None:
+        """Turn the reservation into ``request_id``'s blocks for ``num_tokens`` token slots.
+
+        Surplus reserved blocks go back to the free list; missing ones (the request grew) are taken from the
+        pool. Returns the request's block table, or None when the growth does not fit (nothing changes, the
+        reservation stays). Raises KeyError for an unknown reservation, ValueError if the request already
+        holds blocks here.
+        """
+        if reservation_id not in self._reservations:
+            raise KeyError(f"commit: unknown reservation {reservation_id!r} (released or never made)")
+        if request_id in self._tables:
+            raise ValueError(f"commit({reservation_id!r}): request {request_id!r} already holds blocks")
+        held = self._reservations[reservation_id]
+        need = self.blocks_for_tokens(num_tokens)
+        extra: list[int] = []
+        if need > len(held):
+            got = self._take(need - len(held))
+            if got is None:
+                return None
+            extra = got
+        del self._reservations[reservation_id]
+        blocks = held + extra
+        surplus = blocks[need:]
+        blocks = blocks[:need]
+        self._free.extend(reversed(surplus))
+        self._tables[request_id] = _Table(private=blocks, num_tokens=num_tokens)
+        self._used_private += len(blocks)
+        return tuple(blocks)
+
+    def release(self, reservation_id: str) -> int:
+        """Give a reservation's blocks back. Idempotent; 0 for an unknown or already released id."""
+        blocks = self._reservations.pop(reservation_id, None)
+        if blocks is None:
+            return 0
+        self._free.extend(reversed(blocks))
+        return len(blocks)
+
+    # ---- prefix cache -------------------------------------------------------------------------------
+    def _blocks_per_hash(self, hash_block_tokens: int) -> int:
+        if hash_block_tokens < 1 or hash_block_tokens % self.block_size_tokens:
+            raise ValueError(
+                f"prefix hash block of {hash_block_tokens} tokens is not a positive multiple of the "
+                f"engine block size {self.block_size_tokens}"
+            )
+        return hash_block_tokens // self.block_size_tokens
+
+    def match_prefix(
+        self, request_id: str, prefix_block_hashes: Sequence[int], hash_block_tokens: int, max_hit_tokens: int
+    ) -> PrefixMatch:
+        """Share the cached prefix of a request that holds no blocks yet.
+
+        Matches hash blocks from the first while cached and while the hit stays ``<= max_hit_tokens`` (the
+        caller passes prompt_tokens - 1 so the last prompt token is always computed). References the
+        matched entries (they become used) and records the hit. Without prefix caching, or for a request
+        that already has blocks, returns a zero match.
+        """
+        if not self.enable_prefix_caching or not prefix_block_hashes or request_id in self._tables:
+            return PrefixMatch(0, 0)
+        per = self._blocks_per_hash(hash_block_tokens)
+        self.prefix_queries_tokens_total += max(0, max_hit_tokens)
+        matched: list[int] = []
+        for j, h in enumerate(prefix_block_hashes):
+            if (j + 1) * hash_block_tokens > max_hit_tokens or h not in self._entries or h in matched:
+                break
+            matched.append(h)
+        if not matched:
+            return PrefixMatch(0, 0)
+        t = self._tables[request_id] = _Table()
+        for h in matched:
+            entry = self._entries[h]
+            if entry.refs == 0:
+                del self._lru[h]
+                self._cached -= len(entry.blocks)
+                self._used_shared += len(entry.blocks)
+            entry.refs += 1
+            t.shared.append(h)
+        t.num_tokens = len(matched) * hash_block_tokens
+        self.prefix_hit_tokens_total += t.num_tokens
+        return PrefixMatch(hit_tokens=t.num_tokens, hit_blocks=len(matched) * per)
+
+    def publish_prefix(
+        self,
+        request_id: str,
+        prefix_block_hashes: Sequence[int],
+        hash_block_tokens: int,
+        num_computed_tokens: int,
+    ) -> int:
+        """Offer the request's computed full hash blocks to the cache (shared from now on).
+
+        Hash block ``j`` is published when ``(j+1)·H <= num_computed_tokens``, it directly follows the
+        request's shared prefix, and no entry with that id exists (a duplicate stays private). Returns the
+        number of hash blocks published.
+        """
+        t = self._tables.get(request_id)
+        if not self.enable_prefix_caching or t is None or not prefix_block_hashes:
+            return 0
+        per = self._blocks_per_hash(hash_block_tokens)
+        published = 0
+        while len(t.shared) < len(prefix_block_hashes):
+            j = len(t.shared)
+            h = prefix_block_hashes[j]
+            if (
+                (j + 1) * hash_block_tokens > num_computed_tokens
+                or h in self._entries
+                or len(t.private) < per
+            ):
+                break
+            blocks = tuple(t.private[:per])
+            del t.private[:per]
+            self._entries[h] = _Entry(blocks=blocks, refs=1)
+            self._used_private -= per
+            self._used_shared += per
+            t.shared.append(h)
+            published += 1
+        return published
+
+    # ---- checks -------------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the accounting is inconsistent (for tests and debug runs)."""
+        private = [b for t in self._tables.values() for b in t.private]
+        reserved = [b for bl in self._reservations.values() for b in bl]
+        shared = [b for e in self._entries.values() for b in e.blocks]
+        every = private + reserved + shared + self._free
+        assert len(every) == len(set(every)) == self.num_blocks, "a block is lost or in two places"
+        assert self._used_private == len(private), "private count drifted"
+        refs: dict[int, int] = {}
+        for t in self._tables.values():
+            for h in t.shared:
+                refs[h] = refs.get(h, 0) + 1
+        for h, e in self._entries.items():
+            assert e.refs == refs.get(h, 0), f"entry {h}: refs {e.refs} != holders {refs.get(h, 0)}"
+            assert (e.refs == 0) == (h in self._lru), f"entry {h}: LRU membership wrong"
+        used_shared = sum(len(e.blocks) for e in self._entries.values() if e.refs > 0)
+        assert self._used_shared == used_shared, "shared count drifted"
+        assert self._cached == sum(len(e.blocks) for e in self._entries.values() if e.refs == 0)
+        total = self.used_blocks + self.free_blocks + self.reserved_blocks + self.cached_blocks
+        assert total == self.num_blocks, f"used+free+reserved+cached = {total} != {self.num_blocks}"
+        for rid, t in self._tables.items():
+            assert self.blocks_for_tokens(t.num_tokens) <= self.num_blocks_of(rid), f"{rid}: too few blocks"

@@ -1,0 +1,230 @@
+"""Step-time model: prices one scheduled batch (prefill chunks + decodes) in seconds.
+
+The model only prices a batch that the scheduler already formed; it never chooses. Its form, per
+(model, GPU type, tensor-parallel degree), is (all terms in milliseconds, see docs/engine-model.md)::
+
+    t = k · ( token_ms(T)                                   # linear ops + TP all-reduce, T = tokens in batch
+              + [any prefill] · P0 + P1 · Σ c·(x + c) + P2 · Σ c    # prefill attention, chunk c, context x
+              + [any decode]  · D0 + D1 · Σ kv )                  # decode attention, kv = context per request
+        + a + e · n_seqs + g · [any prefill]                       # fitted CPU / framework overhead
+
+``token_ms`` is piecewise linear in ``T`` (knots from Vidur's per-operator ``mlp.csv`` profile, all layers,
+plus two all-reduces per layer from Vidur's ``all_reduce.csv``), extrapolated linearly from its last segment.
+The attention terms come from Vidur's measured A100 FlashAttention profile (Llama-2-70B shape, TP2), scaled
+to each model's heads per GPU and, for H100, by the HBM-bandwidth (decode) and tensor-FLOP (prefill) ratios.
+``k``, ``a``, ``e``, ``g`` are fitted by ``bench/fit_latency.py`` on MuxServe full-step measurements
+(Llama-7B/13B, A100) and Splitwise prompt/token times (Llama-2-70B, A100/H100).
+
+Data attribution: Vidur (microsoft/vidur, MIT), MuxServe (hao-ai-lab/MuxServe, Apache-2.0),
+Splitwise (Mutinifni/splitwise-sim, MIT).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+__all__ = [
+    "COEFFICIENTS_FILE",
+    "LatencyModel",
+    "UnsupportedLatencyModelError",
+    "load_latency_model",
+    "supported_latency_models",
+]
+
+COEFFICIENTS_FILE = "latency_coefficients.json"
+
+
+class UnsupportedLatencyModelError(KeyError):
+    """No coefficients for the requested (model, gpu, tp); the message lists the supported combinations."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unsupported latency model"
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyModel:
+    """Step-time model for one (model, GPU type, tensor-parallel degree). Pure; holds no clock.
+
+    Fields are coefficients in milliseconds (the JSON's units); ``step_time_s`` returns seconds.
+    """
+
+    model: str  # e.g. "llama-2-7b"
+    gpu: str  # "a100" | "h100"
+    tensor_parallel_size: int  # GPUs per instance
+    token_knots: tuple[int, ...]  # tokens in the batch, strictly increasing, first >= 1
+    token_ms: tuple[float, ...]  # ms at each knot: all layers' linear ops + all-reduce (+ embedding)
+    prefill_attn_fixed_ms: float  # ms per step that contains any prefill chunk
+    prefill_attn_ms_per_work: float  # ms per unit of chunk·(context_before + chunk)
+    prefill_attn_ms_per_token: float  # ms per prefill token
+    decode_attn_fixed_ms: float  # ms per step that contains any decode
+    decode_attn_ms_per_kv_token: float  # ms per KV token read by decodes
+    gpu_scale: float = 1.0  # fitted k: profiled kernel time -> end-to-end GPU time
+    step_overhead_ms: float = 0.0  # fitted a: per step
+    per_seq_overhead_ms: float = 0.0  # fitted e: per sequence in the batch
+    prefill_overhead_ms: float = 0.0  # fitted g: per step that contains any prefill
+
+    def __post_init__(self) -> None:
+        where = f"LatencyModel({self.model}, {self.gpu}, tp={self.tensor_parallel_size})"
+        if len(self.token_knots) < 2 or len(self.token_knots) != len(self.token_ms):
+            raise ValueError(f"{where}: token_knots and token_ms need the same length >= 2")
+        if self.token_knots[0] < 1 or any(
+            b <= a for a, b in zip(self.token_knots, self.token_knots[1:], strict=False)
+        ):
+            raise ValueError(f"{where}: token_knots must be strictly increasing and start at >= 1")
+        if any(b < a for a, b in zip(self.token_ms, self.token_ms[1:], strict=False)) or self.token_ms[0] < 0:
+            raise ValueError(f"{where}: token_ms must be non-negative and non-decreasing")
+        coeffs = (
+            self.prefill_attn_fixed_ms,
+            self.prefill_attn_ms_per_work,
+            self.prefill_attn_ms_per_token,
+            self.decode_attn_fixed_ms,
+            self.decode_attn_ms_per_kv_token,
+            self.gpu_scale,
+            self.step_overhead_ms,
+            self.per_seq_overhead_ms,
+            self.prefill_overhead_ms,
+        )
+        if any(c < 0 for c in coeffs):
+            raise ValueError(f"{where}: coefficients must be non-negative, got {coeffs}")
+
+    def token_time_ms(self, num_tokens: int) -> float:
+        """Piecewise-linear ``token_ms(T)``; linear extrapolation beyond the last knot, 0 for T <= 0."""
+        if num_tokens <= 0:
+            return 0.0
+        knots, ms = self.token_knots, self.token_ms
+        if num_tokens <= knots[0]:
+            return ms[0]
+        i = bisect.bisect_left(knots, num_tokens)
+        if i >= len(knots):
+            i = len(knots) - 1
+        x0, x1, y0, y1 = knots[i - 1], knots[i], ms[i - 1], ms[i]
+        return y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0)
+
+    def gpu_time_ms(
+        self, prefill_chunks: Sequence[tuple[int, int]], decode_context_tokens: Sequence[int]
+    ) -> float:
+        """Unscaled GPU part of a step in ms (before ``gpu_scale`` and overheads)."""
+        num_tokens = len(decode_context_tokens)
+        work = 0.0
+        for chunk, before in prefill_chunks:
+            num_tokens += chunk
+            work += float(chunk) * float(before + chunk)
+        t = self.token_time_ms(num_tokens)
+        if prefill_chunks:
+            chunk_tokens = sum(c for c, _ in prefill_chunks)
+            t += (
+                self.prefill_attn_fixed_ms
+                + self.prefill_attn_ms_per_work * work
+                + self.prefill_attn_ms_per_token * chunk_tokens
+            )
+        if decode_context_tokens:
+            t += self.decode_attn_fixed_ms + self.decode_attn_ms_per_kv_token * sum(decode_context_tokens)
+        return t
+
+    def step_time_s(
+        self, prefill_chunks: Sequence[tuple[int, int]], decode_context_tokens: Sequence[int]
+    ) -> float:
+        """Duration of one engine step in seconds.
+
+        Args:
+            prefill_chunks: one ``(chunk_tokens, context_tokens_before)`` per request prefilled in this step;
+                ``chunk_tokens >= 1``, ``context_tokens_before >= 0`` (tokens already in its KV cache).
+            decode_context_tokens: one entry per decoding request: its KV context length in tokens
+                (including the token being decoded), each ``>= 1``.
+
+        Returns: seconds; 0.0 for an empty batch.
+        Raises: ValueError on a non-positive chunk, negative context, or non-positive decode context.
+        """
+        for i, (chunk, before) in enumerate(prefill_chunks):
+            if chunk < 1 or before < 0:
+                raise ValueError(
+                    f"prefill_chunks[{i}] = ({chunk}, {before}): need chunk_tokens >= 1, context >= 0"
+                )
+        for i, ctx in enumerate(decode_context_tokens):
+            if ctx < 1:
+                raise ValueError(f"decode_context_tokens[{i}] = {ctx}: need >= 1")
+        n_seqs = len(prefill_chunks) + len(decode_context_tokens)
+        if n_seqs == 0:
+            return 0.0
+        ms = self.gpu_scale * self.gpu_time_ms(prefill_chunks, decode_context_tokens)
+        ms += self.step_overhead_ms + self.per_seq_overhead_ms * n_seqs
+        if prefill_chunks:
+            ms += self.prefill_overhead_ms
+        return ms / 1000.0
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> LatencyModel:
+        """Build from one entry of ``latency_coefficients.json`` (field names as in this class)."""
+        fields = dict(data)
+        fields["token_knots"] = tuple(int(x) for x in fields["token_knots"])
+        fields["token_ms"] = tuple(float(x) for x in fields["token_ms"])
+        fields["tensor_parallel_size"] = int(fields["tensor_parallel_size"])
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in fields.items() if k in known})
+
+    def to_mapping(self) -> dict[str, Any]:
+        """Inverse of :meth:`from_mapping` (JSON-ready)."""
+        return {
+            name: (list(getattr(self, name)) if name in ("token_knots", "token_ms") else getattr(self, name))
+            for name in self.__dataclass_fields__
+        }
+
+
+def _model_key(model: str, gpu: str, tp: int) -> str:
+    return f"{model.lower()}/{gpu.lower()}/tp{tp}"
+
+
+def _normalize_model(model: str) -> str:
+    m = model.lower().replace("_", "-")
+    for prefix in ("meta-llama/", "llama2-", "llama-2-"):
+        if m.startswith(prefix):
+            m = m[len(prefix) :]
+    m = m.removesuffix("-hf").removeprefix("llama-2-").removeprefix("llama-")
+    return f"llama-2-{m}"
+
+
+def _normalize_gpu(gpu: str) -> str:
+    g = gpu.lower()
+    for name in ("a100", "h100"):
+        if g.startswith(name) or g.startswith(f"nvidia-{name}"):
+            return name
+    return g
+
+
+def _load_table() -> dict[str, Any]:
+    text = resources.files("llumlet.engine").joinpath(COEFFICIENTS_FILE).read_text(encoding="utf-8")
+    data: dict[str, Any] = json.loads(text)
+    return data
+
+
+def supported_latency_models() -> list[tuple[str, str, int]]:
+    """All shipped (model, gpu, tp) combinations, sorted."""
+    out = []
+    for entry in _load_table()["models"].values():
+        out.append((str(entry["model"]), str(entry["gpu"]), int(entry["tensor_parallel_size"])))
+    return sorted(out)
+
+
+def load_latency_model(model: str, gpu: str, tp: int) -> LatencyModel:
+    """Load the fitted step-time model for ``model`` on ``gpu`` at tensor-parallel degree ``tp``.
+
+    Model names accept ``llama-2-7b``, ``Llama-2-7b-hf``, ``meta-llama/Llama-2-7b-hf``, ``llama2-70b``,
+    ``7b``; GPU names accept ``a100``, ``A100-80GB``, ``h100``, ``H100-SXM``.
+
+    Raises:
+        UnsupportedLatencyModelError: no coefficients for that combination (the message lists them all).
+    """
+    table = _load_table()["models"]
+    key = _model_key(_normalize_model(model), _normalize_gpu(gpu), tp)
+    if key not in table:
+        combos = ", ".join(f"{m}/{g}/tp{t}" for m, g, t in supported_latency_models())
+        raise UnsupportedLatencyModelError(
+            f"no latency model for model={model!r} gpu={gpu!r} tp={tp} (looked up {key!r}); "
+            f"supported: {combos}"
+        )
+    return LatencyModel.from_mapping(table[key])

@@ -1,0 +1,148 @@
+"""BlockManager: accounting invariants (hypothesis state machine), reservations, prefix cache."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from llumlet.engine.blocks import BlockManager
+
+
+def test_allocate_append_and_free_counts() -> None:
+    bm = BlockManager(num_blocks=4, block_size_tokens=4)
+    assert bm.allocate_slots("a", 5) == (0, 1)  # 5 tokens -> 2 blocks
+    assert bm.num_tokens_of("a") == 5
+    assert bm.allocate_slots("a", 3) == ()  # slots 6..8 fit in block 1
+    assert bm.append_slot("a")  # slot 9 -> block 2
+    assert bm.num_blocks_of("a") == 3
+    assert bm.allocate_slots("b", 5) is None  # needs 2, only 1 free: nothing changes
+    assert not bm.has_request("b")
+    assert bm.free_blocks == 1
+    assert bm.free("a") == 3
+    assert bm.free("a") == 0  # idempotent
+    assert bm.free_blocks == 4
+    bm.check_invariants()
+
+
+def test_reservation_commit_release_idempotent() -> None:
+    bm = BlockManager(num_blocks=10, block_size_tokens=16)
+    assert bm.release("never") == 0  # safe without reserve
+    assert bm.reserve("m1", 4)
+    assert not bm.reserve("m1", 1)  # id in use
+    assert not bm.reserve("m2", 7)  # 4 + 7 > 10
+    assert bm.reserved_blocks == 4 and bm.free_blocks == 6
+    # the request grew to 5 blocks (65..80 tokens) since the reservation: one more is taken
+    table = bm.commit("m1", "r", 70)
+    assert table is not None and len(table) == 5
+    assert bm.reserved_blocks == 0 and bm.used_blocks == 5 and bm.free_blocks == 5
+    assert bm.release("m1") == 0  # committed: nothing left to release
+    with pytest.raises(KeyError, match="m1"):
+        bm.commit("m1", "r2", 10)
+    assert bm.reserve("m3", 3)
+    assert bm.commit("m3", "s", 20) is not None  # needs 2 of 3: surplus back to free
+    assert bm.used_blocks == 7 and bm.free_blocks == 3
+    assert bm.reserve("m4", 3)
+    assert bm.commit("m4", "t", 16 * 4) is None  # needs 4: 1 more does not fit, reservation intact
+    assert bm.reserved_for("m4") == 3
+    assert bm.release("m4") == 3 and bm.release("m4") == 0
+    bm.check_invariants()
+
+
+def test_prefix_cache_share_publish_evict() -> None:
+    bm = BlockManager(num_blocks=8, block_size_tokens=4, enable_prefix_caching=True)
+    hashes = (11, 22, 33)  # hash blocks of 8 tokens = 2 engine blocks each
+    assert bm.match_prefix("a", hashes, 8, max_hit_tokens=23).hit_tokens == 0  # cold cache
+    assert bm.allocate_slots("a", 24) is not None  # 6 blocks
+    assert bm.publish_prefix("a", hashes, 8, num_computed_tokens=20) == 2  # blocks 0,1 complete; 2 is not
+    assert bm.used_blocks == 6
+    m = bm.match_prefix("b", hashes, 8, max_hit_tokens=23)
+    assert (m.hit_tokens, m.hit_blocks) == (16, 4)  # shares 2 hash blocks, stops at the unpublished 3rd
+    assert bm.used_blocks == 6  # shared blocks counted once
+    assert bm.block_table("b")[:4] == bm.block_table("a")[:4]
+    assert bm.free("a") == 6
+    assert (bm.used_blocks, bm.cached_blocks) == (4, 0)  # still referenced by b
+    assert bm.free("b") == 4
+    assert (bm.used_blocks, bm.cached_blocks, bm.free_blocks) == (0, 4, 4)
+    bm.check_invariants()
+    assert bm.allocate_slots("c", 24) is not None  # 6 blocks: 4 free + the LRU entry (11) evicted
+    assert bm.cached_blocks == 2 and bm.free_blocks == 0
+    assert bm.match_prefix("d", hashes, 8, max_hit_tokens=23).hit_tokens == 0  # chain starts at evicted 11
+    bm.check_invariants()
+
+
+def test_prefix_hash_block_must_be_multiple_of_block_size() -> None:
+    bm = BlockManager(num_blocks=8, block_size_tokens=16, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="multiple"):
+        bm.match_prefix("a", (1,), 24, max_hit_tokens=100)
+
+
+ids = st.sampled_from(["r0", "r1", "r2", "r3"])
+res_ids = st.sampled_from(["m0", "m1", "m2"])
+
+
+class BlockMachine(RuleBasedStateMachine):
+    """Random operations never break used + free + reserved + cached == total, and mirror a simple model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(num_blocks=24, block_size_tokens=4, enable_prefix_caching=True)
+        self.tokens: dict[str, int] = {}
+
+    @rule(rid=ids, n=st.integers(0, 30))
+    def allocate(self, rid: str, n: int) -> None:
+        before = self.bm.available_blocks
+        got = self.bm.allocate_slots(rid, n)
+        if got is None:
+            assert self.bm.available_blocks == before
+        else:
+            self.tokens[rid] = self.tokens.get(rid, 0) + n
+        assert self.bm.num_tokens_of(rid) == self.tokens.get(rid, 0)
+
+    @rule(rid=ids)
+    def free(self, rid: str) -> None:
+        self.bm.free(rid)
+        self.tokens.pop(rid, None)
+
+    @rule(rid=ids, depth=st.integers(1, 3))
+    def match(self, rid: str, depth: int) -> None:
+        hashes = (1, 2, 3)[:depth]
+        if rid not in self.tokens:
+            hit = self.bm.match_prefix(rid, hashes, 8, max_hit_tokens=30).hit_tokens
+            if hit:
+                self.tokens[rid] = hit
+
+    @rule(rid=ids)
+    def publish(self, rid: str) -> None:
+        self.bm.publish_prefix(rid, (1, 2, 3), 8, self.tokens.get(rid, 0))
+
+    @rule(res=res_ids, n=st.integers(0, 10))
+    def reserve(self, res: str, n: int) -> None:
+        self.bm.reserve(res, n)
+
+    @rule(res=res_ids)
+    def release(self, res: str) -> None:
+        self.bm.release(res)
+        assert self.bm.release(res) == 0
+
+    @rule(res=res_ids, rid=st.sampled_from(["x0", "x1"]), n=st.integers(1, 40))
+    def commit(self, res: str, rid: str, n: int) -> None:
+        if rid in self.tokens:
+            return
+        try:
+            table = self.bm.commit(res, rid, n)
+        except KeyError:  # not reserved (or already committed / released)
+            return
+        if table is not None:
+            self.tokens[rid] = n
+
+    @invariant()
+    def accounting(self) -> None:
+        self.bm.check_invariants()
+        held = sum(self.bm.num_blocks_of(r) for r in self.tokens)
+        assert held >= self.bm.used_blocks  # shared blocks count once in used, per holder in held
+
+
+TestBlockMachine = BlockMachine.TestCase
+TestBlockMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

@@ -1,0 +1,143 @@
+"""Latency model: shipped coefficients, monotonicity, errors, and the calibration bound on measured data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llumlet.engine.latency import (
+    LatencyModel,
+    UnsupportedLatencyModelError,
+    load_latency_model,
+    supported_latency_models,
+)
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+if not DATA.exists():
+    DATA = Path("/work/shared/data")
+# Documented in docs/engine-model.md ("Calibration"): bound on the MuxServe MAPE of every
+# (model, TP, phase) group, and on all of them together.
+MUXSERVE_GROUP_MAPE_BOUND = 0.15
+MUXSERVE_OVERALL_MAPE_BOUND = 0.10
+
+REQUIRED = [
+    ("llama-2-7b", "a100", 1),
+    ("llama-2-13b", "a100", 1),
+    ("llama-2-13b", "a100", 2),
+    ("llama-2-70b", "a100", 2),
+    ("llama-2-70b", "a100", 4),
+    ("llama-2-70b", "a100", 8),
+    ("llama-2-7b", "h100", 1),
+    ("llama-2-70b", "h100", 8),
+]
+
+
+def test_supported_combinations_and_aliases() -> None:
+    supported = supported_latency_models()
+    for combo in REQUIRED:
+        assert combo in supported
+    a = load_latency_model("meta-llama/Llama-2-7b-hf", "A100-80GB", 1)
+    b = load_latency_model("llama-2-7b", "a100", 1)
+    assert a == b
+    assert load_latency_model("llama2-70b", "h100-80gb", 4).model == "llama-2-70b"
+
+
+def test_unsupported_combination_lists_supported() -> None:
+    with pytest.raises(UnsupportedLatencyModelError, match=r"supported: .*llama-2-70b/h100/tp8"):
+        load_latency_model("llama-2-7b", "a100", 8)
+
+
+def test_known_points_a100_7b() -> None:
+    m = load_latency_model("llama-2-7b", "a100", 1)
+    # MuxServe llama-7b TP1: bs1 seq128 decode 11.49 ms; bs128 seq512 decode 40.9 ms;
+    # bs1 seq512 prefill 41.0 ms
+    assert m.step_time_s([], [128]) == pytest.approx(0.01149, rel=0.1)
+    assert m.step_time_s([], [512] * 128) == pytest.approx(0.0409, rel=0.1)
+    assert m.step_time_s([(512, 0)], []) == pytest.approx(0.0410, rel=0.1)
+    assert m.step_time_s([], []) == 0.0
+
+
+def test_h100_faster_than_a100_and_tp_helps_large_prefill() -> None:
+    a = load_latency_model("llama-2-70b", "a100", 4)
+    h = load_latency_model("llama-2-70b", "h100", 4)
+    batch = ([(2048, 0)], [1024] * 16)
+    assert h.step_time_s(*batch) < a.step_time_s(*batch)
+    assert load_latency_model("llama-2-70b", "a100", 8).step_time_s([(4096, 0)], []) < a.step_time_s(
+        [(4096, 0)], []
+    )
+
+
+def test_bad_batches_rejected() -> None:
+    m = load_latency_model("llama-2-7b", "a100", 1)
+    with pytest.raises(ValueError, match=r"prefill_chunks\[0\]"):
+        m.step_time_s([(0, 5)], [])
+    with pytest.raises(ValueError, match=r"decode_context_tokens\[1\]"):
+        m.step_time_s([], [5, 0])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        LatencyModel("x", "a100", 1, (1, 2), (2.0, 1.0), 0, 0, 0, 0, 0)
+
+
+batches = st.tuples(
+    st.lists(st.tuples(st.integers(1, 4096), st.integers(0, 8192)), max_size=4),
+    st.lists(st.integers(1, 8192), max_size=64),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    combo=st.sampled_from(supported_latency_models()),
+    batch=batches,
+    extra_ctx=st.integers(1, 4096),
+    extra_chunk=st.tuples(st.integers(1, 2048), st.integers(0, 4096)),
+)
+def test_monotone_in_work(
+    combo: tuple[str, str, int],
+    batch: tuple[list[tuple[int, int]], list[int]],
+    extra_ctx: int,
+    extra_chunk: tuple[int, int],
+) -> None:
+    m = load_latency_model(*combo)
+    chunks, decodes = batch
+    t = m.step_time_s(chunks, decodes)
+    assert t >= 0.0
+    assert m.step_time_s(chunks, [*decodes, extra_ctx]) >= t  # one more decode
+    assert m.step_time_s([*chunks, extra_chunk], decodes) >= t  # one more prefill chunk
+    if decodes:
+        longer = [decodes[0] + extra_ctx, *decodes[1:]]
+        assert m.step_time_s(chunks, longer) >= t  # longer context
+
+
+def _muxserve_mape() -> dict[tuple[str, int, str], float]:
+    table = json.loads((DATA / "muxserve" / "llama.json").read_text())
+    out = {}
+    for mux_name, model in (("llama-7b", "llama-2-7b"), ("llama-13b", "llama-2-13b")):
+        for tp in (1, 2):
+            lm = load_latency_model(model, "a100", tp)
+            errs: dict[str, list[float]] = {"prefill": [], "decode": []}
+            for bs, by_seq in table[mux_name][str(tp)]["100"].items():
+                for seq, entry in by_seq.items():
+                    b, s = int(bs), int(seq)
+                    if entry["prefill"] > 0:  # -1 = not measured (out of memory)
+                        pred = lm.step_time_s([(s, 0)] * b, []) * 1000
+                        errs["prefill"].append(abs(pred - entry["prefill"]) / entry["prefill"])
+                    if entry["decoding"] > 0:
+                        pred = lm.step_time_s([], [s] * b) * 1000
+                        errs["decode"].append(abs(pred - entry["decoding"]) / entry["decoding"])
+            for phase, e in errs.items():
+                out[(model, tp, phase)] = sum(e) / len(e)
+    return out
+
+
+@pytest.mark.skipif(
+    not (DATA / "muxserve" / "llama.json").exists(), reason=f"measured data not found at {DATA}"
+)
+def test_calibration_muxserve_mape_within_documented_bound() -> None:
+    mape = _muxserve_mape()
+    assert len(mape) == 8
+    for key, value in mape.items():
+        assert value < MUXSERVE_GROUP_MAPE_BOUND, f"{key}: MAPE {value:.1%}"
+    assert sum(mape.values()) / len(mape) < MUXSERVE_OVERALL_MAPE_BOUND
