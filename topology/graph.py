@@ -173,7 +173,9 @@ class TopologyGraph:
             bottleneck_link=bottleneck_link,
         )
 
-    def _own_nic(self, hops: list[tuple[str, float]], node_id: str, *, first: bool) -> list[tuple[str, float]]:
+    def _own_nic(
+        self, hops: list[tuple[str, float]], node_id: str, *, first: bool
+    ) -> list[tuple[str, float]]:
         """Leave a multi-node NVLink island through the instance's own node's NIC.
 
         The tree keeps one NIC per island and rack (all of them close a cycle through the NVLink switch), so
@@ -220,10 +222,13 @@ def _build_graph(topo: Topology) -> nx.Graph:
             vertex = f"node:{node.node_id}"
             g.add_node(vertex, kind="node", domain=dom.domain_id)
             g.add_edge(switch, vertex, link=f"host:{node.node_id}", capacity=math.inf)
-            rack = topo.rack_of(node.node_id)
-            if rack is not None:
+            rack_id = topo.rack_of(node.node_id)
+            if rack_id is not None:
                 g.add_edge(
-                    vertex, f"rack:{rack}", link=f"nic:{node.node_id}", capacity=node.nic_bandwidth_bytes_per_s
+                    vertex,
+                    f"rack:{rack_id}",
+                    link=f"nic:{node.node_id}",
+                    capacity=node.nic_bandwidth_bytes_per_s,
                 )
         for inst in dom.instances:
             vertex = _instance_vertex(inst.instance_id)

@@ -236,7 +236,9 @@ def parse_topology(data: Any, source: str) -> Topology:
     """
     col = _Collector(source)
     if not isinstance(data, Mapping):
-        col.add("(root)", f"expected a mapping with keys name, models, gpu_types, domains, got {_describe(data)}")
+        col.add(
+            "(root)", f"expected a mapping with keys name, models, gpu_types, domains, got {_describe(data)}"
+        )
         raise TopologyError(col.errors)
     root = col.validate(_RootSchema, data, ())
     if root is None:
@@ -345,7 +347,8 @@ def _parse_domains(
         if gpu is None and d.gpu_type not in declared_gpus:
             col.add(
                 f"{loc}.gpu_type",
-                f"unknown GPU type {d.gpu_type!r}; GPU types in this file: {', '.join(sorted(declared_gpus))}",
+                f"unknown GPU type {d.gpu_type!r}; GPU types in this file: "
+                + ", ".join(sorted(declared_gpus)),
             )
         nodes = _parse_nodes(col, d, d_idx, seen)
         if d.kind == "node" and len(d.nodes) != 1:
@@ -442,7 +445,8 @@ def _parse_instances(
             if inst.model not in declared_models:
                 col.add(
                     f"{iloc}.model",
-                    f"unknown model {inst.model!r}; models in this file: {', '.join(sorted(declared_models))}",
+                    f"unknown model {inst.model!r}; models in this file: "
+                    + ", ".join(sorted(declared_models)),
                 )
             continue
         if model.num_attention_heads % inst.tensor_parallel_size:
@@ -480,7 +484,7 @@ def _parse_instances(
 def _derive_kv_blocks(
     col: _Collector, iloc: str, inst: _InstanceSchema, model: ModelSpec, gpu: GpuType, util: float
 ) -> int | None:
-    """``floor((tp · GPU memory · utilization − weights) / kv_bytes_per_block)``; None (and an error) if < 1."""
+    """``⌊(tp · GPU memory · utilization − weights) / kv_bytes_per_block⌋``; None (and an error) if < 1."""
     usable = inst.tensor_parallel_size * gpu.memory_bytes * util
     blocks = math.floor((usable - model.weight_bytes) / model.kv_bytes_per_block)
     if blocks >= 1:
@@ -525,7 +529,9 @@ def _parse_fabric(col: _Collector, root: _RootSchema, domains: Sequence[DomainSp
             col.add(rloc, "a rack needs at least one entry in 'domains' or 'nodes'")
         for node_id, path in members:
             if node_id in rack_of and rack_of[node_id] != r.id:
-                col.add(path, f"node {node_id!r} is already in rack {rack_of[node_id]!r}; a node sits in one rack")
+                col.add(
+                    path, f"node {node_id!r} is already in rack {rack_of[node_id]!r}; a node sits in one rack"
+                )
             rack_of.setdefault(node_id, r.id)
         node_ids = tuple(dict.fromkeys(n for n, _ in members if rack_of.get(n) == r.id))
         over = r.oversubscription or fab.oversubscription
@@ -534,7 +540,11 @@ def _parse_fabric(col: _Collector, root: _RootSchema, domains: Sequence[DomainSp
             if r.uplink_gbit_per_s is not None
             else sum(nodes[n].nic_bandwidth_bytes_per_s for n in node_ids) / over
         )
-        racks.append(RackSpec(rack_id=r.id, node_ids=node_ids, uplink_bandwidth_bytes_per_s=uplink, oversubscription=over))
+        racks.append(
+            RackSpec(
+                rack_id=r.id, node_ids=node_ids, uplink_bandwidth_bytes_per_s=uplink, oversubscription=over
+            )
+        )
     if len(root.domains) > 1 or fab.racks:
         missing = [n for n in nodes if n not in rack_of]
         for node_id in missing:
@@ -611,7 +621,7 @@ def load_topology(path_or_name: str | Path) -> Topology:
     except (OSError, UnicodeDecodeError) as exc:
         raise TopologyError([f"{shown}: (file): cannot read: {exc}"]) from exc
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "(file)"

@@ -36,10 +36,10 @@ DomainKind = Literal["node", "nvlink_island"]
 class ModelSpec:
     """One served model: the shape that fixes its KV-cache footprint and its weight size.
 
-    Attributes: ``num_layers`` transformer layers; ``num_attention_heads`` query heads; ``num_kv_heads`` key/value
-    heads (fewer than query heads under GQA); ``head_dim`` elements per head; ``hidden_size`` model width;
-    ``dtype`` one of :data:`DTYPE_BYTES` (weights and KV cache); ``block_size_tokens`` tokens per KV cache block
-    (paged attention); ``num_params`` parameter count; ``max_context_tokens`` longest sequence (prompt + output).
+    Attributes: ``num_layers`` transformer layers; ``num_attention_heads`` query heads; ``num_kv_heads``
+    key/value heads (fewer than query heads under GQA); ``head_dim`` elements per head; ``hidden_size`` model
+    width; ``dtype`` one of :data:`DTYPE_BYTES` (weights and KV cache); ``block_size_tokens`` tokens per KV
+    cache block (paged attention); ``num_params`` parameter count; ``max_context_tokens`` longest sequence.
     """
 
     name: str
@@ -162,13 +162,13 @@ class RackSpec:
 
 @dataclass(frozen=True, slots=True)
 class FabricSpec:
-    """The network between NVLink domains: rack switches joined by one spine (when there are several racks)."""
+    """The network between NVLink domains: rack switches joined by one spine (if there are several racks)."""
 
     racks: tuple[RackSpec, ...]
 
     @property
     def bisection_bandwidth_bytes_per_s(self) -> float:
-        """Spine bisection bandwidth: the least total uplink of any half of the racks (``⌊racks/2⌋`` smallest).
+        """Spine bisection bandwidth: the least total uplink of half of the racks (``⌊racks/2⌋`` smallest).
 
         For one rack (no spine) it is the least total NIC bandwidth of half of its nodes; that case is
         computed by :meth:`Topology.bisection_bandwidth_bytes_per_s`, which knows the nodes.
