@@ -166,11 +166,11 @@ def _pydantic_message(err: Mapping[str, Any], schema: type[_Schema]) -> str:
     if kind == "missing":
         return "missing required key"
     if kind == "greater_than":
-        return f"must be > {ctx.get('gt')}, got {given!r}"
+        return f"must be > {ctx.get('gt'):g}, got {given!r}"
     if kind == "greater_than_equal":
-        return f"must be >= {ctx.get('ge')}, got {given!r}"
+        return f"must be >= {ctx.get('ge'):g}, got {given!r}"
     if kind == "less_than_equal":
-        return f"must be <= {ctx.get('le')}, got {given!r}"
+        return f"must be <= {ctx.get('le'):g}, got {given!r}"
     if kind in ("int_type", "int_from_float"):
         return f"expected an integer, got {_describe(given)}"
     if kind == "float_type":
@@ -341,6 +341,7 @@ def _parse_domains(
         loc = f"domains[{d_idx}]"
         d = col.validate(_DomainSchema, item, ("domains", d_idx))
         if d is None:
+            _check_items_only(col, item, d_idx)
             continue
         _check_unique(col, "domain", seen.domains, d.id, f"{loc}.id")
         gpu = gpu_types.get(d.gpu_type)
@@ -365,6 +366,17 @@ def _parse_domains(
             DomainSpec(domain_id=d.id, kind=kind, gpu_type=d.gpu_type, nodes=nodes, instances=instances)
         )
     return out
+
+
+def _check_items_only(col: _Collector, item: Any, d_idx: int) -> None:
+    """Schema-check the nodes and instances of a domain that failed its own schema (report everything)."""
+    if not isinstance(item, Mapping):
+        return
+    for key, schema in (("nodes", _NodeSchema), ("instances", _InstanceSchema)):
+        raw = item.get(key)
+        if isinstance(raw, list):
+            for k, sub in enumerate(raw):
+                col.validate(schema, sub, ("domains", d_idx, key, k))
 
 
 def _parse_nodes(col: _Collector, d: _DomainSchema, d_idx: int, seen: _Seen) -> tuple[NodeSpec, ...] | None:
@@ -508,10 +520,12 @@ def _parse_fabric(col: _Collector, root: _RootSchema, domains: Sequence[DomainSp
     rack_of: dict[str, str] = {}
     seen: dict[str, str] = {}
     racks: list[RackSpec] = []
+    all_racks_valid = True
     for r_idx, raw in enumerate(fab.racks):
         rloc = f"fabric.racks[{r_idx}]"
         r = col.validate(_RackSchema, raw, ("fabric", "racks", r_idx))
         if r is None:
+            all_racks_valid = False
             continue
         _check_unique(col, "rack", seen, r.id, f"{rloc}.id")
         members: list[tuple[str, str]] = []
@@ -545,7 +559,7 @@ def _parse_fabric(col: _Collector, root: _RootSchema, domains: Sequence[DomainSp
                 rack_id=r.id, node_ids=node_ids, uplink_bandwidth_bytes_per_s=uplink, oversubscription=over
             )
         )
-    if len(root.domains) > 1 or fab.racks:
+    if (len(root.domains) > 1 or fab.racks) and all_racks_valid:
         missing = [n for n in nodes if n not in rack_of]
         for node_id in missing:
             col.add(
