@@ -266,8 +266,8 @@ def test_rack_errors() -> None:
     del data["fabric"]["racks"][1]["oversubscription"]
     assert errors_of(data) == [
         "t.yaml: fabric.racks[0].domains[1]: unknown domain 'node-9'; known: node-0, node-1",
-        "t.yaml: fabric.racks[1].nodes[0]: node 'node-0' is already in rack 'r0'; a node sits in one rack",
         "t.yaml: fabric.racks[1].nodes[1]: unknown node 'ghost'; known: node-0, node-1",
+        "t.yaml: fabric.racks[1].nodes[0]: node 'node-0' is already in rack 'r0'; a node sits in one rack",
         "t.yaml: fabric.racks: node 'node-1' is in no rack; with several domains every node must sit in a rack "
         "(list its domain under a rack's 'domains' or the node under 'nodes')",
     ]
