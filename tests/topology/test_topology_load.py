@@ -231,9 +231,16 @@ def test_unknown_model_gpu_type_and_weights_that_do_not_fit() -> None:
     data = base()
     data["domains"][0]["gpu_type"] = "h100"
     data["domains"][0]["instances"][0]["model"] = "llama-3"
-    data["gpu_types"].append({"name": "t4", "memory_gib": 12, "hbm_gbyte_per_s": 320, "nvlink_gbyte_per_s": 1})
+    data["gpu_types"].append(
+        {"name": "t4", "memory_gib": 12, "hbm_gbyte_per_s": 320, "nvlink_gbyte_per_s": 1}
+    )
     data["domains"][1]["gpu_type"] = "t4"
-    data["domains"][1]["instances"][0] = {"id": "c", "gpus": [0], "tensor_parallel_size": 1, "model": "llama-2-7b"}
+    data["domains"][1]["instances"][0] = {
+        "id": "c",
+        "gpus": [0],
+        "tensor_parallel_size": 1,
+        "model": "llama-2-7b",
+    }
     assert errors_of(data) == [
         "t.yaml: domains[0].gpu_type: unknown GPU type 'h100'; GPU types in this file: a100, t4",
         "t.yaml: domains[0].instances[0].model: unknown model 'llama-3'; models in this file: llama-2-7b",
@@ -297,7 +304,9 @@ def test_file_errors(tmp_path: Path) -> None:
     bad.write_text("name: x\nmodels:\n  - name: a\n    layers: [1, 2\n")
     with pytest.raises(TopologyError) as exc:
         load_topology(bad)
-    assert exc.value.errors == [f"{bad}: line 5, column 1: YAML syntax error: expected ',' or ']', but got '<stream end>'"]
+    assert exc.value.errors == [
+        f"{bad}: line 5, column 1: YAML syntax error: expected ',' or ']', but got '<stream end>'"
+    ]
     dup = tmp_path / "dup.yaml"
     dup.write_text("name: x\nname: y\n")
     with pytest.raises(TopologyError) as exc:
