@@ -32,7 +32,8 @@ def bench(name: str, topo: Topology, queries: int, rng: random.Random) -> None:
         graph.path(src, dst)
     cached_s = time.perf_counter() - t0
     print(
-        f"{name:>22}: {topo.num_gpus:5d} GPUs, {len(ids):5d} instances, {graph.graph.number_of_nodes():5d} vertices; "
+        f"{name:>16}: {topo.num_gpus:5d} GPUs, {len(ids):5d} instances, "
+        f"{graph.graph.number_of_nodes():5d} vertices; "
         f"build {build_s * 1e3:7.1f} ms; fresh pairs {queries / fresh_s:10,.0f} queries/s; "
         f"cached {queries / cached_s:12,.0f} queries/s"
     )

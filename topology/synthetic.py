@@ -1,4 +1,4 @@
-"""Generated topologies for benchmarks and tests: ``num_nodes`` 8-GPU H100 nodes, TP1 Llama-2-7B on every GPU."""
+"""Generated topologies for benchmarks and tests: 8-GPU H100 nodes, a TP1 Llama-2-7B on every GPU."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -93,7 +94,12 @@ def test_no_convergence_prices_a_blocking_copy() -> None:
     assert plan_migration(MigrationCostInput(160, 1000, 16, 0.001, 1_000_001), cfg).converges
 
 
-PREFIX = {"kv_tokens": 160, "kv_bytes_per_token": 1000, "block_size_tokens": 16, "decode_step_s": 0.02}
+PREFIX: dict[str, Any] = {
+    "kv_tokens": 160,
+    "kv_bytes_per_token": 1000,
+    "block_size_tokens": 16,
+    "decode_step_s": 0.02,
+}
 
 
 def test_prefix_blocks_on_destination_are_not_copied() -> None:

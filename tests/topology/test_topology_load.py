@@ -129,7 +129,8 @@ def test_given_kv_capacity_and_utilization_override() -> None:
     assert topo.instance("a").kv_capacity_blocks == 1000
     # floor((80 GiB * 0.5 - 13,476,831,232) / 8,388,608) = floor(29,472,841,728 / 8,388,608) = 3513
     assert topo.instance("b").kv_capacity_blocks == 3513
-    # TP2: floor((2 * 80 GiB * 0.9 - 13,476,831,232) / 8,388,608) = floor(141,141,991,424 / 8,388,608) = 16,825
+    # TP2: floor((2 * 80 GiB * 0.9 - 13,476,831,232) / 8,388,608)
+    #    = floor(141,141,991,424 / 8,388,608) = 16,825
     assert topo.instance("c").kv_capacity_blocks == 16_825
     assert topo.fabric.racks[0].uplink_bandwidth_bytes_per_s == 25e9  # 2 x 25 GB/s / 2.0
 
@@ -183,17 +184,20 @@ def test_duplicate_ids() -> None:
     data["fabric"]["racks"].append({"id": "r0", "nodes": []})
     errs = errors_of(data)
     assert errs == [
-        "t.yaml: models[1].name: duplicate model id 'llama-2-7b' (first at models[0].name); ids must be unique",
+        "t.yaml: models[1].name: duplicate model id 'llama-2-7b' (first at "
+        "models[0].name); ids must be unique",
         "t.yaml: gpu_types[1].name: duplicate GPU type id 'a100' (first at gpu_types[0].name); "
         "ids must be unique",
         "t.yaml: domains[1].id: duplicate domain id 'node-0' (first at domains[0].id); ids must be unique",
         "t.yaml: domains[1].nodes[0].id: duplicate node id 'node-0' (first at domains[0].nodes[0].id); "
         "ids must be unique",
-        "t.yaml: domains[1].instances[0].id: duplicate instance id 'a' (first at domains[0].instances[0].id); "
+        "t.yaml: domains[1].instances[0].id: duplicate instance id 'a' (first at "
+        "domains[0].instances[0].id); "
         "ids must be unique",
         # node-1 was renamed above, so rack r0 now names an unknown domain
         "t.yaml: fabric.racks[0].domains[1]: unknown domain 'node-1'; known: node-0",
-        "t.yaml: fabric.racks[1].id: duplicate rack id 'r0' (first at fabric.racks[0].id); ids must be unique",
+        "t.yaml: fabric.racks[1].id: duplicate rack id 'r0' (first at "
+        "fabric.racks[0].id); ids must be unique",
         "t.yaml: fabric.racks[1]: a rack needs at least one entry in 'domains' or 'nodes'",
     ]
 
@@ -223,7 +227,8 @@ def test_island_gpu_out_of_range_and_node_kind_with_two_nodes() -> None:
     assert errors_of(data) == [
         "t.yaml: domains[0].nodes: a domain of kind 'node' has exactly one node, got 2; use kind "
         "'nvlink_island' for an NVLink domain over several nodes",
-        "t.yaml: domains[1].instances[0].gpus: GPU 8 does not exist in NVLink island node-1 (8 GPUs on 2 nodes)",
+        "t.yaml: domains[1].instances[0].gpus: GPU 8 does not exist in NVLink island "
+        "node-1 (8 GPUs on 2 nodes)",
     ]
 
 
@@ -254,7 +259,8 @@ def test_invalid_model_does_not_cascade_into_unknown_model_errors() -> None:
     data = base()
     data["models"][0]["dtype"] = "float64"
     assert errors_of(data) == [
-        "t.yaml: models[0].dtype: expected one of 'float32', 'float16', 'bfloat16', 'float8', 'fp8' or 'int8', "
+        "t.yaml: models[0].dtype: expected one of 'float32', 'float16', 'bfloat16', "
+        "'float8', 'fp8' or 'int8', "
         "got 'float64'",
     ]
 
@@ -275,7 +281,8 @@ def test_rack_errors() -> None:
         "t.yaml: fabric.racks[0].domains[1]: unknown domain 'node-9'; known: node-0, node-1",
         "t.yaml: fabric.racks[1].nodes[1]: unknown node 'ghost'; known: node-0, node-1",
         "t.yaml: fabric.racks[1].nodes[0]: node 'node-0' is already in rack 'r0'; a node sits in one rack",
-        "t.yaml: fabric.racks: node 'node-1' is in no rack; with several domains every node must sit in a rack "
+        "t.yaml: fabric.racks: node 'node-1' is in no rack; with several domains every "
+        "node must sit in a rack "
         "(list its domain under a rack's 'domains' or the node under 'nodes')",
     ]
 
@@ -297,7 +304,8 @@ def test_file_errors(tmp_path: Path) -> None:
     with pytest.raises(TopologyError) as exc:
         load_topology(tmp_path / "nope.yaml")
     assert exc.value.errors == [
-        f"{tmp_path / 'nope.yaml'}: (file): file not found; give a path to a topology YAML file or one of the "
+        f"{tmp_path / 'nope.yaml'}: (file): file not found; give a path to a topology "
+        "YAML file or one of the "
         "bundled names: 1x8-a100, 2x8-a100, 64x8-h100, nvl72-gb200"
     ]
     bad = tmp_path / "bad.yaml"
@@ -312,7 +320,8 @@ def test_file_errors(tmp_path: Path) -> None:
     with pytest.raises(TopologyError) as exc:
         load_topology(dup)
     assert exc.value.errors == [
-        f"{dup}: line 2, column 1: YAML syntax error: duplicate key 'name' (first at line 1); keys must be unique"
+        f"{dup}: line 2, column 1: YAML syntax error: duplicate key 'name' (first at line "
+        "1); keys must be unique"
     ]
 
 
