@@ -181,7 +181,7 @@ def test_bytes_per_link() -> None:
 def test_bad_input_names_the_field(kwargs: dict[str, float], message: str) -> None:
     args = {**PREFIX, "path_bandwidth_bytes_per_s": 1e9, **kwargs}
     with pytest.raises(ValueError, match=message):
-        MigrationCostInput(**args)  # type: ignore[arg-type]
+        MigrationCostInput(**args)
 
 
 def test_bad_config() -> None:
