@@ -9,6 +9,8 @@ import pytest
 
 from hilum_cli.main import main
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def test_show_2x8_prints_the_figures(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["topology", "show", "2x8-a100"]) == 0
@@ -53,7 +55,7 @@ def test_unknown_instance_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
 def test_invalid_file_prints_every_error_and_exits_1(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    text = Path("topology/examples/2x8-a100.yaml").read_text()
+    text = (ROOT / "topology" / "examples" / "2x8-a100.yaml").read_text()
     text = text.replace("gpus: [7], tensor_parallel_size: 1", "gpus: [9], tensor_parallel_size: 1")
     text = text.replace("nic_gbit_per_s: 200}]", "nic_gbit_per_s: -200}]", 1)
     bad = tmp_path / "2x8.yaml"

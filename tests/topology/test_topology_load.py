@@ -10,6 +10,8 @@ import pytest
 
 from topology.load import BUNDLED_NAMES, TopologyError, load_topology, parse_topology
 
+ROOT = Path(__file__).resolve().parents[2]
+
 LLAMA_7B: dict[str, Any] = {
     "name": "llama-2-7b",
     "num_layers": 32,
@@ -78,7 +80,7 @@ def test_bundled_examples_load_with_expected_counts(name: str) -> None:
     assert counts == EXPECTED_COUNTS[name]
     assert topo.name == name
     # the same file through the examples/topologies link and by path
-    assert load_topology(Path("examples/topologies") / f"{name}.yaml").instances == topo.instances
+    assert load_topology(ROOT / "examples" / "topologies" / f"{name}.yaml").instances == topo.instances
 
 
 def test_2x8_a100_figures() -> None:
@@ -326,7 +328,7 @@ def test_file_errors(tmp_path: Path) -> None:
 
 
 def test_file_and_bundled_name_give_the_same_topology(tmp_path: Path) -> None:
-    src = Path("topology/examples/2x8-a100.yaml").read_text()
+    src = (ROOT / "topology" / "examples" / "2x8-a100.yaml").read_text()
     path = tmp_path / "mine.yaml"
     path.write_text(src)
     assert load_topology(path).instances == load_topology("2x8-a100").instances
