@@ -1,0 +1,70 @@
+"""``hilum topology show`` and ``hilum topology path`` through the ``hilum`` entry point."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hilum_cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_show_2x8_prints_the_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["topology", "show", "2x8-a100"]) == 0
+    out = capsys.readouterr().out
+    assert "2x8-a100 (2x8-a100.yaml): 16 GPUs, 2 NVLink domains, 16 instances, 1 racks" in out
+    assert "524,288" in out  # KV bytes per token of Llama-2-7B fp16
+    assert "8 MiB" in out  # per 16-token block
+    for figure in ("7,609", "121,744", "60,872", "973,952"):  # per-instance and per-domain blocks / tokens
+        assert figure in out
+    assert "600.0 GB/s" in out and "8 x llama-2-7b TP1" in out
+    assert "bisection bandwidth: 200 Gb/s (25.0 GB/s)" in out
+    assert "nic:node-0" in out and "25.0 GB/s" in out
+
+
+def test_show_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["topology", "show", "64x8-h100", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["num_gpus"] == 512 and data["num_instances"] == 336 and len(data["fabric"]["racks"]) == 8
+    assert data["models"]["llama-2-70b"]["kv_bytes_per_token"] == 327_680
+    assert data["fabric"]["racks"][0]["uplink_bandwidth_bytes_per_s"] == 100e9
+    assert data["fabric"]["bisection_bandwidth_bytes_per_s"] == 400e9  # 4 racks x 800 Gb/s
+    assert data["paths"]["cross_rack"]["min_bandwidth_bytes_per_s"] == 50e9
+    assert data["paths"]["same_domain"]["min_bandwidth_bytes_per_s"] == 900e9
+
+
+def test_path(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["topology", "path", "2x8-a100", "node-0-i0", "node-1-i3"]) == 0
+    out = capsys.readouterr().out
+    assert "node-0-i0 -> node-1-i3 (across domains): 25.0 GB/s = 200 Gb/s, bottleneck nic:node-0" in out
+    assert "nvlink:node-1-i3" in out
+    assert main(["topology", "path", "2x8-a100", "node-0-i0", "node-0-i1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["bandwidth_bytes_per_s"] == 600e9 and data["same_domain"] is True
+    assert [link["link"] for link in data["links"]] == ["nvlink:node-0-i0", "nvlink:node-0-i1"]
+
+
+def test_unknown_instance_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["topology", "path", "2x8-a100", "node-0-i0", "ghost"]) == 1
+    assert "no instance 'ghost'" in capsys.readouterr().err
+
+
+def test_invalid_file_prints_every_error_and_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = (ROOT / "topology" / "examples" / "2x8-a100.yaml").read_text()
+    text = text.replace("gpus: [7], tensor_parallel_size: 1", "gpus: [9], tensor_parallel_size: 1")
+    text = text.replace("nic_gbit_per_s: 200}]", "nic_gbit_per_s: -200}]", 1)
+    bad = tmp_path / "2x8.yaml"
+    bad.write_text(text)
+    assert main(["topology", "show", str(bad)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"{bad}: domains[0].nodes[0].nic_gbit_per_s: must be > 0, got -200",
+        f"{bad}: domains[1].instances[7].gpus: GPU 9 does not exist on node-1 (8 GPUs)",
+    ]
+    assert main(["topology", "show", "no-such-topology"]) == 1
+    assert "no-such-topology: (file): file not found" in capsys.readouterr().err

@@ -1,0 +1,335 @@
+"""Loading topology files: bundled examples, unit conversion, derived KV capacity and every error class."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from topology.load import BUNDLED_NAMES, TopologyError, load_topology, parse_topology
+
+ROOT = Path(__file__).resolve().parents[2]
+
+LLAMA_7B: dict[str, Any] = {
+    "name": "llama-2-7b",
+    "num_layers": 32,
+    "num_attention_heads": 32,
+    "num_kv_heads": 32,
+    "head_dim": 128,
+    "hidden_size": 4096,
+    "dtype": "float16",
+    "block_size_tokens": 16,
+    "num_params": 6738415616,
+    "max_context_tokens": 4096,
+}
+
+
+def base() -> dict[str, Any]:
+    """Two 8-GPU A100 nodes in one rack, two TP1 instances on node-0 and one TP2 on node-1."""
+    return {
+        "name": "t",
+        "models": [copy.deepcopy(LLAMA_7B)],
+        "gpu_types": [{"name": "a100", "memory_gib": 80, "hbm_gbyte_per_s": 2039, "nvlink_gbyte_per_s": 600}],
+        "domains": [
+            {
+                "id": "node-0",
+                "kind": "node",
+                "gpu_type": "a100",
+                "nodes": [{"id": "node-0", "num_gpus": 8, "nic_gbit_per_s": 200}],
+                "instances": [
+                    {"id": "a", "gpus": [0], "tensor_parallel_size": 1, "model": "llama-2-7b"},
+                    {"id": "b", "gpus": [1], "tensor_parallel_size": 1, "model": "llama-2-7b"},
+                ],
+            },
+            {
+                "id": "node-1",
+                "kind": "node",
+                "gpu_type": "a100",
+                "nodes": [{"id": "node-1", "num_gpus": 8, "nic_gbit_per_s": 200}],
+                "instances": [{"id": "c", "gpus": [2, 3], "tensor_parallel_size": 2, "model": "llama-2-7b"}],
+            },
+        ],
+        "fabric": {"oversubscription": 2.0, "racks": [{"id": "r0", "domains": ["node-0", "node-1"]}]},
+    }
+
+
+def errors_of(data: Any) -> list[str]:
+    with pytest.raises(TopologyError) as exc:
+        parse_topology(data, "t.yaml")
+    assert str(exc.value) == "\n".join(exc.value.errors)
+    return exc.value.errors
+
+
+# ------------------------------------------------------------------------------------------- examples
+
+EXPECTED_COUNTS = {
+    # name: (domains, nodes, GPUs, instances, racks)
+    "1x8-a100": (1, 1, 8, 8, 0),
+    "2x8-a100": (2, 2, 16, 16, 1),
+    "64x8-h100": (64, 64, 512, 32 * 8 + 16 * 4 + 16 * 1, 8),
+    "nvl72-gb200": (2, 36, 144, 32, 2),
+}
+
+
+@pytest.mark.parametrize("name", BUNDLED_NAMES)
+def test_bundled_examples_load_with_expected_counts(name: str) -> None:
+    topo = load_topology(name)
+    counts = (len(topo.domains), len(topo.nodes), topo.num_gpus, len(topo.instances), len(topo.fabric.racks))
+    assert counts == EXPECTED_COUNTS[name]
+    assert topo.name == name
+    # the same file through the examples/topologies link and by path
+    assert load_topology(ROOT / "examples" / "topologies" / f"{name}.yaml").instances == topo.instances
+
+
+def test_2x8_a100_figures() -> None:
+    topo = load_topology("2x8-a100")
+    model = topo.model_of("node-1-i7")
+    assert model.kv_bytes_per_token == 2 * 32 * 32 * 128 * 2 == 524_288
+    assert model.kv_bytes_per_block == 524_288 * 16
+    assert model.weight_bytes == 13_476_831_232
+    gpu = topo.gpu_of("node-0-i0")
+    assert gpu.memory_bytes == 80 * 2**30
+    assert gpu.nvlink_bandwidth_bytes_per_s == 600e9
+    assert topo.node("node-0").nic_bandwidth_bytes_per_s == 25e9  # 200 Gb/s
+    # floor((80 GiB * 0.9 - 13,476,831,232 B) / 8,388,608 B) = floor(63,832,580,096 / 8,388,608) = 7609
+    assert {i.kv_capacity_blocks for i in topo.instances} == {7609}
+    assert topo.kv_capacity_tokens("node-0-i3") == 7609 * 16
+    rack = topo.fabric.racks[0]
+    assert rack.node_ids == ("node-0", "node-1")
+    assert rack.uplink_bandwidth_bytes_per_s == 50e9  # 2 x 200 Gb/s / 1.0
+    assert topo.instance("node-1-i2").domain_id == "node-1"
+    assert topo.instance("node-1-i2").gpus == (2,)
+
+
+def test_64x8_h100_mix_and_uplinks() -> None:
+    topo = load_topology("64x8-h100")
+    tp = {(i.model, i.tensor_parallel_size) for i in topo.instances}
+    assert tp == {("llama-2-7b", 1), ("llama-2-13b", 2), ("llama-2-70b", 8)}
+    assert {r.uplink_bandwidth_bytes_per_s for r in topo.fabric.racks} == {100e9}  # 8 x 400 Gb/s / 4
+    llama70 = topo.models["llama-2-70b"]
+    assert llama70.kv_bytes_per_token == 2 * 80 * 8 * 128 * 2 == 327_680
+    # floor((8 * 80 GiB * 0.9 - 137,953,296,384 B) / (327,680 * 16 B)) = 91,652
+    assert topo.instance("node-63-i0").kv_capacity_blocks == 91_652
+
+
+def test_nvl72_instances_span_trays() -> None:
+    topo = load_topology("nvl72-gb200")
+    dom = topo.domain("nvl72-0")
+    assert dom.kind == "nvlink_island" and dom.num_gpus == 72 and len(dom.nodes) == 18
+    assert topo.instance("nvl72-0-i1").gpus == tuple(range(8, 16))
+    assert topo.instance("nvl72-0-i1").node_id == "nvl72-0-tray02"  # GPU 8 is on tray 2 (4 GPUs per tray)
+    assert topo.instance("nvl72-1-i15").node_id == "nvl72-1-tray17"  # GPU 71
+
+
+def test_given_kv_capacity_and_utilization_override() -> None:
+    data = base()
+    data["domains"][0]["instances"][0]["kv_capacity_blocks"] = 1000
+    data["domains"][0]["instances"][1]["gpu_memory_utilization"] = 0.5
+    topo = parse_topology(data, "t.yaml")
+    assert topo.instance("a").kv_capacity_blocks == 1000
+    # floor((80 GiB * 0.5 - 13,476,831,232) / 8,388,608) = floor(29,472,841,728 / 8,388,608) = 3513
+    assert topo.instance("b").kv_capacity_blocks == 3513
+    # TP2: floor((2 * 80 GiB * 0.9 - 13,476,831,232) / 8,388,608)
+    #    = floor(141,141,991,424 / 8,388,608) = 16,825
+    assert topo.instance("c").kv_capacity_blocks == 16_825
+    assert topo.fabric.racks[0].uplink_bandwidth_bytes_per_s == 25e9  # 2 x 25 GB/s / 2.0
+
+
+def test_lookup_of_unknown_ids_names_them() -> None:
+    topo = load_topology("2x8-a100")
+    with pytest.raises(KeyError, match="no instance 'x'"):
+        topo.instance("x")
+    with pytest.raises(KeyError, match="no domain 'x'"):
+        topo.domain("x")
+
+
+# ------------------------------------------------------------------------------------------- errors
+
+
+def test_unknown_key_missing_key_and_bad_values_all_reported() -> None:
+    data = base()
+    data["domains"][0]["instances"][1]["tp"] = 1
+    del data["models"][0]["num_layers"]
+    data["gpu_types"][0]["nvlink_gbyte_per_s"] = -600
+    data["domains"][1]["nodes"][0]["nic_gbit_per_s"] = 0
+    data["domains"][1]["kind"] = "rack"
+    assert errors_of(data) == [
+        "t.yaml: models[0].num_layers: missing required key",
+        "t.yaml: gpu_types[0].nvlink_gbyte_per_s: must be > 0, got -600",
+        "t.yaml: domains[0].instances[1].tp: unknown key; expected one of: id, gpus, tensor_parallel_size, "
+        "model, kv_capacity_blocks, gpu_memory_utilization",
+        "t.yaml: domains[1].kind: expected one of 'node' or 'nvlink_island', got 'rack'",
+        "t.yaml: domains[1].nodes[0].nic_gbit_per_s: must be > 0, got 0",
+    ]
+
+
+def test_wrong_types() -> None:
+    data = base()
+    data["models"][0]["num_params"] = "7B"
+    data["gpu_types"][0]["memory_gib"] = 80.5  # a float is fine for GiB
+    data["domains"][0]["instances"][0]["gpus"] = [0.5]
+    assert errors_of(data) == [
+        "t.yaml: models[0].num_params: expected an integer, got '7B' (str)",
+        "t.yaml: domains[0].instances[0].gpus[0]: expected an integer, got 0.5 (float)",
+    ]
+
+
+def test_duplicate_ids() -> None:
+    data = base()
+    data["models"].append(copy.deepcopy(LLAMA_7B))
+    data["gpu_types"].append(copy.deepcopy(data["gpu_types"][0]))
+    data["domains"][1]["id"] = "node-0"
+    data["domains"][1]["nodes"][0]["id"] = "node-0"
+    data["domains"][1]["instances"][0]["id"] = "a"
+    data["fabric"]["racks"].append({"id": "r0", "nodes": []})
+    errs = errors_of(data)
+    assert errs == [
+        "t.yaml: models[1].name: duplicate model id 'llama-2-7b' (first at "
+        "models[0].name); ids must be unique",
+        "t.yaml: gpu_types[1].name: duplicate GPU type id 'a100' (first at gpu_types[0].name); "
+        "ids must be unique",
+        "t.yaml: domains[1].id: duplicate domain id 'node-0' (first at domains[0].id); ids must be unique",
+        "t.yaml: domains[1].nodes[0].id: duplicate node id 'node-0' (first at domains[0].nodes[0].id); "
+        "ids must be unique",
+        "t.yaml: domains[1].instances[0].id: duplicate instance id 'a' (first at "
+        "domains[0].instances[0].id); "
+        "ids must be unique",
+        # node-1 was renamed above, so rack r0 now names an unknown domain
+        "t.yaml: fabric.racks[0].domains[1]: unknown domain 'node-1'; known: node-0",
+        "t.yaml: fabric.racks[1].id: duplicate rack id 'r0' (first at "
+        "fabric.racks[0].id); ids must be unique",
+        "t.yaml: fabric.racks[1]: a rack needs at least one entry in 'domains' or 'nodes'",
+    ]
+
+
+def test_gpu_errors() -> None:
+    data = base()
+    insts = data["domains"][1]["instances"]
+    insts[0]["gpus"] = [9, 3]
+    insts.append({"id": "d", "gpus": [3, 3], "tensor_parallel_size": 2, "model": "llama-2-7b"})
+    insts.append({"id": "e", "gpus": [4, 5], "tensor_parallel_size": 1, "model": "llama-2-7b"})
+    assert errors_of(data) == [
+        "t.yaml: domains[1].instances[0].gpus: GPU 9 does not exist on node-1 (8 GPUs)",
+        "t.yaml: domains[1].instances[1].gpus: GPU 3 is already used by instance 'c'",
+        "t.yaml: domains[1].instances[1].gpus: GPU 3 is listed more than once; list each GPU once",
+        "t.yaml: domains[1].instances[2].tensor_parallel_size: tensor_parallel_size is 1 but 2 GPUs listed; "
+        "list one GPU per tensor-parallel rank",
+    ]
+
+
+def test_island_gpu_out_of_range_and_node_kind_with_two_nodes() -> None:
+    data = base()
+    dom = data["domains"][1]
+    dom["kind"] = "nvlink_island"
+    dom["nodes"] = [{"id": f"tray{k}", "num_gpus": 4, "nic_gbit_per_s": 400} for k in range(2)]
+    dom["instances"][0]["gpus"] = [7, 8]
+    data["domains"][0]["nodes"].append({"id": "node-0b", "num_gpus": 8, "nic_gbit_per_s": 200})
+    assert errors_of(data) == [
+        "t.yaml: domains[0].nodes: a domain of kind 'node' has exactly one node, got 2; use kind "
+        "'nvlink_island' for an NVLink domain over several nodes",
+        "t.yaml: domains[1].instances[0].gpus: GPU 8 does not exist in NVLink island "
+        "node-1 (8 GPUs on 2 nodes)",
+    ]
+
+
+def test_unknown_model_gpu_type_and_weights_that_do_not_fit() -> None:
+    data = base()
+    data["domains"][0]["gpu_type"] = "h100"
+    data["domains"][0]["instances"][0]["model"] = "llama-3"
+    data["gpu_types"].append(
+        {"name": "t4", "memory_gib": 12, "hbm_gbyte_per_s": 320, "nvlink_gbyte_per_s": 1}
+    )
+    data["domains"][1]["gpu_type"] = "t4"
+    data["domains"][1]["instances"][0] = {
+        "id": "c",
+        "gpus": [0],
+        "tensor_parallel_size": 1,
+        "model": "llama-2-7b",
+    }
+    assert errors_of(data) == [
+        "t.yaml: domains[0].gpu_type: unknown GPU type 'h100'; GPU types in this file: a100, t4",
+        "t.yaml: domains[0].instances[0].model: unknown model 'llama-3'; models in this file: llama-2-7b",
+        "t.yaml: domains[1].instances[0].model: weights of llama-2-7b (13.5 GB) leave no room for a KV cache "
+        "block in 1 x t4 x 0.9 utilization = 11.6 GB; use more GPUs (tensor_parallel_size) or give "
+        "kv_capacity_blocks",
+    ]
+
+
+def test_invalid_model_does_not_cascade_into_unknown_model_errors() -> None:
+    data = base()
+    data["models"][0]["dtype"] = "float64"
+    assert errors_of(data) == [
+        "t.yaml: models[0].dtype: expected one of 'float32', 'float16', 'bfloat16', "
+        "'float8', 'fp8' or 'int8', "
+        "got 'float64'",
+    ]
+
+
+def test_rack_errors() -> None:
+    data = base()
+    data["fabric"]["racks"] = [
+        {"id": "r0", "domains": ["node-0", "node-9"], "uplink_gbit_per_s": 100},
+        {"id": "r1", "nodes": ["node-0", "ghost"], "oversubscription": -1},
+    ]
+    # with an invalid rack the "node in no rack" check is skipped: it would guess at what the rack meant
+    assert errors_of(data) == [
+        "t.yaml: fabric.racks[0].domains[1]: unknown domain 'node-9'; known: node-0, node-1",
+        "t.yaml: fabric.racks[1].oversubscription: must be > 0, got -1",
+    ]
+    del data["fabric"]["racks"][1]["oversubscription"]
+    assert errors_of(data) == [
+        "t.yaml: fabric.racks[0].domains[1]: unknown domain 'node-9'; known: node-0, node-1",
+        "t.yaml: fabric.racks[1].nodes[1]: unknown node 'ghost'; known: node-0, node-1",
+        "t.yaml: fabric.racks[1].nodes[0]: node 'node-0' is already in rack 'r0'; a node sits in one rack",
+        "t.yaml: fabric.racks: node 'node-1' is in no rack; with several domains every "
+        "node must sit in a rack "
+        "(list its domain under a rack's 'domains' or the node under 'nodes')",
+    ]
+
+
+def test_root_errors() -> None:
+    assert errors_of([1, 2]) == [
+        "t.yaml: (root): expected a mapping with keys name, models, gpu_types, domains, got [1, 2] (list)"
+    ]
+    assert errors_of({"name": "x", "models": [], "gpu_types": [], "domains": [], "racks": []}) == [
+        "t.yaml: models: expected at least 1 item(s), got none",
+        "t.yaml: gpu_types: expected at least 1 item(s), got none",
+        "t.yaml: domains: expected at least 1 item(s), got none",
+        "t.yaml: racks: unknown key; expected one of: name, description, gpu_memory_utilization, models, "
+        "gpu_types, domains, fabric",
+    ]
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(TopologyError) as exc:
+        load_topology(tmp_path / "nope.yaml")
+    assert exc.value.errors == [
+        f"{tmp_path / 'nope.yaml'}: (file): file not found; give a path to a topology "
+        "YAML file or one of the "
+        "bundled names: 1x8-a100, 2x8-a100, 64x8-h100, nvl72-gb200"
+    ]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmodels:\n  - name: a\n    layers: [1, 2\n")
+    with pytest.raises(TopologyError) as exc:
+        load_topology(bad)
+    assert exc.value.errors == [
+        f"{bad}: line 5, column 1: YAML syntax error: expected ',' or ']', but got '<stream end>'"
+    ]
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("name: x\nname: y\n")
+    with pytest.raises(TopologyError) as exc:
+        load_topology(dup)
+    assert exc.value.errors == [
+        f"{dup}: line 2, column 1: YAML syntax error: duplicate key 'name' (first at line "
+        "1); keys must be unique"
+    ]
+
+
+def test_file_and_bundled_name_give_the_same_topology(tmp_path: Path) -> None:
+    src = (ROOT / "topology" / "examples" / "2x8-a100.yaml").read_text()
+    path = tmp_path / "mine.yaml"
+    path.write_text(src)
+    assert load_topology(path).instances == load_topology("2x8-a100").instances
+    assert load_topology(str(path)).source == str(path)

@@ -1,0 +1,336 @@
+"""Migration cost model: what it takes to move one running request's KV cache to another instance.
+
+Multi-stage pre-copy after Llumnix (Sun et al., OSDI '24, §4.2 "Live migration"): stage 0 copies every
+*full* KV cache block while the request keeps decoding on the source; each further stage copies the blocks
+that filled up meanwhile (one new token per decode step); when the remainder is small (or after a maximum
+number of stages) the source suspends the request and the last stage copies the rest, including the partial
+last block. The downtime is the last stage only.
+
+Formulas (units: bytes, seconds, bytes/s; ``Bt`` = KV bytes per token, ``bs`` = block size in tokens,
+``Bb = Bt·bs`` bytes per block, ``d`` = decode step time, ``n0`` = tokens at the start):
+
+* effective bandwidth ``B = path_bottleneck · cap_fraction / (existing_flows + 1)``: a migration may use at
+  most ``cap_fraction`` of a link and shares it fairly with the flows already on the bottleneck link;
+* tokens at time ``T`` after the start: ``n(T) = n0 + ⌊T / d⌋``; stage 0 copies ``⌊n0/bs⌋`` blocks
+  (minus the prefix blocks already on the destination), taking ``blocks·Bb / B``;
+* after each live stage the remainder is ``⌈n(T)/bs⌉ − blocks copied so far``; a further live stage copies
+  the newly full blocks ``⌊n(T)/bs⌋ − copied``; the loop stops when the remainder ``≤ stop_remaining_blocks``,
+  after ``max_stages`` live stages, or when no block filled meanwhile;
+* downtime ``= remainder·Bb / B + suspend_resume_overhead_s``;
+* convergence (closed form): pre-copy shrinks the remainder only if the request produces KV more slowly than
+  the path carries it, ``Bt / d < B``. Otherwise the plan is a blocking stop-and-copy of everything that
+  must move: downtime ``= blocks·Bb / B + overhead``, ``converges=False``.
+
+Since ``Bt/d < B`` means a stage of ``k`` blocks lasts less than ``k·bs`` decode steps, the remainder never
+grows from stage to stage, so a converging plan's downtime is at most the blocking downtime.
+
+Shared prefix: prefix blocks already present on the destination (matched by block hash) are never copied.
+When the caller gives the time to re-prefill the missing prefix on the destination, a second plan is priced:
+copy only the non-prefix blocks while the destination recomputes the prefix in parallel; the request resumes
+when both are done. The plan that completes first wins (then the lower downtime).
+
+Arithmetic is exact (``fractions.Fraction`` of the decimal values given), so hand-computed cases are
+reproduced exactly, including block boundaries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Literal
+
+from topology.graph import PathInfo
+
+__all__ = [
+    "CostConfig",
+    "MigrationCostInput",
+    "MigrationPlan",
+    "PlanMode",
+    "bytes_per_link",
+    "effective_bandwidth_bytes_per_s",
+    "plan_migration",
+]
+
+PlanMode = Literal["pre-copy", "pre-copy+recompute-prefix", "blocking"]
+
+
+def _exact(x: float | int) -> Fraction:
+    """The decimal value the caller wrote: ``Fraction(repr(0.02)) == 1/50`` (not the binary float)."""
+    return Fraction(x) if isinstance(x, int) else Fraction(repr(float(x)))
+
+
+def _check(ok: bool, what: str, value: object, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{what} must be {expected}, got {value!r}")
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+@dataclass(frozen=True, slots=True)
+class CostConfig:
+    """Knobs of the cost model.
+
+    ``cap_fraction``: share of each link's capacity a migration may use (0, 1], default 0.2.
+    ``max_stages``: most live (pre-copy) stages before the request is suspended anyway (≥ 1).
+    ``stop_remaining_blocks``: suspend when at most this many blocks are left to copy (≥ 0).
+    ``suspend_resume_overhead_s``: fixed downtime added to the last stage (suspending on the source,
+    committing and resuming on the destination). Default 1 ms is an assumption, not a measurement:
+    calibrate it.
+    Raises ValueError on an out-of-range value.
+    """
+
+    cap_fraction: float = 0.2
+    max_stages: int = 8
+    stop_remaining_blocks: int = 1
+    suspend_resume_overhead_s: float = 0.001
+
+    def __post_init__(self) -> None:
+        _check(
+            _finite(self.cap_fraction) and 0 < self.cap_fraction <= 1,
+            "cap_fraction",
+            self.cap_fraction,
+            "in (0, 1]",
+        )
+        _check(
+            isinstance(self.max_stages, int) and self.max_stages >= 1,
+            "max_stages",
+            self.max_stages,
+            "an int >= 1",
+        )
+        _check(
+            isinstance(self.stop_remaining_blocks, int) and self.stop_remaining_blocks >= 0,
+            "stop_remaining_blocks",
+            self.stop_remaining_blocks,
+            "an int >= 0",
+        )
+        _check(
+            _finite(self.suspend_resume_overhead_s) and self.suspend_resume_overhead_s >= 0,
+            "suspend_resume_overhead_s",
+            self.suspend_resume_overhead_s,
+            "a finite number >= 0",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationCostInput:
+    """One request to move over one path. Raises ValueError naming the bad field.
+
+    * ``kv_tokens``: tokens whose KV the request holds now (prompt + generated);
+    * ``kv_bytes_per_token``: KV bytes per token, all layers (``ModelSpec.kv_bytes_per_token``);
+    * ``block_size_tokens``: tokens per KV cache block;
+    * ``decode_step_s``: time of one decode step of the source's batch (one new token per step);
+    * ``path_bandwidth_bytes_per_s``: raw widest-path bottleneck (``PathInfo.bandwidth_bytes_per_s``);
+    * ``existing_flows``: migrations already on the bottleneck link;
+    * ``prefix_blocks``: full blocks at the start of the sequence that hold a shared prefix;
+    * ``prefix_blocks_on_dst``: of those, how many the destination already holds (matched by block hash);
+    * ``prefix_reprefill_s``: time to re-prefill the missing prefix blocks on the destination, or None to not
+      price recomputation.
+    """
+
+    kv_tokens: int
+    kv_bytes_per_token: int
+    block_size_tokens: int
+    decode_step_s: float
+    path_bandwidth_bytes_per_s: float
+    existing_flows: int = 0
+    prefix_blocks: int = 0
+    prefix_blocks_on_dst: int = 0
+    prefix_reprefill_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("kv_tokens", "existing_flows", "prefix_blocks", "prefix_blocks_on_dst"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 0, name, value, "an int >= 0")
+        for name in ("kv_bytes_per_token", "block_size_tokens"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value > 0, name, value, "an int > 0")
+        for name in ("decode_step_s", "path_bandwidth_bytes_per_s"):
+            value = getattr(self, name)
+            _check(_finite(value) and value > 0, name, value, "a finite number > 0")
+        full = self.kv_tokens // self.block_size_tokens
+        _check(
+            self.prefix_blocks <= full, "prefix_blocks", self.prefix_blocks, f"<= the {full} full blocks held"
+        )
+        _check(
+            self.prefix_blocks_on_dst <= self.prefix_blocks,
+            "prefix_blocks_on_dst",
+            self.prefix_blocks_on_dst,
+            f"<= prefix_blocks ({self.prefix_blocks})",
+        )
+        if self.prefix_reprefill_s is not None:
+            _check(
+                _finite(self.prefix_reprefill_s) and self.prefix_reprefill_s >= 0,
+                "prefix_reprefill_s",
+                self.prefix_reprefill_s,
+                "a finite number >= 0 or None",
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationPlan:
+    """The priced migration.
+
+    * ``converges``: pre-copy converges (``Bt/d < B``);
+    * ``mode``: ``"pre-copy"``, ``"pre-copy+recompute-prefix"`` or ``"blocking"`` (stop-and-copy, only when
+      pre-copy does not converge);
+    * ``stage_bytes`` / ``stage_s``: per stage, live stages first, the last (suspended) stage last;
+    * ``transfer_s``: total copy time (Σ stage_s); ``downtime_s``: time the request is stopped;
+    * ``total_bytes``: bytes sent (Σ stage_bytes);
+    * ``completion_s``: from the start until the request runs on the destination;
+    * ``effective_bandwidth_bytes_per_s``: B in the module docstring;
+    * ``skipped_prefix_blocks``: prefix blocks not copied because the destination has them;
+    * ``recomputed_prefix_blocks`` / ``recompute_s``: prefix blocks re-prefilled on the destination and
+      the time that takes.
+    """
+
+    converges: bool
+    mode: PlanMode
+    stage_bytes: tuple[int, ...]
+    stage_s: tuple[float, ...]
+    transfer_s: float
+    downtime_s: float
+    total_bytes: int
+    completion_s: float
+    effective_bandwidth_bytes_per_s: float
+    skipped_prefix_blocks: int = 0
+    recomputed_prefix_blocks: int = 0
+    recompute_s: float = 0.0
+
+    @property
+    def num_stages(self) -> int:
+        """Stages including the last (suspended) one."""
+        return len(self.stage_bytes)
+
+
+def effective_bandwidth_bytes_per_s(path_bw: float, cap_fraction: float, existing_flows: int) -> float:
+    """Bandwidth one migration gets: ``path_bw · cap_fraction / (existing_flows + 1)`` (bytes/s).
+
+    The migration cap reserves most of each link for serving traffic; the capped share is split fairly among
+    the flows on the bottleneck link, this one included. Raises ValueError on a bad argument.
+    """
+    return float(_effective(path_bw, cap_fraction, existing_flows))
+
+
+def _effective(path_bw: float, cap_fraction: float, existing_flows: int) -> Fraction:
+    _check(_finite(path_bw) and path_bw > 0, "path_bw", path_bw, "a finite number > 0")
+    _check(_finite(cap_fraction) and 0 < cap_fraction <= 1, "cap_fraction", cap_fraction, "in (0, 1]")
+    _check(
+        isinstance(existing_flows, int) and existing_flows >= 0,
+        "existing_flows",
+        existing_flows,
+        "an int >= 0",
+    )
+    return _exact(path_bw) * _exact(cap_fraction) / (existing_flows + 1)
+
+
+@dataclass(frozen=True, slots=True)
+class _Stages:
+    blocks: tuple[int, ...]  # per stage, the last one suspended
+    live_s: Fraction  # time until the request is suspended
+    last_s: Fraction  # the suspended stage's copy time
+
+
+def _precopy(inp: MigrationCostInput, cfg: CostConfig, bw: Fraction, skip_blocks: int) -> _Stages:
+    """Block-granular pre-copy loop (module docstring); ``skip_blocks`` leading full blocks are not sent."""
+    bs = inp.block_size_tokens
+    block_s = Fraction(inp.kv_bytes_per_token * bs) / bw
+    step_s = _exact(inp.decode_step_s)
+    copied = inp.kv_tokens // bs
+    blocks = [copied - skip_blocks]
+    elapsed = blocks[0] * block_s
+    while True:
+        tokens = inp.kv_tokens + math.floor(elapsed / step_s)
+        full = tokens // bs
+        remainder = -(-tokens // bs) - copied
+        if remainder <= cfg.stop_remaining_blocks or len(blocks) >= cfg.max_stages or full == copied:
+            break
+        blocks.append(full - copied)
+        elapsed += (full - copied) * block_s
+        copied = full
+    blocks.append(remainder)
+    return _Stages(blocks=tuple(blocks), live_s=elapsed, last_s=remainder * block_s)
+
+
+def _plan_from_stages(
+    inp: MigrationCostInput,
+    cfg: CostConfig,
+    bw: Fraction,
+    stages: _Stages,
+    mode: PlanMode,
+    recompute_blocks: int,
+) -> MigrationPlan:
+    block_bytes = inp.kv_bytes_per_token * inp.block_size_tokens
+    block_s = Fraction(block_bytes) / bw
+    overhead = _exact(cfg.suspend_resume_overhead_s)
+    recompute = (
+        _exact(inp.prefix_reprefill_s)
+        if recompute_blocks and inp.prefix_reprefill_s is not None
+        else Fraction(0)
+    )
+    copy_done = stages.live_s + stages.last_s
+    resume = max(copy_done, recompute) + overhead
+    return MigrationPlan(
+        converges=True,
+        mode=mode,
+        stage_bytes=tuple(b * block_bytes for b in stages.blocks),
+        stage_s=tuple(float(b * block_s) for b in stages.blocks),
+        transfer_s=float(copy_done),
+        downtime_s=float(resume - stages.live_s),
+        total_bytes=sum(stages.blocks) * block_bytes,
+        completion_s=float(resume),
+        effective_bandwidth_bytes_per_s=float(bw),
+        skipped_prefix_blocks=inp.prefix_blocks_on_dst,
+        recomputed_prefix_blocks=recompute_blocks,
+        recompute_s=float(recompute),
+    )
+
+
+def _blocking(inp: MigrationCostInput, cfg: CostConfig, bw: Fraction) -> MigrationPlan:
+    block_bytes = inp.kv_bytes_per_token * inp.block_size_tokens
+    blocks = -(-inp.kv_tokens // inp.block_size_tokens) - inp.prefix_blocks_on_dst
+    copy_s = blocks * Fraction(block_bytes) / bw
+    stopped = copy_s + _exact(cfg.suspend_resume_overhead_s)
+    return MigrationPlan(
+        converges=False,
+        mode="blocking",
+        stage_bytes=(blocks * block_bytes,),
+        stage_s=(float(copy_s),),
+        transfer_s=float(copy_s),
+        downtime_s=float(stopped),
+        total_bytes=blocks * block_bytes,
+        completion_s=float(stopped),
+        effective_bandwidth_bytes_per_s=float(bw),
+        skipped_prefix_blocks=inp.prefix_blocks_on_dst,
+    )
+
+
+def plan_migration(inp: MigrationCostInput, cfg: CostConfig | None = None) -> MigrationPlan:
+    """Price moving one request (see the module docstring for every formula).
+
+    Returns the pre-copy plan, or the pre-copy plan that recomputes the missing prefix on the destination when
+    that one completes sooner (ties: lower downtime), or — when pre-copy cannot converge — a blocking
+    stop-and-copy plan with ``converges=False``.
+    """
+    cfg = cfg or CostConfig()
+    bw = _effective(inp.path_bandwidth_bytes_per_s, cfg.cap_fraction, inp.existing_flows)
+    growth = Fraction(inp.kv_bytes_per_token) / _exact(inp.decode_step_s)
+    if growth >= bw:
+        return _blocking(inp, cfg, bw)
+    plan = _plan_from_stages(inp, cfg, bw, _precopy(inp, cfg, bw, inp.prefix_blocks_on_dst), "pre-copy", 0)
+    missing_prefix = inp.prefix_blocks - inp.prefix_blocks_on_dst
+    if inp.prefix_reprefill_s is None or missing_prefix == 0:
+        return plan
+    alt = _plan_from_stages(
+        inp, cfg, bw, _precopy(inp, cfg, bw, inp.prefix_blocks), "pre-copy+recompute-prefix", missing_prefix
+    )
+    if (alt.completion_s, alt.downtime_s) < (plan.completion_s, plan.downtime_s):
+        return alt
+    return plan
+
+
+def bytes_per_link(plan: MigrationPlan, path: PathInfo) -> dict[str, int]:
+    """Bytes the plan sends over each link of ``path``: every link carries all of ``plan.total_bytes``."""
+    return dict.fromkeys(path.links, plan.total_bytes)

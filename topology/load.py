@@ -1,0 +1,646 @@
+"""Load and check a topology file (YAML) into a :class:`topology.spec.Topology`.
+
+Two passes: a pydantic v2 schema (unknown keys, types, positive numbers), applied item by item so one bad
+item does not hide the errors of the others, then a semantic pass (duplicate ids, unknown references,
+GPUs, tensor-parallel sizes, rack membership, KV capacity). Every error found is reported, each as
+``"<file>: <key.path>: <what was wrong and what was expected>"``, in one :class:`TopologyError`.
+
+The file format and its units are documented in ``docs/topology.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from topology.spec import (
+    DTYPE_BYTES,
+    DomainKind,
+    DomainSpec,
+    FabricSpec,
+    GpuType,
+    InstanceSpec,
+    ModelSpec,
+    NodeSpec,
+    RackSpec,
+    Topology,
+)
+
+__all__ = [
+    "BUNDLED_DIR",
+    "BUNDLED_NAMES",
+    "DEFAULT_GPU_MEMORY_UTILIZATION",
+    "TopologyError",
+    "bundled_path",
+    "load_topology",
+    "parse_topology",
+]
+
+#: Folder of the example topologies shipped with the package.
+BUNDLED_DIR = Path(__file__).resolve().parent / "examples"
+#: Names accepted by :func:`load_topology` besides a path.
+BUNDLED_NAMES: tuple[str, ...] = ("1x8-a100", "2x8-a100", "64x8-h100", "nvl72-gb200")
+#: Fraction of GPU memory given to weights + KV cache when a file does not say (vLLM's default).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+_GIB = 2**30
+_GBYTE = 1e9
+_GBIT = 1e9 / 8
+
+
+class TopologyError(ValueError):
+    """A topology file is invalid. ``errors`` lists every problem as ``"<file>: <key.path>: <message>"``."""
+
+    def __init__(self, errors: Sequence[str]) -> None:
+        self.errors: list[str] = list(errors)
+        super().__init__("\n".join(self.errors))
+
+
+# ---------------------------------------------------------------------------------------------- schema
+
+_Id = Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+_PosInt = Annotated[int, Field(gt=0)]
+_PosFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+_Fraction = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class _RootSchema(_Schema):
+    name: _Id
+    description: str = ""
+    gpu_memory_utilization: _Fraction = DEFAULT_GPU_MEMORY_UTILIZATION
+    models: Annotated[list[Any], Field(min_length=1)]
+    gpu_types: Annotated[list[Any], Field(min_length=1)]
+    domains: Annotated[list[Any], Field(min_length=1)]
+    fabric: Any = None
+
+
+class _ModelSchema(_Schema):
+    name: _Id
+    num_layers: _PosInt
+    num_attention_heads: _PosInt
+    num_kv_heads: _PosInt
+    head_dim: _PosInt
+    hidden_size: _PosInt
+    dtype: Literal["float32", "float16", "bfloat16", "float8", "fp8", "int8"]
+    block_size_tokens: _PosInt = 16
+    num_params: _PosInt
+    max_context_tokens: _PosInt
+
+
+class _GpuSchema(_Schema):
+    name: _Id
+    memory_gib: _PosFloat
+    hbm_gbyte_per_s: _PosFloat
+    nvlink_gbyte_per_s: _PosFloat
+
+
+class _NodeSchema(_Schema):
+    id: _Id
+    num_gpus: _PosInt
+    nic_gbit_per_s: _PosFloat
+
+
+class _InstanceSchema(_Schema):
+    id: _Id
+    gpus: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    tensor_parallel_size: _PosInt
+    model: _Id
+    kv_capacity_blocks: _PosInt | None = None
+    gpu_memory_utilization: _Fraction | None = None
+
+
+class _DomainSchema(_Schema):
+    id: _Id
+    kind: Literal["node", "nvlink_island"]
+    gpu_type: _Id
+    nodes: Annotated[list[Any], Field(min_length=1)]
+    instances: list[Any] = []
+
+
+class _FabricSchema(_Schema):
+    oversubscription: _PosFloat = 1.0
+    racks: list[Any] = []
+
+
+class _RackSchema(_Schema):
+    id: _Id
+    domains: list[_Id] = []
+    nodes: list[_Id] = []
+    uplink_gbit_per_s: _PosFloat | None = None
+    oversubscription: _PosFloat | None = None
+
+
+_S = TypeVar("_S", bound=_Schema)
+
+
+def _key_path(loc: Sequence[str | int]) -> str:
+    """``("domains", 3, "gpus")`` → ``"domains[3].gpus"``; the empty path is ``"(root)"``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(root)"
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _pydantic_message(err: Mapping[str, Any], schema: type[_Schema]) -> str:
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    given = err.get("input")
+    if kind == "extra_forbidden":
+        return f"unknown key; expected one of: {', '.join(schema.model_fields)}"
+    if kind == "missing":
+        return "missing required key"
+    if kind == "greater_than":
+        return f"must be > {ctx.get('gt'):g}, got {given!r}"
+    if kind == "greater_than_equal":
+        return f"must be >= {ctx.get('ge'):g}, got {given!r}"
+    if kind == "less_than_equal":
+        return f"must be <= {ctx.get('le'):g}, got {given!r}"
+    if kind in ("int_type", "int_from_float"):
+        return f"expected an integer, got {_describe(given)}"
+    if kind == "float_type":
+        return f"expected a number, got {_describe(given)}"
+    if kind in ("finite_number",):
+        return f"expected a finite number, got {given!r}"
+    if kind == "string_type":
+        return f"expected a string, got {_describe(given)}"
+    if kind == "string_pattern_mismatch":
+        return f"expected an id of letters, digits, '.', '_', '-' (not starting with a sign), got {given!r}"
+    if kind == "string_too_short":
+        return "must not be empty"
+    if kind == "list_type":
+        return f"expected a list, got {_describe(given)}"
+    if kind == "too_short":
+        return f"expected at least {ctx.get('min_length')} item(s), got none"
+    if kind == "model_type":
+        return f"expected a mapping of keys, got {_describe(given)}"
+    if kind == "literal_error":
+        return f"expected one of {ctx.get('expected')}, got {given!r}"
+    return f"{err['msg']}, got {_describe(given)}"
+
+
+class _Collector:
+    """Collects error lines for one file; validates items against a schema."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.errors: list[str] = []
+
+    def add(self, path: str, message: str) -> None:
+        self.errors.append(f"{self.source}: {path}: {message}")
+
+    def validate(self, schema: type[_S], data: Any, loc: tuple[str | int, ...]) -> _S | None:
+        try:
+            return schema.model_validate(data)
+        except ValidationError as exc:
+            for err in exc.errors():
+                self.add(_key_path(loc + tuple(err["loc"])), _pydantic_message(err, schema))
+            return None
+
+
+def _raw_names(items: Sequence[Any], key: str) -> set[str]:
+    """Names declared by ``items`` even when the item is otherwise invalid (avoids cascading errors)."""
+    return {item[key] for item in items if isinstance(item, Mapping) and isinstance(item.get(key), str)}
+
+
+def _check_unique(col: _Collector, what: str, seen: dict[str, str], key: str, path: str) -> bool:
+    if key in seen:
+        col.add(path, f"duplicate {what} id {key!r} (first at {seen[key]}); ids must be unique")
+        return False
+    seen[key] = path
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def parse_topology(data: Any, source: str) -> Topology:
+    """Check ``data`` (a parsed YAML document) and build the :class:`Topology`; ``source`` names it in errors.
+
+    Raises :class:`TopologyError` listing every problem found.
+    """
+    col = _Collector(source)
+    if not isinstance(data, Mapping):
+        col.add(
+            "(root)", f"expected a mapping with keys name, models, gpu_types, domains, got {_describe(data)}"
+        )
+        raise TopologyError(col.errors)
+    root = col.validate(_RootSchema, data, ())
+    if root is None:
+        # Still check the items of the lists that are present, so every error is reported at once.
+        root = _RootSchema.model_construct(
+            name=str(data.get("name", "")),
+            gpu_memory_utilization=DEFAULT_GPU_MEMORY_UTILIZATION,
+            models=_as_list(data.get("models")),
+            gpu_types=_as_list(data.get("gpu_types")),
+            domains=_as_list(data.get("domains")),
+            fabric=data.get("fabric"),
+        )
+    models = _parse_models(col, root.models)
+    gpu_types = _parse_gpu_types(col, root.gpu_types)
+    declared_models = _raw_names(root.models, "name")
+    declared_gpus = _raw_names(root.gpu_types, "name")
+    domains = _parse_domains(col, root, models, gpu_types, declared_models, declared_gpus)
+    fabric = _parse_fabric(col, root, domains)
+    if col.errors:
+        raise TopologyError(col.errors)
+    return Topology(
+        name=root.name,
+        source=source,
+        models=models,
+        gpu_types=gpu_types,
+        domains=tuple(domains),
+        fabric=fabric,
+    )
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, list) else []
+
+
+def _parse_models(col: _Collector, items: Sequence[Any]) -> dict[str, ModelSpec]:
+    out: dict[str, ModelSpec] = {}
+    seen: dict[str, str] = {}
+    for i, item in enumerate(items):
+        m = col.validate(_ModelSchema, item, ("models", i))
+        if m is None or not _check_unique(col, "model", seen, m.name, f"models[{i}].name"):
+            continue
+        if m.num_kv_heads > m.num_attention_heads or m.num_attention_heads % m.num_kv_heads:
+            col.add(
+                f"models[{i}].num_kv_heads",
+                f"num_kv_heads ({m.num_kv_heads}) must divide num_attention_heads ({m.num_attention_heads})",
+            )
+            continue
+        out[m.name] = ModelSpec(
+            name=m.name,
+            num_layers=m.num_layers,
+            num_attention_heads=m.num_attention_heads,
+            num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+            hidden_size=m.hidden_size,
+            dtype=m.dtype,
+            block_size_tokens=m.block_size_tokens,
+            num_params=m.num_params,
+            max_context_tokens=m.max_context_tokens,
+        )
+    assert set(DTYPE_BYTES) >= {m.dtype for m in out.values()}
+    return out
+
+
+def _parse_gpu_types(col: _Collector, items: Sequence[Any]) -> dict[str, GpuType]:
+    out: dict[str, GpuType] = {}
+    seen: dict[str, str] = {}
+    for i, item in enumerate(items):
+        g = col.validate(_GpuSchema, item, ("gpu_types", i))
+        if g is None or not _check_unique(col, "GPU type", seen, g.name, f"gpu_types[{i}].name"):
+            continue
+        out[g.name] = GpuType(
+            name=g.name,
+            memory_bytes=int(g.memory_gib * _GIB),
+            hbm_bandwidth_bytes_per_s=g.hbm_gbyte_per_s * _GBYTE,
+            nvlink_bandwidth_bytes_per_s=g.nvlink_gbyte_per_s * _GBYTE,
+        )
+    return out
+
+
+class _Seen:
+    """Ids seen so far across the whole file (domains, nodes, instances) with the key path of the first."""
+
+    def __init__(self) -> None:
+        self.domains: dict[str, str] = {}
+        self.nodes: dict[str, str] = {}
+        self.instances: dict[str, str] = {}
+
+
+def _parse_domains(
+    col: _Collector,
+    root: _RootSchema,
+    models: Mapping[str, ModelSpec],
+    gpu_types: Mapping[str, GpuType],
+    declared_models: set[str],
+    declared_gpus: set[str],
+) -> list[DomainSpec]:
+    out: list[DomainSpec] = []
+    seen = _Seen()
+    for d_idx, item in enumerate(root.domains):
+        loc = f"domains[{d_idx}]"
+        d = col.validate(_DomainSchema, item, ("domains", d_idx))
+        if d is None:
+            _check_items_only(col, item, d_idx)
+            continue
+        _check_unique(col, "domain", seen.domains, d.id, f"{loc}.id")
+        gpu = gpu_types.get(d.gpu_type)
+        if gpu is None and d.gpu_type not in declared_gpus:
+            col.add(
+                f"{loc}.gpu_type",
+                f"unknown GPU type {d.gpu_type!r}; GPU types in this file: "
+                + ", ".join(sorted(declared_gpus)),
+            )
+        nodes = _parse_nodes(col, d, d_idx, seen)
+        if d.kind == "node" and len(d.nodes) != 1:
+            col.add(
+                f"{loc}.nodes",
+                f"a domain of kind 'node' has exactly one node, got {len(d.nodes)}; "
+                "use kind 'nvlink_island' for an NVLink domain over several nodes",
+            )
+        if nodes is None:
+            continue
+        instances = _parse_instances(col, root, d, d_idx, nodes, gpu, models, declared_models, seen)
+        kind: DomainKind = d.kind
+        out.append(
+            DomainSpec(domain_id=d.id, kind=kind, gpu_type=d.gpu_type, nodes=nodes, instances=instances)
+        )
+    return out
+
+
+def _check_items_only(col: _Collector, item: Any, d_idx: int) -> None:
+    """Schema-check the nodes and instances of a domain that failed its own schema (report everything)."""
+    if not isinstance(item, Mapping):
+        return
+    for key, schema in (("nodes", _NodeSchema), ("instances", _InstanceSchema)):
+        raw = item.get(key)
+        if isinstance(raw, list):
+            for k, sub in enumerate(raw):
+                col.validate(schema, sub, ("domains", d_idx, key, k))
+
+
+def _parse_nodes(col: _Collector, d: _DomainSchema, d_idx: int, seen: _Seen) -> tuple[NodeSpec, ...] | None:
+    loc = f"domains[{d_idx}]"
+    nodes: list[NodeSpec] = []
+    ok = True
+    first_gpu = 0
+    for n_idx, raw in enumerate(d.nodes):
+        n = col.validate(_NodeSchema, raw, ("domains", d_idx, "nodes", n_idx))
+        if n is None:
+            ok = False
+            continue
+        _check_unique(col, "node", seen.nodes, n.id, f"{loc}.nodes[{n_idx}].id")
+        nodes.append(
+            NodeSpec(
+                node_id=n.id,
+                domain_id=d.id,
+                num_gpus=n.num_gpus,
+                nic_bandwidth_bytes_per_s=n.nic_gbit_per_s * _GBIT,
+                first_gpu=first_gpu,
+            )
+        )
+        first_gpu += n.num_gpus
+    return tuple(nodes) if ok else None
+
+
+def _where(d: _DomainSchema, nodes: Sequence[NodeSpec]) -> str:
+    total = sum(n.num_gpus for n in nodes)
+    if d.kind == "node":
+        return f"on {nodes[0].node_id} ({total} GPUs)"
+    return f"in NVLink island {d.id} ({total} GPUs on {len(nodes)} nodes)"
+
+
+def _parse_instances(
+    col: _Collector,
+    root: _RootSchema,
+    d: _DomainSchema,
+    d_idx: int,
+    nodes: Sequence[NodeSpec],
+    gpu: GpuType | None,
+    models: Mapping[str, ModelSpec],
+    declared_models: set[str],
+    seen: _Seen,
+) -> tuple[InstanceSpec, ...]:
+    loc = f"domains[{d_idx}]"
+    total_gpus = sum(n.num_gpus for n in nodes)
+    gpu_owner: dict[int, str] = {}
+    out: list[InstanceSpec] = []
+    for i_idx, raw in enumerate(d.instances):
+        iloc = f"{loc}.instances[{i_idx}]"
+        inst = col.validate(_InstanceSchema, raw, ("domains", d_idx, "instances", i_idx))
+        if inst is None:
+            continue
+        ok = _check_unique(col, "instance", seen.instances, inst.id, f"{iloc}.id")
+        for g in dict.fromkeys(inst.gpus):
+            if g >= total_gpus:
+                col.add(f"{iloc}.gpus", f"GPU {g} does not exist {_where(d, nodes)}")
+                ok = False
+            elif g in gpu_owner:
+                col.add(f"{iloc}.gpus", f"GPU {g} is already used by instance {gpu_owner[g]!r}")
+                ok = False
+            else:
+                gpu_owner[g] = inst.id
+        dupes = sorted({g for g in inst.gpus if inst.gpus.count(g) > 1})
+        if dupes:
+            col.add(f"{iloc}.gpus", f"GPU {dupes[0]} is listed more than once; list each GPU once")
+            ok = False
+        if inst.tensor_parallel_size != len(inst.gpus):
+            n = len(inst.gpus)
+            col.add(
+                f"{iloc}.tensor_parallel_size",
+                f"tensor_parallel_size is {inst.tensor_parallel_size} but {n} GPU{'s' if n != 1 else ''} "
+                "listed; list one GPU per tensor-parallel rank",
+            )
+            ok = False
+        model = models.get(inst.model)
+        if model is None:
+            if inst.model not in declared_models:
+                col.add(
+                    f"{iloc}.model",
+                    f"unknown model {inst.model!r}; models in this file: "
+                    + ", ".join(sorted(declared_models)),
+                )
+            continue
+        if model.num_attention_heads % inst.tensor_parallel_size:
+            col.add(
+                f"{iloc}.tensor_parallel_size",
+                f"{model.name} has {model.num_attention_heads} attention heads, not divisible by "
+                f"tensor_parallel_size {inst.tensor_parallel_size}",
+            )
+            ok = False
+        if gpu is None or not ok:
+            continue
+        util = inst.gpu_memory_utilization or root.gpu_memory_utilization
+        blocks = inst.kv_capacity_blocks
+        if blocks is None:
+            blocks = _derive_kv_blocks(col, iloc, inst, model, gpu, util)
+            if blocks is None:
+                continue
+        first = min(inst.gpus)
+        node = next(n for n in nodes if n.first_gpu <= first < n.first_gpu + n.num_gpus)
+        out.append(
+            InstanceSpec(
+                instance_id=inst.id,
+                domain_id=d.id,
+                node_id=node.node_id,
+                gpus=tuple(inst.gpus),
+                tensor_parallel_size=inst.tensor_parallel_size,
+                model=model.name,
+                gpu_type=gpu.name,
+                kv_capacity_blocks=blocks,
+            )
+        )
+    return tuple(out)
+
+
+def _derive_kv_blocks(
+    col: _Collector, iloc: str, inst: _InstanceSchema, model: ModelSpec, gpu: GpuType, util: float
+) -> int | None:
+    """``⌊(tp · GPU memory · utilization − weights) / kv_bytes_per_block⌋``; None (and an error) if < 1."""
+    usable = inst.tensor_parallel_size * gpu.memory_bytes * util
+    blocks = math.floor((usable - model.weight_bytes) / model.kv_bytes_per_block)
+    if blocks >= 1:
+        return blocks
+    col.add(
+        f"{iloc}.model",
+        f"weights of {model.name} ({model.weight_bytes / 1e9:.1f} GB) leave no room for a KV cache block in "
+        f"{inst.tensor_parallel_size} x {gpu.name} x {util:g} utilization = {usable / 1e9:.1f} GB; "
+        "use more GPUs (tensor_parallel_size) or give kv_capacity_blocks",
+    )
+    return None
+
+
+def _parse_fabric(col: _Collector, root: _RootSchema, domains: Sequence[DomainSpec]) -> FabricSpec:
+    fab = col.validate(_FabricSchema, root.fabric if root.fabric is not None else {}, ("fabric",))
+    if fab is None:
+        return FabricSpec(racks=())
+    nodes = {n.node_id: n for d in domains for n in d.nodes}
+    by_domain = {d.domain_id: d for d in domains}
+    declared_domains = _raw_names(root.domains, "id")
+    rack_of: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    racks: list[RackSpec] = []
+    all_racks_valid = True
+    for r_idx, raw in enumerate(fab.racks):
+        rloc = f"fabric.racks[{r_idx}]"
+        r = col.validate(_RackSchema, raw, ("fabric", "racks", r_idx))
+        if r is None:
+            all_racks_valid = False
+            continue
+        _check_unique(col, "rack", seen, r.id, f"{rloc}.id")
+        members: list[tuple[str, str]] = []
+        for k, dom in enumerate(r.domains):
+            if dom in by_domain:
+                members += [(n.node_id, f"{rloc}.domains[{k}]") for n in by_domain[dom].nodes]
+            elif dom not in declared_domains:
+                col.add(f"{rloc}.domains[{k}]", f"unknown domain {dom!r}; {_known(by_domain)}")
+        for k, node_id in enumerate(r.nodes):
+            if node_id in nodes:
+                members.append((node_id, f"{rloc}.nodes[{k}]"))
+            else:
+                col.add(f"{rloc}.nodes[{k}]", f"unknown node {node_id!r}; {_known(nodes)}")
+        if not r.domains and not r.nodes:
+            col.add(rloc, "a rack needs at least one entry in 'domains' or 'nodes'")
+        for node_id, path in members:
+            if node_id in rack_of and rack_of[node_id] != r.id:
+                col.add(
+                    path, f"node {node_id!r} is already in rack {rack_of[node_id]!r}; a node sits in one rack"
+                )
+            rack_of.setdefault(node_id, r.id)
+        node_ids = tuple(dict.fromkeys(n for n, _ in members if rack_of.get(n) == r.id))
+        over = r.oversubscription or fab.oversubscription
+        uplink = (
+            r.uplink_gbit_per_s * _GBIT
+            if r.uplink_gbit_per_s is not None
+            else sum(nodes[n].nic_bandwidth_bytes_per_s for n in node_ids) / over
+        )
+        racks.append(
+            RackSpec(
+                rack_id=r.id, node_ids=node_ids, uplink_bandwidth_bytes_per_s=uplink, oversubscription=over
+            )
+        )
+    if (len(root.domains) > 1 or fab.racks) and all_racks_valid:
+        missing = [n for n in nodes if n not in rack_of]
+        for node_id in missing:
+            col.add(
+                "fabric.racks",
+                f"node {node_id!r} is in no rack; with several domains every node must sit in a rack "
+                "(list its domain under a rack's 'domains' or the node under 'nodes')",
+            )
+    return FabricSpec(racks=tuple(racks))
+
+
+def _known(ids: Mapping[str, Any]) -> str:
+    names = sorted(ids)
+    shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+    return f"known: {shown}" if names else "none are defined"
+
+
+# ---------------------------------------------------------------------------------------------- YAML
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe YAML loader that rejects a key repeated in one mapping (PyYAML keeps the last silently)."""
+
+
+def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"duplicate key {key!r} (first at line {seen[key] + 1}); keys must be unique",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark.line
+        except TypeError:
+            continue
+    return loader.construct_mapping(node, deep=True)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
+def bundled_path(name: str) -> Path | None:
+    """Path of the bundled example ``name`` (with or without ``.yaml``), or None if there is none."""
+    stem = name.removesuffix(".yaml")
+    path = BUNDLED_DIR / f"{stem}.yaml"
+    return path if stem in BUNDLED_NAMES and path.is_file() else None
+
+
+def load_topology(path_or_name: str | Path) -> Topology:
+    """Load a topology file, or a bundled example by name (``1x8-a100``, ``2x8-a100``, ``64x8-h100``,
+    ``nvl72-gb200``). An existing file wins over a bundled name.
+
+    Raises :class:`TopologyError` (every problem, ``"<file>: <key.path>: <message>"``) when the file is
+    missing, is not valid YAML (line and column given) or describes an invalid topology.
+    """
+    path = Path(path_or_name)
+    shown = str(path_or_name)
+    if not path.is_file():
+        bundled = bundled_path(str(path_or_name))
+        if bundled is None:
+            raise TopologyError(
+                [
+                    f"{shown}: (file): file not found; give a path to a topology YAML file or one of the "
+                    f"bundled names: {', '.join(BUNDLED_NAMES)}"
+                ]
+            )
+        path, shown = bundled, bundled.name
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TopologyError([f"{shown}: (file): cannot read: {exc}"]) from exc
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "(file)"
+        problem = exc.problem or exc.context or "invalid YAML"
+        raise TopologyError([f"{shown}: {where}: YAML syntax error: {problem}"]) from exc
+    except yaml.YAMLError as exc:
+        raise TopologyError([f"{shown}: (file): YAML syntax error: {exc}"]) from exc
+    return parse_topology(data, shown)
