@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from policy.domain import DomainSummary
 from policy.types import InstanceLoad, PolicyConfig
-from policy.usage import freeness_of, instance_virtual_usage
+from policy.usage import dispatch_usage, freeness_of, queued_blocks
 
 __all__ = ["DispatchDecision", "DispatchView", "DomainDispatchView"]
 
@@ -150,14 +150,13 @@ class DispatchView(_View):
 
     def update(self, load: InstanceLoad) -> None:
         """Replace an instance's state with a fresh report (or add it); drops its reservations."""
-        queued = load.head_demand_blocks if load.num_waiting > 0 else 0
         self._set(
             _Target(
                 target_id=load.instance_id,
                 capacity_blocks=load.capacity_blocks,
-                usage=instance_virtual_usage(load, self._cfg),
-                num_running=len(load.running),
-                free_blocks=load.free_blocks - queued,
+                usage=dispatch_usage(load, self._cfg),
+                num_running=len(load.running) + load.num_waiting,
+                free_blocks=load.free_blocks - queued_blocks(load),
                 max_request_blocks=load.capacity_blocks,
                 draining=load.draining,
             )
@@ -187,8 +186,8 @@ class DomainDispatchView(_View):
             _Target(
                 target_id=summary.domain_id,
                 capacity_blocks=summary.capacity_blocks,
-                usage=summary.virtual_usage,
-                num_running=summary.num_running,
+                usage=summary.virtual_usage + summary.queued_blocks,
+                num_running=summary.num_running + summary.num_waiting,
                 free_blocks=summary.largest_free_blocks,
                 max_request_blocks=summary.max_instance_capacity_blocks,
                 draining=summary.draining,

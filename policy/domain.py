@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from policy.types import InstanceLoad, PolicyConfig
-from policy.usage import freeness_of, instance_virtual_usage
+from policy.usage import freeness_of, instance_virtual_usage, queued_blocks
 
 __all__ = ["DomainSummary", "summarize_domain"]
 
@@ -33,10 +33,17 @@ class DomainSummary:
     num_running: int  # running requests in the domain, draining instances included
     num_waiting: int  # queued requests in the domain
     draining: bool  # every instance is draining (and there is at least one)
+    queued_blocks: int = 0  # demand of queued requests behind each head of line (dispatch adds it to ΣV)
 
     def __post_init__(self) -> None:
         where = f"DomainSummary({self.domain_id!r})"
-        counts = ["num_instances", "capacity_blocks", "largest_free_blocks", "max_instance_capacity_blocks"]
+        counts = [
+            "num_instances",
+            "capacity_blocks",
+            "largest_free_blocks",
+            "max_instance_capacity_blocks",
+            "queued_blocks",
+        ]
         for name in [*counts, "num_running", "num_waiting"]:
             if getattr(self, name) < 0:
                 raise ValueError(f"{where}: {name} must be >= 0, got {getattr(self, name)}")
@@ -79,4 +86,7 @@ def summarize_domain(domain_id: str, loads: Sequence[InstanceLoad], cfg: PolicyC
         num_running=num_running,
         num_waiting=sum(load.num_waiting for load in loads),
         draining=draining,
+        queued_blocks=sum(
+            queued_blocks(load) - (load.head_demand_blocks if load.num_waiting else 0) for load in active
+        ),
     )

@@ -8,6 +8,7 @@ Everything here is a frozen value: the rules in `policy.usage`, `policy.dispatch
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -68,6 +69,7 @@ class InstanceLoad:
     running: tuple[RequestLoad, ...] = ()  # the running batch; B = max(1, len(running))
     num_waiting: int = 0  # requests queued on this instance, not yet admitted
     head_demand_blocks: int = 0  # blocks the head-of-line queued request needs to be admitted
+    queued_demand_blocks: int = 0  # blocks every queued request needs, head included (>= head demand)
     preempting: bool = False  # the engine preempted a request since the last report
     draining: bool = False  # being emptied (scale-in, maintenance): infinite virtual usage
     warming_up: bool = False  # freshly added: negative fake usage so it fills quickly
@@ -94,10 +96,23 @@ class InstanceLoad:
             where,
             f"head_demand_blocks is {self.head_demand_blocks} but num_waiting is 0",
         )
+        _require(
+            self.queued_demand_blocks == 0 or self.queued_demand_blocks >= self.head_demand_blocks,
+            where,
+            f"queued_demand_blocks {self.queued_demand_blocks} is below head_demand_blocks "
+            f"{self.head_demand_blocks}",
+        )
+        _require(
+            self.queued_demand_blocks == 0 or self.num_waiting > 0,
+            where,
+            f"queued_demand_blocks is {self.queued_demand_blocks} but num_waiting is 0",
+        )
         object.__setattr__(self, "running", tuple(self.running))
-        ids = [r.request_id for r in self.running]
-        dupes = sorted({i for i in ids if ids.count(i) > 1})
-        _require(not dupes, where, f"running request ids repeat: {dupes}")
+        ids = {r.request_id for r in self.running}
+        if len(ids) != len(self.running):
+            counts = Counter(r.request_id for r in self.running)
+            dupes = sorted(i for i, n in counts.items() if n > 1)
+            _require(False, where, f"running request ids repeat: {dupes}")
 
     @property
     def free_blocks(self) -> int:

@@ -13,9 +13,12 @@ from policy.types import InstanceLoad, PolicyConfig, RequestLoad
 
 __all__ = [
     "batch_size",
+    "dispatch_freeness",
+    "dispatch_usage",
     "freeness",
     "freeness_of",
     "instance_virtual_usage",
+    "queued_blocks",
     "request_virtual_usage",
 ]
 
@@ -62,3 +65,30 @@ def freeness_of(capacity_blocks: float, virtual_usage_blocks: float, num_running
 def freeness(load: InstanceLoad, cfg: PolicyConfig) -> float:
     """Freeness F of one instance: (M − ΣV) / B. Never NaN; −inf when draining."""
     return freeness_of(load.capacity_blocks, instance_virtual_usage(load, cfg), len(load.running))
+
+
+def queued_blocks(load: InstanceLoad) -> int:
+    """Blocks every queued request of the instance needs (head included); 0 with an empty queue."""
+    if load.num_waiting == 0:
+        return 0
+    return max(load.queued_demand_blocks, load.head_demand_blocks)
+
+
+def dispatch_usage(load: InstanceLoad, cfg: PolicyConfig) -> float:
+    """ΣV as dispatch sees it: the virtual usage with the demand of *every* queued request, not just the head.
+
+    For migration only the head-of-line request counts (it is the one a move can make room for), but a
+    new request joins the back of the queue, so dispatch must see the whole queue; otherwise an
+    instance with a long queue of small requests looks free and attracts more. This is Llumnix's
+    dispatch load (llumnix/instance_info.py: available blocks minus the blocks of all waiting requests,
+    divided by running + waiting requests). +inf when draining.
+    """
+    if load.draining:
+        return math.inf
+    head = load.head_demand_blocks if load.num_waiting > 0 else 0
+    return instance_virtual_usage(load, cfg) + (queued_blocks(load) - head)
+
+
+def dispatch_freeness(load: InstanceLoad, cfg: PolicyConfig) -> float:
+    """F for dispatch: (M − dispatch ΣV) / max(1, running + waiting)."""
+    return freeness_of(load.capacity_blocks, dispatch_usage(load, cfg), len(load.running) + load.num_waiting)

@@ -1,19 +1,171 @@
-"""``hilum sim`` sub-command."""
+"""``hilum sim``: replay a trace on a simulated cluster under several policies and compare them.
+
+A bare ``hilum sim`` runs the embedded defaults (:data:`sim.runner.DEFAULTS`: the bundled 2 x 8 A100
+topology, the Azure LLM 2023 conversation trace compressed to a load where the baselines preempt, all
+four policies). ``hilum sim sweep CONFIG`` runs a grid of simulations as Ray tasks.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from .runner import DEFAULTS, SimSpec
+from .schedulers import POLICY_NAMES
 
 
 def register(sub: Any) -> None:
-    """Add ``hilum sim`` to the sub-command set ``sub`` (an argparse sub-parsers action)."""
-    parser: argparse.ArgumentParser = sub.add_parser("sim", help="trace-driven cluster simulator")
-    parser.add_argument("--out", default=None)
-    parser.set_defaults(func=_not_built)
+    """Add ``hilum sim`` (and ``hilum sim sweep``) to an argparse sub-parsers action."""
+    parser: argparse.ArgumentParser = sub.add_parser(
+        "sim",
+        help="trace-driven cluster simulator: compare scheduling policies on a real trace",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--topology", default=DEFAULTS.topology, help="bundled topology name or YAML file")
+    parser.add_argument("--trace", default=DEFAULTS.trace, help="bundled trace name or trace file")
+    parser.add_argument(
+        "--policy",
+        default=",".join(POLICY_NAMES),
+        help=f"comma-separated policies to compare (from {', '.join(POLICY_NAMES)})",
+    )
+    parser.add_argument(
+        "--rate-scale", type=float, default=DEFAULTS.rate_scale, help="compress arrivals X times"
+    )
+    parser.add_argument(
+        "--max-requests", type=int, default=DEFAULTS.max_requests, help="first N requests only"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--priority-fraction", type=float, default=0.0, help="share of high-priority requests"
+    )
+    parser.add_argument("--drain", action="append", default=[], metavar="INSTANCE@S", help="drain at time S")
+    parser.add_argument(
+        "--scale-out", action="append", default=[], metavar="INSTANCE@S", help="instance joins at time S"
+    )
+    parser.add_argument("--summary-lag-ms", type=float, default=None, help="domain summary information lag")
+    parser.add_argument("--out", default=None, help="directory for results.json and plots")
+    parser.add_argument("--json", action="store_true", help="print the summaries as JSON instead of a table")
+    parser.set_defaults(func=run_cli)
+    sims = parser.add_subparsers(dest="sim_command", metavar="sweep")
+    sweep = sims.add_parser("sweep", help="run a grid of simulations as Ray tasks")
+    sweep.add_argument("config", help="sweep YAML file (see docs/sim-results.md)")
+    sweep.add_argument("--ray-address", default=None, help="existing Ray cluster (default: a local Ray)")
+    sweep.add_argument("--out", default="sweep-results", help="directory for sweep.json and plots")
+    sweep.set_defaults(func=run_sweep_cli)
 
 
-def _not_built(args: argparse.Namespace) -> int:
-    del args
-    print("hilum sim: the simulator is not built yet (see the simulator issue)")
+def _specs(args: argparse.Namespace) -> list[SimSpec]:
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICY_NAMES]
+    if unknown or not policies:
+        raise ValueError(
+            f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join(POLICY_NAMES)}"
+        )
+    if args.rate_scale <= 0:
+        raise ValueError(f"--rate-scale must be > 0, got {args.rate_scale}")
+    if args.max_requests is not None and args.max_requests < 1:
+        raise ValueError(f"--max-requests must be >= 1, got {args.max_requests}")
+    options: dict[str, Any] = {
+        "priority_fraction": args.priority_fraction,
+        "drain": tuple(args.drain),
+        "scale_out": tuple(args.scale_out),
+    }
+    if args.summary_lag_ms is not None:
+        options["summary_lag_s"] = args.summary_lag_ms / 1e3
+    base = SimSpec(
+        topology=args.topology,
+        trace=args.trace,
+        policy=policies[0],
+        rate_scale=args.rate_scale,
+        max_requests=args.max_requests,
+        seed=args.seed,
+        options=options,
+    )
+    base.parsed_options()  # fail before any work on bad options
+    return [replace(base, policy=p) for p in policies]
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run every requested policy on the same topology and trace; print and save the comparison."""
+    from topology.load import TopologyError, load_topology
+
+    from .plots import plot_kv_usage, plot_ttft_cdf
+    from .report import render_table
+    from .results import summarize, write_results
+    from .runner import run_simulation
+    from .traces import load_trace
+
+    err = Console(stderr=True)
+    try:
+        specs = _specs(args)
+        topology = load_topology(args.topology)
+        trace = load_trace(
+            args.trace, rate_scale=args.rate_scale, max_requests=args.max_requests, seed=args.seed
+        )
+    except TopologyError as exc:
+        err.print("[red]hilum sim: invalid topology[/red]\n" + "\n".join(exc.errors), highlight=False)
+        return 2
+    except (ValueError, FileNotFoundError) as exc:
+        err.print(f"[red]hilum sim:[/red] {exc}", highlight=False)
+        return 2
+    runs = []
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.percentage:>3.0f}%"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=False,
+    ) as bar:
+        for spec in specs:
+            task = bar.add_task(f"{spec.policy:<13}", total=1.0)
+
+            def advance(fraction: float, task_id: TaskID = task) -> None:
+                bar.update(task_id, completed=fraction)
+
+            run = run_simulation(spec, trace=trace, topology=topology, progress=advance)
+            runs.append(run)
+    summaries = [summarize(r) for r in runs]
+    if args.json:
+        print(json.dumps([asdict(s) for s in summaries], indent=2, default=str))
+    else:
+        title = (
+            f"{trace.name} x{args.rate_scale:g} ({len(trace.requests)} requests) on {topology.name} "
+            f"({len(topology.instances)} instances, {len(topology.domains)} domains), seed {args.seed}"
+        )
+        Console().print(render_table(summaries, title=title))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = write_results(runs, out)
+        plot_ttft_cdf(runs, out / "ttft_cdf.png")
+        for run in runs:
+            plot_kv_usage(run, out / f"kv_usage_{run.policy}.png")
+        err.print(f"results: {path}; plots in {out}/", highlight=False)
+    return 0
+
+
+def run_sweep_cli(args: argparse.Namespace) -> int:
+    """``hilum sim sweep CONFIG``: run the grid as Ray tasks and merge the results."""
+    from pydantic import ValidationError
+
+    from .report import render_sweep_table
+    from .sweep import load_sweep_config, run_sweep
+
+    try:
+        config = load_sweep_config(args.config)
+    except (ValueError, FileNotFoundError, ValidationError) as exc:
+        print(f"hilum sim sweep: {exc}", file=sys.stderr)
+        return 2
+    rows = run_sweep(config, ray_address=args.ray_address, out_dir=Path(args.out))
+    Console().print(render_sweep_table(rows))
+    print(f"sweep results and plots in {args.out}/", file=sys.stderr)
     return 0

@@ -44,7 +44,7 @@ __all__ = [
 #: Folder of the example topologies shipped with the package.
 BUNDLED_DIR = Path(__file__).resolve().parent / "examples"
 #: Names accepted by :func:`load_topology` besides a path.
-BUNDLED_NAMES: tuple[str, ...] = ("1x8-a100", "2x8-a100", "64x8-h100", "nvl72-gb200")
+BUNDLED_NAMES: tuple[str, ...] = ("1x8-a100", "2x8-a100", "2x8-a100-40gb", "64x8-h100", "nvl72-gb200")
 #: Fraction of GPU memory given to weights + KV cache when a file does not say (vLLM's default).
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 

@@ -182,6 +182,7 @@ class EngineCore:
             ),
             num_waiting=len(sched.waiting),
             head_demand_blocks=sched.head_demand_blocks(),
+            queued_demand_blocks=sched.queued_demand_blocks(),
             preempting=self._last_step_preempted or any(s.num_preemptions for s in sched.waiting),
             num_suspended=len(self._suspended),
         )

@@ -168,6 +168,13 @@ class Scheduler:
         head = self.waiting[0]
         return self.blocks.blocks_for_tokens(head.num_tokens) - self.blocks.num_blocks_of(head.request_id)
 
+    def queued_demand_blocks(self) -> int:
+        """Blocks every queued request needs for all its known tokens (head included)."""
+        blocks = self.blocks
+        return sum(
+            blocks.blocks_for_tokens(s.num_tokens) - blocks.num_blocks_of(s.request_id) for s in self.waiting
+        )
+
     # ---- scheduling -----------------------------------------------------------------------------
     def _preempt(self, victim: SchedulerRequest) -> None:
         self.running.remove(victim)

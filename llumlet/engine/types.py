@@ -118,6 +118,7 @@ class EngineLoad:
     running: tuple[RunningRequestLoad, ...] = ()  # running requests, arrival order
     num_waiting: int = 0  # queued requests (new and preempted)
     head_demand_blocks: int = 0  # blocks the head-of-queue request needs for its prompt + output so far
+    queued_demand_blocks: int = 0  # blocks every queued request needs (head included)
     preempting: bool = False  # a preemption happened in the last step or a preempted request still waits
     num_suspended: int = 0  # requests suspended for migration (their blocks are in used_blocks)
 
@@ -152,6 +153,7 @@ class EngineLoad:
             ),
             num_waiting=self.num_waiting,
             head_demand_blocks=self.head_demand_blocks,
+            queued_demand_blocks=self.queued_demand_blocks,
             preempting=self.preempting,
             draining=draining,
             warming_up=warming_up,

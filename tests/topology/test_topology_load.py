@@ -68,6 +68,7 @@ EXPECTED_COUNTS = {
     # name: (domains, nodes, GPUs, instances, racks)
     "1x8-a100": (1, 1, 8, 8, 0),
     "2x8-a100": (2, 2, 16, 16, 1),
+    "2x8-a100-40gb": (2, 2, 16, 16, 1),
     "64x8-h100": (64, 64, 512, 32 * 8 + 16 * 4 + 16 * 1, 8),
     "nvl72-gb200": (2, 36, 144, 32, 2),
 }
@@ -135,6 +136,16 @@ def test_given_kv_capacity_and_utilization_override() -> None:
     #    = floor(141,141,991,424 / 8,388,608) = 16,825
     assert topo.instance("c").kv_capacity_blocks == 16_825
     assert topo.fabric.racks[0].uplink_bandwidth_bytes_per_s == 25e9  # 2 x 25 GB/s / 2.0
+
+
+def test_2x8_a100_40gb_is_memory_tight() -> None:
+    topo = load_topology("2x8-a100-40gb")
+    model = topo.model_of("node-0-i0")
+    assert model.kv_bytes_per_token == 2 * 40 * 40 * 128 * 2 == 819_200
+    assert model.weight_bytes == 2 * 13_015_864_320
+    # floor((40 GiB * 0.9 - 26,031,728,640 B) / 13,107,200 B) = floor(12,622,977,024 / 13,107,200) = 963
+    assert {i.kv_capacity_blocks for i in topo.instances} == {963}
+    assert topo.gpu_of("node-1-i7").hbm_bandwidth_bytes_per_s == 1555e9
 
 
 def test_lookup_of_unknown_ids_names_them() -> None:
@@ -308,7 +319,7 @@ def test_file_errors(tmp_path: Path) -> None:
     assert exc.value.errors == [
         f"{tmp_path / 'nope.yaml'}: (file): file not found; give a path to a topology "
         "YAML file or one of the "
-        "bundled names: 1x8-a100, 2x8-a100, 64x8-h100, nvl72-gb200"
+        "bundled names: 1x8-a100, 2x8-a100, 2x8-a100-40gb, 64x8-h100, nvl72-gb200"
     ]
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nmodels:\n  - name: a\n    layers: [1, 2\n")

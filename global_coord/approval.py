@@ -1,0 +1,100 @@
+"""Cross-domain migration approval: the coordinator's rule, pure and clock-free.
+
+The global coordinator and the simulator both call :func:`judge_move`; it never does I/O. A move
+between two NVLink domains is approved only when (DESIGN.md, "Cost model"):
+
+1. the pre-copy converges on the path at the rate the move would get (cost model, ``plan.converges``);
+2. its expected downtime fits the TBT budget (``downtime_budget_s``, by default half of a 50 ms TBT SLO);
+3. the link budget has room: no link on the path would carry more than ``max_flows_per_link``
+   concurrent migrations (so the migration cap is never exceeded by piling flows on a shared link);
+4. the benefit exceeds the cost. The benefit of a move accrues only while the request keeps running
+   on the destination, so it is priced as the request's expected remaining decode time
+   (``remaining_tokens x decode_step_s``); the cost is the transfer time on the network. The move must
+   satisfy ``remaining_s >= min_benefit_ratio x transfer_s``: a request that would finish before the
+   copy pays off is not worth the cross-domain bytes.
+
+The imbalance itself (that the move lowers the potential Σ V_i²) is checked by ``policy`` before a move
+is proposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from topology.cost import MigrationPlan
+
+__all__ = ["ApprovalConfig", "Verdict", "judge_move"]
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalConfig:
+    """Thresholds of the cross-domain approval rule."""
+
+    downtime_budget_s: float = 0.025  # max expected downtime of one move, seconds
+    min_benefit_ratio: float = 2.0  # remaining decode time must be >= this x transfer time
+    max_flows_per_link: int = 2  # concurrent cross-domain migrations per link
+
+    def __post_init__(self) -> None:
+        if self.downtime_budget_s <= 0:
+            raise ValueError(f"downtime_budget_s must be > 0, got {self.downtime_budget_s}")
+        if self.min_benefit_ratio < 0:
+            raise ValueError(f"min_benefit_ratio must be >= 0, got {self.min_benefit_ratio}")
+        if self.max_flows_per_link < 1:
+            raise ValueError(f"max_flows_per_link must be >= 1, got {self.max_flows_per_link}")
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The outcome of :func:`judge_move`: ``approved`` and, either way, the reason in words."""
+
+    approved: bool
+    reason: str
+
+
+def judge_move(
+    plan: MigrationPlan,
+    *,
+    remaining_tokens: int,
+    decode_step_s: float,
+    busiest_link_flows: int,
+    cfg: ApprovalConfig,
+) -> Verdict:
+    """Judge one proposed cross-domain move.
+
+    Args:
+        plan: the cost model's plan for the move at the bandwidth it would get now.
+        remaining_tokens: output tokens the request still has to produce (>= 0).
+        decode_step_s: the source's current decode step time, seconds (> 0).
+        busiest_link_flows: migrations already using the most loaded link of the path.
+        cfg: thresholds.
+
+    Returns:
+        A Verdict; rejections name the rule that failed and the figures.
+
+    Raises:
+        ValueError: on a negative token count or a non-positive step time.
+    """
+    if remaining_tokens < 0:
+        raise ValueError(f"remaining_tokens must be >= 0, got {remaining_tokens}")
+    if decode_step_s <= 0:
+        raise ValueError(f"decode_step_s must be > 0, got {decode_step_s}")
+    if busiest_link_flows >= cfg.max_flows_per_link:
+        return Verdict(False, f"link budget full: {busiest_link_flows} migrations on the busiest link")
+    if not plan.converges:
+        return Verdict(False, "pre-copy does not converge: KV grows faster than the path carries it")
+    if plan.downtime_s > cfg.downtime_budget_s:
+        return Verdict(
+            False,
+            f"downtime {plan.downtime_s * 1e3:.1f} ms exceeds the budget of "
+            f"{cfg.downtime_budget_s * 1e3:.1f} ms",
+        )
+    remaining_s = remaining_tokens * decode_step_s
+    if remaining_s < cfg.min_benefit_ratio * plan.transfer_s:
+        return Verdict(
+            False,
+            f"not worth it: {remaining_s:.3f} s of decoding left < {cfg.min_benefit_ratio:g} x "
+            f"{plan.transfer_s:.3f} s of transfer",
+        )
+    return Verdict(
+        True, f"approved: {plan.transfer_s * 1e3:.1f} ms transfer, {plan.downtime_s * 1e3:.2f} ms downtime"
+    )

@@ -1,0 +1,241 @@
+"""Live migration on the virtual clock: multi-stage pre-copy over shared, capped links.
+
+The protocol is the one in DESIGN.md (after Llumnix §4.2) and the one the llumlets run:
+
+1. the destination reserves blocks for the request (its blocks now plus the growth expected while
+   the copy runs); no room -> the migration is aborted before anything moves;
+2. stage 0 copies every full block while the request keeps decoding on the source;
+3. each further stage copies the blocks that filled meanwhile; when the remainder is at most
+   ``CostConfig.stop_remaining_blocks`` full blocks, or after ``CostConfig.max_stages`` stages, the
+   source suspends the request at its next step boundary;
+4. the last stage copies the remainder (with the partial last block) and the request state; the
+   destination commits and the request resumes there; downtime = suspend -> resume;
+5. the source frees its blocks. A request that finishes (or is aborted) before commit releases the
+   reservation and stays where it was.
+
+Stage durations come from the same effective bandwidth the cost model uses
+(:func:`topology.cost.effective_bandwidth_bytes_per_s`): the path's bottleneck bandwidth times the
+migration cap, shared fairly among the flows on the busiest link of the path. The share is sampled
+when a stage starts and held for the stage (piecewise-constant fair sharing).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from llumlet.engine.types import MigrationState
+from topology.cost import CostConfig, effective_bandwidth_bytes_per_s
+from topology.graph import PathInfo, TopologyGraph
+
+from .cluster import Cluster, SimInstance
+from .events import EventKind
+from .results import MigrationRecord
+
+__all__ = ["LinkFlows", "MigrationExecutor"]
+
+
+class LinkFlows:
+    """Number of migration flows on each link (for the fair share and for link budgets)."""
+
+    def __init__(self) -> None:
+        self._flows: Counter[str] = Counter()
+
+    def add(self, links: tuple[str, ...]) -> None:
+        self._flows.update(links)
+
+    def remove(self, links: tuple[str, ...]) -> None:
+        self._flows.subtract(links)
+
+    def busiest(self, links: tuple[str, ...]) -> int:
+        """Flows on the most loaded link of ``links`` (0 for an empty path)."""
+        return max((self._flows[link] for link in links), default=0)
+
+    def count(self, link: str) -> int:
+        return self._flows[link]
+
+
+@dataclass(slots=True)
+class _Move:
+    request_id: str
+    src: SimInstance
+    dst: SimInstance
+    path: PathInfo
+    reservation_id: str
+    start_s: float
+    stage: int = 0
+    copied_blocks: int = 0
+    bytes_moved: int = 0
+    suspended_at_s: float | None = None
+    done: bool = False
+
+
+class MigrationExecutor:
+    """Runs migrations between simulated instances and records their outcome.
+
+    ``start()`` returns False (and records nothing) when the request cannot move now: it is unknown,
+    already migrating, finished, or the destination cannot reserve room.
+    """
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        graph: TopologyGraph,
+        cost: CostConfig,
+        flows: LinkFlows,
+        reserve_margin_blocks: int = 2,
+    ) -> None:
+        self.cluster = cluster
+        self.graph = graph
+        self.cost = cost
+        self.flows = flows
+        self.reserve_margin_blocks = reserve_margin_blocks
+        self.records: list[MigrationRecord] = []
+        self.active: dict[str, _Move] = {}
+        self.busy_instances: Counter[str] = Counter()
+        self._attempts = 0
+        self.on_done: list[Callable[[MigrationRecord], None]] = []
+        cluster.on_finished.append(self._request_finished)
+
+    def bandwidth_bytes_per_s(self, path: PathInfo) -> float:
+        """The rate a new flow on ``path`` would get now (cap x bottleneck / flows on busiest link)."""
+        return effective_bandwidth_bytes_per_s(
+            path.bandwidth_bytes_per_s, self.cost.cap_fraction, self.flows.busiest(path.links)
+        )
+
+    def start(self, request_id: str, src_id: str, dst_id: str) -> bool:
+        """Begin migrating ``request_id`` from ``src_id`` to ``dst_id``; False if it cannot start."""
+        state = self.cluster.requests.get(request_id)
+        if state is None or state.migrating or state.finish_s is not None or src_id == dst_id:
+            return False
+        src, dst = self.cluster.instances[src_id], self.cluster.instances[dst_id]
+        kv = src.engine.request_kv(request_id)
+        if kv is None:
+            return False
+        _tokens, blocks = kv
+        self._attempts += 1
+        reservation_id = f"{request_id}#m{self._attempts}"
+        if not dst.engine.reserve(reservation_id, blocks + self.reserve_margin_blocks):
+            return False
+        path = self.graph.path(src_id, dst_id)
+        move = _Move(request_id, src, dst, path, reservation_id, start_s=self.cluster.queue.now_s)
+        state.migrating = True
+        self.active[request_id] = move
+        self.busy_instances.update((src_id, dst_id))
+        self.flows.add(path.links)
+        self._next_stage(move)
+        return True
+
+    # ------------------------------------------------------------------ stages
+    def _block_bytes(self, move: _Move) -> int:
+        return self.cluster.model_of(move.src.instance_id).kv_bytes_per_block
+
+    def _next_stage(self, move: _Move) -> None:
+        kv = move.src.engine.request_kv(move.request_id)
+        if kv is None:  # finished or preempted away meanwhile
+            self._abort(move, "request left the source before the copy finished")
+            return
+        tokens, blocks = kv
+        block_size = self.cluster.model_of(move.src.instance_id).block_size_tokens
+        full_blocks = tokens // block_size
+        remaining = full_blocks - move.copied_blocks
+        if blocks == 0 or remaining < 0:  # preempted (recompute) on the source: its KV is gone
+            self._abort(move, "request was preempted on the source during pre-copy")
+            return
+        if move.stage > 0 and (
+            remaining <= self.cost.stop_remaining_blocks or move.stage >= self.cost.max_stages
+        ):
+            self.cluster.at_step_boundary(move.src, lambda: self._suspend(move))
+            return
+        duration = self._copy_s(move, remaining)
+        move.copied_blocks = full_blocks
+        move.stage += 1
+        self.cluster.queue.schedule_in(duration, EventKind.MIGRATION, lambda: self._stage_done(move))
+
+    def _copy_s(self, move: _Move, blocks: int) -> float:
+        nbytes = blocks * self._block_bytes(move)
+        move.bytes_moved += nbytes
+        if nbytes == 0:
+            return 0.0
+        return nbytes / self.bandwidth_bytes_per_s(move.path)
+
+    def _stage_done(self, move: _Move) -> None:
+        if move.done:
+            return
+        self._next_stage(move)
+
+    def _suspend(self, move: _Move) -> None:
+        if move.done:
+            return
+        kv = move.src.engine.request_kv(move.request_id)
+        if kv is None:
+            self._abort(move, "request left the source before the last stage")
+            return
+        _tokens, blocks = kv
+        state = move.src.engine.suspend(move.request_id)
+        if state is None or blocks < move.copied_blocks:
+            self._abort(move, "request could not be suspended (preempted back to the queue)")
+            return
+        move.suspended_at_s = self.cluster.queue.now_s
+        last_blocks = blocks - move.copied_blocks  # the remainder, partial last block included
+        duration = self._copy_s(move, last_blocks) + self.cost.suspend_resume_overhead_s
+        self.cluster.queue.schedule_in(duration, EventKind.MIGRATION, lambda: self._commit(move, state))
+
+    def _commit(self, move: _Move, suspended: MigrationState) -> None:
+        if move.done:
+            return
+        if not move.dst.engine.commit_incoming(move.reservation_id, suspended):
+            move.src.engine.resume(move.request_id)
+            self.cluster.kick(move.src)
+            self._abort(move, "destination could not commit (no room for the growth)")
+            return
+        move.src.engine.free_migrated(move.request_id)
+        state = self.cluster.requests[move.request_id]
+        state.instance_id = move.dst.instance_id
+        state.migrations += 1
+        self._finish(move, "committed", "")
+        self.cluster.kick(move.dst)
+        self.cluster.kick(move.src)
+
+    # ------------------------------------------------------------------ endings
+    def _request_finished(self, request_id: str) -> None:
+        move = self.active.get(request_id)
+        if move is not None and move.suspended_at_s is None:
+            self._abort(move, "request finished during pre-copy")
+
+    def _abort(self, move: _Move, reason: str) -> None:
+        move.dst.engine.release_reservation(move.reservation_id)
+        self._finish(move, "aborted", reason)
+        self.cluster.kick(move.dst)
+
+    def _finish(self, move: _Move, outcome: Literal["committed", "aborted"], reason: str) -> None:
+        move.done = True
+        now = self.cluster.queue.now_s
+        del self.active[move.request_id]
+        self.busy_instances.subtract((move.src.instance_id, move.dst.instance_id))
+        self.flows.remove(move.path.links)
+        self.cluster.requests[move.request_id].migrating = False
+        downtime = now - move.suspended_at_s if (outcome == "committed" and move.suspended_at_s) else 0.0
+        record = MigrationRecord(
+            request_id=move.request_id,
+            src_instance_id=move.src.instance_id,
+            dst_instance_id=move.dst.instance_id,
+            src_domain_id=move.src.domain_id,
+            dst_domain_id=move.dst.domain_id,
+            start_s=move.start_s,
+            end_s=now,
+            downtime_s=downtime,
+            bytes_transferred=move.bytes_moved,
+            stages=move.stage + (1 if move.suspended_at_s is not None else 0),
+            outcome=outcome,
+            reason=reason,
+        )
+        self.records.append(record)
+        for listener in self.on_done:
+            listener(record)
+
+    def is_busy(self, instance_id: str) -> bool:
+        """True while ``instance_id`` is the source or destination of a migration."""
+        return self.busy_instances[instance_id] > 0

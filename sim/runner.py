@@ -1,0 +1,255 @@
+"""Run one simulation: a topology, a trace and a policy in, a :class:`sim.results.SimRun` out.
+
+``run_simulation`` is a pure function of its :class:`SimSpec` (same spec and seed, same result); it
+keeps no module state, so several simulations can run in one process or as Ray tasks.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from global_coord.approval import ApprovalConfig
+from llumlet.engine.latency import LatencyModel, load_latency_model
+from policy.types import PolicyConfig
+from topology.cost import CostConfig
+from topology.graph import TopologyGraph
+from topology.load import load_topology
+from topology.spec import InstanceSpec, Topology
+
+from .cluster import Cluster, EngineLimits
+from .events import EventKind, EventQueue
+from .migration import LinkFlows, MigrationExecutor
+from .results import KvTimeline, SimRun
+from .schedulers import SchedulerContext, SchedulingConfig, make_scheduler
+from .traces import Trace, TraceRequest, load_trace, with_priorities
+
+__all__ = ["DEFAULTS", "SimOptions", "SimSpec", "run_simulation"]
+
+
+class SimOptions(BaseModel):
+    """Optional knobs of one simulation (validated; unknown keys are errors)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    priority_fraction: float = Field(
+        0.0, ge=0.0, le=1.0, description="share of requests marked high priority"
+    )
+    drain: tuple[str, ...] = Field((), description="scripted drains, each 'INSTANCE@SECONDS'")
+    scale_out: tuple[str, ...] = Field(
+        (), description="scripted scale-outs, each 'INSTANCE@SECONDS': the instance is idle until then"
+    )
+    report_interval_s: float = Field(0.05, gt=0)
+    migrate_interval_s: float = Field(0.05, gt=0)
+    summary_interval_s: float = Field(0.1, gt=0)
+    summary_lag_s: float = Field(0.05, ge=0)
+    cross_interval_s: float = Field(0.5, gt=0)
+    cap_fraction: float = Field(0.2, gt=0, le=1.0, description="migration share of each link")
+    downtime_budget_s: float = Field(0.025, gt=0)
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=16)
+    kv_samples: int = Field(200, ge=2, description="points in the per-instance KV usage timeline")
+
+    @field_validator("drain", "scale_out")
+    @classmethod
+    def _check_events(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for item in value:
+            _parse_event(item)
+        return value
+
+
+def _parse_event(item: str) -> tuple[str, float]:
+    instance, sep, when = item.rpartition("@")
+    if not sep or not instance:
+        raise ValueError(f"{item!r}: expected INSTANCE@SECONDS, e.g. node-0/i0@30")
+    try:
+        at_s = float(when)
+    except ValueError:
+        raise ValueError(f"{item!r}: {when!r} is not a number of seconds") from None
+    if at_s < 0:
+        raise ValueError(f"{item!r}: time must be >= 0")
+    return instance, at_s
+
+
+@dataclass(frozen=True, slots=True)
+class SimSpec:
+    """One simulation: where, what traffic, which policy."""
+
+    topology: str  # bundled topology name or path to a topology YAML file
+    trace: str  # bundled trace name or path to a trace file
+    policy: str  # one of sim.schedulers.POLICY_NAMES
+    rate_scale: float = 1.0  # arrivals compressed by this factor (2 = twice the rate)
+    max_requests: int | None = None  # keep only the first N requests by arrival
+    seed: int = 0
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def parsed_options(self) -> SimOptions:
+        """The options, validated; ValueError lists every bad key."""
+        try:
+            return SimOptions(**dict(self.options))
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"invalid simulation options: {problems}") from None
+
+
+#: The embedded defaults of a bare ``hilum sim``: the bundled 2 x 8 A100-40GB topology (16 Llama-2-13B
+#: instances) and the Azure conversation trace, compressed to a load at which the baselines preempt.
+DEFAULTS = SimSpec(
+    topology="2x8-a100-40gb", trace="azure-conv", policy="hilum", rate_scale=3.5, max_requests=5000
+)
+
+
+def _latency_for(topology: Topology) -> Callable[[InstanceSpec], LatencyModel]:
+    cache: dict[tuple[str, str, int], LatencyModel] = {}
+
+    def get(spec: InstanceSpec) -> LatencyModel:
+        key = (spec.model, spec.gpu_type, spec.tensor_parallel_size)
+        if key not in cache:
+            cache[key] = load_latency_model(*key)
+        return cache[key]
+
+    return get
+
+
+def run_simulation(
+    spec: SimSpec,
+    *,
+    trace: Trace | None = None,
+    topology: Topology | None = None,
+    progress: Callable[[float], None] | None = None,
+) -> SimRun:
+    """Simulate ``spec`` and return its run record.
+
+    Args:
+        spec: what to simulate.
+        trace: an already loaded trace (skips loading ``spec.trace``; rate scale and limit are then
+            assumed applied).
+        topology: an already loaded topology (skips loading ``spec.topology``).
+        progress: called with the fraction of requests finished, from time to time.
+
+    Raises:
+        ValueError: unknown policy, bad options, scripted events naming unknown instances.
+        topology.load.TopologyError, and the trace loader's errors, for bad input files.
+    """
+    wall_start = time.perf_counter()
+    options = spec.parsed_options()
+    topo = topology if topology is not None else load_topology(spec.topology)
+    if trace is None:
+        trace = load_trace(
+            spec.trace, rate_scale=spec.rate_scale, max_requests=spec.max_requests, seed=spec.seed
+        )
+    if options.priority_fraction > 0:
+        trace = with_priorities(trace, options.priority_fraction, spec.seed)
+    drains = [_parse_event(d) for d in options.drain]
+    scale_outs = [_parse_event(s) for s in options.scale_out]
+    known = {i.instance_id for i in topo.instances}
+    for instance_id, _ in drains + scale_outs:
+        if instance_id not in known:
+            raise ValueError(f"scripted event names unknown instance {instance_id!r}; known: {sorted(known)}")
+
+    queue = EventQueue()
+    limits = EngineLimits(options.max_num_seqs, options.max_num_batched_tokens)
+    cluster = Cluster(queue, topo, _latency_for(topo), limits, inactive=[i for i, _ in scale_outs])
+    graph = TopologyGraph(topo)
+    cost = CostConfig(cap_fraction=options.cap_fraction)
+    executor = MigrationExecutor(cluster, graph, cost, LinkFlows())
+    timing = SchedulingConfig(
+        report_interval_s=options.report_interval_s,
+        migrate_interval_s=options.migrate_interval_s,
+        summary_interval_s=options.summary_interval_s,
+        summary_lag_s=options.summary_lag_s,
+        cross_interval_s=options.cross_interval_s,
+    )
+    total = len(trace.requests)
+    done = [0]
+
+    def count_done(_request_id: str) -> None:
+        done[0] += 1
+        if progress is not None and done[0] % 200 == 0:
+            progress(done[0] / total)
+
+    cluster.on_finished.append(count_done)
+    ctx = SchedulerContext(
+        cluster=cluster,
+        executor=executor,
+        graph=graph,
+        policy=PolicyConfig(),
+        cost=cost,
+        approval=ApprovalConfig(downtime_budget_s=options.downtime_budget_s),
+        timing=timing,
+        rng=random.Random(spec.seed),
+        live=lambda: done[0] < total,
+    )
+    scheduler = make_scheduler(spec.policy, ctx)
+
+    def arrive(req: TraceRequest) -> None:
+        cluster.admit(req)
+        decision = scheduler.dispatch(req)
+        if decision.target_id is None:
+            cluster.refuse(req, decision.reason)
+            count_done(req.request_id)
+        else:
+            cluster.submit(req, decision.target_id)
+
+    for req in trace.requests:
+        queue.schedule(req.arrival_s, EventKind.ARRIVAL, functools.partial(arrive, req))
+    for instance_id, at_s in drains:
+        queue.schedule(at_s, EventKind.SCRIPTED, functools.partial(_drain, cluster, instance_id))
+    for instance_id, at_s in scale_outs:
+        queue.schedule(
+            at_s, EventKind.SCRIPTED, functools.partial(_scale_out, cluster, instance_id, timing.warmup_s)
+        )
+
+    trace_end_s = trace.requests[-1].arrival_s if trace.requests else 0.0
+    sample_every_s = max(trace_end_s, 1.0) / options.kv_samples
+    times: list[float] = []
+    usage: dict[str, list[float]] = {i.instance_id: [] for i in topo.instances}
+
+    def sample() -> None:
+        times.append(queue.now_s)
+        for instance_id, fraction in cluster.kv_usage_fraction().items():
+            usage[instance_id].append(fraction)
+        if done[0] < total:
+            queue.schedule_in(sample_every_s, EventKind.SAMPLE, sample)
+
+    queue.schedule(0.0, EventKind.SAMPLE, sample)
+    scheduler.start()
+    while queue.run_next():
+        pass
+    if progress is not None:
+        progress(1.0)
+    return SimRun(
+        policy=spec.policy,
+        topology=topo.name,
+        trace=trace.name,
+        seed=spec.seed,
+        rate_scale=spec.rate_scale,
+        sim_duration_s=queue.now_s,
+        wall_s=time.perf_counter() - wall_start,
+        engine_steps=cluster.engine_steps,
+        requests=cluster.records(),
+        migrations=tuple(executor.records),
+        kv=KvTimeline(
+            interval_s=sample_every_s,
+            times_s=tuple(times),
+            usage_fraction={k: tuple(v) for k, v in usage.items()},
+        ),
+        config={"options": options.model_dump(), "max_requests": spec.max_requests},
+    )
+
+
+def _drain(cluster: Cluster, instance_id: str) -> None:
+    inst = cluster.instances[instance_id]
+    inst.draining = True
+
+
+def _scale_out(cluster: Cluster, instance_id: str, warmup_s: float) -> None:
+    inst = cluster.instances[instance_id]
+    inst.active = True
+    inst.warm_until_s = cluster.queue.now_s + warmup_s

@@ -1,0 +1,50 @@
+import pytest
+
+from sim.events import EventKind, EventQueue
+
+
+def test_events_run_in_time_then_kind_then_insertion_order() -> None:
+    q = EventQueue()
+    seen: list[str] = []
+    q.schedule(2.0, EventKind.ARRIVAL, lambda: seen.append("arrival@2"))
+    q.schedule(1.0, EventKind.TICK, lambda: seen.append("tick@1"))
+    q.schedule(1.0, EventKind.ARRIVAL, lambda: seen.append("arrival@1-a"))
+    q.schedule(1.0, EventKind.STEP_DONE, lambda: seen.append("step@1"))
+    q.schedule(1.0, EventKind.ARRIVAL, lambda: seen.append("arrival@1-b"))
+    while q.run_next():
+        pass
+    assert seen == ["step@1", "arrival@1-a", "arrival@1-b", "tick@1", "arrival@2"]
+    assert q.now_s == 2.0
+    assert q.events_run == 5
+
+
+def test_an_event_can_schedule_more_events_and_the_clock_follows() -> None:
+    q = EventQueue()
+    times: list[float] = []
+
+    def ping() -> None:
+        times.append(q.now_s)
+        if len(times) < 3:
+            q.schedule_in(0.5, EventKind.TICK, ping)
+
+    q.schedule(1.0, EventKind.TICK, ping)
+    while q.run_next():
+        pass
+    assert times == [1.0, 1.5, 2.0]
+
+
+def test_scheduling_in_the_past_is_an_error() -> None:
+    q = EventQueue()
+    q.schedule(1.0, EventKind.TICK, lambda: None)
+    q.run_next()
+    with pytest.raises(ValueError, match="before now"):
+        q.schedule(0.5, EventKind.ARRIVAL, lambda: None)
+
+
+def test_two_queues_do_not_share_state() -> None:
+    a, b = EventQueue(), EventQueue()
+    order: list[str] = []
+    a.schedule(1.0, EventKind.TICK, lambda: order.append("a"))
+    b.schedule(1.0, EventKind.TICK, lambda: order.append("b"))
+    b.run_next()
+    assert a.now_s == 0.0 and b.now_s == 1.0 and len(a) == 1 and order == ["b"]
