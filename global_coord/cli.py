@@ -19,8 +19,9 @@ from collections.abc import Sequence
 from global_coord.coordinator import Coordinator, CoordinatorConfig
 from global_coord.etcd import connect
 from global_coord.server import bind_server, start_server
+from global_coord.wiring import ClusterModel, load_cluster_model
 
-__all__ = ["main", "parse_args"]
+__all__ = ["main", "parse_args", "serve_replica"]
 
 _log = logging.getLogger("global_coord")
 
@@ -41,12 +42,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def _run(ns: argparse.Namespace) -> int:
-    model = None
-    if ns.topology:
-        from global_coord.wiring import load_cluster_model
+async def serve_replica(ns: argparse.Namespace, model: ClusterModel | None) -> int:
+    """Run one replica as configured by ``ns`` (from :func:`parse_args`) until SIGTERM/SIGINT.
 
-        model = load_cluster_model(ns.topology)
+    ``model`` supplies the topology, paths and judge (None: proposals are rejected, GetTopology says
+    nothing is loaded). Returns the exit status.
+    """
     endpoints = [e.strip() for e in ns.etcd.split(",") if e.strip()]
     client = connect(endpoints)
     await client.connect()
@@ -86,7 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(argv)
     logging.basicConfig(level=ns.log_level, format=f"%(asctime)s {ns.id} %(name)s %(levelname)s %(message)s")
     try:
-        return asyncio.run(_run(ns))
+        model = load_cluster_model(ns.topology) if ns.topology else None
+        return asyncio.run(serve_replica(ns, model))
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"global_coord: error: {exc}", file=sys.stderr)
         return 1

@@ -259,7 +259,15 @@ class Coordinator:
     # ---- state -----------------------------------------------------------------------------------
     def is_leader(self) -> bool:
         """True while this replica leads (its session alive and its campaign won)."""
-        return self.leading is not None and self._session is not None and not self._session.done.is_set()
+        session = self._session
+        # The clock check makes a leader that was paused past its TTL stop acting the moment it wakes,
+        # before its keep-alive task has even run; the fence in etcd catches everything else.
+        return (
+            self.leading is not None
+            and session is not None
+            and not session.done.is_set()
+            and session.remaining_s() > 0
+        )
 
     def current_leader(self) -> Leader | None:
         """This replica when it leads, else the latest leader observed in etcd."""

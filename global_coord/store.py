@@ -24,7 +24,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -329,9 +329,12 @@ class ClusterView:
         *,
         rng: random.Random,
         backoff: BackoffConfig | None = None,
+        on_listed: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
+        """``on_listed(revision)`` is awaited after each list, before the watch starts (metrics, tests)."""
         self._client = client
         self.keys = keys
+        self._on_listed = on_listed
         self._backoff = Backoff(backoff or BackoffConfig(), rng)
         self._entries: dict[str, Entry] = {}
         self.revision = 0  # etcd revision the view reflects
@@ -443,6 +446,8 @@ class ClusterView:
             try:
                 revision = await self._list(cause)
                 self._backoff.reset()
+                if self._on_listed is not None:
+                    await self._on_listed(revision)
                 cause = await self._watch(revision + 1)
                 _log.info("cluster view: re-listing after watch %s at revision %d", cause, self.revision)
             except asyncio.CancelledError:
