@@ -165,6 +165,8 @@ def choose_destination(
 ) -> Choice:
     """Judge candidates in order; the first approved one wins.
 
+    A candidate ``path_of`` cannot reach (KeyError / ValueError: unknown to the topology) is skipped.
+
     Returns a :class:`Choice` with ``dst_instance_id=None`` and the last rejection when none is approved
     (or "no candidate" when the list is empty). At most ``max_tries`` candidates are judged.
     """
@@ -172,7 +174,11 @@ def choose_destination(
     for tries, dst in enumerate(candidates):
         if tries >= max_tries:
             break
-        path = path_of(move.src_instance_id, dst)
+        try:
+            path = path_of(move.src_instance_id, dst)
+        except (KeyError, ValueError) as exc:  # not in the topology file, or no path
+            last = Judgement(False, f"{dst}: no path from {move.src_instance_id}: {exc}")
+            continue
         verdict = judge(move, dst, path, busiest_link_flows(path.links, flows))
         if verdict.approved:
             return Choice(dst, path, verdict)
