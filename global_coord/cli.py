@@ -1,0 +1,98 @@
+"""``python -m global_coord``: run one coordinator replica.
+
+    python -m global_coord --etcd 127.0.0.1:2379 --listen 0.0.0.0:7070 --topology cluster.yaml --id coord-a
+
+Runs until SIGTERM or SIGINT, then resigns (a standby takes over at once) and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import random
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+
+from global_coord.coordinator import Coordinator, CoordinatorConfig
+from global_coord.etcd import connect
+from global_coord.server import bind_server, start_server
+from global_coord.wiring import ClusterModel, load_cluster_model
+
+__all__ = ["main", "parse_args", "serve_replica"]
+
+_log = logging.getLogger("global_coord")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the command line (see the module docstring)."""
+    p = argparse.ArgumentParser(prog="python -m global_coord", description="hilum global coordinator replica")
+    p.add_argument(
+        "--etcd", required=True, metavar="HOST:PORT", help="etcd endpoint (comma-separated for several)"
+    )
+    p.add_argument("--listen", required=True, metavar="HOST:PORT", help="gRPC listen address")
+    p.add_argument("--topology", metavar="FILE", help="topology YAML file or bundled name")
+    p.add_argument("--id", default=socket.gethostname(), help="replica id, unique among coordinators")
+    p.add_argument("--advertise", metavar="HOST:PORT", help="address others reach this replica at")
+    p.add_argument("--ttl", type=int, default=10, help="session lease TTL, seconds (failover time)")
+    p.add_argument("--prefix", default="/hilum/v1/", help="etcd key prefix")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p.parse_args(argv)
+
+
+async def serve_replica(ns: argparse.Namespace, model: ClusterModel | None) -> int:
+    """Run one replica as configured by ``ns`` (from :func:`parse_args`) until SIGTERM/SIGINT.
+
+    ``model`` supplies the topology, paths and judge (None: proposals are rejected, GetTopology says
+    nothing is loaded). Returns the exit status.
+    """
+    endpoints = [e.strip() for e in ns.etcd.split(",") if e.strip()]
+    client = connect(endpoints)
+    await client.connect()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server, port = bind_server(ns.listen)
+    host = ns.listen.rpartition(":")[0]
+    cfg = CoordinatorConfig(
+        coordinator_id=ns.id,
+        advertise_address=ns.advertise or f"{host}:{port}",
+        etcd_endpoint=ns.etcd,
+        prefix=ns.prefix,
+        ttl_s=ns.ttl,
+    )
+    coordinator = Coordinator(
+        cfg,
+        client,
+        rng=random.Random(),
+        path_of=model.path_of if model else None,
+        judge=model.judge if model else None,
+        topology=model.topology if model else None,
+    )
+    await start_server(coordinator, server)
+    print(f"coordinator {ns.id} listening on port {port}", flush=True)
+    try:
+        await coordinator.run(stop)
+    finally:
+        await server.stop(grace=1.0)
+        await client.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 on bad arguments, 1 on a startup error)."""
+    ns = parse_args(argv)
+    logging.basicConfig(level=ns.log_level, format=f"%(asctime)s {ns.id} %(name)s %(levelname)s %(message)s")
+    try:
+        model = load_cluster_model(ns.topology) if ns.topology else None
+        return asyncio.run(serve_replica(ns, model))
+    except (RuntimeError, ValueError, OSError) as exc:
+        print(f"global_coord: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

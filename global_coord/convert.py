@@ -1,0 +1,296 @@
+"""Conversions between protobuf messages (``proto.hilum.v1``) and hilum's dataclasses — only at the edge.
+
+Nothing outside the gRPC servers and clients touches a ``*_pb2`` message; they call these functions.
+Functions named after the message build it; ``*_from_pb`` functions read one and raise ``ValueError``
+(with the field named) on bad input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from global_coord.approver import MoveProposal
+from global_coord.coordinator import StatusInfo
+from global_coord.records import (
+    DomainRegistration,
+    DrainIntent,
+    DrainKind,
+    InstanceRegistration,
+    MigrationRecord,
+    MigrationState,
+    SummaryRecord,
+)
+from proto.hilum.v1 import coordinator_pb2 as pb
+
+__all__ = [
+    "TopologyLike",
+    "domain_info",
+    "drain_intent",
+    "drain_target_from_pb",
+    "instance_info",
+    "migration",
+    "migration_record_from_pb",
+    "move_proposal",
+    "move_proposal_from_pb",
+    "status_reply",
+    "summary",
+    "summary_from_pb",
+    "topology_reply",
+]
+
+_STATE_TO_PB = {
+    MigrationState.PROPOSED: pb.MIGRATION_STATE_PROPOSED,
+    MigrationState.APPROVED: pb.MIGRATION_STATE_APPROVED,
+    MigrationState.COMMITTED: pb.MIGRATION_STATE_COMMITTED,
+    MigrationState.ABORTED: pb.MIGRATION_STATE_ABORTED,
+}
+_STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
+
+
+def status_reply(info: StatusInfo) -> pb.StatusReply:
+    """StatusReply from one replica's :class:`StatusInfo`."""
+    leader = info.leader
+    return pb.StatusReply(
+        coordinator_id=info.coordinator_id,
+        is_leader=info.is_leader,
+        leader_id=leader.leader_id if leader else "",
+        leader_address=leader.address if leader else "",
+        fencing_token=leader.token if leader else 0,
+        etcd_endpoint=info.etcd_endpoint,
+        view_revision=info.view_revision,
+        num_domains=info.num_domains,
+        num_instances=info.num_instances,
+        num_active_migrations=info.num_active_migrations,
+        num_drains=info.num_drains,
+    )
+
+
+def summary(record: SummaryRecord) -> pb.DomainSummary:
+    """DomainSummary message of a summary record."""
+    return pb.DomainSummary(
+        domain_id=record.domain_id,
+        num_instances=record.num_instances,
+        capacity_blocks=record.capacity_blocks,
+        virtual_usage=record.virtual_usage,
+        freeness=record.freeness,
+        largest_free_blocks=record.largest_free_blocks,
+        max_instance_capacity_blocks=record.max_instance_capacity_blocks,
+        num_running=record.num_running,
+        num_waiting=record.num_waiting,
+        draining=record.draining,
+    )
+
+
+def summary_from_pb(msg: pb.DomainSummary) -> SummaryRecord:
+    """SummaryRecord of a DomainSummary message. Raises ValueError on an empty domain id."""
+    if not msg.domain_id:
+        raise ValueError("DomainSummary.domain_id is empty")
+    return SummaryRecord(
+        domain_id=msg.domain_id,
+        num_instances=msg.num_instances,
+        capacity_blocks=msg.capacity_blocks,
+        virtual_usage=msg.virtual_usage,
+        freeness=msg.freeness,
+        largest_free_blocks=msg.largest_free_blocks,
+        max_instance_capacity_blocks=msg.max_instance_capacity_blocks,
+        num_running=msg.num_running,
+        num_waiting=msg.num_waiting,
+        draining=msg.draining,
+    )
+
+
+def domain_info(
+    domain_id: str,
+    registration: DomainRegistration | None,
+    summary_record: SummaryRecord | None,
+    draining: bool,
+) -> pb.DomainInfo:
+    """DomainInfo of what the view knows about one domain."""
+    msg = pb.DomainInfo(
+        domain_id=domain_id,
+        scheduler_address=registration.address if registration else "",
+        registered=registration is not None,
+        draining=draining,
+        has_summary=summary_record is not None,
+    )
+    if summary_record is not None:
+        msg.summary.CopyFrom(summary(summary_record))
+    return msg
+
+
+def instance_info(reg: InstanceRegistration, draining: bool) -> pb.InstanceInfo:
+    """InstanceInfo of a registration."""
+    return pb.InstanceInfo(
+        instance_id=reg.instance_id,
+        domain_id=reg.domain_id,
+        node_id=reg.node_id,
+        address=reg.address,
+        model=reg.model,
+        capacity_blocks=reg.capacity_blocks,
+        draining=draining,
+    )
+
+
+def migration(record: MigrationRecord, mod_revision: int) -> pb.Migration:
+    """Migration message of a record and its etcd mod revision."""
+    return pb.Migration(
+        migration_id=record.migration_id,
+        request_id=record.request_id,
+        attempt=record.attempt,
+        src_instance_id=record.src_instance_id,
+        dst_instance_id=record.dst_instance_id,
+        src_domain_id=record.src_domain_id,
+        dst_domain_id=record.dst_domain_id,
+        blocks=record.blocks,
+        state=_STATE_TO_PB[record.state],
+        fencing_token=record.fencing_token,
+        links=list(record.links),
+        expected_transfer_s=record.expected_transfer_s,
+        expected_downtime_s=record.expected_downtime_s,
+        reason=record.reason,
+        mod_revision=mod_revision,
+    )
+
+
+def migration_record_from_pb(msg: pb.Migration) -> tuple[MigrationRecord, int]:
+    """(record, mod revision) of a Migration message. Raises ValueError on an unspecified state."""
+    if msg.state not in _STATE_FROM_PB:
+        raise ValueError(f"Migration {msg.migration_id!r}: state is unspecified")
+    record = MigrationRecord(
+        migration_id=msg.migration_id,
+        request_id=msg.request_id,
+        attempt=msg.attempt,
+        src_instance_id=msg.src_instance_id,
+        dst_instance_id=msg.dst_instance_id,
+        src_domain_id=msg.src_domain_id,
+        dst_domain_id=msg.dst_domain_id,
+        blocks=msg.blocks,
+        state=_STATE_FROM_PB[msg.state],
+        fencing_token=msg.fencing_token,
+        links=tuple(msg.links),
+        expected_transfer_s=msg.expected_transfer_s,
+        expected_downtime_s=msg.expected_downtime_s,
+        reason=msg.reason,
+    )
+    return record, msg.mod_revision
+
+
+def drain_intent(intent: DrainIntent) -> pb.DrainIntent:
+    """DrainIntent message."""
+    return pb.DrainIntent(
+        kind=intent.kind.value,
+        target_id=intent.target_id,
+        reason=intent.reason,
+        fencing_token=intent.fencing_token,
+    )
+
+
+def drain_target_from_pb(msg: pb.DrainRequest | pb.UndrainRequest) -> tuple[DrainKind, str]:
+    """(kind, target id) named by a Drain/Undrain request. Raises ValueError when none is set."""
+    which = msg.WhichOneof("target")
+    if which == "instance_id" and msg.instance_id:
+        return DrainKind.INSTANCE, msg.instance_id
+    if which == "domain_id" and msg.domain_id:
+        return DrainKind.DOMAIN, msg.domain_id
+    raise ValueError("drain target: set exactly one of instance_id or domain_id (non-empty)")
+
+
+def move_proposal(move: MoveProposal) -> pb.MigrationProposal:
+    """MigrationProposal message (used by domain schedulers)."""
+    return pb.MigrationProposal(
+        proposer_domain_id=move.proposer_domain_id,
+        request_id=move.request_id,
+        attempt=move.attempt,
+        src_instance_id=move.src_instance_id,
+        dst_instance_id=move.dst_instance_id,
+        blocks=move.blocks,
+        num_tokens=move.num_tokens,
+        remaining_tokens=move.remaining_tokens,
+        decode_step_s=move.decode_step_s,
+    )
+
+
+def move_proposal_from_pb(msg: pb.MigrationProposal) -> MoveProposal:
+    """MoveProposal of a MigrationProposal. Raises ValueError naming each bad field."""
+    return MoveProposal(
+        proposer_domain_id=msg.proposer_domain_id,
+        request_id=msg.request_id,
+        attempt=msg.attempt,
+        src_instance_id=msg.src_instance_id,
+        dst_instance_id=msg.dst_instance_id,
+        blocks=msg.blocks,
+        num_tokens=msg.num_tokens,
+        remaining_tokens=msg.remaining_tokens,
+        decode_step_s=msg.decode_step_s,
+    )
+
+
+class _InstanceSpecLike(Protocol):
+    @property
+    def instance_id(self) -> str: ...
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def gpus(self) -> tuple[int, ...]: ...
+    @property
+    def tensor_parallel_size(self) -> int: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def gpu_type(self) -> str: ...
+    @property
+    def kv_capacity_blocks(self) -> int: ...
+
+
+class _DomainSpecLike(Protocol):
+    @property
+    def domain_id(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def gpu_type(self) -> str: ...
+    @property
+    def instances(self) -> Sequence[_InstanceSpecLike]: ...
+
+
+class TopologyLike(Protocol):
+    """What GetTopology reports of ``topology.spec.Topology`` (structural)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def domains(self) -> Sequence[_DomainSpecLike]: ...
+
+
+def topology_reply(topo: TopologyLike | None) -> pb.TopologyReply:
+    """TopologyReply of a loaded topology (``loaded=False`` when None)."""
+    if topo is None:
+        return pb.TopologyReply(loaded=False)
+    return pb.TopologyReply(
+        loaded=True,
+        name=topo.name,
+        source=topo.source,
+        domains=[
+            pb.TopologyDomain(
+                domain_id=d.domain_id,
+                kind=d.kind,
+                gpu_type=d.gpu_type,
+                instances=[
+                    pb.TopologyInstance(
+                        instance_id=i.instance_id,
+                        node_id=i.node_id,
+                        gpus=list(i.gpus),
+                        tensor_parallel_size=i.tensor_parallel_size,
+                        model=i.model,
+                        gpu_type=i.gpu_type,
+                        kv_capacity_blocks=i.kv_capacity_blocks,
+                    )
+                    for i in d.instances
+                ],
+            )
+            for d in topo.domains
+        ],
+    )

@@ -1,0 +1,107 @@
+"""The etcd client used by the control plane: etcd3aio on grpc.aio, with reconnects tuned for leases.
+
+Only one etcd client library may be imported per process (etcd3aio registers its own copies of the
+``etcd/api`` and ``google/api`` descriptors); everything in hilum goes through :func:`connect`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
+from etcd3aio._protobuf import Compare
+from etcd3aio.kv import KVService
+from etcd3aio.lease import LeaseService
+from etcd3aio.watch import WatchService
+
+__all__ = [
+    "RETRYABLE_ERRORS",
+    "Etcd3Client",
+    "EtcdError",
+    "compare_exists",
+    "compare_mod_revision",
+    "connect",
+    "kv_of",
+    "lease_of",
+    "prefix_range_end",
+    "watch_of",
+]
+
+_log = logging.getLogger(__name__)
+
+# Errors a retry loop treats as "etcd is (temporarily) unreachable or slow".
+RETRYABLE_ERRORS: tuple[type[BaseException], ...] = (EtcdError, grpc.aio.AioRpcError, TimeoutError, OSError)
+
+# gRPC's default reconnect backoff grows to 120 s: after an etcd outage longer than a few seconds the
+# channel would stay in TRANSIENT_FAILURE long after etcd is back, and every lease would expire. Keep
+# reconnect attempts within a fraction of the smallest lease TTL we use.
+_RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+)
+
+
+def connect(endpoints: list[str], *, watch_max_reconnect_backoff_s: float = 1.0) -> Etcd3Client:
+    """Build an etcd client for ``endpoints`` (``host:port`` strings); call ``await client.connect()``.
+
+    Raises:
+        ValueError: when ``endpoints`` is empty or an endpoint is not ``host:port``.
+    """
+    if not endpoints:
+        raise ValueError("etcd endpoints: need at least one host:port")
+    for ep in endpoints:
+        host, sep, port = ep.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"etcd endpoint {ep!r}: expected host:port")
+    client = Etcd3Client(
+        endpoints,
+        watch_reconnect_backoff_seconds=0.1,
+        watch_max_reconnect_backoff_seconds=watch_max_reconnect_backoff_s,
+    )
+    # etcd3aio 0.3 has no public way to pass channel options; its ConnectionManager keeps them in a list
+    # that get_channel() reads at connect(). Fall back to gRPC's defaults (with a warning) if that changes.
+    options = getattr(getattr(client, "_manager", None), "grpc_options", None)
+    if isinstance(options, list):
+        options.extend(_RECONNECT_OPTIONS)
+    else:
+        _log.warning(
+            "etcd3aio changed: cannot shorten gRPC reconnect backoff; long etcd outages may drop leases"
+        )
+    return client
+
+
+_NOT_CONNECTED = "etcd client is not connected: call `await client.connect()` first"
+
+
+def kv_of(client: Etcd3Client) -> KVService:
+    """The client's KV service. Raises ``RuntimeError`` when the client is not connected."""
+    if client.kv is None:
+        raise RuntimeError(_NOT_CONNECTED)
+    return client.kv
+
+
+def lease_of(client: Etcd3Client) -> LeaseService:
+    """The client's Lease service. Raises ``RuntimeError`` when the client is not connected."""
+    if client.lease is None:
+        raise RuntimeError(_NOT_CONNECTED)
+    return client.lease
+
+
+def watch_of(client: Etcd3Client) -> WatchService:
+    """The client's Watch service. Raises ``RuntimeError`` when the client is not connected."""
+    if client.watch is None:
+        raise RuntimeError(_NOT_CONNECTED)
+    return client.watch
+
+
+def compare_mod_revision(key: str, mod_revision: int) -> Any:
+    """etcd Compare: ``key``'s mod revision equals ``mod_revision`` (compare-and-swap on a record)."""
+    return Compare(result=Compare.EQUAL, target=Compare.MOD, key=key.encode(), mod_revision=mod_revision)
+
+
+def compare_exists(key: str) -> Any:
+    """etcd Compare: ``key`` exists (its create revision is not 0)."""
+    return Compare(result=Compare.NOT_EQUAL, target=Compare.CREATE, key=key.encode(), create_revision=0)

@@ -1,0 +1,156 @@
+"""The coordinator's gRPC server (grpc.aio): the admin API for ``hilumctl`` and ProposeMigration.
+
+Reads are answered by any replica from its view; writes by the leader only — a standby answers them
+with ``FAILED_PRECONDITION`` and a message naming the leader and its address. Bad requests get
+``INVALID_ARGUMENT`` with the field named.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, TypeAlias
+
+import grpc
+
+from global_coord import convert
+from global_coord.coordinator import Coordinator, NotLeader
+from global_coord.records import ACTIVE_STATES, DrainKind, MigrationRecord
+from proto.hilum.v1 import coordinator_pb2 as pb
+from proto.hilum.v1 import coordinator_pb2_grpc as pb_grpc
+
+__all__ = ["CoordinatorService", "bind_server", "start_server"]
+
+_log = logging.getLogger(__name__)
+
+_Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+
+class CoordinatorService(pb_grpc.CoordinatorServicer):
+    """Implements ``hilum.v1.Coordinator`` over one :class:`Coordinator` replica."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._c = coordinator
+
+    async def Status(self, request: pb.StatusRequest, context: _Ctx) -> pb.StatusReply:
+        return convert.status_reply(self._c.status())
+
+    async def ListDomains(self, request: pb.ListDomainsRequest, context: _Ctx) -> pb.ListDomainsReply:
+        view = self._c.view
+        regs, summaries, drains = view.domains(), view.summaries(), view.drains()
+        ids = sorted(set(regs) | set(summaries) | {t for k, t in drains if k is DrainKind.DOMAIN})
+        domains = [
+            convert.domain_info(d, regs.get(d), summaries.get(d), (DrainKind.DOMAIN, d) in drains)
+            for d in ids
+        ]
+        return pb.ListDomainsReply(domains=domains, view_revision=view.revision)
+
+    async def ListInstances(self, request: pb.ListInstancesRequest, context: _Ctx) -> pb.ListInstancesReply:
+        view = self._c.view
+        drains = view.drains()
+        out = []
+        for iid, reg in sorted(view.instances().items()):
+            if request.domain_id and reg.domain_id != request.domain_id:
+                continue
+            draining = (DrainKind.INSTANCE, iid) in drains or (DrainKind.DOMAIN, reg.domain_id) in drains
+            out.append(convert.instance_info(reg, draining))
+        return pb.ListInstancesReply(instances=out, view_revision=view.revision)
+
+    async def ListMigrations(
+        self, request: pb.ListMigrationsRequest, context: _Ctx
+    ) -> pb.ListMigrationsReply:
+        view = self._c.view
+        out = [
+            convert.migration(record, rev)
+            for _, (record, rev) in sorted(view.migrations().items())
+            if not request.active_only or record.state in ACTIVE_STATES
+        ]
+        return pb.ListMigrationsReply(migrations=out, view_revision=view.revision)
+
+    async def FollowMigrations(
+        self, request: pb.FollowMigrationsRequest, context: _Ctx
+    ) -> AsyncIterator[pb.MigrationEvent]:
+        view = self._c.view
+        sent: dict[str, tuple[MigrationRecord, int]] = {}
+        version = -1
+        while True:
+            current = view.migrations()
+            for mid in sorted(set(sent) - set(current)):
+                yield pb.MigrationEvent(deleted=True, migration=pb.Migration(migration_id=mid))
+            for mid, (record, rev) in sorted(current.items()):
+                if sent.get(mid) != (record, rev):
+                    yield pb.MigrationEvent(deleted=False, migration=convert.migration(record, rev))
+            sent = current
+            version = await view.wait_changed(version if version >= 0 else view.version)
+
+    async def _leader_only(self, context: _Ctx, exc: NotLeader) -> None:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
+    async def Drain(self, request: pb.DrainRequest, context: _Ctx) -> pb.DrainReply:
+        try:
+            kind, target = convert.drain_target_from_pb(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            changed, intent = await self._c.drain(kind, target, request.reason)
+        except NotLeader as exc:
+            await self._leader_only(context, exc)
+            raise
+        return pb.DrainReply(changed=changed, intent=convert.drain_intent(intent))
+
+    async def Undrain(self, request: pb.UndrainRequest, context: _Ctx) -> pb.DrainReply:
+        try:
+            kind, target = convert.drain_target_from_pb(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            changed, intent = await self._c.undrain(kind, target)
+        except NotLeader as exc:
+            await self._leader_only(context, exc)
+            raise
+        return pb.DrainReply(changed=changed, intent=convert.drain_intent(intent))
+
+    async def GetTopology(self, request: pb.GetTopologyRequest, context: _Ctx) -> pb.TopologyReply:
+        return convert.topology_reply(self._c.topology)
+
+    async def ProposeMigration(self, request: pb.MigrationProposal, context: _Ctx) -> pb.Approval:
+        try:
+            move = convert.move_proposal_from_pb(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            result = await self._c.propose(move)
+        except NotLeader as exc:
+            await self._leader_only(context, exc)
+            raise
+        reply = pb.Approval(
+            approved=result.approved, reason=result.reason, fencing_token=result.fencing_token
+        )
+        if result.record is not None:
+            reply.migration.CopyFrom(convert.migration(result.record, result.mod_revision))
+        return reply
+
+
+def bind_server(listen: str) -> tuple[grpc.aio.Server, int]:
+    """A new grpc.aio server bound to ``listen`` (``host:port``; port 0 picks one); (server, port).
+
+    Raises:
+        RuntimeError: when the address cannot be bound.
+    """
+    server = grpc.aio.server()
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot listen on {listen}: {exc}") from exc
+    if port == 0:
+        raise RuntimeError(f"cannot listen on {listen}")
+    return server, port
+
+
+async def start_server(coordinator: Coordinator, server: grpc.aio.Server) -> None:
+    """Add the Coordinator service for ``coordinator`` to a bound ``server`` and start it."""
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(coordinator), server)
+    await server.start()
+    _log.info(
+        "coordinator %s serving at %s", coordinator.cfg.coordinator_id, coordinator.cfg.advertise_address
+    )

@@ -1,0 +1,300 @@
+"""Sessions: liveness as an object (after etcd's client/v3/concurrency Session).
+
+A :class:`Session` is one etcd lease kept alive by a background task. Renewals are timed from the lease's
+real expiry: a renewal sent at ``t`` that etcd confirms with TTL ``T`` moves the expiry to ``t + T``
+(conservative: the send time, not the reply time), and the next renewal is due at ``expiry - 2T/3``, i.e.
+every ``T/3`` while etcd answers. When a renewal fails, it is retried every ``retry_s`` until the expiry;
+so an etcd interruption shorter than the TTL loses nothing. When the expiry passes without a confirmed
+renewal, or etcd reports the lease gone, ``done`` is set and the session is over for good.
+
+A :class:`Registrar` keeps a set of keys registered under a session's lease, and after the session is
+lost opens a new one (with jittered exponential backoff while etcd is unreachable), revokes the old lease
+and puts every key again: a clean re-registration after an interruption longer than the TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+
+from global_coord.backoff import Backoff, BackoffConfig
+from global_coord.etcd import RETRYABLE_ERRORS, Etcd3Client, kv_of, lease_of
+
+__all__ = ["Registrar", "Session", "SessionLost"]
+
+_log = logging.getLogger(__name__)
+
+_RENEW_ERRORS: tuple[type[BaseException], ...] = (*RETRYABLE_ERRORS, EOFError)
+
+
+class SessionLost(Exception):
+    """The session's lease expired or was revoked; everything bound to it is gone."""
+
+
+class Session:
+    """One etcd lease kept alive in the background until it is lost or closed.
+
+    Attributes:
+        lease_id: the etcd lease id.
+        ttl_s: the TTL etcd granted, seconds.
+        done: set once the lease is lost or the session closed; never cleared.
+        lost_reason: why ``done`` was set ("" while alive).
+
+    Use :meth:`open` to create one.
+    """
+
+    def __init__(
+        self,
+        client: Etcd3Client,
+        lease_id: int,
+        ttl_s: int,
+        expires_at: float,
+        *,
+        clock: Callable[[], float],
+        retry_s: float,
+    ) -> None:
+        self._client = client
+        self.lease_id = lease_id
+        self.ttl_s = ttl_s
+        self._expires_at = expires_at
+        self._clock = clock
+        self._retry_s = retry_s
+        self.done = asyncio.Event()
+        self.lost_reason = ""
+        self.renewals = 0  # confirmed renewals so far
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def open(
+        cls,
+        client: Etcd3Client,
+        ttl_s: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        retry_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> Session:
+        """Grant a lease of ``ttl_s`` seconds and start keeping it alive.
+
+        Args:
+            client: a connected etcd client.
+            ttl_s: requested TTL, seconds (>= 1; etcd may round it up to its minimum).
+            clock: monotonic clock, seconds.
+            retry_s: delay between failed renewals (default ``ttl_s / 10``, at least 0.1 s).
+            timeout_s: deadline of the grant RPC (default ``ttl_s``).
+
+        Raises:
+            ValueError: on ``ttl_s < 1``.
+            EtcdError, TimeoutError: when etcd does not grant the lease.
+        """
+        if ttl_s < 1:
+            raise ValueError(f"session TTL must be >= 1 s, got {ttl_s}")
+        sent = clock()
+        resp = await lease_of(client).grant(ttl=ttl_s, timeout=timeout_s or float(ttl_s))
+        granted = int(resp.TTL)
+        session = cls(
+            client,
+            int(resp.ID),
+            granted,
+            sent + granted,
+            clock=clock,
+            retry_s=retry_s if retry_s is not None else max(0.1, granted / 10),
+        )
+        session._task = asyncio.create_task(
+            session._keep_alive(), name=f"lease-keepalive-{session.lease_id:x}"
+        )
+        return session
+
+    def remaining_s(self) -> float:
+        """Seconds until the lease expires unless renewed (as far as this process knows)."""
+        return self._expires_at - self._clock()
+
+    def _lose(self, reason: str) -> None:
+        if not self.done.is_set():
+            self.lost_reason = reason
+            self.done.set()
+
+    def abandon(self, reason: str) -> None:
+        """Declare the session lost now (e.g. a fenced write proved it no longer leads); stops renewals."""
+        self._lose(reason)
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _renew_once(self) -> int:
+        stream = lease_of(self._client).keep_alive(self.lease_id)
+        try:
+            async for response in stream:
+                return int(response.TTL)
+        finally:
+            stream.cancel()
+        raise EOFError("lease keep-alive stream closed without a reply")
+
+    async def _keep_alive(self) -> None:
+        while not self.done.is_set():
+            due = self._expires_at - self.ttl_s * 2.0 / 3.0
+            await asyncio.sleep(max(0.0, due - self._clock()))
+            while True:
+                remaining = self._expires_at - self._clock()
+                if remaining <= 0:
+                    self._lose(
+                        f"lease {self.lease_id:x} expired: no renewal confirmed for {self.ttl_s} s "
+                        "(etcd unreachable or this process paused; raise the TTL if etcd is just slow)"
+                    )
+                    return
+                sent = self._clock()
+                try:
+                    async with asyncio.timeout(min(remaining, max(self._retry_s, self.ttl_s / 3.0))):
+                        ttl = await self._renew_once()
+                except asyncio.CancelledError:
+                    raise
+                except _RENEW_ERRORS as exc:
+                    _log.warning(
+                        "lease %x: renewal failed (%s); retrying in %.2f s, %.2f s before expiry",
+                        self.lease_id,
+                        type(exc).__name__,
+                        self._retry_s,
+                        remaining,
+                    )
+                    await asyncio.sleep(min(self._retry_s, max(0.0, self._expires_at - self._clock())))
+                    continue
+                if ttl <= 0:
+                    self._lose(f"lease {self.lease_id:x} expired or was revoked (etcd reported TTL {ttl})")
+                    return
+                self._expires_at = sent + ttl
+                self.renewals += 1
+                break
+
+    async def close(self, *, revoke: bool = True) -> None:
+        """Stop renewing; with ``revoke`` also revoke the lease (deleting its keys), best effort."""
+        self._lose("closed")
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if revoke:
+            with contextlib.suppress(*RETRYABLE_ERRORS, RuntimeError):
+                await lease_of(self._client).revoke(self.lease_id, timeout=max(1.0, self.ttl_s / 3.0))
+
+
+class Registrar:
+    """Keeps ``key -> value`` entries registered under a session lease, across lost sessions.
+
+    ``run()`` opens a session, puts every entry with its lease and waits; when the session is lost it
+    opens a new one (retrying with jittered backoff while etcd is unreachable), revokes the old lease and
+    puts the entries again. ``set``/``remove`` change the entries at any time.
+    """
+
+    def __init__(
+        self,
+        client: Etcd3Client,
+        ttl_s: int,
+        *,
+        rng: random.Random,
+        backoff: BackoffConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        name: str = "registrar",
+    ) -> None:
+        self._client = client
+        self._ttl_s = ttl_s
+        self._backoff = Backoff(backoff or BackoffConfig(), rng)
+        self._clock = clock
+        self._name = name
+        self._entries: dict[str, bytes] = {}
+        self.session: Session | None = None  # the live session, None between sessions
+        self.sessions_opened = 0
+        self.registered = asyncio.Event()  # set while every entry is written under the live session
+
+    async def set(self, key: str, value: bytes) -> None:
+        """Register ``key`` with ``value`` (now if a session is live, else when the next one opens)."""
+        self._entries[key] = value
+        session = self.session
+        if session is not None and not session.done.is_set():
+            try:
+                await kv_of(self._client).put(key, value, lease=session.lease_id, timeout=float(self._ttl_s))
+            except RETRYABLE_ERRORS as exc:
+                _log.warning(
+                    "%s: put %s failed (%s); it is written again on re-registration", self._name, key, exc
+                )
+
+    async def remove(self, key: str) -> None:
+        """Unregister ``key`` (delete it now if a session is live)."""
+        self._entries.pop(key, None)
+        if self.session is not None and not self.session.done.is_set():
+            with contextlib.suppress(*RETRYABLE_ERRORS):
+                await kv_of(self._client).delete(key, timeout=float(self._ttl_s))
+
+    async def _open(self, stop: asyncio.Event) -> Session | None:
+        while not stop.is_set():
+            try:
+                session = await Session.open(self._client, self._ttl_s, clock=self._clock)
+                self._backoff.reset()
+                return session
+            except RETRYABLE_ERRORS as exc:
+                delay = self._backoff.next_s()
+                _log.warning(
+                    "%s: cannot open an etcd session (%s: %s), attempt %d; retrying in %.2f s "
+                    "(tune BackoffConfig.max_s for the retry cap, the TTL for outage tolerance)",
+                    self._name,
+                    type(exc).__name__,
+                    exc,
+                    self._backoff.failures,
+                    delay,
+                )
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await stop.wait()
+        return None
+
+    async def _register_all(self, session: Session) -> None:
+        for key, value in list(self._entries.items()):
+            await kv_of(self._client).put(key, value, lease=session.lease_id, timeout=float(self._ttl_s))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Keep the entries registered until ``stop`` is set; then revoke the lease (entries vanish)."""
+        old_lease: int | None = None
+        while not stop.is_set():
+            session = await self._open(stop)
+            if session is None:
+                break
+            self.sessions_opened += 1
+            if old_lease is not None:
+                with contextlib.suppress(*RETRYABLE_ERRORS):
+                    await lease_of(self._client).revoke(old_lease, timeout=float(self._ttl_s))
+            try:
+                await self._register_all(session)
+            except RETRYABLE_ERRORS as exc:
+                _log.warning(
+                    "%s: registering under lease %x failed (%s); retrying", self._name, session.lease_id, exc
+                )
+                old_lease = session.lease_id
+                await session.close(revoke=False)
+                await asyncio.sleep(self._backoff.next_s())
+                continue
+            self.session = session
+            self.registered.set()
+            _log.info(
+                "%s: %d keys registered under lease %x", self._name, len(self._entries), session.lease_id
+            )
+            stop_task = asyncio.ensure_future(stop.wait())
+            done_task = asyncio.ensure_future(session.done.wait())
+            try:
+                await asyncio.wait({stop_task, done_task}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop_task.cancel()
+                done_task.cancel()
+            self.registered.clear()
+            self.session = None
+            if stop.is_set():
+                await session.close(revoke=True)
+                break
+            _log.warning(
+                "%s: session lost (%s); re-registering under a new lease (if this repeats, raise the TTL)",
+                self._name,
+                session.lost_reason,
+            )
+            old_lease = session.lease_id
+            await session.close(revoke=False)

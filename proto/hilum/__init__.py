@@ -1,0 +1,1 @@
+"""Generated code for the hilum gRPC contracts (see ``proto/generate.py``)."""

@@ -1,0 +1,94 @@
+"""Session keep-alive across etcd interruptions, and clean re-registration after long ones."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+from conftest import EtcdServer
+
+from global_coord.etcd import connect, kv_of, lease_of
+from global_coord.session import Registrar, Session
+
+
+async def _lease_ttl(endpoint: str, lease_id: int) -> int:
+    client = connect([endpoint])
+    await client.connect()
+    try:
+        return int((await lease_of(client).time_to_live(lease_id, timeout=2.0)).TTL)
+    finally:
+        await client.close()
+
+
+def test_session_renews_and_close_revokes(etcd: EtcdServer, prefix: str) -> None:
+    async def main() -> None:
+        client = connect([etcd.endpoint])
+        await client.connect()
+        session = await Session.open(client, 2)
+        await kv_of(client).put(prefix + "k", b"v", lease=session.lease_id)
+        await asyncio.sleep(2.5)  # longer than the TTL: only renewals keep the key
+        assert not session.done.is_set()
+        assert session.renewals >= 2
+        assert len((await kv_of(client).get(prefix + "k")).kvs) == 1
+        await session.close()
+        assert session.done.is_set()
+        assert len((await kv_of(client).get(prefix + "k")).kvs) == 0
+        await client.close()
+
+    asyncio.run(main())
+
+
+def test_session_survives_short_etcd_stop(etcd_private: EtcdServer, prefix: str) -> None:
+    async def main() -> None:
+        client = connect([etcd_private.endpoint])
+        await client.connect()
+        session = await Session.open(client, 3)
+        await kv_of(client).put(prefix + "k", b"v", lease=session.lease_id)
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(etcd_private.stop)
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(etcd_private.start)
+        await asyncio.sleep(2.5)  # the old expiry has passed: only a renewal after the restart saves it
+        assert not session.done.is_set(), session.lost_reason
+        assert session.remaining_s() > 0
+        resp = await kv_of(client).get(prefix + "k")
+        assert [int(kv.lease) for kv in resp.kvs] == [session.lease_id]
+        await session.close()
+        await client.close()
+
+    asyncio.run(main())
+
+
+def test_registrar_reregisters_after_long_etcd_stop(etcd_private: EtcdServer, prefix: str) -> None:
+    async def main() -> None:
+        client = connect([etcd_private.endpoint])
+        await client.connect()
+        reg = Registrar(client, 2, rng=random.Random(1), name="test")
+        await reg.set(prefix + "instances/i0", b"i0")
+        stop = asyncio.Event()
+        task = asyncio.create_task(reg.run(stop))
+        await asyncio.wait_for(reg.registered.wait(), 5)
+        assert reg.session is not None
+        first = reg.session
+        await asyncio.to_thread(etcd_private.stop)
+        t0 = time.monotonic()
+        await asyncio.wait_for(first.done.wait(), 5)  # lost locally at the expiry, while etcd is down
+        assert time.monotonic() - t0 < 2.5
+        assert "expired" in first.lost_reason
+        await asyncio.to_thread(etcd_private.start)
+        await asyncio.wait_for(reg.registered.wait(), 10)
+        second = reg.session
+        assert second is not None and second.lease_id != first.lease_id
+        assert reg.sessions_opened == 2
+        resp = await kv_of(client).get(prefix + "instances/", range_end=prefix + "instances0")
+        assert [(kv.key, kv.value, int(kv.lease)) for kv in resp.kvs] == [
+            ((prefix + "instances/i0").encode(), b"i0", second.lease_id)
+        ]
+        assert await _lease_ttl(etcd_private.endpoint, first.lease_id) == -1  # the old lease was revoked
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        assert len((await kv_of(client).get(prefix + "instances/i0")).kvs) == 0
+        await client.close()
+
+    asyncio.run(main())
