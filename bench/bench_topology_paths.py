@@ -46,9 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     bench("64x8-h100", load_topology("64x8-h100"), args.queries, rng)
-    bench(
-        "synthetic 512x8", parse_topology(synthetic_topology_data(512), "synthetic-512x8"), args.queries, rng
-    )
+    bench("synthetic 512x8", parse_topology(synthetic_topology_data(512), "synthetic-512x8"), args.queries, rng)
 
 
 if __name__ == "__main__":

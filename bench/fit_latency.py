@@ -114,9 +114,7 @@ def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
     return float(np.interp(x, xs, ys))
 
 
-def load_vidur_linear(
-    data: Path, gpu: str, model: str, tp: int
-) -> tuple[list[int], list[float], list[float]]:
+def load_vidur_linear(data: Path, gpu: str, model: str, tp: int) -> tuple[list[int], list[float], list[float]]:
     """Per-layer linear-op ms and embedding ms vs num_tokens (median over duplicate rows)."""
     path = data / "vidur_profiling" / "compute" / gpu / VIDUR_DIR[model] / "mlp.csv"
     per_layer: dict[int, list[float]] = defaultdict(list)
@@ -162,8 +160,7 @@ def fit_reference_attention(data: Path) -> dict[str, float]:
     with gzip.open(path, "rt") as f:
         for row in csv.DictReader(f):
             reshape = sum(
-                float(row[f"time_stats.{k}.median"] or 0.0)
-                for k in ("attn_input_reshape", "attn_output_reshape")
+                float(row[f"time_stats.{k}.median"] or 0.0) for k in ("attn_input_reshape", "attn_output_reshape")
             )
             if row["is_prefill"] == "True":
                 c, x = float(row["prefill_chunk_size"]), float(row["kv_cache_size"])
@@ -195,9 +192,7 @@ def build_gpu_model(data: Path, model: str, gpu: str, tp: int, attn: dict[str, f
     shape = MODELS[model]
     layers, hidden = int(shape["layers"]), int(shape["hidden"])
     tokens, per_layer, emb = load_vidur_linear(data, gpu, model, tp)
-    scale = (
-        _flops_per_layer(shape) / _flops_per_layer(MODELS["llama-2-7b"]) if model == "llama-2-13b" else 1.0
-    )
+    scale = _flops_per_layer(shape) / _flops_per_layer(MODELS["llama-2-7b"]) if model == "llama-2-13b" else 1.0
     if tp > 1:
         ar_sizes, ar_ms = load_all_reduce(data, gpu, tp)
     token_ms = []
@@ -240,9 +235,7 @@ def muxserve_targets(data: Path, model: str, tp: int) -> list[Target]:
             label = f"{name} tp{tp} bs{bs} seq{seq}"
             # -1 marks a point MuxServe could not run (out of memory): skipped.
             if float(entry["prefill"]) > 0:
-                out.append(
-                    Target("muxserve", "prefill", ((seq, 0),) * bs, (), float(entry["prefill"]), label)
-                )
+                out.append(Target("muxserve", "prefill", ((seq, 0),) * bs, (), float(entry["prefill"]), label))
             if float(entry["decoding"]) > 0:
                 out.append(Target("muxserve", "decode", (), (seq,) * bs, float(entry["decoding"]), label))
     return out
@@ -304,18 +297,14 @@ def fit_overheads(base: LatencyModel, targets: Iterable[Target]) -> LatencyModel
 def mape(model: LatencyModel, targets: Sequence[Target]) -> float:
     """Mean absolute percentage error (fraction) of ``model`` on ``targets``."""
     errs = [
-        abs(model.step_time_s(t.prefill_chunks, t.decode_context_tokens) * 1000.0 - t.measured_ms)
-        / t.measured_ms
+        abs(model.step_time_s(t.prefill_chunks, t.decode_context_tokens) * 1000.0 - t.measured_ms) / t.measured_ms
         for t in targets
     ]
     return float(np.mean(errs)) if errs else float("nan")
 
 
 def _coeffs(m: LatencyModel) -> str:
-    return (
-        f"{m.gpu_scale:.3f} | {m.step_overhead_ms:.2f} | {m.per_seq_overhead_ms:.3f} | "
-        f"{m.prefill_overhead_ms:.2f}"
-    )
+    return f"{m.gpu_scale:.3f} | {m.step_overhead_ms:.2f} | {m.per_seq_overhead_ms:.3f} | {m.prefill_overhead_ms:.2f}"
 
 
 def fit_all(data: Path) -> tuple[dict[str, LatencyModel], list[str]]:

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from topology.cost import MigrationPlan
+from topology.cost import CostConfig, MigrationCostInput, MigrationPlan, plan_migration
+from topology.spec import ModelSpec
 
-__all__ = ["ApprovalConfig", "Verdict", "judge_move"]
+__all__ = ["ApprovalConfig", "Verdict", "judge_move", "price_and_judge"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +86,7 @@ def judge_move(
     if plan.downtime_s > cfg.downtime_budget_s:
         return Verdict(
             False,
-            f"downtime {plan.downtime_s * 1e3:.1f} ms exceeds the budget of "
-            f"{cfg.downtime_budget_s * 1e3:.1f} ms",
+            f"downtime {plan.downtime_s * 1e3:.1f} ms exceeds the budget of {cfg.downtime_budget_s * 1e3:.1f} ms",
         )
     remaining_s = remaining_tokens * decode_step_s
     if remaining_s < cfg.min_benefit_ratio * plan.transfer_s:
@@ -95,6 +95,57 @@ def judge_move(
             f"not worth it: {remaining_s:.3f} s of decoding left < {cfg.min_benefit_ratio:g} x "
             f"{plan.transfer_s:.3f} s of transfer",
         )
-    return Verdict(
-        True, f"approved: {plan.transfer_s * 1e3:.1f} ms transfer, {plan.downtime_s * 1e3:.2f} ms downtime"
+    return Verdict(True, f"approved: {plan.transfer_s * 1e3:.1f} ms transfer, {plan.downtime_s * 1e3:.2f} ms downtime")
+
+
+def price_and_judge(
+    model: ModelSpec,
+    *,
+    kv_tokens: int,
+    remaining_tokens: int,
+    decode_step_s: float,
+    path_bandwidth_bytes_per_s: float,
+    busiest_link_flows: int,
+    cost: CostConfig,
+    cfg: ApprovalConfig,
+) -> tuple[Verdict, MigrationPlan]:
+    """Price a move with the cost model at the rate it would get now, then judge it.
+
+    The one place the coordinator (``global_coord.wiring``) and the simulator (``sim.schedulers``) turn a
+    proposed cross-domain move into a verdict, so both apply the same rule.
+
+    Args:
+        model: the model served on both ends (KV bytes per token, block size).
+        kv_tokens: tokens in the request's KV cache now.
+        remaining_tokens: output tokens it still has to produce.
+        decode_step_s: the source's decode step time, seconds.
+        path_bandwidth_bytes_per_s: the path's raw bottleneck bandwidth (``PathInfo.bandwidth_bytes_per_s``).
+        busiest_link_flows: migrations already on the busiest link of the path.
+        cost: the cost model's configuration (migration cap, stages, overheads).
+        cfg: the approval thresholds.
+
+    Returns:
+        (verdict, plan).
+
+    Raises:
+        ValueError: on invalid inputs (see ``MigrationCostInput`` and :func:`judge_move`).
+    """
+    plan = plan_migration(
+        MigrationCostInput(
+            kv_tokens=kv_tokens,
+            kv_bytes_per_token=model.kv_bytes_per_token,
+            block_size_tokens=model.block_size_tokens,
+            decode_step_s=decode_step_s,
+            path_bandwidth_bytes_per_s=path_bandwidth_bytes_per_s,
+            existing_flows=busiest_link_flows,
+        ),
+        cost,
     )
+    verdict = judge_move(
+        plan,
+        remaining_tokens=remaining_tokens,
+        decode_step_s=decode_step_s,
+        busiest_link_flows=busiest_link_flows,
+        cfg=cfg,
+    )
+    return verdict, plan

@@ -23,9 +23,7 @@ class BackoffConfig:
 
     def __post_init__(self) -> None:
         if not 0 < self.initial_s <= self.max_s:
-            raise ValueError(
-                f"BackoffConfig: need 0 < initial_s <= max_s, got {self.initial_s}, {self.max_s}"
-            )
+            raise ValueError(f"BackoffConfig: need 0 < initial_s <= max_s, got {self.initial_s}, {self.max_s}")
         if self.multiplier < 1:
             raise ValueError(f"BackoffConfig: multiplier must be >= 1, got {self.multiplier}")
         if not 0 <= self.jitter <= 1:

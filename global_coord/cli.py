@@ -29,9 +29,7 @@ _log = logging.getLogger("global_coord")
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the command line (see the module docstring)."""
     p = argparse.ArgumentParser(prog="python -m global_coord", description="hilum global coordinator replica")
-    p.add_argument(
-        "--etcd", required=True, metavar="HOST:PORT", help="etcd endpoint (comma-separated for several)"
-    )
+    p.add_argument("--etcd", required=True, metavar="HOST:PORT", help="etcd endpoint (comma-separated for several)")
     p.add_argument("--listen", required=True, metavar="HOST:PORT", help="gRPC listen address")
     p.add_argument("--topology", metavar="FILE", help="topology YAML file or bundled name")
     p.add_argument("--id", default=socket.gethostname(), help="replica id, unique among coordinators")

@@ -1,4 +1,4 @@
-"""Conversions between protobuf messages (``proto.hilum.v1``) and hilum's dataclasses — only at the edge.
+"""Conversions between protobuf messages (``hilum_proto.hilum.v1``) and hilum's dataclasses — only at the edge.
 
 Nothing outside the gRPC servers and clients touches a ``*_pb2`` message; they call these functions.
 Functions named after the message build it; ``*_from_pb`` functions read one and raise ``ValueError``
@@ -21,7 +21,7 @@ from global_coord.records import (
     MigrationState,
     SummaryRecord,
 )
-from proto.hilum.v1 import coordinator_pb2 as pb
+from hilum_proto.hilum.v1 import coordinator_pb2 as pb
 
 __all__ = [
     "TopologyLike",

@@ -219,9 +219,7 @@ class Coordinator:
                 _log.warning("%s: lost leadership or session: %s", self.cfg.coordinator_id, exc)
             except RETRYABLE_ERRORS as exc:
                 delay = backoff.next_s()
-                _log.warning(
-                    "%s: campaign failed (%s); retrying in %.2f s", self.cfg.coordinator_id, exc, delay
-                )
+                _log.warning("%s: campaign failed (%s); retrying in %.2f s", self.cfg.coordinator_id, exc, delay)
                 await asyncio.sleep(delay)
             finally:
                 campaign.cancel()
@@ -263,10 +261,7 @@ class Coordinator:
         # The clock check makes a leader that was paused past its TTL stop acting the moment it wakes,
         # before its keep-alive task has even run; the fence in etcd catches everything else.
         return (
-            self.leading is not None
-            and session is not None
-            and not session.done.is_set()
-            and session.remaining_s() > 0
+            self.leading is not None and session is not None and not session.done.is_set() and session.remaining_s() > 0
         )
 
     def current_leader(self) -> Leader | None:
@@ -327,9 +322,7 @@ class Coordinator:
                 approved, f"already {record.state}: {record.reason}", record, mod_revision, leader.token
             )
         if self.path_of is None or self.judge is None:
-            return self._reject(
-                "no topology loaded: start the coordinator with --topology FILE", leader.token
-            )
+            return self._reject("no topology loaded: start the coordinator with --topology FILE", leader.token)
         instances = self.view.instances()
         src = instances.get(move.src_instance_id)
         if src is None:
@@ -342,9 +335,7 @@ class Coordinator:
             )
         migrations = self.view.migrations()
         flows = link_flows(r for r, _ in migrations.values())
-        candidates = candidate_destinations(
-            move, src.domain_id, instances, self.view.summaries(), self.view.drains()
-        )
+        candidates = candidate_destinations(move, src.domain_id, instances, self.view.summaries(), self.view.drains())
         choice = choose_destination(move, candidates, self.path_of, self.judge, flows)
         if choice.dst_instance_id is None or choice.path is None:
             return self._reject(choice.judgement.reason, leader.token)

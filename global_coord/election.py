@@ -131,9 +131,7 @@ class Election:
             current = _decode(resp.kvs[0]) if resp.kvs else None
             yield current
             created = 0
-            async for wresp in watch_of(self._client).watch(
-                self.key, start_revision=int(resp.header.revision) + 1
-            ):
+            async for wresp in watch_of(self._client).watch(self.key, start_revision=int(resp.header.revision) + 1):
                 if wresp.created:
                     created += 1
                     if created > 1:

@@ -67,9 +67,7 @@ def connect(endpoints: list[str], *, watch_max_reconnect_backoff_s: float = 1.0)
     if isinstance(options, list):
         options.extend(_RECONNECT_OPTIONS)
     else:
-        _log.warning(
-            "etcd3aio changed: cannot shorten gRPC reconnect backoff; long etcd outages may drop leases"
-        )
+        _log.warning("etcd3aio changed: cannot shorten gRPC reconnect backoff; long etcd outages may drop leases")
     return client
 
 

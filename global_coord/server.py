@@ -16,8 +16,8 @@ import grpc
 from global_coord import convert
 from global_coord.coordinator import Coordinator, NotLeader
 from global_coord.records import ACTIVE_STATES, DrainKind, MigrationRecord
-from proto.hilum.v1 import coordinator_pb2 as pb
-from proto.hilum.v1 import coordinator_pb2_grpc as pb_grpc
+from hilum_proto.hilum.v1 import coordinator_pb2 as pb
+from hilum_proto.hilum.v1 import coordinator_pb2_grpc as pb_grpc
 
 __all__ = ["CoordinatorService", "bind_server", "start_server"]
 
@@ -39,10 +39,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         view = self._c.view
         regs, summaries, drains = view.domains(), view.summaries(), view.drains()
         ids = sorted(set(regs) | set(summaries) | {t for k, t in drains if k is DrainKind.DOMAIN})
-        domains = [
-            convert.domain_info(d, regs.get(d), summaries.get(d), (DrainKind.DOMAIN, d) in drains)
-            for d in ids
-        ]
+        domains = [convert.domain_info(d, regs.get(d), summaries.get(d), (DrainKind.DOMAIN, d) in drains) for d in ids]
         return pb.ListDomainsReply(domains=domains, view_revision=view.revision)
 
     async def ListInstances(self, request: pb.ListInstancesRequest, context: _Ctx) -> pb.ListInstancesReply:
@@ -56,9 +53,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             out.append(convert.instance_info(reg, draining))
         return pb.ListInstancesReply(instances=out, view_revision=view.revision)
 
-    async def ListMigrations(
-        self, request: pb.ListMigrationsRequest, context: _Ctx
-    ) -> pb.ListMigrationsReply:
+    async def ListMigrations(self, request: pb.ListMigrationsRequest, context: _Ctx) -> pb.ListMigrationsReply:
         view = self._c.view
         out = [
             convert.migration(record, rev)
@@ -123,9 +118,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         except NotLeader as exc:
             await self._leader_only(context, exc)
             raise
-        reply = pb.Approval(
-            approved=result.approved, reason=result.reason, fencing_token=result.fencing_token
-        )
+        reply = pb.Approval(approved=result.approved, reason=result.reason, fencing_token=result.fencing_token)
         if result.record is not None:
             reply.migration.CopyFrom(convert.migration(result.record, result.mod_revision))
         return reply
@@ -151,6 +144,4 @@ async def start_server(coordinator: Coordinator, server: grpc.aio.Server) -> Non
     """Add the Coordinator service for ``coordinator`` to a bound ``server`` and start it."""
     pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(coordinator), server)
     await server.start()
-    _log.info(
-        "coordinator %s serving at %s", coordinator.cfg.coordinator_id, coordinator.cfg.advertise_address
-    )
+    _log.info("coordinator %s serving at %s", coordinator.cfg.coordinator_id, coordinator.cfg.advertise_address)

@@ -104,9 +104,7 @@ class Session:
             clock=clock,
             retry_s=retry_s if retry_s is not None else max(0.1, granted / 10),
         )
-        session._task = asyncio.create_task(
-            session._keep_alive(), name=f"lease-keepalive-{session.lease_id:x}"
-        )
+        session._task = asyncio.create_task(session._keep_alive(), name=f"lease-keepalive-{session.lease_id:x}")
         return session
 
     def remaining_s(self) -> float:
@@ -216,9 +214,7 @@ class Registrar:
             try:
                 await kv_of(self._client).put(key, value, lease=session.lease_id, timeout=float(self._ttl_s))
             except RETRYABLE_ERRORS as exc:
-                _log.warning(
-                    "%s: put %s failed (%s); it is written again on re-registration", self._name, key, exc
-                )
+                _log.warning("%s: put %s failed (%s); it is written again on re-registration", self._name, key, exc)
 
     async def remove(self, key: str) -> None:
         """Unregister ``key`` (delete it now if a session is live)."""
@@ -267,18 +263,14 @@ class Registrar:
             try:
                 await self._register_all(session)
             except RETRYABLE_ERRORS as exc:
-                _log.warning(
-                    "%s: registering under lease %x failed (%s); retrying", self._name, session.lease_id, exc
-                )
+                _log.warning("%s: registering under lease %x failed (%s); retrying", self._name, session.lease_id, exc)
                 old_lease = session.lease_id
                 await session.close(revoke=False)
                 await asyncio.sleep(self._backoff.next_s())
                 continue
             self.session = session
             self.registered.set()
-            _log.info(
-                "%s: %d keys registered under lease %x", self._name, len(self._entries), session.lease_id
-            )
+            _log.info("%s: %d keys registered under lease %x", self._name, len(self._entries), session.lease_id)
             stop_task = asyncio.ensure_future(stop.wait())
             done_task = asyncio.ensure_future(session.done.wait())
             try:

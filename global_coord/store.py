@@ -339,9 +339,7 @@ class ClusterView:
         self._entries: dict[str, Entry] = {}
         self.revision = 0  # etcd revision the view reflects
         self.synced = asyncio.Event()  # set after the first successful list
-        self.relists: dict[
-            str, int
-        ] = {}  # cause -> count ("initial", "reconnect", "compacted", "error", ...)
+        self.relists: dict[str, int] = {}  # cause -> count ("initial", "reconnect", "compacted", "error", ...)
         self._changed = asyncio.Condition()
         self.version = 0  # bumped on every change the view applies
 
@@ -402,9 +400,7 @@ class ClusterView:
 
     async def _list(self, cause: str) -> int:
         prefix = self.keys.prefix
-        resp = await kv_of(self._client).get(
-            prefix, range_end=prefix_range_end(prefix), timeout=_RPC_TIMEOUT_S
-        )
+        resp = await kv_of(self._client).get(prefix, range_end=prefix_range_end(prefix), timeout=_RPC_TIMEOUT_S)
         self._entries = {bytes(item.key).decode(): _entry(item) for item in resp.kvs}
         self.revision = int(resp.header.revision)
         self.relists[cause] = self.relists.get(cause, 0) + 1

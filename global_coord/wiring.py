@@ -2,37 +2,24 @@
 
 The judge prices a move with ``topology.cost.plan_migration`` at the bandwidth the move would get now
 (the path's raw bandwidth, the migration cap and the flows already on its busiest link) and decides with
-``global_coord.approval.judge_move`` (DESIGN.md, "Cost model").
-
-INTEGRATION NOTE: ``topology.{load,graph,cost}`` and ``global_coord.approval`` are developed on other
-branches; until they are merged with this one they are reached through ``importlib`` (typed ``Any``).
-After the merge, replace :func:`_modules` with plain imports so mypy checks these calls too.
+``global_coord.approval.judge_move`` (DESIGN.md, "Cost model"), through
+:func:`global_coord.approval.price_and_judge`, which the simulator calls too.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
-from typing import Any
 
+from global_coord.approval import ApprovalConfig, price_and_judge
 from global_coord.approver import Judgement, MoveJudge, MoveProposal, PathLike, PathOf
 from global_coord.convert import TopologyLike
+from topology.cost import CostConfig
+from topology.graph import TopologyGraph
+from topology.load import load_topology
+from topology.spec import Topology
 
 __all__ = ["ClusterModel", "CostModelJudge", "load_cluster_model"]
-
-
-def _modules() -> tuple[ModuleType, ModuleType, ModuleType, ModuleType]:
-    try:
-        return (
-            importlib.import_module("topology.load"),
-            importlib.import_module("topology.graph"),
-            importlib.import_module("topology.cost"),
-            importlib.import_module("global_coord.approval"),
-        )
-    except ImportError as exc:
-        raise RuntimeError(f"the topology / approval modules are not available: {exc}") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,43 +40,30 @@ class CostModelJudge:
         approval_cfg: ``global_coord.approval.ApprovalConfig`` (None: its defaults).
     """
 
-    def __init__(self, topo: Any, cost_cfg: Any = None, approval_cfg: Any = None) -> None:
-        _, _, cost, approval = _modules()
+    def __init__(
+        self, topo: Topology, cost_cfg: CostConfig | None = None, approval_cfg: ApprovalConfig | None = None
+    ) -> None:
         self._topo = topo
-        self._cost = cost
-        self._approval = approval
-        self._cost_cfg = cost_cfg if cost_cfg is not None else cost.CostConfig()
-        self._approval_cfg = approval_cfg if approval_cfg is not None else approval.ApprovalConfig()
+        self._cost_cfg = cost_cfg if cost_cfg is not None else CostConfig()
+        self._approval_cfg = approval_cfg if approval_cfg is not None else ApprovalConfig()
 
-    def __call__(
-        self, move: MoveProposal, dst_instance_id: str, path: PathLike, busiest_link_flows: int
-    ) -> Judgement:
+    def __call__(self, move: MoveProposal, dst_instance_id: str, path: PathLike, busiest_link_flows: int) -> Judgement:
         """Price and judge; a move between instances serving different models is never approved."""
         src_model = self._topo.model_of(move.src_instance_id)
         dst_model = self._topo.model_of(dst_instance_id)
         if src_model.name != dst_model.name:
             return Judgement(False, f"model mismatch: {src_model.name} on the source, {dst_model.name} here")
-        plan = self._cost.plan_migration(
-            self._cost.MigrationCostInput(
-                kv_tokens=move.num_tokens,
-                kv_bytes_per_token=src_model.kv_bytes_per_token,
-                block_size_tokens=src_model.block_size_tokens,
-                decode_step_s=move.decode_step_s,
-                path_bandwidth_bytes_per_s=path.bandwidth_bytes_per_s,
-                existing_flows=busiest_link_flows,
-            ),
-            self._cost_cfg,
-        )
-        verdict = self._approval.judge_move(
-            plan,
+        verdict, plan = price_and_judge(
+            src_model,
+            kv_tokens=move.num_tokens,
             remaining_tokens=move.remaining_tokens,
             decode_step_s=move.decode_step_s,
+            path_bandwidth_bytes_per_s=path.bandwidth_bytes_per_s,
             busiest_link_flows=busiest_link_flows,
+            cost=self._cost_cfg,
             cfg=self._approval_cfg,
         )
-        return Judgement(
-            bool(verdict.approved), str(verdict.reason), float(plan.transfer_s), float(plan.downtime_s)
-        )
+        return Judgement(verdict.approved, verdict.reason, float(plan.transfer_s), float(plan.downtime_s))
 
 
 def load_cluster_model(path: str | Path) -> ClusterModel:
@@ -97,9 +71,7 @@ def load_cluster_model(path: str | Path) -> ClusterModel:
 
     Raises:
         topology.load.TopologyError: on an invalid topology file.
-        RuntimeError: when the topology or approval modules are not installed.
     """
-    load, graph, _, _ = _modules()
-    topo = load.load_topology(path)
-    paths = graph.TopologyGraph(topo)
+    topo = load_topology(path)
+    paths = TopologyGraph(topo)
     return ClusterModel(topology=topo, path_of=paths.path, judge=CostModelJudge(topo))

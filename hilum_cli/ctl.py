@@ -13,8 +13,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     del argv
     print(
-        "hilumctl: the global coordinator's admin API is not built yet (control-plane issue); "
-        "nothing to query.",
+        "hilumctl: the global coordinator's admin API is not built yet (control-plane issue); nothing to query.",
         file=sys.stderr,
     )
     return 2

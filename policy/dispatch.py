@@ -90,9 +90,7 @@ class _View:
         """
         if demand_blocks < 0:
             raise ValueError(f"pick: demand_blocks must be >= 0, got {demand_blocks}")
-        capable = [
-            t for t in self._targets.values() if not t.draining and t.max_request_blocks >= demand_blocks
-        ]
+        capable = [t for t in self._targets.values() if not t.draining and t.max_request_blocks >= demand_blocks]
         if not capable:
             return DispatchDecision(None, self._refusal(demand_blocks))
         roomy = [t for t in capable if t.has_room(demand_blocks)]

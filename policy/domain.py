@@ -63,8 +63,7 @@ def summarize_domain(domain_id: str, loads: Sequence[InstanceLoad], cfg: PolicyC
     for load in loads:
         if load.domain_id and load.domain_id != domain_id:
             raise ValueError(
-                f"summarize_domain({domain_id!r}): instance {load.instance_id!r} reports domain "
-                f"{load.domain_id!r}"
+                f"summarize_domain({domain_id!r}): instance {load.instance_id!r} reports domain {load.domain_id!r}"
             )
     active = [load for load in loads if not load.draining]
     draining = bool(loads) and not active

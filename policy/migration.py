@@ -89,9 +89,7 @@ def candidate_order(name: str) -> CandidateOrder:
         raise ValueError(f"unknown candidate policy {name!r}; known: {known}") from None
 
 
-def move_lowers_potential(
-    src: InstanceLoad, dst: InstanceLoad, request: RequestLoad, cfg: PolicyConfig
-) -> bool:
+def move_lowers_potential(src: InstanceLoad, dst: InstanceLoad, request: RequestLoad, cfg: PolicyConfig) -> bool:
     """True iff moving `request` from src to dst lowers Φ: V_src − V_dst > v_r with v_r > 0.
 
     Always true from a draining source to a non-draining destination; never true into a draining one.
@@ -125,9 +123,7 @@ def plan_migrations(
         (x for x in loads if _is_source(x, f[x.instance_id], cfg)),
         key=lambda x: fullest_first(f[x.instance_id], x.instance_id, draw[x.instance_id]),
     )
-    by_freeness = sorted(
-        loads, key=lambda x: freest_first(f[x.instance_id], x.instance_id, draw[x.instance_id])
-    )
+    by_freeness = sorted(loads, key=lambda x: freest_first(f[x.instance_id], x.instance_id, draw[x.instance_id]))
     source_ids = {x.instance_id for x in sources}
     order = candidate_order(cfg.candidate_policy)
     used: set[str] = set()
@@ -191,15 +187,11 @@ def _first_move(
         for request in candidates:
             if request.blocks <= dst.free_blocks and move_lowers_potential(src, dst, request, cfg):
                 reason = _reason(src, dst, request, f, cfg)
-                return MigrationDecision(
-                    src.instance_id, dst.instance_id, request.request_id, request.blocks, reason
-                )
+                return MigrationDecision(src.instance_id, dst.instance_id, request.request_id, request.blocks, reason)
     return None
 
 
-def _reason(
-    src: InstanceLoad, dst: InstanceLoad, request: RequestLoad, f: dict[str, float], cfg: PolicyConfig
-) -> str:
+def _reason(src: InstanceLoad, dst: InstanceLoad, request: RequestLoad, f: dict[str, float], cfg: PolicyConfig) -> str:
     if src.draining:
         why = "source draining"
     elif src.preempting:
@@ -247,12 +239,7 @@ def pair_domains(summaries: Sequence[DomainSummary], cfg: PolicyConfig) -> list[
 def _domain_accepts(
     dst: DomainSummary, src: DomainSummary, used: set[str], source_ids: set[str], cfg: PolicyConfig
 ) -> bool:
-    if (
-        dst.draining
-        or dst.largest_free_blocks <= 0
-        or dst.domain_id == src.domain_id
-        or dst.domain_id in used
-    ):
+    if dst.draining or dst.largest_free_blocks <= 0 or dst.domain_id == src.domain_id or dst.domain_id in used:
         return False
     if src.draining:
         return True

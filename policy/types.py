@@ -99,8 +99,7 @@ class InstanceLoad:
         _require(
             self.queued_demand_blocks == 0 or self.queued_demand_blocks >= self.head_demand_blocks,
             where,
-            f"queued_demand_blocks {self.queued_demand_blocks} is below head_demand_blocks "
-            f"{self.head_demand_blocks}",
+            f"queued_demand_blocks {self.queued_demand_blocks} is below head_demand_blocks {self.head_demand_blocks}",
         )
         _require(
             self.queued_demand_blocks == 0 or self.num_waiting > 0,
@@ -124,9 +123,7 @@ def _freeze_headroom(headroom: Mapping[int, int]) -> Mapping[int, int]:
     for priority, blocks in headroom.items():
         where = f"PolicyConfig.priority_headroom_blocks[{priority!r}]"
         _require(isinstance(priority, int) and priority > 0, where, "priority class must be an int > 0")
-        _require(
-            isinstance(blocks, int) and blocks >= 0, where, f"blocks must be an int >= 0, got {blocks!r}"
-        )
+        _require(isinstance(blocks, int) and blocks >= 0, where, f"blocks must be an int >= 0, got {blocks!r}")
     return MappingProxyType(dict(sorted(headroom.items())))
 
 

@@ -36,16 +36,10 @@ def register(sub: Any) -> None:
         default=",".join(POLICY_NAMES),
         help=f"comma-separated policies to compare (from {', '.join(POLICY_NAMES)})",
     )
-    parser.add_argument(
-        "--rate-scale", type=float, default=DEFAULTS.rate_scale, help="compress arrivals X times"
-    )
-    parser.add_argument(
-        "--max-requests", type=int, default=DEFAULTS.max_requests, help="first N requests only"
-    )
+    parser.add_argument("--rate-scale", type=float, default=DEFAULTS.rate_scale, help="compress arrivals X times")
+    parser.add_argument("--max-requests", type=int, default=DEFAULTS.max_requests, help="first N requests only")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--priority-fraction", type=float, default=0.0, help="share of high-priority requests"
-    )
+    parser.add_argument("--priority-fraction", type=float, default=0.0, help="share of high-priority requests")
     parser.add_argument("--drain", action="append", default=[], metavar="INSTANCE@S", help="drain at time S")
     parser.add_argument(
         "--scale-out", action="append", default=[], metavar="INSTANCE@S", help="instance joins at time S"
@@ -66,9 +60,7 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICY_NAMES]
     if unknown or not policies:
-        raise ValueError(
-            f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join(POLICY_NAMES)}"
-        )
+        raise ValueError(f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join(POLICY_NAMES)}")
     if args.rate_scale <= 0:
         raise ValueError(f"--rate-scale must be > 0, got {args.rate_scale}")
     if args.max_requests is not None and args.max_requests < 1:
@@ -107,9 +99,7 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         specs = _specs(args)
         topology = load_topology(args.topology)
-        trace = load_trace(
-            args.trace, rate_scale=args.rate_scale, max_requests=args.max_requests, seed=args.seed
-        )
+        trace = load_trace(args.trace, rate_scale=args.rate_scale, max_requests=args.max_requests, seed=args.seed)
     except TopologyError as exc:
         err.print("[red]hilum sim: invalid topology[/red]\n" + "\n".join(exc.errors), highlight=False)
         return 2

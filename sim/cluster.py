@@ -138,9 +138,7 @@ class Cluster:
 
     def serving(self, domain_id: str | None = None) -> list[SimInstance]:
         """Active instances (optionally of one domain), draining ones included."""
-        return [
-            i for i in self.instances.values() if i.active and (domain_id is None or i.domain_id == domain_id)
-        ]
+        return [i for i in self.instances.values() if i.active and (domain_id is None or i.domain_id == domain_id)]
 
     def load(self, inst: SimInstance) -> InstanceLoad:
         """The instance's load report, as its llumlet would push it (policy's InstanceLoad)."""

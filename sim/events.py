@@ -56,9 +56,7 @@ class EventQueue:
     def schedule(self, time_s: float, kind: EventKind, action: Callable[[], None]) -> None:
         """Run ``action()`` at virtual time ``time_s`` (seconds, >= now)."""
         if time_s < self.now_s:
-            raise ValueError(
-                f"event of kind {kind.name} scheduled at {time_s:.6f} s, before now ({self.now_s:.6f} s)"
-            )
+            raise ValueError(f"event of kind {kind.name} scheduled at {time_s:.6f} s, before now ({self.now_s:.6f} s)")
         self._seq += 1
         heapq.heappush(self._heap, _Entry(time_s, int(kind), self._seq, action))
 

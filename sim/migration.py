@@ -144,9 +144,7 @@ class MigrationExecutor:
         if blocks == 0 or remaining < 0:  # preempted (recompute) on the source: its KV is gone
             self._abort(move, "request was preempted on the source during pre-copy")
             return
-        if move.stage > 0 and (
-            remaining <= self.cost.stop_remaining_blocks or move.stage >= self.cost.max_stages
-        ):
+        if move.stage > 0 and (remaining <= self.cost.stop_remaining_blocks or move.stage >= self.cost.max_stages):
             self.cluster.at_step_boundary(move.src, lambda: self._suspend(move))
             return
         duration = self._copy_s(move, remaining)

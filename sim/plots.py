@@ -52,8 +52,7 @@ def _run_labels(runs: Sequence[SimRun | StoredRun]) -> list[str]:
     """Policy names, qualified by topology and rate scale where a policy appears more than once."""
     policies = [r.policy for r in runs]
     return [
-        r.policy if policies.count(r.policy) == 1 else f"{r.policy} ({r.topology}, x{r.rate_scale:g})"
-        for r in runs
+        r.policy if policies.count(r.policy) == 1 else f"{r.policy} ({r.topology}, x{r.rate_scale:g})" for r in runs
     ]
 
 
@@ -66,9 +65,7 @@ def plot_ttft_cdf(runs: Sequence[SimRun | StoredRun], path: str | Path) -> Path:
     fig, ax = _new_figure()
     drawn = 0
     for run, label in zip(runs, _run_labels(runs), strict=True):
-        ttft_ms = np.sort(
-            np.array([t * 1e3 for r in run.requests if (t := r.ttft_s) is not None], dtype=np.float64)
-        )
+        ttft_ms = np.sort(np.array([t * 1e3 for r in run.requests if (t := r.ttft_s) is not None], dtype=np.float64))
         if ttft_ms.size == 0:
             continue
         fraction = np.arange(1, ttft_ms.size + 1, dtype=np.float64) / len(run.requests)

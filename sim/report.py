@@ -118,9 +118,7 @@ def _build(
     return table
 
 
-def render_table(
-    summaries: Sequence[PolicySummary], *, title: str = "hilum sim", baseline: str | None = None
-) -> Table:
+def render_table(summaries: Sequence[PolicySummary], *, title: str = "hilum sim", baseline: str | None = None) -> Table:
     """A rich table with one row per summary (policy) and the columns of :class:`PolicySummary`.
 
     With ``baseline`` set, a last column gives each policy's P99 TTFT relative to that policy's
@@ -157,8 +155,6 @@ def format_table(
     return _to_text(render_table(summaries, title=title, baseline=baseline), width)
 
 
-def format_sweep_table(
-    rows: Sequence[SweepRow], *, title: str = "hilum sim sweep", width: int = _DEFAULT_WIDTH
-) -> str:
+def format_sweep_table(rows: Sequence[SweepRow], *, title: str = "hilum sim sweep", width: int = _DEFAULT_WIDTH) -> str:
     """:func:`render_sweep_table` as plain text (no colour), ``width`` characters wide."""
     return _to_text(render_sweep_table(rows, title=title), width)

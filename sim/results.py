@@ -287,10 +287,7 @@ def _to_json_value(value: object, where: str) -> Any:
     if isinstance(value, Path):
         return str(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {
-            f.name: _to_json_value(getattr(value, f.name), f"{where}.{f.name}")
-            for f in dataclasses.fields(value)
-        }
+        return {f.name: _to_json_value(getattr(value, f.name), f"{where}.{f.name}") for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
         return {str(k): _to_json_value(v, f"{where}.{k}") for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):

@@ -38,9 +38,7 @@ class SimOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    priority_fraction: float = Field(
-        0.0, ge=0.0, le=1.0, description="share of requests marked high priority"
-    )
+    priority_fraction: float = Field(0.0, ge=0.0, le=1.0, description="share of requests marked high priority")
     drain: tuple[str, ...] = Field((), description="scripted drains, each 'INSTANCE@SECONDS'")
     scale_out: tuple[str, ...] = Field(
         (), description="scripted scale-outs, each 'INSTANCE@SECONDS': the instance is idle until then"
@@ -100,9 +98,7 @@ class SimSpec:
 
 #: The embedded defaults of a bare ``hilum sim``: the bundled 2 x 8 A100-40GB topology (16 Llama-2-13B
 #: instances) and the Azure conversation trace, compressed to a load at which the baselines preempt.
-DEFAULTS = SimSpec(
-    topology="2x8-a100-40gb", trace="azure-conv", policy="hilum", rate_scale=3.5, max_requests=5000
-)
+DEFAULTS = SimSpec(topology="2x8-a100-40gb", trace="azure-conv", policy="hilum", rate_scale=3.5, max_requests=5000)
 
 
 def _latency_for(topology: Topology) -> Callable[[InstanceSpec], LatencyModel]:
@@ -141,9 +137,7 @@ def run_simulation(
     options = spec.parsed_options()
     topo = topology if topology is not None else load_topology(spec.topology)
     if trace is None:
-        trace = load_trace(
-            spec.trace, rate_scale=spec.rate_scale, max_requests=spec.max_requests, seed=spec.seed
-        )
+        trace = load_trace(spec.trace, rate_scale=spec.rate_scale, max_requests=spec.max_requests, seed=spec.seed)
     if options.priority_fraction > 0:
         trace = with_priorities(trace, options.priority_fraction, spec.seed)
     drains = [_parse_event(d) for d in options.drain]
@@ -202,9 +196,7 @@ def run_simulation(
     for instance_id, at_s in drains:
         queue.schedule(at_s, EventKind.SCRIPTED, functools.partial(_drain, cluster, instance_id))
     for instance_id, at_s in scale_outs:
-        queue.schedule(
-            at_s, EventKind.SCRIPTED, functools.partial(_scale_out, cluster, instance_id, timing.warmup_s)
-        )
+        queue.schedule(at_s, EventKind.SCRIPTED, functools.partial(_scale_out, cluster, instance_id, timing.warmup_s))
 
     trace_end_s = trace.requests[-1].arrival_s if trace.requests else 0.0
     sample_every_s = max(trace_end_s, 1.0) / options.kv_samples

@@ -25,12 +25,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from global_coord.approval import ApprovalConfig, judge_move
+from global_coord.approval import ApprovalConfig, price_and_judge
 from policy.dispatch import DispatchDecision, DispatchView, DomainDispatchView
 from policy.domain import DomainSummary, summarize_domain
 from policy.migration import pair_domains, plan_migrations
 from policy.types import InstanceLoad, PolicyConfig
-from topology.cost import CostConfig, MigrationCostInput, plan_migration
+from topology.cost import CostConfig
 from topology.graph import TopologyGraph
 
 from .cluster import Cluster, SimInstance
@@ -224,9 +224,7 @@ class HilumTwoTier(ClusterScheduler):
                 reasons.append(domain.reason)
                 break
             tried.add(domain.target_id)
-            view = DispatchView(
-                self._loads(self.cluster.serving(domain.target_id)), self.ctx.policy, self.ctx.rng
-            )
+            view = DispatchView(self._loads(self.cluster.serving(domain.target_id)), self.ctx.policy, self.ctx.rng)
             decision = view.pick(need, req.priority)
             if decision.target_id is not None:
                 return decision
@@ -245,9 +243,7 @@ class HilumTwoTier(ClusterScheduler):
     def _propose(self, src_domain: str, dst_domain: str) -> None:
         """The source domain proposes its most loaded instance's best move; the coordinator judges it."""
         executor = self.ctx.executor
-        src_loads = [
-            x for x in self._loads(self.cluster.serving(src_domain)) if not executor.is_busy(x.instance_id)
-        ]
+        src_loads = [x for x in self._loads(self.cluster.serving(src_domain)) if not executor.is_busy(x.instance_id)]
         dst_loads = [
             x
             for x in self._loads(self.cluster.serving(dst_domain))
@@ -268,28 +264,16 @@ class HilumTwoTier(ClusterScheduler):
         if kv is None:
             return False
         tokens, _blocks = kv
-        model = self.cluster.model_of(src_id)
         path = self.ctx.graph.path(src_id, dst_id)
-        flows = self.ctx.executor.flows.busiest(path.links)
-        step_s = max(src.last_step_s, 1e-4)
-        plan = plan_migration(
-            MigrationCostInput(
-                kv_tokens=tokens,
-                kv_bytes_per_token=model.kv_bytes_per_token,
-                block_size_tokens=model.block_size_tokens,
-                decode_step_s=step_s,
-                path_bandwidth_bytes_per_s=path.bandwidth_bytes_per_s,
-                existing_flows=flows,
-            ),
-            self.ctx.cost,
-        )
         state = self.cluster.requests[request_id]
-        remaining = max(0, state.trace.output_tokens - state.generated_tokens)
-        verdict = judge_move(
-            plan,
-            remaining_tokens=remaining,
-            decode_step_s=step_s,
-            busiest_link_flows=flows,
+        verdict, _plan = price_and_judge(
+            self.cluster.model_of(src_id),
+            kv_tokens=tokens,
+            remaining_tokens=max(0, state.trace.output_tokens - state.generated_tokens),
+            decode_step_s=max(src.last_step_s, 1e-4),
+            path_bandwidth_bytes_per_s=path.bandwidth_bytes_per_s,
+            busiest_link_flows=self.ctx.executor.flows.busiest(path.links),
+            cost=self.ctx.cost,
             cfg=self.ctx.approval,
         )
         return verdict.approved

@@ -324,9 +324,7 @@ def _row_dict(row: SweepRow) -> dict[str, Any]:
     }
 
 
-def write_sweep(
-    rows: Sequence[SweepRow], out_dir: str | Path, *, config: SweepConfig | None = None
-) -> SweepOutput:
+def write_sweep(rows: Sequence[SweepRow], out_dir: str | Path, *, config: SweepConfig | None = None) -> SweepOutput:
     """Write ``sweep.json`` and one P99-TTFT-vs-load PNG per topology into ``out_dir``.
 
     Raises:
@@ -342,9 +340,7 @@ def write_sweep(
         "rows": [_row_dict(r) for r in rows],
     }
     json_path = out / SWEEP_FILE_NAME
-    json_path.write_text(
-        json.dumps(doc, indent=1, allow_nan=False, default=json_default) + "\n", encoding="utf-8"
-    )
+    json_path.write_text(json.dumps(doc, indent=1, allow_nan=False, default=json_default) + "\n", encoding="utf-8")
     plots: dict[str, Path] = {}
     used: set[str] = set()
     for topology in dict.fromkeys(r.topology for r in rows):

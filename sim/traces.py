@@ -156,17 +156,11 @@ class TraceRequest:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.arrival_s) and self.arrival_s >= 0.0):
-            raise ValueError(
-                f"request {self.request_id}: arrival_s must be finite and >= 0, got {self.arrival_s}"
-            )
+            raise ValueError(f"request {self.request_id}: arrival_s must be finite and >= 0, got {self.arrival_s}")
         if self.prompt_tokens < 1:
-            raise ValueError(
-                f"request {self.request_id}: prompt_tokens must be >= 1, got {self.prompt_tokens}"
-            )
+            raise ValueError(f"request {self.request_id}: prompt_tokens must be >= 1, got {self.prompt_tokens}")
         if self.output_tokens < 1:
-            raise ValueError(
-                f"request {self.request_id}: output_tokens must be >= 1, got {self.output_tokens}"
-            )
+            raise ValueError(f"request {self.request_id}: output_tokens must be >= 1, got {self.output_tokens}")
         if self.prefix_block_tokens < 0 or (self.prefix_block_hashes and self.prefix_block_tokens == 0):
             raise ValueError(
                 f"request {self.request_id}: prefix_block_tokens must be >= 0 and > 0 when "
@@ -366,9 +360,7 @@ def _parse_csv(text: str, source: str) -> _Table:
             prompts.append(_parse_int(row[index["ContextTokens"]], source, line, "ContextTokens", 1))
             outputs.append(_parse_int(row[index["GeneratedTokens"]], source, line, "GeneratedTokens", 1))
         else:
-            prompts.append(
-                _parse_int(row[index["num_prefill_tokens"]], source, line, "num_prefill_tokens", 1)
-            )
+            prompts.append(_parse_int(row[index["num_prefill_tokens"]], source, line, "num_prefill_tokens", 1))
             outputs.append(_parse_int(row[index["num_decode_tokens"]], source, line, "num_decode_tokens", 1))
     if not prompts:
         raise TraceError(f"{source}: no requests after the header")
@@ -411,8 +403,7 @@ def _parse_mooncake(text: str, source: str) -> _Table:
         missing = [k for k in _MOONCAKE_KEYS if k not in record]
         if missing:
             raise TraceError(
-                f"{source}:{line}: missing key(s) {', '.join(missing)}; found {sorted(record)}; "
-                f"{_EXPECTED_FORMATS}"
+                f"{source}:{line}: missing key(s) {', '.join(missing)}; found {sorted(record)}; {_EXPECTED_FORMATS}"
             )
         stamp = record["timestamp"]
         if isinstance(stamp, bool) or not isinstance(stamp, int | float) or not math.isfinite(stamp):
@@ -653,9 +644,7 @@ def load_trace(
     name, source, attribution, table = _resolve(name_or_path)
     is_llumnix = table is None
     if not is_llumnix and (mean_prompt_tokens, mean_output_tokens, max_tokens) != (None, None, None):
-        raise TraceError(
-            f"{source}: mean_prompt_tokens/mean_output_tokens/max_tokens apply only to llumnix-synthetic"
-        )
+        raise TraceError(f"{source}: mean_prompt_tokens/mean_output_tokens/max_tokens apply only to llumnix-synthetic")
     if spread_buckets is not None and (table is None or table.kind != "mooncake"):
         raise TraceError(f"{source}: spread_buckets applies only to Mooncake-format traces")
     has_times = table is not None and table.kind != "sharegpt"
@@ -668,9 +657,7 @@ def load_trace(
     if arrival == "trace" and (rate_per_s is not None or arrival_cv is not None):
         raise TraceError(f"{source}: rate_per_s/arrival_cv apply only to synthetic arrivals; use rate_scale")
     if num_requests is not None and has_times:
-        raise TraceError(
-            f"{source}: num_requests applies only to traces without timestamps; use max_requests"
-        )
+        raise TraceError(f"{source}: num_requests applies only to traces without timestamps; use max_requests")
     if num_requests is not None and num_requests < 0:
         raise ValueError(f"num_requests must be >= 0, got {num_requests}")
 
@@ -719,9 +706,7 @@ def load_trace(
                 rate_per_s = count / span_s if span_s > 0 else DEFAULT_SYNTHETIC_RATE_PER_S
             else:
                 rate_per_s = DEFAULT_SYNTHETIC_RATE_PER_S
-        arrivals = synthetic_arrivals_s(
-            count, rate_per_s, _rng(seed, _STREAM_ARRIVALS), arrival=arrival, cv=arrival_cv
-        )
+        arrivals = synthetic_arrivals_s(count, rate_per_s, _rng(seed, _STREAM_ARRIVALS), arrival=arrival, cv=arrival_cv)
 
     arrivals = arrivals / rate_scale
     keep = count if max_requests is None else min(max_requests, count)

@@ -33,9 +33,7 @@ def register(sub: Any) -> None:
     cmds = parser.add_subparsers(dest="topology_command", metavar="SUBCOMMAND")
     cmds.required = True
     show = cmds.add_parser("show", help="summary of models, domains, instances and the fabric")
-    show.add_argument(
-        "topology", metavar="FILE|NAME", help=f"a YAML file or one of: {', '.join(BUNDLED_NAMES)}"
-    )
+    show.add_argument("topology", metavar="FILE|NAME", help=f"a YAML file or one of: {', '.join(BUNDLED_NAMES)}")
     show.add_argument("--json", action="store_true", help="print the summary as JSON")
     show.add_argument("--instances", action="store_true", help="list every instance (default: up to 32)")
     show.set_defaults(func=_cmd_show)
@@ -329,9 +327,7 @@ def path_summary(graph: TopologyGraph, src: str, dst: str) -> dict[str, Any]:
         "bandwidth_bytes_per_s": p.bandwidth_bytes_per_s,
         "same_domain": p.same_domain,
         "bottleneck_link": p.bottleneck_link,
-        "links": [
-            {"link": link, "capacity_bytes_per_s": graph.link_capacity_bytes_per_s(link)} for link in p.links
-        ],
+        "links": [{"link": link, "capacity_bytes_per_s": graph.link_capacity_bytes_per_s(link)} for link in p.links],
     }
 
 
@@ -352,8 +348,7 @@ def _cmd_path(args: argparse.Namespace) -> int:
     bw = summary["bandwidth_bytes_per_s"]
     where = "same NVLink domain" if summary["same_domain"] else "across domains"
     con.print(
-        f"{args.src} -> {args.dst} ({where}): {_gbyte(bw)} = {_gbit(bw)}, "
-        f"bottleneck {summary['bottleneck_link']}"
+        f"{args.src} -> {args.dst} ({where}): {_gbyte(bw)} = {_gbit(bw)}, bottleneck {summary['bottleneck_link']}"
     )
     t = Table()
     t.add_column("#", justify="right")

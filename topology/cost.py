@@ -151,9 +151,7 @@ class MigrationCostInput:
             value = getattr(self, name)
             _check(_finite(value) and value > 0, name, value, "a finite number > 0")
         full = self.kv_tokens // self.block_size_tokens
-        _check(
-            self.prefix_blocks <= full, "prefix_blocks", self.prefix_blocks, f"<= the {full} full blocks held"
-        )
+        _check(self.prefix_blocks <= full, "prefix_blocks", self.prefix_blocks, f"<= the {full} full blocks held")
         _check(
             self.prefix_blocks_on_dst <= self.prefix_blocks,
             "prefix_blocks_on_dst",
@@ -266,9 +264,7 @@ def _plan_from_stages(
     block_s = Fraction(block_bytes) / bw
     overhead = _exact(cfg.suspend_resume_overhead_s)
     recompute = (
-        _exact(inp.prefix_reprefill_s)
-        if recompute_blocks and inp.prefix_reprefill_s is not None
-        else Fraction(0)
+        _exact(inp.prefix_reprefill_s) if recompute_blocks and inp.prefix_reprefill_s is not None else Fraction(0)
     )
     copy_done = stages.live_s + stages.last_s
     resume = max(copy_done, recompute) + overhead

@@ -173,9 +173,7 @@ class TopologyGraph:
             bottleneck_link=bottleneck_link,
         )
 
-    def _own_nic(
-        self, hops: list[tuple[str, float]], node_id: str, *, first: bool
-    ) -> list[tuple[str, float]]:
+    def _own_nic(self, hops: list[tuple[str, float]], node_id: str, *, first: bool) -> list[tuple[str, float]]:
         """Leave a multi-node NVLink island through the instance's own node's NIC.
 
         The tree keeps one NIC per island and rack (all of them close a cycle through the NVLink switch), so

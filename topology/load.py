@@ -236,9 +236,7 @@ def parse_topology(data: Any, source: str) -> Topology:
     """
     col = _Collector(source)
     if not isinstance(data, Mapping):
-        col.add(
-            "(root)", f"expected a mapping with keys name, models, gpu_types, domains, got {_describe(data)}"
-        )
+        col.add("(root)", f"expected a mapping with keys name, models, gpu_types, domains, got {_describe(data)}")
         raise TopologyError(col.errors)
     root = col.validate(_RootSchema, data, ())
     if root is None:
@@ -348,8 +346,7 @@ def _parse_domains(
         if gpu is None and d.gpu_type not in declared_gpus:
             col.add(
                 f"{loc}.gpu_type",
-                f"unknown GPU type {d.gpu_type!r}; GPU types in this file: "
-                + ", ".join(sorted(declared_gpus)),
+                f"unknown GPU type {d.gpu_type!r}; GPU types in this file: " + ", ".join(sorted(declared_gpus)),
             )
         nodes = _parse_nodes(col, d, d_idx, seen)
         if d.kind == "node" and len(d.nodes) != 1:
@@ -362,9 +359,7 @@ def _parse_domains(
             continue
         instances = _parse_instances(col, root, d, d_idx, nodes, gpu, models, declared_models, seen)
         kind: DomainKind = d.kind
-        out.append(
-            DomainSpec(domain_id=d.id, kind=kind, gpu_type=d.gpu_type, nodes=nodes, instances=instances)
-        )
+        out.append(DomainSpec(domain_id=d.id, kind=kind, gpu_type=d.gpu_type, nodes=nodes, instances=instances))
     return out
 
 
@@ -457,8 +452,7 @@ def _parse_instances(
             if inst.model not in declared_models:
                 col.add(
                     f"{iloc}.model",
-                    f"unknown model {inst.model!r}; models in this file: "
-                    + ", ".join(sorted(declared_models)),
+                    f"unknown model {inst.model!r}; models in this file: " + ", ".join(sorted(declared_models)),
                 )
             continue
         if model.num_attention_heads % inst.tensor_parallel_size:
@@ -543,9 +537,7 @@ def _parse_fabric(col: _Collector, root: _RootSchema, domains: Sequence[DomainSp
             col.add(rloc, "a rack needs at least one entry in 'domains' or 'nodes'")
         for node_id, path in members:
             if node_id in rack_of and rack_of[node_id] != r.id:
-                col.add(
-                    path, f"node {node_id!r} is already in rack {rack_of[node_id]!r}; a node sits in one rack"
-                )
+                col.add(path, f"node {node_id!r} is already in rack {rack_of[node_id]!r}; a node sits in one rack")
             rack_of.setdefault(node_id, r.id)
         node_ids = tuple(dict.fromkeys(n for n, _ in members if rack_of.get(n) == r.id))
         over = r.oversubscription or fab.oversubscription
@@ -555,9 +547,7 @@ def _parse_fabric(col: _Collector, root: _RootSchema, domains: Sequence[DomainSp
             else sum(nodes[n].nic_bandwidth_bytes_per_s for n in node_ids) / over
         )
         racks.append(
-            RackSpec(
-                rack_id=r.id, node_ids=node_ids, uplink_bandwidth_bytes_per_s=uplink, oversubscription=over
-            )
+            RackSpec(rack_id=r.id, node_ids=node_ids, uplink_bandwidth_bytes_per_s=uplink, oversubscription=over)
         )
     if (len(root.domains) > 1 or fab.racks) and all_racks_valid:
         missing = [n for n in nodes if n not in rack_of]

@@ -202,9 +202,7 @@ class Topology:
         object.__setattr__(self, "_instances", {i.instance_id: i for d in self.domains for i in d.instances})
         object.__setattr__(self, "_domains", {d.domain_id: d for d in self.domains})
         object.__setattr__(self, "_nodes", {n.node_id: n for d in self.domains for n in d.nodes})
-        object.__setattr__(
-            self, "_rack_of_node", {n: r.rack_id for r in self.fabric.racks for n in r.node_ids}
-        )
+        object.__setattr__(self, "_rack_of_node", {n: r.rack_id for r in self.fabric.racks for n in r.node_ids})
 
     @property
     def instances(self) -> tuple[InstanceSpec, ...]:

@@ -61,9 +61,7 @@ def synthetic_topology_data(
                 "max_context_tokens": 4096,
             }
         ],
-        "gpu_types": [
-            {"name": "h100-80gb", "memory_gib": 80, "hbm_gbyte_per_s": 3350, "nvlink_gbyte_per_s": 900}
-        ],
+        "gpu_types": [{"name": "h100-80gb", "memory_gib": 80, "hbm_gbyte_per_s": 3350, "nvlink_gbyte_per_s": 900}],
         "domains": domains,
         "fabric": {"oversubscription": oversubscription, "racks": racks},
     }

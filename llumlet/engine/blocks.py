@@ -307,11 +307,7 @@ class BlockManager:
         while len(t.shared) < len(prefix_block_hashes):
             j = len(t.shared)
             h = prefix_block_hashes[j]
-            if (
-                (j + 1) * hash_block_tokens > num_computed_tokens
-                or h in self._entries
-                or len(t.private) < per
-            ):
+            if (j + 1) * hash_block_tokens > num_computed_tokens or h in self._entries or len(t.private) < per:
                 break
             blocks = tuple(t.private[:per])
             del t.private[:per]

@@ -264,9 +264,7 @@ class EngineCore:
             ValueError: the request id is already here, or the state is not in decode phase.
         """
         if state.request_id in self.scheduler.requests:
-            raise ValueError(
-                f"{self.instance_id}: commit_incoming: request {state.request_id!r} already here"
-            )
+            raise ValueError(f"{self.instance_id}: commit_incoming: request {state.request_id!r} already here")
         if state.num_output_tokens < 1 or state.num_computed_tokens != state.num_tokens - 1:
             raise ValueError(
                 f"{self.instance_id}: commit_incoming({state.request_id!r}): not in decode phase "

@@ -72,9 +72,7 @@ class LatencyModel:
         where = f"LatencyModel({self.model}, {self.gpu}, tp={self.tensor_parallel_size})"
         if len(self.token_knots) < 2 or len(self.token_knots) != len(self.token_ms):
             raise ValueError(f"{where}: token_knots and token_ms need the same length >= 2")
-        if self.token_knots[0] < 1 or any(
-            b <= a for a, b in zip(self.token_knots, self.token_knots[1:], strict=False)
-        ):
+        if self.token_knots[0] < 1 or any(b <= a for a, b in zip(self.token_knots, self.token_knots[1:], strict=False)):
             raise ValueError(f"{where}: token_knots must be strictly increasing and start at >= 1")
         if any(b < a for a, b in zip(self.token_ms, self.token_ms[1:], strict=False)) or self.token_ms[0] < 0:
             raise ValueError(f"{where}: token_ms must be non-negative and non-decreasing")
@@ -105,9 +103,7 @@ class LatencyModel:
         x0, x1, y0, y1 = knots[i - 1], knots[i], ms[i - 1], ms[i]
         return y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0)
 
-    def gpu_time_ms(
-        self, prefill_chunks: Sequence[tuple[int, int]], decode_context_tokens: Sequence[int]
-    ) -> float:
+    def gpu_time_ms(self, prefill_chunks: Sequence[tuple[int, int]], decode_context_tokens: Sequence[int]) -> float:
         """Unscaled GPU part of a step in ms (before ``gpu_scale`` and overheads)."""
         num_tokens = len(decode_context_tokens)
         work = 0.0
@@ -126,9 +122,7 @@ class LatencyModel:
             t += self.decode_attn_fixed_ms + self.decode_attn_ms_per_kv_token * sum(decode_context_tokens)
         return t
 
-    def step_time_s(
-        self, prefill_chunks: Sequence[tuple[int, int]], decode_context_tokens: Sequence[int]
-    ) -> float:
+    def step_time_s(self, prefill_chunks: Sequence[tuple[int, int]], decode_context_tokens: Sequence[int]) -> float:
         """Duration of one engine step in seconds.
 
         Args:
@@ -142,9 +136,7 @@ class LatencyModel:
         """
         for i, (chunk, before) in enumerate(prefill_chunks):
             if chunk < 1 or before < 0:
-                raise ValueError(
-                    f"prefill_chunks[{i}] = ({chunk}, {before}): need chunk_tokens >= 1, context >= 0"
-                )
+                raise ValueError(f"prefill_chunks[{i}] = ({chunk}, {before}): need chunk_tokens >= 1, context >= 0")
         for i, ctx in enumerate(decode_context_tokens):
             if ctx < 1:
                 raise ValueError(f"decode_context_tokens[{i}] = {ctx}: need >= 1")
@@ -224,7 +216,6 @@ def load_latency_model(model: str, gpu: str, tp: int) -> LatencyModel:
     if key not in table:
         combos = ", ".join(f"{m}/{g}/tp{t}" for m, g, t in supported_latency_models())
         raise UnsupportedLatencyModelError(
-            f"no latency model for model={model!r} gpu={gpu!r} tp={tp} (looked up {key!r}); "
-            f"supported: {combos}"
+            f"no latency model for model={model!r} gpu={gpu!r} tp={tp} (looked up {key!r}); supported: {combos}"
         )
     return LatencyModel.from_mapping(table[key])

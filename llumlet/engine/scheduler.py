@@ -109,9 +109,7 @@ class Scheduler:
     Raises ValueError for non-positive limits.
     """
 
-    def __init__(
-        self, blocks: BlockManager, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192
-    ) -> None:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
                 f"Scheduler: max_num_seqs = {max_num_seqs}, max_num_batched_tokens = "
@@ -171,9 +169,7 @@ class Scheduler:
     def queued_demand_blocks(self) -> int:
         """Blocks every queued request needs for all its known tokens (head included)."""
         blocks = self.blocks
-        return sum(
-            blocks.blocks_for_tokens(s.num_tokens) - blocks.num_blocks_of(s.request_id) for s in self.waiting
-        )
+        return sum(blocks.blocks_for_tokens(s.num_tokens) - blocks.num_blocks_of(s.request_id) for s in self.waiting)
 
     # ---- scheduling -----------------------------------------------------------------------------
     def _preempt(self, victim: SchedulerRequest) -> None:
@@ -205,9 +201,7 @@ class Scheduler:
         Returns the tokens scheduled (0 if ``state`` was preempted).
         """
         while (fit := self._fit_tokens(state)) < 1:
-            victim = max(
-                (s for s in self.running if s.request_id not in batch.scheduled), key=lambda s: s.order_key
-            )
+            victim = max((s for s in self.running if s.request_id not in batch.scheduled), key=lambda s: s.order_key)
             self._preempt(victim)
             batch.preempted.append(victim.request_id)
             if victim is state:

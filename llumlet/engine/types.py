@@ -71,8 +71,7 @@ class EngineRequest:
             raise ValueError(f"{where}: prefix_block_hashes given but prefix_hash_block_tokens < 1")
         if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_tokens:
             raise ValueError(
-                f"{where}: len(prompt_token_ids) = {len(self.prompt_token_ids)} != prompt_tokens "
-                f"= {self.prompt_tokens}"
+                f"{where}: len(prompt_token_ids) = {len(self.prompt_token_ids)} != prompt_tokens = {self.prompt_tokens}"
             )
 
 

@@ -55,9 +55,7 @@ class EtcdServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RuntimeError(
-                    f"etcd exited with {self._proc.returncode}: {self._log.read_text()[-2000:]}"
-                )
+                raise RuntimeError(f"etcd exited with {self._proc.returncode}: {self._log.read_text()[-2000:]}")
             try:
                 with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.2):
                     pass

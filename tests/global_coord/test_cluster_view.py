@@ -16,9 +16,7 @@ PREFIX = "/hilum/v1/"
 async def _etcd_contents(client: Etcd3Client) -> dict[str, Entry]:
     resp = await kv_of(client).get(PREFIX, range_end=prefix_range_end(PREFIX), timeout=5.0)
     return {
-        bytes(kv.key).decode(): Entry(
-            bytes(kv.value), int(kv.mod_revision), int(kv.create_revision), int(kv.lease)
-        )
+        bytes(kv.key).decode(): Entry(bytes(kv.value), int(kv.mod_revision), int(kv.create_revision), int(kv.lease))
         for kv in resp.kvs
     }
 

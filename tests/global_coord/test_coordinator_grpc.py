@@ -25,8 +25,8 @@ from global_coord.records import (
 from global_coord.server import bind_server, start_server
 from global_coord.session import Registrar
 from global_coord.store import Keys, Store, SummaryPublisher
-from proto.hilum.v1 import coordinator_pb2 as pb
-from proto.hilum.v1 import coordinator_pb2_grpc as pb_grpc
+from hilum_proto.hilum.v1 import coordinator_pb2 as pb
+from hilum_proto.hilum.v1 import coordinator_pb2_grpc as pb_grpc
 
 
 @dataclass(frozen=True)
@@ -125,9 +125,7 @@ def test_admin_api_and_approvals_over_grpc(etcd: EtcdServer, prefix: str) -> Non
         await reg.set(keys.domain("a"), encode(DomainRegistration("a", "127.0.0.1:9001")))
         await reg.set(keys.domain("b"), encode(DomainRegistration("b", "127.0.0.1:9002")))
         for iid, dom in (("a0", "a"), ("b0", "b"), ("b1", "b")):
-            await reg.set(
-                keys.instance(iid), encode(InstanceRegistration(iid, dom, "n-" + dom, "h:1", "m", 1000))
-            )
+            await reg.set(keys.instance(iid), encode(InstanceRegistration(iid, dom, "n-" + dom, "h:1", "m", 1000)))
         reg_task = asyncio.create_task(reg.run(stop_agents))
         publisher = SummaryPublisher(reg, keys, "b", min_interval_s=0.05)
         pub_task = asyncio.create_task(publisher.run(stop_agents))

@@ -21,8 +21,8 @@ from global_coord.fencing import FencingGuard
 from global_coord.records import InstanceRegistration, encode
 from global_coord.session import Registrar
 from global_coord.store import Keys, Store
-from proto.hilum.v1 import coordinator_pb2 as pb
-from proto.hilum.v1 import coordinator_pb2_grpc as pb_grpc
+from hilum_proto.hilum.v1 import coordinator_pb2 as pb
+from hilum_proto.hilum.v1 import coordinator_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 TTL_S = 2
@@ -144,9 +144,7 @@ def test_paused_leader_cannot_get_an_approval_accepted(etcd: EtcdServer, prefix:
                 assert not reply.approved, reply
             except grpc.aio.AioRpcError as exc:
                 assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, exc
-                assert f"the leader is {new.name}" in (exc.details() or "") or "no leader" in (
-                    exc.details() or ""
-                )
+                assert f"the leader is {new.name}" in (exc.details() or "") or "no leader" in (exc.details() or "")
         store = Store(client, keys)
         assert await store.get_migration("r-stale#0") is None  # nothing was written with the old token
         # receivers that saw the new leader refuse anything stamped with the old token

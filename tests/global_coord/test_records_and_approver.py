@@ -27,9 +27,7 @@ from global_coord.records import (
 )
 
 
-def _summary(
-    domain_id: str, freeness: float, largest_free_blocks: int, draining: bool = False
-) -> SummaryRecord:
+def _summary(domain_id: str, freeness: float, largest_free_blocks: int, draining: bool = False) -> SummaryRecord:
     return SummaryRecord(domain_id, 2, 2000, 100.0, freeness, largest_free_blocks, 1000, 3, 0, draining)
 
 
@@ -61,9 +59,7 @@ def test_decode_names_key_and_field() -> None:
     with pytest.raises(RecordError, match=r"k: missing field 'domain_id'"):
         decode(InstanceRegistration, b'{"instance_id":"i0"}', "k")
     with pytest.raises(RecordError, match=r"k: state: unknown migration state 'done'"):
-        decode(
-            MigrationRecord, encode(_mig("x", MigrationState.PROPOSED, ())).replace(b"proposed", b"done"), "k"
-        )
+        decode(MigrationRecord, encode(_mig("x", MigrationState.PROPOSED, ())).replace(b"proposed", b"done"), "k")
     with pytest.raises(RecordError, match="k: not JSON"):
         decode(DrainIntent, b"{", "k")
 

@@ -12,9 +12,7 @@ pytest.importorskip("global_coord.approval")  # written by the lead
 
 
 def _move(num_tokens: int, remaining_tokens: int) -> MoveProposal:
-    return MoveProposal(
-        "node-0", "r", 0, "node-0-i0", "", num_tokens // 16, num_tokens, remaining_tokens, 0.02
-    )
+    return MoveProposal("node-0", "r", 0, "node-0-i0", "", num_tokens // 16, num_tokens, remaining_tokens, 0.02)
 
 
 def test_cost_model_judge_on_the_two_node_example() -> None:

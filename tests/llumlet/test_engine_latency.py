@@ -66,9 +66,7 @@ def test_h100_faster_than_a100_and_tp_helps_large_prefill() -> None:
     h = load_latency_model("llama-2-70b", "h100", 4)
     batch = ([(2048, 0)], [1024] * 16)
     assert h.step_time_s(*batch) < a.step_time_s(*batch)
-    assert load_latency_model("llama-2-70b", "a100", 8).step_time_s([(4096, 0)], []) < a.step_time_s(
-        [(4096, 0)], []
-    )
+    assert load_latency_model("llama-2-70b", "a100", 8).step_time_s([(4096, 0)], []) < a.step_time_s([(4096, 0)], [])
 
 
 def test_bad_batches_rejected() -> None:
@@ -132,9 +130,7 @@ def _muxserve_mape() -> dict[tuple[str, int, str], float]:
     return out
 
 
-@pytest.mark.skipif(
-    not (DATA / "muxserve" / "llama.json").exists(), reason=f"measured data not found at {DATA}"
-)
+@pytest.mark.skipif(not (DATA / "muxserve" / "llama.json").exists(), reason=f"measured data not found at {DATA}")
 def test_calibration_muxserve_mape_within_documented_bound() -> None:
     mape = _muxserve_mape()
     assert len(mape) == 8

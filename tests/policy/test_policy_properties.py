@@ -87,9 +87,7 @@ def test_no_ping_pong(loads: list[InstanceLoad], cfg: PolicyConfig, seed: int, s
 
 @FAST
 @given(loads=clusters(allow_draining=False), cfg=st.sampled_from([CFG, EAGER]), seed=st.integers(0, 2**32))
-def test_each_move_strictly_lowers_the_potential(
-    loads: list[InstanceLoad], cfg: PolicyConfig, seed: int
-) -> None:
+def test_each_move_strictly_lowers_the_potential(loads: list[InstanceLoad], cfg: PolicyConfig, seed: int) -> None:
     decisions = plan_migrations(loads, cfg, random.Random(seed))
     for d in decisions:
         assert phi(apply_move(loads, d), cfg) < phi(loads, cfg)
@@ -163,9 +161,7 @@ freeness_values = st.floats(allow_nan=False, allow_infinity=True)
 
 @FAST
 @given(
-    items=st.dictionaries(
-        st.text(min_size=1, max_size=4), st.tuples(freeness_values, freeness_values), max_size=12
-    ),
+    items=st.dictionaries(st.text(min_size=1, max_size=4), st.tuples(freeness_values, freeness_values), max_size=12),
     seed=st.integers(0, 2**32),
 )
 def test_freeness_order_is_a_strict_total_order(items: dict[str, tuple[float, float]], seed: int) -> None:

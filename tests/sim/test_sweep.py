@@ -157,9 +157,7 @@ def test_run_point_summarises_and_names_failures() -> None:
     row = run_point(point, fake_run)
     assert (row.topology, row.policy, row.rate_scale, row.seed) == ("a", "hilum", 2.0, 0)
     assert row.summary.ttft_p99_s == pytest.approx(0.2)
-    with pytest.raises(
-        SweepPointError, match=r"grid point a/hilum/x2/seed0: RuntimeError: no such topology 'a'"
-    ):
+    with pytest.raises(SweepPointError, match=r"grid point a/hilum/x2/seed0: RuntimeError: no such topology 'a'"):
         run_point(point, failing_run)
 
 

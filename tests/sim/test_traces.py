@@ -99,9 +99,7 @@ def test_mooncake_buckets_spread_within_their_bucket_and_keep_file_order() -> No
     # Spreading keeps the file order (same lengths in the same order) ...
     assert [r.prompt_tokens for r in spread.requests] == [r.prompt_tokens for r in burst.requests]
     # ... and moves each request by U[0, bucket width) (gaps 2,997-3,003 ms), minus the common shift.
-    moves = np.array(
-        [a.arrival_s - b.arrival_s for a, b in zip(spread.requests, burst.requests, strict=True)]
-    )
+    moves = np.array([a.arrival_s - b.arrival_s for a, b in zip(spread.requests, burst.requests, strict=True)])
     assert 2.9 < moves.max() - moves.min() < 3.003
     assert spread.duration_s == pytest.approx(3537, abs=3)
     # Bursts have inter-arrival CV >> 1; spread uniformly, the arrivals look Poisson-like.
@@ -311,9 +309,7 @@ def test_user_sharegpt_csv(tmp_path: Path) -> None:
         ("x.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n", r"x\.csv: no requests"),
         (
             "x.csv",
-            "TIMESTAMP,ContextTokens,GeneratedTokens\n"
-            "2023-11-16 18:00:00.0,5,1\n"
-            "2023-11-16 18:00:01.0,abc,1\n",
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00.0,5,1\n2023-11-16 18:00:01.0,abc,1\n",
             r"x\.csv:3: column ContextTokens: not an integer: 'abc'",
         ),
         (

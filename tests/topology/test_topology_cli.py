@@ -52,9 +52,7 @@ def test_unknown_instance_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     assert "no instance 'ghost'" in capsys.readouterr().err
 
 
-def test_invalid_file_prints_every_error_and_exits_1(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_invalid_file_prints_every_error_and_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     text = (ROOT / "topology" / "examples" / "2x8-a100.yaml").read_text()
     text = text.replace("gpus: [7], tensor_parallel_size: 1", "gpus: [9], tensor_parallel_size: 1")
     text = text.replace("nic_gbit_per_s: 200}]", "nic_gbit_per_s: -200}]", 1)

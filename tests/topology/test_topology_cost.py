@@ -106,9 +106,7 @@ def test_prefix_blocks_on_destination_are_not_copied() -> None:
     # 6 prefix blocks, 2 already on the destination: stage 0 copies 8 blocks (0.8 s, 40 tokens -> 200 tokens,
     # 3 left); stage 1: 2 blocks (T=1.0, 210 tokens, 2 left); stage 2: 1 block (T=1.1, 215 tokens, 1 left);
     # last: 1 block. Without recompute time given, that is the plan.
-    inp = MigrationCostInput(
-        **PREFIX, path_bandwidth_bytes_per_s=160_000, prefix_blocks=6, prefix_blocks_on_dst=2
-    )
+    inp = MigrationCostInput(**PREFIX, path_bandwidth_bytes_per_s=160_000, prefix_blocks=6, prefix_blocks_on_dst=2)
     plan = plan_migration(inp, FULL)
     assert plan.mode == "pre-copy"
     assert plan.stage_bytes == (128_000, 32_000, 16_000, 16_000)
@@ -213,9 +211,7 @@ configs = st.builds(
 )
 
 
-def _make(
-    raw: tuple[int, int, int, float, float, float, float], bw: float | None = None
-) -> MigrationCostInput:
+def _make(raw: tuple[int, int, int, float, float, float, float], bw: float | None = None) -> MigrationCostInput:
     n, bt, bs, d, path_bw, prefix_frac, on_dst_frac = raw
     prefix = int((n // bs) * prefix_frac)
     return MigrationCostInput(

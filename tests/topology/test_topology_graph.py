@@ -62,9 +62,7 @@ def test_64x8_cross_rack_and_tensor_parallel_nvlink() -> None:
 
 
 def oversubscribed(uplink: float | None) -> dict[str, Any]:
-    data = synthetic_topology_data(
-        4, gpus_per_node=2, nodes_per_rack=2, nic_gbit_per_s=200, oversubscription=16
-    )
+    data = synthetic_topology_data(4, gpus_per_node=2, nodes_per_rack=2, nic_gbit_per_s=200, oversubscription=16)
     if uplink is not None:
         data["fabric"]["racks"][1]["uplink_gbit_per_s"] = uplink
     return data

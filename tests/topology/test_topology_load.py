@@ -197,10 +197,8 @@ def test_duplicate_ids() -> None:
     data["fabric"]["racks"].append({"id": "r0", "nodes": []})
     errs = errors_of(data)
     assert errs == [
-        "t.yaml: models[1].name: duplicate model id 'llama-2-7b' (first at "
-        "models[0].name); ids must be unique",
-        "t.yaml: gpu_types[1].name: duplicate GPU type id 'a100' (first at gpu_types[0].name); "
-        "ids must be unique",
+        "t.yaml: models[1].name: duplicate model id 'llama-2-7b' (first at models[0].name); ids must be unique",
+        "t.yaml: gpu_types[1].name: duplicate GPU type id 'a100' (first at gpu_types[0].name); ids must be unique",
         "t.yaml: domains[1].id: duplicate domain id 'node-0' (first at domains[0].id); ids must be unique",
         "t.yaml: domains[1].nodes[0].id: duplicate node id 'node-0' (first at domains[0].nodes[0].id); "
         "ids must be unique",
@@ -209,8 +207,7 @@ def test_duplicate_ids() -> None:
         "ids must be unique",
         # node-1 was renamed above, so rack r0 now names an unknown domain
         "t.yaml: fabric.racks[0].domains[1]: unknown domain 'node-1'; known: node-0",
-        "t.yaml: fabric.racks[1].id: duplicate rack id 'r0' (first at "
-        "fabric.racks[0].id); ids must be unique",
+        "t.yaml: fabric.racks[1].id: duplicate rack id 'r0' (first at fabric.racks[0].id); ids must be unique",
         "t.yaml: fabric.racks[1]: a rack needs at least one entry in 'domains' or 'nodes'",
     ]
 
@@ -240,8 +237,7 @@ def test_island_gpu_out_of_range_and_node_kind_with_two_nodes() -> None:
     assert errors_of(data) == [
         "t.yaml: domains[0].nodes: a domain of kind 'node' has exactly one node, got 2; use kind "
         "'nvlink_island' for an NVLink domain over several nodes",
-        "t.yaml: domains[1].instances[0].gpus: GPU 8 does not exist in NVLink island "
-        "node-1 (8 GPUs on 2 nodes)",
+        "t.yaml: domains[1].instances[0].gpus: GPU 8 does not exist in NVLink island node-1 (8 GPUs on 2 nodes)",
     ]
 
 
@@ -249,9 +245,7 @@ def test_unknown_model_gpu_type_and_weights_that_do_not_fit() -> None:
     data = base()
     data["domains"][0]["gpu_type"] = "h100"
     data["domains"][0]["instances"][0]["model"] = "llama-3"
-    data["gpu_types"].append(
-        {"name": "t4", "memory_gib": 12, "hbm_gbyte_per_s": 320, "nvlink_gbyte_per_s": 1}
-    )
+    data["gpu_types"].append({"name": "t4", "memory_gib": 12, "hbm_gbyte_per_s": 320, "nvlink_gbyte_per_s": 1})
     data["domains"][1]["gpu_type"] = "t4"
     data["domains"][1]["instances"][0] = {
         "id": "c",
@@ -333,8 +327,7 @@ def test_file_errors(tmp_path: Path) -> None:
     with pytest.raises(TopologyError) as exc:
         load_topology(dup)
     assert exc.value.errors == [
-        f"{dup}: line 2, column 1: YAML syntax error: duplicate key 'name' (first at line "
-        "1); keys must be unique"
+        f"{dup}: line 2, column 1: YAML syntax error: duplicate key 'name' (first at line 1); keys must be unique"
     ]
 
 

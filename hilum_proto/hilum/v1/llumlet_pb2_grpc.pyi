@@ -10,7 +10,7 @@ Only the package and the service name are fixed here. Do not code against the me
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from proto.hilum.v1 import llumlet_pb2 as _llumlet_pb2
+from hilum_proto.hilum.v1 import llumlet_pb2 as _llumlet_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

@@ -10,7 +10,7 @@ cross-domain migrations. Do not code against the messages below yet.
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from proto.hilum.v1 import rack_sched_pb2 as _rack_sched_pb2
+from hilum_proto.hilum.v1 import rack_sched_pb2 as _rack_sched_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

@@ -2,11 +2,11 @@
 
 Usage (from anywhere)::
 
-    python -m proto.generate            # rewrite the committed files next to the .proto files
-    python -m proto.generate --out DIR  # write the tree under DIR instead (the staleness test does this)
+    python -m hilum_proto.generate            # rewrite the committed files next to the .proto files
+    python -m hilum_proto.generate --out DIR  # write the tree under DIR instead (the staleness test does this)
 
-The ``.proto`` files live in ``proto/hilum/v1/`` and are compiled with the repository root as the only
-include path (``-I .``), so their descriptors are named ``proto/hilum/v1/<name>.proto`` (package
+The ``.proto`` files live in ``hilum_proto/hilum/v1/`` and are compiled with the repository root as the only
+include path (``-I .``), so their descriptors are named ``hilum_proto/hilum/v1/<name>.proto`` (package
 ``hilum.v1``) and never clash with the descriptors other libraries register (etcd3aio registers
 ``etcd/api/...`` and ``google/api/...``). Outputs, per file:
 
@@ -31,7 +31,7 @@ from pathlib import Path
 __all__ = ["PROTO_DIR", "REPO_ROOT", "generate", "generated_files", "proto_files"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PROTO_DIR = REPO_ROOT / "proto" / "hilum" / "v1"
+PROTO_DIR = REPO_ROOT / "hilum_proto" / "hilum" / "v1"
 _SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
 
 
@@ -57,7 +57,7 @@ def _plugin(name: str) -> str:
 
 
 def generate(out_dir: Path = REPO_ROOT) -> list[Path]:
-    """Compile every ``.proto`` file; write the outputs under ``out_dir`` (mirroring ``proto/hilum/v1``).
+    """Compile every ``.proto`` file; write the outputs under ``out_dir`` (mirroring ``hilum_proto/hilum/v1``).
 
     Returns:
         The generated file paths, sorted.
@@ -78,7 +78,7 @@ def generate(out_dir: Path = REPO_ROOT) -> list[Path]:
         f"--mypy_out={out_dir}",
         f"--plugin=protoc-gen-mypy_grpc={_plugin('protoc-gen-mypy_grpc')}",
         f"--mypy_grpc_out={out_dir}",
-        *sources,  # absolute paths under the -I root, so descriptors are "proto/hilum/v1/<name>.proto"
+        *sources,  # absolute paths under the -I root, so descriptors are "hilum_proto/hilum/v1/<name>.proto"
     ]
     proc = subprocess.run(args, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -87,8 +87,8 @@ def generate(out_dir: Path = REPO_ROOT) -> list[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line entry: ``python -m proto.generate [--out DIR]``."""
-    parser = argparse.ArgumentParser(prog="python -m proto.generate", description=__doc__.splitlines()[0])
+    """Command line entry: ``python -m hilum_proto.generate [--out DIR]``."""
+    parser = argparse.ArgumentParser(prog="python -m hilum_proto.generate", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO_ROOT, help="root to write under (default: repo)")
     ns = parser.parse_args(argv)
     for path in generate(ns.out):

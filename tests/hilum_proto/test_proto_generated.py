@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import proto
-from proto.generate import REPO_ROOT, generate, generated_files, proto_files
+import hilum_proto
+from hilum_proto.generate import REPO_ROOT, generate, generated_files, proto_files
 
 
 def test_proto_package_is_hilums_own() -> None:
-    # proto-plus (pulled in by google-api-core) also installs a top-level "proto" package; the tests
-    # must import hilum's.
-    assert Path(proto.__file__).resolve().parent == REPO_ROOT / "proto"
+    # proto-plus (pulled in by google-api-core) installs a top-level "proto" package, which is why
+    # hilum's contracts live in "hilum_proto"; make sure the import finds this checkout's.
+    assert Path(hilum_proto.__file__).resolve().parent == REPO_ROOT / "hilum_proto"
 
 
 def test_generated_code_is_not_stale(tmp_path: Path) -> None:
@@ -20,7 +20,7 @@ def test_generated_code_is_not_stale(tmp_path: Path) -> None:
     assert [p.relative_to(tmp_path) for p in fresh] == [p.relative_to(REPO_ROOT) for p in committed]
     pairs = zip(fresh, committed, strict=True)
     stale = [str(c.relative_to(REPO_ROOT)) for f, c in pairs if f.read_bytes() != c.read_bytes()]
-    assert stale == [], f"stale generated code, run `python -m proto.generate`: {stale}"
+    assert stale == [], f"stale generated code, run `python -m hilum_proto.generate`: {stale}"
 
 
 def test_every_source_has_four_outputs() -> None:
@@ -32,15 +32,15 @@ def test_every_source_has_four_outputs() -> None:
 def test_descriptors_are_named_by_repo_path_next_to_etcd3aio() -> None:
     import etcd3aio  # registers etcd/api/... and google/api/... descriptors in the default pool
 
-    from proto.hilum.v1 import coordinator_pb2, llumlet_pb2, rack_sched_pb2, token_sink_pb2
+    from hilum_proto.hilum.v1 import coordinator_pb2, llumlet_pb2, rack_sched_pb2, token_sink_pb2
 
     assert etcd3aio.__version__
     names = [m.DESCRIPTOR.name for m in (coordinator_pb2, llumlet_pb2, rack_sched_pb2, token_sink_pb2)]
     assert names == [
-        "proto/hilum/v1/coordinator.proto",
-        "proto/hilum/v1/llumlet.proto",
-        "proto/hilum/v1/rack_sched.proto",
-        "proto/hilum/v1/token_sink.proto",
+        "hilum_proto/hilum/v1/coordinator.proto",
+        "hilum_proto/hilum/v1/llumlet.proto",
+        "hilum_proto/hilum/v1/rack_sched.proto",
+        "hilum_proto/hilum/v1/token_sink.proto",
     ]
     assert coordinator_pb2.DESCRIPTOR.package == "hilum.v1"
     reply = coordinator_pb2.StatusReply(leader_id="c1", fencing_token=42)

@@ -9,7 +9,7 @@ its tokens, numbered by position, so the sink can drop duplicates and reorder (e
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from proto.hilum.v1 import token_sink_pb2 as _token_sink_pb2
+from hilum_proto.hilum.v1 import token_sink_pb2 as _token_sink_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

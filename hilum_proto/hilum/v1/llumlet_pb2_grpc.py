@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.hilum.v1 import rack_sched_pb2 as proto_dot_hilum_dot_v1_dot_rack__sched__pb2
+from hilum_proto.hilum.v1 import llumlet_pb2 as hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/hilum/v1/rack_sched_pb2_grpc.py depends on'
+        + ' but the generated code in hilum_proto/hilum/v1/llumlet_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class RackSchedulerStub:
+class LlumletStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -35,39 +35,39 @@ class RackSchedulerStub:
             channel: A grpc.Channel.
         """
         self.Ping = channel.unary_unary(
-                '/hilum.v1.RackScheduler/Ping',
-                request_serializer=proto_dot_hilum_dot_v1_dot_rack__sched__pb2.RackPingRequest.SerializeToString,
-                response_deserializer=proto_dot_hilum_dot_v1_dot_rack__sched__pb2.RackPingReply.FromString,
+                '/hilum.v1.Llumlet/Ping',
+                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LlumletPingRequest.SerializeToString,
+                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LlumletPingReply.FromString,
                 _registered_method=True)
 
 
-class RackSchedulerServicer:
+class LlumletServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Ping(self, request, context):
-        """Liveness and identity of the domain scheduler.
+        """Liveness and identity of the llumlet.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
 
-def add_RackSchedulerServicer_to_server(servicer, server):
+def add_LlumletServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Ping': grpc.unary_unary_rpc_method_handler(
                     servicer.Ping,
-                    request_deserializer=proto_dot_hilum_dot_v1_dot_rack__sched__pb2.RackPingRequest.FromString,
-                    response_serializer=proto_dot_hilum_dot_v1_dot_rack__sched__pb2.RackPingReply.SerializeToString,
+                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LlumletPingRequest.FromString,
+                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LlumletPingReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'hilum.v1.RackScheduler', rpc_method_handlers)
+            'hilum.v1.Llumlet', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('hilum.v1.RackScheduler', rpc_method_handlers)
+    server.add_registered_method_handlers('hilum.v1.Llumlet', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class RackScheduler:
+class Llumlet:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -84,9 +84,9 @@ class RackScheduler:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/hilum.v1.RackScheduler/Ping',
-            proto_dot_hilum_dot_v1_dot_rack__sched__pb2.RackPingRequest.SerializeToString,
-            proto_dot_hilum_dot_v1_dot_rack__sched__pb2.RackPingReply.FromString,
+            '/hilum.v1.Llumlet/Ping',
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LlumletPingRequest.SerializeToString,
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LlumletPingReply.FromString,
             options,
             channel_credentials,
             insecure,
