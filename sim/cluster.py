@@ -129,6 +129,7 @@ class Cluster:
                 latency_model=latency(spec),
                 max_num_seqs=limits.max_num_seqs,
                 max_num_batched_tokens=limits.max_num_batched_tokens,
+                kv_bytes_per_block=model.kv_bytes_per_block,
             )
             self.instances[spec.instance_id] = SimInstance(spec, engine, spec.instance_id not in inactive_ids)
 

@@ -11,6 +11,7 @@ from llumlet.engine.latency import (
     load_latency_model,
     supported_latency_models,
 )
+from llumlet.engine.protocol import Engine, KVPayload
 from llumlet.engine.scheduler import RequestStatus, ScheduledBatch, Scheduler, SchedulerRequest
 from llumlet.engine.types import (
     EngineLoad,
@@ -23,9 +24,11 @@ from llumlet.engine.types import (
 
 __all__ = [
     "BlockManager",
+    "Engine",
     "EngineCore",
     "EngineLoad",
     "EngineRequest",
+    "KVPayload",
     "LatencyModel",
     "MigrationState",
     "PrefixMatch",

@@ -202,6 +202,11 @@ class BlockManager:
         self._reservations[reservation_id] = got
         return True
 
+    def reservation_size(self, reservation_id: str) -> int | None:
+        """Blocks held by a reservation; None when it does not exist (never made, committed or released)."""
+        held = self._reservations.get(reservation_id)
+        return None if held is None else len(held)
+
     def reserved_for(self, reservation_id: str) -> int:
         """Blocks held by the reservation (0 if unknown)."""
         return len(self._reservations.get(reservation_id, ()))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from llumlet.engine.blocks import BlockManager
 from llumlet.engine.latency import LatencyModel
+from llumlet.engine.protocol import KVPayload
 from llumlet.engine.scheduler import RequestStatus, Scheduler, SchedulerRequest
 from llumlet.engine.types import (
     EngineLoad,
@@ -73,14 +74,26 @@ class EngineCore:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
         enable_prefix_caching: bool = False,
+        kv_bytes_per_block: int = 0,
     ) -> None:
         self.instance_id = instance_id
+        self._kv_bytes_per_block = kv_bytes_per_block
         self.latency_model = latency_model
         self.blocks = BlockManager(num_blocks, block_size_tokens, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self._suspended: dict[str, SchedulerRequest] = {}
         self._last_step_preempted = False
         self.stats: dict[str, RequestStats] = {}  # request_id -> counters of requests that left
+
+    @property
+    def block_size_tokens(self) -> int:
+        """Tokens per KV cache block."""
+        return self.blocks.block_size_tokens
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one KV block would occupy on the modelled GPU (0 when not given)."""
+        return self._kv_bytes_per_block
 
     # ---- requests -------------------------------------------------------------------------------
     def max_request_tokens(self) -> int:
@@ -194,6 +207,46 @@ class EngineCore:
         if state is None:
             return None
         return state.num_computed_tokens, self.blocks.num_blocks_of(request_id)
+
+    def migratable(self, request_id: str) -> str | None:
+        """None when the request is running in its decode phase (movable), else why it cannot move."""
+        state = self.scheduler.requests.get(request_id)
+        if state is None:
+            return f"{self.instance_id}: unknown request {request_id!r}"
+        if state.status is not RequestStatus.RUNNING:
+            return f"{self.instance_id}: request {request_id!r} is {state.status.name.lower()}, not running"
+        if not state.in_decode:
+            return f"{self.instance_id}: request {request_id!r} is still in prefill"
+        return None
+
+    def read_blocks(self, request_id: str, first_block: int, num_blocks: int) -> KVPayload:
+        """The model engine moves no data: a payload with the logical size only.
+
+        Raises KeyError for an unknown request, IndexError past its last block.
+        """
+        if request_id not in self.scheduler.requests:
+            raise KeyError(f"{self.instance_id}: read_blocks: unknown request {request_id!r}")
+        held = self.blocks.num_blocks_of(request_id)
+        if first_block < 0 or num_blocks < 0 or first_block + num_blocks > held:
+            raise IndexError(
+                f"{self.instance_id}: read_blocks({request_id!r}, {first_block}, {num_blocks}): it holds {held} blocks"
+            )
+        return KVPayload(first_block, num_blocks, num_blocks * self._kv_bytes_per_block)
+
+    def write_blocks(self, reservation_id: str, payload: KVPayload) -> None:
+        """Check the reservation exists and is large enough; the model engine stores no data.
+
+        Raises KeyError for an unknown reservation, IndexError when the payload does not fit in it.
+        """
+        size = self.blocks.reservation_size(reservation_id)
+        if size is None:
+            raise KeyError(f"{self.instance_id}: write_blocks: unknown reservation {reservation_id!r}")
+        end = payload.first_block + payload.num_blocks
+        if end > size:
+            raise IndexError(
+                f"{self.instance_id}: write_blocks: blocks {payload.first_block}..{end}"
+                f" exceed reservation {reservation_id!r} of {size} blocks"
+            )
 
     def reserve(self, reservation_id: str, n_blocks: int) -> bool:
         """Destination side: hold ``n_blocks`` for an incoming request. False if no room or id in use."""

@@ -88,6 +88,8 @@ class StepResult:
     num_scheduled_seqs: int = 0  # requests in the batch
     num_recompute_tokens: int = 0  # of num_prefill_tokens, tokens recomputed after a preemption
     num_prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache at admission this step
+    token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)  # real engines: request_id -> new ids
+    finish_reasons: dict[str, str] = field(default_factory=dict)  # request_id -> "length" | "stop"
 
     @property
     def is_idle(self) -> bool:

@@ -1,0 +1,133 @@
+"""The engine protocol: what a llumlet needs from any engine backend.
+
+Every backend implements :class:`Engine` — the model engine (:class:`llumlet.engine.core.EngineCore`,
+used by the simulator and by the real-time ``sim`` backend), the CPU reference engine on PyTorch, and
+vLLM. The protocol is close to what vLLM's v1 engine exposes (add / abort / step / stats) plus the
+migration hooks a llumlet drives (DESIGN.md, "Migration"):
+
+source side                              destination side
+-----------                              ----------------
+request_kv, migratable                   reserve(reservation_id, n_blocks) -> bool
+read_blocks(request_id, first, n)  ───▶  write_blocks(reservation_id, first, payload)
+suspend(request_id) -> MigrationState    commit_incoming(reservation_id, state) -> bool
+resume(request_id)   (on abort)          release_reservation(reservation_id)  (idempotent)
+free_migrated(request_id) (after commit)
+
+Mechanism only (STYLE.md): a backend says "can't" (False / None / a reason string) and never decides
+whom to move. Blocks are addressed by their position in the request's block table (block 0 holds
+tokens 0 .. block_size-1), so the two ends need not share physical block ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from llumlet.engine.types import EngineLoad, EngineRequest, MigrationState, StepResult
+
+__all__ = ["Engine", "KVPayload"]
+
+
+@dataclass(frozen=True, slots=True)
+class KVPayload:
+    """A run of a request's KV cache blocks, as one backend reads them and another writes them.
+
+    ``data`` is backend-specific (for the torch engine: the blocks' K and V tensors, all layers,
+    serialized); the model engine moves no data and leaves it empty. ``nbytes`` is the size the blocks
+    occupy on a GPU (``num_blocks x kv_bytes_per_block``): transports charge their rate cap by it.
+    """
+
+    first_block: int  # position of the first block in the request's block table
+    num_blocks: int  # blocks in this run
+    nbytes: int  # logical size, bytes (what a real GPU copy would move)
+    data: bytes = b""  # the blocks' contents, backend-specific layout
+
+    def __post_init__(self) -> None:
+        if self.first_block < 0 or self.num_blocks < 0 or self.nbytes < 0:
+            raise ValueError(f"KVPayload: negative field in {self.first_block}, {self.num_blocks}, {self.nbytes}")
+
+
+class Engine(Protocol):
+    """One model instance's engine. Not thread-safe: one llumlet loop drives it.
+
+    Errors: ``add_request`` raises ``llumlet.engine.core.RequestTooLargeError`` when the request can never
+    fit, ``ValueError`` on a repeated id; ``write_blocks`` / ``commit_incoming`` raise ``KeyError`` for an
+    unknown reservation. Everything else reports "can't" by its return value.
+    """
+
+    instance_id: str
+
+    @property
+    def block_size_tokens(self) -> int:
+        """Tokens per KV cache block."""
+        ...
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one KV block occupies (all layers, K and V)."""
+        ...
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a new request."""
+        ...
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is (queued, running, suspended) and free its blocks; False if unknown."""
+        ...
+
+    def has_work(self) -> bool:
+        """True while a request is queued or running."""
+        ...
+
+    def step(self) -> StepResult:
+        """Run one batch: new tokens (``token_ids`` for real engines), finished and preempted requests."""
+        ...
+
+    def load(self) -> EngineLoad:
+        """Blocks total/used/reserved, running requests, queue length and head-of-line demand."""
+        ...
+
+    # ---- source side ----------------------------------------------------------------------------
+    def request_kv(self, request_id: str) -> tuple[int, int] | None:
+        """(tokens whose KV is cached, blocks held) of an unfinished request; None if unknown."""
+        ...
+
+    def migratable(self, request_id: str) -> str | None:
+        """None when the request can be migrated faithfully now, else the reason it cannot."""
+        ...
+
+    def read_blocks(self, request_id: str, first_block: int, num_blocks: int) -> KVPayload:
+        """Copy ``num_blocks`` blocks from position ``first_block`` of the request's block table.
+
+        Raises KeyError for an unknown request, IndexError past its last block.
+        """
+        ...
+
+    def suspend(self, request_id: str) -> MigrationState | None:
+        """Between two steps: stop scheduling the request, keep its blocks; its state, or None if it can't."""
+        ...
+
+    def resume(self, request_id: str) -> bool:
+        """Undo ``suspend`` (the migration was aborted); False if it was not suspended."""
+        ...
+
+    def free_migrated(self, request_id: str) -> int:
+        """After the destination committed: forget the request, free its blocks. Idempotent."""
+        ...
+
+    # ---- destination side -----------------------------------------------------------------------
+    def reserve(self, reservation_id: str, n_blocks: int) -> bool:
+        """Hold ``n_blocks`` for an incoming request; False if there is no room or the id is in use."""
+        ...
+
+    def write_blocks(self, reservation_id: str, payload: KVPayload) -> None:
+        """Store copied blocks into the reservation at their block-table positions."""
+        ...
+
+    def commit_incoming(self, reservation_id: str, state: MigrationState) -> bool:
+        """Adopt the request with its KV in place and resume it; False if its growth does not fit."""
+        ...
+
+    def release_reservation(self, reservation_id: str) -> int:
+        """Give the reservation back; idempotent and safe if never reserved. Returns blocks released."""
+        ...
