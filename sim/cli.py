@@ -90,7 +90,7 @@ def run_cli(args: argparse.Namespace) -> int:
     from topology.load import TopologyError, load_topology
 
     from .plots import plot_kv_usage, plot_ttft_cdf
-    from .report import render_table
+    from .report import LATENCY_COLUMNS, MIGRATION_COLUMNS, render_table
     from .results import summarize, write_results
     from .runner import run_simulation
     from .traces import load_trace
@@ -131,7 +131,12 @@ def run_cli(args: argparse.Namespace) -> int:
             f"{trace.name} x{args.rate_scale:g} ({len(trace.requests)} requests) on {topology.name} "
             f"({len(topology.instances)} instances, {len(topology.domains)} domains), seed {args.seed}"
         )
-        Console().print(render_table(summaries, title=title))
+        baseline = "least-loaded" if "least-loaded" in {s.policy for s in summaries} else None
+        console = Console() if sys.stdout.isatty() else Console(width=140)  # files and pipes: no squeezing
+        console.print(render_table(summaries, title=title, baseline=baseline, columns=LATENCY_COLUMNS, compact=True))
+        console.print(
+            render_table(summaries, title="migrations and simulator cost", columns=MIGRATION_COLUMNS, compact=True)
+        )
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

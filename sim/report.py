@@ -11,6 +11,7 @@ import io
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from sim.sweep import SweepRow
 
 __all__ = [
+    "LATENCY_COLUMNS",
+    "MIGRATION_COLUMNS",
     "MISSING",
     "format_sweep_table",
     "format_table",
@@ -56,8 +59,9 @@ _SUMMARY_COLUMNS: tuple[tuple[str, Callable[[PolicySummary], str]], ...] = (
     ("TTFT\np99 ms", lambda s: _ms(s.ttft_p99_s)),
     ("TBT\np50 ms", lambda s: _ms(s.tbt_p50_s)),
     ("TBT\np99 ms", lambda s: _ms(s.tbt_p99_s)),
+    ("decode\np99 ms", lambda s: _ms(s.decode_p99_s)),
     ("E2E\np99 ms", lambda s: _ms(s.e2e_p99_s)),
-    ("high-pri TTFT\np99 ms", lambda s: _ms(s.high_priority_ttft_p99_s)),
+    ("hi-pri\nTTFT p99", lambda s: _ms(s.high_priority_ttft_p99_s)),
     ("preempt", lambda s: str(s.preemptions)),
     ("preempt\nlost s", lambda s: _s(s.preempted_s)),
     ("mig\nintra", lambda s: str(s.migrations_intra_domain)),
@@ -71,6 +75,17 @@ _SUMMARY_COLUMNS: tuple[tuple[str, Callable[[PolicySummary], str]], ...] = (
     ("wall s", lambda s: _s(s.wall_s)),
     ("req per\nwall s", lambda s: _s(s.requests_per_wall_s)),
 )
+
+
+#: The columns of the two tables ``hilum sim`` prints (each fits a 120-column terminal).
+LATENCY_COLUMNS: tuple[str, ...] = (
+    "done", "refused", "TTFT\np50 ms", "TTFT\np99 ms", "TBT\np50 ms", "TBT\np99 ms", "decode\np99 ms",
+    "E2E\np99 ms", "hi-pri\nTTFT p99", "preempt", "preempt\nlost s",
+)  # fmt: skip
+MIGRATION_COLUMNS: tuple[str, ...] = (
+    "mig\nintra", "mig\ncross", "mig\naborted", "cross\nGB", "downtime\nmean ms", "downtime\np99 ms",
+    "sim s", "engine\nsteps", "wall s", "req per\nwall s",
+)  # fmt: skip
 
 
 def ttft_p99_ratios(summaries: Sequence[PolicySummary], baseline: str) -> dict[str, float | None]:
@@ -101,16 +116,21 @@ def _build(
     rows: Sequence[tuple[Sequence[str], PolicySummary]],
     ratios: Mapping[str, float | None] | None,
     baseline: str | None,
+    only: Sequence[str] | None = None,
+    compact: bool = False,
 ) -> Table:
-    table = Table(title=title, title_justify="left")
+    columns = [c for c in _SUMMARY_COLUMNS if only is None or c[0] in only]
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD if compact else box.HEAVY_HEAD)
     for header in label_headers:
         table.add_column(header, no_wrap=True)
-    for header, _ in _SUMMARY_COLUMNS:
+    for header, _ in columns:
         table.add_column(header, justify="right", no_wrap=True)
     if ratios is not None:
-        table.add_column(f"TTFT p99\nvs {baseline}", justify="right", no_wrap=True)
+        table.add_column(
+            f"TTFT p99\n/ {baseline}" if not compact else "TTFT p99\n/ base", justify="right", no_wrap=True
+        )
     for labels, summary in rows:
-        cells = [*labels, *(cell(summary) for _, cell in _SUMMARY_COLUMNS)]
+        cells = [*labels, *(cell(summary) for _, cell in columns)]
         if ratios is not None:
             ratio = ratios.get(summary.policy)
             cells.append(MISSING if ratio is None else f"{ratio:.2f}x")
@@ -118,18 +138,27 @@ def _build(
     return table
 
 
-def render_table(summaries: Sequence[PolicySummary], *, title: str = "hilum sim", baseline: str | None = None) -> Table:
+def render_table(
+    summaries: Sequence[PolicySummary],
+    *,
+    title: str = "hilum sim",
+    baseline: str | None = None,
+    columns: Sequence[str] | None = None,
+    compact: bool = False,
+) -> Table:
     """A rich table with one row per summary (policy) and the columns of :class:`PolicySummary`.
 
     With ``baseline`` set, a last column gives each policy's P99 TTFT relative to that policy's
-    (see :func:`ttft_p99_ratios`).
+    (see :func:`ttft_p99_ratios`). ``columns`` keeps only the named column headers (for example
+    :data:`LATENCY_COLUMNS` or :data:`MIGRATION_COLUMNS`); None keeps all. ``compact`` drops the
+    vertical rules so a dozen columns fit a 120-column terminal.
 
     Raises:
         ValueError: if ``baseline`` names no policy among ``summaries``.
     """
     ratios = ttft_p99_ratios(summaries, baseline) if baseline is not None else None
     rows = [((s.policy,), s) for s in summaries]
-    return _build(title, ("policy",), rows, ratios, baseline)
+    return _build(title, ("policy",), rows, ratios, baseline, columns, compact)
 
 
 def render_sweep_table(rows: Sequence[SweepRow], *, title: str = "hilum sim sweep") -> Table:

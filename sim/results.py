@@ -189,6 +189,7 @@ class PolicySummary:
     engine_steps: int  # engine steps over all instances
     wall_s: float  # wall-clock time of the run, s
     requests_per_wall_s: float | None  # simulated requests per wall-clock second; None if wall_s <= 0
+    decode_p99_s: float | None = None  # P99 over requests of their mean TBT (Llumnix's "decode latency"), s
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -222,6 +223,7 @@ def summarize(run: SimRun) -> PolicySummary:
     high_ttfts = [t for r in reqs if r.priority >= HIGH_PRIORITY_MIN and (t := r.ttft_s) is not None]
     e2es = [t for r in reqs if (t := r.e2e_s) is not None]
     gaps = [g for r in reqs for g in r.token_gaps_s]
+    decode_means = [sum(r.token_gaps_s) / len(r.token_gaps_s) for r in reqs if r.token_gaps_s]
     committed = [m for m in run.migrations if m.outcome == "committed"]
     downtimes = [m.downtime_s for m in committed]
     return PolicySummary(
@@ -247,6 +249,7 @@ def summarize(run: SimRun) -> PolicySummary:
         engine_steps=run.engine_steps,
         wall_s=run.wall_s,
         requests_per_wall_s=len(reqs) / run.wall_s if run.wall_s > 0 else None,
+        decode_p99_s=percentile(decode_means, 99),
     )
 
 

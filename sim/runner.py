@@ -6,6 +6,7 @@ keeps no module state, so several simulations can run in one process or as Ray t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 import time
@@ -30,7 +31,7 @@ from .results import KvTimeline, SimRun
 from .schedulers import SchedulerContext, SchedulingConfig, make_scheduler
 from .traces import Trace, TraceRequest, load_trace, with_priorities
 
-__all__ = ["DEFAULTS", "SimOptions", "SimSpec", "run_simulation"]
+__all__ = ["DEFAULTS", "SimOptions", "SimSpec", "fit_to_context", "run_simulation"]
 
 
 class SimOptions(BaseModel):
@@ -140,6 +141,8 @@ def run_simulation(
         trace = load_trace(spec.trace, rate_scale=spec.rate_scale, max_requests=spec.max_requests, seed=spec.seed)
     if options.priority_fraction > 0:
         trace = with_priorities(trace, options.priority_fraction, spec.seed)
+    max_context = min(m.max_context_tokens for m in topo.models.values())
+    trace, truncated = fit_to_context(trace, max_context)
     drains = [_parse_event(d) for d in options.drain]
     scale_outs = [_parse_event(s) for s in options.scale_out]
     known = {i.instance_id for i in topo.instances}
@@ -232,8 +235,44 @@ def run_simulation(
             times_s=tuple(times),
             usage_fraction={k: tuple(v) for k, v in usage.items()},
         ),
-        config={"options": options.model_dump(), "max_requests": spec.max_requests},
+        config={
+            "options": options.model_dump(),
+            "max_requests": spec.max_requests,
+            "max_context_tokens": max_context,
+            "truncated_requests": truncated,
+        },
     )
+
+
+def fit_to_context(trace: Trace, max_context_tokens: int) -> tuple[Trace, int]:
+    """Clip requests whose prompt + output exceed the model's context window.
+
+    A server would reject them (or truncate the prompt); the simulator keeps them, as a serving stack
+    with prompt truncation would: the output is capped at ``max_context_tokens - 1`` and the prompt keeps
+    its last ``max_context_tokens - output`` tokens. Returns the new trace and how many requests changed
+    (reported as ``truncated_requests`` in the run's config). About 8 % of the Azure conversation trace
+    exceeds Llama-2's 4,096 tokens.
+
+    Raises ValueError when ``max_context_tokens`` < 2.
+    """
+    if max_context_tokens < 2:
+        raise ValueError(f"max_context_tokens must be >= 2, got {max_context_tokens}")
+    out: list[TraceRequest] = []
+    changed = 0
+    for req in trace.requests:
+        if req.prompt_tokens + req.output_tokens <= max_context_tokens:
+            out.append(req)
+            continue
+        output = min(req.output_tokens, max_context_tokens - 1)
+        prompt = min(req.prompt_tokens, max_context_tokens - output)
+        hashes = req.prefix_block_hashes
+        if hashes and req.prefix_block_tokens:
+            hashes = hashes[: prompt // req.prefix_block_tokens]
+        out.append(dataclasses.replace(req, prompt_tokens=prompt, output_tokens=output, prefix_block_hashes=hashes))
+        changed += 1
+    if not changed:
+        return trace, 0
+    return dataclasses.replace(trace, requests=tuple(out)), changed
 
 
 def _drain(cluster: Cluster, instance_id: str) -> None:

@@ -37,6 +37,7 @@ SUMMARY = PolicySummary(
     engine_steps=123456,
     wall_s=30.0,
     requests_per_wall_s=33.33,
+    decode_p99_s=0.0333,
 )
 
 
@@ -63,6 +64,7 @@ def test_format_table_row_has_the_right_numbers() -> None:
         "456.7",  # TTFT p99 ms
         "21.0",
         "48.9",
+        "33.3",  # decode p99 ms
         "12345.6",  # E2E p99 ms
         "-",  # no high-priority requests
         "17",
@@ -84,7 +86,7 @@ def test_render_table_one_row_per_policy() -> None:
     other = dataclasses.replace(SUMMARY, policy="round_robin")
     table = render_table([SUMMARY, other], title="t")
     assert table.row_count == 2
-    assert len(table.columns) == 22
+    assert len(table.columns) == 23
 
 
 def test_baseline_ratio_column() -> None:
