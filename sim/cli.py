@@ -95,7 +95,7 @@ def run_cli(args: argparse.Namespace) -> int:
     from .runner import run_simulation
     from .traces import load_trace
 
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)
     try:
         specs = _specs(args)
         topology = load_topology(args.topology)

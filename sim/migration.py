@@ -99,11 +99,13 @@ class MigrationExecutor:
         self.on_done: list[Callable[[MigrationRecord], None]] = []
         cluster.on_finished.append(self._request_finished)
 
-    def bandwidth_bytes_per_s(self, path: PathInfo) -> float:
-        """The rate a new flow on ``path`` would get now (cap x bottleneck / flows on busiest link)."""
-        return effective_bandwidth_bytes_per_s(
-            path.bandwidth_bytes_per_s, self.cost.cap_fraction, self.flows.busiest(path.links)
-        )
+    def bandwidth_bytes_per_s(self, path: PathInfo, *, own_flow: bool = False) -> float:
+        """The rate a flow on ``path`` gets now: cap x bottleneck / (flows on its busiest link).
+
+        ``own_flow``: the flow asking is already counted in :attr:`flows` (a running migration).
+        """
+        others = self.flows.busiest(path.links) - (1 if own_flow else 0)
+        return effective_bandwidth_bytes_per_s(path.bandwidth_bytes_per_s, self.cost.cap_fraction, others)
 
     def start(self, request_id: str, src_id: str, dst_id: str) -> bool:
         """Begin migrating ``request_id`` from ``src_id`` to ``dst_id``; False if it cannot start."""
@@ -140,13 +142,18 @@ class MigrationExecutor:
         tokens, blocks = kv
         block_size = self.cluster.model_of(move.src.instance_id).block_size_tokens
         full_blocks = tokens // block_size
-        remaining = full_blocks - move.copied_blocks
-        if blocks == 0 or remaining < 0:  # preempted (recompute) on the source: its KV is gone
+        if blocks == 0 or full_blocks < move.copied_blocks:  # preempted (recompute) on the source: KV gone
             self._abort(move, "request was preempted on the source during pre-copy")
             return
-        if move.stage > 0 and (remaining <= self.cost.stop_remaining_blocks or move.stage >= self.cost.max_stages):
+        remainder = -(-tokens // block_size) - move.copied_blocks  # the partial last block included
+        if move.stage > 0 and (
+            remainder <= self.cost.stop_remaining_blocks
+            or move.stage >= self.cost.max_stages
+            or full_blocks == move.copied_blocks
+        ):  # the stop rule of topology.cost's pre-copy loop
             self.cluster.at_step_boundary(move.src, lambda: self._suspend(move))
             return
+        remaining = full_blocks - move.copied_blocks
         duration = self._copy_s(move, remaining)
         move.copied_blocks = full_blocks
         move.stage += 1
@@ -157,7 +164,7 @@ class MigrationExecutor:
         move.bytes_moved += nbytes
         if nbytes == 0:
             return 0.0
-        return nbytes / self.bandwidth_bytes_per_s(move.path)
+        return nbytes / self.bandwidth_bytes_per_s(move.path, own_flow=True)
 
     def _stage_done(self, move: _Move) -> None:
         if move.done:
@@ -171,13 +178,14 @@ class MigrationExecutor:
         if kv is None:
             self._abort(move, "request left the source before the last stage")
             return
-        _tokens, blocks = kv
+        tokens, blocks = kv
         state = move.src.engine.suspend(move.request_id)
         if state is None or blocks < move.copied_blocks:
             self._abort(move, "request could not be suspended (preempted back to the queue)")
             return
         move.suspended_at_s = self.cluster.queue.now_s
-        last_blocks = blocks - move.copied_blocks  # the remainder, partial last block included
+        block_size = self.cluster.model_of(move.src.instance_id).block_size_tokens
+        last_blocks = -(-tokens // block_size) - move.copied_blocks  # the remainder, partial last block included
         duration = self._copy_s(move, last_blocks) + self.cost.suspend_resume_overhead_s
         self.cluster.queue.schedule_in(duration, EventKind.MIGRATION, lambda: self._commit(move, state))
 

@@ -66,7 +66,7 @@ class SimOptions(BaseModel):
 def _parse_event(item: str) -> tuple[str, float]:
     instance, sep, when = item.rpartition("@")
     if not sep or not instance:
-        raise ValueError(f"{item!r}: expected INSTANCE@SECONDS, e.g. node-0/i0@30")
+        raise ValueError(f"{item!r}: expected INSTANCE@SECONDS, e.g. node-0-i3@30")
     try:
         at_s = float(when)
     except ValueError:
@@ -93,7 +93,9 @@ class SimSpec:
         try:
             return SimOptions(**dict(self.options))
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()
+            )
             raise ValueError(f"invalid simulation options: {problems}") from None
 
 
@@ -249,7 +251,8 @@ def fit_to_context(trace: Trace, max_context_tokens: int) -> tuple[Trace, int]:
 
     A server would reject them (or truncate the prompt); the simulator keeps them, as a serving stack
     with prompt truncation would: the output is capped at ``max_context_tokens - 1`` and the prompt keeps
-    its last ``max_context_tokens - output`` tokens. Returns the new trace and how many requests changed
+    its first ``max_context_tokens - output`` tokens (so its prefix block hashes stay valid; hash blocks
+    past the cut are dropped). Returns the new trace and how many requests changed
     (reported as ``truncated_requests`` in the run's config). About 8 % of the Azure conversation trace
     exceeds Llama-2's 4,096 tokens.
 

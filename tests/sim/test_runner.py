@@ -1,0 +1,140 @@
+"""run_simulation end to end: determinism, every policy, refusals, drain, scale-out, priorities, lag."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from sim_factories import make_trace, tiny_topology
+
+from sim.results import SimRun, summarize
+from sim.runner import SimSpec, fit_to_context, run_simulation
+from sim.schedulers import POLICY_NAMES
+from sim.traces import load_trace
+
+
+def _run(policy: str, seed: int = 0, **options: object) -> SimRun:
+    trace = load_trace("sharegpt", max_requests=150, seed=seed, rate_per_s=30.0)
+    spec = SimSpec(topology="tiny", trace="sharegpt", policy=policy, seed=seed, options=options)
+    return run_simulation(spec, trace=trace, topology=tiny_topology(kv_capacity_blocks=400))
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_every_policy_serves_every_request_completely(policy: str) -> None:
+    run = _run(policy)
+    assert len(run.requests) == 150
+    for r in run.requests:
+        assert r.refused is None
+        assert r.finish_s is not None and r.first_token_s is not None
+        assert r.generated_tokens == r.output_tokens
+        assert len(r.token_gaps_s) == r.output_tokens - 1
+        assert r.arrival_s <= r.first_token_s <= r.finish_s
+    assert run.engine_steps > 0
+    for m in run.migrations:
+        assert m.outcome in {"committed", "aborted"}
+        assert m.start_s <= m.end_s
+    if policy in ("round-robin", "least-loaded"):
+        assert run.migrations == ()
+
+
+def test_a_memory_tight_cluster_preempts_without_migration_and_less_with_it() -> None:
+    # Below saturation, with the Llumnix paper's long-tailed lengths: migration de-fragments memory.
+    trace = load_trace("llumnix-synthetic", max_requests=200, seed=0, rate_per_s=4.0)
+    summaries = {
+        policy: summarize(
+            run_simulation(
+                SimSpec(topology="tiny", trace="synthetic", policy=policy),
+                trace=trace,
+                topology=tiny_topology(kv_capacity_blocks=400),
+            )
+        )
+        for policy in ("least-loaded", "llumnix", "hilum")
+    }
+    baseline = summaries["least-loaded"]
+    assert baseline.preemptions > 0
+    for policy in ("llumnix", "hilum"):
+        moved = summaries[policy]
+        assert moved.migrations_intra_domain + moved.migrations_cross_domain > 0, policy
+        assert moved.preemptions < baseline.preemptions, policy
+
+
+def test_hilum_keeps_moves_inside_domains_when_it_can() -> None:
+    hilum, llumnix = summarize(_run("hilum")), summarize(_run("llumnix"))
+    assert hilum.migrations_intra_domain > 0
+    assert hilum.cross_domain_bytes < llumnix.cross_domain_bytes
+
+
+def test_same_seed_same_result_and_no_state_between_runs() -> None:
+    first = _run("hilum", seed=3)
+    _run("llumnix", seed=4)  # another simulation in between must not disturb the next one
+    again = _run("hilum", seed=3)
+    assert first.requests == again.requests
+    assert first.migrations == again.migrations
+    assert first.engine_steps == again.engine_steps
+    other = _run("hilum", seed=5)
+    assert other.requests != first.requests
+
+
+def test_a_request_no_instance_can_ever_hold_is_refused_with_a_reason() -> None:
+    trace = make_trace([(0.0, 100, 10), (0.1, 3000, 10), (0.2, 50, 5)])
+    for policy in POLICY_NAMES:
+        spec = SimSpec(topology="tiny", trace="hand", policy=policy)
+        run = run_simulation(spec, trace=trace, topology=tiny_topology(kv_capacity_blocks=100))
+        refused = {r.request_id: r.refused for r in run.requests if r.refused}
+        assert list(refused) == ["r1"], policy
+        assert "1601" in (refused["r1"] or "") or "hold" in (refused["r1"] or ""), refused
+        assert all(r.finish_s is not None for r in run.requests if r.request_id != "r1")
+
+
+def test_a_drained_instance_gets_nothing_new_and_is_emptied_by_migration() -> None:
+    run = _run("hilum", drain=("n0-i0@1.0",))
+    late = [r for r in run.requests if r.arrival_s > 1.2]
+    assert late and all(r.instance_id != "n0-i0" for r in late)
+    moved_out = [m for m in run.migrations if m.src_instance_id == "n0-i0" and m.outcome == "committed"]
+    assert moved_out and all(m.start_s >= 1.0 for m in moved_out)
+    assert all(m.dst_instance_id != "n0-i0" for m in run.migrations if m.start_s >= 1.0)
+
+
+def test_a_scaled_out_instance_is_idle_until_it_joins_then_fills() -> None:
+    run = _run("llumnix", scale_out=("n1-i1@2.0",))
+    on_new = [r for r in run.requests if r.instance_id == "n1-i1"]
+    assert on_new, "the new instance served nothing"
+    assert all(r.arrival_s >= 2.0 for r in on_new if r.migrations == 0)
+    assert all(m.start_s >= 2.0 for m in run.migrations if m.dst_instance_id == "n1-i1")
+
+
+def test_priorities_are_marked_and_reported() -> None:
+    run = _run("hilum", priority_fraction=0.2)
+    high = [r for r in run.requests if r.priority >= 1]
+    assert len(high) == 30
+    assert summarize(run).high_priority_ttft_p99_s is not None
+
+
+def test_information_lag_changes_the_gateways_choices() -> None:
+    fresh = _run("hilum", summary_lag_s=0.0, summary_interval_s=0.01)
+    stale = _run("hilum", summary_lag_s=2.0, summary_interval_s=2.0)
+    assert [r.instance_id for r in fresh.requests] != [r.instance_id for r in stale.requests]
+
+
+def test_bad_options_and_unknown_instances_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="unknown policy 'fifo'"):
+        _run("fifo")
+    with pytest.raises(ValueError, match="priority_fraction"):
+        _run("hilum", priority_fraction=2.0)
+    with pytest.raises(ValueError, match="expected INSTANCE@SECONDS"):
+        _run("hilum", drain=("n0-i0",))
+    with pytest.raises(ValueError, match="unknown instance 'nope'"):
+        _run("hilum", drain=("nope@1",))
+    with pytest.raises(ValueError, match="colour"):
+        _run("hilum", colour="blue")
+
+
+def test_requests_beyond_the_context_window_are_truncated_and_counted() -> None:
+    trace = make_trace([(0.0, 4000, 200), (0.1, 100, 5000), (0.2, 100, 100)])
+    fitted, changed = fit_to_context(trace, 4096)
+    assert changed == 2
+    assert [(r.prompt_tokens, r.output_tokens) for r in fitted.requests] == [(3896, 200), (1, 4095), (100, 100)]
+    spec = SimSpec(topology="tiny", trace="hand", policy="least-loaded")
+    run = run_simulation(spec, trace=trace, topology=tiny_topology(kv_capacity_blocks=400))
+    assert run.config["truncated_requests"] == 2
+    assert dataclasses.replace(fitted.requests[2]) == trace.requests[2]

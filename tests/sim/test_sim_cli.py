@@ -1,0 +1,80 @@
+"""`hilum sim` from the command line: tables, JSON, results.json, plots, errors, and a real sweep."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hilum_cli.main import main
+from sim.results import load_results
+
+
+def test_sim_json_and_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    code = main(["sim", "--max-requests", "40", "--policy", "least-loaded,hilum", "--json", "--out", str(out)])
+    assert code == 0
+    summaries = json.loads(capsys.readouterr().out)
+    assert [s["policy"] for s in summaries] == ["least-loaded", "hilum"]
+    assert all(s["requests"] == 40 and s["finished"] == 40 for s in summaries)
+    stored = load_results(out / "results.json")
+    assert [r.policy for r in stored] == ["least-loaded", "hilum"]
+    assert stored[1].topology == "2x8-a100-40gb" and stored[1].trace == "azure-conv"
+    assert stored[1].rate_scale == 3.5
+    for name in ("ttft_cdf.png", "kv_usage_least-loaded.png", "kv_usage_hilum.png"):
+        assert (out / name).stat().st_size > 1000
+
+
+def test_sim_table_names_every_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "--max-requests", "30", "--trace", "sharegpt", "--rate-scale", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "sharegpt x2 (30 requests) on 2x8-a100-40gb (16 instances, 2 domains)" in text
+    for policy in ("round-robin", "least-loaded", "llumnix", "hilum"):
+        assert text.count(policy) >= 2  # one row in each table
+    assert "TTFT" in text and "downtime" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--policy", "fifo"], "unknown policy fifo"),
+        (["--rate-scale", "0"], "--rate-scale must be > 0"),
+        (["--max-requests", "0"], "--max-requests must be >= 1"),
+        (["--trace", "no-such-trace"], "no-such-trace"),
+        (["--topology", "no-such-topology"], "no-such-topology"),
+        (["--drain", "node-0-i0"], "expected INSTANCE@SECONDS"),
+        (["--priority-fraction", "1.5"], "priority_fraction"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "--max-requests", "5", *argv]) == 2
+    assert message in capsys.readouterr().err.replace("\n", "")
+
+
+def test_sweep_runs_real_simulations_as_ray_tasks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    config = tmp_path / "sweep.yaml"
+    config.write_text(
+        "trace: azure-conv\n"
+        "topologies: [2x8-a100-40gb]\n"
+        "policies: [least-loaded, hilum]\n"
+        "rate_scales: [2, 4]\n"
+        "seeds: [0]\n"
+        "max_requests: 25\n"
+    )
+    out = tmp_path / "sweep"
+    assert main(["sim", "sweep", str(config), "--out", str(out)]) == 0
+    data = json.loads((out / "sweep.json").read_text())
+    rows = data["rows"]
+    assert [(r["policy"], r["rate_scale"]) for r in rows] == [
+        ("least-loaded", 2.0),
+        ("least-loaded", 4.0),
+        ("hilum", 2.0),
+        ("hilum", 4.0),
+    ]
+    assert all(r["summary"]["finished"] == 25 for r in rows)
+    assert (out / "p99_ttft_vs_load_2x8-a100-40gb.png").stat().st_size > 1000
+    assert "hilum" in capsys.readouterr().out

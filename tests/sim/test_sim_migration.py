@@ -1,0 +1,147 @@
+"""Simulated migrations follow the cost model: stages, timing, link sharing, aborts."""
+
+from __future__ import annotations
+
+import pytest
+from sim_factories import tiny_topology
+
+from llumlet.engine.latency import load_latency_model
+from sim.cluster import Cluster, EngineLimits, RequestState
+from sim.events import EventQueue
+from sim.migration import LinkFlows, MigrationExecutor
+from sim.traces import TraceRequest
+from topology.cost import CostConfig, MigrationCostInput, plan_migration
+from topology.graph import TopologyGraph
+
+
+class Rig:
+    """A cluster of the tiny topology with a migration executor, driven by hand."""
+
+    def __init__(self, cost: CostConfig | None = None) -> None:
+        self.topo = tiny_topology(kv_capacity_blocks=2000)
+        self.queue = EventQueue()
+        latency = load_latency_model("llama-2-7b", "a100", 1)
+        self.cluster = Cluster(self.queue, self.topo, lambda _spec: latency, EngineLimits())
+        self.cost = cost or CostConfig()
+        self.executor = MigrationExecutor(self.cluster, TopologyGraph(self.topo), self.cost, LinkFlows())
+
+    def submit(self, request_id: str, instance_id: str, prompt: int, output: int) -> RequestState:
+        req = TraceRequest(request_id, self.queue.now_s, prompt_tokens=prompt, output_tokens=output)
+        state = self.cluster.admit(req)
+        self.cluster.submit(req, instance_id)
+        return state
+
+    def run_until(self, predicate: object) -> None:
+        assert callable(predicate)
+        while not predicate():
+            assert self.queue.run_next(), "simulation ended before the condition held"
+
+    def run_all(self) -> None:
+        while self.queue.run_next():
+            pass
+
+
+def test_a_cross_domain_move_takes_the_time_the_cost_model_predicts() -> None:
+    rig = Rig()
+    state = rig.submit("r0", "n0-i0", prompt=1000, output=3000)
+    rig.run_until(lambda: state.generated_tokens >= 50)
+    src = rig.cluster.instances["n0-i0"]
+    tokens, _blocks = src.engine.request_kv("r0") or (0, 0)
+    step_s = src.last_step_s
+    model = rig.topo.model_of("n0-i0")
+    plan = plan_migration(
+        MigrationCostInput(
+            kv_tokens=tokens,
+            kv_bytes_per_token=model.kv_bytes_per_token,
+            block_size_tokens=model.block_size_tokens,
+            decode_step_s=step_s,
+            path_bandwidth_bytes_per_s=25e9,  # 200 Gb/s NIC, the path's bottleneck
+        ),
+        rig.cost,
+    )
+    assert plan.converges and plan.mode == "pre-copy"
+    start = rig.queue.now_s
+    assert rig.executor.start("r0", "n0-i0", "n1-i0")
+    rig.run_until(lambda: bool(rig.executor.records))
+    (record,) = rig.executor.records
+    assert record.outcome == "committed" and record.src_domain_id == "n0" and record.dst_domain_id == "n1"
+    assert record.start_s == start
+    # 66 blocks of 8 MiB at 20% of 25 GB/s: stage 0 alone is 0.11 s; later stages copy what decode added.
+    assert plan.stage_s[0] == pytest.approx((tokens // 16) * model.kv_bytes_per_block / 5e9)
+    assert record.stages == len(plan.stage_bytes)
+    # The simulator waits up to one decode step for the step boundary before the last stage.
+    assert record.end_s - record.start_s == pytest.approx(plan.completion_s, abs=1.5 * step_s)
+    assert record.downtime_s == pytest.approx(plan.downtime_s, rel=0.05, abs=1e-4)
+    assert record.bytes_transferred == pytest.approx(plan.total_bytes, rel=0.02)
+    # The request continues on the destination and finishes with every token.
+    rig.run_all()
+    assert state.instance_id == "n1-i0" and state.migrations == 1
+    assert state.generated_tokens == 3000 and state.finish_s is not None
+    for inst in rig.cluster.instances.values():
+        load = inst.engine.load()
+        assert load.used_blocks == 0 and load.reserved_blocks == 0
+
+
+def test_pre_copy_downtime_does_not_grow_with_the_context() -> None:
+    downtimes = []
+    for prompt in (256, 3000):
+        rig = Rig()
+        state = rig.submit("r", "n0-i0", prompt=prompt, output=1000)
+        rig.run_until(lambda s=state: s.generated_tokens >= 20)
+        assert rig.executor.start("r", "n0-i0", "n1-i0")
+        rig.run_until(lambda r=rig: bool(r.executor.records))
+        downtimes.append(rig.executor.records[0].downtime_s)
+    short, long = downtimes
+    assert long == pytest.approx(short, rel=0.5)  # a ~12x longer context, about the same pause
+    assert long < 0.01
+
+
+def test_two_moves_on_one_link_share_it() -> None:
+    alone = Rig()
+    alone.submit("a", "n0-i0", prompt=2000, output=500)
+    alone.run_until(lambda: alone.cluster.requests["a"].generated_tokens >= 5)
+    alone.executor.start("a", "n0-i0", "n1-i0")
+    alone.run_all()
+    shared = Rig()
+    shared.submit("a", "n0-i0", prompt=2000, output=500)
+    shared.submit("b", "n0-i1", prompt=2000, output=500)
+    shared.run_until(lambda: shared.cluster.requests["b"].generated_tokens >= 5)
+    assert shared.executor.start("a", "n0-i0", "n1-i0")
+    assert shared.executor.flows.count("nic:n0") == 1
+    assert shared.executor.start("b", "n0-i1", "n1-i1")
+    assert shared.executor.flows.count("nic:n0") == 2
+    shared.run_all()
+    solo_s = alone.executor.records[0].end_s - alone.executor.records[0].start_s
+    first = next(m for m in shared.executor.records if m.request_id == "a")
+    second = next(m for m in shared.executor.records if m.request_id == "b")
+    # "a" started alone, so its stage 0 keeps the full rate it started with (piecewise-constant
+    # sharing); "b" joined the link and its stages run at half the rate.
+    assert second.end_s - second.start_s > 1.6 * solo_s
+    assert first.end_s - first.start_s >= solo_s * 0.99
+    assert shared.executor.flows.count("nic:n0") == 0
+
+
+def test_a_request_that_finishes_during_pre_copy_aborts_and_releases_the_reservation() -> None:
+    rig = Rig(CostConfig(cap_fraction=0.01))  # a slow link: 250 MB/s
+    state = rig.submit("r", "n0-i0", prompt=2000, output=30)
+    rig.run_until(lambda: state.generated_tokens >= 25)
+    assert rig.executor.start("r", "n0-i0", "n1-i0")
+    dst = rig.cluster.instances["n1-i0"]
+    assert dst.engine.load().reserved_blocks > 0
+    rig.run_all()
+    (record,) = rig.executor.records
+    assert record.outcome == "aborted" and "finished during pre-copy" in record.reason
+    assert state.instance_id == "n0-i0" and state.generated_tokens == 30
+    assert dst.engine.load().reserved_blocks == 0
+
+
+def test_no_room_on_the_destination_means_no_start() -> None:
+    rig = Rig()
+    state = rig.submit("big", "n0-i0", prompt=3000, output=900)
+    rig.submit("filler", "n1-i0", prompt=3000, output=900)
+    rig.run_until(lambda: state.generated_tokens >= 2)
+    # The destination holds 2000 blocks; "filler" leaves fewer than "big" needs plus the margin.
+    dst = rig.cluster.instances["n1-i0"]
+    assert dst.engine.reserve("squat", dst.engine.load().free_blocks - 10)
+    assert not rig.executor.start("big", "n0-i0", "n1-i0")
+    assert rig.executor.records == [] and not state.migrating
