@@ -32,7 +32,9 @@ def main() -> None:
         topo = parse_topology(synthetic_topology_data(max(1, n // 8)), source=f"synthetic-{n}")
         count = n * args.requests_per_instance
         trace = load_trace("sharegpt", num_requests=count, rate_per_s=n * args.per_instance_rate, seed=0)
-        run = run_simulation(SimSpec(topology=topo.name, trace="sharegpt", policy=args.policy), trace=trace, topology=topo)
+        run = run_simulation(
+            SimSpec(topology=topo.name, trace="sharegpt", policy=args.policy), trace=trace, topology=topo
+        )
         s = summarize(run)
         assert s.finished == count, f"{s.finished} of {count} requests finished"
         print(

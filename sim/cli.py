@@ -45,6 +45,12 @@ def register(sub: Any) -> None:
         "--scale-out", action="append", default=[], metavar="INSTANCE@S", help="instance joins at time S"
     )
     parser.add_argument("--summary-lag-ms", type=float, default=None, help="domain summary information lag")
+    parser.add_argument(
+        "--admission",
+        choices=("chunked", "whole-prompt"),
+        default="chunked",
+        help="engine admission: vLLM v1 chunk by chunk (default) or vLLM v0 whole prompt (Llumnix's engine)",
+    )
     parser.add_argument("--out", default=None, help="directory for results.json and plots")
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON instead of a table")
     parser.set_defaults(func=run_cli)
@@ -69,6 +75,7 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         "priority_fraction": args.priority_fraction,
         "drain": tuple(args.drain),
         "scale_out": tuple(args.scale_out),
+        "admission": args.admission,
     }
     if args.summary_lag_ms is not None:
         options["summary_lag_s"] = args.summary_lag_ms / 1e3

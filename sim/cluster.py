@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from llumlet.engine.core import EngineCore
 from llumlet.engine.latency import LatencyModel
+from llumlet.engine.scheduler import Admission
 from llumlet.engine.types import EngineRequest, StepResult
 from policy.types import InstanceLoad
 from topology.spec import InstanceSpec, ModelSpec, Topology
@@ -35,6 +36,7 @@ class EngineLimits:
 
     max_num_seqs: int = 256  # running requests per step
     max_num_batched_tokens: int = 8192  # tokens (prefill chunk + decodes) per step
+    admission: Admission = "chunked"  # "chunked" (vLLM v1) or "whole-prompt" (vLLM v0, Llumnix's engine)
 
 
 @dataclass(slots=True)
@@ -130,6 +132,7 @@ class Cluster:
                 max_num_seqs=limits.max_num_seqs,
                 max_num_batched_tokens=limits.max_num_batched_tokens,
                 kv_bytes_per_block=model.kv_bytes_per_block,
+                admission=limits.admission,
             )
             self.instances[spec.instance_id] = SimInstance(spec, engine, spec.instance_id not in inactive_ids)
 

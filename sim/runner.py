@@ -12,7 +12,7 @@ import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -53,6 +53,9 @@ class SimOptions(BaseModel):
     downtime_budget_s: float = Field(0.025, gt=0)
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(8192, ge=16)
+    admission: Literal["chunked", "whole-prompt"] = Field(
+        "chunked", description="engine admission: vLLM v1 chunk by chunk, or vLLM v0 whole prompt + watermark"
+    )
     kv_samples: int = Field(200, ge=2, description="points in the per-instance KV usage timeline")
 
     @field_validator("drain", "scale_out")
@@ -153,7 +156,7 @@ def run_simulation(
             raise ValueError(f"scripted event names unknown instance {instance_id!r}; known: {sorted(known)}")
 
     queue = EventQueue()
-    limits = EngineLimits(options.max_num_seqs, options.max_num_batched_tokens)
+    limits = EngineLimits(options.max_num_seqs, options.max_num_batched_tokens, options.admission)
     cluster = Cluster(queue, topo, _latency_for(topo), limits, inactive=[i for i, _ in scale_outs])
     graph = TopologyGraph(topo)
     cost = CostConfig(cap_fraction=options.cap_fraction)

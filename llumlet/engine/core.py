@@ -16,7 +16,7 @@ from __future__ import annotations
 from llumlet.engine.blocks import BlockManager
 from llumlet.engine.latency import LatencyModel
 from llumlet.engine.protocol import KVPayload
-from llumlet.engine.scheduler import RequestStatus, Scheduler, SchedulerRequest
+from llumlet.engine.scheduler import Admission, RequestStatus, Scheduler, SchedulerRequest
 from llumlet.engine.types import (
     EngineLoad,
     EngineRequest,
@@ -61,6 +61,8 @@ class EngineCore:
         max_num_seqs: requests per batch at most (vLLM default 256).
         max_num_batched_tokens: tokens per step at most (chunked-prefill budget).
         enable_prefix_caching: share prompt prefixes by hash id (see ``blocks.py``).
+        kv_bytes_per_block: bytes one block occupies on the modelled GPU (reported in ``KVPayload.nbytes``).
+        admission: "chunked" (vLLM v1, default) or "whole-prompt" (vLLM v0, see ``Scheduler._admit``).
 
     Raises ValueError for non-positive sizes.
     """
@@ -75,12 +77,13 @@ class EngineCore:
         max_num_batched_tokens: int = 8192,
         enable_prefix_caching: bool = False,
         kv_bytes_per_block: int = 0,
+        admission: Admission = "chunked",
     ) -> None:
         self.instance_id = instance_id
         self._kv_bytes_per_block = kv_bytes_per_block
         self.latency_model = latency_model
         self.blocks = BlockManager(num_blocks, block_size_tokens, enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, admission)
         self._suspended: dict[str, SchedulerRequest] = {}
         self._last_step_preempted = False
         self.stats: dict[str, RequestStats] = {}  # request_id -> counters of requests that left

@@ -25,6 +25,7 @@ import enum
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Literal
 
 from llumlet.engine.blocks import BlockManager
 from llumlet.engine.types import EngineRequest
@@ -39,6 +40,11 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     SUSPENDED = "suspended"  # held for migration: keeps its blocks, not batched
     FINISHED = "finished"
+
+
+Admission = Literal["chunked", "whole-prompt"]
+#: Admission modes: vLLM v1's chunk-by-chunk allocation, or vLLM v0's whole-prompt check with a watermark.
+ADMISSION_MODES: tuple[str, ...] = ("chunked", "whole-prompt")
 
 
 @dataclass(slots=True)
@@ -109,12 +115,22 @@ class Scheduler:
     Raises ValueError for non-positive limits.
     """
 
-    def __init__(self, blocks: BlockManager, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192) -> None:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        admission: Admission = "chunked",
+    ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
                 f"Scheduler: max_num_seqs = {max_num_seqs}, max_num_batched_tokens = "
                 f"{max_num_batched_tokens}; both need >= 1"
             )
+        if admission not in ADMISSION_MODES:
+            raise ValueError(f"Scheduler: admission {admission!r} unknown; choose from {', '.join(ADMISSION_MODES)}")
+        self.admission = admission
+        self.watermark_blocks = max(1, blocks.num_blocks // 100) if admission == "whole-prompt" else 0
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -217,7 +233,17 @@ class Scheduler:
         return n
 
     def _admit(self, state: SchedulerRequest, budget: int, batch: _BatchBuilder) -> int:
-        """Schedule a waiting request's first chunk, all or nothing; returns tokens (0: did not fit)."""
+        """Schedule a waiting request's first chunk, all or nothing; returns tokens (0: did not fit).
+
+        With ``admission="whole-prompt"`` the request is admitted only when the blocks for all its tokens
+        fit with a 1 % watermark to spare (vLLM v0's ``can_allocate``, the engine Llumnix ran on): the
+        queue then blocks behind a head-of-line request that does not fit, instead of over-admitting and
+        preempting later.
+        """
+        if self.admission == "whole-prompt":
+            need = self.blocks.blocks_for_tokens(state.num_tokens) - self.blocks.num_blocks_of(state.request_id)
+            if need > self.blocks.available_blocks - self.watermark_blocks:
+                return 0
         chunk = min(state.num_tokens - state.num_computed_tokens, budget)
         if chunk <= 0 or self.blocks.allocate_slots(state.request_id, chunk) is None:
             return 0
