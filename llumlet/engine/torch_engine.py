@@ -578,15 +578,15 @@ class TorchEngine:
                 carry data).
         """
         where = f"{self.instance_id}: commit_incoming({state.request_id!r})"
-        written = self._written.get(reservation_id)
-        if written is None:
-            raise KeyError(f"{where}: unknown reservation {reservation_id!r} (released or never made)")
         if state.request_id in self.scheduler.requests:
             raise ValueError(f"{where}: the request is already here")
         if state.num_output_tokens < 1 or state.num_computed_tokens != state.num_tokens - 1:
             raise ValueError(
                 f"{where}: not in decode phase (computed {state.num_computed_tokens} of {state.num_tokens} tokens)"
             )
+        written = self._written.get(reservation_id)
+        if written is None:
+            raise KeyError(f"{where}: unknown reservation {reservation_id!r} (released or never made)")
         params = self._check_request(where, state.prompt_token_ids, state.max_tokens, state.sampling_params)
         if len(state.output_token_ids) != state.num_output_tokens:
             raise ValueError(
