@@ -53,6 +53,7 @@ from llumlet.engine.types import (
 )
 
 __all__ = [
+    "EXTRA_EOS_TOKEN_ID",
     "EXTRA_GENERATOR_STATE",
     "EXTRA_MODEL_FINGERPRINT",
     "TINY_LLAMA_DEFAULTS",
@@ -64,6 +65,7 @@ __all__ = [
 
 EXTRA_GENERATOR_STATE = "generator_state"  # MigrationState.extra key: bytes of torch.Generator.get_state()
 EXTRA_MODEL_FINGERPRINT = "model_fingerprint"  # MigrationState.extra key: str, see model_fingerprint()
+EXTRA_EOS_TOKEN_ID = "eos_token_id"  # MigrationState.extra key: int | None, the source engine's EOS id
 
 TINY_LLAMA_DEFAULTS: Mapping[str, Any] = MappingProxyType(
     {
@@ -471,8 +473,9 @@ class TorchEngine:
     def suspend(self, request_id: str) -> MigrationState | None:
         """Between two steps: take a running decode-phase request out of batching; it keeps its blocks.
 
-        ``extra`` carries ``generator_state`` (bytes of its ``torch.Generator`` state) and
-        ``model_fingerprint``. None when it cannot be suspended (see :meth:`migratable`).
+        ``extra`` carries ``generator_state`` (bytes of its ``torch.Generator`` state),
+        ``model_fingerprint`` (str) and ``eos_token_id`` (int or None). None when it cannot be suspended
+        (see :meth:`migratable`).
         """
         if self.migratable(request_id) is not None:
             return None
@@ -498,6 +501,7 @@ class TorchEngine:
             extra={
                 EXTRA_GENERATOR_STATE: _generator_state(self._generators[request_id]),
                 EXTRA_MODEL_FINGERPRINT: self.model_fingerprint,
+                EXTRA_EOS_TOKEN_ID: self.eos_token_id,
             },
         )
 
@@ -567,15 +571,15 @@ class TorchEngine:
     def commit_incoming(self, reservation_id: str, state: MigrationState) -> bool:
         """Adopt a migrated request with its KV in place and its generator state; it runs from the next step.
 
-        Returns False when its blocks do not fit (nothing changes; the reservation stays, the caller
-        releases it).
+        Returns True. (The protocol's False, "its growth does not fit", cannot arise here: every block the
+        KV needs must already lie in the reservation and be written, since growth past the reservation
+        would carry no data. The llumlet reserves with a margin for the blocks added during pre-copy.)
 
         Raises:
             KeyError: unknown (released) reservation.
             ValueError: the request is already here; the state is not in decode phase, lacks token ids,
-                comes from a different model (fingerprint) or lacks a valid generator state; or a block the
-                KV needs was never written (the reservation must cover every block: growth past it cannot
-                carry data).
+                comes from a different model (fingerprint) or from an engine with another EOS id, or has no
+                valid generator state; or a block position the KV needs was never written. Nothing changes.
         """
         where = f"{self.instance_id}: commit_incoming({state.request_id!r})"
         if state.request_id in self.scheduler.requests:
@@ -596,6 +600,11 @@ class TorchEngine:
             raise ValueError(
                 f"{where}: model fingerprint {state.extra.get(EXTRA_MODEL_FINGERPRINT)!r} != this engine's "
                 f"{self.model_fingerprint!r} (different model or not from a torch engine)"
+            )
+        if state.extra.get(EXTRA_EOS_TOKEN_ID, -1) != self.eos_token_id:
+            raise ValueError(
+                f"{where}: the source stops on eos_token_id {state.extra.get(EXTRA_EOS_TOKEN_ID, '(missing)')!r}, "
+                f"this engine on {self.eos_token_id!r}: the continuation would differ"
             )
         generator = self._restore_generator(where, state.extra.get(EXTRA_GENERATOR_STATE))
         missing = sorted(set(range(self.blocks.blocks_for_tokens(state.num_computed_tokens))) - written)

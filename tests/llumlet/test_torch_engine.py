@@ -396,6 +396,11 @@ def test_write_and_commit_validate_incoming_data() -> None:
     other.write_blocks("m", payload)
     with pytest.raises(ValueError, match="model fingerprint"):
         other.commit_incoming("m", state)
+    other_eos = make_engine("other_eos", eos_token_id=2)
+    assert other_eos.reserve("m", 3)
+    other_eos.write_blocks("m", payload)
+    with pytest.raises(ValueError, match="source stops on eos_token_id None, this engine on 2"):
+        other_eos.commit_incoming("m", state)
     bad_gen = {**state.extra, EXTRA_GENERATOR_STATE: b"xx"}
     with pytest.raises(ValueError, match="generator_state"):
         dst.commit_incoming("m", _with_extra(state, bad_gen))
