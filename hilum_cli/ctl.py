@@ -55,7 +55,8 @@ def _add_common(p: argparse.ArgumentParser, *, suppress: bool) -> None:
     ex.add_argument("--etcd", metavar="HOST:PORT", default=d, help="etcd endpoint(s); talk to the leader it names")
     where.add_argument("--prefix", default=d, help=f"etcd key prefix (default $HILUM_PREFIX or {DEFAULT_PREFIX})")
     out = p.add_argument_group("output")
-    out.add_argument("--json", action="store_true", default=argparse.SUPPRESS if suppress else False, help="JSON")
+    json_default: Any = argparse.SUPPRESS if suppress else False
+    out.add_argument("--json", action="store_true", default=json_default, help="print JSON (stable keys)")
     out.add_argument(
         "--rpc-timeout", type=float, metavar="S", default=d, help="deadline of each call, seconds (default 5)"
     )
@@ -83,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--state", action="append", choices=_STATES, help="only these states (repeatable; active = proposed+approved)"
     )
-    for name, text in (("drain", "stop dispatching to a target and move its requests away"), ("undrain", "undo")):
+    for name, text in (
+        ("drain", "stop dispatching to a target and move its requests away"),
+        ("undrain", "remove a drain intent: the target takes requests again"),
+    ):
         p = command(name, f"{text} (leader only; a standby forwards to the leader)")
         p.add_argument("target", metavar="INSTANCE|DOMAIN", help="an instance id or a domain id")
         kind = p.add_mutually_exclusive_group()
