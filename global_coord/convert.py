@@ -16,6 +16,7 @@ from global_coord.records import (
     DomainRegistration,
     DrainIntent,
     DrainKind,
+    InstanceLoadRecord,
     InstanceRegistration,
     MigrationRecord,
     MigrationState,
@@ -29,6 +30,7 @@ __all__ = [
     "drain_intent",
     "drain_target_from_pb",
     "instance_info",
+    "instance_load",
     "migration",
     "migration_record_from_pb",
     "move_proposal",
@@ -119,9 +121,9 @@ def domain_info(
     return msg
 
 
-def instance_info(reg: InstanceRegistration, draining: bool) -> pb.InstanceInfo:
-    """InstanceInfo of a registration."""
-    return pb.InstanceInfo(
+def instance_info(reg: InstanceRegistration, draining: bool, load: InstanceLoadRecord | None = None) -> pb.InstanceInfo:
+    """InstanceInfo of a registration, with its load from the domain's summary when published."""
+    msg = pb.InstanceInfo(
         instance_id=reg.instance_id,
         domain_id=reg.domain_id,
         node_id=reg.node_id,
@@ -129,6 +131,20 @@ def instance_info(reg: InstanceRegistration, draining: bool) -> pb.InstanceInfo:
         model=reg.model,
         capacity_blocks=reg.capacity_blocks,
         draining=draining,
+        has_load=load is not None,
+    )
+    if load is not None:
+        msg.load.CopyFrom(instance_load(load))
+    return msg
+
+
+def instance_load(record: InstanceLoadRecord) -> pb.InstanceLoad:
+    """InstanceLoad message of one instance's entry in its domain's summary."""
+    return pb.InstanceLoad(
+        used_blocks=record.used_blocks,
+        num_running=record.num_running,
+        num_waiting=record.num_waiting,
+        draining=record.draining,
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Protocol, TypeVar
 
@@ -20,6 +20,8 @@ __all__ = [
     "DomainSummaryLike",
     "DrainIntent",
     "DrainKind",
+    "InstanceLoadLike",
+    "InstanceLoadRecord",
     "InstanceRegistration",
     "MigrationRecord",
     "MigrationState",
@@ -105,9 +107,48 @@ class DomainSummaryLike(Protocol):
     def draining(self) -> bool: ...
 
 
+class InstanceLoadLike(Protocol):
+    """What :class:`InstanceLoadRecord` copies from ``policy.types.InstanceLoad`` (structural)."""
+
+    @property
+    def instance_id(self) -> str: ...
+    @property
+    def used_blocks(self) -> int: ...
+    @property
+    def running(self) -> Sequence[object]: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def draining(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLoadRecord:
+    """One instance's load inside its domain's summary, as the domain scheduler sees it (exact, fresh).
+
+    ``hilumctl drain --wait`` reads it: an instance is empty when its scheduler reports it ``draining``
+    (it applies the drain: nothing new is dispatched there) with no running and no queued requests.
+    """
+
+    instance_id: str
+    used_blocks: int  # KV cache blocks held by its requests
+    num_running: int  # requests in its running batch (migrating-out ones included until committed)
+    num_waiting: int  # requests queued on it
+    draining: bool  # its domain scheduler applies a drain intent (instance or domain) to it
+
+    @classmethod
+    def of(cls, load: InstanceLoadLike) -> InstanceLoadRecord:
+        """Copy a ``policy.types.InstanceLoad`` (``num_running`` = ``len(load.running)``)."""
+        return cls(load.instance_id, load.used_blocks, len(load.running), load.num_waiting, load.draining)
+
+
 @dataclass(frozen=True, slots=True)
 class SummaryRecord:
-    """A domain's load summary as published to etcd (the fields of ``policy.domain.DomainSummary``)."""
+    """A domain's load summary as published to etcd (the fields of ``policy.domain.DomainSummary``).
+
+    ``instances`` adds the per-instance load (sorted by instance id) that the domain scheduler knows
+    exactly; the coordinator serves it through ListInstances. Empty when the publisher omits it.
+    """
 
     domain_id: str
     num_instances: int
@@ -119,11 +160,23 @@ class SummaryRecord:
     num_running: int
     num_waiting: int
     draining: bool
+    instances: tuple[InstanceLoadRecord, ...] = ()  # per-instance load, sorted by instance_id
+
+    def __post_init__(self) -> None:
+        ids = [i.instance_id for i in self.instances]
+        if ids != sorted(set(ids)):
+            raise ValueError(f"summary of {self.domain_id}: instances must be sorted by id, no repeats, got {ids}")
 
     @classmethod
-    def of(cls, summary: DomainSummaryLike) -> SummaryRecord:
-        """Copy a ``policy.domain.DomainSummary`` (or anything with its fields)."""
-        return cls(**{f.name: getattr(summary, f.name) for f in fields(cls)})
+    def of(cls, summary: DomainSummaryLike, instances: Iterable[InstanceLoadLike] = ()) -> SummaryRecord:
+        """Copy a ``policy.domain.DomainSummary`` (or anything with its fields) and the loads of its instances.
+
+        Raises:
+            ValueError: when two loads name the same instance.
+        """
+        copied = {f.name: getattr(summary, f.name) for f in fields(cls) if f.name != "instances"}
+        loads = tuple(sorted((InstanceLoadRecord.of(load) for load in instances), key=lambda r: r.instance_id))
+        return cls(**copied, instances=loads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +227,7 @@ _INT_FIELDS = {
     "attempt",
     "blocks",
     "fencing_token",
+    "used_blocks",
 }
 _FLOAT_FIELDS = {"virtual_usage", "freeness", "expected_transfer_s", "expected_downtime_s"}
 
@@ -209,6 +263,10 @@ def _coerce(cls: type[Any], name: str, value: Any, key: str) -> Any:
             return DrainKind(value)
         except ValueError:
             raise RecordError(f"{key}: kind: expected 'instance' or 'domain', got {value!r}") from None
+    if name == "instances" and cls is SummaryRecord:
+        if not isinstance(value, list):
+            raise RecordError(f"{key}: instances: expected a list of instance loads, got {value!r}")
+        return tuple(_from_dict(InstanceLoadRecord, item, f"{key}: instances[{i}]") for i, item in enumerate(value))
     if name == "links":
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise RecordError(f"{key}: links: expected a list of strings, got {value!r}")
@@ -228,6 +286,11 @@ def decode(cls: type[R], value: bytes, key: str) -> R:
         raw = json.loads(value)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RecordError(f"{key}: not JSON: {exc}") from None
+    record: R = _from_dict(cls, raw, key)
+    return record
+
+
+def _from_dict(cls: type[Any], raw: Any, key: str) -> Any:
     if not isinstance(raw, dict):
         raise RecordError(f"{key}: expected a JSON object, got {type(raw).__name__}")
     names = {f.name: f for f in fields(cls)}
@@ -241,4 +304,7 @@ def decode(cls: type[R], value: bytes, key: str) -> R:
                 continue
             raise RecordError(f"{key}: missing field {name!r} for {cls.__name__}")
         kwargs[name] = _coerce(cls, name, raw[name], key)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:
+        raise RecordError(f"{key}: {exc}") from None

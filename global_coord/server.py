@@ -45,12 +45,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def ListInstances(self, request: pb.ListInstancesRequest, context: _Ctx) -> pb.ListInstancesReply:
         view = self._c.view
         drains = view.drains()
+        summaries = view.summaries()
         out = []
         for iid, reg in sorted(view.instances().items()):
             if request.domain_id and reg.domain_id != request.domain_id:
                 continue
             draining = (DrainKind.INSTANCE, iid) in drains or (DrainKind.DOMAIN, reg.domain_id) in drains
-            out.append(convert.instance_info(reg, draining))
+            summary = summaries.get(reg.domain_id)
+            load = next((i for i in summary.instances if i.instance_id == iid), None) if summary else None
+            out.append(convert.instance_info(reg, draining, load))
         return pb.ListInstancesReply(instances=out, view_revision=view.revision)
 
     async def ListMigrations(self, request: pb.ListMigrationsRequest, context: _Ctx) -> pb.ListMigrationsReply:

@@ -1,22 +1,323 @@
-"""``hilumctl``: the admin CLI that queries the global coordinator over gRPC.
+"""``hilumctl``: the admin CLI over the global coordinator's gRPC admin API (``hilum.v1.Coordinator``).
 
-The coordinator and its admin API land with the control-plane issue; until then the command says so.
+    hilumctl --coordinator coord-a:7070 status
+    hilumctl --etcd 127.0.0.1:2379 domains --json
+    hilumctl instances --domain node-3
+    hilumctl migrations --follow --state active
+    hilumctl drain node-3-i2 --wait --timeout 600
+    hilumctl undrain node-3-i2
+    hilumctl topology
+
+Finding the coordinator: ``--coordinator HOST:PORT[,HOST:PORT...]`` (any replica; reads are answered by
+the first that answers, writes follow the leader it names) or ``--etcd HOST:PORT [--prefix P]`` (read the
+leader key from etcd and talk to the leader). Defaults come from ``HILUM_COORDINATOR``, ``HILUM_ETCD``
+and ``HILUM_PREFIX``, read when the command runs. The global options may also follow the command.
+
+Exit status: 0 done; 1 runtime error (nothing answers, no leader, a drain that did not empty in time,
+...), the message on stderr says what to check; 2 usage error. ``--json`` prints stable keys (see
+docs/control-plane.md, "hilumctl"); errors are never JSON and always go to stderr.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
+import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, TextIO
+
+from rich.console import Console
+
+from hilum_cli import ctl_views as views
+from hilum_cli.ctl_client import DEFAULT_PREFIX, AdminClient, CtlError, Target, UsageError, parse_addresses
+from hilum_cli.ctl_drain import DrainProgress, domain_progress, instance_progress, resolve_target
+from hilum_proto.hilum.v1 import coordinator_pb2 as pb
+
+__all__ = ["build_parser", "main", "run"]
+
+_STATES = ("proposed", "approved", "committed", "aborted", "active")
+REQUESTS_UNAVAILABLE = (
+    "requests: not available until the domain schedulers (rack_sched) land: running and queued requests live "
+    "in the domain schedulers and their llumlets, not in etcd, so the coordinator's admin API has no "
+    "ListRequests yet. Meanwhile `hilumctl instances` shows running and queued counts per instance, and "
+    "`hilumctl migrations` the requests moving between domains."
+)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status."""
-    del argv
-    print(
-        "hilumctl: the global coordinator's admin API is not built yet (control-plane issue); nothing to query.",
-        file=sys.stderr,
+def _add_common(p: argparse.ArgumentParser, *, suppress: bool) -> None:
+    d: Any = argparse.SUPPRESS if suppress else None
+    where = p.add_argument_group("finding the coordinator (default: $HILUM_COORDINATOR, else $HILUM_ETCD)")
+    ex = where.add_mutually_exclusive_group()
+    ex.add_argument("--coordinator", metavar="HOST:PORT", default=d, help="any coordinator replica (comma-separated)")
+    ex.add_argument("--etcd", metavar="HOST:PORT", default=d, help="etcd endpoint(s); talk to the leader it names")
+    where.add_argument("--prefix", default=d, help=f"etcd key prefix (default $HILUM_PREFIX or {DEFAULT_PREFIX})")
+    out = p.add_argument_group("output")
+    json_default: Any = argparse.SUPPRESS if suppress else False
+    out.add_argument("--json", action="store_true", default=json_default, help="print JSON (stable keys)")
+    out.add_argument(
+        "--rpc-timeout", type=float, metavar="S", default=d, help="deadline of each call, seconds (default 5)"
     )
-    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hilumctl`` parser (see the module docstring)."""
+    parser = argparse.ArgumentParser(prog="hilumctl", description="Query and steer hilum's global coordinator.")
+    _add_common(parser, suppress=False)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        _add_common(p, suppress=True)
+        return p
+
+    command("status", "who leads, its fencing token, and how much the coordinator's view holds")
+    command("domains", "NVLink domains with their domain schedulers and load summaries")
+    p = command("instances", "registered instances with their load and drain state")
+    p.add_argument("--domain", metavar="D", default="", help="only the instances of domain D")
+    command("requests", "running requests (not available until the domain schedulers land)")
+    p = command("migrations", "cross-domain migrations recorded in etcd")
+    p.add_argument("--follow", "-f", action="store_true", help="then print every change until Ctrl-C")
+    p.add_argument(
+        "--state", action="append", choices=_STATES, help="only these states (repeatable; active = proposed+approved)"
+    )
+    for name, text in (
+        ("drain", "stop dispatching to a target and move its requests away"),
+        ("undrain", "remove a drain intent: the target takes requests again"),
+    ):
+        p = command(name, f"{text} (leader only; a standby forwards to the leader)")
+        p.add_argument("target", metavar="INSTANCE|DOMAIN", help="an instance id or a domain id")
+        kind = p.add_mutually_exclusive_group()
+        kind.add_argument(
+            "--instance", dest="kind", action="store_const", const="instance", help="TARGET is an instance"
+        )
+        kind.add_argument("--domain", dest="kind", action="store_const", const="domain", help="TARGET is a domain")
+        if name == "drain":
+            p.add_argument("--reason", default="", help="why (kept in the drain intent)")
+            p.add_argument("--wait", action="store_true", help="wait until the target is empty and safe to stop")
+            p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="--wait limit, seconds (300)")
+            p.add_argument("--interval", type=float, default=1.0, metavar="S", help="--wait poll period, seconds (1)")
+    command("topology", "the topology file the coordinator was started with")
+    return parser
+
+
+def _target(ns: argparse.Namespace, env: Mapping[str, str]) -> Target:
+    coordinator, etcd = getattr(ns, "coordinator", None), getattr(ns, "etcd", None)
+    if not coordinator and not etcd:
+        coordinator, etcd = env.get("HILUM_COORDINATOR") or None, env.get("HILUM_ETCD") or None
+        if coordinator:
+            etcd = None
+    prefix = getattr(ns, "prefix", None) or env.get("HILUM_PREFIX") or DEFAULT_PREFIX
+    if coordinator:
+        return Target(coordinators=parse_addresses(coordinator, "--coordinator"), prefix=prefix)
+    if etcd:
+        return Target(etcd=parse_addresses(etcd, "--etcd"), prefix=prefix)
+    raise UsageError(
+        "no coordinator given: pass --coordinator HOST:PORT (any replica) or --etcd HOST:PORT (find the leader), "
+        "or set HILUM_COORDINATOR / HILUM_ETCD"
+    )
+
+
+class _Out:
+    """Where a command writes: JSON or rich tables on stdout, progress on stderr."""
+
+    def __init__(self, as_json: bool, stdout: TextIO, stderr: TextIO) -> None:
+        self.as_json = as_json
+        self.stdout, self.stderr = stdout, stderr
+        width = None if stdout.isatty() else 200
+        self.console = Console(file=stdout, width=width, markup=False, emoji=False, highlight=False)
+
+    def json(self, data: Any, *, line: bool = False) -> None:
+        text = json.dumps(data, separators=(",", ":")) if line else json.dumps(data, indent=2)
+        print(text, file=self.stdout, flush=True)
+
+    def note(self, text: str) -> None:
+        if not self.as_json:
+            print(text, file=self.stderr, flush=True)
+
+
+async def _status(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
+    reply = await c.read("Status", pb.StatusRequest())
+    data = views.status_json(reply, c.address)
+    out.json(data) if out.as_json else views.render_status(out.console, data)
+    return 0
+
+
+async def _domains(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
+    data = views.domains_json(await c.read("ListDomains", pb.ListDomainsRequest()))
+    out.json(data) if out.as_json else views.render_domains(out.console, data)
+    return 0
+
+
+async def _instances(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
+    data = views.instances_json(await c.read("ListInstances", pb.ListInstancesRequest(domain_id=ns.domain)))
+    out.json(data) if out.as_json else views.render_instances(out.console, data)
+    return 0
+
+
+def _state_filter(ns: argparse.Namespace) -> frozenset[str] | None:
+    if not ns.state:
+        return None
+    states = set(ns.state)
+    if "active" in states:
+        states |= {"proposed", "approved"}
+    return frozenset(states - {"active"})
+
+
+async def _migrations(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
+    states = _state_filter(ns)
+    if not ns.follow:
+        reply = await c.read("ListMigrations", pb.ListMigrationsRequest(active_only=ns.state == ["active"]))
+        data = views.migrations_json(reply, states)
+        out.json(data) if out.as_json else views.render_migrations(out.console, data)
+        return 0
+    out.note(f"following migrations at {c.address} (Ctrl-C to stop)")
+    async for event in c.follow_migrations():
+        item = views.migration_event_json(event)
+        if states is not None and not item["deleted"] and item["migration"]["state"] not in states:
+            continue
+        if out.as_json:
+            out.json(item, line=True)
+        else:
+            print(views.migration_line(item), file=out.stdout, flush=True)
+    return 0  # pragma: no cover - follow_migrations ends only by raising
+
+
+async def _kind(c: AdminClient, ns: argparse.Namespace) -> str:
+    if ns.kind:
+        return str(ns.kind)
+    instances = await c.read("ListInstances", pb.ListInstancesRequest())
+    domains = await c.read("ListDomains", pb.ListDomainsRequest())
+    topology = await c.read("GetTopology", pb.GetTopologyRequest())
+    kind = resolve_target(ns.target, instances.instances, domains.domains, topology)
+    if kind == "ambiguous":
+        raise UsageError(f"{ns.target!r} names both an instance and a domain: add --instance or --domain")
+    if kind == "unknown":
+        raise CtlError(
+            f"{ns.target!r} is neither a registered instance or domain nor in the coordinator's topology "
+            f"(see `hilumctl instances` and `hilumctl domains`); add --instance or --domain to {ns.command} it anyway"
+        )
+    return kind
+
+
+def _request(kind: str, target: str, cls: Any, **extra: Any) -> Any:
+    return cls(instance_id=target, **extra) if kind == "instance" else cls(domain_id=target, **extra)
+
+
+async def _progress(c: AdminClient, kind: str, target: str) -> DrainProgress:
+    instances = (await c.read("ListInstances", pb.ListInstancesRequest())).instances
+    migrations = (await c.read("ListMigrations", pb.ListMigrationsRequest(active_only=True))).migrations
+    if kind == "instance":
+        return instance_progress(target, instances, migrations)
+    domains = (await c.read("ListDomains", pb.ListDomainsRequest())).domains
+    return domain_progress(target, domains, instances, migrations)
+
+
+async def _drain(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
+    undrain = ns.command == "undrain"
+    if not undrain and (ns.timeout < 0 or ns.interval <= 0):
+        raise UsageError(f"--timeout must be >= 0 and --interval > 0, got {ns.timeout:g} and {ns.interval:g}")
+    kind = await _kind(c, ns)
+    if undrain:
+        reply, leader = await c.write("Undrain", _request(kind, ns.target, pb.UndrainRequest))
+    else:
+        reply, leader = await c.write("Drain", _request(kind, ns.target, pb.DrainRequest, reason=ns.reason))
+    data: dict[str, Any] = {
+        "action": ns.command,
+        "kind": kind,
+        "target_id": ns.target,
+        "changed": reply.changed,
+        "reason": reply.intent.reason,
+        "fencing_token": reply.intent.fencing_token,
+        "leader_address": leader,
+        "wait": None,
+    }
+    what = f"{kind} {ns.target}"
+    if undrain:
+        said = f"{what} is no longer draining" if reply.changed else f"{what} was not draining: nothing to undo"
+    elif reply.changed:
+        said = f"drain of {what} recorded by the leader at {leader} (fencing token {reply.intent.fencing_token})"
+    else:
+        said = f"{what} was already draining (recorded with fencing token {reply.intent.fencing_token})"
+    if undrain or not ns.wait:
+        out.json(data) if out.as_json else print(said, file=out.stdout)
+        return 0
+    out.note(said)
+    progress, waited_s = await _wait_empty(c, kind, ns.target, ns.timeout, ns.interval, out)
+    data["wait"] = {**progress.to_json(), "waited_s": round(waited_s, 3)}
+    if out.as_json:
+        out.json(data)
+    elif progress.empty:
+        print(f"{progress.detail}. It is safe to stop it.", file=out.stdout)
+    if not progress.empty:
+        print(f"hilumctl: error: timed out after {waited_s:.1f} s, not empty: {progress.detail}", file=out.stderr)
+        return 1
+    return 0
+
+
+async def _wait_empty(
+    c: AdminClient, kind: str, target: str, timeout_s: float, interval_s: float, out: _Out
+) -> tuple[DrainProgress, float]:
+    start = time.monotonic()
+    said = ""
+    while True:
+        progress = await _progress(c, kind, target)
+        waited_s = time.monotonic() - start
+        if progress.empty or waited_s >= timeout_s:
+            return progress, waited_s
+        if progress.detail != said:
+            out.note(f"[{waited_s:6.1f} s] {progress.detail}")
+            said = progress.detail
+        await asyncio.sleep(min(interval_s, max(0.0, timeout_s - waited_s)))
+
+
+async def _topology(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
+    data = views.topology_json(await c.read("GetTopology", pb.GetTopologyRequest()))
+    out.json(data) if out.as_json else views.render_topology(out.console, data)
+    return 0
+
+
+_COMMANDS = {
+    "status": _status,
+    "domains": _domains,
+    "instances": _instances,
+    "migrations": _migrations,
+    "drain": _drain,
+    "undrain": _drain,
+    "topology": _topology,
+}
+
+
+async def run(ns: argparse.Namespace, target: Target, out: _Out) -> int:
+    """Run the parsed command against ``target``; returns the exit status. Raises CtlError / UsageError."""
+    rpc_timeout_s = getattr(ns, "rpc_timeout", None) or 5.0
+    async with AdminClient(target, rpc_timeout_s) as client:
+        return await _COMMANDS[ns.command](client, ns, out)
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    """Entry point; returns the exit status (0 ok, 1 runtime error, 2 usage error).
+
+    ``env`` defaults to ``os.environ`` as it is when called (HILUM_COORDINATOR, HILUM_ETCD, HILUM_PREFIX).
+    """
+    ns = build_parser().parse_args(argv)
+    env = os.environ if env is None else env
+    out = _Out(bool(getattr(ns, "json", False)), sys.stdout, sys.stderr)
+    try:
+        if ns.command == "requests":
+            raise CtlError(REQUESTS_UNAVAILABLE)
+        return asyncio.run(run(ns, _target(ns, env), out))
+    except UsageError as exc:
+        print(f"hilumctl: error: {exc}", file=sys.stderr)
+        return 2
+    except CtlError as exc:
+        print(f"hilumctl: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0 if ns.command == "migrations" and ns.follow else 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from conftest import EtcdServer
+from etcd_server import EtcdServer
 
 from global_coord.etcd import Etcd3Client, connect, kv_of, lease_of, prefix_range_end
 from global_coord.store import ClusterView, Entry, Keys

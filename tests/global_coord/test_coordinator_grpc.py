@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from conftest import EtcdServer
+from etcd_server import EtcdServer
 
 from global_coord.approver import Judgement, MoveProposal, PathLike
 from global_coord.coordinator import Coordinator, CoordinatorConfig

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import EtcdServer, free_port
+from etcd_server import EtcdServer, free_port
 
 from global_coord.etcd import connect
 from global_coord.fencing import FencingGuard

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import EtcdServer
+from etcd_server import EtcdServer
 
 from global_coord.election import Election
 from global_coord.etcd import connect, lease_of

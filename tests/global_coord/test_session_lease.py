@@ -6,7 +6,7 @@ import asyncio
 import random
 import time
 
-from conftest import EtcdServer
+from etcd_server import EtcdServer
 
 from global_coord.etcd import connect, kv_of, lease_of
 from global_coord.session import Registrar, Session

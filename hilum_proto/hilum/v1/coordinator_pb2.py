@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&hilum_proto/hilum/v1/coordinator.proto\x12\x08hilum.v1\"\x0f\n\rStatusRequest\"\x87\x02\n\x0bStatusReply\x12\x16\n\x0e\x63oordinator_id\x18\x01 \x01(\t\x12\x11\n\tis_leader\x18\x02 \x01(\x08\x12\x11\n\tleader_id\x18\x03 \x01(\t\x12\x16\n\x0eleader_address\x18\x04 \x01(\t\x12\x15\n\rfencing_token\x18\x05 \x01(\x03\x12\x15\n\retcd_endpoint\x18\x06 \x01(\t\x12\x15\n\rview_revision\x18\x07 \x01(\x03\x12\x13\n\x0bnum_domains\x18\x08 \x01(\r\x12\x15\n\rnum_instances\x18\t \x01(\r\x12\x1d\n\x15num_active_migrations\x18\n \x01(\r\x12\x12\n\nnum_drains\x18\x0b \x01(\r\"\x14\n\x12ListDomainsRequest\"\xfa\x01\n\rDomainSummary\x12\x11\n\tdomain_id\x18\x01 \x01(\t\x12\x15\n\rnum_instances\x18\x02 \x01(\r\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x03 \x01(\x03\x12\x15\n\rvirtual_usage\x18\x04 \x01(\x01\x12\x10\n\x08\x66reeness\x18\x05 \x01(\x01\x12\x1b\n\x13largest_free_blocks\x18\x06 \x01(\x03\x12$\n\x1cmax_instance_capacity_blocks\x18\x07 \x01(\x03\x12\x13\n\x0bnum_running\x18\x08 \x01(\r\x12\x13\n\x0bnum_waiting\x18\t \x01(\r\x12\x10\n\x08\x64raining\x18\n \x01(\x08\"\x9f\x01\n\nDomainInfo\x12\x11\n\tdomain_id\x18\x01 \x01(\t\x12\x19\n\x11scheduler_address\x18\x02 \x01(\t\x12\x12\n\nregistered\x18\x03 \x01(\x08\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\x13\n\x0bhas_summary\x18\x05 \x01(\x08\x12(\n\x07summary\x18\x06 \x01(\x0b\x32\x17.hilum.v1.DomainSummary\"P\n\x10ListDomainsReply\x12%\n\x07\x64omains\x18\x01 \x03(\x0b\x32\x14.hilum.v1.DomainInfo\x12\x15\n\rview_revision\x18\x02 \x01(\x03\")\n\x14ListInstancesRequest\x12\x11\n\tdomain_id\x18\x01 \x01(\t\"\x92\x01\n\x0cInstanceInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tdomain_id\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x06 \x01(\x03\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\"V\n\x12ListInstancesReply\x12)\n\tinstances\x18\x01 \x03(\x0b\x32\x16.hilum.v1.InstanceInfo\x12\x15\n\rview_revision\x18\x02 \x01(\x03\"\xe5\x02\n\tMigration\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x17\n\x0fsrc_instance_id\x18\x04 \x01(\t\x12\x17\n\x0f\x64st_instance_id\x18\x05 \x01(\t\x12\x15\n\rsrc_domain_id\x18\x06 \x01(\t\x12\x15\n\rdst_domain_id\x18\x07 \x01(\t\x12\x0e\n\x06\x62locks\x18\x08 \x01(\x03\x12\'\n\x05state\x18\t \x01(\x0e\x32\x18.hilum.v1.MigrationState\x12\x15\n\rfencing_token\x18\n \x01(\x03\x12\r\n\x05links\x18\x0b \x03(\t\x12\x1b\n\x13\x65xpected_transfer_s\x18\x0c \x01(\x01\x12\x1b\n\x13\x65xpected_downtime_s\x18\r \x01(\x01\x12\x0e\n\x06reason\x18\x0e \x01(\t\x12\x14\n\x0cmod_revision\x18\x0f \x01(\x03\",\n\x15ListMigrationsRequest\x12\x13\n\x0b\x61\x63tive_only\x18\x01 \x01(\x08\"U\n\x13ListMigrationsReply\x12\'\n\nmigrations\x18\x01 \x03(\x0b\x32\x13.hilum.v1.Migration\x12\x15\n\rview_revision\x18\x02 \x01(\x03\"\x19\n\x17\x46ollowMigrationsRequest\"I\n\x0eMigrationEvent\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x12&\n\tmigration\x18\x02 \x01(\x0b\x32\x13.hilum.v1.Migration\"T\n\x0c\x44rainRequest\x12\x15\n\x0binstance_id\x18\x01 \x01(\tH\x00\x12\x13\n\tdomain_id\x18\x02 \x01(\tH\x00\x12\x0e\n\x06reason\x18\x03 \x01(\tB\x08\n\x06target\"F\n\x0eUndrainRequest\x12\x15\n\x0binstance_id\x18\x01 \x01(\tH\x00\x12\x13\n\tdomain_id\x18\x02 \x01(\tH\x00\x42\x08\n\x06target\"U\n\x0b\x44rainIntent\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x11\n\ttarget_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x15\n\rfencing_token\x18\x04 \x01(\x03\"D\n\nDrainReply\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\x08\x12%\n\x06intent\x18\x02 \x01(\x0b\x32\x15.hilum.v1.DrainIntent\"\x14\n\x12GetTopologyRequest\"\xa1\x01\n\x10TopologyInstance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04gpus\x18\x03 \x03(\r\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\r\n\x05model\x18\x05 \x01(\t\x12\x10\n\x08gpu_type\x18\x06 \x01(\t\x12\x1a\n\x12kv_capacity_blocks\x18\x07 \x01(\x03\"r\n\x0eTopologyDomain\x12\x11\n\tdomain_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08gpu_type\x18\x03 \x01(\t\x12-\n\tinstances\x18\x04 \x03(\x0b\x32\x1a.hilum.v1.TopologyInstance\"h\n\rTopologyReply\x12\x0e\n\x06loaded\x18\x01 \x01(\x08\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\x12)\n\x07\x64omains\x18\x04 \x03(\x0b\x32\x18.hilum.v1.TopologyDomain\"\xdb\x01\n\x11MigrationProposal\x12\x1a\n\x12proposer_domain_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x17\n\x0fsrc_instance_id\x18\x04 \x01(\t\x12\x17\n\x0f\x64st_instance_id\x18\x05 \x01(\t\x12\x0e\n\x06\x62locks\x18\x06 \x01(\x03\x12\x12\n\nnum_tokens\x18\x07 \x01(\x03\x12\x18\n\x10remaining_tokens\x18\x08 \x01(\x03\x12\x15\n\rdecode_step_s\x18\t \x01(\x01\"k\n\x08\x41pproval\x12\x10\n\x08\x61pproved\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12&\n\tmigration\x18\x03 \x01(\x0b\x32\x13.hilum.v1.Migration\x12\x15\n\rfencing_token\x18\x04 \x01(\x03*\xa9\x01\n\x0eMigrationState\x12\x1f\n\x1bMIGRATION_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18MIGRATION_STATE_PROPOSED\x10\x01\x12\x1c\n\x18MIGRATION_STATE_APPROVED\x10\x02\x12\x1d\n\x19MIGRATION_STATE_COMMITTED\x10\x03\x12\x1b\n\x17MIGRATION_STATE_ABORTED\x10\x04\x32\x81\x05\n\x0b\x43oordinator\x12\x38\n\x06Status\x12\x17.hilum.v1.StatusRequest\x1a\x15.hilum.v1.StatusReply\x12G\n\x0bListDomains\x12\x1c.hilum.v1.ListDomainsRequest\x1a\x1a.hilum.v1.ListDomainsReply\x12M\n\rListInstances\x12\x1e.hilum.v1.ListInstancesRequest\x1a\x1c.hilum.v1.ListInstancesReply\x12P\n\x0eListMigrations\x12\x1f.hilum.v1.ListMigrationsRequest\x1a\x1d.hilum.v1.ListMigrationsReply\x12Q\n\x10\x46ollowMigrations\x12!.hilum.v1.FollowMigrationsRequest\x1a\x18.hilum.v1.MigrationEvent0\x01\x12\x35\n\x05\x44rain\x12\x16.hilum.v1.DrainRequest\x1a\x14.hilum.v1.DrainReply\x12\x39\n\x07Undrain\x12\x18.hilum.v1.UndrainRequest\x1a\x14.hilum.v1.DrainReply\x12\x44\n\x0bGetTopology\x12\x1c.hilum.v1.GetTopologyRequest\x1a\x17.hilum.v1.TopologyReply\x12\x43\n\x10ProposeMigration\x12\x1b.hilum.v1.MigrationProposal\x1a\x12.hilum.v1.Approvalb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&hilum_proto/hilum/v1/coordinator.proto\x12\x08hilum.v1\"\x0f\n\rStatusRequest\"\x87\x02\n\x0bStatusReply\x12\x16\n\x0e\x63oordinator_id\x18\x01 \x01(\t\x12\x11\n\tis_leader\x18\x02 \x01(\x08\x12\x11\n\tleader_id\x18\x03 \x01(\t\x12\x16\n\x0eleader_address\x18\x04 \x01(\t\x12\x15\n\rfencing_token\x18\x05 \x01(\x03\x12\x15\n\retcd_endpoint\x18\x06 \x01(\t\x12\x15\n\rview_revision\x18\x07 \x01(\x03\x12\x13\n\x0bnum_domains\x18\x08 \x01(\r\x12\x15\n\rnum_instances\x18\t \x01(\r\x12\x1d\n\x15num_active_migrations\x18\n \x01(\r\x12\x12\n\nnum_drains\x18\x0b \x01(\r\"\x14\n\x12ListDomainsRequest\"\xfa\x01\n\rDomainSummary\x12\x11\n\tdomain_id\x18\x01 \x01(\t\x12\x15\n\rnum_instances\x18\x02 \x01(\r\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x03 \x01(\x03\x12\x15\n\rvirtual_usage\x18\x04 \x01(\x01\x12\x10\n\x08\x66reeness\x18\x05 \x01(\x01\x12\x1b\n\x13largest_free_blocks\x18\x06 \x01(\x03\x12$\n\x1cmax_instance_capacity_blocks\x18\x07 \x01(\x03\x12\x13\n\x0bnum_running\x18\x08 \x01(\r\x12\x13\n\x0bnum_waiting\x18\t \x01(\r\x12\x10\n\x08\x64raining\x18\n \x01(\x08\"\x9f\x01\n\nDomainInfo\x12\x11\n\tdomain_id\x18\x01 \x01(\t\x12\x19\n\x11scheduler_address\x18\x02 \x01(\t\x12\x12\n\nregistered\x18\x03 \x01(\x08\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\x13\n\x0bhas_summary\x18\x05 \x01(\x08\x12(\n\x07summary\x18\x06 \x01(\x0b\x32\x17.hilum.v1.DomainSummary\"P\n\x10ListDomainsReply\x12%\n\x07\x64omains\x18\x01 \x03(\x0b\x32\x14.hilum.v1.DomainInfo\x12\x15\n\rview_revision\x18\x02 \x01(\x03\")\n\x14ListInstancesRequest\x12\x11\n\tdomain_id\x18\x01 \x01(\t\"\xca\x01\n\x0cInstanceInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tdomain_id\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x06 \x01(\x03\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x10\n\x08has_load\x18\x08 \x01(\x08\x12$\n\x04load\x18\t \x01(\x0b\x32\x16.hilum.v1.InstanceLoad\"_\n\x0cInstanceLoad\x12\x13\n\x0bused_blocks\x18\x01 \x01(\x03\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\"V\n\x12ListInstancesReply\x12)\n\tinstances\x18\x01 \x03(\x0b\x32\x16.hilum.v1.InstanceInfo\x12\x15\n\rview_revision\x18\x02 \x01(\x03\"\xe5\x02\n\tMigration\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x17\n\x0fsrc_instance_id\x18\x04 \x01(\t\x12\x17\n\x0f\x64st_instance_id\x18\x05 \x01(\t\x12\x15\n\rsrc_domain_id\x18\x06 \x01(\t\x12\x15\n\rdst_domain_id\x18\x07 \x01(\t\x12\x0e\n\x06\x62locks\x18\x08 \x01(\x03\x12\'\n\x05state\x18\t \x01(\x0e\x32\x18.hilum.v1.MigrationState\x12\x15\n\rfencing_token\x18\n \x01(\x03\x12\r\n\x05links\x18\x0b \x03(\t\x12\x1b\n\x13\x65xpected_transfer_s\x18\x0c \x01(\x01\x12\x1b\n\x13\x65xpected_downtime_s\x18\r \x01(\x01\x12\x0e\n\x06reason\x18\x0e \x01(\t\x12\x14\n\x0cmod_revision\x18\x0f \x01(\x03\",\n\x15ListMigrationsRequest\x12\x13\n\x0b\x61\x63tive_only\x18\x01 \x01(\x08\"U\n\x13ListMigrationsReply\x12\'\n\nmigrations\x18\x01 \x03(\x0b\x32\x13.hilum.v1.Migration\x12\x15\n\rview_revision\x18\x02 \x01(\x03\"\x19\n\x17\x46ollowMigrationsRequest\"I\n\x0eMigrationEvent\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x12&\n\tmigration\x18\x02 \x01(\x0b\x32\x13.hilum.v1.Migration\"T\n\x0c\x44rainRequest\x12\x15\n\x0binstance_id\x18\x01 \x01(\tH\x00\x12\x13\n\tdomain_id\x18\x02 \x01(\tH\x00\x12\x0e\n\x06reason\x18\x03 \x01(\tB\x08\n\x06target\"F\n\x0eUndrainRequest\x12\x15\n\x0binstance_id\x18\x01 \x01(\tH\x00\x12\x13\n\tdomain_id\x18\x02 \x01(\tH\x00\x42\x08\n\x06target\"U\n\x0b\x44rainIntent\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x11\n\ttarget_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x15\n\rfencing_token\x18\x04 \x01(\x03\"D\n\nDrainReply\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\x08\x12%\n\x06intent\x18\x02 \x01(\x0b\x32\x15.hilum.v1.DrainIntent\"\x14\n\x12GetTopologyRequest\"\xa1\x01\n\x10TopologyInstance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04gpus\x18\x03 \x03(\r\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\r\n\x05model\x18\x05 \x01(\t\x12\x10\n\x08gpu_type\x18\x06 \x01(\t\x12\x1a\n\x12kv_capacity_blocks\x18\x07 \x01(\x03\"r\n\x0eTopologyDomain\x12\x11\n\tdomain_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08gpu_type\x18\x03 \x01(\t\x12-\n\tinstances\x18\x04 \x03(\x0b\x32\x1a.hilum.v1.TopologyInstance\"h\n\rTopologyReply\x12\x0e\n\x06loaded\x18\x01 \x01(\x08\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\x12)\n\x07\x64omains\x18\x04 \x03(\x0b\x32\x18.hilum.v1.TopologyDomain\"\xdb\x01\n\x11MigrationProposal\x12\x1a\n\x12proposer_domain_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x17\n\x0fsrc_instance_id\x18\x04 \x01(\t\x12\x17\n\x0f\x64st_instance_id\x18\x05 \x01(\t\x12\x0e\n\x06\x62locks\x18\x06 \x01(\x03\x12\x12\n\nnum_tokens\x18\x07 \x01(\x03\x12\x18\n\x10remaining_tokens\x18\x08 \x01(\x03\x12\x15\n\rdecode_step_s\x18\t \x01(\x01\"k\n\x08\x41pproval\x12\x10\n\x08\x61pproved\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12&\n\tmigration\x18\x03 \x01(\x0b\x32\x13.hilum.v1.Migration\x12\x15\n\rfencing_token\x18\x04 \x01(\x03*\xa9\x01\n\x0eMigrationState\x12\x1f\n\x1bMIGRATION_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18MIGRATION_STATE_PROPOSED\x10\x01\x12\x1c\n\x18MIGRATION_STATE_APPROVED\x10\x02\x12\x1d\n\x19MIGRATION_STATE_COMMITTED\x10\x03\x12\x1b\n\x17MIGRATION_STATE_ABORTED\x10\x04\x32\x81\x05\n\x0b\x43oordinator\x12\x38\n\x06Status\x12\x17.hilum.v1.StatusRequest\x1a\x15.hilum.v1.StatusReply\x12G\n\x0bListDomains\x12\x1c.hilum.v1.ListDomainsRequest\x1a\x1a.hilum.v1.ListDomainsReply\x12M\n\rListInstances\x12\x1e.hilum.v1.ListInstancesRequest\x1a\x1c.hilum.v1.ListInstancesReply\x12P\n\x0eListMigrations\x12\x1f.hilum.v1.ListMigrationsRequest\x1a\x1d.hilum.v1.ListMigrationsReply\x12Q\n\x10\x46ollowMigrations\x12!.hilum.v1.FollowMigrationsRequest\x1a\x18.hilum.v1.MigrationEvent0\x01\x12\x35\n\x05\x44rain\x12\x16.hilum.v1.DrainRequest\x1a\x14.hilum.v1.DrainReply\x12\x39\n\x07Undrain\x12\x18.hilum.v1.UndrainRequest\x1a\x14.hilum.v1.DrainReply\x12\x44\n\x0bGetTopology\x12\x1c.hilum.v1.GetTopologyRequest\x1a\x17.hilum.v1.TopologyReply\x12\x43\n\x10ProposeMigration\x12\x1b.hilum.v1.MigrationProposal\x1a\x12.hilum.v1.Approvalb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hilum_proto.hilum.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MIGRATIONSTATE']._serialized_start=2784
-  _globals['_MIGRATIONSTATE']._serialized_end=2953
+  _globals['_MIGRATIONSTATE']._serialized_start=2937
+  _globals['_MIGRATIONSTATE']._serialized_end=3106
   _globals['_STATUSREQUEST']._serialized_start=52
   _globals['_STATUSREQUEST']._serialized_end=67
   _globals['_STATUSREPLY']._serialized_start=70
@@ -48,39 +48,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTINSTANCESREQUEST']._serialized_start=854
   _globals['_LISTINSTANCESREQUEST']._serialized_end=895
   _globals['_INSTANCEINFO']._serialized_start=898
-  _globals['_INSTANCEINFO']._serialized_end=1044
-  _globals['_LISTINSTANCESREPLY']._serialized_start=1046
-  _globals['_LISTINSTANCESREPLY']._serialized_end=1132
-  _globals['_MIGRATION']._serialized_start=1135
-  _globals['_MIGRATION']._serialized_end=1492
-  _globals['_LISTMIGRATIONSREQUEST']._serialized_start=1494
-  _globals['_LISTMIGRATIONSREQUEST']._serialized_end=1538
-  _globals['_LISTMIGRATIONSREPLY']._serialized_start=1540
-  _globals['_LISTMIGRATIONSREPLY']._serialized_end=1625
-  _globals['_FOLLOWMIGRATIONSREQUEST']._serialized_start=1627
-  _globals['_FOLLOWMIGRATIONSREQUEST']._serialized_end=1652
-  _globals['_MIGRATIONEVENT']._serialized_start=1654
-  _globals['_MIGRATIONEVENT']._serialized_end=1727
-  _globals['_DRAINREQUEST']._serialized_start=1729
-  _globals['_DRAINREQUEST']._serialized_end=1813
-  _globals['_UNDRAINREQUEST']._serialized_start=1815
-  _globals['_UNDRAINREQUEST']._serialized_end=1885
-  _globals['_DRAININTENT']._serialized_start=1887
-  _globals['_DRAININTENT']._serialized_end=1972
-  _globals['_DRAINREPLY']._serialized_start=1974
-  _globals['_DRAINREPLY']._serialized_end=2042
-  _globals['_GETTOPOLOGYREQUEST']._serialized_start=2044
-  _globals['_GETTOPOLOGYREQUEST']._serialized_end=2064
-  _globals['_TOPOLOGYINSTANCE']._serialized_start=2067
-  _globals['_TOPOLOGYINSTANCE']._serialized_end=2228
-  _globals['_TOPOLOGYDOMAIN']._serialized_start=2230
-  _globals['_TOPOLOGYDOMAIN']._serialized_end=2344
-  _globals['_TOPOLOGYREPLY']._serialized_start=2346
-  _globals['_TOPOLOGYREPLY']._serialized_end=2450
-  _globals['_MIGRATIONPROPOSAL']._serialized_start=2453
-  _globals['_MIGRATIONPROPOSAL']._serialized_end=2672
-  _globals['_APPROVAL']._serialized_start=2674
-  _globals['_APPROVAL']._serialized_end=2781
-  _globals['_COORDINATOR']._serialized_start=2956
-  _globals['_COORDINATOR']._serialized_end=3597
+  _globals['_INSTANCEINFO']._serialized_end=1100
+  _globals['_INSTANCELOAD']._serialized_start=1102
+  _globals['_INSTANCELOAD']._serialized_end=1197
+  _globals['_LISTINSTANCESREPLY']._serialized_start=1199
+  _globals['_LISTINSTANCESREPLY']._serialized_end=1285
+  _globals['_MIGRATION']._serialized_start=1288
+  _globals['_MIGRATION']._serialized_end=1645
+  _globals['_LISTMIGRATIONSREQUEST']._serialized_start=1647
+  _globals['_LISTMIGRATIONSREQUEST']._serialized_end=1691
+  _globals['_LISTMIGRATIONSREPLY']._serialized_start=1693
+  _globals['_LISTMIGRATIONSREPLY']._serialized_end=1778
+  _globals['_FOLLOWMIGRATIONSREQUEST']._serialized_start=1780
+  _globals['_FOLLOWMIGRATIONSREQUEST']._serialized_end=1805
+  _globals['_MIGRATIONEVENT']._serialized_start=1807
+  _globals['_MIGRATIONEVENT']._serialized_end=1880
+  _globals['_DRAINREQUEST']._serialized_start=1882
+  _globals['_DRAINREQUEST']._serialized_end=1966
+  _globals['_UNDRAINREQUEST']._serialized_start=1968
+  _globals['_UNDRAINREQUEST']._serialized_end=2038
+  _globals['_DRAININTENT']._serialized_start=2040
+  _globals['_DRAININTENT']._serialized_end=2125
+  _globals['_DRAINREPLY']._serialized_start=2127
+  _globals['_DRAINREPLY']._serialized_end=2195
+  _globals['_GETTOPOLOGYREQUEST']._serialized_start=2197
+  _globals['_GETTOPOLOGYREQUEST']._serialized_end=2217
+  _globals['_TOPOLOGYINSTANCE']._serialized_start=2220
+  _globals['_TOPOLOGYINSTANCE']._serialized_end=2381
+  _globals['_TOPOLOGYDOMAIN']._serialized_start=2383
+  _globals['_TOPOLOGYDOMAIN']._serialized_end=2497
+  _globals['_TOPOLOGYREPLY']._serialized_start=2499
+  _globals['_TOPOLOGYREPLY']._serialized_end=2603
+  _globals['_MIGRATIONPROPOSAL']._serialized_start=2606
+  _globals['_MIGRATIONPROPOSAL']._serialized_end=2825
+  _globals['_APPROVAL']._serialized_start=2827
+  _globals['_APPROVAL']._serialized_end=2934
+  _globals['_COORDINATOR']._serialized_start=3109
+  _globals['_COORDINATOR']._serialized_end=3750
 # @@protoc_insertion_point(module_scope)

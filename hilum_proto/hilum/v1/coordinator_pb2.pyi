@@ -279,6 +279,8 @@ class InstanceInfo(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     CAPACITY_BLOCKS_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    HAS_LOAD_FIELD_NUMBER: _builtins.int
+    LOAD_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     domain_id: _builtins.str
     node_id: _builtins.str
@@ -288,7 +290,13 @@ class InstanceInfo(_message.Message):
     capacity_blocks: _builtins.int
     """KV cache capacity, blocks"""
     draining: _builtins.bool
-    """this instance or its domain is being drained"""
+    """a drain intent names this instance or its domain"""
+    has_load: _builtins.bool
+    """its domain's latest summary carries this instance's load"""
+    @_builtins.property
+    def load(self) -> Global___InstanceLoad:
+        """meaningful only when has_load"""
+
     def __init__(
         self,
         *,
@@ -299,14 +307,50 @@ class InstanceInfo(_message.Message):
         model: _builtins.str = ...,
         capacity_blocks: _builtins.int = ...,
         draining: _builtins.bool = ...,
+        has_load: _builtins.bool = ...,
+        load: Global___InstanceLoad | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity_blocks", b"capacity_blocks", "domain_id", b"domain_id", "draining", b"draining", "instance_id", b"instance_id", "model", b"model", "node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity_blocks", b"capacity_blocks", "domain_id", b"domain_id", "draining", b"draining", "has_load", b"has_load", "instance_id", b"instance_id", "load", b"load", "model", b"model", "node_id", b"node_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InstanceInfo: _TypeAlias = InstanceInfo  # noqa: Y015
+
+@_typing.final
+class InstanceLoad(_message.Message):
+    """One instance's load as its domain scheduler last published it (in the domain's summary)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    USED_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_RUNNING_FIELD_NUMBER: _builtins.int
+    NUM_WAITING_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    used_blocks: _builtins.int
+    """KV cache blocks held by its requests"""
+    num_running: _builtins.int
+    """requests in its running batch"""
+    num_waiting: _builtins.int
+    """requests queued on it"""
+    draining: _builtins.bool
+    """its domain scheduler applies a drain to it (nothing new goes there)"""
+    def __init__(
+        self,
+        *,
+        used_blocks: _builtins.int = ...,
+        num_running: _builtins.int = ...,
+        num_waiting: _builtins.int = ...,
+        draining: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "num_running", b"num_running", "num_waiting", b"num_waiting", "used_blocks", b"used_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InstanceLoad: _TypeAlias = InstanceLoad  # noqa: Y015
 
 @_typing.final
 class ListInstancesReply(_message.Message):

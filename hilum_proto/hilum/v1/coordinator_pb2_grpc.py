@@ -99,7 +99,7 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListInstances(self, request, context):
-        """Registered instances (llumlets).
+        """Registered instances (llumlets), with the load their domain scheduler last published.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

