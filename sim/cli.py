@@ -37,6 +37,14 @@ def register(sub: Any) -> None:
         help=f"comma-separated policies to compare (from {', '.join(POLICY_NAMES)})",
     )
     parser.add_argument("--rate-scale", type=float, default=DEFAULTS.rate_scale, help="compress arrivals X times")
+    parser.add_argument(
+        "--arrival",
+        choices=("trace", "poisson", "gamma"),
+        default=None,
+        help="arrival process: the trace's timestamps (default where it has them) or synthetic Poisson/Gamma",
+    )
+    parser.add_argument("--rate", type=float, default=None, help="synthetic arrival rate, req/s (before scaling)")
+    parser.add_argument("--arrival-cv", type=float, default=None, help="Gamma inter-arrival CV (--arrival gamma)")
     parser.add_argument("--max-requests", type=int, default=DEFAULTS.max_requests, help="first N requests only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--priority-fraction", type=float, default=0.0, help="share of high-priority requests")
@@ -106,7 +114,15 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         specs = _specs(args)
         topology = load_topology(args.topology)
-        trace = load_trace(args.trace, rate_scale=args.rate_scale, max_requests=args.max_requests, seed=args.seed)
+        trace = load_trace(
+            args.trace,
+            rate_scale=args.rate_scale,
+            max_requests=args.max_requests,
+            seed=args.seed,
+            arrival=args.arrival,
+            rate_per_s=args.rate,
+            arrival_cv=args.arrival_cv,
+        )
     except TopologyError as exc:
         err.print("[red]hilum sim: invalid topology[/red]\n" + "\n".join(exc.errors), highlight=False)
         return 2

@@ -35,6 +35,13 @@ def test_sim_table_names_every_policy(capsys: pytest.CaptureFixture[str]) -> Non
     assert "TTFT" in text and "downtime" in text
 
 
+def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["sim", "--trace", "sharegpt", "--arrival", "gamma", "--arrival-cv", "3", "--rate", "5"]
+    assert main([*argv, "--max-requests", "20", "--policy", "hilum", "--json", "--rate-scale", "1"]) == 0
+    (summary,) = json.loads(capsys.readouterr().out)
+    assert summary["finished"] == 20
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -45,6 +52,7 @@ def test_sim_table_names_every_policy(capsys: pytest.CaptureFixture[str]) -> Non
         (["--topology", "no-such-topology"], "no-such-topology"),
         (["--drain", "node-0-i0"], "expected INSTANCE@SECONDS"),
         (["--priority-fraction", "1.5"], "priority_fraction"),
+        (["--trace", "sharegpt", "--arrival", "gamma"], "arrival_cv"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
