@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, help="KV cache capacity in blocks (default: topology / backend)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (default: topology / backend)")
     p.add_argument("--time-scale", type=float, default=1.0, help="sim: wall seconds per modelled second")
+    p.add_argument("--min-step-s", type=float, default=0.0, help="every step lasts at least this long (tests)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests per batch at most")
     p.add_argument("--seed", type=int, default=0, help="backend seed (torch: model weights)")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE", help="backend option")
@@ -68,6 +69,7 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
             num_blocks=ns.num_blocks,
             block_size_tokens=ns.block_size,
             time_scale=ns.time_scale,
+            min_step_s=ns.min_step_s,
             max_num_seqs=ns.max_num_seqs,
             seed=ns.seed,
             options=_options(ns.engine_option),

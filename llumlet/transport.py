@@ -17,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Protocol
 
 import grpc
@@ -29,6 +30,8 @@ from hilum_proto.hilum.v1 import llumlet_pb2 as pb
 from hilum_proto.hilum.v1 import llumlet_pb2_grpc as pb_grpc
 from llumlet.engine.protocol import KVPayload
 from topology.graph import TopologyGraph
+
+_SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared-memory objects
 
 __all__ = [
     "BlockStream",
@@ -267,24 +270,22 @@ def _bucket(rate: float, burst: float | None, clock: Callable[[], float]) -> Tok
 def read_shm(ref: pb.ShmRef) -> bytes:
     """Destination side: copy the block data out of the segment ``ref`` names (the source unlinks it).
 
-    Raises TransportError when the segment is gone or too small.
+    Reads the POSIX shared-memory object through ``/dev/shm`` (Linux) rather than attaching a
+    ``SharedMemory``, whose resource tracker would claim the source's segment. Raises TransportError when the
+    segment is gone or too small.
     """
+    path = os.path.join(_SHM_DIR, ref.name.lstrip("/"))
     try:
-        seg = shared_memory.SharedMemory(name=ref.name, create=False)
-    except FileNotFoundError as exc:
-        raise TransportError(f"shared memory segment {ref.name!r} not found") from exc
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise TransportError(f"shared memory segment {ref.name!r}: {exc.strerror}") from exc
     try:
-        # Python 3.11 registers attached segments with this process's resource tracker, which would unlink
-        # (and warn about) the source's segment at exit; the source owns it.
-        resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
-        end = ref.offset + ref.size
-        if end > seg.size:
-            raise TransportError(f"shared memory segment {ref.name!r}: {end} bytes asked, {seg.size} held")
-        buf = seg.buf
-        assert buf is not None
-        return bytes(buf[ref.offset : end])
+        data = os.pread(fd, ref.size, ref.offset)
     finally:
-        seg.close()
+        os.close(fd)
+    if len(data) != ref.size:
+        raise TransportError(f"shared memory segment {ref.name!r}: {ref.size} bytes asked, {len(data)} read")
+    return data
 
 
 def choose_transport(

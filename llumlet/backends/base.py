@@ -33,14 +33,17 @@ class BackendConfig:
     num_blocks: int | None = None  # KV cache capacity override, blocks
     block_size_tokens: int | None = None  # tokens per block override
     time_scale: float = 1.0  # sim: wall seconds per modelled second (0 = do not wait at all)
+    min_step_s: float = 0.0  # every step lasts at least this long (slows a fast engine down for tests)
     max_num_seqs: int = 256  # requests per batch at most
     max_num_batched_tokens: int = 8192  # tokens per step at most
     seed: int = 0  # backend randomness (torch: model weights)
     options: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.time_scale < 0:
-            raise ValueError(f"BackendConfig.time_scale = {self.time_scale}: need >= 0")
+        if self.time_scale < 0 or self.min_step_s < 0:
+            raise ValueError(
+                f"BackendConfig: time_scale = {self.time_scale}, min_step_s = {self.min_step_s}: need >= 0"
+            )
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"BackendConfig.num_blocks = {self.num_blocks}: need >= 1")
         if self.block_size_tokens is not None and self.block_size_tokens < 1:
@@ -53,6 +56,7 @@ class Backend:
 
     ``time_scale`` > 0: the engine is a model whose ``StepResult.duration_s`` is modelled time; the llumlet
     makes each step last ``duration_s x time_scale`` of wall time. 0: steps take the time they compute.
+    ``min_step_s``: every step lasts at least this long (wall time).
     ``real_token_ids``: ``StepResult.token_ids`` holds real ids; otherwise the llumlet numbers tokens by
     their position (token id = seq), which makes every sim stream ``0, 1, 2, ...``.
     """
@@ -61,10 +65,11 @@ class Backend:
     engine: Engine
     time_scale: float = 0.0
     real_token_ids: bool = True
+    min_step_s: float = 0.0
 
     def step_wall_s(self, result: StepResult) -> float:
         """Wall time the step should take in total (0 = as fast as it computes)."""
-        return result.duration_s * self.time_scale
+        return max(result.duration_s * self.time_scale, self.min_step_s)
 
 
 def make_backend(name: str, config: BackendConfig) -> Backend:

@@ -52,4 +52,6 @@ def make_sim_backend(config: BackendConfig) -> Backend:
         max_num_batched_tokens=config.max_num_batched_tokens,
         kv_bytes_per_block=kv_bytes_per_token * block_size,
     )
-    return Backend(name="sim", engine=engine, time_scale=config.time_scale, real_token_ids=False)
+    return Backend(
+        name="sim", engine=engine, time_scale=config.time_scale, real_token_ids=False, min_step_s=config.min_step_s
+    )
