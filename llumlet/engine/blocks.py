@@ -224,6 +224,12 @@ class BlockManager:
         held = self._reservations.get(reservation_id)
         return None if held is None else len(held)
 
+    def reservation_blocks(self, reservation_id: str) -> tuple[int, ...] | None:
+        """Physical block ids of a reservation in position order (position i becomes block-table entry i
+        at ``commit``); None when it does not exist."""
+        held = self._reservations.get(reservation_id)
+        return None if held is None else tuple(held)
+
     def reserved_for(self, reservation_id: str) -> int:
         """Blocks held by the reservation (0 if unknown)."""
         return len(self._reservations.get(reservation_id, ()))

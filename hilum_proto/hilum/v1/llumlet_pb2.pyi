@@ -945,18 +945,22 @@ class ReleaseReply(_message.Message):
 
     STATUS_FIELD_NUMBER: _builtins.int
     RELEASED_BLOCKS_FIELD_NUMBER: _builtins.int
+    COMMITTED_FIELD_NUMBER: _builtins.int
     status: Global___DestStatus.ValueType
     """DEST_OK (also when nothing was held) or DEST_STALE"""
     released_blocks: _builtins.int
+    committed: _builtins.bool
+    """this attempt was committed here: the request runs here now"""
     def __init__(
         self,
         *,
         status: Global___DestStatus.ValueType = ...,
         released_blocks: _builtins.int = ...,
+        committed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["released_blocks", b"released_blocks", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed", b"committed", "released_blocks", b"released_blocks", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

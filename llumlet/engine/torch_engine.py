@@ -1,0 +1,653 @@
+"""TorchEngine: the CPU reference engine. A tiny Llama that really computes, on hilum's paged KV blocks.
+
+It implements :class:`llumlet.engine.protocol.Engine` with real data: the scheduler and block accounting
+are the engine model's own (:class:`~llumlet.engine.scheduler.Scheduler`,
+:class:`~llumlet.engine.blocks.BlockManager`: continuous batching, chunked prefill, preemption by
+recompute), and every scheduled prefill chunk and decode runs through a small transformers Llama whose K/V
+live in one paged pool tensor::
+
+    kv_cache: float32[num_layers, 2 (K, V), num_blocks, num_kv_heads, block_size_tokens, head_dim]
+
+A request's token at position p has its K/V in physical block ``block_table[p // block_size]`` at offset
+``p % block_size`` (K after rotary embedding, as transformers caches it).
+
+Faithfulness rules (docs/engine-model.md, "CPU reference engine"):
+
+- Each scheduled request runs through the model on its own inside a step (a "batch" is the set of requests
+  scheduled in one step), so its outputs never depend on which other requests share the step.
+- Sampling uses one ``torch.Generator`` per request, seeded from ``SamplingParams.seed``; a token costs
+  exactly one uniform draw (none when greedy). A token is sampled once, at the step that computes the
+  request's last known token, so recompute after a preemption never re-samples produced tokens.
+- Migration moves the K/V bytes themselves (``read_blocks`` / ``write_blocks``) and the generator state
+  (``MigrationState.extra``), so a migrated request continues bit-for-bit as if it had stayed.
+
+Import cost: importing this module imports torch and transformers (~3 s); ``llumlet.engine`` does not
+re-export it for that reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from llumlet.engine.blocks import BlockManager
+from llumlet.engine.core import RequestStats, RequestTooLargeError
+from llumlet.engine.protocol import KVPayload
+from llumlet.engine.scheduler import RequestStatus, ScheduledBatch, Scheduler, SchedulerRequest
+from llumlet.engine.types import (
+    EngineLoad,
+    EngineRequest,
+    MigrationState,
+    RunningRequestLoad,
+    SamplingParams,
+    StepResult,
+)
+
+__all__ = [
+    "EXTRA_EOS_TOKEN_ID",
+    "EXTRA_GENERATOR_STATE",
+    "EXTRA_MODEL_FINGERPRINT",
+    "TINY_LLAMA_DEFAULTS",
+    "TorchEngine",
+    "model_fingerprint",
+    "sample_token",
+    "tiny_llama",
+]
+
+EXTRA_GENERATOR_STATE = "generator_state"  # MigrationState.extra key: bytes of torch.Generator.get_state()
+EXTRA_MODEL_FINGERPRINT = "model_fingerprint"  # MigrationState.extra key: str, see model_fingerprint()
+EXTRA_EOS_TOKEN_ID = "eos_token_id"  # MigrationState.extra key: int | None, the source engine's EOS id
+
+TINY_LLAMA_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,  # GQA: 2 query heads per KV head
+        "head_dim": 16,
+        "max_position_embeddings": 2048,
+        "initializer_range": 0.5,  # large on purpose: peaked logits, varied greedy streams (tests check)
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+)
+
+
+def tiny_llama(seed: int = 0, **overrides: Any) -> tuple[LlamaForCausalLM, LlamaConfig]:
+    """A small random Llama, identical for equal ``seed`` and overrides; nothing is downloaded.
+
+    ``overrides`` replace entries of :data:`TINY_LLAMA_DEFAULTS` (any ``LlamaConfig`` field). Weights are
+    drawn by transformers' initializer (normal, std = ``initializer_range``) from ``torch.manual_seed(seed)``
+    inside ``torch.random.fork_rng``, so the caller's global RNG is left as it was. The model is float32,
+    in eval mode, without gradients, with the ``sdpa`` attention (the reference path the tests compare to).
+
+    Raises ValueError for an override that is not a ``LlamaConfig`` field.
+    """
+    known = LlamaConfig()
+    unknown = sorted(k for k in overrides if k not in TINY_LLAMA_DEFAULTS and not hasattr(known, k))
+    if unknown:
+        raise ValueError(f"tiny_llama: unknown LlamaConfig field(s) {unknown}")
+    kwargs = {**TINY_LLAMA_DEFAULTS, **overrides}
+    dtype = kwargs.pop("torch_dtype")
+    config = LlamaConfig(**kwargs)
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model = model.to(getattr(torch, str(dtype))).eval().requires_grad_(False)
+    return model, config
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 (hex, 16 chars) over every parameter's name, shape and float bytes, in name order.
+
+    Two engines can exchange KV blocks only when their fingerprints are equal.
+    """
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(repr(tuple(tensor.shape)).encode())
+        h.update(tensor.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """One token from ``logits`` (float[vocab]).
+
+    temperature 0: argmax (first maximum), no random draw. Otherwise softmax(logits / temperature), keep the
+    smallest set of most probable tokens whose mass reaches ``top_p`` (a token is kept when the mass of
+    the tokens before it, in descending order with a stable sort, is < top_p; the first is always kept),
+    then invert the CDF of the kept tokens at ``u ~ U[0, 1)`` drawn from ``generator``: exactly one draw
+    per token, so the generator state fully determines the continuation.
+    """
+    if temperature == 0:
+        return int(torch.argmax(logits).item())
+    probs = torch.softmax(logits.to(torch.float32) / temperature, dim=-1)
+    sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+    if top_p < 1:
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        keep = int((before < top_p).sum().item())
+        sorted_probs = sorted_probs[: max(keep, 1)]
+    cdf = torch.cumsum(sorted_probs, dim=-1)
+    u = torch.rand((), generator=generator, dtype=torch.float64).item()
+    j = int(torch.searchsorted(cdf, torch.tensor([u * cdf[-1].item()], dtype=cdf.dtype), right=True).item())
+    return int(order[min(j, cdf.numel() - 1)].item())
+
+
+def _generator_state(g: torch.Generator) -> bytes:
+    return bytes(g.get_state().numpy().tobytes())
+
+
+class TorchEngine:
+    """A CPU Llama engine on a paged KV pool; implements ``llumlet.engine.protocol.Engine``.
+
+    Args:
+        instance_id: for messages only.
+        num_blocks: KV cache capacity in blocks (the pool tensor is allocated up front:
+            ``num_blocks x kv_bytes_per_block`` bytes).
+        block_size_tokens: tokens per KV block.
+        model_seed: seed of :func:`tiny_llama`; engines that exchange KV need the same seed and overrides.
+        eos_token_id: generation stops on it unless ``SamplingParams.ignore_eos``; None = no EOS.
+        max_num_seqs, max_num_batched_tokens: the scheduler's batch limits (requests, tokens per step).
+        model_overrides: ``LlamaConfig`` fields replacing :data:`TINY_LLAMA_DEFAULTS`.
+        rng: draws the generator seed of requests whose ``SamplingParams.seed`` is None (default: a
+            ``random.Random()`` seeded by the OS).
+        clock: seconds, monotonic; ``StepResult.duration_s`` is the measured compute time of the step.
+
+    Prefix caching is off (prefix hashes in requests are accepted and ignored). Raises ValueError for
+    non-positive sizes or an ``eos_token_id`` outside the vocabulary.
+    """
+
+    def __init__(
+        self,
+        instance_id: str,
+        num_blocks: int,
+        block_size_tokens: int = 16,
+        model_seed: int = 0,
+        eos_token_id: int | None = 2,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        *,
+        model_overrides: Mapping[str, Any] | None = None,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.instance_id = instance_id
+        self.model, self.config = tiny_llama(model_seed, **dict(model_overrides or {}))
+        vocab = int(self.config.vocab_size)
+        if eos_token_id is not None and not 0 <= eos_token_id < vocab:
+            raise ValueError(f"{instance_id}: eos_token_id = {eos_token_id} outside the vocabulary [0, {vocab})")
+        self.eos_token_id = eos_token_id
+        self.blocks = BlockManager(num_blocks, block_size_tokens, enable_prefix_caching=False)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.num_layers = int(self.config.num_hidden_layers)
+        heads = int(self.config.num_attention_heads)
+        self.num_kv_heads = int(self.config.num_key_value_heads or heads)
+        self.head_dim = int(self.config.head_dim or int(self.config.hidden_size) // heads)
+        self.kv_cache = torch.zeros(
+            (self.num_layers, 2, num_blocks, self.num_kv_heads, block_size_tokens, self.head_dim),
+            dtype=torch.float32,
+        )
+        self.model_fingerprint = model_fingerprint(self.model)
+        self._rng = rng if rng is not None else random.Random()
+        self._clock = clock
+        self._generators: dict[str, torch.Generator] = {}
+        self._params: dict[str, SamplingParams] = {}
+        self._suspended: dict[str, SchedulerRequest] = {}
+        self._written: dict[str, set[int]] = {}  # reservation id -> block positions written
+        self._last_step_preempted = False
+        self.stats: dict[str, RequestStats] = {}  # request_id -> counters of requests that left
+
+    # ---- sizes ----------------------------------------------------------------------------------
+    @property
+    def block_size_tokens(self) -> int:
+        """Tokens per KV cache block."""
+        return self.blocks.block_size_tokens
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block in the pool: layers x 2 x kv_heads x block_size x head_dim x 4 (float32)."""
+        return self.num_layers * 2 * self.num_kv_heads * self.block_size_tokens * self.head_dim * 4
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids are in ``[0, vocab_size)``."""
+        return int(self.config.vocab_size)
+
+    def max_request_tokens(self) -> int:
+        """Largest prompt + output (tokens) one request may have: the pool and the model's positions."""
+        return min(self.blocks.num_blocks * self.block_size_tokens, int(self.config.max_position_embeddings))
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request (FCFS). ``sampling_params`` None means greedy.
+
+        Raises:
+            RequestTooLargeError: prompt + max_tokens - 1 tokens exceed the pool or the model's positions.
+            ValueError: duplicate id, no ``prompt_token_ids``, a token id outside the vocabulary, or
+                ``sampling_params.max_tokens`` different from ``request.max_tokens``.
+        """
+        where = f"{self.instance_id}: request {request.request_id!r}"
+        need = request.prompt_tokens + request.max_tokens - 1
+        if need > self.max_request_tokens():
+            raise RequestTooLargeError(
+                f"{where} needs {need} KV tokens, this engine holds {self.max_request_tokens()} "
+                f"({self.blocks.num_blocks} blocks x {self.block_size_tokens}, "
+                f"{self.config.max_position_embeddings} positions)"
+            )
+        params = self._check_request(where, request.prompt_token_ids, request.max_tokens, request.sampling_params)
+        if request.request_id in self._suspended:
+            raise ValueError(f"{where} is already in this engine (suspended)")
+        self.scheduler.add(request)
+        self._params[request.request_id] = params
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        self._generators[request.request_id] = torch.Generator().manual_seed(seed)
+
+    def _check_request(
+        self, where: str, prompt: Sequence[int] | None, max_tokens: int, params: SamplingParams | None
+    ) -> SamplingParams:
+        if prompt is None:
+            raise ValueError(f"{where}: the torch engine needs prompt_token_ids")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        if params is None:
+            return SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        if params.max_tokens != max_tokens:
+            raise ValueError(f"{where}: sampling_params.max_tokens = {params.max_tokens} != max_tokens = {max_tokens}")
+        return params
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is (waiting, running, suspended); free its blocks. False if unknown."""
+        state = self._suspended.pop(request_id, None)
+        if state is not None:
+            self.scheduler.requests.pop(request_id, None)
+            self.blocks.free(request_id)
+        else:
+            state = self.scheduler.remove(request_id)
+        if state is None:
+            return False
+        self._forget(request_id, state)
+        return True
+
+    def _forget(self, request_id: str, state: SchedulerRequest) -> None:
+        self.stats[request_id] = RequestStats(state)
+        self._generators.pop(request_id, None)
+        self._params.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        """True while a request waits or runs (suspended requests alone are not work)."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def request_state(self, request_id: str) -> SchedulerRequest | None:
+        """Live state of an unfinished request (read-only use), None if unknown."""
+        return self.scheduler.requests.get(request_id)
+
+    # ---- stepping -------------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        """Schedule one batch, run each scheduled request through the model, sample, apply.
+
+        A request produces a token when this step computes its last known token (the end of its last
+        prefill chunk, or a decode). ``finish_reasons``: "stop" (EOS or a stop token, which is included in
+        ``token_ids``), else "length" (``max_tokens`` reached).
+        """
+        batch = self.scheduler.schedule()
+        self._last_step_preempted = bool(batch.preempted)
+        if batch.num_seqs == 0:
+            return StepResult(0.0, {}, (), batch.preempted, 0, 0)
+        start_s = self._clock()
+        produced = self._compute(batch)
+        stopped: set[str] = set()
+        reasons: dict[str, str] = {}
+        for rid, token in produced.items():
+            state = self.scheduler.requests[rid]
+            state.output_token_ids.append(token)
+            params = self._params[rid]
+            if token in params.stop_token_ids or (token == self.eos_token_id and not params.ignore_eos):
+                stopped.add(rid)
+                reasons[rid] = "stop"
+            elif state.num_output_tokens + 1 >= state.request.max_tokens:
+                reasons[rid] = "length"
+        duration_s = self._clock() - start_s
+        departing = {rid: self.scheduler.requests[rid] for rid in produced}
+        new_tokens, finished, recomputed = self.scheduler.update(batch, duration_s, stopped)
+        for rid in finished:
+            self._forget(rid, departing[rid])
+        return StepResult(
+            duration_s=duration_s,
+            new_tokens=new_tokens,
+            finished=finished,
+            preempted=batch.preempted,
+            num_prefill_tokens=batch.num_prefill_tokens,
+            num_decode_tokens=len(batch.decode),
+            num_scheduled_seqs=batch.num_seqs,
+            num_recompute_tokens=recomputed,
+            token_ids={rid: (tok,) for rid, tok in produced.items()},
+            finish_reasons={rid: reasons[rid] for rid in finished},
+        )
+
+    def _compute(self, batch: ScheduledBatch) -> dict[str, int]:
+        """Run the batch's chunks and decodes; returns the token sampled for each request that produced one."""
+        work = [(rid, chunk, before) for rid, chunk, before in batch.prefill]
+        work += [(rid, 1, ctx - 1) for rid, ctx in batch.decode]
+        produced: dict[str, int] = {}
+        with torch.inference_mode():
+            for rid, n, start in work:
+                state = self.scheduler.requests[rid]
+                tokens = state.request.prompt_token_ids or ()
+                ids = [*tokens, *state.output_token_ids][start : start + n]
+                last = start + n == state.num_tokens
+                logits = self._forward(self.blocks.block_table(rid), ids, start, want_logits=last)
+                if logits is not None:
+                    params = self._params[rid]
+                    produced[rid] = sample_token(logits, params.temperature, params.top_p, self._generators[rid])
+        return produced
+
+    def _forward(
+        self, block_table: Sequence[int], token_ids: Sequence[int], start: int, want_logits: bool
+    ) -> torch.Tensor | None:
+        """Tokens at positions ``start .. start+n-1`` of one request through the model.
+
+        Writes their K/V into the pool through ``block_table``, attends over positions ``0 .. start+n-1``
+        gathered from the pool (causal), returns the last position's logits (float[vocab]) if asked.
+        """
+        n = len(token_ids)
+        end = start + n
+        bs = self.block_size_tokens
+        llama: Any = self.model.model  # transformers modules: untyped attribute access
+        positions = torch.arange(start, end)
+        table = torch.tensor(block_table[: -(-end // bs)], dtype=torch.long)
+        slot_blocks = table[positions // bs]
+        slot_offsets = positions % bs
+        mask = torch.arange(end)[None, :] <= positions[:, None]  # [n, end] query i sees keys <= start + i
+        hidden = llama.embed_tokens(torch.tensor([list(token_ids)], dtype=torch.long))
+        cos, sin = llama.rotary_emb(hidden, positions[None, :])
+        for i, layer in enumerate(llama.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attn.q_proj(x).view(1, n, -1, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(x).view(1, n, -1, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(x).view(1, n, -1, self.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            self.kv_cache[i, 0, slot_blocks, :, slot_offsets, :] = k[0].transpose(0, 1)
+            self.kv_cache[i, 1, slot_blocks, :, slot_offsets, :] = v[0].transpose(0, 1)
+            keys = self._gather(i, 0, table, end)
+            values = self._gather(i, 1, table, end)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        if not want_logits:
+            return None
+        logits: torch.Tensor = self.model.lm_head(llama.norm(hidden[:, -1:, :]))
+        return logits[0, -1]
+
+    def _gather(self, layer: int, kv: int, table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """K (kv=0) or V (kv=1) of positions 0 .. num_tokens-1 as float[1, kv_heads, num_tokens, head_dim]."""
+        blocks = self.kv_cache[layer, kv, table]  # [nb, kv_heads, bs, head_dim]
+        flat = blocks.transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)
+        return flat[None, :, :num_tokens, :]
+
+    def load(self) -> EngineLoad:
+        """Current block usage and queue state (as ``EngineCore.load``)."""
+        sched = self.scheduler
+        return EngineLoad(
+            total_blocks=self.blocks.num_blocks,
+            used_blocks=self.blocks.used_blocks,
+            reserved_blocks=self.blocks.reserved_blocks,
+            cached_blocks=self.blocks.cached_blocks,
+            running=tuple(
+                RunningRequestLoad(
+                    request_id=s.request_id,
+                    blocks=self.blocks.num_blocks_of(s.request_id),
+                    priority=s.request.priority,
+                    num_tokens=s.num_tokens,
+                    in_decode=s.in_decode,
+                )
+                for s in sched.running
+            ),
+            num_waiting=len(sched.waiting),
+            head_demand_blocks=sched.head_demand_blocks(),
+            queued_demand_blocks=sched.queued_demand_blocks(),
+            preempting=self._last_step_preempted or any(s.num_preemptions for s in sched.waiting),
+            num_suspended=len(self._suspended),
+        )
+
+    # ---- migration: source side -----------------------------------------------------------------
+    def request_kv(self, request_id: str) -> tuple[int, int] | None:
+        """(tokens whose KV is in the pool, blocks held) of an unfinished request; None if unknown."""
+        state = self.scheduler.requests.get(request_id)
+        if state is None:
+            return None
+        return state.num_computed_tokens, self.blocks.num_blocks_of(request_id)
+
+    def migratable(self, request_id: str) -> str | None:
+        """None when the request can move faithfully now, else why not.
+
+        Refused: unknown; not running (queued, preempted, suspended); still in prefill (its KV is
+        incomplete and no token was sampled yet: move it by re-dispatching instead).
+        """
+        state = self.scheduler.requests.get(request_id)
+        if state is None:
+            return f"{self.instance_id}: unknown request {request_id!r}"
+        if state.status is not RequestStatus.RUNNING:
+            return f"{self.instance_id}: request {request_id!r} is {state.status.name.lower()}, not running"
+        if not state.in_decode:
+            return f"{self.instance_id}: request {request_id!r} is still in prefill"
+        return None
+
+    def read_blocks(self, request_id: str, first_block: int, num_blocks: int) -> KVPayload:
+        """The K/V of ``num_blocks`` blocks from position ``first_block`` of the request's block table.
+
+        ``data`` = raw float32 bytes (native order, C-contiguous) of a tensor
+        ``[num_layers, 2, num_blocks, num_kv_heads, block_size_tokens, head_dim]`` and nothing else;
+        ``nbytes == len(data) == num_blocks x kv_bytes_per_block``. Slots of the last block past the
+        request's tokens hold stale values (never read: attention masks them).
+
+        Raises KeyError for an unknown request, IndexError past its last block.
+        """
+        if request_id not in self.scheduler.requests:
+            raise KeyError(f"{self.instance_id}: read_blocks: unknown request {request_id!r}")
+        table = self.blocks.block_table(request_id)
+        if first_block < 0 or num_blocks < 0 or first_block + num_blocks > len(table):
+            raise IndexError(
+                f"{self.instance_id}: read_blocks({request_id!r}, {first_block}, {num_blocks}): "
+                f"it holds {len(table)} blocks"
+            )
+        index = torch.tensor(table[first_block : first_block + num_blocks], dtype=torch.long)
+        data = self.kv_cache[:, :, index].contiguous().numpy().tobytes()
+        return KVPayload(first_block, num_blocks, num_blocks * self.kv_bytes_per_block, data)
+
+    def suspend(self, request_id: str) -> MigrationState | None:
+        """Between two steps: take a running decode-phase request out of batching; it keeps its blocks.
+
+        ``extra`` carries ``generator_state`` (bytes of its ``torch.Generator`` state),
+        ``model_fingerprint`` (str) and ``eos_token_id`` (int or None). None when it cannot be suspended
+        (see :meth:`migratable`).
+        """
+        if self.migratable(request_id) is not None:
+            return None
+        state = self.scheduler.requests[request_id]
+        self.scheduler.running.remove(state)
+        state.status = RequestStatus.SUSPENDED
+        self._suspended[request_id] = state
+        req = state.request
+        return MigrationState(
+            request_id=request_id,
+            prompt_tokens=req.prompt_tokens,
+            num_output_tokens=state.num_output_tokens,
+            num_computed_tokens=state.num_computed_tokens,
+            max_tokens=req.max_tokens,
+            priority=req.priority,
+            arrival_s=req.arrival_s,
+            prefix_block_hashes=req.prefix_block_hashes,
+            prefix_hash_block_tokens=req.prefix_hash_block_tokens,
+            num_preemptions=state.num_preemptions,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=tuple(state.output_token_ids),
+            sampling_params=self._params[request_id],
+            extra={
+                EXTRA_GENERATOR_STATE: _generator_state(self._generators[request_id]),
+                EXTRA_MODEL_FINGERPRINT: self.model_fingerprint,
+                EXTRA_EOS_TOKEN_ID: self.eos_token_id,
+            },
+        )
+
+    def resume(self, request_id: str) -> bool:
+        """Undo ``suspend`` (migration aborted): the request runs here again. False if not suspended."""
+        state = self._suspended.pop(request_id, None)
+        if state is None:
+            return False
+        self.scheduler.add_running(state)
+        return True
+
+    def free_migrated(self, request_id: str) -> int:
+        """After the destination committed: forget the suspended request, free its blocks. Idempotent."""
+        state = self._suspended.pop(request_id, None)
+        if state is None:
+            return 0
+        self.scheduler.requests.pop(request_id, None)
+        self._forget(request_id, state)
+        return self.blocks.free(request_id)
+
+    # ---- migration: destination side ------------------------------------------------------------
+    def reserve(self, reservation_id: str, n_blocks: int) -> bool:
+        """Hold ``n_blocks`` for an incoming request. False if no room or the id is in use."""
+        if not self.blocks.reserve(reservation_id, n_blocks):
+            return False
+        self._written[reservation_id] = set()
+        return True
+
+    def grow_reservation(self, reservation_id: str, n_blocks: int) -> bool:
+        """Make the reservation hold at least ``n_blocks`` (the request grew during pre-copy); False if no room.
+
+        Positions already written keep their blocks. Raises KeyError for an unknown reservation.
+        """
+        return self.blocks.grow_reservation(reservation_id, n_blocks)
+
+    def release_reservation(self, reservation_id: str) -> int:
+        """Give a reservation back. Idempotent and safe if never reserved; returns blocks released."""
+        self._written.pop(reservation_id, None)
+        return self.blocks.release(reservation_id)
+
+    def write_blocks(self, reservation_id: str, payload: KVPayload) -> None:
+        """Copy ``payload`` (layout of :meth:`read_blocks`) into the reservation at its block positions.
+
+        Raises:
+            KeyError: unknown reservation.
+            IndexError: the blocks exceed the reservation.
+            ValueError: ``data`` or ``nbytes`` is not ``num_blocks x kv_bytes_per_block`` bytes.
+        """
+        held = self.blocks.reservation_blocks(reservation_id)
+        if held is None:
+            raise KeyError(f"{self.instance_id}: write_blocks: unknown reservation {reservation_id!r}")
+        end = payload.first_block + payload.num_blocks
+        if end > len(held):
+            raise IndexError(
+                f"{self.instance_id}: write_blocks: blocks {payload.first_block}..{end}"
+                f" exceed reservation {reservation_id!r} of {len(held)} blocks"
+            )
+        want = payload.num_blocks * self.kv_bytes_per_block
+        if len(payload.data) != want or payload.nbytes != want:
+            raise ValueError(
+                f"{self.instance_id}: write_blocks({reservation_id!r}): {payload.num_blocks} blocks need "
+                f"{want} bytes of float32[{self.num_layers}, 2, {payload.num_blocks}, {self.num_kv_heads}, "
+                f"{self.block_size_tokens}, {self.head_dim}], got data of {len(payload.data)} bytes, "
+                f"nbytes = {payload.nbytes}"
+            )
+        if payload.num_blocks == 0:
+            return
+        shape = (self.num_layers, 2, payload.num_blocks, self.num_kv_heads, self.block_size_tokens, self.head_dim)
+        blocks = torch.frombuffer(bytearray(payload.data), dtype=torch.float32).view(shape)
+        index = torch.tensor(held[payload.first_block : end], dtype=torch.long)
+        self.kv_cache[:, :, index] = blocks
+        self._written[reservation_id].update(range(payload.first_block, end))
+
+    def commit_incoming(self, reservation_id: str, state: MigrationState) -> bool:
+        """Adopt a migrated request with its KV in place and its generator state; it runs from the next step.
+
+        Returns True. (The protocol's False, "its growth does not fit", cannot arise here: every block the
+        KV needs must already lie in the reservation and be written, since growth past the reservation
+        would carry no data. The llumlet reserves with a margin for the blocks added during pre-copy.)
+
+        Raises:
+            KeyError: unknown (released) reservation.
+            ValueError: the request is already here; the state is not in decode phase, lacks token ids,
+                comes from a different model (fingerprint) or from an engine with another EOS id, or has no
+                valid generator state; or a block position the KV needs was never written. Nothing changes.
+        """
+        where = f"{self.instance_id}: commit_incoming({state.request_id!r})"
+        if state.request_id in self.scheduler.requests:
+            raise ValueError(f"{where}: the request is already here")
+        if state.num_output_tokens < 1 or state.num_computed_tokens != state.num_tokens - 1:
+            raise ValueError(
+                f"{where}: not in decode phase (computed {state.num_computed_tokens} of {state.num_tokens} tokens)"
+            )
+        written = self._written.get(reservation_id)
+        if written is None:
+            raise KeyError(f"{where}: unknown reservation {reservation_id!r} (released or never made)")
+        params = self._check_request(where, state.prompt_token_ids, state.max_tokens, state.sampling_params)
+        if len(state.output_token_ids) != state.num_output_tokens:
+            raise ValueError(
+                f"{where}: {len(state.output_token_ids)} output_token_ids for {state.num_output_tokens} outputs"
+            )
+        if state.extra.get(EXTRA_MODEL_FINGERPRINT) != self.model_fingerprint:
+            raise ValueError(
+                f"{where}: model fingerprint {state.extra.get(EXTRA_MODEL_FINGERPRINT)!r} != this engine's "
+                f"{self.model_fingerprint!r} (different model or not from a torch engine)"
+            )
+        if state.extra.get(EXTRA_EOS_TOKEN_ID, -1) != self.eos_token_id:
+            raise ValueError(
+                f"{where}: the source stops on eos_token_id {state.extra.get(EXTRA_EOS_TOKEN_ID, '(missing)')!r}, "
+                f"this engine on {self.eos_token_id!r}: the continuation would differ"
+            )
+        generator = self._restore_generator(where, state.extra.get(EXTRA_GENERATOR_STATE))
+        missing = sorted(set(range(self.blocks.blocks_for_tokens(state.num_computed_tokens))) - written)
+        if missing:
+            raise ValueError(f"{where}: block positions {missing} of reservation {reservation_id!r} were never written")
+        if self.blocks.commit(reservation_id, state.request_id, state.num_computed_tokens) is None:
+            return False
+        del self._written[reservation_id]
+        request = EngineRequest(
+            request_id=state.request_id,
+            prompt_tokens=state.prompt_tokens,
+            max_tokens=state.max_tokens,
+            priority=state.priority,
+            arrival_s=state.arrival_s,
+            prefix_block_hashes=state.prefix_block_hashes,
+            prefix_hash_block_tokens=state.prefix_hash_block_tokens,
+            prompt_token_ids=state.prompt_token_ids,
+            sampling_params=state.sampling_params,
+        )
+        sched_state = self.scheduler.new_state(request)
+        sched_state.num_output_tokens = state.num_output_tokens
+        sched_state.num_computed_tokens = state.num_computed_tokens
+        sched_state.output_token_ids = list(state.output_token_ids)
+        self.scheduler.add_running(sched_state)
+        self._params[state.request_id] = params
+        self._generators[state.request_id] = generator
+        return True
+
+    def _restore_generator(self, where: str, raw: object) -> torch.Generator:
+        generator = torch.Generator()
+        expected = len(_generator_state(generator))
+        if not isinstance(raw, bytes) or len(raw) != expected:
+            size = len(raw) if isinstance(raw, bytes) else type(raw).__name__
+            raise ValueError(f"{where}: extra[{EXTRA_GENERATOR_STATE!r}] must be {expected} bytes, got {size}")
+        try:
+            generator.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        except RuntimeError as exc:
+            raise ValueError(f"{where}: invalid generator state: {exc}") from exc
+        return generator
