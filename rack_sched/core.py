@@ -39,6 +39,7 @@ import logging
 import math
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
@@ -81,6 +82,7 @@ from rack_sched.types import (
 __all__ = ["DomainScheduler"]
 
 _log = logging.getLogger(__name__)
+_MAX_REMEMBERED = 65536  # dispatched requests remembered for proposals (older ones use the default estimate)
 
 
 class _Instance:
@@ -157,7 +159,8 @@ class DomainScheduler:
         self._settle: dict[str, tuple[int, float]] = {}  # instance -> (reports at finish, deadline)
         self._attempts: dict[str, int] = {}  # request -> last migration attempt used
         self._attempt_base = 0  # etcd revision at start: attempts of a restarted scheduler exceed the old ones
-        self._requests: dict[str, SubmitSpec] = {}  # requests it dispatched (for remaining-token estimates)
+        # Requests it dispatched, newest last, at most _MAX_REMEMBERED (remaining-token estimates of proposals).
+        self._requests: OrderedDict[str, SubmitSpec] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
         self._in_flight = 0
         self._counters = _Counters()
@@ -212,7 +215,7 @@ class DomainScheduler:
         waits = [asyncio.ensure_future(i.settled.wait()) for i in self._instances.values()]
         if not waits:
             return
-        done, pending = await asyncio.wait(waits, timeout=self.cfg.ready_timeout_s)
+        _done, pending = await asyncio.wait(waits, timeout=self.cfg.ready_timeout_s)
         for w in pending:
             w.cancel()
         if pending:
@@ -387,6 +390,8 @@ class DomainScheduler:
                     demand_blocks=demand,
                 )
             self._requests[spec.request_id] = spec
+            while len(self._requests) > _MAX_REMEMBERED:
+                self._requests.popitem(last=False)
             return DispatchResult(
                 DispatchOutcome.ACCEPTED, decision.reason, inst.instance_id, inst.registration.address, demand
             )
