@@ -390,8 +390,8 @@ class Llumlet:
 
     async def _drop(self, request_id: str, push: tuple[str, str] | None) -> None:
         """Remove a request from the engine and the books; push its end (reason, error) unless ``push`` is None."""
-        rec = self._owned.pop(request_id, None)
         await self._call(self.engine.abort, request_id)
+        rec = self._owned.pop(request_id, None)
         if rec is not None and push is not None:
             reason, error = push
             self.pusher.push(rec.origin, TokenChunkOut(request_id, rec.next_seq, [], rec.epoch, True, reason, error))

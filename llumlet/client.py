@@ -3,7 +3,7 @@ and later the domain scheduler)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from types import TracebackType
 
 import grpc
@@ -74,7 +74,7 @@ class LlumletClient:
         """The current load."""
         return await self.stub.GetLoad(pb.GetLoadRequest(), timeout=self.timeout_s)
 
-    async def watch_load(self, min_interval_s: float = 0.0) -> AsyncIterator[pb.LoadReport]:
+    async def watch_load(self, min_interval_s: float = 0.0) -> AsyncGenerator[pb.LoadReport, None]:
         """The current load, then every change, until the caller stops iterating."""
         call = self.stub.WatchLoad(pb.WatchLoadRequest(min_interval_s=min_interval_s))
         try:
