@@ -151,9 +151,14 @@ async def eventually(check: Callable[[], bool], timeout_s: float = 5.0, what: st
 
 
 @contextlib.asynccontextmanager
-async def fakes(domain_id: str, capacities: dict[str, int]) -> AsyncIterator[dict[str, FakeLlumlet]]:
-    """Fake llumlets ``instance_id -> capacity_blocks`` of one domain, serving on loopback."""
-    peers: dict[str, FakeLlumlet] = {}
+async def fakes(
+    domain_id: str, capacities: dict[str, int], peers: dict[str, FakeLlumlet] | None = None
+) -> AsyncIterator[dict[str, FakeLlumlet]]:
+    """Fake llumlets ``instance_id -> capacity_blocks`` of one domain, serving on loopback.
+
+    ``peers`` (address -> fake) is shared with the fakes of other domains a test migrates between.
+    """
+    peers = {} if peers is None else peers
     out = {iid: await FakeLlumlet(iid, domain_id, cap, peers).start() for iid, cap in capacities.items()}
     try:
         yield out
