@@ -1,7 +1,7 @@
 """``python -m rack_sched``: run the domain scheduler of one NVLink domain.
 
     python -m rack_sched --domain-id node-0 --listen 0.0.0.0:7100 --etcd 127.0.0.1:2379 \\
-        --topology cluster.yaml [--coordinator HOST:PORT] [--prefix /hilum/v1/]
+        --topology cluster.yaml [--coordinator HOST:PORT] [--prefix /hilum/v1/] [--instance ID=HOST:PORT ...]
 
 Prints ``rack_sched <domain> serving at <host:port>`` on stdout once it serves, then rebuilds its view from
 the llumlets registered in etcd and starts dispatching. Runs until SIGTERM or SIGINT, then revokes its
@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from global_coord.etcd import connect
+from global_coord.records import InstanceRegistration
 from policy.types import PolicyConfig
 from rack_sched.core import DomainScheduler
 from rack_sched.server import bind_server, start_server
@@ -27,7 +28,7 @@ from rack_sched.types import RackConfig
 from topology.load import TopologyError, load_topology
 from topology.spec import Topology
 
-__all__ = ["build_parser", "config_from_args", "main"]
+__all__ = ["build_parser", "config_from_args", "main", "static_instances"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,9 +46,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary-interval", type=float, default=0.25, help="least time between summary puts, seconds")
     p.add_argument("--cross-interval", type=float, default=0.5, help="cross-domain round period, seconds")
     p.add_argument("--ready-timeout", type=float, default=5.0, help="wait for each llumlet's first load, seconds")
+    p.add_argument(
+        "--instance",
+        action="append",
+        default=[],
+        metavar="ID=HOST:PORT",
+        help="register this llumlet in etcd on its behalf (for llumlets that do not register themselves)",
+    )
     p.add_argument("--seed", type=int, default=None, help="random seed (ties, jitter); default: random")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
+
+
+def static_instances(items: Sequence[str], topology: Topology, domain_id: str) -> tuple[InstanceRegistration, ...]:
+    """Registrations of ``--instance ID=HOST:PORT`` flags (node, model, KV capacity from the topology).
+
+    Raises:
+        ValueError: on a malformed flag, a repeated id, or an instance that is not in ``domain_id``.
+    """
+    out: dict[str, InstanceRegistration] = {}
+    for item in items:
+        iid, sep, address = item.partition("=")
+        host, colon, port = address.rpartition(":")
+        if not sep or not iid or not colon or not host or not port.isdigit():
+            raise ValueError(f"--instance {item!r}: expected ID=HOST:PORT")
+        if iid in out:
+            raise ValueError(f"--instance {iid}: given twice")
+        try:
+            spec = topology.instance(iid)
+        except KeyError:
+            raise ValueError(f"--instance {iid}: not in topology {topology.name}") from None
+        if spec.domain_id != domain_id:
+            raise ValueError(f"--instance {iid}: in domain {spec.domain_id}, not {domain_id}")
+        out[iid] = InstanceRegistration(iid, domain_id, spec.node_id, address, spec.model, spec.kv_capacity_blocks)
+    return tuple(out.values())
 
 
 def config_from_args(ns: argparse.Namespace, topology: Topology, advertise: str) -> RackConfig:
@@ -55,13 +87,14 @@ def config_from_args(ns: argparse.Namespace, topology: Topology, advertise: str)
 
     Raises:
         KeyError: when the topology has no domain ``--domain-id``.
-        ValueError: when the domain has no instances or its instances use different KV block sizes.
+        ValueError: when the domain's instances use different KV block sizes, or on a bad ``--instance``.
     """
     domain = topology.domain(ns.domain_id)
     sizes = {topology.model_of(i.instance_id).block_size_tokens for i in domain.instances}
     if len(sizes) != 1:
         raise ValueError(f"domain {ns.domain_id}: need instances of one KV block size, found {sorted(sizes)}")
     return RackConfig(
+        static_instances=static_instances(ns.instance, topology, ns.domain_id),
         domain_id=ns.domain_id,
         advertise_address=advertise,
         block_size_tokens=sizes.pop(),

@@ -181,6 +181,7 @@ class DomainScheduler:
             self._running = True
             reg = DomainRegistration(self.cfg.domain_id, self.cfg.advertise_address)
             await self.registrar.set(self.keys.domain(self.cfg.domain_id), encode(reg))
+            await self._register_static_instances()
             self._apply_view()
             await self._wait_settled()
             await self._recover_cross_domain()
@@ -210,6 +211,27 @@ class DomainScheduler:
             view_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await view_task
+
+    async def _register_static_instances(self) -> None:
+        """Register ``cfg.static_instances`` under this scheduler's lease; wait until the view shows them."""
+        if not self.cfg.static_instances:
+            return
+        for inst in self.cfg.static_instances:
+            await self.registrar.set(self.keys.instance(inst.instance_id), encode(inst))
+        wanted = {inst.instance_id: inst for inst in self.cfg.static_instances}
+
+        def shown() -> bool:
+            regs = self.view.instances()
+            return all(regs.get(iid) == reg for iid, reg in wanted.items())
+
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.cfg.ready_timeout_s):
+                await self.registrar.registered.wait()
+                version = self.view.version
+                while not shown():
+                    version = await self.view.wait_changed(version)
+        if not shown():
+            _log.warning("domain %s: static instance registrations not visible yet", self.cfg.domain_id)
 
     async def _wait_settled(self) -> None:
         waits = [asyncio.ensure_future(i.settled.wait()) for i in self._instances.values()]

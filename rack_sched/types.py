@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from global_coord.backoff import BackoffConfig
+from global_coord.records import InstanceRegistration
 from policy.types import InstanceLoad, PolicyConfig
 
 __all__ = ["DispatchOutcome", "DispatchResult", "DomainStateInfo", "InstanceStateInfo", "RackConfig", "SubmitSpec"]
@@ -33,6 +34,9 @@ class RackConfig:
     default_decode_step_s: float = 0.03  # decode step time sent with proposals (loads do not carry it)
     default_remaining_tokens: int = 256  # remaining output estimate for requests it did not dispatch
     backoff: BackoffConfig = field(default_factory=BackoffConfig)
+    # Instances this scheduler registers in etcd itself, under its own lease, for llumlets that do not
+    # register themselves (``--instance ID=HOST:PORT``). Each must name this domain.
+    static_instances: tuple[InstanceRegistration, ...] = ()
 
     def __post_init__(self) -> None:
         problems = []
@@ -45,6 +49,9 @@ class RackConfig:
         for name in ("rebalance_interval_s", "summary_interval_s", "cross_interval_s", "rpc_timeout_s"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        for reg in self.static_instances:
+            if reg.domain_id != self.domain_id:
+                problems.append(f"static instance {reg.instance_id} is in domain {reg.domain_id!r}, not this one")
         if not self.default_decode_step_s > 0 or self.default_remaining_tokens < 0:
             problems.append("default_decode_step_s must be > 0 and default_remaining_tokens >= 0")
         if problems:

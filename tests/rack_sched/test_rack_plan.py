@@ -140,3 +140,31 @@ def test_prompt_length_validation() -> None:
         "SubmitRequest 'r': priority must be >= 0, got -1; sampling.max_tokens must be >= 1, got 0; "
         "prompt_tokens is 5 but prompt_token_ids has 1 tokens"
     )
+
+
+def test_instance_flags_become_registrations() -> None:
+    from rack_sched.cli import static_instances
+    from topology.load import load_topology
+
+    topo = load_topology("2x8-a100")
+    domain = topo.domains[0]
+    first = domain.instances[0]
+    (reg,) = static_instances([f"{first.instance_id}=10.0.0.5:7001"], topo, domain.domain_id)
+    assert (reg.instance_id, reg.domain_id, reg.node_id, reg.address, reg.model, reg.capacity_blocks) == (
+        first.instance_id,
+        domain.domain_id,
+        first.node_id,
+        "10.0.0.5:7001",
+        first.model,
+        first.kv_capacity_blocks,
+    )
+    other = topo.domains[1].instances[0].instance_id
+    for item, message in [
+        ("x", "expected ID=HOST:PORT"),
+        ("nope=h:1", "not in topology"),
+        (f"{other}=h:1", f"in domain {topo.domains[1].domain_id}, not {domain.domain_id}"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            static_instances([item], topo, domain.domain_id)
+    with pytest.raises(ValueError, match="given twice"):
+        static_instances([f"{first.instance_id}=h:1", f"{first.instance_id}=h:2"], topo, domain.domain_id)

@@ -22,7 +22,7 @@ import pytest
 from rack_fakes import etcd_client, eventually
 
 from global_coord.etcd import kv_of
-from global_coord.records import InstanceRegistration, encode
+from global_coord.records import InstanceRegistration, decode
 from global_coord.store import Keys
 from hilum_proto.hilum.v1 import llumlet_pb2, rack_sched_pb2, rack_sched_pb2_grpc
 from llumlet.procs import LlumletProcess
@@ -37,11 +37,11 @@ MAX_TOKENS = 400  # ~5 s of decoding on the modelled A100: they outlive a schedu
 class RackProcess:
     """One ``python -m rack_sched`` child; ``start()`` waits for its "serving at" line."""
 
-    def __init__(self, etcd_endpoint: str, prefix: str, log_path: Path) -> None:
+    def __init__(self, etcd_endpoint: str, prefix: str, log_path: Path, extra: list[str]) -> None:
         self.cmd = [
             sys.executable, "-m", "rack_sched", "--domain-id", DOMAIN, "--listen", "127.0.0.1:0",
             "--etcd", etcd_endpoint, "--topology", "1x8-a100", "--prefix", prefix, "--ttl", "3",
-            "--seed", "1", "--log-level", "INFO",
+            "--seed", "1", "--log-level", "INFO", *extra,
         ]  # fmt: skip
         self.log_path = log_path
         self.address = ""
@@ -121,12 +121,12 @@ def test_restart_loses_no_running_request(
     async def main() -> None:
         col = TokenCollector()
         await col.start()
-        rack = RackProcess(etcd.endpoint, prefix, tmp_path / "rack.log")
+        # The scheduler registers the llumlets in etcd on their behalf (--instance), under its own lease.
+        flags = [arg for p in llumlets for arg in ("--instance", f"{p.instance_id}={p.address}")]
+        rack = RackProcess(etcd.endpoint, prefix, tmp_path / "rack.log", flags)
         try:
             async with etcd_client(etcd.endpoint) as client:
-                for p in llumlets:  # what each llumlet registers under its lease
-                    reg = InstanceRegistration(p.instance_id, DOMAIN, DOMAIN, p.address, "llama-2-7b", 512)
-                    await kv_of(client).put(Keys(prefix).instance(p.instance_id), encode(reg))
+                for p in llumlets:
                     col.watch(p.address)
                 stub = await _ready(rack.start().address)
                 placed: dict[str, str] = {}
@@ -148,9 +148,12 @@ def test_restart_loses_no_running_request(
 
                 rack.kill()  # a crash: no lease revoked, streams cut
                 assert not any(col.get(r).done for r in placed)
-                rack = RackProcess(etcd.endpoint, prefix, tmp_path / "rack.log")
+                rack = RackProcess(etcd.endpoint, prefix, tmp_path / "rack.log", flags)
                 stub = await _ready(rack.start().address)
                 state = await stub.GetDomainState(rack_sched_pb2.GetDomainStateRequest())
+                registered = await kv_of(client).get(Keys(prefix).instance(llumlets[0].instance_id))
+                reg = decode(InstanceRegistration, bytes(registered.kvs[0].value), "k")
+                assert (reg.domain_id, reg.address, reg.capacity_blocks) == (DOMAIN, llumlets[0].address, 7609)
                 seen = {rid: i.instance_id for i in state.instances for rid in i.running_request_ids}
                 unfinished = {r for r in placed if not col.get(r).done}
                 assert unfinished, "requests finished before the new scheduler came up; raise MAX_TOKENS"
