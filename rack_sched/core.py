@@ -161,6 +161,7 @@ class DomainScheduler:
         self._attempt_base = 0  # etcd revision at start: attempts of a restarted scheduler exceed the old ones
         # Requests it dispatched, newest last, at most _MAX_REMEMBERED (remaining-token estimates of proposals).
         self._requests: OrderedDict[str, SubmitSpec] = OrderedDict()
+        self._not_approved: dict[str, float] = {}  # request -> until when it is not proposed again
         self._tasks: set[asyncio.Task[None]] = set()
         self._in_flight = 0
         self._counters = _Counters()
@@ -253,8 +254,8 @@ class DomainScheduler:
             await asyncio.sleep(interval_s)
             try:
                 action()
-            except ValueError as exc:  # a bad report reached the rule book: log it, keep the loop alive
-                _log.error("domain %s: %s failed: %s", self.cfg.domain_id, action.__name__, exc)
+            except Exception:  # a bug or a bad report must not stop the loop; the log says which
+                _log.exception("domain %s: %s failed; retrying next period", self.cfg.domain_id, action.__name__)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -266,7 +267,12 @@ class DomainScheduler:
         version = self.view.version
         while True:
             version = await self.view.wait_changed(version)
-            self._apply_view()
+            try:
+                self._apply_view()
+            except Exception:
+                _log.exception(
+                    "domain %s: applying etcd changes failed; retrying on the next change", self.cfg.domain_id
+                )
 
     def _apply_view(self) -> None:
         """Bring instances, drains and the newest fencing token in line with the view of etcd."""
@@ -529,10 +535,21 @@ class DomainScheduler:
         return out
 
     def plan_cross_domain(self) -> CrossDomainMove | None:
-        """The cross-domain move to propose now, if the domain pairing makes this domain a source."""
-        return plan_cross_domain(
-            self.summary(), self._other_summaries(), self._free_loads(), self.cfg.policy, self._rng
-        )
+        """The cross-domain move to propose now, if the domain pairing makes this domain a source.
+
+        A request whose move was not approved is not proposed again for ``5 x cross_interval_s``.
+        """
+        now = self._clock()
+        self._not_approved = {r: t for r, t in self._not_approved.items() if t > now}
+        loads = []
+        for load in self._free_loads():
+            if any(r.request_id in self._not_approved for r in load.running):
+                held = tuple(
+                    replace(r, migratable=False) if r.request_id in self._not_approved else r for r in load.running
+                )
+                load = replace(load, running=held)
+            loads.append(load)
+        return plan_cross_domain(self.summary(), self._other_summaries(), loads, self.cfg.policy, self._rng)
 
     def _leader_address(self) -> str:
         entry = self.view.entries("leader").get(self.keys.leader)
@@ -549,8 +566,8 @@ class DomainScheduler:
             try:
                 while (move := self.plan_cross_domain()) is not None and await self.cross_domain(move):
                     pass
-            except ValueError as exc:
-                _log.error("domain %s: cross-domain round failed: %s", self.cfg.domain_id, exc)
+            except Exception:
+                _log.exception("domain %s: cross-domain round failed; retrying next period", self.cfg.domain_id)
 
     async def cross_domain(self, move: CrossDomainMove) -> bool:
         """Propose ``move`` to the coordinator leader; carry out an approval. True when it committed."""
@@ -598,6 +615,7 @@ class DomainScheduler:
             return False
         if not reply.approved:
             _log.info("domain %s: move of %s not approved: %s", self.cfg.domain_id, proposal.request_id, reply.reason)
+            self._not_approved[proposal.request_id] = self._clock() + 5 * self.cfg.cross_interval_s
             return False
         record, mod_revision = coord_convert.migration_record_from_pb(reply.migration)
         if not self.guard.accepts(reply.fencing_token):

@@ -168,3 +168,12 @@ def test_instance_flags_become_registrations() -> None:
             static_instances([item], topo, domain.domain_id)
     with pytest.raises(ValueError, match="given twice"):
         static_instances([f"{first.instance_id}=h:1", f"{first.instance_id}=h:2"], topo, domain.domain_id)
+
+
+def test_cli_reports_an_unknown_domain(capsys: pytest.CaptureFixture[str]) -> None:
+    from rack_sched.cli import main
+
+    args = ["--domain-id", "nope", "--listen", "127.0.0.1:0", "--etcd", "127.0.0.1:1", "--topology", "1x8-a100"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rack_sched: error: ") and "no domain 'nope'" in err
