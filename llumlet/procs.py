@@ -39,6 +39,7 @@ class LlumletProcess:
         self.cmd += list(args)
         self.address = ""
         self.proc: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
 
     def start(self, timeout_s: float = 60.0) -> LlumletProcess:
         """Spawn and wait until it serves."""
@@ -49,15 +50,16 @@ class LlumletProcess:
 
         def read() -> None:
             assert self.proc is not None and self.proc.stdout is not None
-            for line in self.proc.stdout:
-                if " serving at " in line and not found.is_set():
-                    self.address = line.rsplit(" ", 1)[1].strip()
-                    found.set()
-                log.write(line)
-                log.flush()
-            log.close()
+            with self.proc.stdout, log:
+                for line in self.proc.stdout:
+                    if " serving at " in line and not found.is_set():
+                        self.address = line.rsplit(" ", 1)[1].strip()
+                        found.set()
+                    log.write(line)
+                    log.flush()
 
-        threading.Thread(target=read, name=f"out-{self.instance_id}", daemon=True).start()
+        self._reader = threading.Thread(target=read, name=f"out-{self.instance_id}", daemon=True)
+        self._reader.start()
         deadline = time.monotonic() + timeout_s
         while not found.wait(0.05):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -81,13 +83,20 @@ class LlumletProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self._join()
+
+    def _join(self) -> None:
+        if self._reader is not None:
+            self._reader.join(timeout=5)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout_s``."""
         if self.proc is None or self.proc.poll() is not None:
+            self._join()
             return
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
+        self._join()

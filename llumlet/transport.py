@@ -181,9 +181,9 @@ class _GrpcBlockStream:
             chunk.data = payload.data
         try:
             await self._call.write(chunk)
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
             self._free_segments()
-            raise TransportError(f"WriteBlocks to the destination broke: {_describe(exc)}") from exc
+            raise TransportError(f"WriteBlocks to the destination broke: {await self._why(exc)}") from exc
         self._blocks += payload.num_blocks
         self._bytes += payload.nbytes
 
@@ -191,8 +191,8 @@ class _GrpcBlockStream:
         try:
             await self._call.done_writing()
             reply = await self._call
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
-            raise TransportError(f"WriteBlocks to the destination broke: {_describe(exc)}") from exc
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+            raise TransportError(f"WriteBlocks to the destination broke: {await self._why(exc)}") from exc
         finally:
             self._free_segments()
         if reply.status != pb.DEST_OK:
@@ -202,6 +202,18 @@ class _GrpcBlockStream:
     async def abort(self) -> None:
         self._call.cancel()
         self._free_segments()
+
+    async def _why(self, exc: BaseException) -> str:
+        """The call's own status when it already ended (the destination answered early or died)."""
+        if isinstance(exc, grpc.aio.AioRpcError) or not self._call.done():
+            return _describe(exc)
+        try:
+            reply = await self._call
+        except grpc.aio.AioRpcError as status:
+            return _describe(status)
+        except asyncio.CancelledError:
+            return "cancelled"
+        return f"{pb.DestStatus.Name(reply.status)}: {reply.reason}"
 
     def _free_segments(self) -> None:
         for seg in self._segments:
