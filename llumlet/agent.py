@@ -374,7 +374,10 @@ class Llumlet:
         return self._wall_clock()
 
     async def abort(self, request_id: str) -> tuple[bool, str]:
-        """Abort a request: here, or forwarded to where it migrated. (found, forwarded_to address)."""
+        """Abort a request: here, or forwarded to where it migrated. (found, forwarded_to address).
+
+        A forward to a destination that does not answer gives (False, its address).
+        """
         rec = self._owned.get(request_id)
         if rec is not None:
             if rec.committing:
@@ -384,7 +387,13 @@ class Llumlet:
             return True, ""
         moved = self._moved.get(request_id)
         if moved is not None:
-            reply = await self._peer(moved[0]).abort(request_id)
+            try:
+                reply = await self._peer(moved[0]).abort(request_id)
+            except grpc.aio.AioRpcError as exc:
+                _log.warning(
+                    "%s: abort of %s not forwarded to %s: %s", self.config.instance_id, request_id, moved[0], exc
+                )
+                return False, moved[0]
             return reply.found, reply.forwarded_to or moved[0]
         return False, ""
 
@@ -607,6 +616,10 @@ class Llumlet:
             if rid not in self._owned:
                 why = f"{rid!r} ended during the migration ({why})"
             return report(MigrationOutcome.ABORTED, why)
+        except Exception as exc:  # a bug must not leave the request suspended: undo, report, log
+            _log.exception("%s: migration of %s@%d failed", self.config.instance_id, rid, attempt)
+            await self._undo(peer, rec, attempt, suspended)
+            return report(MigrationOutcome.ABORTED, f"internal error: {type(exc).__name__}: {exc}")
         # committed: the destination runs the request now
         await self._call(self.engine.free_migrated, rid)
         self._owned.pop(rid, None)

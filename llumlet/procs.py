@@ -39,27 +39,40 @@ class LlumletProcess:
         self.cmd += list(args)
         self.address = ""
         self.proc: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+        self._found = threading.Event()
 
     def start(self, timeout_s: float = 60.0) -> LlumletProcess:
         """Spawn and wait until it serves."""
+        self.spawn()
+        return self.wait_serving(timeout_s)
+
+    def spawn(self) -> None:
+        """Start the process without waiting (start several, then :meth:`wait_serving` on each)."""
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")])}
         log = self.log_path.open("w")
         self.proc = subprocess.Popen(self.cmd, cwd=_REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-        found = threading.Event()
+        self._found = found = threading.Event()
 
         def read() -> None:
             assert self.proc is not None and self.proc.stdout is not None
-            for line in self.proc.stdout:
-                if " serving at " in line and not found.is_set():
-                    self.address = line.rsplit(" ", 1)[1].strip()
-                    found.set()
-                log.write(line)
-                log.flush()
-            log.close()
+            with self.proc.stdout, log:
+                for line in self.proc.stdout:
+                    if " serving at " in line and not found.is_set():
+                        self.address = line.rsplit(" ", 1)[1].strip()
+                        found.set()
+                    log.write(line)
+                    log.flush()
 
-        threading.Thread(target=read, name=f"out-{self.instance_id}", daemon=True).start()
+        self._reader = threading.Thread(target=read, name=f"out-{self.instance_id}", daemon=True)
+        self._reader.start()
+
+    def wait_serving(self, timeout_s: float = 60.0) -> LlumletProcess:
+        """Wait for the "serving at" line. Raises RuntimeError (with the log's tail) if it exits or times out."""
+        if self.proc is None:
+            raise RuntimeError(f"llumlet {self.instance_id}: not spawned")
         deadline = time.monotonic() + timeout_s
-        while not found.wait(0.05):
+        while not self._found.wait(0.05):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"llumlet {self.instance_id} did not start: {self.log_tail()}")
@@ -81,13 +94,25 @@ class LlumletProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self._join()
+
+    def _join(self) -> None:
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+
+    def terminate(self) -> None:
+        """Send SIGTERM without waiting (stop several at once, then :meth:`stop` each)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout_s``."""
         if self.proc is None or self.proc.poll() is not None:
+            self._join()
             return
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
+        self._join()

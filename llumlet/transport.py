@@ -7,9 +7,10 @@
 - ``grpc`` (across domains): the data goes inline in a client-streaming ``WriteBlocks`` call, paced by a token
   bucket at ``path bandwidth x cap fraction`` (topology.cost's cap, default 20%) or a configured rate.
 
-A transport opens one :class:`BlockStream` per stage; the source sends runs of blocks into it as it reads them
-and ``close()`` returns :class:`TransferStats` with the bandwidth achieved (logical KV bytes / seconds from
-open to the destination's reply). Every failure raises :class:`TransportError`.
+A transport object serves one migration and opens one :class:`BlockStream` per stage; the source sends
+runs of blocks into it as it reads them and ``close()`` returns :class:`TransferStats` with the bandwidth
+achieved (logical KV bytes / seconds from open to the destination's reply). Every failure raises
+:class:`TransportError`.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ class TransferStats:
 class TokenBucket:
     """A token bucket: ``consume(n)`` returns once ``n`` bytes fit under ``rate_bytes_per_s``.
 
-    The bucket holds up to ``burst_bytes``; a request larger than what it holds goes into debt and waits the
-    debt out (so the long-run rate is exact whatever the chunk size). Clock and sleep are injected.
+    The bucket holds up to ``burst_bytes`` and starts with ``initial_bytes`` (default full); a request larger
+    than what it holds goes into debt and waits the debt out (so the long-run rate is exact whatever the chunk
+    size). Clock and sleep are injected.
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class TokenBucket:
         burst_bytes: float,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        initial_bytes: float | None = None,
     ) -> None:
         if rate_bytes_per_s <= 0:
             raise ValueError(f"TokenBucket: rate_bytes_per_s = {rate_bytes_per_s}, need > 0")
@@ -94,7 +97,7 @@ class TokenBucket:
         self.burst_bytes = burst_bytes
         self._clock = clock
         self._sleep = sleep
-        self._tokens = burst_bytes
+        self._tokens = burst_bytes if initial_bytes is None else min(initial_bytes, burst_bytes)
         self._last = clock()
 
     async def consume(self, n_bytes: int) -> float:
@@ -181,9 +184,9 @@ class _GrpcBlockStream:
             chunk.data = payload.data
         try:
             await self._call.write(chunk)
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
             self._free_segments()
-            raise TransportError(f"WriteBlocks to the destination broke: {_describe(exc)}") from exc
+            raise TransportError(f"WriteBlocks to the destination broke: {await self._why(exc)}") from exc
         self._blocks += payload.num_blocks
         self._bytes += payload.nbytes
 
@@ -191,8 +194,8 @@ class _GrpcBlockStream:
         try:
             await self._call.done_writing()
             reply = await self._call
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
-            raise TransportError(f"WriteBlocks to the destination broke: {_describe(exc)}") from exc
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+            raise TransportError(f"WriteBlocks to the destination broke: {await self._why(exc)}") from exc
         finally:
             self._free_segments()
         if reply.status != pb.DEST_OK:
@@ -202,6 +205,18 @@ class _GrpcBlockStream:
     async def abort(self) -> None:
         self._call.cancel()
         self._free_segments()
+
+    async def _why(self, exc: BaseException) -> str:
+        """The call's own status when it already ended (the destination answered early or died)."""
+        if isinstance(exc, grpc.aio.AioRpcError) or not self._call.done():
+            return _describe(exc)
+        try:
+            reply = await self._call
+        except grpc.aio.AioRpcError as status:
+            return _describe(status)
+        except asyncio.CancelledError:
+            return "cancelled"
+        return f"{pb.DestStatus.Name(reply.status)}: {reply.reason}"
 
     def _free_segments(self) -> None:
         for seg in self._segments:
@@ -217,54 +232,50 @@ def _describe(exc: BaseException) -> str:
     return str(exc)
 
 
-@dataclass(slots=True)
-class GrpcStreamTransport:
-    """Blocks inline in a gRPC stream, paced by a token bucket when ``rate_cap_bytes_per_s`` > 0.
+class _CappedTransport:
+    """One migration's transport: every stage it opens draws on one token bucket (empty at the start, holding
+    at most ``burst_bytes``, default 10 ms at the cap), so the cap holds over the whole migration."""
 
-    ``burst_bytes``: bucket size (default: 50 ms at the cap, at least one chunk is allowed through by debt).
-    """
+    name: TransportName
 
-    rate_cap_bytes_per_s: float = 0.0
-    burst_bytes: float | None = None
-    clock: Callable[[], float] = time.monotonic
-    name: TransportName = TransportName.GRPC
-
-    def open(self, stub: pb_grpc.LlumletAsyncStub, request_id: str, attempt: int) -> BlockStream:
-        return _GrpcBlockStream(
-            stub,
-            request_id,
-            attempt,
-            _bucket(self.rate_cap_bytes_per_s, self.burst_bytes, self.clock),
-            False,
-            self.clock,
+    def __init__(
+        self,
+        rate_cap_bytes_per_s: float = 0.0,
+        burst_bytes: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if rate_cap_bytes_per_s < 0:
+            raise ValueError(f"{type(self).__name__}: rate_cap_bytes_per_s = {rate_cap_bytes_per_s} < 0")
+        self.rate_cap_bytes_per_s = rate_cap_bytes_per_s
+        self.clock = clock
+        burst = rate_cap_bytes_per_s * 0.01 if burst_bytes is None else burst_bytes
+        self._bucket = (
+            TokenBucket(rate_cap_bytes_per_s, burst, clock, initial_bytes=0.0) if rate_cap_bytes_per_s else None
         )
 
+    def _open(self, stub: pb_grpc.LlumletAsyncStub, request_id: str, attempt: int, use_shm: bool) -> BlockStream:
+        return _GrpcBlockStream(stub, request_id, attempt, self._bucket, use_shm, self.clock)
 
-@dataclass(slots=True)
-class SharedMemoryTransport:
+
+class GrpcStreamTransport(_CappedTransport):
+    """Blocks inline in a gRPC stream, paced by a token bucket when ``rate_cap_bytes_per_s`` > 0."""
+
+    name = TransportName.GRPC
+
+    def open(self, stub: pb_grpc.LlumletAsyncStub, request_id: str, attempt: int) -> BlockStream:
+        """A stream for one stage of ``(request_id, attempt)``."""
+        return self._open(stub, request_id, attempt, use_shm=False)
+
+
+class SharedMemoryTransport(_CappedTransport):
     """Block data through shared-memory segments (one per run, unlinked when the stage closes); control
     messages over gRPC. Capped like the gRPC transport when ``rate_cap_bytes_per_s`` > 0."""
 
-    rate_cap_bytes_per_s: float = 0.0
-    burst_bytes: float | None = None
-    clock: Callable[[], float] = time.monotonic
-    name: TransportName = TransportName.LOCAL
+    name = TransportName.LOCAL
 
     def open(self, stub: pb_grpc.LlumletAsyncStub, request_id: str, attempt: int) -> BlockStream:
-        return _GrpcBlockStream(
-            stub,
-            request_id,
-            attempt,
-            _bucket(self.rate_cap_bytes_per_s, self.burst_bytes, self.clock),
-            True,
-            self.clock,
-        )
-
-
-def _bucket(rate: float, burst: float | None, clock: Callable[[], float]) -> TokenBucket | None:
-    if rate <= 0:
-        return None
-    return TokenBucket(rate, rate * 0.05 if burst is None else burst, clock)
+        """A stream for one stage of ``(request_id, attempt)``."""
+        return self._open(stub, request_id, attempt, use_shm=True)
 
 
 def read_shm(ref: pb.ShmRef) -> bytes:

@@ -94,8 +94,11 @@ def test_token_bucket_waits_out_its_debt_at_the_rate() -> None:
         assert await bucket.consume(50) == 0.0
         assert await bucket.consume(1) == pytest.approx(0.01)
 
+        empty = TokenBucket(100.0, 50.0, clock=lambda: now[0], sleep=sleep, initial_bytes=0.0)
+        assert await empty.consume(10) == pytest.approx(0.1)  # a migration's bucket starts empty
+
     asyncio.run(main())
-    assert sum(waits) == pytest.approx(0.61)
+    assert sum(waits) == pytest.approx(0.71)
 
 
 def test_token_bucket_rejects_bad_rates() -> None:

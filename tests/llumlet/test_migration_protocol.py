@@ -163,13 +163,13 @@ def test_fencing_tokens_and_bad_commands_are_refused() -> None:
         assert unknown.outcome == pb.MIGRATION_REFUSED and "'nope' does not run here" in unknown.reason
         zero = await c.a.client.migrate_out("r", c.b.address, attempt=0)
         assert zero.outcome == pb.MIGRATION_REFUSED and "attempt = 0" in zero.reason
+        c.col.expect("q", c.a.address)  # 254 prompt blocks + r's >= 3 blocks > 256: q waits in the queue
+        assert (await c.a.client.submit("q", c.col.address, SamplingParams(max_tokens=5), prompt_tokens=4060)).accepted
+        queued = await c.a.client.migrate_out("q", c.b.address, attempt=1)
+        assert queued.outcome == pb.MIGRATION_REFUSED and "waiting, not running" in queued.reason
+        await c.a.client.abort("q")
         await c.a.client.abort("r")
         await c.exactly_once("r", 400, reason="abort")
-        c.col.expect("q", c.a.address)
-        assert (await c.a.client.submit("q", c.col.address, SamplingParams(max_tokens=5), prompt_tokens=4000)).accepted
-        queued = await c.a.client.migrate_out("q", c.b.address, attempt=1)
-        assert queued.outcome == pb.MIGRATION_REFUSED and ("waiting" in queued.reason or "prefill" in queued.reason)
-        await c.a.client.abort("q")
         await c.baseline()
 
     run(body)
