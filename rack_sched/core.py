@@ -264,9 +264,12 @@ class DomainScheduler:
 
     # ---- etcd: instances, drains, leader ---------------------------------------------------------
     async def _follow_view(self) -> None:
-        version = self.view.version
+        version = -1  # apply at once: etcd may have changed while the view was being rebuilt
         while True:
-            version = await self.view.wait_changed(version)
+            if version >= 0:
+                version = await self.view.wait_changed(version)
+            else:
+                version = self.view.version
             try:
                 self._apply_view()
             except Exception:
