@@ -103,6 +103,7 @@ def assert_baseline(engine: TorchEngine) -> None:
     load = engine.load()
     assert (load.used_blocks, load.reserved_blocks, load.num_suspended) == (0, 0, 0)
     assert load.free_blocks == load.total_blocks
+    assert not (engine._generators or engine._params or engine._written)  # per-request state not leaked
 
 
 # ---- the model ---------------------------------------------------------------------------------------
