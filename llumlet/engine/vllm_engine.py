@@ -223,6 +223,7 @@ class _Tracked:
     num_carried: int = 0  # of output_ids, produced on other engines (the vLLM request sees them as prompt)
     suspended: bool = False
     num_preemptions_seen: int = 0
+    num_loaded_tokens: int = 0  # KV tokens moved in, not yet admitted (counted as computed, not computed)
 
 
 @dataclass
@@ -466,6 +467,9 @@ class VllmEngine:
                 tracked.num_preemptions_seen = r.num_preemptions
                 preempted.append(rid)
                 continue
+            if after > computed and tracked.num_loaded_tokens:
+                computed += tracked.num_loaded_tokens  # loaded by the connector, not computed
+                tracked.num_loaded_tokens = 0
             if after > computed:
                 scheduled += 1
                 if computed >= prompt:
@@ -749,7 +753,9 @@ class VllmEngine:
             internal, state.num_computed_tokens, moved, gen_state, self._h
         )
         vi.move_to_queue_head(self._h, internal)
-        self._track(_Tracked(request, params, opts, internal, list(state.output_token_ids), state.num_output_tokens))
+        tracked = _Tracked(request, params, opts, internal, list(state.output_token_ids), state.num_output_tokens)
+        tracked.num_loaded_tokens = state.num_computed_tokens
+        self._track(tracked)
         return True
 
 
