@@ -15,13 +15,12 @@ from __future__ import annotations
 
 from llumlet.engine.blocks import BlockManager
 from llumlet.engine.latency import LatencyModel
+from llumlet.engine.paged import PagedEngine
 from llumlet.engine.protocol import KVPayload
 from llumlet.engine.scheduler import Admission, RequestStatus, Scheduler, SchedulerRequest
 from llumlet.engine.types import (
-    EngineLoad,
     EngineRequest,
     MigrationState,
-    RunningRequestLoad,
     StepResult,
 )
 
@@ -50,7 +49,7 @@ class RequestStats:
         )
 
 
-class EngineCore:
+class EngineCore(PagedEngine):
     """A modelled LLM engine instance.
 
     Args:
@@ -87,11 +86,6 @@ class EngineCore:
         self._suspended: dict[str, SchedulerRequest] = {}
         self._last_step_preempted = False
         self.stats: dict[str, RequestStats] = {}  # request_id -> counters of requests that left
-
-    @property
-    def block_size_tokens(self) -> int:
-        """Tokens per KV cache block."""
-        return self.blocks.block_size_tokens
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -145,14 +139,6 @@ class EngineCore:
         self.stats[request_id] = RequestStats(state)
         return True
 
-    def has_work(self) -> bool:
-        """True while a request waits or runs (suspended requests alone are not work)."""
-        return bool(self.scheduler.waiting or self.scheduler.running)
-
-    def request_state(self, request_id: str) -> SchedulerRequest | None:
-        """Live state of an unfinished request (read-only use), None if unknown."""
-        return self.scheduler.requests.get(request_id)
-
     # ---- stepping -------------------------------------------------------------------------------
     def step(self) -> StepResult:
         """Schedule one batch, price it and apply it. An idle result (nothing fit) has duration 0."""
@@ -178,50 +164,7 @@ class EngineCore:
             num_prefix_hit_tokens=batch.prefix_hit_tokens,
         )
 
-    def load(self) -> EngineLoad:
-        """Current block usage and queue state."""
-        sched = self.scheduler
-        return EngineLoad(
-            total_blocks=self.blocks.num_blocks,
-            used_blocks=self.blocks.used_blocks,
-            reserved_blocks=self.blocks.reserved_blocks,
-            cached_blocks=self.blocks.cached_blocks,
-            running=tuple(
-                RunningRequestLoad(
-                    request_id=s.request_id,
-                    blocks=self.blocks.num_blocks_of(s.request_id),
-                    priority=s.request.priority,
-                    num_tokens=s.num_tokens,
-                    in_decode=s.in_decode,
-                )
-                for s in sched.running
-            ),
-            num_waiting=len(sched.waiting),
-            head_demand_blocks=sched.head_demand_blocks(),
-            queued_demand_blocks=sched.queued_demand_blocks(),
-            preempting=self._last_step_preempted or any(s.num_preemptions for s in sched.waiting),
-            num_suspended=len(self._suspended),
-        )
-
     # ---- migration hooks ------------------------------------------------------------------------
-    def request_kv(self, request_id: str) -> tuple[int, int] | None:
-        """(tokens in the KV cache, blocks held) of an unfinished request; None if unknown."""
-        state = self.scheduler.requests.get(request_id)
-        if state is None:
-            return None
-        return state.num_computed_tokens, self.blocks.num_blocks_of(request_id)
-
-    def migratable(self, request_id: str) -> str | None:
-        """None when the request is running in its decode phase (movable), else why it cannot move."""
-        state = self.scheduler.requests.get(request_id)
-        if state is None:
-            return f"{self.instance_id}: unknown request {request_id!r}"
-        if state.status is not RequestStatus.RUNNING:
-            return f"{self.instance_id}: request {request_id!r} is {state.status.name.lower()}, not running"
-        if not state.in_decode:
-            return f"{self.instance_id}: request {request_id!r} is still in prefill"
-        return None
-
     def read_blocks(self, request_id: str, first_block: int, num_blocks: int) -> KVPayload:
         """The model engine moves no data: a payload with the logical size only.
 
@@ -255,13 +198,6 @@ class EngineCore:
         """Destination side: hold ``n_blocks`` for an incoming request. False if no room or id in use."""
         return self.blocks.reserve(reservation_id, n_blocks)
 
-    def grow_reservation(self, reservation_id: str, n_blocks: int) -> bool:
-        """Destination side: make the reservation hold at least ``n_blocks`` (grow-only).
-
-        False when the extra blocks don't fit (nothing changes). Raises KeyError for an unknown reservation.
-        """
-        return self.blocks.grow_reservation(reservation_id, n_blocks)
-
     def release_reservation(self, reservation_id: str) -> int:
         """Give a reservation back. Idempotent and safe if never reserved; returns blocks released."""
         return self.blocks.release(reservation_id)
@@ -294,14 +230,6 @@ class EngineCore:
             output_token_ids=tuple(state.output_token_ids),
             sampling_params=req.sampling_params,
         )
-
-    def resume(self, request_id: str) -> bool:
-        """Undo ``suspend`` (migration aborted): the request runs here again. False if not suspended."""
-        state = self._suspended.pop(request_id, None)
-        if state is None:
-            return False
-        self.scheduler.add_running(state)
-        return True
 
     def free_migrated(self, request_id: str) -> int:
         """Source side after the destination committed: forget the suspended request, free its blocks.

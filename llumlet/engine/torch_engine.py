@@ -41,13 +41,12 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from llumlet.engine.blocks import BlockManager
 from llumlet.engine.core import RequestStats, RequestTooLargeError
+from llumlet.engine.paged import PagedEngine
 from llumlet.engine.protocol import KVPayload
 from llumlet.engine.scheduler import RequestStatus, ScheduledBatch, Scheduler, SchedulerRequest
 from llumlet.engine.types import (
-    EngineLoad,
     EngineRequest,
     MigrationState,
-    RunningRequestLoad,
     SamplingParams,
     StepResult,
 )
@@ -151,7 +150,7 @@ def _generator_state(g: torch.Generator) -> bytes:
     return bytes(g.get_state().numpy().tobytes())
 
 
-class TorchEngine:
+class TorchEngine(PagedEngine):
     """A CPU Llama engine on a paged KV pool; implements ``llumlet.engine.protocol.Engine``.
 
     Args:
@@ -212,11 +211,6 @@ class TorchEngine:
         self.stats: dict[str, RequestStats] = {}  # request_id -> counters of requests that left
 
     # ---- sizes ----------------------------------------------------------------------------------
-    @property
-    def block_size_tokens(self) -> int:
-        """Tokens per KV cache block."""
-        return self.blocks.block_size_tokens
-
     @property
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block in the pool: layers x 2 x kv_heads x block_size x head_dim x 4 (float32)."""
@@ -287,14 +281,6 @@ class TorchEngine:
         self.stats[request_id] = RequestStats(state)
         self._generators.pop(request_id, None)
         self._params.pop(request_id, None)
-
-    def has_work(self) -> bool:
-        """True while a request waits or runs (suspended requests alone are not work)."""
-        return bool(self.scheduler.waiting or self.scheduler.running)
-
-    def request_state(self, request_id: str) -> SchedulerRequest | None:
-        """Live state of an unfinished request (read-only use), None if unknown."""
-        return self.scheduler.requests.get(request_id)
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self) -> StepResult:
@@ -400,54 +386,7 @@ class TorchEngine:
         flat = blocks.transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)
         return flat[None, :, :num_tokens, :]
 
-    def load(self) -> EngineLoad:
-        """Current block usage and queue state (as ``EngineCore.load``)."""
-        sched = self.scheduler
-        return EngineLoad(
-            total_blocks=self.blocks.num_blocks,
-            used_blocks=self.blocks.used_blocks,
-            reserved_blocks=self.blocks.reserved_blocks,
-            cached_blocks=self.blocks.cached_blocks,
-            running=tuple(
-                RunningRequestLoad(
-                    request_id=s.request_id,
-                    blocks=self.blocks.num_blocks_of(s.request_id),
-                    priority=s.request.priority,
-                    num_tokens=s.num_tokens,
-                    in_decode=s.in_decode,
-                )
-                for s in sched.running
-            ),
-            num_waiting=len(sched.waiting),
-            head_demand_blocks=sched.head_demand_blocks(),
-            queued_demand_blocks=sched.queued_demand_blocks(),
-            preempting=self._last_step_preempted or any(s.num_preemptions for s in sched.waiting),
-            num_suspended=len(self._suspended),
-        )
-
     # ---- migration: source side -----------------------------------------------------------------
-    def request_kv(self, request_id: str) -> tuple[int, int] | None:
-        """(tokens whose KV is in the pool, blocks held) of an unfinished request; None if unknown."""
-        state = self.scheduler.requests.get(request_id)
-        if state is None:
-            return None
-        return state.num_computed_tokens, self.blocks.num_blocks_of(request_id)
-
-    def migratable(self, request_id: str) -> str | None:
-        """None when the request can move faithfully now, else why not.
-
-        Refused: unknown; not running (queued, preempted, suspended); still in prefill (its KV is
-        incomplete and no token was sampled yet: move it by re-dispatching instead).
-        """
-        state = self.scheduler.requests.get(request_id)
-        if state is None:
-            return f"{self.instance_id}: unknown request {request_id!r}"
-        if state.status is not RequestStatus.RUNNING:
-            return f"{self.instance_id}: request {request_id!r} is {state.status.name.lower()}, not running"
-        if not state.in_decode:
-            return f"{self.instance_id}: request {request_id!r} is still in prefill"
-        return None
-
     def read_blocks(self, request_id: str, first_block: int, num_blocks: int) -> KVPayload:
         """The K/V of ``num_blocks`` blocks from position ``first_block`` of the request's block table.
 
@@ -505,14 +444,6 @@ class TorchEngine:
             },
         )
 
-    def resume(self, request_id: str) -> bool:
-        """Undo ``suspend`` (migration aborted): the request runs here again. False if not suspended."""
-        state = self._suspended.pop(request_id, None)
-        if state is None:
-            return False
-        self.scheduler.add_running(state)
-        return True
-
     def free_migrated(self, request_id: str) -> int:
         """After the destination committed: forget the suspended request, free its blocks. Idempotent."""
         state = self._suspended.pop(request_id, None)
@@ -529,13 +460,6 @@ class TorchEngine:
             return False
         self._written[reservation_id] = set()
         return True
-
-    def grow_reservation(self, reservation_id: str, n_blocks: int) -> bool:
-        """Make the reservation hold at least ``n_blocks`` (the request grew during pre-copy); False if no room.
-
-        Positions already written keep their blocks. Raises KeyError for an unknown reservation.
-        """
-        return self.blocks.grow_reservation(reservation_id, n_blocks)
 
     def release_reservation(self, reservation_id: str) -> int:
         """Give a reservation back. Idempotent and safe if never reserved; returns blocks released."""

@@ -1,0 +1,100 @@
+"""The bookkeeping every paged engine shares: load reports and the migration hooks that only touch blocks.
+
+:class:`PagedEngine` holds a :class:`~llumlet.engine.blocks.BlockManager` and a
+:class:`~llumlet.engine.scheduler.Scheduler`; the model engine (:class:`~llumlet.engine.core.EngineCore`) and
+the CPU reference engine (:class:`~llumlet.engine.torch_engine.TorchEngine`) subclass it and add what differs:
+how a step is executed and priced, and how KV data is read, written and adopted.
+"""
+
+from __future__ import annotations
+
+from llumlet.engine.blocks import BlockManager
+from llumlet.engine.scheduler import RequestStatus, Scheduler, SchedulerRequest
+from llumlet.engine.types import EngineLoad, RunningRequestLoad
+
+__all__ = ["PagedEngine"]
+
+
+class PagedEngine:
+    """Base of engines built on hilum's own block accounting and continuous batching.
+
+    Subclasses set ``instance_id``, ``blocks``, ``scheduler``, ``_suspended`` (requests suspended for
+    migration) and ``_last_step_preempted`` in their constructor.
+    """
+
+    instance_id: str
+    blocks: BlockManager
+    scheduler: Scheduler
+    _suspended: dict[str, SchedulerRequest]
+    _last_step_preempted: bool
+
+    @property
+    def block_size_tokens(self) -> int:
+        """Tokens per KV cache block."""
+        return self.blocks.block_size_tokens
+
+    def has_work(self) -> bool:
+        """True while a request waits or runs (suspended requests alone are not work)."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def request_state(self, request_id: str) -> SchedulerRequest | None:
+        """Live state of an unfinished request (read-only use), None if unknown."""
+        return self.scheduler.requests.get(request_id)
+
+    def load(self) -> EngineLoad:
+        """Current block usage and queue state."""
+        sched = self.scheduler
+        return EngineLoad(
+            total_blocks=self.blocks.num_blocks,
+            used_blocks=self.blocks.used_blocks,
+            reserved_blocks=self.blocks.reserved_blocks,
+            cached_blocks=self.blocks.cached_blocks,
+            running=tuple(
+                RunningRequestLoad(
+                    request_id=s.request_id,
+                    blocks=self.blocks.num_blocks_of(s.request_id),
+                    priority=s.request.priority,
+                    num_tokens=s.num_tokens,
+                    in_decode=s.in_decode,
+                )
+                for s in sched.running
+            ),
+            num_waiting=len(sched.waiting),
+            head_demand_blocks=sched.head_demand_blocks(),
+            queued_demand_blocks=sched.queued_demand_blocks(),
+            preempting=self._last_step_preempted or any(s.num_preemptions for s in sched.waiting),
+            num_suspended=len(self._suspended),
+        )
+
+    def request_kv(self, request_id: str) -> tuple[int, int] | None:
+        """(tokens in the KV cache, blocks held) of an unfinished request; None if unknown."""
+        state = self.scheduler.requests.get(request_id)
+        if state is None:
+            return None
+        return state.num_computed_tokens, self.blocks.num_blocks_of(request_id)
+
+    def migratable(self, request_id: str) -> str | None:
+        """None when the request is running in its decode phase (movable), else why it cannot move."""
+        state = self.scheduler.requests.get(request_id)
+        if state is None:
+            return f"{self.instance_id}: unknown request {request_id!r}"
+        if state.status is not RequestStatus.RUNNING:
+            return f"{self.instance_id}: request {request_id!r} is {state.status.name.lower()}, not running"
+        if not state.in_decode:
+            return f"{self.instance_id}: request {request_id!r} is still in prefill"
+        return None
+
+    def grow_reservation(self, reservation_id: str, n_blocks: int) -> bool:
+        """Destination side: make the reservation hold at least ``n_blocks`` (grow-only).
+
+        False when the extra blocks don't fit (nothing changes). Raises KeyError for an unknown reservation.
+        """
+        return self.blocks.grow_reservation(reservation_id, n_blocks)
+
+    def resume(self, request_id: str) -> bool:
+        """Undo ``suspend`` (migration aborted): the request runs here again. False if not suspended."""
+        state = self._suspended.pop(request_id, None)
+        if state is None:
+            return False
+        self.scheduler.add_running(state)
+        return True
