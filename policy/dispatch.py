@@ -3,7 +3,11 @@
 A view keeps the last load report of each target plus the requests it dispatched since then
 ("reservations"), so a burst that arrives between two reports spreads out instead of piling onto
 the target that looked freest. A fresh report replaces the target's state and drops its
-reservations: the report already counts whatever arrived.
+reservations: the report already counts whatever arrived. A report that left its source some time
+ago (a domain summary published every 100 ms and received later) only counts what arrived before it
+was taken: give ``update`` its ``as_of`` stamp and the reservations made after it are kept
+(stamps are any increasing number the caller chooses, e.g. seconds on its clock; the rule book reads
+no clock).
 
 Rule, per pick of a request needing `demand_blocks`:
 1. capable = targets not draining whose single-instance capacity >= demand; none -> refuse;
@@ -49,6 +53,7 @@ class _Target:
     reserved_usage: float = 0.0  # Σ(demand + headroom) dispatched since the report
     reserved_blocks: int = 0  # Σ demand dispatched since the report
     reserved_count: int = 0  # requests dispatched since the report
+    stamped: tuple[tuple[float, int, int], ...] = ()  # (stamp, demand, virtual) of stamped reservations
 
     def freeness(self) -> float:
         return freeness_of(
@@ -58,10 +63,18 @@ class _Target:
     def has_room(self, demand_blocks: int) -> bool:
         return self.free_blocks - self.reserved_blocks >= demand_blocks
 
-    def reserve(self, demand_blocks: int, virtual_blocks: int) -> None:
+    def reserve(self, demand_blocks: int, virtual_blocks: int, stamp: float | None = None) -> None:
         self.reserved_usage += virtual_blocks
         self.reserved_blocks += demand_blocks
         self.reserved_count += 1
+        if stamp is not None:
+            self.stamped += ((stamp, demand_blocks, virtual_blocks),)
+
+    def keep_after(self, previous: _Target, as_of: float) -> None:
+        """Carry over ``previous``'s stamped reservations made after ``as_of`` (the new report misses them)."""
+        for stamp, demand, virtual in previous.stamped:
+            if stamp > as_of:
+                self.reserve(demand, virtual, stamp)
 
 
 class _View:
@@ -82,11 +95,12 @@ class _View:
         """Freeness of a target as this view sees it, reservations included. KeyError if unknown."""
         return self._targets[target_id].freeness()
 
-    def pick(self, demand_blocks: int, priority: int = 0) -> DispatchDecision:
+    def pick(self, demand_blocks: int, priority: int = 0, stamp: float | None = None) -> DispatchDecision:
         """Choose a target for a request needing `demand_blocks` (its prompt's KV blocks) and reserve it.
 
-        Raises ValueError if demand_blocks < 0. Returns target_id None, with the reason, only when no
-        target can ever hold the request.
+        `stamp` (optional) marks the reservation so that a later `update(..., as_of=...)` with an older
+        report keeps it. Raises ValueError if demand_blocks < 0. Returns target_id None, with the reason,
+        only when no target can ever hold the request.
         """
         if demand_blocks < 0:
             raise ValueError(f"pick: demand_blocks must be >= 0, got {demand_blocks}")
@@ -95,10 +109,13 @@ class _View:
             return DispatchDecision(None, self._refusal(demand_blocks))
         roomy = [t for t in capable if t.has_room(demand_blocks)]
         chosen, num_near = self._choose(roomy or capable)
-        chosen.reserve(demand_blocks, demand_blocks + self._cfg.headroom_blocks(priority))
+        chosen.reserve(demand_blocks, demand_blocks + self._cfg.headroom_blocks(priority), stamp)
         return DispatchDecision(chosen.target_id, self._reason(chosen, demand_blocks, num_near, bool(roomy)))
 
-    def _set(self, target: _Target) -> None:
+    def _set(self, target: _Target, as_of: float | None = None) -> None:
+        previous = self._targets.get(target.target_id)
+        if previous is not None and as_of is not None:
+            target.keep_after(previous, as_of)
         self._targets[target.target_id] = target
 
     def _choose(self, pool: list[_Target]) -> tuple[_Target, int]:
@@ -146,8 +163,11 @@ class DispatchView(_View):
                 raise ValueError(f"DispatchView: instance {load.instance_id!r} appears twice")
             self.update(load)
 
-    def update(self, load: InstanceLoad) -> None:
-        """Replace an instance's state with a fresh report (or add it); drops its reservations."""
+    def update(self, load: InstanceLoad, as_of: float | None = None) -> None:
+        """Replace an instance's state with a report (or add it).
+
+        Drops its reservations, or with `as_of` (the report's stamp) only those stamped at or before it.
+        """
         self._set(
             _Target(
                 target_id=load.instance_id,
@@ -157,7 +177,8 @@ class DispatchView(_View):
                 free_blocks=load.free_blocks - queued_blocks(load),
                 max_request_blocks=load.capacity_blocks,
                 draining=load.draining,
-            )
+            ),
+            as_of,
         )
 
 
@@ -178,8 +199,12 @@ class DomainDispatchView(_View):
                 raise ValueError(f"DomainDispatchView: domain {summary.domain_id!r} appears twice")
             self.update(summary)
 
-    def update(self, summary: DomainSummary) -> None:
-        """Replace a domain's state with a fresh summary (or add it); drops its reservations."""
+    def update(self, summary: DomainSummary, as_of: float | None = None) -> None:
+        """Replace a domain's state with a summary (or add it).
+
+        Drops its reservations, or with `as_of` (when the summary was taken, on the stamps' clock) only
+        those stamped at or before it: a summary that took time to arrive misses the later dispatches.
+        """
         self._set(
             _Target(
                 target_id=summary.domain_id,
@@ -189,5 +214,6 @@ class DomainDispatchView(_View):
                 free_blocks=summary.largest_free_blocks,
                 max_request_blocks=summary.max_instance_capacity_blocks,
                 draining=summary.draining,
-            )
+            ),
+            as_of,
         )

@@ -204,11 +204,12 @@ class HilumTwoTier(ClusterScheduler):
 
     def _publish(self) -> None:
         published = {d: self._summary(d) for d in self.domain_ids}
+        taken_s = self.cluster.queue.now_s
 
         def deliver() -> None:
             self.summaries.update(published)
             for summary in published.values():
-                self.gateway.update(summary)
+                self.gateway.update(summary, as_of=taken_s)  # keeps the dispatches the summary missed
 
         self.cluster.queue.schedule_in(self.ctx.timing.summary_lag_s, EventKind.SUMMARY, deliver)
 
@@ -219,7 +220,7 @@ class HilumTwoTier(ClusterScheduler):
         tried: set[str] = set()
         reasons: list[str] = []
         while len(tried) < len(self.domain_ids):
-            domain = self.gateway.pick(need, req.priority)
+            domain = self.gateway.pick(need, req.priority, stamp=self.cluster.queue.now_s)
             if domain.target_id is None or domain.target_id in tried:
                 reasons.append(domain.reason)
                 break

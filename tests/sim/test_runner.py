@@ -90,8 +90,8 @@ def test_a_drained_instance_gets_nothing_new_and_is_emptied_by_migration() -> No
     run = _run("hilum", drain=("n0-i0@1.0",))
     late = [r for r in run.requests if r.arrival_s > 1.2]
     assert late and all(r.instance_id != "n0-i0" for r in late)
-    moved_out = [m for m in run.migrations if m.src_instance_id == "n0-i0" and m.outcome == "committed"]
-    assert moved_out and all(m.start_s >= 1.0 for m in moved_out)
+    drained = [m for m in run.migrations if m.src_instance_id == "n0-i0" and "source draining" in m.reason]
+    assert drained and all(m.start_s >= 1.0 and m.outcome == "committed" for m in drained)
     assert all(m.dst_instance_id != "n0-i0" for m in run.migrations if m.start_s >= 1.0)
 
 
