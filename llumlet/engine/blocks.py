@@ -202,6 +202,23 @@ class BlockManager:
         self._reservations[reservation_id] = got
         return True
 
+    def grow_reservation(self, reservation_id: str, n_blocks: int) -> bool:
+        """Make the reservation hold at least ``n_blocks`` (the request grew during pre-copy).
+
+        True when it already holds that many or the extra blocks were taken; False when they don't fit
+        (nothing changes). Raises KeyError for an unknown reservation.
+        """
+        held = self._reservations.get(reservation_id)
+        if held is None:
+            raise KeyError(f"grow_reservation: unknown reservation {reservation_id!r} (released or never made)")
+        if n_blocks <= len(held):
+            return True
+        got = self._take(n_blocks - len(held))
+        if got is None:
+            return False
+        held.extend(got)
+        return True
+
     def reservation_size(self, reservation_id: str) -> int | None:
         """Blocks held by a reservation; None when it does not exist (never made, committed or released)."""
         held = self._reservations.get(reservation_id)

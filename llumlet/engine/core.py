@@ -255,6 +255,13 @@ class EngineCore:
         """Destination side: hold ``n_blocks`` for an incoming request. False if no room or id in use."""
         return self.blocks.reserve(reservation_id, n_blocks)
 
+    def grow_reservation(self, reservation_id: str, n_blocks: int) -> bool:
+        """Destination side: make the reservation hold at least ``n_blocks`` (grow-only).
+
+        False when the extra blocks don't fit (nothing changes). Raises KeyError for an unknown reservation.
+        """
+        return self.blocks.grow_reservation(reservation_id, n_blocks)
+
     def release_reservation(self, reservation_id: str) -> int:
         """Give a reservation back. Idempotent and safe if never reserved; returns blocks released."""
         return self.blocks.release(reservation_id)

@@ -8,6 +8,7 @@ migration hooks a llumlet drives (DESIGN.md, "Migration"):
 source side                              destination side
 -----------                              ----------------
 request_kv, migratable                   reserve(reservation_id, n_blocks) -> bool
+                                         grow_reservation(reservation_id, n_blocks) -> bool
 read_blocks(request_id, first, n)  ───▶  write_blocks(reservation_id, first, payload)
 suspend(request_id) -> MigrationState    commit_incoming(reservation_id, state) -> bool
 resume(request_id)   (on abort)          release_reservation(reservation_id)  (idempotent)
@@ -118,6 +119,13 @@ class Engine(Protocol):
     # ---- destination side -----------------------------------------------------------------------
     def reserve(self, reservation_id: str, n_blocks: int) -> bool:
         """Hold ``n_blocks`` for an incoming request; False if there is no room or the id is in use."""
+        ...
+
+    def grow_reservation(self, reservation_id: str, n_blocks: int) -> bool:
+        """Make the reservation hold at least ``n_blocks`` (the request grew during pre-copy); False if no room.
+
+        Raises KeyError for an unknown reservation.
+        """
         ...
 
     def write_blocks(self, reservation_id: str, payload: KVPayload) -> None:

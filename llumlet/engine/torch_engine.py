@@ -530,6 +530,13 @@ class TorchEngine:
         self._written[reservation_id] = set()
         return True
 
+    def grow_reservation(self, reservation_id: str, n_blocks: int) -> bool:
+        """Make the reservation hold at least ``n_blocks`` (the request grew during pre-copy); False if no room.
+
+        Positions already written keep their blocks. Raises KeyError for an unknown reservation.
+        """
+        return self.blocks.grow_reservation(reservation_id, n_blocks)
+
     def release_reservation(self, reservation_id: str) -> int:
         """Give a reservation back. Idempotent and safe if never reserved; returns blocks released."""
         self._written.pop(reservation_id, None)

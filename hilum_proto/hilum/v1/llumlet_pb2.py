@@ -24,17 +24,69 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"hilum_proto/hilum/v1/llumlet.proto\x12\x08hilum.v1\"\x14\n\x12LlumletPingRequest\":\n\x10LlumletPingReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tdomain_id\x18\x02 \x01(\t2K\n\x07Llumlet\x12@\n\x04Ping\x12\x1c.hilum.v1.LlumletPingRequest\x1a\x1a.hilum.v1.LlumletPingReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"hilum_proto/hilum/v1/llumlet.proto\x12\x08hilum.v1\"\x14\n\x12LlumletPingRequest\"\x81\x01\n\x10LlumletPingReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tdomain_id\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x19\n\x11\x62lock_size_tokens\x18\x04 \x01(\r\x12\x1a\n\x12kv_bytes_per_block\x18\x05 \x01(\x04\"\x8a\x01\n\x08Sampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\rB\x07\n\x05_seed\"\xdb\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12$\n\x08sampling\x18\x04 \x01(\x0b\x32\x12.hilum.v1.Sampling\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0e\n\x06origin\x18\x06 \x01(\t\x12\x1b\n\x13prefix_block_hashes\x18\x07 \x03(\x04\x12 \n\x18prefix_hash_block_tokens\x18\x08 \x01(\r\"/\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"1\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x14\n\x0c\x66orwarded_to\x18\x02 \x01(\t\"\x10\n\x0eGetLoadRequest\"*\n\x10WatchLoadRequest\x12\x16\n\x0emin_interval_s\x18\x01 \x01(\x01\"m\n\x0eRunningRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x11\n\tin_decode\x18\x05 \x01(\x08\"\x91\x03\n\nLoadReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tdomain_id\x18\x02 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\r\x12\x13\n\x0bused_blocks\x18\x04 \x01(\r\x12\x17\n\x0freserved_blocks\x18\x05 \x01(\r\x12\x15\n\rcached_blocks\x18\x06 \x01(\r\x12)\n\x07running\x18\x07 \x03(\x0b\x32\x18.hilum.v1.RunningRequest\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\r\x12\x1a\n\x12head_demand_blocks\x18\t \x01(\r\x12\x1c\n\x14queued_demand_blocks\x18\n \x01(\r\x12\x12\n\npreempting\x18\x0b \x01(\x08\x12\x15\n\rnum_suspended\x18\x0c \x01(\r\x12\x14\n\x0cnum_requests\x18\r \x01(\r\x12\x18\n\x10num_reservations\x18\x0e \x01(\r\x12\x1a\n\x12num_migrations_out\x18\x0f \x01(\r\x12\x0f\n\x07version\x18\x10 \x01(\x04\"\xd4\x02\n\x11MigrateOutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64st_address\x18\x02 \x01(\t\x12\x17\n\x0f\x64st_instance_id\x18\x03 \x01(\t\x12*\n\ttransport\x18\x04 \x01(\x0e\x32\x17.hilum.v1.TransportKind\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\r\x12\x15\n\rfencing_token\x18\x06 \x01(\x03\x12\x1c\n\x14rate_cap_bytes_per_s\x18\x07 \x01(\x01\x12%\n\x04mode\x18\x08 \x01(\x0e\x32\x17.hilum.v1.MigrationMode\x12\x17\n\nmax_stages\x18\t \x01(\rH\x00\x88\x01\x01\x12\"\n\x15stop_remaining_blocks\x18\n \x01(\rH\x01\x88\x01\x01\x42\r\n\x0b_max_stagesB\x18\n\x16_stop_remaining_blocks\"Z\n\x0bStageReport\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x0c\n\x04last\x18\x02 \x01(\x08\x12\x0e\n\x06\x62locks\x18\x03 \x01(\r\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"\xa0\x02\n\x0fMigrateOutReply\x12+\n\x07outcome\x18\x01 \x01(\x0e\x32\x1a.hilum.v1.MigrationOutcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x1c\n\x14rate_cap_bytes_per_s\x18\x04 \x01(\x01\x12\x0e\n\x06stages\x18\x05 \x01(\r\x12\x0e\n\x06\x62locks\x18\x06 \x01(\r\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\x12\x0f\n\x07total_s\x18\x08 \x01(\x01\x12\x12\n\ndowntime_s\x18\t \x01(\x01\x12\x1d\n\x15\x62\x61ndwidth_bytes_per_s\x18\n \x01(\x01\x12,\n\rstage_reports\x18\x0b \x03(\x0b\x32\x15.hilum.v1.StageReport\"t\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x17\n\x0fsrc_instance_id\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x10\n\x08\x65xpiry_s\x18\x05 \x01(\x01\"p\n\x0cReserveReply\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.hilum.v1.DestStatus\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x16\n\x0ereservation_id\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\"4\n\x06ShmRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\"\x97\x01\n\nBlockChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x1d\n\x03shm\x18\x07 \x01(\x0b\x32\x10.hilum.v1.ShmRef\"w\n\x10WriteBlocksReply\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.hilum.v1.DestStatus\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x16\n\x0e\x62locks_written\x18\x03 \x01(\r\x12\x15\n\rbytes_written\x18\x04 \x01(\x04\"\xa3\x03\n\x10SuspendedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x11\n\tarrival_s\x18\x07 \x01(\x01\x12\x1b\n\x13prefix_block_hashes\x18\x08 \x03(\x04\x12 \n\x18prefix_hash_block_tokens\x18\t \x01(\r\x12\x17\n\x0fnum_preemptions\x18\n \x01(\r\x12\x1c\n\x14has_prompt_token_ids\x18\x0b \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x0c \x03(\r\x12\x18\n\x10output_token_ids\x18\r \x03(\r\x12\x14\n\x0chas_sampling\x18\x0e \x01(\x08\x12$\n\x08sampling\x18\x0f \x01(\x0b\x32\x12.hilum.v1.Sampling\x12\r\n\x05\x65xtra\x18\x10 \x01(\x0c\"\xa9\x01\n\rCommitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12)\n\x05state\x18\x03 \x01(\x0b\x32\x1a.hilum.v1.SuspendedRequest\x12\x0e\n\x06origin\x18\x04 \x01(\t\x12\x10\n\x08next_seq\x18\x05 \x01(\x04\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x17\n\x0fsrc_instance_id\x18\x07 \x01(\t\"C\n\x0b\x43ommitReply\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.hilum.v1.DestStatus\x12\x0e\n\x06reason\x18\x02 \x01(\t\"5\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\"`\n\x0cReleaseReply\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.hilum.v1.DestStatus\x12\x17\n\x0freleased_blocks\x18\x02 \x01(\r\x12\x11\n\tcommitted\x18\x03 \x01(\x08*L\n\rTransportKind\x12\x12\n\x0eTRANSPORT_AUTO\x10\x00\x12\x13\n\x0fTRANSPORT_LOCAL\x10\x01\x12\x12\n\x0eTRANSPORT_GRPC\x10\x02*D\n\rMigrationMode\x12\x16\n\x12MIGRATION_PRE_COPY\x10\x00\x12\x1b\n\x17MIGRATION_STOP_AND_COPY\x10\x01*|\n\x10MigrationOutcome\x12!\n\x1dMIGRATION_OUTCOME_UNSPECIFIED\x10\x00\x12\x17\n\x13MIGRATION_COMMITTED\x10\x01\x12\x15\n\x11MIGRATION_ABORTED\x10\x02\x12\x15\n\x11MIGRATION_REFUSED\x10\x03*{\n\nDestStatus\x12\x1b\n\x17\x44\x45ST_STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x44\x45ST_OK\x10\x01\x12\x10\n\x0c\x44\x45ST_NO_ROOM\x10\x02\x12\x0e\n\nDEST_STALE\x10\x03\x12\x10\n\x0c\x44\x45ST_REFUSED\x10\x04\x12\x0f\n\x0b\x44\x45ST_FAILED\x10\x05\x32\xf5\x04\n\x07Llumlet\x12@\n\x04Ping\x12\x1c.hilum.v1.LlumletPingRequest\x1a\x1a.hilum.v1.LlumletPingReply\x12\x38\n\x06Submit\x12\x17.hilum.v1.SubmitRequest\x1a\x15.hilum.v1.SubmitReply\x12\x35\n\x05\x41\x62ort\x12\x16.hilum.v1.AbortRequest\x1a\x14.hilum.v1.AbortReply\x12\x39\n\x07GetLoad\x12\x18.hilum.v1.GetLoadRequest\x1a\x14.hilum.v1.LoadReport\x12?\n\tWatchLoad\x12\x1a.hilum.v1.WatchLoadRequest\x1a\x14.hilum.v1.LoadReport0\x01\x12\x44\n\nMigrateOut\x12\x1b.hilum.v1.MigrateOutRequest\x1a\x19.hilum.v1.MigrateOutReply\x12;\n\x07Reserve\x12\x18.hilum.v1.ReserveRequest\x1a\x16.hilum.v1.ReserveReply\x12\x41\n\x0bWriteBlocks\x12\x14.hilum.v1.BlockChunk\x1a\x1a.hilum.v1.WriteBlocksReply(\x01\x12\x38\n\x06\x43ommit\x12\x17.hilum.v1.CommitRequest\x1a\x15.hilum.v1.CommitReply\x12;\n\x07Release\x12\x18.hilum.v1.ReleaseRequest\x1a\x16.hilum.v1.ReleaseReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hilum_proto.hilum.v1.llumlet_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TRANSPORTKIND']._serialized_start=3381
+  _globals['_TRANSPORTKIND']._serialized_end=3457
+  _globals['_MIGRATIONMODE']._serialized_start=3459
+  _globals['_MIGRATIONMODE']._serialized_end=3527
+  _globals['_MIGRATIONOUTCOME']._serialized_start=3529
+  _globals['_MIGRATIONOUTCOME']._serialized_end=3653
+  _globals['_DESTSTATUS']._serialized_start=3655
+  _globals['_DESTSTATUS']._serialized_end=3778
   _globals['_LLUMLETPINGREQUEST']._serialized_start=48
   _globals['_LLUMLETPINGREQUEST']._serialized_end=68
-  _globals['_LLUMLETPINGREPLY']._serialized_start=70
-  _globals['_LLUMLETPINGREPLY']._serialized_end=128
-  _globals['_LLUMLET']._serialized_start=130
-  _globals['_LLUMLET']._serialized_end=205
+  _globals['_LLUMLETPINGREPLY']._serialized_start=71
+  _globals['_LLUMLETPINGREPLY']._serialized_end=200
+  _globals['_SAMPLING']._serialized_start=203
+  _globals['_SAMPLING']._serialized_end=341
+  _globals['_SUBMITREQUEST']._serialized_start=344
+  _globals['_SUBMITREQUEST']._serialized_end=563
+  _globals['_SUBMITREPLY']._serialized_start=565
+  _globals['_SUBMITREPLY']._serialized_end=612
+  _globals['_ABORTREQUEST']._serialized_start=614
+  _globals['_ABORTREQUEST']._serialized_end=648
+  _globals['_ABORTREPLY']._serialized_start=650
+  _globals['_ABORTREPLY']._serialized_end=699
+  _globals['_GETLOADREQUEST']._serialized_start=701
+  _globals['_GETLOADREQUEST']._serialized_end=717
+  _globals['_WATCHLOADREQUEST']._serialized_start=719
+  _globals['_WATCHLOADREQUEST']._serialized_end=761
+  _globals['_RUNNINGREQUEST']._serialized_start=763
+  _globals['_RUNNINGREQUEST']._serialized_end=872
+  _globals['_LOADREPORT']._serialized_start=875
+  _globals['_LOADREPORT']._serialized_end=1276
+  _globals['_MIGRATEOUTREQUEST']._serialized_start=1279
+  _globals['_MIGRATEOUTREQUEST']._serialized_end=1619
+  _globals['_STAGEREPORT']._serialized_start=1621
+  _globals['_STAGEREPORT']._serialized_end=1711
+  _globals['_MIGRATEOUTREPLY']._serialized_start=1714
+  _globals['_MIGRATEOUTREPLY']._serialized_end=2002
+  _globals['_RESERVEREQUEST']._serialized_start=2004
+  _globals['_RESERVEREQUEST']._serialized_end=2120
+  _globals['_RESERVEREPLY']._serialized_start=2122
+  _globals['_RESERVEREPLY']._serialized_end=2234
+  _globals['_SHMREF']._serialized_start=2236
+  _globals['_SHMREF']._serialized_end=2288
+  _globals['_BLOCKCHUNK']._serialized_start=2291
+  _globals['_BLOCKCHUNK']._serialized_end=2442
+  _globals['_WRITEBLOCKSREPLY']._serialized_start=2444
+  _globals['_WRITEBLOCKSREPLY']._serialized_end=2563
+  _globals['_SUSPENDEDREQUEST']._serialized_start=2566
+  _globals['_SUSPENDEDREQUEST']._serialized_end=2985
+  _globals['_COMMITREQUEST']._serialized_start=2988
+  _globals['_COMMITREQUEST']._serialized_end=3157
+  _globals['_COMMITREPLY']._serialized_start=3159
+  _globals['_COMMITREPLY']._serialized_end=3226
+  _globals['_RELEASEREQUEST']._serialized_start=3228
+  _globals['_RELEASEREQUEST']._serialized_end=3281
+  _globals['_RELEASEREPLY']._serialized_start=3283
+  _globals['_RELEASEREPLY']._serialized_end=3379
+  _globals['_LLUMLET']._serialized_start=3781
+  _globals['_LLUMLET']._serialized_end=4410
 # @@protoc_insertion_point(module_scope)

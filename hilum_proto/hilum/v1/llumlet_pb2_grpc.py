@@ -39,6 +39,51 @@ class LlumletStub:
                 request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LlumletPingRequest.SerializeToString,
                 response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LlumletPingReply.FromString,
                 _registered_method=True)
+        self.Submit = channel.unary_unary(
+                '/hilum.v1.Llumlet/Submit',
+                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.SubmitRequest.SerializeToString,
+                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.SubmitReply.FromString,
+                _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/hilum.v1.Llumlet/Abort',
+                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.AbortRequest.SerializeToString,
+                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.AbortReply.FromString,
+                _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/hilum.v1.Llumlet/GetLoad',
+                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LoadReport.FromString,
+                _registered_method=True)
+        self.WatchLoad = channel.unary_stream(
+                '/hilum.v1.Llumlet/WatchLoad',
+                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.WatchLoadRequest.SerializeToString,
+                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LoadReport.FromString,
+                _registered_method=True)
+        self.MigrateOut = channel.unary_unary(
+                '/hilum.v1.Llumlet/MigrateOut',
+                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.MigrateOutRequest.SerializeToString,
+                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.MigrateOutReply.FromString,
+                _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/hilum.v1.Llumlet/Reserve',
+                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReserveReply.FromString,
+                _registered_method=True)
+        self.WriteBlocks = channel.stream_unary(
+                '/hilum.v1.Llumlet/WriteBlocks',
+                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.BlockChunk.SerializeToString,
+                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.WriteBlocksReply.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/hilum.v1.Llumlet/Commit',
+                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.CommitRequest.SerializeToString,
+                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.CommitReply.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/hilum.v1.Llumlet/Release',
+                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReleaseReply.FromString,
+                _registered_method=True)
 
 
 class LlumletServicer:
@@ -51,6 +96,71 @@ class LlumletServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Submit(self, request, context):
+        """Queue a new request; its tokens go to `origin`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Drop a request (client gone); forwarded to the destination if it migrated away from here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLoad(self, request, context):
+        """The current load.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchLoad(self, request, context):
+        """The current load, then every change (coalesced, at most one per min_interval_s), until cancelled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MigrateOut(self, request, context):
+        """Command (from a domain scheduler, or an approved cross-domain move): migrate one request away.
+        Answers when the migration has committed, been aborted or been refused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reserve(self, request, context):
+        """---- destination side, called by the source llumlet ----
+        Hold blocks for an incoming request; the same (request_id, attempt) again grows the reservation.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WriteBlocks(self, request_iterator, context):
+        """Copy KV blocks into the reservation (grpc transport: data inline; local transport: a shared-memory ref).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Adopt the suspended request with its state and resume it here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Give the reservation back. Idempotent; a no-op for a stale or unknown attempt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LlumletServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +168,51 @@ def add_LlumletServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LlumletPingRequest.FromString,
                     response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LlumletPingReply.SerializeToString,
+            ),
+            'Submit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Submit,
+                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.SubmitRequest.FromString,
+                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.SubmitReply.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.AbortRequest.FromString,
+                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.AbortReply.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.GetLoadRequest.FromString,
+                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LoadReport.SerializeToString,
+            ),
+            'WatchLoad': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLoad,
+                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.WatchLoadRequest.FromString,
+                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LoadReport.SerializeToString,
+            ),
+            'MigrateOut': grpc.unary_unary_rpc_method_handler(
+                    servicer.MigrateOut,
+                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.MigrateOutRequest.FromString,
+                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.MigrateOutReply.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReserveRequest.FromString,
+                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReserveReply.SerializeToString,
+            ),
+            'WriteBlocks': grpc.stream_unary_rpc_method_handler(
+                    servicer.WriteBlocks,
+                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.BlockChunk.FromString,
+                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.WriteBlocksReply.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.CommitRequest.FromString,
+                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.CommitReply.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReleaseRequest.FromString,
+                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReleaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +242,249 @@ class Llumlet:
             '/hilum.v1.Llumlet/Ping',
             hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LlumletPingRequest.SerializeToString,
             hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LlumletPingReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Submit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hilum.v1.Llumlet/Submit',
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.SubmitRequest.SerializeToString,
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hilum.v1.Llumlet/Abort',
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.AbortRequest.SerializeToString,
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.AbortReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hilum.v1.Llumlet/GetLoad',
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.GetLoadRequest.SerializeToString,
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hilum.v1.Llumlet/WatchLoad',
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.WatchLoadRequest.SerializeToString,
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateOut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hilum.v1.Llumlet/MigrateOut',
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.MigrateOutRequest.SerializeToString,
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.MigrateOutReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hilum.v1.Llumlet/Reserve',
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReserveRequest.SerializeToString,
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReserveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteBlocks(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/hilum.v1.Llumlet/WriteBlocks',
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.BlockChunk.SerializeToString,
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.WriteBlocksReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hilum.v1.Llumlet/Commit',
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.CommitRequest.SerializeToString,
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.CommitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hilum.v1.Llumlet/Release',
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReleaseRequest.SerializeToString,
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -34,8 +34,8 @@ class TokenSinkStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Push = channel.unary_unary(
-                '/hilum.v1.TokenSink/Push',
+        self.PushTokens = channel.unary_unary(
+                '/hilum.v1.TokenSink/PushTokens',
                 request_serializer=hilum__proto_dot_hilum_dot_v1_dot_token__sink__pb2.TokenChunk.SerializeToString,
                 response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_token__sink__pb2.TokenAck.FromString,
                 _registered_method=True)
@@ -44,8 +44,8 @@ class TokenSinkStub:
 class TokenSinkServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Push(self, request, context):
-        """Deliver tokens of one request; the sink acknowledges the highest contiguous position it holds.
+    def PushTokens(self, request, context):
+        """Deliver tokens of one request; the sink acknowledges the next seq it expects.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -54,8 +54,8 @@ class TokenSinkServicer:
 
 def add_TokenSinkServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Push': grpc.unary_unary_rpc_method_handler(
-                    servicer.Push,
+            'PushTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushTokens,
                     request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_token__sink__pb2.TokenChunk.FromString,
                     response_serializer=hilum__proto_dot_hilum_dot_v1_dot_token__sink__pb2.TokenAck.SerializeToString,
             ),
@@ -71,7 +71,7 @@ class TokenSink:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Push(request,
+    def PushTokens(request,
             target,
             options=(),
             channel_credentials=None,
@@ -84,7 +84,7 @@ class TokenSink:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/hilum.v1.TokenSink/Push',
+            '/hilum.v1.TokenSink/PushTokens',
             hilum__proto_dot_hilum_dot_v1_dot_token__sink__pb2.TokenChunk.SerializeToString,
             hilum__proto_dot_hilum_dot_v1_dot_token__sink__pb2.TokenAck.FromString,
             options,

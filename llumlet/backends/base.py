@@ -1,0 +1,91 @@
+"""The backend value types and the factory by name (STYLE.md: a string and a factory with a clear error)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from llumlet.engine.protocol import Engine
+from llumlet.engine.types import StepResult
+from topology.spec import Topology
+
+__all__ = ["BACKEND_NAMES", "Backend", "BackendConfig", "UnknownBackendError", "make_backend"]
+
+#: Backends ``make_backend`` knows, in the order the CLI lists them.
+BACKEND_NAMES: tuple[str, ...] = ("sim", "torch")
+
+
+class UnknownBackendError(ValueError):
+    """No backend of that name; the message lists the known ones."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackendConfig:
+    """What a llumlet tells its backend factory.
+
+    With a ``topology`` the instance's spec gives the model, GPU type, tensor-parallel degree and KV capacity
+    (the sim backend's latency model and sizes); ``num_blocks`` / ``block_size_tokens`` override them.
+    ``options`` are backend-specific ``key=value`` settings (the CLI's ``--engine-option``).
+    """
+
+    instance_id: str
+    topology: Topology | None = None
+    num_blocks: int | None = None  # KV cache capacity override, blocks
+    block_size_tokens: int | None = None  # tokens per block override
+    time_scale: float = 1.0  # sim: wall seconds per modelled second (0 = do not wait at all)
+    min_step_s: float = 0.0  # every step lasts at least this long (slows a fast engine down for tests)
+    max_num_seqs: int = 256  # requests per batch at most
+    max_num_batched_tokens: int = 8192  # tokens per step at most
+    seed: int = 0  # backend randomness (torch: model weights)
+    options: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.time_scale < 0 or self.min_step_s < 0:
+            raise ValueError(
+                f"BackendConfig: time_scale = {self.time_scale}, min_step_s = {self.min_step_s}: need >= 0"
+            )
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"BackendConfig.num_blocks = {self.num_blocks}: need >= 1")
+        if self.block_size_tokens is not None and self.block_size_tokens < 1:
+            raise ValueError(f"BackendConfig.block_size_tokens = {self.block_size_tokens}: need >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """An engine plus how the llumlet drives it.
+
+    ``time_scale`` > 0: the engine is a model whose ``StepResult.duration_s`` is modelled time; the llumlet
+    makes each step last ``duration_s x time_scale`` of wall time. 0: steps take the time they compute.
+    ``min_step_s``: every step lasts at least this long (wall time).
+    ``real_token_ids``: ``StepResult.token_ids`` holds real ids; otherwise the llumlet numbers tokens by
+    their position (token id = seq), which makes every sim stream ``0, 1, 2, ...``.
+    """
+
+    name: str
+    engine: Engine
+    time_scale: float = 0.0
+    real_token_ids: bool = True
+    min_step_s: float = 0.0
+
+    def step_wall_s(self, result: StepResult) -> float:
+        """Wall time the step should take in total (0 = as fast as it computes)."""
+        return max(result.duration_s * self.time_scale, self.min_step_s)
+
+
+def make_backend(name: str, config: BackendConfig) -> Backend:
+    """Build the backend called ``name`` for ``config``.
+
+    Raises:
+        UnknownBackendError: ``name`` is not one of :data:`BACKEND_NAMES`.
+        ValueError / KeyError: the backend's own configuration errors (instance not in the topology, ...).
+        RuntimeError: the backend's dependencies are missing (torch without PyTorch installed).
+    """
+    if name == "sim":
+        from llumlet.backends.sim import make_sim_backend
+
+        return make_sim_backend(config)
+    if name == "torch":
+        from llumlet.backends.torch_backend import make_torch_backend
+
+        return make_torch_backend(config)
+    raise UnknownBackendError(f"unknown engine backend {name!r}; known: {', '.join(BACKEND_NAMES)}")

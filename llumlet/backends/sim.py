@@ -1,0 +1,57 @@
+"""The ``sim`` backend: the model engine (``EngineCore`` + latency model) on a real clock.
+
+The llumlet makes each step last its modelled duration (``StepResult.duration_s x time_scale`` of wall
+time), so a control plane sees the timing of the modelled GPU without any model. With a topology the
+instance's model, GPU type and tensor-parallel degree choose the latency model (docs/engine-model.md) and its
+KV capacity and block size come from the topology; without one, a Llama-2-7B on one A100 with
+``DEFAULT_NUM_BLOCKS`` blocks.
+"""
+
+from __future__ import annotations
+
+from llumlet.backends.base import Backend, BackendConfig
+from llumlet.engine.core import EngineCore
+from llumlet.engine.latency import load_latency_model
+
+__all__ = ["DEFAULT_KV_BYTES_PER_TOKEN", "DEFAULT_NUM_BLOCKS", "make_sim_backend"]
+
+DEFAULT_NUM_BLOCKS = 1000  # KV capacity without a topology, blocks
+DEFAULT_KV_BYTES_PER_TOKEN = 524_288  # Llama-2-7B fp16: 2 x 32 layers x 32 heads x 128 x 2 bytes
+
+
+def make_sim_backend(config: BackendConfig) -> Backend:
+    """An ``EngineCore`` for ``config.instance_id``, paced at ``config.time_scale``.
+
+    Raises:
+        KeyError: the instance is not in ``config.topology``.
+        UnsupportedLatencyModelError: no latency model for the instance's (model, GPU, TP).
+    """
+    topo = config.topology
+    if topo is not None:
+        spec = topo.instance(config.instance_id)
+        model = topo.model_of(config.instance_id)
+        latency = load_latency_model(spec.model, spec.gpu_type, spec.tensor_parallel_size)
+        num_blocks = spec.kv_capacity_blocks
+        block_size = model.block_size_tokens
+        kv_bytes_per_token = model.kv_bytes_per_token
+    else:
+        latency = load_latency_model("llama-2-7b", "a100", 1)
+        num_blocks = DEFAULT_NUM_BLOCKS
+        block_size = 16
+        kv_bytes_per_token = DEFAULT_KV_BYTES_PER_TOKEN
+    if config.num_blocks is not None:
+        num_blocks = config.num_blocks
+    if config.block_size_tokens is not None:
+        block_size = config.block_size_tokens
+    engine = EngineCore(
+        config.instance_id,
+        num_blocks=num_blocks,
+        block_size_tokens=block_size,
+        latency_model=latency,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        kv_bytes_per_block=kv_bytes_per_token * block_size,
+    )
+    return Backend(
+        name="sim", engine=engine, time_scale=config.time_scale, real_token_ids=False, min_step_s=config.min_step_s
+    )

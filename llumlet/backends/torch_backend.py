@@ -1,0 +1,72 @@
+"""The ``torch`` backend: the CPU reference engine (``llumlet.engine.torch_engine.TorchEngine``).
+
+A small seeded Llama computed for real on the CPU; steps take the time they compute (no pacing). Imported
+lazily so that a llumlet without PyTorch can still run the ``sim`` backend.
+
+Sizes: ``BackendConfig.num_blocks`` (default :data:`DEFAULT_NUM_BLOCKS` — the topology's KV capacity
+describes the modelled GPU, not this tiny model) and ``block_size_tokens`` (default: the topology model's,
+else 16). ``BackendConfig.seed`` seeds the model weights (engines that exchange KV need the same seed).
+Options (``--engine-option KEY=VALUE``): ``eos_token_id`` (an id, or ``none``), and ``model.<field>`` for any
+``LlamaConfig`` field of the tiny model (ints, floats).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from llumlet.backends.base import Backend, BackendConfig
+
+__all__ = ["DEFAULT_NUM_BLOCKS", "make_torch_backend"]
+
+DEFAULT_NUM_BLOCKS = 1024  # KV pool of the tiny model, blocks
+
+
+def _number(key: str, value: str) -> int | float:
+    try:
+        return int(value)
+    except ValueError:
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"torch backend option {key}={value!r}: need a number") from None
+
+
+def make_torch_backend(config: BackendConfig) -> Backend:
+    """A ``TorchEngine`` for ``config``.
+
+    Raises:
+        RuntimeError: PyTorch or transformers is not installed.
+        ValueError: an unknown option or a bad value.
+    """
+    try:
+        from llumlet.engine.torch_engine import TorchEngine
+    except ImportError as exc:
+        raise RuntimeError(
+            f"the torch backend needs PyTorch and transformers (pip install torch transformers): {exc}"
+        ) from exc
+    eos: int | None = 2
+    overrides: dict[str, Any] = {}
+    for key, value in config.options.items():
+        if key == "eos_token_id":
+            eos = None if value.lower() == "none" else int(_number(key, value))
+        elif key.startswith("model."):
+            overrides[key.removeprefix("model.")] = _number(key, value)
+        else:
+            raise ValueError(f"torch backend: unknown option {key!r} (known: eos_token_id, model.<LlamaConfig field>)")
+    block_size = config.block_size_tokens
+    if block_size is None:
+        topo = config.topology
+        block_size = topo.model_of(config.instance_id).block_size_tokens if topo is not None else 16
+    engine = TorchEngine(
+        config.instance_id,
+        config.num_blocks or DEFAULT_NUM_BLOCKS,
+        block_size,
+        model_seed=config.seed,
+        eos_token_id=eos,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        model_overrides=overrides,
+        rng=random.Random(config.seed + 1),
+    )
+    return Backend(name="torch", engine=engine, time_scale=0.0, real_token_ids=True, min_step_s=config.min_step_s)

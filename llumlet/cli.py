@@ -1,0 +1,116 @@
+"""``python -m llumlet``: run one llumlet process (docs/migration.md, "Running a llumlet by hand").
+
+Prints ``llumlet <instance_id> serving at <host:port>`` on stdout once it serves (spawners wait for it),
+and stops cleanly on SIGTERM / SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import random
+import signal
+import sys
+from collections.abc import Sequence
+
+from llumlet.agent import Llumlet, LlumletConfig, MigrationConfig
+from llumlet.backends import BACKEND_NAMES, BackendConfig, UnknownBackendError, make_backend
+from llumlet.server import serve
+from topology.load import TopologyError, load_topology
+from topology.spec import Topology
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser."""
+    p = argparse.ArgumentParser(prog="python -m llumlet", description="Run one llumlet (per-instance agent).")
+    p.add_argument("--instance-id", required=True, help="instance id (as in the topology file)")
+    p.add_argument("--engine", default="sim", help=f"engine backend: {', '.join(BACKEND_NAMES)} (default sim)")
+    p.add_argument("--listen", default="127.0.0.1:0", help="host:port to serve on (port 0 picks one)")
+    p.add_argument("--topology", help="topology file or bundled name: domain, KV size, transports, rate caps")
+    p.add_argument("--domain-id", default="", help="NVLink domain (default: from the topology)")
+    p.add_argument("--num-blocks", type=int, help="KV cache capacity in blocks (default: topology / backend)")
+    p.add_argument("--block-size", type=int, help="tokens per KV block (default: topology / backend)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="sim: wall seconds per modelled second")
+    p.add_argument("--min-step-s", type=float, default=0.0, help="every step lasts at least this long (tests)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="requests per batch at most")
+    p.add_argument("--seed", type=int, default=0, help="backend seed (torch: model weights)")
+    p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE", help="backend option")
+    p.add_argument("--max-stages", type=int, default=4, help="pre-copy stages before the last one")
+    p.add_argument("--stop-remaining-blocks", type=int, default=2, help="last stage at <= this many new blocks")
+    p.add_argument("--reservation-expiry-s", type=float, default=5.0, help="release an idle reservation after")
+    p.add_argument("--cap-fraction", type=float, default=0.2, help="grpc transport: share of the path bandwidth")
+    p.add_argument("--grpc-rate-cap", type=float, default=0.0, help="grpc transport cap, bytes/s (0 = topology)")
+    p.add_argument("--local-rate-cap", type=float, default=0.0, help="local transport cap, bytes/s (0 = none)")
+    p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    return p
+
+
+def _options(items: Sequence[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine-option {item!r}: need KEY=VALUE")
+        out[key] = value
+    return out
+
+
+async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
+    domain_id = ns.domain_id or (topology.instance(ns.instance_id).domain_id if topology is not None else "")
+    backend = make_backend(
+        ns.engine,
+        BackendConfig(
+            instance_id=ns.instance_id,
+            topology=topology,
+            num_blocks=ns.num_blocks,
+            block_size_tokens=ns.block_size,
+            time_scale=ns.time_scale,
+            min_step_s=ns.min_step_s,
+            max_num_seqs=ns.max_num_seqs,
+            seed=ns.seed,
+            options=_options(ns.engine_option),
+        ),
+    )
+    migration = MigrationConfig(
+        max_stages=ns.max_stages,
+        stop_remaining_blocks=ns.stop_remaining_blocks,
+        reservation_expiry_s=ns.reservation_expiry_s,
+        cap_fraction=ns.cap_fraction,
+        grpc_rate_cap_bytes_per_s=ns.grpc_rate_cap,
+        local_rate_cap_bytes_per_s=ns.local_rate_cap,
+    )
+    llumlet = Llumlet(
+        LlumletConfig(instance_id=ns.instance_id, domain_id=domain_id, migration=migration),
+        backend,
+        topology=topology,
+        rng=random.Random(ns.seed),
+    )
+    server, address = await serve(llumlet, ns.listen)
+    print(f"llumlet {ns.instance_id} serving at {address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=1.0)
+    await llumlet.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 on a configuration error, with the reason on stderr)."""
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        topology = load_topology(ns.topology) if ns.topology else None
+        if topology is not None:
+            topology.instance(ns.instance_id)
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(_run(ns, topology))
+    except (TopologyError, UnknownBackendError, KeyError, ValueError, RuntimeError) as exc:
+        print(f"llumlet: {exc}", file=sys.stderr)
+        return 2
+    return 0

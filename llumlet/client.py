@@ -1,0 +1,138 @@
+"""LlumletClient: a thin async client of one llumlet's gRPC service (used by llumlets, tests, the benchmark,
+and later the domain scheduler)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from types import TracebackType
+
+import grpc
+
+from hilum_proto.hilum.v1 import llumlet_pb2 as pb
+from hilum_proto.hilum.v1 import llumlet_pb2_grpc as pb_grpc
+from llumlet.convert import sampling_to_pb
+from llumlet.engine.types import SamplingParams
+
+__all__ = ["LlumletClient"]
+
+
+class LlumletClient:
+    """Calls to the llumlet at ``address`` (``host:port``). RPC errors surface as ``grpc.aio.AioRpcError``.
+
+    ``timeout_s`` is the deadline of unary calls (MigrateOut uses ``migrate_timeout_s``).
+    """
+
+    def __init__(self, address: str, *, timeout_s: float = 10.0, migrate_timeout_s: float = 120.0) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = pb_grpc.LlumletStub(self.channel)
+        self.timeout_s = timeout_s
+        self.migrate_timeout_s = migrate_timeout_s
+
+    async def __aenter__(self) -> LlumletClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the channel."""
+        await self.channel.close()
+
+    async def ping(self, *, wait_for_ready: bool = False) -> pb.LlumletPingReply:
+        """Identity of the llumlet."""
+        return await self.stub.Ping(pb.LlumletPingRequest(), timeout=self.timeout_s, wait_for_ready=wait_for_ready)
+
+    async def submit(
+        self,
+        request_id: str,
+        origin: str,
+        sampling: SamplingParams,
+        *,
+        prompt_token_ids: Sequence[int] = (),
+        prompt_tokens: int = 0,
+        priority: int = 0,
+    ) -> pb.SubmitReply:
+        """Submit a request whose tokens go to the TokenSink at ``origin``."""
+        msg = pb.SubmitRequest(
+            request_id=request_id,
+            prompt_tokens=prompt_tokens,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling=sampling_to_pb(sampling),
+            priority=priority,
+            origin=origin,
+        )
+        return await self.stub.Submit(msg, timeout=self.timeout_s)
+
+    async def abort(self, request_id: str) -> pb.AbortReply:
+        """Abort a request (forwarded if it migrated away)."""
+        return await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.timeout_s)
+
+    async def get_load(self) -> pb.LoadReport:
+        """The current load."""
+        return await self.stub.GetLoad(pb.GetLoadRequest(), timeout=self.timeout_s)
+
+    async def watch_load(self, min_interval_s: float = 0.0) -> AsyncGenerator[pb.LoadReport, None]:
+        """The current load, then every change, until the caller stops iterating."""
+        call = self.stub.WatchLoad(pb.WatchLoadRequest(min_interval_s=min_interval_s))
+        try:
+            async for report in call:
+                yield report
+        finally:
+            call.cancel()
+
+    async def migrate_out(
+        self,
+        request_id: str,
+        dst_address: str,
+        attempt: int,
+        *,
+        dst_instance_id: str = "",
+        transport: pb.TransportKind.ValueType = pb.TRANSPORT_AUTO,
+        fencing_token: int = 0,
+        rate_cap_bytes_per_s: float = 0.0,
+        mode: pb.MigrationMode.ValueType = pb.MIGRATION_PRE_COPY,
+        max_stages: int | None = None,
+        stop_remaining_blocks: int | None = None,
+    ) -> pb.MigrateOutReply:
+        """Command this llumlet to migrate ``request_id`` to ``dst_address``; returns when it is done."""
+        msg = pb.MigrateOutRequest(
+            request_id=request_id,
+            dst_address=dst_address,
+            dst_instance_id=dst_instance_id,
+            transport=transport,
+            attempt=attempt,
+            fencing_token=fencing_token,
+            rate_cap_bytes_per_s=rate_cap_bytes_per_s,
+            mode=mode,
+        )
+        if max_stages is not None:
+            msg.max_stages = max_stages
+        if stop_remaining_blocks is not None:
+            msg.stop_remaining_blocks = stop_remaining_blocks
+        return await self.stub.MigrateOut(msg, timeout=self.migrate_timeout_s)
+
+    # ---- destination side (what a source llumlet calls) -----------------------------------------
+    async def reserve(
+        self, request_id: str, attempt: int, num_blocks: int, *, src_instance_id: str = "", expiry_s: float = 0.0
+    ) -> pb.ReserveReply:
+        """Reserve (or grow a reservation to) ``num_blocks`` for ``(request_id, attempt)``."""
+        msg = pb.ReserveRequest(
+            request_id=request_id,
+            attempt=attempt,
+            src_instance_id=src_instance_id,
+            num_blocks=num_blocks,
+            expiry_s=expiry_s,
+        )
+        return await self.stub.Reserve(msg, timeout=self.timeout_s)
+
+    async def commit(self, msg: pb.CommitRequest) -> pb.CommitReply:
+        """Commit an incoming request."""
+        return await self.stub.Commit(msg, timeout=self.timeout_s)
+
+    async def release(self, request_id: str, attempt: int, *, timeout_s: float | None = None) -> pb.ReleaseReply:
+        """Release the reservation of ``(request_id, attempt)`` (idempotent)."""
+        msg = pb.ReleaseRequest(request_id=request_id, attempt=attempt)
+        return await self.stub.Release(msg, timeout=timeout_s or self.timeout_s)

@@ -1,0 +1,144 @@
+"""The llumlet's gRPC service (``hilum.v1.Llumlet``, grpc.aio): a thin edge over :class:`llumlet.agent.Llumlet`.
+
+Malformed requests get ``INVALID_ARGUMENT`` naming the field; everything else is answered in the reply
+(``accepted``/``reason``, ``DestStatus``, ``MigrationOutcome``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, TypeAlias
+
+import grpc
+
+from hilum_proto.hilum.v1 import llumlet_pb2 as pb
+from hilum_proto.hilum.v1 import llumlet_pb2_grpc as pb_grpc
+from llumlet.agent import Llumlet, MigrationCommand, MigrationOutcome, MigrationReport
+from llumlet.convert import request_from_submit
+from llumlet.transport import TransportName
+
+__all__ = ["LlumletService", "command_from_pb", "report_to_pb", "serve"]
+
+_Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+_OUTCOMES = {
+    MigrationOutcome.COMMITTED: pb.MIGRATION_COMMITTED,
+    MigrationOutcome.ABORTED: pb.MIGRATION_ABORTED,
+    MigrationOutcome.REFUSED: pb.MIGRATION_REFUSED,
+}
+_TRANSPORTS = {pb.TRANSPORT_AUTO: None, pb.TRANSPORT_LOCAL: TransportName.LOCAL, pb.TRANSPORT_GRPC: TransportName.GRPC}
+
+
+def command_from_pb(msg: pb.MigrateOutRequest) -> MigrationCommand:
+    """``hilum.v1.MigrateOutRequest`` -> :class:`MigrationCommand`. Raises ValueError naming the field."""
+    if not msg.request_id or not msg.dst_address:
+        raise ValueError("MigrateOut: request_id and dst_address are required")
+    if msg.transport not in _TRANSPORTS:
+        raise ValueError(f"MigrateOut: unknown transport {msg.transport}")
+    if msg.rate_cap_bytes_per_s < 0:
+        raise ValueError(f"MigrateOut: rate_cap_bytes_per_s = {msg.rate_cap_bytes_per_s} < 0")
+    return MigrationCommand(
+        request_id=msg.request_id,
+        dst_address=msg.dst_address,
+        attempt=msg.attempt,
+        dst_instance_id=msg.dst_instance_id,
+        transport=_TRANSPORTS[msg.transport],
+        fencing_token=msg.fencing_token,
+        rate_cap_bytes_per_s=msg.rate_cap_bytes_per_s,
+        stop_and_copy=msg.mode == pb.MIGRATION_STOP_AND_COPY,
+        max_stages=msg.max_stages if msg.HasField("max_stages") else None,
+        stop_remaining_blocks=msg.stop_remaining_blocks if msg.HasField("stop_remaining_blocks") else None,
+    )
+
+
+def report_to_pb(report: MigrationReport) -> pb.MigrateOutReply:
+    """:class:`MigrationReport` -> ``hilum.v1.MigrateOutReply``."""
+    return pb.MigrateOutReply(
+        outcome=_OUTCOMES[report.outcome],
+        reason=report.reason,
+        transport=report.transport,
+        rate_cap_bytes_per_s=report.rate_cap_bytes_per_s,
+        stages=sum(not s.last for s in report.stages),
+        blocks=report.blocks,
+        bytes=report.bytes,
+        total_s=report.total_s,
+        downtime_s=report.downtime_s,
+        bandwidth_bytes_per_s=report.bandwidth_bytes_per_s,
+        stage_reports=[
+            pb.StageReport(stage=s.stage, last=s.last, blocks=s.blocks, bytes=s.bytes, seconds=s.seconds)
+            for s in report.stages
+        ],
+    )
+
+
+class LlumletService(pb_grpc.LlumletServicer):
+    """Implements ``hilum.v1.Llumlet`` over one :class:`Llumlet`."""
+
+    def __init__(self, llumlet: Llumlet) -> None:
+        self._l = llumlet
+        self._migrations: set[asyncio.Task[MigrationReport]] = set()
+
+    async def Ping(self, request: pb.LlumletPingRequest, context: _Ctx) -> pb.LlumletPingReply:
+        return self._l.ping()
+
+    async def Submit(self, request: pb.SubmitRequest, context: _Ctx) -> pb.SubmitReply:
+        try:
+            engine_request = request_from_submit(request, self._l.arrival_s())
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        reason = await self._l.submit(engine_request, request.origin)
+        return pb.SubmitReply(accepted=reason is None, reason=reason or "")
+
+    async def Abort(self, request: pb.AbortRequest, context: _Ctx) -> pb.AbortReply:
+        found, forwarded_to = await self._l.abort(request.request_id)
+        return pb.AbortReply(found=found, forwarded_to=forwarded_to)
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context: _Ctx) -> pb.LoadReport:
+        return await self._l.load_report()
+
+    async def WatchLoad(self, request: pb.WatchLoadRequest, context: _Ctx) -> AsyncIterator[pb.LoadReport]:
+        async for report in self._l.watch_load(request.min_interval_s):
+            yield report
+
+    async def MigrateOut(self, request: pb.MigrateOutRequest, context: _Ctx) -> pb.MigrateOutReply:
+        try:
+            cmd = command_from_pb(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        # the migration must finish (or undo itself) even if the caller goes away: shield it
+        task = asyncio.get_running_loop().create_task(self._l.migrate_out(cmd))
+        self._migrations.add(task)
+        task.add_done_callback(self._migrations.discard)
+        return report_to_pb(await asyncio.shield(task))
+
+    async def Reserve(self, request: pb.ReserveRequest, context: _Ctx) -> pb.ReserveReply:
+        return await self._l.reserve(request)
+
+    async def WriteBlocks(self, request_iterator: AsyncIterator[pb.BlockChunk], context: _Ctx) -> pb.WriteBlocksReply:
+        return await self._l.write_blocks(request_iterator)
+
+    async def Commit(self, request: pb.CommitRequest, context: _Ctx) -> pb.CommitReply:
+        return await asyncio.shield(self._l.commit(request))
+
+    async def Release(self, request: pb.ReleaseRequest, context: _Ctx) -> pb.ReleaseReply:
+        return await self._l.release(request)
+
+
+async def serve(llumlet: Llumlet, listen: str) -> tuple[grpc.aio.Server, str]:
+    """Bind ``listen`` (``host:port``, port 0 picks one), start ``llumlet`` and the service.
+
+    Returns the server and the bound ``host:port``. Raises RuntimeError when the address cannot be bound.
+    """
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as exc:
+        raise RuntimeError(f"llumlet {llumlet.config.instance_id}: cannot listen on {listen}: {exc}") from exc
+    if port == 0:
+        raise RuntimeError(f"llumlet {llumlet.config.instance_id}: cannot listen on {listen}")
+    address = f"{listen.rsplit(':', 1)[0]}:{port}"
+    pb_grpc.add_LlumletServicer_to_server(LlumletService(llumlet), server)
+    await llumlet.start(address)
+    await server.start()
+    return server, address

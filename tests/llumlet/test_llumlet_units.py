@@ -1,0 +1,294 @@
+"""Pure parts of the llumlet: token bucket, wire codecs, backend factory, transport choice, push merging,
+and the TokenCollector's exactly-once assembly."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hilum_proto.hilum.v1 import llumlet_pb2 as pb
+from hilum_proto.hilum.v1 import token_sink_pb2 as sink_pb
+from llumlet.backends import BackendConfig, UnknownBackendError, make_backend
+from llumlet.convert import (
+    UnmovableStateError,
+    decode_extra,
+    encode_extra,
+    request_from_submit,
+    sampling_to_pb,
+    state_from_pb,
+    state_to_pb,
+)
+from llumlet.engine.core import EngineCore
+from llumlet.engine.types import MigrationState, SamplingParams
+from llumlet.sink import TokenCollector
+from llumlet.tokens import TokenChunkOut, _merge
+from llumlet.transport import GrpcStreamTransport, SharedMemoryTransport, TokenBucket, TransportName, choose_transport
+from topology.graph import TopologyGraph
+from topology.load import parse_topology
+
+TWO_DOMAINS = {
+    "name": "two-domains-test",
+    "models": [
+        {
+            "name": "llama-2-7b",
+            "num_layers": 32,
+            "num_attention_heads": 32,
+            "num_kv_heads": 32,
+            "head_dim": 128,
+            "hidden_size": 4096,
+            "dtype": "float16",
+            "block_size_tokens": 16,
+            "num_params": 6738415616,
+            "max_context_tokens": 4096,
+        }
+    ],
+    "gpu_types": [{"name": "a100-80gb", "memory_gib": 80, "hbm_gbyte_per_s": 2039, "nvlink_gbyte_per_s": 600}],
+    "domains": [
+        {
+            "id": dom,
+            "kind": "node",
+            "gpu_type": "a100-80gb",
+            "nodes": [{"id": f"node-{dom}", "num_gpus": 2, "nic_gbit_per_s": 100}],
+            "instances": [
+                {
+                    "id": f"{dom}0",
+                    "gpus": [0],
+                    "tensor_parallel_size": 1,
+                    "model": "llama-2-7b",
+                    "kv_capacity_blocks": 512,
+                },
+                {
+                    "id": f"{dom}1",
+                    "gpus": [1],
+                    "tensor_parallel_size": 1,
+                    "model": "llama-2-7b",
+                    "kv_capacity_blocks": 512,
+                },
+            ],
+        }
+        for dom in ("a", "b")
+    ],
+    "fabric": {"oversubscription": 1.0, "racks": [{"id": "rack-0", "domains": ["a", "b"]}]},
+}
+
+
+# ---- token bucket ---------------------------------------------------------------------------------
+def test_token_bucket_waits_out_its_debt_at_the_rate() -> None:
+    now = [0.0]
+    waits: list[float] = []
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+        now[0] += s
+
+    async def main() -> None:
+        bucket = TokenBucket(100.0, 50.0, clock=lambda: now[0], sleep=sleep)
+        assert await bucket.consume(30) == 0.0  # 50 - 30 = 20 left
+        assert await bucket.consume(70) == pytest.approx(0.5)  # 20 - 70 = -50 -> 0.5 s at 100 B/s
+        assert await bucket.consume(10) == pytest.approx(0.1)  # refilled to 0 while waiting; -10 -> 0.1 s
+        now[0] += 10.0  # idle: refills to the burst only
+        assert await bucket.consume(50) == 0.0
+        assert await bucket.consume(1) == pytest.approx(0.01)
+
+        empty = TokenBucket(100.0, 50.0, clock=lambda: now[0], sleep=sleep, initial_bytes=0.0)
+        assert await empty.consume(10) == pytest.approx(0.1)  # a migration's bucket starts empty
+
+    asyncio.run(main())
+    assert sum(waits) == pytest.approx(0.71)
+
+
+def test_token_bucket_rejects_bad_rates() -> None:
+    with pytest.raises(ValueError, match="rate_bytes_per_s = 0"):
+        TokenBucket(0, 1)
+    with pytest.raises(ValueError, match="burst_bytes = -1"):
+        TokenBucket(1, -1)
+
+
+# ---- codecs ---------------------------------------------------------------------------------------
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text() | st.binary(),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.lists(inner, max_size=3).map(tuple)
+        | st.dictionaries(st.text().filter(lambda k: not k.startswith("__")), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@given(st.dictionaries(st.text(min_size=1).filter(lambda k: not k.startswith("__")), _values, max_size=4))
+def test_extra_codec_round_trips_exactly(extra: dict[str, object]) -> None:
+    back = decode_extra(encode_extra(extra))
+    assert repr(back) == repr(extra)  # repr: nan != nan, but the round trip must keep it
+
+
+def test_extra_codec_refuses_what_it_cannot_carry() -> None:
+    with pytest.raises(UnmovableStateError, match=r"extra\['rng'\]: a set cannot be migrated"):
+        encode_extra({"rng": {1, 2}})
+    with pytest.raises(UnmovableStateError, match="key 3 is not a plain str"):
+        encode_extra({"d": {3: "x"}})
+
+
+def test_state_round_trips_through_protobuf() -> None:
+    state = MigrationState(
+        request_id="r",
+        prompt_tokens=3,
+        num_output_tokens=2,
+        num_computed_tokens=4,
+        max_tokens=9,
+        priority=1,
+        arrival_s=12.5,
+        prompt_token_ids=(5, 6, 7),
+        output_token_ids=(8, 9),
+        sampling_params=SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, seed=42, stop_token_ids=(2,)),
+        extra={"generator_state": b"\x00\x01", "eos_token_id": None, "model_fingerprint": "ab"},
+    )
+    assert state_from_pb(state_to_pb(state)) == state
+    bare = MigrationState("s", 10, 1, 10, 5, 0, 0.0)
+    assert state_from_pb(state_to_pb(bare)) == bare
+
+
+def test_submit_is_checked_field_by_field() -> None:
+    ok = pb.SubmitRequest(request_id="r", prompt_tokens=0, prompt_token_ids=[4, 5], origin="h:1")
+    ok.sampling.CopyFrom(sampling_to_pb(SamplingParams(max_tokens=3, seed=1)))
+    req = request_from_submit(ok, arrival_s=7.0)
+    assert (req.prompt_tokens, req.prompt_token_ids, req.max_tokens, req.arrival_s) == (2, (4, 5), 3, 7.0)
+    assert req.sampling_params == SamplingParams(max_tokens=3, seed=1)
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"request_id": ""}, "request_id is empty"),
+        ({"origin": ""}, "origin is empty"),
+        ({"prompt_token_ids": []}, "no prompt"),
+        ({"prompt_tokens": 3}, "prompt_tokens = 3 but 2 prompt_token_ids"),
+    ]
+    for change, message in cases:
+        bad = pb.SubmitRequest()
+        bad.CopyFrom(ok)
+        for key, value in change.items():
+            if isinstance(value, list):
+                del bad.prompt_token_ids[:]
+            else:
+                setattr(bad, key, value)
+        with pytest.raises(ValueError, match=message):
+            request_from_submit(bad, 0.0)
+    no_max = pb.SubmitRequest(request_id="r", prompt_tokens=4, origin="h:1")
+    with pytest.raises(ValueError, match=r"sampling.max_tokens must be >= 1"):
+        request_from_submit(no_max, 0.0)
+
+
+# ---- backends -------------------------------------------------------------------------------------
+def test_backend_factory_knows_its_names() -> None:
+    with pytest.raises(UnknownBackendError, match=r"unknown engine backend 'vllm'; known: sim, torch"):
+        make_backend("vllm", BackendConfig(instance_id="x"))
+
+
+def test_sim_backend_takes_sizes_and_latency_from_the_topology() -> None:
+    topo = parse_topology(TWO_DOMAINS, "test")
+    backend = make_backend("sim", BackendConfig(instance_id="b1", topology=topo, time_scale=0.5))
+    engine = backend.engine
+    assert isinstance(engine, EngineCore)
+    assert engine.load().total_blocks == 512
+    assert engine.block_size_tokens == 16
+    assert engine.kv_bytes_per_block == 16 * 524_288  # 2 x 32 layers x 32 heads x 128 x 2 bytes per token
+    assert engine.latency_model.model == "llama-2-7b" and engine.latency_model.gpu == "a100"
+    assert not backend.real_token_ids
+    override = make_backend("sim", BackendConfig(instance_id="b1", topology=topo, num_blocks=7, block_size_tokens=4))
+    assert override.engine.load().total_blocks == 7 and override.engine.block_size_tokens == 4
+    with pytest.raises(KeyError):
+        make_backend("sim", BackendConfig(instance_id="nope", topology=topo))
+    with pytest.raises(ValueError, match="time_scale = -1"):
+        BackendConfig(instance_id="x", time_scale=-1)
+
+
+# ---- transport choice ------------------------------------------------------------------------------
+def test_transport_follows_the_nvlink_domain_and_caps_the_network() -> None:
+    graph = TopologyGraph(parse_topology(TWO_DOMAINS, "test"))
+    inside = choose_transport(None, graph, "a0", "a1", cap_fraction=0.2)
+    assert isinstance(inside, SharedMemoryTransport) and inside.rate_cap_bytes_per_s == 0.0
+    across = choose_transport(None, graph, "a0", "b1", cap_fraction=0.2)
+    assert isinstance(across, GrpcStreamTransport)
+    assert across.rate_cap_bytes_per_s == pytest.approx(100e9 / 8 * 0.2)  # 100 Gb/s NIC x 20%
+    configured = choose_transport(None, graph, "a0", "b1", cap_fraction=0.2, grpc_rate_cap_bytes_per_s=5e6)
+    assert configured.rate_cap_bytes_per_s == 5e6
+    forced = choose_transport(
+        TransportName.GRPC, graph, "a0", "a1", cap_fraction=0.2, override_rate_cap_bytes_per_s=1e6
+    )
+    assert forced.name is TransportName.GRPC and forced.rate_cap_bytes_per_s == 1e6
+    no_topology = choose_transport(None, None, "x", "y", cap_fraction=0.2)
+    assert no_topology.name is TransportName.GRPC and no_topology.rate_cap_bytes_per_s == 0.0
+    with pytest.raises(KeyError):
+        choose_transport(None, graph, "a0", "zz", cap_fraction=0.2)
+
+
+# ---- pushes and the collector ---------------------------------------------------------------------
+def test_push_merging_joins_contiguous_chunks_per_request() -> None:
+    batch = [
+        TokenChunkOut("r", 0, [10], 0),
+        TokenChunkOut("s", 5, [7], 1),
+        TokenChunkOut("r", 1, [11, 12], 0),
+        TokenChunkOut("r", 3, [], 0, finished=True, finish_reason="length"),
+        TokenChunkOut("s", 9, [8], 1),  # not contiguous: its own push
+    ]
+    merged = _merge(batch)
+    assert list(merged) == ["r", "s"]
+    (r,) = merged["r"]
+    assert (r.first_seq, r.token_ids, r.finished, r.finish_reason, r.merged) == (0, [10, 11, 12], True, "length", 3)
+    assert [(c.first_seq, c.token_ids) for c in merged["s"]] == [(5, [7]), (9, [8])]
+    assert batch[0].token_ids == [10]  # the queued chunks are not modified
+
+
+def _chunk(
+    first: int, ids: list[int], *, epoch: int = 0, finished: bool = False, sender: str = "x:1"
+) -> sink_pb.TokenChunk:
+    return sink_pb.TokenChunk(
+        request_id="r",
+        first_seq=first,
+        token_ids=ids,
+        finished=finished,
+        finish_reason="length" if finished else "",
+        epoch=epoch,
+        sender_address=sender,
+    )
+
+
+def test_collector_orders_deduplicates_and_follows_the_owner_epoch() -> None:
+    async def main() -> None:
+        col = TokenCollector()
+        assert col._push(_chunk(0, [1])).unknown  # not expected: the sender must stop
+        col.expect("r", "src:1")
+        assert col._push(_chunk(2, [30, 40])).next_seq == 0  # buffered: seq 0, 1 missing
+        assert col._push(_chunk(0, [10, 20])).next_seq == 4
+        assert col._push(_chunk(1, [20, 30])).next_seq == 4  # duplicates, same ids
+        assert col._push(_chunk(4, [], epoch=1, sender="dst:2")).next_seq == 4  # ownership moves
+        assert col.get("r").owner_address == "dst:2"
+        stale = col._push(_chunk(4, [99], epoch=0))
+        assert stale.superseded and col.get("r").token_ids == (10, 20, 30, 40)
+        col._push(_chunk(5, [60], epoch=1, finished=True, sender="dst:2"))
+        assert not col.get("r").done  # seq 4 still missing
+        col._push(_chunk(4, [50], epoch=1, sender="dst:2"))
+        got = await col.wait("r", 1.0)
+        assert got.token_ids == (10, 20, 30, 40, 50, 60) and got.done and got.finish_reason == "length"
+        assert (got.duplicates, got.conflicts, got.epoch) == (2, 0, 1)
+        col.expect("q", "")
+        with pytest.raises(TimeoutError, match="'q' not done"):
+            await col.wait("q", 0.01)
+        col.fail("q", "instance died")
+        assert (await col.wait("q", 0.01)).error == "instance died"
+        with pytest.raises(ValueError, match="already expected"):
+            col.expect("q")
+
+    asyncio.run(main())
+
+
+def test_topology_fixture_file_matches(tmp_path: Path) -> None:
+    # the process tests write TWO_DOMAINS as YAML; it must load the same
+    import yaml
+
+    from topology.load import load_topology
+
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(TWO_DOMAINS))
+    assert [i.instance_id for i in load_topology(path).instances] == ["a0", "a1", "b0", "b1"]

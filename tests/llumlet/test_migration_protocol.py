@@ -1,0 +1,355 @@
+"""Live migration between llumlets (sim backend, in-process servers on real gRPC): pre-copy and
+stop-and-copy, fencing, stale attempts, reservation expiry, no room, a broken transport, and a request that
+finishes or is aborted during each stage.
+
+In every case: the stream is exactly 0, 1, ..., n-1 (the sim backend numbers tokens by position), so no
+token is lost or repeated; the request ends on exactly one instance; block counts return to zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import pytest
+
+from hilum_proto.hilum.v1 import llumlet_pb2 as pb
+from llumlet.agent import MigrationCommand, MigrationConfig, MigrationHooks
+from llumlet.backends import BackendConfig
+from llumlet.engine.protocol import KVPayload
+from llumlet.engine.types import SamplingParams
+from llumlet.sink import CollectedStream, TokenCollector
+from llumlet.testing import RunningLlumlet, start_llumlet
+from llumlet.transport import BlockStream, GrpcStreamTransport, TransferStats, Transport, TransportError, TransportName
+
+
+@dataclass
+class Cluster:
+    col: TokenCollector
+    a: RunningLlumlet
+    b: RunningLlumlet
+
+    async def submit(self, rid: str, max_tokens: int, prompt_tokens: int = 200) -> None:
+        self.col.expect(rid, self.a.address)
+        reply = await self.a.client.submit(
+            rid, self.col.address, SamplingParams(max_tokens=max_tokens), prompt_tokens=prompt_tokens
+        )
+        assert reply.accepted, reply.reason
+
+    async def decoding(self, rid: str, n_tokens: int = 3) -> None:
+        while len(self.col.get(rid).token_ids) < n_tokens:
+            await asyncio.sleep(0.002)
+
+    async def grow(self, rid: str, n_tokens: int = 17) -> None:
+        """Wait until ``rid`` produced ``n_tokens`` more tokens (a new full block, 16 tokens per block)."""
+        await self.decoding(rid, len(self.col.get(rid).token_ids) + n_tokens)
+
+    async def exactly_once(self, rid: str, n: int, reason: str = "length") -> CollectedStream:
+        got = await self.col.wait(rid, 10)
+        assert got.error == "" and got.finish_reason == reason
+        if reason == "length":
+            assert got.token_ids == tuple(range(n))
+        else:
+            assert got.token_ids == tuple(range(len(got.token_ids))) and len(got.token_ids) < n
+        assert got.conflicts == 0
+        return got
+
+    async def baseline(self) -> None:
+        """Both engines back to no blocks used or reserved, no request, no reservation."""
+        for node in (self.a, self.b):
+            for _ in range(300):
+                load = await node.client.get_load()
+                if (load.used_blocks, load.reserved_blocks, load.num_requests, load.num_reservations) == (0, 0, 0, 0):
+                    break
+                await asyncio.sleep(0.01)
+            assert (load.used_blocks, load.reserved_blocks, load.num_requests, load.num_reservations) == (0, 0, 0, 0)
+            assert load.num_migrations_out == 0
+
+
+def run(
+    body: Callable[[Cluster], Awaitable[None]],
+    *,
+    hooks: MigrationHooks | None = None,
+    dst_blocks: int = 256,
+    transport_for: Callable[[MigrationCommand], Transport] | None = None,
+    expiry_s: float = 5.0,
+) -> None:
+    async def main() -> None:
+        col = TokenCollector()
+        await col.start()
+        mig = MigrationConfig(reservation_expiry_s=expiry_s)
+        a = await start_llumlet(
+            "a",
+            backend=BackendConfig(instance_id="a", num_blocks=256, time_scale=0.2),
+            migration=mig,
+            hooks=hooks,
+            transport_for=transport_for,
+        )
+        b = await start_llumlet(
+            "b", backend=BackendConfig(instance_id="b", num_blocks=dst_blocks, time_scale=0.2), migration=mig
+        )
+        try:
+            await asyncio.wait_for(body(Cluster(col, a, b)), 20)
+        finally:
+            await a.stop()
+            await b.stop()
+            await col.stop()
+
+    asyncio.run(main())
+
+
+def test_pre_copy_moves_a_decoding_request_exactly_once() -> None:
+    async def body(c: Cluster) -> None:
+        await c.submit("r", max_tokens=150, prompt_tokens=300)  # 19 blocks of 16 tokens
+        await c.decoding("r")
+        rep = await c.a.client.migrate_out("r", c.b.address, attempt=1)
+        assert rep.outcome == pb.MIGRATION_COMMITTED, rep.reason
+        assert rep.transport == "grpc" and rep.rate_cap_bytes_per_s == 0.0  # no topology: grpc, uncapped
+        pre, last = rep.stage_reports[:-1], rep.stage_reports[-1]
+        assert rep.stages == len(pre) >= 1 and pre[0].blocks >= 18 and last.last
+        assert last.blocks <= 2 + 1  # <= stop_remaining_blocks new full blocks + the partial one
+        assert rep.blocks == sum(s.blocks for s in rep.stage_reports) >= 19
+        assert rep.bytes == rep.blocks * 16 * 524_288 and rep.bandwidth_bytes_per_s > 0
+        assert 0 < rep.downtime_s < rep.total_s
+        got = await c.exactly_once("r", 150)
+        assert got.epoch == 1 and got.owner_address == c.b.address
+        await c.baseline()
+
+    run(body)
+
+
+def test_stop_and_copy_copies_everything_while_suspended() -> None:
+    async def body(c: Cluster) -> None:
+        await c.submit("r", max_tokens=100, prompt_tokens=300)
+        await c.decoding("r")
+        rep = await c.a.client.migrate_out("r", c.b.address, attempt=1, mode=pb.MIGRATION_STOP_AND_COPY)
+        assert rep.outcome == pb.MIGRATION_COMMITTED, rep.reason
+        assert rep.stages == 0 and len(rep.stage_reports) == 1 and rep.stage_reports[0].blocks >= 19
+        await c.exactly_once("r", 100)
+        await c.baseline()
+
+    run(body)
+
+
+def test_back_and_forth_many_times() -> None:
+    async def body(c: Cluster) -> None:
+        await c.submit("r", max_tokens=300, prompt_tokens=40)
+        here, there = c.a, c.b
+        for attempt in range(1, 6):
+            await c.decoding("r", 3 + 12 * attempt)
+            rep = await here.client.migrate_out("r", there.address, attempt=attempt, stop_remaining_blocks=0)
+            assert rep.outcome == pb.MIGRATION_COMMITTED, rep.reason
+            here, there = there, here
+        got = await c.exactly_once("r", 300)
+        assert got.epoch == 5 and got.owner_address == c.b.address
+        await c.baseline()
+
+    run(body)
+
+
+def test_fencing_tokens_and_bad_commands_are_refused() -> None:
+    async def body(c: Cluster) -> None:
+        await c.submit("r", max_tokens=400, prompt_tokens=40)
+        await c.decoding("r")
+        there = await c.a.client.migrate_out("r", c.b.address, attempt=1, fencing_token=9)
+        assert there.outcome == pb.MIGRATION_COMMITTED, there.reason
+        back = await c.b.client.migrate_out("r", c.a.address, attempt=2, fencing_token=9)  # equal: accepted
+        assert back.outcome == pb.MIGRATION_COMMITTED, back.reason
+        old = await c.a.client.migrate_out("r", c.b.address, attempt=3, fencing_token=5)  # a paused old leader
+        assert old.outcome == pb.MIGRATION_REFUSED and "fencing token 5 is older than the newest seen (9)" in old.reason
+        unknown = await c.a.client.migrate_out("nope", c.b.address, attempt=1)
+        assert unknown.outcome == pb.MIGRATION_REFUSED and "'nope' does not run here" in unknown.reason
+        zero = await c.a.client.migrate_out("r", c.b.address, attempt=0)
+        assert zero.outcome == pb.MIGRATION_REFUSED and "attempt = 0" in zero.reason
+        c.col.expect("q", c.a.address)  # 254 prompt blocks + r's >= 3 blocks > 256: q waits in the queue
+        assert (await c.a.client.submit("q", c.col.address, SamplingParams(max_tokens=5), prompt_tokens=4060)).accepted
+        queued = await c.a.client.migrate_out("q", c.b.address, attempt=1)
+        assert queued.outcome == pb.MIGRATION_REFUSED and "waiting, not running" in queued.reason
+        await c.a.client.abort("q")
+        await c.a.client.abort("r")
+        await c.exactly_once("r", 400, reason="abort")
+        await c.baseline()
+
+    run(body)
+
+
+def test_messages_of_an_older_attempt_are_ignored() -> None:
+    async def body(c: Cluster) -> None:
+        dst = c.b.client
+        assert (await dst.reserve("x", 2, 4)).status == pb.DEST_OK
+        assert (await dst.reserve("x", 1, 4)).status == pb.DEST_STALE
+        call = dst.stub.WriteBlocks()
+        await call.write(pb.BlockChunk(request_id="x", attempt=1, first_block=0, num_blocks=1, nbytes=0))
+        await call.done_writing()
+        assert (await call).status == pb.DEST_STALE
+        commit = await dst.commit(pb.CommitRequest(request_id="x", attempt=1, origin=c.col.address))
+        assert commit.status == pb.DEST_STALE
+        assert (await dst.release("x", 1)).status == pb.DEST_STALE
+        load = await dst.get_load()
+        assert (load.reserved_blocks, load.num_reservations) == (4, 1)  # untouched by the stale messages
+        assert (await dst.reserve("x", 2, 6)).num_blocks == 6  # same attempt: grows
+        assert (await dst.reserve("x", 3, 2)).num_blocks == 2  # newer attempt: replaces the older one
+        assert (await dst.get_load()).reserved_blocks == 2
+        assert (await dst.release("x", 3)).released_blocks == 2
+        assert (await dst.release("x", 3)).released_blocks == 0  # idempotent
+        await c.baseline()
+
+    run(body)
+
+
+def test_a_reservation_never_committed_expires() -> None:
+    async def body(c: Cluster) -> None:
+        reply = await c.b.client.reserve("ghost", 1, 10, expiry_s=0.2)
+        assert reply.status == pb.DEST_OK and reply.reservation_id == "ghost@1"
+        assert (await c.b.client.get_load()).reserved_blocks == 10
+        await asyncio.sleep(0.6)
+        load = await c.b.client.get_load()
+        assert (load.reserved_blocks, load.num_reservations) == (0, 0)
+        commit = await c.b.client.commit(pb.CommitRequest(request_id="ghost", attempt=1, origin="x:1"))
+        assert commit.status == pb.DEST_REFUSED and "expired or released" in commit.reason
+
+    run(body)
+
+
+def test_no_room_at_the_destination_leaves_the_request_on_the_source() -> None:
+    async def body(c: Cluster) -> None:
+        await c.submit("r", max_tokens=120, prompt_tokens=300)
+        await c.decoding("r")
+        rep = await c.a.client.migrate_out("r", c.b.address, attempt=1)
+        assert rep.outcome == pb.MIGRATION_REFUSED and "DEST_NO_ROOM" in rep.reason and "8 free" in rep.reason
+        got = await c.exactly_once("r", 120)
+        assert got.epoch == 0 and got.owner_address == c.a.address
+        await c.baseline()
+
+    run(body, dst_blocks=8)
+
+
+class _BrokenStream:
+    def __init__(self, inner: BlockStream, fail_after: int) -> None:
+        self.inner, self.left = inner, fail_after
+
+    async def send(self, payload: KVPayload) -> None:
+        if self.left == 0:
+            raise TransportError("link down (injected)")
+        self.left -= 1
+        await self.inner.send(payload)
+
+    async def close(self) -> TransferStats:
+        return await self.inner.close()
+
+    async def abort(self) -> None:
+        await self.inner.abort()
+
+
+@dataclass
+class _BreakOnce:
+    """Breaks the first attempt's stream after 3 messages; later attempts go through."""
+
+    name: TransportName = TransportName.GRPC
+    rate_cap_bytes_per_s: float = 0.0
+
+    def open(self, stub: object, request_id: str, attempt: int) -> BlockStream:
+        inner = GrpcStreamTransport().open(stub, request_id, attempt)  # type: ignore[arg-type]
+        return _BrokenStream(inner, 3) if attempt == 1 else inner
+
+
+def test_a_broken_transport_aborts_and_a_late_message_of_that_attempt_is_ignored() -> None:
+    async def body(c: Cluster) -> None:
+        await c.submit("r", max_tokens=200, prompt_tokens=300)
+        await c.decoding("r")
+        first = await c.a.client.migrate_out("r", c.b.address, attempt=1)
+        assert first.outcome == pb.MIGRATION_ABORTED and "link down (injected)" in first.reason
+        load = await c.b.client.get_load()
+        assert (load.reserved_blocks, load.num_reservations) == (0, 0)  # released by the source
+        second = await c.a.client.migrate_out("r", c.b.address, attempt=2)
+        assert second.outcome == pb.MIGRATION_COMMITTED, second.reason
+        late = await c.b.client.release("r", 1)  # a late Release of attempt 1 must not touch the request
+        assert late.status == pb.DEST_STALE
+        late_commit = await c.b.client.commit(pb.CommitRequest(request_id="r", attempt=1, origin=c.col.address))
+        assert late_commit.status == pb.DEST_STALE
+        assert (await c.b.client.get_load()).num_requests == 1
+        got = await c.exactly_once("r", 200)
+        assert got.epoch == 1
+        await c.baseline()
+
+    run(body, transport_for=lambda cmd: _BreakOnce())
+
+
+class _Pause(MigrationHooks):
+    """Runs an action at a chosen point of the source's migration; before it, lets each stage end only after
+    the request filled another block (so that a next stage has something to copy)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.action: Callable[[], Awaitable[None]] | None = None
+        self.grow: Callable[[], Awaitable[None]] | None = None
+
+    async def stage_copied(self, request_id: str, attempt: int, stage: int) -> None:
+        if self.where == f"stage{stage}" and self.action is not None:
+            await self.action()
+        elif self.grow is not None:
+            await self.grow()
+
+    async def before_commit(self, request_id: str, attempt: int) -> None:
+        if self.where == "last" and self.action is not None:
+            await self.action()
+
+
+@pytest.mark.parametrize("where", ["stage0", "stage1"])
+def test_the_request_finishing_during_a_stage_aborts_the_migration(where: str) -> None:
+    hooks = _Pause(where)
+
+    async def body(c: Cluster) -> None:
+        async def finish() -> None:
+            await c.col.wait("r", 10)
+
+        hooks.action = finish
+        hooks.grow = functools.partial(c.grow, "r")
+        await c.submit("r", max_tokens=60, prompt_tokens=300)
+        await c.decoding("r")
+        rep = await c.a.client.migrate_out("r", c.b.address, attempt=1, stop_remaining_blocks=0, max_stages=4)
+        assert rep.outcome == pb.MIGRATION_ABORTED and "finished" in rep.reason
+        got = await c.exactly_once("r", 60)
+        assert got.epoch == 0
+        await c.baseline()
+
+    run(body, hooks=hooks)
+
+
+@pytest.mark.parametrize("where", ["stage0", "stage1", "last"])
+def test_a_client_abort_during_any_stage_ends_the_request_once(where: str) -> None:
+    hooks = _Pause(where)
+
+    async def body(c: Cluster) -> None:
+        async def abort() -> None:
+            reply = await c.a.client.abort("r")
+            assert reply.found
+
+        hooks.action = abort
+        hooks.grow = functools.partial(c.grow, "r")
+        await c.submit("r", max_tokens=400, prompt_tokens=300)
+        await c.decoding("r")
+        rep = await c.a.client.migrate_out("r", c.b.address, attempt=1, stop_remaining_blocks=0, max_stages=4)
+        assert rep.outcome == pb.MIGRATION_ABORTED and ("aborted" in rep.reason or "ended" in rep.reason), rep.reason
+        got = await c.exactly_once("r", 400, reason="abort")
+        assert got.epoch == 0
+        await c.baseline()
+
+    run(body, hooks=hooks)
+
+
+def test_an_abort_after_the_move_is_forwarded_to_the_destination() -> None:
+    async def body(c: Cluster) -> None:
+        await c.submit("r", max_tokens=400, prompt_tokens=40)
+        await c.decoding("r")
+        rep = await c.a.client.migrate_out("r", c.b.address, attempt=1)
+        assert rep.outcome == pb.MIGRATION_COMMITTED
+        reply = await c.a.client.abort("r")  # the client still talks to the instance it submitted to
+        assert reply.found and reply.forwarded_to == c.b.address
+        got = await c.exactly_once("r", 400, reason="abort")
+        assert got.epoch == 1
+        await c.baseline()
+
+    run(body)
