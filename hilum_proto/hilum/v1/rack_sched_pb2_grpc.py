@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from hilum_proto.hilum.v1 import llumlet_pb2 as hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2
 from hilum_proto.hilum.v1 import rack_sched_pb2 as hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -39,6 +40,16 @@ class RackSchedulerStub:
                 request_serializer=hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.RackPingRequest.SerializeToString,
                 response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.RackPingReply.FromString,
                 _registered_method=True)
+        self.Submit = channel.unary_unary(
+                '/hilum.v1.RackScheduler/Submit',
+                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.SubmitRequest.SerializeToString,
+                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.DispatchReply.FromString,
+                _registered_method=True)
+        self.GetDomainState = channel.unary_unary(
+                '/hilum.v1.RackScheduler/GetDomainState',
+                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.GetDomainStateRequest.SerializeToString,
+                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.DomainState.FromString,
+                _registered_method=True)
 
 
 class RackSchedulerServicer:
@@ -51,6 +62,21 @@ class RackSchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Submit(self, request, context):
+        """Dispatch a new request to one instance of this domain and submit it there (llumlet Submit).
+        A refusal is an answer (outcome, reason), not an RPC error; bad input is INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetDomainState(self, request, context):
+        """The scheduler's view of its instances: loads as last pushed, drains applied, migrations in flight.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RackSchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +84,16 @@ def add_RackSchedulerServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.RackPingRequest.FromString,
                     response_serializer=hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.RackPingReply.SerializeToString,
+            ),
+            'Submit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Submit,
+                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.SubmitRequest.FromString,
+                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.DispatchReply.SerializeToString,
+            ),
+            'GetDomainState': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDomainState,
+                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.GetDomainStateRequest.FromString,
+                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.DomainState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +123,60 @@ class RackScheduler:
             '/hilum.v1.RackScheduler/Ping',
             hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.RackPingRequest.SerializeToString,
             hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.RackPingReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Submit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hilum.v1.RackScheduler/Submit',
+            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.SubmitRequest.SerializeToString,
+            hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.DispatchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDomainState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hilum.v1.RackScheduler/GetDomainState',
+            hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.GetDomainStateRequest.SerializeToString,
+            hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.DomainState.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,128 @@
+"""The domain scheduler's decisions that are not in ``policy`` itself: pure, clock-free, no I/O.
+
+- :func:`demand_blocks`: KV blocks a new request needs to start (as the simulator's dispatch counts them).
+- :func:`drained_instances`: which of the domain's instances a set of drain intents empties.
+- :func:`plan_cross_domain`: the one move a domain proposes to the coordinator when ``policy.pair_domains``
+  pairs it, as a source, with another domain.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from global_coord.records import DrainKind, SummaryRecord
+from policy.domain import DomainSummary
+from policy.migration import pair_domains, plan_migrations
+from policy.types import InstanceLoad, PolicyConfig
+
+__all__ = ["CrossDomainMove", "demand_blocks", "domain_summary_of", "drained_instances", "plan_cross_domain"]
+
+
+def demand_blocks(prompt_tokens: int, block_size_tokens: int) -> int:
+    """KV blocks a request needs to start: its prompt plus the first output token, ``ceil((p + 1) / b)``.
+
+    Same count as ``sim.schedulers.demand_blocks``. Raises ValueError on a negative prompt or a block size < 1.
+    """
+    if prompt_tokens < 0:
+        raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
+    if block_size_tokens < 1:
+        raise ValueError(f"block_size_tokens must be >= 1, got {block_size_tokens}")
+    return math.ceil((prompt_tokens + 1) / block_size_tokens)
+
+
+def drained_instances(
+    domain_id: str, instance_ids: Iterable[str], intents: Iterable[tuple[DrainKind, str]]
+) -> frozenset[str]:
+    """The instances of ``domain_id`` (among ``instance_ids``) that drain intents name.
+
+    A domain intent for ``domain_id`` drains every instance; an instance intent drains that instance.
+    Intents for other domains and unknown instances are ignored.
+    """
+    ids = frozenset(instance_ids)
+    named: set[str] = set()
+    for kind, target in intents:
+        if kind is DrainKind.DOMAIN and target == domain_id:
+            return ids
+        if kind is DrainKind.INSTANCE and target in ids:
+            named.add(target)
+    return frozenset(named)
+
+
+def domain_summary_of(record: SummaryRecord) -> DomainSummary:
+    """The ``policy`` value of a summary read from etcd (``queued_blocks`` is not published: 0)."""
+    return DomainSummary(
+        domain_id=record.domain_id,
+        num_instances=record.num_instances,
+        capacity_blocks=record.capacity_blocks,
+        virtual_usage=record.virtual_usage,
+        freeness=record.freeness,
+        largest_free_blocks=record.largest_free_blocks,
+        max_instance_capacity_blocks=record.max_instance_capacity_blocks,
+        num_running=record.num_running,
+        num_waiting=record.num_waiting,
+        draining=record.draining,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CrossDomainMove:
+    """A move this domain proposes: ``request_id`` (``blocks``, ``num_tokens``) from ``src_instance_id``."""
+
+    src_instance_id: str
+    request_id: str
+    blocks: int  # KV blocks it holds at planning time
+    num_tokens: int  # tokens whose KV it holds
+    dst_domain_id: str  # the domain pair_domains chose; the coordinator picks the instance
+    reason: str
+
+
+def _stand_in(summary: DomainSummary) -> InstanceLoad:
+    """The destination domain as one instance: its freest instance (largest free space), empty batch."""
+    capacity = max(1, summary.max_instance_capacity_blocks)
+    free = min(capacity, max(0, summary.largest_free_blocks))
+    return InstanceLoad(
+        instance_id=f"domain:{summary.domain_id}", capacity_blocks=capacity, used_blocks=capacity - free
+    )
+
+
+def plan_cross_domain(
+    mine: DomainSummary,
+    others: Sequence[DomainSummary],
+    loads: Sequence[InstanceLoad],
+    cfg: PolicyConfig,
+    rng: random.Random,
+) -> CrossDomainMove | None:
+    """The move to propose when ``pair_domains`` pairs this domain (``mine``) as a source, else None.
+
+    The destination domain stands in as one instance, its freest (capacity ``max_instance_capacity_blocks``,
+    ``largest_free_blocks`` free, no batch); ``plan_migrations`` over ``loads`` (this domain's instances that
+    are not busy, drains applied) plus that stand-in chooses source and request by the same rules as inside a
+    domain (candidate order, fits the free space, lowers the potential). Only a move to the stand-in is
+    returned: when an instance of this domain is freer, the intra-domain loop balances instead.
+
+    Raises:
+        ValueError: on repeated domain or instance ids (from ``policy``).
+    """
+    pairs = pair_domains([mine, *others], cfg)
+    dst_id = next((dst for src, dst in pairs if src == mine.domain_id), None)
+    if dst_id is None:
+        return None
+    dst = next(s for s in others if s.domain_id == dst_id)
+    stand_in = _stand_in(dst)
+    for decision in plan_migrations([*loads, stand_in], cfg, rng):
+        if decision.dst_id != stand_in.instance_id:
+            continue
+        src = next(x for x in loads if x.instance_id == decision.src_id)
+        request = next(r for r in src.running if r.request_id == decision.request_id)
+        return CrossDomainMove(
+            src_instance_id=decision.src_id,
+            request_id=decision.request_id,
+            blocks=decision.blocks,
+            num_tokens=request.num_tokens,
+            dst_domain_id=dst_id,
+            reason=f"domains paired {mine.domain_id} -> {dst_id}; {decision.reason}",
+        )
+    return None

@@ -1,0 +1,70 @@
+"""The domain scheduler's gRPC server (grpc.aio): ``hilum.v1.RackScheduler`` (rack_sched.proto).
+
+A refusal is an answer (``DispatchReply.outcome``); bad input is ``INVALID_ARGUMENT`` with the field named.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, TypeAlias
+
+import grpc
+
+from hilum_proto.hilum.v1 import llumlet_pb2
+from hilum_proto.hilum.v1 import rack_sched_pb2 as pb
+from hilum_proto.hilum.v1 import rack_sched_pb2_grpc as pb_grpc
+from rack_sched import convert
+from rack_sched.core import DomainScheduler
+from rack_sched.types import SubmitSpec
+
+__all__ = ["RackSchedulerService", "bind_server", "start_server"]
+
+_log = logging.getLogger(__name__)
+
+_Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+
+class RackSchedulerService(pb_grpc.RackSchedulerServicer):
+    """Implements ``hilum.v1.RackScheduler`` over one :class:`DomainScheduler`."""
+
+    def __init__(self, scheduler: DomainScheduler) -> None:
+        self._s = scheduler
+
+    async def Ping(self, request: pb.RackPingRequest, context: _Ctx) -> pb.RackPingReply:
+        return pb.RackPingReply(
+            domain_id=self._s.cfg.domain_id, num_instances=len(self._s.loads()), ready=self._s.ready.is_set()
+        )
+
+    async def Submit(self, request: llumlet_pb2.SubmitRequest, context: _Ctx) -> pb.DispatchReply:
+        try:
+            prompt = convert.prompt_length(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        spec = SubmitSpec(request.request_id, prompt, request.sampling.max_tokens, request.priority)
+        return convert.dispatch_reply(await self._s.submit(spec, request))
+
+    async def GetDomainState(self, request: pb.GetDomainStateRequest, context: _Ctx) -> pb.DomainState:
+        return convert.domain_state(self._s.state())
+
+
+def bind_server(listen: str) -> tuple[grpc.aio.Server, int]:
+    """A new grpc.aio server bound to ``listen`` (``host:port``; port 0 picks one); (server, port).
+
+    Raises:
+        RuntimeError: when the address cannot be bound.
+    """
+    server = grpc.aio.server()
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot listen on {listen}: {exc}") from exc
+    if port == 0:
+        raise RuntimeError(f"cannot listen on {listen}")
+    return server, port
+
+
+async def start_server(scheduler: DomainScheduler, server: grpc.aio.Server) -> None:
+    """Add the RackScheduler service for ``scheduler`` to a bound ``server`` and start it."""
+    pb_grpc.add_RackSchedulerServicer_to_server(RackSchedulerService(scheduler), server)
+    await server.start()
+    _log.info("domain scheduler %s serving at %s", scheduler.cfg.domain_id, scheduler.cfg.advertise_address)

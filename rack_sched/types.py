@@ -1,0 +1,117 @@
+"""Value types of the domain scheduler: its configuration, Submit outcomes and its state snapshot."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from global_coord.backoff import BackoffConfig
+from global_coord.records import InstanceRegistration
+from policy.types import InstanceLoad, PolicyConfig
+
+__all__ = ["DispatchOutcome", "DispatchResult", "DomainStateInfo", "InstanceStateInfo", "RackConfig", "SubmitSpec"]
+
+
+@dataclass(frozen=True, slots=True)
+class RackConfig:
+    """How one domain scheduler runs. Times in seconds."""
+
+    domain_id: str
+    advertise_address: str  # host:port the gateway and tools reach its gRPC server at
+    block_size_tokens: int  # KV block size of the domain's model (from the topology)
+    prefix: str = "/hilum/v1/"  # etcd key prefix (global_coord.store)
+    ttl_s: int = 10  # lease TTL of its registration and summary
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    rebalance_interval_s: float = 0.05  # intra-domain rescheduling period (Llumnix: 50 ms)
+    summary_interval_s: float = 0.25  # at most one summary put per this
+    cross_interval_s: float = 0.5  # cross-domain round period
+    watch_min_interval_s: float = 0.01  # asked of each llumlet's WatchLoad (coalescing)
+    ready_timeout_s: float = 5.0  # longest wait for the first report of each instance after a start
+    settle_s: float = 0.2  # after a migration, an instance waits this long at most for a fresh report
+    rpc_timeout_s: float = 5.0  # Submit, GetLoad, Release, ProposeMigration deadlines
+    migrate_timeout_s: float = 120.0  # MigrateOut deadline
+    coordinator_address: str = ""  # used when etcd names no leader
+    default_decode_step_s: float = 0.03  # decode step time sent with proposals (loads do not carry it)
+    default_remaining_tokens: int = 256  # remaining output estimate for requests it did not dispatch
+    backoff: BackoffConfig = field(default_factory=BackoffConfig)
+    # Instances this scheduler registers in etcd itself, under its own lease, for llumlets that do not
+    # register themselves (``--instance ID=HOST:PORT``). Each must name this domain.
+    static_instances: tuple[InstanceRegistration, ...] = ()
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.domain_id or "/" in self.domain_id:
+            problems.append(f"domain_id {self.domain_id!r} must be non-empty without '/'")
+        if self.block_size_tokens < 1:
+            problems.append(f"block_size_tokens must be >= 1, got {self.block_size_tokens}")
+        if self.ttl_s < 2:
+            problems.append(f"ttl_s must be >= 2 (etcd's minimum lease TTL), got {self.ttl_s}")
+        for name in ("rebalance_interval_s", "summary_interval_s", "cross_interval_s", "rpc_timeout_s"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        for reg in self.static_instances:
+            if reg.domain_id != self.domain_id:
+                problems.append(f"static instance {reg.instance_id} is in domain {reg.domain_id!r}, not this one")
+        if not self.default_decode_step_s > 0 or self.default_remaining_tokens < 0:
+            problems.append("default_decode_step_s must be > 0 and default_remaining_tokens >= 0")
+        if problems:
+            raise ValueError("RackConfig: " + "; ".join(problems))
+
+
+class DispatchOutcome(enum.StrEnum):
+    """Typed outcome of a Submit (rack_sched.proto DispatchOutcome)."""
+
+    ACCEPTED = "accepted"  # submitted; the llumlet accepted it
+    REFUSED = "refused"  # no instance of the domain can ever hold it, or the llumlet refused it
+    UNAVAILABLE = "unavailable"  # not now (view rebuilding, no reachable instance): retry or go elsewhere
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchResult:
+    """The answer to one Submit."""
+
+    outcome: DispatchOutcome
+    reason: str
+    instance_id: str = ""
+    instance_address: str = ""
+    demand_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitSpec:
+    """What dispatch needs of a request (the rest of the Submit goes to the llumlet unchanged)."""
+
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceStateInfo:
+    """One instance as the scheduler sees it."""
+
+    instance_id: str
+    address: str
+    connected: bool
+    draining: bool
+    load: InstanceLoad | None  # last report, drains applied; None before the first
+    freeness: float  # F of that load (-inf while draining; nan without a load)
+    load_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class DomainStateInfo:
+    """The scheduler's state (GetDomainState)."""
+
+    domain_id: str
+    ready: bool
+    domain_draining: bool
+    instances: tuple[InstanceStateInfo, ...]
+    migrations_in_flight: int
+    migrations_committed: int
+    migrations_aborted: int
+    cross_domain_proposed: int
+    cross_domain_approved: int
+    summaries_published: int
+    newest_fencing_token: int

@@ -1,0 +1,22 @@
+"""Real-etcd fixtures for the domain-scheduler tests: reused from ``tests/global_coord/conftest.py``.
+
+The fixtures (``etcd``, ``etcd_private``, ``prefix``) are defined once, in the global_coord tests; they are
+moving to ``tests/conftest.py`` (same names), which serves every test package. Until then this file loads
+them from their current place; once that file is gone, it defines nothing and ``tests/conftest.py`` serves.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+_SOURCE = Path(__file__).resolve().parent.parent / "global_coord" / "conftest.py"
+
+if _SOURCE.exists():
+    _spec = importlib.util.spec_from_file_location("_global_coord_fixtures", _SOURCE)
+    assert _spec is not None and _spec.loader is not None
+    _module = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_module)
+    etcd = _module.etcd
+    etcd_private = _module.etcd_private
+    prefix = _module.prefix

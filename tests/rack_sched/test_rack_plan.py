@@ -1,0 +1,179 @@
+"""Pure parts of the domain scheduler: demand, drains, the cross-domain move, the published summary, and the
+conversions at its gRPC edge. Values are computed by hand in the comments."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from global_coord.records import DrainKind, RecordError, SummaryRecord, encode
+from hilum_proto.hilum.v1 import llumlet_pb2
+from policy.domain import DomainSummary, summarize_domain
+from policy.types import InstanceLoad, PolicyConfig, RequestLoad
+from rack_sched.convert import load_from_pb, prompt_length
+from rack_sched.plan import demand_blocks, drained_instances, plan_cross_domain
+from rack_sched.summary import decode_summary, summary_record
+
+CFG = PolicyConfig()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "block", "blocks"), [(0, 16, 1), (15, 16, 1), (16, 16, 2), (160, 16, 11), (1599, 16, 100)]
+)
+def test_demand_counts_prompt_plus_first_token(prompt: int, block: int, blocks: int) -> None:
+    assert demand_blocks(prompt, block) == blocks
+
+
+def test_demand_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="prompt_tokens must be >= 0"):
+        demand_blocks(-1, 16)
+    with pytest.raises(ValueError, match="block_size_tokens must be >= 1"):
+        demand_blocks(5, 0)
+
+
+def test_drained_instances() -> None:
+    ids = ["a", "b", "c"]
+    intents = [(DrainKind.INSTANCE, "b"), (DrainKind.INSTANCE, "elsewhere"), (DrainKind.DOMAIN, "other")]
+    assert drained_instances("d", ids, intents) == {"b"}
+    assert drained_instances("d", ids, [*intents, (DrainKind.DOMAIN, "d")]) == {"a", "b", "c"}
+    assert drained_instances("d", ids, []) == frozenset()
+
+
+def _summary(domain_id: str, freeness: float, largest_free: int, draining: bool = False) -> DomainSummary:
+    return DomainSummary(domain_id, 1, 100, 100 - largest_free, freeness, largest_free, 100, 1, 0, draining)
+
+
+def test_cross_domain_move_only_when_paired_as_source() -> None:
+    # Source a0: 2 requests (58 and 40 blocks) of 100: F = 2 / 2 = 1 < 3. Domain summary of "a" the same.
+    a0 = InstanceLoad("a0", 100, 98, (RequestLoad("big", 58, num_tokens=900), RequestLoad("small", 40, num_tokens=630)))
+    mine = summarize_domain("a", [a0], CFG)
+    assert mine.freeness == 1.0
+    # Domain b: freest instance has 80 of 100 free -> stand-in V = 20; V_a0 - 20 = 78 > 40: "small" moves first.
+    move = plan_cross_domain(mine, [_summary("b", 40.0, 80)], [a0], CFG, random.Random(0))
+    assert move is not None
+    assert (move.src_instance_id, move.request_id, move.blocks, move.num_tokens, move.dst_domain_id) == (
+        "a0",
+        "small",
+        40,
+        630,
+        "b",
+    )
+    # b with only 30 free blocks: nothing of a0 fits there (both requests hold more).
+    assert plan_cross_domain(mine, [_summary("b", 30.0, 30)], [a0], CFG, random.Random(0)) is None
+    # b not free enough to be a destination (F 2 < 3): no pair, no move.
+    assert plan_cross_domain(mine, [_summary("b", 2.0, 80)], [a0], CFG, random.Random(0)) is None
+    # An instance of a's own that is freer than b's stand-in takes the move inside the domain instead.
+    a1 = InstanceLoad("a1", 100, 0)
+    both = summarize_domain("a", [a0, a1], CFG)
+    both_low = DomainSummary("a", 2, 200, 98, 1.0, 100, 100, 2, 0, False)  # pretend the domain is paired
+    assert both.freeness > 3
+    assert plan_cross_domain(both_low, [_summary("b", 40.0, 80)], [a0, a1], CFG, random.Random(0)) is None
+
+
+def test_drained_domain_moves_everything_out() -> None:
+    a0 = InstanceLoad("a0", 100, 10, (RequestLoad("r", 10, num_tokens=150),), draining=True)
+    mine = summarize_domain("a", [a0], CFG)
+    assert mine.draining
+    move = plan_cross_domain(mine, [_summary("b", 2.0, 50)], [a0], CFG, random.Random(0))
+    assert move is not None and (move.request_id, move.dst_domain_id) == ("r", "b")
+
+
+def test_summary_record_carries_instance_loads_in_the_shared_format() -> None:
+    loads = [
+        InstanceLoad("i1", 100, 30, (RequestLoad("x", 30),), num_waiting=2, head_demand_blocks=5, draining=True),
+        InstanceLoad("i0", 100, 10, (RequestLoad("y", 10),)),
+    ]
+    summary = summarize_domain("d", loads, CFG)
+    record = summary_record(summary, loads)
+    raw = json.loads(encode(record))
+    # Exactly global_coord.records.InstanceLoadRecord's fields (the format hilumctl drain --wait reads).
+    assert raw["instances"] == [
+        {"draining": False, "instance_id": "i0", "num_running": 1, "num_waiting": 0, "used_blocks": 10},
+        {"draining": True, "instance_id": "i1", "num_running": 1, "num_waiting": 2, "used_blocks": 30},
+    ]
+    assert (raw["num_running"], raw["num_waiting"], raw["capacity_blocks"], raw["draining"]) == (2, 2, 100, False)
+    back = decode_summary(encode(record), "k")
+    assert back == SummaryRecord.of(summary)
+    with pytest.raises(ValueError, match="instance ids repeat"):
+        summary_record(summary, [loads[0], loads[0]])
+    with pytest.raises(RecordError, match="k: not JSON"):
+        decode_summary(b"{", "k")
+
+
+def test_load_report_conversion() -> None:
+    report = llumlet_pb2.LoadReport(
+        instance_id="i0",
+        total_blocks=100,
+        used_blocks=40,
+        reserved_blocks=10,
+        cached_blocks=7,
+        running=[
+            llumlet_pb2.RunningRequest(request_id="a", blocks=30, priority=1, num_tokens=470, in_decode=True),
+            llumlet_pb2.RunningRequest(request_id="b", blocks=10, num_tokens=150, in_decode=False),
+        ],
+        num_waiting=1,
+        head_demand_blocks=4,
+        queued_demand_blocks=4,
+        preempting=True,
+    )
+    load = load_from_pb(report, "i0", "d")
+    assert (load.capacity_blocks, load.used_blocks, load.free_blocks) == (100, 50, 50)  # reserved held, cached free
+    assert load.running == (RequestLoad("a", 30, 1, 470, True), RequestLoad("b", 10, 0, 150, False))
+    assert (load.num_waiting, load.head_demand_blocks, load.preempting, load.draining) == (1, 4, True, False)
+    with pytest.raises(ValueError, match="load report of i1: it names instance 'i0'"):
+        load_from_pb(report, "i1", "d")
+
+
+def test_prompt_length_validation() -> None:
+    ok = llumlet_pb2.SubmitRequest(
+        request_id="r", prompt_token_ids=[1, 2, 3], sampling=llumlet_pb2.Sampling(max_tokens=4)
+    )
+    assert prompt_length(ok) == 3
+    bad = llumlet_pb2.SubmitRequest(
+        request_id="r", prompt_tokens=5, prompt_token_ids=[1], priority=-1, sampling=llumlet_pb2.Sampling()
+    )
+    with pytest.raises(ValueError) as err:
+        prompt_length(bad)
+    assert str(err.value) == (
+        "SubmitRequest 'r': priority must be >= 0, got -1; sampling.max_tokens must be >= 1, got 0; "
+        "prompt_tokens is 5 but prompt_token_ids has 1 tokens"
+    )
+
+
+def test_instance_flags_become_registrations() -> None:
+    from rack_sched.cli import static_instances
+    from topology.load import load_topology
+
+    topo = load_topology("2x8-a100")
+    domain = topo.domains[0]
+    first = domain.instances[0]
+    (reg,) = static_instances([f"{first.instance_id}=10.0.0.5:7001"], topo, domain.domain_id)
+    assert (reg.instance_id, reg.domain_id, reg.node_id, reg.address, reg.model, reg.capacity_blocks) == (
+        first.instance_id,
+        domain.domain_id,
+        first.node_id,
+        "10.0.0.5:7001",
+        first.model,
+        first.kv_capacity_blocks,
+    )
+    other = topo.domains[1].instances[0].instance_id
+    for item, message in [
+        ("x", "expected ID=HOST:PORT"),
+        ("nope=h:1", "not in topology"),
+        (f"{other}=h:1", f"in domain {topo.domains[1].domain_id}, not {domain.domain_id}"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            static_instances([item], topo, domain.domain_id)
+    with pytest.raises(ValueError, match="given twice"):
+        static_instances([f"{first.instance_id}=h:1", f"{first.instance_id}=h:2"], topo, domain.domain_id)
+
+
+def test_cli_reports_an_unknown_domain(capsys: pytest.CaptureFixture[str]) -> None:
+    from rack_sched.cli import main
+
+    args = ["--domain-id", "nope", "--listen", "127.0.0.1:0", "--etcd", "127.0.0.1:1", "--topology", "1x8-a100"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rack_sched: error: ") and "no domain 'nope'" in err
