@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from rack_sched.core import DomainScheduler
 from rack_sched.plan import CrossDomainMove, demand_blocks, drained_instances, plan_cross_domain
-from rack_sched.summary import InstanceLoadEntry, RackSummaryRecord, decode_summary, summary_record
 from rack_sched.types import (
     DispatchOutcome,
     DispatchResult,
@@ -24,14 +23,10 @@ __all__ = [
     "DispatchResult",
     "DomainScheduler",
     "DomainStateInfo",
-    "InstanceLoadEntry",
     "InstanceStateInfo",
     "RackConfig",
-    "RackSummaryRecord",
     "SubmitSpec",
-    "decode_summary",
     "demand_blocks",
     "drained_instances",
     "plan_cross_domain",
-    "summary_record",
 ]

@@ -57,6 +57,8 @@ from global_coord.records import (
     InstanceRegistration,
     MigrationState,
     RecordError,
+    SummaryRecord,
+    decode,
     encode,
 )
 from global_coord.session import Registrar
@@ -69,7 +71,6 @@ from policy.types import InstanceLoad
 from policy.usage import freeness
 from rack_sched.convert import load_from_pb
 from rack_sched.plan import CrossDomainMove, demand_blocks, domain_summary_of, drained_instances, plan_cross_domain
-from rack_sched.summary import decode_summary, summary_record
 from rack_sched.types import (
     DispatchOutcome,
     DispatchResult,
@@ -264,9 +265,12 @@ class DomainScheduler:
 
     # ---- etcd: instances, drains, leader ---------------------------------------------------------
     async def _follow_view(self) -> None:
-        version = self.view.version
+        version = -1  # apply at once: etcd may have changed while the view was being rebuilt
         while True:
-            version = await self.view.wait_changed(version)
+            if version >= 0:
+                version = await self.view.wait_changed(version)
+            else:
+                version = self.view.version
             try:
                 self._apply_view()
             except Exception:
@@ -380,7 +384,7 @@ class DomainScheduler:
         if not self.ready.is_set():
             return
         loads = self.loads()
-        self.publisher.offer(summary_record(summarize_domain(self.cfg.domain_id, loads, self.cfg.policy), loads))
+        self.publisher.offer(SummaryRecord.of(summarize_domain(self.cfg.domain_id, loads, self.cfg.policy), loads))
 
     # ---- dispatch --------------------------------------------------------------------------------
     async def submit(self, spec: SubmitSpec, request: llumlet_pb2.SubmitRequest) -> DispatchResult:
@@ -526,7 +530,7 @@ class DomainScheduler:
         out = []
         for key, entry in self.view.entries("summaries/").items():
             try:
-                record = decode_summary(entry.value, key)
+                record = decode(SummaryRecord, entry.value, key)
             except RecordError as exc:
                 _log.warning("ignoring bad summary: %s", exc)
                 continue

@@ -47,6 +47,7 @@ def register(sub: Any) -> None:
     parser.add_argument("--arrival-cv", type=float, default=None, help="Gamma inter-arrival CV (--arrival gamma)")
     parser.add_argument("--max-requests", type=int, default=DEFAULTS.max_requests, help="first N requests only")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=None, help="model the requests are for (default: most instances)")
     parser.add_argument("--priority-fraction", type=float, default=0.0, help="share of high-priority requests")
     parser.add_argument("--drain", action="append", default=[], metavar="INSTANCE@S", help="drain at time S")
     parser.add_argument(
@@ -84,6 +85,7 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         "drain": tuple(args.drain),
         "scale_out": tuple(args.scale_out),
         "admission": args.admission,
+        "model": args.model,
     }
     if args.summary_lag_ms is not None:
         options["summary_lag_s"] = args.summary_lag_ms / 1e3
@@ -107,13 +109,14 @@ def run_cli(args: argparse.Namespace) -> int:
     from .plots import plot_kv_usage, plot_ttft_cdf
     from .report import LATENCY_COLUMNS, MIGRATION_COLUMNS, render_table
     from .results import summarize, write_results
-    from .runner import run_simulation
+    from .runner import run_simulation, served_model
     from .traces import load_trace
 
     err = Console(stderr=True, soft_wrap=True)
     try:
         specs = _specs(args)
         topology = load_topology(args.topology)
+        served_model(topology, args.model)
         trace = load_trace(
             args.trace,
             rate_scale=args.rate_scale,
@@ -150,9 +153,12 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([asdict(s) for s in summaries], indent=2, default=str))
     else:
+        model = str(runs[0].config["model"])
+        served = [i for i in topology.instances if i.model == model]
+        domains = {i.domain_id for i in served}
         title = (
             f"{trace.name} x{args.rate_scale:g} ({len(trace.requests)} requests) on {topology.name} "
-            f"({len(topology.instances)} instances, {len(topology.domains)} domains), seed {args.seed}"
+            f"({len(served)} {model} instances, {len(domains)} domains), seed {args.seed}"
         )
         baseline = "least-loaded" if "least-loaded" in {s.policy for s in summaries} else None
         console = Console() if sys.stdout.isatty() else Console(width=140)  # files and pipes: no squeezing

@@ -101,7 +101,7 @@ class SimInstance:
 
 
 class Cluster:
-    """All simulated instances of a topology, stepped on one event queue.
+    """The simulated instances of a topology (those serving ``model``, or all), stepped on one event queue.
 
     ``on_finished`` listeners are told of every finished or aborted request (so a migration in
     flight can release its reservation).
@@ -114,6 +114,7 @@ class Cluster:
         latency: Callable[[InstanceSpec], LatencyModel],
         limits: EngineLimits,
         inactive: Iterable[str] = (),
+        model: str | None = None,
     ) -> None:
         self.queue = queue
         self.topology = topology
@@ -123,15 +124,17 @@ class Cluster:
         inactive_ids = set(inactive)
         self.instances: dict[str, SimInstance] = {}
         for spec in topology.instances:
-            model = topology.model_of(spec.instance_id)
+            if model is not None and spec.model != model:
+                continue  # the trace's requests are for one model; other instances are not simulated
+            model_spec = topology.model_of(spec.instance_id)
             engine = EngineCore(
                 instance_id=spec.instance_id,
                 num_blocks=spec.kv_capacity_blocks,
-                block_size_tokens=model.block_size_tokens,
+                block_size_tokens=model_spec.block_size_tokens,
                 latency_model=latency(spec),
                 max_num_seqs=limits.max_num_seqs,
                 max_num_batched_tokens=limits.max_num_batched_tokens,
-                kv_bytes_per_block=model.kv_bytes_per_block,
+                kv_bytes_per_block=model_spec.kv_bytes_per_block,
                 admission=limits.admission,
             )
             self.instances[spec.instance_id] = SimInstance(spec, engine, spec.instance_id not in inactive_ids)
@@ -139,6 +142,11 @@ class Cluster:
     # ------------------------------------------------------------------ views
     def model_of(self, instance_id: str) -> ModelSpec:
         return self.topology.model_of(instance_id)
+
+    def domain_ids(self) -> list[str]:
+        """Domains with at least one simulated instance, in topology order."""
+        present = {i.domain_id for i in self.instances.values()}
+        return [d.domain_id for d in self.topology.domains if d.domain_id in present]
 
     def serving(self, domain_id: str | None = None) -> list[SimInstance]:
         """Active instances (optionally of one domain), draining ones included."""

@@ -17,7 +17,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from global_coord.approval import ApprovalConfig
-from llumlet.engine.latency import LatencyModel, load_latency_model
+from llumlet.engine.latency import (
+    LatencyModel,
+    UnsupportedLatencyModelError,
+    derive_latency_model,
+    load_latency_model,
+)
 from policy.types import PolicyConfig
 from topology.cost import CostConfig
 from topology.graph import TopologyGraph
@@ -31,7 +36,7 @@ from .results import KvTimeline, SimRun
 from .schedulers import SchedulerContext, SchedulingConfig, make_scheduler
 from .traces import Trace, TraceRequest, load_trace, with_priorities
 
-__all__ = ["DEFAULTS", "SimOptions", "SimSpec", "fit_to_context", "run_simulation"]
+__all__ = ["DEFAULTS", "SimOptions", "SimSpec", "fit_to_context", "run_simulation", "served_model"]
 
 
 class SimOptions(BaseModel):
@@ -40,6 +45,9 @@ class SimOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     priority_fraction: float = Field(0.0, ge=0.0, le=1.0, description="share of requests marked high priority")
+    model: str | None = Field(
+        None, description="the model the trace's requests are for (default: the model with most instances)"
+    )
     drain: tuple[str, ...] = Field((), description="scripted drains, each 'INSTANCE@SECONDS'")
     scale_out: tuple[str, ...] = Field(
         (), description="scripted scale-outs, each 'INSTANCE@SECONDS': the instance is idle until then"
@@ -107,13 +115,22 @@ class SimSpec:
 DEFAULTS = SimSpec(topology="2x8-a100-40gb", trace="azure-conv", policy="hilum", rate_scale=3.5, max_requests=5000)
 
 
-def _latency_for(topology: Topology) -> Callable[[InstanceSpec], LatencyModel]:
+def _latency_for(topology: Topology, derived: list[str]) -> Callable[[InstanceSpec], LatencyModel]:
+    """Step-time models per (model, GPU, TP); GPUs without measured data get a scaled H100 model.
+
+    Every derived combination is appended to ``derived`` (reported in the run's config).
+    """
     cache: dict[tuple[str, str, int], LatencyModel] = {}
 
     def get(spec: InstanceSpec) -> LatencyModel:
         key = (spec.model, spec.gpu_type, spec.tensor_parallel_size)
         if key not in cache:
-            cache[key] = load_latency_model(*key)
+            try:
+                cache[key] = load_latency_model(*key)
+            except UnsupportedLatencyModelError:
+                hbm = topology.gpu_types[spec.gpu_type].hbm_bandwidth_bytes_per_s
+                cache[key] = derive_latency_model(*key, hbm)
+                derived.append(f"{spec.model}/{spec.gpu_type}/tp{spec.tensor_parallel_size} scaled from h100 by HBM")
         return cache[key]
 
     return get
@@ -146,18 +163,22 @@ def run_simulation(
         trace = load_trace(spec.trace, rate_scale=spec.rate_scale, max_requests=spec.max_requests, seed=spec.seed)
     if options.priority_fraction > 0:
         trace = with_priorities(trace, options.priority_fraction, spec.seed)
-    max_context = min(m.max_context_tokens for m in topo.models.values())
+    model = served_model(topo, options.model)
+    max_context = topo.models[model].max_context_tokens
     trace, truncated = fit_to_context(trace, max_context)
     drains = [_parse_event(d) for d in options.drain]
     scale_outs = [_parse_event(s) for s in options.scale_out]
-    known = {i.instance_id for i in topo.instances}
+    known = {i.instance_id for i in topo.instances if i.model == served_model(topo, options.model)}
     for instance_id, _ in drains + scale_outs:
         if instance_id not in known:
             raise ValueError(f"scripted event names unknown instance {instance_id!r}; known: {sorted(known)}")
 
     queue = EventQueue()
     limits = EngineLimits(options.max_num_seqs, options.max_num_batched_tokens, options.admission)
-    cluster = Cluster(queue, topo, _latency_for(topo), limits, inactive=[i for i, _ in scale_outs])
+    derived: list[str] = []
+    cluster = Cluster(
+        queue, topo, _latency_for(topo, derived), limits, inactive=[i for i, _ in scale_outs], model=model
+    )
     graph = TopologyGraph(topo)
     cost = CostConfig(cap_fraction=options.cap_fraction)
     executor = MigrationExecutor(cluster, graph, cost, LinkFlows())
@@ -209,7 +230,7 @@ def run_simulation(
     trace_end_s = trace.requests[-1].arrival_s if trace.requests else 0.0
     sample_every_s = max(trace_end_s, 1.0) / options.kv_samples
     times: list[float] = []
-    usage: dict[str, list[float]] = {i.instance_id: [] for i in topo.instances}
+    usage: dict[str, list[float]] = {instance_id: [] for instance_id in cluster.instances}
 
     def sample() -> None:
         times.append(queue.now_s)
@@ -243,10 +264,27 @@ def run_simulation(
         config={
             "options": options.model_dump(),
             "max_requests": spec.max_requests,
+            "model": model,
             "max_context_tokens": max_context,
             "truncated_requests": truncated,
+            "derived_latency_models": derived,
         },
     )
+
+
+def served_model(topology: Topology, requested: str | None) -> str:
+    """The model a simulation serves: ``requested``, or the one with the most instances (first in file on ties).
+
+    Raises ValueError naming the topology's models when ``requested`` is not one of them.
+    """
+    counts: dict[str, int] = {}
+    for spec in topology.instances:
+        counts[spec.model] = counts.get(spec.model, 0) + 1
+    if requested is not None:
+        if requested not in counts:
+            raise ValueError(f"model {requested!r} has no instance in {topology.name}; models: {sorted(counts)}")
+        return requested
+    return max(counts, key=lambda m: counts[m])
 
 
 def fit_to_context(trace: Trace, max_context_tokens: int) -> tuple[Trace, int]:

@@ -187,7 +187,7 @@ class HilumTwoTier(ClusterScheduler):
 
     def __init__(self, ctx: SchedulerContext) -> None:
         super().__init__(ctx)
-        self.domain_ids = [d.domain_id for d in self.cluster.topology.domains]
+        self.domain_ids = self.cluster.domain_ids()
         self.summaries: dict[str, DomainSummary] = {d: self._summary(d) for d in self.domain_ids}
         self.gateway = DomainDispatchView(list(self.summaries.values()), ctx.policy, ctx.rng)
 

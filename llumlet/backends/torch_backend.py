@@ -6,8 +6,9 @@ lazily so that a llumlet without PyTorch can still run the ``sim`` backend.
 Sizes: ``BackendConfig.num_blocks`` (default :data:`DEFAULT_NUM_BLOCKS` — the topology's KV capacity
 describes the modelled GPU, not this tiny model) and ``block_size_tokens`` (default: the topology model's,
 else 16). ``BackendConfig.seed`` seeds the model weights (engines that exchange KV need the same seed).
-Options (``--engine-option KEY=VALUE``): ``eos_token_id`` (an id, or ``none``), and ``model.<field>`` for any
-``LlamaConfig`` field of the tiny model (ints, floats).
+Options (``--engine-option KEY=VALUE``): ``eos_token_id`` (an id, or ``none``), ``threads`` (PyTorch intra-op
+threads of this process, default 1: the tiny model gains nothing from more, and several llumlets share the
+CPUs), and ``model.<field>`` for any ``LlamaConfig`` field of the tiny model (ints, floats).
 """
 
 from __future__ import annotations
@@ -40,20 +41,28 @@ def make_torch_backend(config: BackendConfig) -> Backend:
         ValueError: an unknown option or a bad value.
     """
     try:
+        import torch
+
         from llumlet.engine.torch_engine import TorchEngine
     except ImportError as exc:
         raise RuntimeError(
             f"the torch backend needs PyTorch and transformers (pip install torch transformers): {exc}"
         ) from exc
     eos: int | None = 2
+    threads = 1
     overrides: dict[str, Any] = {}
     for key, value in config.options.items():
-        if key == "eos_token_id":
+        if key == "threads":
+            threads = int(_number(key, value))
+        elif key == "eos_token_id":
             eos = None if value.lower() == "none" else int(_number(key, value))
         elif key.startswith("model."):
             overrides[key.removeprefix("model.")] = _number(key, value)
         else:
-            raise ValueError(f"torch backend: unknown option {key!r} (known: eos_token_id, model.<LlamaConfig field>)")
+            raise ValueError(
+                f"torch backend: unknown option {key!r} (known: eos_token_id, threads, model.<LlamaConfig field>)"
+            )
+    torch.set_num_threads(max(1, threads))  # one engine per process: a process-wide setting is the engine's
     block_size = config.block_size_tokens
     if block_size is None:
         topo = config.topology

@@ -22,6 +22,7 @@ Splitwise (Mutinifni/splitwise-sim, MIT).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,9 +30,11 @@ from importlib import resources
 from typing import Any
 
 __all__ = [
+    "CALIBRATED_HBM_BYTES_PER_S",
     "COEFFICIENTS_FILE",
     "LatencyModel",
     "UnsupportedLatencyModelError",
+    "derive_latency_model",
     "load_latency_model",
     "supported_latency_models",
 ]
@@ -219,3 +222,33 @@ def load_latency_model(model: str, gpu: str, tp: int) -> LatencyModel:
             f"no latency model for model={model!r} gpu={gpu!r} tp={tp} (looked up {key!r}); supported: {combos}"
         )
     return LatencyModel.from_mapping(table[key])
+
+
+#: HBM bandwidth of the calibrated GPUs (datasheets: A100 80GB SXM, H100 SXM), bytes/s.
+CALIBRATED_HBM_BYTES_PER_S: dict[str, float] = {"a100": 2.039e12, "h100": 3.35e12}
+
+
+def derive_latency_model(
+    model: str, gpu: str, tp: int, hbm_bytes_per_s: float, *, reference_gpu: str = "h100"
+) -> LatencyModel:
+    """A step-time model for a GPU with no measured data, scaled from a calibrated one.
+
+    The reference GPU's fitted model is taken as is, and its GPU time (``gpu_scale``; the CPU overheads
+    stay) is multiplied by ``reference HBM bandwidth / hbm_bytes_per_s``: decode, which dominates
+    serving, is bound by reading weights and KV from HBM. Prefill is compute-bound, so this is only an
+    approximation (for a GB200, HBM 8 TB/s vs 3.35 TB/s on an H100, it scales all GPU time by 0.42);
+    results on such GPUs say so.
+
+    Raises:
+        UnsupportedLatencyModelError: the reference GPU has no model for (model, tp).
+        ValueError: a non-positive bandwidth or an uncalibrated reference GPU.
+    """
+    if hbm_bytes_per_s <= 0:
+        raise ValueError(f"derive_latency_model: hbm_bytes_per_s must be > 0, got {hbm_bytes_per_s}")
+    if reference_gpu not in CALIBRATED_HBM_BYTES_PER_S:
+        raise ValueError(
+            f"derive_latency_model: reference {reference_gpu!r} is not one of {sorted(CALIBRATED_HBM_BYTES_PER_S)}"
+        )
+    base = load_latency_model(model, reference_gpu, tp)
+    factor = CALIBRATED_HBM_BYTES_PER_S[reference_gpu] / hbm_bytes_per_s
+    return dataclasses.replace(base, gpu=gpu, gpu_scale=base.gpu_scale * factor)

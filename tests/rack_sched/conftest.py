@@ -3,6 +3,10 @@
 The fixtures (``etcd``, ``etcd_private``, ``prefix``) are defined once, in the global_coord tests; they are
 moving to ``tests/conftest.py`` (same names), which serves every test package. Until then this file loads
 them from their current place; once that file is gone, it defines nothing and ``tests/conftest.py`` serves.
+
+The global_coord tests import ``EtcdServer`` and ``free_port`` with ``from conftest import ...``, and pytest
+registers every ``conftest.py`` of a test directory without ``__init__.py`` under the module name
+``conftest``: so this file re-exports those two names too, whichever conftest is loaded last.
 """
 
 from __future__ import annotations
@@ -20,3 +24,5 @@ if _SOURCE.exists():
     etcd = _module.etcd
     etcd_private = _module.etcd_private
     prefix = _module.prefix
+    EtcdServer = _module.EtcdServer
+    free_port = _module.free_port

@@ -8,13 +8,12 @@ import random
 
 import pytest
 
-from global_coord.records import DrainKind, RecordError, SummaryRecord, encode
+from global_coord.records import DrainKind, RecordError, SummaryRecord, decode, encode
 from hilum_proto.hilum.v1 import llumlet_pb2
 from policy.domain import DomainSummary, summarize_domain
 from policy.types import InstanceLoad, PolicyConfig, RequestLoad
 from rack_sched.convert import load_from_pb, prompt_length
 from rack_sched.plan import demand_blocks, drained_instances, plan_cross_domain
-from rack_sched.summary import decode_summary, summary_record
 
 CFG = PolicyConfig()
 
@@ -86,7 +85,7 @@ def test_summary_record_carries_instance_loads_in_the_shared_format() -> None:
         InstanceLoad("i0", 100, 10, (RequestLoad("y", 10),)),
     ]
     summary = summarize_domain("d", loads, CFG)
-    record = summary_record(summary, loads)
+    record = SummaryRecord.of(summary, loads)
     raw = json.loads(encode(record))
     # Exactly global_coord.records.InstanceLoadRecord's fields (the format hilumctl drain --wait reads).
     assert raw["instances"] == [
@@ -94,12 +93,11 @@ def test_summary_record_carries_instance_loads_in_the_shared_format() -> None:
         {"draining": True, "instance_id": "i1", "num_running": 1, "num_waiting": 2, "used_blocks": 30},
     ]
     assert (raw["num_running"], raw["num_waiting"], raw["capacity_blocks"], raw["draining"]) == (2, 2, 100, False)
-    back = decode_summary(encode(record), "k")
-    assert back == SummaryRecord.of(summary)
-    with pytest.raises(ValueError, match="instance ids repeat"):
-        summary_record(summary, [loads[0], loads[0]])
-    with pytest.raises(RecordError, match="k: not JSON"):
-        decode_summary(b"{", "k")
+    assert decode(SummaryRecord, encode(record), "k") == record
+    with pytest.raises(ValueError, match="instances must be sorted by id, no repeats"):
+        SummaryRecord.of(summary, [loads[0], loads[0]])
+    with pytest.raises(RecordError, match="k"):
+        decode(SummaryRecord, b"{", "k")
 
 
 def test_load_report_conversion() -> None:

@@ -94,12 +94,6 @@ def llumlets(tmp_path: Path) -> Iterator[list[LlumletProcess]]:
     finally:
         for p in procs:
             p.stop()
-        for p in procs:  # LlumletProcess leaves its stdout pipe open: close it once its reader thread is done
-            for thread in threading.enumerate():
-                if thread.name == f"out-{p.instance_id}":
-                    thread.join(5)
-            if p.proc is not None and p.proc.stdout is not None:
-                p.proc.stdout.close()
 
 
 async def _ready(address: str) -> rack_sched_pb2_grpc.RackSchedulerStub:

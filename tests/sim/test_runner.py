@@ -138,3 +138,20 @@ def test_requests_beyond_the_context_window_are_truncated_and_counted() -> None:
     run = run_simulation(spec, trace=trace, topology=tiny_topology(kv_capacity_blocks=400))
     assert run.config["truncated_requests"] == 2
     assert dataclasses.replace(fitted.requests[2]) == trace.requests[2]
+
+
+def test_mixed_model_topology_serves_one_model_and_derives_uncalibrated_gpus() -> None:
+    from topology.load import load_topology
+
+    topo = load_topology("nvl72-gb200")
+    trace = make_trace([(0.01 * i, 200, 20) for i in range(30)])
+    spec = SimSpec(topology="nvl72-gb200", trace="hand", policy="hilum", options={"model": "llama-2-70b"})
+    run = run_simulation(spec, trace=trace, topology=topo)
+    seventy = {i.instance_id for i in topo.instances if i.model == "llama-2-70b"}
+    assert {r.instance_id for r in run.requests} <= seventy
+    assert run.config["model"] == "llama-2-70b"
+    derived = run.config["derived_latency_models"]
+    assert isinstance(derived, list) and derived and "scaled from h100" in derived[0]
+    assert set(run.kv.usage_fraction) == seventy
+    with pytest.raises(ValueError, match="model 'gpt' has no instance"):
+        run_simulation(dataclasses.replace(spec, options={"model": "gpt"}), trace=trace, topology=topo)

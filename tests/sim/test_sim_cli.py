@@ -29,7 +29,7 @@ def test_sim_json_and_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_sim_table_names_every_policy(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "--max-requests", "30", "--trace", "sharegpt", "--rate-scale", "2"]) == 0
     text = capsys.readouterr().out
-    assert "sharegpt x2 (30 requests) on 2x8-a100-40gb (16 instances, 2 domains)" in text
+    assert "sharegpt x2 (30 requests) on 2x8-a100-40gb (16 llama-2-13b instances, 2 domains)" in text
     for policy in ("round-robin", "least-loaded", "llumnix", "hilum"):
         assert text.count(policy) >= 2  # one row in each table
     assert "TTFT" in text and "downtime" in text
