@@ -38,6 +38,7 @@ from aiohttp import web
 from gateway.cluster import Backend
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.router import DispatchFailed, Placement
+from gateway.sink import Move, TokenUpdate
 from gateway.tokenizer import ByteTokenizer
 from gateway.validation import PRIORITY_HEADER, BadRequest, GenerationRequest, parse_chat, parse_completion
 
@@ -64,6 +65,7 @@ class _Result:
     error: str = ""
     instance_id: str = ""
     migrations: int = 0
+    moves: tuple[Move, ...] = ()
 
 
 @dataclass(slots=True)
@@ -89,7 +91,14 @@ class GatewayApp:
     # ---- simple routes ---------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
         data = [
-            {"id": m.name, "object": "model", "created": 0, "owned_by": "hilum", "max_model_len": m.max_context_tokens}
+            {
+                "id": m.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "hilum",
+                "max_model_len": m.max_context_tokens,
+                "hilum": {"max_request_kv_tokens": m.max_request_kv_tokens, "num_instances": m.num_instances},
+            }
             for m in sorted(self.backend.limits.values(), key=lambda m: m.name)
         ]
         return _json(200, {"object": "list", "data": data})
@@ -156,6 +165,28 @@ class GatewayApp:
             self.metrics.running.dec()
             self.backend.finish(request_id)
 
+    def _extension(self, request_id: str, placement: Placement, result: _Result) -> dict[str, Any]:
+        moves = []
+        for m in result.moves:
+            src, dst = self.backend.domain_of(m.src_instance_id), self.backend.domain_of(m.dst_instance_id)
+            moves.append(
+                {
+                    "src_instance_id": m.src_instance_id,
+                    "dst_instance_id": m.dst_instance_id,
+                    "src_domain_id": src,
+                    "dst_domain_id": dst,
+                    "cross_domain": src != dst,
+                    "token_gap_s": m.token_gap_s,
+                }
+            )
+        return {
+            "request_id": request_id,
+            "domain_id": placement.domain_id,
+            "instance_id": result.instance_id,
+            "migrations": result.migrations,
+            "moves": moves,
+        }
+
     def _observe_first(self, t0: float, result: _Result, new: tuple[int, ...]) -> None:
         if new and not result.token_ids:
             self.metrics.ttft.observe(self.clock() - t0)
@@ -174,9 +205,7 @@ class GatewayApp:
         result = _Result(instance_id=placement.instance_id)
         async for update in self.backend.updates(request_id):
             self._observe_first(t0, result, update.token_ids)
-            result.token_ids.extend(update.token_ids)
-            result.instance_id = update.instance_id or result.instance_id
-            result.migrations = update.migrations
+            _absorb(result, update)
             if update.done:
                 result.finish_reason, result.error = update.finish_reason, update.error
         if result.error or result.finish_reason == "error":
@@ -206,7 +235,7 @@ class GatewayApp:
             "model": gen.model,
             "choices": [choice],
             "usage": _usage(gen, len(result.token_ids)),
-            "hilum": _extension(request_id, placement, result),
+            "hilum": self._extension(request_id, placement, result),
         }
 
     async def _stream(
@@ -243,18 +272,19 @@ class GatewayApp:
         async def send(data: Any) -> None:
             await resp.write(b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n")
 
+        placed = {"request_id": request_id, "domain_id": placement.domain_id, "instance_id": placement.instance_id}
         if kind == "chat":
-            first = chunk(None, None)
+            first = chunk(None, None, {"hilum": placed})
             first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             await send(first)
+            placed = {}
         result = _Result(instance_id=placement.instance_id)
         async for update in self.backend.updates(request_id):
             self._observe_first(t0, result, update.token_ids)
-            result.token_ids.extend(update.token_ids)
-            result.instance_id = update.instance_id or result.instance_id
-            result.migrations = update.migrations
+            _absorb(result, update)
             if update.token_ids:
-                data = chunk(self.tokenizer.decode(update.token_ids), None)
+                data = chunk(self.tokenizer.decode(update.token_ids), None, {"hilum": placed} if placed else None)
+                placed = {}
                 if gen.return_token_ids:
                     data["choices"][0]["token_ids"] = list(update.token_ids)
                 await send(data)
@@ -268,7 +298,7 @@ class GatewayApp:
             self.metrics.count_request(endpoint, "ok")
             finish = _FINISH.get(result.finish_reason, result.finish_reason)
             await send(
-                chunk(None if kind == "chat" else "", finish, {"hilum": _extension(request_id, placement, result)})
+                chunk(None if kind == "chat" else "", finish, {"hilum": self._extension(request_id, placement, result)})
             )
             if gen.include_usage:
                 await send(
@@ -298,13 +328,11 @@ def _usage(gen: GenerationRequest, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def _extension(request_id: str, placement: Placement, result: _Result) -> dict[str, Any]:
-    return {
-        "request_id": request_id,
-        "domain_id": placement.domain_id,
-        "instance_id": result.instance_id,
-        "migrations": result.migrations,
-    }
+def _absorb(result: _Result, update: TokenUpdate) -> None:
+    result.token_ids.extend(update.token_ids)
+    result.instance_id = update.instance_id or result.instance_id
+    result.migrations = update.migrations
+    result.moves = update.moves
 
 
 def build_app(backend: Backend, metrics: GatewayMetrics, tokenizer: ByteTokenizer | None = None) -> web.Application:

@@ -52,6 +52,9 @@ class Backend(Protocol):
     def health(self) -> tuple[bool, str]:
         """(ready to dispatch, why not / what is there)."""
 
+    def domain_of(self, instance_id: str) -> str:
+        """The NVLink domain of an instance ("" if unknown)."""
+
     async def start(self, request_id: str, request: GenerationRequest) -> Placement:
         """Dispatch; tokens then come from :meth:`updates`. Raises ``DispatchFailed``."""
 
@@ -179,6 +182,9 @@ class LiveCluster:
         await self._submitter.close()
         for client in self._clients.values():
             await client.close()
+
+    def domain_of(self, instance_id: str) -> str:
+        return self._domain_of.get(instance_id, "")
 
     def health(self) -> tuple[bool, str]:
         domains = self.router.domains()

@@ -29,7 +29,16 @@ from typing import Protocol
 from hilum_proto.hilum.v1 import token_sink_pb2 as pb
 from llumlet.sink import TokenCollector
 
-__all__ = ["GatewaySink", "SinkObserver", "TokenUpdate"]
+__all__ = ["GatewaySink", "Move", "SinkObserver", "TokenUpdate"]
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One committed migration of a request, as the sink saw it."""
+
+    src_instance_id: str  # owner before ("" if no push from it was seen)
+    dst_instance_id: str  # owner after (the sender of the newer epoch)
+    token_gap_s: float | None  # old owner's last token -> new owner's first; None if unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +51,7 @@ class TokenUpdate:
     error: str  # why the request failed, "" if it did not
     instance_id: str  # the instance that owns the request now ("" before its first push)
     migrations: int  # committed migrations seen so far
+    moves: tuple[Move, ...] = ()  # those migrations whose first new token arrived (or that ended the stream)
 
 
 class SinkObserver(Protocol):
@@ -64,6 +74,7 @@ class _Progress:
     migrations: int = 0
     pending_gap_from_s: float | None = None  # a migration seen, waiting for the new owner's first token
     pending_move: tuple[str, str] = ("", "")
+    moves: list[Move] = field(default_factory=list)
 
 
 class GatewaySink(TokenCollector):
@@ -132,7 +143,13 @@ class GatewaySink(TokenCollector):
                 delivered += len(new)
                 last_progress = self._clock()
                 yield TokenUpdate(
-                    new, snap.done, snap.finish_reason, snap.error, prog.owner_instance_id, prog.migrations
+                    new,
+                    snap.done,
+                    snap.finish_reason,
+                    snap.error,
+                    prog.owner_instance_id,
+                    prog.migrations,
+                    tuple(prog.moves),
                 )
                 if snap.done:
                     return
@@ -160,8 +177,8 @@ class GatewaySink(TokenCollector):
             prog.pending_move = (src, msg.sender_instance_id)
             if msg.sender_address:
                 self.watch(msg.sender_address)
-            if self._observer is not None and prog.pending_gap_from_s is None:
-                self._observer.on_migration(msg.request_id, src, msg.sender_instance_id, None)
+            if prog.pending_gap_from_s is None:  # no token before it: no gap to measure
+                self._moved(msg.request_id, prog, None)
         elif not prog.owner_instance_id and msg.sender_instance_id:
             prog.owner_instance_id = msg.sender_instance_id
         snap = self.get(msg.request_id)
@@ -171,15 +188,18 @@ class GatewaySink(TokenCollector):
             gap = None if prog.last_token_s is None else now - prog.last_token_s
             if self._observer is not None:
                 self._observer.on_tokens(msg.request_id, count, gap, prog.received == 0)
-                if prog.pending_gap_from_s is not None:
-                    src, dst = prog.pending_move
-                    self._observer.on_migration(msg.request_id, src, dst, now - prog.pending_gap_from_s)
-            prog.pending_gap_from_s = None
+            if prog.pending_gap_from_s is not None:
+                self._moved(msg.request_id, prog, now - prog.pending_gap_from_s)
             prog.received = held
             prog.last_token_s = now
         elif snap.done and prog.pending_gap_from_s is not None:  # moved, then ended without a new token
-            if self._observer is not None:
-                self._observer.on_migration(msg.request_id, *prog.pending_move, None)
-            prog.pending_gap_from_s = None
+            self._moved(msg.request_id, prog, None)
         prog.wake.set()
         return ack
+
+    def _moved(self, request_id: str, prog: _Progress, gap_s: float | None) -> None:
+        src, dst = prog.pending_move
+        prog.pending_gap_from_s = None
+        prog.moves.append(Move(src, dst, gap_s))
+        if self._observer is not None:
+            self._observer.on_migration(request_id, src, dst, gap_s)

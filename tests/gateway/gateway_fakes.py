@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from gateway.app import GatewayApp
 from gateway.metrics import GatewayMetrics
 from gateway.router import DispatchFailed, Placement
-from gateway.sink import TokenUpdate
+from gateway.sink import Move, TokenUpdate
 from gateway.validation import GenerationRequest, ModelLimits
 
 # context 64 tokens; the largest instance holds 12 x 4 = 48 KV tokens
@@ -44,6 +44,9 @@ class FakeBackend:
     def health(self) -> tuple[bool, str]:
         return True, "fake"
 
+    def domain_of(self, instance_id: str) -> str:
+        return {"a0": "dom-a", "b0": "dom-b"}.get(instance_id, "")
+
     async def start(self, request_id: str, request: GenerationRequest) -> Placement:
         if self.fail_dispatch:
             raise DispatchFailed(self.fail_dispatch, unavailable=True)
@@ -60,7 +63,9 @@ class FakeBackend:
             if i == self.migrate_at:
                 migrations += 1
             last = i == len(tokens) - 1
-            yield TokenUpdate((token,), last, "length" if last else "", "", "b0" if migrations else "a0", migrations)
+            moves = (Move("a0", "b0", 0.01),) if migrations else ()
+            owner = "b0" if migrations else "a0"
+            yield TokenUpdate((token,), last, "length" if last else "", "", owner, migrations, moves)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

@@ -196,7 +196,22 @@ def test_streaming_completion_and_chat() -> None:
             texts = [e["choices"][0]["text"] for e in events[:-1] if e["choices"]]
             assert "".join(texts) == "ABCD"
             assert events[-3]["choices"][0]["finish_reason"] == "length"
+            assert events[0]["hilum"] == {
+                "request_id": events[0]["id"].removeprefix("cmpl-"),
+                "domain_id": "dom-a",
+                "instance_id": "a0",
+            }
             assert events[-3]["hilum"]["migrations"] == 1 and events[-3]["hilum"]["instance_id"] == "b0"
+            assert events[-3]["hilum"]["moves"] == [
+                {
+                    "src_instance_id": "a0",
+                    "dst_instance_id": "b0",
+                    "src_domain_id": "dom-a",
+                    "dst_domain_id": "dom-b",
+                    "cross_domain": True,
+                    "token_gap_s": 0.01,
+                }
+            ]
             assert events[-2]["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
 
             chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
@@ -257,7 +272,14 @@ def test_no_domain_is_503_models_and_health() -> None:
             assert "all 2 instances are draining" in (await resp.json())["error"]["message"]
             models = await (await client.get("/v1/models")).json()
             assert models["data"] == [
-                {"id": "tiny", "object": "model", "created": 0, "owned_by": "hilum", "max_model_len": 64}
+                {
+                    "id": "tiny",
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "hilum",
+                    "max_model_len": 64,
+                    "hilum": {"max_request_kv_tokens": 48, "num_instances": 2},
+                }
             ]
             assert (await client.get("/health")).status == 200
 
