@@ -77,11 +77,14 @@ class UpProcess:
         return err
 
 
-def start_up(run_dir: Path, engine: str, extra: list[str] | None = None, timeout_s: float = 180.0) -> UpProcess:
-    """Start ``hilum up`` on free ports with :data:`TOPOLOGY`; wait until it prints that it is up."""
+def start_up(
+    run_dir: Path, engine: str, extra: list[str] | None = None, timeout_s: float = 180.0, *, kv_blocks: int = 128
+) -> UpProcess:
+    """Start ``hilum up`` on free ports with :data:`TOPOLOGY` (``kv_blocks`` per instance); wait until it
+    prints that it is up."""
     run_dir.mkdir(parents=True, exist_ok=True)
     topo = run_dir / "topology.yaml"
-    topo.write_text(TOPOLOGY)
+    topo.write_text(TOPOLOGY.replace("kv_capacity_blocks: 128", f"kv_capacity_blocks: {kv_blocks}"))
     cmd = [
         sys.executable,
         "-m",
