@@ -147,7 +147,12 @@ class LiveCluster:
         self._sink_advertise = sink_advertise
         self._submitter = GrpcSubmitter()
         self.router = DomainRouter(
-            self.view, self._submitter, policy or PolicyConfig(), rng, unavailable_wait_s=unavailable_wait_s
+            self.view,
+            self._submitter,
+            policy or PolicyConfig(),
+            rng,
+            unavailable_wait_s=unavailable_wait_s,
+            on_retry=lambda reason: metrics.retries.labels(reason=reason).inc(),
         )
         self._clients: dict[str, LlumletClient] = {}
         self._tasks: list[asyncio.Task[None]] = []

@@ -132,6 +132,7 @@ class DomainRouter:
         submit_timeout_s: deadline of one Submit.
         unavailable_wait_s: how long unavailable domains are retried before giving up.
         backoff_s: first pause before retrying unavailable domains (doubles, jittered).
+        on_retry: told the reason ("refused" | "unavailable") each time a domain did not take a request.
     """
 
     def __init__(
@@ -145,8 +146,10 @@ class DomainRouter:
         unavailable_wait_s: float = 5.0,
         backoff_s: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
+        on_retry: Callable[[str], None] | None = None,
     ) -> None:
         self._source = source
+        self._on_retry = on_retry
         self._submitter = submitter
         self._rng = rng
         self._view = DomainDispatchView((), cfg, rng)
@@ -159,6 +162,11 @@ class DomainRouter:
         self._backoff_s = backoff_s
         self._clock = clock
         self.retries: dict[str, int] = {}  # reason ("refused" | "unavailable") -> count
+
+    def _retry(self, reason: str) -> None:
+        self.retries[reason] = self.retries.get(reason, 0) + 1
+        if self._on_retry is not None:
+            self._on_retry(reason)
 
     def domains(self) -> dict[str, str]:
         """Dispatchable domains (registered and summarised): id -> scheduler address."""
@@ -233,14 +241,14 @@ class DomainRouter:
                     raise DispatchFailed(message, unavailable=False) from None
                 reasons[domain_id] = f"scheduler at {address} did not answer ({exc.code().name}: {exc.details()})"
                 unavailable.add(domain_id)
-                self.retries["unavailable"] = self.retries.get("unavailable", 0) + 1
+                self._retry("unavailable")
                 continue
             if reply.outcome == rpb.DISPATCH_ACCEPTED:
                 return Placement(domain_id, reply.instance_id, reply.instance_address, f"{why}; {reply.reason}", tries)
             reasons[domain_id] = reply.reason or rpb.DispatchOutcome.Name(reply.outcome)
             if reply.outcome == rpb.DISPATCH_UNAVAILABLE:
                 unavailable.add(domain_id)
-                self.retries["unavailable"] = self.retries.get("unavailable", 0) + 1
+                self._retry("unavailable")
             else:
                 refused.add(domain_id)
-                self.retries["refused"] = self.retries.get("refused", 0) + 1
+                self._retry("refused")
