@@ -4,7 +4,9 @@ has its request's blocks freed, and Ctrl-C leaves no process behind."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +14,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from up_harness import UpProcess, alive, cluster_load, idle_load, start_up, wait_load
+from up_harness import TOPOLOGY, UpProcess, alive, cluster_load, idle_load, start_up, wait_load
+
+from hilum_cli.bench import run_bench
 
 pytestmark = pytest.mark.slow
 
@@ -97,6 +101,30 @@ def test_client_disconnect_mid_stream_frees_the_blocks(up: UpProcess) -> None:
         assert await wait_load(up.info, idle_load(up.info)) == idle_load(up.info)
 
     asyncio.run(main())
+
+
+def test_bench_replays_a_trace_against_the_cluster(up: UpProcess, tmp_path: Path) -> None:
+    topo = tmp_path / "topology.yaml"
+    topo.write_text(TOPOLOGY)
+    ns = argparse.Namespace(
+        url=up.url,
+        trace="azure-conv",
+        rate_scale=8.0,
+        max_requests=12,
+        model=None,
+        compare_sim=str(topo),
+        seed=0,
+        timeout=60.0,
+        out=str(tmp_path / "out"),
+    )
+    out, err = io.StringIO(), io.StringIO()
+    assert run_bench(ns, out=out, err=err) == 0, err.getvalue()
+    cells = [[c.strip() for c in line.strip("│").split("│")] for line in out.getvalue().splitlines()]
+    rows = {c[0]: c for c in cells if len(c) > 4}
+    assert rows["live"][1:4] == ["12", "12", "0"]  # requests, done, refused
+    assert "12 requests of azure-conv" in err.getvalue() and "0 clipped" in err.getvalue()
+    assert rows["sim: hilum"][1:4] == ["12", "12", "0"]
+    assert (tmp_path / "out" / "results.json").exists()
 
 
 def test_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
