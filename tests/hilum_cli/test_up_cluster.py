@@ -103,6 +103,20 @@ def test_client_disconnect_mid_stream_frees_the_blocks(up: UpProcess) -> None:
     asyncio.run(main())
 
 
+def test_client_gone_while_waiting_for_a_whole_response_frees_the_blocks(up: UpProcess) -> None:
+    async def main() -> None:
+        async with aiohttp.ClientSession() as session:
+            body = {"model": MODEL, "prompt": "w" * 300, "max_tokens": 1500}
+            with pytest.raises(TimeoutError):  # the client gives up and closes the connection
+                await session.post(up.url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=1.0))
+            async with session.get(up.url + "/metrics") as resp:
+                page = await resp.text()
+        assert 'hilum_gateway_requests_total{endpoint="completions",outcome="aborted"}' in page
+        assert await wait_load(up.info, idle_load(up.info)) == idle_load(up.info)
+
+    asyncio.run(main())
+
+
 def test_bench_replays_a_trace_against_the_cluster(up: UpProcess, tmp_path: Path) -> None:
     topo = tmp_path / "topology.yaml"
     topo.write_text(TOPOLOGY)
