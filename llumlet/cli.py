@@ -45,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cap-fraction", type=float, default=0.2, help="grpc transport: share of the path bandwidth")
     p.add_argument("--grpc-rate-cap", type=float, default=0.0, help="grpc transport cap, bytes/s (0 = topology)")
     p.add_argument("--local-rate-cap", type=float, default=0.0, help="local transport cap, bytes/s (0 = none)")
+    p.add_argument(
+        "--etcd",
+        default="",
+        help="etcd endpoints HOST:PORT[,...]: register this instance under a lease (needs --topology)",
+    )
+    p.add_argument("--prefix", default="/hilum/v1/", help="etcd key prefix (as the coordinator's)")
+    p.add_argument("--advertise", default="", help="host:port others reach this llumlet at (default: listen)")
+    p.add_argument("--ttl", type=int, default=10, help="etcd lease TTL, seconds")
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     return p
 
@@ -90,14 +98,42 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
         rng=random.Random(ns.seed),
     )
     server, address = await serve(llumlet, ns.listen)
-    print(f"llumlet {ns.instance_id} serving at {address}", flush=True)
     stop = asyncio.Event()
+    registration = None
+    if ns.etcd:
+        if topology is None:
+            raise ValueError("--etcd needs --topology (the registration names the node, model and KV capacity)")
+        registration = asyncio.ensure_future(_register(ns, topology, ns.advertise or address, stop))
+    print(f"llumlet {ns.instance_id} serving at {address}", flush=True)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if registration is not None:
+        await registration  # revokes the lease: the domain scheduler sees the instance leave
     await server.stop(grace=1.0)
     await llumlet.stop()
+
+
+async def _register(ns: argparse.Namespace, topology: Topology, address: str, stop: asyncio.Event) -> None:
+    """Keep ``<prefix>instances/<id>`` registered under this process's lease until ``stop`` (DESIGN.md, etcd)."""
+    from global_coord.etcd import connect
+    from global_coord.records import InstanceRegistration, encode
+    from global_coord.session import Registrar
+    from global_coord.store import Keys
+
+    spec = topology.instance(ns.instance_id)
+    record = InstanceRegistration(
+        ns.instance_id, spec.domain_id, spec.node_id, address, spec.model, ns.num_blocks or spec.kv_capacity_blocks
+    )
+    client = connect([e.strip() for e in ns.etcd.split(",") if e.strip()])
+    await client.connect()
+    registrar = Registrar(client, ns.ttl, rng=random.Random(ns.seed), name=f"llumlet {ns.instance_id}")
+    await registrar.set(Keys(ns.prefix).instance(ns.instance_id), encode(record))
+    try:
+        await registrar.run(stop)
+    finally:
+        await client.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

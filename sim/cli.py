@@ -1,8 +1,9 @@
 """``hilum sim``: replay a trace on a simulated cluster under several policies and compare them.
 
-A bare ``hilum sim`` runs the embedded defaults (:data:`sim.runner.DEFAULTS`: the bundled 2 x 8 A100
-topology, the Azure LLM 2023 conversation trace compressed to a load where the baselines preempt, all
-four policies). ``hilum sim sweep CONFIG`` runs a grid of simulations as Ray tasks.
+A bare `hilum sim` runs the embedded defaults: the bundled 2 x 8 A100-40GB topology (16 Llama-2-13B
+instances, two NVLink domains), the first 5,000 requests of the Azure LLM 2023 conversation trace
+compressed 3.5x (a load where the baselines preempt), and all four policies.
+`hilum sim sweep CONFIG` runs a grid of simulations as Ray tasks. See docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ def register(sub: Any) -> None:
         default=",".join(POLICY_NAMES),
         help=f"comma-separated policies to compare (from {', '.join(POLICY_NAMES)})",
     )
-    parser.add_argument("--rate-scale", type=float, default=DEFAULTS.rate_scale, help="compress arrivals X times")
+    parser.add_argument(
+        "--rate-scale",
+        type=float,
+        default=None,
+        help=f"compress arrivals X times (default {DEFAULTS.rate_scale:g} for the default trace, else 1)",
+    )
     parser.add_argument(
         "--arrival",
         choices=("trace", "poisson", "gamma"),
@@ -76,6 +82,8 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
     unknown = [p for p in policies if p not in POLICY_NAMES]
     if unknown or not policies:
         raise ValueError(f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join(POLICY_NAMES)}")
+    if args.rate_scale is None:
+        args.rate_scale = DEFAULTS.rate_scale if args.trace == DEFAULTS.trace else 1.0
     if args.rate_scale <= 0:
         raise ValueError(f"--rate-scale must be > 0, got {args.rate_scale}")
     if args.max_requests is not None and args.max_requests < 1:
@@ -109,14 +117,15 @@ def run_cli(args: argparse.Namespace) -> int:
     from .plots import plot_kv_usage, plot_ttft_cdf
     from .report import LATENCY_COLUMNS, MIGRATION_COLUMNS, render_table
     from .results import summarize, write_results
-    from .runner import run_simulation, served_model
+    from .runner import check_options, run_simulation
     from .traces import load_trace
 
     err = Console(stderr=True, soft_wrap=True)
     try:
         specs = _specs(args)
         topology = load_topology(args.topology)
-        served_model(topology, args.model)
+        check_options(topology, specs[0].parsed_options())
+        out = _output_dir(args.out)
         trace = load_trace(
             args.trace,
             rate_scale=args.rate_scale,
@@ -129,7 +138,7 @@ def run_cli(args: argparse.Namespace) -> int:
     except TopologyError as exc:
         err.print("[red]hilum sim: invalid topology[/red]\n" + "\n".join(exc.errors), highlight=False)
         return 2
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:
         err.print(f"[red]hilum sim:[/red] {exc}", highlight=False)
         return 2
     runs = []
@@ -156,8 +165,11 @@ def run_cli(args: argparse.Namespace) -> int:
         model = str(runs[0].config["model"])
         served = [i for i in topology.instances if i.model == model]
         domains = {i.domain_id for i in served}
+        truncated = runs[0].config.get("truncated_requests", 0)
+        rate = len(trace.requests) / trace.duration_s if trace.duration_s > 0 else 0.0
         title = (
-            f"{trace.name} x{args.rate_scale:g} ({len(trace.requests)} requests) on {topology.name} "
+            f"{trace.name} x{args.rate_scale:g} ({len(trace.requests)} requests, {rate:.1f} req/s"
+            f"{f', {truncated} cut to the {model} context' if truncated else ''}) on {topology.name} "
             f"({len(served)} {model} instances, {len(domains)} domains), seed {args.seed}"
         )
         baseline = "least-loaded" if "least-loaded" in {s.policy for s in summaries} else None
@@ -166,9 +178,7 @@ def run_cli(args: argparse.Namespace) -> int:
         console.print(
             render_table(summaries, title="migrations and simulator cost", columns=MIGRATION_COLUMNS, compact=True)
         )
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         path = write_results(runs, out)
         plot_ttft_cdf(runs, out / "ttft_cdf.png")
         for run in runs:
@@ -177,19 +187,67 @@ def run_cli(args: argparse.Namespace) -> int:
     return 0
 
 
+def _output_dir(out: str | None) -> Path | None:
+    """Create ``--out`` (before any work, so results are never lost to a bad path); None without ``--out``.
+
+    Raises OSError (with the path) when it cannot be created or written.
+    """
+    if out is None:
+        return None
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"--out {out}: exists and is not a directory")
+    path.mkdir(parents=True, exist_ok=True)
+    probe = path / ".hilum-write-test"
+    probe.write_text("")
+    probe.unlink()
+    return path
+
+
 def run_sweep_cli(args: argparse.Namespace) -> int:
     """``hilum sim sweep CONFIG``: run the grid as Ray tasks and merge the results."""
     from pydantic import ValidationError
 
     from .report import render_sweep_table
-    from .sweep import load_sweep_config, run_sweep
+    from .sweep import SweepPointError, load_sweep_config, run_sweep
 
     try:
         config = load_sweep_config(args.config)
-    except (ValueError, FileNotFoundError, ValidationError) as exc:
+        _check_sweep(config.topologies, config.trace, config.policies, config.options)
+        out = _output_dir(args.out)
+    except (ValueError, OSError, ValidationError) as exc:
         print(f"hilum sim sweep: {exc}", file=sys.stderr)
         return 2
-    rows = run_sweep(config, ray_address=args.ray_address, out_dir=Path(args.out))
-    Console().print(render_sweep_table(rows))
-    print(f"sweep results and plots in {args.out}/", file=sys.stderr)
+    assert out is not None
+    try:
+        rows = run_sweep(config, ray_address=args.ray_address, out_dir=out)
+    except SweepPointError as exc:
+        print(f"hilum sim sweep: {exc}", file=sys.stderr)
+        return 1
+    console = Console() if sys.stdout.isatty() else Console(width=200)
+    console.print(render_sweep_table(rows))
+    print(f"sweep results and plots in {out}/", file=sys.stderr)
     return 0
+
+
+def _check_sweep(topologies: list[str], trace: str, policies: list[str], options: dict[str, Any]) -> None:
+    """Fail before starting Ray on a grid that cannot run: unknown topology, trace, policy or option.
+
+    Raises ValueError (or the loaders' errors, which are ValueErrors) naming the problem.
+    """
+    from topology.load import TopologyError, load_topology
+
+    from .runner import SimOptions, check_options
+    from .traces import load_trace
+
+    unknown = [p for p in policies if p not in POLICY_NAMES]
+    if unknown:
+        raise ValueError(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICY_NAMES)}")
+    parsed = SimSpec(topology="", trace=trace, policy=policies[0], options=options).parsed_options()
+    assert isinstance(parsed, SimOptions)
+    load_trace(trace, max_requests=1)
+    for name in topologies:
+        try:
+            check_options(load_topology(name), parsed)
+        except TopologyError as exc:
+            raise ValueError("invalid topology\n" + "\n".join(exc.errors)) from None

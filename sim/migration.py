@@ -70,6 +70,7 @@ class _Move:
     bytes_moved: int = 0
     suspended_at_s: float | None = None
     done: bool = False
+    why: str = ""  # the decision that started it (recorded as the committed move's reason)
 
 
 class MigrationExecutor:
@@ -107,8 +108,11 @@ class MigrationExecutor:
         others = self.flows.busiest(path.links) - (1 if own_flow else 0)
         return effective_bandwidth_bytes_per_s(path.bandwidth_bytes_per_s, self.cost.cap_fraction, others)
 
-    def start(self, request_id: str, src_id: str, dst_id: str) -> bool:
-        """Begin migrating ``request_id`` from ``src_id`` to ``dst_id``; False if it cannot start."""
+    def start(self, request_id: str, src_id: str, dst_id: str, why: str = "") -> bool:
+        """Begin migrating ``request_id`` from ``src_id`` to ``dst_id``; False if it cannot start.
+
+        ``why``: the decision behind the move, kept as the reason of its record when it commits.
+        """
         state = self.cluster.requests.get(request_id)
         if state is None or state.migrating or state.finish_s is not None or src_id == dst_id:
             return False
@@ -122,7 +126,7 @@ class MigrationExecutor:
         if not dst.engine.reserve(reservation_id, blocks + self.reserve_margin_blocks):
             return False
         path = self.graph.path(src_id, dst_id)
-        move = _Move(request_id, src, dst, path, reservation_id, start_s=self.cluster.queue.now_s)
+        move = _Move(request_id, src, dst, path, reservation_id, start_s=self.cluster.queue.now_s, why=why)
         state.migrating = True
         self.active[request_id] = move
         self.busy_instances.update((src_id, dst_id))
@@ -201,7 +205,7 @@ class MigrationExecutor:
         state = self.cluster.requests[move.request_id]
         state.instance_id = move.dst.instance_id
         state.migrations += 1
-        self._finish(move, "committed", "")
+        self._finish(move, "committed", move.why)
         self.cluster.kick(move.dst)
         self.cluster.kick(move.src)
 

@@ -149,7 +149,7 @@ class KvTimeline:
 class SimRun:
     """Everything one simulation run produced: its spec, records and cost."""
 
-    policy: str  # scheduling policy name (e.g. "hilum", "llumnix", "round_robin")
+    policy: str  # scheduling policy name (e.g. "hilum", "llumnix", "round-robin")
     topology: str  # topology name or file
     trace: str  # trace name or file
     seed: int  # seed of the run's random sources

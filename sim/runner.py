@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from global_coord.approval import ApprovalConfig
 from llumlet.engine.latency import (
+    CALIBRATED_HBM_BYTES_PER_S,
     LatencyModel,
     UnsupportedLatencyModelError,
     derive_latency_model,
@@ -36,7 +37,7 @@ from .results import KvTimeline, SimRun
 from .schedulers import SchedulerContext, SchedulingConfig, make_scheduler
 from .traces import Trace, TraceRequest, load_trace, with_priorities
 
-__all__ = ["DEFAULTS", "SimOptions", "SimSpec", "fit_to_context", "run_simulation", "served_model"]
+__all__ = ["DEFAULTS", "SimOptions", "SimSpec", "check_options", "fit_to_context", "run_simulation", "served_model"]
 
 
 class SimOptions(BaseModel):
@@ -116,7 +117,12 @@ DEFAULTS = SimSpec(topology="2x8-a100-40gb", trace="azure-conv", policy="hilum",
 
 
 def _latency_for(topology: Topology, derived: list[str]) -> Callable[[InstanceSpec], LatencyModel]:
-    """Step-time models per (model, GPU, TP); GPUs without measured data get a scaled H100 model.
+    """Step-time models per (model, GPU, TP), from ``llumlet.engine.latency``.
+
+    A GPU type without measured data gets the H100 model scaled by HBM bandwidth; one whose HBM bandwidth
+    differs by more than 5 % from the measured GPU of its family (an A100-40GB at 1.56 TB/s against the
+    measured A100-80GB at 2.04 TB/s) gets that GPU's model scaled the same way
+    (:func:`llumlet.engine.latency.derive_latency_model`).
 
     Every derived combination is appended to ``derived`` (reported in the run's config).
     """
@@ -125,12 +131,21 @@ def _latency_for(topology: Topology, derived: list[str]) -> Callable[[InstanceSp
     def get(spec: InstanceSpec) -> LatencyModel:
         key = (spec.model, spec.gpu_type, spec.tensor_parallel_size)
         if key not in cache:
+            hbm = topology.gpu_types[spec.gpu_type].hbm_bandwidth_bytes_per_s
             try:
-                cache[key] = load_latency_model(*key)
+                model = load_latency_model(*key)
             except UnsupportedLatencyModelError:
-                hbm = topology.gpu_types[spec.gpu_type].hbm_bandwidth_bytes_per_s
                 cache[key] = derive_latency_model(*key, hbm)
                 derived.append(f"{spec.model}/{spec.gpu_type}/tp{spec.tensor_parallel_size} scaled from h100 by HBM")
+            else:
+                calibrated = CALIBRATED_HBM_BYTES_PER_S[model.gpu]
+                if abs(hbm / calibrated - 1.0) > 0.05:  # e.g. an A100-40GB (1.56 TB/s) vs the measured 80GB
+                    cache[key] = derive_latency_model(*key, hbm, reference_gpu=model.gpu)
+                    derived.append(
+                        f"{spec.model}/{spec.gpu_type}/tp{spec.tensor_parallel_size} scaled from {model.gpu} by HBM"
+                    )
+                else:
+                    cache[key] = model
         return cache[key]
 
     return get
@@ -166,12 +181,7 @@ def run_simulation(
     model = served_model(topo, options.model)
     max_context = topo.models[model].max_context_tokens
     trace, truncated = fit_to_context(trace, max_context)
-    drains = [_parse_event(d) for d in options.drain]
-    scale_outs = [_parse_event(s) for s in options.scale_out]
-    known = {i.instance_id for i in topo.instances if i.model == served_model(topo, options.model)}
-    for instance_id, _ in drains + scale_outs:
-        if instance_id not in known:
-            raise ValueError(f"scripted event names unknown instance {instance_id!r}; known: {sorted(known)}")
+    drains, scale_outs = check_options(topo, options)
 
     queue = EventQueue()
     limits = EngineLimits(options.max_num_seqs, options.max_num_batched_tokens, options.admission)
@@ -251,7 +261,7 @@ def run_simulation(
         trace=trace.name,
         seed=spec.seed,
         rate_scale=spec.rate_scale,
-        sim_duration_s=queue.now_s,
+        sim_duration_s=max((r.finish_s for r in cluster.requests.values() if r.finish_s is not None), default=0.0),
         wall_s=time.perf_counter() - wall_start,
         engine_steps=cluster.engine_steps,
         requests=cluster.records(),
@@ -270,6 +280,28 @@ def run_simulation(
             "derived_latency_models": derived,
         },
     )
+
+
+def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+    """Check the options against the topology; returns the parsed drains and scale-outs (instance, time s).
+
+    Raises ValueError naming the first problem: an unknown model, a scripted event naming an instance that
+    does not exist or does not serve the simulated model, or an instance both drained and scaled out.
+    """
+    model = served_model(topology, options.model)
+    known = sorted(i.instance_id for i in topology.instances if i.model == model)
+    drains = [_parse_event(d) for d in options.drain]
+    scale_outs = [_parse_event(s) for s in options.scale_out]
+    for instance_id, _ in drains + scale_outs:
+        if instance_id not in known:
+            shown = ", ".join(known[:6]) + (", ..." if len(known) > 6 else "")
+            raise ValueError(
+                f"scripted event names unknown instance {instance_id!r}; {model} instances of {topology.name}: {shown}"
+            )
+    both = {i for i, _ in drains} & {i for i, _ in scale_outs}
+    if both:
+        raise ValueError(f"instance(s) both drained and scaled out: {sorted(both)}")
+    return drains, scale_outs
 
 
 def served_model(topology: Topology, requested: str | None) -> str:

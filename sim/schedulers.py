@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from global_coord.approval import ApprovalConfig, price_and_judge
+from global_coord.approval import ApprovalConfig, Verdict, price_and_judge
 from policy.dispatch import DispatchDecision, DispatchView, DomainDispatchView
 from policy.domain import DomainSummary, summarize_domain
 from policy.migration import pair_domains, plan_migrations
@@ -114,7 +114,7 @@ class ClusterScheduler(ABC):
         """Plan moves over ``loads`` with the rule book and start those whose instances are free."""
         free = [load for load in loads if not self.ctx.executor.is_busy(load.instance_id)]
         for move in plan_migrations(free, self.ctx.policy, self.ctx.rng):
-            self.ctx.executor.start(move.request_id, move.src_id, move.dst_id)
+            self.ctx.executor.start(move.request_id, move.src_id, move.dst_id, move.reason)
 
 
 class RoundRobin(ClusterScheduler):
@@ -254,15 +254,21 @@ class HilumTwoTier(ClusterScheduler):
         for move in plan_migrations(src_loads + dst_loads, self.ctx.policy, self.ctx.rng):
             src_in = any(x.instance_id == move.src_id for x in src_loads)
             dst_in = any(x.instance_id == move.dst_id for x in dst_loads)
-            if src_in and dst_in and self._approve(move.request_id, move.src_id, move.dst_id):
-                executor.start(move.request_id, move.src_id, move.dst_id)
+            if not (src_in and dst_in):
+                continue
+            verdict = self._judge(move.request_id, move.src_id, move.dst_id)
+            if verdict is not None and verdict.approved:
+                executor.start(
+                    move.request_id, move.src_id, move.dst_id, f"{move.reason}; coordinator {verdict.reason}"
+                )
                 return
 
-    def _approve(self, request_id: str, src_id: str, dst_id: str) -> bool:
+    def _judge(self, request_id: str, src_id: str, dst_id: str) -> Verdict | None:
+        """The coordinator's verdict on a proposed cross-domain move (None: the request left the source)."""
         src = self.cluster.instances[src_id]
         kv = src.engine.request_kv(request_id)
         if kv is None:
-            return False
+            return None
         tokens, _blocks = kv
         path = self.ctx.graph.path(src_id, dst_id)
         state = self.cluster.requests[request_id]
@@ -276,7 +282,7 @@ class HilumTwoTier(ClusterScheduler):
             cost=self.ctx.cost,
             cfg=self.ctx.approval,
         )
-        return verdict.approved
+        return verdict
 
 
 _POLICIES: dict[str, type[ClusterScheduler]] = {

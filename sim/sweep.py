@@ -3,13 +3,13 @@ each grid point run as one Ray task, merged into one table, ``sweep.json`` and P
 
 Example sweep file (every key documented in docs/sim-results.md)::
 
-    trace: burstgpt
+    trace: azure-conv
     topologies: [2x8-a100]
-    policies: [round_robin, llumnix, hilum]
+    policies: [round-robin, llumnix, hilum]
     rate_scales: [0.5, 1.0, 2.0]
     seeds: [0, 1]
     max_requests: 2000
-    options: {migration_interval_s: 0.05}
+    options: {migrate_interval_s: 0.05}
 
 Ray is an optional dependency (``pip install 'hilum[sweep]'``) and is imported only by
 :func:`run_sweep`. A local Ray is started when none is running and no address is given; set

@@ -29,7 +29,8 @@ def test_sim_json_and_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_sim_table_names_every_policy(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "--max-requests", "30", "--trace", "sharegpt", "--rate-scale", "2"]) == 0
     text = capsys.readouterr().out
-    assert "sharegpt x2 (30 requests) on 2x8-a100-40gb (16 llama-2-13b instances, 2 domains)" in text
+    assert "sharegpt x2 (30 requests, " in text
+    assert ") on 2x8-a100-40gb (16 llama-2-13b instances, 2 domains)" in text
     for policy in ("round-robin", "least-loaded", "llumnix", "hilum"):
         assert text.count(policy) >= 2  # one row in each table
     assert "TTFT" in text and "downtime" in text
@@ -53,6 +54,9 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--drain", "node-0-i0"], "expected INSTANCE@SECONDS"),
         (["--priority-fraction", "1.5"], "priority_fraction"),
         (["--trace", "sharegpt", "--arrival", "gamma"], "arrival_cv"),
+        (["--drain", "nope@10"], "unknown instance 'nope'"),
+        (["--drain", "node-0-i1@5", "--scale-out", "node-0-i1@9"], "both drained and scaled out"),
+        (["--out", "README.md"], "exists and is not a directory"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -86,3 +90,32 @@ def test_sweep_runs_real_simulations_as_ray_tasks(
     assert all(r["summary"]["finished"] == 25 for r in rows)
     assert (out / "p99_ttft_vs_load_2x8-a100-40gb.png").stat().st_size > 1000
     assert "hilum" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("trace: burstgpt\ntopologies: [2x8-a100]\npolicies: [hilum]\nrate_scales: [1]\n", "burstgpt"),
+        ("trace: azure-conv\ntopologies: [2x8-a100]\npolicies: [round_robin]\nrate_scales: [1]\n", "round_robin"),
+        (
+            "trace: azure-conv\ntopologies: [2x8-a100]\npolicies: [hilum]\nrate_scales: [1]\noptions: {foo: 1}\n",
+            "foo",
+        ),
+        ("trace: azure-conv\ntopologies: [nowhere]\npolicies: [hilum]\nrate_scales: [1]\n", "nowhere"),
+    ],
+)
+def test_a_sweep_that_cannot_run_fails_before_starting_ray(
+    body: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "sweep.yaml"
+    config.write_text(body)
+    assert main(["sim", "sweep", str(config), "--out", str(tmp_path / "o")]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_bundled_sweep_example_is_valid() -> None:
+    from sim.cli import _check_sweep
+    from sim.sweep import load_sweep_config
+
+    config = load_sweep_config(Path(__file__).resolve().parents[2] / "examples" / "sweep.yaml")
+    _check_sweep(config.topologies, config.trace, config.policies, config.options)

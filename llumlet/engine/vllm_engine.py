@@ -1,0 +1,835 @@
+"""VllmEngine: the engine protocol over vLLM's v1 engine, with live KV-cache migration between vLLM instances.
+
+vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``, one
+GPU, tensor parallel size 1): ``LLMEngine`` adds, aborts and steps requests; a KV connector of vLLM's public
+API (:class:`HilumMigrationConnector`, a ``KVConnectorBase_V1``) loads a migrated request's KV when the
+destination re-admits it; everything else that needs vLLM's insides (queues, block pool, paged KV tensors,
+the sampler's generator) goes through :mod:`llumlet.engine.vllm_internals`, which checks the vLLM version.
+
+Migration (DESIGN.md, "Migration"): the source reads blocks of the request's block table from the paged KV
+tensors while the request keeps decoding; ``reserve`` takes blocks out of the destination's block pool and
+``write_blocks`` stores the copied blocks in them; at ``suspend`` the source takes the request out of its
+scheduler's running list (it keeps its blocks); ``commit_incoming`` re-admits the request on the
+destination with prompt + generated tokens as its prompt, at the head of the waiting queue, with
+``kv_transfer_params`` in ``SamplingParams.extra_args`` naming the reservation: at the next step the
+connector reports the first ``num_computed_tokens`` tokens as externally computed (so nothing is
+recomputed), the scheduler allocates blocks, and the worker side of the connector copies the reserved
+blocks' contents into them and restores the request's sampling generator before the step samples.
+
+What re-admission would lose and how it is carried (``MigrationState.extra``):
+
+- seeded sampling: the per-request ``torch.Generator`` state (random requests without a seed get one drawn
+  from the engine's ``rng``, so every random request has a generator that can move);
+- ``max_tokens`` / ``min_tokens``: the destination gets what remains of each;
+- repetition penalty: vLLM applies it to tokens seen in the prompt or the output alike, so output tokens
+  turned into prompt tokens are penalised exactly as before;
+- stop token ids, ``ignore_eos``, temperature, top-p, top-k: unchanged.
+
+Refused by :meth:`VllmEngine.migratable` (the destination would see the output tokens as prompt tokens):
+frequency and presence penalties (vLLM counts them over output tokens only) and stop strings (the
+destination's detokenizer would not see text produced before the move).
+
+Blocks are portable only between engines of the same model, dtype, block size, KV layout and vLLM build:
+``extra["model_fingerprint"]`` must match on commit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import vllm  # type: ignore[import-not-found, unused-ignore]
+from vllm import SamplingParams as VllmSamplingParams  # type: ignore[import-not-found, unused-ignore]
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found, unused-ignore]
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+)
+from vllm.engine.arg_utils import EngineArgs  # type: ignore[import-not-found, unused-ignore]
+from vllm.inputs import TokensPrompt  # type: ignore[import-not-found, unused-ignore]
+from vllm.sampling_params import RequestOutputKind  # type: ignore[import-not-found, unused-ignore]
+from vllm.v1.engine.llm_engine import LLMEngine  # type: ignore[import-not-found, unused-ignore]
+
+from llumlet.engine import vllm_internals as vi
+from llumlet.engine.core import RequestTooLargeError
+from llumlet.engine.protocol import KVPayload
+from llumlet.engine.types import (
+    EngineLoad,
+    EngineRequest,
+    MigrationState,
+    RunningRequestLoad,
+    SamplingParams,
+    StepResult,
+)
+
+__all__ = [
+    "EXTRA_GENERATOR_STATE",
+    "EXTRA_MODEL_FINGERPRINT",
+    "EXTRA_VLLM_OPTIONS",
+    "HilumMigrationConnector",
+    "VllmEngine",
+    "VllmSamplingOptions",
+    "tiny_llama_checkpoint",
+]
+
+EXTRA_GENERATOR_STATE = "generator_state"  # MigrationState.extra key: bytes of the sampler generator, or None
+EXTRA_MODEL_FINGERPRINT = "model_fingerprint"  # MigrationState.extra key: str, VllmEngine.model_fingerprint
+EXTRA_VLLM_OPTIONS = "vllm_options"  # MigrationState.extra key: dict, VllmSamplingOptions fields
+KV_PARAMS_KEY = "hilum_migration"  # key in kv_transfer_params: the reservation id of a re-admitted request
+
+
+@dataclass(frozen=True, slots=True)
+class VllmSamplingOptions:
+    """vLLM sampling settings beyond hilum's ``SamplingParams`` (passed to :meth:`VllmEngine.add_request`).
+
+    Defaults are vLLM's "off" values. Raises ValueError on negative ``top_k`` / ``min_tokens`` or a
+    non-positive ``repetition_penalty``.
+    """
+
+    frequency_penalty: float = 0.0  # subtracted per occurrence of a token in the output (refuses migration)
+    presence_penalty: float = 0.0  # subtracted once if a token is in the output (refuses migration)
+    repetition_penalty: float = 1.0  # divides logits of tokens in prompt or output (carried)
+    top_k: int = 0  # 0 = all tokens
+    min_tokens: int = 0  # output tokens before EOS / stop tokens may end the request (carried)
+    stop: tuple[str, ...] = ()  # stop strings, need a tokenizer (refuse migration)
+
+    def __post_init__(self) -> None:
+        if self.top_k < 0 or self.min_tokens < 0:
+            raise ValueError(f"VllmSamplingOptions: top_k = {self.top_k}, min_tokens = {self.min_tokens}: need >= 0")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"VllmSamplingOptions.repetition_penalty = {self.repetition_penalty}: need > 0")
+
+    def not_migratable(self) -> str | None:
+        """Why a request with these options cannot move faithfully, or None."""
+        if self.frequency_penalty or self.presence_penalty:
+            return (
+                f"frequency/presence penalty ({self.frequency_penalty}, {self.presence_penalty}): vLLM counts them "
+                "over output tokens only, and the destination re-admits the output as prompt"
+            )
+        if self.stop:
+            return "stop strings: the destination's detokenizer would not see the text produced before the move"
+        return None
+
+
+# ---- the KV connector (vLLM's public API) ----------------------------------------------------------------
+
+
+@dataclass
+class _Incoming:
+    """A committed migrated request waiting for admission on the destination."""
+
+    internal_id: str  # vLLM's request id
+    num_computed_tokens: int  # tokens whose KV was moved (prompt + output - 1)
+    blocks: torch.Tensor  # moved KV, vllm_internals.read_kv_blocks layout
+    generator_state: bytes | None
+    handles: vi.EngineHandles
+
+
+@dataclass
+class _HilumMetadata(KVConnectorMetadata):  # type: ignore[misc, unused-ignore]
+    """Scheduler -> worker, one step: KV loads to run before the forward pass (in-process only)."""
+
+    loads: list[Callable[[], None]] = field(default_factory=list)
+
+
+class HilumMigrationConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
+    """Loads the KV of migrated requests when the destination re-admits them.
+
+    Scheduler side: a request whose ``kv_transfer_params`` carry ``{"hilum_migration": <reservation id>}``
+    registered in ``incoming`` (by :meth:`VllmEngine.commit_incoming`) has its first
+    ``num_computed_tokens`` tokens reported as externally computed, loaded synchronously; after allocation
+    the load is put in the step's metadata. Worker side: ``start_load_kv`` runs the loads (copy the moved
+    blocks into the allocated ones, restore the sampling generator) before the forward pass. The connector
+    keeps no state on the worker side, so engines in one process may share vLLM's global worker connector.
+    Every other request passes through untouched (0 external tokens).
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.incoming: dict[str, _Incoming] = {}  # reservation id -> request (set by VllmEngine)
+        self._pending: list[Callable[[], None]] = []
+
+    # scheduler side
+    def _entry(self, request: Any) -> _Incoming | None:
+        params = request.kv_transfer_params or {}
+        key = params.get(KV_PARAMS_KEY)
+        return self.incoming.get(key) if isinstance(key, str) else None
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        entry = self._entry(request)
+        if entry is None:
+            return 0, False
+        return max(entry.num_computed_tokens - num_computed_tokens, 0), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        entry = self._entry(request)
+        if entry is None or num_external_tokens == 0:
+            return
+        key = request.kv_transfer_params[KV_PARAMS_KEY]
+        block_ids = list(blocks.get_block_ids()[0])[: entry.blocks.shape[1]]
+        del self.incoming[key]
+
+        def load() -> None:
+            vi.write_kv_blocks(entry.handles, block_ids, entry.blocks)
+            if entry.generator_state is not None:
+                vi.set_generator_state(entry.handles, entry.internal_id, entry.generator_state)
+
+        self._pending.append(load)
+
+    def build_connector_meta(self, scheduler_output: Any) -> _HilumMetadata:
+        meta = _HilumMetadata(loads=self._pending)
+        self._pending = []
+        return meta
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    # worker side
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        for load in getattr(meta, "loads", ()):
+            load()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+
+# ---- the engine ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Tracked:
+    """hilum's view of one request in this engine."""
+
+    request: EngineRequest  # as submitted (original prompt, max_tokens, priority, arrival)
+    params: SamplingParams  # effective hilum params (seed filled in for random sampling)
+    options: VllmSamplingOptions
+    internal_id: str  # vLLM's request id
+    output_ids: list[int]  # every output token so far, those produced before a migration included
+    num_carried: int = 0  # of output_ids, produced on other engines (the vLLM request sees them as prompt)
+    suspended: bool = False
+    num_preemptions_seen: int = 0
+    num_loaded_tokens: int = 0  # KV tokens moved in, not yet admitted (counted as computed, not computed)
+
+
+@dataclass
+class _Reservation:
+    blocks: list[Any]  # vLLM KVCacheBlock objects held out of the pool, in block-table position order
+    written: set[int] = field(default_factory=set)  # positions written
+
+
+class VllmEngine:
+    """One vLLM instance (in-process v1 engine) behind ``llumlet.engine.protocol.Engine``.
+
+    Args:
+        instance_id: for messages only.
+        model: HF model name or local checkpoint directory.
+        block_size_tokens: vLLM block size (the CPU backend needs a multiple of 32; GPUs take 16).
+        kv_cache_memory_bytes: KV cache size; the pool has ``kv_cache_memory_bytes // kv_bytes_per_block``
+            blocks (one of them vLLM's null block, not usable).
+        dtype: model dtype ("float32" on CPU for exact comparisons, "bfloat16"/"float16" on GPUs).
+        max_model_len: longest prompt + output, tokens.
+        max_num_seqs, max_num_batched_tokens: the scheduler's batch limits.
+        rng: draws a seed for random-sampling requests without one (default ``random.Random()``).
+        clock: seconds, monotonic; ``StepResult.duration_s`` is the measured wall time of the step.
+        engine_kwargs: further ``vllm.engine.arg_utils.EngineArgs`` fields (e.g. ``gpu_memory_utilization``).
+        allow_untested_vllm: skip the version check of :mod:`llumlet.engine.vllm_internals`.
+
+    Prefix caching is off. Raises ``vllm_internals.UnsupportedVllmError`` on an untested vLLM version or an
+    engine layout the backend cannot drive (see :func:`vllm_internals.engine_handles`).
+    """
+
+    def __init__(
+        self,
+        instance_id: str,
+        model: str,
+        *,
+        block_size_tokens: int = 16,
+        kv_cache_memory_bytes: int | None = None,
+        dtype: str = "auto",
+        max_model_len: int = 4096,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        seed: int = 0,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        engine_kwargs: Mapping[str, Any] | None = None,
+        allow_untested_vllm: bool = False,
+    ) -> None:
+        vi.check_vllm_version(vllm.__version__, allow_untested_vllm)
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
+            raise vi.UnsupportedVllmError(
+                "VllmEngine drives vLLM in-process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before importing vllm"
+            )
+        self.instance_id = instance_id
+        kwargs: dict[str, Any] = {
+            "model": model,
+            "dtype": dtype,
+            "block_size": block_size_tokens,
+            "max_model_len": max_model_len,
+            "max_num_seqs": max_num_seqs,
+            "distributed_executor_backend": "uni",
+            "tensor_parallel_size": 1,
+            "enable_prefix_caching": False,
+            "async_scheduling": False,
+            "enforce_eager": True,
+            "seed": seed,
+            "kv_transfer_config": {
+                "kv_connector": "HilumMigrationConnector",
+                "kv_connector_module_path": __name__,
+                "kv_role": "kv_both",
+            },
+        }
+        if kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        if max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+        kwargs.update(engine_kwargs or {})
+        self.llm = LLMEngine.from_engine_args(EngineArgs(**kwargs))
+        self._h = vi.engine_handles(self.llm)
+        connector = self._h.scheduler.connector
+        if not isinstance(connector, HilumMigrationConnector):
+            raise vi.UnsupportedVllmError(f"scheduler connector is {type(connector).__name__}, not hilum's")
+        self._connector = connector
+        self._block_size = int(self._h.scheduler.block_size)
+        self._max_model_len = int(self.llm.model_config.max_model_len)
+        self._dtype = self._h.kv_caches[0].dtype
+        self._block_shape = vi.kv_block_shape(self._h)
+        self.model_fingerprint = _fingerprint(
+            model, str(self.llm.model_config.dtype), self._block_size, self._block_shape, str(self._dtype)
+        )
+        self._rng = rng if rng is not None else random.Random()
+        self._clock = clock
+        self._tracked: dict[str, _Tracked] = {}  # external request id -> state
+        self._by_internal: dict[str, str] = {}  # vLLM request id -> external id
+        self._reservations: dict[str, _Reservation] = {}
+        self._last_step_preempted = False
+
+    # ---- sizes ----------------------------------------------------------------------------------
+    @property
+    def block_size_tokens(self) -> int:
+        """Tokens per KV cache block."""
+        return self._block_size
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block, all layers, K and V: layers x prod(per-block shape) x dtype size."""
+        return len(self._h.kv_caches) * math.prod(self._block_shape) * self._dtype.itemsize
+
+    @property
+    def total_blocks(self) -> int:
+        """Usable blocks in the pool (vLLM's null block excluded)."""
+        return self._h.num_blocks - 1
+
+    def max_request_tokens(self) -> int:
+        """Largest prompt + output - 1 (KV tokens) one request may need: pool and ``max_model_len``."""
+        return min(self.total_blocks * self._block_size, self._max_model_len)
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, request: EngineRequest, options: VllmSamplingOptions | None = None) -> None:
+        """Queue a request (FCFS). ``sampling_params`` None means greedy; ``options`` adds vLLM-only settings.
+
+        Raises:
+            RequestTooLargeError: prompt + max_tokens - 1 tokens exceed the pool or ``max_model_len``.
+            ValueError: duplicate id, no ``prompt_token_ids``, or ``sampling_params.max_tokens`` different
+                from ``request.max_tokens``.
+        """
+        where = f"{self.instance_id}: request {request.request_id!r}"
+        need = request.prompt_tokens + request.max_tokens - 1
+        if need > self.max_request_tokens():
+            raise RequestTooLargeError(
+                f"{where} needs {need} KV tokens, this engine holds {self.max_request_tokens()} "
+                f"({self.total_blocks} blocks x {self._block_size}, max_model_len {self._max_model_len})"
+            )
+        if request.request_id in self._tracked:
+            raise ValueError(f"{where} is already in this engine")
+        if request.prompt_token_ids is None:
+            raise ValueError(f"{where}: the vLLM engine needs prompt_token_ids")
+        params = _effective_params(where, request, self._rng)
+        opts = options or VllmSamplingOptions()
+        internal = self._submit(request.request_id, list(request.prompt_token_ids), params, opts, request, 0)
+        self._track(_Tracked(request, params, opts, internal, []))
+
+    def _submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        opts: VllmSamplingOptions,
+        request: EngineRequest,
+        num_done: int,
+        kv_params: dict[str, str] | None = None,
+    ) -> str:
+        """Add to vLLM with what remains of max_tokens / min_tokens after ``num_done`` outputs."""
+        vparams = VllmSamplingParams(
+            n=1,
+            max_tokens=params.max_tokens - num_done,
+            min_tokens=max(opts.min_tokens - num_done, 0),
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=opts.top_k,
+            seed=params.seed,
+            ignore_eos=params.ignore_eos,
+            stop_token_ids=list(params.stop_token_ids),
+            stop=list(opts.stop),
+            frequency_penalty=opts.frequency_penalty,
+            presence_penalty=opts.presence_penalty,
+            repetition_penalty=opts.repetition_penalty,
+            detokenize=bool(opts.stop),
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={"kv_transfer_params": kv_params} if kv_params else None,
+        )
+        internal: str = self.llm.add_request(
+            request_id, TokensPrompt(prompt_token_ids=prompt_ids), vparams, priority=request.priority
+        )
+        return internal
+
+    def _track(self, tracked: _Tracked) -> None:
+        self._tracked[tracked.request.request_id] = tracked
+        self._by_internal[tracked.internal_id] = tracked.request.request_id
+
+    def _forget(self, request_id: str) -> _Tracked | None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None:
+            self._by_internal.pop(tracked.internal_id, None)
+            for key, entry in list(self._connector.incoming.items()):
+                if entry.internal_id == tracked.internal_id:
+                    del self._connector.incoming[key]
+        return tracked
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is (waiting, running, suspended); free its blocks. False if unknown."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return False
+        if tracked.suspended:
+            vi.unpause_request(self._h, tracked.internal_id)
+        self.llm.abort_request([tracked.internal_id], internal=True)
+        self._forget(request_id)
+        return True
+
+    def has_work(self) -> bool:
+        """True while a request waits or runs (suspended requests alone are not work)."""
+        return bool(self._h.scheduler.running) or len(self._h.scheduler.waiting) > 0
+
+    # ---- stepping -------------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        """One ``LLMEngine.step()``: new token ids per request, finished requests with their reasons.
+
+        ``finish_reasons``: vLLM's ("stop": EOS, a stop token or string; "length": max_tokens). Prefill and
+        decode token counts come from each request's computed-token count before and after the step.
+        """
+        before = {
+            t.request.request_id: (r.num_computed_tokens, r.num_prompt_tokens)
+            for t in self._tracked.values()
+            if not t.suspended and (r := vi.scheduler_request(self._h, t.internal_id)) is not None
+        }
+        start = self._clock()
+        outputs = self.llm.step() if self.has_work() else []
+        duration_s = self._clock() - start if outputs or before else 0.0
+        token_ids: dict[str, tuple[int, ...]] = {}
+        finished: list[str] = []
+        reasons: dict[str, str] = {}
+        for out in outputs:
+            rid = self._by_internal.get(out.request_id) or out.request_id
+            tracked = self._tracked.get(rid)
+            if tracked is None or not out.outputs:
+                continue
+            completion = out.outputs[0]
+            ids = tuple(int(t) for t in completion.token_ids)
+            if ids:
+                token_ids[rid] = ids
+                tracked.output_ids.extend(ids)
+            if out.finished:
+                finished.append(rid)
+                reasons[rid] = str(completion.finish_reason or "stop")
+        prefill = decode = scheduled = 0
+        preempted: list[str] = []
+        for rid, (computed, prompt) in before.items():
+            tracked = self._tracked[rid]
+            r = vi.scheduler_request(self._h, tracked.internal_id)
+            after = r.num_computed_tokens if r is not None else computed + len(token_ids.get(rid, ()))
+            if r is not None and r.num_preemptions > tracked.num_preemptions_seen:
+                tracked.num_preemptions_seen = r.num_preemptions
+                preempted.append(rid)
+                continue
+            if after > computed and tracked.num_loaded_tokens:
+                computed += tracked.num_loaded_tokens  # loaded by the connector, not computed
+                tracked.num_loaded_tokens = 0
+            if after > computed:
+                scheduled += 1
+                if computed >= prompt:
+                    decode += after - computed
+                else:
+                    prefill += after - computed
+        for rid in finished:
+            self._forget(rid)
+        self._last_step_preempted = bool(preempted)
+        return StepResult(
+            duration_s=duration_s,
+            new_tokens={rid: len(ids) for rid, ids in token_ids.items()},
+            finished=tuple(finished),
+            preempted=tuple(preempted),
+            num_prefill_tokens=prefill,
+            num_decode_tokens=decode,
+            num_scheduled_seqs=scheduled,
+            token_ids=token_ids,
+            finish_reasons=reasons,
+        )
+
+    def load(self) -> EngineLoad:
+        """Block usage (from the block pool) and queue state (from the scheduler)."""
+        sched = self._h.scheduler
+        reserved = sum(len(r.blocks) for r in self._reservations.values())
+        free = int(self._h.block_pool.get_num_free_blocks())
+        running = []
+        for r in sched.running:
+            tracked = self._tracked.get(self._by_internal.get(r.request_id, ""))
+            running.append(
+                RunningRequestLoad(
+                    request_id=tracked.request.request_id if tracked else r.request_id,
+                    blocks=len(vi.request_block_ids(self._h, r.request_id)),
+                    priority=tracked.request.priority if tracked else 0,
+                    num_tokens=int(r.num_tokens),
+                    in_decode=r.num_computed_tokens >= r.num_prompt_tokens,
+                )
+            )
+        waiting = list(sched.waiting)
+        demands = [math.ceil(int(r.num_tokens) / self._block_size) for r in waiting]
+        return EngineLoad(
+            total_blocks=self.total_blocks,
+            used_blocks=self.total_blocks - free - reserved,
+            reserved_blocks=reserved,
+            cached_blocks=0,
+            running=tuple(running),
+            num_waiting=len(waiting),
+            head_demand_blocks=demands[0] if demands else 0,
+            queued_demand_blocks=sum(demands),
+            preempting=self._last_step_preempted or any(r.num_preemptions for r in waiting),
+            num_suspended=sum(t.suspended for t in self._tracked.values()),
+        )
+
+    # ---- migration: source side -----------------------------------------------------------------
+    def request_kv(self, request_id: str) -> tuple[int, int] | None:
+        """(tokens whose KV is in the cache, blocks held) of an unfinished request; None if unknown."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return None
+        r = vi.scheduler_request(self._h, tracked.internal_id)
+        if r is None:
+            return None
+        return int(r.num_computed_tokens), len(vi.request_block_ids(self._h, tracked.internal_id))
+
+    def migratable(self, request_id: str) -> str | None:
+        """None when the request can move faithfully now, else why not.
+
+        Refused: unknown; suspended; not running (waiting, preempted); in prefill; frequency/presence
+        penalties or stop strings (see :meth:`VllmSamplingOptions.not_migratable`).
+        """
+        where = f"{self.instance_id}: request {request_id!r}"
+        tracked = self._tracked.get(request_id)
+        r = vi.scheduler_request(self._h, tracked.internal_id) if tracked else None
+        if tracked is None or r is None:
+            return f"{self.instance_id}: unknown request {request_id!r}"
+        if tracked.suspended:
+            return f"{where} is suspended"
+        if r not in self._h.scheduler.running:
+            return f"{where} is {str(r.status).lower()}, not running (waiting)"
+        if r.num_computed_tokens < r.num_prompt_tokens or r.num_computed_tokens != r.num_tokens - 1:
+            return f"{where} is still in prefill"
+        reason = tracked.options.not_migratable()
+        return f"{where}: {reason}" if reason else None
+
+    def read_blocks(self, request_id: str, first_block: int, num_blocks: int) -> KVPayload:
+        """The KV of ``num_blocks`` blocks from position ``first_block`` of the request's block table.
+
+        ``data`` = raw bytes (KV dtype, native order, C-contiguous) of a tensor
+        ``[num_layers, num_blocks, *per-block shape]`` (per-block shape: the attention backend's, see
+        ``vllm_internals.read_kv_blocks``); ``nbytes == len(data) == num_blocks x kv_bytes_per_block``.
+
+        Raises KeyError for an unknown request, IndexError past its last block.
+        """
+        tracked = self._tracked.get(request_id)
+        if tracked is None or vi.scheduler_request(self._h, tracked.internal_id) is None:
+            raise KeyError(f"{self.instance_id}: read_blocks: unknown request {request_id!r}")
+        table = vi.request_block_ids(self._h, tracked.internal_id)
+        if first_block < 0 or num_blocks < 0 or first_block + num_blocks > len(table):
+            raise IndexError(
+                f"{self.instance_id}: read_blocks({request_id!r}, {first_block}, {num_blocks}): "
+                f"it holds {len(table)} blocks"
+            )
+        blocks = vi.read_kv_blocks(self._h, table[first_block : first_block + num_blocks])
+        data = blocks.cpu().contiguous().view(torch.uint8).numpy().tobytes() if num_blocks else b""
+        return KVPayload(first_block, num_blocks, num_blocks * self.kv_bytes_per_block, data)
+
+    def suspend(self, request_id: str) -> MigrationState | None:
+        """Between two steps: take a running decode-phase request out of the scheduler; it keeps its blocks.
+
+        ``extra``: ``generator_state`` (bytes or None for greedy), ``model_fingerprint`` (str),
+        ``vllm_options`` (dict of :class:`VllmSamplingOptions`). ``sampling_params.seed`` is the seed the
+        request samples with (drawn here if it had none). None when it cannot move (:meth:`migratable`).
+        """
+        if self.migratable(request_id) is not None:
+            return None
+        tracked = self._tracked[request_id]
+        r = vi.scheduler_request(self._h, tracked.internal_id)
+        assert r is not None  # migratable() checked it
+        vi.pause_request(self._h, tracked.internal_id)
+        tracked.suspended = True
+        req = tracked.request
+        return MigrationState(
+            request_id=request_id,
+            prompt_tokens=req.prompt_tokens,
+            num_output_tokens=len(tracked.output_ids),
+            num_computed_tokens=int(r.num_computed_tokens),
+            max_tokens=req.max_tokens,
+            priority=req.priority,
+            arrival_s=req.arrival_s,
+            prefix_block_hashes=req.prefix_block_hashes,
+            prefix_hash_block_tokens=req.prefix_hash_block_tokens,
+            num_preemptions=int(r.num_preemptions),
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=tuple(tracked.output_ids),
+            sampling_params=tracked.params,
+            extra={
+                EXTRA_GENERATOR_STATE: vi.generator_state(self._h, tracked.internal_id),
+                EXTRA_MODEL_FINGERPRINT: self.model_fingerprint,
+                EXTRA_VLLM_OPTIONS: dataclasses.asdict(tracked.options),
+            },
+        )
+
+    def resume(self, request_id: str) -> bool:
+        """Undo ``suspend`` (migration aborted): the request runs here again. False if not suspended."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None or not tracked.suspended:
+            return False
+        vi.unpause_request(self._h, tracked.internal_id)
+        tracked.suspended = False
+        return True
+
+    def free_migrated(self, request_id: str) -> int:
+        """After the destination committed: drop the suspended request, free its blocks. Idempotent."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None or not tracked.suspended:
+            return 0
+        held = len(vi.request_block_ids(self._h, tracked.internal_id))
+        self.abort(request_id)
+        return held
+
+    # ---- migration: destination side ------------------------------------------------------------
+    def reserve(self, reservation_id: str, n_blocks: int) -> bool:
+        """Take ``n_blocks`` out of the block pool for an incoming request; False if no room or id in use."""
+        if reservation_id in self._reservations or n_blocks < 0:
+            return False
+        blocks = vi.hold_pool_blocks(self._h, n_blocks)
+        if blocks is None:
+            return False
+        self._reservations[reservation_id] = _Reservation(blocks)
+        return True
+
+    def release_reservation(self, reservation_id: str) -> int:
+        """Give a reservation's blocks back to the pool. Idempotent, safe if never reserved; blocks released."""
+        res = self._reservations.pop(reservation_id, None)
+        if res is None:
+            return 0
+        vi.free_pool_blocks(self._h, res.blocks)
+        return len(res.blocks)
+
+    def write_blocks(self, reservation_id: str, payload: KVPayload) -> None:
+        """Store ``payload`` (layout of :meth:`read_blocks`) in the reservation's blocks at its positions.
+
+        Raises:
+            KeyError: unknown reservation.
+            IndexError: the blocks exceed the reservation.
+            ValueError: ``data`` or ``nbytes`` is not ``num_blocks x kv_bytes_per_block`` bytes.
+        """
+        res = self._reservations.get(reservation_id)
+        if res is None:
+            raise KeyError(f"{self.instance_id}: write_blocks: unknown reservation {reservation_id!r}")
+        end = payload.first_block + payload.num_blocks
+        if end > len(res.blocks):
+            raise IndexError(
+                f"{self.instance_id}: write_blocks: blocks {payload.first_block}..{end}"
+                f" exceed reservation {reservation_id!r} of {len(res.blocks)} blocks"
+            )
+        want = payload.num_blocks * self.kv_bytes_per_block
+        if len(payload.data) != want or payload.nbytes != want:
+            raise ValueError(
+                f"{self.instance_id}: write_blocks({reservation_id!r}): {payload.num_blocks} blocks need {want} "
+                f"bytes of {self._dtype}[{len(self._h.kv_caches)}, {payload.num_blocks}, "
+                f"{', '.join(map(str, self._block_shape))}], got data of {len(payload.data)} bytes, "
+                f"nbytes = {payload.nbytes}"
+            )
+        if payload.num_blocks == 0:
+            return
+        shape = (len(self._h.kv_caches), payload.num_blocks, *self._block_shape)
+        blocks = torch.frombuffer(bytearray(payload.data), dtype=torch.uint8).view(self._dtype).view(shape)
+        ids = [b.block_id for b in res.blocks[payload.first_block : end]]
+        vi.write_kv_blocks(self._h, ids, blocks)
+        res.written.update(range(payload.first_block, end))
+
+    def commit_incoming(self, reservation_id: str, state: MigrationState) -> bool:
+        """Re-admit a migrated request at the head of the queue; its KV is loaded, not recomputed.
+
+        The request is vLLM-new with prompt + output tokens as its prompt; at the next step the connector
+        reports its ``num_computed_tokens`` tokens as computed, the scheduler gives it blocks, the moved KV
+        is copied into them and its generator state restored, and the step computes its last token and
+        samples the next. The reservation's blocks go back to the pool now. ``load()`` shows the request as
+        waiting until that step.
+
+        Returns False, changing nothing, when the request's blocks (``ceil(num_tokens / block_size)``) do
+        not fit in the free blocks plus the reservation.
+
+        Raises:
+            KeyError: unknown (released) reservation.
+            ValueError: the request is already here; the state is not in decode phase, lacks token ids,
+                comes from a different model / dtype / block size (fingerprint), asks for options that
+                cannot move, or a block position the KV needs was never written. Nothing changes.
+        """
+        where = f"{self.instance_id}: commit_incoming({state.request_id!r})"
+        if state.request_id in self._tracked:
+            raise ValueError(f"{where}: the request is already here")
+        if state.num_output_tokens < 1 or state.num_computed_tokens != state.num_tokens - 1:
+            raise ValueError(
+                f"{where}: not in decode phase (computed {state.num_computed_tokens} of {state.num_tokens} tokens)"
+            )
+        res = self._reservations.get(reservation_id)
+        if res is None:
+            raise KeyError(f"{where}: unknown reservation {reservation_id!r} (released or never made)")
+        if state.prompt_token_ids is None or len(state.output_token_ids) != state.num_output_tokens:
+            raise ValueError(f"{where}: needs prompt_token_ids and all {state.num_output_tokens} output_token_ids")
+        if state.extra.get(EXTRA_MODEL_FINGERPRINT) != self.model_fingerprint:
+            raise ValueError(
+                f"{where}: model fingerprint {state.extra.get(EXTRA_MODEL_FINGERPRINT)!r} != this engine's "
+                f"{self.model_fingerprint!r} (different model, dtype, block size or KV layout)"
+            )
+        opts = _options_from(where, state.extra.get(EXTRA_VLLM_OPTIONS))
+        if (reason := opts.not_migratable()) is not None:
+            raise ValueError(f"{where}: {reason}")
+        gen_state = state.extra.get(EXTRA_GENERATOR_STATE)
+        if gen_state is not None and not isinstance(gen_state, bytes):
+            raise ValueError(f"{where}: extra[{EXTRA_GENERATOR_STATE!r}] must be bytes or None")
+        kv_blocks = math.ceil(state.num_computed_tokens / self._block_size)
+        missing = sorted(set(range(kv_blocks)) - res.written)
+        if missing:
+            raise ValueError(f"{where}: block positions {missing} of reservation {reservation_id!r} were never written")
+        need = math.ceil(state.num_tokens / self._block_size)
+        if need > len(res.blocks) + int(self._h.block_pool.get_num_free_blocks()):
+            return False
+        request = EngineRequest(
+            request_id=state.request_id,
+            prompt_tokens=state.prompt_tokens,
+            max_tokens=state.max_tokens,
+            priority=state.priority,
+            arrival_s=state.arrival_s,
+            prefix_block_hashes=state.prefix_block_hashes,
+            prefix_hash_block_tokens=state.prefix_hash_block_tokens,
+            prompt_token_ids=state.prompt_token_ids,
+            sampling_params=state.sampling_params,
+        )
+        params = _effective_params(where, request, self._rng)
+        if gen_state is None and params.temperature > 0:
+            raise ValueError(f"{where}: random sampling without a generator state")
+        moved = vi.read_kv_blocks(self._h, [b.block_id for b in res.blocks[:kv_blocks]])
+        self.release_reservation(reservation_id)
+        prompt = [*state.prompt_token_ids, *state.output_token_ids]
+        kv_params = {KV_PARAMS_KEY: reservation_id}
+        internal = self._submit(state.request_id, prompt, params, opts, request, state.num_output_tokens, kv_params)
+        self._connector.incoming[reservation_id] = _Incoming(
+            internal, state.num_computed_tokens, moved, gen_state, self._h
+        )
+        vi.move_to_queue_head(self._h, internal)
+        tracked = _Tracked(request, params, opts, internal, list(state.output_token_ids), state.num_output_tokens)
+        tracked.num_loaded_tokens = state.num_computed_tokens
+        self._track(tracked)
+        return True
+
+
+def _options_from(where: str, raw: object) -> VllmSamplingOptions:
+    """``extra["vllm_options"]`` back into options; ValueError naming the field on anything else."""
+    if raw is None:
+        return VllmSamplingOptions()
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: extra[{EXTRA_VLLM_OPTIONS!r}] must be a dict, got {type(raw).__name__}")
+    try:
+        return VllmSamplingOptions(**{**raw, "stop": tuple(raw.get("stop", ()))})
+    except TypeError as exc:
+        raise ValueError(f"{where}: extra[{EXTRA_VLLM_OPTIONS!r}]: {exc}") from exc
+
+
+def _effective_params(where: str, request: EngineRequest, rng: random.Random) -> SamplingParams:
+    """hilum params with defaults filled in: greedy if None; a seed drawn for unseeded random sampling."""
+    params = request.sampling_params
+    if params is None:
+        return SamplingParams(max_tokens=request.max_tokens, temperature=0.0)
+    if params.max_tokens != request.max_tokens:
+        raise ValueError(
+            f"{where}: sampling_params.max_tokens = {params.max_tokens} != max_tokens = {request.max_tokens}"
+        )
+    if params.temperature > 0 and params.seed is None:
+        return dataclasses.replace(params, seed=rng.getrandbits(63))
+    return params
+
+
+def _fingerprint(model: str, dtype: str, block_size: int, block_shape: Sequence[int], kv_dtype: str) -> str:
+    """sha256 (hex, 16 chars) of what must match for KV blocks to be portable (the weights are trusted to be
+    the same for the same model name or directory and vLLM version)."""
+    path = Path(model)
+    ident = str(path.resolve()) if path.exists() else model
+    key = f"{ident}|{dtype}|{block_size}|{tuple(block_shape)}|{kv_dtype}|vllm {vllm.__version__}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def tiny_llama_checkpoint(directory: str | Path, seed: int = 0, vocab_size: int = 512) -> Path:
+    """Write a small random-weight Llama (float32) and a WordLevel tokenizer to ``directory``; no download.
+
+    Tokens are ``t0 .. t{vocab_size-1}`` (id = index; ``t1`` BOS, ``t2`` EOS). 2 layers, hidden 128,
+    4 query heads and 2 KV heads of dimension 32 (the CPU attention backend supports head_dim 32 and up),
+    weights drawn with ``initializer_range`` 0.5 from ``torch.manual_seed(seed)`` (peaked logits: varied
+    greedy streams). Idempotent: an existing checkpoint is kept. Returns the directory.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out = Path(directory)
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        initializer_range=0.5,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).float()  # type: ignore[no-untyped-call, unused-ignore]
+    model.save_pretrained(out)
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # type: ignore[assignment, unused-ignore]
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call, unused-ignore]
+        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2"
+    )
+    fast.save_pretrained(out)
+    return out

@@ -1,0 +1,235 @@
+"""The one module that reaches inside vLLM (v1 engine core, in-process). Everything here is version-bound.
+
+:class:`llumlet.engine.vllm_engine.VllmEngine` drives vLLM through ``LLMEngine`` (add / abort / step) and
+the public KV connector API. What those do not offer is done here, on objects of the in-process engine
+core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``, one worker):
+
+- the scheduler's queues (``Scheduler.running``, ``.waiting``, ``.requests``): pausing a running request
+  between two steps without freeing its blocks (the model runner keeps the state of a request that is not
+  scheduled in a step, as it does for a request skipped by the token budget), putting it back, and moving a
+  re-admitted migrated request to the head of the waiting queue;
+- the KV cache manager and block pool: a request's block ids, free-block counts, holding blocks for a
+  reservation (``BlockPool.get_new_blocks`` / ``free_blocks``);
+- the model runner: the paged KV tensors (``GPUModelRunner.kv_caches``, one per attention layer) and the
+  per-request sampling generator (``CachedRequestState.generator``).
+
+:func:`check_vllm_version` refuses versions not in :data:`TESTED_VLLM_VERSIONS` (the attribute paths above
+were read in the sources of exactly those versions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TESTED_VLLM_VERSIONS",
+    "EngineHandles",
+    "UnsupportedVllmError",
+    "check_vllm_version",
+    "engine_handles",
+    "free_pool_blocks",
+    "generator_state",
+    "hold_pool_blocks",
+    "kv_block_shape",
+    "move_to_queue_head",
+    "pause_request",
+    "read_kv_blocks",
+    "request_block_ids",
+    "scheduler_request",
+    "set_generator_state",
+    "unpause_request",
+    "write_kv_blocks",
+]
+
+TESTED_VLLM_VERSIONS: tuple[str, ...] = ("0.32.0",)  # vllm.__version__ values this module was checked against
+
+
+class UnsupportedVllmError(RuntimeError):
+    """This vLLM (version, executor or KV layout) is not one the hilum backend was tested with."""
+
+
+def check_vllm_version(version: str, allow_untested: bool = False) -> None:
+    """Raise :class:`UnsupportedVllmError` unless ``version`` (``vllm.__version__``) is tested.
+
+    ``allow_untested`` turns the check off (at your own risk: the attribute paths of this module may have
+    moved; the protocol tests in ``tests/llumlet/test_vllm_*.py`` tell).
+    """
+    base = version.split("+", 1)[0]
+    if base in TESTED_VLLM_VERSIONS or allow_untested:
+        return
+    raise UnsupportedVllmError(
+        f"vLLM {version} is not a version the hilum vLLM backend was tested with ({', '.join(TESTED_VLLM_VERSIONS)}); "
+        "llumlet/engine/vllm_internals.py reaches into the scheduler, KV cache manager and model runner, whose "
+        "internals change between releases. Install a tested version, or pass allow_untested_vllm=True and run "
+        "`make test-vllm` against it first."
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHandles:
+    """The in-process objects of one vLLM engine that this module touches."""
+
+    scheduler: Any  # vllm.v1.core.sched.scheduler.Scheduler
+    kv_cache_manager: Any  # vllm.v1.core.kv_cache_manager.KVCacheManager
+    block_pool: Any  # vllm.v1.core.block_pool.BlockPool
+    runner: Any  # vllm.v1.worker.gpu_model_runner.GPUModelRunner (or a subclass: CPUModelRunner)
+    kv_caches: tuple[torch.Tensor, ...]  # per attention layer, in layer order; one axis indexes blocks
+    block_dim: int  # the block axis of every tensor in kv_caches
+    num_blocks: int  # blocks in the pool, the null block included (block 0)
+
+
+def engine_handles(llm_engine: Any) -> EngineHandles:
+    """Find the scheduler, block pool, model runner and paged KV tensors of an in-process ``LLMEngine``.
+
+    Raises UnsupportedVllmError when the engine core runs in another process, the executor is not the
+    single-process one, the KV cache has several groups (hybrid models) or the KV tensors have a layout
+    this module does not know (the block axis must be axis 0 or axis 1 after a K/V axis of size 2).
+    """
+    core = getattr(llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        raise UnsupportedVllmError(
+            "the vLLM engine core runs in another process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating it"
+        )
+    executor = core.model_executor
+    worker = getattr(getattr(executor, "driver_worker", None), "worker", None)
+    if worker is None:
+        raise UnsupportedVllmError(
+            f"executor {type(executor).__name__} has no in-process worker: use distributed_executor_backend='uni'"
+        )
+    runner = worker.model_runner
+    scheduler = core.scheduler
+    manager = scheduler.kv_cache_manager
+    if len(manager.kv_cache_config.kv_cache_groups) != 1:
+        raise UnsupportedVllmError(
+            f"{len(manager.kv_cache_config.kv_cache_groups)} KV cache groups (hybrid or sliding-window model): "
+            "the hilum backend moves a single full-attention group only"
+        )
+    pool = manager.block_pool
+    caches = tuple(runner.kv_caches)
+    if not caches:
+        raise UnsupportedVllmError("the model runner has no KV cache tensors (not initialised?)")
+    num_blocks = int(pool.num_gpu_blocks)
+    first = caches[0]
+    if first.shape[0] == num_blocks:
+        block_dim = 0
+    elif first.dim() > 1 and first.shape[0] == 2 and first.shape[1] == num_blocks:
+        block_dim = 1
+    else:
+        raise UnsupportedVllmError(f"unknown KV cache layout {tuple(first.shape)} for {num_blocks} blocks")
+    if any(c.shape != first.shape or c.dtype != first.dtype for c in caches):
+        raise UnsupportedVllmError("KV cache tensors of different shapes or dtypes across layers")
+    return EngineHandles(scheduler, manager, pool, runner, caches, block_dim, num_blocks)
+
+
+# ---- scheduler ------------------------------------------------------------------------------------------
+
+
+def scheduler_request(h: EngineHandles, internal_id: str) -> Any | None:
+    """The scheduler's ``vllm.v1.request.Request`` (None once finished and freed)."""
+    return h.scheduler.requests.get(internal_id)
+
+
+def pause_request(h: EngineHandles, internal_id: str) -> bool:
+    """Take a running request out of ``Scheduler.running``; it keeps its blocks and its runner state.
+
+    The scheduler then never schedules it; the model runner drops it from its persistent batch at the next
+    step and re-adds it from its cached state when it is scheduled again. False if it is not running.
+    """
+    request = h.scheduler.requests.get(internal_id)
+    if request is None or request not in h.scheduler.running:
+        return False
+    h.scheduler.running.remove(request)
+    return True
+
+
+def unpause_request(h: EngineHandles, internal_id: str) -> bool:
+    """Undo :func:`pause_request` (appends to ``running``: it is scheduled at the next step)."""
+    request = h.scheduler.requests.get(internal_id)
+    if request is None or request in h.scheduler.running:
+        return False
+    h.scheduler.running.append(request)
+    return True
+
+
+def move_to_queue_head(h: EngineHandles, internal_id: str) -> None:
+    """Move a waiting request to the head of the waiting queue (the next to be admitted)."""
+    request = h.scheduler.requests[internal_id]
+    h.scheduler.waiting.remove_request(request)
+    h.scheduler.waiting.prepend_request(request)
+
+
+# ---- blocks ---------------------------------------------------------------------------------------------
+
+
+def request_block_ids(h: EngineHandles, internal_id: str) -> list[int]:
+    """Physical block ids of a request's block table, in position order ([] if it holds none)."""
+    if internal_id not in h.scheduler.requests:
+        return []
+    return list(h.kv_cache_manager.get_block_ids(internal_id)[0])
+
+
+def hold_pool_blocks(h: EngineHandles, n_blocks: int) -> list[Any] | None:
+    """Take ``n_blocks`` free blocks out of the pool (a reservation); None if fewer are free."""
+    if n_blocks > h.block_pool.get_num_free_blocks():
+        return None
+    return list(h.block_pool.get_new_blocks(n_blocks)) if n_blocks else []
+
+
+def free_pool_blocks(h: EngineHandles, blocks: Sequence[Any]) -> None:
+    """Give blocks taken by :func:`hold_pool_blocks` back to the pool."""
+    if blocks:
+        h.block_pool.free_blocks(blocks)
+
+
+def read_kv_blocks(h: EngineHandles, block_ids: Sequence[int]) -> torch.Tensor:
+    """A copy of the blocks, ``[num_layers, len(block_ids), *per-block shape]`` (per-block shape as laid out by
+    the attention backend; for the CPU backend ``[2, ...]``, for FlashAttention ``[2, block_size, heads, dim]``)."""
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=h.kv_caches[0].device)
+    return torch.stack([c.index_select(h.block_dim, index).movedim(h.block_dim, 0) for c in h.kv_caches])
+
+
+def write_kv_blocks(h: EngineHandles, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+    """Store ``blocks`` (layout of :func:`read_kv_blocks`) into the given physical blocks."""
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=h.kv_caches[0].device)
+    for layer, cache in enumerate(h.kv_caches):
+        cache.index_copy_(h.block_dim, index, blocks[layer].to(cache.device).movedim(0, h.block_dim))
+
+
+def kv_block_shape(h: EngineHandles) -> tuple[int, ...]:
+    """Shape of one block in one layer (the KV tensor's shape without its block axis)."""
+    shape = list(h.kv_caches[0].shape)
+    del shape[h.block_dim]
+    return tuple(shape)
+
+
+# ---- sampler --------------------------------------------------------------------------------------------
+
+
+def generator_state(h: EngineHandles, internal_id: str) -> bytes | None:
+    """Bytes of the request's sampling generator state (seeded sampling); None if it has none."""
+    state = h.runner.requests.get(internal_id)
+    generator = getattr(state, "generator", None)
+    if generator is None:
+        return None
+    return bytes(generator.get_state().cpu().numpy().tobytes())
+
+
+def set_generator_state(h: EngineHandles, internal_id: str, raw: bytes) -> None:
+    """Restore a generator state saved by :func:`generator_state` into the runner's request state.
+
+    Must run after the runner created the request's state (its ``_update_states``) and before sampling:
+    the KV connector's ``start_load_kv`` is such a point. Raises UnsupportedVllmError if the request has no
+    generator (it is not seeded on this side), ValueError if the state does not fit this device's generator.
+    """
+    state = h.runner.requests.get(internal_id)
+    generator = getattr(state, "generator", None)
+    if generator is None:
+        raise UnsupportedVllmError(f"request {internal_id!r} has no sampling generator in the model runner")
+    try:
+        generator.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone())
+    except RuntimeError as exc:
+        raise ValueError(f"generator state of {len(raw)} bytes does not fit this device's generator: {exc}") from exc

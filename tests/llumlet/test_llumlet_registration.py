@@ -1,0 +1,44 @@
+"""A llumlet started with --etcd registers its instance under its own lease, and leaves with it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from etcd_server import EtcdServer
+
+from global_coord.etcd import connect, kv_of
+from global_coord.records import InstanceRegistration, decode
+from global_coord.store import Keys
+from llumlet.procs import LlumletProcess
+
+
+async def _read(endpoint: str, key: str) -> bytes | None:
+    client = connect([endpoint])
+    await client.connect()
+    try:
+        reply = await kv_of(client).get(key)
+        return bytes(reply.kvs[0].value) if reply.kvs else None
+    finally:
+        await client.close()
+
+
+def test_llumlet_registers_itself_and_its_key_goes_with_it(etcd: EtcdServer, prefix: str, tmp_path: Path) -> None:
+    args = ["--topology", "1x8-a100", "--etcd", etcd.endpoint, "--prefix", prefix, "--ttl", "3", "--num-blocks", "256"]
+    proc = LlumletProcess("node-0-i3", args, tmp_path / "llumlet.log").start()
+    key = Keys(prefix).instance("node-0-i3")
+    try:
+        deadline = time.monotonic() + 10.0
+        value = None
+        while value is None and time.monotonic() < deadline:
+            value = asyncio.run(_read(etcd.endpoint, key))
+            if value is None:
+                time.sleep(0.1)
+        assert value is not None, (tmp_path / "llumlet.log").read_text()
+        record = decode(InstanceRegistration, value, key)
+        assert record == InstanceRegistration("node-0-i3", "node-0", "node-0", proc.address, "llama-2-7b", 256)
+    finally:
+        proc.stop()
+    # SIGTERM revokes the lease: the registration disappears at once, not after the TTL.
+    assert asyncio.run(_read(etcd.endpoint, key)) is None

@@ -1,0 +1,254 @@
+"""Live migration between two vLLM engines: the moved request continues exactly as if it had stayed.
+
+A request decodes on ``src``; its KV moves in pre-copy stages (full blocks while it keeps decoding, then
+the rest after ``suspend``); ``dst`` re-admits it with its KV loaded by the connector (nothing recomputed)
+and the sampling generator restored. Its token stream must equal the stream of the same request run
+without migration. A negative control corrupts one moved block and sees the stream change, which proves
+the destination really attends over the moved KV. What cannot move faithfully is refused with a reason.
+
+Runs only where vLLM is importable (``make test-vllm``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import random
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed: `make test-vllm` builds .venv-vllm and runs these", allow_module_level=True)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from llumlet.engine.vllm_engine import (
+        EXTRA_GENERATOR_STATE,
+        VllmEngine,
+        VllmSamplingOptions,
+        tiny_llama_checkpoint,
+    )
+    from llumlet.engine.vllm_internals import UnsupportedVllmError, check_vllm_version
+
+from llumlet.engine import EngineRequest, KVPayload, SamplingParams
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+
+BLOCK = 32
+PROMPT = tuple(random.Random(7).randrange(3, 512) for _ in range(60))  # 60 tokens: 1 full block + 28
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> tuple[VllmEngine, VllmEngine]:
+    model = tiny_llama_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+    return make_engine("src", model), make_engine("dst", model)
+
+
+def make_engine(name: str, model: Path, num_blocks: int = 32) -> VllmEngine:
+    per_block = 2 * 2 * 2 * BLOCK * 32 * 4
+    return VllmEngine(
+        name,
+        str(model),
+        block_size_tokens=BLOCK,
+        kv_cache_memory_bytes=(num_blocks + 1) * per_block,
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=8,
+        rng=random.Random(99),
+    )
+
+
+@pytest.fixture
+def pair(engines: tuple[VllmEngine, VllmEngine]) -> Iterator[tuple[VllmEngine, VllmEngine]]:
+    yield engines
+    for engine in engines:
+        for rid in list(engine._tracked):
+            engine.abort(rid)
+        for res in list(engine._reservations):
+            engine.release_reservation(res)
+        assert engine.load().used_blocks == 0
+
+
+def request(rid: str, params: SamplingParams, prompt: tuple[int, ...] = PROMPT) -> EngineRequest:
+    return EngineRequest(rid, len(prompt), params.max_tokens, prompt_token_ids=prompt, sampling_params=params)
+
+
+def run(engine: VllmEngine, streams: dict[str, list[int]], max_steps: int = 200) -> None:
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return
+        for rid, ids in engine.step().token_ids.items():
+            streams.setdefault(rid, []).extend(ids)
+    raise AssertionError("did not finish")
+
+
+def steps(engine: VllmEngine, n: int, streams: dict[str, list[int]]) -> None:
+    for _ in range(n):
+        for rid, ids in engine.step().token_ids.items():
+            streams.setdefault(rid, []).extend(ids)
+
+
+def reference(engine: VllmEngine, params: SamplingParams, options: VllmSamplingOptions | None = None) -> list[int]:
+    streams: dict[str, list[int]] = {}
+    engine.add_request(request("ref", params), options)
+    run(engine, streams)
+    return streams["ref"]
+
+
+def migrate_mid_decode(
+    src: VllmEngine,
+    dst: VllmEngine,
+    rid: str,
+    streams: dict[str, list[int]],
+    corrupt_block: int | None = None,
+) -> None:
+    """Pre-copy in two stages while decoding (crossing a block boundary), then suspend, last stage, commit."""
+    copied = 0
+
+    def copy_full_blocks(limit: int | None = None) -> None:
+        nonlocal copied
+        _tokens, blocks = src.request_kv(rid) or (0, 0)
+        upto = blocks if limit is None else min(limit, blocks)
+        payload = src.read_blocks(rid, copied, upto - copied)
+        if corrupt_block is not None and copied <= corrupt_block < upto:
+            data = bytearray(payload.data)
+            start = (corrupt_block - copied) * src.kv_bytes_per_block // len(src._h.kv_caches)
+            data[start : start + 4096] = bytes(4096)  # zero part of layer 0's block
+            payload = KVPayload(payload.first_block, payload.num_blocks, payload.nbytes, bytes(data))
+        dst.write_blocks("mig", payload)
+        copied = upto
+
+    steps(src, 3, streams)  # prefill + 2 decodes: 62 tokens cached
+    tokens, blocks = src.request_kv(rid) or (0, 0)
+    assert (tokens, blocks) == (62, 2)
+    assert dst.reserve("mig", 4)
+    copy_full_blocks(tokens // BLOCK)  # stage 0: block 0 (full)
+    steps(src, 4, streams)  # the request keeps decoding: 66 tokens, a third block
+    tokens, _ = src.request_kv(rid) or (0, 0)
+    copy_full_blocks(tokens // BLOCK)  # stage 1: block 1 (now full)
+    steps(src, 1, streams)
+    state = src.suspend(rid)
+    assert state is not None and state.num_output_tokens == 8 and state.num_computed_tokens == 67
+    copy_full_blocks()  # last stage: the partial block 2
+    assert dst.commit_incoming("mig", state)
+    assert src.free_migrated(rid) == 3
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_migrated_request_continues_identically(pair: tuple[VllmEngine, VllmEngine], params: SamplingParams) -> None:
+    src, dst = pair
+    expected = reference(src, params)
+    streams: dict[str, list[int]] = {}
+    src.add_request(request("r", params))
+    migrate_mid_decode(src, dst, "r", streams)
+    first = dst.step()
+    assert (first.num_prefill_tokens, first.token_ids.keys()) == (1, {"r"})  # nothing recomputed
+    streams["r"].extend(first.token_ids["r"])
+    run(dst, streams)
+    assert len(streams["r"]) == 40
+    assert streams["r"] == expected
+
+
+def test_migrated_request_is_unaffected_by_its_new_batch(pair: tuple[VllmEngine, VllmEngine]) -> None:
+    src, dst = pair
+    expected = reference(src, SEEDED)
+    streams: dict[str, list[int]] = {}
+    src.add_request(request("r", SEEDED))
+    dst.add_request(request("local", dataclasses.replace(SEEDED, seed=5), PROMPT[:33]))
+    steps(dst, 2, streams)
+    migrate_mid_decode(src, dst, "r", streams)
+    run(dst, streams)
+    assert streams["r"] == expected and len(streams["local"]) == 40
+
+
+def test_unseeded_random_sampling_gets_a_seed_that_moves(pair: tuple[VllmEngine, VllmEngine]) -> None:
+    src, dst = pair
+    params = SamplingParams(max_tokens=40, temperature=0.8, ignore_eos=True)
+    streams: dict[str, list[int]] = {}
+    src.add_request(request("r", params))
+    steps(src, 2, streams)
+    state = src.suspend("r")
+    assert state is not None and state.sampling_params is not None
+    seed = state.sampling_params.seed
+    assert seed is not None and isinstance(state.extra[EXTRA_GENERATOR_STATE], bytes)
+    assert src.resume("r")
+    migrate_rest(src, dst, "r", streams)
+    run(dst, streams)
+    assert streams["r"] == reference(src, dataclasses.replace(params, seed=seed))
+
+
+def migrate_rest(src: VllmEngine, dst: VllmEngine, rid: str, streams: dict[str, list[int]]) -> None:
+    """One-stage migration: suspend, copy every block, commit."""
+    state = src.suspend(rid)
+    assert state is not None
+    _tokens, blocks = src.request_kv(rid) or (0, 0)
+    assert dst.reserve("one", blocks + 1)
+    dst.write_blocks("one", src.read_blocks(rid, 0, blocks))
+    assert dst.commit_incoming("one", state)
+    assert src.free_migrated(rid) == blocks
+
+
+def test_repetition_penalty_top_k_and_min_tokens_are_carried(pair: tuple[VllmEngine, VllmEngine]) -> None:
+    src, dst = pair
+    params = dataclasses.replace(SEEDED, ignore_eos=False, seed=77)
+    options = VllmSamplingOptions(repetition_penalty=1.3, top_k=50, min_tokens=20)
+    expected = reference(src, params, options)
+    streams: dict[str, list[int]] = {}
+    src.add_request(request("r", params), options)
+    steps(src, 5, streams)
+    assert src.migratable("r") is None
+    migrate_rest(src, dst, "r", streams)
+    run(dst, streams)
+    assert streams["r"] == expected and len(expected) >= 20
+
+
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [
+        (VllmSamplingOptions(frequency_penalty=0.5), "frequency/presence penalty"),
+        (VllmSamplingOptions(presence_penalty=0.5), "frequency/presence penalty"),
+        (VllmSamplingOptions(stop=("t7 t8",)), "stop strings"),
+    ],
+)
+def test_what_cannot_move_faithfully_is_refused(
+    pair: tuple[VllmEngine, VllmEngine], options: VllmSamplingOptions, reason: str
+) -> None:
+    src, _dst = pair
+    src.add_request(request("r", GREEDY), options)
+    steps(src, 2, {})
+    refusal = src.migratable("r")
+    assert refusal is not None and reason in refusal
+    assert src.suspend("r") is None
+    assert src.abort("r")
+
+
+def test_negative_control_corrupted_blocks_change_the_output(pair: tuple[VllmEngine, VllmEngine]) -> None:
+    src, dst = pair
+    expected = reference(src, GREEDY)
+    streams: dict[str, list[int]] = {}
+    src.add_request(request("r", GREEDY))
+    migrate_mid_decode(src, dst, "r", streams, corrupt_block=0)
+    before = list(streams["r"])
+    assert before == expected[: len(before)]  # the source's part is intact
+    run(dst, streams)
+    assert streams["r"] != expected  # the destination attended over the zeroed keys/values
+
+
+def test_version_check_names_the_tested_versions() -> None:
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.32.0+cpu")
+    with pytest.raises(UnsupportedVllmError, match=r"vLLM 0\.31\.0 is not a version .* \(0\.32\.0\)"):
+        check_vllm_version("0.31.0")
+    check_vllm_version("0.31.0", allow_untested=True)
