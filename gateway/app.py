@@ -7,7 +7,7 @@ Routes:
 | ``POST /v1/completions`` | text completion; ``stream: true`` for server-sent events |
 | ``POST /v1/chat/completions`` | chat completion (the stand-in template of ``gateway.validation.chat_prompt``) |
 | ``GET /v1/models`` | served models (``max_model_len`` = the topology's context) |
-| ``GET /health`` | 200 when some domain can take requests, else 503 with the reason |
+| ``GET /health`` | 200 when some domain can take requests, else 503 with the reason; ``domains`` lists them |
 | ``GET /metrics`` | Prometheus text format (``gateway.metrics``) |
 
 Every request gets the gateway's own id (``cmpl-<hex>`` / ``chatcmpl-<hex>``; the llumlets see ``<hex>``): a
@@ -105,7 +105,8 @@ class GatewayApp:
 
     async def health(self, request: web.Request) -> web.Response:
         ok, detail = self.backend.health()
-        return _json(200 if ok else 503, {"status": "ok" if ok else "unavailable", "detail": detail})
+        body = {"status": "ok" if ok else "unavailable", "detail": detail, "domains": self.backend.ready_domains()}
+        return _json(200 if ok else 503, body)
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

@@ -52,6 +52,9 @@ class Backend(Protocol):
     def health(self) -> tuple[bool, str]:
         """(ready to dispatch, why not / what is there)."""
 
+    def ready_domains(self) -> list[str]:
+        """Domains a request can be dispatched to now (registered and summarised), sorted."""
+
     def domain_of(self, instance_id: str) -> str:
         """The NVLink domain of an instance ("" if unknown)."""
 
@@ -190,6 +193,9 @@ class LiveCluster:
 
     def domain_of(self, instance_id: str) -> str:
         return self._domain_of.get(instance_id, "")
+
+    def ready_domains(self) -> list[str]:
+        return sorted(self.router.domains())
 
     def health(self) -> tuple[bool, str]:
         domains = self.router.domains()

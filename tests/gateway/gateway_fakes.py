@@ -44,6 +44,9 @@ class FakeBackend:
     def health(self) -> tuple[bool, str]:
         return True, "fake"
 
+    def ready_domains(self) -> list[str]:
+        return ["dom-a"]
+
     def domain_of(self, instance_id: str) -> str:
         return {"a0": "dom-a", "b0": "dom-b"}.get(instance_id, "")
 

@@ -65,6 +65,9 @@ class EchoBackend:
     def health(self) -> tuple[bool, str]:
         return True, ""
 
+    def ready_domains(self) -> list[str]:
+        return ["A"]
+
     def domain_of(self, instance_id: str) -> str:
         return {"a0": "A", "b0": "B"}[instance_id]
 
