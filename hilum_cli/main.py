@@ -19,11 +19,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    from hilum_cli import bench, up
     from sim import cli as sim_cli
     from topology import cli as topology_cli
 
     topology_cli.register(sub)
     sim_cli.register(sub)
+    up.register(sub)
+    bench.register(sub)
     return parser
 
 

@@ -1,0 +1,7 @@
+"""``python -m gateway``."""
+
+import sys
+
+from gateway.cli import main
+
+sys.exit(main())

@@ -1,0 +1,115 @@
+"""``python -m gateway``: run one gateway (OpenAI-compatible HTTP front door of a hilum cluster).
+
+    python -m gateway --listen 0.0.0.0:8000 --etcd 127.0.0.1:2379 --topology cluster.yaml \\
+        [--sink-listen 0.0.0.0:7300 --sink-advertise gw-1.example:7300] [--prefix /hilum/v1/]
+
+Prints ``gateway serving at http://<host:port> (token sink <host:port>)`` on stdout once it listens, and
+runs until SIGTERM or SIGINT. Exit status 2 on a configuration error (bad topology, an address that is
+taken), with the reason on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import random
+import signal
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from gateway.app import GatewayApp
+from gateway.cluster import LiveCluster
+from gateway.metrics import GatewayMetrics
+from gateway.tokenizer import ByteTokenizer
+from global_coord.etcd import connect
+from topology.load import TopologyError, load_topology
+from topology.spec import Topology
+
+__all__ = ["build_parser", "main", "split_host_port"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser."""
+    p = argparse.ArgumentParser(prog="python -m gateway", description="hilum gateway (OpenAI-compatible HTTP)")
+    p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="HTTP address (port 0 picks one)")
+    p.add_argument("--etcd", required=True, metavar="HOST:PORT", help="etcd endpoint (comma-separated for several)")
+    p.add_argument("--topology", required=True, metavar="FILE", help="topology YAML file or bundled name")
+    p.add_argument("--prefix", default="/hilum/v1/", help="etcd key prefix")
+    p.add_argument(
+        "--sink-listen", default="", metavar="HOST:PORT", help="token sink gRPC address (default: HTTP host, port 0)"
+    )
+    p.add_argument("--sink-advertise", default="", metavar="HOST:PORT", help="address llumlets push tokens to")
+    p.add_argument("--vocab-size", type=int, default=512, help="stand-in tokenizer vocabulary (>= 259)")
+    p.add_argument("--unavailable-wait", type=float, default=5.0, help="retry unavailable domains for, seconds")
+    p.add_argument("--seed", type=int, default=None, help="random seed (dispatch ties); default: random")
+    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def split_host_port(address: str, what: str) -> tuple[str, int]:
+    """``host:port`` -> (host, port). Raises ValueError naming ``what``."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"{what} {address!r}: expected HOST:PORT")
+    return host, int(port)
+
+
+async def _serve(ns: argparse.Namespace, topology: Topology) -> None:
+    host, port = split_host_port(ns.listen, "--listen")
+    sink_listen = ns.sink_listen or f"{host}:0"
+    split_host_port(sink_listen, "--sink-listen")
+    metrics = GatewayMetrics()
+    etcd = connect([e.strip() for e in ns.etcd.split(",") if e.strip()])
+    await etcd.connect()
+    rng = random.Random(ns.seed)
+    cluster = LiveCluster(
+        topology,
+        etcd,
+        metrics,
+        rng,
+        prefix=ns.prefix,
+        sink_listen=sink_listen,
+        sink_advertise=ns.sink_advertise,
+        unavailable_wait_s=ns.unavailable_wait,
+    )
+    runner: web.AppRunner | None = None
+    try:
+        await cluster.start_services()
+        app = GatewayApp(cluster, metrics, ByteTokenizer(ns.vocab_size)).app()
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=False)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise RuntimeError(f"cannot listen on {ns.listen}: {exc.strerror or exc}") from None
+        bound = port
+        for address in runner.addresses:  # the port actually bound when --listen asked for 0
+            bound = int(address[1])
+        print(f"gateway serving at http://{host}:{bound} (token sink {cluster.origin})", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await cluster.close()
+        await etcd.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 on a configuration error, with the reason on stderr)."""
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level, format="%(asctime)s gateway %(name)s %(levelname)s %(message)s")
+    try:
+        topology = load_topology(ns.topology)
+        asyncio.run(_serve(ns, topology))
+    except (TopologyError, ValueError, RuntimeError, OSError) as exc:
+        print(f"gateway: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

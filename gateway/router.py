@@ -1,0 +1,254 @@
+"""Domain choice: the rule book over domain summaries, a local reservation per pick, retries elsewhere.
+
+The gateway sees the cluster through etcd (a :class:`~global_coord.store.ClusterView`, watched): each
+domain scheduler's registration (``P domains/<id>``: its address) and its published summary
+(``P summaries/<id>``). :class:`DomainRouter` keeps a :class:`policy.dispatch.DomainDispatchView` over
+those summaries — the same freeness rule a domain scheduler applies to its instances (DESIGN.md, "Virtual
+usage"): the freest domain that can hold the request, near-ties drawn at random. Each pick reserves the
+request's demand in the view until that domain's next summary, so a burst does not herd onto one domain.
+
+The chosen domain scheduler gets ``Submit`` (rack_sched.proto). Its answer:
+
+- ``DISPATCH_ACCEPTED``: done (instance id and llumlet address returned);
+- ``DISPATCH_REFUSED`` (every instance draining, or the llumlet refused it): the next domain is tried;
+- ``DISPATCH_UNAVAILABLE`` or an RPC error (view being rebuilt, scheduler down): the next domain is tried;
+  when every domain was tried and some were only unavailable, they are tried again after a jittered backoff
+  until ``unavailable_wait_s`` has passed.
+
+Nothing left: :class:`DispatchFailed` with every domain's reason (the HTTP side answers 503).
+Excluding tried domains: they are taken out of the view for one pick and put back from their last summary,
+which drops their local reservations (conservative only in the sense of forgetting; the next summary
+replaces them anyway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+import grpc
+
+from global_coord.records import DomainRegistration, SummaryRecord
+from hilum_proto.hilum.v1 import llumlet_pb2
+from hilum_proto.hilum.v1 import rack_sched_pb2 as rpb
+from hilum_proto.hilum.v1 import rack_sched_pb2_grpc as rpb_grpc
+from policy.dispatch import DomainDispatchView
+from policy.domain import DomainSummary
+from policy.types import PolicyConfig
+
+__all__ = [
+    "ClusterSource",
+    "DispatchFailed",
+    "DomainRouter",
+    "DomainSubmitter",
+    "GrpcSubmitter",
+    "Placement",
+    "summary_of_record",
+]
+
+_log = logging.getLogger(__name__)
+
+
+class ClusterSource(Protocol):
+    """What the router reads (a ``global_coord.store.ClusterView`` is one)."""
+
+    @property
+    def version(self) -> int: ...
+
+    def domains(self) -> dict[str, DomainRegistration]: ...
+
+    def summaries(self) -> dict[str, SummaryRecord]: ...
+
+
+class DomainSubmitter(Protocol):
+    """Sends a Submit to one domain scheduler."""
+
+    async def submit(self, address: str, msg: llumlet_pb2.SubmitRequest, timeout_s: float) -> rpb.DispatchReply:
+        """Raises ``grpc.aio.AioRpcError`` when the scheduler does not answer."""
+
+
+class GrpcSubmitter:
+    """:class:`DomainSubmitter` over gRPC, one channel per domain scheduler address."""
+
+    def __init__(self) -> None:
+        self._stubs: dict[str, tuple[grpc.aio.Channel, rpb_grpc.RackSchedulerStub]] = {}
+
+    async def submit(self, address: str, msg: llumlet_pb2.SubmitRequest, timeout_s: float) -> rpb.DispatchReply:
+        if address not in self._stubs:
+            channel = grpc.aio.insecure_channel(address)
+            self._stubs[address] = (channel, rpb_grpc.RackSchedulerStub(channel))
+        call = self._stubs[address][1].Submit(msg, timeout=timeout_s)
+        reply: rpb.DispatchReply = await call  # type: ignore[misc]  # grpc.aio's stubs are typed as sync
+        return reply
+
+    async def close(self) -> None:
+        """Close every channel."""
+        for channel, _ in self._stubs.values():
+            await channel.close()
+        self._stubs.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a request was submitted."""
+
+    domain_id: str
+    instance_id: str
+    instance_address: str  # host:port of the llumlet
+    reason: str  # the rule that chose the domain, then the instance
+    tries: int  # Submit calls made
+
+
+class DispatchFailed(Exception):
+    """No domain accepted the request. ``unavailable``: some domain may accept it later (503 either way)."""
+
+    def __init__(self, message: str, *, unavailable: bool) -> None:
+        super().__init__(message)
+        self.message = message
+        self.unavailable = unavailable
+
+
+_SUMMARY_FIELDS = tuple(f.name for f in fields(DomainSummary))
+
+
+def summary_of_record(record: SummaryRecord) -> DomainSummary:
+    """The policy value of a published summary (fields the record lacks take their defaults)."""
+    return DomainSummary(**{name: getattr(record, name) for name in _SUMMARY_FIELDS if hasattr(record, name)})
+
+
+class DomainRouter:
+    """Picks a domain for each request and submits it there (see the module docstring).
+
+    Args:
+        source: registrations and summaries (refreshed whenever ``source.version`` changes).
+        submitter: sends Submit to a domain scheduler.
+        cfg: the rule book's configuration (priority headroom, tie tolerance).
+        rng: near-tie draws and backoff jitter.
+        submit_timeout_s: deadline of one Submit.
+        unavailable_wait_s: how long unavailable domains are retried before giving up.
+        backoff_s: first pause before retrying unavailable domains (doubles, jittered).
+        on_retry: told the reason ("refused" | "unavailable") each time a domain did not take a request.
+    """
+
+    def __init__(
+        self,
+        source: ClusterSource,
+        submitter: DomainSubmitter,
+        cfg: PolicyConfig,
+        rng: random.Random,
+        *,
+        submit_timeout_s: float = 10.0,
+        unavailable_wait_s: float = 5.0,
+        backoff_s: float = 0.05,
+        clock: Callable[[], float] = time.monotonic,
+        on_retry: Callable[[str], None] | None = None,
+    ) -> None:
+        self._source = source
+        self._on_retry = on_retry
+        self._submitter = submitter
+        self._rng = rng
+        self._view = DomainDispatchView((), cfg, rng)
+        self._summaries: dict[str, DomainSummary] = {}
+        self._records: dict[str, SummaryRecord] = {}
+        self._addresses: dict[str, str] = {}
+        self._seen_version = -1
+        self._submit_timeout_s = submit_timeout_s
+        self._unavailable_wait_s = unavailable_wait_s
+        self._backoff_s = backoff_s
+        self._clock = clock
+        self.retries: dict[str, int] = {}  # reason ("refused" | "unavailable") -> count
+
+    def _retry(self, reason: str) -> None:
+        self.retries[reason] = self.retries.get(reason, 0) + 1
+        if self._on_retry is not None:
+            self._on_retry(reason)
+
+    def domains(self) -> dict[str, str]:
+        """Dispatchable domains (registered and summarised): id -> scheduler address."""
+        self._refresh()
+        return {d: a for d, a in self._addresses.items() if d in self._summaries}
+
+    def _refresh(self) -> None:
+        version = self._source.version
+        if version == self._seen_version:
+            return
+        self._seen_version = version
+        regs = self._source.domains()
+        records = self._source.summaries()
+        self._addresses = {d: r.address for d, r in regs.items()}
+        for domain_id in list(self._summaries):
+            if domain_id not in records or domain_id not in regs:
+                self._view.remove(domain_id)
+                self._summaries.pop(domain_id)
+                self._records.pop(domain_id, None)
+        for domain_id, record in records.items():
+            if domain_id not in regs or self._records.get(domain_id) == record:
+                continue  # no scheduler to submit to, or nothing new: keep the local reservations
+            try:
+                summary = summary_of_record(record)
+            except ValueError as exc:
+                _log.warning("ignoring summary of %s: %s", domain_id, exc)
+                continue
+            self._records[domain_id] = record
+            self._summaries[domain_id] = summary
+            self._view.update(summary)
+
+    def _pick(self, demand_blocks: int, priority: int, exclude: set[str]) -> tuple[str | None, str]:
+        for domain_id in exclude:
+            self._view.remove(domain_id)
+        try:
+            decision = self._view.pick(demand_blocks, priority)
+        finally:
+            for domain_id in exclude:
+                if domain_id in self._summaries:
+                    self._view.update(self._summaries[domain_id])
+        return decision.target_id, decision.reason
+
+    async def dispatch(self, msg: llumlet_pb2.SubmitRequest, demand_blocks: int) -> Placement:
+        """Place ``msg`` (its ``priority`` counts) on some domain. Raises :class:`DispatchFailed`."""
+        deadline = self._clock() + self._unavailable_wait_s
+        reasons: dict[str, str] = {}
+        refused: set[str] = set()
+        unavailable: set[str] = set()
+        tries = 0
+        backoff = self._backoff_s
+        while True:
+            self._refresh()
+            domain_id, why = self._pick(demand_blocks, msg.priority, refused | unavailable)
+            if domain_id is None:
+                if unavailable and self._clock() < deadline:
+                    await asyncio.sleep(backoff * (0.5 + self._rng.random()))
+                    backoff = min(backoff * 2, 1.0)
+                    unavailable.clear()
+                    continue
+                if not self._summaries and self._clock() < deadline:
+                    await asyncio.sleep(backoff)  # nothing published yet (cluster starting)
+                    continue
+                detail = "; ".join(f"{d}: {r}" for d, r in sorted(reasons.items())) or why
+                raise DispatchFailed(f"no domain accepted the request: {detail}", unavailable=bool(unavailable))
+            tries += 1
+            address = self._addresses[domain_id]
+            try:
+                reply = await self._submitter.submit(address, msg, self._submit_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    message = f"domain {domain_id} rejected the request: {exc.details()}"
+                    raise DispatchFailed(message, unavailable=False) from None
+                reasons[domain_id] = f"scheduler at {address} did not answer ({exc.code().name}: {exc.details()})"
+                unavailable.add(domain_id)
+                self._retry("unavailable")
+                continue
+            if reply.outcome == rpb.DISPATCH_ACCEPTED:
+                return Placement(domain_id, reply.instance_id, reply.instance_address, f"{why}; {reply.reason}", tries)
+            reasons[domain_id] = reply.reason or rpb.DispatchOutcome.Name(reply.outcome)
+            if reply.outcome == rpb.DISPATCH_UNAVAILABLE:
+                unavailable.add(domain_id)
+                self._retry("unavailable")
+            else:
+                refused.add(domain_id)
+                self._retry("refused")

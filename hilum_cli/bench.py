@@ -1,0 +1,371 @@
+"""``hilum bench``: replay a real trace against a live gateway and report the table of ``hilum sim``.
+
+    hilum bench --url http://127.0.0.1:8000 [--trace azure-conv] [--rate-scale X] [--max-requests N]
+                [--compare-sim TOPOLOGY] [--out DIR]
+
+Each trace request becomes one streamed ``/v1/completions`` request, sent at its arrival time on the
+trace's clock (after ``--rate-scale``): a synthetic prompt of the trace's prompt length (token ids drawn
+with ``--seed``), ``max_tokens`` = the trace's output length, ``ignore_eos`` (so every request produces
+exactly its output length), greedy. A request whose prompt + output does not fit the model is clipped
+first: the prompt to what the model can hold at all, then the output to the rest (the context from
+``/v1/models``; the largest KV cache from its ``hilum`` extension); the number clipped is stated.
+
+Measured at the client: arrival (send time), first token, every token's receive time (TBT samples; a chunk
+of k tokens counts k gaps of dt/k), finish. Migrations come from each response's ``hilum.moves`` (the
+gateway sees each owner change; ``token_gap_s`` stands in for downtime: it is the client-visible pause,
+about one decode step more than the real downtime). Preemptions are not visible from outside (0 here). From
+these, :class:`sim.results.RequestRecord` / ``MigrationRecord`` values, reduced by ``sim.results.summarize``
+and shown by ``sim.report.render_table``: the same columns as ``hilum sim``. With ``--compare-sim``, the
+simulator runs the same (clipped) requests with the same arrivals on TOPOLOGY with the ``hilum`` policy and
+its row is shown beside the measured one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import json
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, TextIO
+
+import aiohttp
+
+from sim.results import KvTimeline, MigrationRecord, PolicySummary, RequestRecord, SimRun, summarize, write_results
+from sim.traces import Trace, TraceRequest, load_trace
+
+__all__ = [
+    "BenchError",
+    "ClippedTrace",
+    "Measured",
+    "ModelInfo",
+    "clip_trace",
+    "records_of",
+    "register",
+    "replay",
+    "synthetic_prompt",
+]
+
+_BYTE_IDS = (3, 259)  # token ids of the stand-in tokenizer's bytes: valid for every vocabulary >= 259
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot run (gateway unreachable, no model, bad trace)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What ``/v1/models`` says about the served model."""
+
+    name: str
+    max_context_tokens: int
+    max_request_kv_tokens: int | None  # the largest instance's KV cache, tokens (None: not published)
+
+
+@dataclass(frozen=True, slots=True)
+class ClippedTrace:
+    """The trace as replayed, and how many requests had to be clipped to fit the model."""
+
+    trace: Trace
+    clipped: int
+    limit_tokens: int  # prompt + output at most (context, or KV cache + 1)
+
+
+def clip_trace(trace: Trace, model: ModelInfo) -> ClippedTrace:
+    """Clip each request to the model: prompt <= limit - 1, then output <= limit - prompt.
+
+    ``limit`` = min(context, largest KV cache + 1) tokens (the engine holds prompt + output - 1 KV tokens).
+    """
+    limit = model.max_context_tokens
+    if model.max_request_kv_tokens is not None:
+        limit = min(limit, model.max_request_kv_tokens + 1)
+    out: list[TraceRequest] = []
+    clipped = 0
+    for r in trace.requests:
+        prompt = max(1, min(r.prompt_tokens, limit - 1))
+        output = max(1, min(r.output_tokens, limit - prompt))
+        if (prompt, output) != (r.prompt_tokens, r.output_tokens):
+            clipped += 1
+        out.append(
+            replace(r, prompt_tokens=prompt, output_tokens=output, prefix_block_hashes=(), prefix_block_tokens=0)
+        )
+    return ClippedTrace(replace(trace, requests=tuple(out)), clipped, limit)
+
+
+def synthetic_prompt(num_tokens: int, rng: random.Random) -> list[int]:
+    """``num_tokens`` token ids of the stand-in tokenizer's byte range (3..258)."""
+    return [rng.randrange(*_BYTE_IDS) for _ in range(num_tokens)]
+
+
+@dataclass(slots=True)
+class Measured:
+    """One replayed request as the client saw it (times in seconds since the replay started)."""
+
+    request: TraceRequest
+    sent_s: float = 0.0
+    token_times_s: list[tuple[float, int]] = field(default_factory=list)  # (receive time, tokens in the chunk)
+    finish_s: float | None = None
+    generated: int = 0
+    status: int = 0
+    error: str | None = None
+    instance_id: str = ""
+    moves: list[dict[str, Any]] = field(default_factory=list)
+
+
+async def _model_info(session: aiohttp.ClientSession, url: str, model: str | None) -> ModelInfo:
+    try:
+        async with session.get(f"{url}/v1/models") as resp:
+            body = await resp.json()
+    except (aiohttp.ClientError, json.JSONDecodeError, TimeoutError) as exc:
+        raise BenchError(f"cannot reach the gateway at {url} ({type(exc).__name__}: {exc}); is it running?") from None
+    data = body.get("data") or []
+    if not data:
+        raise BenchError(f"{url}/v1/models lists no model")
+    names = [m["id"] for m in data]
+    if model is None and len(names) > 1:
+        raise BenchError(f"the gateway serves several models ({', '.join(names)}): choose one with --model")
+    chosen = next((m for m in data if m["id"] == (model or names[0])), None)
+    if chosen is None:
+        raise BenchError(f"model {model!r} is not served at {url}; served: {', '.join(names)}")
+    kv = (chosen.get("hilum") or {}).get("max_request_kv_tokens")
+    return ModelInfo(chosen["id"], int(chosen.get("max_model_len") or 4096), int(kv) if kv else None)
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, model: str, m: Measured, prompt: list[int], t0: float, timeout_s: float
+) -> None:
+    await asyncio.sleep(max(0.0, t0 + m.request.arrival_s - time.monotonic()))
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": m.request.output_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "return_token_ids": True,
+        "priority": m.request.priority,
+    }
+    m.sent_s = time.monotonic() - t0
+    try:
+        async with session.post(
+            f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            m.status = resp.status
+            if resp.status != 200:
+                m.error = ((await resp.json()).get("error") or {}).get("message", f"HTTP {resp.status}")
+                return
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line.removeprefix("data: "))
+                if "error" in event:
+                    m.error = event["error"].get("message", "error")
+                    continue
+                now = time.monotonic() - t0
+                for choice in event.get("choices", []):
+                    n = len(choice.get("token_ids") or [])
+                    if n:
+                        m.token_times_s.append((now, n))
+                        m.generated += n
+                    if choice.get("finish_reason"):
+                        m.finish_s = now
+                ext = event.get("hilum") or {}
+                if "moves" in ext:
+                    m.moves = list(ext["moves"])
+                    m.instance_id = ext.get("instance_id", "")
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        m.error = f"{type(exc).__name__}: {exc}"
+
+
+async def replay(
+    url: str,
+    clipped: ClippedTrace,
+    *,
+    model: str,
+    seed: int = 0,
+    timeout_s: float = 600.0,
+    progress: TextIO | None = None,
+) -> tuple[list[Measured], float]:
+    """Send every request at its arrival time; return the measurements and the wall time of the replay."""
+    rng = random.Random(seed)
+    prompts = [synthetic_prompt(r.prompt_tokens, rng) for r in clipped.trace.requests]
+    measured = [Measured(r) for r in clipped.trace.requests]
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        t0 = time.monotonic()
+        tasks = [
+            asyncio.create_task(_one(session, url, model, m, p, t0, timeout_s))
+            for m, p in zip(measured, prompts, strict=True)
+        ]
+        for done, task in enumerate(asyncio.as_completed(tasks), start=1):
+            await task
+            if progress is not None and (done % 25 == 0 or done == len(tasks)):
+                print(f"hilum bench: {done}/{len(tasks)} requests done", file=progress, flush=True)
+        wall = time.monotonic() - t0
+    return measured, wall
+
+
+def records_of(measured: Sequence[Measured]) -> tuple[list[RequestRecord], list[MigrationRecord]]:
+    """The simulator's records of measured requests (arrival = send time; see the module docstring)."""
+    requests: list[RequestRecord] = []
+    migrations: list[MigrationRecord] = []
+    for m in measured:
+        r = m.request
+        gaps: list[float] = []
+        prev: float | None = None
+        for t, n in m.token_times_s:
+            if prev is not None:
+                gaps.extend([(t - prev) / n] * n)
+            else:
+                gaps.extend([0.0] * (n - 1))  # tokens that arrived together with the first one
+            prev = t
+        ok = m.error is None and m.finish_s is not None
+        refused = None if m.status == 200 else (m.error or f"HTTP {m.status}")
+        requests.append(
+            RequestRecord(
+                request_id=r.request_id,
+                priority=r.priority,
+                arrival_s=m.sent_s,
+                prompt_tokens=r.prompt_tokens,
+                output_tokens=r.output_tokens,
+                generated_tokens=m.generated,
+                first_token_s=m.token_times_s[0][0] if m.token_times_s else None,
+                finish_s=m.finish_s if ok else None,
+                token_gaps_s=tuple(gaps),
+                preemptions=0,
+                preempted_s=0.0,
+                migrations=len(m.moves),
+                refused=refused,
+                instance_id=m.instance_id,
+            )
+        )
+        for mv in m.moves:
+            gap = mv.get("token_gap_s")
+            migrations.append(
+                MigrationRecord(
+                    request_id=r.request_id,
+                    src_instance_id=mv.get("src_instance_id", ""),
+                    dst_instance_id=mv.get("dst_instance_id", ""),
+                    src_domain_id=mv.get("src_domain_id", ""),
+                    dst_domain_id=mv.get("dst_domain_id", ""),
+                    start_s=m.sent_s,
+                    end_s=m.finish_s or m.sent_s,
+                    downtime_s=float(gap) if gap is not None else 0.0,
+                    bytes_transferred=0,
+                    stages=0,
+                    outcome="committed",
+                    reason="seen by the gateway",
+                )
+            )
+    return requests, migrations
+
+
+def _write_trace_jsonl(trace: Trace, path: Path) -> None:
+    """The replayed requests as a Mooncake-format trace (ms timestamps) for the simulator."""
+    with gzip.open(path, "wt") as f:
+        for r in trace.requests:
+            row = {"timestamp": round(r.arrival_s * 1000.0, 3), "input_length": r.prompt_tokens}
+            row["output_length"] = r.output_tokens
+            f.write(json.dumps(row) + "\n")
+
+
+def simulate(trace: Trace, topology: str, seed: int) -> PolicySummary:
+    """The simulator's summary for exactly these requests and arrivals on ``topology`` (policy ``hilum``)."""
+    from sim.runner import SimSpec, run_simulation
+
+    with tempfile.TemporaryDirectory(prefix="hilum-bench-") as tmp:
+        path = Path(tmp) / "replayed.jsonl.gz"
+        _write_trace_jsonl(trace, path)
+        run = run_simulation(SimSpec(topology=topology, trace=str(path), policy="hilum", seed=seed))
+    return replace(summarize(run), policy="sim: hilum")
+
+
+def run_bench(ns: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """``hilum bench``; returns the exit status (0 ok, 1 runtime error; requests that failed are counted)."""
+    from sim.report import format_table
+
+    try:
+        trace = load_trace(ns.trace, rate_scale=ns.rate_scale, max_requests=ns.max_requests, seed=ns.seed)
+    except (ValueError, OSError) as exc:
+        print(f"hilum bench: error: trace {ns.trace}: {exc}", file=err)
+        return 1
+
+    async def main() -> tuple[ModelInfo, ClippedTrace, list[Measured], float]:
+        async with aiohttp.ClientSession() as session:
+            model = await _model_info(session, ns.url.rstrip("/"), ns.model)
+        clipped = clip_trace(trace, model)
+        print(
+            f"hilum bench: {len(trace.requests)} requests of {trace.name} over {trace.requests[-1].arrival_s:.1f} s "
+            f"(rate x{ns.rate_scale:g}) against {ns.url} ({model.name}); {clipped.clipped} clipped to "
+            f"prompt + output <= {clipped.limit_tokens} tokens",
+            file=err,
+            flush=True,
+        )
+        measured, wall = await replay(
+            ns.url.rstrip("/"), clipped, model=model.name, seed=ns.seed, timeout_s=ns.timeout, progress=err
+        )
+        return model, clipped, measured, wall
+
+    try:
+        model, clipped, measured, wall = asyncio.run(main())
+    except BenchError as exc:
+        print(f"hilum bench: error: {exc}", file=err)
+        return 1
+    requests, migrations = records_of(measured)
+    run = SimRun(
+        policy="live",
+        topology=ns.url,
+        trace=trace.name,
+        seed=ns.seed,
+        rate_scale=ns.rate_scale,
+        sim_duration_s=wall,
+        wall_s=wall,
+        engine_steps=0,
+        requests=tuple(requests),
+        migrations=tuple(migrations),
+        kv=KvTimeline.empty(),
+        config={"url": ns.url, "model": model.name, "clipped": clipped.clipped, "limit_tokens": clipped.limit_tokens},
+    )
+    summaries = [summarize(run)]
+    if ns.compare_sim:
+        print(f"hilum bench: simulating the same requests on {ns.compare_sim} ...", file=err, flush=True)
+        try:
+            summaries.append(simulate(clipped.trace, ns.compare_sim, ns.seed))
+        except (ValueError, OSError, KeyError) as exc:
+            print(f"hilum bench: error: --compare-sim {ns.compare_sim}: {exc}", file=err)
+            return 1
+    failed = [m for m in measured if m.error is not None]
+    print(format_table(summaries, title=f"hilum bench: {trace.name} against {ns.url}"), file=out, end="")
+    if failed:
+        print(f"hilum bench: {len(failed)} request(s) failed; first: {failed[0].error}", file=err)
+    if ns.out:
+        path = write_results([run], ns.out)
+        print(f"hilum bench: results written to {path}", file=err)
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add ``hilum bench`` to an argparse sub-parsers action."""
+    p: argparse.ArgumentParser = sub.add_parser(
+        "bench",
+        help="replay a trace against a live gateway; the table of `hilum sim`, optionally beside the simulator's",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--url", required=True, help="gateway base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--trace", default="azure-conv", help="bundled trace name or trace file (default azure-conv)")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="compress arrivals X times")
+    p.add_argument("--max-requests", type=int, default=200, help="first N requests only (default 200)")
+    p.add_argument("--model", default=None, help="model to ask for (default: the only one served)")
+    p.add_argument("--compare-sim", default=None, metavar="TOPOLOGY", help="also simulate on this topology")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts (and the simulation)")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    p.add_argument("--out", default=None, help="write results.json (sim.results format) to this directory")
+    p.set_defaults(func=run_bench)

@@ -1,0 +1,156 @@
+"""DomainRouter: the freest domain, reservations spread a burst, refused/unavailable domains are retried
+elsewhere, and nothing left is a DispatchFailed naming every domain's reason."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from gateway.router import DispatchFailed, DomainRouter, summary_of_record
+from global_coord.records import DomainRegistration, SummaryRecord
+from hilum_proto.hilum.v1 import llumlet_pb2
+from hilum_proto.hilum.v1 import rack_sched_pb2 as rpb
+from policy.types import PolicyConfig
+
+
+def record(domain: str, used: int, capacity: int = 100, running: int = 1, draining: bool = False) -> SummaryRecord:
+    """A two-instance domain summary with ``used`` of ``capacity`` blocks in use."""
+    free = capacity - used
+    return SummaryRecord(
+        domain, 2, capacity, float(used), free / max(1, running), free // 2, capacity // 2, running, 0, draining
+    )
+
+
+@dataclass
+class Source:
+    regs: dict[str, DomainRegistration]
+    sums: dict[str, SummaryRecord]
+    version: int = 1
+
+    def domains(self) -> dict[str, DomainRegistration]:
+        return self.regs
+
+    def summaries(self) -> dict[str, SummaryRecord]:
+        return self.sums
+
+
+@dataclass
+class Submitter:
+    """Answers per domain address: an outcome, or an RPC error code."""
+
+    answers: dict[str, object]
+    calls: list[str] = field(default_factory=list)
+
+    async def submit(self, address: str, msg: llumlet_pb2.SubmitRequest, timeout_s: float) -> rpb.DispatchReply:
+        self.calls.append(address)
+        answer = self.answers[address]
+        if isinstance(answer, grpc.StatusCode):
+            raise grpc.aio.AioRpcError(answer, grpc.aio.Metadata(), grpc.aio.Metadata(), details="boom")
+        assert isinstance(answer, int)
+        inst = f"{address}-i0" if answer == rpb.DISPATCH_ACCEPTED else ""
+        return rpb.DispatchReply(
+            outcome=answer,
+            reason=f"{address} says {answer}",
+            instance_id=inst,
+            instance_address="127.0.0.1:1" if inst else "",
+        )
+
+
+def router(sums: dict[str, SummaryRecord], answers: dict[str, object], **kw: float) -> tuple[DomainRouter, Submitter]:
+    regs = {d: DomainRegistration(d, d) for d in sums}  # address = domain id
+    sub = Submitter(answers)
+    retries: list[str] = []
+    r = DomainRouter(
+        Source(regs, sums),
+        sub,
+        PolicyConfig(tie_tolerance=0.0),
+        random.Random(1),
+        unavailable_wait_s=kw.get("wait", 0.2),
+        backoff_s=0.01,
+        on_retry=retries.append,
+    )
+    return r, sub
+
+
+def msg(priority: int = 0) -> llumlet_pb2.SubmitRequest:
+    return llumlet_pb2.SubmitRequest(request_id="r", prompt_tokens=10, priority=priority)
+
+
+def test_summary_of_record_copies_the_policy_fields() -> None:
+    s = summary_of_record(record("d", used=40))
+    assert (s.domain_id, s.capacity_blocks, s.virtual_usage, s.freeness, s.largest_free_blocks) == (
+        "d",
+        100,
+        40.0,
+        60.0,
+        30,
+    )
+    assert s.max_instance_capacity_blocks == 50 and s.queued_blocks == 0
+
+
+def test_picks_the_freest_domain() -> None:
+    r, _ = router(
+        {"busy": record("busy", 80), "idle": record("idle", 10)},
+        {"busy": rpb.DISPATCH_ACCEPTED, "idle": rpb.DISPATCH_ACCEPTED},
+    )
+    place = asyncio.run(r.dispatch(msg(), demand_blocks=5))
+    assert (place.domain_id, place.instance_id, place.tries) == ("idle", "idle-i0", 1)
+
+
+def test_reservations_spread_a_burst_until_the_next_summary() -> None:
+    # equal domains; without reservations every pick would see the same freeness
+    r, _ = router(
+        {"a": record("a", 0, running=0), "b": record("b", 0, running=0)},
+        {"a": rpb.DISPATCH_ACCEPTED, "b": rpb.DISPATCH_ACCEPTED},
+    )
+
+    async def burst() -> list[str]:
+        return [(await r.dispatch(msg(), demand_blocks=10)).domain_id for _ in range(6)]
+
+    picks = asyncio.run(burst())
+    assert sorted(picks) == ["a", "a", "a", "b", "b", "b"]
+
+
+def test_refused_domain_is_skipped_for_the_next() -> None:
+    r, sub = router(
+        {"a": record("a", 0), "b": record("b", 50)}, {"a": rpb.DISPATCH_REFUSED, "b": rpb.DISPATCH_ACCEPTED}
+    )
+    place = asyncio.run(r.dispatch(msg(), demand_blocks=5))
+    assert place.domain_id == "b" and sub.calls == ["a", "b"] and r.retries == {"refused": 1}
+
+
+def test_unavailable_domains_are_retried_then_fail_with_every_reason() -> None:
+    r, sub = router(
+        {"a": record("a", 0), "b": record("b", 50)},
+        {"a": rpb.DISPATCH_UNAVAILABLE, "b": grpc.StatusCode.UNAVAILABLE},
+        wait=0.1,
+    )
+    with pytest.raises(DispatchFailed) as info:
+        asyncio.run(r.dispatch(msg(), demand_blocks=5))
+    assert info.value.unavailable
+    assert (
+        "a: a says 3" in info.value.message
+        and "b: scheduler at b did not answer (UNAVAILABLE: boom)" in info.value.message
+    )
+    assert sub.calls[:2] == ["a", "b"] and len(sub.calls) > 2  # tried again after a backoff
+
+
+def test_draining_everywhere_is_refused_at_once() -> None:
+    r, sub = router({"a": record("a", 0, draining=True)}, {"a": rpb.DISPATCH_ACCEPTED})
+    with pytest.raises(DispatchFailed, match="all 1 domains are draining"):
+        asyncio.run(r.dispatch(msg(), demand_blocks=5))
+    assert sub.calls == []
+
+
+def test_invalid_argument_is_not_retried() -> None:
+    r, sub = router(
+        {"a": record("a", 0), "b": record("b", 0)},
+        {"a": grpc.StatusCode.INVALID_ARGUMENT, "b": grpc.StatusCode.INVALID_ARGUMENT},
+    )
+    with pytest.raises(DispatchFailed, match="rejected the request: boom"):
+        asyncio.run(r.dispatch(msg(), demand_blocks=5))
+    assert len(sub.calls) == 1

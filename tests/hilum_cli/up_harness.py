@@ -1,0 +1,164 @@
+"""Running ``hilum up`` as a real process for tests: start, read ``cluster.json``, stop with SIGINT, and
+check that no process is left behind; llumlet / domain scheduler load probes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from hilum_proto.hilum.v1 import rack_sched_pb2, rack_sched_pb2_grpc
+from llumlet.client import LlumletClient
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Two NVLink domains of two instances; 128 KV blocks x 16 tokens = 2048 KV tokens per instance, below the
+# model's 4096-token context, so "larger than any instance can hold" and "beyond the context" differ.
+TOPOLOGY = """\
+name: up-test-2x2
+models:
+  - {name: llama-2-7b, num_layers: 32, num_attention_heads: 32, num_kv_heads: 32, head_dim: 128,
+     hidden_size: 4096, dtype: float16, block_size_tokens: 16, num_params: 6738415616, max_context_tokens: 4096}
+gpu_types:
+  - {name: a100-80gb, memory_gib: 80, hbm_gbyte_per_s: 2039, nvlink_gbyte_per_s: 600}
+domains:
+  - id: dom-a
+    kind: node
+    gpu_type: a100-80gb
+    nodes: [{id: node-a, num_gpus: 2, nic_gbit_per_s: 100}]
+    instances:
+      - {id: a0, gpus: [0], tensor_parallel_size: 1, model: llama-2-7b, kv_capacity_blocks: 128}
+      - {id: a1, gpus: [1], tensor_parallel_size: 1, model: llama-2-7b, kv_capacity_blocks: 128}
+  - id: dom-b
+    kind: node
+    gpu_type: a100-80gb
+    nodes: [{id: node-b, num_gpus: 2, nic_gbit_per_s: 100}]
+    instances:
+      - {id: b0, gpus: [0], tensor_parallel_size: 1, model: llama-2-7b, kv_capacity_blocks: 128}
+      - {id: b1, gpus: [1], tensor_parallel_size: 1, model: llama-2-7b, kv_capacity_blocks: 128}
+fabric:
+  oversubscription: 1.0
+  racks:
+    - {id: rack-0, domains: [dom-a, dom-b]}
+"""
+
+
+@dataclass
+class UpProcess:
+    """A running ``hilum up``."""
+
+    proc: subprocess.Popen[str]
+    run_dir: Path
+    info: dict[str, Any]
+
+    @property
+    def url(self) -> str:
+        return str(self.info["gateway_url"])
+
+    def stop(self, timeout_s: float = 60.0) -> str:
+        """SIGINT (Ctrl-C), wait; returns its stderr. Raises AssertionError if it does not exit in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            _, err = self.proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+            raise AssertionError(f"hilum up did not stop within {timeout_s} s: {err}") from None
+        return err
+
+
+def start_up(
+    run_dir: Path, engine: str, extra: list[str] | None = None, timeout_s: float = 180.0, *, kv_blocks: int = 128
+) -> UpProcess:
+    """Start ``hilum up`` on free ports with :data:`TOPOLOGY` (``kv_blocks`` per instance); wait until it
+    prints that it is up."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    topo = run_dir / "topology.yaml"
+    topo.write_text(TOPOLOGY.replace("kv_capacity_blocks: 128", f"kv_capacity_blocks: {kv_blocks}"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "hilum_cli.main",
+        "up",
+        "--engine",
+        engine,
+        "--topology",
+        str(topo),
+        "--port",
+        "0",
+        "--etcd-port",
+        "0",
+        "--grpc-base-port",
+        "0",
+        "--run-dir",
+        str(run_dir / "run"),
+        *(extra or []),
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    info_path = run_dir / "run" / "cluster.json"
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "Ctrl-C stops everything" in line:
+            return UpProcess(proc, run_dir / "run", json.loads(info_path.read_text()))
+    proc.kill()
+    _, err = proc.communicate()
+    raise AssertionError(f"hilum up did not come up: {''.join(lines)}\n{err}")
+
+
+def alive(pid: int) -> bool:
+    """Whether a process with this pid exists (and is not a zombie)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+async def cluster_load(info: dict[str, Any]) -> dict[str, Any]:
+    """Per llumlet: (requests owned, used blocks, reservations, waiting); per domain: running request ids."""
+    out: dict[str, Any] = {}
+    for iid, address in sorted(info["llumlets"].items()):
+        async with LlumletClient(address) as client:
+            r = await client.get_load()
+        out[iid] = (r.num_requests, r.used_blocks, r.num_reservations, r.num_waiting)
+    for dom, address in sorted(info["domain_schedulers"].items()):
+        async with grpc.aio.insecure_channel(address) as channel:
+            state = await rack_sched_pb2_grpc.RackSchedulerStub(channel).GetDomainState(
+                rack_sched_pb2.GetDomainStateRequest(), timeout=5
+            )
+        out[dom] = sorted(rid for i in state.instances for rid in i.running_request_ids)
+    return out
+
+
+def idle_load(info: dict[str, Any]) -> dict[str, Any]:
+    """The load of an idle cluster."""
+    out: dict[str, Any] = {iid: (0, 0, 0, 0) for iid in info["llumlets"]}
+    out.update({dom: [] for dom in info["domain_schedulers"]})
+    return out
+
+
+async def wait_load(info: dict[str, Any], want: dict[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
+    """Poll :func:`cluster_load` until it equals ``want`` (returns the last load seen)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = await cluster_load(info)
+        if load == want or time.monotonic() > deadline:
+            return load
+        await asyncio.sleep(0.1)
