@@ -2,7 +2,7 @@
 
 A bare `hilum sim` runs the embedded defaults: the bundled 2 x 8 A100-40GB topology (16 Llama-2-13B
 instances, two NVLink domains), the first 5,000 requests of the Azure LLM 2023 conversation trace
-compressed 3.5x (a load where the baselines preempt), and all four policies.
+compressed 2.75x (a load where the baselines preempt), and all four policies.
 `hilum sim sweep CONFIG` runs a grid of simulations as Ray tasks. See docs/simulator.md.
 """
 

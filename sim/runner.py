@@ -113,7 +113,7 @@ class SimSpec:
 
 #: The embedded defaults of a bare ``hilum sim``: the bundled 2 x 8 A100-40GB topology (16 Llama-2-13B
 #: instances) and the Azure conversation trace, compressed to a load at which the baselines preempt.
-DEFAULTS = SimSpec(topology="2x8-a100-40gb", trace="azure-conv", policy="hilum", rate_scale=3.5, max_requests=5000)
+DEFAULTS = SimSpec(topology="2x8-a100-40gb", trace="azure-conv", policy="hilum", rate_scale=2.75, max_requests=5000)
 
 
 def _latency_for(topology: Topology, derived: list[str]) -> Callable[[InstanceSpec], LatencyModel]:

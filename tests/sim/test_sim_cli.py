@@ -21,7 +21,7 @@ def test_sim_json_and_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     stored = load_results(out / "results.json")
     assert [r.policy for r in stored] == ["least-loaded", "hilum"]
     assert stored[1].topology == "2x8-a100-40gb" and stored[1].trace == "azure-conv"
-    assert stored[1].rate_scale == 3.5
+    assert stored[1].rate_scale == 2.75
     for name in ("ttft_cdf.png", "kv_usage_least-loaded.png", "kv_usage_hilum.png"):
         assert (out / name).stat().st_size > 1000
 
