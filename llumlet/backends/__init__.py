@@ -1,5 +1,5 @@
-"""Engine backends of a llumlet, chosen by name: ``sim`` (the model engine on a real clock) and ``torch``
-(the CPU reference engine); ``vllm`` comes later.
+"""Engine backends of a llumlet, chosen by name: ``sim`` (the model engine on a real clock), ``torch``
+(the CPU reference engine) and ``vllm`` (a real vLLM v1 engine; needs vLLM installed, docs/vllm.md).
 
 ``make_backend(name, config)`` builds one and raises :class:`UnknownBackendError` on an unknown name.
 """

@@ -12,7 +12,7 @@ from topology.spec import Topology
 __all__ = ["BACKEND_NAMES", "Backend", "BackendConfig", "UnknownBackendError", "make_backend"]
 
 #: Backends ``make_backend`` knows, in the order the CLI lists them.
-BACKEND_NAMES: tuple[str, ...] = ("sim", "torch")
+BACKEND_NAMES: tuple[str, ...] = ("sim", "torch", "vllm")
 
 
 class UnknownBackendError(ValueError):
@@ -78,7 +78,7 @@ def make_backend(name: str, config: BackendConfig) -> Backend:
     Raises:
         UnknownBackendError: ``name`` is not one of :data:`BACKEND_NAMES`.
         ValueError / KeyError: the backend's own configuration errors (instance not in the topology, ...).
-        RuntimeError: the backend's dependencies are missing (torch without PyTorch installed).
+        RuntimeError: the backend's dependencies are missing (torch without PyTorch, vllm without vLLM).
     """
     if name == "sim":
         from llumlet.backends.sim import make_sim_backend
@@ -88,4 +88,8 @@ def make_backend(name: str, config: BackendConfig) -> Backend:
         from llumlet.backends.torch_backend import make_torch_backend
 
         return make_torch_backend(config)
+    if name == "vllm":
+        from llumlet.backends.vllm_backend import make_vllm_backend
+
+        return make_vllm_backend(config)
     raise UnknownBackendError(f"unknown engine backend {name!r}; known: {', '.join(BACKEND_NAMES)}")

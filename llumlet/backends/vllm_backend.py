@@ -1,0 +1,61 @@
+"""The ``vllm`` backend: a real vLLM v1 engine (``llumlet.engine.vllm_engine.VllmEngine``).
+
+Steps take the time they compute (no pacing). Imported lazily, so a llumlet without vLLM runs the other
+backends. Options (``--engine-option KEY=VALUE``): ``model`` (required: a local checkpoint directory or a
+model name vLLM can load), ``kv_cache_memory_bytes``, ``dtype`` (default ``auto``), ``max_model_len`` (default:
+the topology model's ``max_context_tokens``, else 4096), ``allow_untested_vllm`` (``true`` to run on a vLLM
+version other than the tested ones). ``BackendConfig.block_size_tokens`` (default: the topology model's,
+else 16) must suit the attention backend (the CPU build needs a multiple of 32). Engines that exchange KV
+must load the same model with the same dtype and block size (docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from llumlet.backends.base import Backend, BackendConfig
+
+__all__ = ["make_vllm_backend"]
+
+_KNOWN = ("model", "kv_cache_memory_bytes", "dtype", "max_model_len", "allow_untested_vllm")
+
+
+def make_vllm_backend(config: BackendConfig) -> Backend:
+    """A ``VllmEngine`` for ``config``.
+
+    Raises:
+        RuntimeError: vLLM is not installed, or its version is untested (see docs/vllm.md).
+        ValueError: a missing ``model`` option, an unknown option or a bad value.
+    """
+    opts = dict(config.options)
+    unknown = sorted(set(opts) - set(_KNOWN))
+    if unknown:
+        raise ValueError(f"vllm backend: unknown option(s) {unknown} (known: {', '.join(_KNOWN)})")
+    if "model" not in opts:
+        raise ValueError("vllm backend: --engine-option model=PATH_OR_NAME is required")
+    try:
+        from llumlet.engine.vllm_engine import VllmEngine
+    except ImportError as exc:
+        raise RuntimeError(f"the vllm backend needs vLLM installed (docs/vllm.md): {exc}") from exc
+    topo = config.topology
+    model_spec = topo.model_of(config.instance_id) if topo is not None else None
+    kwargs: dict[str, Any] = {
+        "block_size_tokens": config.block_size_tokens or (model_spec.block_size_tokens if model_spec else 16),
+        "max_model_len": int(opts.get("max_model_len", model_spec.max_context_tokens if model_spec else 4096)),
+        "dtype": opts.get("dtype", "auto"),
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "seed": config.seed,
+        "rng": random.Random(config.seed + 1),
+        "allow_untested_vllm": opts.get("allow_untested_vllm", "false").lower() == "true",
+    }
+    if "kv_cache_memory_bytes" in opts:
+        try:
+            kwargs["kv_cache_memory_bytes"] = int(opts["kv_cache_memory_bytes"])
+        except ValueError:
+            raise ValueError(
+                f"vllm backend: kv_cache_memory_bytes={opts['kv_cache_memory_bytes']!r}: need bytes"
+            ) from None
+    engine = VllmEngine(config.instance_id, opts["model"], **kwargs)
+    return Backend("vllm", engine, time_scale=0.0, real_token_ids=True, min_step_s=config.min_step_s)
