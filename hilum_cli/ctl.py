@@ -3,6 +3,7 @@
     hilumctl --coordinator coord-a:7070 status
     hilumctl --etcd 127.0.0.1:2379 domains --json
     hilumctl instances --domain node-3
+    hilumctl requests --instance node-3-i2
     hilumctl migrations --follow --state active
     hilumctl drain node-3-i2 --wait --timeout 600
     hilumctl undrain node-3-i2
@@ -34,17 +35,12 @@ from rich.console import Console
 from hilum_cli import ctl_views as views
 from hilum_cli.ctl_client import DEFAULT_PREFIX, AdminClient, CtlError, Target, UsageError, parse_addresses
 from hilum_cli.ctl_drain import DrainProgress, domain_progress, instance_progress, resolve_target
+from hilum_cli.ctl_requests import ask_domains
 from hilum_proto.hilum.v1 import coordinator_pb2 as pb
 
 __all__ = ["build_parser", "main", "run"]
 
 _STATES = ("proposed", "approved", "committed", "aborted", "active")
-REQUESTS_UNAVAILABLE = (
-    "requests: not available until the domain schedulers (rack_sched) land: running and queued requests live "
-    "in the domain schedulers and their llumlets, not in etcd, so the coordinator's admin API has no "
-    "ListRequests yet. Meanwhile `hilumctl instances` shows running and queued counts per instance, and "
-    "`hilumctl migrations` the requests moving between domains."
-)
 
 
 def _add_common(p: argparse.ArgumentParser, *, suppress: bool) -> None:
@@ -78,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     command("domains", "NVLink domains with their domain schedulers and load summaries")
     p = command("instances", "registered instances with their load and drain state")
     p.add_argument("--domain", metavar="D", default="", help="only the instances of domain D")
-    command("requests", "running requests (not available until the domain schedulers land)")
+    p = command("requests", "running requests and waiting counts, asked of every domain scheduler")
+    p.add_argument("--domain", metavar="D", default="", help="only domain D")
+    p.add_argument("--instance", metavar="I", default="", help="only instance I")
     p = command("migrations", "cross-domain migrations recorded in etcd")
     p.add_argument("--follow", "-f", action="store_true", help="then print every change until Ctrl-C")
     p.add_argument(
@@ -156,6 +154,24 @@ async def _instances(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
     data = views.instances_json(await c.read("ListInstances", pb.ListInstancesRequest(domain_id=ns.domain)))
     out.json(data) if out.as_json else views.render_instances(out.console, data)
     return 0
+
+
+async def _requests(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
+    domains = list((await c.read("ListDomains", pb.ListDomainsRequest())).domains)
+    if ns.domain:
+        domains = [d for d in domains if d.domain_id == ns.domain]
+        if not domains:
+            raise CtlError(f"domain {ns.domain!r} is not known to the coordinator at {c.address} (`hilumctl domains`)")
+    answers = await ask_domains(domains, c.rpc_timeout_s)
+    data = views.requests_json(answers, ns.instance)
+    errors = [a.error for a in answers if a.error]
+    if ns.instance and not data["instances"] and not errors:
+        where = f"domain {ns.domain}" if ns.domain else "any domain scheduler"
+        raise CtlError(f"instance {ns.instance!r} is not known to {where} (see `hilumctl instances`)")
+    out.json(data) if out.as_json else views.render_requests(out.console, data)
+    for error in errors:
+        print(f"hilumctl: error: {error}", file=out.stderr)
+    return 1 if errors else 0
 
 
 def _state_filter(ns: argparse.Namespace) -> frozenset[str] | None:
@@ -284,6 +300,7 @@ _COMMANDS = {
     "status": _status,
     "domains": _domains,
     "instances": _instances,
+    "requests": _requests,
     "migrations": _migrations,
     "drain": _drain,
     "undrain": _drain,
@@ -307,8 +324,6 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     env = os.environ if env is None else env
     out = _Out(bool(getattr(ns, "json", False)), sys.stdout, sys.stderr)
     try:
-        if ns.command == "requests":
-            raise CtlError(REQUESTS_UNAVAILABLE)
         return asyncio.run(run(ns, _target(ns, env), out))
     except UsageError as exc:
         print(f"hilumctl: error: {exc}", file=sys.stderr)

@@ -16,6 +16,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from hilum_cli.ctl_requests import DomainAnswer
 from hilum_proto.hilum.v1 import coordinator_pb2 as pb
 
 __all__ = [
@@ -31,8 +32,10 @@ __all__ = [
     "render_domains",
     "render_instances",
     "render_migrations",
+    "render_requests",
     "render_status",
     "render_topology",
+    "requests_json",
     "status_json",
     "topology_json",
 ]
@@ -202,6 +205,47 @@ def topology_json(reply: pb.TopologyReply) -> Json:
     }
 
 
+def requests_json(answers: Sequence[DomainAnswer], instance_id: str = "") -> Json:
+    """``requests``: per domain its scheduler's answer, per instance its counts, one row per running request.
+
+    ``instance_id`` (non-empty) keeps only that instance and its requests. Instances and requests are sorted
+    by domain, then instance, then request id.
+    """
+    domains: list[Json] = []
+    instances: list[Json] = []
+    requests: list[Json] = []
+    for a in answers:
+        st = a.state
+        domains.append({
+            "domain_id": a.domain_id,
+            "scheduler_address": a.scheduler_address,
+            "answered": st is not None,
+            "ready": None if st is None else st.ready,
+            "draining": None if st is None else st.domain_draining,
+            "migrations_in_flight": None if st is None else st.migrations_in_flight,
+            "error": a.error,
+        })  # fmt: skip
+        if st is None:
+            continue
+        for i in sorted(st.instances, key=lambda i: i.instance_id):
+            if instance_id and i.instance_id != instance_id:
+                continue
+            instances.append({
+                "instance_id": i.instance_id,
+                "domain_id": a.domain_id,
+                "address": i.address,
+                "connected": i.connected,
+                "draining": i.draining,
+                "num_running": i.num_running if i.has_load else None,
+                "num_waiting": i.num_waiting if i.has_load else None,
+            })  # fmt: skip
+            requests.extend(
+                {"request_id": rid, "domain_id": a.domain_id, "instance_id": i.instance_id}
+                for rid in sorted(i.running_request_ids)
+            )
+    return {"domains": domains, "instances": instances, "requests": requests}
+
+
 # ---- tables --------------------------------------------------------------------------------------
 def _table(*columns: str, title: str | None = None) -> Table:
     table = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left", pad_edge=False)
@@ -336,3 +380,23 @@ def render_topology(console: Console, data: Json) -> None:
                 str(i["kv_capacity_blocks"]),
             )
     console.print(table)
+
+
+def render_requests(console: Console, data: Json) -> None:
+    """``requests``: a table of running requests, then one of instances with running/waiting counts."""
+    table = _table("REQUEST", "DOMAIN", "INSTANCE", title="running requests")
+    for r in data["requests"]:
+        table.add_row(r["request_id"], r["domain_id"], r["instance_id"])
+    console.print(table)
+    table = _table("INSTANCE", "DOMAIN", "RUNNING", "WAITING", "DRAIN", "LLUMLET")
+    for i in data["instances"]:
+        counts = ["-", "-"] if i["num_running"] is None else [str(i["num_running"]), str(i["num_waiting"])]
+        llumlet = i["address"] + ("" if i["connected"] else " (not connected)")
+        table.add_row(i["instance_id"], i["domain_id"], *counts, "applied" if i["draining"] else "-", llumlet)
+    console.print(table)
+    answered = [d for d in data["domains"] if d["answered"]]
+    waiting = sum(i["num_waiting"] or 0 for i in data["instances"])
+    console.print(
+        f"{len(data['requests'])} running, {waiting} waiting on {len(data['instances'])} instances "
+        f"({len(answered)} of {len(data['domains'])} domain schedulers answered)"
+    )

@@ -2,7 +2,9 @@
 
 Domain schedulers are stood in for by ``ctl_fake_domains.py``, a process that registers domains and
 instances under its lease and publishes summaries (with per-instance load) through
-``global_coord.store`` exactly as rack_sched will. Commands run in-process (``main(argv, env)``); the
+``global_coord.store`` exactly as rack_sched does; node-0's registered scheduler address is a gRPC
+server in this process answering ``GetDomainState`` with a fixed state (for ``requests``), node-1's is a
+port where nothing listens. Commands run in-process (``main(argv, env)``); the
 ``--follow`` test runs ``python -m hilum_cli.ctl`` as a process and stops it with SIGINT.
 """
 
@@ -19,6 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,6 +37,8 @@ from global_coord.store import Keys, Store
 from hilum_cli.ctl import main
 from hilum_proto.hilum.v1 import coordinator_pb2 as pb
 from hilum_proto.hilum.v1 import coordinator_pb2_grpc as pb_grpc
+from hilum_proto.hilum.v1 import rack_sched_pb2 as rs
+from hilum_proto.hilum.v1 import rack_sched_pb2_grpc as rs_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -81,6 +86,25 @@ def summary_node1(running: int = 4, draining: bool = False) -> dict[str, Any]:
     }  # fmt: skip
 
 
+# node-0 as its domain scheduler's GetDomainState reports it: i0 runs 2 and queues 1, i1 (draining) runs 1.
+NODE0_STATE = rs.DomainState(
+    domain_id="node-0", ready=True, migrations_in_flight=1,
+    instances=[
+        rs.InstanceState(instance_id="node-0-i0", address="127.0.0.1:9200", connected=True, has_load=True,
+                         num_running=2, num_waiting=1, running_request_ids=["req-b", "req-a"]),
+        rs.InstanceState(instance_id="node-0-i1", address="127.0.0.1:9201", connected=True, has_load=True,
+                         draining=True, num_running=1, running_request_ids=["req-c"]),
+    ],
+)  # fmt: skip
+
+
+class FakeRackScheduler(rs_grpc.RackSchedulerServicer):
+    """Answers GetDomainState with :data:`NODE0_STATE`."""
+
+    def GetDomainState(self, request: rs.GetDomainStateRequest, context: Any) -> rs.DomainState:
+        return NODE0_STATE
+
+
 class Agents:
     """The fake domain schedulers' process; ``send`` returns after the command is applied (or scheduled)."""
 
@@ -120,6 +144,8 @@ class Cluster:
     standby: str
     standby_address: str
     token: int  # the leader's fencing token
+    node0_scheduler: str  # host:port of the fake node-0 domain scheduler (answers GetDomainState)
+    node1_scheduler: str  # host:port registered for node-1, where nothing listens
 
     @property
     def keys(self) -> Keys:
@@ -154,6 +180,11 @@ def cluster(etcd: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> Itera
     prefix = f"/ctl-{uuid.uuid4().hex[:8]}/"
     agents = Agents(etcd, prefix, logs / "agents.log")
     addresses = {name: f"127.0.0.1:{free_port()}" for name in ("c1", "c2")}
+    rack = grpc.server(ThreadPoolExecutor(max_workers=2))
+    rs_grpc.add_RackSchedulerServicer_to_server(FakeRackScheduler(), rack)
+    node0 = f"127.0.0.1:{rack.add_insecure_port('127.0.0.1:0')}"
+    node1 = f"127.0.0.1:{free_port()}"
+    rack.start()
     procs = []
     for name, address in addresses.items():
         cmd = [sys.executable, "-m", "global_coord", "--etcd", etcd.endpoint, "--listen", address, "--id", name]
@@ -161,16 +192,17 @@ def cluster(etcd: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> Itera
         with (logs / f"{name}.log").open("wb") as log:
             procs.append(subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT))
     try:
-        agents.send("domain", record={"domain_id": "node-0", "address": "127.0.0.1:9100"})
-        agents.send("domain", record={"domain_id": "node-1", "address": "127.0.0.1:9101"})
+        agents.send("domain", record={"domain_id": "node-0", "address": node0})
+        agents.send("domain", record={"domain_id": "node-1", "address": node1})
         for record in INSTANCES:
             agents.send("instance", record=record)
         agents.send("summary", record=summary_node0())
         agents.send("summary", record=summary_node1())
         leader, token = asyncio.run(_settled(addresses))
         standby = next(n for n in addresses if n != leader)
-        yield Cluster(etcd, prefix, agents, leader, addresses[leader], standby, addresses[standby], token)
+        yield Cluster(etcd, prefix, agents, leader, addresses[leader], standby, addresses[standby], token, node0, node1)
     finally:
+        rack.stop(None)
         agents.close()
         for proc in procs:
             proc.terminate()
@@ -272,7 +304,7 @@ def test_domains(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
     assert data["view_revision"] > 0
     node0, node1 = data["domains"]
     assert node0 == {
-        "domain_id": "node-0", "registered": True, "scheduler_address": "127.0.0.1:9100", "draining": False,
+        "domain_id": "node-0", "registered": True, "scheduler_address": cluster.node0_scheduler, "draining": False,
         "summary": {
             "num_instances": 2, "capacity_blocks": 4000, "virtual_usage_blocks": 1500.0, "freeness": 125.0,
             "largest_free_blocks": 1200, "max_instance_capacity_blocks": 2000, "num_running": 3,
@@ -283,7 +315,7 @@ def test_domains(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = ctl(capsys, "--coordinator", cluster.standby_address, "domains")
     assert rc == 0
     row = next(line.split() for line in out.splitlines() if line.lstrip().startswith("node-0"))
-    assert row == ["node-0", "127.0.0.1:9100", "-", "2", "4000", "1500.0", "125.0", "1200", "3", "1"]
+    assert row == ["node-0", cluster.node0_scheduler, "-", "2", "4000", "1500.0", "125.0", "1200", "3", "1"]
     assert "2 domains" in out
 
 
@@ -413,10 +445,61 @@ async def _commit_via_approved(c: Cluster, migration_id: str) -> None:
         await client.close()
 
 
-def test_requests_is_not_available_yet(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, err = ctl(capsys, "--coordinator", "127.0.0.1:1", "requests")
+def test_requests_of_one_domain_both_forms(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    coord = ["--coordinator", cluster.standby_address]
+    data = ctl_json(capsys, *coord, "--json", "requests", "--domain", "node-0")
+    assert data == {
+        "domains": [{"domain_id": "node-0", "scheduler_address": cluster.node0_scheduler, "answered": True,
+                     "ready": True, "draining": False, "migrations_in_flight": 1, "error": None}],
+        "instances": [
+            {"instance_id": "node-0-i0", "domain_id": "node-0", "address": "127.0.0.1:9200", "connected": True,
+             "draining": False, "num_running": 2, "num_waiting": 1},
+            {"instance_id": "node-0-i1", "domain_id": "node-0", "address": "127.0.0.1:9201", "connected": True,
+             "draining": True, "num_running": 1, "num_waiting": 0},
+        ],
+        "requests": [
+            {"request_id": "req-a", "domain_id": "node-0", "instance_id": "node-0-i0"},
+            {"request_id": "req-b", "domain_id": "node-0", "instance_id": "node-0-i0"},
+            {"request_id": "req-c", "domain_id": "node-0", "instance_id": "node-0-i1"},
+        ],
+    }  # fmt: skip
+    rc, out, err = ctl(capsys, *coord, "requests", "--domain", "node-0")
+    assert (rc, err) == (0, "")
+    rows = [line.split() for line in out.splitlines()]
+    assert [r for r in rows if r and r[0].startswith("req-")] == [
+        ["req-a", "node-0", "node-0-i0"], ["req-b", "node-0", "node-0-i0"], ["req-c", "node-0", "node-0-i1"],
+    ]  # fmt: skip
+    assert [r[:5] for r in rows if r and r[0] == "node-0-i1"] == [["node-0-i1", "node-0", "1", "0", "applied"]]
+    assert "3 running, 1 waiting on 2 instances (1 of 1 domain schedulers answered)" in out
+
+
+def test_requests_of_one_instance(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    coord = ["--coordinator", cluster.leader_address]
+    data = ctl_json(capsys, *coord, "requests", "--instance", "node-0-i1", "--domain", "node-0", "--json")
+    assert [i["instance_id"] for i in data["instances"]] == ["node-0-i1"]
+    assert data["requests"] == [{"request_id": "req-c", "domain_id": "node-0", "instance_id": "node-0-i1"}]
+    rc, out, err = ctl(capsys, *coord, "requests", "--domain", "node-0", "--instance", "node-9-i9")
     assert (rc, out) == (1, "")
-    assert "not available until the domain schedulers (rack_sched) land" in err
+    assert "instance 'node-9-i9' is not known to domain node-0" in err
+    rc, out, err = ctl(capsys, *coord, "requests", "--domain", "node-9")
+    assert (rc, out) == (1, "")
+    assert "domain 'node-9' is not known to the coordinator" in err
+
+
+def test_requests_names_a_scheduler_that_does_not_answer(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    coord = ["--coordinator", cluster.leader_address]
+    rc, out, err = ctl(capsys, *coord, "--json", "requests")
+    assert rc == 1
+    data = json.loads(out)  # node-0 is still shown
+    assert [r["request_id"] for r in data["requests"]] == ["req-a", "req-b", "req-c"]
+    node1 = data["domains"][1]
+    assert (node1["domain_id"], node1["answered"], node1["ready"]) == ("node-1", False, None)
+    assert f"no domain scheduler answers at {cluster.node1_scheduler}" in node1["error"]
+    assert err.count("hilumctl: error: ") == 1
+    assert f"domain node-1: no domain scheduler answers at {cluster.node1_scheduler}" in err
+    assert "python -m rack_sched" in err
+    rc, out, err = ctl(capsys, *coord, "requests")
+    assert rc == 1 and "(1 of 2 domain schedulers answered)" in out and cluster.node1_scheduler in err
 
 
 # ---- drain ---------------------------------------------------------------------------------------
