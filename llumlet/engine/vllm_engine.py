@@ -641,6 +641,23 @@ class VllmEngine:
         self._reservations[reservation_id] = _Reservation(blocks)
         return True
 
+    def grow_reservation(self, reservation_id: str, n_blocks: int) -> bool:
+        """Make the reservation hold at least ``n_blocks`` (grow-only); False when the extra blocks don't fit.
+
+        Raises KeyError for an unknown reservation.
+        """
+        res = self._reservations.get(reservation_id)
+        if res is None:
+            raise KeyError(f"{self.instance_id}: grow_reservation: unknown reservation {reservation_id!r}")
+        extra = n_blocks - len(res.blocks)
+        if extra <= 0:
+            return True
+        more = vi.hold_pool_blocks(self._h, extra)
+        if more is None:
+            return False
+        res.blocks.extend(more)
+        return True
+
     def release_reservation(self, reservation_id: str) -> int:
         """Give a reservation's blocks back to the pool. Idempotent, safe if never reserved; blocks released."""
         res = self._reservations.pop(reservation_id, None)

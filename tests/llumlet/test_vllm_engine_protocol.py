@@ -327,6 +327,18 @@ def test_reservations_are_idempotent_and_bounded(make: MakeEngine) -> None:
     assert_baseline(engine)
 
 
+def test_a_reservation_grows_while_there_is_room(make: MakeEngine) -> None:
+    engine = make("b", 8)
+    assert engine.reserve("x", 2)
+    assert engine.grow_reservation("x", 5) and engine.load().reserved_blocks == 5
+    assert engine.grow_reservation("x", 3) and engine.load().reserved_blocks == 5  # grow-only
+    assert not engine.grow_reservation("x", 9) and engine.load().reserved_blocks == 5  # 3 free
+    with pytest.raises(KeyError, match="unknown reservation"):
+        engine.grow_reservation("nope", 1)
+    assert engine.release_reservation("x") == 5
+    assert_baseline(engine)
+
+
 def test_write_blocks_bounds(make: MakeEngine) -> None:
     src, dst = make("a", 16), make("c", 16)
     src.add_request(req("r", 80, 5))
