@@ -128,7 +128,7 @@ def test_watch_load_reports_changes() -> None:
 
 
 def test_cli_rejects_an_unknown_backend(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["--instance-id", "x", "--engine", "vllm"]) == 2
-    assert "unknown engine backend 'vllm'; known: sim, torch" in capsys.readouterr().err
+    assert cli_main(["--instance-id", "x", "--engine", "trtllm"]) == 2
+    assert "unknown engine backend 'trtllm'; known: sim, torch, vllm" in capsys.readouterr().err
     assert cli_main(["--instance-id", "x", "--topology", "1x8-a100"]) == 2
     assert "'x'" in capsys.readouterr().err

@@ -181,8 +181,12 @@ def test_submit_is_checked_field_by_field() -> None:
 
 # ---- backends -------------------------------------------------------------------------------------
 def test_backend_factory_knows_its_names() -> None:
-    with pytest.raises(UnknownBackendError, match=r"unknown engine backend 'vllm'; known: sim, torch"):
+    with pytest.raises(UnknownBackendError, match=r"unknown engine backend 'trtllm'; known: sim, torch, vllm"):
+        make_backend("trtllm", BackendConfig(instance_id="x"))
+    with pytest.raises(ValueError, match="model=PATH_OR_NAME is required"):
         make_backend("vllm", BackendConfig(instance_id="x"))
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['colour'\]"):
+        make_backend("vllm", BackendConfig(instance_id="x", options={"model": "m", "colour": "red"}))
 
 
 def test_sim_backend_takes_sizes_and_latency_from_the_topology() -> None:
