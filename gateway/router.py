@@ -37,6 +37,7 @@ from global_coord.records import DomainRegistration, SummaryRecord
 from hilum_proto.hilum.v1 import llumlet_pb2
 from hilum_proto.hilum.v1 import rack_sched_pb2 as rpb
 from hilum_proto.hilum.v1 import rack_sched_pb2_grpc as rpb_grpc
+from hilum_proto.tls import open_channel
 from policy.dispatch import DomainDispatchView
 from policy.domain import DomainSummary
 from policy.types import PolicyConfig
@@ -80,7 +81,7 @@ class GrpcSubmitter:
 
     async def submit(self, address: str, msg: llumlet_pb2.SubmitRequest, timeout_s: float) -> rpb.DispatchReply:
         if address not in self._stubs:
-            channel = grpc.aio.insecure_channel(address)
+            channel = open_channel(address)
             self._stubs[address] = (channel, rpb_grpc.RackSchedulerStub(channel))
         call = self._stubs[address][1].Submit(msg, timeout=timeout_s)
         reply: rpb.DispatchReply = await call  # type: ignore[misc]  # grpc.aio's stubs are typed as sync

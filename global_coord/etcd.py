@@ -16,6 +16,8 @@ from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
 from etcd3aio.watch import WatchService
 
+from hilum_proto.tls import etcd_tls_args
+
 __all__ = [
     "RETRYABLE_ERRORS",
     "Etcd3Client",
@@ -47,8 +49,11 @@ _RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
 def connect(endpoints: list[str], *, watch_max_reconnect_backoff_s: float = 1.0) -> Etcd3Client:
     """Build an etcd client for ``endpoints`` (``host:port`` strings); call ``await client.connect()``.
 
+    TLS to etcd comes from ``HILUM_ETCD_CA`` / ``HILUM_ETCD_CERT`` / ``HILUM_ETCD_KEY`` (:mod:`hilum_proto.tls`).
+
     Raises:
-        ValueError: when ``endpoints`` is empty or an endpoint is not ``host:port``.
+        ValueError: when ``endpoints`` is empty or an endpoint is not ``host:port``; ``hilum_proto.tls.TlsError``
+            (a ValueError) when the TLS variables are inconsistent or name unreadable files.
     """
     if not endpoints:
         raise ValueError("etcd endpoints: need at least one host:port")
@@ -56,10 +61,14 @@ def connect(endpoints: list[str], *, watch_max_reconnect_backoff_s: float = 1.0)
         host, sep, port = ep.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"etcd endpoint {ep!r}: expected host:port")
+    tls = etcd_tls_args()  # HILUM_ETCD_CA / _CERT / _KEY (hilum_proto.tls); plaintext when unset
     client = Etcd3Client(
         endpoints,
         watch_reconnect_backoff_seconds=0.1,
         watch_max_reconnect_backoff_seconds=watch_max_reconnect_backoff_s,
+        ca_cert=tls.get("ca_cert"),
+        cert_key=tls.get("cert_key"),
+        cert_chain=tls.get("cert_chain"),
     )
     # etcd3aio 0.3 has no public way to pass channel options; its ConnectionManager keeps them in a list
     # that get_channel() reads at connect(). Fall back to gRPC's defaults (with a warning) if that changes.

@@ -18,6 +18,7 @@ from global_coord.coordinator import Coordinator, NotLeader
 from global_coord.records import ACTIVE_STATES, DrainKind, MigrationRecord
 from hilum_proto.hilum.v1 import coordinator_pb2 as pb
 from hilum_proto.hilum.v1 import coordinator_pb2_grpc as pb_grpc
+from hilum_proto.tls import add_port
 
 __all__ = ["CoordinatorService", "bind_server", "start_server"]
 
@@ -135,7 +136,7 @@ def bind_server(listen: str) -> tuple[grpc.aio.Server, int]:
     """
     server = grpc.aio.server()
     try:
-        port = server.add_insecure_port(listen)
+        port = add_port(server, listen)
     except RuntimeError as exc:
         raise RuntimeError(f"cannot listen on {listen}: {exc}") from exc
     if port == 0:

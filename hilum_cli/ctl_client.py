@@ -19,6 +19,7 @@ import grpc
 
 from hilum_proto.hilum.v1 import coordinator_pb2 as pb
 from hilum_proto.hilum.v1 import coordinator_pb2_grpc as pb_grpc
+from hilum_proto.tls import open_channel
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -150,7 +151,7 @@ class AdminClient:
     def stub(self, address: str) -> pb_grpc.CoordinatorAsyncStub:
         """A stub on a (cached) channel to ``address``."""
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address)
+            self._channels[address] = open_channel(address)
         return pb_grpc.CoordinatorStub(self._channels[address])
 
     def _error(self, address: str, method: str, exc: grpc.aio.AioRpcError) -> CtlError:

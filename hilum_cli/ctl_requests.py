@@ -15,6 +15,7 @@ import grpc
 
 from hilum_proto.hilum.v1 import coordinator_pb2 as pb
 from hilum_proto.hilum.v1 import rack_sched_pb2, rack_sched_pb2_grpc
+from hilum_proto.tls import open_channel
 
 __all__ = ["DomainAnswer", "ask_domain", "ask_domains"]
 
@@ -41,7 +42,7 @@ async def ask_domain(domain_id: str, address: str | None, timeout_s: float) -> D
             f"{domain_id} ...` (its requests cannot be listed)",
         )  # fmt: skip
     try:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with open_channel(address) as channel:
             stub = rack_sched_pb2_grpc.RackSchedulerStub(channel)
             state = await stub.GetDomainState(rack_sched_pb2.GetDomainStateRequest(), timeout=timeout_s)
     except grpc.aio.AioRpcError as exc:

@@ -6,10 +6,9 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Sequence
 from types import TracebackType
 
-import grpc
-
 from hilum_proto.hilum.v1 import llumlet_pb2 as pb
 from hilum_proto.hilum.v1 import llumlet_pb2_grpc as pb_grpc
+from hilum_proto.tls import open_channel
 from llumlet.convert import sampling_to_pb
 from llumlet.engine.types import SamplingParams
 
@@ -24,7 +23,7 @@ class LlumletClient:
 
     def __init__(self, address: str, *, timeout_s: float = 10.0, migrate_timeout_s: float = 120.0) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = open_channel(address)
         self.stub = pb_grpc.LlumletStub(self.channel)
         self.timeout_s = timeout_s
         self.migrate_timeout_s = migrate_timeout_s

@@ -14,6 +14,7 @@ import grpc
 
 from hilum_proto.hilum.v1 import llumlet_pb2 as pb
 from hilum_proto.hilum.v1 import llumlet_pb2_grpc as pb_grpc
+from hilum_proto.tls import add_port
 from llumlet.agent import Llumlet, MigrationCommand, MigrationOutcome, MigrationReport
 from llumlet.convert import request_from_submit
 from llumlet.transport import TransportName
@@ -132,7 +133,7 @@ async def serve(llumlet: Llumlet, listen: str) -> tuple[grpc.aio.Server, str]:
     """
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     try:
-        port = server.add_insecure_port(listen)
+        port = add_port(server, listen)
     except RuntimeError as exc:
         raise RuntimeError(f"llumlet {llumlet.config.instance_id}: cannot listen on {listen}: {exc}") from exc
     if port == 0:

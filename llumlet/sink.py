@@ -23,6 +23,7 @@ import grpc
 from hilum_proto.hilum.v1 import llumlet_pb2, llumlet_pb2_grpc
 from hilum_proto.hilum.v1 import token_sink_pb2 as pb
 from hilum_proto.hilum.v1 import token_sink_pb2_grpc as pb_grpc
+from hilum_proto.tls import add_port, open_channel
 
 __all__ = ["CollectedStream", "TokenCollector"]
 
@@ -127,7 +128,7 @@ class TokenCollector:
         """Bind and serve. Raises RuntimeError when the address cannot be bound."""
         server = grpc.aio.server()
         pb_grpc.add_TokenSinkServicer_to_server(_Servicer(self), server)
-        self._port = server.add_insecure_port(self._listen)
+        self._port = add_port(server, self._listen)
         if self._port == 0:
             raise RuntimeError(f"TokenCollector: cannot listen on {self._listen}")
         await server.start()
@@ -194,7 +195,7 @@ class TokenCollector:
 
     async def _watch(self, address: str) -> None:
         reason = "stream ended"
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with open_channel(address) as channel:
             stub = llumlet_pb2_grpc.LlumletStub(channel)
             instance_id = address
             try:

@@ -25,6 +25,7 @@ import grpc
 
 from hilum_proto.hilum.v1 import token_sink_pb2 as pb
 from hilum_proto.hilum.v1 import token_sink_pb2_grpc as pb_grpc
+from hilum_proto.tls import open_channel
 
 __all__ = ["PushOutcome", "TokenChunkOut", "TokenPusher"]
 
@@ -62,7 +63,7 @@ class TokenChunkOut:
 class _Lane:
     def __init__(self, origin: str) -> None:
         self.origin = origin
-        self.channel = grpc.aio.insecure_channel(origin)
+        self.channel = open_channel(origin)
         self.stub = pb_grpc.TokenSinkStub(self.channel)
         self.queue: list[TokenChunkOut] = []
         self.wake = asyncio.Event()

@@ -64,6 +64,7 @@ from global_coord.records import (
 from global_coord.session import Registrar
 from global_coord.store import ClusterView, Keys, Store, SummaryPublisher
 from hilum_proto.hilum.v1 import coordinator_pb2_grpc, llumlet_pb2, llumlet_pb2_grpc
+from hilum_proto.tls import open_channel
 from policy.dispatch import DispatchView
 from policy.domain import DomainSummary, summarize_domain
 from policy.migration import plan_migrations
@@ -92,7 +93,7 @@ class _Instance:
     def __init__(self, registration: InstanceRegistration) -> None:
         self.registration = registration
         self.instance_id = registration.instance_id
-        self.channel = grpc.aio.insecure_channel(registration.address)
+        self.channel = open_channel(registration.address)
         self.stub = llumlet_pb2_grpc.LlumletStub(self.channel)
         self.load: InstanceLoad | None = None  # as reported (draining False)
         self.version = 0  # LoadReport.version of the last report
@@ -607,7 +608,7 @@ class DomainScheduler:
     async def _propose_and_carry_out(self, proposal: MoveProposal, address: str) -> bool:
         self._counters.proposed += 1
         try:
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with open_channel(address) as channel:
                 stub = coordinator_pb2_grpc.CoordinatorStub(channel)
                 reply = await stub.ProposeMigration(
                     coord_convert.move_proposal(proposal), timeout=self.cfg.rpc_timeout_s
@@ -687,7 +688,7 @@ class DomainScheduler:
             dst = instances.get(record.dst_instance_id)
             if dst is not None:
                 try:
-                    async with grpc.aio.insecure_channel(dst.address) as channel:
+                    async with open_channel(dst.address) as channel:
                         rel = await llumlet_pb2_grpc.LlumletStub(channel).Release(
                             llumlet_pb2.ReleaseRequest(request_id=record.request_id, attempt=record.attempt),
                             timeout=self.cfg.rpc_timeout_s,

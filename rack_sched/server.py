@@ -13,6 +13,7 @@ import grpc
 from hilum_proto.hilum.v1 import llumlet_pb2
 from hilum_proto.hilum.v1 import rack_sched_pb2 as pb
 from hilum_proto.hilum.v1 import rack_sched_pb2_grpc as pb_grpc
+from hilum_proto.tls import add_port
 from rack_sched import convert
 from rack_sched.core import DomainScheduler
 from rack_sched.types import SubmitSpec
@@ -55,7 +56,7 @@ def bind_server(listen: str) -> tuple[grpc.aio.Server, int]:
     """
     server = grpc.aio.server()
     try:
-        port = server.add_insecure_port(listen)
+        port = add_port(server, listen)
     except RuntimeError as exc:
         raise RuntimeError(f"cannot listen on {listen}: {exc}") from exc
     if port == 0:

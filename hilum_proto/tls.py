@@ -1,0 +1,124 @@
+"""TLS for the gRPC connections between hilum's processes, and for their etcd client.
+
+Configured by environment variables, read when a channel or server port is made (never at import), so
+every process — coordinator, domain scheduler, llumlet, gateway, hilumctl — picks up the same settings
+from its systemd ``EnvironmentFile`` (deploy/README.md) without a flag of its own:
+
+==========================  ==================================================================================
+``HILUM_TLS_CA``            PEM file of the CA that signs hilum's certificates. Set: every gRPC server listens
+                            with TLS and every client verifies the server; unset: plaintext (the default).
+``HILUM_TLS_CERT``          PEM certificate of this process (needed by servers; clients present it).
+``HILUM_TLS_KEY``           its private key.
+``HILUM_TLS_CLIENT_AUTH``   ``1`` (default when a certificate is set): servers require and verify a client
+                            certificate signed by the CA (mutual TLS); ``0``: server-side TLS only.
+``HILUM_ETCD_CA`` / ``_CERT`` / ``_KEY``  the same for the etcd client (etcd often has its own PKI).
+==========================  ==================================================================================
+
+Certificates must name the host part of the addresses processes use to reach each other (a SAN of the
+``--advertise`` host). Errors name the variable and the file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+__all__ = ["TlsError", "TlsFiles", "add_port", "etcd_tls_args", "grpc_tls", "open_channel"]
+
+
+class TlsError(ValueError):
+    """The TLS environment is inconsistent or names a file that cannot be read."""
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """PEM contents: the CA bundle, and this process's certificate chain and key (both or neither)."""
+
+    ca: bytes
+    cert: bytes | None = None
+    key: bytes | None = None
+    client_auth: bool = True  # servers require client certificates (mutual TLS)
+
+
+def _read(env: Mapping[str, str], name: str) -> bytes | None:
+    path = env.get(name, "")
+    if not path:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise TlsError(f"{name}={path}: cannot read: {exc.strerror or exc}") from None
+
+
+def _files(env: Mapping[str, str], prefix: str) -> TlsFiles | None:
+    ca, cert, key = (_read(env, f"{prefix}_{part}") for part in ("CA", "CERT", "KEY"))
+    if (cert is None) != (key is None):
+        raise TlsError(f"{prefix}_CERT and {prefix}_KEY go together: set both or neither")
+    if ca is None:
+        if cert is not None:
+            raise TlsError(f"{prefix}_CERT is set without {prefix}_CA: set the CA that signs the certificates")
+        return None
+    auth = env.get(f"{prefix}_CLIENT_AUTH", "1" if cert is not None else "0").strip().lower()
+    if auth not in ("0", "1", "true", "false"):
+        raise TlsError(f"{prefix}_CLIENT_AUTH={auth!r}: use 1 or 0")
+    return TlsFiles(ca, cert, key, client_auth=auth in ("1", "true"))
+
+
+def grpc_tls(env: Mapping[str, str] | None = None) -> TlsFiles | None:
+    """The gRPC TLS settings from ``env`` (default: the process environment); None for plaintext.
+
+    Raises:
+        TlsError: a file cannot be read, or the variables are inconsistent.
+    """
+    return _files(os.environ if env is None else env, "HILUM_TLS")
+
+
+def etcd_tls_args(env: Mapping[str, str] | None = None) -> dict[str, bytes]:
+    """Keyword arguments for ``etcd3aio.Etcd3Client`` (``ca_cert``, ``cert_key``, ``cert_chain``); {} for plaintext.
+
+    Raises:
+        TlsError: a file cannot be read, or the variables are inconsistent.
+    """
+    files = _files(os.environ if env is None else env, "HILUM_ETCD")
+    if files is None:
+        return {}
+    args = {"ca_cert": files.ca}
+    if files.cert is not None and files.key is not None:
+        args |= {"cert_chain": files.cert, "cert_key": files.key}
+    return args
+
+
+def open_channel(address: str, options: Sequence[tuple[str, int | str]] | None = None) -> grpc.aio.Channel:
+    """A ``grpc.aio`` channel to ``address`` (``host:port``): TLS when ``HILUM_TLS_CA`` is set, else plaintext.
+
+    Raises:
+        TlsError: see :func:`grpc_tls`.
+    """
+    tls = grpc_tls()
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert)
+    return grpc.aio.secure_channel(address, creds, options=options)
+
+
+def add_port(server: grpc.aio.Server, listen: str) -> int:
+    """Bind ``server`` to ``listen`` (``host:port``, port 0 picks one): TLS when ``HILUM_TLS_CA`` is set.
+
+    Returns the bound port (0 when binding failed, as gRPC reports it).
+
+    Raises:
+        TlsError: see :func:`grpc_tls`; also when TLS is on but this process has no certificate.
+    """
+    tls = grpc_tls()
+    if tls is None:
+        return server.add_insecure_port(listen)
+    if tls.cert is None or tls.key is None:
+        raise TlsError("HILUM_TLS_CA is set, so servers need HILUM_TLS_CERT and HILUM_TLS_KEY")
+    creds = grpc.ssl_server_credentials(
+        [(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=tls.client_auth
+    )
+    return server.add_secure_port(listen, creds)
