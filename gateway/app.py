@@ -119,13 +119,25 @@ class GatewayApp:
         return await self._generate(request, "chat")
 
     async def _parse(self, request: web.Request, kind: str) -> GenerationRequest:
-        raw = await request.read()
+        try:
+            raw = await request.read()
+        except web.HTTPException:
+            raise
+        except Exception as exc:  # a body that cannot be decoded as sent (bad Content-Encoding, ...)
+            raise BadRequest(f"the request body cannot be read: {exc}", code="invalid_body") from None
         try:
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise BadRequest(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        except RecursionError:
+            raise BadRequest("the request body nests JSON too deeply", code="invalid_json") from None
         parse = parse_completion if kind == "completion" else parse_chat
-        return parse(body, self.backend.limits, self.tokenizer, priority_header=request.headers.get(PRIORITY_HEADER))
+        try:
+            return parse(
+                body, self.backend.limits, self.tokenizer, priority_header=request.headers.get(PRIORITY_HEADER)
+            )
+        except UnicodeEncodeError as exc:  # e.g. a lone surrogate escape ("\ud800") in the prompt
+            raise BadRequest(f"the text is not valid Unicode: {exc.reason} at position {exc.start}") from None
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         t0 = self.clock()

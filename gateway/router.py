@@ -163,6 +163,9 @@ class DomainRouter:
         self._backoff_s = backoff_s
         self._clock = clock
         self.retries: dict[str, int] = {}  # reason ("refused" | "unavailable") -> count
+        # A summary is published only when a domain's load changes, so short requests may never produce one:
+        # a reservation older than this is dropped (the domain has long since counted or finished it).
+        self.reservation_ttl_s = 1.0
 
     def _retry(self, reason: str) -> None:
         self.retries[reason] = self.retries.get(reason, 0) + 1
@@ -200,10 +203,13 @@ class DomainRouter:
             self._view.update(summary)
 
     def _pick(self, demand_blocks: int, priority: int, exclude: set[str]) -> tuple[str | None, str]:
+        now = self._clock()
+        for summary in self._summaries.values():  # expire old reservations (see reservation_ttl_s)
+            self._view.update(summary, as_of=now - self.reservation_ttl_s)
         for domain_id in exclude:
             self._view.remove(domain_id)
         try:
-            decision = self._view.pick(demand_blocks, priority)
+            decision = self._view.pick(demand_blocks, priority, stamp=now)
         finally:
             for domain_id in exclude:
                 if domain_id in self._summaries:

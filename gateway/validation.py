@@ -331,6 +331,8 @@ def _finish(
     seed = body.get("seed")
     if seed is not None:
         seed = _int_field(body, "seed", seed)
+        if not -(2**63) <= seed < 2**63:
+            raise BadRequest(f"seed must fit in a signed 64-bit integer, got {seed}", param="seed")
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list):
         raise BadRequest("stop_token_ids must be a list of token ids", param="stop_token_ids")

@@ -18,7 +18,7 @@ from global_coord.coordinator import Coordinator, NotLeader
 from global_coord.records import ACTIVE_STATES, DrainKind, MigrationRecord
 from hilum_proto.hilum.v1 import coordinator_pb2 as pb
 from hilum_proto.hilum.v1 import coordinator_pb2_grpc as pb_grpc
-from hilum_proto.tls import add_port
+from hilum_proto.tls import add_port, new_server
 
 __all__ = ["CoordinatorService", "bind_server", "start_server"]
 
@@ -134,7 +134,7 @@ def bind_server(listen: str) -> tuple[grpc.aio.Server, int]:
     Raises:
         RuntimeError: when the address cannot be bound.
     """
-    server = grpc.aio.server()
+    server = new_server()
     try:
         port = add_port(server, listen)
     except RuntimeError as exc:

@@ -129,6 +129,7 @@ def _free_port(host: str) -> int:
 def port_free(host: str, port: int) -> bool:
     """Whether ``host:port`` can be bound now (no SO_REUSEPORT: a listener that has it still blocks)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME-WAIT sockets of a stopped run don't count
         try:
             s.bind((host, port))
         except OSError:

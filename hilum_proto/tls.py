@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 
-__all__ = ["TlsError", "TlsFiles", "add_port", "etcd_tls_args", "grpc_tls", "open_channel"]
+__all__ = ["TlsError", "TlsFiles", "add_port", "etcd_tls_args", "grpc_tls", "new_server", "open_channel"]
 
 
 class TlsError(ValueError):
@@ -122,3 +122,10 @@ def add_port(server: grpc.aio.Server, listen: str) -> int:
         [(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=tls.client_auth
     )
     return server.add_secure_port(listen, creds)
+
+
+def new_server(options: Sequence[tuple[str, int | str]] = ()) -> grpc.aio.Server:
+    """A ``grpc.aio`` server that cannot share its port: gRPC turns SO_REUSEPORT on by default, which lets a
+    second process bind a port already in use and silently take half of its connections. With it off, binding
+    a used port fails (``add_port`` returns 0) and the process says so."""
+    return grpc.aio.server(options=[("grpc.so_reuseport", 0), *options])

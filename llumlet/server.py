@@ -14,7 +14,7 @@ import grpc
 
 from hilum_proto.hilum.v1 import llumlet_pb2 as pb
 from hilum_proto.hilum.v1 import llumlet_pb2_grpc as pb_grpc
-from hilum_proto.tls import add_port
+from hilum_proto.tls import add_port, new_server
 from llumlet.agent import Llumlet, MigrationCommand, MigrationOutcome, MigrationReport
 from llumlet.convert import request_from_submit
 from llumlet.transport import TransportName
@@ -131,7 +131,7 @@ async def serve(llumlet: Llumlet, listen: str) -> tuple[grpc.aio.Server, str]:
 
     Returns the server and the bound ``host:port``. Raises RuntimeError when the address cannot be bound.
     """
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    server = new_server([("grpc.max_receive_message_length", 64 << 20)])
     try:
         port = add_port(server, listen)
     except RuntimeError as exc:

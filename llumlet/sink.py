@@ -23,7 +23,7 @@ import grpc
 from hilum_proto.hilum.v1 import llumlet_pb2, llumlet_pb2_grpc
 from hilum_proto.hilum.v1 import token_sink_pb2 as pb
 from hilum_proto.hilum.v1 import token_sink_pb2_grpc as pb_grpc
-from hilum_proto.tls import add_port, open_channel
+from hilum_proto.tls import add_port, new_server, open_channel
 
 __all__ = ["CollectedStream", "TokenCollector"]
 
@@ -126,7 +126,7 @@ class TokenCollector:
 
     async def start(self) -> None:
         """Bind and serve. Raises RuntimeError when the address cannot be bound."""
-        server = grpc.aio.server()
+        server = new_server()
         pb_grpc.add_TokenSinkServicer_to_server(_Servicer(self), server)
         self._port = add_port(server, self._listen)
         if self._port == 0:

@@ -19,8 +19,9 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from global_coord.etcd import connect
-from global_coord.records import InstanceRegistration
+from global_coord.etcd import Etcd3Client, connect, kv_of
+from global_coord.records import DomainRegistration, InstanceRegistration, RecordError, decode
+from global_coord.store import Keys
 from policy.types import PolicyConfig
 from rack_sched.core import DomainScheduler
 from rack_sched.server import bind_server, start_server
@@ -109,12 +110,35 @@ def config_from_args(ns: argparse.Namespace, topology: Topology, advertise: str)
     )
 
 
+async def _refuse_a_second_scheduler(client: Etcd3Client, key: str, domain_id: str, wait_s: float) -> None:
+    """One domain scheduler per domain: a live registration (bound to its scheduler's lease) means another one
+    runs; taking over its key would hide it, and stopping this one would then unregister the domain.
+
+    A crashed scheduler's registration disappears with its lease, so this waits up to ``wait_s`` for the key to
+    go (a restart right after a crash), then raises RuntimeError naming the scheduler that still holds it.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while (reply := await kv_of(client).get(key)).kvs and loop.time() < deadline:
+        await asyncio.sleep(0.5)
+    if reply.kvs:
+        try:
+            address = decode(DomainRegistration, bytes(reply.kvs[0].value), key).address
+        except RecordError:
+            address = "?"
+        raise RuntimeError(
+            f"domain {domain_id} already has a live domain scheduler at {address}; stop it first "
+            "(a crashed one's registration expires with its lease TTL)"
+        )
+
+
 async def _serve(ns: argparse.Namespace, topology: Topology) -> None:
     server, port = bind_server(ns.listen)
     host = ns.listen.rpartition(":")[0]
     cfg = config_from_args(ns, topology, ns.advertise or f"{host}:{port}")
     client = connect([e.strip() for e in ns.etcd.split(",") if e.strip()])
     await client.connect()
+    await _refuse_a_second_scheduler(client, Keys(ns.prefix).domain(ns.domain_id), ns.domain_id, 1.5 * ns.ttl + 1)
     ids = [i.instance_id for i in topology.domain(ns.domain_id).instances]
     scheduler = DomainScheduler(cfg, client, rng=random.Random(ns.seed), topology_instance_ids=ids)
     stop = asyncio.Event()

@@ -13,7 +13,7 @@ import grpc
 from hilum_proto.hilum.v1 import llumlet_pb2
 from hilum_proto.hilum.v1 import rack_sched_pb2 as pb
 from hilum_proto.hilum.v1 import rack_sched_pb2_grpc as pb_grpc
-from hilum_proto.tls import add_port
+from hilum_proto.tls import add_port, new_server
 from rack_sched import convert
 from rack_sched.core import DomainScheduler
 from rack_sched.types import SubmitSpec
@@ -54,7 +54,7 @@ def bind_server(listen: str) -> tuple[grpc.aio.Server, int]:
     Raises:
         RuntimeError: when the address cannot be bound.
     """
-    server = grpc.aio.server()
+    server = new_server()
     try:
         port = add_port(server, listen)
     except RuntimeError as exc:

@@ -57,6 +57,7 @@ BAD_BODIES: list[tuple[str, Any, str, str]] = [
     ("stop strings", {"model": "tiny", "prompt": "hi", "stop": ["\n"]}, "stop", "use stop_token_ids"),
     ("priority", {"model": "tiny", "prompt": "hi", "priority": -1}, "priority", "must be an integer 0..9"),
     ("stream not bool", {"model": "tiny", "prompt": "hi", "stream": "yes"}, "stream", "stream must be true or false"),
+    ("seed beyond int64", {"model": "tiny", "prompt": "hi", "seed": 10**26}, "seed", "signed 64-bit integer"),
 ]
 BAD_CHAT: list[tuple[str, Any, str]] = [
     ("no messages", {"model": "tiny", "messages": []}, "messages must be a non-empty list"),
@@ -111,6 +112,10 @@ def test_malformed_json_and_bad_priority_header_are_400() -> None:
             assert resp.status == 400
             err = (await resp.json())["error"]
             assert err["code"] == "invalid_json" and "not valid JSON" in err["message"]
+            resp = await client.post("/v1/completions", data=b"[" * 100_000)
+            assert resp.status == 400 and "nests JSON too deeply" in (await resp.json())["error"]["message"]
+            resp = await client.post("/v1/completions", data=b'{"model": "tiny", "prompt": "\\ud800"}')
+            assert resp.status == 400 and "not valid Unicode" in (await resp.json())["error"]["message"]
             resp = await client.post(
                 "/v1/completions", json={"model": "tiny", "prompt": "hi"}, headers={"X-Hilum-Priority": "urgent"}
             )

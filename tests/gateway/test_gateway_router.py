@@ -115,6 +115,27 @@ def test_reservations_spread_a_burst_until_the_next_summary() -> None:
     assert sorted(picks) == ["a", "a", "a", "b", "b", "b"]
 
 
+def test_reservations_expire_when_no_summary_comes() -> None:
+    # short requests never change a domain's published summary: old reservations must not pile up
+    now = [0.0]
+    regs = {d: DomainRegistration(d, d) for d in ("a", "b")}
+    r = DomainRouter(
+        Source(regs, {"a": record("a", 0, running=0), "b": record("b", 10, running=0)}),
+        Submitter({"a": rpb.DISPATCH_ACCEPTED, "b": rpb.DISPATCH_ACCEPTED}),
+        PolicyConfig(tie_tolerance=0.0),
+        random.Random(1),
+        clock=lambda: now[0],
+    )
+
+    async def one() -> str:
+        return (await r.dispatch(msg(), demand_blocks=20)).domain_id
+
+    assert asyncio.run(one()) == "a"  # a is freer
+    assert asyncio.run(one()) == "b"  # a now carries a reservation of 20 blocks
+    now[0] = 5.0  # both reservations are older than reservation_ttl_s: a is the freer domain again
+    assert asyncio.run(one()) == "a"
+
+
 def test_refused_domain_is_skipped_for_the_next() -> None:
     r, sub = router(
         {"a": record("a", 0), "b": record("b", 50)}, {"a": rpb.DISPATCH_REFUSED, "b": rpb.DISPATCH_ACCEPTED}

@@ -42,3 +42,14 @@ def test_llumlet_registers_itself_and_its_key_goes_with_it(etcd: EtcdServer, pre
         proc.stop()
     # SIGTERM revokes the lease: the registration disappears at once, not after the TTL.
     assert asyncio.run(_read(etcd.endpoint, key)) is None
+
+
+def test_a_second_llumlet_cannot_take_a_port_in_use(tmp_path: Path) -> None:
+    from llumlet.cli import main as cli_main
+
+    proc = LlumletProcess("node-0-i0", ["--topology", "1x8-a100"], tmp_path / "first.log").start()
+    try:
+        # gRPC would share the port (SO_REUSEPORT) and split connections between the two: it must fail
+        assert cli_main(["--instance-id", "node-0-i1", "--topology", "1x8-a100", "--listen", proc.address]) == 2
+    finally:
+        proc.stop()

@@ -163,3 +163,17 @@ def test_restart_loses_no_running_request(
             await col.stop()
 
     asyncio.run(main())
+
+
+def test_a_second_scheduler_for_a_live_domain_is_refused(etcd: Any, prefix: str, tmp_path: Path) -> None:
+    first = RackProcess(etcd.endpoint, prefix, tmp_path / "first.log", ["--instance", f"{DOMAIN}-i0=127.0.0.1:1"])
+    first.start()
+    try:
+        cmd = list(first.cmd)  # same domain and prefix; the first keeps its lease alive
+        cmd[cmd.index("--ttl") + 1] = "2"  # waits 1.5 x 2 + 1 s for the key to go, then gives up
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2, second.stderr
+        assert f"domain {DOMAIN} already has a live domain scheduler at {first.address}" in second.stderr
+    finally:
+        first.stop()
