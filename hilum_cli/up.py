@@ -13,7 +13,7 @@ Starts, in this order, each as its own process and waits until each serves:
 
 It prints every address, the ``hilumctl`` line to query the cluster, a ``curl`` line and a ``hilum bench``
 line, and writes them to ``<run dir>/cluster.json``. Ctrl-C (or SIGTERM) stops everything in reverse order:
-SIGTERM to each stage, SIGKILL after ``--stop-timeout``; every child is in one process group that is
+SIGTERM to each stage, SIGKILL after 10 s; every child is in one process group that is
 swept with SIGKILL at the end, and every child is reaped (``wait()``), so no process is left behind. On
 Linux each child also gets SIGTERM if ``hilum up`` itself dies (``PR_SET_PDEATHSIG``).
 
