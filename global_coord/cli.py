@@ -18,8 +18,9 @@ from collections.abc import Sequence
 
 from global_coord.coordinator import Coordinator, CoordinatorConfig
 from global_coord.etcd import connect
-from global_coord.server import bind_server, start_server
+from global_coord.server import start_server
 from global_coord.wiring import ClusterModel, load_cluster_model
+from hilum_proto.tls import bind_server
 
 __all__ = ["main", "parse_args", "serve_replica"]
 

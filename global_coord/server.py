@@ -18,9 +18,8 @@ from global_coord.coordinator import Coordinator, NotLeader
 from global_coord.records import ACTIVE_STATES, DrainKind, MigrationRecord
 from hilum_proto.hilum.v1 import coordinator_pb2 as pb
 from hilum_proto.hilum.v1 import coordinator_pb2_grpc as pb_grpc
-from hilum_proto.tls import add_port, new_server
 
-__all__ = ["CoordinatorService", "bind_server", "start_server"]
+__all__ = ["CoordinatorService", "start_server"]
 
 _log = logging.getLogger(__name__)
 
@@ -126,22 +125,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if result.record is not None:
             reply.migration.CopyFrom(convert.migration(result.record, result.mod_revision))
         return reply
-
-
-def bind_server(listen: str) -> tuple[grpc.aio.Server, int]:
-    """A new grpc.aio server bound to ``listen`` (``host:port``; port 0 picks one); (server, port).
-
-    Raises:
-        RuntimeError: when the address cannot be bound.
-    """
-    server = new_server()
-    try:
-        port = add_port(server, listen)
-    except RuntimeError as exc:
-        raise RuntimeError(f"cannot listen on {listen}: {exc}") from exc
-    if port == 0:
-        raise RuntimeError(f"cannot listen on {listen}")
-    return server, port
 
 
 async def start_server(coordinator: Coordinator, server: grpc.aio.Server) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 
-__all__ = ["TlsError", "TlsFiles", "add_port", "etcd_tls_args", "grpc_tls", "new_server", "open_channel"]
+__all__ = ["TlsError", "TlsFiles", "add_port", "bind_server", "etcd_tls_args", "grpc_tls", "new_server", "open_channel"]
 
 
 class TlsError(ValueError):
@@ -129,3 +129,20 @@ def new_server(options: Sequence[tuple[str, int | str]] = ()) -> grpc.aio.Server
     second process bind a port already in use and silently take half of its connections. With it off, binding
     a used port fails (``add_port`` returns 0) and the process says so."""
     return grpc.aio.server(options=[("grpc.so_reuseport", 0), *options])
+
+
+def bind_server(listen: str) -> tuple[grpc.aio.Server, int]:
+    """A new server (:func:`new_server`) bound to ``listen`` (``host:port``; port 0 picks one); (server, port).
+
+    Raises:
+        RuntimeError: when the address cannot be bound (in use, or not a local address).
+        TlsError: see :func:`add_port`.
+    """
+    server = new_server()
+    try:
+        port = add_port(server, listen)
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot listen on {listen}: {exc}") from exc
+    if port == 0:
+        raise RuntimeError(f"cannot listen on {listen}: the address is in use or not local")
+    return server, port

@@ -22,9 +22,10 @@ from collections.abc import Sequence
 from global_coord.etcd import Etcd3Client, connect, kv_of
 from global_coord.records import DomainRegistration, InstanceRegistration, RecordError, decode
 from global_coord.store import Keys
+from hilum_proto.tls import bind_server
 from policy.types import PolicyConfig
 from rack_sched.core import DomainScheduler
-from rack_sched.server import bind_server, start_server
+from rack_sched.server import start_server
 from rack_sched.types import RackConfig
 from topology.load import TopologyError, load_topology
 from topology.spec import Topology

@@ -13,12 +13,11 @@ import grpc
 from hilum_proto.hilum.v1 import llumlet_pb2
 from hilum_proto.hilum.v1 import rack_sched_pb2 as pb
 from hilum_proto.hilum.v1 import rack_sched_pb2_grpc as pb_grpc
-from hilum_proto.tls import add_port, new_server
 from rack_sched import convert
 from rack_sched.core import DomainScheduler
 from rack_sched.types import SubmitSpec
 
-__all__ = ["RackSchedulerService", "bind_server", "start_server"]
+__all__ = ["RackSchedulerService", "start_server"]
 
 _log = logging.getLogger(__name__)
 
@@ -46,22 +45,6 @@ class RackSchedulerService(pb_grpc.RackSchedulerServicer):
 
     async def GetDomainState(self, request: pb.GetDomainStateRequest, context: _Ctx) -> pb.DomainState:
         return convert.domain_state(self._s.state())
-
-
-def bind_server(listen: str) -> tuple[grpc.aio.Server, int]:
-    """A new grpc.aio server bound to ``listen`` (``host:port``; port 0 picks one); (server, port).
-
-    Raises:
-        RuntimeError: when the address cannot be bound.
-    """
-    server = new_server()
-    try:
-        port = add_port(server, listen)
-    except RuntimeError as exc:
-        raise RuntimeError(f"cannot listen on {listen}: {exc}") from exc
-    if port == 0:
-        raise RuntimeError(f"cannot listen on {listen}")
-    return server, port
 
 
 async def start_server(scheduler: DomainScheduler, server: grpc.aio.Server) -> None:

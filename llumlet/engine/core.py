@@ -211,25 +211,7 @@ class EngineCore(PagedEngine):
         state = self.scheduler.requests.get(request_id)
         if state is None or state.status is not RequestStatus.RUNNING or not state.in_decode:
             return None
-        self.scheduler.running.remove(state)
-        state.status = RequestStatus.SUSPENDED
-        self._suspended[request_id] = state
-        req = state.request
-        return MigrationState(
-            request_id=request_id,
-            prompt_tokens=req.prompt_tokens,
-            num_output_tokens=state.num_output_tokens,
-            num_computed_tokens=state.num_computed_tokens,
-            max_tokens=req.max_tokens,
-            priority=req.priority,
-            arrival_s=req.arrival_s,
-            prefix_block_hashes=req.prefix_block_hashes,
-            prefix_hash_block_tokens=req.prefix_hash_block_tokens,
-            num_preemptions=state.num_preemptions,
-            prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=tuple(state.output_token_ids),
-            sampling_params=req.sampling_params,
-        )
+        return self._take_suspended(state, state.request.sampling_params, {})
 
     def free_migrated(self, request_id: str) -> int:
         """Source side after the destination committed: forget the suspended request, free its blocks.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from llumlet.engine.blocks import BlockManager
 from llumlet.engine.scheduler import RequestStatus, Scheduler, SchedulerRequest
-from llumlet.engine.types import EngineLoad, RunningRequestLoad
+from llumlet.engine.types import EngineLoad, MigrationState, RunningRequestLoad, SamplingParams
 
 __all__ = ["PagedEngine"]
 
@@ -98,3 +98,28 @@ class PagedEngine:
             return False
         self.scheduler.add_running(state)
         return True
+
+    def _take_suspended(
+        self, state: SchedulerRequest, sampling_params: SamplingParams | None, extra: dict[str, object]
+    ) -> MigrationState:
+        """Take a running request out of batching (it keeps its blocks) and return its ``MigrationState``."""
+        self.scheduler.running.remove(state)
+        state.status = RequestStatus.SUSPENDED
+        self._suspended[state.request_id] = state
+        req = state.request
+        return MigrationState(
+            request_id=state.request_id,
+            prompt_tokens=req.prompt_tokens,
+            num_output_tokens=state.num_output_tokens,
+            num_computed_tokens=state.num_computed_tokens,
+            max_tokens=req.max_tokens,
+            priority=req.priority,
+            arrival_s=req.arrival_s,
+            prefix_block_hashes=req.prefix_block_hashes,
+            prefix_hash_block_tokens=req.prefix_hash_block_tokens,
+            num_preemptions=state.num_preemptions,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=tuple(state.output_token_ids),
+            sampling_params=sampling_params,
+            extra=extra,
+        )

@@ -43,7 +43,7 @@ from llumlet.engine.blocks import BlockManager
 from llumlet.engine.core import RequestStats, RequestTooLargeError
 from llumlet.engine.paged import PagedEngine
 from llumlet.engine.protocol import KVPayload
-from llumlet.engine.scheduler import RequestStatus, ScheduledBatch, Scheduler, SchedulerRequest
+from llumlet.engine.scheduler import ScheduledBatch, Scheduler, SchedulerRequest
 from llumlet.engine.types import (
     EngineRequest,
     MigrationState,
@@ -419,25 +419,10 @@ class TorchEngine(PagedEngine):
         if self.migratable(request_id) is not None:
             return None
         state = self.scheduler.requests[request_id]
-        self.scheduler.running.remove(state)
-        state.status = RequestStatus.SUSPENDED
-        self._suspended[request_id] = state
-        req = state.request
-        return MigrationState(
-            request_id=request_id,
-            prompt_tokens=req.prompt_tokens,
-            num_output_tokens=state.num_output_tokens,
-            num_computed_tokens=state.num_computed_tokens,
-            max_tokens=req.max_tokens,
-            priority=req.priority,
-            arrival_s=req.arrival_s,
-            prefix_block_hashes=req.prefix_block_hashes,
-            prefix_hash_block_tokens=req.prefix_hash_block_tokens,
-            num_preemptions=state.num_preemptions,
-            prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=tuple(state.output_token_ids),
-            sampling_params=self._params[request_id],
-            extra={
+        return self._take_suspended(
+            state,
+            self._params[request_id],
+            {
                 EXTRA_GENERATOR_STATE: _generator_state(self._generators[request_id]),
                 EXTRA_MODEL_FINGERPRINT: self.model_fingerprint,
                 EXTRA_EOS_TOKEN_ID: self.eos_token_id,

@@ -22,11 +22,12 @@ from global_coord.records import (
     SummaryRecord,
     encode,
 )
-from global_coord.server import bind_server, start_server
+from global_coord.server import start_server
 from global_coord.session import Registrar
 from global_coord.store import Keys, Store, SummaryPublisher
 from hilum_proto.hilum.v1 import coordinator_pb2 as pb
 from hilum_proto.hilum.v1 import coordinator_pb2_grpc as pb_grpc
+from hilum_proto.tls import bind_server
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from global_coord.approver import Judgement, MoveProposal, PathLike
 from global_coord.coordinator import Coordinator, CoordinatorConfig
 from global_coord.etcd import connect, kv_of
 from global_coord.records import DrainKind, MigrationRecord, MigrationState, encode
-from global_coord.server import bind_server, start_server
+from global_coord.server import start_server
 from global_coord.store import Keys, Store
+from hilum_proto.tls import bind_server
 
 
 @dataclass(frozen=True)

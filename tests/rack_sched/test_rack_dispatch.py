@@ -15,8 +15,9 @@ from global_coord.etcd import kv_of
 from global_coord.records import DrainKind
 from global_coord.store import Keys
 from hilum_proto.hilum.v1 import llumlet_pb2, rack_sched_pb2, rack_sched_pb2_grpc
+from hilum_proto.tls import bind_server
 from rack_sched.core import DomainScheduler
-from rack_sched.server import bind_server, start_server
+from rack_sched.server import start_server
 from rack_sched.types import DispatchOutcome, SubmitSpec
 
 
