@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hilum_proto.hilum.v1 import llumlet_pb2 as pb
+from hilum_proto.v1 import llumlet_pb2 as pb
 from llumlet.client import LlumletClient
 from llumlet.engine.types import SamplingParams
 from llumlet.procs import LlumletProcess

@@ -20,11 +20,11 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
+from clusterstate.etcd import connect
 from gateway.app import GatewayApp
 from gateway.cluster import LiveCluster
 from gateway.metrics import GatewayMetrics
 from gateway.tokenizer import ByteTokenizer
-from global_coord.etcd import connect
 from topology.load import TopologyError, load_topology
 from topology.spec import Topology
 

@@ -2,7 +2,7 @@
 
 ``LiveCluster`` joins the pieces of a running hilum cluster:
 
-- a :class:`~global_coord.store.ClusterView` of etcd (watched): domain schedulers and their summaries,
+- a :class:`~clusterstate.store.ClusterView` of etcd (watched): domain schedulers and their summaries,
   instance registrations;
 - a :class:`~gateway.router.DomainRouter` that picks a domain and submits there;
 - a :class:`~gateway.sink.GatewaySink`, the origin every request names: tokens arrive there from whichever
@@ -24,13 +24,13 @@ from typing import Protocol
 
 import grpc
 
+from clusterstate.etcd import Etcd3Client
+from clusterstate.store import ClusterView, Keys
 from gateway.metrics import GatewayMetrics
 from gateway.router import DomainRouter, GrpcSubmitter, Placement
 from gateway.sink import GatewaySink, TokenUpdate
 from gateway.validation import GenerationRequest, ModelLimits, model_limits
-from global_coord.etcd import Etcd3Client
-from global_coord.store import ClusterView, Keys
-from hilum_proto.hilum.v1 import llumlet_pb2
+from hilum_proto.v1 import llumlet_pb2
 from llumlet.client import LlumletClient
 from llumlet.convert import sampling_to_pb
 from llumlet.engine.types import SamplingParams

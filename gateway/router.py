@@ -1,6 +1,6 @@
 """Domain choice: the rule book over domain summaries, a local reservation per pick, retries elsewhere.
 
-The gateway sees the cluster through etcd (a :class:`~global_coord.store.ClusterView`, watched): each
+The gateway sees the cluster through etcd (a :class:`~clusterstate.store.ClusterView`, watched): each
 domain scheduler's registration (``P domains/<id>``: its address) and its published summary
 (``P summaries/<id>``). :class:`DomainRouter` keeps a :class:`policy.dispatch.DomainDispatchView` over
 those summaries — the same freeness rule a domain scheduler applies to its instances (DESIGN.md, "Virtual
@@ -33,11 +33,11 @@ from typing import Protocol
 
 import grpc
 
-from global_coord.records import DomainRegistration, SummaryRecord
-from hilum_proto.hilum.v1 import llumlet_pb2
-from hilum_proto.hilum.v1 import rack_sched_pb2 as rpb
-from hilum_proto.hilum.v1 import rack_sched_pb2_grpc as rpb_grpc
+from clusterstate.records import DomainRegistration, SummaryRecord
 from hilum_proto.tls import open_channel
+from hilum_proto.v1 import llumlet_pb2
+from hilum_proto.v1 import rack_sched_pb2 as rpb
+from hilum_proto.v1 import rack_sched_pb2_grpc as rpb_grpc
 from policy.dispatch import DomainDispatchView
 from policy.domain import DomainSummary
 from policy.types import PolicyConfig
@@ -56,7 +56,7 @@ _log = logging.getLogger(__name__)
 
 
 class ClusterSource(Protocol):
-    """What the router reads (a ``global_coord.store.ClusterView`` is one)."""
+    """What the router reads (a ``clusterstate.store.ClusterView`` is one)."""
 
     @property
     def version(self) -> int: ...

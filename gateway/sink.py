@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from hilum_proto.hilum.v1 import token_sink_pb2 as pb
+from hilum_proto.v1 import token_sink_pb2 as pb
 from llumlet.sink import TokenCollector
 
 __all__ = ["GatewaySink", "Move", "SinkObserver", "TokenUpdate"]

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from global_coord.records import (
+from clusterstate.records import (
     ACTIVE_STATES,
     DrainIntent,
     DrainKind,

@@ -16,8 +16,8 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from clusterstate.etcd import connect
 from global_coord.coordinator import Coordinator, CoordinatorConfig
-from global_coord.etcd import connect
 from global_coord.server import start_server
 from global_coord.wiring import ClusterModel, load_cluster_model
 from hilum_proto.tls import bind_server

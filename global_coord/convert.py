@@ -1,4 +1,4 @@
-"""Conversions between protobuf messages (``hilum_proto.hilum.v1``) and hilum's dataclasses — only at the edge.
+"""Conversions between protobuf messages (``hilum_proto.v1``) and hilum's dataclasses — only at the edge.
 
 Nothing outside the gRPC servers and clients touches a ``*_pb2`` message; they call these functions.
 Functions named after the message build it; ``*_from_pb`` functions read one and raise ``ValueError``
@@ -7,12 +7,7 @@ Functions named after the message build it; ``*_from_pb`` functions read one and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
-
-from global_coord.approver import MoveProposal
-from global_coord.coordinator import StatusInfo
-from global_coord.records import (
+from clusterstate.records import (
     DomainRegistration,
     DrainIntent,
     DrainKind,
@@ -22,10 +17,11 @@ from global_coord.records import (
     MigrationState,
     SummaryRecord,
 )
-from hilum_proto.hilum.v1 import coordinator_pb2 as pb
+from global_coord.approver import MoveProposal
+from global_coord.coordinator import StatusInfo, TopologyLike
+from hilum_proto.v1 import coordinator_pb2 as pb
 
 __all__ = [
-    "TopologyLike",
     "domain_info",
     "drain_intent",
     "drain_target_from_pb",
@@ -240,45 +236,6 @@ def move_proposal_from_pb(msg: pb.MigrationProposal) -> MoveProposal:
         remaining_tokens=msg.remaining_tokens,
         decode_step_s=msg.decode_step_s,
     )
-
-
-class _InstanceSpecLike(Protocol):
-    @property
-    def instance_id(self) -> str: ...
-    @property
-    def node_id(self) -> str: ...
-    @property
-    def gpus(self) -> tuple[int, ...]: ...
-    @property
-    def tensor_parallel_size(self) -> int: ...
-    @property
-    def model(self) -> str: ...
-    @property
-    def gpu_type(self) -> str: ...
-    @property
-    def kv_capacity_blocks(self) -> int: ...
-
-
-class _DomainSpecLike(Protocol):
-    @property
-    def domain_id(self) -> str: ...
-    @property
-    def kind(self) -> str: ...
-    @property
-    def gpu_type(self) -> str: ...
-    @property
-    def instances(self) -> Sequence[_InstanceSpecLike]: ...
-
-
-class TopologyLike(Protocol):
-    """What GetTopology reports of ``topology.spec.Topology`` (structural)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def source(self) -> str: ...
-    @property
-    def domains(self) -> Sequence[_DomainSpecLike]: ...
 
 
 def topology_reply(topo: TopologyLike | None) -> pb.TopologyReply:

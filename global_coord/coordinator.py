@@ -1,8 +1,8 @@
 """The global coordinator: campaigns for leadership, keeps the ClusterView, approves cross-domain moves.
 
-Every replica keeps a :class:`~global_coord.store.ClusterView` and observes who leads, so any replica
+Every replica keeps a :class:`~clusterstate.store.ClusterView` and observes who leads, so any replica
 answers reads. Only the leader writes: approvals and drain intents go to etcd in transactions fenced by
-its leader key (:class:`~global_coord.fencing.Fence`), each stamped with its fencing token. A write that
+its leader key (:class:`~clusterstate.fencing.Fence`), each stamped with its fencing token. A write that
 fails its fence proves this replica no longer leads: it drops its session and campaigns again.
 
 Approvals are serialised (one at a time), judged against link budgets counted from the migrations in
@@ -17,10 +17,23 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from clusterstate.backoff import Backoff, BackoffConfig
+from clusterstate.election import Election, Leader
+from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client
+from clusterstate.fencing import Fence, FencedOut
+from clusterstate.records import (
+    ACTIVE_STATES,
+    DrainIntent,
+    DrainKind,
+    MigrationRecord,
+    MigrationState,
+)
+from clusterstate.session import Session, SessionLost
+from clusterstate.store import ClusterView, Keys, Store
 from global_coord.approver import (
     MoveJudge,
     MoveProposal,
@@ -29,26 +42,49 @@ from global_coord.approver import (
     choose_destination,
     link_flows,
 )
-from global_coord.backoff import Backoff, BackoffConfig
-from global_coord.election import Election, Leader
-from global_coord.etcd import RETRYABLE_ERRORS, Etcd3Client
-from global_coord.fencing import Fence, FencedOut
-from global_coord.records import (
-    ACTIVE_STATES,
-    DrainIntent,
-    DrainKind,
-    MigrationRecord,
-    MigrationState,
-)
-from global_coord.session import Session, SessionLost
-from global_coord.store import ClusterView, Keys, Store
 
-if TYPE_CHECKING:
-    from global_coord.convert import TopologyLike
-
-__all__ = ["Coordinator", "CoordinatorConfig", "NotLeader", "ProposeResult", "StatusInfo"]
+__all__ = ["Coordinator", "CoordinatorConfig", "NotLeader", "ProposeResult", "StatusInfo", "TopologyLike"]
 
 _log = logging.getLogger(__name__)
+
+
+class _InstanceSpecLike(Protocol):
+    @property
+    def instance_id(self) -> str: ...
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def gpus(self) -> tuple[int, ...]: ...
+    @property
+    def tensor_parallel_size(self) -> int: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def gpu_type(self) -> str: ...
+    @property
+    def kv_capacity_blocks(self) -> int: ...
+
+
+class _DomainSpecLike(Protocol):
+    @property
+    def domain_id(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def gpu_type(self) -> str: ...
+    @property
+    def instances(self) -> Sequence[_InstanceSpecLike]: ...
+
+
+class TopologyLike(Protocol):
+    """What the coordinator reports of ``topology.spec.Topology`` in GetTopology (structural)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def domains(self) -> Sequence[_DomainSpecLike]: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,11 +13,11 @@ from typing import Any, TypeAlias
 
 import grpc
 
+from clusterstate.records import ACTIVE_STATES, DrainKind, MigrationRecord
 from global_coord import convert
 from global_coord.coordinator import Coordinator, NotLeader
-from global_coord.records import ACTIVE_STATES, DrainKind, MigrationRecord
-from hilum_proto.hilum.v1 import coordinator_pb2 as pb
-from hilum_proto.hilum.v1 import coordinator_pb2_grpc as pb_grpc
+from hilum_proto.v1 import coordinator_pb2 as pb
+from hilum_proto.v1 import coordinator_pb2_grpc as pb_grpc
 
 __all__ = ["CoordinatorService", "start_server"]
 

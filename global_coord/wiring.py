@@ -13,7 +13,7 @@ from pathlib import Path
 
 from global_coord.approval import ApprovalConfig, price_and_judge
 from global_coord.approver import Judgement, MoveJudge, MoveProposal, PathLike, PathOf
-from global_coord.convert import TopologyLike
+from global_coord.coordinator import TopologyLike
 from topology.cost import CostConfig
 from topology.graph import TopologyGraph
 from topology.load import load_topology

@@ -36,7 +36,7 @@ from hilum_cli import ctl_views as views
 from hilum_cli.ctl_client import DEFAULT_PREFIX, AdminClient, CtlError, Target, UsageError, parse_addresses
 from hilum_cli.ctl_drain import DrainProgress, domain_progress, instance_progress, resolve_target
 from hilum_cli.ctl_requests import ask_domains
-from hilum_proto.hilum.v1 import coordinator_pb2 as pb
+from hilum_proto.v1 import coordinator_pb2 as pb
 
 __all__ = ["build_parser", "main", "run"]
 

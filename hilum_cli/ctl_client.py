@@ -17,9 +17,9 @@ from typing import Any
 
 import grpc
 
-from hilum_proto.hilum.v1 import coordinator_pb2 as pb
-from hilum_proto.hilum.v1 import coordinator_pb2_grpc as pb_grpc
 from hilum_proto.tls import open_channel
+from hilum_proto.v1 import coordinator_pb2 as pb
+from hilum_proto.v1 import coordinator_pb2_grpc as pb_grpc
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -81,7 +81,7 @@ async def leader_from_etcd(endpoints: Sequence[str], prefix: str, timeout_s: flo
     Raises:
         CtlError: when etcd does not answer within ``timeout_s`` seconds, or no coordinator leads.
     """
-    from global_coord.etcd import RETRYABLE_ERRORS, connect, kv_of  # etcd3aio only when --etcd is used
+    from clusterstate.etcd import RETRYABLE_ERRORS, connect, kv_of  # etcd3aio only when --etcd is used
 
     where = ",".join(endpoints)
     key = prefix + "leader"

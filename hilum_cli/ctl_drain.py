@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hilum_proto.hilum.v1 import coordinator_pb2 as pb
+from hilum_proto.v1 import coordinator_pb2 as pb
 
 __all__ = ["DrainProgress", "domain_progress", "instance_progress", "resolve_target"]
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from hilum_proto.hilum.v1 import coordinator_pb2 as pb
-from hilum_proto.hilum.v1 import rack_sched_pb2, rack_sched_pb2_grpc
 from hilum_proto.tls import open_channel
+from hilum_proto.v1 import coordinator_pb2 as pb
+from hilum_proto.v1 import rack_sched_pb2, rack_sched_pb2_grpc
 
 __all__ = ["DomainAnswer", "ask_domain", "ask_domains"]
 

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hilum_cli.ctl_requests import DomainAnswer
-from hilum_proto.hilum.v1 import coordinator_pb2 as pb
+from hilum_proto.v1 import coordinator_pb2 as pb
 
 __all__ = [
     "STATE_NAMES",

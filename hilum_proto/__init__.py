@@ -1,10 +1,11 @@
-"""hilum_proto — hilum's gRPC contracts.
+"""hilum_proto — the Python side of hilum's gRPC contracts.
 
-The ``.proto`` sources are in ``hilum_proto/hilum/v1/`` (package ``hilum.v1``); the generated modules are
-committed next to them and imported as ``hilum_proto.hilum.v1.coordinator_pb2`` /
-``hilum_proto.hilum.v1.coordinator_pb2_grpc``. Regenerate with ``python -m hilum_proto.generate``; a test fails when
-the committed code is stale. Conversions between messages and hilum's dataclasses live in
-``global_coord.convert`` and are used only at the gRPC edge.
+The contracts themselves are language-neutral ``.proto`` files in the top-level ``proto/`` folder
+(``proto/hilum/v1/*.proto``, package ``hilum.v1``). The modules generated from them are committed in
+``hilum_proto.v1`` (``hilum_proto.v1.coordinator_pb2`` / ``hilum_proto.v1.coordinator_pb2_grpc``, ...).
+Regenerate with ``python -m hilum_proto.generate``; a test fails when the committed code is stale.
+``hilum_proto.tls`` opens every gRPC channel and binds every server. Conversions between messages and
+hilum's dataclasses live at each tier's gRPC edge and nowhere else.
 """
 
 __all__: list[str] = []

@@ -40,8 +40,8 @@ from typing import ParamSpec, TypeVar
 
 import grpc
 
-from global_coord.fencing import FencingGuard, StaleToken
-from hilum_proto.hilum.v1 import llumlet_pb2 as pb
+from clusterstate.fencing import FencingGuard, StaleToken
+from hilum_proto.v1 import llumlet_pb2 as pb
 from llumlet.backends.base import Backend
 from llumlet.client import LlumletClient
 from llumlet.convert import UnmovableStateError, load_to_pb, state_from_pb, state_to_pb

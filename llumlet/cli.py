@@ -117,10 +117,10 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
 
 async def _register(ns: argparse.Namespace, topology: Topology, address: str, stop: asyncio.Event) -> None:
     """Keep ``<prefix>instances/<id>`` registered under this process's lease until ``stop`` (DESIGN.md, etcd)."""
-    from global_coord.etcd import connect
-    from global_coord.records import InstanceRegistration, encode
-    from global_coord.session import Registrar
-    from global_coord.store import Keys
+    from clusterstate.etcd import connect
+    from clusterstate.records import InstanceRegistration, encode
+    from clusterstate.session import Registrar
+    from clusterstate.store import Keys
 
     spec = topology.instance(ns.instance_id)
     record = InstanceRegistration(

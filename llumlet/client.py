@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Sequence
 from types import TracebackType
 
-from hilum_proto.hilum.v1 import llumlet_pb2 as pb
-from hilum_proto.hilum.v1 import llumlet_pb2_grpc as pb_grpc
 from hilum_proto.tls import open_channel
+from hilum_proto.v1 import llumlet_pb2 as pb
+from hilum_proto.v1 import llumlet_pb2_grpc as pb_grpc
 from llumlet.convert import sampling_to_pb
 from llumlet.engine.types import SamplingParams
 

@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from hilum_proto.hilum.v1 import llumlet_pb2 as pb
+from hilum_proto.v1 import llumlet_pb2 as pb
 from llumlet.engine.types import EngineLoad, EngineRequest, MigrationState, RunningRequestLoad, SamplingParams
 
 __all__ = [

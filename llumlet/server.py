@@ -12,9 +12,9 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from hilum_proto.hilum.v1 import llumlet_pb2 as pb
-from hilum_proto.hilum.v1 import llumlet_pb2_grpc as pb_grpc
 from hilum_proto.tls import add_port, new_server
+from hilum_proto.v1 import llumlet_pb2 as pb
+from hilum_proto.v1 import llumlet_pb2_grpc as pb_grpc
 from llumlet.agent import Llumlet, MigrationCommand, MigrationOutcome, MigrationReport
 from llumlet.convert import request_from_submit
 from llumlet.transport import TransportName

@@ -20,10 +20,10 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from hilum_proto.hilum.v1 import llumlet_pb2, llumlet_pb2_grpc
-from hilum_proto.hilum.v1 import token_sink_pb2 as pb
-from hilum_proto.hilum.v1 import token_sink_pb2_grpc as pb_grpc
 from hilum_proto.tls import add_port, new_server, open_channel
+from hilum_proto.v1 import llumlet_pb2, llumlet_pb2_grpc
+from hilum_proto.v1 import token_sink_pb2 as pb
+from hilum_proto.v1 import token_sink_pb2_grpc as pb_grpc
 
 __all__ = ["CollectedStream", "TokenCollector"]
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from hilum_proto.hilum.v1 import token_sink_pb2 as pb
-from hilum_proto.hilum.v1 import token_sink_pb2_grpc as pb_grpc
 from hilum_proto.tls import open_channel
+from hilum_proto.v1 import token_sink_pb2 as pb
+from hilum_proto.v1 import token_sink_pb2_grpc as pb_grpc
 
 __all__ = ["PushOutcome", "TokenChunkOut", "TokenPusher"]
 

@@ -27,8 +27,8 @@ from typing import Protocol
 
 import grpc
 
-from hilum_proto.hilum.v1 import llumlet_pb2 as pb
-from hilum_proto.hilum.v1 import llumlet_pb2_grpc as pb_grpc
+from hilum_proto.v1 import llumlet_pb2 as pb
+from hilum_proto.v1 import llumlet_pb2_grpc as pb_grpc
 from llumlet.engine.protocol import KVPayload
 from topology.graph import TopologyGraph
 

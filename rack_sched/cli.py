@@ -19,9 +19,9 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from global_coord.etcd import Etcd3Client, connect, kv_of
-from global_coord.records import DomainRegistration, InstanceRegistration, RecordError, decode
-from global_coord.store import Keys
+from clusterstate.etcd import Etcd3Client, connect, kv_of
+from clusterstate.records import DomainRegistration, InstanceRegistration, RecordError, decode
+from clusterstate.store import Keys
 from hilum_proto.tls import bind_server
 from policy.types import PolicyConfig
 from rack_sched.core import DomainScheduler

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 
-from hilum_proto.hilum.v1 import llumlet_pb2
-from hilum_proto.hilum.v1 import rack_sched_pb2 as pb
+from hilum_proto.v1 import llumlet_pb2
+from hilum_proto.v1 import rack_sched_pb2 as pb
 from policy.types import InstanceLoad, RequestLoad
 from rack_sched.types import DispatchOutcome, DispatchResult, DomainStateInfo
 

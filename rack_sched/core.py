@@ -1,7 +1,7 @@
 """The domain scheduler: exact state of one NVLink domain's instances, dispatch, rescheduling, summaries,
 cross-domain proposals and drains (DESIGN.md, "Components"; docs/control-plane.md, "Domain scheduler").
 
-One :class:`DomainScheduler` per domain. It keeps a :class:`~global_coord.store.ClusterView` of etcd and
+One :class:`DomainScheduler` per domain. It keeps a :class:`~clusterstate.store.ClusterView` of etcd and
 from it
 
 - discovers its instances: every ``P instances/<id>`` registration (under the llumlet's lease) that names
@@ -46,12 +46,10 @@ from typing import Any
 
 import grpc
 
-from global_coord import convert as coord_convert
-from global_coord.approver import MoveProposal
-from global_coord.backoff import Backoff
-from global_coord.etcd import RETRYABLE_ERRORS, Etcd3Client
-from global_coord.fencing import FencingGuard
-from global_coord.records import (
+from clusterstate.backoff import Backoff
+from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client
+from clusterstate.fencing import FencingGuard
+from clusterstate.records import (
     DomainRegistration,
     DrainKind,
     InstanceRegistration,
@@ -61,10 +59,12 @@ from global_coord.records import (
     decode,
     encode,
 )
-from global_coord.session import Registrar
-from global_coord.store import ClusterView, Keys, Store, SummaryPublisher
-from hilum_proto.hilum.v1 import coordinator_pb2_grpc, llumlet_pb2, llumlet_pb2_grpc
+from clusterstate.session import Registrar
+from clusterstate.store import ClusterView, Keys, Store, SummaryPublisher
+from global_coord import convert as coord_convert
+from global_coord.approver import MoveProposal
 from hilum_proto.tls import open_channel
+from hilum_proto.v1 import coordinator_pb2_grpc, llumlet_pb2, llumlet_pb2_grpc
 from policy.dispatch import DispatchView
 from policy.domain import DomainSummary, summarize_domain
 from policy.migration import plan_migrations

@@ -13,7 +13,7 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from global_coord.records import DrainKind, SummaryRecord
+from clusterstate.records import DrainKind, SummaryRecord
 from policy.domain import DomainSummary
 from policy.migration import pair_domains, plan_migrations
 from policy.types import InstanceLoad, PolicyConfig

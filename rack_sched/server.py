@@ -10,9 +10,9 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from hilum_proto.hilum.v1 import llumlet_pb2
-from hilum_proto.hilum.v1 import rack_sched_pb2 as pb
-from hilum_proto.hilum.v1 import rack_sched_pb2_grpc as pb_grpc
+from hilum_proto.v1 import llumlet_pb2
+from hilum_proto.v1 import rack_sched_pb2 as pb
+from hilum_proto.v1 import rack_sched_pb2_grpc as pb_grpc
 from rack_sched import convert
 from rack_sched.core import DomainScheduler
 from rack_sched.types import SubmitSpec

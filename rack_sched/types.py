@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from global_coord.backoff import BackoffConfig
-from global_coord.records import InstanceRegistration
+from clusterstate.backoff import BackoffConfig
+from clusterstate.records import InstanceRegistration
 from policy.types import InstanceLoad, PolicyConfig
 
 __all__ = ["DispatchOutcome", "DispatchResult", "DomainStateInfo", "InstanceStateInfo", "RackConfig", "SubmitSpec"]
@@ -19,7 +19,7 @@ class RackConfig:
     domain_id: str
     advertise_address: str  # host:port the gateway and tools reach its gRPC server at
     block_size_tokens: int  # KV block size of the domain's model (from the topology)
-    prefix: str = "/hilum/v1/"  # etcd key prefix (global_coord.store)
+    prefix: str = "/hilum/v1/"  # etcd key prefix (clusterstate.store)
     ttl_s: int = 10  # lease TTL of its registration and summary
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     rebalance_interval_s: float = 0.05  # intra-domain rescheduling period (Llumnix: 50 ms)

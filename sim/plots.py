@@ -10,16 +10,13 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from sim.results import SimRun, StoredRun
-
-if TYPE_CHECKING:
-    from sim.sweep import SweepRow
+from sim.results import SimRun, StoredRun, SweepRow
 
 __all__ = ["KV_HEATMAP_MIN_INSTANCES", "plot_kv_usage", "plot_p99_vs_load", "plot_ttft_cdf"]
 

@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from sim.results import PolicySummary
-
-if TYPE_CHECKING:
-    from sim.sweep import SweepRow
+from sim.results import PolicySummary, SweepRow
 
 __all__ = [
     "LATENCY_COLUMNS",

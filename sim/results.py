@@ -34,6 +34,7 @@ __all__ = [
     "ResultsError",
     "SimRun",
     "StoredRun",
+    "SweepRow",
     "json_default",
     "load_results",
     "percentile",
@@ -466,3 +467,16 @@ def load_results(path: str | Path) -> list[StoredRun]:
             )
         )
     return stored
+
+
+@dataclass(frozen=True, slots=True)
+class SweepRow:
+    """The result of one grid point: where it ran and its summary."""
+
+    topology: str
+    trace: str
+    policy: str
+    rate_scale: float  # arrival-rate multiplier
+    seed: int
+    max_requests: int | None
+    summary: PolicySummary

@@ -32,9 +32,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sim.results import (
-    PolicySummary,
     ResultsError,
     SimRun,
+    SweepRow,
     json_default,
     summarize,
     summary_from_dict,
@@ -155,19 +155,6 @@ class GridPoint:
 
 RunFn = Callable[[GridPoint], SimRun]
 """Runs one grid point. Must be picklable (a module-level function) to travel to Ray workers."""
-
-
-@dataclass(frozen=True, slots=True)
-class SweepRow:
-    """The result of one grid point: where it ran and its summary."""
-
-    topology: str
-    trace: str
-    policy: str
-    rate_scale: float  # arrival-rate multiplier
-    seed: int
-    max_requests: int | None
-    summary: PolicySummary
 
 
 @dataclass(frozen=True, slots=True)

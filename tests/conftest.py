@@ -1,7 +1,8 @@
-"""Fixtures shared by the test packages: a real etcd on loopback (see ``etcd_server.py``)."""
+"""Fixtures shared by the test packages: a real etcd on loopback (see ``etcd_server.py``) and one local Ray."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,3 +33,24 @@ def etcd_private(tmp_path: Path) -> Iterator[EtcdServer]:
 def prefix() -> str:
     """A key prefix of its own for each test on the shared etcd."""
     return f"/t-{uuid.uuid4().hex[:8]}/"
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """One local Ray for the whole test session (2 CPUs, no dashboard, no token authentication).
+
+    Starting Ray more than once per process is slow and, on a loaded 2-core machine, can miss Ray's own
+    start-up deadline, so every test that needs Ray shares this one.
+    """
+    ray = pytest.importorskip("ray")
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
+from clusterstate.records import DomainRegistration, SummaryRecord
 from gateway.router import DispatchFailed, DomainRouter, summary_of_record
-from global_coord.records import DomainRegistration, SummaryRecord
-from hilum_proto.hilum.v1 import llumlet_pb2
-from hilum_proto.hilum.v1 import rack_sched_pb2 as rpb
+from hilum_proto.v1 import llumlet_pb2
+from hilum_proto.v1 import rack_sched_pb2 as rpb
 from policy.types import PolicyConfig
 
 

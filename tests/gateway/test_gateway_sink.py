@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from gateway.sink import GatewaySink, Move, TokenUpdate
-from hilum_proto.hilum.v1 import token_sink_pb2 as pb
+from hilum_proto.v1 import token_sink_pb2 as pb
 
 
 class Clock:

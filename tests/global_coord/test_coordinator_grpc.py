@@ -12,22 +12,22 @@ import grpc
 import pytest
 from etcd_server import EtcdServer
 
-from global_coord.approver import Judgement, MoveProposal, PathLike
-from global_coord.coordinator import Coordinator, CoordinatorConfig
-from global_coord.etcd import connect
-from global_coord.records import (
+from clusterstate.etcd import connect
+from clusterstate.records import (
     DomainRegistration,
     InstanceRegistration,
     MigrationState,
     SummaryRecord,
     encode,
 )
+from clusterstate.session import Registrar
+from clusterstate.store import Keys, Store, SummaryPublisher
+from global_coord.approver import Judgement, MoveProposal, PathLike
+from global_coord.coordinator import Coordinator, CoordinatorConfig
 from global_coord.server import start_server
-from global_coord.session import Registrar
-from global_coord.store import Keys, Store, SummaryPublisher
-from hilum_proto.hilum.v1 import coordinator_pb2 as pb
-from hilum_proto.hilum.v1 import coordinator_pb2_grpc as pb_grpc
 from hilum_proto.tls import bind_server
+from hilum_proto.v1 import coordinator_pb2 as pb
+from hilum_proto.v1 import coordinator_pb2_grpc as pb_grpc
 
 
 @dataclass(frozen=True)

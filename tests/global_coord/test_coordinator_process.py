@@ -16,13 +16,13 @@ import grpc
 import pytest
 from etcd_server import EtcdServer, free_port
 
-from global_coord.etcd import connect
-from global_coord.fencing import FencingGuard
-from global_coord.records import InstanceRegistration, encode
-from global_coord.session import Registrar
-from global_coord.store import Keys, Store
-from hilum_proto.hilum.v1 import coordinator_pb2 as pb
-from hilum_proto.hilum.v1 import coordinator_pb2_grpc as pb_grpc
+from clusterstate.etcd import connect
+from clusterstate.fencing import FencingGuard
+from clusterstate.records import InstanceRegistration, encode
+from clusterstate.session import Registrar
+from clusterstate.store import Keys, Store
+from hilum_proto.v1 import coordinator_pb2 as pb
+from hilum_proto.v1 import coordinator_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 TTL_S = 2

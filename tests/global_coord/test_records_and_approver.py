@@ -6,15 +6,7 @@ import math
 
 import pytest
 
-from global_coord.approver import (
-    Judgement,
-    MoveProposal,
-    busiest_link_flows,
-    candidate_destinations,
-    choose_destination,
-    link_flows,
-)
-from global_coord.records import (
+from clusterstate.records import (
     DrainIntent,
     DrainKind,
     InstanceRegistration,
@@ -24,6 +16,14 @@ from global_coord.records import (
     SummaryRecord,
     decode,
     encode,
+)
+from global_coord.approver import (
+    Judgement,
+    MoveProposal,
+    busiest_link_flows,
+    candidate_destinations,
+    choose_destination,
+    link_flows,
 )
 
 

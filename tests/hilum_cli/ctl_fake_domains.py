@@ -7,9 +7,9 @@ applied (``{"ok": N}``, N = the command's number) — or at once (``{"scheduled"
 ``delay_s``, which runs it later in the background:
 
 - ``{"op": "domain", "record": {DomainRegistration fields}}`` and ``{"op": "instance", "record": {...}}``:
-  registrations under this process's lease (``global_coord.session.Registrar``), as rack_sched/llumlets do;
+  registrations under this process's lease (``clusterstate.session.Registrar``), as rack_sched/llumlets do;
 - ``{"op": "summary", "record": {SummaryRecord fields, instances: [InstanceLoadRecord fields]}}``: published
-  through ``global_coord.store.SummaryPublisher`` (answered after the put);
+  through ``clusterstate.store.SummaryPublisher`` (answered after the put);
 - ``{"op": "commit", "migration_id": ID}``: approved -> committed by compare-and-swap (``Store.transition``),
   as the destination's domain scheduler does after the last copy.
 """
@@ -23,8 +23,8 @@ import random
 import sys
 from typing import Any
 
-from global_coord.etcd import connect
-from global_coord.records import (
+from clusterstate.etcd import connect
+from clusterstate.records import (
     DomainRegistration,
     InstanceLoadRecord,
     InstanceRegistration,
@@ -32,8 +32,8 @@ from global_coord.records import (
     SummaryRecord,
     encode,
 )
-from global_coord.session import Registrar
-from global_coord.store import Keys, Store, SummaryPublisher
+from clusterstate.session import Registrar
+from clusterstate.store import Keys, Store, SummaryPublisher
 
 
 def _summary(raw: dict[str, Any]) -> SummaryRecord:

@@ -2,7 +2,7 @@
 
 Domain schedulers are stood in for by ``ctl_fake_domains.py``, a process that registers domains and
 instances under its lease and publishes summaries (with per-instance load) through
-``global_coord.store`` exactly as rack_sched does; node-0's registered scheduler address is a gRPC
+``clusterstate.store`` exactly as rack_sched does; node-0's registered scheduler address is a gRPC
 server in this process answering ``GetDomainState`` with a fixed state (for ``requests``), node-1's is a
 port where nothing listens. Commands run in-process (``main(argv, env)``); the
 ``--follow`` test runs ``python -m hilum_cli.ctl`` as a process and stops it with SIGINT.
@@ -30,15 +30,15 @@ import grpc
 import pytest
 from etcd_server import EtcdServer, free_port
 
-from global_coord.etcd import connect, kv_of
-from global_coord.fencing import Fence
-from global_coord.records import DrainIntent, DrainKind, MigrationRecord, MigrationState, decode
-from global_coord.store import Keys, Store
+from clusterstate.etcd import connect, kv_of
+from clusterstate.fencing import Fence
+from clusterstate.records import DrainIntent, DrainKind, MigrationRecord, MigrationState, decode
+from clusterstate.store import Keys, Store
 from hilum_cli.ctl import main
-from hilum_proto.hilum.v1 import coordinator_pb2 as pb
-from hilum_proto.hilum.v1 import coordinator_pb2_grpc as pb_grpc
-from hilum_proto.hilum.v1 import rack_sched_pb2 as rs
-from hilum_proto.hilum.v1 import rack_sched_pb2_grpc as rs_grpc
+from hilum_proto.v1 import coordinator_pb2 as pb
+from hilum_proto.v1 import coordinator_pb2_grpc as pb_grpc
+from hilum_proto.v1 import rack_sched_pb2 as rs
+from hilum_proto.v1 import rack_sched_pb2_grpc as rs_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

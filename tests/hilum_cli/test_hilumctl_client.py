@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from hilum_cli.ctl_client import AdminClient, CtlError, Target
-from hilum_proto.hilum.v1 import coordinator_pb2 as pb
-from hilum_proto.hilum.v1 import coordinator_pb2_grpc as pb_grpc
+from hilum_proto.v1 import coordinator_pb2 as pb
+from hilum_proto.v1 import coordinator_pb2_grpc as pb_grpc
 
 
 class Replica(pb_grpc.CoordinatorServicer):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hilum_cli.ctl_drain import DrainProgress, domain_progress, instance_progress, resolve_target
-from hilum_proto.hilum.v1 import coordinator_pb2 as pb
+from hilum_proto.v1 import coordinator_pb2 as pb
 
 APPROVED, COMMITTED, PROPOSED = pb.MIGRATION_STATE_APPROVED, pb.MIGRATION_STATE_COMMITTED, pb.MIGRATION_STATE_PROPOSED
 

@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 from up_harness import UpProcess, alive, idle_load, start_up, wait_load
 
-from hilum_proto.hilum.v1 import llumlet_pb2 as lpb
+from hilum_proto.v1 import llumlet_pb2 as lpb
 from llumlet.client import LlumletClient
 from sim.traces import load_trace
 

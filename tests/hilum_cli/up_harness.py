@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from hilum_proto.hilum.v1 import rack_sched_pb2, rack_sched_pb2_grpc
+from hilum_proto.v1 import rack_sched_pb2, rack_sched_pb2_grpc
 from llumlet.client import LlumletClient
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,9 +11,9 @@ import grpc
 import pytest
 from etcd_server import ETCD_BIN, free_port
 
-from global_coord.etcd import connect, kv_of
-from hilum_proto.hilum.v1 import llumlet_pb2, llumlet_pb2_grpc
+from clusterstate.etcd import connect, kv_of
 from hilum_proto.tls import TlsError, etcd_tls_args, grpc_tls
+from hilum_proto.v1 import llumlet_pb2, llumlet_pb2_grpc
 from llumlet.client import LlumletClient
 from llumlet.procs import LlumletProcess
 

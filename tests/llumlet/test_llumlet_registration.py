@@ -8,9 +8,9 @@ from pathlib import Path
 
 from etcd_server import EtcdServer
 
-from global_coord.etcd import connect, kv_of
-from global_coord.records import InstanceRegistration, decode
-from global_coord.store import Keys
+from clusterstate.etcd import connect, kv_of
+from clusterstate.records import InstanceRegistration, decode
+from clusterstate.store import Keys
 from llumlet.procs import LlumletProcess
 
 

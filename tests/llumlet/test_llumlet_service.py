@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 import pytest
 
-from hilum_proto.hilum.v1 import llumlet_pb2 as pb
+from hilum_proto.v1 import llumlet_pb2 as pb
 from llumlet.backends import BackendConfig
 from llumlet.cli import main as cli_main
 from llumlet.engine.types import SamplingParams

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hilum_proto.hilum.v1 import llumlet_pb2 as pb
-from hilum_proto.hilum.v1 import token_sink_pb2 as sink_pb
+from hilum_proto.v1 import llumlet_pb2 as pb
+from hilum_proto.v1 import token_sink_pb2 as sink_pb
 from llumlet.backends import BackendConfig, UnknownBackendError, make_backend
 from llumlet.convert import (
     UnmovableStateError,

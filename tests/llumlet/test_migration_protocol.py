@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from hilum_proto.hilum.v1 import llumlet_pb2 as pb
+from hilum_proto.v1 import llumlet_pb2 as pb
 from llumlet.agent import MigrationCommand, MigrationConfig, MigrationHooks
 from llumlet.backends import BackendConfig
 from llumlet.engine.protocol import KVPayload

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from hilum_proto.hilum.v1 import llumlet_pb2 as pb
+from hilum_proto.v1 import llumlet_pb2 as pb
 from llumlet.client import LlumletClient
 from llumlet.engine.types import SamplingParams
 from llumlet.procs import LlumletProcess

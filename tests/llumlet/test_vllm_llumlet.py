@@ -25,7 +25,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from llumlet.engine.vllm_engine import tiny_llama_checkpoint
 
-from hilum_proto.hilum.v1 import llumlet_pb2 as pb
+from hilum_proto.v1 import llumlet_pb2 as pb
 from llumlet.client import LlumletClient
 from llumlet.engine.types import SamplingParams
 from llumlet.procs import LlumletProcess

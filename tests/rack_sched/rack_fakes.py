@@ -13,11 +13,11 @@ from typing import Any
 
 import grpc
 
-from global_coord.etcd import Etcd3Client, connect, kv_of
-from global_coord.records import DrainIntent, DrainKind, InstanceRegistration, encode
-from global_coord.store import Keys
-from hilum_proto.hilum.v1 import llumlet_pb2 as pb
-from hilum_proto.hilum.v1 import llumlet_pb2_grpc as pb_grpc
+from clusterstate.etcd import Etcd3Client, connect, kv_of
+from clusterstate.records import DrainIntent, DrainKind, InstanceRegistration, encode
+from clusterstate.store import Keys
+from hilum_proto.v1 import llumlet_pb2 as pb
+from hilum_proto.v1 import llumlet_pb2_grpc as pb_grpc
 from rack_sched.core import DomainScheduler
 from rack_sched.types import RackConfig
 

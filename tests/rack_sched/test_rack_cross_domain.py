@@ -13,12 +13,12 @@ from typing import Any
 
 from rack_fakes import FakeLlumlet, etcd_client, eventually, fakes, put_drain, register, scheduler
 
+from clusterstate.etcd import connect, kv_of
+from clusterstate.records import DrainKind, MigrationRecord, MigrationState, encode
+from clusterstate.store import Keys, Store
 from global_coord.approver import Judgement, MoveProposal, PathLike
 from global_coord.coordinator import Coordinator, CoordinatorConfig
-from global_coord.etcd import connect, kv_of
-from global_coord.records import DrainKind, MigrationRecord, MigrationState, encode
 from global_coord.server import start_server
-from global_coord.store import Keys, Store
 from hilum_proto.tls import bind_server
 
 

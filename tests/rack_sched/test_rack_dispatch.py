@@ -11,11 +11,11 @@ import grpc
 import pytest
 from rack_fakes import BLOCK, etcd_client, eventually, fakes, put_drain, register, scheduler
 
-from global_coord.etcd import kv_of
-from global_coord.records import DrainKind
-from global_coord.store import Keys
-from hilum_proto.hilum.v1 import llumlet_pb2, rack_sched_pb2, rack_sched_pb2_grpc
+from clusterstate.etcd import kv_of
+from clusterstate.records import DrainKind
+from clusterstate.store import Keys
 from hilum_proto.tls import bind_server
+from hilum_proto.v1 import llumlet_pb2, rack_sched_pb2, rack_sched_pb2_grpc
 from rack_sched.core import DomainScheduler
 from rack_sched.server import start_server
 from rack_sched.types import DispatchOutcome, SubmitSpec

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from global_coord.records import DrainKind, RecordError, SummaryRecord, decode, encode
-from hilum_proto.hilum.v1 import llumlet_pb2
+from clusterstate.records import DrainKind, RecordError, SummaryRecord, decode, encode
+from hilum_proto.v1 import llumlet_pb2
 from policy.domain import DomainSummary, summarize_domain
 from policy.types import InstanceLoad, PolicyConfig, RequestLoad
 from rack_sched.convert import load_from_pb, prompt_length
@@ -87,7 +87,7 @@ def test_summary_record_carries_instance_loads_in_the_shared_format() -> None:
     summary = summarize_domain("d", loads, CFG)
     record = SummaryRecord.of(summary, loads)
     raw = json.loads(encode(record))
-    # Exactly global_coord.records.InstanceLoadRecord's fields (the format hilumctl drain --wait reads).
+    # Exactly clusterstate.records.InstanceLoadRecord's fields (the format hilumctl drain --wait reads).
     assert raw["instances"] == [
         {"draining": False, "instance_id": "i0", "num_running": 1, "num_waiting": 0, "used_blocks": 10},
         {"draining": True, "instance_id": "i1", "num_running": 1, "num_waiting": 2, "used_blocks": 30},

@@ -21,10 +21,10 @@ import grpc
 import pytest
 from rack_fakes import etcd_client, eventually
 
-from global_coord.etcd import kv_of
-from global_coord.records import InstanceRegistration, decode
-from global_coord.store import Keys
-from hilum_proto.hilum.v1 import llumlet_pb2, rack_sched_pb2, rack_sched_pb2_grpc
+from clusterstate.etcd import kv_of
+from clusterstate.records import InstanceRegistration, decode
+from clusterstate.store import Keys
+from hilum_proto.v1 import llumlet_pb2, rack_sched_pb2, rack_sched_pb2_grpc
 from llumlet.procs import LlumletProcess
 from llumlet.sink import TokenCollector
 

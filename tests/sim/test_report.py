@@ -11,8 +11,7 @@ from matplotlib.image import imread
 
 from sim.plots import plot_kv_usage, plot_p99_vs_load, plot_ttft_cdf
 from sim.report import format_sweep_table, format_table, render_table, ttft_p99_ratios
-from sim.results import KvTimeline, PolicySummary, RequestRecord, SimRun, summarize
-from sim.sweep import SweepRow
+from sim.results import KvTimeline, PolicySummary, RequestRecord, SimRun, SweepRow, summarize
 
 SUMMARY = PolicySummary(
     policy="hilum",

@@ -65,9 +65,8 @@ def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str, caps
 
 
 def test_sweep_runs_real_simulations_as_ray_tasks(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    ray_session: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     config = tmp_path / "sweep.yaml"
     config.write_text(
         "trace: azure-conv\n"

@@ -195,40 +195,34 @@ def test_default_run_fn_builds_the_runner_spec(monkeypatch: pytest.MonkeyPatch) 
 # ------------------------------------------------------------------------------------------ on Ray
 
 
-def test_sweep_starts_and_stops_its_own_local_ray(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No Ray running: run_sweep starts a local one (all cores, no dashboard) and shuts it down."""
-    ray = pytest.importorskip("ray")
-    cloudpickle = pytest.importorskip("ray.cloudpickle")
+def test_sweep_starts_and_stops_its_own_local_ray(local_ray: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No Ray running: run_sweep starts a local one (all cores, no dashboard) and shuts it down.
 
-    if ray.is_initialized():  # this test must run before the module's shared Ray session
-        pytest.skip("a Ray session is already running")
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    try:
-        cfg = SweepConfig(trace="t", topologies=["a"], policies=["hilum"], rate_scales=[1.0])
-        rows = run_sweep(cfg, run_fn=fake_run, progress=False)
-    finally:
-        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    The session's Ray does the work; ``ray.is_initialized``, ``ray.init`` and ``ray.shutdown`` are watched, so
+    no second Ray is started in this process.
+    """
+    import ray
+
+    calls: list[tuple[str, dict[str, object]]] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: bool(calls))  # "not running" until run_sweep starts it
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(("init", kw)))
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append(("shutdown", {})))
+    cfg = SweepConfig(trace="t", topologies=["a"], policies=["hilum"], rate_scales=[1.0])
+    rows = run_sweep(cfg, run_fn=fake_run, progress=False)
     assert [r.summary.ttft_p99_s for r in rows] == pytest.approx([0.1])
-    assert not ray.is_initialized()
+    assert calls == [("init", {"num_cpus": os.cpu_count() or 1, "include_dashboard": False}), ("shutdown", {})]
 
 
 @pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    ray = pytest.importorskip("ray")
+def local_ray(ray_session: None) -> Iterator[None]:
     cloudpickle = pytest.importorskip("ray.cloudpickle")
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_AUTH_MODE", "disabled")
-        # pytest imports this file as a top-level module that Ray's workers cannot import; ship the
-        # fake run functions by value instead.
-        cloudpickle.register_pickle_by_value(sys.modules[__name__])
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        try:
-            yield
-        finally:
-            ray.shutdown()
-            cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    # pytest imports this file as a top-level module that Ray's workers cannot import; ship the
+    # fake run functions by value instead.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        yield
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 
 
 def test_sweep_on_ray_merges_table_json_and_plot(local_ray: None, tmp_path: Path) -> None:

@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from hilum_proto.hilum.v1 import llumlet_pb2 as hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2
-from hilum_proto.hilum.v1 import rack_sched_pb2 as hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2
+from hilum_proto.v1 import llumlet_pb2 as hilum_dot_v1_dot_llumlet__pb2
+from hilum_proto.v1 import rack_sched_pb2 as hilum_dot_v1_dot_rack__sched__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in hilum_proto/hilum/v1/rack_sched_pb2_grpc.py depends on'
+        + ' but the generated code in hilum/v1/rack_sched_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,18 +37,18 @@ class RackSchedulerStub:
         """
         self.Ping = channel.unary_unary(
                 '/hilum.v1.RackScheduler/Ping',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.RackPingRequest.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.RackPingReply.FromString,
+                request_serializer=hilum_dot_v1_dot_rack__sched__pb2.RackPingRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_rack__sched__pb2.RackPingReply.FromString,
                 _registered_method=True)
         self.Submit = channel.unary_unary(
                 '/hilum.v1.RackScheduler/Submit',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.SubmitRequest.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.DispatchReply.FromString,
+                request_serializer=hilum_dot_v1_dot_llumlet__pb2.SubmitRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_rack__sched__pb2.DispatchReply.FromString,
                 _registered_method=True)
         self.GetDomainState = channel.unary_unary(
                 '/hilum.v1.RackScheduler/GetDomainState',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.GetDomainStateRequest.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.DomainState.FromString,
+                request_serializer=hilum_dot_v1_dot_rack__sched__pb2.GetDomainStateRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_rack__sched__pb2.DomainState.FromString,
                 _registered_method=True)
 
 
@@ -82,18 +82,18 @@ def add_RackSchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Ping': grpc.unary_unary_rpc_method_handler(
                     servicer.Ping,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.RackPingRequest.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.RackPingReply.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_rack__sched__pb2.RackPingRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_rack__sched__pb2.RackPingReply.SerializeToString,
             ),
             'Submit': grpc.unary_unary_rpc_method_handler(
                     servicer.Submit,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.SubmitRequest.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.DispatchReply.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_llumlet__pb2.SubmitRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_rack__sched__pb2.DispatchReply.SerializeToString,
             ),
             'GetDomainState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetDomainState,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.GetDomainStateRequest.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.DomainState.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_rack__sched__pb2.GetDomainStateRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_rack__sched__pb2.DomainState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -121,8 +121,8 @@ class RackScheduler:
             request,
             target,
             '/hilum.v1.RackScheduler/Ping',
-            hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.RackPingRequest.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.RackPingReply.FromString,
+            hilum_dot_v1_dot_rack__sched__pb2.RackPingRequest.SerializeToString,
+            hilum_dot_v1_dot_rack__sched__pb2.RackPingReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -148,8 +148,8 @@ class RackScheduler:
             request,
             target,
             '/hilum.v1.RackScheduler/Submit',
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.SubmitRequest.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.DispatchReply.FromString,
+            hilum_dot_v1_dot_llumlet__pb2.SubmitRequest.SerializeToString,
+            hilum_dot_v1_dot_rack__sched__pb2.DispatchReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -175,8 +175,8 @@ class RackScheduler:
             request,
             target,
             '/hilum.v1.RackScheduler/GetDomainState',
-            hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.GetDomainStateRequest.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_rack__sched__pb2.DomainState.FromString,
+            hilum_dot_v1_dot_rack__sched__pb2.GetDomainStateRequest.SerializeToString,
+            hilum_dot_v1_dot_rack__sched__pb2.DomainState.FromString,
             options,
             channel_credentials,
             insecure,

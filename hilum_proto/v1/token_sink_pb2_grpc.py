@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from hilum_proto.hilum.v1 import token_sink_pb2 as hilum__proto_dot_hilum_dot_v1_dot_token__sink__pb2
+from hilum_proto.v1 import token_sink_pb2 as hilum_dot_v1_dot_token__sink__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in hilum_proto/hilum/v1/token_sink_pb2_grpc.py depends on'
+        + ' but the generated code in hilum/v1/token_sink_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,8 +36,8 @@ class TokenSinkStub:
         """
         self.PushTokens = channel.unary_unary(
                 '/hilum.v1.TokenSink/PushTokens',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_token__sink__pb2.TokenChunk.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_token__sink__pb2.TokenAck.FromString,
+                request_serializer=hilum_dot_v1_dot_token__sink__pb2.TokenChunk.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_token__sink__pb2.TokenAck.FromString,
                 _registered_method=True)
 
 
@@ -56,8 +56,8 @@ def add_TokenSinkServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'PushTokens': grpc.unary_unary_rpc_method_handler(
                     servicer.PushTokens,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_token__sink__pb2.TokenChunk.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_token__sink__pb2.TokenAck.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_token__sink__pb2.TokenChunk.FromString,
+                    response_serializer=hilum_dot_v1_dot_token__sink__pb2.TokenAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -85,8 +85,8 @@ class TokenSink:
             request,
             target,
             '/hilum.v1.TokenSink/PushTokens',
-            hilum__proto_dot_hilum_dot_v1_dot_token__sink__pb2.TokenChunk.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_token__sink__pb2.TokenAck.FromString,
+            hilum_dot_v1_dot_token__sink__pb2.TokenChunk.SerializeToString,
+            hilum_dot_v1_dot_token__sink__pb2.TokenAck.FromString,
             options,
             channel_credentials,
             insecure,

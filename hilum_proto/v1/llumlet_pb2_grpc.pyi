@@ -15,7 +15,7 @@ the newest the destination has seen for that request is answered DEST_STALE and 
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from hilum_proto.hilum.v1 import llumlet_pb2 as _llumlet_pb2
+from hilum_proto.v1 import llumlet_pb2 as _llumlet_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

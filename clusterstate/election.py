@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from global_coord.etcd import RETRYABLE_ERRORS, Etcd3Client, kv_of, watch_of
-from global_coord.fencing import Fence
-from global_coord.session import Session, SessionLost
+from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, kv_of, watch_of
+from clusterstate.fencing import Fence
+from clusterstate.session import Session, SessionLost
 
 __all__ = ["Election", "Leader"]
 

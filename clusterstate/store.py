@@ -28,8 +28,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from global_coord.backoff import Backoff, BackoffConfig
-from global_coord.etcd import (
+from clusterstate.backoff import Backoff, BackoffConfig
+from clusterstate.etcd import (
     RETRYABLE_ERRORS,
     Etcd3Client,
     compare_exists,
@@ -38,8 +38,8 @@ from global_coord.etcd import (
     prefix_range_end,
     watch_of,
 )
-from global_coord.fencing import Fence, FencedOut
-from global_coord.records import (
+from clusterstate.fencing import Fence, FencedOut
+from clusterstate.records import (
     TRANSITIONS,
     DomainRegistration,
     DrainIntent,
@@ -52,7 +52,7 @@ from global_coord.records import (
     decode,
     encode,
 )
-from global_coord.session import Registrar
+from clusterstate.session import Registrar
 
 __all__ = ["CasResult", "ClusterView", "Entry", "Keys", "Store", "SummaryPublisher"]
 

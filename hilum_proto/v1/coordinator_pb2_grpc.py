@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from hilum_proto.hilum.v1 import coordinator_pb2 as hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2
+from hilum_proto.v1 import coordinator_pb2 as hilum_dot_v1_dot_coordinator__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in hilum_proto/hilum/v1/coordinator_pb2_grpc.py depends on'
+        + ' but the generated code in hilum/v1/coordinator_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,48 +36,48 @@ class CoordinatorStub:
         """
         self.Status = channel.unary_unary(
                 '/hilum.v1.Coordinator/Status',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.StatusRequest.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.StatusReply.FromString,
+                request_serializer=hilum_dot_v1_dot_coordinator__pb2.StatusRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_coordinator__pb2.StatusReply.FromString,
                 _registered_method=True)
         self.ListDomains = channel.unary_unary(
                 '/hilum.v1.Coordinator/ListDomains',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.ListDomainsRequest.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.ListDomainsReply.FromString,
+                request_serializer=hilum_dot_v1_dot_coordinator__pb2.ListDomainsRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_coordinator__pb2.ListDomainsReply.FromString,
                 _registered_method=True)
         self.ListInstances = channel.unary_unary(
                 '/hilum.v1.Coordinator/ListInstances',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.ListInstancesRequest.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.ListInstancesReply.FromString,
+                request_serializer=hilum_dot_v1_dot_coordinator__pb2.ListInstancesRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_coordinator__pb2.ListInstancesReply.FromString,
                 _registered_method=True)
         self.ListMigrations = channel.unary_unary(
                 '/hilum.v1.Coordinator/ListMigrations',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.ListMigrationsRequest.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.ListMigrationsReply.FromString,
+                request_serializer=hilum_dot_v1_dot_coordinator__pb2.ListMigrationsRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_coordinator__pb2.ListMigrationsReply.FromString,
                 _registered_method=True)
         self.FollowMigrations = channel.unary_stream(
                 '/hilum.v1.Coordinator/FollowMigrations',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.FollowMigrationsRequest.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.MigrationEvent.FromString,
+                request_serializer=hilum_dot_v1_dot_coordinator__pb2.FollowMigrationsRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_coordinator__pb2.MigrationEvent.FromString,
                 _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/hilum.v1.Coordinator/Drain',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.DrainReply.FromString,
+                request_serializer=hilum_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_coordinator__pb2.DrainReply.FromString,
                 _registered_method=True)
         self.Undrain = channel.unary_unary(
                 '/hilum.v1.Coordinator/Undrain',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.UndrainRequest.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.DrainReply.FromString,
+                request_serializer=hilum_dot_v1_dot_coordinator__pb2.UndrainRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_coordinator__pb2.DrainReply.FromString,
                 _registered_method=True)
         self.GetTopology = channel.unary_unary(
                 '/hilum.v1.Coordinator/GetTopology',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.GetTopologyRequest.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.TopologyReply.FromString,
+                request_serializer=hilum_dot_v1_dot_coordinator__pb2.GetTopologyRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_coordinator__pb2.TopologyReply.FromString,
                 _registered_method=True)
         self.ProposeMigration = channel.unary_unary(
                 '/hilum.v1.Coordinator/ProposeMigration',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.MigrationProposal.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.Approval.FromString,
+                request_serializer=hilum_dot_v1_dot_coordinator__pb2.MigrationProposal.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_coordinator__pb2.Approval.FromString,
                 _registered_method=True)
 
 
@@ -152,48 +152,48 @@ def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.StatusRequest.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.StatusReply.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_coordinator__pb2.StatusRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_coordinator__pb2.StatusReply.SerializeToString,
             ),
             'ListDomains': grpc.unary_unary_rpc_method_handler(
                     servicer.ListDomains,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.ListDomainsRequest.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.ListDomainsReply.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_coordinator__pb2.ListDomainsRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_coordinator__pb2.ListDomainsReply.SerializeToString,
             ),
             'ListInstances': grpc.unary_unary_rpc_method_handler(
                     servicer.ListInstances,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.ListInstancesRequest.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.ListInstancesReply.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_coordinator__pb2.ListInstancesRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_coordinator__pb2.ListInstancesReply.SerializeToString,
             ),
             'ListMigrations': grpc.unary_unary_rpc_method_handler(
                     servicer.ListMigrations,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.ListMigrationsRequest.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.ListMigrationsReply.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_coordinator__pb2.ListMigrationsRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_coordinator__pb2.ListMigrationsReply.SerializeToString,
             ),
             'FollowMigrations': grpc.unary_stream_rpc_method_handler(
                     servicer.FollowMigrations,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.FollowMigrationsRequest.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.MigrationEvent.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_coordinator__pb2.FollowMigrationsRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_coordinator__pb2.MigrationEvent.SerializeToString,
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.DrainRequest.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.DrainReply.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_coordinator__pb2.DrainRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_coordinator__pb2.DrainReply.SerializeToString,
             ),
             'Undrain': grpc.unary_unary_rpc_method_handler(
                     servicer.Undrain,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.UndrainRequest.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.DrainReply.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_coordinator__pb2.UndrainRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_coordinator__pb2.DrainReply.SerializeToString,
             ),
             'GetTopology': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTopology,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.GetTopologyRequest.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.TopologyReply.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_coordinator__pb2.GetTopologyRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_coordinator__pb2.TopologyReply.SerializeToString,
             ),
             'ProposeMigration': grpc.unary_unary_rpc_method_handler(
                     servicer.ProposeMigration,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.MigrationProposal.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.Approval.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_coordinator__pb2.MigrationProposal.FromString,
+                    response_serializer=hilum_dot_v1_dot_coordinator__pb2.Approval.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,8 +221,8 @@ class Coordinator:
             request,
             target,
             '/hilum.v1.Coordinator/Status',
-            hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.StatusRequest.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.StatusReply.FromString,
+            hilum_dot_v1_dot_coordinator__pb2.StatusRequest.SerializeToString,
+            hilum_dot_v1_dot_coordinator__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -248,8 +248,8 @@ class Coordinator:
             request,
             target,
             '/hilum.v1.Coordinator/ListDomains',
-            hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.ListDomainsRequest.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.ListDomainsReply.FromString,
+            hilum_dot_v1_dot_coordinator__pb2.ListDomainsRequest.SerializeToString,
+            hilum_dot_v1_dot_coordinator__pb2.ListDomainsReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -275,8 +275,8 @@ class Coordinator:
             request,
             target,
             '/hilum.v1.Coordinator/ListInstances',
-            hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.ListInstancesRequest.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.ListInstancesReply.FromString,
+            hilum_dot_v1_dot_coordinator__pb2.ListInstancesRequest.SerializeToString,
+            hilum_dot_v1_dot_coordinator__pb2.ListInstancesReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -302,8 +302,8 @@ class Coordinator:
             request,
             target,
             '/hilum.v1.Coordinator/ListMigrations',
-            hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.ListMigrationsRequest.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.ListMigrationsReply.FromString,
+            hilum_dot_v1_dot_coordinator__pb2.ListMigrationsRequest.SerializeToString,
+            hilum_dot_v1_dot_coordinator__pb2.ListMigrationsReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -329,8 +329,8 @@ class Coordinator:
             request,
             target,
             '/hilum.v1.Coordinator/FollowMigrations',
-            hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.FollowMigrationsRequest.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.MigrationEvent.FromString,
+            hilum_dot_v1_dot_coordinator__pb2.FollowMigrationsRequest.SerializeToString,
+            hilum_dot_v1_dot_coordinator__pb2.MigrationEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -356,8 +356,8 @@ class Coordinator:
             request,
             target,
             '/hilum.v1.Coordinator/Drain',
-            hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.DrainReply.FromString,
+            hilum_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
+            hilum_dot_v1_dot_coordinator__pb2.DrainReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -383,8 +383,8 @@ class Coordinator:
             request,
             target,
             '/hilum.v1.Coordinator/Undrain',
-            hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.UndrainRequest.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.DrainReply.FromString,
+            hilum_dot_v1_dot_coordinator__pb2.UndrainRequest.SerializeToString,
+            hilum_dot_v1_dot_coordinator__pb2.DrainReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -410,8 +410,8 @@ class Coordinator:
             request,
             target,
             '/hilum.v1.Coordinator/GetTopology',
-            hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.GetTopologyRequest.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.TopologyReply.FromString,
+            hilum_dot_v1_dot_coordinator__pb2.GetTopologyRequest.SerializeToString,
+            hilum_dot_v1_dot_coordinator__pb2.TopologyReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -437,8 +437,8 @@ class Coordinator:
             request,
             target,
             '/hilum.v1.Coordinator/ProposeMigration',
-            hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.MigrationProposal.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_coordinator__pb2.Approval.FromString,
+            hilum_dot_v1_dot_coordinator__pb2.MigrationProposal.SerializeToString,
+            hilum_dot_v1_dot_coordinator__pb2.Approval.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from global_coord.records import InstanceLoadRecord, RecordError, SummaryRecord, decode, encode
+from clusterstate.records import InstanceLoadRecord, RecordError, SummaryRecord, decode, encode
 from policy.domain import summarize_domain
 from policy.types import InstanceLoad, PolicyConfig, RequestLoad
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from hilum_proto.hilum.v1 import llumlet_pb2 as hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2
+from hilum_proto.v1 import llumlet_pb2 as hilum_dot_v1_dot_llumlet__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in hilum_proto/hilum/v1/llumlet_pb2_grpc.py depends on'
+        + ' but the generated code in hilum/v1/llumlet_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,53 +36,53 @@ class LlumletStub:
         """
         self.Ping = channel.unary_unary(
                 '/hilum.v1.Llumlet/Ping',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LlumletPingRequest.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LlumletPingReply.FromString,
+                request_serializer=hilum_dot_v1_dot_llumlet__pb2.LlumletPingRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_llumlet__pb2.LlumletPingReply.FromString,
                 _registered_method=True)
         self.Submit = channel.unary_unary(
                 '/hilum.v1.Llumlet/Submit',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.SubmitRequest.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.SubmitReply.FromString,
+                request_serializer=hilum_dot_v1_dot_llumlet__pb2.SubmitRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_llumlet__pb2.SubmitReply.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/hilum.v1.Llumlet/Abort',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.AbortRequest.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.AbortReply.FromString,
+                request_serializer=hilum_dot_v1_dot_llumlet__pb2.AbortRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_llumlet__pb2.AbortReply.FromString,
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/hilum.v1.Llumlet/GetLoad',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.GetLoadRequest.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LoadReport.FromString,
+                request_serializer=hilum_dot_v1_dot_llumlet__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_llumlet__pb2.LoadReport.FromString,
                 _registered_method=True)
         self.WatchLoad = channel.unary_stream(
                 '/hilum.v1.Llumlet/WatchLoad',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.WatchLoadRequest.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LoadReport.FromString,
+                request_serializer=hilum_dot_v1_dot_llumlet__pb2.WatchLoadRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_llumlet__pb2.LoadReport.FromString,
                 _registered_method=True)
         self.MigrateOut = channel.unary_unary(
                 '/hilum.v1.Llumlet/MigrateOut',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.MigrateOutRequest.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.MigrateOutReply.FromString,
+                request_serializer=hilum_dot_v1_dot_llumlet__pb2.MigrateOutRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_llumlet__pb2.MigrateOutReply.FromString,
                 _registered_method=True)
         self.Reserve = channel.unary_unary(
                 '/hilum.v1.Llumlet/Reserve',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReserveRequest.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReserveReply.FromString,
+                request_serializer=hilum_dot_v1_dot_llumlet__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_llumlet__pb2.ReserveReply.FromString,
                 _registered_method=True)
         self.WriteBlocks = channel.stream_unary(
                 '/hilum.v1.Llumlet/WriteBlocks',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.BlockChunk.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.WriteBlocksReply.FromString,
+                request_serializer=hilum_dot_v1_dot_llumlet__pb2.BlockChunk.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_llumlet__pb2.WriteBlocksReply.FromString,
                 _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/hilum.v1.Llumlet/Commit',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.CommitRequest.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.CommitReply.FromString,
+                request_serializer=hilum_dot_v1_dot_llumlet__pb2.CommitRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_llumlet__pb2.CommitReply.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/hilum.v1.Llumlet/Release',
-                request_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReleaseReply.FromString,
+                request_serializer=hilum_dot_v1_dot_llumlet__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_llumlet__pb2.ReleaseReply.FromString,
                 _registered_method=True)
 
 
@@ -166,53 +166,53 @@ def add_LlumletServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Ping': grpc.unary_unary_rpc_method_handler(
                     servicer.Ping,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LlumletPingRequest.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LlumletPingReply.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_llumlet__pb2.LlumletPingRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_llumlet__pb2.LlumletPingReply.SerializeToString,
             ),
             'Submit': grpc.unary_unary_rpc_method_handler(
                     servicer.Submit,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.SubmitRequest.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.SubmitReply.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_llumlet__pb2.SubmitRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_llumlet__pb2.SubmitReply.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.AbortRequest.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.AbortReply.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_llumlet__pb2.AbortRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_llumlet__pb2.AbortReply.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.GetLoadRequest.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LoadReport.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_llumlet__pb2.GetLoadRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_llumlet__pb2.LoadReport.SerializeToString,
             ),
             'WatchLoad': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchLoad,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.WatchLoadRequest.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LoadReport.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_llumlet__pb2.WatchLoadRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_llumlet__pb2.LoadReport.SerializeToString,
             ),
             'MigrateOut': grpc.unary_unary_rpc_method_handler(
                     servicer.MigrateOut,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.MigrateOutRequest.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.MigrateOutReply.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_llumlet__pb2.MigrateOutRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_llumlet__pb2.MigrateOutReply.SerializeToString,
             ),
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReserveRequest.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReserveReply.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_llumlet__pb2.ReserveRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_llumlet__pb2.ReserveReply.SerializeToString,
             ),
             'WriteBlocks': grpc.stream_unary_rpc_method_handler(
                     servicer.WriteBlocks,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.BlockChunk.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.WriteBlocksReply.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_llumlet__pb2.BlockChunk.FromString,
+                    response_serializer=hilum_dot_v1_dot_llumlet__pb2.WriteBlocksReply.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.CommitRequest.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.CommitReply.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_llumlet__pb2.CommitRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_llumlet__pb2.CommitReply.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReleaseRequest.FromString,
-                    response_serializer=hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReleaseReply.SerializeToString,
+                    request_deserializer=hilum_dot_v1_dot_llumlet__pb2.ReleaseRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_llumlet__pb2.ReleaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -240,8 +240,8 @@ class Llumlet:
             request,
             target,
             '/hilum.v1.Llumlet/Ping',
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LlumletPingRequest.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LlumletPingReply.FromString,
+            hilum_dot_v1_dot_llumlet__pb2.LlumletPingRequest.SerializeToString,
+            hilum_dot_v1_dot_llumlet__pb2.LlumletPingReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -267,8 +267,8 @@ class Llumlet:
             request,
             target,
             '/hilum.v1.Llumlet/Submit',
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.SubmitRequest.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.SubmitReply.FromString,
+            hilum_dot_v1_dot_llumlet__pb2.SubmitRequest.SerializeToString,
+            hilum_dot_v1_dot_llumlet__pb2.SubmitReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -294,8 +294,8 @@ class Llumlet:
             request,
             target,
             '/hilum.v1.Llumlet/Abort',
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.AbortRequest.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.AbortReply.FromString,
+            hilum_dot_v1_dot_llumlet__pb2.AbortRequest.SerializeToString,
+            hilum_dot_v1_dot_llumlet__pb2.AbortReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -321,8 +321,8 @@ class Llumlet:
             request,
             target,
             '/hilum.v1.Llumlet/GetLoad',
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.GetLoadRequest.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LoadReport.FromString,
+            hilum_dot_v1_dot_llumlet__pb2.GetLoadRequest.SerializeToString,
+            hilum_dot_v1_dot_llumlet__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,
@@ -348,8 +348,8 @@ class Llumlet:
             request,
             target,
             '/hilum.v1.Llumlet/WatchLoad',
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.WatchLoadRequest.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.LoadReport.FromString,
+            hilum_dot_v1_dot_llumlet__pb2.WatchLoadRequest.SerializeToString,
+            hilum_dot_v1_dot_llumlet__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,
@@ -375,8 +375,8 @@ class Llumlet:
             request,
             target,
             '/hilum.v1.Llumlet/MigrateOut',
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.MigrateOutRequest.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.MigrateOutReply.FromString,
+            hilum_dot_v1_dot_llumlet__pb2.MigrateOutRequest.SerializeToString,
+            hilum_dot_v1_dot_llumlet__pb2.MigrateOutReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -402,8 +402,8 @@ class Llumlet:
             request,
             target,
             '/hilum.v1.Llumlet/Reserve',
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReserveRequest.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReserveReply.FromString,
+            hilum_dot_v1_dot_llumlet__pb2.ReserveRequest.SerializeToString,
+            hilum_dot_v1_dot_llumlet__pb2.ReserveReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -429,8 +429,8 @@ class Llumlet:
             request_iterator,
             target,
             '/hilum.v1.Llumlet/WriteBlocks',
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.BlockChunk.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.WriteBlocksReply.FromString,
+            hilum_dot_v1_dot_llumlet__pb2.BlockChunk.SerializeToString,
+            hilum_dot_v1_dot_llumlet__pb2.WriteBlocksReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -456,8 +456,8 @@ class Llumlet:
             request,
             target,
             '/hilum.v1.Llumlet/Commit',
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.CommitRequest.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.CommitReply.FromString,
+            hilum_dot_v1_dot_llumlet__pb2.CommitRequest.SerializeToString,
+            hilum_dot_v1_dot_llumlet__pb2.CommitReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -483,8 +483,8 @@ class Llumlet:
             request,
             target,
             '/hilum.v1.Llumlet/Release',
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReleaseRequest.SerializeToString,
-            hilum__proto_dot_hilum_dot_v1_dot_llumlet__pb2.ReleaseReply.FromString,
+            hilum_dot_v1_dot_llumlet__pb2.ReleaseRequest.SerializeToString,
+            hilum_dot_v1_dot_llumlet__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,8 +21,8 @@ import random
 import time
 from collections.abc import Callable
 
-from global_coord.backoff import Backoff, BackoffConfig
-from global_coord.etcd import RETRYABLE_ERRORS, Etcd3Client, kv_of, lease_of
+from clusterstate.backoff import Backoff, BackoffConfig
+from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, kv_of, lease_of
 
 __all__ = ["Registrar", "Session", "SessionLost"]
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from global_coord.fencing import FencingGuard, StaleToken
+from clusterstate.fencing import FencingGuard, StaleToken
 
 
 def test_guard_accepts_equal_and_newer_rejects_older() -> None:

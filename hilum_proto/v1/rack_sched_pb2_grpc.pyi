@@ -14,8 +14,8 @@ the llumlets (MigrateOut), etcd (summaries, drain intents, migration records) an
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from hilum_proto.hilum.v1 import llumlet_pb2 as _llumlet_pb2
-from hilum_proto.hilum.v1 import rack_sched_pb2 as _rack_sched_pb2
+from hilum_proto.v1 import llumlet_pb2 as _llumlet_pb2
+from hilum_proto.v1 import rack_sched_pb2 as _rack_sched_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

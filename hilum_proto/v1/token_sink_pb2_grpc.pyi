@@ -12,7 +12,7 @@ pushes of an older epoch with `superseded`.
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from hilum_proto.hilum.v1 import token_sink_pb2 as _token_sink_pb2
+from hilum_proto.v1 import token_sink_pb2 as _token_sink_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

@@ -7,8 +7,8 @@ import random
 
 from etcd_server import EtcdServer
 
-from global_coord.etcd import Etcd3Client, connect, kv_of, lease_of, prefix_range_end
-from global_coord.store import ClusterView, Entry, Keys
+from clusterstate.etcd import Etcd3Client, connect, kv_of, lease_of, prefix_range_end
+from clusterstate.store import ClusterView, Entry, Keys
 
 PREFIX = "/hilum/v1/"
 

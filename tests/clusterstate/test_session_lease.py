@@ -8,8 +8,8 @@ import time
 
 from etcd_server import EtcdServer
 
-from global_coord.etcd import connect, kv_of, lease_of
-from global_coord.session import Registrar, Session
+from clusterstate.etcd import connect, kv_of, lease_of
+from clusterstate.session import Registrar, Session
 
 
 async def _lease_ttl(endpoint: str, lease_id: int) -> int:

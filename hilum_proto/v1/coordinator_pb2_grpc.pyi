@@ -10,7 +10,7 @@ standby answers a write with FAILED_PRECONDITION and a message naming the leader
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from hilum_proto.hilum.v1 import coordinator_pb2 as _coordinator_pb2
+from hilum_proto.v1 import coordinator_pb2 as _coordinator_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

@@ -7,12 +7,12 @@ import asyncio
 import pytest
 from etcd_server import EtcdServer
 
-from global_coord.election import Election
-from global_coord.etcd import connect, lease_of
-from global_coord.fencing import Fence, FencedOut
-from global_coord.records import DrainIntent, DrainKind, MigrationRecord, MigrationState
-from global_coord.session import Session
-from global_coord.store import Keys, Store
+from clusterstate.election import Election
+from clusterstate.etcd import connect, lease_of
+from clusterstate.fencing import Fence, FencedOut
+from clusterstate.records import DrainIntent, DrainKind, MigrationRecord, MigrationState
+from clusterstate.session import Session
+from clusterstate.store import Keys, Store
 
 
 def _record(mid: str, token: int) -> MigrationRecord:

@@ -1,1 +1,0 @@
-"""Generated code for the hilum gRPC contracts (see ``proto/generate.py``)."""
