@@ -33,6 +33,14 @@ class PagedEngine:
         """Tokens per KV cache block."""
         return self.blocks.block_size_tokens
 
+    def _changing(self) -> None:
+        """Hook called before a migration hook here changes the engine's state (EngineCore ends its decode
+        run in progress)."""
+
+    def _changed(self) -> None:
+        """Hook called after a migration hook here changed the engine's state (EngineCore keeps a load
+        version)."""
+
     def has_work(self) -> bool:
         """True while a request waits or runs (suspended requests alone are not work)."""
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -89,23 +97,34 @@ class PagedEngine:
 
         False when the extra blocks don't fit (nothing changes). Raises KeyError for an unknown reservation.
         """
-        return self.blocks.grow_reservation(reservation_id, n_blocks)
+        before = self.blocks.reserved_for(reservation_id)
+        if n_blocks > before:
+            self._changing()
+        if not self.blocks.grow_reservation(reservation_id, n_blocks):
+            return False
+        if self.blocks.reserved_for(reservation_id) != before:
+            self._changed()
+        return True
 
     def resume(self, request_id: str) -> bool:
         """Undo ``suspend`` (migration aborted): the request runs here again. False if not suspended."""
-        state = self._suspended.pop(request_id, None)
-        if state is None:
+        if request_id not in self._suspended:
             return False
+        self._changing()
+        state = self._suspended.pop(request_id)
         self.scheduler.add_running(state)
+        self._changed()
         return True
 
     def _take_suspended(
         self, state: SchedulerRequest, sampling_params: SamplingParams | None, extra: dict[str, object]
     ) -> MigrationState:
         """Take a running request out of batching (it keeps its blocks) and return its ``MigrationState``."""
+        self._changing()
         self.scheduler.running.remove(state)
         state.status = RequestStatus.SUSPENDED
         self._suspended[state.request_id] = state
+        self._changed()
         req = state.request
         return MigrationState(
             request_id=state.request_id,

@@ -265,6 +265,7 @@ class Scheduler:
                 used += self._schedule_running(state, limit - used, batch)
         while not batch.preempted and self.waiting and used < limit and len(self.running) < self.max_num_seqs:
             head = self.waiting[0]
+            pending = head.recompute_pending
             hits_now = self._match_prefix(head)
             got = self._admit(head, limit - used, batch)
             if got == 0:
@@ -272,12 +273,99 @@ class Scheduler:
                     self.blocks.free(head.request_id)
                     head.num_computed_tokens = 0
                     head.prefix_hit_tokens -= hits_now
+                    head.recompute_pending = pending
                 break
             batch.hits += hits_now
             used += got
             self.waiting.popleft()
             self.add_running(head)
         return ScheduledBatch(tuple(batch.prefill), tuple(batch.decode), tuple(batch.preempted), batch.hits)
+
+    # ---- runs of pure decode steps ---------------------------------------------------------------
+    def decode_run_length(self, max_steps: int) -> int:
+        """How many of the next steps are pure decode steps of every running request; 0 if the next is not.
+
+        A pure decode step is one in which :meth:`schedule` gives every running request (all in decode) one
+        token, takes each new block from the free list (no eviction, no preemption) and admits nothing, and
+        :meth:`update` finishes no request before its last step and publishes no prefix. Such steps follow
+        each other with the same batch and contexts growing by one token, until a request finishes (that
+        step is the last of the run), the free list would run out (that step is not in the run, it may
+        preempt), or ``max_steps``. Admission stays blocked over the run once it fails in its first step:
+        the batch's token count is fixed and free blocks only shrink.
+
+        Conservative: 0 whenever a waiting head would look up the prefix cache (the lookup has effects),
+        a request still has tokens to recompute, or a request could publish a prefix block.
+        """
+        running = self.running
+        n = len(running)
+        if max_steps < 1 or n == 0 or n > self.max_num_seqs or n > self.max_num_batched_tokens:
+            return 0
+        blocks = self.blocks
+        caching = blocks.enable_prefix_caching
+        steps = max_steps
+        for s in running:
+            req = s.request
+            if s.recompute_pending or s.num_output_tokens == 0:
+                return 0
+            if s.num_computed_tokens != req.prompt_tokens + s.num_output_tokens - 1:  # not in decode
+                return 0
+            steps = min(steps, req.max_tokens - s.num_output_tokens)
+            if (
+                caching
+                and req.prefix_block_hashes
+                and blocks.would_publish(
+                    req.request_id, req.prefix_block_hashes, req.prefix_hash_block_tokens, req.prompt_tokens
+                )
+            ):
+                return 0
+        if steps < 1:
+            return 0
+        ids = [s.request_id for s in running]
+        steps = blocks.decode_rounds_that_fit(ids, steps)
+        if steps and self.waiting and n < self.max_num_batched_tokens and n < self.max_num_seqs:
+            first_round = blocks.decode_rounds_new_blocks(ids, 1)
+            if self._head_may_admit(self.waiting[0], self.max_num_batched_tokens - n, first_round):
+                return 0
+        return steps
+
+    def _head_may_admit(self, head: SchedulerRequest, budget: int, blocks_taken: int) -> bool:
+        """Whether the admission attempt in :meth:`schedule` could succeed or change anything for ``head``,
+        after the step's decodes took ``blocks_taken`` blocks (read-only mirror of ``_match_prefix`` and
+        ``_admit``)."""
+        blocks = self.blocks
+        req = head.request
+        if blocks.enable_prefix_caching and req.prefix_block_hashes and not head.num_computed_tokens:
+            return True  # the lookup itself has effects (hit counters, LRU order)
+        available = blocks.available_blocks - blocks_taken
+        rid = head.request_id
+        held_blocks = blocks.num_blocks_of(rid)
+        if self.admission == "whole-prompt":
+            need = blocks.blocks_for_tokens(head.num_tokens) - held_blocks
+            if need > available - self.watermark_blocks:
+                return False
+        chunk = min(head.num_tokens - head.num_computed_tokens, budget)
+        if chunk <= 0:
+            return False
+        return blocks.blocks_for_tokens(blocks.num_tokens_of(rid) + chunk) - held_blocks <= available
+
+    def apply_decode_steps(self, steps: int) -> list[SchedulerRequest]:
+        """Apply ``steps`` pure decode steps at once, exactly as ``steps`` rounds of :meth:`schedule` +
+        :meth:`update` would; returns the requests that finished (removed, blocks freed), in batch order.
+
+        The caller makes sure :meth:`decode_run_length` allowed them (nothing changed since); a request can
+        only finish in the last step of a run.
+        """
+        running = self.running
+        self.blocks.extend_decode_slots([s.request_id for s in running], steps)
+        finished: list[SchedulerRequest] = []
+        for s in running:
+            s.num_computed_tokens += steps
+            s.num_output_tokens += steps
+            if s.num_output_tokens >= s.request.max_tokens:
+                finished.append(s)
+        for s in finished:
+            self.remove(s.request_id)
+        return finished
 
     def _match_prefix(self, state: SchedulerRequest) -> int:
         req = state.request
