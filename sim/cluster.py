@@ -6,17 +6,29 @@ as soon as the instance is idle and has work, and its results land ``duration_s`
 hooks that must happen "between two steps" (suspending a request) are queued on the instance and run
 at the next step boundary, exactly as a real engine loop would.
 
+Runs of decode steps (``decode_runs=True``, the default): most steps are pure decode steps of the same
+batch, so the cluster asks the engine for a whole run of them (``EngineCore.start_decode_run``) and
+schedules one event at its end instead of one per step. The run is materialized lazily and exactly:
+anything that looks at an instance in the middle of a run (through :attr:`SimInstance.engine`,
+:meth:`Cluster.load`, :attr:`Cluster.requests`, :attr:`SimInstance.last_step_s`) first brings it to the
+state the step-by-step engine would have at that instant (every step that has started applied, every
+token of a step that has ended recorded at its own time); anything that changes the engine from outside,
+or a hook waiting for the next step boundary, cuts the run at the step in flight. The step-by-step path
+(``decode_runs=False``) is the reference the tests compare it with, record by record.
+
 The cluster also keeps the per-request records the report is made from (TTFT, TBT samples,
 preemptions, migrations).
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from llumlet.engine.core import EngineCore
+from llumlet.engine.core import DecodeRun, EngineCore
 from llumlet.engine.latency import LatencyModel
 from llumlet.engine.scheduler import Admission
 from llumlet.engine.types import EngineRequest, StepResult
@@ -27,7 +39,10 @@ from .events import EventKind, EventQueue
 from .results import RequestRecord
 from .traces import TraceRequest
 
-__all__ = ["Cluster", "EngineLimits", "RequestState", "SimInstance"]
+__all__ = ["MAX_RUN_STEPS", "Cluster", "EngineLimits", "RequestState", "SimInstance"]
+
+#: Steps one decode run plans at most (its step times are computed up front; a run is cut by any change).
+MAX_RUN_STEPS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,18 +93,49 @@ class RequestState:
         )
 
 
-class SimInstance:
-    """One model instance: its spec, its engine model, and its place in the schedule."""
+class _Run:
+    """A decode run in flight on an instance: the engine's run plus its step end times."""
 
-    def __init__(self, spec: InstanceSpec, engine: EngineCore, active: bool) -> None:
+    __slots__ = ("end_times_s", "gaps_s", "recorded", "run", "seq", "start_s")
+
+    def __init__(self, run: DecodeRun, start_s: float, seq: int) -> None:
+        self.run = run
+        self.start_s = start_s  # when its first step started
+        ends: list[float] = []
+        t = start_s
+        for d in run.durations_s:  # the clock of step-by-step events: each step ends at (previous end) + d
+            t += d
+            ends.append(t)
+        self.end_times_s = ends  # end_times_s[j]: when step j (from 0) ends
+        self.gaps_s = [b - a for a, b in itertools.pairwise(ends)]  # gaps_s[j]: end[j+1] - end[j]
+        self.recorded = 0  # steps whose tokens are in the request accounts
+        self.seq = seq  # the event queue's seq when the run started (orders ties, see _started_steps)
+
+    def scheduled_s(self, step: int) -> float:
+        """When the step-by-step event for the end of step ``step`` (from 0) would have been scheduled."""
+        return self.start_s if step == 0 else self.end_times_s[step - 1]
+
+
+class SimInstance:
+    """One model instance: its spec, its engine model, and its place in the schedule.
+
+    Read the engine through :attr:`engine`: in the middle of a decode run it is first brought to the
+    current time.
+    """
+
+    def __init__(
+        self, spec: InstanceSpec, engine: EngineCore, active: bool, sync: Callable[[SimInstance], None]
+    ) -> None:
         self.spec = spec
-        self.engine = engine
-        self.busy = False  # a step is in flight
+        self._engine = engine
+        self._sync = sync
+        self.busy = False  # a step (or a decode run) is in flight
         self.active = active  # False until a scripted scale-out adds it
         self.draining = False
         self.warm_until_s = -math.inf  # warm-up (negative fake usage) ends at this time
-        self.last_step_s = 0.0  # duration of the latest step, seconds (the decode step time estimate)
+        self._last_step_s = 0.0
         self.at_boundary: list[Callable[[], None]] = []  # hooks to run at the next step boundary
+        self._run: _Run | None = None  # the decode run in flight
 
     @property
     def instance_id(self) -> str:
@@ -99,12 +145,51 @@ class SimInstance:
     def domain_id(self) -> str:
         return self.spec.domain_id
 
+    @property
+    def engine(self) -> EngineCore:
+        """The engine, in the state step-by-step stepping would have now."""
+        if self._run is not None:
+            self._sync(self)
+        return self._engine
+
+    @property
+    def last_step_s(self) -> float:
+        """Duration of the latest step started, seconds (the decode step time estimate)."""
+        if self._run is not None:
+            self._sync(self)
+        return self._last_step_s
+
+
+class _SyncedRequests(Mapping[str, "RequestState"]):
+    """The request accounts, each brought to the current time when read (its instance may be mid-run)."""
+
+    def __init__(self, accounts: dict[str, RequestState], cluster: Cluster) -> None:
+        self._accounts = accounts
+        self._cluster = cluster
+
+    def __getitem__(self, request_id: str) -> RequestState:
+        state = self._accounts[request_id]
+        inst = self._cluster.instances.get(state.instance_id)
+        if inst is not None and inst._run is not None:
+            self._cluster._sync(inst)
+        return state
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._accounts)
+
+    def __len__(self) -> int:
+        return len(self._accounts)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._accounts
+
 
 class Cluster:
     """The simulated instances of a topology (those serving ``model``, or all), stepped on one event queue.
 
     ``on_finished`` listeners are told of every finished or aborted request (so a migration in
-    flight can release its reservation).
+    flight can release its reservation). ``decode_runs``: account pure decode steps in runs (one event
+    per run, see the module docstring); False steps every instance one event per step (the reference).
     """
 
     def __init__(
@@ -115,10 +200,13 @@ class Cluster:
         limits: EngineLimits,
         inactive: Iterable[str] = (),
         model: str | None = None,
+        decode_runs: bool = True,
     ) -> None:
         self.queue = queue
         self.topology = topology
-        self.requests: dict[str, RequestState] = {}
+        self.decode_runs = decode_runs
+        self._accounts: dict[str, RequestState] = {}
+        self.requests: Mapping[str, RequestState] = _SyncedRequests(self._accounts, self)
         self.engine_steps = 0
         self.on_finished: list[Callable[[str], None]] = []
         inactive_ids = set(inactive)
@@ -136,8 +224,10 @@ class Cluster:
                 max_num_batched_tokens=limits.max_num_batched_tokens,
                 kv_bytes_per_block=model_spec.kv_bytes_per_block,
                 admission=limits.admission,
+                decode_runs=False,  # the cluster drives runs itself (start_decode_run), step() is one step
             )
-            self.instances[spec.instance_id] = SimInstance(spec, engine, spec.instance_id not in inactive_ids)
+            active = spec.instance_id not in inactive_ids
+            self.instances[spec.instance_id] = SimInstance(spec, engine, active, self._sync)
 
     # ------------------------------------------------------------------ views
     def model_of(self, instance_id: str) -> ModelSpec:
@@ -165,13 +255,13 @@ class Cluster:
     def admit(self, req: TraceRequest) -> RequestState:
         """Start the account of a request that arrived (before dispatch)."""
         state = RequestState(trace=req)
-        self.requests[req.request_id] = state
+        self._accounts[req.request_id] = state
         return state
 
     def submit(self, req: TraceRequest, instance_id: str) -> None:
         """Queue the request on ``instance_id`` and start stepping if the instance is idle."""
         inst = self.instances[instance_id]
-        self.requests[req.request_id].instance_id = instance_id
+        self._accounts[req.request_id].instance_id = instance_id
         inst.engine.add_request(
             EngineRequest(
                 request_id=req.request_id,
@@ -186,17 +276,23 @@ class Cluster:
         self.kick(inst)
 
     def kick(self, inst: SimInstance) -> None:
-        """Start the next step on an idle instance with work (no-op otherwise)."""
+        """Start the next step (or decode run) on an idle instance with work (no-op otherwise)."""
         if inst.busy:
             return
         self._run_boundary(inst)
-        if not inst.engine.has_work():
+        engine = inst._engine
+        if not engine.has_work():
             return
-        result = inst.engine.step()
+        if self.decode_runs:
+            run = engine.start_decode_run(MAX_RUN_STEPS, on_interrupt=lambda _run: self._cut(inst))
+            if run is not None:
+                self._start_run(inst, run)
+                return
+        result = engine.step()
         if result.is_idle:  # nothing fits now (space held by reservations): wait for the next event
             return
         self.engine_steps += 1
-        inst.last_step_s = result.duration_s
+        inst._last_step_s = result.duration_s
         inst.busy = True
         self.queue.schedule_in(result.duration_s, EventKind.STEP_DONE, lambda: self._step_done(inst, result))
 
@@ -206,6 +302,9 @@ class Cluster:
         if not inst.busy:
             self._run_boundary(inst)
             self.kick(inst)
+        elif inst._run is not None:  # the next boundary is the end of the step in flight
+            self._cut(inst)
+            inst._engine.cut_decode_run()
 
     def _run_boundary(self, inst: SimInstance) -> None:
         while inst.at_boundary:
@@ -215,14 +314,117 @@ class Cluster:
         now = self.queue.now_s
         inst.busy = False
         for request_id, count in result.new_tokens.items():
-            self._tokens(self.requests[request_id], count, now)
+            self._tokens(self._accounts[request_id], count, now)
         for request_id in result.preempted:
-            state = self.requests[request_id]
+            state = self._accounts[request_id]
             state.preemptions += 1
             state.preempted_at_s = now
         for request_id in result.finished:
             self._finish(request_id, now)
         self.kick(inst)
+
+    # ------------------------------------------------------------------ decode runs
+    def _start_run(self, inst: SimInstance, run: DecodeRun) -> None:
+        """One event at the end of the run (the engine applied its first step)."""
+        flight = _Run(run, self.queue.now_s, self.queue.next_seq())
+        inst._run = flight
+        inst._last_step_s = run.durations_s[0]
+        inst.busy = True
+        self._schedule_run_end(inst, flight)
+
+    def _schedule_run_end(self, inst: SimInstance, flight: _Run) -> None:
+        last = flight.run.steps - 1
+        self.queue.schedule(
+            flight.end_times_s[last],
+            EventKind.STEP_DONE,
+            lambda: self._run_done(inst, flight, last + 1),
+            scheduled_s=flight.scheduled_s(last),
+        )
+
+    def _started_steps(self, flight: _Run) -> int:
+        """Steps of the run that have started at this point of the event order (1..steps).
+
+        Step j + 1 starts when step j ends, at ``end_times_s[j]``; an event at the same instant runs
+        after it when of a later kind, or, being another step end, when scheduled later.
+        """
+        ends = flight.end_times_s
+        last = flight.run.steps - 1
+        now = self.queue.now_s
+        n = bisect.bisect_left(ends, now, 0, last)
+        if n < last and ends[n] == now:
+            key = self.queue.current_key()
+            while n < last and ends[n] == now:
+                if key is not None and (EventKind.STEP_DONE, flight.scheduled_s(n), flight.seq) >= key[1:]:
+                    break
+                n += 1
+        return n + 1
+
+    def _sync(self, inst: SimInstance) -> None:
+        """Bring an instance in a decode run to the current time: its engine holds every step that has
+        started, its requests' accounts every token of a step that has ended."""
+        flight = inst._run
+        if flight is None:
+            return
+        started = self._started_steps(flight)
+        if started > flight.run.applied:
+            inst._engine.advance_decode_run(started)
+        inst._last_step_s = flight.run.durations_s[started - 1]
+        self._record_run_tokens(flight, started - 1)
+
+    def _cut(self, inst: SimInstance) -> None:
+        """The run is about to be cut (a change from outside, a boundary hook): bring it to now and end it
+        with the step in flight."""
+        flight = inst._run
+        if flight is None:
+            return
+        self._sync(inst)
+        run = flight.run
+        if run.applied < run.steps:
+            run.steps = run.applied  # what the engine's cut does too; the old end event goes stale
+            self._schedule_run_end(inst, flight)
+
+    def _run_done(self, inst: SimInstance, flight: _Run, steps: int) -> None:
+        if inst._run is not flight or flight.run.steps != steps:
+            return  # the run was cut; a later event ends it
+        run = flight.run
+        if run.applied < steps:
+            inst._engine.advance_decode_run(steps)
+        self._record_run_tokens(flight, steps)
+        inst._run = None
+        inst._last_step_s = run.durations_s[steps - 1]
+        inst.busy = False
+        self.engine_steps += steps
+        now = self.queue.now_s
+        for request_id in run.finished:
+            self._finish(request_id, now)
+        self.kick(inst)
+
+    def _record_run_tokens(self, flight: _Run, ended: int) -> None:
+        """Record the tokens of the run's steps ``flight.recorded`` .. ``ended - 1`` (one per request and
+        step, each at its step's end), as ``_tokens`` would step by step."""
+        first = flight.recorded
+        if ended <= first:
+            return
+        flight.recorded = ended
+        ends = flight.end_times_s
+        t_first, t_last = ends[first], ends[ended - 1]
+        later_gaps = flight.gaps_s[first : ended - 1]
+        count = ended - first
+        accounts = self._accounts
+        for request_id in flight.run.request_ids:
+            state = accounts[request_id]
+            if state.first_token_s is None:
+                state.first_token_s = t_first
+                state.token_gaps_s.extend(later_gaps)
+            else:
+                if state.last_token_s is not None:
+                    state.token_gaps_s.append(t_first - state.last_token_s)
+                state.token_gaps_s.extend(later_gaps)
+            if state.preempted_at_s is not None:
+                state.preempted_s += t_first - state.preempted_at_s
+                state.preempted_at_s = None
+            state.last_token_s = t_last
+            state.generated_tokens += count
 
     def _tokens(self, state: RequestState, count: int, now: float) -> None:
         if count <= 0:
@@ -239,23 +441,25 @@ class Cluster:
         state.generated_tokens += count
 
     def _finish(self, request_id: str, now: float) -> None:
-        state = self.requests[request_id]
+        state = self._accounts[request_id]
         state.finish_s = now
         for listener in self.on_finished:
             listener(request_id)
 
     def refuse(self, req: TraceRequest, reason: str) -> None:
         """Record that no instance could ever hold ``req``."""
-        self.requests[req.request_id].refused = reason
+        self._accounts[req.request_id].refused = reason
 
     def records(self) -> tuple[RequestRecord, ...]:
         """Every request's record, in arrival order."""
-        return tuple(s.record() for s in self.requests.values())
+        for inst in self.instances.values():
+            self._sync(inst)
+        return tuple(s.record() for s in self._accounts.values())
 
     def kv_usage_fraction(self) -> dict[str, float]:
         """Per-instance KV usage (used / total blocks), for the timeline plot."""
         out: dict[str, float] = {}
         for inst in self.instances.values():
-            load = inst.engine.load()
-            out[inst.instance_id] = load.used_blocks / load.total_blocks if inst.active else 0.0
+            blocks = inst.engine.blocks
+            out[inst.instance_id] = blocks.used_blocks / blocks.num_blocks if inst.active else 0.0
         return out

@@ -66,6 +66,11 @@ class SimOptions(BaseModel):
         "chunked", description="engine admission: vLLM v1 chunk by chunk, or vLLM v0 whole prompt + watermark"
     )
     kv_samples: int = Field(200, ge=2, description="points in the per-instance KV usage timeline")
+    decode_runs: bool = Field(
+        True,
+        description="account pure decode steps in runs, one event per run (False: one event per engine step, "
+        "the reference; the results are the same)",
+    )
 
     @field_validator("drain", "scale_out")
     @classmethod
@@ -187,7 +192,13 @@ def run_simulation(
     limits = EngineLimits(options.max_num_seqs, options.max_num_batched_tokens, options.admission)
     derived: list[str] = []
     cluster = Cluster(
-        queue, topo, _latency_for(topo, derived), limits, inactive=[i for i, _ in scale_outs], model=model
+        queue,
+        topo,
+        _latency_for(topo, derived),
+        limits,
+        inactive=[i for i, _ in scale_outs],
+        model=model,
+        decode_runs=options.decode_runs,
     )
     graph = TopologyGraph(topo)
     cost = CostConfig(cap_fraction=options.cap_fraction)
