@@ -136,6 +136,10 @@ class SimInstance:
         self._last_step_s = 0.0
         self.at_boundary: list[Callable[[], None]] = []  # hooks to run at the next step boundary
         self._run: _Run | None = None  # the decode run in flight
+        self._flags = (False, False)  # (draining, warming up) as of the last load_version
+        self._flag_changes = 0  # times _flags changed
+        self._load: InstanceLoad | None = None  # the load report of _load_version
+        self._load_version = -1
 
     @property
     def instance_id(self) -> str:
@@ -171,7 +175,7 @@ class _SyncedRequests(Mapping[str, "RequestState"]):
         state = self._accounts[request_id]
         inst = self._cluster.instances.get(state.instance_id)
         if inst is not None and inst._run is not None:
-            self._cluster._sync(inst)
+            self._cluster._sync_accounts(inst)
         return state
 
     def __iter__(self) -> Iterator[str]:
@@ -242,14 +246,31 @@ class Cluster:
         """Active instances (optionally of one domain), draining ones included."""
         return [i for i in self.instances.values() if i.active and (domain_id is None or i.domain_id == domain_id)]
 
+    def load_version(self, inst: SimInstance) -> int:
+        """A counter that moves exactly when :meth:`load` of ``inst`` would report something new: its engine's
+        ``load_version`` plus the changes of its draining and warming-up flags. Compare it with the value
+        of the last report used to skip an instance that did not change.
+
+        A busy instance changes at every engine step (token counts grow, and with them blocks).
+        """
+        engine = inst.engine  # brought to now
+        flags = (inst.draining, self.queue.now_s < inst.warm_until_s)
+        if flags != inst._flags:
+            inst._flags = flags
+            inst._flag_changes += 1
+        return engine.load_version + inst._flag_changes
+
     def load(self, inst: SimInstance) -> InstanceLoad:
-        """The instance's load report, as its llumlet would push it (policy's InstanceLoad)."""
-        return inst.engine.load().to_instance_load(
-            inst.instance_id,
-            inst.domain_id,
-            draining=inst.draining,
-            warming_up=self.queue.now_s < inst.warm_until_s,
-        )
+        """The instance's load report, as its llumlet would push it (policy's InstanceLoad); rebuilt only
+        when :meth:`load_version` moved."""
+        version = self.load_version(inst)
+        if inst._load is None or inst._load_version != version:
+            draining, warming_up = inst._flags
+            inst._load = inst._engine.load().to_instance_load(
+                inst.instance_id, inst.domain_id, draining=draining, warming_up=warming_up
+            )
+            inst._load_version = version
+        return inst._load
 
     # ------------------------------------------------------------------ requests
     def admit(self, req: TraceRequest) -> RequestState:
@@ -360,8 +381,8 @@ class Cluster:
         return n + 1
 
     def _sync(self, inst: SimInstance) -> None:
-        """Bring an instance in a decode run to the current time: its engine holds every step that has
-        started, its requests' accounts every token of a step that has ended."""
+        """Bring the engine of an instance in a decode run to the current time: every step that has started
+        is applied."""
         flight = inst._run
         if flight is None:
             return
@@ -369,7 +390,13 @@ class Cluster:
         if started > flight.run.applied:
             inst._engine.advance_decode_run(started)
         inst._last_step_s = flight.run.durations_s[started - 1]
-        self._record_run_tokens(flight, started - 1)
+
+    def _sync_accounts(self, inst: SimInstance) -> None:
+        """Bring the request accounts of an instance in a decode run to the current time: every token of a
+        step that has ended is recorded."""
+        flight = inst._run
+        if flight is not None:
+            self._record_run_tokens(flight, self._started_steps(flight) - 1)
 
     def _cut(self, inst: SimInstance) -> None:
         """The run is about to be cut (a change from outside, a boundary hook): bring it to now and end it
@@ -453,7 +480,7 @@ class Cluster:
     def records(self) -> tuple[RequestRecord, ...]:
         """Every request's record, in arrival order."""
         for inst in self.instances.values():
-            self._sync(inst)
+            self._sync_accounts(inst)
         return tuple(s.record() for s in self._accounts.values())
 
     def kv_usage_fraction(self) -> dict[str, float]:

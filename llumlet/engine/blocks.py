@@ -228,7 +228,9 @@ class BlockManager:
         tables = [self._tables[rid] for rid in request_ids]
         events: list[tuple[int, int]] = []  # (round, position in request_ids) of each new block
         for i, t in enumerate(tables):
-            events.extend((r, i) for r in range(self._first_new_block_round(t), rounds + 1, bs))
+            first = t.num_blocks * bs - t.num_tokens + 1  # _first_new_block_round, inlined: this is per step
+            if first <= rounds:
+                events.extend((r, i) for r in range(first, rounds + 1, bs))
         if len(events) > len(self._free):
             raise ValueError(f"extend_decode_slots: {len(events)} new blocks needed, {len(self._free)} free")
         for t in tables:

@@ -134,23 +134,27 @@ class EngineLoad:
         """Convert for the policy layer.
 
         ``used_blocks`` of the result counts reservations too (they hold capacity); evictable cached prefix
-        blocks count as free. Suspended requests are not in ``running`` (they are leaving).
+        blocks count as free. Suspended requests are not in ``running`` (they are leaving). The result is
+        built without ``InstanceLoad``'s checks: an engine's counts are consistent by construction (a
+        report from outside is checked where it is decoded, ``rack_sched.convert``).
         """
-        from policy.types import InstanceLoad, RequestLoad
+        from policy.types import trusted_instance_load, trusted_request_load
 
-        return InstanceLoad(
+        return trusted_instance_load(
             instance_id=instance_id,
             capacity_blocks=self.total_blocks,
             used_blocks=self.used_blocks + self.reserved_blocks,
             running=tuple(
-                RequestLoad(
-                    request_id=r.request_id,
-                    blocks=r.blocks,
-                    priority=r.priority,
-                    num_tokens=r.num_tokens,
-                    migratable=r.in_decode,
-                )
-                for r in self.running
+                [
+                    trusted_request_load(
+                        request_id=r.request_id,
+                        blocks=r.blocks,
+                        priority=r.priority,
+                        num_tokens=r.num_tokens,
+                        migratable=r.in_decode,
+                    )
+                    for r in self.running
+                ]
             ),
             num_waiting=self.num_waiting,
             head_demand_blocks=self.head_demand_blocks,
