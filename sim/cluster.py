@@ -52,6 +52,7 @@ class EngineLimits:
     max_num_seqs: int = 256  # running requests per step
     max_num_batched_tokens: int = 8192  # tokens (prefill chunk + decodes) per step
     admission: Admission = "chunked"  # "chunked" (vLLM v1) or "whole-prompt" (vLLM v0, Llumnix's engine)
+    prefix_caching: bool = False  # share prompt prefixes by the trace's hash ids (vLLM automatic prefix caching)
 
 
 @dataclass(slots=True)
@@ -228,6 +229,7 @@ class Cluster:
                 max_num_batched_tokens=limits.max_num_batched_tokens,
                 kv_bytes_per_block=model_spec.kv_bytes_per_block,
                 admission=limits.admission,
+                enable_prefix_caching=limits.prefix_caching,
                 decode_runs=False,  # the cluster drives runs itself (start_decode_run), step() is one step
             )
             active = spec.instance_id not in inactive_ids

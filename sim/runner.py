@@ -66,6 +66,10 @@ class SimOptions(BaseModel):
         "chunked", description="engine admission: vLLM v1 chunk by chunk, or vLLM v0 whole prompt + watermark"
     )
     kv_samples: int = Field(200, ge=2, description="points in the per-instance KV usage timeline")
+    prefix_caching: bool = Field(
+        False,
+        description="engines share prompt prefixes by the trace's prefix hash ids (Mooncake traces carry them)",
+    )
     decode_runs: bool = Field(
         True,
         description="account pure decode steps in runs, one event per run (False: one event per engine step, "
@@ -189,7 +193,9 @@ def run_simulation(
     drains, scale_outs = check_options(topo, options)
 
     queue = EventQueue()
-    limits = EngineLimits(options.max_num_seqs, options.max_num_batched_tokens, options.admission)
+    limits = EngineLimits(
+        options.max_num_seqs, options.max_num_batched_tokens, options.admission, options.prefix_caching
+    )
     derived: list[str] = []
     cluster = Cluster(
         queue,

@@ -374,11 +374,7 @@ class BlockManager:
             return PrefixMatch(0, 0)
         per = self._blocks_per_hash(hash_block_tokens)
         self.prefix_queries_tokens_total += max(0, max_hit_tokens)
-        matched: list[int] = []
-        for j, h in enumerate(prefix_block_hashes):
-            if (j + 1) * hash_block_tokens > max_hit_tokens or h not in self._entries or h in matched:
-                break
-            matched.append(h)
+        matched = self.prefix_matching(prefix_block_hashes, hash_block_tokens, max_hit_tokens)
         if not matched:
             return PrefixMatch(0, 0)
         t = self._tables[request_id] = _Table()
@@ -394,6 +390,40 @@ class BlockManager:
         t.num_blocks = len(matched) * per
         self.prefix_hit_tokens_total += t.num_tokens
         return PrefixMatch(hit_tokens=t.num_tokens, hit_blocks=len(matched) * per)
+
+    def prefix_matching(
+        self, prefix_block_hashes: Sequence[int], hash_block_tokens: int, max_hit_tokens: int
+    ) -> list[int]:
+        """The hash ids ``match_prefix`` would share, in order (changes nothing; without prefix caching, [])."""
+        if not self.enable_prefix_caching:
+            return []
+        matched: list[int] = []
+        for j, h in enumerate(prefix_block_hashes):
+            if (j + 1) * hash_block_tokens > max_hit_tokens or h not in self._entries or h in matched:
+                break
+            matched.append(h)
+        return matched
+
+    def cached_blocks_in(self, hashes: Sequence[int]) -> int:
+        """Blocks of the unreferenced (evictable) entries among ``hashes``: what matching them takes out of
+        :attr:`available_blocks`."""
+        return sum(len(self._entries[h].blocks) for h in hashes if self._entries[h].refs == 0)
+
+    def repeat_unadmitted_lookups(
+        self, prefix_block_hashes: Sequence[int], hash_block_tokens: int, max_hit_tokens: int, times: int
+    ) -> None:
+        """The effects of ``times`` rounds of ``match_prefix`` then ``free`` for a request that holds no
+        blocks and is not admitted (a blocked head of the queue, step after step): the lookup counters
+        grow, and the matched unreferenced entries move to the most recently used end, in prefix order."""
+        if times <= 0 or not self.enable_prefix_caching or not prefix_block_hashes:
+            return
+        self._blocks_per_hash(hash_block_tokens)
+        self.prefix_queries_tokens_total += times * max(0, max_hit_tokens)
+        matched = self.prefix_matching(prefix_block_hashes, hash_block_tokens, max_hit_tokens)
+        self.prefix_hit_tokens_total += times * len(matched) * hash_block_tokens
+        for h in matched:
+            if self._entries[h].refs == 0:
+                self._lru.move_to_end(h)
 
     def publish_prefix(
         self,

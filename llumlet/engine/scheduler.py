@@ -293,8 +293,9 @@ class Scheduler:
         preempt), or ``max_steps``. Admission stays blocked over the run once it fails in its first step:
         the batch's token count is fixed and free blocks only shrink.
 
-        Conservative: 0 whenever a waiting head would look up the prefix cache (the lookup has effects),
-        a request still has tokens to recompute, or a request could publish a prefix block.
+        A blocked head of the queue is looked up in the prefix cache again at every step (counters, LRU
+        order: :meth:`apply_decode_steps` repeats that). Conservative: 0 when a request still has tokens to
+        recompute or could publish a prefix block.
         """
         running = self.running
         n = len(running)
@@ -322,31 +323,53 @@ class Scheduler:
             return 0
         ids = [s.request_id for s in running]
         steps = blocks.decode_rounds_that_fit(ids, steps)
-        if steps and self.waiting and n < self.max_num_batched_tokens and n < self.max_num_seqs:
-            first_round = blocks.decode_rounds_new_blocks(ids, 1)
-            if self._head_may_admit(self.waiting[0], self.max_num_batched_tokens - n, first_round):
-                return 0
+        head = self._attempted_head()
+        if steps and head is not None and self._head_fits(head, blocks.decode_rounds_new_blocks(ids, 1)):
+            return 0
         return steps
 
-    def _head_may_admit(self, head: SchedulerRequest, budget: int, blocks_taken: int) -> bool:
-        """Whether the admission attempt in :meth:`schedule` could succeed or change anything for ``head``,
-        after the step's decodes took ``blocks_taken`` blocks (read-only mirror of ``_match_prefix`` and
-        ``_admit``)."""
+    def _attempted_head(self) -> SchedulerRequest | None:
+        """The waiting head :meth:`schedule` tries to admit after a pure decode step of every running request
+        (None when the queue is empty or the batch is full)."""
+        n = len(self.running)
+        if self.waiting and n < self.max_num_batched_tokens and n < self.max_num_seqs:
+            return self.waiting[0]
+        return None
+
+    def _looks_up_prefix(self, head: SchedulerRequest) -> bool:
+        """Whether ``_match_prefix`` looks ``head`` up in the prefix cache (the lookup has effects)."""
+        return (
+            self.blocks.enable_prefix_caching
+            and bool(head.request.prefix_block_hashes)
+            and not head.num_computed_tokens
+        )
+
+    def _head_fits(self, head: SchedulerRequest, blocks_taken: int) -> bool:
+        """Whether ``head`` would be admitted after a pure decode step whose decodes took ``blocks_taken``
+        blocks: a read-only mirror of ``_match_prefix`` then ``_admit``. Once it does not fit, it does not
+        over a run: the budget is fixed and available blocks only shrink."""
         blocks = self.blocks
         req = head.request
-        if blocks.enable_prefix_caching and req.prefix_block_hashes and not head.num_computed_tokens:
-            return True  # the lookup itself has effects (hit counters, LRU order)
-        available = blocks.available_blocks - blocks_taken
         rid = head.request_id
-        held_blocks = blocks.num_blocks_of(rid)
+        held_tokens, held_blocks, computed = (
+            blocks.num_tokens_of(rid),
+            blocks.num_blocks_of(rid),
+            head.num_computed_tokens,
+        )
+        available = blocks.available_blocks - blocks_taken
+        if self._looks_up_prefix(head):
+            matched = blocks.prefix_matching(req.prefix_block_hashes, req.prefix_hash_block_tokens, head.num_tokens - 1)
+            held_tokens = computed = len(matched) * req.prefix_hash_block_tokens
+            held_blocks = blocks.blocks_for_tokens(held_tokens)
+            available -= blocks.cached_blocks_in(matched)
         if self.admission == "whole-prompt":
             need = blocks.blocks_for_tokens(head.num_tokens) - held_blocks
             if need > available - self.watermark_blocks:
                 return False
-        chunk = min(head.num_tokens - head.num_computed_tokens, budget)
+        chunk = min(head.num_tokens - computed, self.max_num_batched_tokens - len(self.running))
         if chunk <= 0:
             return False
-        return blocks.blocks_for_tokens(blocks.num_tokens_of(rid) + chunk) - held_blocks <= available
+        return blocks.blocks_for_tokens(held_tokens + chunk) - held_blocks <= available
 
     def apply_decode_steps(self, steps: int) -> list[SchedulerRequest]:
         """Apply ``steps`` pure decode steps at once, exactly as ``steps`` rounds of :meth:`schedule` +
@@ -356,6 +379,12 @@ class Scheduler:
         only finish in the last step of a run.
         """
         running = self.running
+        head = self._attempted_head()
+        if head is not None and self._looks_up_prefix(head):  # each step looked the blocked head up again
+            req = head.request
+            self.blocks.repeat_unadmitted_lookups(
+                req.prefix_block_hashes, req.prefix_hash_block_tokens, head.num_tokens - 1, steps
+            )
         self.blocks.extend_decode_slots([s.request_id for s in running], steps)
         finished: list[SchedulerRequest] = []
         for s in running:
