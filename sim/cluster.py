@@ -36,7 +36,7 @@ from policy.types import InstanceLoad
 from topology.spec import InstanceSpec, ModelSpec, Topology
 
 from .events import EventKind, EventQueue
-from .results import RequestRecord
+from .results import RequestLog, RequestRecord
 from .traces import TraceRequest
 
 __all__ = ["MAX_RUN_STEPS", "Cluster", "EngineLimits", "RequestState", "SimInstance"]
@@ -60,6 +60,7 @@ class RequestState:
     """The simulator's running account of one request (turned into a RequestRecord at the end)."""
 
     trace: TraceRequest
+    index: int = 0  # arrival position (admission order)
     instance_id: str = ""
     first_token_s: float | None = None
     last_token_s: float | None = None
@@ -195,6 +196,9 @@ class Cluster:
     ``on_finished`` listeners are told of every finished or aborted request (so a migration in
     flight can release its reservation). ``decode_runs``: account pure decode steps in runs (one event
     per run, see the module docstring); False steps every instance one event per step (the reference).
+    ``log``: where final request records go (a finished or refused request's account is then written
+    there and dropped, and :meth:`close_log` writes the unfinished ones); without one, every account
+    stays and :meth:`records` gives them.
     """
 
     def __init__(
@@ -206,10 +210,13 @@ class Cluster:
         inactive: Iterable[str] = (),
         model: str | None = None,
         decode_runs: bool = True,
+        log: RequestLog | None = None,
     ) -> None:
         self.queue = queue
         self.topology = topology
         self.decode_runs = decode_runs
+        self.log = log
+        self._admitted = 0
         self._accounts: dict[str, RequestState] = {}
         self.requests: Mapping[str, RequestState] = _SyncedRequests(self._accounts, self)
         self.engine_steps = 0
@@ -277,7 +284,8 @@ class Cluster:
     # ------------------------------------------------------------------ requests
     def admit(self, req: TraceRequest) -> RequestState:
         """Start the account of a request that arrived (before dispatch)."""
-        state = RequestState(trace=req)
+        state = RequestState(trace=req, index=self._admitted)
+        self._admitted += 1
         self._accounts[req.request_id] = state
         return state
 
@@ -474,16 +482,38 @@ class Cluster:
         state.finish_s = now
         for listener in self.on_finished:
             listener(request_id)
+        self._retire(state)
+
+    def _retire(self, state: RequestState) -> None:
+        """A final account goes to the log (with one) and leaves memory."""
+        if self.log is not None:
+            self.log.add(state.index, state.record())
+            del self._accounts[state.trace.request_id]
 
     def refuse(self, req: TraceRequest, reason: str) -> None:
         """Record that no instance could ever hold ``req``."""
-        self._accounts[req.request_id].refused = reason
+        state = self._accounts[req.request_id]
+        state.refused = reason
+        self._retire(state)
 
     def records(self) -> tuple[RequestRecord, ...]:
-        """Every request's record, in arrival order."""
+        """The record of every request still held (all of them without a log), in arrival order."""
         for inst in self.instances.values():
             self._sync_accounts(inst)
         return tuple(s.record() for s in self._accounts.values())
+
+    def close_log(self) -> RequestLog:
+        """Write the requests still held (unfinished at the end) to the log and return it.
+
+        Raises RuntimeError without a log.
+        """
+        if self.log is None:
+            raise RuntimeError("Cluster.close_log: the cluster has no request log")
+        for inst in self.instances.values():
+            self._sync_accounts(inst)
+        for state in list(self._accounts.values()):
+            self._retire(state)
+        return self.log
 
     def kv_usage_fraction(self) -> dict[str, float]:
         """Per-instance KV usage (used / total blocks), for the timeline plot."""

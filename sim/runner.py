@@ -33,7 +33,7 @@ from topology.spec import InstanceSpec, Topology
 from .cluster import Cluster, EngineLimits
 from .events import EventKind, EventQueue
 from .migration import LinkFlows, MigrationExecutor
-from .results import KvTimeline, SimRun
+from .results import KvTimeline, RequestLog, SimRun
 from .schedulers import SchedulerContext, SchedulingConfig, make_scheduler
 from .traces import Trace, TraceRequest, load_trace, with_priorities
 
@@ -205,6 +205,7 @@ def run_simulation(
         inactive=[i for i, _ in scale_outs],
         model=model,
         decode_runs=options.decode_runs,
+        log=RequestLog(len(trace.requests)),
     )
     graph = TopologyGraph(topo)
     cost = CostConfig(cap_fraction=options.cap_fraction)
@@ -272,16 +273,17 @@ def run_simulation(
         pass
     if progress is not None:
         progress(1.0)
+    log = cluster.close_log()
     return SimRun(
         policy=spec.policy,
         topology=topo.name,
         trace=trace.name,
         seed=spec.seed,
         rate_scale=spec.rate_scale,
-        sim_duration_s=max((r.finish_s for r in cluster.requests.values() if r.finish_s is not None), default=0.0),
+        sim_duration_s=log.totals.max_finish_s,
         wall_s=time.perf_counter() - wall_start,
         engine_steps=cluster.engine_steps,
-        requests=cluster.records(),
+        requests=log,
         migrations=tuple(executor.records),
         kv=KvTimeline(
             interval_s=sample_every_s,
