@@ -241,6 +241,9 @@ class Cluster:
             )
             active = spec.instance_id not in inactive_ids
             self.instances[spec.instance_id] = SimInstance(spec, engine, active, self._sync)
+        self._by_domain: dict[str, list[SimInstance]] = {}  # domain -> its instances, in topology order
+        for inst in self.instances.values():
+            self._by_domain.setdefault(inst.domain_id, []).append(inst)
 
     # ------------------------------------------------------------------ views
     def model_of(self, instance_id: str) -> ModelSpec:
@@ -252,8 +255,10 @@ class Cluster:
         return [d.domain_id for d in self.topology.domains if d.domain_id in present]
 
     def serving(self, domain_id: str | None = None) -> list[SimInstance]:
-        """Active instances (optionally of one domain), draining ones included."""
-        return [i for i in self.instances.values() if i.active and (domain_id is None or i.domain_id == domain_id)]
+        """Active instances (optionally of one domain: O(its instances)), draining ones included."""
+        if domain_id is None:
+            return [i for i in self.instances.values() if i.active]
+        return [i for i in self._by_domain.get(domain_id, ()) if i.active]
 
     def load_version(self, inst: SimInstance) -> int:
         """A counter that moves exactly when :meth:`load` of ``inst`` would report something new: its engine's
@@ -262,12 +267,15 @@ class Cluster:
 
         A busy instance changes at every engine step (token counts grow, and with them blocks).
         """
-        engine = inst.engine  # brought to now
         flags = (inst.draining, self.queue.now_s < inst.warm_until_s)
         if flags != inst._flags:
             inst._flags = flags
             inst._flag_changes += 1
-        return engine.load_version + inst._flag_changes
+        version = inst._engine.load_version + inst._flag_changes
+        flight = inst._run
+        if flight is not None:  # each step that has started but is not applied yet moves it by one
+            version += self._started_steps(flight) - flight.run.applied
+        return version
 
     def load(self, inst: SimInstance) -> InstanceLoad:
         """The instance's load report, as its llumlet would push it (policy's InstanceLoad); rebuilt only
@@ -275,9 +283,7 @@ class Cluster:
         version = self.load_version(inst)
         if inst._load is None or inst._load_version != version:
             draining, warming_up = inst._flags
-            inst._load = inst._engine.load().to_instance_load(
-                inst.instance_id, inst.domain_id, draining=draining, warming_up=warming_up
-            )
+            inst._load = inst.engine.instance_load(inst.instance_id, inst.domain_id, draining, warming_up)
             inst._load_version = version
         return inst._load
 

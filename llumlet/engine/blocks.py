@@ -230,13 +230,14 @@ class BlockManager:
         for i, t in enumerate(tables):
             first = t.num_blocks * bs - t.num_tokens + 1  # _first_new_block_round, inlined: this is per step
             if first <= rounds:
-                events.extend((r, i) for r in range(first, rounds + 1, bs))
-        if len(events) > len(self._free):
-            raise ValueError(f"extend_decode_slots: {len(events)} new blocks needed, {len(self._free)} free")
+                events.extend([(r, i) for r in range(first, rounds + 1, bs)])
+        free = self._free
+        if len(events) > len(free):
+            raise ValueError(f"extend_decode_slots: {len(events)} new blocks needed, {len(free)} free")
         for t in tables:
             t.num_tokens += rounds
-        events.sort()
-        free = self._free
+        if rounds > 1:
+            events.sort()  # round by round; with one round they are in request order already
         for _, i in events:
             t = tables[i]
             t.private.append(free.pop())

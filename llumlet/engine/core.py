@@ -14,6 +14,7 @@ source ``resume``s. A request that finishes during pre-copy is simply finished o
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from llumlet.engine.blocks import BlockManager
 from llumlet.engine.latency import LatencyModel
@@ -25,7 +26,11 @@ from llumlet.engine.types import (
     EngineRequest,
     MigrationState,
     StepResult,
+    instance_load_of,
 )
+
+if TYPE_CHECKING:
+    from policy.types import InstanceLoad
 
 __all__ = ["DecodeRun", "EngineCore", "RequestStats", "RequestTooLargeError"]
 
@@ -162,6 +167,28 @@ class EngineCore(PagedEngine):
             self._load = super().load()
             self._load_at_version = self._load_version
         return self._load
+
+    def instance_load(
+        self, instance_id: str, domain_id: str, draining: bool = False, warming_up: bool = False
+    ) -> InstanceLoad:
+        """``load().to_instance_load(...)``, built straight from the engine's state: no ``EngineLoad`` in
+        between (the simulator asks for it at every step of a busy instance)."""
+        num_waiting, head_demand, queued_demand, preempting = self._queue_state()
+        blocks = self.blocks
+        return instance_load_of(
+            instance_id,
+            domain_id,
+            draining,
+            warming_up,
+            total_blocks=blocks.num_blocks,
+            used_blocks=blocks.used_blocks,
+            reserved_blocks=blocks.reserved_blocks,
+            running=self._running_rows(),
+            num_waiting=num_waiting,
+            head_demand_blocks=head_demand,
+            queued_demand_blocks=queued_demand,
+            preempting=preempting,
+        )
 
     def _changing(self) -> None:
         """A change from outside is about to happen: the run in progress ends after the steps its driver
@@ -301,10 +328,10 @@ class EngineCore(PagedEngine):
             raise ValueError(f"{self.instance_id}: advance_decode_run({applied}): {run!r}")
         if applied <= run.applied:
             return
-        finished = self.scheduler.apply_decode_steps(applied - run.applied)
+        finished = self.scheduler.apply_decode_steps(applied - run.applied, run.request_ids)
+        self._load_version += applied - run.applied  # one version per step, as step-by-step stepping
         run.applied = applied
         self._last_step_preempted = False
-        self._load_version += 1
         if finished:
             for state in finished:
                 self.stats[state.request_id] = RequestStats(state)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from llumlet.engine.blocks import BlockManager
 from llumlet.engine.scheduler import RequestStatus, Scheduler, SchedulerRequest
-from llumlet.engine.types import EngineLoad, MigrationState, RunningRequestLoad, SamplingParams
+from llumlet.engine.types import EngineLoad, MigrationState, RunningRequestLoad, RunningRow, SamplingParams
 
 __all__ = ["PagedEngine"]
 
@@ -51,28 +51,37 @@ class PagedEngine:
 
     def load(self) -> EngineLoad:
         """Current block usage and queue state."""
-        sched = self.scheduler
-        blocks_of = self.blocks.num_blocks_of
-        running = []
-        for s in sched.running:  # one pass, the fields read directly (this runs for every report)
-            req = s.request
-            num_tokens = req.prompt_tokens + s.num_output_tokens
-            in_decode = s.num_output_tokens > 0 and s.num_computed_tokens == num_tokens - 1
-            running.append(
-                RunningRequestLoad(req.request_id, blocks_of(req.request_id), req.priority, num_tokens, in_decode)
-            )
+        num_waiting, head_demand, queued_demand, preempting = self._queue_state()
         return EngineLoad(
             total_blocks=self.blocks.num_blocks,
             used_blocks=self.blocks.used_blocks,
             reserved_blocks=self.blocks.reserved_blocks,
             cached_blocks=self.blocks.cached_blocks,
-            running=tuple(running),
-            num_waiting=len(sched.waiting),
-            head_demand_blocks=sched.head_demand_blocks(),
-            queued_demand_blocks=sched.queued_demand_blocks(),
-            preempting=self._last_step_preempted or any(s.num_preemptions for s in sched.waiting),
+            running=tuple([RunningRequestLoad(*row) for row in self._running_rows()]),
+            num_waiting=num_waiting,
+            head_demand_blocks=head_demand,
+            queued_demand_blocks=queued_demand,
+            preempting=preempting,
             num_suspended=len(self._suspended),
         )
+
+    def _running_rows(self) -> list[RunningRow]:
+        """Each running request as the load report sees it, in arrival order (one pass, fields read directly:
+        this runs for every report)."""
+        blocks_of = self.blocks.num_blocks_of
+        rows: list[RunningRow] = []
+        for s in self.scheduler.running:
+            req = s.request
+            num_tokens = req.prompt_tokens + s.num_output_tokens
+            in_decode = s.num_output_tokens > 0 and s.num_computed_tokens == num_tokens - 1
+            rows.append((req.request_id, blocks_of(req.request_id), req.priority, num_tokens, in_decode))
+        return rows
+
+    def _queue_state(self) -> tuple[int, int, int, bool]:
+        """(num_waiting, head_demand_blocks, queued_demand_blocks, preempting) of the load report."""
+        sched = self.scheduler
+        preempting = self._last_step_preempted or any(s.num_preemptions for s in sched.waiting)
+        return len(sched.waiting), sched.head_demand_blocks(), sched.queued_demand_blocks(), preempting
 
     def request_kv(self, request_id: str) -> tuple[int, int] | None:
         """(tokens in the KV cache, blocks held) of an unfinished request; None if unknown."""

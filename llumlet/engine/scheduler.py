@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -371,12 +371,13 @@ class Scheduler:
             return False
         return blocks.blocks_for_tokens(held_tokens + chunk) - held_blocks <= available
 
-    def apply_decode_steps(self, steps: int) -> list[SchedulerRequest]:
+    def apply_decode_steps(self, steps: int, request_ids: Sequence[str] | None = None) -> list[SchedulerRequest]:
         """Apply ``steps`` pure decode steps at once, exactly as ``steps`` rounds of :meth:`schedule` +
         :meth:`update` would; returns the requests that finished (removed, blocks freed), in batch order.
 
         The caller makes sure :meth:`decode_run_length` allowed them (nothing changed since); a request can
-        only finish in the last step of a run.
+        only finish in the last step of a run. ``request_ids``: the running requests' ids, if the caller
+        keeps them (a run's batch).
         """
         running = self.running
         head = self._attempted_head()
@@ -385,7 +386,7 @@ class Scheduler:
             self.blocks.repeat_unadmitted_lookups(
                 req.prefix_block_hashes, req.prefix_hash_block_tokens, head.num_tokens - 1, steps
             )
-        self.blocks.extend_decode_slots([s.request_id for s in running], steps)
+        self.blocks.extend_decode_slots(request_ids or [s.request_id for s in running], steps)
         finished: list[SchedulerRequest] = []
         for s in running:
             s.num_computed_tokens += steps

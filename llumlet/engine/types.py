@@ -6,6 +6,7 @@ only link to the policy layer.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -17,8 +18,10 @@ __all__ = [
     "EngineRequest",
     "MigrationState",
     "RunningRequestLoad",
+    "RunningRow",
     "SamplingParams",
     "StepResult",
+    "instance_load_of",
 ]
 
 
@@ -131,39 +134,70 @@ class EngineLoad:
     def to_instance_load(
         self, instance_id: str, domain_id: str, draining: bool = False, warming_up: bool = False
     ) -> InstanceLoad:
-        """Convert for the policy layer.
-
-        ``used_blocks`` of the result counts reservations too (they hold capacity); evictable cached prefix
-        blocks count as free. Suspended requests are not in ``running`` (they are leaving). The result is
-        built without ``InstanceLoad``'s checks: an engine's counts are consistent by construction (a
-        report from outside is checked where it is decoded, ``rack_sched.convert``).
-        """
-        from policy.types import trusted_instance_load, trusted_request_load
-
-        return trusted_instance_load(
-            instance_id=instance_id,
-            capacity_blocks=self.total_blocks,
-            used_blocks=self.used_blocks + self.reserved_blocks,
-            running=tuple(
-                [
-                    trusted_request_load(
-                        request_id=r.request_id,
-                        blocks=r.blocks,
-                        priority=r.priority,
-                        num_tokens=r.num_tokens,
-                        migratable=r.in_decode,
-                    )
-                    for r in self.running
-                ]
-            ),
+        """Convert for the policy layer (:func:`instance_load_of` says how)."""
+        return instance_load_of(
+            instance_id,
+            domain_id,
+            draining,
+            warming_up,
+            total_blocks=self.total_blocks,
+            used_blocks=self.used_blocks,
+            reserved_blocks=self.reserved_blocks,
+            running=[(r.request_id, r.blocks, r.priority, r.num_tokens, r.in_decode) for r in self.running],
             num_waiting=self.num_waiting,
             head_demand_blocks=self.head_demand_blocks,
             queued_demand_blocks=self.queued_demand_blocks,
             preempting=self.preempting,
-            draining=draining,
-            warming_up=warming_up,
-            domain_id=domain_id,
         )
+
+
+RunningRow = tuple[str, int, int, int, bool]
+"""One running request as the load report sees it: (request_id, blocks, priority, num_tokens, in_decode),
+the fields of :class:`RunningRequestLoad`."""
+
+
+def instance_load_of(
+    instance_id: str,
+    domain_id: str,
+    draining: bool,
+    warming_up: bool,
+    *,
+    total_blocks: int,
+    used_blocks: int,
+    reserved_blocks: int,
+    running: Iterable[RunningRow],
+    num_waiting: int,
+    head_demand_blocks: int,
+    queued_demand_blocks: int,
+    preempting: bool,
+) -> InstanceLoad:
+    """An engine's load as the policy layer's ``InstanceLoad`` (the fields as in :class:`EngineLoad`).
+
+    ``used_blocks`` of the result counts reservations too (they hold capacity); evictable cached prefix
+    blocks count as free; suspended requests are not running (they are leaving); a request is migratable
+    once in decode. Built without ``InstanceLoad``'s checks: an engine's counts are consistent by
+    construction (a report from outside is checked where it is decoded, ``rack_sched.convert``).
+    """
+    from policy.types import trusted_instance_load, trusted_request_load
+
+    return trusted_instance_load(
+        instance_id=instance_id,
+        capacity_blocks=total_blocks,
+        used_blocks=used_blocks + reserved_blocks,
+        running=tuple(
+            [
+                trusted_request_load(rid, blocks, prio, tokens, in_decode)
+                for rid, blocks, prio, tokens, in_decode in running
+            ]
+        ),
+        num_waiting=num_waiting,
+        head_demand_blocks=head_demand_blocks,
+        queued_demand_blocks=queued_demand_blocks,
+        preempting=preempting,
+        draining=draining,
+        warming_up=warming_up,
+        domain_id=domain_id,
+    )
 
 
 @dataclass(frozen=True, slots=True)

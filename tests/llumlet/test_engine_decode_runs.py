@@ -144,6 +144,7 @@ def test_decode_runs_equal_step_by_step(
             assert out_fast == out_ref, (op, x)
             assert state_of(fast) == state_of(ref), (op, x)
             assert fast.load() == ref.load()
+            assert fast.instance_load("i0", "d0", True) == ref.load().to_instance_load("i0", "d0", True)
             fast.blocks.check_invariants()
         added += op == "add"
 
