@@ -259,6 +259,7 @@ class RequestLog(Sequence["RequestRecord"]):
         self._spool = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the log
         weakref.finalize(self, self._spool.close)  # the log collected: the spool goes too, quietly
         self._end = 0  # bytes written
+        self._read_since_write = False  # the file position is not at the end
         self._offset = np.full(num_requests, -1, dtype=np.int64)  # where each record's line starts
         self._length = np.zeros(num_requests, dtype=np.int64)
         self._gap_start = np.zeros(num_requests, dtype=np.int64)  # its gaps in totals.gaps_s
@@ -271,7 +272,9 @@ class RequestLog(Sequence["RequestRecord"]):
         if self._offset[index] >= 0:
             raise ValueError(f"RequestLog.add: request {rec.request_id!r} (index {index}) is already recorded")
         line = _request_json(rec).encode()
-        self._spool.seek(self._end)
+        if self._read_since_write:  # a seek flushes the write buffer: only after a read moved the position
+            self._spool.seek(self._end)
+            self._read_since_write = False
         self._spool.write(line)
         self._offset[index], self._length[index] = self._end, len(line)
         self._end += len(line)
@@ -287,6 +290,7 @@ class RequestLog(Sequence["RequestRecord"]):
         if offset < 0:
             raise LookupError(f"RequestLog: request {index} has no record yet")
         self._spool.seek(offset)
+        self._read_since_write = True
         return self._spool.read(int(self._length[index]))
 
     @overload

@@ -339,6 +339,9 @@ def test_a_request_log_refuses_a_second_record_and_names_a_missing_one() -> None
     run = hand_run()
     log = RequestLog(4)
     log.add(1, run.requests[1])
+    assert log[1] == run.requests[1]  # a read in between writes
+    log.add(3, run.requests[3])
+    assert (log[3], log[1]) == (run.requests[3], run.requests[1])
     with pytest.raises(ValueError, match=r"'r1' \(index 1\) is already recorded"):
         log.add(1, run.requests[1])
     with pytest.raises(LookupError, match="request 0 has no record yet"):
