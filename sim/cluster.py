@@ -283,7 +283,15 @@ class Cluster:
         version = self.load_version(inst)
         if inst._load is None or inst._load_version != version:
             draining, warming_up = inst._flags
-            inst._load = inst.engine.instance_load(inst.instance_id, inst.domain_id, draining, warming_up)
+            ahead = 0
+            flight = inst._run
+            if flight is not None:
+                started = self._started_steps(flight)
+                if started < flight.run.steps:  # computed from the run, not applied: the engine need not move
+                    ahead = started - flight.run.applied
+                else:
+                    self._sync(inst)  # the last step (requests finish in it): apply it
+            inst._load = inst._engine.instance_load(inst.instance_id, inst.domain_id, draining, warming_up, ahead)
             inst._load_version = version
         return inst._load
 

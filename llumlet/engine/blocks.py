@@ -206,13 +206,17 @@ class BlockManager:
 
     def decode_rounds_new_blocks(self, request_ids: Sequence[str], rounds: int) -> int:
         """New blocks that ``rounds`` rounds of ``append_slot`` over ``request_ids`` would take (changes nothing)."""
+        return sum(self.decode_new_blocks_each(request_ids, rounds))
+
+    def decode_new_blocks_each(self, request_ids: Sequence[str], rounds: int) -> list[int]:
+        """New blocks each request would take over ``rounds`` rounds of ``append_slot`` (changes nothing)."""
         bs = self.block_size_tokens
-        total = 0
+        out = []
         for rid in request_ids:
-            first = self._first_new_block_round(self._tables[rid])
-            if first <= rounds:
-                total += (rounds - first) // bs + 1
-        return total
+            t = self._tables[rid]
+            first = t.num_blocks * bs - t.num_tokens + 1  # _first_new_block_round, inlined: this is per report
+            out.append((rounds - first) // bs + 1 if first <= rounds else 0)
+        return out
 
     def extend_decode_slots(self, request_ids: Sequence[str], rounds: int) -> int:
         """Give every request ``rounds`` more token slots, exactly as ``rounds`` rounds of ``append_slot`` over

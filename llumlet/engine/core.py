@@ -169,21 +169,43 @@ class EngineCore(PagedEngine):
         return self._load
 
     def instance_load(
-        self, instance_id: str, domain_id: str, draining: bool = False, warming_up: bool = False
+        self,
+        instance_id: str,
+        domain_id: str,
+        draining: bool = False,
+        warming_up: bool = False,
+        steps_ahead: int = 0,
     ) -> InstanceLoad:
         """``load().to_instance_load(...)``, built straight from the engine's state: no ``EngineLoad`` in
-        between (the simulator asks for it at every step of a busy instance)."""
+        between (the simulator asks for it at every step of a busy instance).
+
+        ``steps_ahead``: the load as it will be once that many more steps of the decode run in progress are
+        applied, computed without applying them (a caller that only looks need not move the engine); the
+        run's last step, where requests finish, must not be among them. Raises ValueError otherwise.
+        """
         num_waiting, head_demand, queued_demand, preempting = self._queue_state()
         blocks = self.blocks
+        rows = self._running_rows()
+        used = blocks.used_blocks
+        if steps_ahead:
+            run = self._run
+            if steps_ahead < 0 or run is None or run.applied + steps_ahead >= run.steps:
+                raise ValueError(f"{self.instance_id}: instance_load(steps_ahead={steps_ahead}) with {run!r}")
+            grown = blocks.decode_new_blocks_each(run.request_ids, steps_ahead)  # all in decode: +1 token a step
+            rows = [
+                (rid, n + g, prio, tokens + steps_ahead, True)
+                for (rid, n, prio, tokens, _), g in zip(rows, grown, strict=True)
+            ]
+            used += sum(grown)
         return instance_load_of(
             instance_id,
             domain_id,
             draining,
             warming_up,
             total_blocks=blocks.num_blocks,
-            used_blocks=blocks.used_blocks,
+            used_blocks=used,
             reserved_blocks=blocks.reserved_blocks,
-            running=self._running_rows(),
+            running=rows,
             num_waiting=num_waiting,
             head_demand_blocks=head_demand,
             queued_demand_blocks=queued_demand,

@@ -204,6 +204,25 @@ def test_decode_step_times_equal_step_time_bit_for_bit() -> None:
         LATENCY.decode_step_times_s(4, 3, 1)
 
 
+def test_a_load_ahead_of_the_applied_steps_is_the_load_once_they_are_applied() -> None:
+    e = make(True, False, "whole-prompt", 40)
+    for i in range(3):
+        e.add_request(EngineRequest(f"r{i}", prompt_tokens=3 + 2 * i, max_tokens=12 + i, arrival_s=float(i)))
+    e.add_request(EngineRequest("w", prompt_tokens=150, max_tokens=1, arrival_s=9.0))  # 38 blocks: waits
+    e.step()
+    run = e.start_decode_run(100)
+    assert run is not None and run.steps == 11  # r0 has 11 tokens left
+    base = run.applied
+    ahead = [e.instance_load("i0", "d0", steps_ahead=k) for k in range(run.steps - base)]
+    applied = []
+    for k in range(run.steps - base):
+        e.advance_decode_run(base + k)
+        applied.append(e.instance_load("i0", "d0"))
+    assert ahead == applied and ahead[3].num_waiting == 1
+    with pytest.raises(ValueError, match="steps_ahead=1"):  # the last step (r0 finishes) must be applied
+        e.instance_load("i0", "d0", steps_ahead=1)
+
+
 def test_load_version_moves_exactly_when_the_load_changes() -> None:
     e = make(True, True, "chunked", 30)
     seen = [(e.load_version, e.load())]
