@@ -15,8 +15,9 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from llumlet.agent import Llumlet, LlumletConfig, MigrationConfig
+from llumlet.agent import Llumlet, LlumletConfig
 from llumlet.backends import BACKEND_NAMES, BackendConfig, UnknownBackendError, make_backend
+from llumlet.migration_types import MigrationConfig
 from llumlet.server import serve
 from topology.load import TopologyError, load_topology
 from topology.spec import Topology
