@@ -3,8 +3,8 @@
 1. check the fencing token (``FencingGuard``), that the request runs here in decode, choose the transport;
 2. ``Reserve`` the request's blocks at the destination (reservation ``<request_id>@<attempt>``);
 3. pre-copy stages: copy every full block not yet copied while the request keeps decoding; a stage ends with
-   the destination's reply; stop when the new full blocks are <= ``stop_remaining_blocks`` or after
-   ``max_stages`` stages (``0`` = stop-and-copy);
+   the destination's reply; when to stop is ``topology.cost.PrecopyRule`` — the rule the cost model prices
+   moves with (``0`` stages = stop-and-copy);
 4. suspend the request between two steps, copy the rest (partial block included) while flushing its pushed
    tokens to the origin, ``Commit`` with the state, the origin, the next seq and the next owner epoch;
 5. on success free the blocks here (``free_migrated``) and remember where the request went (aborts are
@@ -38,6 +38,7 @@ from llumlet.migration_types import (
 )
 from llumlet.tokens import PushOutcome
 from llumlet.transport import Transport, TransportError, choose_transport
+from topology.cost import PrecopyRule
 from topology.graph import TopologyGraph
 
 __all__ = ["MigrationSource"]
@@ -163,8 +164,10 @@ class MigrationSource:
         d, cfg = self._d, self.config
         rid, attempt = cmd.request_id, cmd.attempt
         peer = d.peer(cmd.dst_address)
-        max_stages = 0 if cmd.stop_and_copy else (cfg.max_stages if cmd.max_stages is None else cmd.max_stages)
-        threshold = cfg.stop_remaining_blocks if cmd.stop_remaining_blocks is None else cmd.stop_remaining_blocks
+        rule = PrecopyRule(
+            0 if cmd.stop_and_copy else (cfg.precopy.max_stages if cmd.max_stages is None else cmd.max_stages),
+            cfg.precopy.stop_remaining_blocks if cmd.stop_remaining_blocks is None else cmd.stop_remaining_blocks,
+        )
         block_size = d.engine.block_size_tokens
         stages: list[StageStats] = []
         copied = 0  # blocks [0, copied) are at the destination
@@ -198,9 +201,10 @@ class MigrationSource:
             # pre-copy stages: the request keeps decoding
             while True:
                 tokens, _ = await self._kv_or_end(rec)
-                full = tokens // block_size
-                if len(stages) >= max_stages or full - copied <= threshold:
+                n = rule.next_live_stage(tokens, copied, len(stages), block_size)
+                if n is None:
                     break
+                full = copied + n
                 reserved = await self._grow(peer, rid, attempt, full, reserved)
                 stages.append(await self._copy(peer, transport, rec, copied, full, len(stages), last=False))
                 copied = full

@@ -8,10 +8,11 @@ converts them to and from protobuf; the migration code never sees a ``*_pb2`` me
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llumlet.engine.types import MigrationState
 from llumlet.transport import TransportName
+from topology.cost import PrecopyRule
 
 __all__ = [
     "CommitCall",
@@ -34,8 +35,7 @@ __all__ = [
 class MigrationConfig:
     """Migration settings of one llumlet (the command may override stages and the rate cap)."""
 
-    max_stages: int = 4  # pre-copy stages at most before the last one
-    stop_remaining_blocks: int = 2  # go to the last stage when at most this many new full blocks remain
+    precopy: PrecopyRule = field(default_factory=PrecopyRule)  # when to suspend (the cost model's rule)
     reservation_expiry_s: float = 5.0  # a reservation with no message for this long is released
     cap_fraction: float = 0.2  # grpc transport: share of the path bandwidth (topology.cost default)
     grpc_rate_cap_bytes_per_s: float = 0.0  # grpc transport cap; 0 = path bandwidth x cap_fraction, or none
@@ -44,8 +44,6 @@ class MigrationConfig:
     rpc_timeout_s: float = 10.0  # deadline of the control RPCs to the destination
 
     def __post_init__(self) -> None:
-        if self.max_stages < 0 or self.stop_remaining_blocks < 0:
-            raise ValueError(f"MigrationConfig: negative max_stages / stop_remaining_blocks in {self}")
         if self.reservation_expiry_s <= 0 or self.rpc_timeout_s <= 0 or self.chunk_bytes < 1:
             raise ValueError(f"MigrationConfig: reservation_expiry_s, rpc_timeout_s, chunk_bytes must be > 0: {self}")
         if not 0 < self.cap_fraction <= 1:
@@ -72,8 +70,8 @@ class MigrationCommand:
     fencing_token: int = 0  # 0 = unfenced (intra-domain)
     rate_cap_bytes_per_s: float = 0.0  # 0 = the configured default
     stop_and_copy: bool = False  # naive baseline: suspend first, copy everything
-    max_stages: int | None = None
-    stop_remaining_blocks: int | None = None
+    max_stages: int | None = None  # overrides the configured PrecopyRule for this move (benchmarks, tests)
+    stop_remaining_blocks: int | None = None  # likewise
 
 
 @dataclass(frozen=True, slots=True)
