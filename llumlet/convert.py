@@ -176,6 +176,8 @@ def load_to_pb(load: EngineLoad, instance_id: str, domain_id: str) -> pb.LoadRep
                 priority=r.priority,
                 num_tokens=r.num_tokens,
                 in_decode=r.in_decode,
+                output_tokens=r.output_tokens,
+                max_tokens=r.max_tokens,
             )
             for r in load.running
         ],
@@ -195,7 +197,10 @@ def load_from_pb(msg: pb.LoadReport) -> EngineLoad:
         reserved_blocks=msg.reserved_blocks,
         cached_blocks=msg.cached_blocks,
         running=tuple(
-            RunningRequestLoad(r.request_id, r.blocks, r.priority, r.num_tokens, r.in_decode) for r in msg.running
+            RunningRequestLoad(
+                r.request_id, r.blocks, r.priority, r.num_tokens, r.in_decode, r.output_tokens, r.max_tokens
+            )
+            for r in msg.running
         ),
         num_waiting=msg.num_waiting,
         head_demand_blocks=msg.head_demand_blocks,

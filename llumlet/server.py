@@ -120,6 +120,7 @@ class LlumletService(pb_grpc.LlumletServicer):
         msg.num_reservations = snap.num_reservations
         msg.num_migrations_out = snap.num_migrations_out
         msg.version = snap.version
+        msg.recent_step_s = snap.recent_step_s
         return msg
 
     async def MigrateOut(self, request: pb.MigrateOutRequest, context: _Ctx) -> pb.MigrateOutReply:
