@@ -51,8 +51,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             if request.domain_id and reg.domain_id != request.domain_id:
                 continue
             draining = (DrainKind.INSTANCE, iid) in drains or (DrainKind.DOMAIN, reg.domain_id) in drains
-            summary = summaries.get(reg.domain_id)
-            load = next((i for i in summary.instances if i.instance_id == iid), None) if summary else None
+            record = summaries.get(reg.domain_id)
+            load = record.instances().get(iid) if record else None
             out.append(convert.instance_info(reg, draining, load))
         return pb.ListInstancesReply(instances=out, view_revision=view.revision)
 

@@ -377,6 +377,7 @@ class RunningRequest(_message.Message):
     IN_DECODE_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_BLOCKS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     blocks: _builtins.int
     """KV blocks held"""
@@ -389,6 +390,8 @@ class RunningRequest(_message.Message):
     """output tokens so far"""
     max_tokens: _builtins.int
     """its output limit; 0 = not known"""
+    max_blocks: _builtins.int
+    """KV blocks it may grow to (prompt + max_tokens - 1 tokens); 0 = not known"""
     def __init__(
         self,
         *,
@@ -399,10 +402,11 @@ class RunningRequest(_message.Message):
         in_decode: _builtins.bool = ...,
         output_tokens: _builtins.int = ...,
         max_tokens: _builtins.int = ...,
+        max_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "in_decode", b"in_decode", "max_tokens", b"max_tokens", "num_tokens", b"num_tokens", "output_tokens", b"output_tokens", "priority", b"priority", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "in_decode", b"in_decode", "max_blocks", b"max_blocks", "max_tokens", b"max_tokens", "num_tokens", b"num_tokens", "output_tokens", b"output_tokens", "priority", b"priority", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
