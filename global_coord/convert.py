@@ -244,6 +244,9 @@ def move_proposal(move: MoveProposal) -> pb.MigrationProposal:
         num_tokens=move.num_tokens,
         remaining_tokens=move.remaining_tokens,
         decode_step_s=move.decode_step_s,
+        model=move.model,
+        max_blocks=move.max_blocks,
+        dst_domain_id=move.dst_domain_id,
     )
 
 
@@ -259,6 +262,9 @@ def move_proposal_from_pb(msg: pb.MigrationProposal) -> MoveProposal:
         num_tokens=msg.num_tokens,
         remaining_tokens=msg.remaining_tokens,
         decode_step_s=msg.decode_step_s,
+        model=msg.model,
+        max_blocks=msg.max_blocks,
+        dst_domain_id=msg.dst_domain_id,
     )
 
 

@@ -793,6 +793,9 @@ class MigrationProposal(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     REMAINING_TOKENS_FIELD_NUMBER: _builtins.int
     DECODE_STEP_S_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    MAX_BLOCKS_FIELD_NUMBER: _builtins.int
+    DST_DOMAIN_ID_FIELD_NUMBER: _builtins.int
     proposer_domain_id: _builtins.str
     request_id: _builtins.str
     attempt: _builtins.int
@@ -805,9 +808,15 @@ class MigrationProposal(_message.Message):
     num_tokens: _builtins.int
     """tokens whose KV it holds"""
     remaining_tokens: _builtins.int
-    """output tokens it still has to produce (estimate)"""
+    """output tokens it still has to produce (estimate, policy.remaining)"""
     decode_step_s: _builtins.float
-    """the source's current decode step time, seconds"""
+    """the source's measured decode step time, seconds"""
+    model: _builtins.str
+    """the model it runs: a destination must serve it"""
+    max_blocks: _builtins.int
+    """KV blocks it may grow to: a destination must hold them (0 = unknown)"""
+    dst_domain_id: _builtins.str
+    """the domain the proposer was paired with (a preference)"""
     def __init__(
         self,
         *,
@@ -820,10 +829,13 @@ class MigrationProposal(_message.Message):
         num_tokens: _builtins.int = ...,
         remaining_tokens: _builtins.int = ...,
         decode_step_s: _builtins.float = ...,
+        model: _builtins.str = ...,
+        max_blocks: _builtins.int = ...,
+        dst_domain_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "blocks", b"blocks", "decode_step_s", b"decode_step_s", "dst_instance_id", b"dst_instance_id", "num_tokens", b"num_tokens", "proposer_domain_id", b"proposer_domain_id", "remaining_tokens", b"remaining_tokens", "request_id", b"request_id", "src_instance_id", b"src_instance_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "blocks", b"blocks", "decode_step_s", b"decode_step_s", "dst_domain_id", b"dst_domain_id", "dst_instance_id", b"dst_instance_id", "max_blocks", b"max_blocks", "model", b"model", "num_tokens", b"num_tokens", "proposer_domain_id", b"proposer_domain_id", "remaining_tokens", b"remaining_tokens", "request_id", b"request_id", "src_instance_id", b"src_instance_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
