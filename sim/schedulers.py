@@ -148,9 +148,9 @@ class ClusterScheduler(ABC):
         """One rescheduling round of ``feed``'s core; each move goes to the executor."""
         for move in feed.core.plan_rebalance(self._now()):
             ids = (move.src_id, move.dst_id)
-            self._pending[move.request_id] = (feed.core, ids, False)
-            if not self.ctx.executor.start(move.request_id, move.src_id, move.dst_id, move.reason):
-                self._pending.pop(move.request_id)
+            self._pending[move.request_id] = (feed.core, ids, False)  # before starting: a move may end at once
+            started = self.ctx.executor.start(move.request_id, move.src_id, move.dst_id, move.reason)
+            if not started and self._pending.pop(move.request_id, None) is not None:
                 feed.core.migration_done(ids, self._now())
 
     def _migration_done(self, record: MigrationRecord) -> None:
@@ -318,12 +318,11 @@ class HilumTwoTier(ClusterScheduler):
         move = feed.core.plan_cross_domain(self._others(domain_id), now)
         if move is None:
             return
-        feed.core.migration_started((move.src_instance_id,))
-        started = self._approve_and_start(domain_id, move)
-        if started:
-            self._pending[move.request_id] = (feed.core, (move.src_instance_id,), True)
-        else:
-            feed.core.migration_done((move.src_instance_id,), now)
+        ids = (move.src_instance_id,)
+        feed.core.migration_started(ids)
+        self._pending[move.request_id] = (feed.core, ids, True)  # before starting: a move may end at once
+        if not self._approve_and_start(domain_id, move) and self._pending.pop(move.request_id, None) is not None:
+            feed.core.migration_done(ids, now)
 
     def _approve_and_start(self, domain_id: str, move: CrossDomainProposal) -> bool:
         proposal = MoveProposal(
