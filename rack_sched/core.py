@@ -27,6 +27,7 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
+from global_coord.approver import MoveProposal
 from policy.dispatch import DispatchDecision, DispatchView
 from policy.domain import DomainSummary, summarize_domain
 from policy.migration import MigrationDecision, plan_migrations
@@ -94,6 +95,23 @@ class CrossDomainProposal:
     decode_step_s: float  # the source's measured step time, seconds
     dst_domain_id: str  # the domain policy.pair_domains paired it with
     reason: str
+
+    def proposal(self, proposer_domain_id: str, attempt: int) -> MoveProposal:
+        """The coordinator's ``MoveProposal`` of this move (the coordinator chooses the destination instance)."""
+        return MoveProposal(
+            proposer_domain_id=proposer_domain_id,
+            request_id=self.request_id,
+            attempt=attempt,
+            src_instance_id=self.src_instance_id,
+            dst_instance_id="",
+            blocks=self.blocks,
+            num_tokens=self.num_tokens,
+            remaining_tokens=self.remaining_tokens,
+            decode_step_s=self.decode_step_s,
+            model=self.model,
+            max_blocks=self.max_blocks,
+            dst_domain_id=self.dst_domain_id,
+        )
 
 
 @dataclass(slots=True)

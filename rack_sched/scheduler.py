@@ -491,20 +491,7 @@ class DomainScheduler:
 
     async def cross_domain(self, move: CrossDomainProposal) -> bool:
         """Propose ``move`` to the coordinator leader; carry out an approval. True when it committed."""
-        proposal = MoveProposal(
-            proposer_domain_id=self.cfg.domain_id,
-            request_id=move.request_id,
-            attempt=self._next_attempt(move.request_id),
-            src_instance_id=move.src_instance_id,
-            dst_instance_id="",
-            blocks=move.blocks,
-            num_tokens=move.num_tokens,
-            remaining_tokens=move.remaining_tokens,
-            decode_step_s=move.decode_step_s,
-            model=move.model,
-            max_blocks=move.max_blocks,
-            dst_domain_id=move.dst_domain_id,
-        )
+        proposal = move.proposal(self.cfg.domain_id, self._next_attempt(move.request_id))
         address = self._leader_address()
         if not address:
             _log.warning(

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from gateway.core import GatewayCore
-from global_coord.approver import MoveJudge, MoveProposal, decide
+from global_coord.approver import MoveJudge, decide
 from policy.dispatch import DispatchDecision
 from policy.domain import DomainSummary
 from rack_sched.core import CrossDomainProposal, DomainConfig, DomainCore, DomainRequest
@@ -325,20 +325,7 @@ class HilumTwoTier(ClusterScheduler):
             feed.core.migration_done(ids, now)
 
     def _approve_and_start(self, domain_id: str, move: CrossDomainProposal) -> bool:
-        proposal = MoveProposal(
-            proposer_domain_id=domain_id,
-            request_id=move.request_id,
-            attempt=1,
-            src_instance_id=move.src_instance_id,
-            dst_instance_id="",
-            blocks=move.blocks,
-            num_tokens=move.num_tokens,
-            remaining_tokens=move.remaining_tokens,
-            decode_step_s=move.decode_step_s,
-            model=move.model,
-            max_blocks=move.max_blocks,
-            dst_domain_id=move.dst_domain_id,
-        )
+        proposal = move.proposal(domain_id, attempt=1)
         summaries = [s for per_domain in self.delivered.values() for s in per_domain]
         executor = self.ctx.executor
         choice = decide(proposal, domain_id, summaries, self.ctx.graph.path, self.ctx.judge, executor.flows.counts())
