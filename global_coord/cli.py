@@ -89,6 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=ns.log_level, format=f"%(asctime)s {ns.id} %(name)s %(levelname)s %(message)s")
     try:
         settings = hilum_config.load_config(ns.config)
+    except hilum_config.ConfigError as exc:
+        print(f"global_coord: error: {exc}", file=sys.stderr)
+        return 2  # a configuration error: restarting cannot fix it
+    try:
         model = load_cluster_model(ns.topology, settings.cost, settings.approval) if ns.topology else None
         return asyncio.run(serve_replica(ns, model))
     except (RuntimeError, ValueError, OSError) as exc:

@@ -97,3 +97,27 @@ def test_a_domain_scheduler_and_the_simulator_read_the_same_settings(tmp_path: P
     assert rack.decide == sim.domain and rack.decide.cool_down_s == 9.0
     assert rack.summary_interval_s == sim.intervals.summary_interval_s == 0.5
     assert sim.cost.precopy.max_stages == 3
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-m", "rack_sched", "--domain-id", "node-0", "--listen", "127.0.0.1:0", "--etcd", "127.0.0.1:1",
+         "--topology", "2x8-a100"],
+        ["-m", "global_coord", "--etcd", "127.0.0.1:1", "--listen", "127.0.0.1:0", "--topology", "2x8-a100"],
+        ["-m", "llumlet", "--instance-id", "node-0-i0", "--topology", "2x8-a100"],
+        ["-m", "gateway", "--etcd", "127.0.0.1:1", "--topology", "2x8-a100", "--listen", "127.0.0.1:0"],
+    ],
+    ids=["rack_sched", "global_coord", "llumlet", "gateway"],
+)  # fmt: skip
+def test_every_process_refuses_a_bad_file_naming_the_key(argv: list[str], tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cost: {max_stages: many}\n")
+    proc = subprocess.run(
+        [sys.executable, *argv, "--config", str(bad)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"{bad}: cost.max_stages: Input should be a valid integer" in proc.stderr
