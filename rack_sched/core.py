@@ -64,6 +64,7 @@ class DomainRequest:
     prompt_tokens: int
     max_tokens: int
     priority: int = 0
+    only_if_room: bool = False  # refuse (``full``) rather than queue when no instance has room now
 
     def __post_init__(self) -> None:
         if not self.request_id or self.prompt_tokens < 0 or self.max_tokens < 1 or self.priority < 0:
@@ -267,6 +268,7 @@ class DomainCore:
             request.priority,
             need_blocks=request.need_blocks(block_size),
             exclude=frozenset(exclude),
+            only_if_room=request.only_if_room,
         )
 
     # ---- rescheduling inside the domain ----------------------------------------------------------

@@ -377,7 +377,8 @@ class DomainScheduler:
                 if failures or not any(self.core.reachable(i) for i in self._instances):
                     why = "; ".join([*failures, decision.reason]) if failures else "no instance is reachable"
                     return DispatchResult(DispatchOutcome.UNAVAILABLE, why, demand_blocks=demand)
-                return DispatchResult(DispatchOutcome.REFUSED, decision.reason, demand_blocks=demand)
+                outcome = DispatchOutcome.FULL if decision.full else DispatchOutcome.REFUSED
+                return DispatchResult(outcome, decision.reason, demand_blocks=demand)
             inst = self._instances[decision.target_id]
             try:
                 reply = await inst.stub.Submit(msg, timeout=self.cfg.rpc_timeout_s)
