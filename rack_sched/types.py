@@ -102,3 +102,4 @@ class DomainStateInfo:
     cross_domain_approved: int
     summaries_published: int
     newest_fencing_token: int
+    fallback_dispatches: int = 0  # requests spread evenly while no instance had a fresh load report
