@@ -80,6 +80,8 @@ class InstanceRegistration:
     address: str  # host:port of the llumlet's gRPC server
     model: str
     capacity_blocks: int  # KV cache capacity, blocks
+    engine: str = ""  # backend name ("sim" | "torch" | "vllm"); "" = not said
+    sampling_features: tuple[str, ...] = ()  # optional sampling features it honours (llumlet SamplingFeature)
 
 
 class DomainSummaryLike(Protocol):
@@ -267,9 +269,9 @@ def _coerce(cls: type[Any], name: str, value: Any, key: str) -> Any:
         if not isinstance(value, list):
             raise RecordError(f"{key}: instances: expected a list of instance loads, got {value!r}")
         return tuple(_from_dict(InstanceLoadRecord, item, f"{key}: instances[{i}]") for i, item in enumerate(value))
-    if name == "links":
+    if name in ("links", "sampling_features"):
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise RecordError(f"{key}: links: expected a list of strings, got {value!r}")
+            raise RecordError(f"{key}: {name}: expected a list of strings, got {value!r}")
         return tuple(value)
     if not isinstance(value, str):
         raise RecordError(f"{key}: {name}: expected a string, got {value!r}")

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from hilum_proto.v1 import token_sink_pb2 as pb
+from llumlet.engine.types import TokenLogprobs
 from llumlet.sink import TokenCollector
 
 __all__ = ["GatewaySink", "Move", "SinkObserver", "TokenUpdate"]
@@ -52,6 +53,7 @@ class TokenUpdate:
     instance_id: str  # the instance that owns the request now ("" before its first push)
     migrations: int  # committed migrations seen so far
     moves: tuple[Move, ...] = ()  # those migrations whose first new token arrived (or that ended the stream)
+    logprobs: tuple[TokenLogprobs, ...] = ()  # aligned with token_ids when the request asked for logprobs
 
 
 class SinkObserver(Protocol):
@@ -140,6 +142,7 @@ class GatewaySink(TokenCollector):
             snap = self.get(request_id)
             new = snap.token_ids[delivered:]
             if new or snap.done:
+                logprobs = snap.logprobs[delivered : delivered + len(new)]
                 delivered += len(new)
                 last_progress = self._clock()
                 yield TokenUpdate(
@@ -150,6 +153,7 @@ class GatewaySink(TokenCollector):
                     prog.owner_instance_id,
                     prog.migrations,
                     tuple(prog.moves),
+                    logprobs,
                 )
                 if snap.done:
                     return

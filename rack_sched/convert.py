@@ -26,8 +26,9 @@ def load_from_pb(report: llumlet_pb2.LoadReport, instance_id: str, domain_id: st
     """The ``InstanceLoad`` of a llumlet's ``LoadReport`` (as ``EngineLoad.to_instance_load`` converts).
 
     ``used_blocks`` counts reservations for incoming migrations (they hold capacity); evictable cached prefix
-    blocks count as free; suspended (leaving) requests are not running; a request still in prefill is not
-    migratable. ``draining`` is left False: the scheduler applies drain intents itself.
+    blocks count as free; suspended (leaving) requests are not running; a request still in prefill, or one
+    its engine cannot move faithfully (``unmigratable_reason``), is not migratable. ``draining`` is left
+    False: the scheduler applies drain intents itself.
 
     Raises:
         ValueError: when the report names another instance, or its counts are inconsistent
@@ -46,7 +47,7 @@ def load_from_pb(report: llumlet_pb2.LoadReport, instance_id: str, domain_id: st
                 blocks=r.blocks,
                 priority=max(0, r.priority),
                 num_tokens=r.num_tokens,
-                migratable=r.in_decode,
+                migratable=r.in_decode and not r.unmigratable_reason,
             )
             for r in report.running
         ),

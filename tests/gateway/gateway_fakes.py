@@ -14,6 +14,7 @@ from gateway.app import GatewayApp
 from gateway.metrics import GatewayMetrics
 from gateway.router import DispatchFailed, Placement
 from gateway.sink import Move, TokenUpdate
+from gateway.tokenizer import Tokenizer
 from gateway.validation import GenerationRequest, ModelLimits
 
 # context 64 tokens; the largest instance holds 12 x 4 = 48 KV tokens
@@ -81,10 +82,12 @@ class FakeBackend:
 
 
 @contextlib.asynccontextmanager
-async def serve(backend: Any) -> AsyncIterator[tuple[TestClient[Any, Any], GatewayMetrics]]:
-    """An in-process HTTP server over ``backend`` and a client to it."""
+async def serve(
+    backend: Any, tokenizers: Mapping[str, Tokenizer] | None = None
+) -> AsyncIterator[tuple[TestClient[Any, Any], GatewayMetrics]]:
+    """An in-process HTTP server over ``backend`` (with these models' tokenizers) and a client to it."""
     metrics = GatewayMetrics()
-    app = GatewayApp(backend, metrics).app()
+    app = GatewayApp(backend, metrics, dict(tokenizers or {}), wall_clock=lambda: 1_700_000_000.0).app()
     server = TestServer(app)
     client: TestClient[Any, Any] = TestClient(server)
     await client.start_server()
