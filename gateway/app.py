@@ -70,6 +70,7 @@ _log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a request body larger than this is a 413
 _JSON_TYPES = ("application/json",)
+_MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -101,7 +102,7 @@ async def _openai_errors(
         elif exc.status == 405:
             message = f"{request.method} is not allowed on {request.path} (allowed: {exc.headers.get('Allow', '')})"
         elif exc.status == 413:
-            message = f"the request body is larger than {MAX_BODY_BYTES} bytes"
+            message = f"the request body is larger than {request.app[_MAX_BODY_KEY]} bytes"
         else:
             message = exc.text or exc.reason
         headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "x-request-id")}
@@ -175,12 +176,14 @@ class GatewayApp:
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
     started_s: int = 0  # wall time the models are served since (``created`` in /v1/models); 0 = at app()
+    max_body_bytes: int = MAX_BODY_BYTES  # a larger request body is a 413
 
     def app(self) -> web.Application:
         """The aiohttp application with every route."""
         if not self.started_s:
             self.started_s = int(self.wall_clock())
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_openai_errors])
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[_openai_errors])
+        app[_MAX_BODY_KEY] = self.max_body_bytes
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)

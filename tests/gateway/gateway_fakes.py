@@ -1,4 +1,5 @@
-"""Fakes for the gateway's HTTP tests: a backend that generates known tokens, and topologies."""
+"""Fakes for the gateway's HTTP tests: backends that generate known tokens (bytes, or a real tokenizer's), and
+model limits."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from gateway.router import DispatchFailed, Placement
 from gateway.sink import Move, TokenUpdate
 from gateway.tokenizer import Tokenizer
 from gateway.validation import GenerationRequest, ModelLimits
+from llumlet.engine.types import TokenLogprobs
 
 # context 64 tokens; the largest instance holds 12 x 4 = 48 KV tokens
 LIMITS = {
@@ -100,3 +102,71 @@ async def serve(
 def run(main: Callable[[], Awaitable[None]]) -> None:
     """Run an async test body."""
     asyncio.run(main())
+
+
+@dataclass
+class ScriptedBackend:
+    """A cluster whose "model" answers with known text in the model's own tokens: for a request with seed
+    ``s`` (None: 0) the answer is ``answers[s % len(answers)]``, encoded by ``tokenizer`` (its BOS dropped),
+    cut at ``max_tokens`` (finish "length"), else ended by EOS (finish "stop", EOS kept as the last token, as
+    engines do). Tokens come ``chunk`` at a time; with ``sampling.logprobs`` = k each token carries a made-up
+    but checkable :class:`TokenLogprobs` (logprob ``-0.5 * position``; top k: the token itself with that
+    logprob, then ids 3, 4, ... at -10, -11, ...).
+
+    ``sampling_features`` is what the "instances" advertise (None: not said).
+    """
+
+    tokenizer: Any
+    answers: tuple[str, ...]
+    limits: Mapping[str, ModelLimits]
+    eos_token_id: int = 2
+    chunk: int = 2
+    started: list[tuple[str, GenerationRequest]] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+    def health(self) -> tuple[bool, str]:
+        return True, "scripted"
+
+    def ready_domains(self) -> list[str]:
+        return ["dom-a"]
+
+    def domain_of(self, instance_id: str) -> str:
+        return "dom-a"
+
+    async def start(self, request_id: str, request: GenerationRequest) -> Placement:
+        self.started.append((request_id, request))
+        return Placement("dom-a", "a0", "127.0.0.1:1", "scripted", 1)
+
+    def output_of(self, request: GenerationRequest) -> tuple[list[int], str]:
+        """The tokens and finish reason the fake produces for ``request``."""
+        answer = self.answers[(request.sampling.seed or 0) % len(self.answers)]
+        tokens = [*self.tokenizer.encode(answer)[1:], self.eos_token_id]
+        if len(tokens) > request.max_tokens:
+            return tokens[: request.max_tokens], "length"
+        return tokens, "stop"
+
+    async def updates(self, request_id: str) -> AsyncIterator[TokenUpdate]:
+        request = dict(self.started)[request_id]
+        tokens, reason = self.output_of(request)
+        k = request.sampling.logprobs
+        for i in range(0, len(tokens), self.chunk):
+            part = tuple(tokens[i : i + self.chunk])
+            lps: tuple[TokenLogprobs, ...] = ()
+            if k is not None:
+                lps = tuple(
+                    TokenLogprobs(-0.5 * (i + j), ((t, -0.5 * (i + j)), *((3 + m, -10.0 - m) for m in range(k)))[:k])
+                    for j, t in enumerate(part)
+                )
+            last = i + self.chunk >= len(tokens)
+            await asyncio.sleep(0)
+            yield TokenUpdate(part, last, reason if last else "", "", "a0", 0, (), lps)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def abort_soon(self, request_id: str, placement: Any = None) -> None:
+        self.aborted.append(request_id)
+
+    def finish(self, request_id: str) -> None:
+        self.finished.append(request_id)

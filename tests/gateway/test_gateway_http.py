@@ -4,6 +4,7 @@ disconnects, metrics."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 from typing import Any
 
@@ -297,3 +298,37 @@ def test_no_domain_is_503_models_and_health() -> None:
             assert (await client.get("/health")).status == 200
 
     run(main)
+
+
+def test_error_paths_answer_the_openai_error_object() -> None:
+    """415 (not JSON), a bad gzip body, 404 (route, model), 405, 413: each OpenAI's error object, not text."""
+    backend = FakeBackend()
+    json_type = {"Content-Type": "application/json"}
+    bad_gzip = {**json_type, "Content-Encoding": "gzip", "Connection": "close"}  # aiohttp drops the connection after
+    cases: list[tuple[str, str, dict[str, Any], int, str, str]] = [
+        # (method, path, request kwargs, status, code, words in the message)
+        ("POST", "/v1/completions", {"data": b"model=tiny", "headers": {"Content-Type": "text/plain"}},
+         415, "unsupported_media_type", "send Content-Type: application/json (got text/plain)"),
+        ("POST", "/v1/completions", {"data": b"\x1f\x8bnot really gzip", "headers": bad_gzip},
+         400, "invalid_body", "the request body cannot be read"),
+        ("GET", "/v2/completions", {}, 404, "not_found", "no route GET /v2/completions"),
+        ("GET", "/v1/models/gpt-9", {}, 404, "model_not_found", "'gpt-9' does not exist here"),
+        ("POST", "/v1/completions", {"json": {"model": "gpt-9", "prompt": "x"}},
+         404, "model_not_found", "'gpt-9' does not exist here; served: tiny"),
+        ("DELETE", "/v1/chat/completions", {}, 405, "method_not_allowed", "DELETE is not allowed"),
+        ("POST", "/v1/completions", {"data": io.BytesIO(b"x" * (17 * 1024 * 1024)), "headers": json_type},
+         413, "request_too_large", "larger than 16777216 bytes"),
+    ]  # fmt: skip
+
+    async def main() -> None:
+        async with serve(backend) as (client, _):
+            for method, path, kwargs, status, code, words in cases:
+                resp = await client.request(method, path, **kwargs)
+                assert resp.status == status, (code, await resp.text())
+                assert resp.content_type == "application/json"
+                err = (await resp.json())["error"]
+                assert err["code"] == code and words in err["message"], err
+                assert set(err) == {"message", "type", "param", "code"}
+
+    run(main)
+    assert backend.started == []
