@@ -15,8 +15,8 @@ Every request gets the gateway's own id (``cmpl-<hex>`` / ``chatcmpl-<hex>``; th
 ``<hex>-<i>`` for choice ``i`` of ``n`` > 1): a client's ``X-Request-Id`` is echoed back in the response
 header, never used to find a request, so a reused client id cannot disturb a running request. Bad input is
 answered 400 before anything is dispatched (``gateway.validation``); every error, on any path (400, 404
-for an unknown route or model, 405, 413 for a body over :data:`MAX_BODY_BYTES`, 415 for a body that is not
-JSON, 500, 502, 503), is OpenAI's error object (``gateway.responses.error_body``).
+for an unknown route or model, 405, 413 for a body over :data:`MAX_BODY_BYTES`, 415 for a body sent as a
+form, multipart or text rather than JSON, 500, 502, 503), is OpenAI's error object (``gateway.responses.error_body``).
 
 Choices: ``n`` > 1 dispatches ``n`` engine requests (placed, and possibly migrated, independently; with a
 seed, choice ``i`` samples with seed + i). Each choice's text goes through its own
@@ -69,7 +69,9 @@ __all__ = ["MAX_BODY_BYTES", "GatewayApp", "build_app", "error_body"]
 _log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a request body larger than this is a 413
-_JSON_TYPES = ("application/json",)
+# Content-Types a JSON body may come with: JSON itself, and the generic bytes type many HTTP clients send
+# by default; anything else (a form, multipart, text) is a 415 that says what to send.
+_BODY_TYPES = ("application/json", "application/octet-stream")
 _MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
 
 _ERROR_TYPES = {
@@ -242,7 +244,7 @@ class GatewayApp:
 
     async def _parse(self, request: web.Request, kind: str) -> GenerationRequest:
         ctype = request.content_type
-        if request.headers.get("Content-Type") and ctype not in _JSON_TYPES and not ctype.endswith("+json"):
+        if request.headers.get("Content-Type") and ctype not in _BODY_TYPES and not ctype.endswith("+json"):
             raise web.HTTPUnsupportedMediaType(
                 text=f"the request body must be JSON: send Content-Type: application/json (got {ctype})"
             )

@@ -89,7 +89,10 @@ class Tokenizer(Protocol):
         ...
 
     def chat_prompt(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> tuple[int, ...]:
-        """Ids of ``messages`` (``role``, ``content``) rendered by the chat template. Raises ChatTemplateError."""
+        """Ids of ``messages`` (``role``, ``content``, optional ``name``) rendered by the chat template.
+
+        Raises ChatTemplateError.
+        """
         ...
 
     def detokenizer(self, prompt_ids: Sequence[int]) -> Detokenizer:
@@ -126,7 +129,8 @@ class ByteTokenizer:
     - decode: ids ``3..258`` whose byte is printable ASCII (32..126) are that character; every other id
       (the reserved ones, bytes outside printable ASCII, and ids ``>= 259`` the model may emit) is written
       ``<|id|>``. Each token decodes on its own.
-    - chat: ``"<role>: <content>\\n"`` per message, then ``"assistant: "`` (with ``add_generation_prompt``).
+    - chat: ``"<role>: <content>\\n"`` per message (``"<role> (<name>): ..."`` with a name), then
+      ``"assistant: "`` (with ``add_generation_prompt``).
 
     Raises ValueError on a vocabulary too small to hold every byte.
     """
@@ -147,8 +151,12 @@ class ByteTokenizer:
         return tuple(b + BYTE_OFFSET for b in text.encode("utf-8"))
 
     def chat_prompt(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> tuple[int, ...]:
-        """The stand-in template, encoded."""
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        """The stand-in template, encoded (a message's ``name``, when given, follows its role in parentheses)."""
+        lines = []
+        for m in messages:
+            who = f"{m['role']} ({m['name']})" if m.get("name") else m["role"]
+            lines.append(f"{who}: {m['content']}\n")
+        text = "".join(lines)
         return self.encode(text + ("assistant: " if add_generation_prompt else ""))
 
     def decode_token(self, token_id: int) -> str:

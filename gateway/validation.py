@@ -352,7 +352,10 @@ def _chat_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
             content = "".join(parts)
         if not isinstance(content, str):
             raise BadRequest(f"{where}.content must be a string, got {type(content).__name__}", param=where)
-        out.append({"role": str(role), "content": content})
+        name = msg.get("name")
+        if name is not None and not isinstance(name, str):
+            raise BadRequest(f"{where}.name must be a string, got {name!r}", param=where)
+        out.append({"role": str(role), "content": content, **({"name": name} if name else {})})
     if not any(m["content"] for m in out):
         raise BadRequest("prompt is empty: every message's content is empty", param="messages")
     return out

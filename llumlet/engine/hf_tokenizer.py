@@ -6,8 +6,8 @@ same directory the same way. The directory is what ``save_pretrained`` writes (`
 ``tokenizer_config.json``, optionally ``chat_template.jinja``), usually the model's checkpoint directory.
 Nothing is downloaded: ``local_files_only=True``.
 
-transformers is imported on the first call only (it is an optional dependency: ``pip install
-'hilum[torch]'``).
+transformers is imported on the first call only (an optional dependency: ``pip install 'hilum[tokenizer]'``,
+or ``'hilum[torch]'`` which has it too).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def load_hf_tokenizer(path: str | Path) -> Any:
         from transformers import AutoTokenizer
     except ImportError as exc:  # pragma: no cover - the test environment has transformers
         raise TokenizerLoadError(
-            f"tokenizer {str(path)!r}: loading it needs transformers (pip install 'hilum[torch]'): {exc}"
+            f"tokenizer {str(path)!r}: loading it needs transformers (pip install 'hilum[tokenizer]'): {exc}"
         ) from None
     try:
         return AutoTokenizer.from_pretrained(str(where), local_files_only=True)
