@@ -42,7 +42,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -63,6 +63,7 @@ from gateway.validation import (
     parse_chat,
     parse_completion,
 )
+from llumlet.engine.types import TokenLogprobs
 
 __all__ = ["MAX_BODY_BYTES", "GatewayApp", "build_app", "error_body"]
 
@@ -387,12 +388,16 @@ class GatewayApp:
         )
         return out
 
-    def _logprobs(self, req: _Request, choice: _Choice, piece_ids: Any, piece_lps: Any, state: Any) -> Any:
+    @staticmethod
+    def _logprobs(
+        req: _Request, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs], offsets: CompletionLogprobs
+    ) -> dict[str, Any] | None:
+        """The choice's logprobs object for these tokens in the endpoint's format (None: not asked for)."""
         if req.gen.sampling.logprobs is None:
             return None
         if req.kind == "completion":
-            return state.chunk(piece_ids, piece_lps)
-        return chat_logprobs(req.tokenizer, piece_ids, piece_lps)
+            return offsets.chunk(token_ids, logprobs)
+        return chat_logprobs(req.tokenizer, token_ids, logprobs)
 
     async def _whole(self, req: _Request, headers: dict[str, str]) -> web.Response:
         async def nothing(choice: _Choice, piece: Piece) -> None:
@@ -407,7 +412,7 @@ class GatewayApp:
         choices = []
         for c in req.choices:
             out = c.output
-            lps = self._logprobs(req, c, out.token_ids, out.logprobs, CompletionLogprobs(req.tokenizer))
+            lps = self._logprobs(req, out.token_ids, out.logprobs, CompletionLogprobs(req.tokenizer))
             body: dict[str, Any] = {"index": c.index}
             if req.kind == "completion":
                 body.update(text=out.text, logprobs=lps)
@@ -503,7 +508,7 @@ class GatewayApp:
                 choice, piece = item
                 data = chunk(choice, piece.text, None, placed(choice))
                 if piece.token_ids:
-                    lps = self._logprobs(req, choice, piece.token_ids, piece.logprobs, offsets[choice.index])
+                    lps = self._logprobs(req, piece.token_ids, piece.logprobs, offsets[choice.index])
                     data["choices"][0]["logprobs"] = lps
                     if req.gen.return_token_ids:
                         data["choices"][0]["token_ids"] = list(piece.token_ids)
