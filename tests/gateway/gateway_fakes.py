@@ -105,34 +105,19 @@ def run(main: Callable[[], Awaitable[None]]) -> None:
 
 
 @dataclass
-class ScriptedBackend:
+class ScriptedBackend(FakeBackend):
     """A cluster whose "model" answers with known text in the model's own tokens: for a request with seed
     ``s`` (None: 0) the answer is ``answers[s % len(answers)]``, encoded by ``tokenizer`` (its BOS dropped),
     cut at ``max_tokens`` (finish "length"), else ended by EOS (finish "stop", EOS kept as the last token, as
     engines do). Tokens come ``chunk`` at a time; with ``sampling.logprobs`` = k each token carries a made-up
     but checkable :class:`TokenLogprobs` (logprob ``-0.5 * position``; top k: the token itself with that
-    logprob, then ids 3, 4, ... at -10, -11, ...).
-
-    ``sampling_features`` is what the "instances" advertise (None: not said).
+    logprob, then ids 3, 4, ... at -10, -11, ...). Records dispatches, aborts and ends like FakeBackend.
     """
 
-    tokenizer: Any
-    answers: tuple[str, ...]
-    limits: Mapping[str, ModelLimits]
+    tokenizer: Any = None
+    answers: tuple[str, ...] = ()
     eos_token_id: int = 2
     chunk: int = 2
-    started: list[tuple[str, GenerationRequest]] = field(default_factory=list)
-    aborted: list[str] = field(default_factory=list)
-    finished: list[str] = field(default_factory=list)
-
-    def health(self) -> tuple[bool, str]:
-        return True, "scripted"
-
-    def ready_domains(self) -> list[str]:
-        return ["dom-a"]
-
-    def domain_of(self, instance_id: str) -> str:
-        return "dom-a"
 
     async def start(self, request_id: str, request: GenerationRequest) -> Placement:
         self.started.append((request_id, request))
@@ -161,12 +146,3 @@ class ScriptedBackend:
             last = i + self.chunk >= len(tokens)
             await asyncio.sleep(0)
             yield TokenUpdate(part, last, reason if last else "", "", "a0", 0, (), lps)
-
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-
-    def abort_soon(self, request_id: str, placement: Any = None) -> None:
-        self.aborted.append(request_id)
-
-    def finish(self, request_id: str) -> None:
-        self.finished.append(request_id)

@@ -53,7 +53,7 @@ async def gateway(
     tok: HFTokenizer, limits: ModelLimits = LIMITS, **backend_kw: Any
 ) -> AsyncIterator[tuple[Any, ScriptedBackend]]:
     """An in-process gateway over a scripted cluster and an ``AsyncOpenAI`` client to it (no retries)."""
-    backend = ScriptedBackend(tok, ANSWERS, {MODEL: limits}, **backend_kw)
+    backend = ScriptedBackend(limits={MODEL: limits}, tokenizer=tok, answers=ANSWERS, **backend_kw)
     app = GatewayApp(backend, GatewayMetrics(), {MODEL: tok}, max_body_bytes=64 * 1024).app()
     server = TestServer(app)
     await server.start_server()
@@ -310,7 +310,7 @@ def test_5xx_are_error_objects_too(tok: HFTokenizer) -> None:
             raise RuntimeError("the scheduler exploded")
 
     async def main() -> None:
-        backend = Broken(tok, ANSWERS, {MODEL: LIMITS})
+        backend = Broken(limits={MODEL: LIMITS}, tokenizer=tok, answers=ANSWERS)
         server = TestServer(GatewayApp(backend, GatewayMetrics(), {MODEL: tok}).app())
         await server.start_server()
         client = openai.AsyncOpenAI(api_key="none", base_url=str(server.make_url("/v1")), max_retries=0)

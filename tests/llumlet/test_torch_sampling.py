@@ -5,11 +5,19 @@ on the whole sequence, the penalties written out in plain Python), and carried t
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
-from test_torch_engine import Streams, assert_baseline, make_engine, precopy_migrate, prompt_ids, request, run_alone
+from test_torch_engine import (  # _one_thread: the module's autouse fixture, shared
+    Streams,
+    _one_thread,  # noqa: F401
+    assert_baseline,
+    make_engine,
+    precopy_migrate,
+    prompt_ids,
+    request,
+    run_alone,
+)
 
 from llumlet.engine.torch_engine import TorchEngine, apply_penalties, sample_token, token_logprobs
 from llumlet.engine.types import SamplingParams, StepResult, TokenLogprobs
@@ -20,12 +28,15 @@ PENALIZED = SamplingParams(
 )  # fmt: skip
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def drain_with_logprobs(engine: TorchEngine, rid: str) -> tuple[list[int], list[TokenLogprobs]]:
+    """Step ``engine`` until idle: the tokens of ``rid`` and their logprobs."""
+    tokens: list[int] = []
+    lps: list[TokenLogprobs] = []
+    while engine.has_work():
+        result = engine.step()
+        tokens += result.token_ids.get(rid, ())
+        lps += result.logprobs.get(rid, ())
+    return tokens, lps
 
 
 def reference_greedy(
@@ -87,12 +98,7 @@ def test_greedy_with_penalties_matches_the_reference_and_logprobs_are_raw() -> N
     engine = make_engine(block_size_tokens=4)
     prompt = prompt_ids(3, 11)
     engine.add_request(request("r", prompt, 20, params))
-    got: list[int] = []
-    lps: list[TokenLogprobs] = []
-    while engine.has_work():
-        result = engine.step()
-        got += result.token_ids.get("r", ())
-        lps += result.logprobs.get("r", ())
+    got, lps = drain_with_logprobs(engine, "r")
     ref, raw = reference_greedy(engine, prompt, 20, params)
     assert got == ref
     assert got != run_alone(request("r", prompt, 20, SamplingParams(max_tokens=20, temperature=0.0)))
@@ -125,12 +131,7 @@ def test_every_setting_survives_a_migration() -> None:
     target = request("m", prompt_ids(91, 14), 24, PENALIZED)
     alone = make_engine("alone")
     alone.add_request(target)
-    ref_tokens: list[int] = []
-    ref_lps: list[TokenLogprobs] = []
-    while alone.has_work():
-        result = alone.step()
-        ref_tokens += result.token_ids.get("m", ())
-        ref_lps += result.logprobs.get("m", ())
+    ref_tokens, ref_lps = drain_with_logprobs(alone, "m")
     assert ref_tokens != run_alone(request("m", prompt_ids(91, 14), 24, SamplingParams(max_tokens=24, seed=77)))
 
     class Collect(Streams):
