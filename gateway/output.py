@@ -8,8 +8,10 @@ in order (each with its logprobs when the request asked for them) and says, per 
 
 - each token's text comes from the incremental detokenizer (an incomplete UTF-8 sequence is held there);
 - after each token, the new text is searched for every stop string (from ``len(stop) - 1`` characters
-  before it, so a stop string split across tokens is found: vLLM's ``check_stop_strings``); stop strings
-  count only once more than ``min_tokens`` tokens exist, as vLLM's detokenizer does. On a match the text is
+  before it, so a stop string split across tokens is found: vLLM's ``check_stop_strings``); the one that
+  completes first wins, and of several completing at once the one that starts first (``"<"`` and ``"><"`` in
+  ``"><"``: the text is cut before ``"><"``); stop strings count only once more than ``min_tokens`` tokens
+  exist, as vLLM's detokenizer does. On a match the text is
   cut before the stop string (OpenAI's rule; ``include_stop_str_in_output`` keeps it, vLLM's extension), the
   output ends with ``finish_reason`` ``"stop"``, and the tokens after the one that completed the match are
   dropped (they are not in the text, the token ids, the logprobs or ``usage``);
@@ -96,11 +98,12 @@ class ChoiceOutput:
         return Piece(text, tuple(accepted), tuple(logprobs[: len(accepted)]), self.stopped)
 
     def _match(self, new_chars: int) -> bool:
-        """Find the stop string that completes earliest in the last ``new_chars`` characters; cut the text."""
+        """Find the stop string that completes earliest in the last ``new_chars`` characters (of those, the one
+        that starts first: the cut leaves no stop string in the text); cut the text."""
         best: tuple[int, int, str] | None = None  # (end, start, stop)
         for stop in self.stop:
             start = self.text.find(stop, max(0, len(self.text) - new_chars - len(stop) + 1))
-            if start >= 0 and (best is None or start + len(stop) < best[0]):
+            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
                 best = (start + len(stop), start, stop)
         if best is None:
             return False

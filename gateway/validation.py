@@ -53,7 +53,7 @@ __all__ = [
     "parse_priority",
 ]
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat uses the same when none is given
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: up to the context, see _max_tokens)
 MAX_PRIORITY = 9  # priority classes 0..9 (policy.PolicyConfig.priority_headroom_blocks keys them)
 MAX_N = 128  # choices per request at most (OpenAI's limit)
 PRIORITY_HEADER = "X-Hilum-Priority"
@@ -386,11 +386,16 @@ def _priority(body: Mapping[str, Any], header: str | None) -> int:
     return 0
 
 
-def _max_tokens(body: Mapping[str, Any], names: Sequence[str], limits: ModelLimits, prompt_tokens: int) -> int:
+def _max_tokens(
+    body: Mapping[str, Any], names: Sequence[str], limits: ModelLimits, prompt_tokens: int, kind: str
+) -> int:
+    """The output limit: the body's, else 16 for completions (OpenAI's default) and, for chat (where OpenAI
+    has no limit), as many tokens as the context and the largest instance allow (vLLM's default)."""
     name, value = next(((n, body[n]) for n in names if body.get(n) is not None), (names[0], None))
     ctx = limits.max_context_tokens
     if value is None:
-        value = min(DEFAULT_MAX_TOKENS, max(1, ctx - prompt_tokens))
+        room = min(ctx - prompt_tokens, limits.max_request_kv_tokens - prompt_tokens + 1)
+        value = max(1, room if kind == "chat" else min(DEFAULT_MAX_TOKENS, ctx - prompt_tokens))
     if not _is_int(value):
         raise BadRequest(f"{name} must be an integer, got {value!r}", param=name)
     if value < 1:
@@ -583,7 +588,7 @@ def _finish(
     tokenizer: Tokenizer,
     priority_header: str | None,
 ) -> GenerationRequest:
-    max_tokens = _max_tokens(body, max_names, limits, len(prompt))
+    max_tokens = _max_tokens(body, max_names, limits, len(prompt), kind)
     used = next((n for n in max_names if body.get(n) is not None), max_names[0])
     _limits_check(limits, len(prompt), max_tokens, used)
     n = _int(body, "n", 1, 1, MAX_N)
@@ -593,10 +598,17 @@ def _finish(
             f"best_of must equal n ({n}) when given: hilum does not rank choices", param="best_of", code="unsupported"
         )
     sampling, feature_params = _sampling(body, kind, max_tokens, n, tokenizer.vocab_size)
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, Mapping):
-        raise BadRequest("stream_options must be an object", param="stream_options")
     stream = _bool(body, "stream")
+    stream_options = body.get("stream_options")
+    if stream_options is not None:
+        if not isinstance(stream_options, Mapping):
+            raise BadRequest("stream_options must be an object", param="stream_options")
+        if not stream:
+            raise BadRequest("stream_options is only allowed with stream: true", param="stream_options")
+        extra = sorted(k for k in stream_options if k != "include_usage")
+        if extra:
+            raise BadRequest(f"stream_options.{extra[0]} is not supported (only include_usage)", param="stream_options")
+    stream_options = stream_options or {}
     for name in ("user", "safety_identifier"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise BadRequest(f"{name} must be a string", param=name)

@@ -59,6 +59,18 @@ BAD_BODIES: list[tuple[str, Any, str, str]] = [
     ("stop not strings", {"model": "tiny", "prompt": "hi", "stop": [3]}, "stop", "a string or a list of strings"),
     ("priority", {"model": "tiny", "prompt": "hi", "priority": -1}, "priority", "must be an integer 0..9"),
     ("stream not bool", {"model": "tiny", "prompt": "hi", "stream": "yes"}, "stream", "stream must be true or false"),
+    (
+        "stream_options without stream",
+        {**_P, "stream_options": {"include_usage": True}},
+        "stream_options",
+        "only allowed with stream: true",
+    ),
+    (
+        "unknown stream option",
+        {**_P, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+        "stream_options",
+        "stream_options.continuous_usage_stats is not supported",
+    ),
     ("seed beyond int64", {"model": "tiny", "prompt": "hi", "seed": 10**26}, "seed", "signed 64-bit integer"),
 ]
 BAD_CHAT: list[tuple[str, Any, str]] = [

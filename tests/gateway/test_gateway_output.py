@@ -61,6 +61,9 @@ def test_include_stop_str_in_output_and_earliest_completing_stop_wins() -> None:
     o = out(["bc", "abcd"])
     run(o, ids("xabcd"), chunk=5)  # one push completes both: "bc" ends first
     assert (o.text, o.stopped, o.token_ids) == ("xa", "bc", ids("xabc"))
+    o = out(["<", "><"])
+    run(o, ids("x><"))  # both complete with the last token: cut before the one that starts first
+    assert (o.text, o.stopped) == ("x", "><")
 
 
 def test_stop_strings_count_only_after_min_tokens() -> None:
