@@ -42,7 +42,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -53,7 +53,7 @@ from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.output import ChoiceOutput, Piece
 from gateway.responses import CompletionLogprobs, chat_logprobs, error_body, usage
 from gateway.router import DispatchFailed, Placement
-from gateway.sink import Move
+from gateway.sink import Move, TokenUpdate
 from gateway.tokenizer import ByteTokenizer, Tokenizer
 from gateway.validation import (
     PRIORITY_HEADER,
@@ -338,7 +338,13 @@ class GatewayApp:
 
     async def _run_choice(self, req: _Request, choice: _Choice, emit: _Emit) -> None:
         """Read the choice's tokens until it ends (engine finished, stop string, error), emitting each piece."""
-        async for update in self.backend.updates(choice.request_id):
+        async with contextlib.aclosing(self.backend.updates(choice.request_id)) as updates:
+            await self._follow(req, choice, updates, emit)
+
+    async def _follow(
+        self, req: _Request, choice: _Choice, updates: AsyncGenerator[TokenUpdate, None], emit: _Emit
+    ) -> None:
+        async for update in updates:
             if update.token_ids and not req.first_token_seen:
                 req.first_token_seen = True
                 self.metrics.ttft.observe(self.clock() - req.t0)

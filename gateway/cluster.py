@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping
 from dataclasses import replace
 from typing import Protocol
 
@@ -62,8 +62,8 @@ class Backend(Protocol):
     async def start(self, request_id: str, request: GenerationRequest) -> Placement:
         """Dispatch; tokens then come from :meth:`updates`. Raises ``DispatchFailed``."""
 
-    def updates(self, request_id: str) -> AsyncIterator[TokenUpdate]:
-        """New tokens of a started request, then its end."""
+    def updates(self, request_id: str) -> AsyncGenerator[TokenUpdate, None]:
+        """New tokens of a started request, then its end (closed early when the gateway stops reading)."""
 
     async def abort(self, request_id: str) -> None:
         """Stop the request everywhere (client gone). Idempotent."""
@@ -232,7 +232,7 @@ class LiveCluster:
         self.sink.dispatched(request_id, placement.instance_id, placement.instance_address)
         return placement
 
-    def updates(self, request_id: str) -> AsyncIterator[TokenUpdate]:
+    def updates(self, request_id: str) -> AsyncGenerator[TokenUpdate, None]:
         return self.sink.updates(request_id)
 
     def _address_of(self, request_id: str) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -128,7 +128,7 @@ class GatewaySink(TokenCollector):
         except KeyError:
             return ""
 
-    async def updates(self, request_id: str, stall_timeout_s: float = 300.0) -> AsyncIterator[TokenUpdate]:
+    async def updates(self, request_id: str, stall_timeout_s: float = 300.0) -> AsyncGenerator[TokenUpdate, None]:
         """New tokens of ``request_id`` as they arrive, then one update with ``done`` set.
 
         A request with no progress for ``stall_timeout_s`` ends with an error update. Raises KeyError for a
