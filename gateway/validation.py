@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from gateway.tokenizer import ChatTemplateError, Tokenizer
@@ -184,7 +184,6 @@ class GenerationRequest:
     n: int = 1  # choices
     stop: tuple[str, ...] = ()  # stop strings, matched by the gateway on the detokenized text
     include_stop_str_in_output: bool = False
-    feature_params: Mapping[str, str] = field(default_factory=dict)  # SamplingFeature -> the field that asked
 
     @property
     def prompt_tokens(self) -> int:
@@ -598,37 +597,41 @@ def _finish(
             f"best_of must equal n ({n}) when given: hilum does not rank choices", param="best_of", code="unsupported"
         )
     sampling, feature_params = _sampling(body, kind, max_tokens, n, tokenizer.vocab_size)
-    stream = _bool(body, "stream")
-    stream_options = body.get("stream_options")
-    if stream_options is not None:
-        if not isinstance(stream_options, Mapping):
-            raise BadRequest("stream_options must be an object", param="stream_options")
-        if not stream:
-            raise BadRequest("stream_options is only allowed with stream: true", param="stream_options")
-        extra = sorted(k for k in stream_options if k != "include_usage")
-        if extra:
-            raise BadRequest(f"stream_options.{extra[0]} is not supported (only include_usage)", param="stream_options")
-    stream_options = stream_options or {}
+    _check_features(limits, sampling, feature_params)
+    stream, include_usage = _stream(body)
     for name in ("user", "safety_identifier"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise BadRequest(f"{name} must be a string", param=name)
-    gen = GenerationRequest(
+    return GenerationRequest(
         kind=kind,
         model=limits.name,
         prompt_token_ids=prompt,
         sampling=sampling,
         priority=_priority(body, priority_header),
         stream=stream,
-        include_usage=stream and _bool(stream_options, "include_usage"),
+        include_usage=include_usage,
         return_token_ids=_bool(body, "return_token_ids"),
         block_size_tokens=limits.block_size_tokens,
         n=n,
         stop=_stop(body),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
-        feature_params=feature_params,
     )
-    _check_features(limits, sampling, feature_params)
-    return gen
+
+
+def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(``stream``, ``stream_options.include_usage``); options without a stream, or unknown ones: 400."""
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, Mapping):
+        raise BadRequest("stream_options must be an object", param="stream_options")
+    if not stream:
+        raise BadRequest("stream_options is only allowed with stream: true", param="stream_options")
+    extra = sorted(k for k in options if k != "include_usage")
+    if extra:
+        raise BadRequest(f"stream_options.{extra[0]} is not supported (only include_usage)", param="stream_options")
+    return stream, _bool(options, "include_usage")
 
 
 def parse_completion(
