@@ -196,6 +196,11 @@ class GenerationRequest:
         return -(-(self.prompt_tokens + 1) // self.block_size_tokens)
 
     @property
+    def need_blocks(self) -> int:
+        """KV blocks it may grow to: ceil((prompt + max_tokens - 1) / block size) (what an engine admits)."""
+        return -(-(self.prompt_tokens + self.max_tokens - 1) // self.block_size_tokens)
+
+    @property
     def max_tokens(self) -> int:
         """Output tokens per choice at most (``sampling.max_tokens``)."""
         return self.sampling.max_tokens

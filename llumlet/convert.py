@@ -224,6 +224,7 @@ def load_to_pb(load: EngineLoad, instance_id: str, domain_id: str) -> pb.LoadRep
                 in_decode=r.in_decode,
                 output_tokens=r.output_tokens,
                 max_tokens=r.max_tokens,
+                max_blocks=r.max_blocks,
                 unmigratable_reason=r.unmigratable_reason,
             )
             for r in load.running
@@ -252,6 +253,7 @@ def load_from_pb(msg: pb.LoadReport) -> EngineLoad:
                 r.in_decode,
                 r.output_tokens,
                 r.max_tokens,
+                r.max_blocks,
                 r.unmigratable_reason,
             )
             for r in msg.running

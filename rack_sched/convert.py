@@ -20,6 +20,7 @@ _OUTCOME_TO_PB = {
     DispatchOutcome.ACCEPTED: pb.DISPATCH_ACCEPTED,
     DispatchOutcome.REFUSED: pb.DISPATCH_REFUSED,
     DispatchOutcome.UNAVAILABLE: pb.DISPATCH_UNAVAILABLE,
+    DispatchOutcome.FULL: pb.DISPATCH_FULL,
 }
 
 

@@ -43,6 +43,8 @@ class _DispatchOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Dispa
     """it, e.g. a duplicate request id): try another domain or fail
     not now: view still being rebuilt, or no reachable instance; retry
     """
+    DISPATCH_FULL: _DispatchOutcome.ValueType  # 4
+    """SubmitRequest.only_if_room and no instance has room now: try another"""
 
 class DispatchOutcome(_DispatchOutcome, metaclass=_DispatchOutcomeEnumTypeWrapper): ...
 
@@ -55,6 +57,8 @@ DISPATCH_UNAVAILABLE: DispatchOutcome.ValueType  # 3
 """it, e.g. a duplicate request id): try another domain or fail
 not now: view still being rebuilt, or no reachable instance; retry
 """
+DISPATCH_FULL: DispatchOutcome.ValueType  # 4
+"""SubmitRequest.only_if_room and no instance has room now: try another"""
 Global___DispatchOutcome: _TypeAlias = DispatchOutcome  # noqa: Y015
 
 @_typing.final
