@@ -87,6 +87,8 @@ class InstanceRegistration:
     address: str  # host:port of the llumlet's gRPC server
     model: str
     capacity_blocks: int  # KV cache capacity, blocks
+    engine: str = ""  # backend name ("sim" | "torch" | "vllm"); "" = not said
+    sampling_features: tuple[str, ...] = ()  # optional sampling features it honours (llumlet SamplingFeature)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,11 +22,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from hilum_proto.v1 import token_sink_pb2 as pb
+from llumlet.engine.types import TokenLogprobs
 from llumlet.sink import TokenCollector
 
 __all__ = ["GatewaySink", "Move", "SinkObserver", "TokenUpdate"]
@@ -52,6 +53,7 @@ class TokenUpdate:
     instance_id: str  # the instance that owns the request now ("" before its first push)
     migrations: int  # committed migrations seen so far
     moves: tuple[Move, ...] = ()  # those migrations whose first new token arrived (or that ended the stream)
+    logprobs: tuple[TokenLogprobs, ...] = ()  # aligned with token_ids when the request asked for logprobs
 
 
 class SinkObserver(Protocol):
@@ -126,7 +128,7 @@ class GatewaySink(TokenCollector):
         except KeyError:
             return ""
 
-    async def updates(self, request_id: str, stall_timeout_s: float = 300.0) -> AsyncIterator[TokenUpdate]:
+    async def updates(self, request_id: str, stall_timeout_s: float = 300.0) -> AsyncGenerator[TokenUpdate, None]:
         """New tokens of ``request_id`` as they arrive, then one update with ``done`` set.
 
         A request with no progress for ``stall_timeout_s`` ends with an error update. Raises KeyError for a
@@ -140,6 +142,7 @@ class GatewaySink(TokenCollector):
             snap = self.get(request_id)
             new = snap.token_ids[delivered:]
             if new or snap.done:
+                logprobs = snap.logprobs[delivered : delivered + len(new)]
                 delivered += len(new)
                 last_progress = self._clock()
                 yield TokenUpdate(
@@ -150,6 +153,7 @@ class GatewaySink(TokenCollector):
                     prog.owner_instance_id,
                     prog.migrations,
                     tuple(prog.moves),
+                    logprobs,
                 )
                 if snap.done:
                     return

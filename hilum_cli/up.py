@@ -27,6 +27,11 @@ Llama-2-7B instances with 256 KV blocks each), written to the run directory. Wit
 llumlet runs the CPU reference engine (a tiny random Llama; its KV pool is sized to the topology's
 ``kv_capacity_blocks`` and its positions to the model's ``max_context_tokens``, so the gateway's limits
 hold), with ``OMP_NUM_THREADS=1`` unless set.
+
+Tokenizer: ``--tokenizer DIR`` (a Hugging Face tokenizer directory) serves every model with it, overriding
+the topology's ``models[].tokenizer``: the gateway encodes, renders chat messages with its template and
+detokenizes with it, and torch engines size their tiny Llama's vocabulary and EOS to it, so the answers are
+that tokenizer's tokens and text. A tokenizer directory that is not there stops the start at once.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from topology.load import TopologyError, load_topology
+from topology.load import TopologyError, load_topology, tokenizer_errors
 from topology.spec import Topology
 
 __all__ = ["LOCAL_TOPOLOGY", "ClusterProcesses", "PortPlan", "UpError", "plan_ports", "register", "run_up"]
@@ -316,6 +321,7 @@ class UpConfig:
     stop_timeout_s: float = 10.0
     llumlet_args: tuple[str, ...] = ()  # extra arguments for every llumlet
     log_level: str = "WARNING"
+    tokenizer: str = ""  # tokenizer directory of every served model (overrides models[].tokenizer); "" = none
 
 
 def _etcd_binary() -> Path:
@@ -403,6 +409,7 @@ def start_cluster(cfg: UpConfig) -> RunningCluster:
         raise UpError(f"topology {topo_arg}: {exc}") from None
     if not topology.instances:
         raise UpError(f"topology {topo_arg} has no instances")
+    _check_tokenizers(cfg, topology)
     plan = plan_ports(topology, cfg.host, cfg.port, cfg.etcd_port, cfg.grpc_base_port, etcd_embedded=not cfg.etcd)
     procs = ClusterProcesses(run_dir)
     cluster = RunningCluster(topology, topology_path, run_dir, plan, cfg.etcd, procs)
@@ -412,6 +419,17 @@ def start_cluster(cfg: UpConfig) -> RunningCluster:
         procs.stop_all(cfg.stop_timeout_s)
         raise
     return cluster
+
+
+def _check_tokenizers(cfg: UpConfig, topology: Topology) -> None:
+    """Refuse to start on a tokenizer directory that is not there (``--tokenizer``, or the topology's)."""
+    if cfg.tokenizer:
+        if not Path(cfg.tokenizer).is_dir():
+            raise UpError(f"--tokenizer {cfg.tokenizer}: no such directory (need a Hugging Face tokenizer directory)")
+        return
+    errors = tokenizer_errors(topology, sorted({i.model for i in topology.instances}))
+    if errors:
+        raise UpError("\n".join(errors))
 
 
 def _start_all(cfg: UpConfig, cluster: RunningCluster, topo_arg: str) -> None:
@@ -497,6 +515,8 @@ def _start_all(cfg: UpConfig, cluster: RunningCluster, topo_arg: str) -> None:
             ]
         if cfg.min_step_s:
             cmd += ["--min-step-s", str(cfg.min_step_s)]
+        if cfg.tokenizer:
+            cmd += ["--tokenizer", cfg.tokenizer]
         cmd += list(cfg.llumlet_args)
         llumlets[inst.instance_id] = procs.spawn(
             f"llumlet-{inst.instance_id}", cmd, env=env, ready_marker=" serving at "
@@ -530,6 +550,8 @@ def _start_all(cfg: UpConfig, cluster: RunningCluster, topo_arg: str) -> None:
     procs.wait_ready(racks, timeout)
 
     url = f"http://{host}:{plan.gateway}"
+    served = sorted({i.model for i in topo.instances})
+    tokenizer_args = [f"--tokenizer={m}={cfg.tokenizer}" for m in served] if cfg.tokenizer else []
     gateway = procs.spawn(
         "gateway",
         [
@@ -548,6 +570,7 @@ def _start_all(cfg: UpConfig, cluster: RunningCluster, topo_arg: str) -> None:
             str(cfg.seed),
             "--log-level",
             cfg.log_level,
+            *tokenizer_args,
         ],
         env=env,
         ready_marker="gateway serving at ",
@@ -677,6 +700,13 @@ def register(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of every process (torch: model weights)")
     p.add_argument("--start-timeout", type=float, default=120.0, help="seconds each stage may take to start")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--tokenizer",
+        default="",
+        metavar="DIR",
+        help="Hugging Face tokenizer directory of the served models (overrides the topology's models[].tokenizer; "
+        "torch engines take its vocabulary, the gateway its chat template)",
+    )
     p.set_defaults(func=_main)
 
 
@@ -696,5 +726,6 @@ def _main(ns: argparse.Namespace) -> int:
         seed=ns.seed,
         start_timeout_s=ns.start_timeout,
         log_level=ns.log_level,
+        tokenizer=str(Path(ns.tokenizer).resolve()) if ns.tokenizer else "",  # the children run elsewhere
     )
     return run_up(cfg)

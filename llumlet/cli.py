@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import hilum_config
 from llumlet.agent import Llumlet, LlumletConfig
-from llumlet.backends import BACKEND_NAMES, BackendConfig, UnknownBackendError, make_backend
+from llumlet.backends import BACKEND_NAMES, Backend, BackendConfig, UnknownBackendError, make_backend
 from llumlet.migration_types import MigrationConfig
 from llumlet.server import serve
 from topology.load import TopologyError, load_topology
@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests per batch at most")
     p.add_argument("--seed", type=int, default=0, help="backend seed (torch: model weights)")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE", help="backend option")
+    p.add_argument(
+        "--tokenizer", metavar="DIR", help="the model's tokenizer directory (default: the topology model's tokenizer)"
+    )
     p.add_argument("--reservation-expiry-s", type=float, default=5.0, help="release an idle reservation after")
     p.add_argument("--grpc-rate-cap", type=float, default=0.0, help="grpc transport cap, bytes/s (0 = topology)")
     p.add_argument("--local-rate-cap", type=float, default=0.0, help="local transport cap, bytes/s (0 = none)")
@@ -81,6 +84,7 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
             max_num_seqs=ns.max_num_seqs,
             seed=ns.seed,
             options=_options(ns.engine_option),
+            tokenizer=ns.tokenizer,
         ),
     )
     settings = hilum_config.load_config(ns.config)
@@ -103,7 +107,7 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
     if ns.etcd:
         if topology is None:
             raise ValueError("--etcd needs --topology (the registration names the node, model and KV capacity)")
-        registration = asyncio.ensure_future(_register(ns, topology, ns.advertise or address, stop))
+        registration = asyncio.ensure_future(_register(ns, topology, backend, ns.advertise or address, stop))
     print(f"llumlet {ns.instance_id} serving at {address}", flush=True)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -115,8 +119,14 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
     await llumlet.stop()
 
 
-async def _register(ns: argparse.Namespace, topology: Topology, address: str, stop: asyncio.Event) -> None:
-    """Keep ``<prefix>instances/<id>`` registered under this process's lease until ``stop`` (DESIGN.md, etcd)."""
+async def _register(
+    ns: argparse.Namespace, topology: Topology, backend: Backend, address: str, stop: asyncio.Event
+) -> None:
+    """Keep ``<prefix>instances/<id>`` registered under this process's lease until ``stop`` (DESIGN.md, etcd).
+
+    The record names the engine and the sampling features it honours: the gateway refuses (400) a request
+    that needs one no instance of its model has.
+    """
     from clusterstate.etcd import connect
     from clusterstate.records import InstanceRegistration, encode
     from clusterstate.session import Registrar
@@ -124,7 +134,14 @@ async def _register(ns: argparse.Namespace, topology: Topology, address: str, st
 
     spec = topology.instance(ns.instance_id)
     record = InstanceRegistration(
-        ns.instance_id, spec.domain_id, spec.node_id, address, spec.model, ns.num_blocks or spec.kv_capacity_blocks
+        ns.instance_id,
+        spec.domain_id,
+        spec.node_id,
+        address,
+        spec.model,
+        ns.num_blocks or spec.kv_capacity_blocks,
+        engine=backend.name,
+        sampling_features=tuple(sorted(backend.sampling_features)),
     )
     client = connect([e.strip() for e in ns.etcd.split(",") if e.strip()])
     await client.connect()

@@ -15,7 +15,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from hilum_proto.v1 import llumlet_pb2 as pb
-from llumlet.engine.types import EngineLoad, EngineRequest, MigrationState, RunningRequestLoad, SamplingParams
+from hilum_proto.v1 import token_sink_pb2 as tpb
+from llumlet.engine.types import (
+    EngineLoad,
+    EngineRequest,
+    GuidedDecoding,
+    MigrationState,
+    RunningRequestLoad,
+    SamplingParams,
+    TokenLogprobs,
+)
 from llumlet.migration_types import CommitCall, DestStatus
 
 __all__ = [
@@ -28,6 +37,8 @@ __all__ = [
     "encode_extra",
     "load_from_pb",
     "load_to_pb",
+    "logprobs_from_pb",
+    "logprobs_to_pb",
     "request_from_submit",
     "sampling_from_pb",
     "sampling_to_pb",
@@ -98,16 +109,26 @@ def decode_extra(data: bytes) -> dict[str, object]:
 
 
 def sampling_to_pb(params: SamplingParams) -> pb.Sampling:
-    """``SamplingParams`` -> ``hilum.v1.Sampling``."""
+    """``SamplingParams`` -> ``hilum.v1.Sampling`` (every field; "off" values stay unset or 0)."""
     msg = pb.Sampling(
         max_tokens=params.max_tokens,
         temperature=params.temperature,
         top_p=params.top_p,
         ignore_eos=params.ignore_eos,
         stop_token_ids=list(params.stop_token_ids),
+        top_k=params.top_k,
+        min_tokens=params.min_tokens,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.repetition_penalty != 1.0:
+        msg.repetition_penalty = params.repetition_penalty
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    if params.guided is not None:
+        msg.guided.CopyFrom(pb.GuidedDecoding(kind=params.guided.kind, spec=params.guided.spec))
     return msg
 
 
@@ -120,7 +141,32 @@ def sampling_from_pb(msg: pb.Sampling) -> SamplingParams:
         seed=msg.seed if msg.HasField("seed") else None,
         ignore_eos=msg.ignore_eos,
         stop_token_ids=tuple(msg.stop_token_ids),
+        top_k=msg.top_k,
+        min_tokens=msg.min_tokens,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        frequency_penalty=msg.frequency_penalty,
+        presence_penalty=msg.presence_penalty,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        guided=GuidedDecoding(msg.guided.kind, msg.guided.spec) if msg.HasField("guided") else None,
     )
+
+
+def logprobs_to_pb(entry: TokenLogprobs) -> tpb.TokenLogprobs:
+    """``TokenLogprobs`` -> ``hilum.v1.TokenLogprobs``."""
+    return tpb.TokenLogprobs(
+        logprob=entry.logprob,
+        top_token_ids=[t for t, _ in entry.top],
+        top_logprobs=[lp for _, lp in entry.top],
+    )
+
+
+def logprobs_from_pb(msg: tpb.TokenLogprobs) -> TokenLogprobs:
+    """``hilum.v1.TokenLogprobs`` -> ``TokenLogprobs``. Raises ValueError when the two top lists differ in length."""
+    if len(msg.top_token_ids) != len(msg.top_logprobs):
+        raise ValueError(
+            f"TokenLogprobs: {len(msg.top_token_ids)} top_token_ids but {len(msg.top_logprobs)} top_logprobs"
+        )
+    return TokenLogprobs(msg.logprob, tuple(zip(msg.top_token_ids, msg.top_logprobs, strict=True)))
 
 
 def request_from_submit(msg: pb.SubmitRequest, arrival_s: float) -> EngineRequest:
@@ -179,6 +225,7 @@ def load_to_pb(load: EngineLoad, instance_id: str, domain_id: str) -> pb.LoadRep
                 output_tokens=r.output_tokens,
                 max_tokens=r.max_tokens,
                 max_blocks=r.max_blocks,
+                unmigratable_reason=r.unmigratable_reason,
             )
             for r in load.running
         ],
@@ -207,6 +254,7 @@ def load_from_pb(msg: pb.LoadReport) -> EngineLoad:
                 r.output_tokens,
                 r.max_tokens,
                 r.max_blocks,
+                r.unmigratable_reason,
             )
             for r in msg.running
         ),

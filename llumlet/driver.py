@@ -211,7 +211,9 @@ class EngineDriver:
                 ids = list(range(rec.next_seq, rec.next_seq + n))
             done = rid in finished
             reason = result.finish_reasons.get(rid, "length") if done else ""
-            self.pusher.push(rec.origin, TokenChunkOut(rid, rec.next_seq, ids, rec.epoch, done, reason))
+            logprobs = list(result.logprobs.get(rid, ()))
+            chunk = TokenChunkOut(rid, rec.next_seq, ids, rec.epoch, done, reason, logprobs=logprobs)
+            self.pusher.push(rec.origin, chunk)
             rec.next_seq += len(ids)
         for rid in result.finished:
             rec = self.owned.pop(rid, None)
@@ -234,6 +236,9 @@ class EngineDriver:
         rid = request.request_id
         if rid in self.owned or reserved:
             return f"{self.instance_id}: request {rid!r} is already here"
+        refused = self.backend.refuses(request.sampling_params)
+        if refused is not None:
+            return f"{self.instance_id}: request {rid!r}: {refused}"
         try:
             await self.call(self.engine.add_request, request)
         except ValueError as exc:  # RequestTooLargeError, duplicate id

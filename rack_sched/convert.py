@@ -29,8 +29,9 @@ def load_from_pb(report: llumlet_pb2.LoadReport, instance_id: str, domain_id: st
     ``EngineLoad.to_instance_load`` — the one conversion every tier uses — with the report's step time.
 
     ``used_blocks`` counts reservations for incoming migrations (they hold capacity); evictable cached prefix
-    blocks count as free; suspended (leaving) requests are not running; a request still in prefill is not
-    migratable. ``draining`` is left False: the scheduler applies drain intents itself.
+    blocks count as free; suspended (leaving) requests are not running; a request still in prefill, or one
+    its engine cannot move faithfully (``unmigratable_reason``), is not migratable. ``draining`` is left
+    False: the scheduler applies drain intents itself.
 
     Raises:
         ValueError: when the report names another instance, or its counts are inconsistent

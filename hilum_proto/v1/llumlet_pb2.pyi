@@ -176,7 +176,10 @@ Global___LlumletPingReply: _TypeAlias = LlumletPingReply  # noqa: Y015
 
 @_typing.final
 class Sampling(_message.Message):
-    """Sampling settings (llumlet.engine.types.SamplingParams)."""
+    """Sampling settings (llumlet.engine.types.SamplingParams; meanings are vLLM's). An engine refuses a request
+    that sets an optional one it does not honour (llumlet.engine.types.SamplingFeature), never drops it.
+    Stop strings and n > 1 are the gateway's (docs/gateway.md): they never reach an engine.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -186,6 +189,13 @@ class Sampling(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    GUIDED_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """output tokens at most, >= 1"""
     temperature: _builtins.float
@@ -195,8 +205,24 @@ class Sampling(_message.Message):
     seed: _builtins.int
     """per-request sampling seed"""
     ignore_eos: _builtins.bool
+    top_k: _builtins.int
+    """0 = all tokens"""
+    min_tokens: _builtins.int
+    """output tokens before EOS / a stop token may end the request"""
+    repetition_penalty: _builtins.float
+    """> 0; unset = 1 (off)"""
+    frequency_penalty: _builtins.float
+    """[-2, 2]; 0 = off"""
+    presence_penalty: _builtins.float
+    """[-2, 2]; 0 = off"""
+    logprobs: _builtins.int
+    """unset: none; k: the produced token's logprob and the k best"""
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def guided(self) -> Global___GuidedDecoding:
+        """structured output; unset = free text"""
+
     def __init__(
         self,
         *,
@@ -206,16 +232,58 @@ class Sampling(_message.Message):
         seed: _builtins.int | None = ...,
         ignore_eos: _builtins.bool = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        top_k: _builtins.int = ...,
+        min_tokens: _builtins.int = ...,
+        repetition_penalty: _builtins.float | None = ...,
+        frequency_penalty: _builtins.float = ...,
+        presence_penalty: _builtins.float = ...,
+        logprobs: _builtins.int | None = ...,
+        guided: Global___GuidedDecoding | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "guided", b"guided", "logprobs", b"logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "guided", b"guided", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
+    _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
 
 Global___Sampling: _TypeAlias = Sampling  # noqa: Y015
+
+@_typing.final
+class GuidedDecoding(_message.Message):
+    """A structured-output constraint (llumlet.engine.types.GuidedDecoding)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    SPEC_FIELD_NUMBER: _builtins.int
+    kind: _builtins.str
+    """"json_schema" | "json_object" | "regex" | "choice" | "grammar" """
+    spec: _builtins.str
+    """the schema / regex / JSON list of choices / grammar ("" for json_object)"""
+    def __init__(
+        self,
+        *,
+        kind: _builtins.str = ...,
+        spec: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "spec", b"spec"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GuidedDecoding: _TypeAlias = GuidedDecoding  # noqa: Y015
 
 @_typing.final
 class SubmitRequest(_message.Message):
@@ -386,6 +454,7 @@ class RunningRequest(_message.Message):
     OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_BLOCKS_FIELD_NUMBER: _builtins.int
+    UNMIGRATABLE_REASON_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     blocks: _builtins.int
     """KV blocks held"""
@@ -400,6 +469,8 @@ class RunningRequest(_message.Message):
     """its output limit; 0 = not known"""
     max_blocks: _builtins.int
     """KV blocks it may grow to (prompt + max_tokens - 1 tokens); 0 = not known"""
+    unmigratable_reason: _builtins.str
+    """why the engine cannot move it faithfully; "" = it can (in decode)"""
     def __init__(
         self,
         *,
@@ -411,10 +482,11 @@ class RunningRequest(_message.Message):
         output_tokens: _builtins.int = ...,
         max_tokens: _builtins.int = ...,
         max_blocks: _builtins.int = ...,
+        unmigratable_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "in_decode", b"in_decode", "max_blocks", b"max_blocks", "max_tokens", b"max_tokens", "num_tokens", b"num_tokens", "output_tokens", b"output_tokens", "priority", b"priority", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "in_decode", b"in_decode", "max_blocks", b"max_blocks", "max_tokens", b"max_tokens", "num_tokens", b"num_tokens", "output_tokens", b"output_tokens", "priority", b"priority", "request_id", b"request_id", "unmigratable_reason", b"unmigratable_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

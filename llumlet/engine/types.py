@@ -6,26 +6,89 @@ only link to the policy layer.
 
 from __future__ import annotations
 
+import enum
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from policy.types import InstanceLoad  # type: ignore[import-not-found, unused-ignore]
 
 __all__ = [
+    "GUIDED_KINDS",
+    "MAX_TOP_LOGPROBS",
     "EngineLoad",
     "EngineRequest",
+    "GuidedDecoding",
     "MigrationState",
     "RunningRequestLoad",
+    "SamplingFeature",
     "SamplingParams",
     "StepResult",
+    "TokenLogprobs",
 ]
+
+
+class SamplingFeature(enum.StrEnum):
+    """Optional sampling settings an engine may or may not honour (``llumlet.backends.Backend.sampling_features``).
+
+    A request that sets one (a value other than its "off" default, :meth:`SamplingParams.features`) is
+    refused by an engine that does not advertise it, by name: never run with the setting dropped. The
+    settings every engine takes (``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``ignore_eos``) are
+    not features.
+    """
+
+    STOP_TOKEN_IDS = "stop_token_ids"  # end on one of these ids (an engine with placeholder ids cannot)
+
+    PENALTIES = "penalties"  # repetition_penalty, frequency_penalty, presence_penalty
+    TOP_K = "top_k"
+    MIN_TOKENS = "min_tokens"
+    LOGPROBS = "logprobs"  # per-token log probabilities (and top alternatives) returned with the tokens
+    GUIDED_DECODING = "guided_decoding"  # structured output: JSON schema / object, regex, choice, grammar
+
+
+#: ``GuidedDecoding.kind`` values and what ``spec`` holds for each.
+GUIDED_KINDS: Mapping[str, str] = MappingProxyType(
+    {
+        "json_schema": "a JSON schema, as JSON text",
+        "json_object": "empty: any JSON object",
+        "regex": "a regular expression",
+        "choice": "a JSON list of the allowed strings",
+        "grammar": "an EBNF / Lark grammar",
+    }
+)
+
+#: Most top alternatives a request may ask for per token (vLLM's default ``max_logprobs``).
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class GuidedDecoding:
+    """A structured-output constraint on the whole output (vLLM's ``StructuredOutputsParams``, by kind).
+
+    Raises ValueError on an unknown ``kind`` or a ``spec`` missing where the kind needs one.
+    """
+
+    kind: str  # one of GUIDED_KINDS
+    spec: str = ""  # what GUIDED_KINDS says for the kind
+
+    def __post_init__(self) -> None:
+        if self.kind not in GUIDED_KINDS:
+            raise ValueError(f"GuidedDecoding.kind = {self.kind!r}: need one of {', '.join(GUIDED_KINDS)}")
+        if self.kind != "json_object" and not self.spec:
+            raise ValueError(f"GuidedDecoding({self.kind!r}): spec is empty, need {GUIDED_KINDS[self.kind]}")
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Sampling settings carried with a request (used by real engines; the model engine ignores all but
-    ``max_tokens``)."""
+    """Sampling settings carried with a request, through the wire (``hilum.v1.Sampling``) and migrations.
+
+    The meanings are vLLM's (``vllm.SamplingParams``), which follow OpenAI's for the fields OpenAI has. The
+    model engine (``sim``) has no token distribution: it ignores everything but ``max_tokens`` (docs/gateway.md
+    says per field what each engine does). Raises ValueError naming the field on a value out of range.
+    """
 
     max_tokens: int = 16  # output tokens to generate at most
     temperature: float = 1.0  # 0 = greedy
@@ -33,6 +96,13 @@ class SamplingParams:
     seed: int | None = None  # per-request sampling seed
     ignore_eos: bool = False  # keep generating past EOS until max_tokens
     stop_token_ids: tuple[int, ...] = ()  # token ids that end the request
+    top_k: int = 0  # sample among the k most probable tokens only; 0 = all
+    min_tokens: int = 0  # output tokens before EOS or a stop token may end the request
+    repetition_penalty: float = 1.0  # > 0; logits of tokens in prompt or output: / p if > 0, else x p (1 = off)
+    frequency_penalty: float = 0.0  # [-2, 2]; minus this x (times the token occurs in the output so far)
+    presence_penalty: float = 0.0  # [-2, 2]; minus this once if the token occurs in the output so far
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's log probability and the k best
+    guided: GuidedDecoding | None = None  # structured output; None = free text
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -41,6 +111,35 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.temperature = {self.temperature}: need >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p = {self.top_p}: need 0 < top_p <= 1")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k = {self.top_k}: need >= 0 (0 = all tokens)")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens = {self.min_tokens}: need 0 <= min_tokens <= max_tokens")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"SamplingParams.repetition_penalty = {self.repetition_penalty}: need > 0")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                raise ValueError(f"SamplingParams.{name} = {value}: need -2 <= {name} <= 2")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"SamplingParams.logprobs = {self.logprobs}: need 0..{MAX_TOP_LOGPROBS} or None")
+
+    def features(self) -> frozenset[SamplingFeature]:
+        """The optional features these settings use (values other than their "off" defaults)."""
+        used: set[SamplingFeature] = set()
+        if self.stop_token_ids:
+            used.add(SamplingFeature.STOP_TOKEN_IDS)
+        if self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0:
+            used.add(SamplingFeature.PENALTIES)
+        if self.top_k:
+            used.add(SamplingFeature.TOP_K)
+        if self.min_tokens:
+            used.add(SamplingFeature.MIN_TOKENS)
+        if self.logprobs is not None:
+            used.add(SamplingFeature.LOGPROBS)
+        if self.guided is not None:
+            used.add(SamplingFeature.GUIDED_DECODING)
+        return frozenset(used)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +175,19 @@ class EngineRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Log probabilities at one output position (``SamplingParams.logprobs`` set).
+
+    Natural logarithms of the model's distribution before any sampling setting is applied (temperature,
+    penalties, top-k/top-p: vLLM's default ``logprobs_mode="raw_logprobs"``), so they describe the model,
+    not the sampler.
+    """
+
+    logprob: float  # of the token that was produced
+    top: tuple[tuple[int, float], ...] = ()  # the k most probable (token id, logprob), most probable first
+
+
+@dataclass(frozen=True, slots=True)
 class StepResult:
     """What one engine step did. ``duration_s`` comes from the latency model (0.0 if nothing ran)."""
 
@@ -90,6 +202,7 @@ class StepResult:
     num_prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache at admission this step
     token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)  # real engines: request_id -> new ids
     finish_reasons: dict[str, str] = field(default_factory=dict)  # request_id -> "length" | "stop"
+    logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)  # aligned with token_ids
 
     @property
     def is_idle(self) -> bool:
@@ -109,6 +222,7 @@ class RunningRequestLoad:
     output_tokens: int = 0  # output tokens so far
     max_tokens: int = 0  # its output limit (0 = not known)
     max_blocks: int = 0  # KV blocks it may grow to: prompt + max_tokens - 1 tokens (0 = not known)
+    unmigratable_reason: str = ""  # why the engine cannot move it faithfully even in decode; "" = it can
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +271,7 @@ class EngineLoad:
                     blocks=r.blocks,
                     priority=r.priority,
                     num_tokens=r.num_tokens,
-                    migratable=r.in_decode,
+                    migratable=r.in_decode and not r.unmigratable_reason,
                     output_tokens=r.output_tokens,
                     max_tokens=r.max_tokens,
                     max_blocks=r.max_blocks,

@@ -78,13 +78,19 @@ class UpProcess:
 
 
 def start_up(
-    run_dir: Path, engine: str, extra: list[str] | None = None, timeout_s: float = 180.0, *, kv_blocks: int = 128
+    run_dir: Path,
+    engine: str,
+    extra: list[str] | None = None,
+    timeout_s: float = 180.0,
+    *,
+    kv_blocks: int = 128,
+    topology: str = TOPOLOGY,
 ) -> UpProcess:
-    """Start ``hilum up`` on free ports with :data:`TOPOLOGY` (``kv_blocks`` per instance); wait until it
-    prints that it is up."""
+    """Start ``hilum up`` on free ports with ``topology`` (default :data:`TOPOLOGY`, ``kv_blocks`` per instance);
+    wait until it prints that it is up."""
     run_dir.mkdir(parents=True, exist_ok=True)
     topo = run_dir / "topology.yaml"
-    topo.write_text(TOPOLOGY.replace("kv_capacity_blocks: 128", f"kv_capacity_blocks: {kv_blocks}"))
+    topo.write_text(topology.replace("kv_capacity_blocks: 128", f"kv_capacity_blocks: {kv_blocks}"))
     cmd = [
         sys.executable,
         "-m",
