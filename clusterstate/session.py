@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from clusterstate.backoff import Backoff, BackoffConfig
-from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, kv_of, lease_of
+from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, kv_of, lease_of, renew_lease
 
 __all__ = ["Registrar", "Session", "SessionLost"]
 
@@ -122,15 +122,6 @@ class Session:
         if self._task is not None:
             self._task.cancel()
 
-    async def _renew_once(self) -> int:
-        stream = lease_of(self._client).keep_alive(self.lease_id)
-        try:
-            async for response in stream:
-                return int(response.TTL)
-        finally:
-            stream.cancel()
-        raise EOFError("lease keep-alive stream closed without a reply")
-
     async def _keep_alive(self) -> None:
         while not self.done.is_set():
             due = self._expires_at - self.ttl_s * 2.0 / 3.0
@@ -146,7 +137,7 @@ class Session:
                 sent = self._clock()
                 try:
                     async with asyncio.timeout(min(remaining, max(self._retry_s, self.ttl_s / 3.0))):
-                        ttl = await self._renew_once()
+                        ttl = await renew_lease(self._client, self.lease_id)
                 except asyncio.CancelledError:
                     raise
                 except _RENEW_ERRORS as exc:
