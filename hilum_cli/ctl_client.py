@@ -29,6 +29,7 @@ __all__ = [
     "UsageError",
     "leader_from_etcd",
     "parse_addresses",
+    "short_error",
 ]
 
 DEFAULT_PREFIX = "/hilum/v1/"
@@ -92,7 +93,11 @@ async def leader_from_etcd(endpoints: Sequence[str], prefix: str, timeout_s: flo
             await client.connect()
             resp = await kv_of(client).get(key, timeout=timeout_s)
     except errors as exc:
-        why = f"did not answer within {timeout_s:g} s" if isinstance(exc, TimeoutError) else f"failed ({_short(exc)})"
+        why = (
+            f"did not answer within {timeout_s:g} s"
+            if isinstance(exc, TimeoutError)
+            else f"failed ({short_error(exc)})"
+        )
         raise CtlError(
             f"etcd at {where} {why}: check that etcd runs there (`etcdctl --endpoints {where} endpoint health`) "
             "and that --etcd names its client URL"
@@ -112,7 +117,8 @@ async def leader_from_etcd(endpoints: Sequence[str], prefix: str, timeout_s: flo
         raise CtlError(f"etcd key {key} does not hold a coordinator leader ({exc}): is --prefix right?") from None
 
 
-def _short(exc: BaseException) -> str:
+def short_error(exc: BaseException) -> str:
+    """One line for an etcd or gRPC error (an AioRpcError's own text spans several lines)."""
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
     text = str(exc) or type(exc).__name__
@@ -196,7 +202,7 @@ class AdminClient:
         if len(failed) == 1:
             raise self._error(*failed[0], method)
         found = "the leader in etcd" if self.target.etcd else "--coordinator"
-        tried = "; ".join(f"{address}: {_short(exc)}" for address, exc in failed)
+        tried = "; ".join(f"{address}: {short_error(exc)}" for address, exc in failed)
         raise CtlError(
             f"no coordinator answers {method} at any of the {len(failed)} addresses ({tried}): check that the "
             f"coordinators (`python -m global_coord`) run there and that {found} names their --listen/--advertise "
