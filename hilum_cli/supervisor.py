@@ -150,7 +150,6 @@ class Child:
     log_path: Path
     proc: subprocess.Popen[str] | None = None
     ready: threading.Event = field(default_factory=threading.Event)
-    ready_line: str = ""
     reader: threading.Thread | None = None
     started_s: float = 0.0  # monotonic time of the last start
     restarts: int = 0  # restarts so far
@@ -192,6 +191,7 @@ class Supervisor:
         env: the children's environment; ``cwd`` their working directory.
         policy: the restart rule's limits.
         say: where progress and restart lines go (one line each, without the ``hilum up:`` prefix).
+        ready_timeout_s: how long a restarted child may take to serve again before it is killed (a crash).
         clock: monotonic clock, seconds.
     """
 
@@ -203,9 +203,11 @@ class Supervisor:
         cwd: Path,
         policy: RestartPolicy,
         say: Callable[[str], None],
+        ready_timeout_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.log_dir = log_dir
+        self.ready_timeout_s = ready_timeout_s
         self._env, self._cwd = env, cwd
         self.policy = policy
         self._say = say
@@ -222,7 +224,6 @@ class Supervisor:
             log.write(f"\n---- hilum up: restart {child.restarts} at {time.strftime('%H:%M:%S')} ----\n")
             log.flush()
         child.ready = threading.Event()
-        child.ready_line = ""
         try:
             proc = self._popen(spec.cmd, log)
         except BaseException:
@@ -236,8 +237,7 @@ class Supervisor:
             assert proc.stdout is not None
             with proc.stdout, log:
                 for line in proc.stdout:
-                    if marker is not None and marker in line and not ready.is_set():
-                        child.ready_line = line.strip()
+                    if marker is not None and marker in line:
                         ready.set()
                     log.write(line)
                     log.flush()
@@ -261,7 +261,7 @@ class Supervisor:
 
         if self._pgids:
             try:
-                return popen(self._pgids[0])
+                return popen(self._pgids[-1])
             except (PermissionError, subprocess.SubprocessError):
                 pass  # every member of the group has exited: the group is gone; start a new one
         proc = popen(0)
@@ -333,11 +333,8 @@ class Supervisor:
                     self._start(child)
                 continue
             if proc is None or proc.poll() is None:
-                if child.restarts and child.back_s < child.started_s and child.is_ready():
-                    child.back_s = child.started_s
-                    self._say(f"{child.name} serves again (pid {child.pid}, restart {child.restarts})")
-                    if self.on_restart is not None:
-                        self.on_restart(child)
+                if proc is not None and child.restarts and child.back_s < child.started_s:
+                    self._follow_restart(child, proc, now)
                 continue
             decision = decide(proc.returncode, child.crash_times_s, now, self.policy)
             what = f"{child.name} (pid {proc.pid}) {describe_exit(proc.returncode)}"
@@ -356,6 +353,18 @@ class Supervisor:
                 self._say(f"{what}; restarting it in {decision.delay_s:.1f} s ({decision.reason}); its log: "
                           f"{child.log_path}")  # fmt: skip
         return None
+
+    def _follow_restart(self, child: Child, proc: subprocess.Popen[str], now: float) -> None:
+        """A restarted child: say when it serves again; kill it (a crash) if it does not within the limit."""
+        if child.is_ready():
+            child.back_s = child.started_s
+            self._say(f"{child.name} serves again (pid {proc.pid}, restart {child.restarts})")
+            if self.on_restart is not None:
+                self.on_restart(child)
+        elif now - child.started_s > self.ready_timeout_s:
+            self._say(f"{child.name} (pid {proc.pid}) did not serve within {self.ready_timeout_s:g} s of its "
+                      "restart; killing it")  # fmt: skip
+            proc.kill()
 
     def pids(self) -> list[int]:
         """Pids of the children running now."""

@@ -73,6 +73,7 @@ from typing import Any, TextIO
 import yaml
 
 from hilum_cli.supervisor import ChildSpec, RestartPolicy, StartFailed, Supervisor
+from hilum_proto.tls import WILDCARD_HOSTS
 from topology.load import TopologyError, bundled_path, load_topology, parse_topology
 from topology.spec import Topology
 
@@ -112,7 +113,6 @@ fabric:
 """
 
 ENGINES = ("sim", "torch")
-_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 _ETCD_PROBE_S = 3.0  # how long an --etcd endpoint has to answer before anything starts
 
 
@@ -373,17 +373,21 @@ class _Layout:
     topology: Topology
     topology_path: Path  # <run dir>/topology.yaml
     run_dir: Path
-    etcd_endpoint: str
+
+    @property
+    def etcd_endpoint(self) -> str:
+        """``--etcd``, or the embedded etcd's client address."""
+        return self.cfg.etcd or self.address(self.plan.etcd_client)
 
     @property
     def reach_host(self) -> str:
         """The host others reach a process at (a wildcard listen host is reached on loopback)."""
-        return "127.0.0.1" if self.cfg.host in _WILDCARD_HOSTS else self.cfg.host
+        return "127.0.0.1" if self.cfg.host in WILDCARD_HOSTS else self.cfg.host
 
     def listen(self, port: int) -> list[str]:
         """``--listen`` (and ``--advertise`` when listening on every interface) for a gRPC server on ``port``."""
         args = ["--listen", f"{self.cfg.host}:{port}"]
-        if self.cfg.host in _WILDCARD_HOSTS:
+        if self.cfg.host in WILDCARD_HOSTS:
             args += ["--advertise", f"{self.reach_host}:{port}"]
         return args
 
@@ -465,7 +469,7 @@ def _gateway_spec(lay: _Layout) -> ChildSpec:
     cfg, plan = lay.cfg, lay.plan
     cmd = [sys.executable, "-m", "gateway", "--listen", f"{cfg.host}:{plan.gateway}", *_common(lay)]
     cmd += ["--sink-listen", f"{cfg.host}:{plan.sink}", "--seed", str(cfg.seed)]
-    if cfg.host in _WILDCARD_HOSTS:
+    if cfg.host in WILDCARD_HOSTS:
         cmd += ["--sink-advertise", lay.address(plan.sink)]
     return ChildSpec("gateway", tuple(cmd), ready_marker="gateway serving at ")
 
@@ -501,8 +505,7 @@ def start_cluster(
     topology_path = run_dir / "topology.yaml"
     topology_path.write_text(checked.topology_text, encoding="utf-8")
     plan = checked.plan
-    reach = "127.0.0.1" if cfg.host in _WILDCARD_HOSTS else cfg.host
-    lay = _Layout(cfg, plan, checked.topology, topology_path, run_dir, cfg.etcd or f"{reach}:{plan.etcd_client}")
+    lay = _Layout(cfg, plan, checked.topology, topology_path, run_dir)
     etcd_endpoint = lay.etcd_endpoint
     cluster = RunningCluster(lay, sup)
     n_coord = len(plan.coordinators)
@@ -668,7 +671,14 @@ def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) ->
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             say(f"run directory {run_dir}")
-            sup = Supervisor(run_dir, env=_child_env(cfg), cwd=_REPO, policy=cfg.restart, say=say)
+            sup = Supervisor(
+                run_dir,
+                env=_child_env(cfg),
+                cwd=_REPO,
+                policy=cfg.restart,
+                say=say,
+                ready_timeout_s=cfg.start_timeout_s,
+            )
             cluster = start_cluster(cfg, checked, run_dir, sup, say)
             print(describe(cluster.info, temporary_run_dir=temporary), file=out, flush=True)
             while (why := sup.tick()) is None:

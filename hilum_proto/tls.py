@@ -28,6 +28,7 @@ from pathlib import Path
 import grpc
 
 __all__ = [
+    "WILDCARD_HOSTS",
     "TlsError",
     "TlsFiles",
     "add_port",
@@ -39,7 +40,7 @@ __all__ = [
     "open_channel",
 ]
 
-_WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")  # listen hosts that bind every interface
 
 
 class TlsError(ValueError):
@@ -172,7 +173,7 @@ def advertised_address(listen: str, port: int, advertise: str = "") -> str:
     if advertise:
         return advertise
     host = listen.rpartition(":")[0]
-    if host in _WILDCARD_HOSTS:
+    if host in WILDCARD_HOSTS:
         raise ValueError(
             f"--listen {listen} binds every interface, which is no address others can reach: pass --advertise "
             "HOST:PORT, the address the other processes reach this one at"

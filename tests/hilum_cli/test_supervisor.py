@@ -116,3 +116,26 @@ def test_stop_all_leaves_no_process(tmp_path: Path) -> None:
     assert child.proc is not None and child.proc.returncode == -signal.SIGKILL
     assert time.monotonic() - t0 < 10
     assert sup.tick() is None and child.restarts == 0  # nothing is restarted after stop_all
+
+
+def test_a_restarted_child_that_never_serves_is_killed_as_a_crash(tmp_path: Path) -> None:
+    lines: list[str] = []
+    policy = RestartPolicy(max_restarts=1, window_s=60.0, delay_s=0.1, max_delay_s=0.1)
+    sup = Supervisor(tmp_path, env={}, cwd=tmp_path, policy=policy, say=lines.append, ready_timeout_s=0.5)
+    flag = tmp_path / "started-once"
+    code = (
+        "import pathlib, sys, time\n"
+        f"flag = pathlib.Path({str(flag)!r})\n"
+        "if flag.exists():\n    time.sleep(60)\n"  # the restart hangs before it serves
+        "flag.touch(); print('ready', flush=True); time.sleep(0.2); sys.exit(1)\n"
+    )
+    child = sup.spawn(ChildSpec("hangs", _script(code), ready_marker="ready"))
+    sup.add_stage([child])
+    sup.wait_ready([child], 30)
+    deadline = time.monotonic() + 60
+    while (why := sup.tick()) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sup.stop_all(5)
+    assert any("hangs (pid " in line and "did not serve within 0.5 s of its restart; killing it" in line
+               for line in lines), lines  # fmt: skip
+    assert why is not None and "was killed by SIGKILL; giving up: it crashed 2 times within 60 s" in why
