@@ -158,7 +158,13 @@ class Session:
                 break
 
     async def close(self, *, revoke: bool = True) -> None:
-        """Stop renewing; with ``revoke`` also revoke the lease (deleting its keys), best effort."""
+        """Stop renewing; with ``revoke`` also revoke the lease (deleting its keys), best effort.
+
+        A live session's revocation is retried (etcd3aio's default attempts): it is what lets others take
+        over its keys at once. A lost one's is tried once (etcd is likely unreachable), so whoever closes it
+        can go on without waiting out the retries.
+        """
+        attempts = 1 if self.done.is_set() else None
         self._lose("closed")
         if self._task is not None:
             self._task.cancel()
@@ -166,7 +172,8 @@ class Session:
                 await self._task
         if revoke:
             with contextlib.suppress(*RETRYABLE_ERRORS, RuntimeError):
-                await lease_of(self._client).revoke(self.lease_id, timeout=max(1.0, self.ttl_s / 3.0))
+                timeout = max(1.0, self.ttl_s / 3.0)
+                await lease_of(self._client).revoke(self.lease_id, timeout=timeout, max_attempts=attempts)
 
 
 class Registrar:

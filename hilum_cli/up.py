@@ -605,7 +605,12 @@ def describe(info: dict[str, Any], *, temporary_run_dir: bool = False) -> str:
         f"""-d '{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}'""",
         f"bench it:  hilum bench --url {info['gateway_url']} --trace azure-conv --max-requests 50 "
         f"--compare-sim {info['topology_file']}",
-        f"A crashed process is restarted (at most {info['max_restarts']} times in a minute). Ctrl-C stops everything.",
+        (
+            f"A crashed process is restarted (at most {info['max_restarts']} times in a minute)."
+            if info["max_restarts"]
+            else "A crashed process stops the cluster (--max-restarts 0)."
+        )
+        + " Ctrl-C stops everything.",
     ]
     return "\n".join(lines)
 

@@ -99,7 +99,7 @@ def test_a_child_that_exits_while_starting_fails_the_start_with_its_log(tmp_path
     child = sup.spawn(ChildSpec("broken", _script("import sys; print('no such option', file=sys.stderr); sys.exit(2)"),
                                 ready_marker="ready"))  # fmt: skip
     sup.add_stage([child])
-    with pytest.raises(StartFailed, match=r"broken exited with status 2 while starting; its log .*\n.*no such option"):
+    with pytest.raises(StartFailed, match=r"(?s)broken exited with status 2 while starting; its log .*no such option"):
         sup.wait_ready([child], 30)
     sup.stop_all(5)
 
