@@ -330,7 +330,10 @@ class Supervisor:
                 if now >= child.restart_at_s:
                     child.restart_at_s = None
                     child.restarts += 1
-                    self._start(child)
+                    try:
+                        self._start(child)
+                    except OSError as exc:
+                        return f"{child.name} could not be restarted ({exc}); its log: {child.log_path}"
                 continue
             if proc is None or proc.poll() is None:
                 if proc is not None and child.restarts and child.back_s < child.started_s:
