@@ -15,31 +15,27 @@ The chosen domain scheduler gets ``Submit`` (rack_sched.proto). Its answer:
   when every domain was tried and some were only unavailable, they are tried again after a jittered backoff
   until ``unavailable_wait_s`` has passed.
 
-Nothing left: :class:`DispatchFailed` with every domain's reason (the HTTP side answers 503).
-Excluding tried domains: they are taken out of the view for one pick and put back from their last summary,
-which drops their local reservations (conservative only in the sense of forgetting; the next summary
-replaces them anyway).
+Nothing left: :class:`DispatchFailed` with every domain's reason (the HTTP side answers 503). Tried
+domains are excluded from the next pick; their reservations stay.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
 
+from clusterstate.clock import SYSTEM_CLOCK, Clock
 from clusterstate.records import DomainRegistration, SummaryRecord
+from gateway.core import GatewayCore
 from hilum_proto.tls import open_channel
 from hilum_proto.v1 import llumlet_pb2
 from hilum_proto.v1 import rack_sched_pb2 as rpb
 from hilum_proto.v1 import rack_sched_pb2_grpc as rpb_grpc
-from policy.dispatch import DomainDispatchView
-from policy.domain import DomainSummary
 from policy.types import PolicyConfig
 
 __all__ = [
@@ -49,7 +45,6 @@ __all__ = [
     "DomainSubmitter",
     "GrpcSubmitter",
     "Placement",
-    "summary_of_record",
 ]
 
 _log = logging.getLogger(__name__)
@@ -114,14 +109,6 @@ class DispatchFailed(Exception):
         self.unavailable = unavailable
 
 
-_SUMMARY_FIELDS = tuple(f.name for f in fields(DomainSummary))
-
-
-def summary_of_record(record: SummaryRecord) -> DomainSummary:
-    """The policy value of a published summary (fields the record lacks take their defaults)."""
-    return DomainSummary(**{name: getattr(record, name) for name in _SUMMARY_FIELDS if hasattr(record, name)})
-
-
 class DomainRouter:
     """Picks a domain for each request and submits it there (see the module docstring).
 
@@ -146,15 +133,15 @@ class DomainRouter:
         submit_timeout_s: float = 10.0,
         unavailable_wait_s: float = 5.0,
         backoff_s: float = 0.05,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = SYSTEM_CLOCK,
         on_retry: Callable[[str], None] | None = None,
+        reservation_ttl_s: float = 1.0,
     ) -> None:
         self._source = source
         self._on_retry = on_retry
         self._submitter = submitter
         self._rng = rng
-        self._view = DomainDispatchView((), cfg, rng)
-        self._summaries: dict[str, DomainSummary] = {}
+        self.core = GatewayCore(cfg, rng, reservation_ttl_s=reservation_ttl_s)
         self._records: dict[str, SummaryRecord] = {}
         self._addresses: dict[str, str] = {}
         self._seen_version = -1
@@ -163,9 +150,6 @@ class DomainRouter:
         self._backoff_s = backoff_s
         self._clock = clock
         self.retries: dict[str, int] = {}  # reason ("refused" | "unavailable") -> count
-        # A summary is published only when a domain's load changes, so short requests may never produce one:
-        # a reservation older than this is dropped (the domain has long since counted or finished it).
-        self.reservation_ttl_s = 1.0
 
     def _retry(self, reason: str) -> None:
         self.retries[reason] = self.retries.get(reason, 0) + 1
@@ -175,7 +159,12 @@ class DomainRouter:
     def domains(self) -> dict[str, str]:
         """Dispatchable domains (registered and summarised): id -> scheduler address."""
         self._refresh()
-        return {d: a for d, a in self._addresses.items() if d in self._summaries}
+        return {d: a for d, a in self._addresses.items() if d in self._records}
+
+    def models(self) -> list[str]:
+        """Models some dispatchable domain serves, sorted."""
+        self._refresh()
+        return self.core.models()
 
     def _refresh(self) -> None:
         version = self._source.version
@@ -185,40 +174,27 @@ class DomainRouter:
         regs = self._source.domains()
         records = self._source.summaries()
         self._addresses = {d: r.address for d, r in regs.items()}
-        for domain_id in list(self._summaries):
+        for domain_id in list(self._records):
             if domain_id not in records or domain_id not in regs:
-                self._view.remove(domain_id)
-                self._summaries.pop(domain_id)
-                self._records.pop(domain_id, None)
+                self.core.remove(domain_id)
+                del self._records[domain_id]
         for domain_id, record in records.items():
             if domain_id not in regs or self._records.get(domain_id) == record:
-                continue  # no scheduler to submit to, or nothing new: keep the local reservations
+                continue  # no scheduler to submit to, or nothing new
             try:
-                summary = summary_of_record(record)
+                self.core.update(domain_id, record.summaries)
             except ValueError as exc:
                 _log.warning("ignoring summary of %s: %s", domain_id, exc)
                 continue
             self._records[domain_id] = record
-            self._summaries[domain_id] = summary
-            self._view.update(summary)
 
-    def _pick(self, demand_blocks: int, priority: int, exclude: set[str]) -> tuple[str | None, str]:
-        now = self._clock()
-        for summary in self._summaries.values():  # expire old reservations (see reservation_ttl_s)
-            self._view.update(summary, as_of=now - self.reservation_ttl_s)
-        for domain_id in exclude:
-            self._view.remove(domain_id)
-        try:
-            decision = self._view.pick(demand_blocks, priority, stamp=now)
-        finally:
-            for domain_id in exclude:
-                if domain_id in self._summaries:
-                    self._view.update(self._summaries[domain_id])
-        return decision.target_id, decision.reason
+    async def dispatch(self, msg: llumlet_pb2.SubmitRequest, demand_blocks: int, need_blocks: int = 0) -> Placement:
+        """Place ``msg`` on some domain serving ``msg.model`` (its ``priority`` counts).
 
-    async def dispatch(self, msg: llumlet_pb2.SubmitRequest, demand_blocks: int) -> Placement:
-        """Place ``msg`` (its ``priority`` counts) on some domain. Raises :class:`DispatchFailed`."""
-        deadline = self._clock() + self._unavailable_wait_s
+        ``demand_blocks``: KV blocks it needs to start; ``need_blocks``: what it may grow to (0: not known).
+        Raises :class:`DispatchFailed`.
+        """
+        deadline = self._clock.now_s() + self._unavailable_wait_s
         reasons: dict[str, str] = {}
         refused: set[str] = set()
         unavailable: set[str] = set()
@@ -226,15 +202,23 @@ class DomainRouter:
         backoff = self._backoff_s
         while True:
             self._refresh()
-            domain_id, why = self._pick(demand_blocks, msg.priority, refused | unavailable)
+            decision = self.core.pick(
+                msg.model,
+                demand_blocks,
+                self._clock.wall_s(),
+                need_blocks=need_blocks,
+                priority=msg.priority,
+                exclude=refused | unavailable,
+            )
+            domain_id, why = decision.target_id, decision.reason
             if domain_id is None:
-                if unavailable and self._clock() < deadline:
-                    await asyncio.sleep(backoff * (0.5 + self._rng.random()))
+                if unavailable and self._clock.now_s() < deadline:
+                    await self._clock.sleep(backoff * (0.5 + self._rng.random()))
                     backoff = min(backoff * 2, 1.0)
                     unavailable.clear()
                     continue
-                if not self._summaries and self._clock() < deadline:
-                    await asyncio.sleep(backoff)  # nothing published yet (cluster starting)
+                if not self._records and self._clock.now_s() < deadline:
+                    await self._clock.sleep(backoff)  # nothing published yet (cluster starting)
                     continue
                 detail = "; ".join(f"{d}: {r}" for d, r in sorted(reasons.items())) or why
                 raise DispatchFailed(f"no domain accepted the request: {detail}", unavailable=bool(unavailable))

@@ -90,11 +90,11 @@ def status_json(reply: pb.StatusReply, address: str) -> Json:
 
 
 def domain_json(info: pb.DomainInfo) -> Json:
-    """One domain; ``summary`` is null until its domain scheduler publishes one."""
-    summary: Json | None = None
-    if info.has_summary:
-        s = info.summary
-        summary = {
+    """One domain; ``summaries`` (one per model it serves) is empty until its domain scheduler publishes."""
+    summaries: list[Json] = []
+    for s in info.summaries:
+        summaries.append({
+            "model": s.model,
             "num_instances": s.num_instances,
             "capacity_blocks": s.capacity_blocks,
             "virtual_usage_blocks": _finite(s.virtual_usage),
@@ -104,14 +104,14 @@ def domain_json(info: pb.DomainInfo) -> Json:
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,
             "draining": s.draining,
-        }
+        })  # fmt: skip
     return {
         "domain_id": info.domain_id,
         "registered": info.registered,
         "scheduler_address": info.scheduler_address or None,
         "draining": info.draining,
-        "drain_state": drain_state(info.draining, info.has_summary and info.summary.draining),
-        "summary": summary,
+        "drain_state": drain_state(info.draining, bool(summaries) and all(x["draining"] for x in summaries)),
+        "summaries": summaries,
     }
 
 
@@ -125,7 +125,8 @@ def instance_json(info: pb.InstanceInfo) -> Json:
     load: Json | None = None
     if info.has_load:
         load = {
-            "used_blocks": info.load.used_blocks,
+            "used_blocks": info.load.capacity_blocks - info.load.free_blocks,
+            "free_blocks": info.load.free_blocks,
             "num_running": info.load.num_running,
             "num_waiting": info.load.num_waiting,
             "draining": info.load.draining,
@@ -297,31 +298,35 @@ def _blocks(x: float | None) -> str:
 def render_domains(console: Console, data: Json) -> None:
     """``domains`` as a table (a draining domain: its state, no capacity figures)."""
     table = _table(
-        "DOMAIN", "SCHEDULER", "DRAIN", "INSTANCES", "CAPACITY", "USAGE", "FREENESS", "LARGEST FREE", "RUNNING",
-        "WAITING",
+        "DOMAIN", "SCHEDULER", "DRAIN", "MODEL", "INSTANCES", "CAPACITY", "USAGE", "FREENESS", "LARGEST FREE",
+        "RUNNING", "WAITING",
     )  # fmt: skip
     for d in data["domains"]:
         scheduler = d["scheduler_address"] or "not registered"
-        drain = _cell(d["drain_state"])
-        s = d["summary"]
-        if s is None:
-            table.add_row(d["domain_id"], scheduler, drain, "no summary", "", "", "", "", "", "")
+        if not d["summaries"]:
+            table.add_row(d["domain_id"], scheduler, _cell(d["drain_state"]), "no summary", "", "", "", "", "", "", "")
             continue
-        if s["draining"]:
-            capacity = ["-", "-", "-", "-"]
-        else:
-            capacity = [
-                str(s["capacity_blocks"]),
-                _blocks(s["virtual_usage_blocks"]),
-                _blocks(s["freeness"]),
-                str(s["largest_free_blocks"]),
-            ]
-        table.add_row(
-            d["domain_id"], scheduler, drain, str(s["num_instances"]), *capacity, str(s["num_running"]),
-            str(s["num_waiting"]),
-        )  # fmt: skip
+        for summary in d["summaries"]:
+            _domain_row(table, d, scheduler, summary)
     console.print(table)
     console.print(f"{len(data['domains'])} domains (view at revision {data['view_revision']})")
+
+
+def _domain_row(table: Table, d: Json, scheduler: str, s: Json) -> None:
+    """One row of ``domains``: a domain's summary of one model (draining: its state, no capacity figures)."""
+    if s["draining"]:
+        capacity = ["-", "-", "-", "-"]
+    else:
+        capacity = [
+            str(s["capacity_blocks"]),
+            _blocks(s["virtual_usage_blocks"]),
+            _blocks(s["freeness"]),
+            str(s["largest_free_blocks"]),
+        ]
+    table.add_row(
+        d["domain_id"], scheduler, _cell(drain_state(d["draining"], s["draining"])), s["model"] or "-",
+        str(s["num_instances"]), *capacity, str(s["num_running"]), str(s["num_waiting"]),
+    )  # fmt: skip
 
 
 def render_instances(console: Console, data: Json) -> None:

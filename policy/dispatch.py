@@ -9,8 +9,10 @@ was taken: give ``update`` its ``as_of`` stamp and the reservations made after i
 (stamps are any increasing number the caller chooses, e.g. seconds on its clock; the rule book reads
 no clock).
 
-Rule, per pick of a request needing `demand_blocks`:
-1. capable = targets not draining whose single-instance capacity >= demand; none -> refuse;
+Rule, per pick of a request needing `demand_blocks` to start and `need_blocks` at most (its prompt plus
+max_tokens, what it may grow to; 0 = only the demand is known):
+1. capable = targets not draining, not excluded, whose single-instance capacity >= max(demand, need);
+   none -> refuse;
 2. prefer capable targets with room now (free blocks >= demand); if none, take the capable ones
    anyway (the request will queue) and say so;
 3. take the highest freeness; targets within `tie_tolerance`·|F_best| of it are near-ties and one
@@ -21,7 +23,7 @@ Rule, per pick of a request needing `demand_blocks`:
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from policy.domain import DomainSummary
@@ -95,18 +97,40 @@ class _View:
         """Freeness of a target as this view sees it, reservations included. KeyError if unknown."""
         return self._targets[target_id].freeness()
 
-    def pick(self, demand_blocks: int, priority: int = 0, stamp: float | None = None) -> DispatchDecision:
-        """Choose a target for a request needing `demand_blocks` (its prompt's KV blocks) and reserve it.
+    def pick(
+        self,
+        demand_blocks: int,
+        priority: int = 0,
+        stamp: float | None = None,
+        *,
+        need_blocks: int = 0,
+        exclude: Collection[str] = (),
+    ) -> DispatchDecision:
+        """Choose a target for a request and reserve it there.
 
-        `stamp` (optional) marks the reservation so that a later `update(..., as_of=...)` with an older
-        report keeps it. Raises ValueError if demand_blocks < 0. Returns target_id None, with the reason,
-        only when no target can ever hold the request.
+        Args:
+            demand_blocks: KV blocks it needs to start (its prompt).
+            priority: its priority class (the headroom it carries).
+            stamp: marks the reservation so that a later `update(..., as_of=...)` with an older report
+                keeps it.
+            need_blocks: KV blocks it may grow to (prompt + max_tokens); a target must be able to hold
+                that many on one instance. 0: not known, only the demand counts.
+            exclude: targets not to choose this time (tried already); their state is kept.
+
+        Returns target_id None, with the reason, only when no target (not excluded) can ever hold the
+        request. Raises ValueError if demand_blocks or need_blocks < 0.
         """
-        if demand_blocks < 0:
-            raise ValueError(f"pick: demand_blocks must be >= 0, got {demand_blocks}")
-        capable = [t for t in self._targets.values() if not t.draining and t.max_request_blocks >= demand_blocks]
+        for name, value in (("demand_blocks", demand_blocks), ("need_blocks", need_blocks)):
+            if value < 0:
+                raise ValueError(f"pick: {name} must be >= 0, got {value}")
+        size = max(demand_blocks, need_blocks)
+        capable = [
+            t
+            for t in self._targets.values()
+            if not t.draining and t.max_request_blocks >= size and t.target_id not in exclude
+        ]
         if not capable:
-            return DispatchDecision(None, self._refusal(demand_blocks))
+            return DispatchDecision(None, self._refusal(size, exclude))
         roomy = [t for t in capable if t.has_room(demand_blocks)]
         chosen, num_near = self._choose(roomy or capable)
         chosen.reserve(demand_blocks, demand_blocks + self._cfg.headroom_blocks(priority), stamp)
@@ -133,13 +157,17 @@ class _View:
             return f"{where} with room for {demand_blocks} blocks"
         return f"no {noun} has {demand_blocks} free blocks now; the request will queue on the {where}"
 
-    def _refusal(self, demand_blocks: int) -> str:
+    def _refusal(self, demand_blocks: int, exclude: Collection[str] = ()) -> str:
         noun = self._noun
         if not self._targets:
             return f"no {noun}s to dispatch to"
         active = [t for t in self._targets.values() if not t.draining]
         if not active:
             return f"all {len(self._targets)} {noun}s are draining"
+        left = [t for t in active if t.target_id not in exclude]
+        if not left:
+            return f"every {noun} that is not draining was tried"
+        active = left
         largest = max(t.max_request_blocks for t in active)
         return (
             f"request needs {demand_blocks} blocks but the largest non-draining {noun} "

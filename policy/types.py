@@ -47,6 +47,7 @@ class RequestLoad:
     migratable: bool = True  # False: the engine cannot move it (e.g. mid-prefill)
     output_tokens: int = 0  # tokens generated so far
     max_tokens: int = 0  # the request's output limit (its max_tokens); 0 = not known
+    max_blocks: int = 0  # KV blocks it may grow to (prompt + max_tokens − 1 tokens); 0 = not known
 
     def __post_init__(self) -> None:
         where = f"RequestLoad({self.request_id!r})"
@@ -56,6 +57,7 @@ class RequestLoad:
         _require(self.num_tokens >= 0, where, f"num_tokens must be >= 0, got {self.num_tokens}")
         _require(self.output_tokens >= 0, where, f"output_tokens must be >= 0, got {self.output_tokens}")
         _require(self.max_tokens >= 0, where, f"max_tokens must be >= 0, got {self.max_tokens}")
+        _require(self.max_blocks >= 0, where, f"max_blocks must be >= 0, got {self.max_blocks}")
 
 
 @dataclass(frozen=True, slots=True)

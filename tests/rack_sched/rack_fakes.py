@@ -18,7 +18,7 @@ from clusterstate.records import DrainIntent, DrainKind, InstanceRegistration, e
 from clusterstate.store import Keys
 from hilum_proto.v1 import llumlet_pb2 as pb
 from hilum_proto.v1 import llumlet_pb2_grpc as pb_grpc
-from rack_sched.core import DomainScheduler
+from rack_sched.scheduler import DomainScheduler
 from rack_sched.types import RackConfig
 
 BLOCK = 16  # tokens per KV block in these tests
