@@ -19,7 +19,8 @@ which and what it waits for:
 It prints every address, the ``hilumctl`` line to query the cluster, a ``curl`` line and a ``hilum bench``
 line, and writes them with every pid to ``<run dir>/cluster.json``. The run directory always holds the
 topology the cluster serves, ``<run dir>/topology.yaml`` (the ``--topology`` file copied, or the built-in
-one), which every process reads; each process logs to ``<run dir>/<name>.log``.
+one), which every process reads, and the configuration file (``--config`` or ``$HILUM_CONFIG``, checked
+first, copied to ``<run dir>/hilum.yaml``) when there is one; each process logs to ``<run dir>/<name>.log``.
 
 While the cluster runs, ``hilum up`` supervises it (:mod:`hilum_cli.supervisor`): a process that crashes
 is restarted on the same ports, as systemd's ``Restart=on-failure`` would, with a growing delay and at most
@@ -72,6 +73,7 @@ from typing import Any, TextIO
 
 import yaml
 
+import hilum_config
 from hilum_cli.supervisor import ChildSpec, RestartPolicy, StartFailed, Supervisor
 from hilum_proto.tls import WILDCARD_HOSTS
 from topology.load import TopologyError, bundled_path, load_topology, parse_topology
@@ -239,6 +241,7 @@ class UpConfig:
     llumlet_args: tuple[str, ...] = ()  # extra arguments for every llumlet
     log_level: str = "WARNING"
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    config: str | None = None  # the hilum configuration file (None: $HILUM_CONFIG, else the defaults)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +252,7 @@ class _Checked:
     topology_text: str
     plan: PortPlan
     etcd_binary: Path | None  # the embedded etcd's binary (None with --etcd)
+    config_text: str | None  # the configuration file every process reads (None: the defaults)
 
 
 def _etcd_binary() -> Path:
@@ -308,6 +312,18 @@ def _topology_text(cfg: UpConfig) -> tuple[Topology, str]:
     return topology, source.read_text(encoding="utf-8")
 
 
+def _config_text(cfg: UpConfig) -> str | None:
+    """The text of the configuration file (``--config``, else ``$HILUM_CONFIG``), checked. Raises UpError."""
+    path = cfg.config or os.environ.get(hilum_config.CONFIG_ENV) or None
+    if path is None:
+        return None
+    try:
+        hilum_config.load_config(path)
+    except hilum_config.ConfigError as exc:
+        raise UpError(f"--config {path}: {exc}") from None
+    return Path(path).read_text(encoding="utf-8")
+
+
 def _check(cfg: UpConfig) -> _Checked:
     """Everything that can be checked before anything starts (module docstring). Raises UpError."""
     if cfg.engine not in ENGINES:
@@ -316,6 +332,7 @@ def _check(cfg: UpConfig) -> _Checked:
         raise UpError(f"--coordinators: need at least 1, got {cfg.coordinators}")
     if not cfg.start_timeout_s > 0:
         raise UpError(f"--start-timeout: must be > 0 seconds, got {cfg.start_timeout_s:g}")
+    config_text = _config_text(cfg)
     topology, text = _topology_text(cfg)
     if not topology.instances:
         raise UpError(f"topology {topology.source} has no instances")
@@ -333,7 +350,7 @@ def _check(cfg: UpConfig) -> _Checked:
         etcd_embedded=not cfg.etcd,
         coordinators=cfg.coordinators,
     )
-    return _Checked(topology, text, plan, binary)
+    return _Checked(topology, text, plan, binary, config_text)
 
 
 # ---- the processes -------------------------------------------------------------------------------------
@@ -373,6 +390,7 @@ class _Layout:
     topology: Topology
     topology_path: Path  # <run dir>/topology.yaml
     run_dir: Path
+    config_path: Path | None  # <run dir>/hilum.yaml (None: the built-in defaults)
 
     @property
     def etcd_endpoint(self) -> str:
@@ -419,7 +437,10 @@ def _etcd_spec(lay: _Layout, binary: Path) -> ChildSpec:
 
 
 def _common(lay: _Layout) -> list[str]:
-    return ["--etcd", lay.etcd_endpoint, "--topology", str(lay.topology_path), "--log-level", lay.cfg.log_level]
+    args = ["--etcd", lay.etcd_endpoint, "--topology", str(lay.topology_path), "--log-level", lay.cfg.log_level]
+    if lay.config_path is not None:
+        args += ["--config", str(lay.config_path)]
+    return args
 
 
 def _coordinator_specs(lay: _Layout) -> list[ChildSpec]:
@@ -504,8 +525,12 @@ def start_cluster(
     """
     topology_path = run_dir / "topology.yaml"
     topology_path.write_text(checked.topology_text, encoding="utf-8")
+    config_path = None
+    if checked.config_text is not None:
+        config_path = run_dir / "hilum.yaml"
+        config_path.write_text(checked.config_text, encoding="utf-8")
     plan = checked.plan
-    lay = _Layout(cfg, plan, checked.topology, topology_path, run_dir)
+    lay = _Layout(cfg, plan, checked.topology, topology_path, run_dir, config_path)
     etcd_endpoint = lay.etcd_endpoint
     cluster = RunningCluster(lay, sup)
     n_coord = len(plan.coordinators)
@@ -564,6 +589,7 @@ def _info(lay: _Layout) -> dict[str, Any]:
     return {
         "topology": topo.name,
         "topology_file": str(lay.topology_path),
+        "config_file": str(lay.config_path) if lay.config_path is not None else None,
         "engine": lay.cfg.engine,
         "gateway_url": lay.gateway_url,
         "etcd": lay.etcd_endpoint,
@@ -741,6 +767,7 @@ def register(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of every process (torch: model weights)")
     p.add_argument("--start-timeout", type=float, default=120.0, help="seconds each stage may take to start")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    hilum_config.add_argument(p)
     p.set_defaults(func=_main)
 
 
@@ -767,5 +794,6 @@ def _main(ns: argparse.Namespace) -> int:
         start_timeout_s=ns.start_timeout,
         log_level=ns.log_level,
         restart=restart,
+        config=ns.config,
     )
     return run_up(cfg)

@@ -76,3 +76,13 @@ def test_two_coordinators_get_ports_after_the_base() -> None:
     plan = plan_ports(_topology(), "127.0.0.1", 0, 0, 17070, etcd_embedded=True, coordinators=2)  # type: ignore[arg-type]
     assert plan.coordinators == {"coord-0": 17070, "coord-1": 17071}
     assert (plan.domains["dom-a"], plan.instances["a0"], plan.sink) == (17072, 17074, 17078)
+
+
+def test_a_bad_configuration_file_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    bad = tmp_path / "hilum.yaml"
+    bad.write_text("policy:\n  no_such_key: 1\n")
+    err = io.StringIO()
+    cfg = UpConfig(config=str(bad), port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "run"))
+    assert run_up(cfg, out=io.StringIO(), err=err) == 1
+    assert err.getvalue().startswith(f"hilum up: error: --config {bad}: {bad}: policy")
+    assert not (tmp_path / "run").exists()

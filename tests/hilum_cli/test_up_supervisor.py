@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -25,11 +26,13 @@ from llumlet.client import LlumletClient
 pytestmark = pytest.mark.slow
 
 MODEL = "llama-2-7b"
+CONFIG = Path(__file__).resolve().parents[2] / "examples" / "hilum.yaml"
 
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    cluster = start_up(tmp_path_factory.mktemp("up-supervisor"), "sim", ["--coordinators", "2"])
+    extra = ["--coordinators", "2", "--config", str(CONFIG)]
+    cluster = start_up(tmp_path_factory.mktemp("up-supervisor"), "sim", extra)
     try:
         yield cluster
     finally:
@@ -56,10 +59,17 @@ async def _events(resp: aiohttp.ClientResponse) -> list[dict[str, Any]]:
     return out
 
 
-def test_the_run_dir_holds_the_topology_it_serves(up: UpProcess) -> None:
+def test_the_run_dir_holds_the_topology_and_configuration_it_serves(up: UpProcess) -> None:
     info = up.read_info()
     assert info["topology_file"] == str(up.run_dir / "topology.yaml")
     assert (up.run_dir / "topology.yaml").read_text() == TOPOLOGY  # the --topology file, copied
+    assert info["config_file"] == str(up.run_dir / "hilum.yaml")
+    assert (up.run_dir / "hilum.yaml").read_text() == CONFIG.read_text()
+    for name, process in info["processes"].items():  # every hilum process reads both
+        if name != "etcd":
+            argv = Path(f"/proc/{process['pid']}/cmdline").read_bytes().split(b"\0")
+            assert [b"--topology", str(up.run_dir / "topology.yaml").encode()] == argv[argv.index(b"--topology") :][:2]
+            assert [b"--config", str(up.run_dir / "hilum.yaml").encode()] == argv[argv.index(b"--config") :][:2]
     assert len(info["coordinators"]) == 2 and set(info["processes"]) >= {"coordinator-coord-0", "coordinator-coord-1"}
 
 
