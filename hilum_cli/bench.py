@@ -17,12 +17,13 @@ about one decode step more than the real downtime). Preemptions are not visible 
 these, :class:`sim.results.RequestRecord` / ``MigrationRecord`` values, reduced by ``sim.results.summarize``
 and shown by ``sim.report.render_table``: the same columns as ``hilum sim``. With ``--compare-sim``, the
 simulator runs the same (clipped) requests with the same arrivals on TOPOLOGY with the ``hilum`` policy and
-its row is shown beside the measured one.
+the settings of ``--config`` (as the live cluster's processes read it; default ``$HILUM_CONFIG``), and its
+row is shown beside the measured one.
 
 Everything the command line names is checked before the first request is sent: the gateway URL, every
-number, the trace, the ``--compare-sim`` topology (it must describe the model the gateway serves) and the
-``--out`` directory (created, and written to once). A finished replay is never thrown away: the measured
-row is printed and written to ``--out`` even when the simulation beside it fails.
+number, the trace, the ``--compare-sim`` topology (it must describe the model the gateway serves) and
+configuration file, and the ``--out`` directory (created, and written to once). A finished replay is never
+thrown away: the measured row is printed and written to ``--out`` even when the simulation beside it fails.
 
 Exit status: 0 done (requests that failed are counted in the table); 1 runtime error (the gateway does not
 answer or serves no such model; the simulation failed, after the live results were printed and written;
@@ -48,6 +49,7 @@ from typing import Any, TextIO
 
 import aiohttp
 
+import hilum_config
 from sim.results import KvTimeline, MigrationRecord, RequestRecord, SimRun, summarize, write_results
 from sim.traces import Trace, TraceRequest, load_trace
 from topology.load import TopologyError, load_topology
@@ -294,14 +296,16 @@ def _write_trace_jsonl(trace: Trace, path: Path) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def simulate(trace: Trace, topology: str, seed: int) -> SimRun:
-    """The simulator's run of exactly these requests and arrivals on ``topology`` (policy ``hilum``)."""
+def simulate(trace: Trace, topology: str, seed: int, config: str | None = None) -> SimRun:
+    """The simulator's run of exactly these requests and arrivals on ``topology`` (policy ``hilum``), with the
+    configuration file ``config`` (None: ``$HILUM_CONFIG``, else the defaults)."""
     from sim.runner import SimSpec, run_simulation
 
     with tempfile.TemporaryDirectory(prefix="hilum-bench-") as tmp:
         path = Path(tmp) / "replayed.jsonl.gz"
         _write_trace_jsonl(trace, path)
-        return run_simulation(SimSpec(topology=topology, trace=str(path), policy="hilum", seed=seed))
+        spec = SimSpec(topology=topology, trace=str(path), policy="hilum", seed=seed, config=config)
+        return run_simulation(spec)
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,8 +338,11 @@ def _check(ns: argparse.Namespace) -> _Checked:
     if ns.compare_sim:
         try:
             compare = load_topology(ns.compare_sim)
+            hilum_config.load_config(ns.config)
         except TopologyError as exc:
             raise BenchUsageError(f"--compare-sim: {exc}") from None
+        except hilum_config.ConfigError as exc:
+            raise BenchUsageError(f"--config: {exc}") from None
     out = None
     if ns.out:
         out = Path(ns.out)
@@ -415,7 +422,7 @@ def run_bench(ns: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sy
     if ns.compare_sim:
         print(f"hilum bench: simulating the same requests on {ns.compare_sim} ...", file=err, flush=True)
         try:
-            simulated = simulate(clipped.trace, ns.compare_sim, ns.seed)
+            simulated = simulate(clipped.trace, ns.compare_sim, ns.seed, ns.config)
         except (ValueError, OSError, KeyError) as exc:
             print(f"hilum bench: error: --compare-sim {ns.compare_sim}: the simulation failed: {exc}", file=err)
             status = 1
@@ -455,4 +462,5 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--out", default=None, help="write results.json (sim.results format: the live run, and the simulated one)"
     )
+    hilum_config.add_argument(p)  # the simulation's settings: give it the file the live cluster reads
     p.set_defaults(func=run_bench)

@@ -630,7 +630,7 @@ def describe(info: dict[str, Any], *, temporary_run_dir: bool = False) -> str:
         f"try it:    curl {info['gateway_url']}/v1/completions -H 'Content-Type: application/json' "
         f"""-d '{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}'""",
         f"bench it:  hilum bench --url {info['gateway_url']} --trace azure-conv --max-requests 50 "
-        f"--compare-sim {info['topology_file']}",
+        f"--compare-sim {info['topology_file']}" + (f" --config {info['config_file']}" if info["config_file"] else ""),
         (
             f"A crashed process is restarted (at most {info['max_restarts']} times in a minute)."
             if info["max_restarts"]

@@ -123,7 +123,7 @@ def bench_args(url: str = "http://127.0.0.1:9", **changes: Any) -> argparse.Name
     """``hilum bench``'s options (3 requests of azure-conv) with ``changes``."""
     options: dict[str, Any] = {
         "url": url, "trace": "azure-conv", "rate_scale": 50.0, "max_requests": 3, "model": None,
-        "compare_sim": None, "seed": 0, "timeout": 5.0, "out": None,
+        "compare_sim": None, "seed": 0, "timeout": 5.0, "out": None, "config": None,
     }  # fmt: skip
     return argparse.Namespace(**{**options, **changes})
 
@@ -157,10 +157,15 @@ def test_every_option_and_path_is_checked_before_the_first_request(tmp_path: Pat
     a_file.write_text("not a directory")
     other_model = tmp_path / "other-model.yaml"
     other_model.write_text(LOCAL_TOPOLOGY)  # llama-2-7b; the echo gateway serves "m"
+    served = tmp_path / "m.yaml"
+    served.write_text(LOCAL_TOPOLOGY.replace("llama-2-7b", "m"))
+    bad_config = tmp_path / "hilum.yaml"
+    bad_config.write_text("policy:\n  no_such_key: 1\n")
     cases = [
         ({"compare_sim": str(tmp_path / "nosuch.yaml")}, "--compare-sim: ", "nosuch.yaml: (file): file not found"),
         ({"compare_sim": str(other_model)}, f"--compare-sim {other_model}: its instances run llama-2-7b, not m", ""),
         ({"out": str(a_file / "results")}, f"--out {a_file / 'results'}: cannot write there", ""),
+        ({"compare_sim": str(served), "config": str(bad_config)}, f"--config: {bad_config}: policy", ""),
         ({"trace": str(tmp_path / "nosuch.csv")}, f"--trace {tmp_path / 'nosuch.csv'}: ", ""),
         ({"rate_scale": 0.0}, "--rate-scale: must be a number > 0, got 0", ""),
         ({"timeout": float("nan")}, "--timeout: must be a number > 0, got nan", ""),

@@ -131,6 +131,7 @@ def test_bench_replays_a_trace_against_the_cluster(up: UpProcess, tmp_path: Path
         seed=0,
         timeout=60.0,
         out=str(tmp_path / "out"),
+        config=None,
     )
     out, err = io.StringIO(), io.StringIO()
     assert run_bench(ns, out=out, err=err) == 0, err.getvalue()
