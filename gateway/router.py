@@ -10,6 +10,8 @@ request's demand in the view until that domain's next summary, so a burst does n
 The chosen domain scheduler gets ``Submit`` (rack_sched.proto). Its answer:
 
 - ``DISPATCH_ACCEPTED``: done (instance id and llumlet address returned);
+- ``DISPATCH_FULL`` (asked ``only_if_room`` and no instance has room now): the next domain is tried; when
+  every domain was full, the freest is asked again to queue it (``gateway.core.PlacementAttempt``);
 - ``DISPATCH_REFUSED`` (every instance draining, or the llumlet refused it): the next domain is tried;
 - ``DISPATCH_UNAVAILABLE`` or an RPC error (view being rebuilt, scheduler down): the next domain is tried;
   when every domain was tried and some were only unavailable, they are tried again after a jittered backoff
@@ -31,7 +33,7 @@ import grpc
 
 from clusterstate.clock import SYSTEM_CLOCK, Clock
 from clusterstate.records import DomainRegistration, SummaryRecord
-from gateway.core import GatewayCore
+from gateway.core import GatewayCore, PlacementAttempt
 from hilum_proto.tls import open_channel
 from hilum_proto.v1 import llumlet_pb2
 from hilum_proto.v1 import rack_sched_pb2 as rpb
@@ -120,7 +122,7 @@ class DomainRouter:
         submit_timeout_s: deadline of one Submit.
         unavailable_wait_s: how long unavailable domains are retried before giving up.
         backoff_s: first pause before retrying unavailable domains (doubles, jittered).
-        on_retry: told the reason ("refused" | "unavailable") each time a domain did not take a request.
+        on_retry: told the reason ("refused" | "unavailable" | "full") each time a domain did not take a request.
     """
 
     def __init__(
@@ -149,7 +151,7 @@ class DomainRouter:
         self._unavailable_wait_s = unavailable_wait_s
         self._backoff_s = backoff_s
         self._clock = clock
-        self.retries: dict[str, int] = {}  # reason ("refused" | "unavailable") -> count
+        self.retries: dict[str, int] = {}  # reason ("refused" | "unavailable" | "full") -> count
 
     def _retry(self, reason: str) -> None:
         self.retries[reason] = self.retries.get(reason, 0) + 1
@@ -195,51 +197,52 @@ class DomainRouter:
         Raises :class:`DispatchFailed`.
         """
         deadline = self._clock.now_s() + self._unavailable_wait_s
-        reasons: dict[str, str] = {}
-        refused: set[str] = set()
-        unavailable: set[str] = set()
+        attempt = PlacementAttempt(self.core, msg.model, demand_blocks, need_blocks, msg.priority)
         tries = 0
         backoff = self._backoff_s
         while True:
             self._refresh()
-            decision = self.core.pick(
-                msg.model,
-                demand_blocks,
-                self._clock.wall_s(),
-                need_blocks=need_blocks,
-                priority=msg.priority,
-                exclude=refused | unavailable,
-            )
-            domain_id, why = decision.target_id, decision.reason
+            domain_id = attempt.next(self._clock.wall_s())
             if domain_id is None:
-                if unavailable and self._clock.now_s() < deadline:
+                if attempt.unavailable and self._clock.now_s() < deadline:
                     await self._clock.sleep(backoff * (0.5 + self._rng.random()))
                     backoff = min(backoff * 2, 1.0)
-                    unavailable.clear()
+                    attempt.retry_unavailable()
                     continue
                 if not self._records and self._clock.now_s() < deadline:
                     await self._clock.sleep(backoff)  # nothing published yet (cluster starting)
                     continue
-                detail = "; ".join(f"{d}: {r}" for d, r in sorted(reasons.items())) or why
-                raise DispatchFailed(f"no domain accepted the request: {detail}", unavailable=bool(unavailable))
+                raise DispatchFailed(
+                    f"no domain accepted the request: {attempt.explain()}", unavailable=bool(attempt.unavailable)
+                )
             tries += 1
             address = self._addresses[domain_id]
+            msg.only_if_room = attempt.only_if_room
             try:
                 reply = await self._submitter.submit(address, msg, self._submit_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     message = f"domain {domain_id} rejected the request: {exc.details()}"
                     raise DispatchFailed(message, unavailable=False) from None
-                reasons[domain_id] = f"scheduler at {address} did not answer ({exc.code().name}: {exc.details()})"
-                unavailable.add(domain_id)
+                why = f"scheduler at {address} did not answer ({exc.code().name}: {exc.details()})"
+                attempt.answered_unavailable(domain_id, why)
                 self._retry("unavailable")
                 continue
             if reply.outcome == rpb.DISPATCH_ACCEPTED:
-                return Placement(domain_id, reply.instance_id, reply.instance_address, f"{why}; {reply.reason}", tries)
-            reasons[domain_id] = reply.reason or rpb.DispatchOutcome.Name(reply.outcome)
+                return Placement(
+                    domain_id,
+                    reply.instance_id,
+                    reply.instance_address,
+                    f"{attempt.last_reason}; {reply.reason}",
+                    tries,
+                )
+            why = reply.reason or rpb.DispatchOutcome.Name(reply.outcome)
             if reply.outcome == rpb.DISPATCH_UNAVAILABLE:
-                unavailable.add(domain_id)
+                attempt.answered_unavailable(domain_id, why)
                 self._retry("unavailable")
+            elif reply.outcome == rpb.DISPATCH_FULL:
+                attempt.answered_full(domain_id, why)
+                self._retry("full")
             else:
-                refused.add(domain_id)
+                attempt.answered_refused(domain_id, why)
                 self._retry("refused")

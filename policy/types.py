@@ -161,6 +161,9 @@ class PolicyConfig:
     candidate_policy: str = DEFAULT_CANDIDATE_POLICY
     # Most migrations one planning round returns.
     max_migrations_per_round: int = 8
+    # Domain choice (gateways): draw this many candidate domains and take the freest (power of d choices), so
+    # many gateways sharing lagged summaries spread a burst; 0 = consider every domain.
+    domain_choices: int = 2
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "priority_headroom_blocks", _freeze_headroom(self.priority_headroom_blocks))
@@ -194,6 +197,11 @@ class PolicyConfig:
             "PolicyConfig.max_migrations_per_round",
             f"must be >= 0, got {self.max_migrations_per_round}",
         )
+        _require(
+            self.domain_choices >= 0,
+            "PolicyConfig.domain_choices",
+            f"must be >= 0 (0: every domain), got {self.domain_choices}",
+        )
 
     def __hash__(self) -> int:
         return hash(
@@ -205,6 +213,7 @@ class PolicyConfig:
                 self.migrate_in_freeness_above,
                 self.candidate_policy,
                 self.max_migrations_per_round,
+                self.domain_choices,
             )
         )
 

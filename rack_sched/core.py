@@ -4,7 +4,11 @@ One :class:`DomainCore` per NVLink domain, fed its instances' load reports. It d
 
 - **dispatch**: which instance of the domain gets a new request — ``policy.dispatch.DispatchView`` over the
   instances serving the request's model (reservations count what was dispatched since each report), only
-  instances whose KV capacity can hold what the request may grow to (prompt + ``max_tokens``);
+  instances whose KV capacity can hold what the request may grow to (prompt + ``max_tokens``). An instance
+  whose load stream broke is deprioritised (it takes requests only when no instance of the model has a
+  live stream: then requests are spread evenly over the instances still answering, counted in
+  ``fallback_dispatches``); one that did not answer a Submit takes nothing until it answers again (a
+  heartbeat) or reports;
 - **rescheduling inside the domain**: ``policy.plan_migrations`` per model over the instances not busy with a
   migration. An instance is busy from the moment a move touching it is planned until the move finished *and*
   the instance sent a newer report, or ``settle_s`` passed (so a stale report cannot plan a second move from
@@ -64,6 +68,7 @@ class DomainRequest:
     prompt_tokens: int
     max_tokens: int
     priority: int = 0
+    only_if_room: bool = False  # refuse (``full``) rather than queue when no instance has room now
 
     def __post_init__(self) -> None:
         if not self.request_id or self.prompt_tokens < 0 or self.max_tokens < 1 or self.priority < 0:
@@ -119,9 +124,16 @@ class _Member:
     instance_id: str
     model: str
     block_size_tokens: int
+    capacity_blocks: int = 0  # from its registration (used while no report is fresh)
     load: InstanceLoad | None = None  # as last reported (draining False)
     reports: int = 0  # reports received
-    reachable: bool = False  # its load stream is up and the last Submit did not fail
+    stream_up: bool = False  # its load stream delivers reports
+    answers: bool = True  # the last Submit or heartbeat got an answer
+
+    @property
+    def reachable(self) -> bool:
+        """Fresh: reports flowing and answering calls (dispatch by load, migrations)."""
+        return self.stream_up and self.answers
 
 
 class DomainCore:
@@ -139,6 +151,8 @@ class DomainCore:
         self._rng = rng
         self._members: dict[str, _Member] = {}
         self._views: dict[str, DispatchView] = {}  # model -> dispatch view over its reachable instances
+        self._spread = 0  # rotation of the even spread used while no instance has a fresh report
+        self.fallback_dispatches = 0  # requests placed by that spread
         self._drained: frozenset[str] = frozenset()
         self.domain_draining = False
         self._busy: dict[str, int] = {}  # instance -> migrations in flight touching it
@@ -148,14 +162,15 @@ class DomainCore:
         self.migrations_in_flight = 0
 
     # ---- instances -----------------------------------------------------------------------------
-    def add_instance(self, instance_id: str, model: str, block_size_tokens: int) -> None:
-        """An instance of this domain registered (no load yet: it takes no part until its first report).
+    def add_instance(self, instance_id: str, model: str, block_size_tokens: int, capacity_blocks: int = 0) -> None:
+        """An instance of this domain registered (no load yet: it takes no part until its first report, unless
+        no instance of its model ever reports; ``capacity_blocks``: its KV capacity from the registration).
 
         Raises ValueError on a block size < 1.
         """
         if block_size_tokens < 1:
             raise ValueError(f"{self.domain_id}: {instance_id}: block_size_tokens must be >= 1")
-        self._members[instance_id] = _Member(instance_id, model, block_size_tokens)
+        self._members[instance_id] = _Member(instance_id, model, block_size_tokens, capacity_blocks)
 
     def remove_instance(self, instance_id: str) -> None:
         """An instance deregistered (idempotent)."""
@@ -182,16 +197,36 @@ class DomainCore:
             self.remaining.observe(n)
         member.load = load
         member.reports += 1
-        member.reachable = True
+        member.stream_up = member.answers = True
         self._refresh(member)
 
-    def lost(self, instance_id: str) -> None:
-        """The instance's load stream broke, or a Submit to it failed: no new requests, no migrations, until
-        its next report."""
+    def stream_lost(self, instance_id: str) -> None:
+        """The instance's load stream broke: deprioritised (see the module docstring) and in no migration,
+        until its next report."""
         member = self._members.get(instance_id)
         if member is not None:
-            member.reachable = False
+            member.stream_up = False
             self._view(member.model).remove(instance_id)
+
+    def unreachable(self, instance_id: str) -> None:
+        """A Submit to the instance got no answer: it takes nothing until :meth:`answered` or its next report."""
+        member = self._members.get(instance_id)
+        if member is not None:
+            member.answers = False
+            self._view(member.model).remove(instance_id)
+
+    def answered(self, instance_id: str) -> None:
+        """The instance answered again (a heartbeat): it takes requests again, also when it is idle and
+        sends no report."""
+        member = self._members.get(instance_id)
+        if member is not None and not member.answers:
+            member.answers = True
+            self._refresh(member)
+
+    def answering(self, instance_id: str) -> bool:
+        """True unless the instance's last Submit or heartbeat went unanswered."""
+        member = self._members.get(instance_id)
+        return member is not None and member.answers
 
     def set_drains(self, drained: Iterable[str], domain_draining: bool) -> bool:
         """Apply drain intents: ``drained`` instances carry infinite virtual usage. True when anything changed."""
@@ -256,17 +291,45 @@ class DomainCore:
 
         ``exclude``: instances not to use this time (a Submit to them just failed).
         """
+        excluded = frozenset(exclude)
         model = self.resolve_model(request.model)
         if model is None:
             served = ", ".join(self.models()) or "no model"
             what = f"model {request.model!r}" if request.model else "a request that names no model"
             return DispatchDecision(None, f"domain {self.domain_id} serves {served}, not {what}")
         block_size = next(m.block_size_tokens for m in self._members.values() if m.model == model)
+        if not any(m.reachable for m in self._members.values() if m.model == model):
+            return self._spread_evenly(model, request, block_size, excluded)
         return self._view(model).pick(
             request.demand_blocks(block_size),
             request.priority,
             need_blocks=request.need_blocks(block_size),
-            exclude=frozenset(exclude),
+            exclude=excluded,
+            only_if_room=request.only_if_room,
+        )
+
+    def _spread_evenly(
+        self, model: str, request: DomainRequest, block_size: int, excluded: frozenset[str]
+    ) -> DispatchDecision:
+        """No instance of ``model`` has a fresh report: the next of those still answering, in turn."""
+        need = request.need_blocks(block_size)
+        pool = [
+            m
+            for _, m in sorted(self._members.items())
+            if m.model == model
+            and m.answers
+            and m.instance_id not in excluded
+            and m.instance_id not in self._drained
+            and (m.load.capacity_blocks if m.load is not None else m.capacity_blocks) >= need
+        ]
+        if not pool:
+            return DispatchDecision(None, f"no instance of {model} has a fresh load report or answers")
+        self._spread = (self._spread + 1) % len(pool)
+        self.fallback_dispatches += 1
+        chosen = pool[self._spread]
+        return DispatchDecision(
+            chosen.instance_id,
+            f"no fresh load report from any {model} instance: spread evenly over {len(pool)} that answer",
         )
 
     # ---- rescheduling inside the domain ----------------------------------------------------------

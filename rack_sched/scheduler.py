@@ -94,12 +94,14 @@ class _Instance:
         self.version = 0  # LoadReport.version of the last report
         self.settled = asyncio.Event()  # first report arrived, or the first attempt failed
         self.task: asyncio.Task[None] | None = None
+        self.heartbeat: asyncio.Task[None] | None = None  # pings it while it does not answer
 
     async def close(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
+        for task in (self.task, self.heartbeat):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.channel.close()
 
 
@@ -300,7 +302,7 @@ class DomainScheduler:
             )
         inst = _Instance(reg)
         self._instances[reg.instance_id] = inst
-        self.core.add_instance(reg.instance_id, reg.model, self.cfg.block_size_tokens)
+        self.core.add_instance(reg.instance_id, reg.model, self.cfg.block_size_tokens, reg.capacity_blocks)
         inst.task = asyncio.create_task(self._watch(inst), name=f"watch-load-{reg.instance_id}")
         _log.info("domain %s: instance %s (%s) at %s", self.cfg.domain_id, reg.instance_id, reg.model, reg.address)
 
@@ -328,7 +330,7 @@ class DomainScheduler:
                 why = f"bad load report: {exc}"
             finally:
                 call.cancel()
-            self.core.lost(inst.instance_id)
+            self.core.stream_lost(inst.instance_id)
             inst.settled.set()
             delay = backoff.next_s()
             _log.warning(
@@ -372,19 +374,23 @@ class DomainScheduler:
         failures: list[str] = []
         failed: set[str] = set()
         for _ in range(max(1, len(self._instances))):
+            spread_before = self.core.fallback_dispatches
             decision = self.core.dispatch(request, exclude=failed)
+            if self.core.fallback_dispatches > spread_before:
+                _log.warning("domain %s: %s (request %s)", self.cfg.domain_id, decision.reason, request.request_id)
             if decision.target_id is None:
-                if failures or not any(self.core.reachable(i) for i in self._instances):
-                    why = "; ".join([*failures, decision.reason]) if failures else "no instance is reachable"
+                if failures or not any(self.core.answering(i) for i in self._instances):
+                    why = "; ".join([*failures, decision.reason]) if failures else "no instance answers"
                     return DispatchResult(DispatchOutcome.UNAVAILABLE, why, demand_blocks=demand)
-                return DispatchResult(DispatchOutcome.REFUSED, decision.reason, demand_blocks=demand)
+                outcome = DispatchOutcome.FULL if decision.full else DispatchOutcome.REFUSED
+                return DispatchResult(outcome, decision.reason, demand_blocks=demand)
             inst = self._instances[decision.target_id]
             try:
                 reply = await inst.stub.Submit(msg, timeout=self.cfg.rpc_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 failures.append(f"{inst.instance_id} unreachable ({exc.code().name})")
                 failed.add(inst.instance_id)
-                self.core.lost(inst.instance_id)
+                self._unreachable(inst)
                 continue
             if not reply.accepted:
                 return DispatchResult(
@@ -396,6 +402,26 @@ class DomainScheduler:
                 DispatchOutcome.ACCEPTED, decision.reason, inst.instance_id, inst.registration.address, demand
             )
         return DispatchResult(DispatchOutcome.UNAVAILABLE, "; ".join(failures), demand_blocks=demand)
+
+    def _unreachable(self, inst: _Instance) -> None:
+        """A call to ``inst`` got no answer: it takes nothing until a heartbeat (Ping) answers again."""
+        self.core.unreachable(inst.instance_id)
+        if inst.heartbeat is None or inst.heartbeat.done():
+            inst.heartbeat = asyncio.create_task(self._heartbeat(inst), name=f"heartbeat-{inst.instance_id}")
+            self._tasks.add(inst.heartbeat)
+            inst.heartbeat.add_done_callback(self._tasks.discard)
+
+    async def _heartbeat(self, inst: _Instance) -> None:
+        """Ping ``inst`` with jittered backoff until it answers (or reports), then re-admit it."""
+        backoff = Backoff(self.cfg.backoff, self._rng)
+        while not self.core.answering(inst.instance_id) and inst.instance_id in self._instances:
+            try:
+                await inst.stub.Ping(llumlet_pb2.LlumletPingRequest(), timeout=self.cfg.rpc_timeout_s)
+            except grpc.aio.AioRpcError:
+                await self._clock.sleep(backoff.next_s())
+                continue
+            self.core.answered(inst.instance_id)
+            _log.info("domain %s: instance %s answers again", self.cfg.domain_id, inst.instance_id)
 
     # ---- intra-domain rescheduling ---------------------------------------------------------------
     def _rebalance(self) -> None:
@@ -629,4 +655,5 @@ class DomainScheduler:
             cross_domain_approved=self._counters.approved,
             summaries_published=self.publisher.puts,
             newest_fencing_token=self.guard.newest,
+            fallback_dispatches=self.core.fallback_dispatches,
         )

@@ -42,7 +42,14 @@ class RackSchedulerService(pb_grpc.RackSchedulerServicer):
             prompt = convert.prompt_length(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        spec = DomainRequest(request.request_id, request.model, prompt, request.sampling.max_tokens, request.priority)
+        spec = DomainRequest(
+            request.request_id,
+            request.model,
+            prompt,
+            request.sampling.max_tokens,
+            request.priority,
+            only_if_room=request.only_if_room,
+        )
         return convert.dispatch_reply(await self._s.submit(spec, request))
 
     async def GetDomainState(self, request: pb.GetDomainStateRequest, context: _Ctx) -> pb.DomainState:

@@ -60,6 +60,7 @@ class DispatchOutcome(enum.StrEnum):
     ACCEPTED = "accepted"  # submitted; the llumlet accepted it
     REFUSED = "refused"  # no instance of the domain can ever hold it, or the llumlet refused it
     UNAVAILABLE = "unavailable"  # not now (view rebuilding, no reachable instance): retry or go elsewhere
+    FULL = "full"  # only_if_room, and no instance has room now: try another domain
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,3 +102,4 @@ class DomainStateInfo:
     cross_domain_approved: int
     summaries_published: int
     newest_fencing_token: int
+    fallback_dispatches: int = 0  # requests spread evenly while no instance had a fresh load report

@@ -29,7 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from gateway.core import GatewayCore
+from gateway.core import GatewayCore, PlacementAttempt
 from global_coord.approver import MoveJudge, decide
 from policy.dispatch import DispatchDecision
 from policy.domain import DomainSummary
@@ -272,27 +272,20 @@ class HilumTwoTier(ClusterScheduler):
         model = self.cluster.model_of(next(iter(self.cluster.instances))).name
         request = domain_request(req, model)
         bs = self.cluster.model_of(next(iter(self.cluster.instances))).block_size_tokens
-        tried: set[str] = set()
-        reasons: list[str] = []
-        while True:
-            domain = self.gateway.pick(
-                request.model,
-                request.demand_blocks(bs),
-                self._now(),
-                need_blocks=request.need_blocks(bs),
-                priority=request.priority,
-                exclude=tried,
-            )
-            if domain.target_id is None:
-                reasons.append(domain.reason)
-                return DispatchDecision(None, "; ".join(reasons))
-            tried.add(domain.target_id)
-            feed = self.feeds[domain.target_id]
+        attempt = PlacementAttempt(
+            self.gateway, request.model, request.demand_blocks(bs), request.need_blocks(bs), request.priority
+        )
+        while (domain_id := attempt.next(self._now())) is not None:
+            feed = self.feeds[domain_id]
             feed.refresh()
-            decision = feed.core.dispatch(request)
+            decision = feed.core.dispatch(replace(request, only_if_room=attempt.only_if_room))
             if decision.target_id is not None:
                 return decision
-            reasons.append(f"{domain.target_id}: {decision.reason}")
+            if decision.full:
+                attempt.answered_full(domain_id, decision.reason)
+            else:
+                attempt.answered_refused(domain_id, decision.reason)
+        return DispatchDecision(None, attempt.explain())
 
     # ---- rescheduling ----------------------------------------------------------------------------
     def _rebalance_domains(self) -> None:

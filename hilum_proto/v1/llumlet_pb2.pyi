@@ -230,6 +230,7 @@ class SubmitRequest(_message.Message):
     PREFIX_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     PREFIX_HASH_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    ONLY_IF_ROOM_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     prompt_tokens: _builtins.int
     """prompt length; may be 0 when prompt_token_ids is given"""
@@ -240,6 +241,8 @@ class SubmitRequest(_message.Message):
     prefix_hash_block_tokens: _builtins.int
     model: _builtins.str
     """the model it is for: only instances serving it take it ("" = the one served)"""
+    only_if_room: _builtins.bool
+    """domain scheduler: answer DISPATCH_FULL rather than queue it when no"""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """real engines need them; the sim engine needs only the length"""
@@ -260,10 +263,11 @@ class SubmitRequest(_message.Message):
         prefix_block_hashes: _abc.Iterable[_builtins.int] | None = ...,
         prefix_hash_block_tokens: _builtins.int = ...,
         model: _builtins.str = ...,
+        only_if_room: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "origin", b"origin", "prefix_block_hashes", b"prefix_block_hashes", "prefix_hash_block_tokens", b"prefix_hash_block_tokens", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "only_if_room", b"only_if_room", "origin", b"origin", "prefix_block_hashes", b"prefix_block_hashes", "prefix_hash_block_tokens", b"prefix_hash_block_tokens", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

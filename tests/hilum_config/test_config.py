@@ -21,6 +21,7 @@ DOC = REPO / "docs" / "configuration.md"
 def test_the_example_file_holds_exactly_the_defaults() -> None:
     cfg = load_config(EXAMPLE)
     assert dataclasses.replace(cfg, source="<defaults>") == HilumConfig()
+    assert (REPO / "deploy" / "config" / "hilum.yaml").read_text() == EXAMPLE.read_text()  # what systemd installs
     assert cfg.domain.policy is cfg.policy and cfg.domain.remaining is cfg.remaining
 
 

@@ -56,11 +56,11 @@ def test_dispatch_uses_the_instance_that_can_hold_what_the_request_grows_to() ->
     assert refused.target_id is None and "can hold 1000 blocks" in refused.reason
 
 
-def test_a_lost_instance_takes_nothing_until_its_next_report() -> None:
+def test_an_unanswered_instance_takes_nothing_until_its_next_report() -> None:
     c = core(a="m", b="m")
     c.report("a", load("a", 1000))
     c.report("b", load("b", 1000, 500))
-    c.lost("a")
+    c.unreachable("a")
     assert c.dispatch(DomainRequest("r", "m", 10, 5)).target_id == "b"
     assert (
         c.dispatch(DomainRequest("r2", "m", 10, 5), exclude={"b"}).reason
@@ -141,3 +141,30 @@ def test_bad_requests_are_refused_with_the_field() -> None:
     assert DomainRequest("r", "m", 16, 17).demand_blocks(16) == 2
     assert DomainRequest("r", "m", 16, 17).need_blocks(16) == 2  # 16 + 17 - 1 = 32 tokens
     assert PolicyConfig() == DomainConfig().policy
+
+
+def test_stale_streams_are_deprioritised_and_all_stale_spreads_evenly() -> None:
+    c = core(a="m", b="m", c="m")
+    for iid in ("a", "b", "c"):
+        c.report(iid, load(iid, 1000, 100 if iid == "c" else 0))
+    c.stream_lost("a")
+    assert c.dispatch(DomainRequest("r0", "m", 10, 5)).target_id == "b"  # fresh ones first (b freer than c)
+    c.stream_lost("b")
+    c.stream_lost("c")
+    picks = [c.dispatch(DomainRequest(f"r{k}", "m", 10, 5)).target_id for k in range(6)]
+    assert sorted(picks) == ["a", "a", "b", "b", "c", "c"] and c.fallback_dispatches == 6
+    c.unreachable("b")  # a failed Submit: not even the spread uses it
+    assert {c.dispatch(DomainRequest(f"s{k}", "m", 10, 5)).target_id for k in range(4)} == {"a", "c"}
+    c.report("c", load("c", 1000, 100))  # c's stream is back: it alone is fresh
+    assert c.dispatch(DomainRequest("t", "m", 10, 5)).target_id == "c"
+
+
+def test_an_unanswered_instance_comes_back_with_an_answer_not_only_a_report() -> None:
+    c = core(a="m", b="m")
+    c.report("a", load("a", 1000))
+    c.report("b", load("b", 1000, 500))
+    c.unreachable("a")
+    assert c.dispatch(DomainRequest("r", "m", 10, 5)).target_id == "b"
+    assert not c.answering("a")
+    c.answered("a")  # a heartbeat got an answer; a is idle and sends no report
+    assert c.answering("a") and c.dispatch(DomainRequest("r2", "m", 10, 5)).target_id == "a"

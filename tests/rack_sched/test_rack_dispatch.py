@@ -211,3 +211,36 @@ async def _published(client: Any, prefix: str) -> dict[str, Any]:
     resp = await kv_of(client).get(Keys(prefix).summary("d"))
     out: dict[str, Any] = json.loads(resp.kvs[0].value)
     return out
+
+
+def test_a_domain_whose_load_streams_all_fail_still_dispatches_evenly(etcd: Any, prefix: str) -> None:
+    # issue 11: with every load stream failing while Submit works, every request got UNAVAILABLE
+    async def main() -> None:
+        async with fakes("d", {"i0": 100, "i1": 100}) as fs, etcd_client(etcd.endpoint) as client:
+            for f in fs.values():
+                f.fail_watch = True
+                await register(client, prefix, f)
+            async with scheduler(etcd.endpoint, prefix, "d", ready_timeout_s=1.0) as sched:
+                results = [await sched.submit(*_submit(f"r{k}", 10)) for k in range(4)]
+                assert [r.outcome for r in results] == [DispatchOutcome.ACCEPTED] * 4
+                assert sorted(len(f.submits) for f in fs.values()) == [2, 2]  # spread evenly
+                assert sched.state().fallback_dispatches == 4
+
+    asyncio.run(main())
+
+
+def test_an_idle_instance_excluded_by_one_failed_call_is_readmitted_by_a_heartbeat(etcd: Any, prefix: str) -> None:
+    # issue 11: one RPC error excluded an idle instance until its next load report, which never came
+    async def main() -> None:
+        async with fakes("d", {"i0": 1000, "i1": 100}) as fs, etcd_client(etcd.endpoint) as client:
+            for f in fs.values():
+                await register(client, prefix, f)
+            async with scheduler(etcd.endpoint, prefix, "d") as sched:
+                fs["i0"].fail_submits = 1  # one blip on the freer instance
+                first = await sched.submit(*_submit("r0", 10))
+                assert (first.outcome, first.instance_id) == (DispatchOutcome.ACCEPTED, "i1")
+                await eventually(lambda: fs["i0"].pings > 0 and sched.core.answering("i0"), what="i0 re-admitted")
+                again = await sched.submit(*_submit("r1", 10))
+                assert (again.outcome, again.instance_id) == (DispatchOutcome.ACCEPTED, "i0")
+
+    asyncio.run(main())
