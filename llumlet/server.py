@@ -13,7 +13,7 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from hilum_proto.tls import add_port, new_server
+from hilum_proto.tls import add_port, advertised_address, new_server
 from hilum_proto.v1 import llumlet_pb2 as pb
 from hilum_proto.v1 import llumlet_pb2_grpc as pb_grpc
 from llumlet.agent import Llumlet
@@ -184,10 +184,15 @@ class LlumletService(pb_grpc.LlumletServicer):
         )
 
 
-async def serve(llumlet: Llumlet, listen: str) -> tuple[grpc.aio.Server, str]:
+async def serve(llumlet: Llumlet, listen: str, advertise: str = "") -> tuple[grpc.aio.Server, str]:
     """Bind ``listen`` (``host:port``, port 0 picks one), start ``llumlet`` and the service.
 
-    Returns the server and the bound ``host:port``. Raises RuntimeError when the address cannot be bound.
+    Returns the server and the address others reach it at: ``advertise``, else the listen host with the bound
+    port (:func:`hilum_proto.tls.advertised_address`); the llumlet names that address in its token pushes.
+
+    Raises:
+        RuntimeError: when the address cannot be bound.
+        ValueError: for a wildcard listen host without ``advertise``.
     """
     server = new_server([("grpc.max_receive_message_length", 64 << 20)])
     try:
@@ -196,7 +201,7 @@ async def serve(llumlet: Llumlet, listen: str) -> tuple[grpc.aio.Server, str]:
         raise RuntimeError(f"llumlet {llumlet.config.instance_id}: cannot listen on {listen}: {exc}") from exc
     if port == 0:
         raise RuntimeError(f"llumlet {llumlet.config.instance_id}: cannot listen on {listen}")
-    address = f"{listen.rsplit(':', 1)[0]}:{port}"
+    address = advertised_address(listen, port, advertise)
     pb_grpc.add_LlumletServicer_to_server(LlumletService(llumlet), server)
     await llumlet.start(address)
     await server.start()
