@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from clusterstate.backoff import Backoff, BackoffConfig
-from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, kv_of, lease_of
+from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, compare_mod_revision, kv_of, lease_of, renew_lease
 
 __all__ = ["Registrar", "Session", "SessionLost"]
 
@@ -122,15 +122,6 @@ class Session:
         if self._task is not None:
             self._task.cancel()
 
-    async def _renew_once(self) -> int:
-        stream = lease_of(self._client).keep_alive(self.lease_id)
-        try:
-            async for response in stream:
-                return int(response.TTL)
-        finally:
-            stream.cancel()
-        raise EOFError("lease keep-alive stream closed without a reply")
-
     async def _keep_alive(self) -> None:
         while not self.done.is_set():
             due = self._expires_at - self.ttl_s * 2.0 / 3.0
@@ -146,7 +137,7 @@ class Session:
                 sent = self._clock()
                 try:
                     async with asyncio.timeout(min(remaining, max(self._retry_s, self.ttl_s / 3.0))):
-                        ttl = await self._renew_once()
+                        ttl = await renew_lease(self._client, self.lease_id)
                 except asyncio.CancelledError:
                     raise
                 except _RENEW_ERRORS as exc:
@@ -167,7 +158,13 @@ class Session:
                 break
 
     async def close(self, *, revoke: bool = True) -> None:
-        """Stop renewing; with ``revoke`` also revoke the lease (deleting its keys), best effort."""
+        """Stop renewing; with ``revoke`` also revoke the lease (deleting its keys), best effort.
+
+        A live session's revocation is retried (etcd3aio's default attempts): it is what lets others take
+        over its keys at once. A lost one's is tried once (etcd is likely unreachable), so whoever closes it
+        can go on without waiting out the retries.
+        """
+        attempts = 1 if self.done.is_set() else None
         self._lose("closed")
         if self._task is not None:
             self._task.cancel()
@@ -175,7 +172,8 @@ class Session:
                 await self._task
         if revoke:
             with contextlib.suppress(*RETRYABLE_ERRORS, RuntimeError):
-                await lease_of(self._client).revoke(self.lease_id, timeout=max(1.0, self.ttl_s / 3.0))
+                timeout = max(1.0, self.ttl_s / 3.0)
+                await lease_of(self._client).revoke(self.lease_id, timeout=timeout, max_attempts=attempts)
 
 
 class Registrar:
@@ -183,7 +181,10 @@ class Registrar:
 
     ``run()`` opens a session, puts every entry with its lease and waits; when the session is lost it
     opens a new one (retrying with jittered backoff while etcd is unreachable), revokes the old lease and
-    puts the entries again. ``set``/``remove`` change the entries at any time.
+    puts the entries again. ``set``/``remove`` change the entries at any time. ``claim`` registers a key only
+    if nobody else holds it (one transaction: created now, or already under this registrar's lease, or holding
+    exactly this value: the registration of this holder's previous run), also on every re-registration;
+    losing a claimed key to another holder sets :attr:`conflict`.
     """
 
     def __init__(
@@ -202,6 +203,9 @@ class Registrar:
         self._clock = clock
         self._name = name
         self._entries: dict[str, bytes] = {}
+        self._claimed: set[str] = set()  # keys registered only if nobody else holds them
+        self.conflict: str | None = None  # why a claimed key is held by someone else (set once)
+        self.lost_claim = asyncio.Event()  # set with conflict
         self.session: Session | None = None  # the live session, None between sessions
         self.sessions_opened = 0
         self.registered = asyncio.Event()  # set while every entry is written under the live session
@@ -215,6 +219,50 @@ class Registrar:
                 await kv_of(self._client).put(key, value, lease=session.lease_id, timeout=float(self._ttl_s))
             except RETRYABLE_ERRORS as exc:
                 _log.warning("%s: put %s failed (%s); it is written again on re-registration", self._name, key, exc)
+
+    async def claim(self, key: str, value: bytes) -> bool:
+        """Register ``key`` with ``value`` only if no other lease holds it, now and on re-registration.
+
+        Returns False (nothing written) when another holder's key exists. Waits for the session to be open.
+        Raises one of ``RETRYABLE_ERRORS`` when etcd does not answer.
+        """
+        await self.registered.wait()
+        session = self.session
+        if session is None or session.done.is_set():
+            raise TimeoutError(f"{self._name}: the etcd session was lost before {key} could be claimed")
+        self._entries[key] = value
+        self._claimed.add(key)
+        if await self._put_claimed(key, value, session.lease_id):
+            return True
+        self._entries.pop(key, None)
+        self._claimed.discard(key)
+        return False
+
+    async def _put_claimed(self, key: str, value: bytes, lease_id: int) -> bool:
+        kv = kv_of(self._client)
+        resp = await kv.txn(
+            [kv.txn_compare_create_revision(key, 0)],
+            [kv.txn_op_put(key, value, lease=lease_id)],
+            [kv.txn_op_get(key)],
+            timeout=float(self._ttl_s),
+        )
+        if resp.succeeded:
+            return True
+        kvs = resp.responses[0].response_range.kvs
+        if not kvs:
+            return False
+        held = kvs[0]
+        if int(held.lease) != lease_id and bytes(held.value) != value:
+            return False
+        # Ours already (a repeated claim), or this very registration left by an earlier run of its holder: the
+        # value names the holder's address, which two live processes cannot share. Take it (if unchanged).
+        took = await kv.txn(
+            [compare_mod_revision(key, int(held.mod_revision))],
+            [kv.txn_op_put(key, value, lease=lease_id)],
+            [],
+            timeout=float(self._ttl_s),
+        )
+        return bool(took.succeeded)
 
     async def remove(self, key: str) -> None:
         """Unregister ``key`` (delete it now if a session is live)."""
@@ -247,7 +295,14 @@ class Registrar:
 
     async def _register_all(self, session: Session) -> None:
         for key, value in list(self._entries.items()):
-            await kv_of(self._client).put(key, value, lease=session.lease_id, timeout=float(self._ttl_s))
+            if key not in self._claimed:
+                await kv_of(self._client).put(key, value, lease=session.lease_id, timeout=float(self._ttl_s))
+            elif not await self._put_claimed(key, value, session.lease_id):
+                self._entries.pop(key, None)
+                self._claimed.discard(key)
+                self.conflict = f"{key} is held by another lease (someone else claimed it while this one was away)"
+                self.lost_claim.set()
+                _log.error("%s: %s", self._name, self.conflict)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Keep the entries registered until ``stop`` is set; then revoke the lease (entries vanish)."""

@@ -1,7 +1,12 @@
 """``python -m gateway``: run one gateway (OpenAI-compatible HTTP front door of a hilum cluster).
 
     python -m gateway --listen 0.0.0.0:8000 --etcd 127.0.0.1:2379 --topology cluster.yaml \\
-        [--sink-listen 0.0.0.0:7300 --sink-advertise gw-1.example:7300] [--prefix /hilum/v1/]
+        [--sink-listen 0.0.0.0:7300 --sink-advertise gw-1.example:7300] [--prefix /hilum/v1/] \\
+        [--tokenizer MODEL=DIR ...]
+
+Each served model's tokenizer is loaded before anything listens (``gateway.tokenizer.load_tokenizers``: the
+topology's ``models[].tokenizer`` or ``--tokenizer``, else the byte stand-in): a missing directory stops the
+start with the topology key named.
 
 Prints ``gateway serving at http://<host:port> (token sink <host:port>)`` on stdout once it listens, and
 runs until SIGTERM or SIGINT. Exit status 2 on a configuration error (bad topology, an address that is
@@ -16,19 +21,20 @@ import logging
 import random
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from aiohttp import web
 
+import hilum_config
 from clusterstate.etcd import connect
 from gateway.app import GatewayApp
 from gateway.cluster import LiveCluster
 from gateway.metrics import GatewayMetrics
-from gateway.tokenizer import ByteTokenizer
+from gateway.tokenizer import Tokenizer, load_tokenizers
 from topology.load import TopologyError, load_topology
 from topology.spec import Topology
 
-__all__ = ["build_parser", "main", "split_host_port"]
+__all__ = ["build_parser", "main", "split_host_port", "tokenizer_overrides"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,10 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--sink-listen", default="", metavar="HOST:PORT", help="token sink gRPC address (default: HTTP host, port 0)"
     )
     p.add_argument("--sink-advertise", default="", metavar="HOST:PORT", help="address llumlets push tokens to")
-    p.add_argument("--vocab-size", type=int, default=512, help="stand-in tokenizer vocabulary (>= 259)")
+    p.add_argument(
+        "--tokenizer",
+        action="append",
+        default=[],
+        metavar="MODEL=DIR",
+        help="the tokenizer directory of MODEL, overriding the topology's models[].tokenizer (repeatable)",
+    )
+    p.add_argument(
+        "--vocab-size", type=int, default=512, help="byte stand-in tokenizer vocabulary (>= 259), models without one"
+    )
     p.add_argument("--unavailable-wait", type=float, default=5.0, help="retry unavailable domains for, seconds")
     p.add_argument("--seed", type=int, default=None, help="random seed (dispatch ties); default: random")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    hilum_config.add_argument(p)
     return p
 
 
@@ -57,7 +73,20 @@ def split_host_port(address: str, what: str) -> tuple[str, int]:
     return host, int(port)
 
 
-async def _serve(ns: argparse.Namespace, topology: Topology) -> None:
+def tokenizer_overrides(items: Sequence[str]) -> dict[str, str]:
+    """``--tokenizer MODEL=DIR`` items -> {model: dir}. Raises ValueError on a malformed or repeated item."""
+    out: dict[str, str] = {}
+    for item in items:
+        model, sep, path = item.partition("=")
+        if not sep or not model or not path:
+            raise ValueError(f"--tokenizer {item!r}: expected MODEL=DIR")
+        if model in out:
+            raise ValueError(f"--tokenizer: model {model!r} given twice")
+        out[model] = path
+    return out
+
+
+async def _serve(ns: argparse.Namespace, topology: Topology, tokenizers: Mapping[str, Tokenizer]) -> None:
     host, port = split_host_port(ns.listen, "--listen")
     sink_listen = ns.sink_listen or f"{host}:0"
     split_host_port(sink_listen, "--sink-listen")
@@ -65,6 +94,7 @@ async def _serve(ns: argparse.Namespace, topology: Topology) -> None:
     etcd = connect([e.strip() for e in ns.etcd.split(",") if e.strip()])
     await etcd.connect()
     rng = random.Random(ns.seed)
+    settings = hilum_config.load_config(ns.config)
     cluster = LiveCluster(
         topology,
         etcd,
@@ -73,12 +103,14 @@ async def _serve(ns: argparse.Namespace, topology: Topology) -> None:
         prefix=ns.prefix,
         sink_listen=sink_listen,
         sink_advertise=ns.sink_advertise,
+        policy=settings.policy,
+        reservation_ttl_s=settings.intervals.reservation_ttl_s,
         unavailable_wait_s=ns.unavailable_wait,
     )
     runner: web.AppRunner | None = None
     try:
         await cluster.start_services()
-        app = GatewayApp(cluster, metrics, ByteTokenizer(ns.vocab_size)).app()
+        app = GatewayApp(cluster, metrics, tokenizers).app()
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=False)
@@ -95,6 +127,9 @@ async def _serve(ns: argparse.Namespace, topology: Topology) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        # End every open request with an error the client sees (an SSE error event, a 502 body) before the
+        # connections close; runner.cleanup() below lets the handlers send it.
+        cluster.sink.fail_all("the gateway is shutting down; the request did not finish: retry it")
     finally:
         if runner is not None:
             await runner.cleanup()
@@ -108,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=ns.log_level, format="%(asctime)s gateway %(name)s %(levelname)s %(message)s")
     try:
         topology = load_topology(ns.topology)
-        asyncio.run(_serve(ns, topology))
+        tokenizers = load_tokenizers(topology, tokenizer_overrides(ns.tokenizer), byte_vocab_size=ns.vocab_size)
+        asyncio.run(_serve(ns, topology, tokenizers))
     except (TopologyError, ValueError, RuntimeError, OSError) as exc:
         print(f"gateway: error: {exc}", file=sys.stderr)
         return 2

@@ -19,12 +19,14 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping
+from dataclasses import replace
 from typing import Protocol
 
 import grpc
 
 from clusterstate.etcd import Etcd3Client
+from clusterstate.records import InstanceRegistration
 from clusterstate.store import ClusterView, Keys
 from gateway.metrics import GatewayMetrics
 from gateway.router import DomainRouter, GrpcSubmitter, Placement
@@ -33,11 +35,10 @@ from gateway.validation import GenerationRequest, ModelLimits, model_limits
 from hilum_proto.v1 import llumlet_pb2
 from llumlet.client import LlumletClient
 from llumlet.convert import sampling_to_pb
-from llumlet.engine.types import SamplingParams
 from policy.types import PolicyConfig
 from topology.spec import Topology
 
-__all__ = ["Backend", "LiveCluster", "MetricsObserver", "submit_message"]
+__all__ = ["Backend", "LiveCluster", "MetricsObserver", "features_by_model", "submit_message"]
 
 _log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class Backend(Protocol):
 
     @property
     def limits(self) -> Mapping[str, ModelLimits]:
-        """Served models and their limits."""
+        """Served models, their limits and (when known) the sampling features their instances honour."""
 
     def health(self) -> tuple[bool, str]:
         """(ready to dispatch, why not / what is there)."""
@@ -61,8 +62,8 @@ class Backend(Protocol):
     async def start(self, request_id: str, request: GenerationRequest) -> Placement:
         """Dispatch; tokens then come from :meth:`updates`. Raises ``DispatchFailed``."""
 
-    def updates(self, request_id: str) -> AsyncIterator[TokenUpdate]:
-        """New tokens of a started request, then its end."""
+    def updates(self, request_id: str) -> AsyncGenerator[TokenUpdate, None]:
+        """New tokens of a started request, then its end (closed early when the gateway stops reading)."""
 
     async def abort(self, request_id: str) -> None:
         """Stop the request everywhere (client gone). Idempotent."""
@@ -75,23 +76,34 @@ class Backend(Protocol):
 
 
 def submit_message(request_id: str, request: GenerationRequest, origin: str) -> llumlet_pb2.SubmitRequest:
-    """The ``SubmitRequest`` sent to a domain scheduler (prompt as token ids, tokens pushed to ``origin``)."""
-    sampling = SamplingParams(
-        max_tokens=request.max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        seed=request.seed,
-        ignore_eos=request.ignore_eos,
-        stop_token_ids=request.stop_token_ids,
-    )
+    """The ``SubmitRequest`` sent to a domain scheduler (prompt as token ids, every sampling setting of
+    ``request.sampling``, tokens pushed to ``origin``). Stop strings and ``n`` stay at the gateway."""
     return llumlet_pb2.SubmitRequest(
         request_id=request_id,
         prompt_tokens=request.prompt_tokens,
         prompt_token_ids=list(request.prompt_token_ids),
-        sampling=sampling_to_pb(sampling),
+        sampling=sampling_to_pb(request.sampling),
         priority=request.priority,
         origin=origin,
+        model=request.model,
     )
+
+
+def features_by_model(instances: Iterable[InstanceRegistration]) -> dict[str, frozenset[str] | None]:
+    """The optional sampling features every registered instance of each model honours (the intersection).
+
+    A model with an instance whose registration does not say (``engine`` empty: an older llumlet) maps to
+    None: not checked at the gateway (its llumlets still refuse what they cannot do).
+    """
+    out: dict[str, frozenset[str] | None] = {}
+    for reg in instances:
+        have = frozenset(reg.sampling_features) if reg.engine else None
+        if reg.model not in out:
+            out[reg.model] = have
+            continue
+        prev = out[reg.model]
+        out[reg.model] = None if prev is None or have is None else prev & have
+    return out
 
 
 class MetricsObserver:
@@ -125,6 +137,7 @@ class LiveCluster:
         sink_listen: ``host:port`` of the token sink (port 0 picks one); ``sink_advertise`` the address
             llumlets push to (default: the bound one).
         policy: the rule book's configuration.
+        reservation_ttl_s: how long a dispatch reservation counts at most (``intervals.reservation_ttl_s``).
     """
 
     def __init__(
@@ -138,10 +151,13 @@ class LiveCluster:
         sink_listen: str = "127.0.0.1:0",
         sink_advertise: str = "",
         policy: PolicyConfig | None = None,
+        reservation_ttl_s: float = 1.0,
         unavailable_wait_s: float = 5.0,
     ) -> None:
         self.topology = topology
         self._limits = model_limits(topology)
+        self._limits_live = self._limits
+        self._limits_version = -1
         self._domain_of = {i.instance_id: i.domain_id for i in topology.instances}
         self._capacity = {i.instance_id: i.kv_capacity_blocks for i in topology.instances}
         self.metrics = metrics
@@ -156,6 +172,7 @@ class LiveCluster:
             rng,
             unavailable_wait_s=unavailable_wait_s,
             on_retry=lambda reason: metrics.retries.labels(reason=reason).inc(),
+            reservation_ttl_s=reservation_ttl_s,
         )
         self._clients: dict[str, LlumletClient] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -165,7 +182,15 @@ class LiveCluster:
 
     @property
     def limits(self) -> Mapping[str, ModelLimits]:
-        return self._limits
+        """The topology's limits, with the sampling features the registered instances advertise (recomputed
+        when the etcd view changed)."""
+        if self._limits_version != self.view.version:
+            features = features_by_model(self.view.instances().values())
+            self._limits_live = {
+                name: replace(lim, sampling_features=features.get(name)) for name, lim in self._limits.items()
+            }
+            self._limits_version = self.view.version
+        return self._limits_live
 
     @property
     def origin(self) -> str:
@@ -206,12 +231,12 @@ class LiveCluster:
     async def start(self, request_id: str, request: GenerationRequest) -> Placement:
         self.sink.open(request_id)
         msg = submit_message(request_id, request, self.origin)
-        placement = await self.router.dispatch(msg, request.demand_blocks)
+        placement = await self.router.dispatch(msg, request.demand_blocks, request.need_blocks)
         self._placed[request_id] = placement.instance_address
         self.sink.dispatched(request_id, placement.instance_id, placement.instance_address)
         return placement
 
-    def updates(self, request_id: str) -> AsyncIterator[TokenUpdate]:
+    def updates(self, request_id: str) -> AsyncGenerator[TokenUpdate, None]:
         return self.sink.updates(request_id)
 
     def _address_of(self, request_id: str) -> str:

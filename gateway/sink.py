@@ -22,11 +22,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from hilum_proto.v1 import token_sink_pb2 as pb
+from llumlet.engine.types import TokenLogprobs
 from llumlet.sink import TokenCollector
 
 __all__ = ["GatewaySink", "Move", "SinkObserver", "TokenUpdate"]
@@ -52,6 +53,7 @@ class TokenUpdate:
     instance_id: str  # the instance that owns the request now ("" before its first push)
     migrations: int  # committed migrations seen so far
     moves: tuple[Move, ...] = ()  # those migrations whose first new token arrived (or that ended the stream)
+    logprobs: tuple[TokenLogprobs, ...] = ()  # aligned with token_ids when the request asked for logprobs
 
 
 class SinkObserver(Protocol):
@@ -119,6 +121,15 @@ class GatewaySink(TokenCollector):
         self.forget(request_id)
         self._progress.pop(request_id, None)
 
+    def fail_all(self, error: str) -> None:
+        """Fail every unfinished request with ``error`` (the gateway is stopping).
+
+        Their :meth:`updates` end with an error update, so each client gets an error event, not a cut stream.
+        """
+        for request_id, prog in self._progress.items():
+            self.fail(request_id, error)
+            prog.wake.set()
+
     def owner_address(self, request_id: str) -> str:
         """The llumlet that runs the request as far as the sink knows ("" before any push)."""
         try:
@@ -126,7 +137,7 @@ class GatewaySink(TokenCollector):
         except KeyError:
             return ""
 
-    async def updates(self, request_id: str, stall_timeout_s: float = 300.0) -> AsyncIterator[TokenUpdate]:
+    async def updates(self, request_id: str, stall_timeout_s: float = 300.0) -> AsyncGenerator[TokenUpdate, None]:
         """New tokens of ``request_id`` as they arrive, then one update with ``done`` set.
 
         A request with no progress for ``stall_timeout_s`` ends with an error update. Raises KeyError for a
@@ -140,6 +151,7 @@ class GatewaySink(TokenCollector):
             snap = self.get(request_id)
             new = snap.token_ids[delivered:]
             if new or snap.done:
+                logprobs = snap.logprobs[delivered : delivered + len(new)]
                 delivered += len(new)
                 last_progress = self._clock()
                 yield TokenUpdate(
@@ -150,6 +162,7 @@ class GatewaySink(TokenCollector):
                     prog.owner_instance_id,
                     prog.migrations,
                     tuple(prog.moves),
+                    logprobs,
                 )
                 if snap.done:
                     return

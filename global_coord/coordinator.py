@@ -18,7 +18,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from clusterstate.backoff import Backoff, BackoffConfig
@@ -38,8 +38,7 @@ from global_coord.approver import (
     MoveJudge,
     MoveProposal,
     PathOf,
-    candidate_destinations,
-    choose_destination,
+    decide,
     link_flows,
 )
 
@@ -301,8 +300,17 @@ class Coordinator:
         )
 
     def current_leader(self) -> Leader | None:
-        """This replica when it leads, else the latest leader observed in etcd."""
-        return self.leading if self.is_leader() else self.observed_leader
+        """This replica when it leads, else the latest leader observed in etcd.
+
+        A leader key that names this replica while it does not lead is the key of a session it lost (see
+        :mod:`clusterstate.election`); it campaigns to take it over, so nobody leads until it does: None.
+        """
+        if self.is_leader():
+            return self.leading
+        seen = self.observed_leader
+        if seen is not None and (seen.leader_id, seen.address) == (self.cfg.coordinator_id, self.cfg.advertise_address):
+            return None
+        return seen
 
     def status(self) -> StatusInfo:
         """A snapshot of this replica's view."""
@@ -323,13 +331,13 @@ class Coordinator:
     def _fence(self) -> tuple[Leader, Fence]:
         leader = self.leading
         if leader is None or not self.is_leader():
-            raise NotLeader(self.cfg.coordinator_id, self.observed_leader)
+            raise NotLeader(self.cfg.coordinator_id, self.current_leader())
         return leader, Fence(self.keys.leader, leader.token)
 
     def _fenced_out(self, exc: FencedOut) -> NotLeader:
         if self._session is not None:
             self._session.abandon(f"fenced out: {exc}")
-        return NotLeader(self.cfg.coordinator_id, self.observed_leader)
+        return NotLeader(self.cfg.coordinator_id, self.current_leader())
 
     # ---- writes (leader only) --------------------------------------------------------------------
     async def propose(self, move: MoveProposal) -> ProposeResult:
@@ -369,10 +377,21 @@ class Coordinator:
                 f"not the proposer's {move.proposer_domain_id}",
                 leader.token,
             )
+        if move.model and src.model != move.model:
+            return self._reject(f"source instance {src.instance_id} serves {src.model}, not {move.model}", leader.token)
         migrations = self.view.migrations()
-        flows = link_flows(r for r, _ in migrations.values())
-        candidates = candidate_destinations(move, src.domain_id, instances, self.view.summaries(), self.view.drains())
-        choice = choose_destination(move, candidates, self.path_of, self.judge, flows)
+        drains = self.view.drains()
+        summaries = [s for record in self.view.summaries().values() for s in record.summaries]
+        choice = decide(
+            replace(move, model=move.model or src.model),
+            src.domain_id,
+            summaries,
+            self.path_of,
+            self.judge,
+            link_flows(r for r, _ in migrations.values()),
+            drained=lambda iid, did: (DrainKind.INSTANCE, iid) in drains or (DrainKind.DOMAIN, did) in drains,
+            registered=instances.keys(),
+        )
         if choice.dst_instance_id is None or choice.path is None:
             return self._reject(choice.judgement.reason, leader.token)
         dst = instances[choice.dst_instance_id]

@@ -15,8 +15,10 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from llumlet.agent import Llumlet, LlumletConfig, MigrationConfig
-from llumlet.backends import BACKEND_NAMES, BackendConfig, UnknownBackendError, make_backend
+import hilum_config
+from llumlet.agent import Llumlet, LlumletConfig
+from llumlet.backends import BACKEND_NAMES, Backend, BackendConfig, UnknownBackendError, make_backend
+from llumlet.migration_types import MigrationConfig
 from llumlet.server import serve
 from topology.load import TopologyError, load_topology
 from topology.spec import Topology
@@ -39,10 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests per batch at most")
     p.add_argument("--seed", type=int, default=0, help="backend seed (torch: model weights)")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE", help="backend option")
-    p.add_argument("--max-stages", type=int, default=4, help="pre-copy stages before the last one")
-    p.add_argument("--stop-remaining-blocks", type=int, default=2, help="last stage at <= this many new blocks")
+    p.add_argument(
+        "--tokenizer", metavar="DIR", help="the model's tokenizer directory (default: the topology model's tokenizer)"
+    )
     p.add_argument("--reservation-expiry-s", type=float, default=5.0, help="release an idle reservation after")
-    p.add_argument("--cap-fraction", type=float, default=0.2, help="grpc transport: share of the path bandwidth")
     p.add_argument("--grpc-rate-cap", type=float, default=0.0, help="grpc transport cap, bytes/s (0 = topology)")
     p.add_argument("--local-rate-cap", type=float, default=0.0, help="local transport cap, bytes/s (0 = none)")
     p.add_argument(
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", default="", help="host:port others reach this llumlet at (default: listen)")
     p.add_argument("--ttl", type=int, default=10, help="etcd lease TTL, seconds")
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    hilum_config.add_argument(p)
     return p
 
 
@@ -81,13 +84,14 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
             max_num_seqs=ns.max_num_seqs,
             seed=ns.seed,
             options=_options(ns.engine_option),
+            tokenizer=ns.tokenizer,
         ),
     )
+    settings = hilum_config.load_config(ns.config)
     migration = MigrationConfig(
-        max_stages=ns.max_stages,
-        stop_remaining_blocks=ns.stop_remaining_blocks,
+        precopy=settings.cost.precopy,  # the cost model's stop rule: a move pauses as long as it was priced to
         reservation_expiry_s=ns.reservation_expiry_s,
-        cap_fraction=ns.cap_fraction,
+        cap_fraction=settings.cost.cap_fraction,
         grpc_rate_cap_bytes_per_s=ns.grpc_rate_cap,
         local_rate_cap_bytes_per_s=ns.local_rate_cap,
     )
@@ -97,13 +101,13 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
         topology=topology,
         rng=random.Random(ns.seed),
     )
-    server, address = await serve(llumlet, ns.listen)
+    server, address = await serve(llumlet, ns.listen, ns.advertise)
     stop = asyncio.Event()
     registration = None
     if ns.etcd:
         if topology is None:
             raise ValueError("--etcd needs --topology (the registration names the node, model and KV capacity)")
-        registration = asyncio.ensure_future(_register(ns, topology, ns.advertise or address, stop))
+        registration = asyncio.ensure_future(_register(ns, topology, backend, address, stop))
     print(f"llumlet {ns.instance_id} serving at {address}", flush=True)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -115,8 +119,14 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
     await llumlet.stop()
 
 
-async def _register(ns: argparse.Namespace, topology: Topology, address: str, stop: asyncio.Event) -> None:
-    """Keep ``<prefix>instances/<id>`` registered under this process's lease until ``stop`` (DESIGN.md, etcd)."""
+async def _register(
+    ns: argparse.Namespace, topology: Topology, backend: Backend, address: str, stop: asyncio.Event
+) -> None:
+    """Keep ``<prefix>instances/<id>`` registered under this process's lease until ``stop`` (DESIGN.md, etcd).
+
+    The record names the engine and the sampling features it honours: the gateway refuses (400) a request
+    that needs one no instance of its model has.
+    """
     from clusterstate.etcd import connect
     from clusterstate.records import InstanceRegistration, encode
     from clusterstate.session import Registrar
@@ -124,7 +134,14 @@ async def _register(ns: argparse.Namespace, topology: Topology, address: str, st
 
     spec = topology.instance(ns.instance_id)
     record = InstanceRegistration(
-        ns.instance_id, spec.domain_id, spec.node_id, address, spec.model, ns.num_blocks or spec.kv_capacity_blocks
+        ns.instance_id,
+        spec.domain_id,
+        spec.node_id,
+        address,
+        spec.model,
+        ns.num_blocks or spec.kv_capacity_blocks,
+        engine=backend.name,
+        sampling_features=tuple(sorted(backend.sampling_features)),
     )
     client = connect([e.strip() for e in ns.etcd.split(",") if e.strip()])
     await client.connect()

@@ -15,14 +15,30 @@ from collections.abc import Mapping
 from typing import Any
 
 from hilum_proto.v1 import llumlet_pb2 as pb
-from llumlet.engine.types import EngineLoad, EngineRequest, MigrationState, RunningRequestLoad, SamplingParams
+from hilum_proto.v1 import token_sink_pb2 as tpb
+from llumlet.engine.types import (
+    EngineLoad,
+    EngineRequest,
+    GuidedDecoding,
+    MigrationState,
+    RunningRequestLoad,
+    SamplingParams,
+    TokenLogprobs,
+)
+from llumlet.migration_types import CommitCall, DestStatus
 
 __all__ = [
     "UnmovableStateError",
+    "commit_from_pb",
+    "commit_to_pb",
     "decode_extra",
+    "dest_status_from_pb",
+    "dest_status_to_pb",
     "encode_extra",
     "load_from_pb",
     "load_to_pb",
+    "logprobs_from_pb",
+    "logprobs_to_pb",
     "request_from_submit",
     "sampling_from_pb",
     "sampling_to_pb",
@@ -93,16 +109,26 @@ def decode_extra(data: bytes) -> dict[str, object]:
 
 
 def sampling_to_pb(params: SamplingParams) -> pb.Sampling:
-    """``SamplingParams`` -> ``hilum.v1.Sampling``."""
+    """``SamplingParams`` -> ``hilum.v1.Sampling`` (every field; "off" values stay unset or 0)."""
     msg = pb.Sampling(
         max_tokens=params.max_tokens,
         temperature=params.temperature,
         top_p=params.top_p,
         ignore_eos=params.ignore_eos,
         stop_token_ids=list(params.stop_token_ids),
+        top_k=params.top_k,
+        min_tokens=params.min_tokens,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.repetition_penalty != 1.0:
+        msg.repetition_penalty = params.repetition_penalty
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    if params.guided is not None:
+        msg.guided.CopyFrom(pb.GuidedDecoding(kind=params.guided.kind, spec=params.guided.spec))
     return msg
 
 
@@ -115,7 +141,32 @@ def sampling_from_pb(msg: pb.Sampling) -> SamplingParams:
         seed=msg.seed if msg.HasField("seed") else None,
         ignore_eos=msg.ignore_eos,
         stop_token_ids=tuple(msg.stop_token_ids),
+        top_k=msg.top_k,
+        min_tokens=msg.min_tokens,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        frequency_penalty=msg.frequency_penalty,
+        presence_penalty=msg.presence_penalty,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        guided=GuidedDecoding(msg.guided.kind, msg.guided.spec) if msg.HasField("guided") else None,
     )
+
+
+def logprobs_to_pb(entry: TokenLogprobs) -> tpb.TokenLogprobs:
+    """``TokenLogprobs`` -> ``hilum.v1.TokenLogprobs``."""
+    return tpb.TokenLogprobs(
+        logprob=entry.logprob,
+        top_token_ids=[t for t, _ in entry.top],
+        top_logprobs=[lp for _, lp in entry.top],
+    )
+
+
+def logprobs_from_pb(msg: tpb.TokenLogprobs) -> TokenLogprobs:
+    """``hilum.v1.TokenLogprobs`` -> ``TokenLogprobs``. Raises ValueError when the two top lists differ in length."""
+    if len(msg.top_token_ids) != len(msg.top_logprobs):
+        raise ValueError(
+            f"TokenLogprobs: {len(msg.top_token_ids)} top_token_ids but {len(msg.top_logprobs)} top_logprobs"
+        )
+    return TokenLogprobs(msg.logprob, tuple(zip(msg.top_token_ids, msg.top_logprobs, strict=True)))
 
 
 def request_from_submit(msg: pb.SubmitRequest, arrival_s: float) -> EngineRequest:
@@ -171,6 +222,10 @@ def load_to_pb(load: EngineLoad, instance_id: str, domain_id: str) -> pb.LoadRep
                 priority=r.priority,
                 num_tokens=r.num_tokens,
                 in_decode=r.in_decode,
+                output_tokens=r.output_tokens,
+                max_tokens=r.max_tokens,
+                max_blocks=r.max_blocks,
+                unmigratable_reason=r.unmigratable_reason,
             )
             for r in load.running
         ],
@@ -192,7 +247,18 @@ def load_from_pb(msg: pb.LoadReport) -> EngineLoad:
         reserved_blocks=msg.reserved_blocks,
         cached_blocks=msg.cached_blocks,
         running=tuple(
-            RunningRequestLoad(r.request_id, r.blocks, r.priority, r.num_tokens, r.in_decode) for r in msg.running
+            RunningRequestLoad(
+                r.request_id,
+                r.blocks,
+                r.priority,
+                r.num_tokens,
+                r.in_decode,
+                r.output_tokens,
+                r.max_tokens,
+                r.max_blocks,
+                r.unmigratable_reason,
+            )
+            for r in msg.running
         ),
         num_waiting=msg.num_waiting,
         head_demand_blocks=msg.head_demand_blocks,
@@ -243,4 +309,50 @@ def state_from_pb(msg: pb.SuspendedRequest) -> MigrationState:
         output_token_ids=tuple(msg.output_token_ids),
         sampling_params=sampling_from_pb(msg.sampling) if msg.has_sampling else None,
         extra=decode_extra(msg.extra),
+    )
+
+
+_DEST_TO_PB = {
+    DestStatus.OK: pb.DEST_OK,
+    DestStatus.STALE: pb.DEST_STALE,
+    DestStatus.REFUSED: pb.DEST_REFUSED,
+    DestStatus.NO_ROOM: pb.DEST_NO_ROOM,
+    DestStatus.FAILED: pb.DEST_FAILED,
+}
+_DEST_FROM_PB = {v: k for k, v in _DEST_TO_PB.items()}
+
+
+def dest_status_to_pb(status: DestStatus) -> pb.DestStatus.ValueType:
+    """:class:`DestStatus` -> ``hilum.v1.DestStatus``."""
+    return _DEST_TO_PB[status]
+
+
+def dest_status_from_pb(value: pb.DestStatus.ValueType) -> DestStatus:
+    """``hilum.v1.DestStatus`` -> :class:`DestStatus`; an unknown value (a newer peer) reads as FAILED."""
+    return _DEST_FROM_PB.get(value, DestStatus.FAILED)
+
+
+def commit_to_pb(call: CommitCall) -> pb.CommitRequest:
+    """:class:`CommitCall` -> ``hilum.v1.CommitRequest``. Raises :class:`UnmovableStateError` (``extra``)."""
+    return pb.CommitRequest(
+        request_id=call.request_id,
+        attempt=call.attempt,
+        state=state_to_pb(call.state),
+        origin=call.origin,
+        next_seq=call.next_seq,
+        epoch=call.epoch,
+        src_instance_id=call.src_instance_id,
+    )
+
+
+def commit_from_pb(msg: pb.CommitRequest) -> CommitCall:
+    """``hilum.v1.CommitRequest`` -> :class:`CommitCall`. Raises ValueError on a malformed state."""
+    return CommitCall(
+        request_id=msg.request_id,
+        attempt=msg.attempt,
+        state=state_from_pb(msg.state),
+        origin=msg.origin,
+        next_seq=msg.next_seq,
+        epoch=msg.epoch,
+        src_instance_id=msg.src_instance_id,
     )

@@ -24,6 +24,8 @@ from hilum_proto.tls import add_port, new_server, open_channel
 from hilum_proto.v1 import llumlet_pb2, llumlet_pb2_grpc
 from hilum_proto.v1 import token_sink_pb2 as pb
 from hilum_proto.v1 import token_sink_pb2_grpc as pb_grpc
+from llumlet.convert import logprobs_from_pb
+from llumlet.engine.types import TokenLogprobs
 
 __all__ = ["CollectedStream", "TokenCollector"]
 
@@ -45,6 +47,7 @@ class CollectedStream:
     duplicates: int  # tokens received again (same seq), dropped
     conflicts: int  # of those, with a different id than the first copy (must stay 0)
     pushes: int  # pushes received
+    logprobs: tuple[TokenLogprobs, ...] = ()  # aligned with token_ids when the request asked for logprobs, else ()
 
 
 class _Stream:
@@ -52,6 +55,8 @@ class _Stream:
         self.request_id = request_id
         self.ordered: list[int] = []
         self.pending: dict[int, int] = {}
+        self.logprobs: list[TokenLogprobs] = []  # aligned with ordered (requests that ask for logprobs)
+        self.pending_logprobs: dict[int, TokenLogprobs] = {}
         self.final_len: int | None = None
         self.finish_reason = ""
         self.error = ""
@@ -74,9 +79,11 @@ class _Stream:
             self.duplicates,
             self.conflicts,
             self.pushes,
+            tuple(self.logprobs),
         )
 
-    def add(self, first_seq: int, token_ids: list[int]) -> None:
+    def add(self, first_seq: int, token_ids: list[int], logprobs: list[TokenLogprobs]) -> None:
+        """Hold tokens ``first_seq ...`` (and their logprobs, when given: one per token)."""
         for i, token in enumerate(token_ids):
             seq = first_seq + i
             if self.final_len is not None and seq >= self.final_len:
@@ -87,8 +94,14 @@ class _Stream:
                 self.conflicts += held != token
             else:
                 self.pending[seq] = token
+                if i < len(logprobs):
+                    self.pending_logprobs[seq] = logprobs[i]
         while len(self.ordered) in self.pending:
-            self.ordered.append(self.pending.pop(len(self.ordered)))
+            seq = len(self.ordered)
+            self.ordered.append(self.pending.pop(seq))
+            entry = self.pending_logprobs.pop(seq, None)
+            if entry is not None and len(self.logprobs) == seq:
+                self.logprobs.append(entry)
 
     def fail(self, error: str) -> None:
         if not self.done.is_set():
@@ -197,16 +210,16 @@ class TokenCollector:
         reason = "stream ended"
         async with open_channel(address) as channel:
             stub = llumlet_pb2_grpc.LlumletStub(channel)
-            instance_id = address
+            who = f"the llumlet at {address}"  # until its first load report names its instance
             try:
                 call = stub.WatchLoad(llumlet_pb2.WatchLoadRequest(min_interval_s=1.0), wait_for_ready=True)
                 async for report in call:
-                    instance_id = report.instance_id
+                    who = f"instance {report.instance_id} at {address}"
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
         for stream in self._streams.values():
             if stream.owner_address == address and not stream.done.is_set():
-                stream.fail(f"instance {instance_id} at {address} stopped ({reason}): request {stream.request_id} lost")
+                stream.fail(f"{who} stopped ({reason}): request {stream.request_id} lost")
         self._watches.pop(address, None)
 
     # ---- the service --------------------------------------------------------------------------
@@ -222,11 +235,17 @@ class TokenCollector:
             stream.owner_address = msg.sender_address
         if stream.done.is_set() and stream.error:
             return pb.TokenAck(request_id=msg.request_id, next_seq=len(stream.ordered), unknown=True)
-        stream.add(msg.first_seq, list(msg.token_ids))
+        try:
+            logprobs = [logprobs_from_pb(e) for e in msg.logprobs]
+        except ValueError as exc:
+            stream.fail(f"request {msg.request_id}: malformed logprobs from {msg.sender_instance_id}: {exc}")
+            return pb.TokenAck(request_id=msg.request_id, next_seq=len(stream.ordered), unknown=True)
+        stream.add(msg.first_seq, list(msg.token_ids), logprobs)
         if msg.finished and stream.final_len is None:
             stream.final_len = msg.first_seq + len(msg.token_ids)
             stream.finish_reason, stream.error = msg.finish_reason, msg.error
             del stream.ordered[stream.final_len :]
+            del stream.logprobs[stream.final_len :]
         if stream.final_len is not None and len(stream.ordered) >= stream.final_len:
             stream.done.set()
         return pb.TokenAck(request_id=msg.request_id, next_seq=len(stream.ordered))

@@ -26,6 +26,8 @@ import grpc
 from hilum_proto.tls import open_channel
 from hilum_proto.v1 import token_sink_pb2 as pb
 from hilum_proto.v1 import token_sink_pb2_grpc as pb_grpc
+from llumlet.convert import logprobs_to_pb
+from llumlet.engine.types import TokenLogprobs
 
 __all__ = ["PushOutcome", "TokenChunkOut", "TokenPusher"]
 
@@ -53,6 +55,7 @@ class TokenChunkOut:
     finish_reason: str = ""  # "length" | "stop" | "abort" | "error"
     error: str = ""
     merged: int = field(default=1)  # queued chunks this one stands for
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token when the request asked, else []
 
     @property
     def end_seq(self) -> int:
@@ -78,6 +81,7 @@ def _merge(batch: list[TokenChunkOut]) -> dict[str, list[TokenChunkOut]]:
         last = runs[-1] if runs else None
         if last is not None and not last.finished and last.end_seq == chunk.first_seq and last.epoch == chunk.epoch:
             last.token_ids.extend(chunk.token_ids)
+            last.logprobs.extend(chunk.logprobs)
             last.finished, last.finish_reason, last.error = chunk.finished, chunk.finish_reason, chunk.error
             last.merged += chunk.merged
         else:
@@ -91,6 +95,7 @@ def _merge(batch: list[TokenChunkOut]) -> dict[str, list[TokenChunkOut]]:
                     chunk.finish_reason,
                     chunk.error,
                     chunk.merged,
+                    list(chunk.logprobs),
                 )
             )
     return out
@@ -208,6 +213,7 @@ class TokenPusher:
             epoch=chunk.epoch,
             sender_instance_id=self.instance_id,
             sender_address=self.address,
+            logprobs=[logprobs_to_pb(e) for e in chunk.logprobs],
         )
         error = ""
         for attempt in range(self._retries + 1):

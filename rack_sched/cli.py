@@ -19,18 +19,20 @@ import signal
 import sys
 from collections.abc import Sequence
 
+import hilum_config
 from clusterstate.etcd import Etcd3Client, connect, kv_of
 from clusterstate.records import DomainRegistration, InstanceRegistration, RecordError, decode
 from clusterstate.store import Keys
-from hilum_proto.tls import bind_server
-from policy.types import PolicyConfig
-from rack_sched.core import DomainScheduler
+from hilum_proto.tls import advertised_address, bind_server
+from rack_sched.scheduler import DomainScheduler
 from rack_sched.server import start_server
 from rack_sched.types import RackConfig
 from topology.load import TopologyError, load_topology
 from topology.spec import Topology
 
 __all__ = ["build_parser", "config_from_args", "main", "static_instances"]
+
+_log = logging.getLogger("rack_sched")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,9 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", default="/hilum/v1/", help="etcd key prefix")
     p.add_argument("--advertise", metavar="HOST:PORT", help="address others reach this scheduler at")
     p.add_argument("--ttl", type=int, default=10, help="lease TTL of the registration and summary, seconds")
-    p.add_argument("--rebalance-interval", type=float, default=0.05, help="rescheduling period, seconds")
-    p.add_argument("--summary-interval", type=float, default=0.25, help="least time between summary puts, seconds")
-    p.add_argument("--cross-interval", type=float, default=0.5, help="cross-domain round period, seconds")
+    hilum_config.add_argument(p)
     p.add_argument("--ready-timeout", type=float, default=5.0, help="wait for each llumlet's first load, seconds")
     p.add_argument(
         "--instance",
@@ -85,12 +85,14 @@ def static_instances(items: Sequence[str], topology: Topology, domain_id: str) -
 
 
 def config_from_args(ns: argparse.Namespace, topology: Topology, advertise: str) -> RackConfig:
-    """The :class:`RackConfig` of parsed arguments.
+    """The :class:`RackConfig` of parsed arguments and the configuration file (``--config``).
 
     Raises:
         KeyError: when the topology has no domain ``--domain-id``.
         ValueError: when the domain's instances use different KV block sizes, or on a bad ``--instance``.
+        hilum_config.ConfigError: an invalid configuration file (a ValueError).
     """
+    settings = hilum_config.load_config(ns.config)
     domain = topology.domain(ns.domain_id)
     sizes = {topology.model_of(i.instance_id).block_size_tokens for i in domain.instances}
     if len(sizes) != 1:
@@ -102,44 +104,54 @@ def config_from_args(ns: argparse.Namespace, topology: Topology, advertise: str)
         block_size_tokens=sizes.pop(),
         prefix=ns.prefix,
         ttl_s=ns.ttl,
-        policy=PolicyConfig(),
-        rebalance_interval_s=ns.rebalance_interval,
-        summary_interval_s=ns.summary_interval,
-        cross_interval_s=ns.cross_interval,
+        decide=settings.domain,
+        rebalance_interval_s=settings.intervals.rebalance_interval_s,
+        summary_interval_s=settings.intervals.summary_interval_s,
+        cross_interval_s=settings.intervals.cross_interval_s,
         ready_timeout_s=ns.ready_timeout,
         coordinator_address=ns.coordinator,
     )
 
 
-async def _refuse_a_second_scheduler(client: Etcd3Client, key: str, domain_id: str, wait_s: float) -> None:
+async def _refuse_a_second_scheduler(
+    client: Etcd3Client, key: str, domain_id: str, own_address: str, wait_s: float
+) -> None:
     """One domain scheduler per domain: a live registration (bound to its scheduler's lease) means another one
     runs; taking over its key would hide it, and stopping this one would then unregister the domain.
 
-    A crashed scheduler's registration disappears with its lease, so this waits up to ``wait_s`` for the key to
-    go (a restart right after a crash), then raises RuntimeError naming the scheduler that still holds it.
+    A registration at ``own_address`` is the previous run of this very scheduler (two live processes cannot
+    share an address): it is taken over at once. Any other crashed scheduler's registration disappears with
+    its lease, so this waits up to ``wait_s`` for the key to go, then raises RuntimeError naming the scheduler
+    that still holds it.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
-    while (reply := await kv_of(client).get(key)).kvs and loop.time() < deadline:
-        await asyncio.sleep(0.5)
-    if reply.kvs:
+    while True:
+        reply = await kv_of(client).get(key)
+        if not reply.kvs:
+            return
         try:
             address = decode(DomainRegistration, bytes(reply.kvs[0].value), key).address
         except RecordError:
             address = "?"
-        raise RuntimeError(
-            f"domain {domain_id} already has a live domain scheduler at {address}; stop it first "
-            "(a crashed one's registration expires with its lease TTL)"
-        )
+        if address == own_address:
+            _log.info("domain %s: taking over the registration of this scheduler's previous run", domain_id)
+            return
+        if loop.time() >= deadline:
+            raise RuntimeError(
+                f"domain {domain_id} already has a live domain scheduler at {address}; stop it first "
+                "(a crashed one's registration expires with its lease TTL)"
+            )
+        await asyncio.sleep(0.5)
 
 
 async def _serve(ns: argparse.Namespace, topology: Topology) -> None:
     server, port = bind_server(ns.listen)
-    host = ns.listen.rpartition(":")[0]
-    cfg = config_from_args(ns, topology, ns.advertise or f"{host}:{port}")
+    cfg = config_from_args(ns, topology, advertised_address(ns.listen, port, ns.advertise))
     client = connect([e.strip() for e in ns.etcd.split(",") if e.strip()])
     await client.connect()
-    await _refuse_a_second_scheduler(client, Keys(ns.prefix).domain(ns.domain_id), ns.domain_id, 1.5 * ns.ttl + 1)
+    key = Keys(ns.prefix).domain(ns.domain_id)
+    await _refuse_a_second_scheduler(client, key, ns.domain_id, cfg.advertise_address, 1.5 * ns.ttl + 1)
     ids = [i.instance_id for i in topology.domain(ns.domain_id).instances]
     scheduler = DomainScheduler(cfg, client, rng=random.Random(ns.seed), topology_instance_ids=ids)
     stop = asyncio.Event()

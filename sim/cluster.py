@@ -221,6 +221,7 @@ class Cluster:
         self.requests: Mapping[str, RequestState] = _SyncedRequests(self._accounts, self)
         self.engine_steps = 0
         self.on_finished: list[Callable[[str], None]] = []
+        self._finished_lengths: dict[str, list[int]] = {}  # instance -> output lengths finished, not yet reported
         inactive_ids = set(inactive)
         self.instances: dict[str, SimInstance] = {}
         for spec in topology.instances:
@@ -278,22 +279,32 @@ class Cluster:
         return version
 
     def load(self, inst: SimInstance) -> InstanceLoad:
-        """The instance's load report, as its llumlet would push it (policy's InstanceLoad); rebuilt only
-        when :meth:`load_version` moved."""
+        """The instance's load report, as its llumlet would push it (policy's InstanceLoad), with its most
+        recent step time; rebuilt only when :meth:`load_version` moved (a new step is a new version)."""
         version = self.load_version(inst)
         if inst._load is None or inst._load_version != version:
             draining, warming_up = inst._flags
             ahead = 0
+            step_s = inst._last_step_s
             flight = inst._run
             if flight is not None:
                 started = self._started_steps(flight)
                 if started < flight.run.steps:  # computed from the run, not applied: the engine need not move
                     ahead = started - flight.run.applied
+                    step_s = flight.run.durations_s[started - 1]
                 else:
                     self._sync(inst)  # the last step (requests finish in it): apply it
-            inst._load = inst._engine.instance_load(inst.instance_id, inst.domain_id, draining, warming_up, ahead)
+                    step_s = inst._last_step_s
+            inst._load = inst._engine.instance_load(
+                inst.instance_id, inst.domain_id, draining, warming_up, step_s, steps_ahead=ahead
+            )
             inst._load_version = version
         return inst._load
+
+    def take_finished(self, instance_id: str) -> list[int]:
+        """Output lengths of the requests that finished on ``instance_id`` since the last call (what its
+        llumlet's next load report would carry)."""
+        return self._finished_lengths.pop(instance_id, [])
 
     # ------------------------------------------------------------------ requests
     def admit(self, req: TraceRequest) -> RequestState:
@@ -494,6 +505,7 @@ class Cluster:
     def _finish(self, request_id: str, now: float) -> None:
         state = self._accounts[request_id]
         state.finish_s = now
+        self._finished_lengths.setdefault(state.instance_id, []).append(state.generated_tokens)
         for listener in self.on_finished:
             listener(request_id)
         self._retire(state)

@@ -1,4 +1,5 @@
-"""Fixtures shared by the test packages: a real etcd on loopback (see ``etcd_server.py``) and one local Ray."""
+"""Fixtures shared by the test packages: a real etcd on loopback (see ``etcd_server.py``), one local Ray, and a
+real Hugging Face tokenizer trained locally (``bpe_tokenizer.py``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from bpe_tokenizer import build_tokenizer
 from etcd_server import EtcdServer
 
 
@@ -54,3 +56,10 @@ def ray_session() -> Iterator[None]:
             os.environ.pop("RAY_AUTH_MODE", None)
         else:
             os.environ["RAY_AUTH_MODE"] = saved
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small byte-level BPE saved as a Hugging Face tokenizer directory with a chat template (no download)."""
+    pytest.importorskip("transformers")
+    return build_tokenizer(tmp_path_factory.mktemp("bpe-tokenizer"))

@@ -89,6 +89,7 @@ def topology_summary(topo: Topology, graph: TopologyGraph | None = None) -> dict
             "kv_bytes_per_block": m.kv_bytes_per_block,
             "weight_bytes": m.weight_bytes,
             "max_context_tokens": m.max_context_tokens,
+            "tokenizer": m.tokenizer,
         }
         for m in topo.models.values()
     }

@@ -39,6 +39,7 @@ __all__ = [
     "bundled_path",
     "load_topology",
     "parse_topology",
+    "tokenizer_errors",
 ]
 
 #: Folder of the example topologies shipped with the package.
@@ -94,6 +95,7 @@ class _ModelSchema(_Schema):
     block_size_tokens: _PosInt = 16
     num_params: _PosInt
     max_context_tokens: _PosInt
+    tokenizer: Annotated[str, Field(min_length=1)] | None = None
 
 
 class _GpuSchema(_Schema):
@@ -229,9 +231,10 @@ def _check_unique(col: _Collector, what: str, seen: dict[str, str], key: str, pa
 # ---------------------------------------------------------------------------------------------- loading
 
 
-def parse_topology(data: Any, source: str) -> Topology:
+def parse_topology(data: Any, source: str, *, base_dir: Path | None = None) -> Topology:
     """Check ``data`` (a parsed YAML document) and build the :class:`Topology`; ``source`` names it in errors.
 
+    ``base_dir``: the file's folder; relative paths in the file (``models[].tokenizer``) are taken from it.
     Raises :class:`TopologyError` listing every problem found.
     """
     col = _Collector(source)
@@ -249,7 +252,7 @@ def parse_topology(data: Any, source: str) -> Topology:
             domains=_as_list(data.get("domains")),
             fabric=data.get("fabric"),
         )
-    models = _parse_models(col, root.models)
+    models = _parse_models(col, root.models, base_dir)
     gpu_types = _parse_gpu_types(col, root.gpu_types)
     declared_models = _raw_names(root.models, "name")
     declared_gpus = _raw_names(root.gpu_types, "name")
@@ -271,7 +274,7 @@ def _as_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list) else []
 
 
-def _parse_models(col: _Collector, items: Sequence[Any]) -> dict[str, ModelSpec]:
+def _parse_models(col: _Collector, items: Sequence[Any], base_dir: Path | None) -> dict[str, ModelSpec]:
     out: dict[str, ModelSpec] = {}
     seen: dict[str, str] = {}
     for i, item in enumerate(items):
@@ -295,9 +298,41 @@ def _parse_models(col: _Collector, items: Sequence[Any]) -> dict[str, ModelSpec]
             block_size_tokens=m.block_size_tokens,
             num_params=m.num_params,
             max_context_tokens=m.max_context_tokens,
+            tokenizer=_resolve(m.tokenizer, base_dir),
         )
     assert set(DTYPE_BYTES) >= {m.dtype for m in out.values()}
     return out
+
+
+def _resolve(path: str | None, base_dir: Path | None) -> str | None:
+    """A path of the file: ``~`` expanded, relative ones taken from the file's folder (when known)."""
+    if path is None:
+        return None
+    p = Path(path).expanduser()
+    if not p.is_absolute() and base_dir is not None:
+        p = base_dir / p
+    return str(p)
+
+
+def tokenizer_errors(topology: Topology, models: Sequence[str] | None = None) -> list[str]:
+    """Every ``models[].tokenizer`` of ``models`` (default: all) that is not a directory on this machine, as
+    ``"<file>: models[i].tokenizer: <path> does not exist"``; empty when all are there.
+
+    The loader does not check this (the coordinator and the simulator never read a tokenizer, and need not
+    run where it is): the processes that load one — the gateway and the llumlets — call this at start.
+    """
+    errors = []
+    for i, (name, model) in enumerate(topology.models.items()):
+        if model.tokenizer is None or (models is not None and name not in models):
+            continue
+        where = Path(model.tokenizer)
+        if not where.is_dir():
+            what = "is not a directory" if where.exists() else "does not exist"
+            errors.append(
+                f"{topology.source}: models[{i}].tokenizer: {model.tokenizer} {what} "
+                f"(model {name}: need the directory of its Hugging Face tokenizer)"
+            )
+    return errors
 
 
 def _parse_gpu_types(col: _Collector, items: Sequence[Any]) -> dict[str, GpuType]:
@@ -633,4 +668,4 @@ def load_topology(path_or_name: str | Path) -> Topology:
         raise TopologyError([f"{shown}: {where}: YAML syntax error: {problem}"]) from exc
     except yaml.YAMLError as exc:
         raise TopologyError([f"{shown}: (file): YAML syntax error: {exc}"]) from exc
-    return parse_topology(data, shown)
+    return parse_topology(data, shown, base_dir=path.resolve().parent)

@@ -39,7 +39,9 @@ class ModelSpec:
     Attributes: ``num_layers`` transformer layers; ``num_attention_heads`` query heads; ``num_kv_heads``
     key/value heads (fewer than query heads under GQA); ``head_dim`` elements per head; ``hidden_size`` model
     width; ``dtype`` one of :data:`DTYPE_BYTES` (weights and KV cache); ``block_size_tokens`` tokens per KV
-    cache block (paged attention); ``num_params`` parameter count; ``max_context_tokens`` longest sequence.
+    cache block (paged attention); ``num_params`` parameter count; ``max_context_tokens`` longest sequence;
+    ``tokenizer`` the directory of the model's Hugging Face tokenizer (absolute, or as the file gave it when
+    parsed without a file), None when the file names none (the gateway then uses its byte stand-in).
     """
 
     name: str
@@ -52,6 +54,7 @@ class ModelSpec:
     block_size_tokens: int
     num_params: int
     max_context_tokens: int
+    tokenizer: str | None = None
 
     @property
     def dtype_bytes(self) -> int:

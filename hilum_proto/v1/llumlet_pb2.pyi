@@ -176,7 +176,10 @@ Global___LlumletPingReply: _TypeAlias = LlumletPingReply  # noqa: Y015
 
 @_typing.final
 class Sampling(_message.Message):
-    """Sampling settings (llumlet.engine.types.SamplingParams)."""
+    """Sampling settings (llumlet.engine.types.SamplingParams; meanings are vLLM's). An engine refuses a request
+    that sets an optional one it does not honour (llumlet.engine.types.SamplingFeature), never drops it.
+    Stop strings and n > 1 are the gateway's (docs/gateway.md): they never reach an engine.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -186,6 +189,13 @@ class Sampling(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    GUIDED_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """output tokens at most, >= 1"""
     temperature: _builtins.float
@@ -195,8 +205,24 @@ class Sampling(_message.Message):
     seed: _builtins.int
     """per-request sampling seed"""
     ignore_eos: _builtins.bool
+    top_k: _builtins.int
+    """0 = all tokens"""
+    min_tokens: _builtins.int
+    """output tokens before EOS / a stop token may end the request"""
+    repetition_penalty: _builtins.float
+    """> 0; unset = 1 (off)"""
+    frequency_penalty: _builtins.float
+    """[-2, 2]; 0 = off"""
+    presence_penalty: _builtins.float
+    """[-2, 2]; 0 = off"""
+    logprobs: _builtins.int
+    """unset: none; k: the produced token's logprob and the k best"""
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def guided(self) -> Global___GuidedDecoding:
+        """structured output; unset = free text"""
+
     def __init__(
         self,
         *,
@@ -206,16 +232,58 @@ class Sampling(_message.Message):
         seed: _builtins.int | None = ...,
         ignore_eos: _builtins.bool = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        top_k: _builtins.int = ...,
+        min_tokens: _builtins.int = ...,
+        repetition_penalty: _builtins.float | None = ...,
+        frequency_penalty: _builtins.float = ...,
+        presence_penalty: _builtins.float = ...,
+        logprobs: _builtins.int | None = ...,
+        guided: Global___GuidedDecoding | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "guided", b"guided", "logprobs", b"logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "guided", b"guided", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
+    _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
 
 Global___Sampling: _TypeAlias = Sampling  # noqa: Y015
+
+@_typing.final
+class GuidedDecoding(_message.Message):
+    """A structured-output constraint (llumlet.engine.types.GuidedDecoding)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    SPEC_FIELD_NUMBER: _builtins.int
+    kind: _builtins.str
+    """"json_schema" | "json_object" | "regex" | "choice" | "grammar" """
+    spec: _builtins.str
+    """the schema / regex / JSON list of choices / grammar ("" for json_object)"""
+    def __init__(
+        self,
+        *,
+        kind: _builtins.str = ...,
+        spec: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "spec", b"spec"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GuidedDecoding: _TypeAlias = GuidedDecoding  # noqa: Y015
 
 @_typing.final
 class SubmitRequest(_message.Message):
@@ -229,6 +297,8 @@ class SubmitRequest(_message.Message):
     ORIGIN_FIELD_NUMBER: _builtins.int
     PREFIX_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     PREFIX_HASH_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    ONLY_IF_ROOM_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     prompt_tokens: _builtins.int
     """prompt length; may be 0 when prompt_token_ids is given"""
@@ -237,6 +307,10 @@ class SubmitRequest(_message.Message):
     origin: _builtins.str
     """host:port of the TokenSink that receives the tokens"""
     prefix_hash_block_tokens: _builtins.int
+    model: _builtins.str
+    """the model it is for: only instances serving it take it ("" = the one served)"""
+    only_if_room: _builtins.bool
+    """domain scheduler: answer DISPATCH_FULL rather than queue it when no"""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """real engines need them; the sim engine needs only the length"""
@@ -256,10 +330,12 @@ class SubmitRequest(_message.Message):
         origin: _builtins.str = ...,
         prefix_block_hashes: _abc.Iterable[_builtins.int] | None = ...,
         prefix_hash_block_tokens: _builtins.int = ...,
+        model: _builtins.str = ...,
+        only_if_room: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["origin", b"origin", "prefix_block_hashes", b"prefix_block_hashes", "prefix_hash_block_tokens", b"prefix_hash_block_tokens", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "only_if_room", b"only_if_room", "origin", b"origin", "prefix_block_hashes", b"prefix_block_hashes", "prefix_hash_block_tokens", b"prefix_hash_block_tokens", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -375,6 +451,10 @@ class RunningRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     IN_DECODE_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_BLOCKS_FIELD_NUMBER: _builtins.int
+    UNMIGRATABLE_REASON_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     blocks: _builtins.int
     """KV blocks held"""
@@ -383,6 +463,14 @@ class RunningRequest(_message.Message):
     """prompt + output so far"""
     in_decode: _builtins.bool
     """prefill done (migratable)"""
+    output_tokens: _builtins.int
+    """output tokens so far"""
+    max_tokens: _builtins.int
+    """its output limit; 0 = not known"""
+    max_blocks: _builtins.int
+    """KV blocks it may grow to (prompt + max_tokens - 1 tokens); 0 = not known"""
+    unmigratable_reason: _builtins.str
+    """why the engine cannot move it faithfully; "" = it can (in decode)"""
     def __init__(
         self,
         *,
@@ -391,10 +479,14 @@ class RunningRequest(_message.Message):
         priority: _builtins.int = ...,
         num_tokens: _builtins.int = ...,
         in_decode: _builtins.bool = ...,
+        output_tokens: _builtins.int = ...,
+        max_tokens: _builtins.int = ...,
+        max_blocks: _builtins.int = ...,
+        unmigratable_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "in_decode", b"in_decode", "num_tokens", b"num_tokens", "priority", b"priority", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "in_decode", b"in_decode", "max_blocks", b"max_blocks", "max_tokens", b"max_tokens", "num_tokens", b"num_tokens", "output_tokens", b"output_tokens", "priority", b"priority", "request_id", b"request_id", "unmigratable_reason", b"unmigratable_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -422,6 +514,8 @@ class LoadReport(_message.Message):
     NUM_RESERVATIONS_FIELD_NUMBER: _builtins.int
     NUM_MIGRATIONS_OUT_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    RECENT_STEP_S_FIELD_NUMBER: _builtins.int
+    FINISHED_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     domain_id: _builtins.str
     total_blocks: _builtins.int
@@ -442,8 +536,14 @@ class LoadReport(_message.Message):
     """outgoing migrations in flight"""
     version: _builtins.int
     """grows with every change"""
+    recent_step_s: _builtins.float
+    """duration of the most recent engine step, seconds (0 = none yet)"""
     @_builtins.property
     def running(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunningRequest]: ...
+    @_builtins.property
+    def finished_output_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """WatchLoad: output lengths of requests that finished since"""
+
     def __init__(
         self,
         *,
@@ -463,10 +563,12 @@ class LoadReport(_message.Message):
         num_reservations: _builtins.int = ...,
         num_migrations_out: _builtins.int = ...,
         version: _builtins.int = ...,
+        recent_step_s: _builtins.float = ...,
+        finished_output_tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "domain_id", b"domain_id", "head_demand_blocks", b"head_demand_blocks", "instance_id", b"instance_id", "num_migrations_out", b"num_migrations_out", "num_requests", b"num_requests", "num_reservations", b"num_reservations", "num_suspended", b"num_suspended", "num_waiting", b"num_waiting", "preempting", b"preempting", "queued_demand_blocks", b"queued_demand_blocks", "reserved_blocks", b"reserved_blocks", "running", b"running", "total_blocks", b"total_blocks", "used_blocks", b"used_blocks", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "domain_id", b"domain_id", "finished_output_tokens", b"finished_output_tokens", "head_demand_blocks", b"head_demand_blocks", "instance_id", b"instance_id", "num_migrations_out", b"num_migrations_out", "num_requests", b"num_requests", "num_reservations", b"num_reservations", "num_suspended", b"num_suspended", "num_waiting", b"num_waiting", "preempting", b"preempting", "queued_demand_blocks", b"queued_demand_blocks", "recent_step_s", b"recent_step_s", "reserved_blocks", b"reserved_blocks", "running", b"running", "total_blocks", b"total_blocks", "used_blocks", b"used_blocks", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -38,6 +38,7 @@ class TokenChunk(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     SENDER_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     SENDER_ADDRESS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_seq: _builtins.int
     """seq of token_ids[0] in the output, from 0"""
@@ -56,6 +57,10 @@ class TokenChunk(_message.Message):
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """may be empty (a final or an ownership-only push)"""
 
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprobs]:
+        """one per token_ids entry when the request asked for logprobs, else none"""
+
     def __init__(
         self,
         *,
@@ -68,14 +73,51 @@ class TokenChunk(_message.Message):
         epoch: _builtins.int = ...,
         sender_instance_id: _builtins.str = ...,
         sender_address: _builtins.str = ...,
+        logprobs: _abc.Iterable[Global___TokenLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "error", b"error", "finish_reason", b"finish_reason", "finished", b"finished", "first_seq", b"first_seq", "request_id", b"request_id", "sender_address", b"sender_address", "sender_instance_id", b"sender_instance_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "error", b"error", "finish_reason", b"finish_reason", "finished", b"finished", "first_seq", b"first_seq", "logprobs", b"logprobs", "request_id", b"request_id", "sender_address", b"sender_address", "sender_instance_id", b"sender_instance_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TokenChunk: _TypeAlias = TokenChunk  # noqa: Y015
+
+@_typing.final
+class TokenLogprobs(_message.Message):
+    """Log probabilities at one output position (llumlet.engine.types.TokenLogprobs): natural logs of the model's
+    distribution before temperature, penalties, top-k / top-p.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    logprob: _builtins.float
+    """of the produced token"""
+    @_builtins.property
+    def top_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the k most probable tokens, most probable first"""
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """their logprobs, aligned with top_token_ids"""
+
+    def __init__(
+        self,
+        *,
+        logprob: _builtins.float = ...,
+        top_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprobs: _TypeAlias = TokenLogprobs  # noqa: Y015
 
 @_typing.final
 class TokenAck(_message.Message):

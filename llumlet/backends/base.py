@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from llumlet.engine.protocol import Engine
-from llumlet.engine.types import StepResult
+from llumlet.engine.types import SamplingFeature, SamplingParams, StepResult
+from topology.load import tokenizer_errors
 from topology.spec import Topology
 
 __all__ = ["BACKEND_NAMES", "Backend", "BackendConfig", "UnknownBackendError", "make_backend"]
@@ -25,7 +26,8 @@ class BackendConfig:
 
     With a ``topology`` the instance's spec gives the model, GPU type, tensor-parallel degree and KV capacity
     (the sim backend's latency model and sizes); ``num_blocks`` / ``block_size_tokens`` override them.
-    ``options`` are backend-specific ``key=value`` settings (the CLI's ``--engine-option``).
+    ``options`` are backend-specific ``key=value`` settings (the CLI's ``--engine-option``). ``tokenizer``
+    (the CLI's ``--tokenizer``) overrides where the model's tokenizer is (the topology's ``models[].tokenizer``).
     """
 
     instance_id: str
@@ -38,6 +40,23 @@ class BackendConfig:
     max_num_batched_tokens: int = 8192  # tokens per step at most
     seed: int = 0  # backend randomness (torch: model weights)
     options: Mapping[str, str] = field(default_factory=dict)
+    tokenizer: str | None = None  # the model's tokenizer directory; None = the topology model's ``tokenizer``
+
+    def tokenizer_path(self) -> str | None:
+        """``tokenizer``, else the topology model's ``tokenizer`` (None when neither names one).
+
+        Raises ValueError naming the topology key (``<file>: models[i].tokenizer: ...``) when the topology's
+        directory is not there.
+        """
+        if self.tokenizer is not None:
+            return self.tokenizer
+        if self.topology is None:
+            return None
+        model = self.topology.instance(self.instance_id).model
+        missing = tokenizer_errors(self.topology, [model])
+        if missing:
+            raise ValueError(missing[0])
+        return self.topology.models[model].tokenizer
 
     def __post_init__(self) -> None:
         if self.time_scale < 0 or self.min_step_s < 0:
@@ -59,6 +78,9 @@ class Backend:
     ``min_step_s``: every step lasts at least this long (wall time).
     ``real_token_ids``: ``StepResult.token_ids`` holds real ids; otherwise the llumlet numbers tokens by
     their position (token id = seq), which makes every sim stream ``0, 1, 2, ...``.
+    ``sampling_features``: the optional sampling settings the engine honours (and carries across a
+    migration); a request using any other is refused at Submit (:meth:`refuses`). The llumlet's etcd
+    registration advertises them, so the gateway refuses such a request with a 400 before dispatch.
     """
 
     name: str
@@ -66,10 +88,22 @@ class Backend:
     time_scale: float = 0.0
     real_token_ids: bool = True
     min_step_s: float = 0.0
+    sampling_features: frozenset[SamplingFeature] = frozenset()
 
     def step_wall_s(self, result: StepResult) -> float:
         """Wall time the step should take in total (0 = as fast as it computes)."""
         return max(result.duration_s * self.time_scale, self.min_step_s)
+
+    def refuses(self, params: SamplingParams | None) -> str | None:
+        """Why this engine cannot run a request with ``params`` (naming the features), or None."""
+        missing = sorted((params.features() if params is not None else frozenset()) - self.sampling_features)
+        if not missing:
+            return None
+        return (
+            f"the {self.name} engine does not honour {', '.join(missing)} (it honours: "
+            + (", ".join(sorted(self.sampling_features)) or "none of the optional sampling features")
+            + ")"
+        )
 
 
 def make_backend(name: str, config: BackendConfig) -> Backend:

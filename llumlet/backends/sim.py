@@ -12,8 +12,17 @@ from __future__ import annotations
 from llumlet.backends.base import Backend, BackendConfig
 from llumlet.engine.core import EngineCore
 from llumlet.engine.latency import load_latency_model
+from llumlet.engine.types import SamplingFeature
 
-__all__ = ["DEFAULT_KV_BYTES_PER_TOKEN", "DEFAULT_NUM_BLOCKS", "make_sim_backend"]
+__all__ = ["DEFAULT_KV_BYTES_PER_TOKEN", "DEFAULT_NUM_BLOCKS", "SIM_SAMPLING_FEATURES", "make_sim_backend"]
+
+#: What the sim engine takes (docs/gateway.md, "Request fields"): its output is placeholder tokens (ids
+#: 0, 1, 2, ...: the positions) with no distribution behind them, so settings that only reshape a
+#: distribution (penalties, top-k, like temperature and top-p) cannot change it, and min_tokens holds by
+#: construction (it never emits EOS: every request runs to max_tokens). They are validated, carried and
+#: migrated like on any engine. Stop token ids (its ids are positions), logprobs and guided decoding would
+#: need tokens, numbers and text it does not have: refused.
+SIM_SAMPLING_FEATURES = frozenset({SamplingFeature.PENALTIES, SamplingFeature.TOP_K, SamplingFeature.MIN_TOKENS})
 
 DEFAULT_NUM_BLOCKS = 1000  # KV capacity without a topology, blocks
 DEFAULT_KV_BYTES_PER_TOKEN = 524_288  # Llama-2-7B fp16: 2 x 32 layers x 32 heads x 128 x 2 bytes
@@ -53,5 +62,10 @@ def make_sim_backend(config: BackendConfig) -> Backend:
         kv_bytes_per_block=kv_bytes_per_token * block_size,
     )
     return Backend(
-        name="sim", engine=engine, time_scale=config.time_scale, real_token_ids=False, min_step_s=config.min_step_s
+        name="sim",
+        engine=engine,
+        time_scale=config.time_scale,
+        real_token_ids=False,
+        min_step_s=config.min_step_s,
+        sampling_features=SIM_SAMPLING_FEATURES,
     )

@@ -9,6 +9,12 @@ else 16). ``BackendConfig.seed`` seeds the model weights (engines that exchange 
 Options (``--engine-option KEY=VALUE``): ``eos_token_id`` (an id, or ``none``), ``threads`` (PyTorch intra-op
 threads of this process, default 1: the tiny model gains nothing from more, and several llumlets share the
 CPUs), and ``model.<field>`` for any ``LlamaConfig`` field of the tiny model (ints, floats).
+
+Tokenizer (``BackendConfig.tokenizer_path()``: ``--tokenizer``, else the topology model's ``tokenizer``): the
+tiny Llama takes its vocabulary size (``len(tokenizer)``) and its BOS / EOS / pad ids, so the gateway's
+tokens are this model's tokens and its output decodes to real text; EOS stops generation. Without one, the
+512-token vocabulary of :data:`~llumlet.engine.torch_engine.TINY_LLAMA_DEFAULTS` (the gateway's byte
+stand-in). Explicit ``model.*`` / ``eos_token_id`` options win over the tokenizer's.
 """
 
 from __future__ import annotations
@@ -38,12 +44,13 @@ def make_torch_backend(config: BackendConfig) -> Backend:
 
     Raises:
         RuntimeError: PyTorch or transformers is not installed.
-        ValueError: an unknown option or a bad value.
+        ValueError: an unknown option or a bad value; ``TokenizerLoadError`` (a ValueError) for a tokenizer
+            directory that does not exist or cannot be loaded.
     """
     try:
         import torch
 
-        from llumlet.engine.torch_engine import TorchEngine
+        from llumlet.engine.torch_engine import TORCH_SAMPLING_FEATURES, TorchEngine
     except ImportError as exc:
         raise RuntimeError(
             f"the torch backend needs PyTorch and transformers (pip install torch transformers): {exc}"
@@ -62,6 +69,17 @@ def make_torch_backend(config: BackendConfig) -> Backend:
             raise ValueError(
                 f"torch backend: unknown option {key!r} (known: eos_token_id, threads, model.<LlamaConfig field>)"
             )
+    tokenizer = config.tokenizer_path()
+    if tokenizer is not None:
+        from llumlet.engine.hf_tokenizer import tokenizer_info
+
+        info = tokenizer_info(tokenizer)
+        special = {"bos_token_id": info.bos_token_id, "eos_token_id": info.eos_token_id}
+        special["pad_token_id"] = info.pad_token_id
+        from_tokenizer = {"vocab_size": info.vocab_size, **{k: v for k, v in special.items() if v is not None}}
+        overrides = {**from_tokenizer, **overrides}
+        if "eos_token_id" not in config.options:
+            eos = info.eos_token_id
     torch.set_num_threads(max(1, threads))  # one engine per process: a process-wide setting is the engine's
     block_size = config.block_size_tokens
     if block_size is None:
@@ -78,4 +96,11 @@ def make_torch_backend(config: BackendConfig) -> Backend:
         model_overrides=overrides,
         rng=random.Random(config.seed + 1),
     )
-    return Backend(name="torch", engine=engine, time_scale=0.0, real_token_ids=True, min_step_s=config.min_step_s)
+    return Backend(
+        name="torch",
+        engine=engine,
+        time_scale=0.0,
+        real_token_ids=True,
+        min_step_s=config.min_step_s,
+        sampling_features=TORCH_SAMPLING_FEATURES,
+    )

@@ -15,6 +15,7 @@ import random
 from typing import Any
 
 from llumlet.backends.base import Backend, BackendConfig
+from llumlet.engine.types import SamplingFeature
 
 __all__ = ["make_vllm_backend"]
 
@@ -58,4 +59,9 @@ def make_vllm_backend(config: BackendConfig) -> Backend:
                 f"vllm backend: kv_cache_memory_bytes={opts['kv_cache_memory_bytes']!r}: need bytes"
             ) from None
     engine = VllmEngine(config.instance_id, opts["model"], **kwargs)
-    return Backend("vllm", engine, time_scale=0.0, real_token_ids=True, min_step_s=config.min_step_s)
+    # Only what VllmEngine.add_request maps from hilum's SamplingParams today; penalties, top_k, min_tokens,
+    # logprobs and guided decoding are refused by name until it maps them (docs/gateway.md).
+    features = frozenset({SamplingFeature.STOP_TOKEN_IDS})
+    return Backend(
+        "vllm", engine, time_scale=0.0, real_token_ids=True, min_step_s=config.min_step_s, sampling_features=features
+    )

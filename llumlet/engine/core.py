@@ -174,6 +174,7 @@ class EngineCore(PagedEngine):
         domain_id: str,
         draining: bool = False,
         warming_up: bool = False,
+        decode_step_s: float = 0.0,
         steps_ahead: int = 0,
     ) -> InstanceLoad:
         """``load().to_instance_load(...)``, built straight from the engine's state: no ``EngineLoad`` in
@@ -191,10 +192,10 @@ class EngineCore(PagedEngine):
             run = self._run
             if steps_ahead < 0 or run is None or run.applied + steps_ahead >= run.steps:
                 raise ValueError(f"{self.instance_id}: instance_load(steps_ahead={steps_ahead}) with {run!r}")
-            grown = blocks.decode_new_blocks_each(run.request_ids, steps_ahead)  # all in decode: +1 token a step
-            rows = [
-                (rid, n + g, prio, tokens + steps_ahead, True)
-                for (rid, n, prio, tokens, _), g in zip(rows, grown, strict=True)
+            grown = blocks.decode_new_blocks_each(run.request_ids, steps_ahead)
+            rows = [  # every request of the run is in decode: one more token a step
+                (rid, n + g, prio, tokens + steps_ahead, True, out + steps_ahead, max_tokens, max_blocks, why)
+                for (rid, n, prio, tokens, _, out, max_tokens, max_blocks, why), g in zip(rows, grown, strict=True)
             ]
             used += sum(grown)
         return instance_load_of(
@@ -202,6 +203,7 @@ class EngineCore(PagedEngine):
             domain_id,
             draining,
             warming_up,
+            decode_step_s,
             total_blocks=blocks.num_blocks,
             used_blocks=used,
             reserved_blocks=blocks.reserved_blocks,

@@ -69,12 +69,27 @@ class PagedEngine:
         """Each running request as the load report sees it, in arrival order (one pass, fields read directly:
         this runs for every report)."""
         blocks_of = self.blocks.num_blocks_of
+        bs = self.blocks.block_size_tokens
         rows: list[RunningRow] = []
         for s in self.scheduler.running:
             req = s.request
-            num_tokens = req.prompt_tokens + s.num_output_tokens
-            in_decode = s.num_output_tokens > 0 and s.num_computed_tokens == num_tokens - 1
-            rows.append((req.request_id, blocks_of(req.request_id), req.priority, num_tokens, in_decode))
+            out = s.num_output_tokens
+            num_tokens = req.prompt_tokens + out
+            in_decode = out > 0 and s.num_computed_tokens == num_tokens - 1
+            max_blocks = -(-(req.prompt_tokens + req.max_tokens - 1) // bs)
+            rows.append(
+                (
+                    req.request_id,
+                    blocks_of(req.request_id),
+                    req.priority,
+                    num_tokens,
+                    in_decode,
+                    out,
+                    req.max_tokens,
+                    max_blocks,
+                    "",
+                )
+            )
         return rows
 
     def _queue_state(self) -> tuple[int, int, int, bool]:

@@ -15,9 +15,12 @@ Faithfulness rules (docs/engine-model.md, "CPU reference engine"):
 
 - Each scheduled request runs through the model on its own inside a step (a "batch" is the set of requests
   scheduled in one step), so its outputs never depend on which other requests share the step.
-- Sampling uses one ``torch.Generator`` per request, seeded from ``SamplingParams.seed``; a token costs
-  exactly one uniform draw (none when greedy). A token is sampled once, at the step that computes the
-  request's last known token, so recompute after a preemption never re-samples produced tokens.
+- Sampling follows vLLM's v1 sampler: ``min_tokens`` and the repetition / frequency / presence penalties
+  on the logits (:func:`apply_penalties`), then greedy, or temperature, top-k, top-p and one draw
+  (:func:`sample_token`); logprobs are the raw model distribution's (:func:`token_logprobs`). One
+  ``torch.Generator`` per request, seeded from ``SamplingParams.seed``; a token costs exactly one uniform
+  draw (none when greedy). A token is sampled once, at the step that computes the request's last known
+  token, so recompute after a preemption never re-samples produced tokens.
 - Migration moves the K/V bytes themselves (``read_blocks`` / ``write_blocks``) and the generator state
   (``MigrationState.extra``), so a migrated request continues bit-for-bit as if it had stayed.
 
@@ -28,6 +31,7 @@ re-export it for that reason.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -47,8 +51,10 @@ from llumlet.engine.scheduler import ScheduledBatch, Scheduler, SchedulerRequest
 from llumlet.engine.types import (
     EngineRequest,
     MigrationState,
+    SamplingFeature,
     SamplingParams,
     StepResult,
+    TokenLogprobs,
 )
 
 __all__ = [
@@ -56,15 +62,23 @@ __all__ = [
     "EXTRA_GENERATOR_STATE",
     "EXTRA_MODEL_FINGERPRINT",
     "TINY_LLAMA_DEFAULTS",
+    "TORCH_SAMPLING_FEATURES",
     "TorchEngine",
+    "apply_penalties",
     "model_fingerprint",
     "sample_token",
     "tiny_llama",
+    "token_logprobs",
 ]
 
 EXTRA_GENERATOR_STATE = "generator_state"  # MigrationState.extra key: bytes of torch.Generator.get_state()
 EXTRA_MODEL_FINGERPRINT = "model_fingerprint"  # MigrationState.extra key: str, see model_fingerprint()
 EXTRA_EOS_TOKEN_ID = "eos_token_id"  # MigrationState.extra key: int | None, the source engine's EOS id
+
+#: Every optional sampling feature but guided decoding: each is computed here for real, and each depends only
+#: on what a migration carries (prompt and output ids, the sampling settings, the generator state), so a moved
+#: request continues exactly as if it had stayed.
+TORCH_SAMPLING_FEATURES = frozenset(SamplingFeature) - {SamplingFeature.GUIDED_DECODING}
 
 TINY_LLAMA_DEFAULTS: Mapping[str, Any] = MappingProxyType(
     {
@@ -123,19 +137,25 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """One token from ``logits`` (float[vocab]).
+def sample_token(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator, *, top_k: int = 0
+) -> int:
+    """One token from ``logits`` (float[vocab], already through :func:`apply_penalties`).
 
-    temperature 0: argmax (first maximum), no random draw. Otherwise softmax(logits / temperature), keep the
-    smallest set of most probable tokens whose mass reaches ``top_p`` (a token is kept when the mass of
-    the tokens before it, in descending order with a stable sort, is < top_p; the first is always kept),
-    then invert the CDF of the kept tokens at ``u ~ U[0, 1)`` drawn from ``generator``: exactly one draw
-    per token, so the generator state fully determines the continuation.
+    temperature 0: argmax (first maximum), no random draw. Otherwise softmax(logits / temperature) sorted in
+    descending order (stable sort); keep the ``top_k`` most probable (0 = all) and renormalize; keep the
+    smallest set of most probable tokens whose mass reaches ``top_p`` (a token is kept when the mass of the
+    tokens before it is < top_p; the first is always kept), then invert the CDF of the kept tokens at
+    ``u ~ U[0, 1)`` drawn from ``generator``: exactly one draw per token, so the generator state fully
+    determines the continuation. Top-k before top-p on the renormalized top-k mass is vLLM's order
+    (``vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p``).
     """
     if temperature == 0:
         return int(torch.argmax(logits).item())
     probs = torch.softmax(logits.to(torch.float32) / temperature, dim=-1)
     sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+    if 0 < top_k < sorted_probs.numel():
+        sorted_probs = sorted_probs[:top_k] / sorted_probs[:top_k].sum()
     if top_p < 1:
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         keep = int((before < top_p).sum().item())
@@ -144,6 +164,57 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
     u = torch.rand((), generator=generator, dtype=torch.float64).item()
     j = int(torch.searchsorted(cdf, torch.tensor([u * cdf[-1].item()], dtype=cdf.dtype), right=True).item())
     return int(order[min(j, cdf.numel() - 1)].item())
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    stop_ids: Sequence[int],
+) -> torch.Tensor:
+    """The logits (float[vocab]) after ``min_tokens`` and the three penalties, as vLLM's v1 sampler applies them.
+
+    - ``min_tokens``: while fewer than ``min_tokens`` outputs exist, the ``stop_ids`` (EOS unless
+      ``ignore_eos``, and ``stop_token_ids``) get -inf (vLLM's ``MinTokensLogitsProcessor``);
+    - repetition penalty ``r`` on every token in the prompt or the output: ``l / r`` if ``l > 0`` else
+      ``l * r`` (Keskar et al. 2019, CTRL §4.1, as HF and vLLM apply it);
+    - frequency ``f`` and presence ``p`` penalties over the output tokens only: ``l - f * count - p * (count >
+      0)`` (OpenAI's definition, counted over generated tokens as vLLM does:
+      ``vllm.model_executor.layers.utils.apply_penalties``).
+
+    Returns ``logits`` itself when nothing applies, else a new float32 tensor.
+    """
+    out = logits
+    if len(output_ids) < params.min_tokens and stop_ids:
+        out = out.to(torch.float32, copy=True)
+        out[torch.tensor(list(stop_ids), dtype=torch.long)] = -math.inf
+    if params.repetition_penalty != 1.0 and (prompt_ids or output_ids):
+        if out is logits:
+            out = out.to(torch.float32, copy=True)
+        seen = torch.tensor(sorted({*prompt_ids, *output_ids}), dtype=torch.long)
+        values = out[seen]
+        r = params.repetition_penalty
+        out[seen] = torch.where(values > 0, values / r, values * r)
+    if (params.frequency_penalty or params.presence_penalty) and output_ids:
+        if out is logits:
+            out = out.to(torch.float32, copy=True)
+        counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long), minlength=out.numel())
+        counts = counts.to(torch.float32)
+        out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(torch.float32)
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """The raw log probabilities (log-softmax of the model's ``logits``, float[vocab]) of ``token`` and the ``k``
+    most probable tokens (descending, ties by id), before any sampling setting: vLLM's default
+    ``logprobs_mode="raw_logprobs"``."""
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if k:
+        values, order = torch.sort(logprobs, descending=True, stable=True)
+        top = tuple((int(i), float(v)) for i, v in zip(order[:k].tolist(), values[:k].tolist(), strict=True))
+    return TokenLogprobs(float(logprobs[token].item()), top)
 
 
 def _generator_state(g: torch.Generator) -> bytes:
@@ -298,7 +369,7 @@ class TorchEngine(PagedEngine):
         produced = self._compute(batch)
         stopped: set[str] = set()
         reasons: dict[str, str] = {}
-        for rid, token in produced.items():
+        for rid, (token, _) in produced.items():
             state = self.scheduler.requests[rid]
             state.output_token_ids.append(token)
             params = self._params[rid]
@@ -321,15 +392,17 @@ class TorchEngine(PagedEngine):
             num_decode_tokens=len(batch.decode),
             num_scheduled_seqs=batch.num_seqs,
             num_recompute_tokens=recomputed,
-            token_ids={rid: (tok,) for rid, tok in produced.items()},
+            token_ids={rid: (tok,) for rid, (tok, _) in produced.items()},
             finish_reasons={rid: reasons[rid] for rid in finished},
+            logprobs={rid: (lp,) for rid, (_, lp) in produced.items() if lp is not None},
         )
 
-    def _compute(self, batch: ScheduledBatch) -> dict[str, int]:
-        """Run the batch's chunks and decodes; returns the token sampled for each request that produced one."""
+    def _compute(self, batch: ScheduledBatch) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        """Run the batch's chunks and decodes; returns the token sampled (and its logprobs, when asked) for each
+        request that produced one."""
         work = [(rid, chunk, before) for rid, chunk, before in batch.prefill]
         work += [(rid, 1, ctx - 1) for rid, ctx in batch.decode]
-        produced: dict[str, int] = {}
+        produced: dict[str, tuple[int, TokenLogprobs | None]] = {}
         with torch.inference_mode():
             for rid, n, start in work:
                 state = self.scheduler.requests[rid]
@@ -338,9 +411,20 @@ class TorchEngine(PagedEngine):
                 last = start + n == state.num_tokens
                 logits = self._forward(self.blocks.block_table(rid), ids, start, want_logits=last)
                 if logits is not None:
-                    params = self._params[rid]
-                    produced[rid] = sample_token(logits, params.temperature, params.top_p, self._generators[rid])
+                    produced[rid] = self._sample(rid, logits, tokens, state.output_token_ids)
         return produced
+
+    def _sample(
+        self, rid: str, logits: torch.Tensor, prompt: Sequence[int], output: Sequence[int]
+    ) -> tuple[int, TokenLogprobs | None]:
+        params = self._params[rid]
+        stop_ids = [*params.stop_token_ids]
+        if self.eos_token_id is not None and not params.ignore_eos:
+            stop_ids.append(self.eos_token_id)
+        processed = apply_penalties(logits, params, prompt, output, stop_ids)
+        token = sample_token(processed, params.temperature, params.top_p, self._generators[rid], top_k=params.top_k)
+        logprobs = None if params.logprobs is None else token_logprobs(logits, token, params.logprobs)
+        return token, logprobs
 
     def _forward(
         self, block_table: Sequence[int], token_ids: Sequence[int], start: int, want_logits: bool

@@ -6,29 +6,93 @@ only link to the policy layer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+import enum
+import math
+import operator
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from policy.types import InstanceLoad  # type: ignore[import-not-found, unused-ignore]
 
 __all__ = [
+    "GUIDED_KINDS",
+    "MAX_TOP_LOGPROBS",
     "EngineLoad",
     "EngineRequest",
+    "GuidedDecoding",
     "MigrationState",
     "RunningRequestLoad",
     "RunningRow",
+    "SamplingFeature",
     "SamplingParams",
     "StepResult",
+    "TokenLogprobs",
     "instance_load_of",
 ]
 
 
+class SamplingFeature(enum.StrEnum):
+    """Optional sampling settings an engine may or may not honour (``llumlet.backends.Backend.sampling_features``).
+
+    A request that sets one (a value other than its "off" default, :meth:`SamplingParams.features`) is
+    refused by an engine that does not advertise it, by name: never run with the setting dropped. The
+    settings every engine takes (``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``ignore_eos``) are
+    not features.
+    """
+
+    STOP_TOKEN_IDS = "stop_token_ids"  # end on one of these ids (an engine with placeholder ids cannot)
+
+    PENALTIES = "penalties"  # repetition_penalty, frequency_penalty, presence_penalty
+    TOP_K = "top_k"
+    MIN_TOKENS = "min_tokens"
+    LOGPROBS = "logprobs"  # per-token log probabilities (and top alternatives) returned with the tokens
+    GUIDED_DECODING = "guided_decoding"  # structured output: JSON schema / object, regex, choice, grammar
+
+
+#: ``GuidedDecoding.kind`` values and what ``spec`` holds for each.
+GUIDED_KINDS: Mapping[str, str] = MappingProxyType(
+    {
+        "json_schema": "a JSON schema, as JSON text",
+        "json_object": "empty: any JSON object",
+        "regex": "a regular expression",
+        "choice": "a JSON list of the allowed strings",
+        "grammar": "an EBNF / Lark grammar",
+    }
+)
+
+#: Most top alternatives a request may ask for per token (vLLM's default ``max_logprobs``).
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class GuidedDecoding:
+    """A structured-output constraint on the whole output (vLLM's ``StructuredOutputsParams``, by kind).
+
+    Raises ValueError on an unknown ``kind`` or a ``spec`` missing where the kind needs one.
+    """
+
+    kind: str  # one of GUIDED_KINDS
+    spec: str = ""  # what GUIDED_KINDS says for the kind
+
+    def __post_init__(self) -> None:
+        if self.kind not in GUIDED_KINDS:
+            raise ValueError(f"GuidedDecoding.kind = {self.kind!r}: need one of {', '.join(GUIDED_KINDS)}")
+        if self.kind != "json_object" and not self.spec:
+            raise ValueError(f"GuidedDecoding({self.kind!r}): spec is empty, need {GUIDED_KINDS[self.kind]}")
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Sampling settings carried with a request (used by real engines; the model engine ignores all but
-    ``max_tokens``)."""
+    """Sampling settings carried with a request, through the wire (``hilum.v1.Sampling``) and migrations.
+
+    The meanings are vLLM's (``vllm.SamplingParams``), which follow OpenAI's for the fields OpenAI has. The
+    model engine (``sim``) has no token distribution: it ignores everything but ``max_tokens`` (docs/gateway.md
+    says per field what each engine does). Raises ValueError naming the field on a value out of range.
+    """
 
     max_tokens: int = 16  # output tokens to generate at most
     temperature: float = 1.0  # 0 = greedy
@@ -36,6 +100,13 @@ class SamplingParams:
     seed: int | None = None  # per-request sampling seed
     ignore_eos: bool = False  # keep generating past EOS until max_tokens
     stop_token_ids: tuple[int, ...] = ()  # token ids that end the request
+    top_k: int = 0  # sample among the k most probable tokens only; 0 = all
+    min_tokens: int = 0  # output tokens before EOS or a stop token may end the request
+    repetition_penalty: float = 1.0  # > 0; logits of tokens in prompt or output: / p if > 0, else x p (1 = off)
+    frequency_penalty: float = 0.0  # [-2, 2]; minus this x (times the token occurs in the output so far)
+    presence_penalty: float = 0.0  # [-2, 2]; minus this once if the token occurs in the output so far
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's log probability and the k best
+    guided: GuidedDecoding | None = None  # structured output; None = free text
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -44,6 +115,35 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.temperature = {self.temperature}: need >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p = {self.top_p}: need 0 < top_p <= 1")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k = {self.top_k}: need >= 0 (0 = all tokens)")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens = {self.min_tokens}: need 0 <= min_tokens <= max_tokens")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"SamplingParams.repetition_penalty = {self.repetition_penalty}: need > 0")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                raise ValueError(f"SamplingParams.{name} = {value}: need -2 <= {name} <= 2")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"SamplingParams.logprobs = {self.logprobs}: need 0..{MAX_TOP_LOGPROBS} or None")
+
+    def features(self) -> frozenset[SamplingFeature]:
+        """The optional features these settings use (values other than their "off" defaults)."""
+        used: set[SamplingFeature] = set()
+        if self.stop_token_ids:
+            used.add(SamplingFeature.STOP_TOKEN_IDS)
+        if self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0:
+            used.add(SamplingFeature.PENALTIES)
+        if self.top_k:
+            used.add(SamplingFeature.TOP_K)
+        if self.min_tokens:
+            used.add(SamplingFeature.MIN_TOKENS)
+        if self.logprobs is not None:
+            used.add(SamplingFeature.LOGPROBS)
+        if self.guided is not None:
+            used.add(SamplingFeature.GUIDED_DECODING)
+        return frozenset(used)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +179,19 @@ class EngineRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Log probabilities at one output position (``SamplingParams.logprobs`` set).
+
+    Natural logarithms of the model's distribution before any sampling setting is applied (temperature,
+    penalties, top-k/top-p: vLLM's default ``logprobs_mode="raw_logprobs"``), so they describe the model,
+    not the sampler.
+    """
+
+    logprob: float  # of the token that was produced
+    top: tuple[tuple[int, float], ...] = ()  # the k most probable (token id, logprob), most probable first
+
+
+@dataclass(frozen=True, slots=True)
 class StepResult:
     """What one engine step did. ``duration_s`` comes from the latency model (0.0 if nothing ran)."""
 
@@ -93,6 +206,7 @@ class StepResult:
     num_prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache at admission this step
     token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)  # real engines: request_id -> new ids
     finish_reasons: dict[str, str] = field(default_factory=dict)  # request_id -> "length" | "stop"
+    logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)  # aligned with token_ids
 
     @property
     def is_idle(self) -> bool:
@@ -109,6 +223,10 @@ class RunningRequestLoad:
     priority: int
     num_tokens: int  # prompt + output tokens so far
     in_decode: bool  # prefill finished (only these are migratable)
+    output_tokens: int = 0  # output tokens so far
+    max_tokens: int = 0  # its output limit (0 = not known)
+    max_blocks: int = 0  # KV blocks it may grow to: prompt + max_tokens - 1 tokens (0 = not known)
+    unmigratable_reason: str = ""  # why the engine cannot move it faithfully even in decode; "" = it can
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,18 +250,25 @@ class EngineLoad:
         return self.total_blocks - self.used_blocks - self.reserved_blocks - self.cached_blocks
 
     def to_instance_load(
-        self, instance_id: str, domain_id: str, draining: bool = False, warming_up: bool = False
+        self,
+        instance_id: str,
+        domain_id: str,
+        draining: bool = False,
+        warming_up: bool = False,
+        decode_step_s: float = 0.0,
     ) -> InstanceLoad:
-        """Convert for the policy layer (:func:`instance_load_of` says how)."""
+        """Convert for the policy layer (:func:`instance_load_of` says how). ``decode_step_s``: the engine's
+        most recent step time, measured by whoever steps it (the llumlet, the simulator)."""
         return instance_load_of(
             instance_id,
             domain_id,
             draining,
             warming_up,
+            decode_step_s,
             total_blocks=self.total_blocks,
             used_blocks=self.used_blocks,
             reserved_blocks=self.reserved_blocks,
-            running=[(r.request_id, r.blocks, r.priority, r.num_tokens, r.in_decode) for r in self.running],
+            running=[_row_of(r) for r in self.running],
             num_waiting=self.num_waiting,
             head_demand_blocks=self.head_demand_blocks,
             queued_demand_blocks=self.queued_demand_blocks,
@@ -151,9 +276,11 @@ class EngineLoad:
         )
 
 
-RunningRow = tuple[str, int, int, int, bool]
-"""One running request as the load report sees it: (request_id, blocks, priority, num_tokens, in_decode),
-the fields of :class:`RunningRequestLoad`."""
+RunningRow = tuple[str, int, int, int, bool, int, int, int, str]
+"""One running request as the load report sees it: the fields of :class:`RunningRequestLoad`, in its order
+(``RunningRequestLoad(*row)`` is the request's entry; an engine builds rows where it would build many)."""
+
+_row_of = operator.attrgetter(*(f.name for f in dataclasses.fields(RunningRequestLoad)))
 
 
 def instance_load_of(
@@ -161,6 +288,7 @@ def instance_load_of(
     domain_id: str,
     draining: bool,
     warming_up: bool,
+    decode_step_s: float,
     *,
     total_blocks: int,
     used_blocks: int,
@@ -175,8 +303,9 @@ def instance_load_of(
 
     ``used_blocks`` of the result counts reservations too (they hold capacity); evictable cached prefix
     blocks count as free; suspended requests are not running (they are leaving); a request is migratable
-    once in decode. Built without ``InstanceLoad``'s checks: an engine's counts are consistent by
-    construction (a report from outside is checked where it is decoded, ``rack_sched.convert``).
+    once in decode unless the engine names a reason it cannot move. Built without ``InstanceLoad``'s checks:
+    an engine's counts are consistent by construction (a report from outside is checked where it is
+    decoded, ``rack_sched.convert``).
     """
     from policy.types import trusted_instance_load, trusted_request_load
 
@@ -186,8 +315,8 @@ def instance_load_of(
         used_blocks=used_blocks + reserved_blocks,
         running=tuple(
             [
-                trusted_request_load(rid, blocks, prio, tokens, in_decode)
-                for rid, blocks, prio, tokens, in_decode in running
+                trusted_request_load(rid, blocks, prio, tokens, in_decode and not why, out, max_tokens, max_blocks)
+                for rid, blocks, prio, tokens, in_decode, out, max_tokens, max_blocks, why in running
             ]
         ),
         num_waiting=num_waiting,
@@ -197,6 +326,7 @@ def instance_load_of(
         draining=draining,
         warming_up=warming_up,
         domain_id=domain_id,
+        decode_step_s=decode_step_s,
     )
 
 

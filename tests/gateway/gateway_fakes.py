@@ -1,4 +1,5 @@
-"""Fakes for the gateway's HTTP tests: a backend that generates known tokens, and topologies."""
+"""Fakes for the gateway's HTTP tests: backends that generate known tokens (bytes, or a real tokenizer's), and
+model limits."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from gateway.app import GatewayApp
 from gateway.metrics import GatewayMetrics
 from gateway.router import DispatchFailed, Placement
 from gateway.sink import Move, TokenUpdate
+from gateway.tokenizer import Tokenizer
 from gateway.validation import GenerationRequest, ModelLimits
+from llumlet.engine.types import TokenLogprobs
 
 # context 64 tokens; the largest instance holds 12 x 4 = 48 KV tokens
 LIMITS = {
@@ -81,10 +84,12 @@ class FakeBackend:
 
 
 @contextlib.asynccontextmanager
-async def serve(backend: Any) -> AsyncIterator[tuple[TestClient[Any, Any], GatewayMetrics]]:
-    """An in-process HTTP server over ``backend`` and a client to it."""
+async def serve(
+    backend: Any, tokenizers: Mapping[str, Tokenizer] | None = None
+) -> AsyncIterator[tuple[TestClient[Any, Any], GatewayMetrics]]:
+    """An in-process HTTP server over ``backend`` (with these models' tokenizers) and a client to it."""
     metrics = GatewayMetrics()
-    app = GatewayApp(backend, metrics).app()
+    app = GatewayApp(backend, metrics, dict(tokenizers or {}), wall_clock=lambda: 1_700_000_000.0).app()
     server = TestServer(app)
     client: TestClient[Any, Any] = TestClient(server)
     await client.start_server()
@@ -97,3 +102,47 @@ async def serve(backend: Any) -> AsyncIterator[tuple[TestClient[Any, Any], Gatew
 def run(main: Callable[[], Awaitable[None]]) -> None:
     """Run an async test body."""
     asyncio.run(main())
+
+
+@dataclass
+class ScriptedBackend(FakeBackend):
+    """A cluster whose "model" answers with known text in the model's own tokens: for a request with seed
+    ``s`` (None: 0) the answer is ``answers[s % len(answers)]``, encoded by ``tokenizer`` (its BOS dropped),
+    cut at ``max_tokens`` (finish "length"), else ended by EOS (finish "stop", EOS kept as the last token, as
+    engines do). Tokens come ``chunk`` at a time; with ``sampling.logprobs`` = k each token carries a made-up
+    but checkable :class:`TokenLogprobs` (logprob ``-0.5 * position``; top k: the token itself with that
+    logprob, then ids 3, 4, ... at -10, -11, ...). Records dispatches, aborts and ends like FakeBackend.
+    """
+
+    tokenizer: Any = None
+    answers: tuple[str, ...] = ()
+    eos_token_id: int = 2
+    chunk: int = 2
+
+    async def start(self, request_id: str, request: GenerationRequest) -> Placement:
+        self.started.append((request_id, request))
+        return Placement("dom-a", "a0", "127.0.0.1:1", "scripted", 1)
+
+    def output_of(self, request: GenerationRequest) -> tuple[list[int], str]:
+        """The tokens and finish reason the fake produces for ``request``."""
+        answer = self.answers[(request.sampling.seed or 0) % len(self.answers)]
+        tokens = [*self.tokenizer.encode(answer)[1:], self.eos_token_id]
+        if len(tokens) > request.max_tokens:
+            return tokens[: request.max_tokens], "length"
+        return tokens, "stop"
+
+    async def updates(self, request_id: str) -> AsyncIterator[TokenUpdate]:
+        request = dict(self.started)[request_id]
+        tokens, reason = self.output_of(request)
+        k = request.sampling.logprobs
+        for i in range(0, len(tokens), self.chunk):
+            part = tuple(tokens[i : i + self.chunk])
+            lps: tuple[TokenLogprobs, ...] = ()
+            if k is not None:
+                lps = tuple(
+                    TokenLogprobs(-0.5 * (i + j), ((t, -0.5 * (i + j)), *((3 + m, -10.0 - m) for m in range(k)))[:k])
+                    for j, t in enumerate(part)
+                )
+            last = i + self.chunk >= len(tokens)
+            await asyncio.sleep(0)
+            yield TokenUpdate(part, last, reason if last else "", "", "a0", 0, (), lps)

@@ -4,6 +4,7 @@ disconnects, metrics."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 from typing import Any
 
@@ -16,7 +17,6 @@ BAD_BODIES: list[tuple[str, Any, str, str]] = [
     # (name, body, param, words in the message)
     ("not an object", [1, 2], "", "must be a JSON object"),
     ("no model", {"prompt": "hi"}, "model", "model is required"),
-    ("unknown model", {"model": "gpt-9", "prompt": "hi"}, "model", "'gpt-9' is not served here; served: tiny"),
     ("empty prompt", {"model": "tiny", "prompt": ""}, "prompt", "prompt is empty"),
     ("empty token list", {"model": "tiny", "prompt": []}, "prompt", "prompt is empty"),
     ("no prompt", {"model": "tiny"}, "prompt", "prompt is required"),
@@ -53,10 +53,24 @@ BAD_BODIES: list[tuple[str, Any, str, str]] = [
     ),
     ("temperature", {"model": "tiny", "prompt": "hi", "temperature": 3}, "temperature", "must be in [0, 2], got 3"),
     ("top_p", {"model": "tiny", "prompt": "hi", "top_p": 0}, "top_p", "must be in (0, 1], got 0"),
-    ("n", {"model": "tiny", "prompt": "hi", "n": 2}, "n", "n must be 1"),
-    ("stop strings", {"model": "tiny", "prompt": "hi", "stop": ["\n"]}, "stop", "use stop_token_ids"),
+    ("n zero", {"model": "tiny", "prompt": "hi", "n": 0}, "n", "n must be in [1, 128], got 0"),
+    ("n huge", {"model": "tiny", "prompt": "hi", "n": 129}, "n", "n must be in [1, 128], got 129"),
+    ("empty stop string", {"model": "tiny", "prompt": "hi", "stop": ["x", ""]}, "stop", "stop[1] is empty"),
+    ("stop not strings", {"model": "tiny", "prompt": "hi", "stop": [3]}, "stop", "a string or a list of strings"),
     ("priority", {"model": "tiny", "prompt": "hi", "priority": -1}, "priority", "must be an integer 0..9"),
     ("stream not bool", {"model": "tiny", "prompt": "hi", "stream": "yes"}, "stream", "stream must be true or false"),
+    (
+        "stream_options without stream",
+        {**_P, "stream_options": {"include_usage": True}},
+        "stream_options",
+        "only allowed with stream: true",
+    ),
+    (
+        "unknown stream option",
+        {**_P, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+        "stream_options",
+        "stream_options.continuous_usage_stats is not supported",
+    ),
     ("seed beyond int64", {"model": "tiny", "prompt": "hi", "seed": 10**26}, "seed", "signed 64-bit integer"),
 ]
 BAD_CHAT: list[tuple[str, Any, str]] = [
@@ -108,13 +122,15 @@ def test_malformed_json_and_bad_priority_header_are_400() -> None:
 
     async def main() -> None:
         async with serve(backend) as (client, _):
-            resp = await client.post("/v1/completions", data=b'{"model": "tiny", "prompt": "hi"')
+            json_type = {"Content-Type": "application/json"}
+            resp = await client.post("/v1/completions", data=b'{"model": "tiny", "prompt": "hi"', headers=json_type)
             assert resp.status == 400
             err = (await resp.json())["error"]
             assert err["code"] == "invalid_json" and "not valid JSON" in err["message"]
-            resp = await client.post("/v1/completions", data=b"[" * 100_000)
+            resp = await client.post("/v1/completions", data=b"[" * 100_000, headers=json_type)
             assert resp.status == 400 and "nests JSON too deeply" in (await resp.json())["error"]["message"]
-            resp = await client.post("/v1/completions", data=b'{"model": "tiny", "prompt": "\\ud800"}')
+            body = b'{"model": "tiny", "prompt": "\\ud800"}'
+            resp = await client.post("/v1/completions", data=body, headers=json_type)
             assert resp.status == 400 and "not valid Unicode" in (await resp.json())["error"]["message"]
             resp = await client.post(
                 "/v1/completions", json={"model": "tiny", "prompt": "hi"}, headers={"X-Hilum-Priority": "urgent"}
@@ -276,16 +292,55 @@ def test_no_domain_is_503_models_and_health() -> None:
             assert resp.status == 503
             assert "all 2 instances are draining" in (await resp.json())["error"]["message"]
             models = await (await client.get("/v1/models")).json()
-            assert models["data"] == [
-                {
-                    "id": "tiny",
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "hilum",
-                    "max_model_len": 64,
-                    "hilum": {"max_request_kv_tokens": 48, "num_instances": 2},
-                }
-            ]
+            tiny = {
+                "id": "tiny",
+                "object": "model",
+                "created": 1_700_000_000,  # when this gateway began serving it (the fake wall clock)
+                "owned_by": "hilum",
+                "max_model_len": 64,
+                "hilum": {
+                    "max_request_kv_tokens": 48,
+                    "num_instances": 2,
+                    "tokenizer": "byte stand-in",
+                    "sampling_features": None,  # the fake backend does not say
+                },
+            }
+            assert models["data"] == [tiny]
+            assert await (await client.get("/v1/models/tiny")).json() == tiny
             assert (await client.get("/health")).status == 200
 
     run(main)
+
+
+def test_error_paths_answer_the_openai_error_object() -> None:
+    """415 (not JSON), a bad gzip body, 404 (route, model), 405, 413: each OpenAI's error object, not text."""
+    backend = FakeBackend()
+    json_type = {"Content-Type": "application/json"}
+    bad_gzip = {**json_type, "Content-Encoding": "gzip", "Connection": "close"}  # aiohttp drops the connection after
+    cases: list[tuple[str, str, dict[str, Any], int, str, str]] = [
+        # (method, path, request kwargs, status, code, words in the message)
+        ("POST", "/v1/completions", {"data": b"model=tiny", "headers": {"Content-Type": "text/plain"}},
+         415, "unsupported_media_type", "send Content-Type: application/json (got text/plain)"),
+        ("POST", "/v1/completions", {"data": b"\x1f\x8bnot really gzip", "headers": bad_gzip},
+         400, "invalid_body", "the request body cannot be read"),
+        ("GET", "/v2/completions", {}, 404, "not_found", "no route GET /v2/completions"),
+        ("GET", "/v1/models/gpt-9", {}, 404, "model_not_found", "'gpt-9' does not exist here"),
+        ("POST", "/v1/completions", {"json": {"model": "gpt-9", "prompt": "x"}},
+         404, "model_not_found", "'gpt-9' does not exist here; served: tiny"),
+        ("DELETE", "/v1/chat/completions", {}, 405, "method_not_allowed", "DELETE is not allowed"),
+        ("POST", "/v1/completions", {"data": io.BytesIO(b"x" * (17 * 1024 * 1024)), "headers": json_type},
+         413, "request_too_large", "larger than 16777216 bytes"),
+    ]  # fmt: skip
+
+    async def main() -> None:
+        async with serve(backend) as (client, _):
+            for method, path, kwargs, status, code, words in cases:
+                resp = await client.request(method, path, **kwargs)
+                assert resp.status == status, (code, await resp.text())
+                assert resp.content_type == "application/json"
+                err = (await resp.json())["error"]
+                assert err["code"] == code and words in err["message"], err
+                assert set(err) == {"message", "type", "param", "code"}
+
+    run(main)
+    assert backend.started == []

@@ -1,13 +1,19 @@
-"""Both backends through the factory: sizes, options, pacing, and ``grow_reservation`` (the hook the
-llumlet added to the engine protocol for blocks a request adds during pre-copy)."""
+"""Both backends through the factory: sizes, options, pacing, the torch engine's vocabulary from a real
+tokenizer, and ``grow_reservation`` (the hook the llumlet added to the engine protocol for blocks a request
+adds during pre-copy)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import yaml
 
 from llumlet.backends import Backend, BackendConfig, make_backend
 from llumlet.engine.protocol import KVPayload
+from llumlet.engine.torch_engine import TorchEngine
 from llumlet.engine.types import EngineRequest, SamplingParams, StepResult
+from topology.load import bundled_path, load_topology
 
 pytest.importorskip("torch")
 
@@ -61,3 +67,34 @@ def test_torch_options() -> None:
         make_backend("torch", BackendConfig(instance_id="x", options={"colour": "red"}))
     with pytest.raises(ValueError, match="need a number"):
         make_backend("torch", BackendConfig(instance_id="x", options={"threads": "many"}))
+
+
+def test_torch_takes_vocabulary_and_eos_from_the_tokenizer(bpe_tokenizer_dir: Path, tmp_path: Path) -> None:
+    from gateway.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(bpe_tokenizer_dir)
+    backend = make_backend("torch", BackendConfig(instance_id="x", num_blocks=16, tokenizer=str(bpe_tokenizer_dir)))
+    engine = backend.engine
+    assert isinstance(engine, TorchEngine)
+    assert engine.vocab_size == tok.vocab_size == 400 and engine.eos_token_id == tok.eos_token_id == 2
+    prompt = tok.chat_prompt([{"role": "user", "content": "Grüße 你好"}])
+    engine.add_request(
+        EngineRequest("r", len(prompt), 12, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=12))
+    )
+    out: list[int] = []
+    while engine.has_work():
+        out += engine.step().token_ids.get("r", ())
+    assert out and all(0 <= t < 400 for t in out)
+    assert tok.decode(out)  # real tokens of that vocabulary: real text, not <|id|> placeholders
+    # the topology names it: relative to the file; missing: the error names the key
+    bundled = bundled_path("1x8-a100")
+    assert bundled is not None
+    topo_doc = yaml.safe_load(bundled.read_text())
+    topo_doc["models"][0]["tokenizer"] = "tok"
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(topo_doc))
+    topo = load_topology(tmp_path / "t.yaml")
+    with pytest.raises(ValueError, match=r"t\.yaml: models\[0\]\.tokenizer: .*/tok does not exist"):
+        make_backend("torch", BackendConfig(instance_id="node-0-i0", num_blocks=16, topology=topo))
+    (tmp_path / "tok").symlink_to(bpe_tokenizer_dir)
+    from_topology = make_backend("torch", BackendConfig(instance_id="node-0-i0", num_blocks=16, topology=topo))
+    assert from_topology.engine.vocab_size == 400  # type: ignore[attr-defined]

@@ -37,7 +37,10 @@ def test_llumlet_registers_itself_and_its_key_goes_with_it(etcd: EtcdServer, pre
                 time.sleep(0.1)
         assert value is not None, (tmp_path / "llumlet.log").read_text()
         record = decode(InstanceRegistration, value, key)
-        assert record == InstanceRegistration("node-0-i3", "node-0", "node-0", proc.address, "llama-2-7b", 256)
+        features = ("min_tokens", "penalties", "top_k")  # the sim engine's (llumlet.backends.sim)
+        assert record == InstanceRegistration(
+            "node-0-i3", "node-0", "node-0", proc.address, "llama-2-7b", 256, "sim", features
+        )
     finally:
         proc.stop()
     # SIGTERM revokes the lease: the registration disappears at once, not after the TTL.

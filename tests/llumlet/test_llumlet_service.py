@@ -72,6 +72,11 @@ def test_submit_errors_are_clear() -> None:
         assert (await node.client.submit("r", col.address, SamplingParams(max_tokens=300), prompt_tokens=5)).accepted
         again = await node.client.submit("r", col.address, SamplingParams(max_tokens=3), prompt_tokens=5)
         assert not again.accepted and "already here" in again.reason
+        lp = await node.client.submit("lp", col.address, SamplingParams(max_tokens=3, logprobs=2), prompt_tokens=5)
+        assert not lp.accepted
+        assert lp.reason == (
+            "i0: request 'lp': the sim engine does not honour logprobs (it honours: min_tokens, penalties, top_k)"
+        )
         await node.client.abort("r")
 
     run(body)

@@ -4,6 +4,7 @@ and the TokenCollector's exactly-once assembly."""
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
@@ -17,13 +18,26 @@ from llumlet.convert import (
     UnmovableStateError,
     decode_extra,
     encode_extra,
+    load_from_pb,
+    load_to_pb,
+    logprobs_from_pb,
+    logprobs_to_pb,
     request_from_submit,
+    sampling_from_pb,
     sampling_to_pb,
     state_from_pb,
     state_to_pb,
 )
 from llumlet.engine.core import EngineCore
-from llumlet.engine.types import MigrationState, SamplingParams
+from llumlet.engine.types import (
+    EngineLoad,
+    GuidedDecoding,
+    MigrationState,
+    RunningRequestLoad,
+    SamplingFeature,
+    SamplingParams,
+    TokenLogprobs,
+)
 from llumlet.sink import TokenCollector
 from llumlet.tokens import TokenChunkOut, _merge
 from llumlet.transport import GrpcStreamTransport, SharedMemoryTransport, TokenBucket, TransportName, choose_transport
@@ -152,6 +166,76 @@ def test_state_round_trips_through_protobuf() -> None:
     assert state_from_pb(state_to_pb(bare)) == bare
 
 
+def test_every_sampling_field_round_trips_through_the_wire() -> None:
+    full = SamplingParams(
+        max_tokens=30, temperature=0.5, top_p=0.8, seed=-7, ignore_eos=True, stop_token_ids=(3, 4), top_k=12,
+        min_tokens=5, repetition_penalty=1.15, frequency_penalty=-0.5, presence_penalty=1.5, logprobs=0,
+        guided=GuidedDecoding("json_schema", '{"type": "object"}'),
+    )  # fmt: skip
+    assert sampling_from_pb(sampling_to_pb(full)) == full
+    assert sampling_from_pb(sampling_to_pb(SamplingParams())) == SamplingParams()  # "off" stays off (unset)
+    assert not sampling_to_pb(SamplingParams()).HasField("logprobs")
+    assert full.features() == frozenset(SamplingFeature) and SamplingParams().features() == frozenset()
+    state = MigrationState("m", 4, 1, 4, 30, 0, 0.0, prompt_token_ids=(1, 2, 3, 4), output_token_ids=(9,),
+                           sampling_params=full)  # fmt: skip
+    assert state_from_pb(state_to_pb(state)).sampling_params == full  # and through a migration
+    entry = TokenLogprobs(-0.25, ((7, -0.1), (8, -2.5)))
+    assert logprobs_from_pb(logprobs_to_pb(entry)) == entry
+    with pytest.raises(ValueError, match="2 top_token_ids but 1 top_logprobs"):
+        logprobs_from_pb(sink_pb.TokenLogprobs(logprob=0.0, top_token_ids=[1, 2], top_logprobs=[0.0]))
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"top_k": -1}, "top_k = -1: need >= 0"),
+        ({"min_tokens": 20}, "min_tokens = 20: need 0 <= min_tokens <= max_tokens"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty = 0.0: need > 0"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty = 2.5: need -2 <= frequency_penalty <= 2"),
+        ({"logprobs": 21}, "logprobs = 21: need 0..20 or None"),
+    ],
+)
+def test_sampling_params_refuse_values_out_of_range(change: dict[str, object], words: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(words)):
+        SamplingParams(max_tokens=16, **change)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="spec is empty"):
+        GuidedDecoding("regex")
+
+
+def test_backends_refuse_features_they_do_not_honour_by_name() -> None:
+    sim = make_backend("sim", BackendConfig(instance_id="x"))
+    assert sim.sampling_features == {SamplingFeature.PENALTIES, SamplingFeature.TOP_K, SamplingFeature.MIN_TOKENS}
+    assert sim.refuses(SamplingParams(top_k=3, frequency_penalty=1.0)) is None
+    assert sim.refuses(None) is None
+    assert sim.refuses(SamplingParams(logprobs=1, stop_token_ids=(2,))) == (
+        "the sim engine does not honour logprobs, stop_token_ids (it honours: min_tokens, penalties, top_k)"
+    )
+    torch_backend = make_backend("torch", BackendConfig(instance_id="x", num_blocks=8))
+    assert torch_backend.refuses(SamplingParams(logprobs=1, top_k=2, min_tokens=1, presence_penalty=1)) is None
+    assert "does not honour guided_decoding" in (
+        torch_backend.refuses(SamplingParams(guided=GuidedDecoding("json_object"))) or ""
+    )
+
+
+def test_an_unmigratable_request_is_not_a_migration_candidate() -> None:
+    from rack_sched.convert import load_from_pb as rack_load_from_pb
+
+    load = EngineLoad(
+        total_blocks=10,
+        used_blocks=4,
+        reserved_blocks=0,
+        cached_blocks=0,
+        running=(
+            RunningRequestLoad("a", 2, 0, 20, True),
+            RunningRequestLoad("b", 2, 0, 20, True, unmigratable_reason="stop strings in the engine"),
+        ),
+    )
+    report = load_to_pb(load, "i0", "d")
+    assert load_from_pb(report) == load
+    assert [r.migratable for r in load.to_instance_load("i0", "d").running] == [True, False]
+    assert [r.migratable for r in rack_load_from_pb(report, "i0", "d").running] == [True, False]
+
+
 def test_submit_is_checked_field_by_field() -> None:
     ok = pb.SubmitRequest(request_id="r", prompt_tokens=0, prompt_token_ids=[4, 5], origin="h:1")
     ok.sampling.CopyFrom(sampling_to_pb(SamplingParams(max_tokens=3, seed=1)))
@@ -276,6 +360,20 @@ def test_collector_orders_deduplicates_and_follows_the_owner_epoch() -> None:
         got = await col.wait("r", 1.0)
         assert got.token_ids == (10, 20, 30, 40, 50, 60) and got.done and got.finish_reason == "length"
         assert (got.duplicates, got.conflicts, got.epoch) == (2, 0, 1)
+        col.expect("lp", "src:1")  # logprobs travel with their tokens, reordered and de-duplicated alike
+        lp = [TokenLogprobs(-float(i), ((i, -float(i)),)) for i in range(4)]
+        with_lp = _chunk(2, [30, 40], finished=True)
+        with_lp.request_id = "lp"
+        with_lp.logprobs.extend(logprobs_to_pb(e) for e in lp[2:])
+        col._push(with_lp)
+        first = _chunk(0, [10, 20])
+        first.request_id = "lp"
+        first.logprobs.extend(logprobs_to_pb(e) for e in lp[:2])
+        col._push(first)
+        col._push(first)  # a retried push
+        got_lp = await col.wait("lp", 1.0)
+        assert got_lp.token_ids == (10, 20, 30, 40) and got_lp.logprobs == tuple(lp)
+        assert col.get("r").logprobs == ()  # a request without logprobs has none
         col.expect("q", "")
         with pytest.raises(TimeoutError, match="'q' not done"):
             await col.wait("q", 0.01)

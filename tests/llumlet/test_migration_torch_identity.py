@@ -3,7 +3,8 @@ requests run without migration.
 
 Three torch llumlet processes (the CPU reference engine, a tiny seeded Llama) in a two-domain topology:
 ``a0``, ``a1`` in NVLink domain ``dom-a`` (local shared-memory transport), ``b0`` in ``dom-b`` (rate-capped
-gRPC stream). Greedy and seeded-sampling requests are migrated at random points — once, several times,
+gRPC stream). Greedy and seeded-sampling requests (some with top-k, min_tokens, the three penalties and
+logprobs, whose per-token logprobs must match too) are migrated at random points — once, several times,
 back and forth, inside and across domains — while reference copies of the same requests run unmigrated
 beside them, so batches keep changing. Processes start once for the module.
 """
@@ -93,12 +94,19 @@ def make_cases(rng: random.Random, n: int) -> list[Case]:
     cases = []
     for i in range(n):
         sampled = i % 2 == 1
+        shaped = i % 4 == 1  # every other seeded request also uses every optional sampling setting
         sampling = SamplingParams(
             max_tokens=rng.randrange(50, 90),
             temperature=0.8 if sampled else 0.0,
             top_p=0.9 if sampled else 1.0,
             seed=1000 + i if sampled else None,
             ignore_eos=i % 3 != 0,
+            top_k=30 if shaped else 0,
+            min_tokens=10 if shaped else 0,
+            repetition_penalty=1.2 if shaped else 1.0,
+            frequency_penalty=0.5 if shaped else 0.0,
+            presence_penalty=0.3 if shaped else 0.0,
+            logprobs=2 if shaped else None,
         )
         prompt = [rng.randrange(3, 512) for _ in range(rng.randrange(20, 120))]
         cases.append(Case(f"m{i}", prompt, sampling, home=("a0", "a1", "b0")[i % 3], moves=1 + i % 4))
@@ -146,6 +154,9 @@ def test_migrated_streams_equal_unmigrated_ones(llumlets: dict[str, LlumletProce
                 ref = await col.wait(f"ref-{case.rid}", 30)
                 assert ref.error == "" and got.error == "", (case.rid, got.error, ref.error)
                 assert got.token_ids == ref.token_ids, f"{case.rid}: migrated stream differs from the reference"
+                assert got.logprobs == ref.logprobs and len(got.logprobs) == (
+                    len(got.token_ids) if case.sampling.logprobs is not None else 0
+                )
                 assert got.finish_reason == ref.finish_reason and got.conflicts == 0
                 committed = [r for r in case.reports if r.outcome == pb.MIGRATION_COMMITTED]
                 assert got.epoch == len(committed)

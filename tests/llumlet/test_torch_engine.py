@@ -52,14 +52,7 @@ def request(
     rid: str, prompt: Sequence[int], max_tokens: int, params: SamplingParams | None = None, arrival_s: float = 0.0
 ) -> EngineRequest:
     if params is not None:
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            seed=params.seed,
-            ignore_eos=params.ignore_eos,
-            stop_token_ids=params.stop_token_ids,
-        )
+        params = dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
     return EngineRequest(
         rid, len(prompt), max_tokens, arrival_s=arrival_s, prompt_token_ids=tuple(prompt), sampling_params=params
     )

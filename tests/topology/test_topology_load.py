@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from topology.load import BUNDLED_NAMES, TopologyError, load_topology, parse_topology
+from topology.load import BUNDLED_NAMES, TopologyError, load_topology, parse_topology, tokenizer_errors
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -337,3 +338,23 @@ def test_file_and_bundled_name_give_the_same_topology(tmp_path: Path) -> None:
     path.write_text(src)
     assert load_topology(path).instances == load_topology("2x8-a100").instances
     assert load_topology(str(path)).source == str(path)
+
+
+def test_tokenizer_key_paths_and_errors(tmp_path: Path) -> None:
+    data = base()
+    data["models"][0]["tokenizer"] = "models/llama-tok"
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(data))
+    topo = load_topology(tmp_path / "cluster.yaml")
+    assert topo.models["llama-2-7b"].tokenizer == str(tmp_path / "models" / "llama-tok")  # the file's folder
+    assert tokenizer_errors(topo) == [
+        f"{tmp_path / 'cluster.yaml'}: models[0].tokenizer: {tmp_path / 'models' / 'llama-tok'} does not exist "
+        "(model llama-2-7b: need the directory of its Hugging Face tokenizer)"
+    ]
+    (tmp_path / "models" / "llama-tok").mkdir(parents=True)
+    assert tokenizer_errors(topo) == []
+    assert load_topology("1x8-a100").models["llama-2-7b"].tokenizer is None
+    data["models"][0]["tokenizer"] = "/abs/tok"
+    assert parse_topology(data, "t.yaml", base_dir=tmp_path).models["llama-2-7b"].tokenizer == "/abs/tok"
+    for bad, message in [(7, "expected a string, got 7 (int)"), ("", "must not be empty")]:
+        data["models"][0]["tokenizer"] = bad
+        assert any(e.startswith("t.yaml: models[0].tokenizer: ") and message in e for e in errors_of(data)), bad
