@@ -576,7 +576,12 @@ class Llumlet:
                 stages.append(await self._copy(peer, transport, rec, copied, full, len(stages), last=False))
                 copied = full
                 await self._hooks.stage_copied(rid, attempt, len(stages) - 1)
-            # last stage: suspended between two steps
+            # last stage: suspended between two steps. Grow the reservation first, while the request still
+            # decodes, by one block for a step that may run before the suspension: the last stage then
+            # rarely needs a Reserve round trip in the downtime (best effort: it grows there if needed).
+            _, held = await self._kv_or_end(rec)
+            with contextlib.suppress(_Failed):
+                reserved = await self._grow(peer, rid, attempt, held + 1, reserved)
             self._check_alive(rec)
             suspended = await self._call(self.engine.suspend, rid)
             if suspended is None:

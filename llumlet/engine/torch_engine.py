@@ -190,6 +190,7 @@ class TorchEngine(PagedEngine):
         if eos_token_id is not None and not 0 <= eos_token_id < vocab:
             raise ValueError(f"{instance_id}: eos_token_id = {eos_token_id} outside the vocabulary [0, {vocab})")
         self.eos_token_id = eos_token_id
+        self._vocab_size = vocab  # read once: a transformers config attribute costs ~8 us per access
         self.blocks = BlockManager(num_blocks, block_size_tokens, enable_prefix_caching=False)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.num_layers = int(self.config.num_hidden_layers)
@@ -219,7 +220,7 @@ class TorchEngine(PagedEngine):
     @property
     def vocab_size(self) -> int:
         """Token ids are in ``[0, vocab_size)``."""
-        return int(self.config.vocab_size)
+        return self._vocab_size
 
     def max_request_tokens(self) -> int:
         """Largest prompt + output (tokens) one request may have: the pool and the model's positions."""
@@ -255,9 +256,10 @@ class TorchEngine(PagedEngine):
     ) -> SamplingParams:
         if prompt is None:
             raise ValueError(f"{where}: the torch engine needs prompt_token_ids")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        vocab = self._vocab_size
+        if prompt and (min(prompt) < 0 or max(prompt) >= vocab):  # C-speed scan: a commit runs this too
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            raise ValueError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         if params is None:
             return SamplingParams(max_tokens=max_tokens, temperature=0.0)
         if params.max_tokens != max_tokens:
