@@ -663,20 +663,25 @@ class Llumlet:
     async def _copy(
         self, peer: LlumletClient, transport: Transport, rec: _Owned, first: int, end: int, stage: int, last: bool
     ) -> StageStats:
-        """Copy blocks ``[first, end)`` of the request as one stage."""
+        """Copy blocks ``[first, end)`` of the request as one stage.
+
+        The blocks are pinned down under the engine lock once (``Engine.begin_read``) and copied out in a
+        worker thread without it, one message (``chunk_bytes``) at a time, while the engine keeps stepping;
+        a pre-copy stage then checks under the lock that the request held those blocks throughout.
+        """
         if end <= first:
             return StageStats(stage, last, 0, 0, 0.0)
         per_msg = max(1, self.config.migration.chunk_bytes // max(1, self.engine.kv_bytes_per_block))
         stream = transport.open(peer.stub, rec.request_id, rec.migrating)
         try:
-            pos = first
-            while pos < end:
-                n = min(per_msg, end - pos)
+            run = await self._call(self.engine.begin_read, rec.request_id, first, end - first)
+            for pos in range(first, end, per_msg):
                 if not last:
                     self._check_alive(rec)
-                payload: KVPayload = await self._call(self.engine.read_blocks, rec.request_id, pos, n)
+                payload: KVPayload = await asyncio.to_thread(run.copy, pos, min(per_msg, end - pos))
                 await stream.send(payload)
-                pos += n
+            if not last and not await self._call(run.still_valid):
+                raise _Failed(f"{rec.request_id!r} was preempted during pre-copy stage {stage}: its blocks were freed")
             stats = await stream.close()
         except BaseException:
             await stream.abort()

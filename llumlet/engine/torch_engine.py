@@ -389,27 +389,18 @@ class TorchEngine(PagedEngine):
         return flat[None, :, :num_tokens, :]
 
     # ---- migration: source side -----------------------------------------------------------------
-    def read_blocks(self, request_id: str, first_block: int, num_blocks: int) -> KVPayload:
-        """The K/V of ``num_blocks`` blocks from position ``first_block`` of the request's block table.
+    def _copy_out(self, first_block: int, block_ids: Sequence[int]) -> KVPayload:
+        """The K/V of physical blocks ``block_ids``.
 
         ``data`` = raw float32 bytes (native order, C-contiguous) of a tensor
-        ``[num_layers, 2, num_blocks, num_kv_heads, block_size_tokens, head_dim]`` and nothing else;
-        ``nbytes == len(data) == num_blocks x kv_bytes_per_block``. Slots of the last block past the
-        request's tokens hold stale values (never read: attention masks them).
-
-        Raises KeyError for an unknown request, IndexError past its last block.
+        ``[num_layers, 2, len(block_ids), num_kv_heads, block_size_tokens, head_dim]`` and nothing else;
+        ``nbytes == len(data) == len(block_ids) x kv_bytes_per_block``. Slots of the last block past the
+        request's tokens hold stale values (never read: attention masks them). Reads the pool only, so it
+        may run while another thread steps the engine.
         """
-        if request_id not in self.scheduler.requests:
-            raise KeyError(f"{self.instance_id}: read_blocks: unknown request {request_id!r}")
-        table = self.blocks.block_table(request_id)
-        if first_block < 0 or num_blocks < 0 or first_block + num_blocks > len(table):
-            raise IndexError(
-                f"{self.instance_id}: read_blocks({request_id!r}, {first_block}, {num_blocks}): "
-                f"it holds {len(table)} blocks"
-            )
-        index = torch.tensor(table[first_block : first_block + num_blocks], dtype=torch.long)
+        index = torch.tensor(list(block_ids), dtype=torch.long)
         data = self.kv_cache[:, :, index].contiguous().numpy().tobytes()
-        return KVPayload(first_block, num_blocks, num_blocks * self.kv_bytes_per_block, data)
+        return KVPayload(first_block, len(block_ids), len(block_ids) * self.kv_bytes_per_block, data)
 
     def suspend(self, request_id: str) -> MigrationState | None:
         """Between two steps: take a running decode-phase request out of batching; it keeps its blocks.

@@ -44,7 +44,7 @@ def llumlets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Llu
     model = tiny_llama_checkpoint(tmp / "tiny-llama")
     args = ["--block-size", str(BLOCK), "--min-step-s", "0.01", "--engine-option", f"model={model}"]
     args += ["--engine-option", "dtype=float32", "--engine-option", f"kv_cache_memory_bytes={KV_BYTES}"]
-    args += ["--engine-option", "max_model_len=512", "--max-num-seqs", "8"]
+    args += ["--engine-option", "max_model_len=512", "--max-num-seqs", "8", "--engine-option", "enforce_eager=true"]
     procs = {i: LlumletProcess(i, args, tmp / f"{i}.log", engine="vllm") for i in ("v0", "v1")}
     try:
         for proc in procs.values():
