@@ -681,6 +681,7 @@ class Llumlet:
                 payload: KVPayload = await asyncio.to_thread(run.copy, pos, min(per_msg, end - pos))
                 await stream.send(payload)
             if not last and not await self._call(run.still_valid):
+                self._check_alive(rec)  # it finished (or was aborted): _Ended
                 raise _Failed(f"{rec.request_id!r} was preempted during pre-copy stage {stage}: its blocks were freed")
             stats = await stream.close()
         except BaseException:
