@@ -15,8 +15,9 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from llumlet.agent import Llumlet, LlumletConfig, MigrationConfig
+from llumlet.agent import Llumlet, LlumletConfig
 from llumlet.backends import BACKEND_NAMES, BackendConfig, UnknownBackendError, make_backend
+from llumlet.migration_types import MigrationConfig
 from llumlet.server import serve
 from topology.load import TopologyError, load_topology
 from topology.spec import Topology
@@ -39,8 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests per batch at most")
     p.add_argument("--seed", type=int, default=0, help="backend seed (torch: model weights)")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE", help="backend option")
-    p.add_argument("--max-stages", type=int, default=4, help="pre-copy stages before the last one")
-    p.add_argument("--stop-remaining-blocks", type=int, default=2, help="last stage at <= this many new blocks")
     p.add_argument("--reservation-expiry-s", type=float, default=5.0, help="release an idle reservation after")
     p.add_argument("--cap-fraction", type=float, default=0.2, help="grpc transport: share of the path bandwidth")
     p.add_argument("--grpc-rate-cap", type=float, default=0.0, help="grpc transport cap, bytes/s (0 = topology)")
@@ -84,8 +83,6 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
         ),
     )
     migration = MigrationConfig(
-        max_stages=ns.max_stages,
-        stop_remaining_blocks=ns.stop_remaining_blocks,
         reservation_expiry_s=ns.reservation_expiry_s,
         cap_fraction=ns.cap_fraction,
         grpc_rate_cap_bytes_per_s=ns.grpc_rate_cap,

@@ -9,8 +9,9 @@ from types import TracebackType
 from hilum_proto.tls import open_channel
 from hilum_proto.v1 import llumlet_pb2 as pb
 from hilum_proto.v1 import llumlet_pb2_grpc as pb_grpc
-from llumlet.convert import sampling_to_pb
+from llumlet.convert import commit_to_pb, dest_status_from_pb, sampling_to_pb
 from llumlet.engine.types import SamplingParams
+from llumlet.migration_types import CommitCall, DestReply, Released, Reserved
 
 __all__ = ["LlumletClient"]
 
@@ -113,10 +114,10 @@ class LlumletClient:
             msg.stop_remaining_blocks = stop_remaining_blocks
         return await self.stub.MigrateOut(msg, timeout=self.migrate_timeout_s)
 
-    # ---- destination side (what a source llumlet calls) -----------------------------------------
+    # ---- destination side (what a source llumlet calls; dataclasses in and out) -----------------
     async def reserve(
         self, request_id: str, attempt: int, num_blocks: int, *, src_instance_id: str = "", expiry_s: float = 0.0
-    ) -> pb.ReserveReply:
+    ) -> Reserved:
         """Reserve (or grow a reservation to) ``num_blocks`` for ``(request_id, attempt)``."""
         msg = pb.ReserveRequest(
             request_id=request_id,
@@ -125,13 +126,16 @@ class LlumletClient:
             num_blocks=num_blocks,
             expiry_s=expiry_s,
         )
-        return await self.stub.Reserve(msg, timeout=self.timeout_s)
+        reply = await self.stub.Reserve(msg, timeout=self.timeout_s)
+        return Reserved(dest_status_from_pb(reply.status), reply.reason, reply.reservation_id, reply.num_blocks)
 
-    async def commit(self, msg: pb.CommitRequest) -> pb.CommitReply:
-        """Commit an incoming request."""
-        return await self.stub.Commit(msg, timeout=self.timeout_s)
+    async def commit(self, call: CommitCall) -> DestReply:
+        """Commit an incoming request. Raises ``llumlet.convert.UnmovableStateError`` for unmovable state."""
+        reply = await self.stub.Commit(commit_to_pb(call), timeout=self.timeout_s)
+        return DestReply(dest_status_from_pb(reply.status), reply.reason)
 
-    async def release(self, request_id: str, attempt: int, *, timeout_s: float | None = None) -> pb.ReleaseReply:
+    async def release(self, request_id: str, attempt: int, *, timeout_s: float | None = None) -> Released:
         """Release the reservation of ``(request_id, attempt)`` (idempotent)."""
         msg = pb.ReleaseRequest(request_id=request_id, attempt=attempt)
-        return await self.stub.Release(msg, timeout=timeout_s or self.timeout_s)
+        reply = await self.stub.Release(msg, timeout=timeout_s or self.timeout_s)
+        return Released(dest_status_from_pb(reply.status), reply.committed, reply.released_blocks)

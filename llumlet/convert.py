@@ -16,10 +16,15 @@ from typing import Any
 
 from hilum_proto.v1 import llumlet_pb2 as pb
 from llumlet.engine.types import EngineLoad, EngineRequest, MigrationState, RunningRequestLoad, SamplingParams
+from llumlet.migration_types import CommitCall, DestStatus
 
 __all__ = [
     "UnmovableStateError",
+    "commit_from_pb",
+    "commit_to_pb",
     "decode_extra",
+    "dest_status_from_pb",
+    "dest_status_to_pb",
     "encode_extra",
     "load_from_pb",
     "load_to_pb",
@@ -171,6 +176,8 @@ def load_to_pb(load: EngineLoad, instance_id: str, domain_id: str) -> pb.LoadRep
                 priority=r.priority,
                 num_tokens=r.num_tokens,
                 in_decode=r.in_decode,
+                output_tokens=r.output_tokens,
+                max_tokens=r.max_tokens,
             )
             for r in load.running
         ],
@@ -190,7 +197,10 @@ def load_from_pb(msg: pb.LoadReport) -> EngineLoad:
         reserved_blocks=msg.reserved_blocks,
         cached_blocks=msg.cached_blocks,
         running=tuple(
-            RunningRequestLoad(r.request_id, r.blocks, r.priority, r.num_tokens, r.in_decode) for r in msg.running
+            RunningRequestLoad(
+                r.request_id, r.blocks, r.priority, r.num_tokens, r.in_decode, r.output_tokens, r.max_tokens
+            )
+            for r in msg.running
         ),
         num_waiting=msg.num_waiting,
         head_demand_blocks=msg.head_demand_blocks,
@@ -241,4 +251,50 @@ def state_from_pb(msg: pb.SuspendedRequest) -> MigrationState:
         output_token_ids=tuple(msg.output_token_ids),
         sampling_params=sampling_from_pb(msg.sampling) if msg.has_sampling else None,
         extra=decode_extra(msg.extra),
+    )
+
+
+_DEST_TO_PB = {
+    DestStatus.OK: pb.DEST_OK,
+    DestStatus.STALE: pb.DEST_STALE,
+    DestStatus.REFUSED: pb.DEST_REFUSED,
+    DestStatus.NO_ROOM: pb.DEST_NO_ROOM,
+    DestStatus.FAILED: pb.DEST_FAILED,
+}
+_DEST_FROM_PB = {v: k for k, v in _DEST_TO_PB.items()}
+
+
+def dest_status_to_pb(status: DestStatus) -> pb.DestStatus.ValueType:
+    """:class:`DestStatus` -> ``hilum.v1.DestStatus``."""
+    return _DEST_TO_PB[status]
+
+
+def dest_status_from_pb(value: pb.DestStatus.ValueType) -> DestStatus:
+    """``hilum.v1.DestStatus`` -> :class:`DestStatus`; an unknown value (a newer peer) reads as FAILED."""
+    return _DEST_FROM_PB.get(value, DestStatus.FAILED)
+
+
+def commit_to_pb(call: CommitCall) -> pb.CommitRequest:
+    """:class:`CommitCall` -> ``hilum.v1.CommitRequest``. Raises :class:`UnmovableStateError` (``extra``)."""
+    return pb.CommitRequest(
+        request_id=call.request_id,
+        attempt=call.attempt,
+        state=state_to_pb(call.state),
+        origin=call.origin,
+        next_seq=call.next_seq,
+        epoch=call.epoch,
+        src_instance_id=call.src_instance_id,
+    )
+
+
+def commit_from_pb(msg: pb.CommitRequest) -> CommitCall:
+    """``hilum.v1.CommitRequest`` -> :class:`CommitCall`. Raises ValueError on a malformed state."""
+    return CommitCall(
+        request_id=msg.request_id,
+        attempt=msg.attempt,
+        state=state_from_pb(msg.state),
+        origin=msg.origin,
+        next_seq=msg.next_seq,
+        epoch=msg.epoch,
+        src_instance_id=msg.src_instance_id,
     )

@@ -1,6 +1,7 @@
 """The llumlet's gRPC service (``hilum.v1.Llumlet``, grpc.aio): a thin edge over :class:`llumlet.agent.Llumlet`.
 
-Malformed requests get ``INVALID_ARGUMENT`` naming the field; everything else is answered in the reply
+Every protobuf message is converted here, and only here, to and from the llumlet's dataclasses. Malformed
+requests get ``INVALID_ARGUMENT`` naming the field; everything else is answered in the reply
 (``accepted``/``reason``, ``DestStatus``, ``MigrationOutcome``).
 """
 
@@ -15,9 +16,13 @@ import grpc
 from hilum_proto.tls import add_port, new_server
 from hilum_proto.v1 import llumlet_pb2 as pb
 from hilum_proto.v1 import llumlet_pb2_grpc as pb_grpc
-from llumlet.agent import Llumlet, MigrationCommand, MigrationOutcome, MigrationReport
-from llumlet.convert import request_from_submit
-from llumlet.transport import TransportName
+from llumlet.agent import Llumlet
+from llumlet.convert import commit_from_pb, dest_status_to_pb, load_to_pb, request_from_submit
+from llumlet.driver import LoadSnapshot
+from llumlet.engine.protocol import KVPayload
+from llumlet.migration_in import IncomingChunk
+from llumlet.migration_types import DestStatus, MigrationCommand, MigrationOutcome, MigrationReport
+from llumlet.transport import TransportName, read_shm
 
 __all__ = ["LlumletService", "command_from_pb", "report_to_pb", "serve"]
 
@@ -81,7 +86,14 @@ class LlumletService(pb_grpc.LlumletServicer):
         self._migrations: set[asyncio.Task[MigrationReport]] = set()
 
     async def Ping(self, request: pb.LlumletPingRequest, context: _Ctx) -> pb.LlumletPingReply:
-        return self._l.ping()
+        info = self._l.ping()
+        return pb.LlumletPingReply(
+            instance_id=info.instance_id,
+            domain_id=info.domain_id,
+            engine=info.engine,
+            block_size_tokens=info.block_size_tokens,
+            kv_bytes_per_block=info.kv_bytes_per_block,
+        )
 
     async def Submit(self, request: pb.SubmitRequest, context: _Ctx) -> pb.SubmitReply:
         try:
@@ -96,11 +108,20 @@ class LlumletService(pb_grpc.LlumletServicer):
         return pb.AbortReply(found=found, forwarded_to=forwarded_to)
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: _Ctx) -> pb.LoadReport:
-        return await self._l.load_report()
+        return self._load(await self._l.load())
 
     async def WatchLoad(self, request: pb.WatchLoadRequest, context: _Ctx) -> AsyncIterator[pb.LoadReport]:
-        async for report in self._l.watch_load(request.min_interval_s):
-            yield report
+        async for snap in self._l.watch_load(request.min_interval_s):
+            yield self._load(snap)
+
+    def _load(self, snap: LoadSnapshot) -> pb.LoadReport:
+        msg = load_to_pb(snap.load, self._l.config.instance_id, self._l.config.domain_id)
+        msg.num_requests = snap.num_requests
+        msg.num_reservations = snap.num_reservations
+        msg.num_migrations_out = snap.num_migrations_out
+        msg.version = snap.version
+        msg.recent_step_s = snap.recent_step_s
+        return msg
 
     async def MigrateOut(self, request: pb.MigrateOutRequest, context: _Ctx) -> pb.MigrateOutReply:
         try:
@@ -114,16 +135,52 @@ class LlumletService(pb_grpc.LlumletServicer):
         return report_to_pb(await asyncio.shield(task))
 
     async def Reserve(self, request: pb.ReserveRequest, context: _Ctx) -> pb.ReserveReply:
-        return await self._l.reserve(request)
+        got = await self._l.reserve(
+            request.request_id,
+            request.attempt,
+            request.num_blocks,
+            src_instance_id=request.src_instance_id,
+            expiry_s=request.expiry_s,
+        )
+        return pb.ReserveReply(
+            status=dest_status_to_pb(got.status),
+            reason=got.reason,
+            reservation_id=got.reservation_id,
+            num_blocks=got.num_blocks,
+        )
 
     async def WriteBlocks(self, request_iterator: AsyncIterator[pb.BlockChunk], context: _Ctx) -> pb.WriteBlocksReply:
-        return await self._l.write_blocks(request_iterator)
+        async def chunks() -> AsyncIterator[IncomingChunk]:
+            async for chunk in request_iterator:
+                data = read_shm(chunk.shm) if chunk.shm.name else chunk.data
+                payload = KVPayload(chunk.first_block, chunk.num_blocks, chunk.nbytes, data)
+                yield IncomingChunk(chunk.request_id, chunk.attempt, payload)
+
+        got = await self._l.write_blocks(chunks())
+        return pb.WriteBlocksReply(
+            status=dest_status_to_pb(got.status),
+            reason=got.reason,
+            blocks_written=got.blocks,
+            bytes_written=got.bytes,
+        )
 
     async def Commit(self, request: pb.CommitRequest, context: _Ctx) -> pb.CommitReply:
-        return await asyncio.shield(self._l.commit(request))
+        try:
+            call = commit_from_pb(request)
+        except ValueError as exc:  # a stale or unknown attempt is answered as such, whatever its state
+            status, reason = self._l.destination.status_of(request.request_id, request.attempt)
+            if status is not DestStatus.OK:
+                return pb.CommitReply(status=dest_status_to_pb(status), reason=reason)
+            me = self._l.config.instance_id
+            return pb.CommitReply(status=pb.DEST_FAILED, reason=f"{me}: bad state of {request.request_id!r}: {exc}")
+        got = await asyncio.shield(self._l.commit(call))
+        return pb.CommitReply(status=dest_status_to_pb(got.status), reason=got.reason)
 
     async def Release(self, request: pb.ReleaseRequest, context: _Ctx) -> pb.ReleaseReply:
-        return await self._l.release(request)
+        got = await self._l.release(request.request_id, request.attempt)
+        return pb.ReleaseReply(
+            status=dest_status_to_pb(got.status), committed=got.committed, released_blocks=got.released_blocks
+        )
 
 
 async def serve(llumlet: Llumlet, listen: str) -> tuple[grpc.aio.Server, str]:

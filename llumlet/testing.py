@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from llumlet.agent import Llumlet, LlumletConfig, MigrationCommand, MigrationConfig, MigrationHooks
+from llumlet.agent import Llumlet, LlumletConfig
 from llumlet.backends import BackendConfig, make_backend
 from llumlet.client import LlumletClient
+from llumlet.migration_types import MigrationCommand, MigrationConfig, MigrationHooks
 from llumlet.server import serve
 from llumlet.transport import Transport
 from topology.spec import Topology

@@ -45,6 +45,8 @@ class RequestLoad:
     priority: int = 0  # 0 = normal; higher = more important (headroom per class in PolicyConfig)
     num_tokens: int = 0  # tokens in its KV cache (prompt + generated so far)
     migratable: bool = True  # False: the engine cannot move it (e.g. mid-prefill)
+    output_tokens: int = 0  # tokens generated so far
+    max_tokens: int = 0  # the request's output limit (its max_tokens); 0 = not known
 
     def __post_init__(self) -> None:
         where = f"RequestLoad({self.request_id!r})"
@@ -52,6 +54,8 @@ class RequestLoad:
         _require(self.blocks >= 0, where, f"blocks must be >= 0, got {self.blocks}")
         _require(self.priority >= 0, where, f"priority must be >= 0, got {self.priority}")
         _require(self.num_tokens >= 0, where, f"num_tokens must be >= 0, got {self.num_tokens}")
+        _require(self.output_tokens >= 0, where, f"output_tokens must be >= 0, got {self.output_tokens}")
+        _require(self.max_tokens >= 0, where, f"max_tokens must be >= 0, got {self.max_tokens}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,7 @@ class InstanceLoad:
     draining: bool = False  # being emptied (scale-in, maintenance): infinite virtual usage
     warming_up: bool = False  # freshly added: negative fake usage so it fills quickly
     domain_id: str = ""  # NVLink domain of the instance ("" when not known)
+    decode_step_s: float = 0.0  # duration of its most recent engine step, seconds (0 = not measured yet)
 
     def __post_init__(self) -> None:
         where = f"InstanceLoad({self.instance_id!r})"
@@ -105,6 +110,11 @@ class InstanceLoad:
             self.queued_demand_blocks == 0 or self.num_waiting > 0,
             where,
             f"queued_demand_blocks is {self.queued_demand_blocks} but num_waiting is 0",
+        )
+        _require(
+            math.isfinite(self.decode_step_s) and self.decode_step_s >= 0,
+            where,
+            f"decode_step_s must be a finite number >= 0, got {self.decode_step_s}",
         )
         object.__setattr__(self, "running", tuple(self.running))
         ids = {r.request_id for r in self.running}

@@ -10,7 +10,8 @@ import math
 
 from hilum_proto.v1 import llumlet_pb2
 from hilum_proto.v1 import rack_sched_pb2 as pb
-from policy.types import InstanceLoad, RequestLoad
+from llumlet.convert import load_from_pb as engine_load_from_pb
+from policy.types import InstanceLoad
 from rack_sched.types import DispatchOutcome, DispatchResult, DomainStateInfo
 
 __all__ = ["dispatch_reply", "domain_state", "load_from_pb", "prompt_length"]
@@ -23,7 +24,8 @@ _OUTCOME_TO_PB = {
 
 
 def load_from_pb(report: llumlet_pb2.LoadReport, instance_id: str, domain_id: str) -> InstanceLoad:
-    """The ``InstanceLoad`` of a llumlet's ``LoadReport`` (as ``EngineLoad.to_instance_load`` converts).
+    """The ``InstanceLoad`` of a llumlet's ``LoadReport``: ``llumlet.convert.load_from_pb`` then
+    ``EngineLoad.to_instance_load`` — the one conversion every tier uses — with the report's step time.
 
     ``used_blocks`` counts reservations for incoming migrations (they hold capacity); evictable cached prefix
     blocks count as free; suspended (leaving) requests are not running; a request still in prefill is not
@@ -35,27 +37,8 @@ def load_from_pb(report: llumlet_pb2.LoadReport, instance_id: str, domain_id: st
     """
     if report.instance_id and report.instance_id != instance_id:
         raise ValueError(f"load report of {instance_id}: it names instance {report.instance_id!r}")
-    used = report.used_blocks + report.reserved_blocks
-    return InstanceLoad(
-        instance_id=instance_id,
-        capacity_blocks=report.total_blocks,
-        used_blocks=min(used, report.total_blocks),
-        running=tuple(
-            RequestLoad(
-                request_id=r.request_id,
-                blocks=r.blocks,
-                priority=max(0, r.priority),
-                num_tokens=r.num_tokens,
-                migratable=r.in_decode,
-            )
-            for r in report.running
-        ),
-        num_waiting=report.num_waiting,
-        head_demand_blocks=report.head_demand_blocks if report.num_waiting else 0,
-        queued_demand_blocks=report.queued_demand_blocks if report.num_waiting else 0,
-        preempting=report.preempting,
-        domain_id=domain_id,
-    )
+    step_s = report.recent_step_s if math.isfinite(report.recent_step_s) and report.recent_step_s > 0 else 0.0
+    return engine_load_from_pb(report).to_instance_load(instance_id, domain_id, decode_step_s=step_s)
 
 
 def prompt_length(request: llumlet_pb2.SubmitRequest) -> int:

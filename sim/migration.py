@@ -5,9 +5,9 @@ The protocol is the one in DESIGN.md (after Llumnix §4.2) and the one the lluml
 1. the destination reserves blocks for the request (its blocks now plus the growth expected while
    the copy runs); no room -> the migration is aborted before anything moves;
 2. stage 0 copies every full block while the request keeps decoding on the source;
-3. each further stage copies the blocks that filled meanwhile; when the remainder is at most
-   ``CostConfig.stop_remaining_blocks`` full blocks, or after ``CostConfig.max_stages`` stages, the
-   source suspends the request at its next step boundary;
+3. each further stage copies the blocks that filled meanwhile; when to stop is
+   :class:`topology.cost.PrecopyRule` (the cost model's and the llumlets' rule, from ``CostConfig``): the
+   source then suspends the request at its next step boundary;
 4. the last stage copies the remainder (with the partial last block) and the request state; the
    destination commits and the request resumes there; downtime = suspend -> resume;
 5. the source frees its blocks. A request that finishes (or is aborted) before commit releases the
@@ -149,17 +149,12 @@ class MigrationExecutor:
         if blocks == 0 or full_blocks < move.copied_blocks:  # preempted (recompute) on the source: KV gone
             self._abort(move, "request was preempted on the source during pre-copy")
             return
-        remainder = -(-tokens // block_size) - move.copied_blocks  # the partial last block included
-        if move.stage > 0 and (
-            remainder <= self.cost.stop_remaining_blocks
-            or move.stage >= self.cost.max_stages
-            or full_blocks == move.copied_blocks
-        ):  # the stop rule of topology.cost's pre-copy loop
+        remaining = self.cost.precopy.next_live_stage(tokens, move.copied_blocks, move.stage, block_size)
+        if remaining is None:
             self.cluster.at_step_boundary(move.src, lambda: self._suspend(move))
             return
-        remaining = full_blocks - move.copied_blocks
         duration = self._copy_s(move, remaining)
-        move.copied_blocks = full_blocks
+        move.copied_blocks += remaining
         move.stage += 1
         self.cluster.queue.schedule_in(duration, EventKind.MIGRATION, lambda: self._stage_done(move))
 

@@ -15,7 +15,8 @@ Formulas (units: bytes, seconds, bytes/s; ``Bt`` = KV bytes per token, ``bs`` = 
   (minus the prefix blocks already on the destination), taking ``blocks·Bb / B``;
 * after each live stage the remainder is ``⌈n(T)/bs⌉ − blocks copied so far``; a further live stage copies
   the newly full blocks ``⌊n(T)/bs⌋ − copied``; the loop stops when the remainder ``≤ stop_remaining_blocks``,
-  after ``max_stages`` live stages, or when no block filled meanwhile;
+  after ``max_stages`` live stages, or when no block filled meanwhile. This stop rule is
+  :class:`PrecopyRule`, the one the simulator's migration executor and the llumlets run too;
 * downtime ``= remainder·Bb / B + suspend_resume_overhead_s``;
 * convergence (closed form): pre-copy shrinks the remainder only if the request produces KV more slowly than
   the path carries it, ``Bt / d < B``. Otherwise the plan is a blocking stop-and-copy of everything that
@@ -47,6 +48,7 @@ __all__ = [
     "MigrationCostInput",
     "MigrationPlan",
     "PlanMode",
+    "PrecopyRule",
     "bytes_per_link",
     "effective_bandwidth_bytes_per_s",
     "plan_migration",
@@ -67,6 +69,50 @@ def _check(ok: bool, what: str, value: object, expected: str) -> None:
 
 def _finite(x: float) -> bool:
     return isinstance(x, int | float) and math.isfinite(x)
+
+
+@dataclass(frozen=True, slots=True)
+class PrecopyRule:
+    """When multi-stage pre-copy suspends the request (module docstring): one rule, one configuration.
+
+    The cost model prices with it, the simulator's migration executor and every llumlet run it, so a move
+    approved against a downtime budget pauses as long as it was priced to.
+
+    ``max_stages``: live stages at most before the request is suspended (0: stop-and-copy, suspend at once).
+    ``stop_remaining_blocks``: suspend when at most this many blocks, the partial last block included, are
+    left to copy. Raises ValueError on a negative value.
+    """
+
+    max_stages: int = 8
+    stop_remaining_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_stages", "stop_remaining_blocks"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 0, name, value, "an int >= 0")
+
+    def next_live_stage(self, tokens: int, copied_blocks: int, stages_done: int, block_size_tokens: int) -> int | None:
+        """Blocks the next live stage copies (the full blocks ``[copied_blocks, tokens // bs)``), or None: suspend.
+
+        Args:
+            tokens: tokens whose KV the request holds now.
+            copied_blocks: leading blocks already at the destination.
+            stages_done: live stages copied so far.
+            block_size_tokens: tokens per KV block (``bs``).
+
+        Stage 0 copies every full block (possibly none); a later stage runs only while more than
+        ``stop_remaining_blocks`` blocks (``⌈tokens/bs⌉ − copied``) remain, fewer than ``max_stages`` stages ran
+        and a block filled since the last stage.
+        """
+        full = tokens // block_size_tokens
+        if stages_done >= self.max_stages:
+            return None
+        if stages_done == 0:
+            return full - copied_blocks
+        remainder = -(-tokens // block_size_tokens) - copied_blocks
+        if remainder <= self.stop_remaining_blocks or full == copied_blocks:
+            return None
+        return full - copied_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +158,11 @@ class CostConfig:
             self.suspend_resume_overhead_s,
             "a finite number >= 0",
         )
+
+    @property
+    def precopy(self) -> PrecopyRule:
+        """The pre-copy stop rule of these settings."""
+        return PrecopyRule(self.max_stages, self.stop_remaining_blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,18 +287,18 @@ def _precopy(inp: MigrationCostInput, cfg: CostConfig, bw: Fraction, skip_blocks
     bs = inp.block_size_tokens
     block_s = Fraction(inp.kv_bytes_per_token * bs) / bw
     step_s = _exact(inp.decode_step_s)
-    copied = inp.kv_tokens // bs
-    blocks = [copied - skip_blocks]
-    elapsed = blocks[0] * block_s
-    while True:
+    rule = cfg.precopy
+    copied = 0
+    blocks: list[int] = []
+    elapsed = Fraction(0)
+    tokens = inp.kv_tokens
+    while (stage := rule.next_live_stage(tokens, copied, len(blocks), bs)) is not None:
+        sent = stage - (skip_blocks if not blocks else 0)  # the prefix the destination holds is not sent
+        blocks.append(sent)
+        elapsed += sent * block_s
+        copied += stage
         tokens = inp.kv_tokens + math.floor(elapsed / step_s)
-        full = tokens // bs
-        remainder = -(-tokens // bs) - copied
-        if remainder <= cfg.stop_remaining_blocks or len(blocks) >= cfg.max_stages or full == copied:
-            break
-        blocks.append(full - copied)
-        elapsed += (full - copied) * block_s
-        copied = full
+    remainder = -(-tokens // bs) - copied
     blocks.append(remainder)
     return _Stages(blocks=tuple(blocks), live_s=elapsed, last_s=remainder * block_s)
 

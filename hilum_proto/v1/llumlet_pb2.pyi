@@ -375,6 +375,8 @@ class RunningRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     IN_DECODE_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     blocks: _builtins.int
     """KV blocks held"""
@@ -383,6 +385,10 @@ class RunningRequest(_message.Message):
     """prompt + output so far"""
     in_decode: _builtins.bool
     """prefill done (migratable)"""
+    output_tokens: _builtins.int
+    """output tokens so far"""
+    max_tokens: _builtins.int
+    """its output limit; 0 = not known"""
     def __init__(
         self,
         *,
@@ -391,10 +397,12 @@ class RunningRequest(_message.Message):
         priority: _builtins.int = ...,
         num_tokens: _builtins.int = ...,
         in_decode: _builtins.bool = ...,
+        output_tokens: _builtins.int = ...,
+        max_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "in_decode", b"in_decode", "num_tokens", b"num_tokens", "priority", b"priority", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "in_decode", b"in_decode", "max_tokens", b"max_tokens", "num_tokens", b"num_tokens", "output_tokens", b"output_tokens", "priority", b"priority", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -422,6 +430,7 @@ class LoadReport(_message.Message):
     NUM_RESERVATIONS_FIELD_NUMBER: _builtins.int
     NUM_MIGRATIONS_OUT_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    RECENT_STEP_S_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     domain_id: _builtins.str
     total_blocks: _builtins.int
@@ -442,6 +451,8 @@ class LoadReport(_message.Message):
     """outgoing migrations in flight"""
     version: _builtins.int
     """grows with every change"""
+    recent_step_s: _builtins.float
+    """duration of the most recent engine step, seconds (0 = none yet)"""
     @_builtins.property
     def running(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunningRequest]: ...
     def __init__(
@@ -463,10 +474,11 @@ class LoadReport(_message.Message):
         num_reservations: _builtins.int = ...,
         num_migrations_out: _builtins.int = ...,
         version: _builtins.int = ...,
+        recent_step_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "domain_id", b"domain_id", "head_demand_blocks", b"head_demand_blocks", "instance_id", b"instance_id", "num_migrations_out", b"num_migrations_out", "num_requests", b"num_requests", "num_reservations", b"num_reservations", "num_suspended", b"num_suspended", "num_waiting", b"num_waiting", "preempting", b"preempting", "queued_demand_blocks", b"queued_demand_blocks", "reserved_blocks", b"reserved_blocks", "running", b"running", "total_blocks", b"total_blocks", "used_blocks", b"used_blocks", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "domain_id", b"domain_id", "head_demand_blocks", b"head_demand_blocks", "instance_id", b"instance_id", "num_migrations_out", b"num_migrations_out", "num_requests", b"num_requests", "num_reservations", b"num_reservations", "num_suspended", b"num_suspended", "num_waiting", b"num_waiting", "preempting", b"preempting", "queued_demand_blocks", b"queued_demand_blocks", "recent_step_s", b"recent_step_s", "reserved_blocks", b"reserved_blocks", "running", b"running", "total_blocks", b"total_blocks", "used_blocks", b"used_blocks", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

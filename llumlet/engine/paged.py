@@ -60,6 +60,8 @@ class PagedEngine:
                     priority=s.request.priority,
                     num_tokens=s.num_tokens,
                     in_decode=s.in_decode,
+                    output_tokens=s.num_output_tokens,
+                    max_tokens=s.request.max_tokens,
                 )
                 for s in sched.running
             ),

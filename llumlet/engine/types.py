@@ -106,6 +106,8 @@ class RunningRequestLoad:
     priority: int
     num_tokens: int  # prompt + output tokens so far
     in_decode: bool  # prefill finished (only these are migratable)
+    output_tokens: int = 0  # output tokens so far
+    max_tokens: int = 0  # its output limit (0 = not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,12 +131,18 @@ class EngineLoad:
         return self.total_blocks - self.used_blocks - self.reserved_blocks - self.cached_blocks
 
     def to_instance_load(
-        self, instance_id: str, domain_id: str, draining: bool = False, warming_up: bool = False
+        self,
+        instance_id: str,
+        domain_id: str,
+        draining: bool = False,
+        warming_up: bool = False,
+        decode_step_s: float = 0.0,
     ) -> InstanceLoad:
         """Convert for the policy layer.
 
         ``used_blocks`` of the result counts reservations too (they hold capacity); evictable cached prefix
-        blocks count as free. Suspended requests are not in ``running`` (they are leaving).
+        blocks count as free. Suspended requests are not in ``running`` (they are leaving). ``decode_step_s``:
+        the engine's most recent step time, measured by whoever steps it (the llumlet, the simulator).
         """
         from policy.types import InstanceLoad, RequestLoad
 
@@ -149,6 +157,8 @@ class EngineLoad:
                     priority=r.priority,
                     num_tokens=r.num_tokens,
                     migratable=r.in_decode,
+                    output_tokens=r.output_tokens,
+                    max_tokens=r.max_tokens,
                 )
                 for r in self.running
             ),
@@ -159,6 +169,7 @@ class EngineLoad:
             draining=draining,
             warming_up=warming_up,
             domain_id=domain_id,
+            decode_step_s=decode_step_s,
         )
 
 

@@ -580,6 +580,8 @@ class VllmEngine:
                     priority=tracked.request.priority if tracked else 0,
                     num_tokens=int(r.num_tokens),
                     in_decode=r.num_computed_tokens >= r.num_prompt_tokens,
+                    output_tokens=int(r.num_output_tokens),
+                    max_tokens=tracked.request.max_tokens if tracked else 0,
                 )
             )
         waiting = list(sched.waiting)

@@ -108,17 +108,24 @@ def test_load_report_conversion() -> None:
         reserved_blocks=10,
         cached_blocks=7,
         running=[
-            llumlet_pb2.RunningRequest(request_id="a", blocks=30, priority=1, num_tokens=470, in_decode=True),
+            llumlet_pb2.RunningRequest(
+                request_id="a", blocks=30, priority=1, num_tokens=470, in_decode=True, output_tokens=70, max_tokens=200
+            ),
             llumlet_pb2.RunningRequest(request_id="b", blocks=10, num_tokens=150, in_decode=False),
         ],
         num_waiting=1,
         head_demand_blocks=4,
         queued_demand_blocks=4,
         preempting=True,
+        recent_step_s=0.031,
     )
     load = load_from_pb(report, "i0", "d")
     assert (load.capacity_blocks, load.used_blocks, load.free_blocks) == (100, 50, 50)  # reserved held, cached free
-    assert load.running == (RequestLoad("a", 30, 1, 470, True), RequestLoad("b", 10, 0, 150, False))
+    assert load.running == (
+        RequestLoad("a", 30, 1, 470, True, output_tokens=70, max_tokens=200),
+        RequestLoad("b", 10, 0, 150, False),
+    )
+    assert load.decode_step_s == 0.031  # every engine reports its recent step time
     assert (load.num_waiting, load.head_demand_blocks, load.preempting, load.draining) == (1, 4, True, False)
     with pytest.raises(ValueError, match="load report of i1: it names instance 'i0'"):
         load_from_pb(report, "i1", "d")

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from topology.cost import (
     CostConfig,
     MigrationCostInput,
+    PrecopyRule,
     bytes_per_link,
     effective_bandwidth_bytes_per_s,
     plan_migration,
@@ -263,3 +264,29 @@ def test_monotone_in_bandwidth(
     if q_slow.converges:
         assert q_fast.transfer_s <= q_slow.transfer_s * (1 + 1e-9)
         assert q_fast.downtime_s <= q_slow.downtime_s * (1 + 1e-9)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "copied", "stages_done", "expected"),
+    [
+        (100, 0, 0, 6),  # stage 0: every full block (100 // 16)
+        (8, 0, 0, 0),  # stage 0 with no full block: a live stage that copies nothing
+        (100, 6, 1, None),  # 7 blocks - 6 copied = 1 left (the partial one) <= 1: suspend
+        (113, 6, 1, 1),  # 8 - 6 = 2 left > 1 and block 7 filled: copy it
+        (112, 6, 1, None),  # exactly 7 full blocks and no partial one: 7 - 6 = 1 left <= 1: suspend
+        (129, 6, 3, None),  # max_stages 3 reached
+        (96, 6, 1, None),  # no block filled since the last stage
+    ],
+)
+def test_precopy_rule_is_table_driven(tokens: int, copied: int, stages_done: int, expected: int | None) -> None:
+    rule = PrecopyRule(max_stages=3, stop_remaining_blocks=1)
+    assert rule.next_live_stage(tokens, copied, stages_done, 16) == expected
+
+
+def test_one_precopy_rule_for_the_cost_model_the_simulator_and_the_llumlet() -> None:
+    from llumlet.migration_types import MigrationConfig
+
+    assert CostConfig().precopy == MigrationConfig().precopy == PrecopyRule()
+    assert PrecopyRule(max_stages=0).next_live_stage(1000, 0, 0, 16) is None  # stop-and-copy
+    with pytest.raises(ValueError, match="stop_remaining_blocks must be an int >= 0, got -1"):
+        PrecopyRule(stop_remaining_blocks=-1)

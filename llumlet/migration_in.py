@@ -1,0 +1,223 @@
+"""The destination side of a live migration: Reserve, WriteBlocks, Commit, Release (DESIGN.md "Migration").
+
+One reservation per request, of its newest attempt; an older attempt's message is answered ``STALE`` and
+changes nothing; every message of the current attempt extends the reservation's expiry; a reaper releases
+expired reservations. ``commit`` adopts the request, announces the new owner epoch to the origin
+(acknowledged before answering), and the engine loop resumes it. ``release`` is idempotent and says whether
+that attempt committed here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from llumlet.driver import EngineDriver, Owned
+from llumlet.engine.protocol import KVPayload
+from llumlet.migration_types import (
+    CommitCall,
+    DestReply,
+    DestStatus,
+    MigrationConfig,
+    Released,
+    Reserved,
+    Written,
+    reservation_id,
+)
+from llumlet.tokens import PushOutcome, TokenChunkOut
+from llumlet.transport import TransportError
+
+__all__ = ["IncomingChunk", "MigrationDestination"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class IncomingChunk:
+    """One run of blocks of a WriteBlocks stream, its data already read (inline or from shared memory)."""
+
+    request_id: str
+    attempt: int
+    payload: KVPayload
+
+
+@dataclass(slots=True)
+class _Reservation:
+    request_id: str
+    attempt: int
+    reservation_id: str
+    src_instance_id: str
+    expiry_s: float
+    deadline: float
+    blocks: int
+
+
+class MigrationDestination:
+    """Takes requests migrated to one llumlet (see the module docstring).
+
+    Args:
+        driver: the llumlet's engine driver.
+        config: migration settings (reservation expiry).
+        moved_ttl_s: how long committed attempts and attempt numbers are remembered.
+    """
+
+    def __init__(self, driver: EngineDriver, config: MigrationConfig, *, moved_ttl_s: float = 300.0) -> None:
+        self._d = driver
+        self.config = config
+        self._moved_ttl_s = moved_ttl_s
+        self.reservations: dict[str, _Reservation] = {}  # request_id -> its newest attempt's reservation
+        self._attempts: dict[str, tuple[int, float]] = {}  # request_id -> (newest attempt seen, when)
+        self._committed: dict[tuple[str, int], float] = {}  # (request_id, attempt) committed here -> when
+
+    def start(self) -> None:
+        """Start the reservation reaper (after the driver started)."""
+        self._d.spawn(self._reaper(), "reservation-reaper")
+
+    def status_of(self, request_id: str, attempt: int) -> tuple[DestStatus, str]:
+        """Whether ``(request_id, attempt)`` holds the current reservation here: (OK, "") or why not."""
+        _, status, reason = self._current(request_id, attempt)
+        return status, reason
+
+    def _current(self, request_id: str, attempt: int) -> tuple[_Reservation | None, DestStatus, str]:
+        """The reservation of ``(request_id, attempt)`` or (None, status, reason)."""
+        newest = self._attempts.get(request_id, (0, 0.0))[0]
+        if attempt < newest:
+            return None, DestStatus.STALE, f"attempt {attempt} of {request_id!r} is older than attempt {newest}"
+        cur = self.reservations.get(request_id)
+        if cur is None or cur.attempt != attempt:
+            rid = reservation_id(request_id, attempt)
+            return None, DestStatus.REFUSED, f"{self._d.instance_id}: no reservation {rid!r} (expired or released)"
+        return cur, DestStatus.OK, ""
+
+    async def reserve(
+        self, request_id: str, attempt: int, num_blocks: int, *, src_instance_id: str = "", expiry_s: float = 0.0
+    ) -> Reserved:
+        """Reserve ``num_blocks`` for ``(request_id, attempt)``, or grow the reservation of the same attempt."""
+        rid, d = request_id, self._d
+        me = d.instance_id
+        if not rid or attempt < 1:
+            return Reserved(DestStatus.REFUSED, f"{me}: need a request_id and attempt >= 1")
+        newest = self._attempts.get(rid, (0, 0.0))[0]
+        if attempt < newest:
+            return Reserved(DestStatus.STALE, f"attempt {attempt} of {rid!r} < newest {newest}")
+        if (rid, attempt) in self._committed or rid in d.owned:
+            return Reserved(DestStatus.REFUSED, f"{me}: {rid!r} already runs here")
+        self._attempts[rid] = (attempt, d.clock())
+        cur = self.reservations.get(rid)
+        if cur is not None and cur.attempt != attempt:  # an older attempt's leftovers
+            await self._release_local(cur, f"superseded by attempt {attempt}")
+            cur = None
+        res_id = reservation_id(rid, attempt)
+        if cur is None:
+            ok = await d.call(d.engine.reserve, res_id, num_blocks)
+            expiry = expiry_s or self.config.reservation_expiry_s
+            if ok:
+                cur = _Reservation(rid, attempt, res_id, src_instance_id, expiry, 0.0, num_blocks)
+                self.reservations[rid] = cur
+        else:
+            ok = await d.call(d.engine.grow_reservation, res_id, num_blocks)
+            if ok:
+                cur.blocks = max(cur.blocks, num_blocks)
+        if not ok or cur is None:
+            free = (await d.call(d.engine.load)).free_blocks
+            return Reserved(DestStatus.NO_ROOM, f"{me}: {num_blocks} blocks asked, {free} free", res_id)
+        cur.deadline = d.clock() + cur.expiry_s
+        d.bump()
+        return Reserved(DestStatus.OK, "", res_id, cur.blocks)
+
+    async def write_blocks(self, chunks: AsyncIterator[IncomingChunk]) -> Written:
+        """Store a stream of block runs into their reservation."""
+        written = nbytes = 0
+        d = self._d
+        try:
+            async for chunk in chunks:
+                cur, status, reason = self._current(chunk.request_id, chunk.attempt)
+                if cur is None:
+                    return Written(status, reason, written, nbytes)
+                try:
+                    await d.call(d.engine.write_blocks, cur.reservation_id, chunk.payload)
+                except (KeyError, IndexError, ValueError) as exc:
+                    return Written(DestStatus.FAILED, _describe(exc), written, nbytes)
+                cur.deadline = d.clock() + cur.expiry_s
+                written += chunk.payload.num_blocks
+                nbytes += chunk.payload.nbytes
+        except TransportError as exc:  # the data could not be read (a missing shared-memory segment)
+            return Written(DestStatus.FAILED, str(exc), written, nbytes)
+        return Written(DestStatus.OK, "", written, nbytes)
+
+    async def commit(self, call: CommitCall) -> DestReply:
+        """Adopt the request, announce the new owner to its origin, resume it."""
+        rid, attempt, d = call.request_id, call.attempt, self._d
+        me = d.instance_id
+        cur, status, reason = self._current(rid, attempt)
+        if cur is None:
+            return DestReply(status, reason)
+        if rid in d.owned:
+            return DestReply(DestStatus.REFUSED, f"{me}: {rid!r} already runs here")
+        if not call.origin:
+            return DestReply(DestStatus.FAILED, f"{me}: commit of {rid!r} names no origin")
+        if call.state.request_id != rid:
+            return DestReply(DestStatus.FAILED, f"{me}: state is of {call.state.request_id!r}, not {rid!r}")
+        async with d.lock:
+            try:
+                ok = await d.call_locked(d.engine.commit_incoming, cur.reservation_id, call.state)
+            except (KeyError, ValueError) as exc:
+                return DestReply(DestStatus.FAILED, f"{me}: {exc}")
+            if not ok:
+                return DestReply(DestStatus.NO_ROOM, f"{me}: the grown request of {rid!r} does not fit")
+            del self.reservations[rid]
+            self._committed[(rid, attempt)] = d.clock()
+            d.owned[rid] = Owned(rid, call.origin, next_seq=call.next_seq, epoch=call.epoch)
+            d.moved.pop(rid, None)
+            d.pusher.push(call.origin, TokenChunkOut(rid, call.next_seq, [], call.epoch))  # ownership
+        d.wake()
+        d.bump()
+        outcome = await d.pusher.flush(rid)
+        if outcome is not PushOutcome.ACKED:
+            if rid in d.owned:
+                await d.drop(rid, push=None)
+            return DestReply(DestStatus.FAILED, f"{me}: origin {call.origin}: {outcome.value}")
+        return DestReply(DestStatus.OK)
+
+    async def release(self, request_id: str, attempt: int) -> Released:
+        """Release ``(request_id, attempt)``'s reservation; idempotent; says if that attempt committed here."""
+        rid = request_id
+        if (rid, attempt) in self._committed:
+            return Released(DestStatus.OK, committed=True)
+        if attempt < self._attempts.get(rid, (0, 0.0))[0]:
+            return Released(DestStatus.STALE)
+        cur = self.reservations.get(rid)
+        if cur is None or cur.attempt != attempt:
+            return Released(DestStatus.OK)
+        n = await self._release_local(cur, "released by the source")
+        return Released(DestStatus.OK, released_blocks=n)
+
+    async def _release_local(self, cur: _Reservation, why: str) -> int:
+        d = self._d
+        if self.reservations.get(cur.request_id) is cur:
+            del self.reservations[cur.request_id]
+        n = await d.call(d.engine.release_reservation, cur.reservation_id)
+        _log.info("%s: reservation %s (%d blocks) released: %s", d.instance_id, cur.reservation_id, n, why)
+        d.bump()
+        return n
+
+    async def _reaper(self) -> None:
+        period = max(0.02, min(0.25, self.config.reservation_expiry_s / 4))
+        d = self._d
+        while True:
+            await asyncio.sleep(period)
+            now = d.clock()
+            for cur in [r for r in self.reservations.values() if r.deadline <= now]:
+                await self._release_local(cur, f"expired (no message for {cur.expiry_s} s)")
+            horizon = now - self._moved_ttl_s
+            d.forget_moved(horizon)
+            self._committed = {k: t for k, t in self._committed.items() if t > horizon}
+            self._attempts = {k: v for k, v in self._attempts.items() if v[1] > horizon or k in self.reservations}
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    return str(exc)

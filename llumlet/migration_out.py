@@ -1,0 +1,367 @@
+"""The source side of a live migration: ``MigrateOut`` (DESIGN.md "Migration", docs/migration.md).
+
+1. check the fencing token (``FencingGuard``), that the request runs here in decode, choose the transport;
+2. ``Reserve`` the request's blocks at the destination (reservation ``<request_id>@<attempt>``);
+3. pre-copy stages: copy every full block not yet copied while the request keeps decoding; a stage ends with
+   the destination's reply; when to stop is ``topology.cost.PrecopyRule`` — the rule the cost model prices
+   moves with (``0`` stages = stop-and-copy);
+4. suspend the request between two steps, copy the rest (partial block included) while flushing its pushed
+   tokens to the origin, ``Commit`` with the state, the origin, the next seq and the next owner epoch;
+5. on success free the blocks here (``free_migrated``) and remember where the request went (aborts are
+   forwarded); on any failure ``Release`` the destination (best effort; it also expires) and resume here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from clusterstate.fencing import FencingGuard, StaleToken
+from llumlet.client import LlumletClient
+from llumlet.convert import UnmovableStateError
+from llumlet.driver import EngineDriver, Owned
+from llumlet.engine.protocol import KVPayload
+from llumlet.engine.types import MigrationState
+from llumlet.migration_types import (
+    CommitCall,
+    DestStatus,
+    MigrationCommand,
+    MigrationConfig,
+    MigrationHooks,
+    MigrationOutcome,
+    MigrationReport,
+    StageStats,
+)
+from llumlet.tokens import PushOutcome
+from llumlet.transport import Transport, TransportError, choose_transport
+from topology.cost import PrecopyRule
+from topology.graph import TopologyGraph
+
+__all__ = ["MigrationSource"]
+
+_log = logging.getLogger(__name__)
+
+
+class _Ended(Exception):
+    """The request finished or was aborted on the source during the migration."""
+
+
+class _Failed(Exception):
+    """The migration failed; the request continues on the source."""
+
+
+class MigrationSource:
+    """Moves requests of one llumlet to other llumlets (see the module docstring).
+
+    Args:
+        driver: the llumlet's engine driver.
+        config: migration settings.
+        graph: chooses transports and rate caps (``TopologyGraph.path``); None = grpc, configured caps.
+        hooks: test seams.
+        transport_for: replaces the topology's transport choice (tests).
+    """
+
+    def __init__(
+        self,
+        driver: EngineDriver,
+        config: MigrationConfig,
+        *,
+        graph: TopologyGraph | None = None,
+        hooks: MigrationHooks | None = None,
+        transport_for: Callable[[MigrationCommand], Transport] | None = None,
+    ) -> None:
+        self._d = driver
+        self.config = config
+        self.graph = graph
+        self.fence = FencingGuard()
+        self._hooks = hooks or MigrationHooks()
+        self._transport_for = transport_for
+        self.in_flight = 0  # MigrateOut calls running now
+
+    async def migrate_out(self, cmd: MigrationCommand) -> MigrationReport:
+        """Migrate ``cmd.request_id`` to ``cmd.dst_address``; see the module doc. Never raises for RPC errors."""
+        d = self._d
+        t0 = d.clock()
+        rid = cmd.request_id
+        refused = self._precheck(cmd)
+        if refused is not None:
+            return MigrationReport(MigrationOutcome.REFUSED, refused)
+        reason = await d.call(d.engine.migratable, rid)
+        if reason is not None:
+            return MigrationReport(MigrationOutcome.REFUSED, reason)
+        rec = d.owned.get(rid)
+        if rec is None or rec.migrating:
+            return MigrationReport(MigrationOutcome.REFUSED, f"{d.instance_id}: {rid!r} left or is migrating")
+        rec.migrating = cmd.attempt
+        self.in_flight += 1
+        d.bump()
+        try:
+            try:
+                transport = await self._choose_transport(cmd)
+            except (KeyError, ValueError, grpc.aio.AioRpcError) as exc:
+                return MigrationReport(MigrationOutcome.REFUSED, f"no transport to {cmd.dst_address}: {exc}")
+            report = await self._migrate(rec, cmd, transport, t0)
+        finally:
+            rec.migrating = 0
+            rec.committing = False
+            self.in_flight -= 1
+            d.bump()
+        _log.info(
+            "%s: migrate %s@%d -> %s: %s %s (%d blocks, %.1f ms, downtime %.1f ms)",
+            d.instance_id,
+            rid,
+            cmd.attempt,
+            cmd.dst_address,
+            report.outcome.value,
+            report.reason,
+            report.blocks,
+            report.total_s * 1e3,
+            report.downtime_s * 1e3,
+        )
+        return report
+
+    def _precheck(self, cmd: MigrationCommand) -> str | None:
+        me = self._d.instance_id
+        if cmd.attempt < 1:
+            return f"{me}: attempt = {cmd.attempt}, need >= 1"
+        if not cmd.dst_address or cmd.dst_address == self._d.address:
+            return f"{me}: bad destination address {cmd.dst_address!r}"
+        if cmd.fencing_token:
+            try:
+                self.fence.check(cmd.fencing_token)
+            except (StaleToken, ValueError) as exc:
+                return f"{me}: {exc}"
+        rec = self._d.owned.get(cmd.request_id)
+        if rec is None:
+            return f"{me}: request {cmd.request_id!r} does not run here"
+        if rec.migrating:
+            return f"{me}: request {cmd.request_id!r} is already migrating (attempt {rec.migrating})"
+        return None
+
+    async def _choose_transport(self, cmd: MigrationCommand) -> Transport:
+        if self._transport_for is not None:
+            return self._transport_for(cmd)
+        dst_id = cmd.dst_instance_id
+        if self.graph is not None and not dst_id:
+            dst_id = (await self._d.peer(cmd.dst_address).ping()).instance_id
+        cfg = self.config
+        return choose_transport(
+            cmd.transport,
+            self.graph,
+            self._d.instance_id,
+            dst_id,
+            cap_fraction=cfg.cap_fraction,
+            grpc_rate_cap_bytes_per_s=cfg.grpc_rate_cap_bytes_per_s,
+            local_rate_cap_bytes_per_s=cfg.local_rate_cap_bytes_per_s,
+            override_rate_cap_bytes_per_s=cmd.rate_cap_bytes_per_s,
+        )
+
+    async def _migrate(self, rec: Owned, cmd: MigrationCommand, transport: Transport, t0: float) -> MigrationReport:
+        d, cfg = self._d, self.config
+        rid, attempt = cmd.request_id, cmd.attempt
+        peer = d.peer(cmd.dst_address)
+        rule = PrecopyRule(
+            0 if cmd.stop_and_copy else (cfg.precopy.max_stages if cmd.max_stages is None else cmd.max_stages),
+            cfg.precopy.stop_remaining_blocks if cmd.stop_remaining_blocks is None else cmd.stop_remaining_blocks,
+        )
+        block_size = d.engine.block_size_tokens
+        stages: list[StageStats] = []
+        copied = 0  # blocks [0, copied) are at the destination
+        reserved = 0
+        suspended: MigrationState | None = None
+
+        def report(outcome: MigrationOutcome, reason: str = "", downtime_s: float = 0.0) -> MigrationReport:
+            return MigrationReport(
+                outcome,
+                reason,
+                transport.name.value,
+                transport.rate_cap_bytes_per_s,
+                tuple(stages),
+                d.clock() - t0,
+                downtime_s,
+            )
+
+        try:
+            kv = await d.call(d.engine.request_kv, rid)
+            if kv is None:
+                return report(MigrationOutcome.REFUSED, f"{rid!r} finished before the migration started")
+            reply = await peer.reserve(
+                rid, attempt, kv[1], src_instance_id=d.instance_id, expiry_s=cfg.reservation_expiry_s
+            )
+            if reply.status is not DestStatus.OK:
+                return report(
+                    MigrationOutcome.REFUSED,
+                    f"destination {cmd.dst_address}: {reply.status.name}: {reply.reason}",
+                )
+            reserved = reply.num_blocks
+            # pre-copy stages: the request keeps decoding
+            while True:
+                tokens, _ = await self._kv_or_end(rec)
+                n = rule.next_live_stage(tokens, copied, len(stages), block_size)
+                if n is None:
+                    break
+                full = copied + n
+                reserved = await self._grow(peer, rid, attempt, full, reserved)
+                stages.append(await self._copy(peer, transport, rec, copied, full, len(stages), last=False))
+                copied = full
+                await self._hooks.stage_copied(rid, attempt, len(stages) - 1)
+            # last stage: suspended between two steps. Grow the reservation first, while the request still
+            # decodes, by one block for a step that may run before the suspension: the last stage then
+            # rarely needs a Reserve round trip in the downtime (best effort: it grows there if needed).
+            _, held = await self._kv_or_end(rec)
+            with contextlib.suppress(_Failed):
+                reserved = await self._grow(peer, rid, attempt, held + 1, reserved)
+            self._check_alive(rec)
+            suspended = await d.call(d.engine.suspend, rid)
+            if suspended is None:
+                raise _Ended(f"{rid!r} finished (or left decode) before the last stage")
+            t_suspend = d.clock()
+            if suspended.num_output_tokens != rec.next_seq:
+                raise _Failed(f"token numbering mismatch: engine {suspended.num_output_tokens}, llumlet {rec.next_seq}")
+            _, held = await self._kv_or_end(rec)
+            reserved = await self._grow(peer, rid, attempt, held, reserved)
+            flushed = asyncio.ensure_future(d.pusher.flush(rid))
+            try:
+                stages.append(await self._copy(peer, transport, rec, copied, held, len(stages), last=True))
+            finally:
+                pushed = await flushed
+            if pushed is not PushOutcome.ACKED:
+                raise _Ended(f"the origin of {rid!r} no longer takes its tokens ({pushed.value})")
+            await self._hooks.before_commit(rid, attempt)
+            self._check_alive(rec)
+            rec.committing = True
+            commit = CommitCall(
+                request_id=rid,
+                attempt=attempt,
+                state=suspended,
+                origin=rec.origin,
+                next_seq=rec.next_seq,
+                epoch=rec.epoch + 1,
+                src_instance_id=d.instance_id,
+            )
+            await self._commit(peer, commit)
+        except _Ended as exc:
+            await self._undo(peer, rec, attempt, suspended)
+            return report(MigrationOutcome.ABORTED, str(exc))
+        except (_Failed, TransportError, UnmovableStateError, KeyError, IndexError, grpc.aio.AioRpcError) as exc:
+            await self._undo(peer, rec, attempt, suspended)
+            why = _describe(exc)
+            if rid not in d.owned:
+                why = f"{rid!r} ended during the migration ({why})"
+            return report(MigrationOutcome.ABORTED, why)
+        except Exception as exc:  # a bug must not leave the request suspended: undo, report, log
+            _log.exception("%s: migration of %s@%d failed", d.instance_id, rid, attempt)
+            await self._undo(peer, rec, attempt, suspended)
+            return report(MigrationOutcome.ABORTED, f"internal error: {type(exc).__name__}: {exc}")
+        # committed: the destination runs the request now
+        await d.call(d.engine.free_migrated, rid)
+        d.owned.pop(rid, None)
+        d.moved[rid] = (cmd.dst_address, d.clock())
+        downtime_s = d.clock() - t_suspend
+        if rec.abort_requested:
+            d.spawn(self._forward_abort(cmd.dst_address, rid), f"forward-abort-{rid}")
+        d.bump()
+        return report(MigrationOutcome.COMMITTED, "", downtime_s)
+
+    def _check_alive(self, rec: Owned) -> None:
+        if self._d.owned.get(rec.request_id) is not rec:
+            raise _Ended(f"{rec.request_id!r} finished or was aborted during the migration")
+        if rec.abort_requested:
+            raise _Ended(f"{rec.request_id!r} was aborted by the client during the migration")
+
+    async def _kv_or_end(self, rec: Owned) -> tuple[int, int]:
+        self._check_alive(rec)
+        kv = await self._d.call(self._d.engine.request_kv, rec.request_id)
+        if kv is None:
+            raise _Ended(f"{rec.request_id!r} finished during the migration")
+        return kv
+
+    async def _grow(self, peer: LlumletClient, rid: str, attempt: int, n_blocks: int, reserved: int) -> int:
+        if n_blocks <= reserved:
+            return reserved
+        reply = await peer.reserve(
+            rid, attempt, n_blocks, src_instance_id=self._d.instance_id, expiry_s=self.config.reservation_expiry_s
+        )
+        if reply.status is not DestStatus.OK:
+            raise _Failed(f"destination could not grow the reservation to {n_blocks} blocks: {reply.reason}")
+        return reply.num_blocks
+
+    async def _copy(
+        self, peer: LlumletClient, transport: Transport, rec: Owned, first: int, end: int, stage: int, last: bool
+    ) -> StageStats:
+        """Copy blocks ``[first, end)`` of the request as one stage.
+
+        The blocks are pinned down under the engine lock once (``Engine.begin_read``) and copied out in a
+        worker thread without it, one message (``chunk_bytes``) at a time, while the engine keeps stepping;
+        a pre-copy stage then checks under the lock that the request held those blocks throughout.
+        """
+        if end <= first:
+            return StageStats(stage, last, 0, 0, 0.0)
+        d = self._d
+        per_msg = max(1, self.config.chunk_bytes // max(1, d.engine.kv_bytes_per_block))
+        stream = transport.open(peer.stub, rec.request_id, rec.migrating)
+        try:
+            run = await d.call(d.engine.begin_read, rec.request_id, first, end - first)
+            for pos in range(first, end, per_msg):
+                if not last:
+                    self._check_alive(rec)
+                payload: KVPayload = await asyncio.to_thread(run.copy, pos, min(per_msg, end - pos))
+                await stream.send(payload)
+            if not last and not await d.call(run.still_valid):
+                self._check_alive(rec)  # it finished (or was aborted): _Ended
+                raise _Failed(f"{rec.request_id!r} was preempted during pre-copy stage {stage}: its blocks were freed")
+            stats = await stream.close()
+        except BaseException:
+            await stream.abort()
+            raise
+        return StageStats(stage, last, stats.blocks, stats.bytes, stats.seconds)
+
+    async def _commit(self, peer: LlumletClient, call: CommitCall) -> None:
+        """Send Commit; on an RPC error ask the destination (Release) whether it committed. Raises _Failed."""
+        try:
+            reply = await peer.commit(call)
+        except grpc.aio.AioRpcError as exc:
+            try:
+                rel = await peer.release(call.request_id, call.attempt, timeout_s=2.0)
+            except grpc.aio.AioRpcError:
+                raise _Failed(f"Commit broke ({_describe(exc)}) and the destination does not answer") from exc
+            if rel.committed:
+                return
+            raise _Failed(f"Commit broke ({_describe(exc)}); the destination released the reservation") from exc
+        if reply.status is not DestStatus.OK:
+            raise _Failed(f"destination refused the commit ({reply.status.name}): {reply.reason}")
+
+    async def _undo(self, peer: LlumletClient, rec: Owned, attempt: int, suspended: MigrationState | None) -> None:
+        """After a failed or ended migration: release the destination, resume (or abort) the request here."""
+        d = self._d
+        try:
+            await peer.release(rec.request_id, attempt, timeout_s=2.0)
+        except grpc.aio.AioRpcError as exc:
+            _log.warning(
+                "%s: release of %s@%d at %s failed (%s); it expires there",
+                d.instance_id, rec.request_id, attempt, peer.address, _describe(exc),
+            )  # fmt: skip
+        rec.committing = False
+        if suspended is None or d.owned.get(rec.request_id) is not rec:
+            return
+        if rec.abort_requested:
+            await d.drop(rec.request_id, push=("abort", ""))
+            return
+        await d.call(d.engine.resume, rec.request_id)
+        d.wake()
+
+    async def _forward_abort(self, address: str, request_id: str) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self._d.peer(address).abort(request_id)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    return str(exc)

@@ -1,0 +1,190 @@
+"""Value types of the llumlet's migration protocol: settings, the MigrateOut command and report, and the
+messages the source sends its destination (DESIGN.md "Migration"; ``proto/hilum/v1/llumlet.proto``).
+
+Plain dataclasses: the gRPC edge (``llumlet.server`` on the destination, ``llumlet.client`` on the source)
+converts them to and from protobuf; the migration code never sees a ``*_pb2`` message.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from llumlet.engine.types import MigrationState
+from llumlet.transport import TransportName
+from topology.cost import PrecopyRule
+
+__all__ = [
+    "CommitCall",
+    "DestReply",
+    "DestStatus",
+    "MigrationCommand",
+    "MigrationConfig",
+    "MigrationHooks",
+    "MigrationOutcome",
+    "MigrationReport",
+    "Released",
+    "Reserved",
+    "StageStats",
+    "Written",
+    "reservation_id",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationConfig:
+    """Migration settings of one llumlet (the command may override stages and the rate cap)."""
+
+    precopy: PrecopyRule = field(default_factory=PrecopyRule)  # when to suspend (the cost model's rule)
+    reservation_expiry_s: float = 5.0  # a reservation with no message for this long is released
+    cap_fraction: float = 0.2  # grpc transport: share of the path bandwidth (topology.cost default)
+    grpc_rate_cap_bytes_per_s: float = 0.0  # grpc transport cap; 0 = path bandwidth x cap_fraction, or none
+    local_rate_cap_bytes_per_s: float = 0.0  # local transport cap; 0 = none
+    chunk_bytes: int = 1 << 20  # blocks per message: this many logical bytes at most (>= 1 block)
+    rpc_timeout_s: float = 10.0  # deadline of the control RPCs to the destination
+
+    def __post_init__(self) -> None:
+        if self.reservation_expiry_s <= 0 or self.rpc_timeout_s <= 0 or self.chunk_bytes < 1:
+            raise ValueError(f"MigrationConfig: reservation_expiry_s, rpc_timeout_s, chunk_bytes must be > 0: {self}")
+        if not 0 < self.cap_fraction <= 1:
+            raise ValueError(f"MigrationConfig.cap_fraction = {self.cap_fraction}: need 0 < f <= 1")
+
+
+class MigrationOutcome(enum.Enum):
+    """How a MigrateOut ended."""
+
+    COMMITTED = "committed"  # the request runs on the destination now
+    ABORTED = "aborted"  # started, undone: the request continues here, or it ended meanwhile
+    REFUSED = "refused"  # never started
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationCommand:
+    """A MigrateOut command (``hilum.v1.MigrateOutRequest``)."""
+
+    request_id: str
+    dst_address: str  # host:port of the destination llumlet
+    attempt: int  # >= 1, grows with every migration try of this request (cluster-wide)
+    dst_instance_id: str = ""  # "" = ask the destination
+    transport: TransportName | None = None  # None = by the topology
+    fencing_token: int = 0  # 0 = unfenced (intra-domain)
+    rate_cap_bytes_per_s: float = 0.0  # 0 = the configured default
+    stop_and_copy: bool = False  # naive baseline: suspend first, copy everything
+    max_stages: int | None = None  # overrides the configured PrecopyRule for this move (benchmarks, tests)
+    stop_remaining_blocks: int | None = None  # likewise
+
+
+@dataclass(frozen=True, slots=True)
+class StageStats:
+    """One stage of a migration."""
+
+    stage: int  # 0, 1, ...
+    last: bool  # the stage copied while the request was suspended
+    blocks: int
+    bytes: int  # logical KV bytes
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationReport:
+    """What a MigrateOut did."""
+
+    outcome: MigrationOutcome
+    reason: str = ""
+    transport: str = ""
+    rate_cap_bytes_per_s: float = 0.0
+    stages: tuple[StageStats, ...] = ()
+    total_s: float = 0.0  # command -> committed (or given up)
+    downtime_s: float = 0.0  # suspended -> destination committed
+
+    @property
+    def blocks(self) -> int:
+        """Blocks copied in all stages."""
+        return sum(s.blocks for s in self.stages)
+
+    @property
+    def bytes(self) -> int:
+        """Logical bytes copied in all stages."""
+        return sum(s.bytes for s in self.stages)
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        """Bytes / seconds spent in stages (0 when nothing moved)."""
+        seconds = sum(s.seconds for s in self.stages)
+        return self.bytes / seconds if seconds > 0 else 0.0
+
+
+class MigrationHooks:
+    """Test seams of the source side; the defaults do nothing."""
+
+    async def stage_copied(self, request_id: str, attempt: int, stage: int) -> None:
+        """After a pre-copy stage was acknowledged (the request is still decoding)."""
+
+    async def before_commit(self, request_id: str, attempt: int) -> None:
+        """After the last stage was copied, before Commit is sent (the request is suspended)."""
+
+
+def reservation_id(request_id: str, attempt: int) -> str:
+    """The destination's reservation id of ``(request_id, attempt)``."""
+    return f"{request_id}@{attempt}"
+
+
+# ---- the destination's side of the protocol (Reserve, WriteBlocks, Commit, Release) ---------------------
+class DestStatus(enum.Enum):
+    """A destination's answer (``hilum.v1.DestStatus``)."""
+
+    OK = "ok"
+    STALE = "stale"  # the message is of an attempt older than the newest seen for the request: nothing changed
+    REFUSED = "refused"  # not now (already here, no such reservation, bad request)
+    NO_ROOM = "no_room"  # the blocks asked for do not fit
+    FAILED = "failed"  # the operation broke (bad state, write error); the reservation is unchanged
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """Answer to Reserve: the reservation ``reservation_id`` holds ``num_blocks`` when ``status`` is OK."""
+
+    status: DestStatus
+    reason: str = ""
+    reservation_id: str = ""
+    num_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """Answer to a WriteBlocks stream: what was stored before it ended (or failed)."""
+
+    status: DestStatus
+    reason: str = ""
+    blocks: int = 0
+    bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CommitCall:
+    """Commit: adopt ``state`` (the suspended request) from the reservation of ``(request_id, attempt)``."""
+
+    request_id: str
+    attempt: int
+    state: MigrationState
+    origin: str  # TokenSink address its tokens go to
+    next_seq: int  # seq of its next token
+    epoch: int  # owner epoch the destination takes (the source's + 1)
+    src_instance_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class DestReply:
+    """Answer to Commit."""
+
+    status: DestStatus
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    """Answer to Release: ``committed`` when that attempt committed here (nothing was released then)."""
+
+    status: DestStatus
+    committed: bool = False
+    released_blocks: int = 0
