@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from llumlet.driver import EngineDriver, Owned
 from llumlet.engine.protocol import KVPayload
@@ -29,6 +30,9 @@ from llumlet.migration_types import (
 from llumlet.tokens import PushOutcome, TokenChunkOut
 from llumlet.transport import TransportError
 
+if TYPE_CHECKING:
+    from llumlet.kvpool import KVPool
+
 __all__ = ["IncomingChunk", "MigrationDestination"]
 
 _log = logging.getLogger(__name__)
@@ -36,11 +40,13 @@ _log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class IncomingChunk:
-    """One run of blocks of a WriteBlocks stream, its data already read (inline or from shared memory)."""
+    """One run of blocks of a WriteBlocks stream: its data inline, or (local transport) where it lies in
+    a peer's KV pool on this host."""
 
     request_id: str
     attempt: int
-    payload: KVPayload
+    payload: KVPayload  # positions and logical size; the data when inline
+    source: tuple[KVPool, tuple[int, ...]] | None = None  # (the source's opened pool, its block ids)
 
 
 @dataclass(slots=True)
@@ -137,13 +143,20 @@ class MigrationDestination:
                 if cur is None:
                     return Written(status, reason, written, nbytes)
                 try:
-                    await d.call(d.engine.write_blocks, cur.reservation_id, chunk.payload)
+                    if chunk.source is None:
+                        await d.call(d.engine.write_blocks, cur.reservation_id, chunk.payload)
+                    else:
+                        pool, ids = chunk.source
+                        if len(ids) != chunk.payload.num_blocks:
+                            raise ValueError(f"{len(ids)} source block ids for {chunk.payload.num_blocks} blocks")
+                        first = chunk.payload.first_block
+                        await d.call(d.engine.write_blocks_from, cur.reservation_id, first, pool, ids)
                 except (KeyError, IndexError, ValueError) as exc:
                     return Written(DestStatus.FAILED, _describe(exc), written, nbytes)
                 cur.deadline = d.clock() + cur.expiry_s
                 written += chunk.payload.num_blocks
                 nbytes += chunk.payload.nbytes
-        except TransportError as exc:  # the data could not be read (a missing shared-memory segment)
+        except TransportError as exc:  # the data could not be read (the source's pool cannot be opened)
             return Written(DestStatus.FAILED, str(exc), written, nbytes)
         return Written(DestStatus.OK, "", written, nbytes)
 

@@ -24,7 +24,6 @@ from clusterstate.fencing import FencingGuard, StaleToken
 from llumlet.client import LlumletClient
 from llumlet.convert import UnmovableStateError
 from llumlet.driver import EngineDriver, Owned
-from llumlet.engine.protocol import KVPayload
 from llumlet.engine.types import MigrationState
 from llumlet.migration_types import (
     CommitCall,
@@ -81,6 +80,7 @@ class MigrationSource:
         self._hooks = hooks or MigrationHooks()
         self._transport_for = transport_for
         self.in_flight = 0  # MigrateOut calls running now
+        self._pool: bytes | None = None  # the engine's exported KV pool, b"" when it cannot be exported
 
     async def migrate_out(self, cmd: MigrationCommand) -> MigrationReport:
         """Migrate ``cmd.request_id`` to ``cmd.dst_address``; see the module doc. Never raises for RPC errors."""
@@ -102,7 +102,7 @@ class MigrationSource:
         try:
             try:
                 transport = await self._choose_transport(cmd)
-            except (KeyError, ValueError, grpc.aio.AioRpcError) as exc:
+            except (KeyError, ValueError, grpc.aio.AioRpcError) as exc:  # TransportUnavailable is a ValueError
                 return MigrationReport(MigrationOutcome.REFUSED, f"no transport to {cmd.dst_address}: {exc}")
             report = await self._migrate(rec, cmd, transport, t0)
         finally:
@@ -155,10 +155,23 @@ class MigrationSource:
             self._d.instance_id,
             dst_id,
             cap_fraction=cfg.cap_fraction,
+            pool=self._pool_handle(),
             grpc_rate_cap_bytes_per_s=cfg.grpc_rate_cap_bytes_per_s,
             local_rate_cap_bytes_per_s=cfg.local_rate_cap_bytes_per_s,
             override_rate_cap_bytes_per_s=cmd.rate_cap_bytes_per_s,
         )
+
+    def _pool_handle(self) -> bytes | None:
+        """The engine's KV pool exported for peers on this host (once; None: no data, or not shareable)."""
+        if self._pool is None:
+            pool = self._d.engine.kv_pool()
+            if pool is None:
+                self._pool = b""
+            else:
+                from llumlet.kvpool import export_pool
+
+                self._pool = export_pool(pool) or b""
+        return self._pool or None
 
     async def _migrate(self, rec: Owned, cmd: MigrationCommand, transport: Transport, t0: float) -> MigrationReport:
         d, cfg = self._d, self.config
@@ -178,7 +191,7 @@ class MigrationSource:
             return MigrationReport(
                 outcome,
                 reason,
-                transport.name.value,
+                transport.mode,
                 transport.rate_cap_bytes_per_s,
                 tuple(stages),
                 d.clock() - t0,
@@ -295,9 +308,10 @@ class MigrationSource:
     ) -> StageStats:
         """Copy blocks ``[first, end)`` of the request as one stage.
 
-        The blocks are pinned down under the engine lock once (``Engine.begin_read``) and copied out in a
-        worker thread without it, one message (``chunk_bytes``) at a time, while the engine keeps stepping;
-        a pre-copy stage then checks under the lock that the request held those blocks throughout.
+        The blocks are pinned down under the engine lock once (``Engine.begin_read``); the transport copies
+        them out without it (or names them for a peer copy), one message (``chunk_bytes``) at a time, while
+        the engine keeps stepping; a pre-copy stage then checks under the lock that the request held those
+        blocks throughout (else what was copied may be another request's: the migration fails).
         """
         if end <= first:
             return StageStats(stage, last, 0, 0, 0.0)
@@ -309,8 +323,7 @@ class MigrationSource:
             for pos in range(first, end, per_msg):
                 if not last:
                     self._check_alive(rec)
-                payload: KVPayload = await asyncio.to_thread(run.copy, pos, min(per_msg, end - pos))
-                await stream.send(payload)
+                await stream.send(run, pos, min(per_msg, end - pos))
             if not last and not await d.call(run.still_valid):
                 self._check_alive(rec)  # it finished (or was aborted): _Ended
                 raise _Failed(f"{rec.request_id!r} was preempted during pre-copy stage {stage}: its blocks were freed")

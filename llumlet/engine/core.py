@@ -171,6 +171,17 @@ class EngineCore(PagedEngine):
         """The model engine moves no data: a payload with the logical size only."""
         return KVPayload(first_block, len(block_ids), len(block_ids) * self._kv_bytes_per_block)
 
+    def kv_pool(self) -> None:
+        """The model engine holds no KV data."""
+        return None
+
+    def write_blocks_from(self, reservation_id: str, first_block: int, source: object, src_block_ids: object) -> None:
+        """Refused: the model engine holds no KV data (a peer copy means the source is a real engine).
+
+        Raises ValueError.
+        """
+        raise ValueError(f"{self.instance_id}: the model engine stores no KV data; a peer copy cannot land here")
+
     def write_blocks(self, reservation_id: str, payload: KVPayload) -> None:
         """Check the reservation exists and is large enough; the model engine stores no data.
 

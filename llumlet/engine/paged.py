@@ -33,6 +33,11 @@ class PagedEngine:
     _last_step_preempted: bool
 
     @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block (the subclass's)."""
+        raise NotImplementedError
+
+    @property
     def block_size_tokens(self) -> int:
         """Tokens per KV cache block."""
         return self.blocks.block_size_tokens
@@ -128,7 +133,7 @@ class PagedEngine:
                 and self.blocks.block_table(request_id)[first_block : first_block + len(ids)] == ids
             )
 
-        return BlockRun(request_id, first_block, ids, copy, still_valid)
+        return BlockRun(request_id, first_block, ids, self.kv_bytes_per_block, copy, still_valid)
 
     def _copy_out(self, first_block: int, block_ids: Sequence[int]) -> KVPayload:
         """The data of physical blocks ``block_ids`` (block-table positions from ``first_block``). Called

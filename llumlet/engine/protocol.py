@@ -10,8 +10,9 @@ source side                              destination side
 request_kv, migratable                   reserve(reservation_id, n_blocks) -> bool
                                          grow_reservation(reservation_id, n_blocks) -> bool
 begin_read(request_id, first, n)
-  -> BlockRun; .copy(first, n)     ───▶  write_blocks(reservation_id, first, payload)
+  -> BlockRun; .copy(first, n)     ───▶  write_blocks(reservation_id, first, payload)      (bytes)
 read_blocks(request_id, first, n)  ───▶  (the same, copied under the lock)
+kv_pool(), BlockRun.block_ids      ───▶  write_blocks_from(reservation_id, first, pool, ids) (one host)
 suspend(request_id) -> MigrationState    commit_incoming(reservation_id, state) -> bool
 resume(request_id)   (on abort)          release_reservation(reservation_id)  (idempotent)
 free_migrated(request_id) (after commit)
@@ -29,11 +30,14 @@ blocks throughout (a preemption frees them, and a block freed mid-copy may have 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from llumlet.engine.types import EngineLoad, EngineRequest, MigrationState, StepResult
+
+if TYPE_CHECKING:
+    from llumlet.kvpool import KVPool
 
 __all__ = ["BlockRun", "Engine", "KVPayload"]
 
@@ -70,6 +74,7 @@ class BlockRun:
     request_id: str
     first_block: int  # block-table position of block_ids[0]
     block_ids: tuple[int, ...]  # physical block ids in the source's pool (for transports that address them)
+    nbytes_per_block: int  # logical bytes of one block (kv_bytes_per_block): what rate caps charge
     copy: Callable[[int, int], KVPayload]  # (first_block, num_blocks) inside the run -> the blocks' data
     still_valid: Callable[[], bool]  # under the engine lock: the blocks were the request's throughout
 
@@ -142,6 +147,11 @@ class Engine(Protocol):
         """
         ...
 
+    def kv_pool(self) -> KVPool | None:
+        """The engine's KV memory for peer copies between llumlets of one host (``llumlet.kvpool``);
+        None when the engine holds no KV data (the model engine)."""
+        ...
+
     def suspend(self, request_id: str) -> MigrationState | None:
         """Between two steps: stop scheduling the request, keep its blocks; its state, or None if it can't."""
         ...
@@ -168,6 +178,13 @@ class Engine(Protocol):
 
     def write_blocks(self, reservation_id: str, payload: KVPayload) -> None:
         """Store copied blocks into the reservation at their block-table positions."""
+        ...
+
+    def write_blocks_from(
+        self, reservation_id: str, first_block: int, source: KVPool, src_block_ids: Sequence[int]
+    ) -> None:
+        """Copy blocks ``src_block_ids`` of a peer's pool (same host) into the reservation at positions
+        ``first_block ..``; errors as :meth:`write_blocks` (ValueError for a pool of another layout)."""
         ...
 
     def commit_incoming(self, reservation_id: str, state: MigrationState) -> bool:

@@ -69,6 +69,7 @@ from llumlet.engine.types import (
     SamplingParams,
     StepResult,
 )
+from llumlet.kvpool import KVPool, copy_between
 
 __all__ = [
     "EXTRA_GENERATOR_STATE",
@@ -677,7 +678,7 @@ class VllmEngine:
                 and tuple(vi.request_block_ids(self._h, internal)[first_block : first_block + len(ids)]) == ids
             )
 
-        return BlockRun(request_id, first_block, ids, copy, still_valid)
+        return BlockRun(request_id, first_block, ids, per_block, copy, still_valid)
 
     def suspend(self, request_id: str) -> MigrationState | None:
         """Between two steps: take a running decode-phase request out of the scheduler; it keeps its blocks.
@@ -801,6 +802,36 @@ class VllmEngine:
         ids = [b.block_id for b in res.blocks[payload.first_block : end]]
         vi.write_kv_blocks_from_host(self._h, ids, payload.data)
         res.written.update(range(payload.first_block, end))
+
+    def kv_pool(self) -> KVPool:
+        """The paged KV tensors (one per layer) for peer copies between llumlets of one host."""
+        return vi.kv_pool(self._h)
+
+    def write_blocks_from(
+        self, reservation_id: str, first_block: int, source: KVPool, src_block_ids: Sequence[int]
+    ) -> None:
+        """Copy blocks straight from a peer's pool (``llumlet.kvpool.open_pool``: CUDA IPC on a GPU) into the
+        reservation at positions ``first_block ..``, on the copy stream.
+
+        Raises KeyError (unknown reservation), IndexError (past the reservation), ValueError (a pool of
+        another layout).
+        """
+        res = self._reservations.get(reservation_id)
+        if res is None:
+            raise KeyError(f"{self.instance_id}: write_blocks: unknown reservation {reservation_id!r}")
+        end = first_block + len(src_block_ids)
+        if first_block < 0 or end > len(res.blocks):
+            raise IndexError(
+                f"{self.instance_id}: write_blocks: blocks {first_block}..{end}"
+                f" exceed reservation {reservation_id!r} of {len(res.blocks)} blocks"
+            )
+        ids = [b.block_id for b in res.blocks[first_block:end]]
+        if self._h.copy_stream is None:
+            copy_between(source, src_block_ids, self.kv_pool(), ids)
+        else:
+            with torch.cuda.stream(self._h.copy_stream):
+                copy_between(source, src_block_ids, self.kv_pool(), ids)
+        res.written.update(range(first_block, end))
 
     def commit_incoming(self, reservation_id: str, state: MigrationState) -> bool:
         """Re-admit a migrated request at the head of the queue; its KV is loaded, not recomputed.

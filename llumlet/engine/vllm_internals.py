@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from llumlet.kvpool import KVPool, copy_between
+
 __all__ = [
     "SUPPORTED_VLLM_RANGE",
     "TESTED_VLLM_VERSIONS",
@@ -45,6 +47,7 @@ __all__ = [
     "generator_state",
     "hold_pool_blocks",
     "kv_block_shape",
+    "kv_pool",
     "move_to_queue_head",
     "pause_request",
     "prefix_caching_enabled",
@@ -61,7 +64,6 @@ __all__ = [
 TESTED_VLLM_VERSIONS: tuple[str, ...] = ("0.32.0",)  # vllm.__version__ values `make test-vllm` ran against
 #: [lowest, highest) release supported: 0.32.x (patch releases keep the engine-core internals this module uses)
 SUPPORTED_VLLM_RANGE: tuple[tuple[int, int, int], tuple[int, int, int]] = ((0, 32, 0), (0, 33, 0))
-COPY_CHUNK_BLOCKS = 64  # blocks per gather in device-to-device copies: bounds the temporary to 64 blocks/layer
 
 
 class UnsupportedVllmError(RuntimeError):
@@ -290,16 +292,16 @@ def write_kv_blocks_from_host(h: EngineHandles, block_ids: Sequence[int], data: 
     h.copy_stream.synchronize()
 
 
+def kv_pool(h: EngineHandles) -> KVPool:
+    """The paged KV tensors as a :class:`llumlet.kvpool.KVPool` (one tensor per layer)."""
+    return KVPool(h.kv_caches, h.block_dim)
+
+
 def copy_kv_blocks(h: EngineHandles, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
-    """Copy physical blocks ``src_ids[i] -> dst_ids[i]`` inside the KV tensors, :data:`COPY_CHUNK_BLOCKS` at a
-    time (the only temporary: one chunk of one layer). Runs on the stream current at the call (the worker's
-    compute stream when called from the connector's ``start_load_kv``, so it is ordered before the forward)."""
-    device = h.kv_caches[0].device
-    for lo in range(0, len(src_ids), COPY_CHUNK_BLOCKS):
-        src = torch.tensor(list(src_ids[lo : lo + COPY_CHUNK_BLOCKS]), dtype=torch.long, device=device)
-        dst = torch.tensor(list(dst_ids[lo : lo + COPY_CHUNK_BLOCKS]), dtype=torch.long, device=device)
-        for cache in h.kv_caches:
-            cache.index_copy_(h.block_dim, dst, cache.index_select(h.block_dim, src))
+    """Copy physical blocks ``src_ids[i] -> dst_ids[i]`` inside the KV tensors (``kvpool.copy_between``:
+    64 blocks of one layer at a time is the only temporary), on the current stream; returns when done."""
+    pool = kv_pool(h)
+    copy_between(pool, src_ids, pool, dst_ids)
 
 
 def cache_moved_blocks(h: EngineHandles, request: Any, blocks: Sequence[Any], num_full_blocks: int) -> int:
