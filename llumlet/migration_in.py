@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -98,9 +98,21 @@ class MigrationDestination:
         return cur, DestStatus.OK, ""
 
     async def reserve(
-        self, request_id: str, attempt: int, num_blocks: int, *, src_instance_id: str = "", expiry_s: float = 0.0
+        self,
+        request_id: str,
+        attempt: int,
+        num_blocks: int,
+        *,
+        src_instance_id: str = "",
+        expiry_s: float = 0.0,
+        prefix_token_ids: Sequence[int] = (),
     ) -> Reserved:
-        """Reserve ``num_blocks`` for ``(request_id, attempt)``, or grow the reservation of the same attempt."""
+        """Reserve ``num_blocks`` for ``(request_id, attempt)``, or grow the reservation of the same attempt.
+
+        A new reservation with ``prefix_token_ids`` (the request's prompt) adopts the leading blocks of that
+        prompt this engine already caches (``Engine.adopt_cached_prefix``): the reply's
+        ``num_cached_blocks`` says how many positions the source need not send.
+        """
         rid, d = request_id, self._d
         me = d.instance_id
         if not rid or attempt < 1:
@@ -116,12 +128,15 @@ class MigrationDestination:
             await self._release_local(cur, f"superseded by attempt {attempt}")
             cur = None
         res_id = reservation_id(rid, attempt)
+        cached = 0
         if cur is None:
             ok = await d.call(d.engine.reserve, res_id, num_blocks)
             expiry = expiry_s or self.config.reservation_expiry_s
             if ok:
-                cur = _Reservation(rid, attempt, res_id, src_instance_id, expiry, 0.0, num_blocks)
-                self.reservations[rid] = cur
+                cur = _Reservation(rid, attempt, res_id, src_instance_id, expiry, d.clock() + expiry, num_blocks)
+                self.reservations[rid] = cur  # with its deadline: the reaper may run at the next await
+                if prefix_token_ids:
+                    cached = await d.call(d.engine.adopt_cached_prefix, res_id, tuple(prefix_token_ids))
         else:
             ok = await d.call(d.engine.grow_reservation, res_id, num_blocks)
             if ok:
@@ -131,7 +146,7 @@ class MigrationDestination:
             return Reserved(DestStatus.NO_ROOM, f"{me}: {num_blocks} blocks asked, {free} free", res_id)
         cur.deadline = d.clock() + cur.expiry_s
         d.bump()
-        return Reserved(DestStatus.OK, "", res_id, cur.blocks)
+        return Reserved(DestStatus.OK, "", res_id, cur.blocks, cached)
 
     async def write_blocks(self, chunks: AsyncIterator[IncomingChunk]) -> Written:
         """Store a stream of block runs into their reservation."""
@@ -182,7 +197,8 @@ class MigrationDestination:
                 return DestReply(DestStatus.NO_ROOM, f"{me}: the grown request of {rid!r} does not fit")
             del self.reservations[rid]
             self._committed[(rid, attempt)] = d.clock()
-            d.owned[rid] = Owned(rid, call.origin, next_seq=call.next_seq, epoch=call.epoch)
+            prompt = call.state.prompt_token_ids or ()
+            d.owned[rid] = Owned(rid, call.origin, next_seq=call.next_seq, epoch=call.epoch, prompt_token_ids=prompt)
             d.moved.pop(rid, None)
             d.pusher.push(call.origin, TokenChunkOut(rid, call.next_seq, [], call.epoch))  # ownership
         d.wake()

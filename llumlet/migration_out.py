@@ -203,7 +203,12 @@ class MigrationSource:
             if kv is None:
                 return report(MigrationOutcome.REFUSED, f"{rid!r} finished before the migration started")
             reply = await peer.reserve(
-                rid, attempt, kv[1], src_instance_id=d.instance_id, expiry_s=cfg.reservation_expiry_s
+                rid,
+                attempt,
+                kv[1],
+                src_instance_id=d.instance_id,
+                expiry_s=cfg.reservation_expiry_s,
+                prefix_token_ids=rec.prompt_token_ids,
             )
             if reply.status is not DestStatus.OK:
                 return report(
@@ -211,6 +216,7 @@ class MigrationSource:
                     f"destination {cmd.dst_address}: {reply.status.name}: {reply.reason}",
                 )
             reserved = reply.num_blocks
+            copied = min(reply.num_cached_blocks, kv[1])  # what the destination already caches is not sent
             # pre-copy stages: the request keeps decoding
             while True:
                 tokens, _ = await self._kv_or_end(rec)

@@ -157,6 +157,7 @@ class Reserved:
     reason: str = ""
     reservation_id: str = ""
     num_blocks: int = 0
+    num_cached_blocks: int = 0  # leading positions the destination already caches: not to be sent
 
 
 @dataclass(frozen=True, slots=True)

@@ -148,12 +148,14 @@ class LlumletService(pb_grpc.LlumletServicer):
             request.num_blocks,
             src_instance_id=request.src_instance_id,
             expiry_s=request.expiry_s,
+            prefix_token_ids=tuple(request.prefix_token_ids),
         )
         return pb.ReserveReply(
             status=dest_status_to_pb(got.status),
             reason=got.reason,
             reservation_id=got.reservation_id,
             num_blocks=got.num_blocks,
+            num_cached_blocks=got.num_cached_blocks,
         )
 
     async def WriteBlocks(self, request_iterator: AsyncIterator[pb.BlockChunk], context: _Ctx) -> pb.WriteBlocksReply:

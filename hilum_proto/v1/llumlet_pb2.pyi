@@ -650,6 +650,7 @@ class ReserveRequest(_message.Message):
     SRC_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     EXPIRY_S_FIELD_NUMBER: _builtins.int
+    PREFIX_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     attempt: _builtins.int
     src_instance_id: _builtins.str
@@ -657,6 +658,10 @@ class ReserveRequest(_message.Message):
     """total blocks to hold (grow-only for the same attempt)"""
     expiry_s: _builtins.float
     """release unless a message of this attempt arrives within; 0 = default"""
+    @_builtins.property
+    def prefix_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """first Reserve: the prompt, so the destination can say which of its"""
+
     def __init__(
         self,
         *,
@@ -665,10 +670,11 @@ class ReserveRequest(_message.Message):
         src_instance_id: _builtins.str = ...,
         num_blocks: _builtins.int = ...,
         expiry_s: _builtins.float = ...,
+        prefix_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "expiry_s", b"expiry_s", "num_blocks", b"num_blocks", "request_id", b"request_id", "src_instance_id", b"src_instance_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "expiry_s", b"expiry_s", "num_blocks", b"num_blocks", "prefix_token_ids", b"prefix_token_ids", "request_id", b"request_id", "src_instance_id", b"src_instance_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -682,12 +688,15 @@ class ReserveReply(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     RESERVATION_ID_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
     status: Global___DestStatus.ValueType
     reason: _builtins.str
     reservation_id: _builtins.str
     """"<request_id>@<attempt>" """
     num_blocks: _builtins.int
     """blocks now held"""
+    num_cached_blocks: _builtins.int
+    """leading block positions the destination already holds (its prefix"""
     def __init__(
         self,
         *,
@@ -695,10 +704,11 @@ class ReserveReply(_message.Message):
         reason: _builtins.str = ...,
         reservation_id: _builtins.str = ...,
         num_blocks: _builtins.int = ...,
+        num_cached_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "reason", b"reason", "reservation_id", b"reservation_id", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "reason", b"reason", "reservation_id", b"reservation_id", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -140,6 +140,13 @@ class PagedEngine:
         without the engine lock: it may only read the KV pool."""
         raise NotImplementedError
 
+    def adopt_cached_prefix(self, reservation_id: str, prompt_token_ids: Sequence[int]) -> int:
+        """0: these engines match their prefix cache by the trace's hash ids, not by content (every block of a
+        moved request is sent). Raises KeyError for an unknown reservation."""
+        if self.blocks.reservation_size(reservation_id) is None:
+            raise KeyError(f"{self.instance_id}: adopt_cached_prefix: unknown reservation {reservation_id!r}")
+        return 0
+
     def grow_reservation(self, reservation_id: str, n_blocks: int) -> bool:
         """Destination side: make the reservation hold at least ``n_blocks`` (grow-only).
 

@@ -169,6 +169,15 @@ class Engine(Protocol):
         """Hold ``n_blocks`` for an incoming request; False if there is no room or the id is in use."""
         ...
 
+    def adopt_cached_prefix(self, reservation_id: str, prompt_token_ids: Sequence[int]) -> int:
+        """Right after ``reserve``: the leading full blocks of ``prompt_token_ids`` this engine already caches
+        become the reservation's first positions (held, counted as written, never written to), in place of
+        as many of its fresh blocks; returns how many (0 when the engine matches no content).
+
+        Raises KeyError for an unknown reservation.
+        """
+        ...
+
     def grow_reservation(self, reservation_id: str, n_blocks: int) -> bool:
         """Make the reservation hold at least ``n_blocks`` (the request grew during pre-copy); False if no room.
 

@@ -747,6 +747,22 @@ class VllmEngine:
         self._reservations[reservation_id] = _Reservation(blocks)
         return True
 
+    def adopt_cached_prefix(self, reservation_id: str, prompt_token_ids: Sequence[int]) -> int:
+        """The leading full blocks of the prompt this engine's prefix cache holds become the reservation's
+        first positions (referenced, never written; as many fresh blocks go back to the pool); returns how
+        many. 0 with prefix caching off. Raises KeyError for an unknown reservation."""
+        res = self._reservations.get(reservation_id)
+        if res is None:
+            raise KeyError(f"{self.instance_id}: adopt_cached_prefix: unknown reservation {reservation_id!r}")
+        if res.written:
+            return 0  # only before any block was written: the positions would shift
+        cached = vi.hold_cached_prefix(self._h, self.llm, prompt_token_ids, len(res.blocks))
+        if cached:
+            vi.free_pool_blocks(self._h, res.blocks[: len(cached)])
+            res.blocks = [*cached, *res.blocks[len(cached) :]]
+            res.written.update(range(len(cached)))
+        return len(cached)
+
     def grow_reservation(self, reservation_id: str, n_blocks: int) -> bool:
         """Make the reservation hold at least ``n_blocks`` (grow-only); False when the extra blocks don't fit.
 

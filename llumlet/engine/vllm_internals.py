@@ -45,6 +45,7 @@ __all__ = [
     "engine_handles",
     "free_pool_blocks",
     "generator_state",
+    "hold_cached_prefix",
     "hold_pool_blocks",
     "kv_block_shape",
     "kv_pool",
@@ -304,6 +305,35 @@ def copy_kv_blocks(h: EngineHandles, src_ids: Sequence[int], dst_ids: Sequence[i
     copy_between(pool, src_ids, pool, dst_ids)
 
 
+def hold_cached_prefix(h: EngineHandles, llm_engine: Any, token_ids: Sequence[int], max_blocks: int) -> list[Any]:
+    """The prefix cache's blocks for the leading full blocks of ``token_ids`` (at most ``max_blocks``), each
+    referenced once more (``BlockPool.touch``: the caller frees them with :func:`free_pool_blocks`); stops at
+    the first block not cached. [] with prefix caching off.
+
+    Hashes are computed as the engine core's request block hasher does for a plain-text request (chained
+    ``hash_block_tokens`` over ``block_size`` tokens, no extra keys: hilum sends no LoRA, cache salt or
+    multimodal input), with the engine's ``prefix_caching_hash_algo``.
+    """
+    if not prefix_caching_enabled(h):
+        return []
+    from vllm.utils.hashing import get_hash_fn_by_name  # type: ignore[import-not-found, unused-ignore]
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens  # type: ignore[import-not-found, unused-ignore]
+
+    hash_fn = get_hash_fn_by_name(llm_engine.vllm_config.cache_config.prefix_caching_hash_algo)
+    block_size = int(h.scheduler.block_size)
+    parent = None
+    found: list[Any] = []
+    for j in range(min(len(token_ids) // block_size, max_blocks)):
+        block_hash = hash_block_tokens(hash_fn, parent, token_ids[j * block_size : (j + 1) * block_size], None)
+        hit = h.block_pool.get_cached_block(block_hash, [0])
+        if hit is None:
+            break
+        found.append(hit[0])
+        parent = block_hash
+    h.block_pool.touch(found)
+    return found
+
+
 def cache_moved_blocks(h: EngineHandles, request: Any, blocks: Sequence[Any], num_full_blocks: int) -> int:
     """Register the first ``num_full_blocks`` of ``blocks`` (a reservation holding a migrated request's KV, in
     block-table order) in the prefix cache under the hashes of ``request`` (the re-admitted ``Request``).
@@ -315,12 +345,15 @@ def cache_moved_blocks(h: EngineHandles, request: Any, blocks: Sequence[Any], nu
     if not prefix_caching_enabled(h):
         return 0
     n = min(num_full_blocks, len(request.block_hashes), len(blocks))
-    fresh = 0
-    while fresh < n and blocks[fresh].block_hash is None:
-        fresh += 1
-    if fresh:
-        h.block_pool.cache_full_blocks(request, list(blocks[:fresh]), 0, fresh, int(h.scheduler.block_size), 0)
-    return fresh
+    first = 0  # blocks adopted from this engine's cache (hold_cached_prefix) already carry their hash
+    while first < n and blocks[first].block_hash is not None:
+        first += 1
+    end = first
+    while end < n and blocks[end].block_hash is None:
+        end += 1
+    if end > first:
+        h.block_pool.cache_full_blocks(request, list(blocks[:end]), first, end, int(h.scheduler.block_size), 0)
+    return end
 
 
 def kv_block_shape(h: EngineHandles) -> tuple[int, ...]:

@@ -279,6 +279,30 @@ def test_a_move_never_writes_into_blocks_shared_on_the_destination(pair: tuple[V
     assert dst.load().reserved_blocks == 0
 
 
+def test_what_the_destination_caches_is_not_sent_again(pair: tuple[VllmEngine, VllmEngine]) -> None:
+    """The destination ran the same prompt before: its first block is in its prefix cache. The reservation
+    adopts it (held, never written), the source sends only the blocks after it, and the stream is the same."""
+    src, dst = pair
+    prompt = fresh_prompt(303)
+    expected = reference(dst, GREEDY, prompt=prompt)  # leaves the prompt's full block cached on dst
+    streams: dict[str, list[int]] = {}
+    src.add_request(request("r", GREEDY, prompt))
+    steps(src, 5, streams)
+    tokens, blocks = src.request_kv("r") or (0, 0)
+    assert (tokens, blocks) == (64, 2)
+    assert dst.reserve("pc", blocks + 1)
+    assert dst.adopt_cached_prefix("pc", prompt) == 1  # 60 prompt tokens: one full block of 32
+    assert dst.adopt_cached_prefix("pc", prompt) == 0  # once only (it would shift written positions)
+    state = src.suspend("r")
+    assert state is not None
+    _tokens, blocks = src.request_kv("r") or (0, 0)
+    dst.write_blocks("pc", src.read_blocks("r", 1, blocks - 1))  # block 0 is not sent
+    assert dst.commit_incoming("pc", state)
+    src.free_migrated("r")
+    run(dst, streams)
+    assert streams["r"] == expected
+
+
 def test_refused_engine_args_are_named() -> None:
     with pytest.raises(ValueError, match="engine_kwargs\\['async_scheduling'\\] = True: with async scheduling"):
         VllmEngine("x", "unused", engine_kwargs={"async_scheduling": True})
