@@ -177,6 +177,7 @@ class Llumlet:
         src_instance_id: str = "",
         expiry_s: float = 0.0,
         prefix_token_ids: Sequence[int] = (),
+        pool: bytes = b"",
     ) -> Reserved:
         """Destination: reserve or grow (``llumlet.migration_in``)."""
         return await self.destination.reserve(
@@ -186,6 +187,7 @@ class Llumlet:
             src_instance_id=src_instance_id,
             expiry_s=expiry_s,
             prefix_token_ids=prefix_token_ids,
+            pool=pool,
         )
 
     async def write_blocks(self, chunks: AsyncIterator[IncomingChunk]) -> Written:

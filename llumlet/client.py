@@ -124,6 +124,7 @@ class LlumletClient:
         src_instance_id: str = "",
         expiry_s: float = 0.0,
         prefix_token_ids: Sequence[int] = (),
+        pool: bytes = b"",
     ) -> Reserved:
         """Reserve (or grow a reservation to) ``num_blocks`` for ``(request_id, attempt)``; with
         ``prefix_token_ids`` (first Reserve) the destination says which leading blocks it already caches."""
@@ -134,6 +135,7 @@ class LlumletClient:
             num_blocks=num_blocks,
             expiry_s=expiry_s,
             prefix_token_ids=prefix_token_ids,
+            pool=pool,
         )
         reply = await self.stub.Reserve(msg, timeout=self.timeout_s)
         return Reserved(
@@ -142,6 +144,7 @@ class LlumletClient:
             reply.reservation_id,
             reply.num_blocks,
             reply.num_cached_blocks,
+            reply.pool_opened,
         )
 
     async def commit(self, call: CommitCall) -> DestReply:

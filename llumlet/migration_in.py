@@ -28,7 +28,7 @@ from llumlet.migration_types import (
     reservation_id,
 )
 from llumlet.tokens import PushOutcome, TokenChunkOut
-from llumlet.transport import TransportError
+from llumlet.transport import PeerPools, TransportError
 
 if TYPE_CHECKING:
     from llumlet.kvpool import KVPool
@@ -76,6 +76,7 @@ class MigrationDestination:
         self.reservations: dict[str, _Reservation] = {}  # request_id -> its newest attempt's reservation
         self._attempts: dict[str, tuple[int, float]] = {}  # request_id -> (newest attempt seen, when)
         self._committed: dict[tuple[str, int], float] = {}  # (request_id, attempt) committed here -> when
+        self.pools = PeerPools()  # local transport: KV pools of the source llumlets on this host, opened once
 
     def start(self) -> None:
         """Start the reservation reaper (after the driver started)."""
@@ -106,12 +107,15 @@ class MigrationDestination:
         src_instance_id: str = "",
         expiry_s: float = 0.0,
         prefix_token_ids: Sequence[int] = (),
+        pool: bytes = b"",
     ) -> Reserved:
         """Reserve ``num_blocks`` for ``(request_id, attempt)``, or grow the reservation of the same attempt.
 
         A new reservation with ``prefix_token_ids`` (the request's prompt) adopts the leading blocks of that
         prompt this engine already caches (``Engine.adopt_cached_prefix``): the reply's
-        ``num_cached_blocks`` says how many positions the source need not send.
+        ``num_cached_blocks`` says how many positions the source need not send. With ``pool`` (the source's
+        exported KV pool, local transport) the reply says whether this llumlet could open it
+        (``pool_opened``): peer copies when it could, bytes inline when not (another host, a GPU not visible).
         """
         rid, d = request_id, self._d
         me = d.instance_id
@@ -146,7 +150,14 @@ class MigrationDestination:
             return Reserved(DestStatus.NO_ROOM, f"{me}: {num_blocks} blocks asked, {free} free", res_id)
         cur.deadline = d.clock() + cur.expiry_s
         d.bump()
-        return Reserved(DestStatus.OK, "", res_id, cur.blocks, cached)
+        opened = False
+        if pool:
+            try:
+                self.pools.open(pool)
+                opened = True
+            except TransportError as exc:
+                _log.warning("%s: %s: the source's blocks come inline", me, exc)
+        return Reserved(DestStatus.OK, "", res_id, cur.blocks, cached, opened)
 
     async def write_blocks(self, chunks: AsyncIterator[IncomingChunk]) -> Written:
         """Store a stream of block runs into their reservation."""

@@ -209,6 +209,7 @@ class MigrationSource:
                 src_instance_id=d.instance_id,
                 expiry_s=cfg.reservation_expiry_s,
                 prefix_token_ids=rec.prompt_token_ids,
+                pool=transport.pool or b"",
             )
             if reply.status is not DestStatus.OK:
                 return report(
@@ -216,6 +217,8 @@ class MigrationSource:
                     f"destination {cmd.dst_address}: {reply.status.name}: {reply.reason}",
                 )
             reserved = reply.num_blocks
+            if transport.pool is not None and not reply.pool_opened:
+                transport.pool = None  # the destination cannot map our pool (another host, GPU not visible)
             copied = min(reply.num_cached_blocks, kv[1])  # what the destination already caches is not sent
             # pre-copy stages: the request keeps decoding
             while True:

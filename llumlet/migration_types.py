@@ -158,6 +158,7 @@ class Reserved:
     reservation_id: str = ""
     num_blocks: int = 0
     num_cached_blocks: int = 0  # leading positions the destination already caches: not to be sent
+    pool_opened: bool = False  # the destination opened the source's KV pool (local transport: peer copies)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from llumlet.driver import LoadSnapshot
 from llumlet.engine.protocol import KVPayload
 from llumlet.migration_in import IncomingChunk
 from llumlet.migration_types import DestStatus, MigrationCommand, MigrationOutcome, MigrationReport
-from llumlet.transport import PeerPools, TransportError, TransportName
+from llumlet.transport import TransportError, TransportName
 
 __all__ = ["LlumletService", "command_from_pb", "report_to_pb", "serve"]
 
@@ -90,7 +90,6 @@ class LlumletService(pb_grpc.LlumletServicer):
     def __init__(self, llumlet: Llumlet) -> None:
         self._l = llumlet
         self._migrations: set[asyncio.Task[MigrationReport]] = set()
-        self._pools = PeerPools()  # local transport: KV pools of the peers on this host, opened once
 
     async def Ping(self, request: pb.LlumletPingRequest, context: _Ctx) -> pb.LlumletPingReply:
         info = self._l.ping()
@@ -149,6 +148,7 @@ class LlumletService(pb_grpc.LlumletServicer):
             src_instance_id=request.src_instance_id,
             expiry_s=request.expiry_s,
             prefix_token_ids=tuple(request.prefix_token_ids),
+            pool=request.pool,
         )
         return pb.ReserveReply(
             status=dest_status_to_pb(got.status),
@@ -156,6 +156,7 @@ class LlumletService(pb_grpc.LlumletServicer):
             reservation_id=got.reservation_id,
             num_blocks=got.num_blocks,
             num_cached_blocks=got.num_cached_blocks,
+            pool_opened=got.pool_opened,
         )
 
     async def WriteBlocks(self, request_iterator: AsyncIterator[pb.BlockChunk], context: _Ctx) -> pb.WriteBlocksReply:
@@ -163,7 +164,7 @@ class LlumletService(pb_grpc.LlumletServicer):
             pool = None
             async for chunk in request_iterator:
                 if chunk.pool:
-                    pool = self._pools.open(chunk.pool)  # TransportError: the stream ends FAILED
+                    pool = self._l.destination.pools.open(chunk.pool)  # TransportError: the stream ends FAILED
                 source = None
                 if chunk.src_block_ids:
                     if pool is None:

@@ -154,6 +154,7 @@ class Transport(Protocol):
 
     name: TransportName
     rate_cap_bytes_per_s: float  # 0 = no cap
+    pool: bytes | None  # local: the source's exported KV pool offered for peer copies; None = bytes inline
 
     @property
     def mode(self) -> str:
@@ -271,6 +272,7 @@ class GrpcStreamTransport(_CappedTransport):
     """Blocks inline in a gRPC stream, paced by a token bucket when ``rate_cap_bytes_per_s`` > 0."""
 
     name = TransportName.GRPC
+    pool: bytes | None = None
 
     @property
     def mode(self) -> str:
@@ -284,7 +286,8 @@ class GrpcStreamTransport(_CappedTransport):
 
 class LocalTransport(_CappedTransport):
     """Peer copies between llumlets of one host: block ids of the source's exported pool (``pool``) travel
-    in the stream, the destination copies the blocks itself; without a pool handle the bytes go inline.
+    in the stream, the destination copies the blocks itself; without a pool handle the bytes go inline (the
+    source sets ``pool`` to None when the destination's Reserve reply says it could not open the pool).
     Capped like the gRPC transport when ``rate_cap_bytes_per_s`` > 0."""
 
     name = TransportName.LOCAL

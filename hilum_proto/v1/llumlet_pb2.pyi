@@ -651,6 +651,7 @@ class ReserveRequest(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     EXPIRY_S_FIELD_NUMBER: _builtins.int
     PREFIX_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    POOL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     attempt: _builtins.int
     src_instance_id: _builtins.str
@@ -658,6 +659,10 @@ class ReserveRequest(_message.Message):
     """total blocks to hold (grow-only for the same attempt)"""
     expiry_s: _builtins.float
     """release unless a message of this attempt arrives within; 0 = default"""
+    pool: _builtins.bytes
+    """leading blocks it already caches (they are not sent)
+    first Reserve, local transport: the source's exported KV pool
+    """
     @_builtins.property
     def prefix_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """first Reserve: the prompt, so the destination can say which of its"""
@@ -671,10 +676,11 @@ class ReserveRequest(_message.Message):
         num_blocks: _builtins.int = ...,
         expiry_s: _builtins.float = ...,
         prefix_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        pool: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "expiry_s", b"expiry_s", "num_blocks", b"num_blocks", "prefix_token_ids", b"prefix_token_ids", "request_id", b"request_id", "src_instance_id", b"src_instance_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "expiry_s", b"expiry_s", "num_blocks", b"num_blocks", "pool", b"pool", "prefix_token_ids", b"prefix_token_ids", "request_id", b"request_id", "src_instance_id", b"src_instance_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -689,6 +695,7 @@ class ReserveReply(_message.Message):
     RESERVATION_ID_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    POOL_OPENED_FIELD_NUMBER: _builtins.int
     status: Global___DestStatus.ValueType
     reason: _builtins.str
     reservation_id: _builtins.str
@@ -697,6 +704,10 @@ class ReserveReply(_message.Message):
     """blocks now held"""
     num_cached_blocks: _builtins.int
     """leading block positions the destination already holds (its prefix"""
+    pool_opened: _builtins.bool
+    """cache): the source starts copying after them
+    the destination opened the source's pool: peer copies; else inline
+    """
     def __init__(
         self,
         *,
@@ -705,10 +716,11 @@ class ReserveReply(_message.Message):
         reservation_id: _builtins.str = ...,
         num_blocks: _builtins.int = ...,
         num_cached_blocks: _builtins.int = ...,
+        pool_opened: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "reason", b"reason", "reservation_id", b"reservation_id", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "pool_opened", b"pool_opened", "reason", b"reason", "reservation_id", b"reservation_id", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -267,6 +267,7 @@ class _BreakOnce:
     name: TransportName = TransportName.GRPC
     rate_cap_bytes_per_s: float = 0.0
     mode: str = "grpc"
+    pool: bytes | None = None
 
     def open(self, stub: object, request_id: str, attempt: int) -> BlockStream:
         inner = GrpcStreamTransport().open(stub, request_id, attempt)  # type: ignore[arg-type]
