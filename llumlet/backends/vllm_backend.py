@@ -32,6 +32,13 @@ _KNOWN = (
 )
 
 
+def _parse(opts: dict[str, str], key: str, kind: type[int] | type[float], what: str) -> int | float:
+    try:
+        return kind(opts[key])
+    except ValueError:
+        raise ValueError(f"vllm backend: {key}={opts[key]!r}: need {what}") from None
+
+
 def _flag(key: str, value: str) -> bool:
     if value.lower() not in ("true", "false"):
         raise ValueError(f"vllm backend: {key}={value!r}: need true or false")
@@ -71,19 +78,9 @@ def make_vllm_backend(config: BackendConfig) -> Backend:
         k: _flag(k, opts[k]) for k in ("enforce_eager", "enable_prefix_caching") if k in opts
     }
     if "gpu_memory_utilization" in opts:
-        try:
-            engine_kwargs["gpu_memory_utilization"] = float(opts["gpu_memory_utilization"])
-        except ValueError:
-            raise ValueError(
-                f"vllm backend: gpu_memory_utilization={opts['gpu_memory_utilization']!r}: need a fraction"
-            ) from None
+        engine_kwargs["gpu_memory_utilization"] = _parse(opts, "gpu_memory_utilization", float, "a fraction")
     kwargs["engine_kwargs"] = engine_kwargs
     if "kv_cache_memory_bytes" in opts:
-        try:
-            kwargs["kv_cache_memory_bytes"] = int(opts["kv_cache_memory_bytes"])
-        except ValueError:
-            raise ValueError(
-                f"vllm backend: kv_cache_memory_bytes={opts['kv_cache_memory_bytes']!r}: need bytes"
-            ) from None
+        kwargs["kv_cache_memory_bytes"] = _parse(opts, "kv_cache_memory_bytes", int, "bytes")
     engine = VllmEngine(config.instance_id, opts["model"], **kwargs)
     return Backend("vllm", engine, time_scale=0.0, real_token_ids=True, min_step_s=config.min_step_s)

@@ -157,7 +157,6 @@ class _Incoming:
     blocks: list[Any]  # the reservation's KVCacheBlocks holding the moved KV, in block-table order
     generator_state: bytes | None  # V1 runner: the sampler generator's state; None on V2 or greedy
     handles: vi.EngineHandles
-    num_cached_blocks: int = 0  # leading blocks handed over through the prefix cache (no copy)
 
 
 @dataclass
@@ -222,7 +221,7 @@ class HilumMigrationConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-
             return
         entry = self.incoming[key]
         full = entry.num_computed_tokens // int(entry.handles.scheduler.block_size)
-        entry.num_cached_blocks = vi.cache_moved_blocks(entry.handles, request, entry.blocks, full)
+        vi.cache_moved_blocks(entry.handles, request, entry.blocks, full)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         key = self._key(request)
