@@ -87,7 +87,8 @@ EXTRA_MODEL_FINGERPRINT = "model_fingerprint"  # MigrationState.extra key: str, 
 EXTRA_VLLM_OPTIONS = "vllm_options"  # MigrationState.extra key: dict, VllmSamplingOptions fields
 KV_PARAMS_KEY = "hilum_migration"  # key in kv_transfer_params: the reservation id of a re-admitted request
 
-#: EngineArgs the backend sets itself and refuses to change, with the reason (docs/vllm.md, "How the backend runs vLLM").
+#: EngineArgs the backend sets itself and refuses to change, with the reason (docs/vllm.md, "How the backend
+#: runs vLLM").
 REFUSED_ENGINE_ARGS: Mapping[str, str] = {
     "distributed_executor_backend": (
         "the backend drives one in-process worker ('uni'): reserve, suspend and the KV copies act on the "
