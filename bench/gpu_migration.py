@@ -106,9 +106,7 @@ async def _one(
     )
 
 
-async def _run(
-    addresses: tuple[str, str], contexts: Sequence[int], repeats: int, max_tokens: int
-) -> list[Sample]:
+async def _run(addresses: tuple[str, str], contexts: Sequence[int], repeats: int, max_tokens: int) -> list[Sample]:
     col = TokenCollector()
     await col.start()
     src, dst = LlumletClient(addresses[0]), LlumletClient(addresses[1])
