@@ -319,8 +319,9 @@ class MigrationSource:
 
         The blocks are pinned down under the engine lock once (``Engine.begin_read``); the transport copies
         them out without it (or names them for a peer copy), one message (``chunk_bytes``) at a time, while
-        the engine keeps stepping; a pre-copy stage then checks under the lock that the request held those
-        blocks throughout (else what was copied may be another request's: the migration fails).
+        the engine keeps stepping; once the destination acknowledged the stage (a peer copy reads the source's
+        pool until then), a pre-copy stage checks under the lock that the request held those blocks
+        throughout (else what was copied may be another request's: the migration fails).
         """
         if end <= first:
             return StageStats(stage, last, 0, 0, 0.0)
@@ -333,10 +334,10 @@ class MigrationSource:
                 if not last:
                     self._check_alive(rec)
                 await stream.send(run, pos, min(per_msg, end - pos))
+            stats = await stream.close()  # a peer copy reads the source's pool until the destination replies
             if not last and not await d.call(run.still_valid):
                 self._check_alive(rec)  # it finished (or was aborted): _Ended
                 raise _Failed(f"{rec.request_id!r} was preempted during pre-copy stage {stage}: its blocks were freed")
-            stats = await stream.close()
         except BaseException:
             await stream.abort()
             raise
