@@ -1,27 +1,34 @@
 """The values hilum keeps in etcd: frozen dataclasses, stored as JSON, validated on the way in.
 
-A record read from etcd that fails validation raises :class:`RecordError` naming the key; a watcher logs
-it and skips the key rather than crash (a buggy agent must not take the coordinator down).
+A record read from etcd that fails validation raises :class:`RecordError` naming the key and the field; a
+watcher logs it and skips the key rather than crash (a buggy agent must not take the coordinator down).
+The codec follows each dataclass's type hints (``str``, ``int``, ``float``, ``bool``, enums, tuples, nested
+dataclasses): strict — no bool for an int, no NaN — and every ``__post_init__`` check applies.
+
+A domain's load is the rule book's own ``policy.domain.DomainSummary`` (one per model it serves, in one
+:class:`SummaryRecord`): the same value from the domain scheduler to etcd, to the wire and back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, fields
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
+
+from policy.domain import DomainSummary, InstanceBrief
 
 __all__ = [
     "ACTIVE_STATES",
     "TRANSITIONS",
     "DomainRegistration",
-    "DomainSummaryLike",
     "DrainIntent",
     "DrainKind",
-    "InstanceLoadLike",
-    "InstanceLoadRecord",
     "InstanceRegistration",
     "MigrationRecord",
     "MigrationState",
@@ -82,101 +89,32 @@ class InstanceRegistration:
     capacity_blocks: int  # KV cache capacity, blocks
 
 
-class DomainSummaryLike(Protocol):
-    """What :class:`SummaryRecord` copies from ``policy.domain.DomainSummary`` (structural)."""
-
-    @property
-    def domain_id(self) -> str: ...
-    @property
-    def num_instances(self) -> int: ...
-    @property
-    def capacity_blocks(self) -> int: ...
-    @property
-    def virtual_usage(self) -> float: ...
-    @property
-    def freeness(self) -> float: ...
-    @property
-    def largest_free_blocks(self) -> int: ...
-    @property
-    def max_instance_capacity_blocks(self) -> int: ...
-    @property
-    def num_running(self) -> int: ...
-    @property
-    def num_waiting(self) -> int: ...
-    @property
-    def draining(self) -> bool: ...
-
-
-class InstanceLoadLike(Protocol):
-    """What :class:`InstanceLoadRecord` copies from ``policy.types.InstanceLoad`` (structural)."""
-
-    @property
-    def instance_id(self) -> str: ...
-    @property
-    def used_blocks(self) -> int: ...
-    @property
-    def running(self) -> Sequence[object]: ...
-    @property
-    def num_waiting(self) -> int: ...
-    @property
-    def draining(self) -> bool: ...
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceLoadRecord:
-    """One instance's load inside its domain's summary, as the domain scheduler sees it (exact, fresh).
-
-    ``hilumctl drain --wait`` reads it: an instance is empty when its scheduler reports it ``draining``
-    (it applies the drain: nothing new is dispatched there) with no running and no queued requests.
-    """
-
-    instance_id: str
-    used_blocks: int  # KV cache blocks held by its requests
-    num_running: int  # requests in its running batch (migrating-out ones included until committed)
-    num_waiting: int  # requests queued on it
-    draining: bool  # its domain scheduler applies a drain intent (instance or domain) to it
-
-    @classmethod
-    def of(cls, load: InstanceLoadLike) -> InstanceLoadRecord:
-        """Copy a ``policy.types.InstanceLoad`` (``num_running`` = ``len(load.running)``)."""
-        return cls(load.instance_id, load.used_blocks, len(load.running), load.num_waiting, load.draining)
-
-
 @dataclass(frozen=True, slots=True)
 class SummaryRecord:
-    """A domain's load summary as published to etcd (the fields of ``policy.domain.DomainSummary``).
+    """What a domain scheduler publishes at ``P summaries/<domain_id>``: one summary per model it serves.
 
-    ``instances`` adds the per-instance load (sorted by instance id) that the domain scheduler knows
-    exactly; the coordinator serves it through ListInstances. Empty when the publisher omits it.
+    Raises ValueError when a summary names another domain or two name the same model.
     """
 
     domain_id: str
-    num_instances: int
-    capacity_blocks: int  # KV capacity of all instances, blocks
-    virtual_usage: float  # Σ virtual usage, blocks (+inf while draining)
-    freeness: float  # (M − Σ V) / B, decode steps (−inf while draining)
-    largest_free_blocks: int  # largest free space on one instance, blocks
-    max_instance_capacity_blocks: int
-    num_running: int
-    num_waiting: int
-    draining: bool
-    instances: tuple[InstanceLoadRecord, ...] = ()  # per-instance load, sorted by instance_id
+    summaries: tuple[DomainSummary, ...]  # sorted by model
 
     def __post_init__(self) -> None:
-        ids = [i.instance_id for i in self.instances]
-        if ids != sorted(set(ids)):
-            raise ValueError(f"summary of {self.domain_id}: instances must be sorted by id, no repeats, got {ids}")
+        object.__setattr__(self, "summaries", tuple(self.summaries))
+        models = [s.model for s in self.summaries]
+        if models != sorted(set(models)):
+            raise ValueError(f"summary of {self.domain_id}: models must be sorted without repeats, got {models}")
+        for summary in self.summaries:
+            if summary.domain_id != self.domain_id:
+                raise ValueError(f"summary of {self.domain_id}: one summary names domain {summary.domain_id!r}")
 
-    @classmethod
-    def of(cls, summary: DomainSummaryLike, instances: Iterable[InstanceLoadLike] = ()) -> SummaryRecord:
-        """Copy a ``policy.domain.DomainSummary`` (or anything with its fields) and the loads of its instances.
+    def instances(self) -> dict[str, InstanceBrief]:
+        """Every instance of the domain (all models), by id."""
+        return {b.instance_id: b for s in self.summaries for b in s.instances}
 
-        Raises:
-            ValueError: when two loads name the same instance.
-        """
-        copied = {f.name: getattr(summary, f.name) for f in fields(cls) if f.name != "instances"}
-        loads = tuple(sorted((InstanceLoadRecord.of(load) for load in instances), key=lambda r: r.instance_id))
-        return cls(**copied, instances=loads)
+    def of_model(self, model: str) -> DomainSummary | None:
+        """The summary of ``model``'s instances, None when the domain serves no such model."""
+        return next((s for s in self.summaries if s.model == model), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,63 +155,61 @@ class DrainIntent:
 Record = DomainRegistration | InstanceRegistration | SummaryRecord | MigrationRecord | DrainIntent
 R = TypeVar("R", DomainRegistration, InstanceRegistration, SummaryRecord, MigrationRecord, DrainIntent)
 
-_INT_FIELDS = {
-    "capacity_blocks",
-    "num_instances",
-    "largest_free_blocks",
-    "max_instance_capacity_blocks",
-    "num_running",
-    "num_waiting",
-    "attempt",
-    "blocks",
-    "fencing_token",
-    "used_blocks",
-}
-_FLOAT_FIELDS = {"virtual_usage", "freeness", "expected_transfer_s", "expected_downtime_s"}
-
 
 def encode(record: Record) -> bytes:
-    """JSON bytes of ``record`` (sorted keys; ±inf allowed for usage/freeness)."""
-    data = asdict(record)
-    if isinstance(record, MigrationRecord):
-        data["links"] = list(record.links)
-    return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    """JSON bytes of ``record`` (sorted keys; ±inf allowed for usage and freeness)."""
+    return json.dumps(asdict(record), sort_keys=True, separators=(",", ":")).encode()
 
 
-def _coerce(cls: type[Any], name: str, value: Any, key: str) -> Any:
-    if name in _INT_FIELDS:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise RecordError(f"{key}: {name}: expected an integer, got {value!r}")
-        return value
-    if name in _FLOAT_FIELDS:
-        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-            raise RecordError(f"{key}: {name}: expected a number, got {value!r}")
-        return float(value)
-    if name == "draining":
-        if not isinstance(value, bool):
-            raise RecordError(f"{key}: {name}: expected true/false, got {value!r}")
-        return value
-    if name == "state":
-        try:
-            return MigrationState(value)
-        except ValueError:
-            raise RecordError(f"{key}: state: unknown migration state {value!r}") from None
-    if name == "kind" and cls is DrainIntent:
-        try:
-            return DrainKind(value)
-        except ValueError:
-            raise RecordError(f"{key}: kind: expected 'instance' or 'domain', got {value!r}") from None
-    if name == "instances" and cls is SummaryRecord:
+_HINTS: dict[type[Any], dict[str, Any]] = {}
+
+
+def _hints(cls: type[Any]) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    """``value`` (parsed JSON) as type ``tp``, strictly; RecordError naming ``where`` otherwise."""
+    origin = typing.get_origin(tp)
+    if origin is types.UnionType or origin is typing.Union:
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        (inner,) = [t for t in options if t is not type(None)]
+        return _coerce(inner, value, where)
+    if origin is tuple:
         if not isinstance(value, list):
-            raise RecordError(f"{key}: instances: expected a list of instance loads, got {value!r}")
-        return tuple(_from_dict(InstanceLoadRecord, item, f"{key}: instances[{i}]") for i, item in enumerate(value))
-    if name == "links":
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise RecordError(f"{key}: links: expected a list of strings, got {value!r}")
-        return tuple(value)
-    if not isinstance(value, str):
-        raise RecordError(f"{key}: {name}: expected a string, got {value!r}")
-    return value
+            raise RecordError(f"{where}: expected a list, got {value!r}")
+        (item, _ellipsis) = typing.get_args(tp)
+        return tuple(_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _from_dict(tp, value, where)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            known = ", ".join(repr(m.value) for m in tp)
+            raise RecordError(f"{where}: expected one of {known}, got {value!r}") from None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise RecordError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RecordError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+            raise RecordError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise RecordError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"{where}: no codec for type {tp!r}")  # a record declared a type the codec lacks: a bug
 
 
 def decode(cls: type[R], value: bytes, key: str) -> R:
@@ -290,21 +226,22 @@ def decode(cls: type[R], value: bytes, key: str) -> R:
     return record
 
 
-def _from_dict(cls: type[Any], raw: Any, key: str) -> Any:
+def _from_dict(cls: type[Any], raw: Any, where: str) -> Any:
     if not isinstance(raw, dict):
-        raise RecordError(f"{key}: expected a JSON object, got {type(raw).__name__}")
-    names = {f.name: f for f in fields(cls)}
+        raise RecordError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+    names = {f.name: f for f in fields(cls) if f.init}
     unknown = sorted(set(raw) - set(names))
     if unknown:
-        raise RecordError(f"{key}: unknown fields {unknown} for {cls.__name__}")
+        raise RecordError(f"{where}: unknown fields {unknown} for {cls.__name__}")
+    hints = _hints(cls)
     kwargs: dict[str, Any] = {}
     for name, f in names.items():
         if name not in raw:
-            if f.default is not MISSING:
+            if f.default is not MISSING or f.default_factory is not MISSING:
                 continue
-            raise RecordError(f"{key}: missing field {name!r} for {cls.__name__}")
-        kwargs[name] = _coerce(cls, name, raw[name], key)
+            raise RecordError(f"{where}: missing field {name!r} for {cls.__name__}")
+        kwargs[name] = _coerce(hints[name], raw[name], f"{where}: {name}")
     try:
         return cls(**kwargs)
     except ValueError as exc:
-        raise RecordError(f"{key}: {exc}") from None
+        raise RecordError(f"{where}: {exc}") from None

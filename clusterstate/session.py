@@ -183,7 +183,9 @@ class Registrar:
 
     ``run()`` opens a session, puts every entry with its lease and waits; when the session is lost it
     opens a new one (retrying with jittered backoff while etcd is unreachable), revokes the old lease and
-    puts the entries again. ``set``/``remove`` change the entries at any time.
+    puts the entries again. ``set``/``remove`` change the entries at any time. ``claim`` registers a key only
+    if nobody else holds it (one transaction: created now, or already under this registrar's lease), also on
+    every re-registration; losing a claimed key to another holder sets :attr:`conflict`.
     """
 
     def __init__(
@@ -202,6 +204,9 @@ class Registrar:
         self._clock = clock
         self._name = name
         self._entries: dict[str, bytes] = {}
+        self._claimed: set[str] = set()  # keys registered only if nobody else holds them
+        self.conflict: str | None = None  # why a claimed key is held by someone else (set once)
+        self.lost_claim = asyncio.Event()  # set with conflict
         self.session: Session | None = None  # the live session, None between sessions
         self.sessions_opened = 0
         self.registered = asyncio.Event()  # set while every entry is written under the live session
@@ -215,6 +220,40 @@ class Registrar:
                 await kv_of(self._client).put(key, value, lease=session.lease_id, timeout=float(self._ttl_s))
             except RETRYABLE_ERRORS as exc:
                 _log.warning("%s: put %s failed (%s); it is written again on re-registration", self._name, key, exc)
+
+    async def claim(self, key: str, value: bytes) -> bool:
+        """Register ``key`` with ``value`` only if no other lease holds it, now and on re-registration.
+
+        Returns False (nothing written) when another holder's key exists. Waits for the session to be open.
+        Raises one of ``RETRYABLE_ERRORS`` when etcd does not answer.
+        """
+        await self.registered.wait()
+        session = self.session
+        if session is None or session.done.is_set():
+            raise TimeoutError(f"{self._name}: the etcd session was lost before {key} could be claimed")
+        self._entries[key] = value
+        self._claimed.add(key)
+        if await self._put_claimed(key, value, session.lease_id):
+            return True
+        self._entries.pop(key, None)
+        self._claimed.discard(key)
+        return False
+
+    async def _put_claimed(self, key: str, value: bytes, lease_id: int) -> bool:
+        kv = kv_of(self._client)
+        resp = await kv.txn(
+            [kv.txn_compare_create_revision(key, 0)],
+            [kv.txn_op_put(key, value, lease=lease_id)],
+            [kv.txn_op_get(key)],
+            timeout=float(self._ttl_s),
+        )
+        if resp.succeeded:
+            return True
+        kvs = resp.responses[0].response_range.kvs
+        if kvs and int(kvs[0].lease) == lease_id:  # ours already (a repeated claim): refresh the value
+            await kv.put(key, value, lease=lease_id, timeout=float(self._ttl_s))
+            return True
+        return False
 
     async def remove(self, key: str) -> None:
         """Unregister ``key`` (delete it now if a session is live)."""
@@ -247,7 +286,14 @@ class Registrar:
 
     async def _register_all(self, session: Session) -> None:
         for key, value in list(self._entries.items()):
-            await kv_of(self._client).put(key, value, lease=session.lease_id, timeout=float(self._ttl_s))
+            if key not in self._claimed:
+                await kv_of(self._client).put(key, value, lease=session.lease_id, timeout=float(self._ttl_s))
+            elif not await self._put_claimed(key, value, session.lease_id):
+                self._entries.pop(key, None)
+                self._claimed.discard(key)
+                self.conflict = f"{key} is held by another lease (someone else claimed it while this one was away)"
+                self.lost_claim.set()
+                _log.error("%s: %s", self._name, self.conflict)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Keep the entries registered until ``stop`` is set; then revoke the lease (entries vanish)."""

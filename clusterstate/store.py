@@ -301,12 +301,17 @@ class SummaryPublisher:
             await asyncio.sleep(max(0.0, last_put + self._min_interval_s - self._clock()))
             self._wake.clear()
             latest = self._latest
-            if latest is None or latest == self._written:
+            if latest is None or (self._written is not None and _same_content(latest, self._written)):
                 continue
             await self._registrar.set(self._key, encode(latest))
             self._written = latest
             last_put = self._clock()
             self.puts += 1
+
+
+def _same_content(a: SummaryRecord, b: SummaryRecord) -> bool:
+    """Equal but for when each summary was taken (re-writing it would change nothing a reader uses)."""
+    return [replace(s, taken_s=0.0) for s in a.summaries] == [replace(s, taken_s=0.0) for s in b.summaries]
 
 
 def _entry(kv: Any) -> Entry:  # kv: mvccpb.KeyValue

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
+import hilum_config
 from clusterstate.etcd import connect
 from gateway.app import GatewayApp
 from gateway.cluster import LiveCluster
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unavailable-wait", type=float, default=5.0, help="retry unavailable domains for, seconds")
     p.add_argument("--seed", type=int, default=None, help="random seed (dispatch ties); default: random")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    hilum_config.add_argument(p)
     return p
 
 
@@ -65,6 +67,7 @@ async def _serve(ns: argparse.Namespace, topology: Topology) -> None:
     etcd = connect([e.strip() for e in ns.etcd.split(",") if e.strip()])
     await etcd.connect()
     rng = random.Random(ns.seed)
+    settings = hilum_config.load_config(ns.config)
     cluster = LiveCluster(
         topology,
         etcd,
@@ -73,6 +76,8 @@ async def _serve(ns: argparse.Namespace, topology: Topology) -> None:
         prefix=ns.prefix,
         sink_listen=sink_listen,
         sink_advertise=ns.sink_advertise,
+        policy=settings.policy,
+        reservation_ttl_s=settings.intervals.reservation_ttl_s,
         unavailable_wait_s=ns.unavailable_wait,
     )
     runner: web.AppRunner | None = None

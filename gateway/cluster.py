@@ -91,6 +91,7 @@ def submit_message(request_id: str, request: GenerationRequest, origin: str) -> 
         sampling=sampling_to_pb(sampling),
         priority=request.priority,
         origin=origin,
+        model=request.model,
     )
 
 
@@ -125,6 +126,7 @@ class LiveCluster:
         sink_listen: ``host:port`` of the token sink (port 0 picks one); ``sink_advertise`` the address
             llumlets push to (default: the bound one).
         policy: the rule book's configuration.
+        reservation_ttl_s: how long a dispatch reservation counts at most (``intervals.reservation_ttl_s``).
     """
 
     def __init__(
@@ -138,6 +140,7 @@ class LiveCluster:
         sink_listen: str = "127.0.0.1:0",
         sink_advertise: str = "",
         policy: PolicyConfig | None = None,
+        reservation_ttl_s: float = 1.0,
         unavailable_wait_s: float = 5.0,
     ) -> None:
         self.topology = topology
@@ -156,6 +159,7 @@ class LiveCluster:
             rng,
             unavailable_wait_s=unavailable_wait_s,
             on_retry=lambda reason: metrics.retries.labels(reason=reason).inc(),
+            reservation_ttl_s=reservation_ttl_s,
         )
         self._clients: dict[str, LlumletClient] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -206,7 +210,7 @@ class LiveCluster:
     async def start(self, request_id: str, request: GenerationRequest) -> Placement:
         self.sink.open(request_id)
         msg = submit_message(request_id, request, self.origin)
-        placement = await self.router.dispatch(msg, request.demand_blocks)
+        placement = await self.router.dispatch(msg, request.demand_blocks, request.need_blocks)
         self._placed[request_id] = placement.instance_address
         self.sink.dispatched(request_id, placement.instance_id, placement.instance_address)
         return placement

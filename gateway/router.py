@@ -10,36 +10,34 @@ request's demand in the view until that domain's next summary, so a burst does n
 The chosen domain scheduler gets ``Submit`` (rack_sched.proto). Its answer:
 
 - ``DISPATCH_ACCEPTED``: done (instance id and llumlet address returned);
+- ``DISPATCH_FULL`` (asked ``only_if_room`` and no instance has room now): the next domain is tried; when
+  every domain was full, the freest is asked again to queue it (``gateway.core.PlacementAttempt``);
 - ``DISPATCH_REFUSED`` (every instance draining, or the llumlet refused it): the next domain is tried;
 - ``DISPATCH_UNAVAILABLE`` or an RPC error (view being rebuilt, scheduler down): the next domain is tried;
   when every domain was tried and some were only unavailable, they are tried again after a jittered backoff
   until ``unavailable_wait_s`` has passed.
 
-Nothing left: :class:`DispatchFailed` with every domain's reason (the HTTP side answers 503).
-Excluding tried domains: they are taken out of the view for one pick and put back from their last summary,
-which drops their local reservations (conservative only in the sense of forgetting; the next summary
-replaces them anyway).
+Nothing left: :class:`DispatchFailed` with every domain's reason (the HTTP side answers 503). Tried
+domains are excluded from the next pick; their reservations stay.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
 
+from clusterstate.clock import SYSTEM_CLOCK, Clock
 from clusterstate.records import DomainRegistration, SummaryRecord
+from gateway.core import GatewayCore, PlacementAttempt
 from hilum_proto.tls import open_channel
 from hilum_proto.v1 import llumlet_pb2
 from hilum_proto.v1 import rack_sched_pb2 as rpb
 from hilum_proto.v1 import rack_sched_pb2_grpc as rpb_grpc
-from policy.dispatch import DomainDispatchView
-from policy.domain import DomainSummary
 from policy.types import PolicyConfig
 
 __all__ = [
@@ -49,7 +47,6 @@ __all__ = [
     "DomainSubmitter",
     "GrpcSubmitter",
     "Placement",
-    "summary_of_record",
 ]
 
 _log = logging.getLogger(__name__)
@@ -114,14 +111,6 @@ class DispatchFailed(Exception):
         self.unavailable = unavailable
 
 
-_SUMMARY_FIELDS = tuple(f.name for f in fields(DomainSummary))
-
-
-def summary_of_record(record: SummaryRecord) -> DomainSummary:
-    """The policy value of a published summary (fields the record lacks take their defaults)."""
-    return DomainSummary(**{name: getattr(record, name) for name in _SUMMARY_FIELDS if hasattr(record, name)})
-
-
 class DomainRouter:
     """Picks a domain for each request and submits it there (see the module docstring).
 
@@ -133,7 +122,7 @@ class DomainRouter:
         submit_timeout_s: deadline of one Submit.
         unavailable_wait_s: how long unavailable domains are retried before giving up.
         backoff_s: first pause before retrying unavailable domains (doubles, jittered).
-        on_retry: told the reason ("refused" | "unavailable") each time a domain did not take a request.
+        on_retry: told the reason ("refused" | "unavailable" | "full") each time a domain did not take a request.
     """
 
     def __init__(
@@ -146,15 +135,15 @@ class DomainRouter:
         submit_timeout_s: float = 10.0,
         unavailable_wait_s: float = 5.0,
         backoff_s: float = 0.05,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = SYSTEM_CLOCK,
         on_retry: Callable[[str], None] | None = None,
+        reservation_ttl_s: float = 1.0,
     ) -> None:
         self._source = source
         self._on_retry = on_retry
         self._submitter = submitter
         self._rng = rng
-        self._view = DomainDispatchView((), cfg, rng)
-        self._summaries: dict[str, DomainSummary] = {}
+        self.core = GatewayCore(cfg, rng, reservation_ttl_s=reservation_ttl_s)
         self._records: dict[str, SummaryRecord] = {}
         self._addresses: dict[str, str] = {}
         self._seen_version = -1
@@ -162,10 +151,7 @@ class DomainRouter:
         self._unavailable_wait_s = unavailable_wait_s
         self._backoff_s = backoff_s
         self._clock = clock
-        self.retries: dict[str, int] = {}  # reason ("refused" | "unavailable") -> count
-        # A summary is published only when a domain's load changes, so short requests may never produce one:
-        # a reservation older than this is dropped (the domain has long since counted or finished it).
-        self.reservation_ttl_s = 1.0
+        self.retries: dict[str, int] = {}  # reason ("refused" | "unavailable" | "full") -> count
 
     def _retry(self, reason: str) -> None:
         self.retries[reason] = self.retries.get(reason, 0) + 1
@@ -175,7 +161,12 @@ class DomainRouter:
     def domains(self) -> dict[str, str]:
         """Dispatchable domains (registered and summarised): id -> scheduler address."""
         self._refresh()
-        return {d: a for d, a in self._addresses.items() if d in self._summaries}
+        return {d: a for d, a in self._addresses.items() if d in self._records}
+
+    def models(self) -> list[str]:
+        """Models some dispatchable domain serves, sorted."""
+        self._refresh()
+        return self.core.models()
 
     def _refresh(self) -> None:
         version = self._source.version
@@ -185,77 +176,73 @@ class DomainRouter:
         regs = self._source.domains()
         records = self._source.summaries()
         self._addresses = {d: r.address for d, r in regs.items()}
-        for domain_id in list(self._summaries):
+        for domain_id in list(self._records):
             if domain_id not in records or domain_id not in regs:
-                self._view.remove(domain_id)
-                self._summaries.pop(domain_id)
-                self._records.pop(domain_id, None)
+                self.core.remove(domain_id)
+                del self._records[domain_id]
         for domain_id, record in records.items():
             if domain_id not in regs or self._records.get(domain_id) == record:
-                continue  # no scheduler to submit to, or nothing new: keep the local reservations
+                continue  # no scheduler to submit to, or nothing new
             try:
-                summary = summary_of_record(record)
+                self.core.update(domain_id, record.summaries)
             except ValueError as exc:
                 _log.warning("ignoring summary of %s: %s", domain_id, exc)
                 continue
             self._records[domain_id] = record
-            self._summaries[domain_id] = summary
-            self._view.update(summary)
 
-    def _pick(self, demand_blocks: int, priority: int, exclude: set[str]) -> tuple[str | None, str]:
-        now = self._clock()
-        for summary in self._summaries.values():  # expire old reservations (see reservation_ttl_s)
-            self._view.update(summary, as_of=now - self.reservation_ttl_s)
-        for domain_id in exclude:
-            self._view.remove(domain_id)
-        try:
-            decision = self._view.pick(demand_blocks, priority, stamp=now)
-        finally:
-            for domain_id in exclude:
-                if domain_id in self._summaries:
-                    self._view.update(self._summaries[domain_id])
-        return decision.target_id, decision.reason
+    async def dispatch(self, msg: llumlet_pb2.SubmitRequest, demand_blocks: int, need_blocks: int = 0) -> Placement:
+        """Place ``msg`` on some domain serving ``msg.model`` (its ``priority`` counts).
 
-    async def dispatch(self, msg: llumlet_pb2.SubmitRequest, demand_blocks: int) -> Placement:
-        """Place ``msg`` (its ``priority`` counts) on some domain. Raises :class:`DispatchFailed`."""
-        deadline = self._clock() + self._unavailable_wait_s
-        reasons: dict[str, str] = {}
-        refused: set[str] = set()
-        unavailable: set[str] = set()
+        ``demand_blocks``: KV blocks it needs to start; ``need_blocks``: what it may grow to (0: not known).
+        Raises :class:`DispatchFailed`.
+        """
+        deadline = self._clock.now_s() + self._unavailable_wait_s
+        attempt = PlacementAttempt(self.core, msg.model, demand_blocks, need_blocks, msg.priority)
         tries = 0
         backoff = self._backoff_s
         while True:
             self._refresh()
-            domain_id, why = self._pick(demand_blocks, msg.priority, refused | unavailable)
+            domain_id = attempt.next(self._clock.wall_s())
             if domain_id is None:
-                if unavailable and self._clock() < deadline:
-                    await asyncio.sleep(backoff * (0.5 + self._rng.random()))
+                if attempt.unavailable and self._clock.now_s() < deadline:
+                    await self._clock.sleep(backoff * (0.5 + self._rng.random()))
                     backoff = min(backoff * 2, 1.0)
-                    unavailable.clear()
+                    attempt.retry_unavailable()
                     continue
-                if not self._summaries and self._clock() < deadline:
-                    await asyncio.sleep(backoff)  # nothing published yet (cluster starting)
+                if not self._records and self._clock.now_s() < deadline:
+                    await self._clock.sleep(backoff)  # nothing published yet (cluster starting)
                     continue
-                detail = "; ".join(f"{d}: {r}" for d, r in sorted(reasons.items())) or why
-                raise DispatchFailed(f"no domain accepted the request: {detail}", unavailable=bool(unavailable))
+                raise DispatchFailed(
+                    f"no domain accepted the request: {attempt.explain()}", unavailable=bool(attempt.unavailable)
+                )
             tries += 1
             address = self._addresses[domain_id]
+            msg.only_if_room = attempt.only_if_room
             try:
                 reply = await self._submitter.submit(address, msg, self._submit_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     message = f"domain {domain_id} rejected the request: {exc.details()}"
                     raise DispatchFailed(message, unavailable=False) from None
-                reasons[domain_id] = f"scheduler at {address} did not answer ({exc.code().name}: {exc.details()})"
-                unavailable.add(domain_id)
+                why = f"scheduler at {address} did not answer ({exc.code().name}: {exc.details()})"
+                attempt.answered_unavailable(domain_id, why)
                 self._retry("unavailable")
                 continue
             if reply.outcome == rpb.DISPATCH_ACCEPTED:
-                return Placement(domain_id, reply.instance_id, reply.instance_address, f"{why}; {reply.reason}", tries)
-            reasons[domain_id] = reply.reason or rpb.DispatchOutcome.Name(reply.outcome)
+                return Placement(
+                    domain_id,
+                    reply.instance_id,
+                    reply.instance_address,
+                    f"{attempt.last_reason}; {reply.reason}",
+                    tries,
+                )
+            why = reply.reason or rpb.DispatchOutcome.Name(reply.outcome)
             if reply.outcome == rpb.DISPATCH_UNAVAILABLE:
-                unavailable.add(domain_id)
+                attempt.answered_unavailable(domain_id, why)
                 self._retry("unavailable")
+            elif reply.outcome == rpb.DISPATCH_FULL:
+                attempt.answered_full(domain_id, why)
+                self._retry("full")
             else:
-                refused.add(domain_id)
+                attempt.answered_refused(domain_id, why)
                 self._retry("refused")

@@ -124,6 +124,11 @@ class GenerationRequest:
         """KV blocks the request needs to start: ceil((prompt + 1) / block size) (rack_sched's count)."""
         return -(-(self.prompt_tokens + 1) // self.block_size_tokens)
 
+    @property
+    def need_blocks(self) -> int:
+        """KV blocks it may grow to: ceil((prompt + max_tokens - 1) / block size) (what an engine admits)."""
+        return -(-(self.prompt_tokens + self.max_tokens - 1) // self.block_size_tokens)
+
 
 def _require_object(body: Any) -> Mapping[str, Any]:
     if not isinstance(body, Mapping):

@@ -1,9 +1,13 @@
-"""Choosing and judging a cross-domain move: candidates, link budgets, the judge seam. Pure, no I/O.
+"""The coordinator's decisions on a cross-domain move: candidates, link budgets, the judge. Pure, no I/O.
 
-The coordinator asks a :class:`MoveJudge` about each candidate destination in order; the judge applies
-the cost model and the approval rule (``global_coord.approval.judge_move`` over ``topology.cost``; wired
-in ``global_coord.wiring``). Link budgets are counted here from the migrations recorded in etcd, so they
-are rebuilt after any restart: every proposed or approved migration holds one flow on each link of its
+This is the coordinator's decision core: the live coordinator (``global_coord.coordinator``) and the
+simulator (``sim.schedulers``) both call :func:`decide`. Destinations are chosen from the domains'
+summaries, instance by instance, by their real free space (``policy.domain.InstanceBrief``): the same
+freeness rule a domain scheduler applies inside its domain. The coordinator asks a :class:`MoveJudge` about
+each candidate in order; the judge applies the cost model and the approval rule
+(``global_coord.approval.judge_move`` over ``topology.cost``; wired in ``global_coord.wiring``). Link budgets
+are counted from the active migrations (live: the records in etcd, so they are rebuilt after any restart;
+simulated: the executor's flows): every proposed or approved migration holds one flow on each link of its
 path until it is committed or aborted.
 """
 
@@ -11,18 +15,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from clusterstate.records import (
-    ACTIVE_STATES,
-    DrainIntent,
-    DrainKind,
-    InstanceRegistration,
-    MigrationRecord,
-    SummaryRecord,
-)
+from clusterstate.records import ACTIVE_STATES, MigrationRecord
+from policy.domain import DomainSummary
 
 __all__ = [
     "Choice",
@@ -34,6 +32,7 @@ __all__ = [
     "busiest_link_flows",
     "candidate_destinations",
     "choose_destination",
+    "decide",
     "link_flows",
 ]
 
@@ -49,15 +48,18 @@ class MoveProposal:
     dst_instance_id: str  # "" = the coordinator chooses
     blocks: int  # KV blocks the request holds now
     num_tokens: int  # tokens whose KV it holds
-    remaining_tokens: int  # output tokens still to produce (estimate)
+    remaining_tokens: int  # output tokens still to produce (estimate, policy.remaining)
     decode_step_s: float  # the source's current decode step time, seconds
+    model: str = ""  # the model it runs; a destination must serve it ("" = the source's)
+    max_blocks: int = 0  # KV blocks it may grow to; a destination's capacity must hold them (0 = not known)
+    dst_domain_id: str = ""  # the domain the proposer was paired with (a preference; "" = any)
 
     def __post_init__(self) -> None:
         problems = []
         for name in ("proposer_domain_id", "request_id", "src_instance_id"):
             if not getattr(self, name):
                 problems.append(f"{name} is empty")
-        for name in ("attempt", "blocks", "num_tokens", "remaining_tokens"):
+        for name in ("attempt", "blocks", "num_tokens", "remaining_tokens", "max_blocks"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         if not (self.decode_step_s > 0 and math.isfinite(self.decode_step_s)):
@@ -121,37 +123,40 @@ def busiest_link_flows(links: Iterable[str], flows: Mapping[str, int]) -> int:
     return max((flows.get(link, 0) for link in links), default=0)
 
 
-def _draining(inst: InstanceRegistration, drains: Mapping[tuple[DrainKind, str], DrainIntent]) -> bool:
-    return (DrainKind.INSTANCE, inst.instance_id) in drains or (DrainKind.DOMAIN, inst.domain_id) in drains
-
-
 def candidate_destinations(
     move: MoveProposal,
     src_domain_id: str,
-    instances: Mapping[str, InstanceRegistration],
-    summaries: Mapping[str, SummaryRecord],
-    drains: Mapping[tuple[DrainKind, str], DrainIntent],
+    summaries: Iterable[DomainSummary],
+    drained: Callable[[str, str], bool] = lambda instance_id, domain_id: False,
+    registered: Collection[str] | None = None,
 ) -> list[str]:
     """Destination instances to try, best first.
 
-    Rules (DESIGN.md, "Cost model"; the same virtual-usage rules applied to domains): only instances in
-    another domain, neither they nor their domain draining, whose domain summary (when published) has a
-    single instance with ``largest_free_blocks >= move.blocks`` and is not draining; ordered by the
-    domain's freeness (highest first; domains without a summary last), then by instance id. A named
-    ``dst_instance_id`` is the only candidate, if it passes the same rules.
+    Rules (DESIGN.md, "Cost model"; the rule book's freeness applied to instances): instances of another
+    domain's summary for the request's model; not draining (as their domain scheduler reports, or as
+    ``drained(instance_id, domain_id)`` says from the drain intents); whose capacity can hold what the
+    request may grow to (``move.max_blocks``) and whose real free blocks hold it now (``move.blocks``);
+    registered (when ``registered`` is given). Ordered by the instance's freeness, highest first, instances
+    of the domain the proposer was paired with first among equals, then by id. A named ``dst_instance_id``
+    is the only candidate, if it passes the same rules.
     """
-    out: list[tuple[float, str]] = []
-    for inst in instances.values():
-        if inst.domain_id == src_domain_id or _draining(inst, drains):
+    out: list[tuple[float, bool, str]] = []
+    for summary in summaries:
+        if summary.domain_id == src_domain_id or summary.draining:
             continue
-        if move.dst_instance_id and inst.instance_id != move.dst_instance_id:
+        if move.model and summary.model and summary.model != move.model:
             continue
-        summary = summaries.get(inst.domain_id)
-        if summary is not None and (summary.draining or summary.largest_free_blocks < move.blocks):
-            continue
-        freeness = summary.freeness if summary is not None else -math.inf
-        out.append((-freeness, inst.instance_id))
-    return [iid for _, iid in sorted(out)]
+        for b in summary.instances:
+            if move.dst_instance_id and b.instance_id != move.dst_instance_id:
+                continue
+            if b.draining or drained(b.instance_id, summary.domain_id):
+                continue
+            if registered is not None and b.instance_id not in registered:
+                continue
+            if b.capacity_blocks < move.max_blocks or b.free_blocks < move.blocks:
+                continue
+            out.append((-b.freeness, summary.domain_id != move.dst_domain_id, b.instance_id))
+    return [iid for _, _, iid in sorted(out)]
 
 
 def choose_destination(
@@ -170,7 +175,7 @@ def choose_destination(
     Returns a :class:`Choice` with ``dst_instance_id=None`` and the last rejection when none is approved
     (or "no candidate" when the list is empty). At most ``max_tries`` candidates are judged.
     """
-    last = Judgement(False, "no destination: every other domain is draining, full or unregistered")
+    last = Judgement(False, "no destination: no instance of another domain's summary serves the model with room for it")
     for tries, dst in enumerate(candidates):
         if tries >= max_tries:
             break
@@ -184,3 +189,20 @@ def choose_destination(
             return Choice(dst, path, verdict)
         last = Judgement(False, f"{dst}: {verdict.reason}", verdict.transfer_s, verdict.downtime_s)
     return Choice(None, None, last)
+
+
+def decide(
+    move: MoveProposal,
+    src_domain_id: str,
+    summaries: Iterable[DomainSummary],
+    path_of: PathOf,
+    judge: MoveJudge,
+    flows: Mapping[str, int],
+    *,
+    drained: Callable[[str, str], bool] = lambda instance_id, domain_id: False,
+    registered: Collection[str] | None = None,
+) -> Choice:
+    """The coordinator's whole decision on one proposed move: candidates (:func:`candidate_destinations`),
+    then the first the judge approves (:func:`choose_destination`) under the link budgets ``flows``."""
+    candidates = candidate_destinations(move, src_domain_id, summaries, drained, registered)
+    return choose_destination(move, candidates, path_of, judge, flows)

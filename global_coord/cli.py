@@ -16,6 +16,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
+import hilum_config
 from clusterstate.etcd import connect
 from global_coord.coordinator import Coordinator, CoordinatorConfig
 from global_coord.server import start_server
@@ -38,6 +39,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttl", type=int, default=10, help="session lease TTL, seconds (failover time)")
     p.add_argument("--prefix", default="/hilum/v1/", help="etcd key prefix")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    hilum_config.add_argument(p)
     return p.parse_args(argv)
 
 
@@ -86,7 +88,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(argv)
     logging.basicConfig(level=ns.log_level, format=f"%(asctime)s {ns.id} %(name)s %(levelname)s %(message)s")
     try:
-        model = load_cluster_model(ns.topology) if ns.topology else None
+        settings = hilum_config.load_config(ns.config)
+    except hilum_config.ConfigError as exc:
+        print(f"global_coord: error: {exc}", file=sys.stderr)
+        return 2  # a configuration error: restarting cannot fix it
+    try:
+        model = load_cluster_model(ns.topology, settings.cost, settings.approval) if ns.topology else None
         return asyncio.run(serve_replica(ns, model))
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"global_coord: error: {exc}", file=sys.stderr)

@@ -11,7 +11,6 @@ from clusterstate.records import (
     DomainRegistration,
     DrainIntent,
     DrainKind,
-    InstanceLoadRecord,
     InstanceRegistration,
     MigrationRecord,
     MigrationState,
@@ -20,13 +19,15 @@ from clusterstate.records import (
 from global_coord.approver import MoveProposal
 from global_coord.coordinator import StatusInfo, TopologyLike
 from hilum_proto.v1 import coordinator_pb2 as pb
+from policy.domain import DomainSummary, InstanceBrief
 
 __all__ = [
+    "brief",
+    "brief_from_pb",
     "domain_info",
     "drain_intent",
     "drain_target_from_pb",
     "instance_info",
-    "instance_load",
     "migration",
     "migration_record_from_pb",
     "move_proposal",
@@ -64,27 +65,59 @@ def status_reply(info: StatusInfo) -> pb.StatusReply:
     )
 
 
-def summary(record: SummaryRecord) -> pb.DomainSummary:
-    """DomainSummary message of a summary record."""
-    return pb.DomainSummary(
-        domain_id=record.domain_id,
-        num_instances=record.num_instances,
-        capacity_blocks=record.capacity_blocks,
-        virtual_usage=record.virtual_usage,
-        freeness=record.freeness,
-        largest_free_blocks=record.largest_free_blocks,
-        max_instance_capacity_blocks=record.max_instance_capacity_blocks,
-        num_running=record.num_running,
-        num_waiting=record.num_waiting,
-        draining=record.draining,
+def brief(b: InstanceBrief) -> pb.InstanceBrief:
+    """InstanceBrief message of one instance in its domain's summary (every field)."""
+    return pb.InstanceBrief(
+        instance_id=b.instance_id,
+        capacity_blocks=b.capacity_blocks,
+        free_blocks=b.free_blocks,
+        virtual_usage=b.virtual_usage,
+        num_running=b.num_running,
+        num_waiting=b.num_waiting,
+        draining=b.draining,
+        decode_step_s=b.decode_step_s,
     )
 
 
-def summary_from_pb(msg: pb.DomainSummary) -> SummaryRecord:
-    """SummaryRecord of a DomainSummary message. Raises ValueError on an empty domain id."""
+def brief_from_pb(msg: pb.InstanceBrief) -> InstanceBrief:
+    """The ``policy.domain.InstanceBrief`` of a message. Raises ValueError on inconsistent counts."""
+    return InstanceBrief(
+        instance_id=msg.instance_id,
+        capacity_blocks=msg.capacity_blocks,
+        free_blocks=msg.free_blocks,
+        virtual_usage=msg.virtual_usage,
+        num_running=msg.num_running,
+        num_waiting=msg.num_waiting,
+        draining=msg.draining,
+        decode_step_s=msg.decode_step_s,
+    )
+
+
+def summary(s: DomainSummary) -> pb.DomainSummary:
+    """DomainSummary message of the rule book's ``DomainSummary`` (every field)."""
+    return pb.DomainSummary(
+        domain_id=s.domain_id,
+        num_instances=s.num_instances,
+        capacity_blocks=s.capacity_blocks,
+        virtual_usage=s.virtual_usage,
+        freeness=s.freeness,
+        largest_free_blocks=s.largest_free_blocks,
+        max_instance_capacity_blocks=s.max_instance_capacity_blocks,
+        num_running=s.num_running,
+        num_waiting=s.num_waiting,
+        draining=s.draining,
+        queued_blocks=s.queued_blocks,
+        model=s.model,
+        taken_s=s.taken_s,
+        instances=[brief(b) for b in s.instances],
+    )
+
+
+def summary_from_pb(msg: pb.DomainSummary) -> DomainSummary:
+    """The rule book's ``DomainSummary`` of a message. Raises ValueError on an empty domain id or bad counts."""
     if not msg.domain_id:
         raise ValueError("DomainSummary.domain_id is empty")
-    return SummaryRecord(
+    return DomainSummary(
         domain_id=msg.domain_id,
         num_instances=msg.num_instances,
         capacity_blocks=msg.capacity_blocks,
@@ -95,30 +128,31 @@ def summary_from_pb(msg: pb.DomainSummary) -> SummaryRecord:
         num_running=msg.num_running,
         num_waiting=msg.num_waiting,
         draining=msg.draining,
+        queued_blocks=msg.queued_blocks,
+        model=msg.model,
+        taken_s=msg.taken_s,
+        instances=tuple(brief_from_pb(b) for b in msg.instances),
     )
 
 
 def domain_info(
     domain_id: str,
     registration: DomainRegistration | None,
-    summary_record: SummaryRecord | None,
+    record: SummaryRecord | None,
     draining: bool,
 ) -> pb.DomainInfo:
     """DomainInfo of what the view knows about one domain."""
-    msg = pb.DomainInfo(
+    return pb.DomainInfo(
         domain_id=domain_id,
         scheduler_address=registration.address if registration else "",
         registered=registration is not None,
         draining=draining,
-        has_summary=summary_record is not None,
+        summaries=[summary(s) for s in record.summaries] if record is not None else [],
     )
-    if summary_record is not None:
-        msg.summary.CopyFrom(summary(summary_record))
-    return msg
 
 
-def instance_info(reg: InstanceRegistration, draining: bool, load: InstanceLoadRecord | None = None) -> pb.InstanceInfo:
-    """InstanceInfo of a registration, with its load from the domain's summary when published."""
+def instance_info(reg: InstanceRegistration, draining: bool, load: InstanceBrief | None = None) -> pb.InstanceInfo:
+    """InstanceInfo of a registration, with its brief from the domain's summary when published."""
     msg = pb.InstanceInfo(
         instance_id=reg.instance_id,
         domain_id=reg.domain_id,
@@ -130,18 +164,8 @@ def instance_info(reg: InstanceRegistration, draining: bool, load: InstanceLoadR
         has_load=load is not None,
     )
     if load is not None:
-        msg.load.CopyFrom(instance_load(load))
+        msg.load.CopyFrom(brief(load))
     return msg
-
-
-def instance_load(record: InstanceLoadRecord) -> pb.InstanceLoad:
-    """InstanceLoad message of one instance's entry in its domain's summary."""
-    return pb.InstanceLoad(
-        used_blocks=record.used_blocks,
-        num_running=record.num_running,
-        num_waiting=record.num_waiting,
-        draining=record.draining,
-    )
 
 
 def migration(record: MigrationRecord, mod_revision: int) -> pb.Migration:
@@ -220,6 +244,9 @@ def move_proposal(move: MoveProposal) -> pb.MigrationProposal:
         num_tokens=move.num_tokens,
         remaining_tokens=move.remaining_tokens,
         decode_step_s=move.decode_step_s,
+        model=move.model,
+        max_blocks=move.max_blocks,
+        dst_domain_id=move.dst_domain_id,
     )
 
 
@@ -235,6 +262,9 @@ def move_proposal_from_pb(msg: pb.MigrationProposal) -> MoveProposal:
         num_tokens=msg.num_tokens,
         remaining_tokens=msg.remaining_tokens,
         decode_step_s=msg.decode_step_s,
+        model=msg.model,
+        max_blocks=msg.max_blocks,
+        dst_domain_id=msg.dst_domain_id,
     )
 
 

@@ -18,7 +18,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from clusterstate.backoff import Backoff, BackoffConfig
@@ -38,8 +38,7 @@ from global_coord.approver import (
     MoveJudge,
     MoveProposal,
     PathOf,
-    candidate_destinations,
-    choose_destination,
+    decide,
     link_flows,
 )
 
@@ -369,10 +368,21 @@ class Coordinator:
                 f"not the proposer's {move.proposer_domain_id}",
                 leader.token,
             )
+        if move.model and src.model != move.model:
+            return self._reject(f"source instance {src.instance_id} serves {src.model}, not {move.model}", leader.token)
         migrations = self.view.migrations()
-        flows = link_flows(r for r, _ in migrations.values())
-        candidates = candidate_destinations(move, src.domain_id, instances, self.view.summaries(), self.view.drains())
-        choice = choose_destination(move, candidates, self.path_of, self.judge, flows)
+        drains = self.view.drains()
+        summaries = [s for record in self.view.summaries().values() for s in record.summaries]
+        choice = decide(
+            replace(move, model=move.model or src.model),
+            src.domain_id,
+            summaries,
+            self.path_of,
+            self.judge,
+            link_flows(r for r, _ in migrations.values()),
+            drained=lambda iid, did: (DrainKind.INSTANCE, iid) in drains or (DrainKind.DOMAIN, did) in drains,
+            registered=instances.keys(),
+        )
         if choice.dst_instance_id is None or choice.path is None:
             return self._reject(choice.judgement.reason, leader.token)
         dst = instances[choice.dst_instance_id]

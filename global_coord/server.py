@@ -51,8 +51,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             if request.domain_id and reg.domain_id != request.domain_id:
                 continue
             draining = (DrainKind.INSTANCE, iid) in drains or (DrainKind.DOMAIN, reg.domain_id) in drains
-            summary = summaries.get(reg.domain_id)
-            load = next((i for i in summary.instances if i.instance_id == iid), None) if summary else None
+            record = summaries.get(reg.domain_id)
+            load = record.instances().get(iid) if record else None
             out.append(convert.instance_info(reg, draining, load))
         return pb.ListInstancesReply(instances=out, view_revision=view.revision)
 
@@ -70,8 +70,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     ) -> AsyncIterator[pb.MigrationEvent]:
         view = self._c.view
         sent: dict[str, tuple[MigrationRecord, int]] = {}
-        version = -1
         while True:
+            # The version read with the snapshot, before anything is sent: a change made while the events are
+            # being sent (each send awaits the client) wakes the next round instead of being missed.
+            version = view.version
             current = view.migrations()
             for mid in sorted(set(sent) - set(current)):
                 yield pb.MigrationEvent(deleted=True, migration=pb.Migration(migration_id=mid))
@@ -79,7 +81,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 if sent.get(mid) != (record, rev):
                     yield pb.MigrationEvent(deleted=False, migration=convert.migration(record, rev))
             sent = current
-            version = await view.wait_changed(version if version >= 0 else view.version)
+            await view.wait_changed(version)
 
     async def _leader_only(self, context: _Ctx, exc: NotLeader) -> None:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

@@ -66,12 +66,16 @@ class CostModelJudge:
         return Judgement(verdict.approved, verdict.reason, float(plan.transfer_s), float(plan.downtime_s))
 
 
-def load_cluster_model(path: str | Path) -> ClusterModel:
+def load_cluster_model(
+    path: str | Path, cost_cfg: CostConfig | None = None, approval_cfg: ApprovalConfig | None = None
+) -> ClusterModel:
     """Load a topology file (or bundled name) and build paths and the cost-model judge over it.
+
+    ``cost_cfg`` / ``approval_cfg``: the configuration file's ``cost`` and ``approval`` (None: defaults).
 
     Raises:
         topology.load.TopologyError: on an invalid topology file.
     """
     topo = load_topology(path)
     paths = TopologyGraph(topo)
-    return ClusterModel(topology=topo, path_of=paths.path, judge=CostModelJudge(topo))
+    return ClusterModel(topology=topo, path_of=paths.path, judge=CostModelJudge(topo, cost_cfg, approval_cfg))

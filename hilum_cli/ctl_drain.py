@@ -110,15 +110,16 @@ def domain_progress(
     members = [i for i in instances if i.domain_id == domain_id]
     what = f"domain {domain_id}"
     scheduler = f"the domain scheduler of {domain_id}"
-    if info is None or not info.has_summary:
+    if info is None or not info.summaries:
         if (info is None or not info.registered) and not members and not moving:
             return DrainProgress(True, 0, 0, 0, f"{what}: no domain scheduler and no instances registered")
         return DrainProgress(
             False, None, None, moving, f"{what}: no load summary yet (is {scheduler} (rack_sched) running?)"
         )
-    s = info.summary
-    applied = s.draining or s.num_instances == 0
-    return _verdict(what, s.num_running, s.num_waiting, moving, applied, scheduler)
+    applied = all(s.draining or s.num_instances == 0 for s in info.summaries)
+    running = sum(s.num_running for s in info.summaries)
+    waiting = sum(s.num_waiting for s in info.summaries)
+    return _verdict(what, running, waiting, moving, applied, scheduler)
 
 
 def resolve_target(

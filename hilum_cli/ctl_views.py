@@ -80,11 +80,11 @@ def status_json(reply: pb.StatusReply, address: str) -> Json:
 
 
 def domain_json(info: pb.DomainInfo) -> Json:
-    """One domain; ``summary`` is null until its domain scheduler publishes one."""
-    summary: Json | None = None
-    if info.has_summary:
-        s = info.summary
-        summary = {
+    """One domain; ``summaries`` (one per model it serves) is empty until its domain scheduler publishes."""
+    summaries: list[Json] = []
+    for s in info.summaries:
+        summaries.append({
+            "model": s.model,
             "num_instances": s.num_instances,
             "capacity_blocks": s.capacity_blocks,
             "virtual_usage_blocks": _finite(s.virtual_usage),
@@ -94,13 +94,13 @@ def domain_json(info: pb.DomainInfo) -> Json:
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,
             "draining": s.draining,
-        }
+        })  # fmt: skip
     return {
         "domain_id": info.domain_id,
         "registered": info.registered,
         "scheduler_address": info.scheduler_address or None,
         "draining": info.draining,
-        "summary": summary,
+        "summaries": summaries,
     }
 
 
@@ -114,7 +114,8 @@ def instance_json(info: pb.InstanceInfo) -> Json:
     load: Json | None = None
     if info.has_load:
         load = {
-            "used_blocks": info.load.used_blocks,
+            "used_blocks": info.load.capacity_blocks - info.load.free_blocks,
+            "free_blocks": info.load.free_blocks,
             "num_running": info.load.num_running,
             "num_waiting": info.load.num_waiting,
             "draining": info.load.draining,
@@ -277,32 +278,38 @@ def render_status(console: Console, st: Json) -> None:
 def render_domains(console: Console, data: Json) -> None:
     """``domains`` as a table."""
     table = _table(
-        "DOMAIN", "SCHEDULER", "DRAIN", "INSTANCES", "CAPACITY", "USAGE", "FREENESS", "LARGEST FREE", "RUNNING",
-        "WAITING",
+        "DOMAIN", "SCHEDULER", "DRAIN", "MODEL", "INSTANCES", "CAPACITY", "USAGE", "FREENESS", "LARGEST FREE",
+        "RUNNING", "WAITING",
     )  # fmt: skip
     for d in data["domains"]:
         scheduler = d["scheduler_address"] or "not registered"
-        drain = "requested" if d["draining"] else "-"
-        s = d["summary"]
-        if s is None:
-            table.add_row(d["domain_id"], scheduler, drain, "no summary", "", "", "", "", "", "")
+        requested = "requested" if d["draining"] else "-"
+        if not d["summaries"]:
+            table.add_row(d["domain_id"], scheduler, requested, "no summary", "", "", "", "", "", "", "")
             continue
-        if s["draining"]:
-            drain = "applied" if d["draining"] else "applied (no intent)"
-        table.add_row(
-            d["domain_id"],
-            scheduler,
-            drain,
-            str(s["num_instances"]),
-            str(s["capacity_blocks"]),
-            _num(s["virtual_usage_blocks"]),
-            _num(s["freeness"]) if s["freeness"] is not None else "-inf",
-            str(s["largest_free_blocks"]),
-            str(s["num_running"]),
-            str(s["num_waiting"]),
-        )
+        for s in d["summaries"]:
+            _domain_row(table, d, scheduler, requested, s)
     console.print(table)
     console.print(f"{len(data['domains'])} domains (view at revision {data['view_revision']})")
+
+
+def _domain_row(table: Table, d: Json, scheduler: str, drain: str, s: Json) -> None:
+    """One row of ``domains``: a domain's summary of one model."""
+    if s["draining"]:
+        drain = "applied" if d["draining"] else "applied (no intent)"
+    table.add_row(
+        d["domain_id"],
+        scheduler,
+        drain,
+        s["model"] or "-",
+        str(s["num_instances"]),
+        str(s["capacity_blocks"]),
+        _num(s["virtual_usage_blocks"]),
+        _num(s["freeness"]) if s["freeness"] is not None else "-inf",
+        str(s["largest_free_blocks"]),
+        str(s["num_running"]),
+        str(s["num_waiting"]),
+    )
 
 
 def render_instances(console: Console, data: Json) -> None:

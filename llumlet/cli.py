@@ -15,6 +15,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+import hilum_config
 from llumlet.agent import Llumlet, LlumletConfig
 from llumlet.backends import BACKEND_NAMES, BackendConfig, UnknownBackendError, make_backend
 from llumlet.migration_types import MigrationConfig
@@ -41,7 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="backend seed (torch: model weights)")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE", help="backend option")
     p.add_argument("--reservation-expiry-s", type=float, default=5.0, help="release an idle reservation after")
-    p.add_argument("--cap-fraction", type=float, default=0.2, help="grpc transport: share of the path bandwidth")
     p.add_argument("--grpc-rate-cap", type=float, default=0.0, help="grpc transport cap, bytes/s (0 = topology)")
     p.add_argument("--local-rate-cap", type=float, default=0.0, help="local transport cap, bytes/s (0 = none)")
     p.add_argument(
@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", default="", help="host:port others reach this llumlet at (default: listen)")
     p.add_argument("--ttl", type=int, default=10, help="etcd lease TTL, seconds")
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    hilum_config.add_argument(p)
     return p
 
 
@@ -82,9 +83,11 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
             options=_options(ns.engine_option),
         ),
     )
+    settings = hilum_config.load_config(ns.config)
     migration = MigrationConfig(
+        precopy=settings.cost.precopy,  # the cost model's stop rule: a move pauses as long as it was priced to
         reservation_expiry_s=ns.reservation_expiry_s,
-        cap_fraction=ns.cap_fraction,
+        cap_fraction=settings.cost.cap_fraction,
         grpc_rate_cap_bytes_per_s=ns.grpc_rate_cap,
         local_rate_cap_bytes_per_s=ns.local_rate_cap,
     )

@@ -178,6 +178,7 @@ def load_to_pb(load: EngineLoad, instance_id: str, domain_id: str) -> pb.LoadRep
                 in_decode=r.in_decode,
                 output_tokens=r.output_tokens,
                 max_tokens=r.max_tokens,
+                max_blocks=r.max_blocks,
             )
             for r in load.running
         ],
@@ -198,7 +199,14 @@ def load_from_pb(msg: pb.LoadReport) -> EngineLoad:
         cached_blocks=msg.cached_blocks,
         running=tuple(
             RunningRequestLoad(
-                r.request_id, r.blocks, r.priority, r.num_tokens, r.in_decode, r.output_tokens, r.max_tokens
+                r.request_id,
+                r.blocks,
+                r.priority,
+                r.num_tokens,
+                r.in_decode,
+                r.output_tokens,
+                r.max_tokens,
+                r.max_blocks,
             )
             for r in msg.running
         ),

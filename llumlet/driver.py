@@ -19,9 +19,10 @@ import functools
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ParamSpec, TypeVar
 
 import grpc
@@ -62,6 +63,7 @@ class LoadSnapshot:
     recent_step_s: float  # duration of the most recent step that scheduled work, seconds (0 before the first)
     num_reservations: int = 0  # incoming migrations holding blocks here (filled by the llumlet)
     num_migrations_out: int = 0  # outgoing migrations in flight (filled by the llumlet)
+    finished_output_tokens: tuple[int, ...] = ()  # output lengths of requests that finished since the last report
 
 
 class EngineDriver:
@@ -111,6 +113,9 @@ class EngineDriver:
         self._version = 0
         self._changed = asyncio.Event()
         self._recent_step_s = 0.0
+        # (sequence number, output tokens) of the most recent natural finishes, for the WatchLoad streams
+        self._finished: deque[tuple[int, int]] = deque(maxlen=4096)
+        self._finished_seq = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._pusher: TokenPusher | None = None
 
@@ -211,9 +216,13 @@ class EngineDriver:
             rec.next_seq += len(ids)
         for rid in result.finished:
             rec = self.owned.pop(rid, None)
-            if rec is not None and result.new_tokens.get(rid, 0) <= 0:
+            if rec is None:
+                continue
+            if result.new_tokens.get(rid, 0) <= 0:
                 reason = result.finish_reasons.get(rid, "length")
                 self.pusher.push(rec.origin, TokenChunkOut(rid, rec.next_seq, [], rec.epoch, True, reason))
+            self._finished_seq += 1
+            self._finished.append((self._finished_seq, rec.next_seq))
         if result.new_tokens or result.finished or result.preempted:
             self.bump()
 
@@ -289,12 +298,20 @@ class EngineDriver:
         return LoadSnapshot(load, len(self.owned), self._version, self._recent_step_s)
 
     async def watch(self, min_interval_s: float) -> AsyncIterator[LoadSnapshot]:
-        """The load now, then after every change (at most one report per ``min_interval_s``; 0 = the default)."""
+        """The load now, then after every change (at most one report per ``min_interval_s``; 0 = the default).
+
+        Each report carries the output lengths of the requests that finished since this stream's previous
+        report (none in the first).
+        """
         interval = min_interval_s or self._load_min_interval_s
         seen = -1
+        cursor = self._finished_seq
         while True:
             if seen == self._version:
                 await self._changed.wait()
             seen = self._version
-            yield await self.load()
+            snap = await self.load()
+            finished = tuple(n for seq, n in self._finished if seq > cursor)
+            cursor = self._finished_seq
+            yield replace(snap, finished_output_tokens=finished)
             await asyncio.sleep(interval)

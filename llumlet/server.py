@@ -127,6 +127,7 @@ class LlumletService(pb_grpc.LlumletServicer):
         msg.num_migrations_out = snap.num_migrations_out
         msg.version = snap.version
         msg.recent_step_s = snap.recent_step_s
+        msg.finished_output_tokens.extend(snap.finished_output_tokens)
         return msg
 
     async def MigrateOut(self, request: pb.MigrateOutRequest, context: _Ctx) -> pb.MigrateOutReply:

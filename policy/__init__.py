@@ -7,7 +7,7 @@ the gateway. Rules and sources: docs/policy.md.
 from __future__ import annotations
 
 from policy.dispatch import DispatchDecision, DispatchView, DomainDispatchView
-from policy.domain import DomainSummary, summarize_domain
+from policy.domain import DomainSummary, InstanceBrief, summarize_domain
 from policy.migration import (
     CandidateOrder,
     MigrationDecision,
@@ -29,6 +29,7 @@ __all__ = [
     "DispatchView",
     "DomainDispatchView",
     "DomainSummary",
+    "InstanceBrief",
     "InstanceLoad",
     "MigrationDecision",
     "PolicyConfig",

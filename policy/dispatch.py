@@ -9,19 +9,24 @@ was taken: give ``update`` its ``as_of`` stamp and the reservations made after i
 (stamps are any increasing number the caller chooses, e.g. seconds on its clock; the rule book reads
 no clock).
 
-Rule, per pick of a request needing `demand_blocks`:
-1. capable = targets not draining whose single-instance capacity >= demand; none -> refuse;
+Rule, per pick of a request needing `demand_blocks` to start and `need_blocks` at most (its prompt plus
+max_tokens, what it may grow to; 0 = only the demand is known):
+1. capable = targets not draining, not excluded, whose single-instance capacity >= max(demand, need);
+   none -> refuse;
 2. prefer capable targets with room now (free blocks >= demand); if none, take the capable ones
-   anyway (the request will queue) and say so;
+   anyway (the request will queue) and say so — or, with `only_if_room`, refuse with `full` set, so the
+   caller can try elsewhere (a gateway trying the next domain);
 3. take the highest freeness; targets within `tie_tolerance`·|F_best| of it are near-ties and one
-   is drawn with the seeded rng;
+   is drawn with the seeded rng. With `choices` = d > 0 (power of d choices, Mitzenmacher 2001), d
+   targets of the pool are drawn first and the freest of those taken: several dispatchers sharing the
+   same lagged view (a fleet of gateways) then spread a burst instead of all picking the same target;
 4. reserve: add demand + priority headroom to its usage and one request to its batch.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from policy.domain import DomainSummary
@@ -37,6 +42,7 @@ class DispatchDecision:
 
     target_id: str | None
     reason: str  # one line for logs and for the client on refusal
+    full: bool = False  # refused only because no capable target has room now (``only_if_room``)
 
 
 @dataclass(slots=True)
@@ -82,9 +88,12 @@ class _View:
 
     _noun = "target"
 
-    def __init__(self, cfg: PolicyConfig, rng: random.Random) -> None:
+    def __init__(self, cfg: PolicyConfig, rng: random.Random, choices: int = 0) -> None:
+        if choices < 0:
+            raise ValueError(f"choices must be >= 0 (0: every target), got {choices}")
         self._cfg = cfg
         self._rng = rng
+        self._choices = choices
         self._targets: dict[str, _Target] = {}
 
     def remove(self, target_id: str) -> None:
@@ -95,19 +104,47 @@ class _View:
         """Freeness of a target as this view sees it, reservations included. KeyError if unknown."""
         return self._targets[target_id].freeness()
 
-    def pick(self, demand_blocks: int, priority: int = 0, stamp: float | None = None) -> DispatchDecision:
-        """Choose a target for a request needing `demand_blocks` (its prompt's KV blocks) and reserve it.
+    def pick(
+        self,
+        demand_blocks: int,
+        priority: int = 0,
+        stamp: float | None = None,
+        *,
+        need_blocks: int = 0,
+        exclude: Collection[str] = (),
+        only_if_room: bool = False,
+    ) -> DispatchDecision:
+        """Choose a target for a request and reserve it there.
 
-        `stamp` (optional) marks the reservation so that a later `update(..., as_of=...)` with an older
-        report keeps it. Raises ValueError if demand_blocks < 0. Returns target_id None, with the reason,
-        only when no target can ever hold the request.
+        Args:
+            demand_blocks: KV blocks it needs to start (its prompt).
+            priority: its priority class (the headroom it carries).
+            stamp: marks the reservation so that a later `update(..., as_of=...)` with an older report
+                keeps it.
+            need_blocks: KV blocks it may grow to (prompt + max_tokens); a target must be able to hold
+                that many on one instance. 0: not known, only the demand counts.
+            exclude: targets not to choose this time (tried already); their state is kept.
+            only_if_room: refuse (``full=True``) rather than queue when no capable target has room now.
+
+        Returns target_id None, with the reason, only when no target (not excluded) can ever hold the
+        request. Raises ValueError if demand_blocks or need_blocks < 0.
         """
-        if demand_blocks < 0:
-            raise ValueError(f"pick: demand_blocks must be >= 0, got {demand_blocks}")
-        capable = [t for t in self._targets.values() if not t.draining and t.max_request_blocks >= demand_blocks]
+        for name, value in (("demand_blocks", demand_blocks), ("need_blocks", need_blocks)):
+            if value < 0:
+                raise ValueError(f"pick: {name} must be >= 0, got {value}")
+        size = max(demand_blocks, need_blocks)
+        capable = [
+            t
+            for t in self._targets.values()
+            if not t.draining and t.max_request_blocks >= size and t.target_id not in exclude
+        ]
         if not capable:
-            return DispatchDecision(None, self._refusal(demand_blocks))
+            return DispatchDecision(None, self._refusal(size, exclude))
         roomy = [t for t in capable if t.has_room(demand_blocks)]
+        if not roomy and only_if_room:
+            noun = self._noun
+            why = f"no {noun} has {demand_blocks} free blocks now ({len(capable)} could hold the request later)"
+            return DispatchDecision(None, why, full=True)
         chosen, num_near = self._choose(roomy or capable)
         chosen.reserve(demand_blocks, demand_blocks + self._cfg.headroom_blocks(priority), stamp)
         return DispatchDecision(chosen.target_id, self._reason(chosen, demand_blocks, num_near, bool(roomy)))
@@ -119,7 +156,10 @@ class _View:
         self._targets[target.target_id] = target
 
     def _choose(self, pool: list[_Target]) -> tuple[_Target, int]:
-        """The freest of `pool`; near-ties (within tie_tolerance of the best) drawn with the rng."""
+        """The freest of `pool` (of `choices` targets drawn from it, when set); near-ties (within
+        tie_tolerance of the best) drawn with the rng."""
+        if 0 < self._choices < len(pool):
+            pool = self._rng.sample(sorted(pool, key=lambda t: t.target_id), self._choices)
         scored = [(t.freeness(), t.target_id, t) for t in pool]
         best = max(f for f, _, _ in scored)
         floor = best - self._cfg.tie_tolerance * abs(best)
@@ -133,13 +173,17 @@ class _View:
             return f"{where} with room for {demand_blocks} blocks"
         return f"no {noun} has {demand_blocks} free blocks now; the request will queue on the {where}"
 
-    def _refusal(self, demand_blocks: int) -> str:
+    def _refusal(self, demand_blocks: int, exclude: Collection[str] = ()) -> str:
         noun = self._noun
         if not self._targets:
             return f"no {noun}s to dispatch to"
         active = [t for t in self._targets.values() if not t.draining]
         if not active:
             return f"all {len(self._targets)} {noun}s are draining"
+        left = [t for t in active if t.target_id not in exclude]
+        if not left:
+            return f"every {noun} that is not draining was tried"
+        active = left
         largest = max(t.max_request_blocks for t in active)
         return (
             f"request needs {demand_blocks} blocks but the largest non-draining {noun} "
@@ -152,12 +196,13 @@ class DispatchView(_View):
 
     `loads`: the latest report of each instance; instance ids must be unique (ValueError otherwise).
     `rng`: the seeded random source for near-ties. Not thread-safe; one view per scheduler loop.
+    `choices`: power-of-d-choices sampling (0: every instance; the default, with exact, fresh state).
     """
 
     _noun = "instance"
 
-    def __init__(self, loads: Iterable[InstanceLoad], cfg: PolicyConfig, rng: random.Random) -> None:
-        super().__init__(cfg, rng)
+    def __init__(self, loads: Iterable[InstanceLoad], cfg: PolicyConfig, rng: random.Random, choices: int = 0) -> None:
+        super().__init__(cfg, rng, choices)
         for load in loads:
             if load.instance_id in self._targets:
                 raise ValueError(f"DispatchView: instance {load.instance_id!r} appears twice")
@@ -187,13 +232,15 @@ class DomainDispatchView(_View):
 
     The capacity check uses max_instance_capacity_blocks, the room check largest_free_blocks (a
     reservation lowers it by the demand: conservative, the request may land elsewhere).
-    Raises ValueError on a repeated domain id.
+    `choices`: power-of-d-choices sampling (0: every domain). Raises ValueError on a repeated domain id.
     """
 
     _noun = "domain"
 
-    def __init__(self, summaries: Iterable[DomainSummary], cfg: PolicyConfig, rng: random.Random) -> None:
-        super().__init__(cfg, rng)
+    def __init__(
+        self, summaries: Iterable[DomainSummary], cfg: PolicyConfig, rng: random.Random, choices: int = 0
+    ) -> None:
+        super().__init__(cfg, rng, choices)
         for summary in summaries:
             if summary.domain_id in self._targets:
                 raise ValueError(f"DomainDispatchView: domain {summary.domain_id!r} appears twice")

@@ -1,7 +1,9 @@
 """Domain (group) summaries: the same virtual-usage rule applied to a group of instances.
 
-A domain scheduler publishes one `DomainSummary` per NVLink domain; the gateway and the
-coordinator apply dispatch and pairing to these exactly as a domain scheduler does to instances.
+A domain scheduler publishes one `DomainSummary` per model its NVLink domain serves; the gateway and the
+coordinator apply dispatch and pairing to these exactly as a domain scheduler does to instances. It is the
+one summary type from the rule book to etcd, to the wire and back (no near-copies): it carries a brief of
+every instance, so the coordinator can choose a destination instance by its real free space.
 """
 
 from __future__ import annotations
@@ -13,7 +15,58 @@ from dataclasses import dataclass
 from policy.types import InstanceLoad, PolicyConfig
 from policy.usage import freeness_of, instance_virtual_usage, queued_blocks
 
-__all__ = ["DomainSummary", "summarize_domain"]
+__all__ = ["DomainSummary", "InstanceBrief", "summarize_domain"]
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceBrief:
+    """One instance inside its domain's summary, as its domain scheduler sees it (exact, fresh).
+
+    Raises ValueError on a negative count or free space above capacity.
+    """
+
+    instance_id: str
+    capacity_blocks: int  # M: its KV cache capacity, blocks
+    free_blocks: int  # real free blocks now (M − used, reservations counted as used)
+    virtual_usage: float  # its ΣV (policy.usage.instance_virtual_usage); +inf while draining
+    num_running: int  # requests in its running batch
+    num_waiting: int  # requests queued on it
+    draining: bool  # its domain scheduler applies a drain intent to it
+    decode_step_s: float = 0.0  # its most recent step time, seconds (0 = not measured)
+
+    def __post_init__(self) -> None:
+        where = f"InstanceBrief({self.instance_id!r})"
+        for name in ("capacity_blocks", "num_running", "num_waiting"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{where}: {name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.free_blocks <= self.capacity_blocks:
+            raise ValueError(f"{where}: free_blocks {self.free_blocks} outside [0, {self.capacity_blocks}]")
+        if math.isnan(self.virtual_usage):
+            raise ValueError(f"{where}: virtual_usage must not be NaN")
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks held now (M − free)."""
+        return self.capacity_blocks - self.free_blocks
+
+    @property
+    def freeness(self) -> float:
+        """Its freeness F = (M − ΣV) / max(1, running) (−inf while draining)."""
+        return -math.inf if self.draining else freeness_of(self.capacity_blocks, self.virtual_usage, self.num_running)
+
+    @classmethod
+    def of(cls, load: InstanceLoad, cfg: PolicyConfig) -> InstanceBrief:
+        """The brief of one instance's load report."""
+        return cls(
+            instance_id=load.instance_id,
+            capacity_blocks=load.capacity_blocks,
+            free_blocks=load.free_blocks,
+            virtual_usage=instance_virtual_usage(load, cfg),
+            num_running=len(load.running),
+            num_waiting=load.num_waiting,
+            draining=load.draining,
+            decode_step_s=load.decode_step_s,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +87,9 @@ class DomainSummary:
     num_waiting: int  # queued requests in the domain
     draining: bool  # every instance is draining (and there is at least one)
     queued_blocks: int = 0  # demand of queued requests behind each head of line (dispatch adds it to ΣV)
+    model: str = ""  # the model these instances serve ("" = not known)
+    taken_s: float = 0.0  # when it was computed, on the publisher's clock (a gateway keeps later reservations)
+    instances: tuple[InstanceBrief, ...] = ()  # every instance of the group, sorted by instance_id
 
     def __post_init__(self) -> None:
         where = f"DomainSummary({self.domain_id!r})"
@@ -49,10 +105,21 @@ class DomainSummary:
                 raise ValueError(f"{where}: {name} must be >= 0, got {getattr(self, name)}")
         if math.isnan(self.virtual_usage) or math.isnan(self.freeness):
             raise ValueError(f"{where}: virtual_usage and freeness must not be NaN")
+        object.__setattr__(self, "instances", tuple(self.instances))
+        ids = [i.instance_id for i in self.instances]
+        if ids != sorted(set(ids)):
+            raise ValueError(f"{where}: instances must be sorted by id without repeats, got {ids}")
 
 
-def summarize_domain(domain_id: str, loads: Sequence[InstanceLoad], cfg: PolicyConfig) -> DomainSummary:
-    """Summarize the instances of one domain.
+def summarize_domain(
+    domain_id: str,
+    loads: Sequence[InstanceLoad],
+    cfg: PolicyConfig,
+    *,
+    model: str = "",
+    taken_s: float = 0.0,
+) -> DomainSummary:
+    """Summarize the instances of one domain (those serving ``model``: the caller groups them).
 
     F_domain = (Σ_active M − ΣV) / max(1, Σ running) — Llumnix's freeness (OSDI'24 §4.4.2) over the
     group. Draining instances add no capacity, and their real blocks (not +inf) count as usage,
@@ -69,11 +136,12 @@ def summarize_domain(domain_id: str, loads: Sequence[InstanceLoad], cfg: PolicyC
     draining = bool(loads) and not active
     num_running = sum(len(load.running) for load in loads)
     capacity = sum(load.capacity_blocks for load in active)
+    briefs = sorted((InstanceBrief.of(load, cfg) for load in loads), key=lambda b: b.instance_id)
     if draining:
         usage = math.inf
     else:
-        usage = sum(instance_virtual_usage(load, cfg) for load in active)
-        usage += sum(load.used_blocks for load in loads if load.draining)
+        usage = sum(b.virtual_usage for b in briefs if not b.draining)
+        usage += sum(b.used_blocks for b in briefs if b.draining)
     return DomainSummary(
         domain_id=domain_id,
         num_instances=len(loads),
@@ -88,4 +156,7 @@ def summarize_domain(domain_id: str, loads: Sequence[InstanceLoad], cfg: PolicyC
         queued_blocks=sum(
             queued_blocks(load) - (load.head_demand_blocks if load.num_waiting else 0) for load in active
         ),
+        model=model,
+        taken_s=taken_s,
+        instances=tuple(briefs),
     )

@@ -7,7 +7,8 @@ One planning round:
 2. pair the lowest-F source with the highest-F destination still free this round, and so on
    (Llumnix's pairing); each instance takes part in at most one move per round;
 3. the request: the first of the source's migratable requests, in the configured candidate order,
-   that fits in the destination's real free blocks and lowers the potential Φ = Σ V_i²
+   that fits in the destination's real free blocks, whose largest possible size (``max_blocks``: prompt
+   plus max_tokens) the destination's capacity can hold, and that lowers the potential Φ = Σ V_i²
    (true iff V_src − V_dst > v_r; always true from a draining source).
 Because every move lowers Φ, the reverse move can never be planned next: no ping-pong.
 """
@@ -185,7 +186,11 @@ def _first_move(
     candidates = order([r for r in src.running if r.migratable], src.draining)
     for dst in pool:
         for request in candidates:
-            if request.blocks <= dst.free_blocks and move_lowers_potential(src, dst, request, cfg):
+            if (
+                request.blocks <= dst.free_blocks
+                and request.max_blocks <= dst.capacity_blocks
+                and move_lowers_potential(src, dst, request, cfg)
+            ):
                 reason = _reason(src, dst, request, f, cfg)
                 return MigrationDecision(src.instance_id, dst.instance_id, request.request_id, request.blocks, reason)
     return None

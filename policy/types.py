@@ -47,6 +47,7 @@ class RequestLoad:
     migratable: bool = True  # False: the engine cannot move it (e.g. mid-prefill)
     output_tokens: int = 0  # tokens generated so far
     max_tokens: int = 0  # the request's output limit (its max_tokens); 0 = not known
+    max_blocks: int = 0  # KV blocks it may grow to (prompt + max_tokens − 1 tokens); 0 = not known
 
     def __post_init__(self) -> None:
         where = f"RequestLoad({self.request_id!r})"
@@ -56,6 +57,7 @@ class RequestLoad:
         _require(self.num_tokens >= 0, where, f"num_tokens must be >= 0, got {self.num_tokens}")
         _require(self.output_tokens >= 0, where, f"output_tokens must be >= 0, got {self.output_tokens}")
         _require(self.max_tokens >= 0, where, f"max_tokens must be >= 0, got {self.max_tokens}")
+        _require(self.max_blocks >= 0, where, f"max_blocks must be >= 0, got {self.max_blocks}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +161,9 @@ class PolicyConfig:
     candidate_policy: str = DEFAULT_CANDIDATE_POLICY
     # Most migrations one planning round returns.
     max_migrations_per_round: int = 8
+    # Domain choice (gateways): draw this many candidate domains and take the freest (power of d choices), so
+    # many gateways sharing lagged summaries spread a burst; 0 = consider every domain.
+    domain_choices: int = 2
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "priority_headroom_blocks", _freeze_headroom(self.priority_headroom_blocks))
@@ -192,6 +197,11 @@ class PolicyConfig:
             "PolicyConfig.max_migrations_per_round",
             f"must be >= 0, got {self.max_migrations_per_round}",
         )
+        _require(
+            self.domain_choices >= 0,
+            "PolicyConfig.domain_choices",
+            f"must be >= 0 (0: every domain), got {self.domain_choices}",
+        )
 
     def __hash__(self) -> int:
         return hash(
@@ -203,6 +213,7 @@ class PolicyConfig:
                 self.migrate_in_freeness_above,
                 self.candidate_policy,
                 self.max_migrations_per_round,
+                self.domain_choices,
             )
         )
 

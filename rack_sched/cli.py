@@ -19,12 +19,12 @@ import signal
 import sys
 from collections.abc import Sequence
 
+import hilum_config
 from clusterstate.etcd import Etcd3Client, connect, kv_of
 from clusterstate.records import DomainRegistration, InstanceRegistration, RecordError, decode
 from clusterstate.store import Keys
 from hilum_proto.tls import bind_server
-from policy.types import PolicyConfig
-from rack_sched.core import DomainScheduler
+from rack_sched.scheduler import DomainScheduler
 from rack_sched.server import start_server
 from rack_sched.types import RackConfig
 from topology.load import TopologyError, load_topology
@@ -44,9 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", default="/hilum/v1/", help="etcd key prefix")
     p.add_argument("--advertise", metavar="HOST:PORT", help="address others reach this scheduler at")
     p.add_argument("--ttl", type=int, default=10, help="lease TTL of the registration and summary, seconds")
-    p.add_argument("--rebalance-interval", type=float, default=0.05, help="rescheduling period, seconds")
-    p.add_argument("--summary-interval", type=float, default=0.25, help="least time between summary puts, seconds")
-    p.add_argument("--cross-interval", type=float, default=0.5, help="cross-domain round period, seconds")
+    hilum_config.add_argument(p)
     p.add_argument("--ready-timeout", type=float, default=5.0, help="wait for each llumlet's first load, seconds")
     p.add_argument(
         "--instance",
@@ -85,12 +83,14 @@ def static_instances(items: Sequence[str], topology: Topology, domain_id: str) -
 
 
 def config_from_args(ns: argparse.Namespace, topology: Topology, advertise: str) -> RackConfig:
-    """The :class:`RackConfig` of parsed arguments.
+    """The :class:`RackConfig` of parsed arguments and the configuration file (``--config``).
 
     Raises:
         KeyError: when the topology has no domain ``--domain-id``.
         ValueError: when the domain's instances use different KV block sizes, or on a bad ``--instance``.
+        hilum_config.ConfigError: an invalid configuration file (a ValueError).
     """
+    settings = hilum_config.load_config(ns.config)
     domain = topology.domain(ns.domain_id)
     sizes = {topology.model_of(i.instance_id).block_size_tokens for i in domain.instances}
     if len(sizes) != 1:
@@ -102,10 +102,10 @@ def config_from_args(ns: argparse.Namespace, topology: Topology, advertise: str)
         block_size_tokens=sizes.pop(),
         prefix=ns.prefix,
         ttl_s=ns.ttl,
-        policy=PolicyConfig(),
-        rebalance_interval_s=ns.rebalance_interval,
-        summary_interval_s=ns.summary_interval,
-        cross_interval_s=ns.cross_interval,
+        decide=settings.domain,
+        rebalance_interval_s=settings.intervals.rebalance_interval_s,
+        summary_interval_s=settings.intervals.summary_interval_s,
+        cross_interval_s=settings.intervals.cross_interval_s,
         ready_timeout_s=ns.ready_timeout,
         coordinator_address=ns.coordinator,
     )

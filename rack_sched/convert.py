@@ -20,6 +20,7 @@ _OUTCOME_TO_PB = {
     DispatchOutcome.ACCEPTED: pb.DISPATCH_ACCEPTED,
     DispatchOutcome.REFUSED: pb.DISPATCH_REFUSED,
     DispatchOutcome.UNAVAILABLE: pb.DISPATCH_UNAVAILABLE,
+    DispatchOutcome.FULL: pb.DISPATCH_FULL,
 }
 
 
@@ -87,6 +88,7 @@ def domain_state(info: DomainStateInfo) -> pb.DomainState:
         cross_domain_approved=info.cross_domain_approved,
         summaries_published=info.summaries_published,
         newest_fencing_token=info.newest_fencing_token,
+        fallback_dispatches=info.fallback_dispatches,
         instances=[
             pb.InstanceState(
                 instance_id=i.instance_id,

@@ -1,733 +1,433 @@
-"""The domain scheduler: exact state of one NVLink domain's instances, dispatch, rescheduling, summaries,
-cross-domain proposals and drains (DESIGN.md, "Components"; docs/control-plane.md, "Domain scheduler").
+"""The domain scheduler's decisions: a pure core, no I/O, no clock reads (time comes in as ``now_s``).
 
-One :class:`DomainScheduler` per domain. It keeps a :class:`~clusterstate.store.ClusterView` of etcd and
-from it
+One :class:`DomainCore` per NVLink domain, fed its instances' load reports. It decides
 
-- discovers its instances: every ``P instances/<id>`` registration (under the llumlet's lease) that names
-  its domain. For each it holds a WatchLoad stream to the llumlet: the llumlet pushes its load on every
-  change, so the view is exact and fresh. A lost stream is re-opened with jittered backoff; meanwhile the
-  instance gets no new requests and takes part in no migration;
-- applies drain intents (``P drains/instance/<id>``, ``P drains/domain/<id>``): a draining instance carries
-  infinite virtual usage, so dispatch never picks it and the rescheduling loop moves everything off it;
-- finds the coordinator leader (``P leader``) for proposals, and remembers the newest fencing token seen.
+- **dispatch**: which instance of the domain gets a new request — ``policy.dispatch.DispatchView`` over the
+  instances serving the request's model (reservations count what was dispatched since each report), only
+  instances whose KV capacity can hold what the request may grow to (prompt + ``max_tokens``). An instance
+  whose load stream broke is deprioritised (it takes requests only when no instance of the model has a
+  live stream: then requests are spread evenly over the instances still answering, counted in
+  ``fallback_dispatches``); one that did not answer a Submit takes nothing until it answers again (a
+  heartbeat) or reports;
+- **rescheduling inside the domain**: ``policy.plan_migrations`` per model over the instances not busy with a
+  migration. An instance is busy from the moment a move touching it is planned until the move finished *and*
+  the instance sent a newer report, or ``settle_s`` passed (so a stale report cannot plan a second move from
+  a state the first one already changed);
+- **what to propose across domains**: when ``policy.pair_domains`` over this domain's summary and the others'
+  makes it a source, the move ``rack_sched.plan.plan_cross_domain`` picks, priced with the remaining-output
+  estimate (``policy.remaining``) and the source's measured step time. A request whose move was not approved
+  is not proposed again for ``cool_down_s``;
+- **its summaries**: one ``policy.domain.DomainSummary`` per model it serves.
 
-Loops (all started by :meth:`DomainScheduler.run`):
-
-- rescheduling, every ``rebalance_interval_s`` (50 ms, Llumnix's period): ``policy.plan_migrations`` over
-  the instances not busy with a migration; each move is a MigrateOut command to the source llumlet
-  (attempt number, no fencing token: no approval inside a domain);
-- summary: on every load or drain change ``policy.summarize_domain`` is offered to a ``SummaryPublisher``
-  (at most one put per ``summary_interval_s``, under the scheduler's lease), with each instance's load;
-- cross-domain, every ``cross_interval_s``: when ``policy.pair_domains`` over the published summaries makes
-  this domain a source, propose one move (``rack_sched.plan.plan_cross_domain``) to the coordinator leader;
-  carry out an approval (its fencing token checked by a ``FencingGuard`` and passed to the llumlet), then
-  record the outcome by compare-and-swap (``committed`` or ``aborted``).
-
-Restart: the llumlets keep running. On start the scheduler lists etcd, opens a stream to every registered
-instance and waits (up to ``ready_timeout_s``) for each first report before it dispatches; approved
-cross-domain migrations it left behind are settled by asking the destination (Release answers whether that
-attempt committed there).
+The live domain scheduler (``rack_sched.scheduler``) feeds it from its llumlets' WatchLoad streams and carries
+out its answers over gRPC; the simulator (``sim.schedulers``) feeds it from its simulated engines on the
+virtual clock. Any difference between the two comes from timing, never from this code.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
-import logging
 import math
 import random
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Collection, Coroutine
-from dataclasses import dataclass, replace
-from typing import Any
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 
-import grpc
-
-from clusterstate.backoff import Backoff
-from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client
-from clusterstate.fencing import FencingGuard
-from clusterstate.records import (
-    DomainRegistration,
-    DrainKind,
-    InstanceRegistration,
-    MigrationState,
-    RecordError,
-    SummaryRecord,
-    decode,
-    encode,
-)
-from clusterstate.session import Registrar
-from clusterstate.store import ClusterView, Keys, Store, SummaryPublisher
-from global_coord import convert as coord_convert
 from global_coord.approver import MoveProposal
-from hilum_proto.tls import open_channel
-from hilum_proto.v1 import coordinator_pb2_grpc, llumlet_pb2, llumlet_pb2_grpc
-from policy.dispatch import DispatchView
+from policy.dispatch import DispatchDecision, DispatchView
 from policy.domain import DomainSummary, summarize_domain
-from policy.migration import plan_migrations
-from policy.types import InstanceLoad
-from policy.usage import freeness
-from rack_sched.convert import load_from_pb
-from rack_sched.plan import CrossDomainMove, demand_blocks, domain_summary_of, drained_instances, plan_cross_domain
-from rack_sched.types import (
-    DispatchOutcome,
-    DispatchResult,
-    DomainStateInfo,
-    InstanceStateInfo,
-    RackConfig,
-    SubmitSpec,
-)
+from policy.migration import MigrationDecision, plan_migrations
+from policy.remaining import RemainingConfig, RemainingEstimator
+from policy.types import InstanceLoad, PolicyConfig
+from rack_sched.plan import plan_cross_domain
 
-__all__ = ["DomainScheduler"]
-
-_log = logging.getLogger(__name__)
-_MAX_REMEMBERED = 65536  # dispatched requests remembered for proposals (older ones use the default estimate)
+__all__ = ["CrossDomainProposal", "DomainConfig", "DomainCore", "DomainRequest"]
 
 
-class _Instance:
-    """A registered instance: its llumlet channel, last load and WatchLoad task (mutable, internal)."""
+@dataclass(frozen=True, slots=True)
+class DomainConfig:
+    """How a domain decides. Times in seconds. Raises ValueError on a bad value."""
 
-    def __init__(self, registration: InstanceRegistration) -> None:
-        self.registration = registration
-        self.instance_id = registration.instance_id
-        self.channel = open_channel(registration.address)
-        self.stub = llumlet_pb2_grpc.LlumletStub(self.channel)
-        self.load: InstanceLoad | None = None  # as reported (draining False)
-        self.version = 0  # LoadReport.version of the last report
-        self.reports = 0  # reports received so far
-        self.connected = False
-        self.settled = asyncio.Event()  # first report arrived, or the first attempt failed
-        self.task: asyncio.Task[None] | None = None
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    remaining: RemainingConfig = field(default_factory=RemainingConfig)
+    settle_s: float = 0.2  # after a migration, an instance waits this long at most for a fresh report
+    cool_down_s: float = 2.5  # a request whose cross-domain move was not approved is not proposed again this long
+    default_decode_step_s: float = 0.03  # step time when an instance has not measured one yet
 
-    async def close(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
-        await self.channel.close()
+    def __post_init__(self) -> None:
+        if self.settle_s < 0 or self.cool_down_s < 0:
+            raise ValueError(f"DomainConfig: settle_s and cool_down_s must be >= 0, got {self}")
+        if not self.default_decode_step_s > 0:
+            raise ValueError(f"DomainConfig: default_decode_step_s must be > 0, got {self.default_decode_step_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class DomainRequest:
+    """What dispatch needs of a new request."""
+
+    request_id: str
+    model: str  # "" = the domain's only model
+    prompt_tokens: int
+    max_tokens: int
+    priority: int = 0
+    only_if_room: bool = False  # refuse (``full``) rather than queue when no instance has room now
+
+    def __post_init__(self) -> None:
+        if not self.request_id or self.prompt_tokens < 0 or self.max_tokens < 1 or self.priority < 0:
+            raise ValueError(
+                f"request {self.request_id!r}: need a request id, prompt_tokens >= 0, max_tokens >= 1 and "
+                f"priority >= 0, got {self.prompt_tokens}, {self.max_tokens}, {self.priority}"
+            )
+
+    def demand_blocks(self, block_size_tokens: int) -> int:
+        """KV blocks it needs to start: prompt plus the first output token, ``ceil((p + 1) / b)``."""
+        return math.ceil((self.prompt_tokens + 1) / block_size_tokens)
+
+    def need_blocks(self, block_size_tokens: int) -> int:
+        """KV blocks it may grow to: ``ceil((p + max_tokens − 1) / b)`` (what an engine checks at admission)."""
+        return math.ceil((self.prompt_tokens + self.max_tokens - 1) / block_size_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class CrossDomainProposal:
+    """A move this domain proposes to the coordinator (it chooses the destination instance)."""
+
+    src_instance_id: str
+    request_id: str
+    model: str
+    blocks: int  # KV blocks it holds
+    num_tokens: int  # tokens whose KV it holds
+    max_blocks: int  # KV blocks it may grow to (0 = not known)
+    remaining_tokens: int  # output tokens it is expected to still produce (policy.remaining)
+    decode_step_s: float  # the source's measured step time, seconds
+    dst_domain_id: str  # the domain policy.pair_domains paired it with
+    reason: str
+
+    def proposal(self, proposer_domain_id: str, attempt: int) -> MoveProposal:
+        """The coordinator's ``MoveProposal`` of this move (the coordinator chooses the destination instance)."""
+        return MoveProposal(
+            proposer_domain_id=proposer_domain_id,
+            request_id=self.request_id,
+            attempt=attempt,
+            src_instance_id=self.src_instance_id,
+            dst_instance_id="",
+            blocks=self.blocks,
+            num_tokens=self.num_tokens,
+            remaining_tokens=self.remaining_tokens,
+            decode_step_s=self.decode_step_s,
+            model=self.model,
+            max_blocks=self.max_blocks,
+            dst_domain_id=self.dst_domain_id,
+        )
 
 
 @dataclass(slots=True)
-class _Counters:
-    committed: int = 0
-    aborted: int = 0
-    proposed: int = 0
-    approved: int = 0
+class _Member:
+    instance_id: str
+    model: str
+    block_size_tokens: int
+    capacity_blocks: int = 0  # from its registration (used while no report is fresh)
+    load: InstanceLoad | None = None  # as last reported (draining False)
+    reports: int = 0  # reports received
+    stream_up: bool = False  # its load stream delivers reports
+    answers: bool = True  # the last Submit or heartbeat got an answer
+
+    @property
+    def reachable(self) -> bool:
+        """Fresh: reports flowing and answering calls (dispatch by load, migrations)."""
+        return self.stream_up and self.answers
 
 
-class DomainScheduler:
-    """The scheduler of one NVLink domain. ``await run(stop)`` until ``stop`` is set.
+class DomainCore:
+    """The decisions of one domain (see the module docstring).
 
     Args:
-        cfg: configuration.
-        client: a connected etcd client.
-        rng: the seeded random source (dispatch ties, migration ties, backoff jitter).
-        topology_instance_ids: the domain's instances in the topology file; a registration of another
-            instance is used but logged.
-        clock: monotonic clock, seconds.
+        domain_id: the domain.
+        cfg: how it decides.
+        rng: the seeded random source (dispatch near-ties, migration ties).
     """
 
-    def __init__(
-        self,
-        cfg: RackConfig,
-        client: Etcd3Client,
-        *,
-        rng: random.Random,
-        topology_instance_ids: Collection[str] = (),
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, domain_id: str, cfg: DomainConfig, rng: random.Random) -> None:
+        self.domain_id = domain_id
         self.cfg = cfg
-        self._client = client
         self._rng = rng
-        self._clock = clock
-        self._topology_ids = frozenset(topology_instance_ids)
-        self.keys = Keys(cfg.prefix)
-        self.store = Store(client, self.keys)
-        self.view = ClusterView(client, self.keys, rng=rng, backoff=cfg.backoff)
-        self.registrar = Registrar(client, cfg.ttl_s, rng=rng, backoff=cfg.backoff, name=f"rack {cfg.domain_id}")
-        self.publisher = SummaryPublisher(
-            self.registrar, self.keys, cfg.domain_id, min_interval_s=cfg.summary_interval_s, clock=clock
-        )
-        self.dispatch_view = DispatchView([], cfg.policy, rng)
-        self.guard = FencingGuard()
-        self.ready = asyncio.Event()  # set once the view is rebuilt from the llumlets
-        self._instances: dict[str, _Instance] = {}
+        self._members: dict[str, _Member] = {}
+        self._views: dict[str, DispatchView] = {}  # model -> dispatch view over its reachable instances
+        self._spread = 0  # rotation of the even spread used while no instance has a fresh report
+        self.fallback_dispatches = 0  # requests placed by that spread
         self._drained: frozenset[str] = frozenset()
-        self._domain_draining = False
+        self.domain_draining = False
         self._busy: dict[str, int] = {}  # instance -> migrations in flight touching it
         self._settle: dict[str, tuple[int, float]] = {}  # instance -> (reports at finish, deadline)
-        self._attempts: dict[str, int] = {}  # request -> last migration attempt used
-        self._attempt_base = 0  # etcd revision at start: attempts of a restarted scheduler exceed the old ones
-        # Requests it dispatched, newest last, at most _MAX_REMEMBERED (remaining-token estimates of proposals).
-        self._requests: OrderedDict[str, SubmitSpec] = OrderedDict()
         self._not_approved: dict[str, float] = {}  # request -> until when it is not proposed again
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._in_flight = 0
-        self._counters = _Counters()
-        self._running = False
+        self.remaining = RemainingEstimator(cfg.remaining)
+        self.migrations_in_flight = 0
 
-    # ---- running ---------------------------------------------------------------------------------
-    async def run(self, stop: asyncio.Event) -> None:
-        """Register, rebuild the view from the llumlets, then run every loop until ``stop`` is set.
+    # ---- instances -----------------------------------------------------------------------------
+    def add_instance(self, instance_id: str, model: str, block_size_tokens: int, capacity_blocks: int = 0) -> None:
+        """An instance of this domain registered (no load yet: it takes no part until its first report, unless
+        no instance of its model ever reports; ``capacity_blocks``: its KV capacity from the registration).
 
-        On stop the registration and summary are revoked with the lease; the llumlets keep running.
+        Raises ValueError on a block size < 1.
         """
-        view_task = asyncio.create_task(self.view.run(), name="rack-view")
-        registrar_task = asyncio.create_task(self.registrar.run(stop), name="rack-registrar")
-        loops: list[asyncio.Task[None]] = []
-        try:
-            await self.view.synced.wait()
-            self._attempt_base = self.view.revision
-            self._running = True
-            reg = DomainRegistration(self.cfg.domain_id, self.cfg.advertise_address)
-            await self.registrar.set(self.keys.domain(self.cfg.domain_id), encode(reg))
-            await self._register_static_instances()
-            self._apply_view()
-            await self._wait_settled()
-            await self._recover_cross_domain()
-            self.ready.set()
-            self._offer_summary()
-            _log.info("domain %s ready with %d instances", self.cfg.domain_id, len(self._instances))
-            loops = [
-                asyncio.create_task(self.publisher.run(stop), name="rack-summary"),
-                asyncio.create_task(self._follow_view(), name="rack-follow-view"),
-                asyncio.create_task(self._every(self.cfg.rebalance_interval_s, self._rebalance), name="rack-rebalance"),
-                asyncio.create_task(self._cross_loop(), name="rack-cross-domain"),
-            ]
-            await stop.wait()
-        finally:
-            self._running = False
-            for task in [*loops, *self._tasks]:
-                task.cancel()
-            for task in [*loops, *self._tasks]:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            for inst in list(self._instances.values()):
-                await inst.close()
-            self._instances.clear()
-            stop.set()
-            with contextlib.suppress(asyncio.CancelledError, *RETRYABLE_ERRORS):
-                await registrar_task
-            view_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await view_task
+        if block_size_tokens < 1:
+            raise ValueError(f"{self.domain_id}: {instance_id}: block_size_tokens must be >= 1")
+        self._members[instance_id] = _Member(instance_id, model, block_size_tokens, capacity_blocks)
 
-    async def _register_static_instances(self) -> None:
-        """Register ``cfg.static_instances`` under this scheduler's lease; wait until the view shows them."""
-        if not self.cfg.static_instances:
-            return
-        for inst in self.cfg.static_instances:
-            await self.registrar.set(self.keys.instance(inst.instance_id), encode(inst))
-        wanted = {inst.instance_id: inst for inst in self.cfg.static_instances}
+    def remove_instance(self, instance_id: str) -> None:
+        """An instance deregistered (idempotent)."""
+        member = self._members.pop(instance_id, None)
+        if member is not None:
+            self._view(member.model).remove(instance_id)
 
-        def shown() -> bool:
-            regs = self.view.instances()
-            return all(regs.get(iid) == reg for iid, reg in wanted.items())
+    def instance_ids(self) -> list[str]:
+        """Registered instances, sorted."""
+        return sorted(self._members)
 
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.cfg.ready_timeout_s):
-                await self.registrar.registered.wait()
-                version = self.view.version
-                while not shown():
-                    version = await self.view.wait_changed(version)
-        if not shown():
-            _log.warning("domain %s: static instance registrations not visible yet", self.cfg.domain_id)
+    def models(self) -> list[str]:
+        """Models served by registered instances, sorted."""
+        return sorted({m.model for m in self._members.values()})
 
-    async def _wait_settled(self) -> None:
-        waits = [asyncio.ensure_future(i.settled.wait()) for i in self._instances.values()]
-        if not waits:
-            return
-        _done, pending = await asyncio.wait(waits, timeout=self.cfg.ready_timeout_s)
-        for w in pending:
-            w.cancel()
-        if pending:
-            _log.warning(
-                "domain %s: %d instances sent no load within %.1f s; dispatching without them (raise ready_timeout_s)",
-                self.cfg.domain_id,
-                len(pending),
-                self.cfg.ready_timeout_s,
-            )
+    def report(self, instance_id: str, load: InstanceLoad, finished_output_tokens: Iterable[int] = ()) -> None:
+        """A load report arrived (the instance's state replaces the last; its dispatch reservations drop).
 
-    async def _every(self, interval_s: float, action: Callable[[], None]) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                action()
-            except Exception:  # a bug or a bad report must not stop the loop; the log says which
-                _log.exception("domain %s: %s failed; retrying next period", self.cfg.domain_id, action.__name__)
+        ``finished_output_tokens``: output lengths of the requests that finished there since its previous
+        report (they teach the remaining-output estimate). Raises KeyError for an unregistered instance.
+        """
+        member = self._members[instance_id]
+        for n in finished_output_tokens:
+            self.remaining.observe(n)
+        member.load = load
+        member.reports += 1
+        member.stream_up = member.answers = True
+        self._refresh(member)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def stream_lost(self, instance_id: str) -> None:
+        """The instance's load stream broke: deprioritised (see the module docstring) and in no migration,
+        until its next report."""
+        member = self._members.get(instance_id)
+        if member is not None:
+            member.stream_up = False
+            self._view(member.model).remove(instance_id)
 
-    # ---- etcd: instances, drains, leader ---------------------------------------------------------
-    async def _follow_view(self) -> None:
-        version = -1  # apply at once: etcd may have changed while the view was being rebuilt
-        while True:
-            if version >= 0:
-                version = await self.view.wait_changed(version)
-            else:
-                version = self.view.version
-            try:
-                self._apply_view()
-            except Exception:
-                _log.exception(
-                    "domain %s: applying etcd changes failed; retrying on the next change", self.cfg.domain_id
-                )
+    def unreachable(self, instance_id: str) -> None:
+        """A Submit to the instance got no answer: it takes nothing until :meth:`answered` or its next report."""
+        member = self._members.get(instance_id)
+        if member is not None:
+            member.answers = False
+            self._view(member.model).remove(instance_id)
 
-    def _apply_view(self) -> None:
-        """Bring instances, drains and the newest fencing token in line with the view of etcd."""
-        regs = {i: r for i, r in self.view.instances().items() if r.domain_id == self.cfg.domain_id}
-        for iid in [i for i, inst in self._instances.items() if regs.get(i) != inst.registration]:
-            self._drop_instance(iid)
-        for iid, reg in regs.items():
-            if iid not in self._instances:
-                self._add_instance(reg)
-        drained = drained_instances(self.cfg.domain_id, self._instances, self.view.drains())
-        domain_draining = (DrainKind.DOMAIN, self.cfg.domain_id) in self.view.drains()
-        if drained != self._drained or domain_draining != self._domain_draining:
-            _log.info("domain %s: draining instances now %s", self.cfg.domain_id, sorted(drained))
-            self._drained, self._domain_draining = drained, domain_draining
-            for inst in self._instances.values():
-                self._refresh_dispatch(inst)
-            self._offer_summary()
-        leader = self.view.entries("leader").get(self.keys.leader)
-        if leader is not None and leader.create_revision > self.guard.newest:
-            self.guard.accepts(leader.create_revision)
+    def answered(self, instance_id: str) -> None:
+        """The instance answered again (a heartbeat): it takes requests again, also when it is idle and
+        sends no report."""
+        member = self._members.get(instance_id)
+        if member is not None and not member.answers:
+            member.answers = True
+            self._refresh(member)
 
-    def _add_instance(self, reg: InstanceRegistration) -> None:
-        if self._topology_ids and reg.instance_id not in self._topology_ids:
-            _log.warning(
-                "domain %s: instance %s registered but is not in the topology file", self.cfg.domain_id, reg.instance_id
-            )
-        inst = _Instance(reg)
-        self._instances[reg.instance_id] = inst
-        inst.task = asyncio.create_task(self._watch(inst), name=f"watch-load-{reg.instance_id}")
-        _log.info("domain %s: instance %s at %s", self.cfg.domain_id, reg.instance_id, reg.address)
+    def answering(self, instance_id: str) -> bool:
+        """True unless the instance's last Submit or heartbeat went unanswered."""
+        member = self._members.get(instance_id)
+        return member is not None and member.answers
 
-    def _drop_instance(self, instance_id: str) -> None:
-        inst = self._instances.pop(instance_id)
-        self.dispatch_view.remove(instance_id)
-        self._spawn(inst.close(), f"close-{instance_id}")
-        self._offer_summary()
-        _log.info("domain %s: instance %s deregistered", self.cfg.domain_id, instance_id)
+    def set_drains(self, drained: Iterable[str], domain_draining: bool) -> bool:
+        """Apply drain intents: ``drained`` instances carry infinite virtual usage. True when anything changed."""
+        drained_set = frozenset(drained)
+        if drained_set == self._drained and domain_draining == self.domain_draining:
+            return False
+        self._drained, self.domain_draining = drained_set, domain_draining
+        for member in self._members.values():
+            self._refresh(member)
+        return True
 
-    # ---- loads -----------------------------------------------------------------------------------
-    async def _watch(self, inst: _Instance) -> None:
-        """Keep a WatchLoad stream to one llumlet open; apply every report."""
-        backoff = Backoff(self.cfg.backoff, self._rng)
-        while True:
-            call = inst.stub.WatchLoad(llumlet_pb2.WatchLoadRequest(min_interval_s=self.cfg.watch_min_interval_s))
-            try:
-                async for report in call:
-                    inst.connected = True
-                    backoff.reset()
-                    self._on_report(inst, report)
-                why = "stream ended"
-            except grpc.aio.AioRpcError as exc:
-                why = f"{exc.code().name}: {exc.details()}"
-            except ValueError as exc:
-                why = f"bad load report: {exc}"
-            finally:
-                call.cancel()
-            inst.connected = False
-            inst.settled.set()
-            self.dispatch_view.remove(inst.instance_id)
-            delay = backoff.next_s()
-            _log.warning(
-                "domain %s: load stream of %s lost (%s); reconnecting in %.2f s",
-                self.cfg.domain_id,
-                inst.instance_id,
-                why,
-                delay,
-            )
-            await asyncio.sleep(delay)
-
-    def _on_report(self, inst: _Instance, report: llumlet_pb2.LoadReport) -> None:
-        inst.load = load_from_pb(report, inst.instance_id, self.cfg.domain_id)
-        inst.version = int(report.version)
-        inst.reports += 1
-        inst.settled.set()
-        self._refresh_dispatch(inst)
-        self._offer_summary()
-
-    def _draining(self, instance_id: str) -> bool:
+    def draining(self, instance_id: str) -> bool:
+        """True when a drain applies to the instance."""
         return instance_id in self._drained
 
-    def _effective(self, inst: _Instance) -> InstanceLoad | None:
-        """The instance's load with drains applied (None before its first report)."""
-        if inst.load is None:
+    def reachable(self, instance_id: str) -> bool:
+        """True when the instance reported and was not lost since."""
+        member = self._members.get(instance_id)
+        return member is not None and member.reachable
+
+    def load(self, instance_id: str) -> InstanceLoad | None:
+        """The instance's last load, drains applied (None before its first report)."""
+        member = self._members.get(instance_id)
+        if member is None or member.load is None:
             return None
-        draining = self._draining(inst.instance_id)
-        return inst.load if inst.load.draining == draining else replace(inst.load, draining=draining)
+        draining = instance_id in self._drained
+        return member.load if member.load.draining == draining else replace(member.load, draining=draining)
 
-    def _refresh_dispatch(self, inst: _Instance) -> None:
-        load = self._effective(inst)
-        if load is not None and inst.connected:
-            self.dispatch_view.update(load)
+    def loads(self, model: str | None = None) -> list[InstanceLoad]:
+        """Every reported instance's load (of ``model``, or all), drains applied, sorted by instance id."""
+        out = []
+        for iid, member in sorted(self._members.items()):
+            if model is None or member.model == model:
+                load = self.load(iid)
+                if load is not None:
+                    out.append(load)
+        return out
+
+    def _view(self, model: str) -> DispatchView:
+        view = self._views.get(model)
+        if view is None:
+            view = self._views[model] = DispatchView((), self.cfg.policy, self._rng)
+        return view
+
+    def _refresh(self, member: _Member) -> None:
+        load = self.load(member.instance_id)
+        if load is not None and member.reachable:
+            self._view(member.model).update(load)
         else:
-            self.dispatch_view.remove(inst.instance_id)
-
-    def loads(self) -> list[InstanceLoad]:
-        """Every instance's last load, drains applied, sorted by instance id."""
-        out = [self._effective(i) for _, i in sorted(self._instances.items())]
-        return [load for load in out if load is not None]
-
-    def summary(self) -> DomainSummary:
-        """This domain's summary now (``policy.summarize_domain`` over :meth:`loads`)."""
-        return summarize_domain(self.cfg.domain_id, self.loads(), self.cfg.policy)
-
-    def _offer_summary(self) -> None:
-        if not self.ready.is_set():
-            return
-        loads = self.loads()
-        self.publisher.offer(SummaryRecord.of(summarize_domain(self.cfg.domain_id, loads, self.cfg.policy), loads))
+            self._view(member.model).remove(member.instance_id)
 
     # ---- dispatch --------------------------------------------------------------------------------
-    async def submit(self, spec: SubmitSpec, request: llumlet_pb2.SubmitRequest) -> DispatchResult:
-        """Choose an instance for a new request with ``policy.DispatchView`` and submit it there.
+    def resolve_model(self, model: str) -> str | None:
+        """The model a request names, or the domain's only model when it names none (None: not served here)."""
+        models = self.models()
+        if not model:
+            return models[0] if len(models) == 1 else None
+        return model if model in models else None
 
-        ``request`` is forwarded to the chosen llumlet unchanged. An unreachable instance is skipped
-        (until its next load report) and the next choice tried.
+    def dispatch(self, request: DomainRequest, *, exclude: Iterable[str] = ()) -> DispatchDecision:
+        """Choose the instance for a new request and reserve it in the view (target None: refused, why).
+
+        ``exclude``: instances not to use this time (a Submit to them just failed).
         """
-        demand = demand_blocks(spec.prompt_tokens, self.cfg.block_size_tokens)
-        if not self.ready.is_set():
-            return DispatchResult(
-                DispatchOutcome.UNAVAILABLE,
-                "the domain scheduler is rebuilding its view from the llumlets",
-                demand_blocks=demand,
-            )
-        failures: list[str] = []
-        for _ in range(max(1, len(self._instances))):
-            decision = self.dispatch_view.pick(demand, spec.priority)
-            if decision.target_id is None:
-                if failures or not any(i.connected for i in self._instances.values()):
-                    why = "; ".join([*failures, decision.reason]) if failures else "no instance is reachable"
-                    return DispatchResult(DispatchOutcome.UNAVAILABLE, why, demand_blocks=demand)
-                return DispatchResult(DispatchOutcome.REFUSED, decision.reason, demand_blocks=demand)
-            inst = self._instances[decision.target_id]
-            try:
-                reply = await inst.stub.Submit(request, timeout=self.cfg.rpc_timeout_s)
-            except grpc.aio.AioRpcError as exc:
-                failures.append(f"{inst.instance_id} unreachable ({exc.code().name})")
-                self.dispatch_view.remove(inst.instance_id)
-                continue
-            if not reply.accepted:
-                return DispatchResult(
-                    DispatchOutcome.REFUSED,
-                    f"instance {inst.instance_id} refused it: {reply.reason}",
-                    demand_blocks=demand,
-                )
-            self._requests[spec.request_id] = spec
-            while len(self._requests) > _MAX_REMEMBERED:
-                self._requests.popitem(last=False)
-            return DispatchResult(
-                DispatchOutcome.ACCEPTED, decision.reason, inst.instance_id, inst.registration.address, demand
-            )
-        return DispatchResult(DispatchOutcome.UNAVAILABLE, "; ".join(failures), demand_blocks=demand)
+        excluded = frozenset(exclude)
+        model = self.resolve_model(request.model)
+        if model is None:
+            served = ", ".join(self.models()) or "no model"
+            what = f"model {request.model!r}" if request.model else "a request that names no model"
+            return DispatchDecision(None, f"domain {self.domain_id} serves {served}, not {what}")
+        block_size = next(m.block_size_tokens for m in self._members.values() if m.model == model)
+        if not any(m.reachable for m in self._members.values() if m.model == model):
+            return self._spread_evenly(model, request, block_size, excluded)
+        return self._view(model).pick(
+            request.demand_blocks(block_size),
+            request.priority,
+            need_blocks=request.need_blocks(block_size),
+            exclude=excluded,
+            only_if_room=request.only_if_room,
+        )
 
-    # ---- intra-domain rescheduling ---------------------------------------------------------------
-    def _is_busy(self, instance_id: str) -> bool:
+    def _spread_evenly(
+        self, model: str, request: DomainRequest, block_size: int, excluded: frozenset[str]
+    ) -> DispatchDecision:
+        """No instance of ``model`` has a fresh report: the next of those still answering, in turn."""
+        need = request.need_blocks(block_size)
+        pool = [
+            m
+            for _, m in sorted(self._members.items())
+            if m.model == model
+            and m.answers
+            and m.instance_id not in excluded
+            and m.instance_id not in self._drained
+            and (m.load.capacity_blocks if m.load is not None else m.capacity_blocks) >= need
+        ]
+        if not pool:
+            return DispatchDecision(None, f"no instance of {model} has a fresh load report or answers")
+        self._spread = (self._spread + 1) % len(pool)
+        self.fallback_dispatches += 1
+        chosen = pool[self._spread]
+        return DispatchDecision(
+            chosen.instance_id,
+            f"no fresh load report from any {model} instance: spread evenly over {len(pool)} that answer",
+        )
+
+    # ---- rescheduling inside the domain ----------------------------------------------------------
+    def is_busy(self, instance_id: str, now_s: float) -> bool:
+        """True while a migration touches the instance, or it settles after one (see the module docstring)."""
         if self._busy.get(instance_id, 0) > 0:
             return True
         settle = self._settle.get(instance_id)
         if settle is None:
             return False
         reports_at, deadline = settle
-        inst = self._instances.get(instance_id)
-        if (inst is not None and inst.reports > reports_at) or self._clock() >= deadline:
+        member = self._members.get(instance_id)
+        if (member is not None and member.reports > reports_at) or now_s >= deadline:
             del self._settle[instance_id]
             return False
         return True
 
-    def _free_loads(self) -> list[InstanceLoad]:
-        """Loads of connected instances with no migration in flight and a report newer than their last one."""
-        out = []
-        for iid, inst in sorted(self._instances.items()):
-            load = self._effective(inst)
-            if load is not None and inst.connected and not self._is_busy(iid):
-                out.append(load)
-        return out
+    def free_loads(self, now_s: float, model: str | None = None) -> list[InstanceLoad]:
+        """Loads of reachable instances (of ``model``, or all) not busy with a migration, sorted by id."""
+        return [
+            load
+            for load in self.loads(model)
+            if self._members[load.instance_id].reachable and not self.is_busy(load.instance_id, now_s)
+        ]
 
-    def _rebalance(self) -> None:
-        """One rescheduling round: plan over the free instances, command each move (no approval)."""
-        for move in plan_migrations(self._free_loads(), self.cfg.policy, self._rng):
-            _log.info(
-                "domain %s: migrate %s %s -> %s: %s",
-                self.cfg.domain_id,
-                move.request_id,
-                move.src_id,
-                move.dst_id,
-                move.reason,
-            )
-            self._mark_busy((move.src_id, move.dst_id))
-            self._spawn(self._intra(move.src_id, move.dst_id, move.request_id), f"migrate-{move.request_id}")
+    def plan_rebalance(self, now_s: float) -> list[MigrationDecision]:
+        """One rescheduling round: moves inside the domain, per model. Each move's instances are marked busy
+        (call :meth:`migration_done` when it ended, whatever the outcome)."""
+        moves: list[MigrationDecision] = []
+        for model in self.models():
+            for move in plan_migrations(self.free_loads(now_s, model), self.cfg.policy, self._rng):
+                self.migration_started((move.src_id, move.dst_id))
+                moves.append(move)
+        return moves
 
-    async def _intra(self, src_id: str, dst_id: str, request_id: str) -> None:
-        try:
-            dst = self._instances.get(dst_id)
-            if dst is not None:
-                await self._migrate(src_id, request_id, dst.registration, self._next_attempt(request_id), 0)
-        finally:
-            self._unmark_busy((src_id, dst_id))
-
-    def _next_attempt(self, request_id: str) -> int:
-        recorded = [r.attempt for r, _ in self.view.migrations().values() if r.request_id == request_id]
-        attempt = max(self._attempts.get(request_id, self._attempt_base), *recorded, 0) + 1
-        self._attempts[request_id] = attempt
-        return attempt
-
-    def _mark_busy(self, ids: tuple[str, ...]) -> None:
-        for iid in ids:
+    def migration_started(self, instance_ids: Sequence[str]) -> None:
+        """A move touching ``instance_ids`` of this domain is in flight (they are busy)."""
+        for iid in instance_ids:
             self._busy[iid] = self._busy.get(iid, 0) + 1
-        self._in_flight += 1
+        self.migrations_in_flight += 1
 
-    def _unmark_busy(self, ids: tuple[str, ...]) -> None:
-        deadline = self._clock() + self.cfg.settle_s
-        for iid in ids:
+    def migration_done(self, instance_ids: Sequence[str], now_s: float) -> None:
+        """The move started by :meth:`migration_started` ended (committed, aborted or failed)."""
+        deadline = now_s + self.cfg.settle_s
+        for iid in instance_ids:
             self._busy[iid] = self._busy.get(iid, 1) - 1
-            inst = self._instances.get(iid)
-            self._settle[iid] = (inst.reports if inst else 0, deadline)
-        self._in_flight -= 1
+            member = self._members.get(iid)
+            self._settle[iid] = (member.reports if member else 0, deadline)
+        self.migrations_in_flight -= 1
 
-    async def _migrate(
-        self, src_id: str, request_id: str, dst: InstanceRegistration, attempt: int, fencing_token: int
-    ) -> llumlet_pb2.MigrateOutReply | None:
-        """Command ``src_id`` to migrate ``request_id`` to ``dst``; the reply, or None when the RPC failed.
+    # ---- across domains ----------------------------------------------------------------------------
+    def plan_cross_domain(self, others: Iterable[DomainSummary], now_s: float) -> CrossDomainProposal | None:
+        """The move to propose now, if ``policy.pair_domains`` makes this domain a source for some model.
 
-        The caller marks the instances busy before and unmarks them after.
+        ``others``: the other domains' latest summaries (as received; those of other domains only).
         """
-        src = self._instances.get(src_id)
-        if src is None:
-            return None
-        msg = llumlet_pb2.MigrateOutRequest(
-            request_id=request_id,
-            dst_address=dst.address,
-            dst_instance_id=dst.instance_id,
-            attempt=attempt,
-            fencing_token=fencing_token,
-        )
-        try:
-            reply = await src.stub.MigrateOut(msg, timeout=self.cfg.migrate_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            self._counters.aborted += 1
-            _log.warning(
-                "domain %s: MigrateOut %s on %s failed: %s", self.cfg.domain_id, request_id, src_id, exc.code().name
-            )
-            return None
-        if reply.outcome == llumlet_pb2.MIGRATION_COMMITTED:
-            self._counters.committed += 1
-        else:
-            self._counters.aborted += 1
-            _log.info("domain %s: migration of %s not done: %s", self.cfg.domain_id, request_id, reply.reason)
-        return reply
-
-    # ---- cross-domain ----------------------------------------------------------------------------
-    def _other_summaries(self) -> list[DomainSummary]:
-        out = []
-        for key, entry in self.view.entries("summaries/").items():
-            try:
-                record = decode(SummaryRecord, entry.value, key)
-            except RecordError as exc:
-                _log.warning("ignoring bad summary: %s", exc)
+        self._not_approved = {r: t for r, t in self._not_approved.items() if t > now_s}
+        by_model: dict[str, list[DomainSummary]] = {}
+        for summary in others:
+            if summary.domain_id != self.domain_id:
+                by_model.setdefault(summary.model, []).append(summary)
+        for model in self.models():
+            loads = [self._holding_back(load) for load in self.free_loads(now_s, model)]
+            mine = summarize_domain(self.domain_id, self.loads(model), self.cfg.policy, model=model)
+            move = plan_cross_domain(mine, by_model.get(model, []), loads, self.cfg.policy, self._rng)
+            if move is None:
                 continue
-            if record.domain_id != self.cfg.domain_id:
-                out.append(domain_summary_of(record))
-        return out
-
-    def plan_cross_domain(self) -> CrossDomainMove | None:
-        """The cross-domain move to propose now, if the domain pairing makes this domain a source.
-
-        A request whose move was not approved is not proposed again for ``5 x cross_interval_s``.
-        """
-        now = self._clock()
-        self._not_approved = {r: t for r, t in self._not_approved.items() if t > now}
-        loads = []
-        for load in self._free_loads():
-            if any(r.request_id in self._not_approved for r in load.running):
-                held = tuple(
-                    replace(r, migratable=False) if r.request_id in self._not_approved else r for r in load.running
-                )
-                load = replace(load, running=held)
-            loads.append(load)
-        return plan_cross_domain(self.summary(), self._other_summaries(), loads, self.cfg.policy, self._rng)
-
-    def _leader_address(self) -> str:
-        entry = self.view.entries("leader").get(self.keys.leader)
-        if entry is not None:
-            try:
-                return str(json.loads(entry.value)["address"])
-            except (ValueError, KeyError, TypeError):
-                _log.warning("domain %s: unreadable leader key", self.cfg.domain_id)
-        return self.cfg.coordinator_address
-
-    async def _cross_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.cross_interval_s)
-            try:
-                while (move := self.plan_cross_domain()) is not None and await self.cross_domain(move):
-                    pass
-            except Exception:
-                _log.exception("domain %s: cross-domain round failed; retrying next period", self.cfg.domain_id)
-
-    async def cross_domain(self, move: CrossDomainMove) -> bool:
-        """Propose ``move`` to the coordinator leader; carry out an approval. True when it committed."""
-        spec = self._requests.get(move.request_id)
-        if spec is not None:
-            remaining = max(0, spec.max_tokens - max(0, move.num_tokens - spec.prompt_tokens))
-        else:
-            remaining = self.cfg.default_remaining_tokens
-        attempt = self._next_attempt(move.request_id)
-        proposal = MoveProposal(
-            proposer_domain_id=self.cfg.domain_id,
-            request_id=move.request_id,
-            attempt=attempt,
-            src_instance_id=move.src_instance_id,
-            dst_instance_id="",
-            blocks=move.blocks,
-            num_tokens=move.num_tokens,
-            remaining_tokens=remaining,
-            decode_step_s=self.cfg.default_decode_step_s,
-        )
-        address = self._leader_address()
-        if not address:
-            _log.warning(
-                "domain %s: no coordinator leader to propose to (start one, or pass --coordinator)", self.cfg.domain_id
+            src = next(x for x in loads if x.instance_id == move.src_instance_id)
+            request = next(r for r in src.running if r.request_id == move.request_id)
+            return CrossDomainProposal(
+                src_instance_id=move.src_instance_id,
+                request_id=move.request_id,
+                model=model,
+                blocks=move.blocks,
+                num_tokens=move.num_tokens,
+                max_blocks=request.max_blocks,
+                remaining_tokens=self.remaining.estimate(request.output_tokens, request.max_tokens),
+                decode_step_s=src.decode_step_s if src.decode_step_s > 0 else self.cfg.default_decode_step_s,
+                dst_domain_id=move.dst_domain_id,
+                reason=move.reason,
             )
-            return False
-        self._mark_busy((move.src_instance_id,))
-        try:
-            return await self._propose_and_carry_out(proposal, address)
-        finally:
-            self._unmark_busy((move.src_instance_id,))
+        return None
 
-    async def _propose_and_carry_out(self, proposal: MoveProposal, address: str) -> bool:
-        self._counters.proposed += 1
-        try:
-            async with open_channel(address) as channel:
-                stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-                reply = await stub.ProposeMigration(
-                    coord_convert.move_proposal(proposal), timeout=self.cfg.rpc_timeout_s
-                )
-        except grpc.aio.AioRpcError as exc:
-            _log.warning(
-                "domain %s: proposal to %s failed: %s %s", self.cfg.domain_id, address, exc.code().name, exc.details()
-            )
-            return False
-        if not reply.approved:
-            _log.info("domain %s: move of %s not approved: %s", self.cfg.domain_id, proposal.request_id, reply.reason)
-            self._not_approved[proposal.request_id] = self._clock() + 5 * self.cfg.cross_interval_s
-            return False
-        record, mod_revision = coord_convert.migration_record_from_pb(reply.migration)
-        if not self.guard.accepts(reply.fencing_token):
-            await self._finish_record(record.migration_id, mod_revision, MigrationState.ABORTED, "stale fencing token")
-            return False
-        self._counters.approved += 1
-        if record.src_instance_id != proposal.src_instance_id or record.request_id != proposal.request_id:
-            await self._finish_record(
-                record.migration_id, mod_revision, MigrationState.ABORTED, "approval names another move"
-            )
-            return False
-        dst = self.view.instances().get(record.dst_instance_id)
-        if dst is None:
-            await self._finish_record(
-                record.migration_id, mod_revision, MigrationState.ABORTED, "destination instance is not registered"
-            )
-            return False
-        result = await self._migrate(
-            proposal.src_instance_id, record.request_id, dst, record.attempt, reply.fencing_token
-        )
-        committed = result is not None and result.outcome == llumlet_pb2.MIGRATION_COMMITTED
-        why = result.reason if result is not None else "MigrateOut failed"
-        state = MigrationState.COMMITTED if committed else MigrationState.ABORTED
-        await self._finish_record(record.migration_id, mod_revision, state, None if committed else why)
-        return committed
+    def _holding_back(self, load: InstanceLoad) -> InstanceLoad:
+        """``load`` with the requests in their cool-down marked unmigratable."""
+        if not any(r.request_id in self._not_approved for r in load.running):
+            return load
+        held = tuple(replace(r, migratable=False) if r.request_id in self._not_approved else r for r in load.running)
+        return replace(load, running=held)
 
-    async def _finish_record(
-        self, migration_id: str, mod_revision: int, state: MigrationState, reason: str | None
-    ) -> None:
-        """Move a migration record to ``state`` by compare-and-swap (retrying on a newer revision)."""
-        for _ in range(5):
-            try:
-                result = await self.store.transition(migration_id, mod_revision, state, reason=reason)
-            except (KeyError, ValueError) as exc:
-                _log.warning("domain %s: cannot record %s as %s: %s", self.cfg.domain_id, migration_id, state, exc)
-                return
-            except RETRYABLE_ERRORS as exc:
-                _log.warning("domain %s: recording %s failed (%s); retrying", self.cfg.domain_id, migration_id, exc)
-                await asyncio.sleep(0.1)
-                continue
-            if (
-                result.ok
-                or result.current is None
-                or result.current.state
-                in (
-                    MigrationState.COMMITTED,
-                    MigrationState.ABORTED,
-                )
-            ):
-                return
-            mod_revision = result.mod_revision
-        _log.error("domain %s: gave up recording %s as %s", self.cfg.domain_id, migration_id, state)
+    def not_approved(self, request_id: str, now_s: float) -> None:
+        """The coordinator did not approve moving ``request_id``: do not propose it again for ``cool_down_s``."""
+        self._not_approved[request_id] = now_s + self.cfg.cool_down_s
 
-    async def _recover_cross_domain(self) -> None:
-        """Settle approved migrations from this domain that a previous run left without an outcome.
-
-        The destination's Release (idempotent) answers whether that attempt committed there; if it had
-        not, Release cancels it (the request continues on the source).
-        """
-        instances = self.view.instances()
-        for mid, (record, mod_revision) in sorted(self.view.migrations().items()):
-            if record.state is not MigrationState.APPROVED or record.src_domain_id != self.cfg.domain_id:
-                continue
-            committed, why = False, "destination unreachable after a domain scheduler restart"
-            dst = instances.get(record.dst_instance_id)
-            if dst is not None:
-                try:
-                    async with open_channel(dst.address) as channel:
-                        rel = await llumlet_pb2_grpc.LlumletStub(channel).Release(
-                            llumlet_pb2.ReleaseRequest(request_id=record.request_id, attempt=record.attempt),
-                            timeout=self.cfg.rpc_timeout_s,
-                        )
-                    committed = rel.committed
-                    why = "released after a domain scheduler restart"
-                except grpc.aio.AioRpcError as exc:
-                    why = f"destination unreachable after a domain scheduler restart ({exc.code().name})"
-            state = MigrationState.COMMITTED if committed else MigrationState.ABORTED
-            _log.info("domain %s: settling %s as %s", self.cfg.domain_id, mid, state)
-            await self._finish_record(mid, mod_revision, state, None if committed else why)
-
-    # ---- state -----------------------------------------------------------------------------------
-    def state(self) -> DomainStateInfo:
-        """A snapshot for GetDomainState."""
-        infos = []
-        for iid, inst in sorted(self._instances.items()):
-            load = self._effective(inst)
-            infos.append(
-                InstanceStateInfo(
-                    instance_id=iid,
-                    address=inst.registration.address,
-                    connected=inst.connected,
-                    draining=self._draining(iid),
-                    load=load,
-                    freeness=freeness(load, self.cfg.policy) if load is not None else math.nan,
-                    load_version=inst.version,
-                )
-            )
-        return DomainStateInfo(
-            domain_id=self.cfg.domain_id,
-            ready=self.ready.is_set(),
-            domain_draining=self._domain_draining,
-            instances=tuple(infos),
-            migrations_in_flight=self._in_flight,
-            migrations_committed=self._counters.committed,
-            migrations_aborted=self._counters.aborted,
-            cross_domain_proposed=self._counters.proposed,
-            cross_domain_approved=self._counters.approved,
-            summaries_published=self.publisher.puts,
-            newest_fencing_token=self.guard.newest,
+    # ---- summaries ---------------------------------------------------------------------------------
+    def summaries(self, taken_s: float) -> tuple[DomainSummary, ...]:
+        """One summary per model served (sorted by model), stamped ``taken_s`` (the publisher's clock)."""
+        return tuple(
+            summarize_domain(self.domain_id, self.loads(model), self.cfg.policy, model=model, taken_s=taken_s)
+            for model in self.models()
         )

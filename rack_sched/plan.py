@@ -1,6 +1,5 @@
 """The domain scheduler's decisions that are not in ``policy`` itself: pure, clock-free, no I/O.
 
-- :func:`demand_blocks`: KV blocks a new request needs to start (as the simulator's dispatch counts them).
 - :func:`drained_instances`: which of the domain's instances a set of drain intents empties.
 - :func:`plan_cross_domain`: the one move a domain proposes to the coordinator when ``policy.pair_domains``
   pairs it, as a source, with another domain.
@@ -8,29 +7,16 @@
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from clusterstate.records import DrainKind, SummaryRecord
+from clusterstate.records import DrainKind
 from policy.domain import DomainSummary
 from policy.migration import pair_domains, plan_migrations
 from policy.types import InstanceLoad, PolicyConfig
 
-__all__ = ["CrossDomainMove", "demand_blocks", "domain_summary_of", "drained_instances", "plan_cross_domain"]
-
-
-def demand_blocks(prompt_tokens: int, block_size_tokens: int) -> int:
-    """KV blocks a request needs to start: its prompt plus the first output token, ``ceil((p + 1) / b)``.
-
-    Same count as ``sim.schedulers.demand_blocks``. Raises ValueError on a negative prompt or a block size < 1.
-    """
-    if prompt_tokens < 0:
-        raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
-    if block_size_tokens < 1:
-        raise ValueError(f"block_size_tokens must be >= 1, got {block_size_tokens}")
-    return math.ceil((prompt_tokens + 1) / block_size_tokens)
+__all__ = ["CrossDomainMove", "drained_instances", "plan_cross_domain"]
 
 
 def drained_instances(
@@ -49,22 +35,6 @@ def drained_instances(
         if kind is DrainKind.INSTANCE and target in ids:
             named.add(target)
     return frozenset(named)
-
-
-def domain_summary_of(record: SummaryRecord) -> DomainSummary:
-    """The ``policy`` value of a summary read from etcd (``queued_blocks`` is not published: 0)."""
-    return DomainSummary(
-        domain_id=record.domain_id,
-        num_instances=record.num_instances,
-        capacity_blocks=record.capacity_blocks,
-        virtual_usage=record.virtual_usage,
-        freeness=record.freeness,
-        largest_free_blocks=record.largest_free_blocks,
-        max_instance_capacity_blocks=record.max_instance_capacity_blocks,
-        num_running=record.num_running,
-        num_waiting=record.num_waiting,
-        draining=record.draining,
-    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,8 @@ from hilum_proto.v1 import llumlet_pb2
 from hilum_proto.v1 import rack_sched_pb2 as pb
 from hilum_proto.v1 import rack_sched_pb2_grpc as pb_grpc
 from rack_sched import convert
-from rack_sched.core import DomainScheduler
-from rack_sched.types import SubmitSpec
+from rack_sched.core import DomainRequest
+from rack_sched.scheduler import DomainScheduler
 
 __all__ = ["RackSchedulerService", "start_server"]
 
@@ -32,7 +32,9 @@ class RackSchedulerService(pb_grpc.RackSchedulerServicer):
 
     async def Ping(self, request: pb.RackPingRequest, context: _Ctx) -> pb.RackPingReply:
         return pb.RackPingReply(
-            domain_id=self._s.cfg.domain_id, num_instances=len(self._s.loads()), ready=self._s.ready.is_set()
+            domain_id=self._s.cfg.domain_id,
+            num_instances=len(self._s.core.loads()),
+            ready=self._s.ready.is_set(),
         )
 
     async def Submit(self, request: llumlet_pb2.SubmitRequest, context: _Ctx) -> pb.DispatchReply:
@@ -40,7 +42,14 @@ class RackSchedulerService(pb_grpc.RackSchedulerServicer):
             prompt = convert.prompt_length(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        spec = SubmitSpec(request.request_id, prompt, request.sampling.max_tokens, request.priority)
+        spec = DomainRequest(
+            request.request_id,
+            request.model,
+            prompt,
+            request.sampling.max_tokens,
+            request.priority,
+            only_if_room=request.only_if_room,
+        )
         return convert.dispatch_reply(await self._s.submit(spec, request))
 
     async def GetDomainState(self, request: pb.GetDomainStateRequest, context: _Ctx) -> pb.DomainState:

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 from clusterstate.backoff import BackoffConfig
 from clusterstate.records import InstanceRegistration
-from policy.types import InstanceLoad, PolicyConfig
+from policy.types import InstanceLoad
+from rack_sched.core import DomainConfig
 
-__all__ = ["DispatchOutcome", "DispatchResult", "DomainStateInfo", "InstanceStateInfo", "RackConfig", "SubmitSpec"]
+__all__ = ["DispatchOutcome", "DispatchResult", "DomainStateInfo", "InstanceStateInfo", "RackConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,18 +22,15 @@ class RackConfig:
     block_size_tokens: int  # KV block size of the domain's model (from the topology)
     prefix: str = "/hilum/v1/"  # etcd key prefix (clusterstate.store)
     ttl_s: int = 10  # lease TTL of its registration and summary
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    decide: DomainConfig = field(default_factory=DomainConfig)  # the rule book and the domain's decision settings
     rebalance_interval_s: float = 0.05  # intra-domain rescheduling period (Llumnix: 50 ms)
     summary_interval_s: float = 0.25  # at most one summary put per this
     cross_interval_s: float = 0.5  # cross-domain round period
     watch_min_interval_s: float = 0.01  # asked of each llumlet's WatchLoad (coalescing)
     ready_timeout_s: float = 5.0  # longest wait for the first report of each instance after a start
-    settle_s: float = 0.2  # after a migration, an instance waits this long at most for a fresh report
     rpc_timeout_s: float = 5.0  # Submit, GetLoad, Release, ProposeMigration deadlines
     migrate_timeout_s: float = 120.0  # MigrateOut deadline
     coordinator_address: str = ""  # used when etcd names no leader
-    default_decode_step_s: float = 0.03  # decode step time sent with proposals (loads do not carry it)
-    default_remaining_tokens: int = 256  # remaining output estimate for requests it did not dispatch
     backoff: BackoffConfig = field(default_factory=BackoffConfig)
     # Instances this scheduler registers in etcd itself, under its own lease, for llumlets that do not
     # register themselves (``--instance ID=HOST:PORT``). Each must name this domain.
@@ -52,8 +50,6 @@ class RackConfig:
         for reg in self.static_instances:
             if reg.domain_id != self.domain_id:
                 problems.append(f"static instance {reg.instance_id} is in domain {reg.domain_id!r}, not this one")
-        if not self.default_decode_step_s > 0 or self.default_remaining_tokens < 0:
-            problems.append("default_decode_step_s must be > 0 and default_remaining_tokens >= 0")
         if problems:
             raise ValueError("RackConfig: " + "; ".join(problems))
 
@@ -64,6 +60,7 @@ class DispatchOutcome(enum.StrEnum):
     ACCEPTED = "accepted"  # submitted; the llumlet accepted it
     REFUSED = "refused"  # no instance of the domain can ever hold it, or the llumlet refused it
     UNAVAILABLE = "unavailable"  # not now (view rebuilding, no reachable instance): retry or go elsewhere
+    FULL = "full"  # only_if_room, and no instance has room now: try another domain
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,16 +72,6 @@ class DispatchResult:
     instance_id: str = ""
     instance_address: str = ""
     demand_blocks: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class SubmitSpec:
-    """What dispatch needs of a request (the rest of the Submit goes to the llumlet unchanged)."""
-
-    request_id: str
-    prompt_tokens: int
-    max_tokens: int
-    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,3 +102,4 @@ class DomainStateInfo:
     cross_domain_approved: int
     summaries_published: int
     newest_fencing_token: int
+    fallback_dispatches: int = 0  # requests spread evenly while no instance had a fresh load report

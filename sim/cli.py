@@ -18,6 +18,9 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from hilum_config import add_argument as add_config_argument
+from hilum_config import load_config
+
 from .runner import DEFAULTS, SimSpec
 from .schedulers import POLICY_NAMES
 
@@ -68,6 +71,7 @@ def register(sub: Any) -> None:
     )
     parser.add_argument("--out", default=None, help="directory for results.json and plots")
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON instead of a table")
+    add_config_argument(parser)
     parser.set_defaults(func=run_cli)
     sims = parser.add_subparsers(dest="sim_command", metavar="sweep")
     sweep = sims.add_parser("sweep", help="run a grid of simulations as Ray tasks")
@@ -105,8 +109,10 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         max_requests=args.max_requests,
         seed=args.seed,
         options=options,
+        config=args.config,
     )
     base.parsed_options()  # fail before any work on bad options
+    load_config(args.config)  # and on a bad configuration file
     return [replace(base, policy=p) for p in policies]
 
 

@@ -121,6 +121,7 @@ class Cluster:
         self.requests: dict[str, RequestState] = {}
         self.engine_steps = 0
         self.on_finished: list[Callable[[str], None]] = []
+        self._finished_lengths: dict[str, list[int]] = {}  # instance -> output lengths finished, not yet reported
         inactive_ids = set(inactive)
         self.instances: dict[str, SimInstance] = {}
         for spec in topology.instances:
@@ -153,13 +154,20 @@ class Cluster:
         return [i for i in self.instances.values() if i.active and (domain_id is None or i.domain_id == domain_id)]
 
     def load(self, inst: SimInstance) -> InstanceLoad:
-        """The instance's load report, as its llumlet would push it (policy's InstanceLoad)."""
+        """The instance's load report, as its llumlet would push it (policy's InstanceLoad), with its most
+        recent step time."""
         return inst.engine.load().to_instance_load(
             inst.instance_id,
             inst.domain_id,
             draining=inst.draining,
             warming_up=self.queue.now_s < inst.warm_until_s,
+            decode_step_s=inst.last_step_s,
         )
+
+    def take_finished(self, instance_id: str) -> list[int]:
+        """Output lengths of the requests that finished on ``instance_id`` since the last call (what its
+        llumlet's next load report would carry)."""
+        return self._finished_lengths.pop(instance_id, [])
 
     # ------------------------------------------------------------------ requests
     def admit(self, req: TraceRequest) -> RequestState:
@@ -241,6 +249,7 @@ class Cluster:
     def _finish(self, request_id: str, now: float) -> None:
         state = self.requests[request_id]
         state.finish_s = now
+        self._finished_lengths.setdefault(state.instance_id, []).append(state.generated_tokens)
         for listener in self.on_finished:
             listener(request_id)
 

@@ -22,8 +22,9 @@ when a stage starts and held for the stage (piecewise-constant fair sharing).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Literal
 
 from llumlet.engine.types import MigrationState
@@ -48,6 +49,10 @@ class LinkFlows:
 
     def remove(self, links: tuple[str, ...]) -> None:
         self._flows.subtract(links)
+
+    def counts(self) -> Mapping[str, int]:
+        """Flows per link now (a read-only view; links with none may be missing)."""
+        return MappingProxyType(self._flows)
 
     def busiest(self, links: tuple[str, ...]) -> int:
         """Flows on the most loaded link of ``links`` (0 for an empty path)."""

@@ -16,7 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from global_coord.approval import ApprovalConfig
+from global_coord.wiring import CostModelJudge
+from hilum_config import HilumConfig, load_config
 from llumlet.engine.latency import (
     CALIBRATED_HBM_BYTES_PER_S,
     LatencyModel,
@@ -24,8 +25,6 @@ from llumlet.engine.latency import (
     derive_latency_model,
     load_latency_model,
 )
-from policy.types import PolicyConfig
-from topology.cost import CostConfig
 from topology.graph import TopologyGraph
 from topology.load import load_topology
 from topology.spec import InstanceSpec, Topology
@@ -53,13 +52,16 @@ class SimOptions(BaseModel):
     scale_out: tuple[str, ...] = Field(
         (), description="scripted scale-outs, each 'INSTANCE@SECONDS': the instance is idle until then"
     )
-    report_interval_s: float = Field(0.05, gt=0)
-    migrate_interval_s: float = Field(0.05, gt=0)
-    summary_interval_s: float = Field(0.1, gt=0)
-    summary_lag_s: float = Field(0.05, ge=0)
-    cross_interval_s: float = Field(0.5, gt=0)
-    cap_fraction: float = Field(0.2, gt=0, le=1.0, description="migration share of each link")
-    downtime_budget_s: float = Field(0.025, gt=0)
+    report_interval_s: float = Field(
+        0.05, gt=0, description="load reports reaching a central scheduler (llumnix, least-loaded; Llumnix: 50 ms)"
+    )
+    summary_lag_s: float = Field(0.05, ge=0, description="delay before a published summary reaches its readers")
+    # Overrides of the configuration file's keys (for sweeps); None = the file's value (hilum_config).
+    migrate_interval_s: float | None = Field(None, gt=0, description="overrides intervals.rebalance_interval_s")
+    summary_interval_s: float | None = Field(None, gt=0, description="overrides intervals.summary_interval_s")
+    cross_interval_s: float | None = Field(None, gt=0, description="overrides intervals.cross_interval_s")
+    cap_fraction: float | None = Field(None, gt=0, le=1.0, description="overrides cost.cap_fraction")
+    downtime_budget_s: float | None = Field(None, gt=0, description="overrides approval.downtime_budget_s")
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(8192, ge=16)
     admission: Literal["chunked", "whole-prompt"] = Field(
@@ -99,6 +101,7 @@ class SimSpec:
     max_requests: int | None = None  # keep only the first N requests by arrival
     seed: int = 0
     options: Mapping[str, Any] = field(default_factory=dict)
+    config: str | None = None  # the configuration file every tier reads (hilum_config); None: HILUM_CONFIG or defaults
 
     def parsed_options(self) -> SimOptions:
         """The options, validated; ValueError lists every bad key."""
@@ -151,6 +154,31 @@ def _latency_for(topology: Topology, derived: list[str]) -> Callable[[InstanceSp
     return get
 
 
+def configured(path: str | None, options: SimOptions) -> HilumConfig:
+    """The configuration file's settings (``hilum_config.load_config``) with the run's overrides applied.
+
+    Raises:
+        hilum_config.ConfigError: the file is unreadable or invalid.
+    """
+    cfg = load_config(path)
+    intervals = cfg.intervals
+    for option, key in (
+        ("migrate_interval_s", "rebalance_interval_s"),
+        ("summary_interval_s", "summary_interval_s"),
+        ("cross_interval_s", "cross_interval_s"),
+    ):
+        value = getattr(options, option)
+        if value is not None:
+            intervals = dataclasses.replace(intervals, **{key: value})
+    cost = (
+        cfg.cost if options.cap_fraction is None else dataclasses.replace(cfg.cost, cap_fraction=options.cap_fraction)
+    )
+    approval = cfg.approval
+    if options.downtime_budget_s is not None:
+        approval = dataclasses.replace(approval, downtime_budget_s=options.downtime_budget_s)
+    return dataclasses.replace(cfg, intervals=intervals, cost=cost, approval=approval)
+
+
 def run_simulation(
     spec: SimSpec,
     *,
@@ -190,14 +218,15 @@ def run_simulation(
         queue, topo, _latency_for(topo, derived), limits, inactive=[i for i, _ in scale_outs], model=model
     )
     graph = TopologyGraph(topo)
-    cost = CostConfig(cap_fraction=options.cap_fraction)
-    executor = MigrationExecutor(cluster, graph, cost, LinkFlows())
+    config = configured(spec.config, options)
+    executor = MigrationExecutor(cluster, graph, config.cost, LinkFlows())
     timing = SchedulingConfig(
         report_interval_s=options.report_interval_s,
-        migrate_interval_s=options.migrate_interval_s,
-        summary_interval_s=options.summary_interval_s,
+        migrate_interval_s=config.intervals.rebalance_interval_s,
+        summary_interval_s=config.intervals.summary_interval_s,
         summary_lag_s=options.summary_lag_s,
-        cross_interval_s=options.cross_interval_s,
+        cross_interval_s=config.intervals.cross_interval_s,
+        reservation_ttl_s=config.intervals.reservation_ttl_s,
     )
     total = len(trace.requests)
     done = [0]
@@ -212,9 +241,8 @@ def run_simulation(
         cluster=cluster,
         executor=executor,
         graph=graph,
-        policy=PolicyConfig(),
-        cost=cost,
-        approval=ApprovalConfig(downtime_budget_s=options.downtime_budget_s),
+        judge=CostModelJudge(topo, config.cost, config.approval),
+        domain=config.domain,
         timing=timing,
         rng=random.Random(spec.seed),
         live=lambda: done[0] < total,

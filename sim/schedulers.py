@@ -1,56 +1,61 @@
-"""The cluster-level scheduling policies the simulator compares, built from hilum's own rule book.
+"""The cluster-level policies the simulator compares, composed from the production decision cores.
 
-- ``round-robin``: dispatch in turn to every instance that can hold the request; no migration.
-- ``least-loaded``: dispatch to the instance with the most free KV (virtual usage without priority
-  headroom, the paper's INFaaS-style baseline), from load reports refreshed every
-  ``report_interval_s``; no migration.
-- ``llumnix``: the original single tier. One central scheduler dispatches with virtual usage over
-  every instance and, every ``migrate_interval_s``, pairs instances over the whole cluster and
-  migrates, blind to topology: a pair across domains migrates over the network with no approval.
-- ``hilum``: two tiers. The gateway picks a domain from the domain summaries (published every
-  ``summary_interval_s``, received ``summary_lag_s`` later); that domain's scheduler dispatches and
-  rebalances inside the domain with exact, fresh state; every ``cross_interval_s`` the coordinator pairs
-  domains from the summaries, the source domain proposes its most loaded instance's candidates, and a
-  move crosses domains only when :func:`global_coord.approval.judge_move` approves it with the cost model.
+No decision is made here: every one comes from the code the live tiers run — the domain core
+(``rack_sched.core.DomainCore``: dispatch, rescheduling with its busy/settle and cool-down rules, what to
+propose across domains), the coordinator's core (``global_coord.approver.decide``: destination instance,
+cost model, approval, link budgets) and the gateway's core (``gateway.core.GatewayCore``: domain choice with
+stamped reservations). This module only decides *when* they run and feeds them what production would see:
+load reports of the simulated engines (never a request's true output length: that is the engines' business),
+summaries published every ``summary_interval_s`` and received ``summary_lag_s`` later.
 
-Every decision comes from :mod:`policy` (virtual usage, freeness, dispatch, pairing) — the same code
-the production tiers run.
+- ``round-robin``: dispatch in turn to every instance that can hold the request; no migration (a baseline
+  with no rule book).
+- ``least-loaded``: one domain core over every instance, with no priority headroom and no migration (the
+  paper's INFaaS-style baseline); its reports refreshed every ``report_interval_s``.
+- ``llumnix``: Llumnix's single tier: one domain core over every instance (the flat configuration), reports
+  every ``report_interval_s`` (its manager's polling), rescheduling every ``migrate_interval_s`` over the
+  whole cluster, blind to topology: a pair across domains migrates over the network with no approval.
+- ``hilum``: two tiers. The gateway core picks a domain from the lagged summaries; that domain's core
+  dispatches and rebalances with fresh reports (llumlets push on every change); every ``cross_interval_s``
+  each domain core proposes what ``policy.pair_domains`` makes it a source for, and the coordinator's core
+  approves or rejects it with the cost model. A committed cross-domain move lets its domain propose again at
+  once (the live domain scheduler's loop does the same).
 """
 
 from __future__ import annotations
 
-import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from global_coord.approval import ApprovalConfig, Verdict, price_and_judge
-from policy.dispatch import DispatchDecision, DispatchView, DomainDispatchView
-from policy.domain import DomainSummary, summarize_domain
-from policy.migration import pair_domains, plan_migrations
-from policy.types import InstanceLoad, PolicyConfig
-from topology.cost import CostConfig
+from gateway.core import GatewayCore, PlacementAttempt
+from global_coord.approver import MoveJudge, decide
+from policy.dispatch import DispatchDecision
+from policy.domain import DomainSummary
+from rack_sched.core import CrossDomainProposal, DomainConfig, DomainCore, DomainRequest
 from topology.graph import TopologyGraph
 
-from .cluster import Cluster, SimInstance
+from .cluster import Cluster
 from .events import EventKind
 from .migration import MigrationExecutor
+from .results import MigrationRecord
 from .traces import TraceRequest
 
-__all__ = ["POLICY_NAMES", "ClusterScheduler", "SchedulingConfig", "make_scheduler"]
+__all__ = ["POLICY_NAMES", "ClusterScheduler", "SchedulerContext", "SchedulingConfig", "make_scheduler"]
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulingConfig:
-    """Timing of the control loops, seconds of simulated time."""
+    """Timing of the control loops, seconds of simulated time (the shared ones come from ``hilum_config``)."""
 
     report_interval_s: float = 0.05  # load reports reaching a central scheduler (Llumnix: 50 ms)
     migrate_interval_s: float = 0.05  # rescheduling loop period (Llumnix: 50 ms)
     summary_interval_s: float = 0.1  # domain summary publication period (hilum)
     summary_lag_s: float = 0.05  # delay before a summary reaches the coordinator and gateways
-    cross_interval_s: float = 0.5  # coordinator's cross-domain round
+    cross_interval_s: float = 0.5  # the domains' cross-domain round
     warmup_s: float = 10.0  # warm-up window of an instance added by scale-out
+    reservation_ttl_s: float = 1.0  # a gateway's dispatch reservation counts at most this long
 
     def __post_init__(self) -> None:
         for name in ("report_interval_s", "migrate_interval_s", "summary_interval_s", "cross_interval_s"):
@@ -62,22 +67,49 @@ class SchedulingConfig:
 
 @dataclass(slots=True)
 class SchedulerContext:
-    """What every policy works with: the cluster, the migration executor and the configuration."""
+    """What every policy works with: the cluster, the migration executor, the decision settings."""
 
     cluster: Cluster
     executor: MigrationExecutor
     graph: TopologyGraph
-    policy: PolicyConfig
-    cost: CostConfig
-    approval: ApprovalConfig
+    judge: MoveJudge  # the coordinator's cost-model judge (global_coord.wiring.CostModelJudge)
+    domain: DomainConfig  # the rule book and the domains' decision settings
     timing: SchedulingConfig
     rng: random.Random
     live: Callable[[], bool]  # True while requests remain; periodic loops stop when it turns False
 
 
-def demand_blocks(req: TraceRequest, block_size_tokens: int) -> int:
-    """KV blocks a request needs to start: its prompt plus the first output token."""
-    return math.ceil((req.prompt_tokens + 1) / block_size_tokens)
+def domain_request(req: TraceRequest, model: str) -> DomainRequest:
+    """The request as a gateway submits it: ``max_tokens`` is the trace's output length (trace replay, as
+    ``hilum bench`` and vLLM's benchmark_serving send it; the engines stop there)."""
+    return DomainRequest(req.request_id, model, req.prompt_tokens, max(1, req.output_tokens), req.priority)
+
+
+class _Feed:
+    """A domain core over some instances, fed their load reports as a domain scheduler would receive them."""
+
+    def __init__(
+        self, domain_id: str, cluster: Cluster, instance_ids: Iterable[str], cfg: DomainConfig, rng: random.Random
+    ):
+        self.cluster = cluster
+        self.core = DomainCore(domain_id, cfg, rng)
+        self._pool = [cluster.instances[i] for i in instance_ids]  # every instance it may ever hold
+        self._added: set[str] = set()
+
+    def refresh(self) -> None:
+        """Hand the core every serving instance's load now (and the drains), as fresh reports."""
+        drained = []
+        for inst in self._pool:
+            if not inst.active:
+                continue
+            if inst.instance_id not in self._added:
+                model = self.cluster.model_of(inst.instance_id)
+                self.core.add_instance(inst.instance_id, inst.spec.model, model.block_size_tokens)
+                self._added.add(inst.instance_id)
+            self.core.report(inst.instance_id, self.cluster.load(inst), self.cluster.take_finished(inst.instance_id))
+            if inst.draining:
+                drained.append(inst.instance_id)
+        self.core.set_drains(drained, False)
 
 
 class ClusterScheduler(ABC):
@@ -88,6 +120,8 @@ class ClusterScheduler(ABC):
     def __init__(self, ctx: SchedulerContext) -> None:
         self.ctx = ctx
         self.cluster = ctx.cluster
+        self._pending: dict[str, tuple[DomainCore, tuple[str, ...], bool]] = {}  # request -> (core, busy ids, cross)
+        ctx.executor.on_done.append(self._migration_done)
 
     def start(self) -> None:  # noqa: B027 - optional hook, most policies have no loop
         """Schedule the policy's periodic loops (none by default)."""
@@ -107,14 +141,28 @@ class ClusterScheduler(ABC):
 
         self.cluster.queue.schedule_in(interval_s, kind, tick)
 
-    def _loads(self, instances: Iterable[SimInstance]) -> list[InstanceLoad]:
-        return [self.cluster.load(i) for i in instances]
+    def _now(self) -> float:
+        return self.cluster.queue.now_s
 
-    def _migrate(self, loads: list[InstanceLoad]) -> None:
-        """Plan moves over ``loads`` with the rule book and start those whose instances are free."""
-        free = [load for load in loads if not self.ctx.executor.is_busy(load.instance_id)]
-        for move in plan_migrations(free, self.ctx.policy, self.ctx.rng):
-            self.ctx.executor.start(move.request_id, move.src_id, move.dst_id, move.reason)
+    def _rebalance(self, feed: _Feed) -> None:
+        """One rescheduling round of ``feed``'s core; each move goes to the executor."""
+        for move in feed.core.plan_rebalance(self._now()):
+            ids = (move.src_id, move.dst_id)
+            self._pending[move.request_id] = (feed.core, ids, False)  # before starting: a move may end at once
+            started = self.ctx.executor.start(move.request_id, move.src_id, move.dst_id, move.reason)
+            if not started and self._pending.pop(move.request_id, None) is not None:
+                feed.core.migration_done(ids, self._now())
+
+    def _migration_done(self, record: MigrationRecord) -> None:
+        pending = self._pending.pop(record.request_id, None)
+        if pending is not None:
+            core, ids, cross = pending
+            core.migration_done(ids, self._now())
+            if cross and record.outcome == "committed":
+                self._committed_across(core.domain_id)
+
+    def _committed_across(self, domain_id: str) -> None:  # noqa: B027 - only the two-tier policy proposes
+        """A cross-domain move of ``domain_id`` committed."""
 
 
 class RoundRobin(ClusterScheduler):
@@ -131,159 +179,154 @@ class RoundRobin(ClusterScheduler):
         n = len(candidates)
         for k in range(n):
             inst = candidates[(self._next + k) % n]
-            need = demand_blocks(req, self.cluster.model_of(inst.instance_id).block_size_tokens)
-            if inst.spec.kv_capacity_blocks >= need:
+            bs = self.cluster.model_of(inst.instance_id).block_size_tokens
+            if inst.spec.kv_capacity_blocks >= domain_request(req, inst.spec.model).need_blocks(bs):
                 self._next = (self._next + k + 1) % n
                 return DispatchDecision(inst.instance_id, "round-robin")
-        return DispatchDecision(None, f"no instance can hold {req.prompt_tokens} prompt tokens")
+        return DispatchDecision(None, f"no instance can hold {req.prompt_tokens} + {req.output_tokens} tokens")
 
 
-class _CentralView(ClusterScheduler):
-    """A central scheduler whose view of every instance is refreshed every ``report_interval_s``."""
+class _Flat(ClusterScheduler):
+    """One domain core over every instance, its reports refreshed every ``report_interval_s``."""
 
-    policy_override: Callable[[PolicyConfig], PolicyConfig] = staticmethod(lambda cfg: cfg)
+    migrate = False
+    domain_cfg: Callable[[DomainConfig], DomainConfig] = staticmethod(lambda cfg: cfg)
 
     def __init__(self, ctx: SchedulerContext) -> None:
         super().__init__(ctx)
-        self.cfg = self.policy_override(ctx.policy)
-        self.view = DispatchView(self._loads(self.cluster.serving()), self.cfg, ctx.rng)
+        self.feed = _Feed("cluster", ctx.cluster, ctx.cluster.instances, self.domain_cfg(ctx.domain), ctx.rng)
+        self.feed.refresh()
 
     def start(self) -> None:
-        self._every(self.ctx.timing.report_interval_s, EventKind.TICK, self._refresh)
+        self._every(self.ctx.timing.report_interval_s, EventKind.TICK, self.feed.refresh)
+        if self.migrate:
+            self._every(self.ctx.timing.migrate_interval_s, EventKind.TICK, self._rebalance_all)
 
-    def _refresh(self) -> None:
-        for load in self._loads(self.cluster.serving()):
-            self.view.update(load)
+    def _rebalance_all(self) -> None:
+        self.feed.refresh()
+        self._rebalance(self.feed)
 
     def dispatch(self, req: TraceRequest) -> DispatchDecision:
-        block_size = self.cluster.model_of(self.cluster.serving()[0].instance_id).block_size_tokens
-        return self.view.pick(demand_blocks(req, block_size), req.priority)
+        model = self.cluster.model_of(next(iter(self.cluster.instances))).name
+        return self.feed.core.dispatch(domain_request(req, model))
 
 
-class LeastLoaded(_CentralView):
+class LeastLoaded(_Flat):
     """Load-aware dispatch on KV usage (no priority headroom), no migration (INFaaS-style baseline)."""
 
     name = "least-loaded"
-    policy_override = staticmethod(lambda cfg: replace(cfg, priority_headroom_blocks={}))
+    domain_cfg = staticmethod(
+        lambda cfg: replace(cfg, policy=replace(cfg.policy, priority_headroom_blocks={}, max_migrations_per_round=0))
+    )
 
 
-class LlumnixFlat(_CentralView):
+class LlumnixFlat(_Flat):
     """Llumnix's single tier: virtual-usage dispatch and migration over all instances, topology-blind."""
 
     name = "llumnix"
-
-    def start(self) -> None:
-        super().start()
-        self._every(self.ctx.timing.migrate_interval_s, EventKind.TICK, self._rebalance)
-
-    def _rebalance(self) -> None:
-        self._migrate(self._loads(self.cluster.serving()))
+    migrate = True
 
 
 class HilumTwoTier(ClusterScheduler):
-    """hilum: gateway over lagged domain summaries, per-domain schedulers, approved cross-domain moves."""
+    """hilum: the gateway core over lagged summaries, a domain core per domain, the coordinator's core."""
 
     name = "hilum"
 
     def __init__(self, ctx: SchedulerContext) -> None:
         super().__init__(ctx)
-        self.domain_ids = self.cluster.domain_ids()
-        self.summaries: dict[str, DomainSummary] = {d: self._summary(d) for d in self.domain_ids}
-        self.gateway = DomainDispatchView(list(self.summaries.values()), ctx.policy, ctx.rng)
+        by_domain: dict[str, list[str]] = {}
+        for iid, inst in ctx.cluster.instances.items():
+            by_domain.setdefault(inst.domain_id, []).append(iid)
+        self.feeds = {d: _Feed(d, ctx.cluster, by_domain[d], ctx.domain, ctx.rng) for d in ctx.cluster.domain_ids()}
+        self.gateway = GatewayCore(ctx.domain.policy, ctx.rng, reservation_ttl_s=ctx.timing.reservation_ttl_s)
+        self.delivered: dict[str, tuple[DomainSummary, ...]] = {}  # what etcd holds, as the gateway sees it
+        for feed in self.feeds.values():
+            feed.refresh()
+            self._deliver(feed.core.domain_id, feed.core.summaries(self._now()))
 
     def start(self) -> None:
         t = self.ctx.timing
         self._every(t.summary_interval_s, EventKind.SUMMARY, self._publish)
         self._every(t.migrate_interval_s, EventKind.TICK, self._rebalance_domains)
-        if len(self.domain_ids) > 1:
+        if len(self.feeds) > 1:
             self._every(t.cross_interval_s, EventKind.TICK, self._cross_domain_round)
 
-    # ------------------------------------------------------------------ summaries
-    def _summary(self, domain_id: str) -> DomainSummary:
-        return summarize_domain(domain_id, self._loads(self.cluster.serving(domain_id)), self.ctx.policy)
+    # ---- summaries -------------------------------------------------------------------------------
+    def _deliver(self, domain_id: str, summaries: tuple[DomainSummary, ...]) -> None:
+        self.delivered[domain_id] = summaries
+        self.gateway.update(domain_id, summaries)
 
     def _publish(self) -> None:
-        published = {d: self._summary(d) for d in self.domain_ids}
-        taken_s = self.cluster.queue.now_s
+        now = self._now()
+        for domain_id, feed in self.feeds.items():
+            feed.refresh()
+            published = feed.core.summaries(taken_s=now)
+            self.cluster.queue.schedule_in(
+                self.ctx.timing.summary_lag_s,
+                EventKind.SUMMARY,
+                lambda d=domain_id, s=published: self._deliver(d, s),  # type: ignore[misc]
+            )
 
-        def deliver() -> None:
-            self.summaries.update(published)
-            for summary in published.values():
-                self.gateway.update(summary, as_of=taken_s)  # keeps the dispatches the summary missed
-
-        self.cluster.queue.schedule_in(self.ctx.timing.summary_lag_s, EventKind.SUMMARY, deliver)
-
-    # ------------------------------------------------------------------ dispatch
+    # ---- dispatch --------------------------------------------------------------------------------
     def dispatch(self, req: TraceRequest) -> DispatchDecision:
-        block_size = self.cluster.model_of(self.cluster.serving()[0].instance_id).block_size_tokens
-        need = demand_blocks(req, block_size)
-        tried: set[str] = set()
-        reasons: list[str] = []
-        while len(tried) < len(self.domain_ids):
-            domain = self.gateway.pick(need, req.priority, stamp=self.cluster.queue.now_s)
-            if domain.target_id is None or domain.target_id in tried:
-                reasons.append(domain.reason)
-                break
-            tried.add(domain.target_id)
-            view = DispatchView(self._loads(self.cluster.serving(domain.target_id)), self.ctx.policy, self.ctx.rng)
-            decision = view.pick(need, req.priority)
+        model = self.cluster.model_of(next(iter(self.cluster.instances))).name
+        request = domain_request(req, model)
+        bs = self.cluster.model_of(next(iter(self.cluster.instances))).block_size_tokens
+        attempt = PlacementAttempt(
+            self.gateway, request.model, request.demand_blocks(bs), request.need_blocks(bs), request.priority
+        )
+        while (domain_id := attempt.next(self._now())) is not None:
+            feed = self.feeds[domain_id]
+            feed.refresh()
+            decision = feed.core.dispatch(replace(request, only_if_room=attempt.only_if_room))
             if decision.target_id is not None:
                 return decision
-            reasons.append(f"{domain.target_id}: {decision.reason}")
-        return DispatchDecision(None, "; ".join(reasons) or "no domain")
+            if decision.full:
+                attempt.answered_full(domain_id, decision.reason)
+            else:
+                attempt.answered_refused(domain_id, decision.reason)
+        return DispatchDecision(None, attempt.explain())
 
-    # ------------------------------------------------------------------ rescheduling
+    # ---- rescheduling ----------------------------------------------------------------------------
     def _rebalance_domains(self) -> None:
-        for domain_id in self.domain_ids:
-            self._migrate(self._loads(self.cluster.serving(domain_id)))
+        for feed in self.feeds.values():
+            feed.refresh()
+            self._rebalance(feed)
 
     def _cross_domain_round(self) -> None:
-        for src_domain, dst_domain in pair_domains(list(self.summaries.values()), self.ctx.policy):
-            self._propose(src_domain, dst_domain)
+        for domain_id in self.feeds:
+            self._propose(domain_id)
 
-    def _propose(self, src_domain: str, dst_domain: str) -> None:
-        """The source domain proposes its most loaded instance's best move; the coordinator judges it."""
-        executor = self.ctx.executor
-        src_loads = [x for x in self._loads(self.cluster.serving(src_domain)) if not executor.is_busy(x.instance_id)]
-        dst_loads = [
-            x
-            for x in self._loads(self.cluster.serving(dst_domain))
-            if not executor.is_busy(x.instance_id) and not x.draining
-        ]
-        if not src_loads or not dst_loads:
+    def _committed_across(self, domain_id: str) -> None:
+        self._propose(domain_id)
+
+    def _others(self, domain_id: str) -> list[DomainSummary]:
+        return [s for d, summaries in self.delivered.items() if d != domain_id for s in summaries]
+
+    def _propose(self, domain_id: str) -> None:
+        """The domain's core proposes one move; the coordinator's core decides; the executor carries it out."""
+        feed = self.feeds[domain_id]
+        feed.refresh()
+        now = self._now()
+        move = feed.core.plan_cross_domain(self._others(domain_id), now)
+        if move is None:
             return
-        for move in plan_migrations(src_loads + dst_loads, self.ctx.policy, self.ctx.rng):
-            src_in = any(x.instance_id == move.src_id for x in src_loads)
-            dst_in = any(x.instance_id == move.dst_id for x in dst_loads)
-            if not (src_in and dst_in):
-                continue
-            verdict = self._judge(move.request_id, move.src_id, move.dst_id)
-            if verdict is not None and verdict.approved:
-                executor.start(
-                    move.request_id, move.src_id, move.dst_id, f"{move.reason}; coordinator {verdict.reason}"
-                )
-                return
+        ids = (move.src_instance_id,)
+        feed.core.migration_started(ids)
+        self._pending[move.request_id] = (feed.core, ids, True)  # before starting: a move may end at once
+        if not self._approve_and_start(domain_id, move) and self._pending.pop(move.request_id, None) is not None:
+            feed.core.migration_done(ids, now)
 
-    def _judge(self, request_id: str, src_id: str, dst_id: str) -> Verdict | None:
-        """The coordinator's verdict on a proposed cross-domain move (None: the request left the source)."""
-        src = self.cluster.instances[src_id]
-        kv = src.engine.request_kv(request_id)
-        if kv is None:
-            return None
-        tokens, _blocks = kv
-        path = self.ctx.graph.path(src_id, dst_id)
-        state = self.cluster.requests[request_id]
-        verdict, _plan = price_and_judge(
-            self.cluster.model_of(src_id),
-            kv_tokens=tokens,
-            remaining_tokens=max(0, state.trace.output_tokens - state.generated_tokens),
-            decode_step_s=max(src.last_step_s, 1e-4),
-            path_bandwidth_bytes_per_s=path.bandwidth_bytes_per_s,
-            busiest_link_flows=self.ctx.executor.flows.busiest(path.links),
-            cost=self.ctx.cost,
-            cfg=self.ctx.approval,
-        )
-        return verdict
+    def _approve_and_start(self, domain_id: str, move: CrossDomainProposal) -> bool:
+        proposal = move.proposal(domain_id, attempt=1)
+        summaries = [s for per_domain in self.delivered.values() for s in per_domain]
+        executor = self.ctx.executor
+        choice = decide(proposal, domain_id, summaries, self.ctx.graph.path, self.ctx.judge, executor.flows.counts())
+        if choice.dst_instance_id is None:
+            self.feeds[domain_id].core.not_approved(move.request_id, self._now())
+            return False
+        why = f"{move.reason}; coordinator {choice.judgement.reason}"
+        return executor.start(move.request_id, move.src_instance_id, choice.dst_instance_id, why)
 
 
 _POLICIES: dict[str, type[ClusterScheduler]] = {

@@ -95,6 +95,7 @@ class SweepConfig(BaseModel):
     seeds: list[_NonNegativeInt] = Field(default_factory=lambda: [0], min_length=1)  # one run per seed
     max_requests: Annotated[int, Field(gt=0)] | None = None  # first N requests of the trace; None = all
     options: dict[str, Any] = Field(default_factory=dict)  # passed unchanged to every run (SimSpec.options)
+    config: _Name | None = None  # the hilum configuration file of every run (hilum_config); None = defaults
 
     @field_validator("topologies", "policies", "rate_scales", "seeds")
     @classmethod
@@ -147,6 +148,7 @@ class GridPoint:
     max_requests: int | None  # first N requests of the trace; None = all
     seed: int  # seed of the run's random sources
     options: Mapping[str, object] = field(default_factory=dict)  # extra runner options
+    config: str | None = None  # the hilum configuration file (hilum_config); None = defaults
 
     def label(self) -> str:
         """A short human-readable name, e.g. ``2x8-a100/hilum/x1.5/seed0``."""
@@ -176,6 +178,7 @@ def grid_points(config: SweepConfig) -> list[GridPoint]:
             max_requests=config.max_requests,
             seed=seed,
             options=dict(config.options),
+            config=config.config,
         )
         for topology in config.topologies
         for policy in config.policies
@@ -186,9 +189,7 @@ def grid_points(config: SweepConfig) -> list[GridPoint]:
 
 def _run_with_simulator(point: GridPoint) -> SimRun:
     """Default :data:`RunFn`: ``sim.runner.run_simulation`` on the point's ``SimSpec``."""
-    # Lazy: the simulator core is heavy and not needed to plan a sweep. (The ignore only matters
-    # while sim.runner is being written on another branch.)
-    from sim.runner import SimSpec, run_simulation  # type: ignore[import-not-found, unused-ignore]
+    from sim.runner import SimSpec, run_simulation  # lazy: the simulator core is not needed to plan a sweep
 
     spec = SimSpec(
         topology=point.topology,
@@ -198,6 +199,7 @@ def _run_with_simulator(point: GridPoint) -> SimRun:
         max_requests=point.max_requests,
         seed=point.seed,
         options=dict(point.options),
+        config=point.config,
     )
     run: SimRun = run_simulation(spec)
     return run

@@ -132,8 +132,57 @@ class ListDomainsRequest(_message.Message):
 Global___ListDomainsRequest: _TypeAlias = ListDomainsRequest  # noqa: Y015
 
 @_typing.final
+class InstanceBrief(_message.Message):
+    """One instance inside its domain's summary (policy.domain.InstanceBrief)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    CAPACITY_BLOCKS_FIELD_NUMBER: _builtins.int
+    FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    VIRTUAL_USAGE_FIELD_NUMBER: _builtins.int
+    NUM_RUNNING_FIELD_NUMBER: _builtins.int
+    NUM_WAITING_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    DECODE_STEP_S_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    capacity_blocks: _builtins.int
+    """KV cache capacity, blocks"""
+    free_blocks: _builtins.int
+    """real free blocks now (reservations count as used)"""
+    virtual_usage: _builtins.float
+    """its sum of virtual usage, blocks (+inf while draining)"""
+    num_running: _builtins.int
+    num_waiting: _builtins.int
+    draining: _builtins.bool
+    """its domain scheduler applies a drain to it (nothing new goes there)"""
+    decode_step_s: _builtins.float
+    """its most recent step time, seconds (0 = not measured)"""
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.str = ...,
+        capacity_blocks: _builtins.int = ...,
+        free_blocks: _builtins.int = ...,
+        virtual_usage: _builtins.float = ...,
+        num_running: _builtins.int = ...,
+        num_waiting: _builtins.int = ...,
+        draining: _builtins.bool = ...,
+        decode_step_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "decode_step_s", b"decode_step_s", "draining", b"draining", "free_blocks", b"free_blocks", "instance_id", b"instance_id", "num_running", b"num_running", "num_waiting", b"num_waiting", "virtual_usage", b"virtual_usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InstanceBrief: _TypeAlias = InstanceBrief  # noqa: Y015
+
+@_typing.final
 class DomainSummary(_message.Message):
-    """Load summary of one NVLink domain, as published by its domain scheduler (policy.domain.DomainSummary)."""
+    """Load summary of the instances of one NVLink domain that serve one model, as published by its domain
+    scheduler: policy.domain.DomainSummary, every field.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -147,6 +196,10 @@ class DomainSummary(_message.Message):
     NUM_RUNNING_FIELD_NUMBER: _builtins.int
     NUM_WAITING_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    QUEUED_BLOCKS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    TAKEN_S_FIELD_NUMBER: _builtins.int
+    INSTANCES_FIELD_NUMBER: _builtins.int
     domain_id: _builtins.str
     num_instances: _builtins.int
     capacity_blocks: _builtins.int
@@ -161,6 +214,15 @@ class DomainSummary(_message.Message):
     num_running: _builtins.int
     num_waiting: _builtins.int
     draining: _builtins.bool
+    queued_blocks: _builtins.int
+    """demand queued behind each head of line, blocks"""
+    model: _builtins.str
+    taken_s: _builtins.float
+    """when it was computed, on the publisher's wall clock"""
+    @_builtins.property
+    def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceBrief]:
+        """sorted by instance_id"""
+
     def __init__(
         self,
         *,
@@ -174,10 +236,14 @@ class DomainSummary(_message.Message):
         num_running: _builtins.int = ...,
         num_waiting: _builtins.int = ...,
         draining: _builtins.bool = ...,
+        queued_blocks: _builtins.int = ...,
+        model: _builtins.str = ...,
+        taken_s: _builtins.float = ...,
+        instances: _abc.Iterable[Global___InstanceBrief] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "domain_id", b"domain_id", "draining", b"draining", "freeness", b"freeness", "largest_free_blocks", b"largest_free_blocks", "max_instance_capacity_blocks", b"max_instance_capacity_blocks", "num_instances", b"num_instances", "num_running", b"num_running", "num_waiting", b"num_waiting", "virtual_usage", b"virtual_usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "domain_id", b"domain_id", "draining", b"draining", "freeness", b"freeness", "instances", b"instances", "largest_free_blocks", b"largest_free_blocks", "max_instance_capacity_blocks", b"max_instance_capacity_blocks", "model", b"model", "num_instances", b"num_instances", "num_running", b"num_running", "num_waiting", b"num_waiting", "queued_blocks", b"queued_blocks", "taken_s", b"taken_s", "virtual_usage", b"virtual_usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -191,8 +257,7 @@ class DomainInfo(_message.Message):
     SCHEDULER_ADDRESS_FIELD_NUMBER: _builtins.int
     REGISTERED_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
-    HAS_SUMMARY_FIELD_NUMBER: _builtins.int
-    SUMMARY_FIELD_NUMBER: _builtins.int
+    SUMMARIES_FIELD_NUMBER: _builtins.int
     domain_id: _builtins.str
     scheduler_address: _builtins.str
     """host:port of its domain scheduler, "" when not registered"""
@@ -200,10 +265,9 @@ class DomainInfo(_message.Message):
     """a domain scheduler holds a live registration"""
     draining: _builtins.bool
     """a drain intent names this domain"""
-    has_summary: _builtins.bool
     @_builtins.property
-    def summary(self) -> Global___DomainSummary:
-        """meaningful only when has_summary"""
+    def summaries(self) -> _containers.RepeatedCompositeFieldContainer[Global___DomainSummary]:
+        """one per model the domain serves, sorted by model; empty: none yet"""
 
     def __init__(
         self,
@@ -212,12 +276,11 @@ class DomainInfo(_message.Message):
         scheduler_address: _builtins.str = ...,
         registered: _builtins.bool = ...,
         draining: _builtins.bool = ...,
-        has_summary: _builtins.bool = ...,
-        summary: Global___DomainSummary | None = ...,
+        summaries: _abc.Iterable[Global___DomainSummary] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["summary", b"summary"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["domain_id", b"domain_id", "draining", b"draining", "has_summary", b"has_summary", "registered", b"registered", "scheduler_address", b"scheduler_address", "summary", b"summary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["domain_id", b"domain_id", "draining", b"draining", "registered", b"registered", "scheduler_address", b"scheduler_address", "summaries", b"summaries"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -292,10 +355,10 @@ class InstanceInfo(_message.Message):
     draining: _builtins.bool
     """a drain intent names this instance or its domain"""
     has_load: _builtins.bool
-    """its domain's latest summary carries this instance's load"""
+    """its domain's latest summary carries this instance"""
     @_builtins.property
-    def load(self) -> Global___InstanceLoad:
-        """meaningful only when has_load"""
+    def load(self) -> Global___InstanceBrief:
+        """its brief in that summary; meaningful only when has_load"""
 
     def __init__(
         self,
@@ -308,7 +371,7 @@ class InstanceInfo(_message.Message):
         capacity_blocks: _builtins.int = ...,
         draining: _builtins.bool = ...,
         has_load: _builtins.bool = ...,
-        load: Global___InstanceLoad | None = ...,
+        load: Global___InstanceBrief | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
@@ -317,40 +380,6 @@ class InstanceInfo(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InstanceInfo: _TypeAlias = InstanceInfo  # noqa: Y015
-
-@_typing.final
-class InstanceLoad(_message.Message):
-    """One instance's load as its domain scheduler last published it (in the domain's summary)."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    USED_BLOCKS_FIELD_NUMBER: _builtins.int
-    NUM_RUNNING_FIELD_NUMBER: _builtins.int
-    NUM_WAITING_FIELD_NUMBER: _builtins.int
-    DRAINING_FIELD_NUMBER: _builtins.int
-    used_blocks: _builtins.int
-    """KV cache blocks held by its requests"""
-    num_running: _builtins.int
-    """requests in its running batch"""
-    num_waiting: _builtins.int
-    """requests queued on it"""
-    draining: _builtins.bool
-    """its domain scheduler applies a drain to it (nothing new goes there)"""
-    def __init__(
-        self,
-        *,
-        used_blocks: _builtins.int = ...,
-        num_running: _builtins.int = ...,
-        num_waiting: _builtins.int = ...,
-        draining: _builtins.bool = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "num_running", b"num_running", "num_waiting", b"num_waiting", "used_blocks", b"used_blocks"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___InstanceLoad: _TypeAlias = InstanceLoad  # noqa: Y015
 
 @_typing.final
 class ListInstancesReply(_message.Message):
@@ -764,6 +793,9 @@ class MigrationProposal(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     REMAINING_TOKENS_FIELD_NUMBER: _builtins.int
     DECODE_STEP_S_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    MAX_BLOCKS_FIELD_NUMBER: _builtins.int
+    DST_DOMAIN_ID_FIELD_NUMBER: _builtins.int
     proposer_domain_id: _builtins.str
     request_id: _builtins.str
     attempt: _builtins.int
@@ -776,9 +808,15 @@ class MigrationProposal(_message.Message):
     num_tokens: _builtins.int
     """tokens whose KV it holds"""
     remaining_tokens: _builtins.int
-    """output tokens it still has to produce (estimate)"""
+    """output tokens it still has to produce (estimate, policy.remaining)"""
     decode_step_s: _builtins.float
-    """the source's current decode step time, seconds"""
+    """the source's measured decode step time, seconds"""
+    model: _builtins.str
+    """the model it runs: a destination must serve it"""
+    max_blocks: _builtins.int
+    """KV blocks it may grow to: a destination must hold them (0 = unknown)"""
+    dst_domain_id: _builtins.str
+    """the domain the proposer was paired with (a preference)"""
     def __init__(
         self,
         *,
@@ -791,10 +829,13 @@ class MigrationProposal(_message.Message):
         num_tokens: _builtins.int = ...,
         remaining_tokens: _builtins.int = ...,
         decode_step_s: _builtins.float = ...,
+        model: _builtins.str = ...,
+        max_blocks: _builtins.int = ...,
+        dst_domain_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "blocks", b"blocks", "decode_step_s", b"decode_step_s", "dst_instance_id", b"dst_instance_id", "num_tokens", b"num_tokens", "proposer_domain_id", b"proposer_domain_id", "remaining_tokens", b"remaining_tokens", "request_id", b"request_id", "src_instance_id", b"src_instance_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "blocks", b"blocks", "decode_step_s", b"decode_step_s", "dst_domain_id", b"dst_domain_id", "dst_instance_id", b"dst_instance_id", "max_blocks", b"max_blocks", "model", b"model", "num_tokens", b"num_tokens", "proposer_domain_id", b"proposer_domain_id", "remaining_tokens", b"remaining_tokens", "request_id", b"request_id", "src_instance_id", b"src_instance_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -233,6 +233,8 @@ class SubmitRequest(_message.Message):
     ORIGIN_FIELD_NUMBER: _builtins.int
     PREFIX_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     PREFIX_HASH_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    ONLY_IF_ROOM_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     prompt_tokens: _builtins.int
     """prompt length; may be 0 when prompt_token_ids is given"""
@@ -241,6 +243,10 @@ class SubmitRequest(_message.Message):
     origin: _builtins.str
     """host:port of the TokenSink that receives the tokens"""
     prefix_hash_block_tokens: _builtins.int
+    model: _builtins.str
+    """the model it is for: only instances serving it take it ("" = the one served)"""
+    only_if_room: _builtins.bool
+    """domain scheduler: answer DISPATCH_FULL rather than queue it when no"""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """real engines need them; the sim engine needs only the length"""
@@ -260,10 +266,12 @@ class SubmitRequest(_message.Message):
         origin: _builtins.str = ...,
         prefix_block_hashes: _abc.Iterable[_builtins.int] | None = ...,
         prefix_hash_block_tokens: _builtins.int = ...,
+        model: _builtins.str = ...,
+        only_if_room: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["origin", b"origin", "prefix_block_hashes", b"prefix_block_hashes", "prefix_hash_block_tokens", b"prefix_hash_block_tokens", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "only_if_room", b"only_if_room", "origin", b"origin", "prefix_block_hashes", b"prefix_block_hashes", "prefix_hash_block_tokens", b"prefix_hash_block_tokens", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -381,6 +389,7 @@ class RunningRequest(_message.Message):
     IN_DECODE_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_BLOCKS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     blocks: _builtins.int
     """KV blocks held"""
@@ -393,6 +402,8 @@ class RunningRequest(_message.Message):
     """output tokens so far"""
     max_tokens: _builtins.int
     """its output limit; 0 = not known"""
+    max_blocks: _builtins.int
+    """KV blocks it may grow to (prompt + max_tokens - 1 tokens); 0 = not known"""
     def __init__(
         self,
         *,
@@ -403,10 +414,11 @@ class RunningRequest(_message.Message):
         in_decode: _builtins.bool = ...,
         output_tokens: _builtins.int = ...,
         max_tokens: _builtins.int = ...,
+        max_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "in_decode", b"in_decode", "max_tokens", b"max_tokens", "num_tokens", b"num_tokens", "output_tokens", b"output_tokens", "priority", b"priority", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "in_decode", b"in_decode", "max_blocks", b"max_blocks", "max_tokens", b"max_tokens", "num_tokens", b"num_tokens", "output_tokens", b"output_tokens", "priority", b"priority", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -435,6 +447,7 @@ class LoadReport(_message.Message):
     NUM_MIGRATIONS_OUT_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     RECENT_STEP_S_FIELD_NUMBER: _builtins.int
+    FINISHED_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     domain_id: _builtins.str
     total_blocks: _builtins.int
@@ -459,6 +472,10 @@ class LoadReport(_message.Message):
     """duration of the most recent engine step, seconds (0 = none yet)"""
     @_builtins.property
     def running(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunningRequest]: ...
+    @_builtins.property
+    def finished_output_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """WatchLoad: output lengths of requests that finished since"""
+
     def __init__(
         self,
         *,
@@ -479,10 +496,11 @@ class LoadReport(_message.Message):
         num_migrations_out: _builtins.int = ...,
         version: _builtins.int = ...,
         recent_step_s: _builtins.float = ...,
+        finished_output_tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "domain_id", b"domain_id", "head_demand_blocks", b"head_demand_blocks", "instance_id", b"instance_id", "num_migrations_out", b"num_migrations_out", "num_requests", b"num_requests", "num_reservations", b"num_reservations", "num_suspended", b"num_suspended", "num_waiting", b"num_waiting", "preempting", b"preempting", "queued_demand_blocks", b"queued_demand_blocks", "recent_step_s", b"recent_step_s", "reserved_blocks", b"reserved_blocks", "running", b"running", "total_blocks", b"total_blocks", "used_blocks", b"used_blocks", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "domain_id", b"domain_id", "finished_output_tokens", b"finished_output_tokens", "head_demand_blocks", b"head_demand_blocks", "instance_id", b"instance_id", "num_migrations_out", b"num_migrations_out", "num_requests", b"num_requests", "num_reservations", b"num_reservations", "num_suspended", b"num_suspended", "num_waiting", b"num_waiting", "preempting", b"preempting", "queued_demand_blocks", b"queued_demand_blocks", "recent_step_s", b"recent_step_s", "reserved_blocks", b"reserved_blocks", "running", b"running", "total_blocks", b"total_blocks", "used_blocks", b"used_blocks", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

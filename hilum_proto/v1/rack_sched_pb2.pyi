@@ -43,6 +43,8 @@ class _DispatchOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Dispa
     """it, e.g. a duplicate request id): try another domain or fail
     not now: view still being rebuilt, or no reachable instance; retry
     """
+    DISPATCH_FULL: _DispatchOutcome.ValueType  # 4
+    """SubmitRequest.only_if_room and no instance has room now: try another"""
 
 class DispatchOutcome(_DispatchOutcome, metaclass=_DispatchOutcomeEnumTypeWrapper): ...
 
@@ -55,6 +57,8 @@ DISPATCH_UNAVAILABLE: DispatchOutcome.ValueType  # 3
 """it, e.g. a duplicate request id): try another domain or fail
 not now: view still being rebuilt, or no reachable instance; retry
 """
+DISPATCH_FULL: DispatchOutcome.ValueType  # 4
+"""SubmitRequest.only_if_room and no instance has room now: try another"""
 Global___DispatchOutcome: _TypeAlias = DispatchOutcome  # noqa: Y015
 
 @_typing.final
@@ -224,6 +228,7 @@ class DomainState(_message.Message):
     CROSS_DOMAIN_APPROVED_FIELD_NUMBER: _builtins.int
     SUMMARIES_PUBLISHED_FIELD_NUMBER: _builtins.int
     NEWEST_FENCING_TOKEN_FIELD_NUMBER: _builtins.int
+    FALLBACK_DISPATCHES_FIELD_NUMBER: _builtins.int
     domain_id: _builtins.str
     ready: _builtins.bool
     domain_draining: _builtins.bool
@@ -239,6 +244,8 @@ class DomainState(_message.Message):
     summaries_published: _builtins.int
     newest_fencing_token: _builtins.int
     """the newest coordinator token this scheduler has seen"""
+    fallback_dispatches: _builtins.int
+    """requests spread evenly because no instance had a fresh load report"""
     @_builtins.property
     def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceState]:
         """sorted by instance_id"""
@@ -257,10 +264,11 @@ class DomainState(_message.Message):
         cross_domain_approved: _builtins.int = ...,
         summaries_published: _builtins.int = ...,
         newest_fencing_token: _builtins.int = ...,
+        fallback_dispatches: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cross_domain_approved", b"cross_domain_approved", "cross_domain_proposed", b"cross_domain_proposed", "domain_draining", b"domain_draining", "domain_id", b"domain_id", "instances", b"instances", "migrations_aborted", b"migrations_aborted", "migrations_committed", b"migrations_committed", "migrations_in_flight", b"migrations_in_flight", "newest_fencing_token", b"newest_fencing_token", "ready", b"ready", "summaries_published", b"summaries_published"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cross_domain_approved", b"cross_domain_approved", "cross_domain_proposed", b"cross_domain_proposed", "domain_draining", b"domain_draining", "domain_id", b"domain_id", "fallback_dispatches", b"fallback_dispatches", "instances", b"instances", "migrations_aborted", b"migrations_aborted", "migrations_committed", b"migrations_committed", "migrations_in_flight", b"migrations_in_flight", "newest_fencing_token", b"newest_fencing_token", "ready", b"ready", "summaries_published", b"summaries_published"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -67,6 +67,9 @@ class PagedEngine:
                     in_decode=s.in_decode,
                     output_tokens=s.num_output_tokens,
                     max_tokens=s.request.max_tokens,
+                    max_blocks=-(
+                        -(s.request.prompt_tokens + s.request.max_tokens - 1) // self.blocks.block_size_tokens
+                    ),
                 )
                 for s in sched.running
             ),

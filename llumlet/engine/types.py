@@ -108,6 +108,7 @@ class RunningRequestLoad:
     in_decode: bool  # prefill finished (only these are migratable)
     output_tokens: int = 0  # output tokens so far
     max_tokens: int = 0  # its output limit (0 = not known)
+    max_blocks: int = 0  # KV blocks it may grow to: prompt + max_tokens - 1 tokens (0 = not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +160,7 @@ class EngineLoad:
                     migratable=r.in_decode,
                     output_tokens=r.output_tokens,
                     max_tokens=r.max_tokens,
+                    max_blocks=r.max_blocks,
                 )
                 for r in self.running
             ),

@@ -583,6 +583,11 @@ class VllmEngine:
                     in_decode=r.num_computed_tokens >= r.num_prompt_tokens,
                     output_tokens=int(r.num_output_tokens),
                     max_tokens=tracked.request.max_tokens if tracked else 0,
+                    max_blocks=(
+                        -(-(tracked.request.prompt_tokens + tracked.request.max_tokens - 1) // self._block_size)
+                        if tracked
+                        else 0
+                    ),
                 )
             )
         waiting = list(sched.waiting)

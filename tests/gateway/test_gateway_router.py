@@ -10,19 +10,41 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
+from clusterstate.clock import ManualClock
 from clusterstate.records import DomainRegistration, SummaryRecord
-from gateway.router import DispatchFailed, DomainRouter, summary_of_record
+from gateway.router import DispatchFailed, DomainRouter
 from hilum_proto.v1 import llumlet_pb2
 from hilum_proto.v1 import rack_sched_pb2 as rpb
+from policy.domain import DomainSummary
 from policy.types import PolicyConfig
 
 
-def record(domain: str, used: int, capacity: int = 100, running: int = 1, draining: bool = False) -> SummaryRecord:
+def record(
+    domain: str,
+    used: int,
+    capacity: int = 100,
+    running: int = 1,
+    draining: bool = False,
+    taken_s: float = 0.0,
+    model: str = "m",
+) -> SummaryRecord:
     """A two-instance domain summary with ``used`` of ``capacity`` blocks in use."""
     free = capacity - used
-    return SummaryRecord(
-        domain, 2, capacity, float(used), free / max(1, running), free // 2, capacity // 2, running, 0, draining
+    summary = DomainSummary(
+        domain,
+        2,
+        capacity,
+        float(used),
+        free / max(1, running),
+        free // 2,
+        capacity // 2,
+        running,
+        0,
+        draining,
+        model=model,
+        taken_s=taken_s,
     )
+    return SummaryRecord(domain, (summary,))
 
 
 @dataclass
@@ -76,20 +98,8 @@ def router(sums: dict[str, SummaryRecord], answers: dict[str, object], **kw: flo
     return r, sub
 
 
-def msg(priority: int = 0) -> llumlet_pb2.SubmitRequest:
-    return llumlet_pb2.SubmitRequest(request_id="r", prompt_tokens=10, priority=priority)
-
-
-def test_summary_of_record_copies_the_policy_fields() -> None:
-    s = summary_of_record(record("d", used=40))
-    assert (s.domain_id, s.capacity_blocks, s.virtual_usage, s.freeness, s.largest_free_blocks) == (
-        "d",
-        100,
-        40.0,
-        60.0,
-        30,
-    )
-    assert s.max_instance_capacity_blocks == 50 and s.queued_blocks == 0
+def msg(priority: int = 0, model: str = "m") -> llumlet_pb2.SubmitRequest:
+    return llumlet_pb2.SubmitRequest(request_id="r", prompt_tokens=10, priority=priority, model=model)
 
 
 def test_picks_the_freest_domain() -> None:
@@ -117,23 +127,65 @@ def test_reservations_spread_a_burst_until_the_next_summary() -> None:
 
 def test_reservations_expire_when_no_summary_comes() -> None:
     # short requests never change a domain's published summary: old reservations must not pile up
-    now = [0.0]
+    clock = ManualClock(start_s=1.0, wall_offset_s=0.0)  # the summaries were taken at 0
     regs = {d: DomainRegistration(d, d) for d in ("a", "b")}
     r = DomainRouter(
         Source(regs, {"a": record("a", 0, running=0), "b": record("b", 10, running=0)}),
         Submitter({"a": rpb.DISPATCH_ACCEPTED, "b": rpb.DISPATCH_ACCEPTED}),
         PolicyConfig(tie_tolerance=0.0),
         random.Random(1),
-        clock=lambda: now[0],
+        clock=clock,
     )
 
-    async def one() -> str:
-        return (await r.dispatch(msg(), demand_blocks=20)).domain_id
+    async def main() -> list[str]:
+        picks = [(await r.dispatch(msg(), demand_blocks=20)).domain_id for _ in range(2)]  # a is freer, then b
+        await clock.advance(5.0)  # both reservations are older than reservation_ttl_s: a is the freer again
+        return [*picks, (await r.dispatch(msg(), demand_blocks=20)).domain_id]
 
-    assert asyncio.run(one()) == "a"  # a is freer
-    assert asyncio.run(one()) == "b"  # a now carries a reservation of 20 blocks
-    now[0] = 5.0  # both reservations are older than reservation_ttl_s: a is the freer domain again
-    assert asyncio.run(one()) == "a"
+    assert asyncio.run(main()) == ["a", "b", "a"]
+
+
+def test_a_lagged_summary_keeps_the_reservations_made_after_it_was_taken() -> None:
+    # issue 10: the live gateway dropped its picks on every new summary, so a summary that missed in-flight
+    # requests sent the next burst to the same domain. A summary keeps what was dispatched after its taken_s.
+    clock = ManualClock(wall_offset_s=0.0)
+    source = Source({d: DomainRegistration(d, d) for d in ("a", "b")}, {"a": record("a", 0), "b": record("b", 5)})
+    r = DomainRouter(
+        source,
+        Submitter({"a": rpb.DISPATCH_ACCEPTED, "b": rpb.DISPATCH_ACCEPTED}),
+        PolicyConfig(tie_tolerance=0.0),
+        random.Random(1),
+        clock=clock,
+        reservation_ttl_s=10.0,
+    )
+
+    async def main() -> list[str]:
+        await clock.advance(1.0)
+        first = (await r.dispatch(msg(), demand_blocks=30)).domain_id  # a (freer), stamped t = 1
+        # a summary of a taken at t = 0.5 (before that pick) arrives: it does not count the pick
+        source.sums = {**source.sums, "a": record("a", 1, taken_s=0.5)}
+        source.version += 1
+        second = (await r.dispatch(msg(), demand_blocks=30)).domain_id
+        # a summary taken at t = 1.5 (after the pick: it counts it) replaces the reservation
+        source.sums = {**source.sums, "a": record("a", 1, taken_s=1.5)}
+        source.version += 1
+        await clock.advance(1.0)
+        third = (await r.dispatch(msg(), demand_blocks=1)).domain_id
+        return [first, second, third]
+
+    assert asyncio.run(main()) == ["a", "b", "a"]
+
+
+def test_only_domains_serving_the_model_are_tried() -> None:
+    # issue 11: requests for one model were served by another model's instances
+    r, sub = router(
+        {"x": record("x", 0, model="llama-2-7b"), "y": record("y", 50, model="llama-2-13b")},
+        {"x": rpb.DISPATCH_ACCEPTED, "y": rpb.DISPATCH_ACCEPTED},
+    )
+    place = asyncio.run(r.dispatch(msg(model="llama-2-13b"), demand_blocks=5))
+    assert place.domain_id == "y" and sub.calls == ["y"]
+    with pytest.raises(DispatchFailed, match=r"model 'llama-3' is not served \(served: llama-2-13b, llama-2-7b\)"):
+        asyncio.run(r.dispatch(msg(model="llama-3"), demand_blocks=5))
 
 
 def test_refused_domain_is_skipped_for_the_next() -> None:

@@ -28,6 +28,7 @@ from global_coord.server import start_server
 from hilum_proto.tls import bind_server
 from hilum_proto.v1 import coordinator_pb2 as pb
 from hilum_proto.v1 import coordinator_pb2_grpc as pb_grpc
+from policy.domain import DomainSummary, InstanceBrief
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,12 @@ def test_admin_api_and_approvals_over_grpc(etcd: EtcdServer, prefix: str) -> Non
         publisher = SummaryPublisher(reg, keys, "b", min_interval_s=0.05)
         pub_task = asyncio.create_task(publisher.run(stop_agents))
         await reg.registered.wait()
-        publisher.offer(SummaryRecord("b", 2, 2000, 300.0, 85.0, 900, 1000, 4, 0, False))
+        briefs = (
+            InstanceBrief("b0", 1000, 900, 100.0, 2, 0, False),
+            InstanceBrief("b1", 1000, 800, 200.0, 2, 0, False),
+        )
+        summary = DomainSummary("b", 2, 2000, 300.0, 85.0, 900, 1000, 4, 0, False, model="m", instances=briefs)
+        publisher.offer(SummaryRecord("b", (summary,)))
 
         async with _replica(etcd, prefix, "c1") as (c1, addr1), _replica(etcd, prefix, "c2") as (c2, addr2):
             waits = [asyncio.ensure_future(c.elected.wait()) for c in (c1, c2)]
@@ -145,7 +151,7 @@ def test_admin_api_and_approvals_over_grpc(etcd: EtcdServer, prefix: str) -> Non
                     while True:
                         st = await sstub.Status(pb.StatusRequest())
                         doms = await sstub.ListDomains(pb.ListDomainsRequest())
-                        if st.leader_id and all(d.has_summary for d in doms.domains if d.domain_id == "b"):
+                        if st.leader_id and all(d.summaries for d in doms.domains if d.domain_id == "b"):
                             break
                         await asyncio.sleep(0.05)
                 lst = await lstub.Status(pb.StatusRequest())
@@ -155,12 +161,12 @@ def test_admin_api_and_approvals_over_grpc(etcd: EtcdServer, prefix: str) -> Non
                 assert st.fencing_token == lst.fencing_token > 0
                 assert (st.num_domains, st.num_instances, st.etcd_endpoint) == (2, 3, etcd.endpoint)
 
-                assert [(d.domain_id, d.registered, d.has_summary) for d in doms.domains] == [
+                assert [(d.domain_id, d.registered, bool(d.summaries)) for d in doms.domains] == [
                     ("a", True, False),
                     ("b", True, True),
                 ]
-                assert doms.domains[1].summary.freeness == 85.0
-                assert doms.domains[1].summary.largest_free_blocks == 900
+                assert doms.domains[1].summaries[0].freeness == 85.0
+                assert doms.domains[1].summaries[0].largest_free_blocks == 900
                 topo = await sstub.GetTopology(pb.GetTopologyRequest())
                 assert (topo.loaded, topo.name, [d.domain_id for d in topo.domains]) == (
                     True,

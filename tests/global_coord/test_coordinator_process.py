@@ -18,11 +18,12 @@ from etcd_server import EtcdServer, free_port
 
 from clusterstate.etcd import connect
 from clusterstate.fencing import FencingGuard
-from clusterstate.records import InstanceRegistration, encode
+from clusterstate.records import InstanceRegistration, SummaryRecord, encode
 from clusterstate.session import Registrar
 from clusterstate.store import Keys, Store
 from hilum_proto.v1 import coordinator_pb2 as pb
 from hilum_proto.v1 import coordinator_pb2_grpc as pb_grpc
+from policy.domain import DomainSummary, InstanceBrief
 
 REPO = Path(__file__).resolve().parents[2]
 TTL_S = 2
@@ -110,6 +111,10 @@ def test_paused_leader_cannot_get_an_approval_accepted(etcd: EtcdServer, prefix:
         reg = Registrar(client, 5, rng=random.Random(3), name="agents")
         await reg.set(keys.instance("a0"), encode(InstanceRegistration("a0", "a", "n0", "h:1", "m", 1000)))
         await reg.set(keys.instance("b0"), encode(InstanceRegistration("b0", "b", "n1", "h:2", "m", 1000)))
+        # destinations come from the domains' summaries (their real free space): b publishes one
+        brief = InstanceBrief("b0", 1000, 1000, 0.0, 0, 0, False)
+        summary = DomainSummary("b", 1, 1000, 0.0, 1000.0, 1000, 1000, 0, 0, False, model="m", instances=(brief,))
+        await reg.set(keys.summary("b"), encode(SummaryRecord("b", (summary,))))
         stop = asyncio.Event()
         reg_task = asyncio.create_task(reg.run(stop))
         await reg.registered.wait()

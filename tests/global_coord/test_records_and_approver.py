@@ -25,22 +25,47 @@ from global_coord.approver import (
     choose_destination,
     link_flows,
 )
+from policy.domain import DomainSummary, InstanceBrief
 
 
-def _summary(domain_id: str, freeness: float, largest_free_blocks: int, draining: bool = False) -> SummaryRecord:
-    return SummaryRecord(domain_id, 2, 2000, 100.0, freeness, largest_free_blocks, 1000, 3, 0, draining)
+def _brief(
+    instance_id: str, free: int, running: int = 1, capacity: int = 1000, draining: bool = False
+) -> InstanceBrief:
+    return InstanceBrief(instance_id, capacity, free, float(capacity - free), running, 0, draining)
+
+
+def _summary(domain_id: str, *briefs: InstanceBrief, draining: bool = False, model: str = "m") -> DomainSummary:
+    capacity = sum(b.capacity_blocks for b in briefs)
+    usage = sum(b.virtual_usage for b in briefs)
+    running = sum(b.num_running for b in briefs)
+    return DomainSummary(
+        domain_id,
+        len(briefs),
+        capacity,
+        usage,
+        (capacity - usage) / max(1, running),
+        max((b.free_blocks for b in briefs), default=0),
+        max((b.capacity_blocks for b in briefs), default=0),
+        running,
+        0,
+        draining,
+        model=model,
+        instances=tuple(briefs),
+    )
 
 
 def _mig(mid: str, state: MigrationState, links: tuple[str, ...]) -> MigrationRecord:
     return MigrationRecord(mid, mid, 0, "a0", "b0", "A", "B", 10, state, 5, links)
 
 
-def _move(dst: str = "", blocks: int = 100) -> MoveProposal:
-    return MoveProposal("A", "req-1", 0, "a0", dst, blocks, 1600, 500, 0.02)
+def _move(dst: str = "", blocks: int = 100, max_blocks: int = 0, paired: str = "") -> MoveProposal:
+    return MoveProposal(
+        "A", "req-1", 0, "a0", dst, blocks, 1600, 500, 0.02, model="m", max_blocks=max_blocks, dst_domain_id=paired
+    )
 
 
 def test_records_round_trip_including_infinite_usage() -> None:
-    s = SummaryRecord("d0", 8, 8000, math.inf, -math.inf, 0, 1000, 5, 2, True)
+    s = SummaryRecord("d0", (DomainSummary("d0", 8, 8000, math.inf, -math.inf, 0, 1000, 5, 2, True),))
     m = _mig("r#1", MigrationState.APPROVED, ("nic:n0", "tor:r0"))
     d = DrainIntent(DrainKind.DOMAIN, "d0", "maintenance", 42)
     assert decode(SummaryRecord, encode(s), "k") == s
@@ -58,7 +83,7 @@ def test_decode_names_key_and_field() -> None:
         )
     with pytest.raises(RecordError, match=r"k: missing field 'domain_id'"):
         decode(InstanceRegistration, b'{"instance_id":"i0"}', "k")
-    with pytest.raises(RecordError, match=r"k: state: unknown migration state 'done'"):
+    with pytest.raises(RecordError, match=r"k: state: expected one of 'proposed', .* got 'done'"):
         decode(MigrationRecord, encode(_mig("x", MigrationState.PROPOSED, ())).replace(b"proposed", b"done"), "k")
     with pytest.raises(RecordError, match="k: not JSON"):
         decode(DrainIntent, b"{", "k")
@@ -84,30 +109,36 @@ def test_link_flows_count_only_active_migrations() -> None:
     assert busiest_link_flows((), flows) == 0
 
 
-def test_candidates_by_freeness_skip_own_draining_and_full_domains() -> None:
-    instances = {
-        i.instance_id: i
-        for i in [
-            InstanceRegistration("a0", "A", "n0", "h:1", "m", 1000),
-            InstanceRegistration("b0", "B", "n1", "h:2", "m", 1000),
-            InstanceRegistration("b1", "B", "n1", "h:3", "m", 1000),
-            InstanceRegistration("c0", "C", "n2", "h:4", "m", 1000),
-            InstanceRegistration("d0", "D", "n3", "h:5", "m", 1000),
-            InstanceRegistration("e0", "E", "n4", "h:6", "m", 1000),
-            InstanceRegistration("f0", "F", "n5", "h:7", "m", 1000),
-        ]
-    }
-    summaries = {
-        "A": _summary("A", 50.0, 900),
-        "B": _summary("B", 10.0, 500),
-        "C": _summary("C", 30.0, 500),
-        "D": _summary("D", 90.0, 50),  # freest, but no single instance fits 100 blocks
-        "E": _summary("E", 95.0, 900, draining=True),
-    }  # F has no summary yet: tried last
-    drains = {(DrainKind.INSTANCE, "b1"): DrainIntent(DrainKind.INSTANCE, "b1")}
-    assert candidate_destinations(_move(), "A", instances, summaries, drains) == ["c0", "b0", "f0"]
-    assert candidate_destinations(_move(dst="b0"), "A", instances, summaries, drains) == ["b0"]
-    assert candidate_destinations(_move(dst="b1"), "A", instances, summaries, drains) == []
+def test_candidates_by_instance_freeness_skip_own_draining_full_and_other_models() -> None:
+    summaries = [
+        _summary("A", _brief("a1", 900)),  # the proposer's own domain
+        _summary("B", _brief("b0", 500, running=2), _brief("b1", 900, running=1)),
+        _summary("C", _brief("c0", 700, running=1)),
+        _summary("D", _brief("d0", 50, running=0)),  # freest by F, but no room for 100 blocks
+        _summary("E", _brief("e0", 1000, running=0), draining=True),
+        _summary("G", _brief("g0", 1000, running=0), model="other"),  # serves another model
+        _summary("H", _brief("h0", 1000, running=0, capacity=1000), _brief("h1", 150, running=0, capacity=150)),
+    ]
+    drained = lambda iid, did: iid == "b1"  # noqa: E731 - a drain intent names b1
+    move = _move(max_blocks=200)
+    # F: h0 1000, c0 700, b0 250; b1 drained; h1 cannot hold what the request may grow to (200 > 150)
+    assert candidate_destinations(move, "A", summaries, drained) == ["h0", "c0", "b0"]
+    assert candidate_destinations(_move(dst="b0"), "A", summaries, drained) == ["b0"]
+    assert candidate_destinations(_move(dst="b1"), "A", summaries, drained) == []
+    assert candidate_destinations(move, "A", summaries, drained, registered={"c0", "b0"}) == ["c0", "b0"]
+
+
+def test_a_full_instance_is_never_chosen_next_to_an_empty_one() -> None:
+    # issue 10: the coordinator ranked by domain freeness and instance id, so it chose a 1000/1000-block
+    # instance next to an empty one; the Reserve failed, the request cooled down, and the same pick repeated.
+    summaries = [_summary("B", _brief("b0", 0, running=8), _brief("b1", 1000, running=0))]
+    assert candidate_destinations(_move(), "A", summaries) == ["b1"]
+
+
+def test_the_paired_domain_wins_among_equals() -> None:
+    summaries = [_summary("B", _brief("b0", 800)), _summary("C", _brief("c0", 800))]
+    assert candidate_destinations(_move(), "A", summaries) == ["b0", "c0"]
+    assert candidate_destinations(_move(paired="C"), "A", summaries) == ["c0", "b0"]
 
 
 class _PathInfo:

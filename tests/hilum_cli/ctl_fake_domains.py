@@ -8,8 +8,8 @@ applied (``{"ok": N}``, N = the command's number) — or at once (``{"scheduled"
 
 - ``{"op": "domain", "record": {DomainRegistration fields}}`` and ``{"op": "instance", "record": {...}}``:
   registrations under this process's lease (``clusterstate.session.Registrar``), as rack_sched/llumlets do;
-- ``{"op": "summary", "record": {SummaryRecord fields, instances: [InstanceLoadRecord fields]}}``: published
-  through ``clusterstate.store.SummaryPublisher`` (answered after the put);
+- ``{"op": "summary", "record": {DomainSummary fields, instances: [InstanceBrief fields]}}``: published, as
+  the domain's one summary, through ``clusterstate.store.SummaryPublisher`` (answered after the put);
 - ``{"op": "commit", "migration_id": ID}``: approved -> committed by compare-and-swap (``Store.transition``),
   as the destination's domain scheduler does after the last copy.
 """
@@ -26,10 +26,10 @@ from typing import Any
 from clusterstate.etcd import connect
 from clusterstate.records import (
     DomainRegistration,
-    InstanceLoadRecord,
     InstanceRegistration,
     MigrationState,
     SummaryRecord,
+    decode,
     encode,
 )
 from clusterstate.session import Registrar
@@ -37,8 +37,8 @@ from clusterstate.store import Keys, Store, SummaryPublisher
 
 
 def _summary(raw: dict[str, Any]) -> SummaryRecord:
-    loads = tuple(InstanceLoadRecord(**i) for i in raw.pop("instances", []))
-    return SummaryRecord(**raw, instances=loads)  # ±inf arrive as JSON's Infinity (Python's json reads it)
+    # ±inf arrive as JSON's Infinity (Python's json reads and writes it); the record codec checks every field
+    return decode(SummaryRecord, json.dumps({"domain_id": raw["domain_id"], "summaries": [raw]}).encode(), "fake")
 
 
 async def main(etcd: str, prefix: str) -> None:

@@ -56,9 +56,12 @@ INSTANCES = [  # InstanceRegistration fields
 
 
 def _load(iid: str, used: int, running: int, waiting: int, draining: bool = False) -> dict[str, Any]:
+    """The instance's brief in its domain's summary (policy.domain.InstanceBrief) on a 2000-block instance."""
     return {
         "instance_id": iid,
-        "used_blocks": used,
+        "capacity_blocks": 2000,
+        "free_blocks": 2000 - used,
+        "virtual_usage": float("inf") if draining else float(used),
         "num_running": running,
         "num_waiting": waiting,
         "draining": draining,
@@ -70,7 +73,7 @@ def summary_node0(i1_running: int = 1, i1_draining: bool = False) -> dict[str, A
     return {
         "domain_id": "node-0", "num_instances": 2, "capacity_blocks": 4000, "virtual_usage": 1500.0,
         "freeness": 125.0, "largest_free_blocks": 1200, "max_instance_capacity_blocks": 2000,
-        "num_running": 2 + i1_running, "num_waiting": 1, "draining": False,
+        "num_running": 2 + i1_running, "num_waiting": 1, "draining": False, "model": "llama-2-7b",
         "instances": [_load("node-0-i0", 800, 2, 1), _load("node-0-i1", 700, i1_running, 0, i1_draining)],
     }  # fmt: skip
 
@@ -81,7 +84,7 @@ def summary_node1(running: int = 4, draining: bool = False) -> dict[str, Any]:
         "domain_id": "node-1", "num_instances": 1, "capacity_blocks": 0 if draining else 2000,
         "virtual_usage": float("inf") if draining else 300.0, "freeness": float("-inf") if draining else 85.0,
         "largest_free_blocks": 0 if draining else 1700, "max_instance_capacity_blocks": 0 if draining else 2000,
-        "num_running": running, "num_waiting": 0, "draining": draining,
+        "num_running": running, "num_waiting": 0, "draining": draining, "model": "llama-2-7b",
         "instances": [_load("node-1-i0", 300 if running else 0, running, 0, draining)],
     }  # fmt: skip
 
@@ -168,7 +171,7 @@ async def _settled(addresses: dict[str, str]) -> tuple[str, int]:
             if all(s is not None and s.num_instances == 3 and s.leader_id for s in sts):
                 async with grpc.aio.insecure_channel(next(iter(addresses.values()))) as ch:
                     doms = await pb_grpc.CoordinatorStub(ch).ListDomains(pb.ListDomainsRequest())
-                if sum(d.has_summary for d in doms.domains) == 2:
+                if sum(bool(d.summaries) for d in doms.domains) == 2:
                     st = next(s for s in sts if s is not None)
                     return st.leader_id, st.fencing_token
             await asyncio.sleep(0.05)
@@ -305,17 +308,33 @@ def test_domains(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
     node0, node1 = data["domains"]
     assert node0 == {
         "domain_id": "node-0", "registered": True, "scheduler_address": cluster.node0_scheduler, "draining": False,
-        "summary": {
-            "num_instances": 2, "capacity_blocks": 4000, "virtual_usage_blocks": 1500.0, "freeness": 125.0,
-            "largest_free_blocks": 1200, "max_instance_capacity_blocks": 2000, "num_running": 3,
+        "summaries": [{
+            "model": "llama-2-7b", "num_instances": 2, "capacity_blocks": 4000, "virtual_usage_blocks": 1500.0,
+            "freeness": 125.0, "largest_free_blocks": 1200, "max_instance_capacity_blocks": 2000, "num_running": 3,
             "num_waiting": 1, "draining": False,
-        },
+        }],
     }  # fmt: skip
-    assert (node1["domain_id"], node1["summary"]["num_running"], node1["summary"]["freeness"]) == ("node-1", 4, 85.0)
+    assert (node1["domain_id"], node1["summaries"][0]["num_running"], node1["summaries"][0]["freeness"]) == (
+        "node-1",
+        4,
+        85.0,
+    )
     rc, out, _ = ctl(capsys, "--coordinator", cluster.standby_address, "domains")
     assert rc == 0
     row = next(line.split() for line in out.splitlines() if line.lstrip().startswith("node-0"))
-    assert row == ["node-0", cluster.node0_scheduler, "-", "2", "4000", "1500.0", "125.0", "1200", "3", "1"]
+    assert row == [
+        "node-0",
+        cluster.node0_scheduler,
+        "-",
+        "llama-2-7b",
+        "2",
+        "4000",
+        "1500.0",
+        "125.0",
+        "1200",
+        "3",
+        "1",
+    ]
     assert "2 domains" in out
 
 
@@ -324,7 +343,7 @@ def test_instances_with_load_and_domain_filter(cluster: Cluster, capsys: pytest.
     assert [i["instance_id"] for i in data["instances"]] == ["node-0-i0", "node-0-i1", "node-1-i0"]
     assert data["instances"][0] == {
         **INSTANCES[0], "draining": False,
-        "load": {"used_blocks": 800, "num_running": 2, "num_waiting": 1, "draining": False},
+        "load": {"used_blocks": 800, "free_blocks": 1200, "num_running": 2, "num_waiting": 1, "draining": False},
     }  # fmt: skip
     only = ctl_json(capsys, "--coordinator", cluster.leader_address, "--json", "instances", "--domain", "node-1")
     assert [(i["instance_id"], i["load"]["num_running"]) for i in only["instances"]] == [("node-1-i0", 4)]
@@ -582,11 +601,11 @@ def test_drain_wait_on_a_domain_waits_for_its_migrations(cluster: Cluster, capsy
     assert "domain node-1: 1 cross-domain migration in flight" in err
     # a draining domain's usage is +inf and its freeness -inf: null in JSON, inf/-inf in the table
     node1 = ctl_json(capsys, *leader, "--json", "domains")["domains"][1]
-    assert node1["draining"] is True and node1["summary"]["draining"] is True
-    assert (node1["summary"]["virtual_usage_blocks"], node1["summary"]["freeness"]) == (None, None)
+    assert node1["draining"] is True and node1["summaries"][0]["draining"] is True
+    assert (node1["summaries"][0]["virtual_usage_blocks"], node1["summaries"][0]["freeness"]) == (None, None)
     rc, out, _ = ctl(capsys, *leader, "domains")
-    assert next(line.split() for line in out.splitlines() if line.lstrip().startswith("node-1"))[2:7] == [
-        "applied", "1", "0", "inf", "-inf",
+    assert next(line.split() for line in out.splitlines() if line.lstrip().startswith("node-1"))[2:8] == [
+        "applied", "llama-2-7b", "1", "0", "inf", "-inf",
     ]  # fmt: skip
     assert ctl(capsys, *leader, "undrain", "node-1")[0] == 0
     agents.send("summary", record=summary_node1())

@@ -14,17 +14,17 @@ def inst(iid: str, domain: str = "d0", load: tuple[int, int, bool] | None = None
     """An instance; ``load`` = (running, waiting, drain applied by its scheduler)."""
     msg = pb.InstanceInfo(instance_id=iid, domain_id=domain, has_load=load is not None)
     if load is not None:
-        msg.load.CopyFrom(pb.InstanceLoad(used_blocks=10 * load[0], num_running=load[0], num_waiting=load[1],
-                                          draining=load[2]))  # fmt: skip
+        msg.load.CopyFrom(pb.InstanceBrief(capacity_blocks=100, free_blocks=100 - 10 * load[0], num_running=load[0],
+                                           num_waiting=load[1], draining=load[2]))  # fmt: skip
     return msg
 
 
 def dom(did: str, summary: tuple[int, int, int, bool] | None = None, registered: bool = True) -> pb.DomainInfo:
     """A domain; ``summary`` = (instances, running, waiting, draining)."""
-    msg = pb.DomainInfo(domain_id=did, registered=registered, has_summary=summary is not None)
+    msg = pb.DomainInfo(domain_id=did, registered=registered)
     if summary is not None:
         n, running, waiting, draining = summary
-        msg.summary.CopyFrom(
+        msg.summaries.append(
             pb.DomainSummary(
                 domain_id=did, num_instances=n, num_running=running, num_waiting=waiting, draining=draining
             )

@@ -115,8 +115,30 @@ def test_refusal_names_demand_and_largest_capacity(loads: tuple, reason: str) ->
 def test_bad_input_is_rejected() -> None:
     with pytest.raises(ValueError, match="demand_blocks must be >= 0, got -1"):
         view(inst("a", 10)).pick(-1)
+    with pytest.raises(ValueError, match="need_blocks must be >= 0, got -2"):
+        view(inst("a", 10)).pick(1, need_blocks=-2)
     with pytest.raises(ValueError, match="instance 'a' appears twice"):
         view(inst("a", 10), inst("a", 20))
+
+
+def test_a_request_goes_where_it_can_grow_not_where_it_starts_freest() -> None:
+    # issue 11: a 1,000-block and a 100-block instance; the small one is freer but the request may grow to
+    # 300 blocks (prompt + max_tokens): only the large one can hold it.
+    v = view(inst("big", 1000, [950]), inst("small", 100))  # F: big 50, small 100
+    assert v.pick(10).target_id == "small"  # demand alone: the freer one
+    assert v.pick(10, need_blocks=300).target_id == "big"
+    refused = v.pick(10, need_blocks=1001)
+    assert refused.target_id is None and "can hold 1000 blocks" in refused.reason
+
+
+def test_excluded_targets_keep_their_reservations() -> None:
+    v = view(inst("a", 100), inst("b", 100))
+    first = v.pick(40).target_id
+    assert first is not None
+    other = "b" if first == "a" else "a"
+    assert v.pick(40, exclude={other}).target_id == first  # the tried one is skipped, its state kept
+    assert v.freeness(first) == pytest.approx((100 - 80) / 2)  # both reservations still counted there
+    assert v.pick(1, exclude={"a", "b"}).reason == "every instance that is not draining was tried"
 
 
 def test_near_ties_are_drawn_with_the_seeded_rng() -> None:

@@ -185,3 +185,14 @@ def test_pair_domains() -> None:
     assert pair_domains([d4, full, d5], CFG) == [("d4", "d5")]
     with pytest.raises(ValueError, match="repeated domain ids"):
         pair_domains([d1, d1], CFG)
+
+
+def test_a_request_never_moves_where_it_could_not_grow() -> None:
+    # issue 11: a request that may grow to 238 blocks (3,799 tokens) must not go to a 100-block instance
+    # (1,600 tokens), which would preempt it and freeze; it goes to the large one even though that is less free.
+    big_request = RequestLoad("a-r0", 18, max_blocks=238)
+    a = InstanceLoad("a", 300, 290, running=(big_request, *[RequestLoad(f"a-r{i}", 68) for i in range(1, 5)]))
+    small = inst("small", 100)
+    large = inst("large", 300, [100])
+    assert moves(plan(a, small, large)) == [("a", "large", "a-r0", 18)]
+    assert moves(plan(a, small)) == [("a", "small", "a-r1", 68)]  # the next candidate that can grow there

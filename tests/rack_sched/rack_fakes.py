@@ -18,7 +18,7 @@ from clusterstate.records import DrainIntent, DrainKind, InstanceRegistration, e
 from clusterstate.store import Keys
 from hilum_proto.v1 import llumlet_pb2 as pb
 from hilum_proto.v1 import llumlet_pb2_grpc as pb_grpc
-from rack_sched.core import DomainScheduler
+from rack_sched.scheduler import DomainScheduler
 from rack_sched.types import RackConfig
 
 BLOCK = 16  # tokens per KV block in these tests
@@ -47,6 +47,9 @@ class FakeLlumlet(pb_grpc.LlumletServicer):
     address: str = ""
     server: grpc.aio.Server | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    fail_watch: bool = False  # WatchLoad fails at once (its load stream is down; Submit still works)
+    fail_submits: int = 0  # the next this many Submits fail with UNAVAILABLE
+    pings: int = 0
 
     async def start(self) -> FakeLlumlet:
         self.server = grpc.aio.server()
@@ -89,9 +92,13 @@ class FakeLlumlet(pb_grpc.LlumletServicer):
         )
 
     async def Ping(self, request: pb.LlumletPingRequest, context: Any) -> pb.LlumletPingReply:
+        self.pings += 1
         return pb.LlumletPingReply(instance_id=self.instance_id, domain_id=self.domain_id, engine="fake")
 
     async def Submit(self, request: pb.SubmitRequest, context: Any) -> pb.SubmitReply:
+        if self.fail_submits > 0:
+            self.fail_submits -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "blip (test)")
         prompt = len(request.prompt_token_ids) or request.prompt_tokens
         blocks = math.ceil((prompt + 1) / BLOCK)
         if request.request_id in self.running:
@@ -106,6 +113,8 @@ class FakeLlumlet(pb_grpc.LlumletServicer):
         return self.report()
 
     async def WatchLoad(self, request: pb.WatchLoadRequest, context: Any) -> AsyncIterator[pb.LoadReport]:
+        if self.fail_watch:
+            await context.abort(grpc.StatusCode.INTERNAL, "load stream broken (test)")
         while True:
             self.changed.clear()
             yield self.report()

@@ -3,33 +3,18 @@ conversions at its gRPC edge. Values are computed by hand in the comments."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 
-from clusterstate.records import DrainKind, RecordError, SummaryRecord, decode, encode
+from clusterstate.records import DrainKind
 from hilum_proto.v1 import llumlet_pb2
 from policy.domain import DomainSummary, summarize_domain
 from policy.types import InstanceLoad, PolicyConfig, RequestLoad
 from rack_sched.convert import load_from_pb, prompt_length
-from rack_sched.plan import demand_blocks, drained_instances, plan_cross_domain
+from rack_sched.plan import drained_instances, plan_cross_domain
 
 CFG = PolicyConfig()
-
-
-@pytest.mark.parametrize(
-    ("prompt", "block", "blocks"), [(0, 16, 1), (15, 16, 1), (16, 16, 2), (160, 16, 11), (1599, 16, 100)]
-)
-def test_demand_counts_prompt_plus_first_token(prompt: int, block: int, blocks: int) -> None:
-    assert demand_blocks(prompt, block) == blocks
-
-
-def test_demand_rejects_bad_input() -> None:
-    with pytest.raises(ValueError, match="prompt_tokens must be >= 0"):
-        demand_blocks(-1, 16)
-    with pytest.raises(ValueError, match="block_size_tokens must be >= 1"):
-        demand_blocks(5, 0)
 
 
 def test_drained_instances() -> None:
@@ -77,27 +62,6 @@ def test_drained_domain_moves_everything_out() -> None:
     assert mine.draining
     move = plan_cross_domain(mine, [_summary("b", 2.0, 50)], [a0], CFG, random.Random(0))
     assert move is not None and (move.request_id, move.dst_domain_id) == ("r", "b")
-
-
-def test_summary_record_carries_instance_loads_in_the_shared_format() -> None:
-    loads = [
-        InstanceLoad("i1", 100, 30, (RequestLoad("x", 30),), num_waiting=2, head_demand_blocks=5, draining=True),
-        InstanceLoad("i0", 100, 10, (RequestLoad("y", 10),)),
-    ]
-    summary = summarize_domain("d", loads, CFG)
-    record = SummaryRecord.of(summary, loads)
-    raw = json.loads(encode(record))
-    # Exactly clusterstate.records.InstanceLoadRecord's fields (the format hilumctl drain --wait reads).
-    assert raw["instances"] == [
-        {"draining": False, "instance_id": "i0", "num_running": 1, "num_waiting": 0, "used_blocks": 10},
-        {"draining": True, "instance_id": "i1", "num_running": 1, "num_waiting": 2, "used_blocks": 30},
-    ]
-    assert (raw["num_running"], raw["num_waiting"], raw["capacity_blocks"], raw["draining"]) == (2, 2, 100, False)
-    assert decode(SummaryRecord, encode(record), "k") == record
-    with pytest.raises(ValueError, match="instances must be sorted by id, no repeats"):
-        SummaryRecord.of(summary, [loads[0], loads[0]])
-    with pytest.raises(RecordError, match="k"):
-        decode(SummaryRecord, b"{", "k")
 
 
 def test_load_report_conversion() -> None:

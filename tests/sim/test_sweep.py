@@ -187,6 +187,7 @@ def test_default_run_fn_builds_the_runner_spec(monkeypatch: pytest.MonkeyPatch) 
             "max_requests": 5,
             "seed": 2,
             "options": {"k": 1},
+            "config": None,
         }
     ]
     assert row.summary.requests == 10

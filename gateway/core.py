@@ -1,0 +1,204 @@
+"""The gateway's decision: which domain gets a request. A pure core, no I/O, no clock reads.
+
+:class:`GatewayCore` keeps one ``policy.dispatch.DomainDispatchView`` per model over the domains' published
+summaries (``policy.domain.DomainSummary``): the same freeness rule a domain scheduler applies to its
+instances (DESIGN.md, "Virtual usage") — the freest domain that can hold the request, near-ties drawn at
+random. Each pick reserves the request's demand in the view, stamped with the time of the pick:
+
+- a summary replaces the domain's state but keeps the reservations stamped after it was taken
+  (``summary.taken_s``): a summary that was published 100 ms ago, and took a while to arrive, does not count
+  the requests sent since, so the next burst does not go to the same domain again;
+- a reservation older than ``reservation_ttl_s`` is dropped: the domain has long since counted (or finished)
+  that request, and a domain publishes a summary only when its load changes.
+
+Candidates are drawn by the power of d choices (``PolicyConfig.domain_choices``), so a fleet of gateways
+reading the same summaries spreads a burst rather than all sending it to the same freest domain.
+
+A request's way through the domains is a :class:`PlacementAttempt`: first every domain is asked to take it
+only if one of its instances has room now (``only_if_room``: a domain that is full answers so instead of
+queueing it, and the next domain is tried); when every domain was full, the freest one is asked again to
+queue it. A domain that refuses (it can never hold the request, or every instance drains) is not asked
+again; one that is unavailable (restarting, unreachable) is asked again after the shell's backoff.
+
+The live gateway (``gateway.router``) feeds it from etcd and submits over gRPC; the simulator
+(``sim.schedulers``) feeds it the summaries it delivers on the virtual clock. Stamps are wall-clock seconds
+live (the publishers' and the gateways' clocks agree to NTP precision), virtual seconds simulated.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection, Iterable
+
+from policy.dispatch import DispatchDecision, DomainDispatchView
+from policy.domain import DomainSummary
+from policy.types import PolicyConfig
+
+__all__ = ["GatewayCore", "PlacementAttempt"]
+
+
+class GatewayCore:
+    """Domain choice per model (see the module docstring).
+
+    Args:
+        cfg: the rule book (priority headroom, tie tolerance).
+        rng: near-tie draws.
+        reservation_ttl_s: how long a reservation counts at most, seconds.
+
+    Raises ValueError on a negative ``reservation_ttl_s``.
+    """
+
+    def __init__(self, cfg: PolicyConfig, rng: random.Random, *, reservation_ttl_s: float = 1.0) -> None:
+        if reservation_ttl_s < 0:
+            raise ValueError(f"reservation_ttl_s must be >= 0, got {reservation_ttl_s}")
+        self._cfg = cfg
+        self._rng = rng
+        self.reservation_ttl_s = reservation_ttl_s
+        self._choices = cfg.domain_choices
+        self._views: dict[str, DomainDispatchView] = {}  # model -> view over the domains serving it
+        self._summaries: dict[tuple[str, str], DomainSummary] = {}  # (domain, model) -> latest summary
+
+    def models(self) -> list[str]:
+        """Models some domain serves, sorted."""
+        return sorted({model for _, model in self._summaries})
+
+    def domains(self, model: str | None = None) -> list[str]:
+        """Domains with a summary (for ``model``, or any), sorted."""
+        return sorted({d for d, m in self._summaries if model is None or m == model})
+
+    def summary(self, domain_id: str, model: str) -> DomainSummary | None:
+        """The latest summary of ``domain_id`` for ``model``."""
+        return self._summaries.get((domain_id, model))
+
+    def update(self, domain_id: str, summaries: Iterable[DomainSummary]) -> None:
+        """A domain published ``summaries`` (one per model it serves); models it no longer serves are dropped.
+
+        Raises ValueError when a summary names another domain.
+        """
+        fresh = {s.model: s for s in summaries}
+        for s in fresh.values():
+            if s.domain_id != domain_id:
+                raise ValueError(f"update({domain_id!r}): a summary names domain {s.domain_id!r}")
+        for d, model in [k for k in self._summaries if k[0] == domain_id and k[1] not in fresh]:
+            self._drop(d, model)
+        for model, s in fresh.items():
+            if self._summaries.get((domain_id, model)) == s:
+                continue  # nothing new: keep the reservations
+            self._summaries[(domain_id, model)] = s
+            self._view(model).update(s, as_of=s.taken_s)
+
+    def remove(self, domain_id: str) -> None:
+        """A domain deregistered (idempotent)."""
+        for d, model in [k for k in self._summaries if k[0] == domain_id]:
+            self._drop(d, model)
+
+    def _drop(self, domain_id: str, model: str) -> None:
+        del self._summaries[(domain_id, model)]
+        self._view(model).remove(domain_id)
+
+    def _view(self, model: str) -> DomainDispatchView:
+        view = self._views.get(model)
+        if view is None:
+            view = self._views[model] = DomainDispatchView((), self._cfg, self._rng, self._choices)
+        return view
+
+    def resolve_model(self, model: str) -> str | None:
+        """The model a request names, or the only model served when it names none (None: not served)."""
+        models = self.models()
+        if not model:
+            return models[0] if len(models) == 1 else None
+        return model if model in models else None
+
+    def pick(
+        self,
+        model: str,
+        demand_blocks: int,
+        now_s: float,
+        *,
+        need_blocks: int = 0,
+        priority: int = 0,
+        exclude: Collection[str] = (),
+    ) -> DispatchDecision:
+        """Choose a domain for a request of ``model`` (``demand_blocks`` to start, ``need_blocks`` at most) and
+        reserve it there, stamped ``now_s``. ``exclude``: domains already tried for this request.
+
+        Raises ValueError on negative block counts.
+        """
+        resolved = self.resolve_model(model)
+        if resolved is None:
+            served = ", ".join(self.models()) or "nothing yet"
+            return DispatchDecision(None, f"model {model!r} is not served (served: {served})")
+        view = self._view(resolved)
+        horizon = now_s - self.reservation_ttl_s
+        for (_, m), s in self._summaries.items():  # expire old reservations (see reservation_ttl_s)
+            if m == resolved:
+                view.update(s, as_of=max(s.taken_s, horizon))
+        return view.pick(demand_blocks, priority, stamp=now_s, need_blocks=need_blocks, exclude=exclude)
+
+
+class PlacementAttempt:
+    """One request's way through the domains (see the module docstring). Pure: the shell submits each choice
+    and reports the domain's answer.
+
+    Args:
+        core: the gateway's view of the domains.
+        model, demand_blocks, need_blocks, priority: the request (``need_blocks``: what it may grow to).
+    """
+
+    def __init__(self, core: GatewayCore, model: str, demand_blocks: int, need_blocks: int = 0, priority: int = 0):
+        self._core = core
+        self.model = model
+        self.demand_blocks = demand_blocks
+        self.need_blocks = need_blocks
+        self.priority = priority
+        self.only_if_room = True  # the first pass asks each domain to take it only if it has room now
+        self.refused: set[str] = set()  # never again for this request
+        self.unavailable: set[str] = set()  # again after a backoff (:meth:`retry_unavailable`)
+        self.full: set[str] = set()  # had no room in the first pass
+        self.reasons: dict[str, str] = {}  # domain -> its last answer, for the error message
+        self.last_reason = ""
+
+    def next(self, now_s: float) -> str | None:
+        """The domain to submit to now (with :attr:`only_if_room`), or None when none is left to try."""
+        if self.only_if_room:
+            decision = self._pick(now_s, self.refused | self.unavailable | self.full)
+            if decision.target_id is not None or not self.full:
+                return decision.target_id
+            self.only_if_room = False  # every domain was full: queue on the freest of them
+        decision = self._pick(now_s, self.refused | self.unavailable)
+        return decision.target_id
+
+    def _pick(self, now_s: float, exclude: set[str]) -> DispatchDecision:
+        decision = self._core.pick(
+            self.model,
+            self.demand_blocks,
+            now_s,
+            need_blocks=self.need_blocks,
+            priority=self.priority,
+            exclude=exclude,
+        )
+        self.last_reason = decision.reason
+        return decision
+
+    def answered_full(self, domain_id: str, reason: str) -> None:
+        """The domain has no room now (first pass)."""
+        self.full.add(domain_id)
+        self.reasons[domain_id] = reason
+
+    def answered_refused(self, domain_id: str, reason: str) -> None:
+        """The domain can never take the request."""
+        self.refused.add(domain_id)
+        self.reasons[domain_id] = reason
+
+    def answered_unavailable(self, domain_id: str, reason: str) -> None:
+        """The domain cannot answer now."""
+        self.unavailable.add(domain_id)
+        self.reasons[domain_id] = reason
+
+    def retry_unavailable(self) -> None:
+        """After a backoff: ask the unavailable domains again."""
+        self.unavailable.clear()
+
+    def explain(self) -> str:
+        """Why no domain took the request: each domain's answer, or why none could be chosen."""
+        return "; ".join(f"{d}: {r}" for d, r in sorted(self.reasons.items())) or self.last_reason

@@ -1,0 +1,185 @@
+"""hilum_config — one validated configuration file for the rule book, the cost model and the approval rule.
+
+Every tier reads the same file (``--config FILE`` of ``python -m rack_sched``, ``python -m global_coord``,
+``python -m gateway``, ``python -m llumlet``, ``hilum up`` and ``hilum sim``; ``HILUM_CONFIG`` in the systemd
+config), so a simulated and a live cluster decide with the same settings. Every key is optional; a missing
+key takes the default below, which is the default of the dataclass it configures (one place for defaults).
+Sections and what they build:
+
+==============  =================================================  ==========================================
+section         dataclass                                           used by
+==============  =================================================  ==========================================
+``policy``      ``policy.types.PolicyConfig``                       every tier: virtual usage, dispatch, pairing
+``remaining``   ``policy.remaining.RemainingConfig``                domain schedulers: remaining-output estimate
+``domain``      ``rack_sched.core.DomainConfig`` (its own keys)     domain schedulers: settle, cool-down
+``cost``        ``topology.cost.CostConfig``                        coordinator, llumlets (pre-copy rule, cap)
+``approval``    ``global_coord.approval.ApprovalConfig``            coordinator: cross-domain approvals
+``intervals``   :class:`Intervals`                                  domain schedulers, gateways, ``hilum sim``
+==============  =================================================  ==========================================
+
+``docs/configuration.md`` lists every key with its default and unit; ``examples/hilum.yaml`` is a complete
+file with the defaults. Errors name the file and the key (``hilum.yaml: policy.tie_tolerance: ...``), all at
+once, in one :class:`ConfigError`; an unknown key is an error, never ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+
+from global_coord.approval import ApprovalConfig
+from policy.remaining import RemainingConfig
+from policy.types import PolicyConfig
+from rack_sched.core import DomainConfig
+from topology.cost import CostConfig
+
+__all__ = ["CONFIG_ENV", "ConfigError", "HilumConfig", "Intervals", "add_argument", "load_config", "parse_config"]
+
+#: Environment variable naming the configuration file when no ``--config`` is given.
+CONFIG_ENV = "HILUM_CONFIG"
+
+
+class ConfigError(ValueError):
+    """A configuration file is invalid. ``errors`` lists every problem as ``"<file>: <key.path>: <message>"``."""
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = errors
+        super().__init__("\n".join(errors))
+
+
+@dataclass(frozen=True, slots=True)
+class Intervals:
+    """Periods of the decision loops, seconds. Raises ValueError on a non-positive one."""
+
+    rebalance_interval_s: float = 0.05  # intra-domain rescheduling round (Llumnix: 50 ms)
+    summary_interval_s: float = 0.25  # at most one domain summary put per this
+    cross_interval_s: float = 0.5  # the domains' cross-domain round
+    reservation_ttl_s: float = 1.0  # a gateway's dispatch reservation counts at most this long
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if not getattr(self, f.name) > 0:
+                raise ValueError(f"{f.name} must be > 0, got {getattr(self, f.name)}")
+
+
+@dataclass(frozen=True, slots=True)
+class HilumConfig:
+    """The whole configuration (see the module docstring)."""
+
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    remaining: RemainingConfig = field(default_factory=RemainingConfig)
+    domain: DomainConfig = field(default_factory=DomainConfig)  # its policy and remaining are the sections above
+    cost: CostConfig = field(default_factory=CostConfig)
+    approval: ApprovalConfig = field(default_factory=ApprovalConfig)
+    intervals: Intervals = field(default_factory=Intervals)
+    source: str = "<defaults>"  # where it was read from
+
+
+# The sections: name -> (dataclass, keys of it that the file sets; None = every init field).
+_DOMAIN_KEYS = ("settle_s", "cool_down_s", "default_decode_step_s")
+_SECTIONS: dict[str, tuple[type[Any], tuple[str, ...] | None]] = {
+    "policy": (PolicyConfig, None),
+    "remaining": (RemainingConfig, None),
+    "domain": (DomainConfig, _DOMAIN_KEYS),
+    "cost": (CostConfig, None),
+    "approval": (ApprovalConfig, None),
+    "intervals": (Intervals, None),
+}
+
+
+def _keys(cls: type[Any], only: tuple[str, ...] | None) -> list[dataclasses.Field[Any]]:
+    return [f for f in dataclasses.fields(cls) if f.init and (only is None or f.name in only)]
+
+
+def _schema(cls: type[Any], only: tuple[str, ...] | None) -> type[BaseModel]:
+    hints = typing.get_type_hints(cls)
+    fields: dict[str, Any] = {f.name: (hints[f.name], None) for f in _keys(cls, only)}
+    return create_model(f"{cls.__name__}Section", __config__=ConfigDict(extra="forbid", strict=True), **fields)
+
+
+def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
+    """Build a :class:`HilumConfig` from parsed YAML (a mapping of sections; None or {} = all defaults).
+
+    Raises:
+        ConfigError: listing every unknown section or key, every wrongly typed value and every value a
+            dataclass refuses, each as ``"<source>: <section>.<key>: <message>"``.
+    """
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(
+            [f"{source}: expected a mapping of sections ({', '.join(_SECTIONS)}), got {type(raw).__name__}"]
+        )
+    errors = [
+        f"{source}: {name}: unknown section (known: {', '.join(_SECTIONS)})" for name in raw if name not in _SECTIONS
+    ]
+    built: dict[str, Any] = {}
+    for name, (cls, only) in _SECTIONS.items():
+        section = raw.get(name) or {}
+        if not isinstance(section, Mapping):
+            errors.append(f"{source}: {name}: expected a mapping of keys, got {type(section).__name__}")
+            continue
+        try:
+            values = _schema(cls, only).model_validate(dict(section))
+        except ValidationError as exc:
+            for e in exc.errors():
+                where = ".".join(str(p) for p in (name, *e["loc"]))
+                errors.append(f"{source}: {where}: {e['msg']}")
+            continue
+        kwargs = {k: v for k, v in values.model_dump().items() if v is not None and k in section}
+        if name == "domain":
+            built[name] = kwargs  # completed below with its policy and remaining
+            continue
+        try:
+            built[name] = cls(**kwargs)
+        except ValueError as exc:
+            errors.append(f"{source}: {name}: {exc}")
+    if errors:
+        raise ConfigError(errors)
+    policy, remaining = built["policy"], built["remaining"]
+    try:
+        domain = DomainConfig(policy=policy, remaining=remaining, **built["domain"])
+    except ValueError as exc:
+        raise ConfigError([f"{source}: domain: {exc}"]) from None
+    return HilumConfig(policy, remaining, domain, built["cost"], built["approval"], built["intervals"], source)
+
+
+def load_config(path: str | Path | None = None) -> HilumConfig:
+    """Read the configuration file at ``path``, else the one ``HILUM_CONFIG`` names, else the defaults.
+
+    Raises:
+        ConfigError: the file cannot be read, is not YAML, or is invalid (every problem listed).
+    """
+    if path is None:
+        path = os.environ.get(CONFIG_ENV) or None
+    if path is None:
+        return HilumConfig()
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([f"{p}: cannot read the configuration file: {exc.strerror or exc}"]) from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{p}: not valid YAML: {exc}"]) from None
+    return parse_config(raw, str(p))
+
+
+def add_argument(parser: argparse.ArgumentParser) -> None:
+    """Add the ``--config FILE`` option every hilum command takes (read with :func:`load_config`)."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help=f"hilum configuration file (default: ${CONFIG_ENV}, else the built-in defaults; docs/configuration.md)",
+    )

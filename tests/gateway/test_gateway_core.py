@@ -1,0 +1,71 @@
+"""The gateway's decision core: domains per model, stamped reservations, expiry. No I/O, no clock."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gateway.core import GatewayCore
+from policy.domain import DomainSummary
+from policy.types import PolicyConfig
+
+
+def summary(domain: str, used: int, model: str = "m", taken_s: float = 0.0, capacity: int = 100) -> DomainSummary:
+    free = capacity - used
+    return DomainSummary(
+        domain, 1, capacity, float(used), float(free), free, capacity, 1, 0, False, model=model, taken_s=taken_s
+    )
+
+
+def gw(ttl_s: float = 1.0) -> GatewayCore:
+    return GatewayCore(PolicyConfig(tie_tolerance=0.0), random.Random(0), reservation_ttl_s=ttl_s)
+
+
+def test_per_model_views_and_refusal_naming_what_is_served() -> None:
+    g = gw()
+    g.update("a", [summary("a", 0, model="x"), summary("a", 50, model="y")])
+    g.update("b", [summary("b", 10, model="y")])
+    assert (g.models(), g.domains("y"), g.domains("x")) == (["x", "y"], ["a", "b"], ["a"])
+    assert g.pick("y", 5, now_s=1.0).target_id == "b"
+    assert g.pick("x", 5, now_s=1.0).target_id == "a"
+    refused = g.pick("z", 5, now_s=1.0)
+    assert refused.target_id is None and refused.reason == "model 'z' is not served (served: x, y)"
+    assert g.pick("", 5, now_s=1.0).target_id is None  # two models: a request must name one
+    g.update("a", [summary("a", 50, model="y")])  # a stopped serving x
+    assert g.models() == ["y"] and g.pick("", 5, now_s=1.0).target_id in ("a", "b")
+    g.remove("b")
+    assert g.domains() == ["a"]
+    with pytest.raises(ValueError, match="a summary names domain 'b'"):
+        g.update("a", [summary("b", 0)])
+
+
+def test_a_summary_taken_before_a_pick_keeps_it_one_taken_after_replaces_it() -> None:
+    g = gw(ttl_s=10.0)
+    g.update("a", [summary("a", 0)])
+    g.update("b", [summary("b", 20)])
+    assert g.pick("m", 30, now_s=1.0).target_id == "a"  # freer; now a carries 30 reserved blocks
+    g.update("a", [summary("a", 1, taken_s=0.5)])  # taken before the pick: the pick stays reserved
+    assert g.pick("m", 30, now_s=1.1).target_id == "b"
+    g.update("a", [summary("a", 1, taken_s=1.05)])  # counts the first pick, not the one to b
+    g.update("b", [summary("b", 20, taken_s=1.05)])  # does not count the pick at 1.1: kept
+    assert g.pick("m", 1, now_s=1.2).target_id == "a"
+
+
+def test_reservations_expire_after_the_ttl() -> None:
+    g = gw(ttl_s=1.0)
+    g.update("a", [summary("a", 0)])
+    g.update("b", [summary("b", 10)])
+    assert [g.pick("m", 20, now_s=t).target_id for t in (1.0, 1.1)] == ["a", "b"]
+    assert g.pick("m", 20, now_s=5.0).target_id == "a"  # both picks expired
+
+
+def test_tried_domains_are_excluded_without_losing_their_reservations() -> None:
+    g = gw(ttl_s=10.0)
+    g.update("a", [summary("a", 0)])
+    g.update("b", [summary("b", 0)])
+    first = g.pick("m", 40, now_s=1.0).target_id
+    second = g.pick("m", 40, now_s=1.0, exclude={"a", "b"} - {first}).target_id
+    assert first == second  # the other one was excluded
+    third = g.pick("m", 40, now_s=1.0).target_id
+    assert third != first  # both reservations still count on the first

@@ -1,0 +1,124 @@
+"""One configuration file for every tier: defaults in one place, every key documented, errors that name it."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from hilum_config import CONFIG_ENV, ConfigError, HilumConfig, Intervals, load_config, parse_config
+from policy.types import PolicyConfig
+from rack_sched.cli import build_parser, config_from_args
+from topology.load import load_topology
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "hilum.yaml"
+DOC = REPO / "docs" / "configuration.md"
+
+
+def test_the_example_file_holds_exactly_the_defaults() -> None:
+    cfg = load_config(EXAMPLE)
+    assert dataclasses.replace(cfg, source="<defaults>") == HilumConfig()
+    assert (REPO / "deploy" / "config" / "hilum.yaml").read_text() == EXAMPLE.read_text()  # what systemd installs
+    assert cfg.domain.policy is cfg.policy and cfg.domain.remaining is cfg.remaining
+
+
+def test_every_key_is_documented_with_its_default() -> None:
+    doc = DOC.read_text()
+    cfg = HilumConfig()
+    for section in ("policy", "remaining", "domain", "cost", "approval", "intervals"):
+        value = getattr(cfg, section)
+        for f in dataclasses.fields(value):
+            if f.init and f.name not in ("policy", "remaining"):
+                row = re.search(rf"^\| `{section}\.{f.name}` \|[^\n]*", doc, flags=re.MULTILINE)
+                assert row is not None, f"docs/configuration.md lacks {section}.{f.name}"
+
+
+def test_errors_name_the_file_and_the_key_all_at_once(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "policy: {tie_tolerance: 2.0, no_such_key: 1}\n"
+        "cost: {cap_fraction: fast}\n"
+        "approval: {downtime_budget_s: -1}\n"
+        "intervals: {cross_interval_s: 0}\n"
+        "extras: {}\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    assert err.value.errors == [
+        f"{bad}: extras: unknown section (known: policy, remaining, domain, cost, approval, intervals)",
+        f"{bad}: policy.no_such_key: Extra inputs are not permitted",
+        f"{bad}: cost.cap_fraction: Input should be a valid number",
+        f"{bad}: approval: downtime_budget_s must be > 0, got -1.0",
+        f"{bad}: intervals: cross_interval_s must be > 0, got 0.0",
+    ]
+    with pytest.raises(ConfigError, match=r"policy: PolicyConfig.tie_tolerance: must be in \[0, 1\), got 2.0"):
+        parse_config({"policy": {"tie_tolerance": 2.0}}, "f")
+    with pytest.raises(ConfigError, match="cannot read the configuration file"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="expected a mapping of sections"):
+        parse_config([1, 2], "f")
+
+
+def test_the_environment_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "h.yaml"
+    f.write_text("policy: {priority_headroom_blocks: {1: 64, 2: 256}}\nintervals: {rebalance_interval_s: 0.1}\n")
+    monkeypatch.setenv(CONFIG_ENV, str(f))
+    cfg = load_config()
+    assert dict(cfg.policy.priority_headroom_blocks) == {1: 64, 2: 256}
+    assert cfg.intervals == Intervals(rebalance_interval_s=0.1)
+    monkeypatch.delenv(CONFIG_ENV)
+    assert load_config().policy == PolicyConfig()
+
+
+def test_a_domain_scheduler_and_the_simulator_read_the_same_settings(tmp_path: Path) -> None:
+    from sim.runner import SimSpec, configured
+
+    f = tmp_path / "h.yaml"
+    f.write_text("domain: {cool_down_s: 9.0}\ncost: {max_stages: 3}\nintervals: {summary_interval_s: 0.5}\n")
+    topo = load_topology("2x8-a100")
+    ns = build_parser().parse_args(
+        [
+            "--domain-id",
+            "node-0",
+            "--listen",
+            "127.0.0.1:0",
+            "--etcd",
+            "e:1",
+            "--topology",
+            "2x8-a100",
+            "--config",
+            str(f),
+        ]
+    )
+    rack = config_from_args(ns, topo, "127.0.0.1:1")
+    sim = configured(str(f), SimSpec("2x8-a100", "azure-conv", "hilum").parsed_options())
+    assert rack.decide == sim.domain and rack.decide.cool_down_s == 9.0
+    assert rack.summary_interval_s == sim.intervals.summary_interval_s == 0.5
+    assert sim.cost.precopy.max_stages == 3
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-m", "rack_sched", "--domain-id", "node-0", "--listen", "127.0.0.1:0", "--etcd", "127.0.0.1:1",
+         "--topology", "2x8-a100"],
+        ["-m", "global_coord", "--etcd", "127.0.0.1:1", "--listen", "127.0.0.1:0", "--topology", "2x8-a100"],
+        ["-m", "llumlet", "--instance-id", "node-0-i0", "--topology", "2x8-a100"],
+        ["-m", "gateway", "--etcd", "127.0.0.1:1", "--topology", "2x8-a100", "--listen", "127.0.0.1:0"],
+    ],
+    ids=["rack_sched", "global_coord", "llumlet", "gateway"],
+)  # fmt: skip
+def test_every_process_refuses_a_bad_file_naming_the_key(argv: list[str], tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cost: {max_stages: many}\n")
+    proc = subprocess.run(
+        [sys.executable, *argv, "--config", str(bad)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"{bad}: cost.max_stages: Input should be a valid integer" in proc.stderr

@@ -1,0 +1,44 @@
+"""One domain scheduler per domain, also when two start at the same moment (the claim is one transaction)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+from rack_fakes import BLOCK, etcd_client
+
+from clusterstate.etcd import kv_of
+from clusterstate.records import DomainRegistration, decode
+from clusterstate.store import Keys
+from rack_sched.scheduler import DomainScheduler
+from rack_sched.types import RackConfig
+
+
+def test_two_schedulers_started_together_cannot_both_run(etcd: Any, prefix: str) -> None:
+    async def main() -> None:
+        async with etcd_client(etcd.endpoint) as c1, etcd_client(etcd.endpoint) as c2:
+            scheds = [
+                DomainScheduler(
+                    RackConfig("d", f"127.0.0.1:{port}", BLOCK, prefix=prefix, ttl_s=3, ready_timeout_s=1.0),
+                    client,
+                    rng=random.Random(port),
+                )
+                for port, client in ((1, c1), (2, c2))
+            ]
+            stops = [asyncio.Event(), asyncio.Event()]
+            tasks = [asyncio.create_task(s.run(stop)) for s, stop in zip(scheds, stops, strict=True)]
+            done, _ = await asyncio.wait(tasks, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            (loser,) = done  # the other keeps running
+            error = loser.exception()
+            assert isinstance(error, RuntimeError) and "already has a live domain scheduler" in str(error)
+            winner = scheds[1 - tasks.index(loser)]
+            await asyncio.wait_for(winner.ready.wait(), 10)
+            reply = await kv_of(c1).get(Keys(prefix).domain("d"))
+            held = decode(DomainRegistration, bytes(reply.kvs[0].value), "k")
+            assert held.address == winner.cfg.advertise_address  # the registration names the one that runs
+            for stop in stops:
+                stop.set()
+            await asyncio.wait_for(tasks[1 - tasks.index(loser)], 10)
+
+    asyncio.run(main())

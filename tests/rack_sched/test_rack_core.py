@@ -1,0 +1,170 @@
+"""The domain's decision core, driven with hand-built load reports: no I/O, no clock, no sleeps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from policy.domain import DomainSummary
+from policy.remaining import RemainingConfig
+from policy.types import InstanceLoad, PolicyConfig, RequestLoad
+from rack_sched.core import DomainConfig, DomainCore, DomainRequest
+
+BS = 16
+
+
+def core(cfg: DomainConfig | None = None, **members: str) -> DomainCore:
+    c = DomainCore("d", cfg or DomainConfig(), random.Random(0))
+    for iid, model in members.items():
+        c.add_instance(iid, model, BS)
+    return c
+
+
+def load(iid: str, capacity: int, *blocks: int, step_s: float = 0.0, **kw: object) -> InstanceLoad:
+    running = tuple(
+        RequestLoad(f"{iid}-r{k}", b, num_tokens=b * BS, output_tokens=10, max_tokens=500, max_blocks=b + 32)
+        for k, b in enumerate(blocks)
+    )
+    return InstanceLoad(iid, capacity, sum(blocks), running, domain_id="d", decode_step_s=step_s, **kw)  # type: ignore[arg-type]
+
+
+def test_dispatch_reaches_only_instances_of_the_model_and_refuses_others_by_name() -> None:
+    c = core(a="llama-2-7b", b="llama-2-13b")
+    c.report("a", load("a", 1000))
+    c.report("b", load("b", 1000))
+    assert c.dispatch(DomainRequest("r1", "llama-2-13b", 100, 50)).target_id == "b"
+    assert c.dispatch(DomainRequest("r2", "llama-2-7b", 100, 50)).target_id == "a"
+    refused = c.dispatch(DomainRequest("r3", "llama-3", 100, 50))
+    assert refused.target_id is None
+    assert refused.reason == "domain d serves llama-2-13b, llama-2-7b, not model 'llama-3'"
+    # a request naming no model: only a domain with one model can take it
+    assert "a request that names no model" in (c.dispatch(DomainRequest("r4", "", 10, 5)).reason)
+    one = core(a="m")
+    one.report("a", load("a", 100))
+    assert one.dispatch(DomainRequest("r5", "", 10, 5)).target_id == "a"
+
+
+def test_dispatch_uses_the_instance_that_can_hold_what_the_request_grows_to() -> None:
+    # issue 11: the freer 100-block instance cannot hold a request that may grow to 100 + 3000 tokens
+    c = core(big="m", small="m")
+    c.report("big", load("big", 1000, 900))
+    c.report("small", load("small", 100))
+    assert c.dispatch(DomainRequest("short", "m", 100, 10)).target_id == "small"
+    assert c.dispatch(DomainRequest("long", "m", 100, 3000)).target_id == "big"  # needs 194 blocks
+    refused = c.dispatch(DomainRequest("huge", "m", 100, 16000))
+    assert refused.target_id is None and "can hold 1000 blocks" in refused.reason
+
+
+def test_an_unanswered_instance_takes_nothing_until_its_next_report() -> None:
+    c = core(a="m", b="m")
+    c.report("a", load("a", 1000))
+    c.report("b", load("b", 1000, 500))
+    c.unreachable("a")
+    assert c.dispatch(DomainRequest("r", "m", 10, 5)).target_id == "b"
+    assert (
+        c.dispatch(DomainRequest("r2", "m", 10, 5), exclude={"b"}).reason
+        == "every instance that is not draining was tried"
+    )
+    c.report("a", load("a", 1000))
+    assert c.dispatch(DomainRequest("r3", "m", 10, 5)).target_id == "a"
+
+
+def test_busy_instances_take_no_second_move_until_they_report_or_settle() -> None:
+    c = core(DomainConfig(settle_s=0.2), a="m", b="m")
+    c.report("a", load("a", 100, 24, 24, 24, 24))  # F = 4 / 4 < 3: a source
+    c.report("b", load("b", 100))
+    (move,) = c.plan_rebalance(now_s=0.0)
+    assert (move.src_id, move.dst_id) == ("a", "b")
+    assert c.plan_rebalance(now_s=0.01) == []  # both busy while the move runs
+    c.migration_done(("a", "b"), now_s=0.05)
+    assert c.plan_rebalance(now_s=0.1) == []  # settling: their reports still show the old state
+    c.report("a", load("a", 100, 24, 24, 24, 24))
+    c.report("b", load("b", 100))
+    assert len(c.plan_rebalance(now_s=0.1)) == 1  # fresh reports end the settle window
+    c.migration_done(("a", "b"), now_s=0.2)
+    assert c.plan_rebalance(now_s=0.3) == []
+    assert len(c.plan_rebalance(now_s=0.41)) == 1  # or settle_s passes
+    assert c.migrations_in_flight == 1
+
+
+def _summary(domain_id: str, free: int) -> DomainSummary:
+    return DomainSummary(domain_id, 1, 1000, 1000.0 - free, float(free), free, 1000, 1, 0, False, model="m")
+
+
+def test_cross_domain_proposal_estimates_remaining_output_and_cools_down() -> None:
+    cfg = DomainConfig(cool_down_s=2.5, remaining=RemainingConfig(min_samples=2))
+    c = core(cfg, a="m")
+    c.report("a", load("a", 1000, 300, 300, 396, step_s=0.031))  # F = 4 / 3: the domain is a source
+    move = c.plan_cross_domain([_summary("e", 900)], now_s=0.0)
+    assert move is not None and move.dst_domain_id == "e" and move.model == "m"
+    assert move.decode_step_s == 0.031  # the source's measured step time, not a constant
+    assert move.remaining_tokens == 490  # max_tokens 500 - 10 generated: nothing finished yet
+    assert move.max_blocks == move.blocks + 32
+    c.not_approved(move.request_id, now_s=0.0)
+    again = c.plan_cross_domain([_summary("e", 900)], now_s=1.0)
+    assert again is not None and again.request_id != move.request_id  # the first one cools down
+    # finished requests teach the estimate: those that outlived 10 tokens ran 100 and 140 more on average
+    c.report("a", load("a", 1000, 300, 300, 396, step_s=0.031), finished_output_tokens=[110, 150, 5])
+    later = c.plan_cross_domain([_summary("e", 900)], now_s=3.0)
+    assert later is not None and later.request_id == move.request_id  # cool-down over
+    assert later.remaining_tokens == 120  # min(490, mean residual (100 + 140) / 2)
+
+
+def test_no_proposal_without_a_destination_domain_of_the_model() -> None:
+    c = core(a="m")
+    c.report("a", load("a", 1000, 300, 300, 396))
+    other_model = DomainSummary("e", 1, 1000, 0.0, 1000.0, 1000, 1000, 0, 0, False, model="other")
+    assert c.plan_cross_domain([other_model], now_s=0.0) is None
+    assert c.plan_cross_domain([], now_s=0.0) is None
+
+
+def test_one_summary_per_model_stamped_with_the_publishers_time() -> None:
+    c = core(a="x", b="y", c="y")
+    for iid in ("a", "b", "c"):
+        c.report(iid, load(iid, 100, 10))
+    c.set_drains({"c"}, False)
+    sx, sy = c.summaries(taken_s=42.0)
+    assert (sx.model, sx.num_instances, sy.model, sy.num_instances) == ("x", 1, "y", 2)
+    assert sx.taken_s == sy.taken_s == 42.0
+    assert [b.instance_id for b in sy.instances] == ["b", "c"] and sy.instances[1].draining
+    assert c.dispatch(DomainRequest("r", "y", 10, 5)).target_id == "b"  # c drains
+
+
+def test_bad_requests_are_refused_with_the_field() -> None:
+    with pytest.raises(ValueError, match="need a request id, prompt_tokens >= 0, max_tokens >= 1"):
+        DomainRequest("r", "m", 10, 0)
+    with pytest.raises(ValueError, match="block_size_tokens must be >= 1"):
+        core().add_instance("a", "m", 0)
+    with pytest.raises(ValueError, match="settle_s and cool_down_s must be >= 0"):
+        DomainConfig(settle_s=-1)
+    assert DomainRequest("r", "m", 16, 17).demand_blocks(16) == 2
+    assert DomainRequest("r", "m", 16, 17).need_blocks(16) == 2  # 16 + 17 - 1 = 32 tokens
+    assert PolicyConfig() == DomainConfig().policy
+
+
+def test_stale_streams_are_deprioritised_and_all_stale_spreads_evenly() -> None:
+    c = core(a="m", b="m", c="m")
+    for iid in ("a", "b", "c"):
+        c.report(iid, load(iid, 1000, 100 if iid == "c" else 0))
+    c.stream_lost("a")
+    assert c.dispatch(DomainRequest("r0", "m", 10, 5)).target_id == "b"  # fresh ones first (b freer than c)
+    c.stream_lost("b")
+    c.stream_lost("c")
+    picks = [c.dispatch(DomainRequest(f"r{k}", "m", 10, 5)).target_id for k in range(6)]
+    assert sorted(picks) == ["a", "a", "b", "b", "c", "c"] and c.fallback_dispatches == 6
+    c.unreachable("b")  # a failed Submit: not even the spread uses it
+    assert {c.dispatch(DomainRequest(f"s{k}", "m", 10, 5)).target_id for k in range(4)} == {"a", "c"}
+    c.report("c", load("c", 1000, 100))  # c's stream is back: it alone is fresh
+    assert c.dispatch(DomainRequest("t", "m", 10, 5)).target_id == "c"
+
+
+def test_an_unanswered_instance_comes_back_with_an_answer_not_only_a_report() -> None:
+    c = core(a="m", b="m")
+    c.report("a", load("a", 1000))
+    c.report("b", load("b", 1000, 500))
+    c.unreachable("a")
+    assert c.dispatch(DomainRequest("r", "m", 10, 5)).target_id == "b"
+    assert not c.answering("a")
+    c.answered("a")  # a heartbeat got an answer; a is idle and sends no report
+    assert c.answering("a") and c.dispatch(DomainRequest("r2", "m", 10, 5)).target_id == "a"
