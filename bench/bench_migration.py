@@ -102,9 +102,9 @@ async def _run(addresses: tuple[str, str], contexts: Sequence[int], repeats: int
     out: list[Sample] = []
     try:
         await _one(col, src, dst, "warm-up", 64, "pre-copy", rng)
-        for context in contexts:
-            for i in range(repeats):
-                for mode in MODES:  # interleaved, so drift hits both modes alike
+        for i in range(repeats):  # contexts and modes interleaved, so drift in the machine's load hits all alike
+            for context in contexts:
+                for mode in MODES:
                     out.append(await _one(col, src, dst, f"{mode}-{context}-{i}", context, mode, rng))
     finally:
         await src.close()
