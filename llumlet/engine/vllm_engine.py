@@ -1,25 +1,30 @@
 """VllmEngine: the engine protocol over vLLM's v1 engine, with live KV-cache migration between vLLM instances.
 
 vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``, one
-GPU, tensor parallel size 1): ``LLMEngine`` adds, aborts and steps requests; a KV connector of vLLM's public
-API (:class:`HilumMigrationConnector`, a ``KVConnectorBase_V1``) loads a migrated request's KV when the
-destination re-admits it; everything else that needs vLLM's insides (queues, block pool, paged KV tensors,
-the sampler's generator) goes through :mod:`llumlet.engine.vllm_internals`, which checks the vLLM version.
+GPU, tensor parallel size 1; the model runner, CUDA graphs and prefix caching as vLLM sets them, async
+scheduling off: :data:`REFUSED_ENGINE_ARGS` says why): ``LLMEngine`` adds, aborts and steps requests; a KV
+connector of vLLM's public API (:class:`HilumMigrationConnector`, a ``KVConnectorBase_V1``) hands a migrated
+request its KV when the destination re-admits it; everything else that needs vLLM's insides (queues, block
+pool, paged KV tensors, the V1 sampler's generator) goes through :mod:`llumlet.engine.vllm_internals`,
+which checks the vLLM version.
 
-Migration (DESIGN.md, "Migration"): the source reads blocks of the request's block table from the paged KV
-tensors while the request keeps decoding; ``reserve`` takes blocks out of the destination's block pool and
-``write_blocks`` stores the copied blocks in them; at ``suspend`` the source takes the request out of its
-scheduler's running list (it keeps its blocks); ``commit_incoming`` re-admits the request on the
-destination with prompt + generated tokens as its prompt, at the head of the waiting queue, with
-``kv_transfer_params`` in ``SamplingParams.extra_args`` naming the reservation: at the next step the
-connector reports the first ``num_computed_tokens`` tokens as externally computed (so nothing is
-recomputed), the scheduler allocates blocks, and the worker side of the connector copies the reserved
-blocks' contents into them and restores the request's sampling generator before the step samples.
+Migration (DESIGN.md, "Migration"; docs/vllm.md, "How a move works"): the source copies blocks of the
+request's block table out of the paged KV tensors without the engine lock while the request keeps
+decoding (``begin_read``); ``reserve`` takes blocks out of the destination's block pool (adopting the
+prompt blocks its prefix cache already holds: ``adopt_cached_prefix``) and ``write_blocks`` /
+``write_blocks_from`` fill the others; at ``suspend`` the source takes the request out of its scheduler's
+running list (it keeps its blocks); ``commit_incoming`` re-admits the request on the destination with
+prompt + generated tokens as its prompt, at the head of the waiting queue, with ``kv_transfer_params`` in
+``SamplingParams.extra_args`` naming the reservation: the reservation's full blocks reach the request
+through the prefix cache (no copy), the rest of the moved tokens are loaded by the connector into fresh
+blocks (nothing is recomputed, no shared block is written), and the V1 runner's generator is restored
+before the step samples.
 
 What re-admission would lose and how it is carried (``MigrationState.extra``):
 
-- seeded sampling: the per-request ``torch.Generator`` state (random requests without a seed get one drawn
-  from the engine's ``rng``, so every random request has a generator that can move);
+- seeded sampling: the V1 runner's per-request ``torch.Generator`` state; the V2 runner needs none (its
+  noise is a hash of seed and position). Random requests without a seed get one drawn from the engine's
+  ``rng``, so every random request can move;
 - ``max_tokens`` / ``min_tokens``: the destination gets what remains of each;
 - repetition penalty: vLLM applies it to tokens seen in the prompt or the output alike, so output tokens
   turned into prompt tokens are penalised exactly as before;
@@ -29,8 +34,8 @@ Refused by :meth:`VllmEngine.migratable` (the destination would see the output t
 frequency and presence penalties (vLLM counts them over output tokens only) and stop strings (the
 destination's detokenizer would not see text produced before the move).
 
-Blocks are portable only between engines of the same model, dtype, block size, KV layout and vLLM build:
-``extra["model_fingerprint"]`` must match on commit.
+Blocks are portable only between engines of the same model, dtype, block size, KV layout, model runner and
+vLLM build: ``extra["model_fingerprint"]`` must match on commit.
 """
 
 from __future__ import annotations
