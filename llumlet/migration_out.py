@@ -184,6 +184,7 @@ class MigrationSource:
         block_size = d.engine.block_size_tokens
         stages: list[StageStats] = []
         copied = 0  # blocks [0, copied) are at the destination
+        cached = 0  # of those, the leading ones it already held (never sent)
         reserved = 0
         suspended: MigrationState | None = None
 
@@ -196,6 +197,7 @@ class MigrationSource:
                 tuple(stages),
                 d.clock() - t0,
                 downtime_s,
+                cached,
             )
 
         try:
@@ -219,7 +221,7 @@ class MigrationSource:
             reserved = reply.num_blocks
             if transport.pool is not None and not reply.pool_opened:
                 transport.pool = None  # the destination cannot map our pool (another host, GPU not visible)
-            copied = min(reply.num_cached_blocks, kv[1])  # what the destination already caches is not sent
+            copied = cached = min(reply.num_cached_blocks, kv[1])  # what the destination caches is not sent
             # pre-copy stages: the request keeps decoding
             while True:
                 tokens, _ = await self._kv_or_end(rec)

@@ -96,6 +96,7 @@ class MigrationReport:
     stages: tuple[StageStats, ...] = ()
     total_s: float = 0.0  # command -> committed (or given up)
     downtime_s: float = 0.0  # suspended -> destination committed
+    cached_blocks: int = 0  # leading blocks the destination already held (prefix cache): not sent
 
     @property
     def blocks(self) -> int:

@@ -77,6 +77,7 @@ def report_to_pb(report: MigrationReport) -> pb.MigrateOutReply:
         downtime_s=report.downtime_s,
         bandwidth_bytes_per_s=report.bandwidth_bytes_per_s,
         precopy_bandwidth_bytes_per_s=report.precopy_bandwidth_bytes_per_s,
+        cached_blocks=report.cached_blocks,
         stage_reports=[
             pb.StageReport(stage=s.stage, last=s.last, blocks=s.blocks, bytes=s.bytes, seconds=s.seconds)
             for s in report.stages

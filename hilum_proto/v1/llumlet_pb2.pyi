@@ -615,6 +615,7 @@ class MigrateOutReply(_message.Message):
     BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     STAGE_REPORTS_FIELD_NUMBER: _builtins.int
     PRECOPY_BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _builtins.int
+    CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
     outcome: Global___MigrationOutcome.ValueType
     reason: _builtins.str
     transport: _builtins.str
@@ -633,6 +634,10 @@ class MigrateOutReply(_message.Message):
     """bytes / time spent transferring"""
     precopy_bandwidth_bytes_per_s: _builtins.float
     """bytes / seconds of the pre-copy stages (0: none): what the"""
+    cached_blocks: _builtins.int
+    """transport sustained on this path while the request decoded
+    leading blocks the destination already held (its prefix cache): not sent
+    """
     @_builtins.property
     def stage_reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageReport]: ...
     def __init__(
@@ -650,10 +655,11 @@ class MigrateOutReply(_message.Message):
         bandwidth_bytes_per_s: _builtins.float = ...,
         stage_reports: _abc.Iterable[Global___StageReport] | None = ...,
         precopy_bandwidth_bytes_per_s: _builtins.float = ...,
+        cached_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bandwidth_bytes_per_s", b"bandwidth_bytes_per_s", "blocks", b"blocks", "bytes", b"bytes", "downtime_s", b"downtime_s", "outcome", b"outcome", "precopy_bandwidth_bytes_per_s", b"precopy_bandwidth_bytes_per_s", "rate_cap_bytes_per_s", b"rate_cap_bytes_per_s", "reason", b"reason", "stage_reports", b"stage_reports", "stages", b"stages", "total_s", b"total_s", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bandwidth_bytes_per_s", b"bandwidth_bytes_per_s", "blocks", b"blocks", "bytes", b"bytes", "cached_blocks", b"cached_blocks", "downtime_s", b"downtime_s", "outcome", b"outcome", "precopy_bandwidth_bytes_per_s", b"precopy_bandwidth_bytes_per_s", "rate_cap_bytes_per_s", b"rate_cap_bytes_per_s", "reason", b"reason", "stage_reports", b"stage_reports", "stages", b"stages", "total_s", b"total_s", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

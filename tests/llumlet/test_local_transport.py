@@ -66,6 +66,7 @@ def test_blocks_move_by_peer_copy_from_the_sources_pool() -> None:
         rep = await _move(col, a, b, "r1")
         assert rep.transport == "local" and rep.blocks >= 5  # 70 + tokens: 5 blocks, no byte went inline
         assert rep.precopy_bandwidth_bytes_per_s > 0
+        assert rep.cached_blocks == 0  # the torch engine matches no content: every block is sent
 
     asyncio.run(_pair(body))
 

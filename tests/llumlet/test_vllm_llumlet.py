@@ -98,3 +98,6 @@ def test_a_vllm_llumlet_serves_and_migrates_requests_exactly(llumlets: dict[str,
     reports = asyncio.run(main())
     assert [r.outcome for r in reports] == [pb.MIGRATION_COMMITTED] * 2, [r.reason for r in reports]
     assert all(r.transport == "grpc" and r.downtime_s > 0 for r in reports)
+    # the references ran on v1 with the same 70-token prompt: its 2 full blocks were in v1's prefix cache,
+    # adopted by the reservation and not sent again
+    assert [r.cached_blocks for r in reports] == [2, 2]
