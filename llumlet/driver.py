@@ -50,6 +50,7 @@ class Owned:
     migrating: int = 0  # attempt of the outgoing migration in flight, 0 = none
     committing: bool = False  # Commit sent, outcome unknown
     abort_requested: bool = False  # the client aborted while committing
+    prompt_token_ids: tuple[int, ...] = ()  # the prompt, for a destination's prefix-cache lookup (may be empty)
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +244,7 @@ class EngineDriver:
             await self.call(self.engine.add_request, request)
         except ValueError as exc:  # RequestTooLargeError, duplicate id
             return str(exc)
-        self.owned[rid] = Owned(rid, origin, next_seq=0, epoch=0)
+        self.owned[rid] = Owned(rid, origin, next_seq=0, epoch=0, prompt_token_ids=request.prompt_token_ids or ())
         self.moved.pop(rid, None)
         self.wake()
         self.bump()
