@@ -75,8 +75,8 @@ class PagedEngine:
         )
 
     def _running_rows(self) -> list[RunningRow]:
-        """Each running request as the load report sees it, in arrival order (one pass, fields read directly:
-        this runs for every report)."""
+        """Each running request as the load report sees it, in rank order (class, then arrival); one pass,
+        fields read directly: this runs for every report."""
         blocks_of = self.blocks.num_blocks_of
         bs = self.blocks.block_size_tokens
         rows: list[RunningRow] = []

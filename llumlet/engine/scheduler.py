@@ -1,18 +1,37 @@
-"""Continuous batching with chunked prefill and preemption by recompute (after vLLM).
+"""Continuous batching with chunked prefill, priority classes and preemption by recompute (after vLLM).
+
+Requests are ranked by priority class first (higher first), then arrival (FCFS within a class): the running
+set is kept in that order and the waiting queue holds the classes one after the other, each FCFS, with a
+preempted request at the front of its own class. With every request in one class this is vLLM's FCFS
+scheduler; with several it follows vLLM's ``priority`` policy (queue ordered by class, victims taken from
+the lowest class) and adds what that policy lacks: a waiting request of a higher class than some running
+one takes its batch slot or its memory at once.
 
 Each step, :meth:`Scheduler.schedule` forms a batch within ``max_num_batched_tokens`` tokens and
 ``max_num_seqs`` requests:
 
-1. decodes of running requests (arrival order), one token each; when a decode cannot get a KV slot, the
-   most recently arrived running request not yet scheduled in this step is preempted by recompute (vLLM's
-   policy; it may be the request itself): its blocks are freed and it goes back to the head of the waiting
-   queue, to prefill prompt + generated tokens again;
-2. the next prefill chunk of running requests still in prefill (arrival order), within the remaining
-   token budget, shrunk to the free space; if not even one token fits, preemption as in 1 (without it
-   two half-prefilled requests could block each other forever);
-3. if nothing was preempted in this step: waiting requests in FCFS order, first the prefix-cache lookup,
-   then a prefill chunk within the remaining budget; the first that does not fit stops admission
-   (head-of-line blocking, as in vLLM).
+1. decodes of running requests (rank order), one token each; when a decode cannot get a KV slot, a running
+   request is preempted by recompute (its blocks are freed and it goes back to the waiting queue, to
+   prefill prompt + generated tokens again): the latest arrival of the lowest class present, taken from
+   the classes below the request's own even if already in this batch (its work is taken out again), and
+   within its own class only among those not yet scheduled in this step (vLLM's arrival-order recompute;
+   it may be the request itself). A higher class is never preempted for a lower one, so a high-priority
+   request is never the victim while a normal one runs;
+2. class by class, highest first: the next prefill chunk of running requests of that class still in
+   prefill, within the remaining token budget, shrunk to the free space (if not even one token fits,
+   preemption as in 1: without it two half-prefilled requests could block each other forever); then the
+   waiting requests of that class, FCFS: first the prefix-cache lookup, then a prefill chunk within the
+   remaining budget. A waiting request that outranks some running request preempts the lowest-ranked of
+   those (latest arrival of the lowest class) when the batch has no free slot or its chunk does not fit
+   in memory, until it fits (never when even preempting all of them could not let its first chunk in).
+   Otherwise the first that does not fit stops admission (head-of-line blocking, as in vLLM), as does any
+   preemption earlier in the step. Equal classes never preempt each other at admission.
+
+vLLM's ``priority`` policy (``vllm/v1/core/sched/scheduler.py``, 0.32) is the reference for the victim
+rule: a running request that cannot get blocks preempts the lowest-priority, latest-arriving running
+request, taking it out of the batch if already scheduled. vLLM orders by ascending value (0 first);
+hilum's classes are the other way round (higher = more important, :class:`EngineRequest.priority`). vLLM
+does not preempt at admission: a waiting high-priority request waits for a slot there.
 
 :meth:`Scheduler.update` applies a computed batch: token counts advance, a request that computed its
 last known token produces one output token (first token at the end of the last prefill chunk), finished
@@ -78,8 +97,19 @@ class SchedulerRequest:
         return self.num_output_tokens > 0 and self.num_computed_tokens == self.num_tokens - 1
 
     @property
+    def priority(self) -> int:
+        """Its priority class (0 normal; higher = more important)."""
+        return self.request.priority
+
+    @property
     def order_key(self) -> tuple[float, int]:
+        """Arrival order (FCFS within a class)."""
         return (self.request.arrival_s, self.seq_no)
+
+    @property
+    def rank_key(self) -> tuple[int, float, int]:
+        """Scheduling order: higher class first, then arrival."""
+        return (-self.request.priority, self.request.arrival_s, self.seq_no)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,15 +132,33 @@ class ScheduledBatch:
 
 @dataclass(slots=True)
 class _BatchBuilder:
+    limit: int  # token budget of the step
     prefill: list[tuple[str, int, int]] = field(default_factory=list)
     decode: list[tuple[str, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
-    scheduled: set[str] = field(default_factory=set)
+    scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens scheduled this step
+    used: int = 0  # tokens scheduled
     hits: int = 0
+
+    @property
+    def budget(self) -> int:
+        """Tokens still free in this step."""
+        return self.limit - self.used
+
+    def add(self, request_id: str, tokens: int) -> None:
+        self.scheduled[request_id] = tokens
+        self.used += tokens
+
+    def take_out(self, request_id: str) -> None:
+        """Remove a request scheduled in this step (it is being preempted): its tokens go back to the budget."""
+        tokens = self.scheduled.pop(request_id)
+        self.used -= tokens
+        self.decode = [d for d in self.decode if d[0] != request_id]
+        self.prefill = [p for p in self.prefill if p[0] != request_id]
 
 
 class Scheduler:
-    """FCFS waiting queue + running set over one :class:`BlockManager`.
+    """Waiting queue (by class, FCFS within) + running set (rank order) over one :class:`BlockManager`.
 
     Raises ValueError for non-positive limits.
     """
@@ -134,8 +182,8 @@ class Scheduler:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[SchedulerRequest] = deque()
-        self.running: list[SchedulerRequest] = []  # kept sorted by order_key
+        self.waiting: deque[SchedulerRequest] = deque()  # classes highest first, each FCFS
+        self.running: list[SchedulerRequest] = []  # kept sorted by rank_key
         self.requests: dict[str, SchedulerRequest] = {}  # every unfinished request
         self._seq = 0
         self.num_preemptions_total = 0
@@ -151,16 +199,30 @@ class Scheduler:
         return state
 
     def add(self, request: EngineRequest) -> SchedulerRequest:
-        """Queue a new request at the tail of the waiting queue."""
+        """Queue a new request at the tail of its class in the waiting queue."""
         state = self.new_state(request)
-        self.waiting.append(state)
+        waiting = self.waiting
+        p = request.priority
+        if not waiting or waiting[-1].priority >= p:
+            waiting.append(state)
+        else:
+            waiting.insert(next(i for i, s in enumerate(waiting) if s.priority < p), state)
         return state
 
+    def _requeue(self, state: SchedulerRequest) -> None:
+        """Put a preempted request back at the front of its class in the waiting queue."""
+        waiting = self.waiting
+        p = state.priority
+        if not waiting or waiting[0].priority <= p:
+            waiting.appendleft(state)
+        else:
+            waiting.insert(next((i for i, s in enumerate(waiting) if s.priority <= p), len(waiting)), state)
+
     def add_running(self, state: SchedulerRequest) -> None:
-        """Insert a request (blocks already held) into the running set in arrival order."""
+        """Insert a request (blocks already held) into the running set in rank order."""
         state.status = RequestStatus.RUNNING
         self.running.append(state)
-        self.running.sort(key=lambda s: s.order_key)
+        self.running.sort(key=lambda s: s.rank_key)
 
     def remove(self, request_id: str) -> SchedulerRequest | None:
         """Forget a request wherever it is and free its blocks; None if unknown."""
@@ -188,7 +250,10 @@ class Scheduler:
         return sum(blocks.blocks_for_tokens(s.num_tokens) - blocks.num_blocks_of(s.request_id) for s in self.waiting)
 
     # ---- scheduling -----------------------------------------------------------------------------
-    def _preempt(self, victim: SchedulerRequest) -> None:
+    def _preempt(self, victim: SchedulerRequest, batch: _BatchBuilder) -> None:
+        """Preempt ``victim`` by recompute (taking its work out of ``batch`` if it is in it)."""
+        if victim.request_id in batch.scheduled:
+            batch.take_out(victim.request_id)
         self.running.remove(victim)
         self.blocks.free(victim.request_id)
         victim.num_preemptions += 1
@@ -196,7 +261,29 @@ class Scheduler:
         victim.recompute_pending = victim.num_computed_tokens
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
-        self.waiting.appendleft(victim)
+        self._requeue(victim)
+        batch.preempted.append(victim.request_id)
+
+    def _victim_for(self, state: SchedulerRequest, batch: _BatchBuilder) -> SchedulerRequest:
+        """Whom a running ``state`` that cannot get a KV slot preempts (module docstring, 1): the lowest-ranked
+        of the lower classes' requests and its own class's requests not yet in ``batch`` (``state`` included)."""
+        p = state.priority
+        return max(
+            (s for s in self.running if s.priority < p or (s.priority == p and s.request_id not in batch.scheduled)),
+            key=lambda s: (-s.priority, s.order_key),
+        )
+
+    def _lower_victim(self, state: SchedulerRequest) -> SchedulerRequest | None:
+        """The running request a waiting ``state`` may preempt: the lowest-ranked one of a lower class."""
+        running = self.running
+        if not running or running[-1].priority >= state.priority:
+            return None
+        lowest = running[-1].priority
+        return max((s for s in running if s.priority == lowest), key=lambda s: s.order_key)
+
+    def outranks_running(self, state: SchedulerRequest) -> bool:
+        """Whether ``state`` is of a higher class than some running request (it may preempt one)."""
+        return bool(self.running) and self.running[-1].priority < state.priority
 
     def _fit_tokens(self, state: SchedulerRequest) -> int:
         """Token slots the request could still get from its last block plus every available block."""
@@ -204,35 +291,29 @@ class Scheduler:
         held = self.blocks.num_blocks_of(rid) + self.blocks.available_blocks
         return held * self.blocks.block_size_tokens - self.blocks.num_tokens_of(rid)
 
-    def _schedule_running(
-        self,
-        state: SchedulerRequest,
-        budget: int,
-        batch: _BatchBuilder,
-    ) -> int:
-        """Schedule a running request's next tokens (1 for a decode, a chunk for a prefill).
+    def _schedule_running(self, state: SchedulerRequest, batch: _BatchBuilder) -> int:
+        """Schedule a running request's next tokens (1 for a decode, a chunk for a prefill) within the budget.
 
-        A prefill chunk shrinks to the free space. When not even one token fits, the most recently arrived
-        running request not yet in this batch is preempted, until it fits or ``state`` itself is the victim.
-        Returns the tokens scheduled (0 if ``state`` was preempted).
+        A prefill chunk shrinks to the free space. When not even one token fits, a running request is
+        preempted (``_victim_for``), until it fits or ``state`` itself is the victim. Returns the tokens
+        scheduled (0 if ``state`` was preempted).
         """
         while (fit := self._fit_tokens(state)) < 1:
-            victim = max((s for s in self.running if s.request_id not in batch.scheduled), key=lambda s: s.order_key)
-            self._preempt(victim)
-            batch.preempted.append(victim.request_id)
+            victim = self._victim_for(state, batch)
+            self._preempt(victim, batch)
             if victim is state:
                 return 0
-        n = min(state.num_tokens - state.num_computed_tokens, budget, fit)
+        n = min(state.num_tokens - state.num_computed_tokens, batch.budget, fit)
         if self.blocks.allocate_slots(state.request_id, n) is None:  # pragma: no cover - fit guarantees it
             raise AssertionError(f"{state.request_id}: {n} tokens fit but allocation failed")
         if state.in_decode:
             batch.decode.append((state.request_id, state.num_computed_tokens + 1))
         else:
             batch.prefill.append((state.request_id, n, state.num_computed_tokens))
-        batch.scheduled.add(state.request_id)
+        batch.add(state.request_id, n)
         return n
 
-    def _admit(self, state: SchedulerRequest, budget: int, batch: _BatchBuilder) -> int:
+    def _admit(self, state: SchedulerRequest, batch: _BatchBuilder) -> int:
         """Schedule a waiting request's first chunk, all or nothing; returns tokens (0: did not fit).
 
         With ``admission="whole-prompt"`` the request is admitted only when the blocks for all its tokens
@@ -244,42 +325,98 @@ class Scheduler:
             need = self.blocks.blocks_for_tokens(state.num_tokens) - self.blocks.num_blocks_of(state.request_id)
             if need > self.blocks.available_blocks - self.watermark_blocks:
                 return 0
-        chunk = min(state.num_tokens - state.num_computed_tokens, budget)
+        chunk = min(state.num_tokens - state.num_computed_tokens, batch.budget)
         if chunk <= 0 or self.blocks.allocate_slots(state.request_id, chunk) is None:
             return 0
         batch.prefill.append((state.request_id, chunk, state.num_computed_tokens))
-        batch.scheduled.add(state.request_id)
+        batch.add(state.request_id, chunk)
         return chunk
 
     def schedule(self) -> ScheduledBatch:
         """Form the next batch (see the module docstring). May preempt; never raises for "full"."""
-        batch = _BatchBuilder()
-        used = 0
-        limit = self.max_num_batched_tokens
-        for decodes_pass in (True, False):
-            for state in list(self.running):
-                if state.status is not RequestStatus.RUNNING or state.in_decode is not decodes_pass:
-                    continue
-                if used >= limit or len(batch.scheduled) >= self.max_num_seqs:
+        batch = _BatchBuilder(limit=self.max_num_batched_tokens)
+        for state in list(self.running):
+            if state.status is RequestStatus.RUNNING and state.in_decode:
+                if batch.used >= batch.limit or len(batch.scheduled) >= self.max_num_seqs:
                     break
-                used += self._schedule_running(state, limit - used, batch)
-        while not batch.preempted and self.waiting and used < limit and len(self.running) < self.max_num_seqs:
-            head = self.waiting[0]
-            pending = head.recompute_pending
-            hits_now = self._match_prefix(head)
-            got = self._admit(head, limit - used, batch)
-            if got == 0:
-                if hits_now:  # undo the lookup: the request stays queued without blocks
-                    self.blocks.free(head.request_id)
-                    head.num_computed_tokens = 0
-                    head.prefix_hit_tokens -= hits_now
-                    head.recompute_pending = pending
+                self._schedule_running(state, batch)
+        prefills = [s for s in self.running if not s.in_decode]  # rank order: classes highest first
+        admitting = True
+        i = 0
+        while batch.used < batch.limit:
+            head_class = self.waiting[0].priority if admitting and self.waiting else -1
+            running_class = prefills[i].priority if i < len(prefills) else -1
+            cls = max(head_class, running_class)
+            if cls < 0:
                 break
-            batch.hits += hits_now
-            used += got
-            self.waiting.popleft()
-            self.add_running(head)
+            while i < len(prefills) and prefills[i].priority == cls:
+                state = prefills[i]
+                i += 1
+                if state.status is not RequestStatus.RUNNING or state.request_id in batch.scheduled:
+                    continue
+                if batch.used >= batch.limit or len(batch.scheduled) >= self.max_num_seqs:
+                    break
+                self._schedule_running(state, batch)
+            if admitting and head_class == cls:
+                admitting = self._admit_class(cls, batch)
         return ScheduledBatch(tuple(batch.prefill), tuple(batch.decode), tuple(batch.preempted), batch.hits)
+
+    def _admit_class(self, cls: int, batch: _BatchBuilder) -> bool:
+        """Admit waiting requests of class ``cls`` (the head's) in FCFS order (module docstring, 2).
+
+        Returns False when admission stops for this step (a request did not fit: head-of-line blocking).
+        """
+        while self.waiting and self.waiting[0].priority == cls and batch.used < batch.limit:
+            head = self.waiting[0]
+            may_preempt = self.outranks_running(head)
+            if batch.preempted and not may_preempt:
+                return False
+            while len(self.running) >= self.max_num_seqs:  # no free batch slot: only a lower class gives one
+                victim = self._lower_victim(head) if may_preempt else None
+                if victim is None or not self._lower_could_fit(head, batch):  # no preemption that cannot help
+                    return False
+                self._preempt(victim, batch)
+            if not self._admit_head(head, batch):
+                return False
+        return True
+
+    def _admit_head(self, head: SchedulerRequest, batch: _BatchBuilder) -> bool:
+        """Admit the waiting ``head`` (prefix lookup, first chunk), preempting lower classes for memory when it
+        outranks them and they could free enough; False (nothing changed for ``head``) when it does not fit."""
+        pending = head.recompute_pending
+        hits_now = self._match_prefix(head)
+        while (got := self._admit(head, batch)) == 0:
+            victim = self._lower_victim(head)
+            if victim is None or not self._lower_could_fit(head, batch):
+                break
+            self._preempt(victim, batch)
+        if got == 0:
+            if hits_now:  # undo the lookup: the request stays queued without blocks
+                self.blocks.free(head.request_id)
+                head.num_computed_tokens = 0
+                head.prefix_hit_tokens -= hits_now
+                head.recompute_pending = pending
+            return False
+        batch.hits += hits_now
+        self.waiting.popleft()
+        self.add_running(head)
+        return True
+
+    def _lower_could_fit(self, head: SchedulerRequest, batch: _BatchBuilder) -> bool:
+        """Whether preempting every running request of a lower class than ``head`` could let its first chunk
+        in (budget and blocks, counting every block they hold as freed: an upper bound)."""
+        lower = [s for s in self.running if s.priority < head.priority]
+        budget = batch.budget + sum(batch.scheduled.get(s.request_id, 0) for s in lower)
+        chunk = min(head.num_tokens - head.num_computed_tokens, budget)
+        if chunk <= 0:
+            return False
+        blocks = self.blocks
+        rid = head.request_id
+        held = blocks.num_blocks_of(rid)
+        need = blocks.blocks_for_tokens(blocks.num_tokens_of(rid) + chunk) - held
+        if self.admission == "whole-prompt":
+            need = max(need, blocks.blocks_for_tokens(head.num_tokens) - held + self.watermark_blocks)
+        return need <= blocks.available_blocks + sum(blocks.num_blocks_of(s.request_id) for s in lower)
 
     # ---- runs of pure decode steps ---------------------------------------------------------------
     def decode_run_length(self, max_steps: int) -> int:
@@ -295,7 +432,8 @@ class Scheduler:
 
         A blocked head of the queue is looked up in the prefix cache again at every step (counters, LRU
         order: :meth:`apply_decode_steps` repeats that). Conservative: 0 when a request still has tokens to
-        recompute or could publish a prefix block.
+        recompute or could publish a prefix block, or when the head of the queue outranks a running request
+        (the next step admits it by preemption).
         """
         running = self.running
         n = len(running)
@@ -319,7 +457,7 @@ class Scheduler:
                 )
             ):
                 return 0
-        if steps < 1:
+        if steps < 1 or (self.waiting and self.outranks_running(self.waiting[0])):  # the next step preempts
             return 0
         ids = [s.request_id for s in running]
         steps = blocks.decode_rounds_that_fit(ids, steps)

@@ -237,7 +237,7 @@ class EngineLoad:
     used_blocks: int  # held by requests (running, suspended, referenced prefix blocks)
     reserved_blocks: int  # held for incoming migrations
     cached_blocks: int  # unreferenced prefix-cache blocks (evictable, counted as free for admission)
-    running: tuple[RunningRequestLoad, ...] = ()  # running requests, arrival order
+    running: tuple[RunningRequestLoad, ...] = ()  # running requests, the engine's order (rank: class, then arrival)
     num_waiting: int = 0  # queued requests (new and preempted)
     head_demand_blocks: int = 0  # blocks the head-of-queue request needs for its prompt + output so far
     queued_demand_blocks: int = 0  # blocks every queued request needs (head included)

@@ -131,9 +131,9 @@ def test_steps_count_tokens_blocks_and_finish_each_request_once(make: MakeEngine
     load = engine.load()
     assert load.used_blocks == 3 + 2 + 4  # ceil(10/4) + ceil(5/4) + ceil(13/4)
     assert [(r.request_id, r.blocks, r.num_tokens, r.in_decode, r.priority) for r in load.running] == [
+        ("r3", 4, 14, True, 1),  # rank order: the high-priority class first, then arrival
         ("r1", 3, 11, True, 0),
         ("r2", 2, 6, True, 0),
-        ("r3", 4, 14, True, 1),
     ]
     counts = dict(produced(first))
     finished = run_until_idle(engine, counts)
