@@ -234,6 +234,7 @@ def load_to_pb(load: EngineLoad, instance_id: str, domain_id: str) -> pb.LoadRep
         queued_demand_blocks=load.queued_demand_blocks,
         preempting=load.preempting,
         num_suspended=load.num_suspended,
+        max_num_seqs=load.max_num_seqs,
     )
 
 
@@ -265,6 +266,7 @@ def load_from_pb(msg: pb.LoadReport) -> EngineLoad:
         queued_demand_blocks=msg.queued_demand_blocks,
         preempting=msg.preempting,
         num_suspended=msg.num_suspended,
+        max_num_seqs=msg.max_num_seqs,
     )
 
 

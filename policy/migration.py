@@ -1,16 +1,28 @@
 """Migration planning: which request moves from which instance to which (Llumnix OSDI'24 §4.4.3).
 
 One planning round:
-1. sources: instances with F < migrate_out_freeness_below, or preempting, or draining;
-   destinations: not a source, not draining, F > migrate_in_freeness_above. A draining source may
-   also use any other instance that is neither draining nor preempting (everything must leave);
+1. sources: instances with F < migrate_out_freeness_below, or preempting, or draining, or starved of
+   batch slots (``InstanceLoad.slots_starved``: every slot taken and a request waits, free memory or not);
+   destinations: not a source, not draining, F > migrate_in_freeness_above, with a batch slot for one
+   more request beside the head of their own queue (``InstanceLoad.takes_one_more``). A draining source
+   may also use any other instance that is neither draining nor preempting (everything must leave);
 2. pair the lowest-F source with the highest-F destination still free this round, and so on
    (Llumnix's pairing); each instance takes part in at most one move per round;
 3. the request: the first of the source's migratable requests, in the configured candidate order,
    that fits in the destination's real free blocks, whose largest possible size (``max_blocks``: prompt
    plus max_tokens) the destination's capacity can hold, and that lowers the potential Φ = Σ V_i²
-   (true iff V_src − V_dst > v_r; always true from a draining source).
-Because every move lowers Φ, the reverse move can never be planned next: no ping-pong.
+   (true iff V_src − V_dst > v_r; always true from a draining source, and from a source starved of
+   slots: the move gives its queue a slot, which Φ, a sum over blocks, cannot see).
+Because every move lowers Φ, the reverse move can never be planned next: no ping-pong. A move for slots
+may raise Φ, but its reverse is never planned either: the destination keeps a slot for its own queue
+(not starved, so not a source for slots) and the source, its slot taken by its queue at the next step,
+does not take one more (not a destination).
+
+The slot rule is hilum's (issue 15: a high-priority request waited 396 steps on an instance whose slots
+were full of normal decodes, an empty instance next door, because the rules saw memory, not slots);
+Llumnix's freeness counts blocks only. The engine's own priority admission (``llumlet.engine.scheduler``)
+gives a high-priority arrival a slot by preempting a normal request; the normal request then waits on a
+full batch, and this rule moves a running request out to give it a slot.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ __all__ = [
     "CandidateOrder",
     "MigrationDecision",
     "candidate_order",
+    "gives_a_slot",
     "move_lowers_potential",
     "pair_domains",
     "plan_migrations",
@@ -152,7 +165,13 @@ def _freeness_by_id(loads: Sequence[InstanceLoad], cfg: PolicyConfig) -> dict[st
 
 
 def _is_source(load: InstanceLoad, f: float, cfg: PolicyConfig) -> bool:
-    return load.draining or load.preempting or f < cfg.migrate_out_freeness_below
+    return load.draining or load.preempting or f < cfg.migrate_out_freeness_below or load.slots_starved
+
+
+def gives_a_slot(src: InstanceLoad, dst: InstanceLoad) -> bool:
+    """True iff a move from ``src`` to ``dst`` is allowed for batch slots alone (module docstring, 1 and 3):
+    ``src`` is starved of slots and not draining, ``dst`` is not draining and takes one more request."""
+    return src.slots_starved and not src.draining and not dst.draining and dst.takes_one_more
 
 
 def _accepts(
@@ -165,14 +184,15 @@ def _accepts(
 ) -> bool:
     """Can `dst` receive from `src` this round? (`used`: instances already paired this round.)
 
-    Normally dst must not be a source and must be above the destination threshold; a draining
-    source may use any instance that is neither draining nor preempting (everything must leave).
+    Normally dst must not be a source, must be above the destination threshold and must take one more
+    request (a batch slot, when it reports its limit); a draining source may use any instance that is
+    neither draining nor preempting (everything must leave).
     """
     if dst.draining or dst.instance_id == src.instance_id or dst.instance_id in used:
         return False
     if src.draining:
         return not dst.preempting
-    return dst.instance_id not in source_ids and f_dst > cfg.migrate_in_freeness_above
+    return dst.instance_id not in source_ids and f_dst > cfg.migrate_in_freeness_above and dst.takes_one_more
 
 
 def _first_move(
@@ -189,7 +209,7 @@ def _first_move(
             if (
                 request.blocks <= dst.free_blocks
                 and request.max_blocks <= dst.capacity_blocks
-                and move_lowers_potential(src, dst, request, cfg)
+                and (move_lowers_potential(src, dst, request, cfg) or gives_a_slot(src, dst))
             ):
                 reason = _reason(src, dst, request, f, cfg)
                 return MigrationDecision(src.instance_id, dst.instance_id, request.request_id, request.blocks, reason)
@@ -201,14 +221,18 @@ def _reason(src: InstanceLoad, dst: InstanceLoad, request: RequestLoad, f: dict[
         why = "source draining"
     elif src.preempting:
         why = f"source preempting (F={f[src.instance_id]:.2f})"
+    elif src.slots_starved:
+        why = f"source slots full ({len(src.running)} of {src.max_num_seqs} running, {src.num_waiting} waiting)"
     else:
         why = f"source F={f[src.instance_id]:.2f} < {cfg.migrate_out_freeness_below}"
     v_src = instance_virtual_usage(src, cfg)
     v_dst = instance_virtual_usage(dst, cfg)
-    return (
-        f"{why}; destination F={f[dst.instance_id]:.2f}; V_src {v_src:.0f} − V_dst {v_dst:.0f} > "
-        f"v_r {request_virtual_usage(request, cfg)} ({cfg.candidate_policy})"
-    )
+    v_r = request_virtual_usage(request, cfg)
+    if src.draining or move_lowers_potential(src, dst, request, cfg):
+        rule = f"V_src {v_src:.0f} − V_dst {v_dst:.0f} > v_r {v_r}"
+    else:
+        rule = f"a batch slot ({len(dst.running)} of {dst.max_num_seqs} running there)"
+    return f"{why}; destination F={f[dst.instance_id]:.2f}; {rule} ({cfg.candidate_policy})"
 
 
 def pair_domains(summaries: Sequence[DomainSummary], cfg: PolicyConfig) -> list[tuple[str, str]]:

@@ -85,6 +85,7 @@ class InstanceLoad:
     warming_up: bool = False  # freshly added: negative fake usage so it fills quickly
     domain_id: str = ""  # NVLink domain of the instance ("" when not known)
     decode_step_s: float = 0.0  # duration of its most recent engine step, seconds (0 = not measured yet)
+    max_num_seqs: int = 0  # batch slots: requests the engine runs in one step at most (0 = not known)
 
     def __post_init__(self) -> None:
         where = f"InstanceLoad({self.instance_id!r})"
@@ -122,6 +123,7 @@ class InstanceLoad:
             where,
             f"decode_step_s must be a finite number >= 0, got {self.decode_step_s}",
         )
+        _require(self.max_num_seqs >= 0, where, f"max_num_seqs must be >= 0, got {self.max_num_seqs}")
         object.__setattr__(self, "running", tuple(self.running))
         ids = {r.request_id for r in self.running}
         if len(ids) != len(self.running):
@@ -133,6 +135,19 @@ class InstanceLoad:
     def free_blocks(self) -> int:
         """Real free KV cache blocks now: M − used."""
         return self.capacity_blocks - self.used_blocks
+
+    @property
+    def slots_starved(self) -> bool:
+        """Every batch slot is taken (running >= ``max_num_seqs``, when known) and a request waits: it waits
+        for a slot whatever the free memory (a rule reading blocks alone does not see it)."""
+        return 0 < self.max_num_seqs <= len(self.running) and self.num_waiting > 0
+
+    @property
+    def takes_one_more(self) -> bool:
+        """One more running request would leave it a batch slot for the head of its own queue: running + 1 +
+        (1 if a request waits) <= ``max_num_seqs``; always True when the limit is not known. A request moved
+        here then runs at once and does not make this instance :attr:`slots_starved`."""
+        return self.max_num_seqs == 0 or len(self.running) + 1 + (self.num_waiting > 0) <= self.max_num_seqs
 
 
 _T = TypeVar("_T")

@@ -520,6 +520,7 @@ class LoadReport(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     RECENT_STEP_S_FIELD_NUMBER: _builtins.int
     FINISHED_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     domain_id: _builtins.str
     total_blocks: _builtins.int
@@ -542,6 +543,10 @@ class LoadReport(_message.Message):
     """grows with every change"""
     recent_step_s: _builtins.float
     """duration of the most recent engine step, seconds (0 = none yet)"""
+    max_num_seqs: _builtins.int
+    """the stream's previous report (remaining-output estimates)
+    batch slots: requests per engine step at most (0 = not known)
+    """
     @_builtins.property
     def running(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunningRequest]: ...
     @_builtins.property
@@ -569,10 +574,11 @@ class LoadReport(_message.Message):
         version: _builtins.int = ...,
         recent_step_s: _builtins.float = ...,
         finished_output_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        max_num_seqs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "domain_id", b"domain_id", "finished_output_tokens", b"finished_output_tokens", "head_demand_blocks", b"head_demand_blocks", "instance_id", b"instance_id", "num_migrations_out", b"num_migrations_out", "num_requests", b"num_requests", "num_reservations", b"num_reservations", "num_suspended", b"num_suspended", "num_waiting", b"num_waiting", "preempting", b"preempting", "queued_demand_blocks", b"queued_demand_blocks", "recent_step_s", b"recent_step_s", "reserved_blocks", b"reserved_blocks", "running", b"running", "total_blocks", b"total_blocks", "used_blocks", b"used_blocks", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "domain_id", b"domain_id", "finished_output_tokens", b"finished_output_tokens", "head_demand_blocks", b"head_demand_blocks", "instance_id", b"instance_id", "max_num_seqs", b"max_num_seqs", "num_migrations_out", b"num_migrations_out", "num_requests", b"num_requests", "num_reservations", b"num_reservations", "num_suspended", b"num_suspended", "num_waiting", b"num_waiting", "preempting", b"preempting", "queued_demand_blocks", b"queued_demand_blocks", "recent_step_s", b"recent_step_s", "reserved_blocks", b"reserved_blocks", "running", b"running", "total_blocks", b"total_blocks", "used_blocks", b"used_blocks", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

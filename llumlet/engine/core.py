@@ -212,6 +212,7 @@ class EngineCore(PagedEngine):
             head_demand_blocks=head_demand,
             queued_demand_blocks=queued_demand,
             preempting=preempting,
+            max_num_seqs=self.scheduler.max_num_seqs,
         )
 
     def _changing(self) -> None:

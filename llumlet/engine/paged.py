@@ -72,6 +72,7 @@ class PagedEngine:
             queued_demand_blocks=queued_demand,
             preempting=preempting,
             num_suspended=len(self._suspended),
+            max_num_seqs=self.scheduler.max_num_seqs,
         )
 
     def _running_rows(self) -> list[RunningRow]:

@@ -243,6 +243,7 @@ class EngineLoad:
     queued_demand_blocks: int = 0  # blocks every queued request needs (head included)
     preempting: bool = False  # a preemption happened in the last step or a preempted request still waits
     num_suspended: int = 0  # requests suspended for migration (their blocks are in used_blocks)
+    max_num_seqs: int = 0  # batch slots: requests per step at most (0 = not known)
 
     @property
     def free_blocks(self) -> int:
@@ -273,6 +274,7 @@ class EngineLoad:
             head_demand_blocks=self.head_demand_blocks,
             queued_demand_blocks=self.queued_demand_blocks,
             preempting=self.preempting,
+            max_num_seqs=self.max_num_seqs,
         )
 
 
@@ -298,6 +300,7 @@ def instance_load_of(
     head_demand_blocks: int,
     queued_demand_blocks: int,
     preempting: bool,
+    max_num_seqs: int = 0,
 ) -> InstanceLoad:
     """An engine's load as the policy layer's ``InstanceLoad`` (the fields as in :class:`EngineLoad`).
 
@@ -327,6 +330,7 @@ def instance_load_of(
         warming_up=warming_up,
         domain_id=domain_id,
         decode_step_s=decode_step_s,
+        max_num_seqs=max_num_seqs,
     )
 
 

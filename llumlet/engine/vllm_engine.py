@@ -608,6 +608,7 @@ class VllmEngine:
             queued_demand_blocks=sum(demands),
             preempting=self._last_step_preempted or any(r.num_preemptions for r in waiting),
             num_suspended=sum(t.suspended for t in self._tracked.values()),
+            max_num_seqs=int(getattr(sched, "max_num_running_reqs", 0)),  # vLLM's max_num_seqs, as it runs
         )
 
     # ---- migration: source side -----------------------------------------------------------------

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 from policy_factories import CFG, apply_move, inst
@@ -196,3 +197,72 @@ def test_a_request_never_moves_where_it_could_not_grow() -> None:
     large = inst("large", 300, [100])
     assert moves(plan(a, small, large)) == [("a", "large", "a-r0", 18)]
     assert moves(plan(a, small)) == [("a", "small", "a-r1", 68)]  # the next candidate that can grow there
+
+
+# ---- batch slots (issue 15: the rule saw memory, not slots) ------------------------------------------------
+def test_an_instance_with_every_slot_taken_and_a_queue_is_a_source_even_with_free_memory() -> None:
+    # a: 4 of 4 slots, 40 of 1000 blocks used (F (1000 − 40)/4 = 240), one request waits for a slot (its
+    # prompt needs 2 blocks: V 42, the head demand). b: 10 blocks used (F 990), 1 slot of 4 taken. Φ alone plans
+    # nothing (V_a − V_b = 32 > v_r 10 holds, but a is no source: F 240 > 3, not preempting); with the
+    # slot limits known a-r0 (the shortest normal) moves to b
+    a = inst("a", 1000, [10, 10, 10, 10], num_waiting=1, head_demand_blocks=2, max_num_seqs=4)
+    b = inst("b", 1000, [10], max_num_seqs=4)
+    assert a.slots_starved and not b.slots_starved and b.takes_one_more
+    decisions = plan(a, b)
+    assert moves(decisions) == [("a", "b", "a-r0", 10)]
+    assert decisions[0].reason == (
+        "source slots full (4 of 4 running, 1 waiting); destination F=990.00; V_src 42 − V_dst 10 > v_r 10 "
+        "(priority-then-size)"
+    )
+    unknown = [replace(x, max_num_seqs=0) for x in (a, b)]  # what every report said before
+    assert plan(*unknown) == []
+
+
+def test_a_move_for_slots_needs_no_drop_in_the_potential() -> None:
+    # a: 4 slots full of 10-block requests (V 40 + 2), b holds one 300-block request (V 300): the move raises
+    # Φ (V_a − V_b < 0), and is still planned: a's waiting request gets a slot
+    a = inst("a", 1000, [10, 10, 10, 10], num_waiting=1, head_demand_blocks=2, max_num_seqs=4)
+    b = inst("b", 1000, [300], max_num_seqs=4)
+    assert instance_virtual_usage(a, CFG) < instance_virtual_usage(b, CFG)
+    assert moves(plan(a, b)) == [("a", "b", "a-r0", 10)]
+
+
+def test_normal_requests_leave_a_slot_starved_instance_before_high_priority_ones() -> None:
+    # a's slots: a high-priority request (the smallest) and three normal ones; a normal one moves
+    a = inst("a", 1000, [5, 10, 20, 30], priorities=[1], num_waiting=1, head_demand_blocks=2, max_num_seqs=4)
+    b = inst("b", 1000, [], max_num_seqs=4)
+    assert moves(plan(a, b)) == [("a", "b", "a-r1", 10)]
+
+
+def test_no_destination_without_a_slot_for_one_more_beside_its_queue() -> None:
+    # a: memory source (F (100 − 90)/5 = 2). b: freest (F 99), but its 1 of 2 slots + a waiting request
+    # leave no slot for one more; c (F 40, 2 of 4 slots, nothing waiting) takes the move instead
+    a = inst("a", 100, [18, 18, 18, 18, 18], max_num_seqs=8)
+    b = inst("b", 100, [1], num_waiting=1, max_num_seqs=2)
+    c = inst("c", 100, [10, 10], max_num_seqs=4)
+    assert not b.takes_one_more and c.takes_one_more
+    assert moves(plan(a, b, c)) == [("a", "c", "a-r0", 18)]
+    assert moves(plan(a, replace(b, max_num_seqs=0), c)) == [("a", "b", "a-r0", 18)]  # before: b
+
+
+def test_a_move_for_slots_is_not_reversed() -> None:
+    a = inst("a", 1000, [10, 10, 10, 10], num_waiting=1, head_demand_blocks=2, max_num_seqs=4)
+    b = inst("b", 1000, [300], max_num_seqs=4)
+    (move,) = plan(a, b)
+    a2, b2 = apply_move([a, b], move)
+    # a's queue takes the slot at its next step: 4 running again, nothing waiting
+    head = RequestLoad("a-new", 2)
+    a3 = replace(a2, running=(*a2.running, head), used_blocks=a2.used_blocks + 2, num_waiting=0, head_demand_blocks=0)
+    assert not a3.slots_starved and not a3.takes_one_more and not b2.slots_starved
+    assert plan(a3, b2) == []
+
+
+def test_a_slot_starved_destination_slot_full_everywhere_plans_nothing() -> None:
+    a = inst("a", 1000, [10, 10], num_waiting=3, head_demand_blocks=2, max_num_seqs=2)
+    b = inst("b", 1000, [10, 10], num_waiting=1, head_demand_blocks=2, max_num_seqs=2)
+    assert plan(a, b) == []
+
+
+def test_max_num_seqs_is_checked() -> None:
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 0, got -1"):
+        InstanceLoad("a", 10, 0, max_num_seqs=-1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -168,3 +169,39 @@ def test_an_unanswered_instance_comes_back_with_an_answer_not_only_a_report() ->
     assert not c.answering("a")
     c.answered("a")  # a heartbeat got an answer; a is idle and sends no report
     assert c.answering("a") and c.dispatch(DomainRequest("r2", "m", 10, 5)).target_id == "a"
+
+
+def test_a_queue_behind_full_batch_slots_is_moved_for_over_the_live_load_reports() -> None:
+    # issue 15 end to end, as a domain scheduler sees it: engine a runs 4 of 4 slots of high-priority decodes
+    # with 980 free blocks; a fifth high-priority request waits there (equal classes never preempt each
+    # other), b is empty. a is no source by memory (F = (1000 − 20 − 4 x 128 headroom − 4 queued) / 4 = 116,
+    # not preempting); with the slot limit in the reports (hilum.v1.LoadReport.max_num_seqs, field 19) the
+    # domain moves one of a's decodes to b, which gives h4 a slot
+    from llumlet.convert import load_to_pb
+    from llumlet.engine import EngineCore, EngineRequest
+    from rack_sched.convert import load_from_pb
+    from tests.llumlet.test_engine_core import flat_model
+
+    def engine(iid: str) -> EngineCore:
+        return EngineCore(iid, num_blocks=1000, block_size_tokens=BS, latency_model=flat_model(), max_num_seqs=4)
+
+    a, b = engine("a"), engine("b")
+    for i in range(4):
+        a.add_request(EngineRequest(f"h{i}", prompt_tokens=64, max_tokens=500, priority=1, arrival_s=float(i)))
+    for _ in range(3):
+        a.step()
+    a.add_request(EngineRequest("h4", prompt_tokens=64, max_tokens=50, priority=1, arrival_s=10.0))
+    assert a.step().preempted == ()
+    c = core(a="m", b="m")
+    reports = {iid: load_from_pb(load_to_pb(e.load(), iid, "d"), iid, "d") for iid, e in (("a", a), ("b", b))}
+    ra = reports["a"]
+    assert (ra.max_num_seqs, len(ra.running), ra.num_waiting, ra.free_blocks, ra.preempting) == (4, 4, 1, 980, False)
+    for iid, report in reports.items():
+        c.report(iid, report)
+    (move,) = c.plan_rebalance(now_s=0.0)
+    assert (move.src_id, move.dst_id, move.request_id) == ("a", "b", "h0")  # all high: fewest blocks, then id
+    assert move.reason.startswith("source slots full (4 of 4 running, 1 waiting); destination F=1000.00")
+    before = core(a="m", b="m")  # the same reports without the slot limit: nothing moves
+    for iid, report in reports.items():
+        before.report(iid, replace(report, max_num_seqs=0))
+    assert before.plan_rebalance(now_s=0.0) == []
