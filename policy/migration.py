@@ -12,7 +12,8 @@ One planning round:
    that fits in the destination's real free blocks, whose largest possible size (``max_blocks``: prompt
    plus max_tokens) the destination's capacity can hold, and that lowers the potential Φ = Σ V_i²
    (true iff V_src − V_dst > v_r; always true from a draining source, and from a source starved of
-   slots: the move gives its queue a slot, which Φ, a sum over blocks, cannot see).
+   slots to a destination that reports a free slot: the move gives the source's queue a slot, which Φ, a
+   sum over blocks, cannot see).
 Because every move lowers Φ, the reverse move can never be planned next: no ping-pong. A move for slots
 may raise Φ, but its reverse is never planned either: the destination keeps a slot for its own queue
 (not starved, so not a source for slots) and the source, its slot taken by its queue at the next step,
@@ -170,8 +171,10 @@ def _is_source(load: InstanceLoad, f: float, cfg: PolicyConfig) -> bool:
 
 def gives_a_slot(src: InstanceLoad, dst: InstanceLoad) -> bool:
     """True iff a move from ``src`` to ``dst`` is allowed for batch slots alone (module docstring, 1 and 3):
-    ``src`` is starved of slots and not draining, ``dst`` is not draining and takes one more request."""
-    return src.slots_starved and not src.draining and not dst.draining and dst.takes_one_more
+    ``src`` is starved of slots and not draining, ``dst`` is not draining, reports its slot limit and takes
+    one more request. A destination that does not report its limit (a domain's stand-in in
+    ``rack_sched.plan``, whose summary has no slots) gets such a move only when it also lowers Φ."""
+    return src.slots_starved and not src.draining and not dst.draining and dst.max_num_seqs > 0 and dst.takes_one_more
 
 
 def _accepts(

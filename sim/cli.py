@@ -69,6 +69,13 @@ def register(sub: Any) -> None:
         default="chunked",
         help="engine admission: vLLM v1 chunk by chunk (default) or vLLM v0 whole prompt (Llumnix's engine)",
     )
+    parser.add_argument(
+        "--scheduling",
+        choices=("priority", "fcfs"),
+        default="priority",
+        help="engine scheduling: priority classes in admission and preemption (default) or fcfs (priorities "
+        "ignored in the engine, as before issue 15)",
+    )
     parser.add_argument("--out", default=None, help="directory for results.json and plots")
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON instead of a table")
     add_config_argument(parser)
@@ -97,6 +104,7 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         "drain": tuple(args.drain),
         "scale_out": tuple(args.scale_out),
         "admission": args.admission,
+        "scheduling": args.scheduling,
         "model": args.model,
     }
     if args.summary_lag_ms is not None:

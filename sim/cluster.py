@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from llumlet.engine.core import DecodeRun, EngineCore
 from llumlet.engine.latency import LatencyModel
-from llumlet.engine.scheduler import Admission
+from llumlet.engine.scheduler import Admission, SchedulingPolicy
 from llumlet.engine.types import EngineRequest, StepResult
 from policy.types import InstanceLoad
 from topology.spec import InstanceSpec, ModelSpec, Topology
@@ -53,6 +53,7 @@ class EngineLimits:
     max_num_batched_tokens: int = 8192  # tokens (prefill chunk + decodes) per step
     admission: Admission = "chunked"  # "chunked" (vLLM v1) or "whole-prompt" (vLLM v0, Llumnix's engine)
     prefix_caching: bool = False  # share prompt prefixes by the trace's hash ids (vLLM automatic prefix caching)
+    scheduling: SchedulingPolicy = "priority"  # engine scheduling: priority classes, or "fcfs" (priorities ignored)
 
 
 @dataclass(slots=True)
@@ -238,6 +239,7 @@ class Cluster:
                 kv_bytes_per_block=model_spec.kv_bytes_per_block,
                 admission=limits.admission,
                 enable_prefix_caching=limits.prefix_caching,
+                scheduling=limits.scheduling,
                 decode_runs=False,  # the cluster drives runs itself (start_decode_run), step() is one step
             )
             active = spec.instance_id not in inactive_ids

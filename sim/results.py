@@ -380,6 +380,9 @@ class PolicySummary:
     wall_s: float  # wall-clock time of the run, s
     requests_per_wall_s: float | None  # simulated requests per wall-clock second; None if wall_s <= 0
     decode_p99_s: float | None = None  # P99 over requests of their mean TBT (Llumnix's "decode latency"), s
+    high_priority_ttft_mean_s: float | None = None  # mean TTFT of high-priority requests, s; None if none
+    normal_ttft_mean_s: float | None = None  # mean TTFT of normal (priority 0) requests, s; None if none
+    normal_ttft_p99_s: float | None = None  # P99 TTFT of normal (priority 0) requests, s; None if none
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -438,6 +441,9 @@ def summarize(run: SimRun) -> PolicySummary:
         wall_s=run.wall_s,
         requests_per_wall_s=n / run.wall_s if run.wall_s > 0 else None,
         decode_p99_s=percentile(t.decode_mean_s[~np.isnan(t.decode_mean_s)], 99),
+        high_priority_ttft_mean_s=_mean(t.ttft_s[has_ttft & t.high_priority].tolist()),
+        normal_ttft_mean_s=_mean(t.ttft_s[has_ttft & ~t.high_priority].tolist()),
+        normal_ttft_p99_s=percentile(t.ttft_s[has_ttft & ~t.high_priority], 99),
     )
 
 

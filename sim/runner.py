@@ -67,6 +67,10 @@ class SimOptions(BaseModel):
     admission: Literal["chunked", "whole-prompt"] = Field(
         "chunked", description="engine admission: vLLM v1 chunk by chunk, or vLLM v0 whole prompt + watermark"
     )
+    scheduling: Literal["priority", "fcfs"] = Field(
+        "priority",
+        description="engine scheduling: priority classes in admission and preemption, or fcfs (priorities ignored)",
+    )
     kv_samples: int = Field(200, ge=2, description="points in the per-instance KV usage timeline")
     prefix_caching: bool = Field(
         False,
@@ -222,7 +226,11 @@ def run_simulation(
 
     queue = EventQueue()
     limits = EngineLimits(
-        options.max_num_seqs, options.max_num_batched_tokens, options.admission, options.prefix_caching
+        options.max_num_seqs,
+        options.max_num_batched_tokens,
+        options.admission,
+        options.prefix_caching,
+        options.scheduling,
     )
     derived: list[str] = []
     cluster = Cluster(

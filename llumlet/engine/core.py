@@ -20,7 +20,7 @@ from llumlet.engine.blocks import BlockManager
 from llumlet.engine.latency import LatencyModel
 from llumlet.engine.paged import PagedEngine
 from llumlet.engine.protocol import KVPayload
-from llumlet.engine.scheduler import Admission, RequestStatus, Scheduler, SchedulerRequest
+from llumlet.engine.scheduler import Admission, RequestStatus, Scheduler, SchedulerRequest, SchedulingPolicy
 from llumlet.engine.types import (
     EngineLoad,
     EngineRequest,
@@ -107,6 +107,8 @@ class EngineCore(PagedEngine):
         decode_runs: let :meth:`step` apply pure decode steps in runs (``Scheduler.decode_run_length``,
             O(batch + new blocks) per step) instead of forming each batch with ``Scheduler.schedule``; the
             results are the same. False keeps the step-by-step reference, for tests.
+        scheduling: ``"priority"`` (default: priority classes in admission and preemption) or ``"fcfs"``
+            (arrival order only, priorities ignored), see ``Scheduler``.
 
     Raises ValueError for non-positive sizes.
 
@@ -134,13 +136,14 @@ class EngineCore(PagedEngine):
         kv_bytes_per_block: int = 0,
         admission: Admission = "chunked",
         decode_runs: bool = True,
+        scheduling: SchedulingPolicy = "priority",
     ) -> None:
         self.instance_id = instance_id
         self.decode_runs = decode_runs
         self._kv_bytes_per_block = kv_bytes_per_block
         self.latency_model = latency_model
         self.blocks = BlockManager(num_blocks, block_size_tokens, enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, admission)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, admission, scheduling)
         self._suspended: dict[str, SchedulerRequest] = {}
         self._last_step_preempted = False
         self.stats: dict[str, RequestStats] = {}  # request_id -> counters of requests that left

@@ -49,7 +49,14 @@ from typing import Literal
 from llumlet.engine.blocks import BlockManager
 from llumlet.engine.types import EngineRequest
 
-__all__ = ["RequestStatus", "ScheduledBatch", "Scheduler", "SchedulerRequest"]
+__all__ = [
+    "SCHEDULING_POLICIES",
+    "RequestStatus",
+    "ScheduledBatch",
+    "Scheduler",
+    "SchedulerRequest",
+    "SchedulingPolicy",
+]
 
 
 class RequestStatus(enum.Enum):
@@ -60,6 +67,11 @@ class RequestStatus(enum.Enum):
     SUSPENDED = "suspended"  # held for migration: keeps its blocks, not batched
     FINISHED = "finished"
 
+
+SchedulingPolicy = Literal["priority", "fcfs"]
+#: Scheduling policies (vLLM's ``scheduling_policy`` names): priority classes as in the module docstring, or
+#: every request in one class whatever its priority (arrival order only: vLLM's FCFS, hilum before issue 15).
+SCHEDULING_POLICIES: tuple[str, ...] = ("priority", "fcfs")
 
 Admission = Literal["chunked", "whole-prompt"]
 #: Admission modes: vLLM v1's chunk-by-chunk allocation, or vLLM v0's whole-prompt check with a watermark.
@@ -81,6 +93,7 @@ class SchedulerRequest:
     recompute_pending: int = 0  # tokens still to recompute after the last preemption
     prefix_hit_tokens: int = 0  # prompt tokens reused from the prefix cache (all admissions)
     output_token_ids: list[int] = field(default_factory=list)  # real engines only
+    cls: int = 0  # the class it is ranked by: its priority (policy "priority"), 0 for all (policy "fcfs")
 
     @property
     def request_id(self) -> str:
@@ -98,8 +111,9 @@ class SchedulerRequest:
 
     @property
     def priority(self) -> int:
-        """Its priority class (0 normal; higher = more important)."""
-        return self.request.priority
+        """The class the scheduler ranks it by (0 normal; higher = more important): its request's priority
+        under the ``"priority"`` policy, 0 for every request under ``"fcfs"``."""
+        return self.cls
 
     @property
     def order_key(self) -> tuple[float, int]:
@@ -109,7 +123,7 @@ class SchedulerRequest:
     @property
     def rank_key(self) -> tuple[int, float, int]:
         """Scheduling order: higher class first, then arrival."""
-        return (-self.request.priority, self.request.arrival_s, self.seq_no)
+        return (-self.cls, self.request.arrival_s, self.seq_no)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +174,8 @@ class _BatchBuilder:
 class Scheduler:
     """Waiting queue (by class, FCFS within) + running set (rank order) over one :class:`BlockManager`.
 
-    Raises ValueError for non-positive limits.
+    ``policy``: ``"priority"`` (default) ranks requests by their priority class; ``"fcfs"`` puts every request
+    in one class (arrival order only). Raises ValueError for non-positive limits or an unknown mode.
     """
 
     def __init__(
@@ -169,6 +184,7 @@ class Scheduler:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
         admission: Admission = "chunked",
+        policy: SchedulingPolicy = "priority",
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
@@ -177,6 +193,9 @@ class Scheduler:
             )
         if admission not in ADMISSION_MODES:
             raise ValueError(f"Scheduler: admission {admission!r} unknown; choose from {', '.join(ADMISSION_MODES)}")
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"Scheduler: policy {policy!r} unknown; choose from {', '.join(SCHEDULING_POLICIES)}")
+        self.policy = policy
         self.admission = admission
         self.watermark_blocks = max(1, blocks.num_blocks // 100) if admission == "whole-prompt" else 0
         self.blocks = blocks
@@ -194,7 +213,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already in this engine")
         self._seq += 1
-        state = SchedulerRequest(request=request, seq_no=self._seq)
+        cls = request.priority if self.policy == "priority" else 0
+        state = SchedulerRequest(request=request, seq_no=self._seq, cls=cls)
         self.requests[request.request_id] = state
         return state
 
@@ -202,7 +222,7 @@ class Scheduler:
         """Queue a new request at the tail of its class in the waiting queue."""
         state = self.new_state(request)
         waiting = self.waiting
-        p = request.priority
+        p = state.priority
         if not waiting or waiting[-1].priority >= p:
             waiting.append(state)
         else:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from llumlet.engine import EngineCore, EngineRequest, StepResult
 from llumlet.engine.scheduler import Admission
 from tests.llumlet.test_engine_core import flat_model
@@ -191,3 +193,24 @@ def test_random_mixed_classes_conserve_tokens_and_never_preempt_high_while_norma
             victim = e.scheduler.requests[rid]
             assert victim.request.priority == 0 or not normals_left, (rid, running_before, result.preempted)
     assert produced == outputs
+
+
+def test_fcfs_scheduling_ignores_priorities_as_before() -> None:
+    # scheduling="fcfs" (vLLM's default policy name): the case of the steps test, and h waits for n0 to finish
+    e = EngineCore(
+        "i0", num_blocks=1000, block_size_tokens=4, latency_model=flat_model(), max_num_seqs=4, scheduling="fcfs"
+    )
+    for i in range(4):
+        e.add_request(req(f"n{i}", 8, 200, arrival_s=float(i)))
+    steps(e, 3)
+    e.add_request(req("h", 8, 10, arrival_s=10.0, priority=1))
+    waited = 0
+    while not e.step().new_tokens.get("h"):
+        waited += 1
+    assert waited == 197  # the normals' 200 tokens (3 steps of them before h came): h runs once they are done
+    assert running_ids(e) == ["h"] and all(e.stats[f"n{i}"].num_preemptions == 0 for i in range(4))
+
+
+def test_an_unknown_scheduling_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="policy 'lifo' unknown; choose from priority, fcfs"):
+        EngineCore("i0", num_blocks=10, block_size_tokens=4, latency_model=flat_model(), scheduling="lifo")  # type: ignore[arg-type]

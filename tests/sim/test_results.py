@@ -154,6 +154,10 @@ def test_summarize_counts_and_percentiles_by_hand() -> None:
     assert s.e2e_p99_s == pytest.approx(1.0)
     # only r1 is high priority
     assert s.high_priority_ttft_p99_s == pytest.approx(0.3)
+    assert s.high_priority_ttft_mean_s == pytest.approx(0.3)
+    # the normal ones with a first token: 0.1 and 0.5 (mean 0.3; P99 at rank 0.99 -> 0.1 + 0.99*0.4 = 0.496)
+    assert s.normal_ttft_mean_s == pytest.approx(0.3)
+    assert s.normal_ttft_p99_s == pytest.approx(0.496)
     assert s.preemptions == 3
     assert s.preempted_s == pytest.approx(0.75)
 
@@ -182,6 +186,9 @@ def test_summarize_empty_run_gives_none_not_nan() -> None:
         "tbt_p99_s",
         "e2e_p99_s",
         "high_priority_ttft_p99_s",
+        "high_priority_ttft_mean_s",
+        "normal_ttft_mean_s",
+        "normal_ttft_p99_s",
         "downtime_mean_s",
         "downtime_p99_s",
         "requests_per_wall_s",

@@ -155,3 +155,25 @@ def test_mixed_model_topology_serves_one_model_and_derives_uncalibrated_gpus() -
     assert set(run.kv.usage_fraction) == seventy
     with pytest.raises(ValueError, match="model 'gpt' has no instance"):
         run_simulation(dataclasses.replace(spec, options={"model": "gpt"}), trace=trace, topology=topo)
+
+
+def test_engine_priority_and_migration_for_slots_in_the_simulator() -> None:
+    # 150 ShareGPT requests at 30/s on four 400-block instances with 2 batch slots each, 20 % high priority,
+    # the hilum policy. The simulator composes the engine's priority admission and the rule book's slot rule
+    # (moves whose reason is "source slots full"); "fcfs" is the engine as it was before (priorities ignored
+    # in the engine, the rule book's headroom still counts). Measured: mean high-priority TTFT 9.3 s with
+    # priority, 57.0 s with fcfs; normal requests pay for it (73.2 s against 63.6 s). 34 moves name the slot
+    # rule (5 inside a domain, 29 across, where the move must lower the potential too)
+    def mean_ttft(run: SimRun, high: bool) -> float:
+        ttfts = [r.first_token_s - r.arrival_s for r in run.requests if (r.priority >= 1) == high]
+        assert all(r.first_token_s is not None for r in run.requests)
+        return sum(ttfts) / len(ttfts)  # type: ignore[operator]
+
+    with_priority = _run("hilum", priority_fraction=0.2, max_num_seqs=2)
+    fcfs = _run("hilum", priority_fraction=0.2, max_num_seqs=2, scheduling="fcfs")
+    assert mean_ttft(with_priority, True) == pytest.approx(9.33, abs=0.01)
+    assert mean_ttft(fcfs, True) == pytest.approx(57.01, abs=0.01)
+    assert mean_ttft(with_priority, False) == pytest.approx(73.17, abs=0.01)
+    assert mean_ttft(fcfs, False) == pytest.approx(63.60, abs=0.01)
+    slot_moves = [m for m in with_priority.migrations if "source slots full" in m.reason]
+    assert len(slot_moves) == 34
