@@ -7,6 +7,7 @@ import random
 import pytest
 
 from llumlet.engine import EngineCore, EngineRequest, LatencyModel, RequestTooLargeError, StepResult
+from llumlet.engine.scheduler import Admission, SchedulingPolicy
 
 
 def flat_model(step_ms: float = 10.0) -> LatencyModel:
@@ -26,7 +27,14 @@ def flat_model(step_ms: float = 10.0) -> LatencyModel:
     )
 
 
-def engine(num_blocks: int = 100, block: int = 4, budget: int = 8192, seqs: int = 256) -> EngineCore:
+def engine(
+    num_blocks: int = 100,
+    block: int = 4,
+    budget: int = 8192,
+    seqs: int = 256,
+    admission: Admission = "chunked",
+    scheduling: SchedulingPolicy = "priority",
+) -> EngineCore:
     return EngineCore(
         "i0",
         num_blocks=num_blocks,
@@ -34,6 +42,8 @@ def engine(num_blocks: int = 100, block: int = 4, budget: int = 8192, seqs: int 
         latency_model=flat_model(),
         max_num_seqs=seqs,
         max_num_batched_tokens=budget,
+        admission=admission,
+        scheduling=scheduling,
     )
 
 

@@ -12,22 +12,8 @@ import random
 import pytest
 
 from llumlet.engine import EngineCore, EngineRequest, StepResult
-from llumlet.engine.scheduler import Admission
-from tests.llumlet.test_engine_core import flat_model
-
-
-def engine(
-    num_blocks: int = 100, block: int = 4, seqs: int = 256, budget: int = 8192, admission: Admission = "chunked"
-) -> EngineCore:
-    return EngineCore(
-        "i0",
-        num_blocks=num_blocks,
-        block_size_tokens=block,
-        latency_model=flat_model(),
-        max_num_seqs=seqs,
-        max_num_batched_tokens=budget,
-        admission=admission,
-    )
+from llumlet.engine.scheduler import SchedulingPolicy
+from tests.llumlet.test_engine_core import engine
 
 
 def req(rid: str, prompt: int, output: int, arrival_s: float, priority: int = 0) -> EngineRequest:
@@ -62,11 +48,10 @@ def test_high_priority_arrival_takes_a_full_batchs_slot_within_one_step() -> Non
     assert result.num_decode_tokens == 3  # n3's decode was taken out of the batch again
 
 
-def test_steps_a_high_priority_arrival_waits_for_its_first_token_behind_a_full_batch() -> None:
-    # issue 15's case: every batch slot holds a long normal decode. Before, h waited for the first normal to
-    # finish (197 steps here); now its first token comes in the step after it arrives, and only one normal
-    # request is preempted (once); memory is never short (4 x 52 blocks at most of 1000)
-    e = engine(num_blocks=1000, seqs=4)
+def high_behind_a_full_batch(scheduling: SchedulingPolicy) -> tuple[EngineCore, int]:
+    """Issue 15's case: 4 of 4 slots hold long normal decodes (memory is never short: 4 x 52 blocks at most
+    of 1000) when h arrives. Returns the engine and the steps h waited for its first token after arriving."""
+    e = engine(num_blocks=1000, seqs=4, scheduling=scheduling)
     for i in range(4):
         e.add_request(req(f"n{i}", 8, 200, arrival_s=float(i)))
     steps(e, 3)
@@ -74,7 +59,14 @@ def test_steps_a_high_priority_arrival_waits_for_its_first_token_behind_a_full_b
     waited = 0
     while not e.step().new_tokens.get("h"):
         waited += 1
-    assert waited == 0  # its first token in the first step after its arrival
+    return e, waited
+
+
+def test_steps_a_high_priority_arrival_waits_for_its_first_token_behind_a_full_batch() -> None:
+    # before, h waited for the normals to finish (197 steps: the fcfs test below); now its first token comes in
+    # the step after it arrives, and only one normal request is preempted (once)
+    e, waited = high_behind_a_full_batch("priority")
+    assert waited == 0
     while e.has_work():
         e.step()
     assert [(rid, e.stats[rid].num_preemptions) for rid in ("h", "n0", "n1", "n2", "n3")] == [
@@ -196,21 +188,12 @@ def test_random_mixed_classes_conserve_tokens_and_never_preempt_high_while_norma
 
 
 def test_fcfs_scheduling_ignores_priorities_as_before() -> None:
-    # scheduling="fcfs" (vLLM's default policy name): the case of the steps test, and h waits for n0 to finish
-    e = EngineCore(
-        "i0", num_blocks=1000, block_size_tokens=4, latency_model=flat_model(), max_num_seqs=4, scheduling="fcfs"
-    )
-    for i in range(4):
-        e.add_request(req(f"n{i}", 8, 200, arrival_s=float(i)))
-    steps(e, 3)
-    e.add_request(req("h", 8, 10, arrival_s=10.0, priority=1))
-    waited = 0
-    while not e.step().new_tokens.get("h"):
-        waited += 1
-    assert waited == 197  # the normals' 200 tokens (3 steps of them before h came): h runs once they are done
+    # scheduling="fcfs" (vLLM's default policy name), the engine as it was: h runs once the normals are done
+    e, waited = high_behind_a_full_batch("fcfs")
+    assert waited == 197  # the normals' 200 tokens, 3 of them before h came
     assert running_ids(e) == ["h"] and all(e.stats[f"n{i}"].num_preemptions == 0 for i in range(4))
 
 
 def test_an_unknown_scheduling_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="policy 'lifo' unknown; choose from priority, fcfs"):
-        EngineCore("i0", num_blocks=10, block_size_tokens=4, latency_model=flat_model(), scheduling="lifo")  # type: ignore[arg-type]
+        engine(scheduling="lifo")  # type: ignore[arg-type]
