@@ -181,7 +181,9 @@ class GatewaySink(TokenCollector):
         if prog is None or (ack.unknown and not msg.finished):
             return ack
         now = self._clock()
-        if msg.epoch > prog.epoch and not ack.superseded:
+        if msg.epoch > prog.epoch and not ack.superseded and msg.sender_instance_id == prog.owner_instance_id:
+            prog.epoch = int(msg.epoch)  # the owner claimed the next epoch (a move whose commit it could not learn)
+        elif msg.epoch > prog.epoch and not ack.superseded:
             src = prog.owner_instance_id
             prog.migrations += int(msg.epoch - prog.epoch)
             prog.epoch = int(msg.epoch)
