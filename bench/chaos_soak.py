@@ -37,7 +37,8 @@ with a pause between them, every kind in each round of a shuffled deck:
   three samples in a row (a sample is not atomic across llumlets: one move can show it in both once) is a
   violation; so is a request that still runs ``--orphan-grace-s`` after its client's stream ended; and right
   after each forced move answers, the request runs only on the side the answer names (the source if it was
-  not committed, and not even there once its client has every token; the destination if it was);
+  not committed, and not even there once its client has every token; the destination if it was), as seen
+  twice, 2 s apart (a copy that lost the origin's arbitration stops at its next push);
 - no KV block leaked: after the load, every instance goes idle (used == 0, nothing reserved, queued,
   suspended or migrating) within 60 s;
 - the coordinators' view equals etcd: every 5 s and at the end each replica's ListDomains, ListInstances and
@@ -143,6 +144,7 @@ ATTEMPT_BASE = 1 << 31  # the soak's own migration attempts (uint32), above any 
 SAMPLE_EVERY_S = 0.5
 VIEW_EVERY_S = 5.0
 CONTEXT_S = 30.0  # a violation is reported with the faults fired this long before it
+OWNER_RECHECK_S = 2.0  # a second look at a forced move's two sides before a two-owners violation
 
 
 # ---- the fault schedule (a pure function of the seed) ----------------------------------------------------
@@ -1185,22 +1187,28 @@ class Injector:
         return None
 
     async def _check_owner(self, rid: str, src: str, dst: str, outcome: str, what: str) -> None:
-        """Right after a forced move answered: the request runs on one side only, the side the answer names.
+        """After a forced move answered: the request runs on one side only, the side the answer names.
 
         Committed: the source must not run it. Not committed: the destination must not run it, and the source
         must not run it once its client has received every token (it then resumed a request served elsewhere).
+        A copy that loses the origin's arbitration stops at its next push, so what is seen is checked again
+        :data:`OWNER_RECHECK_S` later and reported only if it lasted.
         """
-        loads = await _loads({i: self.clients[i] for i in (src, dst)})
-        on = {i for i, load in loads.items() if any(r.request_id == rid for r in load.running)}
-        if outcome == "committed" and src in on:
-            self.report.violate("two-owners", f"{src} still runs {rid} after its move committed: {what}")
-        elif outcome != "committed" and dst in on:
-            both = f" (and so does {src})" if src in on else ""
-            self.report.violate("two-owners", f"{dst} runs {rid}{both} although the move was not committed: {what}")
-        elif outcome != "committed" and src in on and rid in self.report.completed:
-            self.report.violate(
-                "two-owners", f"{src} resumed {rid} after its client had received every token (from {dst}?): {what}"
-            )
+        problem = ""
+        for check in range(2):
+            if check:
+                await asyncio.sleep(OWNER_RECHECK_S)
+            loads = await _loads({i: self.clients[i] for i in (src, dst)})
+            on = {i for i, load in loads.items() if any(r.request_id == rid for r in load.running)}
+            if outcome == "committed" and src in on:
+                problem = f"{src} still runs {rid} after its move committed"
+            elif outcome != "committed" and dst in on:
+                problem = f"{dst} runs {rid}{f' (and so does {src})' if src in on else ''} though not moved there"
+            elif outcome != "committed" and src in on and rid in self.report.completed:
+                problem = f"{src} resumed {rid} after its client had received every token (from {dst}?)"
+            else:
+                return
+        self.report.violate("two-owners", f"{problem}, {OWNER_RECHECK_S:g} s after the move answered: {what}")
 
     async def _link_fault(self, fault: Fault) -> str:
         deadline = time.monotonic() + 5.0

@@ -279,9 +279,8 @@ def test_a_one_way_hold_lets_the_call_through_and_loses_its_answer() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_short_soak_of_a_live_cluster_breaks_no_invariant(tmp_path: Path) -> None:
-    """75 s of load and faults with seed 19: every kind of fault, among them a one-way hold of the answer to a
-    Commit (the destination commits, the source never hears: on the code before idempotent Commit and origin
-    arbitration the source resumed its copy as well, a two-owners violation)."""
+    """75 s of load and faults with seed 19: every kind of fault, among them a 12.5 s one-way hold of the
+    answer to a Commit (the destination commits, the source does not hear within its deadline)."""
     seed, minutes = 19, 1.25
     kinds = {f.kind for f in _schedule(seed, minutes * 60)}
     assert kinds == set(FaultKind)

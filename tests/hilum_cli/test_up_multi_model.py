@@ -1,8 +1,8 @@
-"""A two-model cluster end to end: ``hilum up --engine sim`` on :data:`up_harness.MULTI_MODEL_TOPOLOGY`
-(llama-2-7b on a0, a1, b0; llama-2-13b on b1, c0, c1; dom-b holds both), behind two gateways on their own
-ports. Requests of both models, streamed at once through both gateways, reach only instances serving their
-model, as the llumlets' own running sets show while they decode; an unknown model is a 404 in OpenAI's error
-shape; ``/v1/models`` lists what is served."""
+"""A two-model cluster end to end: ``hilum up --engine sim`` on the chaos soak's topology
+(``bench.chaos_soak.TOPOLOGY``: llama-2-7b on a0, a1, b0; llama-2-13b on b1, c0, c1; dom-b holds both), behind
+two gateways on their own ports. Requests of both models, streamed at once through both gateways, reach only
+instances serving their model, as the llumlets' own running sets show while they decode; an unknown model is a
+404 in OpenAI's error shape; ``/v1/models`` lists what is served."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from typing import Any
 
 import aiohttp
 import pytest
-from up_harness import MULTI_MODEL_TOPOLOGY, UpProcess, alive, idle_load, start_up, wait_load
+from up_harness import UpProcess, alive, idle_load, start_up, wait_load
 
+from bench.chaos_soak import MODELS as SERVES
+from bench.chaos_soak import TOPOLOGY
 from llumlet.client import LlumletClient
 
 pytestmark = pytest.mark.slow
 
-SERVES = {"a0": "llama-2-7b", "a1": "llama-2-7b", "b0": "llama-2-7b", "b1": "llama-2-13b", "c0": "llama-2-13b"}
-SERVES["c1"] = "llama-2-13b"
 PER_MODEL = 10  # streamed requests of each model, all at once
 MAX_TOKENS = 120  # long enough (several seconds of sim decode) for the samplers to see every request run
 
@@ -28,7 +28,7 @@ MAX_TOKENS = 120  # long enough (several seconds of sim decode) for the samplers
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     extra = ["--gateways", "2", "--gateway-ports", "separate"]
-    cluster = start_up(tmp_path_factory.mktemp("up-models"), "sim", extra, topology=MULTI_MODEL_TOPOLOGY)
+    cluster = start_up(tmp_path_factory.mktemp("up-models"), "sim", extra, topology=TOPOLOGY)
     try:
         yield cluster
     finally:

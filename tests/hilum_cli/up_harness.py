@@ -53,46 +53,6 @@ fabric:
 """
 
 
-# Two models in three NVLink domains: dom-a serves llama-2-7b, dom-c llama-2-13b, dom-b one instance of each.
-# Every instance holds 128 KV blocks x 16 tokens.
-MULTI_MODEL_TOPOLOGY = """\
-name: up-test-two-models
-models:
-  - {name: llama-2-7b, num_layers: 32, num_attention_heads: 32, num_kv_heads: 32, head_dim: 128,
-     hidden_size: 4096, dtype: float16, block_size_tokens: 16, num_params: 6738415616, max_context_tokens: 4096}
-  - {name: llama-2-13b, num_layers: 40, num_attention_heads: 40, num_kv_heads: 40, head_dim: 128,
-     hidden_size: 5120, dtype: float16, block_size_tokens: 16, num_params: 13015864320, max_context_tokens: 4096}
-gpu_types:
-  - {name: a100-80gb, memory_gib: 80, hbm_gbyte_per_s: 2039, nvlink_gbyte_per_s: 600}
-domains:
-  - id: dom-a
-    kind: node
-    gpu_type: a100-80gb
-    nodes: [{id: node-a, num_gpus: 2, nic_gbit_per_s: 100}]
-    instances:
-      - {id: a0, gpus: [0], tensor_parallel_size: 1, model: llama-2-7b, kv_capacity_blocks: 128}
-      - {id: a1, gpus: [1], tensor_parallel_size: 1, model: llama-2-7b, kv_capacity_blocks: 128}
-  - id: dom-b
-    kind: node
-    gpu_type: a100-80gb
-    nodes: [{id: node-b, num_gpus: 2, nic_gbit_per_s: 100}]
-    instances:
-      - {id: b0, gpus: [0], tensor_parallel_size: 1, model: llama-2-7b, kv_capacity_blocks: 128}
-      - {id: b1, gpus: [1], tensor_parallel_size: 1, model: llama-2-13b, kv_capacity_blocks: 128}
-  - id: dom-c
-    kind: node
-    gpu_type: a100-80gb
-    nodes: [{id: node-c, num_gpus: 2, nic_gbit_per_s: 100}]
-    instances:
-      - {id: c0, gpus: [0], tensor_parallel_size: 1, model: llama-2-13b, kv_capacity_blocks: 128}
-      - {id: c1, gpus: [1], tensor_parallel_size: 1, model: llama-2-13b, kv_capacity_blocks: 128}
-fabric:
-  oversubscription: 1.0
-  racks:
-    - {id: rack-0, domains: [dom-a, dom-b, dom-c]}
-"""
-
-
 class UpProcess:
     """A running ``hilum up``; its stderr is collected as it comes (:meth:`stderr`, :meth:`wait_stderr`)."""
 
