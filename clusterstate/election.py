@@ -4,6 +4,12 @@ Campaigning is one transaction: if the leader key does not exist, create it unde
 lease; otherwise read it. The winner's fencing token is the key's create revision. Losers watch the key
 and try again when it is deleted (its holder resigned, or its lease expired). A leader that was paused past
 its TTL finds its key gone or re-created with a larger revision; its fenced writes then fail.
+
+A key that names this very candidate (same id and address) under another lease is an earlier session of
+it: one lost while etcd was unreachable (etcd restores leases with a fresh TTL when it restarts, so the key
+would otherwise outlive the outage by a whole TTL), or the previous run of a restarted process. The
+candidate deletes that key, compared on its create revision so nothing newer is touched, and campaigns at
+once. Two live replicas cannot share an address, so this never takes the key from another replica.
 """
 
 from __future__ import annotations
@@ -12,11 +18,11 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, kv_of, watch_of
+from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, kv_of, watch
 from clusterstate.fencing import Fence
 from clusterstate.session import Session, SessionLost
 
@@ -58,53 +64,81 @@ class Election:
         self.key = key
 
     async def _try(self, session: Session, leader_id: str, address: str) -> tuple[Leader | None, int]:
-        """One transaction: returns (our Leader, rev) if we lead now, else (None, revision read at)."""
+        """Create the key under ``session``: (our Leader, rev) if we lead now, else (None, revision read at)."""
         kv = kv_of(self._client)
-        resp = await kv.txn(
-            compare=[kv.txn_compare_create_revision(self.key, 0)],
-            success=[kv.txn_op_put(self.key, _encode(leader_id, address), lease=session.lease_id)],
-            failure=[kv.txn_op_get(self.key)],
-            timeout=float(session.ttl_s),
-        )
-        revision = int(resp.header.revision)
-        if resp.succeeded:
-            return Leader(leader_id, address, revision, session.lease_id), revision
-        kvs = list(resp.responses[0].response_range.kvs)
-        if kvs and int(kvs[0].lease) == session.lease_id:
-            # Our own key from an earlier campaign of this very session: we still lead.
-            return _decode(kvs[0]), revision
-        return None, revision
+        while True:
+            resp = await kv.txn(
+                compare=[kv.txn_compare_create_revision(self.key, 0)],
+                success=[kv.txn_op_put(self.key, _encode(leader_id, address), lease=session.lease_id)],
+                failure=[kv.txn_op_get(self.key)],
+                timeout=float(session.ttl_s),
+            )
+            revision = int(resp.header.revision)
+            if resp.succeeded:
+                return Leader(leader_id, address, revision, session.lease_id), revision
+            holder = _decode(resp.responses[0].response_range.kvs[0])  # the txn failed: the key exists
+            if holder.lease_id == session.lease_id:
+                return holder, revision  # our own key from an earlier campaign of this very session
+            if (holder.leader_id, holder.address) != (leader_id, address):
+                return None, revision
+            _log.info(
+                "%s: the leader key still holds an earlier session of this replica (lease %x, token %d); "
+                "taking it over",
+                leader_id,
+                holder.lease_id,
+                holder.token,
+            )
+            await kv.txn(
+                compare=[Fence(self.key, holder.token).compare()],
+                success=[kv.txn_op_delete(self.key)],
+                timeout=float(session.ttl_s),
+            )
 
     async def _wait_deleted(self, after_revision: int) -> None:
-        async for response in watch_of(self._client).watch(self.key, start_revision=after_revision + 1):
-            if response.compact_revision > 0 or response.canceled:
-                return  # re-check with a fresh transaction
-            if any(ev.type == _EVENT_DELETE for ev in response.events):
-                return
+        stream = watch(self._client, self.key, start_revision=after_revision + 1)
+        async with contextlib.aclosing(stream):
+            async for response in stream:
+                if response.compact_revision > 0 or response.canceled:
+                    return  # re-check with a fresh transaction
+                if any(ev.type == _EVENT_DELETE for ev in response.events):
+                    return
 
     async def campaign(self, session: Session, leader_id: str, address: str) -> Leader:
         """Block until this candidate leads; return its :class:`Leader` (with the fencing token).
 
+        While ``session`` lives, an etcd error is retried every ``ttl / 10`` seconds (at least 0.1 s), so an
+        interruption shorter than the TTL costs the candidate nothing.
+
         Raises:
             SessionLost: when ``session`` is lost before winning.
-            EtcdError, TimeoutError: when etcd fails a transaction (the caller retries with backoff).
         """
+        retry_s = max(0.1, session.ttl_s / 10)
         while True:
             if session.done.is_set():
                 raise SessionLost(session.lost_reason)
-            leader, revision = await self._try(session, leader_id, address)
+            try:
+                leader, revision = await self._try(session, leader_id, address)
+            except RETRYABLE_ERRORS as exc:
+                _log.debug("%s: campaign transaction failed (%s); retrying in %.2f s", leader_id, exc, retry_s)
+                await self._until(asyncio.sleep(retry_s), session)
+                continue
             if leader is not None:
                 _log.info("%s leads with fencing token %d", leader_id, leader.token)
                 return leader
-            waiter = asyncio.ensure_future(self._wait_deleted(revision))
-            lost = asyncio.ensure_future(session.done.wait())
-            try:
-                await asyncio.wait({waiter, lost}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                waiter.cancel()
-                lost.cancel()
-                with contextlib.suppress(asyncio.CancelledError, *RETRYABLE_ERRORS):
-                    await waiter
+            await self._until(self._wait_deleted(revision), session)
+
+    @staticmethod
+    async def _until(aw: Coroutine[Any, Any, None], session: Session) -> None:
+        """Run ``aw`` until it ends (an etcd error included) or ``session`` is lost."""
+        waiter = asyncio.ensure_future(aw)
+        lost = asyncio.ensure_future(session.done.wait())
+        try:
+            await asyncio.wait({waiter, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            lost.cancel()
+            with contextlib.suppress(asyncio.CancelledError, *RETRYABLE_ERRORS):
+                await waiter
 
     async def resign(self, leader: Leader) -> bool:
         """Delete the leader key if it is still ``leader``'s; True when it was deleted."""
@@ -124,21 +158,18 @@ class Election:
     async def observe(self) -> AsyncIterator[Leader | None]:
         """Yield the current leader, then the latest one after each change (not necessarily every change).
 
-        Re-reads the key after any watch interruption. Runs until cancelled; etcd errors propagate.
+        Re-reads the key whenever the watch ends. Runs until cancelled; etcd errors propagate.
         """
         while True:
             resp = await kv_of(self._client).get(self.key, timeout=5.0)
             current = _decode(resp.kvs[0]) if resp.kvs else None
             yield current
-            created = 0
-            async for wresp in watch_of(self._client).watch(self.key, start_revision=int(resp.header.revision) + 1):
-                if wresp.created:
-                    created += 1
-                    if created > 1:
-                        break  # the stream reconnected: re-read
-                if wresp.compact_revision > 0 or wresp.canceled:
-                    break
-                if wresp.events:
-                    last = wresp.events[-1]
-                    current = None if last.type == _EVENT_DELETE else _decode(last.kv)
-                    yield current
+            stream = watch(self._client, self.key, start_revision=int(resp.header.revision) + 1)
+            async with contextlib.aclosing(stream):
+                async for wresp in stream:
+                    if wresp.compact_revision > 0 or wresp.canceled:
+                        break
+                    if wresp.events:
+                        last = wresp.events[-1]
+                        current = None if last.type == _EVENT_DELETE else _decode(last.kv)
+                        yield current

@@ -2,16 +2,24 @@
 
 Only one etcd client library may be imported per process (etcd3aio registers its own copies of the
 ``etcd/api`` and ``google/api`` descriptors); everything in hilum goes through :func:`connect`.
+
+The two streaming calls, :func:`watch` and :func:`renew_lease`, are hilum's own rather than etcd3aio's
+``WatchService.watch`` / ``LeaseService.keep_alive``: those feed the stream from an async generator, and
+grpc.aio consumes such a generator in a task that it never cancels when the call fails (grpc/grpc#37355,
+still so in grpcio 1.85). Every etcd restart then leaves one pending task per stream, logged later as
+"Task was destroyed but it is pending!" and "aclose(): asynchronous generator is already running". Writing
+the request on the call itself (grpc.aio's reader/writer style) creates no such task.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import grpc
 from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
-from etcd3aio._protobuf import Compare
+from etcd3aio._protobuf import Compare, LeaseKeepAliveRequest, WatchCreateRequest, WatchRequest, WatchResponse
 from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
 from etcd3aio.watch import WatchService
@@ -28,6 +36,8 @@ __all__ = [
     "kv_of",
     "lease_of",
     "prefix_range_end",
+    "renew_lease",
+    "watch",
     "watch_of",
 ]
 
@@ -112,3 +122,61 @@ def compare_mod_revision(key: str, mod_revision: int) -> Any:
 def compare_exists(key: str) -> Any:
     """etcd Compare: ``key`` exists (its create revision is not 0)."""
     return Compare(result=Compare.NOT_EQUAL, target=Compare.CREATE, key=key.encode(), create_revision=0)
+
+
+def _stub_and_metadata(service: Any) -> tuple[Any, Any]:
+    """The raw gRPC stub and call metadata (auth token) of an etcd3aio service (private in etcd3aio 0.3)."""
+    stub, metadata = getattr(service, "_stub", None), getattr(service, "_metadata", ())
+    if stub is None:
+        raise RuntimeError(f"etcd3aio changed: {type(service).__name__} has no gRPC stub; pin etcd3aio==0.3.0")
+    return stub, metadata or None
+
+
+async def watch(
+    client: Etcd3Client, key: str, *, range_end: bytes | None = None, start_revision: int = 0
+) -> AsyncGenerator[WatchResponse, None]:
+    """One etcd watch stream on ``key`` (or the range ``[key, range_end)``) from ``start_revision``.
+
+    Yields every ``WatchResponse`` (the first one has ``created`` set) until etcd ends the stream. Unlike
+    etcd3aio's watch it never reconnects by itself: an etcd error ends the iteration with that error (one
+    of :data:`RETRYABLE_ERRORS`), so the caller re-reads what it may have missed and watches again. See the
+    module docstring for why it is not etcd3aio's.
+
+    Raises:
+        grpc.aio.AioRpcError: when the stream fails (etcd down, restarted, unreachable).
+        RuntimeError: when the client is not connected.
+    """
+    stub, metadata = _stub_and_metadata(watch_of(client))
+    call = stub.Watch(metadata=metadata)
+    try:
+        create = WatchCreateRequest(key=key.encode(), range_end=range_end or b"", start_revision=start_revision)
+        await call.write(WatchRequest(create_request=create))
+        while True:
+            response = await call.read()
+            if response is grpc.aio.EOF:
+                return
+            yield response
+    finally:
+        call.cancel()
+
+
+async def renew_lease(client: Etcd3Client, lease_id: int) -> int:
+    """Renew a lease once (one LeaseKeepAlive request and its reply); the TTL etcd reports, seconds.
+
+    A TTL <= 0 means the lease expired or was revoked. Bound it with ``asyncio.timeout``: the call itself
+    has no deadline.
+
+    Raises:
+        grpc.aio.AioRpcError: when etcd cannot be reached; EOFError when etcd closes the stream unanswered.
+        RuntimeError: when the client is not connected.
+    """
+    stub, metadata = _stub_and_metadata(lease_of(client))
+    call = stub.LeaseKeepAlive(metadata=metadata)
+    try:
+        await call.write(LeaseKeepAliveRequest(ID=lease_id))
+        response = await call.read()
+        if response is grpc.aio.EOF:
+            raise EOFError("lease keep-alive stream closed without a reply")
+        return int(response.TTL)
+    finally:
+        call.cancel()

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from clusterstate.backoff import Backoff, BackoffConfig
-from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, kv_of, lease_of
+from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, compare_mod_revision, kv_of, lease_of, renew_lease
 
 __all__ = ["Registrar", "Session", "SessionLost"]
 
@@ -122,15 +122,6 @@ class Session:
         if self._task is not None:
             self._task.cancel()
 
-    async def _renew_once(self) -> int:
-        stream = lease_of(self._client).keep_alive(self.lease_id)
-        try:
-            async for response in stream:
-                return int(response.TTL)
-        finally:
-            stream.cancel()
-        raise EOFError("lease keep-alive stream closed without a reply")
-
     async def _keep_alive(self) -> None:
         while not self.done.is_set():
             due = self._expires_at - self.ttl_s * 2.0 / 3.0
@@ -146,7 +137,7 @@ class Session:
                 sent = self._clock()
                 try:
                     async with asyncio.timeout(min(remaining, max(self._retry_s, self.ttl_s / 3.0))):
-                        ttl = await self._renew_once()
+                        ttl = await renew_lease(self._client, self.lease_id)
                 except asyncio.CancelledError:
                     raise
                 except _RENEW_ERRORS as exc:
@@ -167,7 +158,13 @@ class Session:
                 break
 
     async def close(self, *, revoke: bool = True) -> None:
-        """Stop renewing; with ``revoke`` also revoke the lease (deleting its keys), best effort."""
+        """Stop renewing; with ``revoke`` also revoke the lease (deleting its keys), best effort.
+
+        A live session's revocation is retried (etcd3aio's default attempts): it is what lets others take
+        over its keys at once. A lost one's is tried once (etcd is likely unreachable), so whoever closes it
+        can go on without waiting out the retries.
+        """
+        attempts = 1 if self.done.is_set() else None
         self._lose("closed")
         if self._task is not None:
             self._task.cancel()
@@ -175,7 +172,8 @@ class Session:
                 await self._task
         if revoke:
             with contextlib.suppress(*RETRYABLE_ERRORS, RuntimeError):
-                await lease_of(self._client).revoke(self.lease_id, timeout=max(1.0, self.ttl_s / 3.0))
+                timeout = max(1.0, self.ttl_s / 3.0)
+                await lease_of(self._client).revoke(self.lease_id, timeout=timeout, max_attempts=attempts)
 
 
 class Registrar:
@@ -184,8 +182,9 @@ class Registrar:
     ``run()`` opens a session, puts every entry with its lease and waits; when the session is lost it
     opens a new one (retrying with jittered backoff while etcd is unreachable), revokes the old lease and
     puts the entries again. ``set``/``remove`` change the entries at any time. ``claim`` registers a key only
-    if nobody else holds it (one transaction: created now, or already under this registrar's lease), also on
-    every re-registration; losing a claimed key to another holder sets :attr:`conflict`.
+    if nobody else holds it (one transaction: created now, or already under this registrar's lease, or holding
+    exactly this value: the registration of this holder's previous run), also on every re-registration;
+    losing a claimed key to another holder sets :attr:`conflict`.
     """
 
     def __init__(
@@ -250,10 +249,20 @@ class Registrar:
         if resp.succeeded:
             return True
         kvs = resp.responses[0].response_range.kvs
-        if kvs and int(kvs[0].lease) == lease_id:  # ours already (a repeated claim): refresh the value
-            await kv.put(key, value, lease=lease_id, timeout=float(self._ttl_s))
-            return True
-        return False
+        if not kvs:
+            return False
+        held = kvs[0]
+        if int(held.lease) != lease_id and bytes(held.value) != value:
+            return False
+        # Ours already (a repeated claim), or this very registration left by an earlier run of its holder: the
+        # value names the holder's address, which two live processes cannot share. Take it (if unchanged).
+        took = await kv.txn(
+            [compare_mod_revision(key, int(held.mod_revision))],
+            [kv.txn_op_put(key, value, lease=lease_id)],
+            [],
+            timeout=float(self._ttl_s),
+        )
+        return bool(took.succeeded)
 
     async def remove(self, key: str) -> None:
         """Unregister ``key`` (delete it now if a session is live)."""

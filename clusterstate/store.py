@@ -36,7 +36,7 @@ from clusterstate.etcd import (
     compare_mod_revision,
     kv_of,
     prefix_range_end,
-    watch_of,
+    watch,
 )
 from clusterstate.fencing import Fence, FencedOut
 from clusterstate.records import (
@@ -321,8 +321,8 @@ def _entry(kv: Any) -> Entry:  # kv: mvccpb.KeyValue
 class ClusterView:
     """A local copy of every key under the prefix that converges to etcd's contents.
 
-    ``run()`` lists the prefix, then watches from the list revision + 1. After any watch reconnect (the
-    stream is re-created), a compaction that overtook the watch, a cancelled watch or an etcd error, it
+    ``run()`` lists the prefix, then watches from the list revision + 1. After a watch that ends or fails
+    (etcd restarted or unreachable), a compaction that overtook the watch, a cancelled watch or an etcd error, it
     lists again (retrying with jittered backoff) and watches from the new revision. Changes are applied
     in revision order; readers see a consistent snapshot at :attr:`revision`.
     """
@@ -344,7 +344,7 @@ class ClusterView:
         self._entries: dict[str, Entry] = {}
         self.revision = 0  # etcd revision the view reflects
         self.synced = asyncio.Event()  # set after the first successful list
-        self.relists: dict[str, int] = {}  # cause -> count ("initial", "reconnect", "compacted", "error", ...)
+        self.relists: dict[str, int] = {}  # cause -> count ("initial", "compacted", "canceled", "ended", "error")
         self._changed = asyncio.Condition()
         self.version = 0  # bumped on every change the view applies
 
@@ -415,29 +415,24 @@ class ClusterView:
 
     async def _watch(self, start_revision: int) -> str:
         """Apply watch events until the view must re-list; return why."""
-        created = 0
-        stream = watch_of(self._client).watch(
-            self.keys.prefix, range_end=prefix_range_end(self.keys.prefix), start_revision=start_revision
-        )
-        async for resp in stream:
-            if resp.compact_revision > 0:
-                return "compacted"
-            if resp.canceled:
-                return "canceled"
-            if resp.created:
-                created += 1
-                if created > 1:
-                    return "reconnect"  # etcd3aio re-created the stream; events may have been skipped
-            for ev in resp.events:
-                key = bytes(ev.kv.key).decode()
-                if ev.type == _EVENT_DELETE:
-                    self._entries.pop(key, None)
-                else:
-                    self._entries[key] = _entry(ev.kv)
-            revision = int(resp.header.revision)
-            if resp.events or revision > self.revision:
-                self.revision = max(self.revision, revision)
-                await self._bump()
+        prefix = self.keys.prefix
+        stream = watch(self._client, prefix, range_end=prefix_range_end(prefix), start_revision=start_revision)
+        async with contextlib.aclosing(stream):
+            async for resp in stream:
+                if resp.compact_revision > 0:
+                    return "compacted"
+                if resp.canceled:
+                    return "canceled"
+                for ev in resp.events:
+                    key = bytes(ev.kv.key).decode()
+                    if ev.type == _EVENT_DELETE:
+                        self._entries.pop(key, None)
+                    else:
+                        self._entries[key] = _entry(ev.kv)
+                revision = int(resp.header.revision)
+                if resp.events or revision > self.revision:
+                    self.revision = max(self.revision, revision)
+                    await self._bump()
         return "ended"
 
     async def run(self) -> None:

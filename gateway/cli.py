@@ -127,6 +127,9 @@ async def _serve(ns: argparse.Namespace, topology: Topology, tokenizers: Mapping
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        # End every open request with an error the client sees (an SSE error event, a 502 body) before the
+        # connections close; runner.cleanup() below lets the handlers send it.
+        cluster.sink.fail_all("the gateway is shutting down; the request did not finish: retry it")
     finally:
         if runner is not None:
             await runner.cleanup()

@@ -121,6 +121,15 @@ class GatewaySink(TokenCollector):
         self.forget(request_id)
         self._progress.pop(request_id, None)
 
+    def fail_all(self, error: str) -> None:
+        """Fail every unfinished request with ``error`` (the gateway is stopping).
+
+        Their :meth:`updates` end with an error update, so each client gets an error event, not a cut stream.
+        """
+        for request_id, prog in self._progress.items():
+            self.fail(request_id, error)
+            prog.wake.set()
+
     def owner_address(self, request_id: str) -> str:
         """The llumlet that runs the request as far as the sink knows ("" before any push)."""
         try:

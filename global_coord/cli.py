@@ -21,7 +21,7 @@ from clusterstate.etcd import connect
 from global_coord.coordinator import Coordinator, CoordinatorConfig
 from global_coord.server import start_server
 from global_coord.wiring import ClusterModel, load_cluster_model
-from hilum_proto.tls import bind_server
+from hilum_proto.tls import advertised_address, bind_server
 
 __all__ = ["main", "parse_args", "serve_replica"]
 
@@ -57,10 +57,9 @@ async def serve_replica(ns: argparse.Namespace, model: ClusterModel | None) -> i
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     server, port = bind_server(ns.listen)
-    host = ns.listen.rpartition(":")[0]
     cfg = CoordinatorConfig(
         coordinator_id=ns.id,
-        advertise_address=ns.advertise or f"{host}:{port}",
+        advertise_address=advertised_address(ns.listen, port, ns.advertise),
         etcd_endpoint=ns.etcd,
         prefix=ns.prefix,
         ttl_s=ns.ttl,

@@ -300,8 +300,17 @@ class Coordinator:
         )
 
     def current_leader(self) -> Leader | None:
-        """This replica when it leads, else the latest leader observed in etcd."""
-        return self.leading if self.is_leader() else self.observed_leader
+        """This replica when it leads, else the latest leader observed in etcd.
+
+        A leader key that names this replica while it does not lead is the key of a session it lost (see
+        :mod:`clusterstate.election`); it campaigns to take it over, so nobody leads until it does: None.
+        """
+        if self.is_leader():
+            return self.leading
+        seen = self.observed_leader
+        if seen is not None and (seen.leader_id, seen.address) == (self.cfg.coordinator_id, self.cfg.advertise_address):
+            return None
+        return seen
 
     def status(self) -> StatusInfo:
         """A snapshot of this replica's view."""
@@ -322,13 +331,13 @@ class Coordinator:
     def _fence(self) -> tuple[Leader, Fence]:
         leader = self.leading
         if leader is None or not self.is_leader():
-            raise NotLeader(self.cfg.coordinator_id, self.observed_leader)
+            raise NotLeader(self.cfg.coordinator_id, self.current_leader())
         return leader, Fence(self.keys.leader, leader.token)
 
     def _fenced_out(self, exc: FencedOut) -> NotLeader:
         if self._session is not None:
             self._session.abandon(f"fenced out: {exc}")
-        return NotLeader(self.cfg.coordinator_id, self.observed_leader)
+        return NotLeader(self.cfg.coordinator_id, self.current_leader())
 
     # ---- writes (leader only) --------------------------------------------------------------------
     async def propose(self, move: MoveProposal) -> ProposeResult:

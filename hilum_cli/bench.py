@@ -17,7 +17,17 @@ about one decode step more than the real downtime). Preemptions are not visible 
 these, :class:`sim.results.RequestRecord` / ``MigrationRecord`` values, reduced by ``sim.results.summarize``
 and shown by ``sim.report.render_table``: the same columns as ``hilum sim``. With ``--compare-sim``, the
 simulator runs the same (clipped) requests with the same arrivals on TOPOLOGY with the ``hilum`` policy and
-its row is shown beside the measured one.
+the settings of ``--config`` (as the live cluster's processes read it; default ``$HILUM_CONFIG``), and its
+row is shown beside the measured one.
+
+Everything the command line names is checked before the first request is sent: the gateway URL, every
+number, the trace, the ``--compare-sim`` topology (it must describe the model the gateway serves) and
+configuration file, and the ``--out`` directory (created, and written to once). A finished replay is never
+thrown away: the measured row is printed and written to ``--out`` even when the simulation beside it fails.
+
+Exit status: 0 done (requests that failed are counted in the table); 1 runtime error (the gateway does not
+answer or serves no such model; the simulation failed, after the live results were printed and written;
+``--out`` could not be written); 2 a bad option or path (nothing was sent).
 """
 
 from __future__ import annotations
@@ -26,10 +36,12 @@ import argparse
 import asyncio
 import gzip
 import json
+import math
 import random
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -37,11 +49,15 @@ from typing import Any, TextIO
 
 import aiohttp
 
-from sim.results import KvTimeline, MigrationRecord, PolicySummary, RequestRecord, SimRun, summarize, write_results
+import hilum_config
+from sim.results import KvTimeline, MigrationRecord, RequestRecord, SimRun, summarize, write_results
 from sim.traces import Trace, TraceRequest, load_trace
+from topology.load import TopologyError, load_topology
+from topology.spec import Topology
 
 __all__ = [
     "BenchError",
+    "BenchUsageError",
     "ClippedTrace",
     "Measured",
     "ModelInfo",
@@ -56,7 +72,11 @@ _BYTE_IDS = (3, 259)  # token ids of the stand-in tokenizer's bytes: valid for e
 
 
 class BenchError(RuntimeError):
-    """The benchmark cannot run (gateway unreachable, no model, bad trace)."""
+    """The benchmark cannot run (gateway unreachable, no such model): exit status 1."""
+
+
+class BenchUsageError(BenchError):
+    """A bad option or path, found before anything is sent: exit status 2."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,30 +296,91 @@ def _write_trace_jsonl(trace: Trace, path: Path) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def simulate(trace: Trace, topology: str, seed: int) -> PolicySummary:
-    """The simulator's summary for exactly these requests and arrivals on ``topology`` (policy ``hilum``)."""
+def simulate(trace: Trace, topology: str, seed: int, config: str | None = None) -> SimRun:
+    """The simulator's run of exactly these requests and arrivals on ``topology`` (policy ``hilum``), with the
+    configuration file ``config`` (None: ``$HILUM_CONFIG``, else the defaults)."""
     from sim.runner import SimSpec, run_simulation
 
     with tempfile.TemporaryDirectory(prefix="hilum-bench-") as tmp:
         path = Path(tmp) / "replayed.jsonl.gz"
         _write_trace_jsonl(trace, path)
-        run = run_simulation(SimSpec(topology=topology, trace=str(path), policy="hilum", seed=seed))
-    return replace(summarize(run), policy="sim: hilum")
+        spec = SimSpec(topology=topology, trace=str(path), policy="hilum", seed=seed, config=config)
+        return run_simulation(spec)
 
 
-def run_bench(ns: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """``hilum bench``; returns the exit status (0 ok, 1 runtime error; requests that failed are counted)."""
-    from sim.report import format_table
+@dataclass(frozen=True, slots=True)
+class _Checked:
+    """What the command line names, checked before anything is sent."""
 
+    url: str  # without a trailing "/"
+    trace: Trace
+    compare: Topology | None  # the --compare-sim topology
+    out: Path | None  # the --out directory, created and writable
+
+
+def _check(ns: argparse.Namespace) -> _Checked:
+    """Check every option and path of ``ns``. Raises BenchUsageError naming the option and what is wrong."""
+    url = urllib.parse.urlsplit(ns.url)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise BenchUsageError(f"--url {ns.url!r}: expected http://HOST:PORT (the gateway's base URL)")
+    for option, value in (("--rate-scale", ns.rate_scale), ("--timeout", ns.timeout)):
+        if not (math.isfinite(value) and value > 0):
+            raise BenchUsageError(f"{option}: must be a number > 0, got {value:g}")
+    if ns.max_requests < 1:
+        raise BenchUsageError(f"--max-requests: must be >= 1, got {ns.max_requests}")
     try:
         trace = load_trace(ns.trace, rate_scale=ns.rate_scale, max_requests=ns.max_requests, seed=ns.seed)
     except (ValueError, OSError) as exc:
-        print(f"hilum bench: error: trace {ns.trace}: {exc}", file=err)
-        return 1
+        raise BenchUsageError(f"--trace {ns.trace}: {exc}") from None
+    if not trace.requests:
+        raise BenchUsageError(f"--trace {ns.trace}: the trace has no requests")
+    compare = None
+    if ns.compare_sim:
+        try:
+            compare = load_topology(ns.compare_sim)
+            hilum_config.load_config(ns.config)
+        except TopologyError as exc:
+            raise BenchUsageError(f"--compare-sim: {exc}") from None
+        except hilum_config.ConfigError as exc:
+            raise BenchUsageError(f"--config: {exc}") from None
+    out = None
+    if ns.out:
+        out = Path(ns.out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=out):
+                pass
+        except OSError as exc:
+            raise BenchUsageError(f"--out {ns.out}: cannot write there ({exc.strerror or exc})") from None
+    return _Checked(ns.url.rstrip("/"), trace, compare, out)
+
+
+def _check_model(compare: Topology, path: str, model: ModelInfo) -> None:
+    """The --compare-sim topology must run the served model. Raises BenchUsageError."""
+    served = {i.model for i in compare.instances}
+    if model.name not in served:
+        raise BenchUsageError(
+            f"--compare-sim {path}: its instances run {', '.join(sorted(served))}, not {model.name} (the model "
+            "the gateway serves); compare against the topology the cluster serves (hilum up: <run dir>/topology.yaml)"
+        )
+
+
+def run_bench(ns: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """``hilum bench``; returns the exit status (module docstring: 0 ok, 1 runtime error, 2 bad option)."""
+    from sim.report import format_table
+
+    try:
+        checked = _check(ns)
+    except BenchUsageError as exc:
+        print(f"hilum bench: error: {exc}", file=err)
+        return 2
+    trace = checked.trace
 
     async def main() -> tuple[ModelInfo, ClippedTrace, list[Measured], float]:
         async with aiohttp.ClientSession() as session:
-            model = await _model_info(session, ns.url.rstrip("/"), ns.model)
+            model = await _model_info(session, checked.url, ns.model)
+        if checked.compare is not None:
+            _check_model(checked.compare, ns.compare_sim, model)
         clipped = clip_trace(trace, model)
         print(
             f"hilum bench: {len(trace.requests)} requests of {trace.name} over {trace.requests[-1].arrival_s:.1f} s "
@@ -309,17 +390,20 @@ def run_bench(ns: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sy
             flush=True,
         )
         measured, wall = await replay(
-            ns.url.rstrip("/"), clipped, model=model.name, seed=ns.seed, timeout_s=ns.timeout, progress=err
+            checked.url, clipped, model=model.name, seed=ns.seed, timeout_s=ns.timeout, progress=err
         )
         return model, clipped, measured, wall
 
     try:
         model, clipped, measured, wall = asyncio.run(main())
+    except BenchUsageError as exc:
+        print(f"hilum bench: error: {exc}", file=err)
+        return 2
     except BenchError as exc:
         print(f"hilum bench: error: {exc}", file=err)
         return 1
     requests, migrations = records_of(measured)
-    run = SimRun(
+    live = SimRun(
         policy="live",
         topology=ns.url,
         trace=trace.name,
@@ -333,22 +417,30 @@ def run_bench(ns: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sy
         kv=KvTimeline.empty(),
         config={"url": ns.url, "model": model.name, "clipped": clipped.clipped, "limit_tokens": clipped.limit_tokens},
     )
-    summaries = [summarize(run)]
+    runs, status = [live], 0
+    summaries = [summarize(live)]
     if ns.compare_sim:
         print(f"hilum bench: simulating the same requests on {ns.compare_sim} ...", file=err, flush=True)
         try:
-            summaries.append(simulate(clipped.trace, ns.compare_sim, ns.seed))
+            simulated = simulate(clipped.trace, ns.compare_sim, ns.seed, ns.config)
         except (ValueError, OSError, KeyError) as exc:
-            print(f"hilum bench: error: --compare-sim {ns.compare_sim}: {exc}", file=err)
-            return 1
+            print(f"hilum bench: error: --compare-sim {ns.compare_sim}: the simulation failed: {exc}", file=err)
+            status = 1
+        else:
+            runs.append(simulated)
+            summaries.append(replace(summarize(simulated), policy="sim: hilum"))
     failed = [m for m in measured if m.error is not None]
     print(format_table(summaries, title=f"hilum bench: {trace.name} against {ns.url}"), file=out, end="")
     if failed:
         print(f"hilum bench: {len(failed)} request(s) failed; first: {failed[0].error}", file=err)
-    if ns.out:
-        path = write_results([run], ns.out)
+    if checked.out is not None:
+        try:
+            path = write_results(runs, checked.out)
+        except OSError as exc:
+            print(f"hilum bench: error: --out {ns.out}: cannot write results.json ({exc})", file=err)
+            return 1
         print(f"hilum bench: results written to {path}", file=err)
-    return 0
+    return status
 
 
 def register(sub: Any) -> None:
@@ -367,5 +459,8 @@ def register(sub: Any) -> None:
     p.add_argument("--compare-sim", default=None, metavar="TOPOLOGY", help="also simulate on this topology")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts (and the simulation)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
-    p.add_argument("--out", default=None, help="write results.json (sim.results format) to this directory")
+    p.add_argument(
+        "--out", default=None, help="write results.json (sim.results format: the live run, and the simulated one)"
+    )
+    hilum_config.add_argument(p)  # the simulation's settings: give it the file the live cluster reads
     p.set_defaults(func=run_bench)

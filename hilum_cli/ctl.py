@@ -14,9 +14,12 @@ the first that answers, writes follow the leader it names) or ``--etcd HOST:PORT
 leader key from etcd and talk to the leader). Defaults come from ``HILUM_COORDINATOR``, ``HILUM_ETCD``
 and ``HILUM_PREFIX``, read when the command runs. The global options may also follow the command.
 
-Exit status: 0 done; 1 runtime error (nothing answers, no leader, a drain that did not empty in time,
-...), the message on stderr says what to check; 2 usage error. ``--json`` prints stable keys (see
-docs/control-plane.md, "hilumctl"); errors are never JSON and always go to stderr.
+Exit status, the same for the same kind of error in every command (docs/control-plane.md, "Exit status"):
+0 done; 1 runtime error (nothing answers at an address, no leader, an unknown domain, instance or drain
+target, a domain scheduler that did not answer, a drain that did not empty in time), the message on stderr
+says what to check; 2 usage error (caught before anything is contacted); 130 Ctrl-C (0 for ``migrations
+--follow``). ``--json`` prints stable keys (see docs/control-plane.md, "hilumctl"); errors are never JSON
+and always go to stderr.
 """
 
 from __future__ import annotations
@@ -150,7 +153,27 @@ async def _domains(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
     return 0
 
 
+async def _known_domain(c: AdminClient, domain_id: str, domains: Sequence[pb.DomainInfo]) -> pb.DomainInfo:
+    """``domain_id``'s entry in ``domains`` (ListDomains), or an empty one for a domain only the topology lists.
+
+    Raises:
+        CtlError: when neither names it (exit status 1, like every unknown name).
+    """
+    info = next((d for d in domains if d.domain_id == domain_id), None)
+    if info is not None:
+        return info
+    topology = await c.read("GetTopology", pb.GetTopologyRequest())
+    if any(d.domain_id == domain_id for d in topology.domains):
+        return pb.DomainInfo(domain_id=domain_id)
+    raise CtlError(
+        f"domain {domain_id!r} is not known to the coordinator at {c.address}: no domain scheduler, summary or "
+        "drain names it and its topology does not list it (see `hilumctl domains`)"
+    )
+
+
 async def _instances(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
+    if ns.domain:
+        await _known_domain(c, ns.domain, (await c.read("ListDomains", pb.ListDomainsRequest())).domains)
     data = views.instances_json(await c.read("ListInstances", pb.ListInstancesRequest(domain_id=ns.domain)))
     out.json(data) if out.as_json else views.render_instances(out.console, data)
     return 0
@@ -159,9 +182,7 @@ async def _instances(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
 async def _requests(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
     domains = list((await c.read("ListDomains", pb.ListDomainsRequest())).domains)
     if ns.domain:
-        domains = [d for d in domains if d.domain_id == ns.domain]
-        if not domains:
-            raise CtlError(f"domain {ns.domain!r} is not known to the coordinator at {c.address} (`hilumctl domains`)")
+        domains = [await _known_domain(c, ns.domain, domains)]
     answers = await ask_domains(domains, c.rpc_timeout_s)
     data = views.requests_json(answers, ns.instance)
     errors = [a.error for a in answers if a.error]
@@ -234,8 +255,6 @@ async def _progress(c: AdminClient, kind: str, target: str) -> DrainProgress:
 
 async def _drain(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
     undrain = ns.command == "undrain"
-    if not undrain and (ns.timeout < 0 or ns.interval <= 0):
-        raise UsageError(f"--timeout must be >= 0 and --interval > 0, got {ns.timeout:g} and {ns.interval:g}")
     kind = await _kind(c, ns)
     if undrain:
         reply, leader = await c.write("Undrain", _request(kind, ns.target, pb.UndrainRequest))
@@ -308,10 +327,16 @@ _COMMANDS = {
 }
 
 
+def _check_options(ns: argparse.Namespace) -> None:
+    """Usage errors a command would otherwise find only after reaching the coordinator. Raises UsageError."""
+    if ns.command == "drain" and (ns.timeout < 0 or ns.interval <= 0):
+        raise UsageError(f"--timeout must be >= 0 and --interval > 0, got {ns.timeout:g} and {ns.interval:g}")
+
+
 async def run(ns: argparse.Namespace, target: Target, out: _Out) -> int:
     """Run the parsed command against ``target``; returns the exit status. Raises CtlError / UsageError."""
-    rpc_timeout_s = getattr(ns, "rpc_timeout", None) or 5.0
-    async with AdminClient(target, rpc_timeout_s) as client:
+    rpc_timeout_s = getattr(ns, "rpc_timeout", None)
+    async with AdminClient(target, 5.0 if rpc_timeout_s is None else rpc_timeout_s) as client:
         return await _COMMANDS[ns.command](client, ns, out)
 
 
@@ -324,6 +349,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     env = os.environ if env is None else env
     out = _Out(bool(getattr(ns, "json", False)), sys.stdout, sys.stderr)
     try:
+        _check_options(ns)
         return asyncio.run(run(ns, _target(ns, env), out))
     except UsageError as exc:
         print(f"hilumctl: error: {exc}", file=sys.stderr)

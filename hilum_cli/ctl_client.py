@@ -29,6 +29,7 @@ __all__ = [
     "UsageError",
     "leader_from_etcd",
     "parse_addresses",
+    "short_error",
 ]
 
 DEFAULT_PREFIX = "/hilum/v1/"
@@ -92,7 +93,11 @@ async def leader_from_etcd(endpoints: Sequence[str], prefix: str, timeout_s: flo
             await client.connect()
             resp = await kv_of(client).get(key, timeout=timeout_s)
     except errors as exc:
-        why = f"did not answer within {timeout_s:g} s" if isinstance(exc, TimeoutError) else f"failed ({_short(exc)})"
+        why = (
+            f"did not answer within {timeout_s:g} s"
+            if isinstance(exc, TimeoutError)
+            else f"failed ({short_error(exc)})"
+        )
         raise CtlError(
             f"etcd at {where} {why}: check that etcd runs there (`etcdctl --endpoints {where} endpoint health`) "
             "and that --etcd names its client URL"
@@ -112,7 +117,8 @@ async def leader_from_etcd(endpoints: Sequence[str], prefix: str, timeout_s: flo
         raise CtlError(f"etcd key {key} does not hold a coordinator leader ({exc}): is --prefix right?") from None
 
 
-def _short(exc: BaseException) -> str:
+def short_error(exc: BaseException) -> str:
+    """One line for an etcd or gRPC error (an AioRpcError's own text spans several lines)."""
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
     text = str(exc) or type(exc).__name__
@@ -154,7 +160,7 @@ class AdminClient:
             self._channels[address] = open_channel(address)
         return pb_grpc.CoordinatorStub(self._channels[address])
 
-    def _error(self, address: str, method: str, exc: grpc.aio.AioRpcError) -> CtlError:
+    def _error(self, address: str, exc: grpc.aio.AioRpcError, method: str) -> CtlError:
         code, details = exc.code(), exc.details() or ""
         found = "the leader in etcd" if self.target.etcd else "--coordinator"
         if code == grpc.StatusCode.UNAVAILABLE:
@@ -176,24 +182,32 @@ class AdminClient:
     async def read(self, method: str, request: Any) -> Any:
         """Call a read-only unary method (``"Status"``, ``"ListDomains"``, ...); any replica answers.
 
-        With several ``--coordinator`` addresses, an unreachable replica is skipped for the next one.
+        With several ``--coordinator`` addresses, an unreachable or silent replica is skipped for the next one;
+        when none answers, the error names every address tried and what each said.
 
         Raises:
             CtlError: when no replica answers, or the call fails.
         """
-        last: CtlError | None = None
+        failed: list[tuple[str, grpc.aio.AioRpcError]] = []
         for address in [self.address, *(a for a in self._candidates if a != self.address)]:
             try:
                 reply = await getattr(self.stub(address), method)(request, timeout=self.rpc_timeout_s)
             except grpc.aio.AioRpcError as exc:
-                last = self._error(address, method, exc)
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    continue
-                raise last from None
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise self._error(address, exc, method) from None
+                failed.append((address, exc))
+                continue
             self.address = address
             return reply
-        assert last is not None
-        raise last
+        if len(failed) == 1:
+            raise self._error(*failed[0], method)
+        found = "the leader in etcd" if self.target.etcd else "--coordinator"
+        tried = "; ".join(f"{address}: {short_error(exc)}" for address, exc in failed)
+        raise CtlError(
+            f"no coordinator answers {method} at any of the {len(failed)} addresses ({tried}): check that the "
+            f"coordinators (`python -m global_coord`) run there and that {found} names their --listen/--advertise "
+            "addresses"
+        )
 
     async def write(self, method: str, request: Any) -> tuple[Any, str]:
         """Call a leader-only unary method (``"Drain"``, ``"Undrain"``); (reply, address of the leader).
@@ -212,7 +226,7 @@ class AdminClient:
                 return reply, address
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                    raise self._error(address, method, exc) from None
+                    raise self._error(address, exc, method) from None
                 leader = await self._leader_named(address, exc.details() or "")
                 if leader == address:  # leadership is moving: give the election a moment
                     await asyncio.sleep(0.2)
@@ -239,7 +253,7 @@ class AdminClient:
         try:
             return await getattr(self.stub(address), method)(request, timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise self._error(address, method, exc) from None
+            raise self._error(address, exc, method) from None
 
     async def follow_migrations(self) -> AsyncIterator[pb.MigrationEvent]:
         """The current migrations, then every change, until cancelled (FollowMigrations, no deadline).
@@ -253,7 +267,7 @@ class AdminClient:
             async for event in call:
                 yield event
         except grpc.aio.AioRpcError as exc:
-            raise self._error(address, "FollowMigrations", exc) from None
+            raise self._error(address, exc, "FollowMigrations") from None
         finally:
             call.cancel()
         raise CtlError(f"the coordinator at {address} ended the migration stream (it is stopping?)")

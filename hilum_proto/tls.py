@@ -27,7 +27,20 @@ from pathlib import Path
 
 import grpc
 
-__all__ = ["TlsError", "TlsFiles", "add_port", "bind_server", "etcd_tls_args", "grpc_tls", "new_server", "open_channel"]
+__all__ = [
+    "WILDCARD_HOSTS",
+    "TlsError",
+    "TlsFiles",
+    "add_port",
+    "advertised_address",
+    "bind_server",
+    "etcd_tls_args",
+    "grpc_tls",
+    "new_server",
+    "open_channel",
+]
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")  # listen hosts that bind every interface
 
 
 class TlsError(ValueError):
@@ -146,3 +159,23 @@ def bind_server(listen: str) -> tuple[grpc.aio.Server, int]:
     if port == 0:
         raise RuntimeError(f"cannot listen on {listen}: the address is in use or not local")
     return server, port
+
+
+def advertised_address(listen: str, port: int, advertise: str = "") -> str:
+    """The ``host:port`` a server bound to ``listen`` (on ``port``, the one bound) is reached at by others.
+
+    ``advertise`` when given; else the listen host with the bound port. A listen host that binds every
+    interface (``0.0.0.0``, ``::``) names no address another process can reach: it needs ``advertise``.
+
+    Raises:
+        ValueError: for a wildcard listen host without ``advertise``, naming both options.
+    """
+    if advertise:
+        return advertise
+    host = listen.rpartition(":")[0]
+    if host in WILDCARD_HOSTS:
+        raise ValueError(
+            f"--listen {listen} binds every interface, which is no address others can reach: pass --advertise "
+            "HOST:PORT, the address the other processes reach this one at"
+        )
+    return f"{host}:{port}"

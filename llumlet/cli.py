@@ -101,13 +101,13 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
         topology=topology,
         rng=random.Random(ns.seed),
     )
-    server, address = await serve(llumlet, ns.listen)
+    server, address = await serve(llumlet, ns.listen, ns.advertise)
     stop = asyncio.Event()
     registration = None
     if ns.etcd:
         if topology is None:
             raise ValueError("--etcd needs --topology (the registration names the node, model and KV capacity)")
-        registration = asyncio.ensure_future(_register(ns, topology, backend, ns.advertise or address, stop))
+        registration = asyncio.ensure_future(_register(ns, topology, backend, address, stop))
     print(f"llumlet {ns.instance_id} serving at {address}", flush=True)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

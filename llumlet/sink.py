@@ -216,17 +216,16 @@ class TokenCollector:
         reason = "stream ended"
         async with open_channel(address) as channel:
             stub = llumlet_pb2_grpc.LlumletStub(channel)
-            instance_id = address
+            who = f"the llumlet at {address}"  # until its first load report names its instance
             try:
                 call = stub.WatchLoad(llumlet_pb2.WatchLoadRequest(min_interval_s=1.0), wait_for_ready=True)
                 async for report in call:
-                    instance_id = report.instance_id
+                    who = f"instance {report.instance_id} at {address}"
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
         for stream in self._streams.values():
             if stream.owner_address == address and not stream.done.is_set():
-                error = f"instance {instance_id} at {address} stopped ({reason}): request {stream.request_id} lost"
-                stream.fail(error, resumable=True)
+                stream.fail(f"{who} stopped ({reason}): request {stream.request_id} lost", resumable=True)
         self._watches.pop(address, None)
 
     # ---- the service --------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import hilum_config
 from clusterstate.etcd import Etcd3Client, connect, kv_of
 from clusterstate.records import DomainRegistration, InstanceRegistration, RecordError, decode
 from clusterstate.store import Keys
-from hilum_proto.tls import bind_server
+from hilum_proto.tls import advertised_address, bind_server
 from rack_sched.scheduler import DomainScheduler
 from rack_sched.server import start_server
 from rack_sched.types import RackConfig
@@ -31,6 +31,8 @@ from topology.load import TopologyError, load_topology
 from topology.spec import Topology
 
 __all__ = ["build_parser", "config_from_args", "main", "static_instances"]
+
+_log = logging.getLogger("rack_sched")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,35 +113,45 @@ def config_from_args(ns: argparse.Namespace, topology: Topology, advertise: str)
     )
 
 
-async def _refuse_a_second_scheduler(client: Etcd3Client, key: str, domain_id: str, wait_s: float) -> None:
+async def _refuse_a_second_scheduler(
+    client: Etcd3Client, key: str, domain_id: str, own_address: str, wait_s: float
+) -> None:
     """One domain scheduler per domain: a live registration (bound to its scheduler's lease) means another one
     runs; taking over its key would hide it, and stopping this one would then unregister the domain.
 
-    A crashed scheduler's registration disappears with its lease, so this waits up to ``wait_s`` for the key to
-    go (a restart right after a crash), then raises RuntimeError naming the scheduler that still holds it.
+    A registration at ``own_address`` is the previous run of this very scheduler (two live processes cannot
+    share an address): it is taken over at once. Any other crashed scheduler's registration disappears with
+    its lease, so this waits up to ``wait_s`` for the key to go, then raises RuntimeError naming the scheduler
+    that still holds it.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
-    while (reply := await kv_of(client).get(key)).kvs and loop.time() < deadline:
-        await asyncio.sleep(0.5)
-    if reply.kvs:
+    while True:
+        reply = await kv_of(client).get(key)
+        if not reply.kvs:
+            return
         try:
             address = decode(DomainRegistration, bytes(reply.kvs[0].value), key).address
         except RecordError:
             address = "?"
-        raise RuntimeError(
-            f"domain {domain_id} already has a live domain scheduler at {address}; stop it first "
-            "(a crashed one's registration expires with its lease TTL)"
-        )
+        if address == own_address:
+            _log.info("domain %s: taking over the registration of this scheduler's previous run", domain_id)
+            return
+        if loop.time() >= deadline:
+            raise RuntimeError(
+                f"domain {domain_id} already has a live domain scheduler at {address}; stop it first "
+                "(a crashed one's registration expires with its lease TTL)"
+            )
+        await asyncio.sleep(0.5)
 
 
 async def _serve(ns: argparse.Namespace, topology: Topology) -> None:
     server, port = bind_server(ns.listen)
-    host = ns.listen.rpartition(":")[0]
-    cfg = config_from_args(ns, topology, ns.advertise or f"{host}:{port}")
+    cfg = config_from_args(ns, topology, advertised_address(ns.listen, port, ns.advertise))
     client = connect([e.strip() for e in ns.etcd.split(",") if e.strip()])
     await client.connect()
-    await _refuse_a_second_scheduler(client, Keys(ns.prefix).domain(ns.domain_id), ns.domain_id, 1.5 * ns.ttl + 1)
+    key = Keys(ns.prefix).domain(ns.domain_id)
+    await _refuse_a_second_scheduler(client, key, ns.domain_id, cfg.advertise_address, 1.5 * ns.ttl + 1)
     ids = [i.instance_id for i in topology.domain(ns.domain_id).instances]
     scheduler = DomainScheduler(cfg, client, rng=random.Random(ns.seed), topology_instance_ids=ids)
     stop = asyncio.Event()

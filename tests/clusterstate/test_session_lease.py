@@ -92,3 +92,32 @@ def test_registrar_reregisters_after_long_etcd_stop(etcd_private: EtcdServer, pr
         await client.close()
 
     asyncio.run(main())
+
+
+def test_a_claim_takes_over_only_its_own_previous_registration(etcd: EtcdServer, prefix: str) -> None:
+    """A crashed holder's key (its lease still alive in etcd) holding exactly the claimed value is the previous
+    run of the same registrant: taken over at once. Another value is another holder: refused."""
+
+    async def main() -> None:
+        client = connect([etcd.endpoint])
+        await client.connect()
+        crashed = int((await lease_of(client).grant(30)).ID)  # nobody renews it; it outlives the "crash"
+        await kv_of(client).put(prefix + "mine", b'{"address":"h:1"}', lease=crashed)
+        await kv_of(client).put(prefix + "theirs", b'{"address":"h:2"}', lease=crashed)
+        reg = Registrar(client, 5, rng=random.Random(1), name="restarted")
+        stop = asyncio.Event()
+        task = asyncio.create_task(reg.run(stop))
+        assert await reg.claim(prefix + "mine", b'{"address":"h:1"}')
+        assert not await reg.claim(prefix + "theirs", b'{"address":"h:3"}')
+        assert reg.session is not None
+        leases = {}
+        for key in ("mine", "theirs"):
+            kvs = (await kv_of(client).get(prefix + key)).kvs
+            leases[key] = int(kvs[0].lease)
+        assert leases == {"mine": reg.session.lease_id, "theirs": crashed}
+        stop.set()
+        await task
+        await lease_of(client).revoke(crashed)
+        await client.close()
+
+    asyncio.run(main())

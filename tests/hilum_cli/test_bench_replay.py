@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
-from collections.abc import AsyncIterator
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +22,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.router import Placement
 from gateway.sink import Move, TokenUpdate
 from gateway.validation import GenerationRequest, ModelLimits
+from hilum_cli import bench
 from hilum_cli.bench import ClippedTrace, Measured, ModelInfo, clip_trace, records_of, replay, run_bench
+from hilum_cli.up import LOCAL_TOPOLOGY
 from sim.traces import Trace, TraceRequest
 
 
@@ -112,21 +119,96 @@ def test_replay_against_a_gateway_sends_the_trace() -> None:
     assert measured[1].sent_s >= 0.2 and measured[0].moves[0]["cross_domain"] is True
 
 
+def bench_args(url: str = "http://127.0.0.1:9", **changes: Any) -> argparse.Namespace:
+    """``hilum bench``'s options (3 requests of azure-conv) with ``changes``."""
+    options: dict[str, Any] = {
+        "url": url, "trace": "azure-conv", "rate_scale": 50.0, "max_requests": 3, "model": None,
+        "compare_sim": None, "seed": 0, "timeout": 5.0, "out": None, "config": None,
+    }  # fmt: skip
+    return argparse.Namespace(**{**options, **changes})
+
+
 def test_run_bench_says_clearly_when_no_gateway_answers() -> None:
-    ns = argparse.Namespace(
-        url="http://127.0.0.1:9",
-        trace="azure-conv",
-        rate_scale=1.0,
-        max_requests=3,
-        model=None,
-        compare_sim=None,
-        seed=0,
-        timeout=5.0,
-        out=None,
-    )
     err = io.StringIO()
-    assert run_bench(ns, out=io.StringIO(), err=err) == 1
+    assert run_bench(bench_args(), out=io.StringIO(), err=err) == 1
     assert "hilum bench: error: cannot reach the gateway at http://127.0.0.1:9" in err.getvalue()
+
+
+@contextlib.contextmanager
+def echo_gateway() -> Iterator[tuple[str, EchoBackend]]:
+    """A gateway over :class:`EchoBackend` on a loop of its own (``run_bench`` runs its own loop)."""
+    backend = EchoBackend()
+    loop = asyncio.new_event_loop()
+    server = TestServer(GatewayApp(backend, GatewayMetrics()).app())  # type: ignore[arg-type]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(server.start_server(), loop).result(timeout=30)
+    try:
+        yield str(server.make_url("")).rstrip("/"), backend
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        loop.close()
+
+
+def test_every_option_and_path_is_checked_before_the_first_request(tmp_path: Path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    other_model = tmp_path / "other-model.yaml"
+    other_model.write_text(LOCAL_TOPOLOGY)  # llama-2-7b; the echo gateway serves "m"
+    served = tmp_path / "m.yaml"
+    served.write_text(LOCAL_TOPOLOGY.replace("llama-2-7b", "m"))
+    bad_config = tmp_path / "hilum.yaml"
+    bad_config.write_text("policy:\n  no_such_key: 1\n")
+    cases = [
+        ({"compare_sim": str(tmp_path / "nosuch.yaml")}, "--compare-sim: ", "nosuch.yaml: (file): file not found"),
+        ({"compare_sim": str(other_model)}, f"--compare-sim {other_model}: its instances run llama-2-7b, not m", ""),
+        ({"out": str(a_file / "results")}, f"--out {a_file / 'results'}: cannot write there", ""),
+        ({"compare_sim": str(served), "config": str(bad_config)}, f"--config: {bad_config}: policy", ""),
+        ({"trace": str(tmp_path / "nosuch.csv")}, f"--trace {tmp_path / 'nosuch.csv'}: ", ""),
+        ({"rate_scale": 0.0}, "--rate-scale: must be a number > 0, got 0", ""),
+        ({"timeout": float("nan")}, "--timeout: must be a number > 0, got nan", ""),
+        ({"max_requests": 0}, "--max-requests: must be >= 1, got 0", ""),
+        ({"url": "127.0.0.1:8000"}, "--url '127.0.0.1:8000': expected http://HOST:PORT", ""),
+    ]
+    with echo_gateway() as (url, backend):
+        for changes, words, more in cases:
+            out, err = io.StringIO(), io.StringIO()
+            args = bench_args(url, **changes) if "url" not in changes else bench_args(**changes)
+            t0 = time.monotonic()
+            assert run_bench(args, out=out, err=err) == 2, (changes, err.getvalue())
+            assert time.monotonic() - t0 < 10  # at once, not after a replay
+            assert err.getvalue().startswith(f"hilum bench: error: {words}"), err.getvalue()
+            assert more in err.getvalue() and out.getvalue() == ""
+        assert backend.requests == {}  # nothing was sent
+
+
+def test_a_failed_comparison_keeps_the_live_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    topo = tmp_path / "m.yaml"
+    topo.write_text(LOCAL_TOPOLOGY.replace("llama-2-7b", "m"))
+
+    def fail(*args: object) -> None:
+        raise ValueError("the simulator broke")
+
+    monkeypatch.setattr(bench, "simulate", fail)
+    out, err = io.StringIO(), io.StringIO()
+    with echo_gateway() as (url, backend):
+        args = bench_args(url, compare_sim=str(topo), out=str(tmp_path / "out"))
+        assert run_bench(args, out=out, err=err) == 1
+    assert len(backend.requests) == 3
+    assert f"hilum bench: error: --compare-sim {topo}: the simulation failed: the simulator broke" in err.getvalue()
+    rows = {c[0]: c for c in table_rows(out.getvalue())}
+    assert rows["live"][1:4] == ["3", "3", "0"] and "sim: hilum" not in rows  # requests, done, refused
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["spec"]["policy"] for r in results["runs"]] == ["live"]
+    assert f"results written to {tmp_path / 'out' / 'results.json'}" in err.getvalue()
+
+
+def table_rows(table: str) -> list[list[str]]:
+    """The cells of each row of a ``format_table`` table."""
+    cells = [[c.strip() for c in line.strip("│").split("│")] for line in table.splitlines()]
+    return [c for c in cells if len(c) > 4]
 
 
 def test_clipped_trace_type() -> None:

@@ -308,6 +308,7 @@ def test_domains(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
     node0, node1 = data["domains"]
     assert node0 == {
         "domain_id": "node-0", "registered": True, "scheduler_address": cluster.node0_scheduler, "draining": False,
+        "drain_state": "none",
         "summaries": [{
             "model": "llama-2-7b", "num_instances": 2, "capacity_blocks": 4000, "virtual_usage_blocks": 1500.0,
             "freeness": 125.0, "largest_free_blocks": 1200, "max_instance_capacity_blocks": 2000, "num_running": 3,
@@ -342,7 +343,7 @@ def test_instances_with_load_and_domain_filter(cluster: Cluster, capsys: pytest.
     data = ctl_json(capsys, "--coordinator", cluster.leader_address, "--json", "instances")
     assert [i["instance_id"] for i in data["instances"]] == ["node-0-i0", "node-0-i1", "node-1-i0"]
     assert data["instances"][0] == {
-        **INSTANCES[0], "draining": False,
+        **INSTANCES[0], "draining": False, "drain_state": "none",
         "load": {"used_blocks": 800, "free_blocks": 1200, "num_running": 2, "num_waiting": 1, "draining": False},
     }  # fmt: skip
     only = ctl_json(capsys, "--coordinator", cluster.leader_address, "--json", "instances", "--domain", "node-1")
@@ -488,7 +489,7 @@ def test_requests_of_one_domain_both_forms(cluster: Cluster, capsys: pytest.Capt
     assert [r for r in rows if r and r[0].startswith("req-")] == [
         ["req-a", "node-0", "node-0-i0"], ["req-b", "node-0", "node-0-i0"], ["req-c", "node-0", "node-0-i1"],
     ]  # fmt: skip
-    assert [r[:5] for r in rows if r and r[0] == "node-0-i1"] == [["node-0-i1", "node-0", "1", "0", "applied"]]
+    assert [r[:5] for r in rows if r and r[0] == "node-0-i1"] == [["node-0-i1", "node-0", "1", "0", "draining"]]
     assert "3 running, 1 waiting on 2 instances (1 of 1 domain schedulers answered)" in out
 
 
@@ -599,14 +600,17 @@ def test_drain_wait_on_a_domain_waits_for_its_migrations(cluster: Cluster, capsy
     assert f"drain of domain node-1 recorded by the leader at {cluster.leader_address}" in err
     assert "domain node-1: the domain scheduler of node-1 has not applied the drain yet" in err
     assert "domain node-1: 1 cross-domain migration in flight" in err
-    # a draining domain's usage is +inf and its freeness -inf: null in JSON, inf/-inf in the table
+    # a draining domain's usage is +inf and its freeness -inf: null in JSON; the table shows the state
     node1 = ctl_json(capsys, *leader, "--json", "domains")["domains"][1]
     assert node1["draining"] is True and node1["summaries"][0]["draining"] is True
+    assert node1["drain_state"] == "draining"
     assert (node1["summaries"][0]["virtual_usage_blocks"], node1["summaries"][0]["freeness"]) == (None, None)
     rc, out, _ = ctl(capsys, *leader, "domains")
-    assert next(line.split() for line in out.splitlines() if line.lstrip().startswith("node-1"))[2:8] == [
-        "applied", "llama-2-7b", "1", "0", "inf", "-inf",
+    assert next(line.split() for line in out.splitlines() if line.lstrip().startswith("node-1"))[2:10] == [
+        "draining", "llama-2-7b", "1", "-", "-", "-", "-", "0",
     ]  # fmt: skip
+    instance = ctl_json(capsys, *leader, "--json", "instances", "--domain", "node-1")["instances"][0]
+    assert (instance["draining"], instance["load"]["draining"], instance["drain_state"]) == (True, True, "draining")
     assert ctl(capsys, *leader, "undrain", "node-1")[0] == 0
     agents.send("summary", record=summary_node1())
 
@@ -636,9 +640,32 @@ def test_nothing_listens(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = ctl(capsys, "--etcd", f"127.0.0.1:{port}", "--rpc-timeout", "1", "domains")
     assert (rc, out) == (1, "")
     assert f"etcd at 127.0.0.1:{port}" in err and "etcdctl" in err
-    # several replicas: a dead one is skipped
-    rc, out, err = ctl(capsys, "--coordinator", f"127.0.0.1:{port},127.0.0.1:{free_port()}", "status")
-    assert rc == 1 and "no coordinator answers" in err
+    # several replicas: a dead one is skipped; when none answers, every address is named
+    other = free_port()
+    rc, out, err = ctl(capsys, "--coordinator", f"127.0.0.1:{port},127.0.0.1:{other}", "status")
+    assert (rc, out) == (1, "")
+    assert "no coordinator answers Status at any of the 2 addresses" in err
+    assert f"127.0.0.1:{port}: UNAVAILABLE" in err and f"127.0.0.1:{other}: UNAVAILABLE" in err
+
+
+def test_a_dead_replica_is_skipped(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    addresses = f"127.0.0.1:{free_port()},{cluster.standby_address}"
+    st = ctl_json(capsys, "--coordinator", addresses, "--json", "status")
+    assert st["address"] == cluster.standby_address
+
+
+def test_an_unknown_name_is_exit_1_in_every_command(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    coord = ["--coordinator", cluster.leader_address]
+    for argv in (["instances", "--domain", "nosuch"], ["requests", "--domain", "nosuch"], ["--json", "instances",
+                 "--domain", "nosuch"]):  # fmt: skip
+        rc, out, err = ctl(capsys, *coord, *argv)
+        assert (rc, out) == (1, ""), argv
+        assert f"hilumctl: error: domain 'nosuch' is not known to the coordinator at {cluster.leader_address}" in err
+        assert "its topology does not list it" in err
+    rc, out, err = ctl(capsys, *coord, "requests", "--domain", "node-0", "--instance", "node-9-i9")
+    assert (rc, out) == (1, "") and "instance 'node-9-i9' is not known to domain node-0" in err
+    rc, out, err = ctl(capsys, *coord, "drain", "nosuch")
+    assert (rc, out) == (1, "") and "'nosuch' is neither a registered instance or domain" in err
 
 
 def test_etcd_without_a_leader(etcd: EtcdServer, capsys: pytest.CaptureFixture[str]) -> None:
@@ -654,6 +681,11 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 2 and "'localhost' is not HOST:PORT" in err
     rc, _, err = ctl(capsys, "--etcd", "h:1", "--prefix", "hilum", "status")
     assert rc == 2 and "--prefix: must start and end with '/'" in err
+    # an option the command checks is a usage error before anything is contacted (nothing listens at h:1)
+    rc, out, err = ctl(capsys, "--coordinator", "h:1", "drain", "i0", "--wait", "--interval", "0")
+    assert (rc, out) == (2, "") and "--interval > 0, got" in err
+    rc, out, err = ctl(capsys, "--coordinator", "h:1", "--rpc-timeout", "0", "status")
+    assert (rc, out) == (2, "") and "--rpc-timeout: must be > 0 seconds" in err
     with pytest.raises(SystemExit) as exc:
         main(["--coordinator", "h:1", "--etcd", "h:2", "status"], env={})
     assert exc.value.code == 2

@@ -8,6 +8,8 @@ import argparse
 import asyncio
 import io
 import json
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -111,9 +113,15 @@ def test_client_gone_while_waiting_for_a_whole_response_frees_the_blocks(up: UpP
             body = {"model": MODEL, "prompt": "w" * 300, "max_tokens": 1500}
             with pytest.raises(TimeoutError):  # the client gives up and closes the connection
                 await session.post(up.url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=1.0))
-            async with session.get(up.url + "/metrics") as resp:
-                page = await resp.text()
-        assert 'hilum_gateway_requests_total{endpoint="completions",outcome="aborted"}' in page
+            aborted = 'hilum_gateway_requests_total{endpoint="completions",outcome="aborted"}'
+            deadline = time.monotonic() + 30.0  # the gateway notices the closed connection on its own time
+            while True:
+                async with session.get(up.url + "/metrics") as resp:
+                    page = await resp.text()
+                if aborted in page or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)
+        assert aborted in page
         assert await wait_load(up.info, idle_load(up.info)) == idle_load(up.info)
 
     asyncio.run(main())
@@ -132,6 +140,7 @@ def test_bench_replays_a_trace_against_the_cluster(up: UpProcess, tmp_path: Path
         seed=0,
         timeout=60.0,
         out=str(tmp_path / "out"),
+        config=None,
     )
     out, err = io.StringIO(), io.StringIO()
     assert run_bench(ns, out=out, err=err) == 0, err.getvalue()
@@ -143,12 +152,47 @@ def test_bench_replays_a_trace_against_the_cluster(up: UpProcess, tmp_path: Path
     assert (tmp_path / "out" / "results.json").exists()
 
 
-def test_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
-    cluster = start_up(tmp_path, "sim")
+def _ignore_sigint() -> None:  # as a non-interactive shell starts a background job (`hilum up &`)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def test_ctrl_c_ends_open_streams_removes_the_run_dir_and_leaves_no_process(tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    cluster = start_up(tmp_path, "sim", own_run_dir=False, env={"TMPDIR": str(tmp)}, preexec_fn=_ignore_sigint)
     pids = cluster.info["pids"]
     assert len(pids) == 1 + 1 + 4 + 2 + 1  # etcd, coordinator, llumlets, domain schedulers, gateway
     assert all(alive(p) for p in pids)
+    run_dir = cluster.run_dir
+    assert run_dir.parent == tmp and run_dir.name.startswith("hilum-up-")
+    assert (run_dir / "topology.yaml").read_text() == TOPOLOGY
+
+    async def stream_across_ctrl_c() -> list[dict[str, Any]]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            body = {"model": MODEL, "prompt": "s" * 300, "max_tokens": 1500, "stream": True}
+            async with session.post(cluster.url + "/v1/completions", json=body) as resp:
+                await resp.content.readuntil(b"\n\n")  # it runs
+                cluster.proc.send_signal(signal.SIGINT)  # Ctrl-C, although SIGINT was inherited as ignored
+                events = []
+                async for raw in resp.content:
+                    line = raw.decode().strip()
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        events.append(json.loads(line[6:]))
+                return events
+
+    events = asyncio.run(stream_across_ctrl_c())
+    assert "error" in events[-1] and "the gateway is shutting down" in events[-1]["error"]["message"], events[-1]
     err = cluster.stop()
-    assert cluster.proc.returncode == 0
-    assert "hilum up: stopped; no process left" in err
+    assert cluster.proc.returncode == 0, err
+    said = [line.removeprefix("hilum up: ") for line in err.splitlines() if line.startswith("hilum up: ")]
+    starts = [line.split(";")[0] for line in said if line.startswith("starting ")]
+    assert starts == [
+        f"starting etcd on {cluster.info['etcd']}",
+        "starting the coordinator",
+        "starting 4 llumlets (sim engine: simulated GPUs)",
+        "starting 2 domain schedulers",
+        f"starting the gateway on {cluster.url}",
+    ]
+    assert said[-3:] == ["stopping ...", "stopped; no process left", f"removed the run directory {run_dir}"]
     assert [p for p in pids if alive(p)] == []
+    assert list(tmp.iterdir()) == []  # no hilum-up-* directory left behind

@@ -1,9 +1,11 @@
-"""``hilum up`` refuses clearly when a port is taken, before starting anything."""
+"""``hilum up`` refuses clearly, before starting anything, when a port is taken or etcd does not answer."""
 
 from __future__ import annotations
 
 import io
 import socket
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -38,7 +40,7 @@ def test_a_taken_gateway_port_is_a_clear_error_and_nothing_starts(tmp_path: Path
         cfg = UpConfig(topology=str(topo), port=port, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "run"))
         assert run_up(cfg, out=io.StringIO(), err=err) == 1
         assert f"hilum up: error: port {port} (gateway HTTP)" in err.getvalue()
-        assert sorted(p.name for p in (tmp_path / "run").iterdir()) == []  # no log: nothing was started
+        assert not (tmp_path / "run").exists()  # nothing was started, not even a run directory made
 
 
 def test_a_taken_grpc_port_names_the_process_and_the_option() -> None:
@@ -47,5 +49,40 @@ def test_a_taken_grpc_port_names_the_process_and_the_option() -> None:
         holder.listen()
         port = holder.getsockname()[1]
         # the base is the coordinator's port; the domain schedulers and llumlets follow it
-        with pytest.raises(UpError, match=rf"port {port} \(coordinator\) .* --grpc-base-port"):
+        with pytest.raises(UpError, match=rf"port {port} \(coordinator coord-0\) .* --grpc-base-port"):
             plan_ports(_topology(), "127.0.0.1", 0, 0, port, etcd_embedded=True)  # type: ignore[arg-type]
+
+
+def test_an_unreachable_etcd_is_one_line_at_once_and_nothing_is_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+        port = holder.getsockname()[1]
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        err = io.StringIO()
+        cfg = UpConfig(etcd=f"127.0.0.1:{port}", port=0, grpc_base_port=0)
+        t0 = time.monotonic()
+        assert run_up(cfg, out=io.StringIO(), err=err) == 1
+        assert time.monotonic() - t0 < 10
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"hilum up: error: etcd at 127.0.0.1:{port} does not answer (")
+    assert lines[0].endswith("start it or correct --etcd (without --etcd, hilum up runs an embedded etcd)")
+    assert list(tmp_path.iterdir()) == []  # no hilum-up-* directory
+
+
+def test_two_coordinators_get_ports_after_the_base() -> None:
+    plan = plan_ports(_topology(), "127.0.0.1", 0, 0, 17070, etcd_embedded=True, coordinators=2)  # type: ignore[arg-type]
+    assert plan.coordinators == {"coord-0": 17070, "coord-1": 17071}
+    assert (plan.domains["dom-a"], plan.instances["a0"], plan.sink) == (17072, 17074, 17078)
+
+
+def test_a_bad_configuration_file_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    bad = tmp_path / "hilum.yaml"
+    bad.write_text("policy:\n  no_such_key: 1\n")
+    err = io.StringIO()
+    cfg = UpConfig(config=str(bad), port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "run"))
+    assert run_up(cfg, out=io.StringIO(), err=err) == 1
+    assert err.getvalue().startswith(f"hilum up: error: --config {bad}: {bad}: policy")
+    assert not (tmp_path / "run").exists()

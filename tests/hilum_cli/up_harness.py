@@ -9,8 +9,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,29 +53,55 @@ fabric:
 """
 
 
-@dataclass
 class UpProcess:
-    """A running ``hilum up``."""
+    """A running ``hilum up``; its stderr is collected as it comes (:meth:`stderr`, :meth:`wait_stderr`)."""
 
-    proc: subprocess.Popen[str]
-    run_dir: Path
-    info: dict[str, Any]
+    def __init__(self, proc: subprocess.Popen[str], run_dir: Path, info: dict[str, Any]) -> None:
+        self.proc, self.run_dir, self.info = proc, run_dir, info
+        self._err: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._err.append(line)
 
     @property
     def url(self) -> str:
         return str(self.info["gateway_url"])
 
-    def stop(self, timeout_s: float = 60.0) -> str:
-        """SIGINT (Ctrl-C), wait; returns its stderr. Raises AssertionError if it does not exit in time."""
+    def stderr(self) -> str:
+        return "".join(self._err)
+
+    def wait_stderr(self, words: str, timeout_s: float = 60.0) -> str:
+        """Wait until stderr contains ``words``; returns it. Raises AssertionError after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while words not in (text := self.stderr()):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise AssertionError(f"hilum up never said {words!r}: {text}")
+            time.sleep(0.05)
+        return text
+
+    def read_info(self) -> dict[str, Any]:
+        """``cluster.json`` as it is now (rewritten on every restart)."""
+        return dict(json.loads((self.run_dir / "cluster.json").read_text()))
+
+    def stop(self, timeout_s: float = 60.0, sig: int = signal.SIGINT) -> str:
+        """``sig`` (SIGINT: Ctrl-C), wait; returns its stderr. Raises AssertionError if it does not exit in time."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(sig)
         try:
-            _, err = self.proc.communicate(timeout=timeout_s)
+            self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            _, err = self.proc.communicate()
-            raise AssertionError(f"hilum up did not stop within {timeout_s} s: {err}") from None
-        return err
+            self.proc.wait()
+            raise AssertionError(f"hilum up did not stop within {timeout_s} s: {self.stderr()}") from None
+        self._reader.join(timeout=10)
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        return self.stderr()
 
 
 def start_up(
@@ -85,9 +112,16 @@ def start_up(
     *,
     kv_blocks: int = 128,
     topology: str = TOPOLOGY,
+    own_run_dir: bool = True,
+    env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> UpProcess:
     """Start ``hilum up`` on free ports with ``topology`` (default :data:`TOPOLOGY`, ``kv_blocks`` per instance);
-    wait until it prints that it is up."""
+    wait until it prints that it is up.
+
+    ``own_run_dir``: pass ``--run-dir <run_dir>/run``; otherwise hilum up makes a temporary one (under
+    ``env["TMPDIR"]`` if given), found from what it prints.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     topo = run_dir / "topology.yaml"
     topo.write_text(topology.replace("kv_capacity_blocks: 128", f"kv_capacity_blocks: {kv_blocks}"))
@@ -106,15 +140,15 @@ def start_up(
         "0",
         "--grpc-base-port",
         "0",
-        "--run-dir",
-        str(run_dir / "run"),
+        *(["--run-dir", str(run_dir / "run")] if own_run_dir else []),
         *(extra or []),
     ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn
+    )
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
-    info_path = run_dir / "run" / "cluster.json"
     lines = []
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -122,7 +156,8 @@ def start_up(
             break
         lines.append(line)
         if "Ctrl-C stops everything" in line:
-            return UpProcess(proc, run_dir / "run", json.loads(info_path.read_text()))
+            where = next(w.split()[2] for w in lines if w.startswith("  run dir "))
+            return UpProcess(proc, Path(where), json.loads((Path(where) / "cluster.json").read_text()))
     proc.kill()
     _, err = proc.communicate()
     raise AssertionError(f"hilum up did not come up: {''.join(lines)}\n{err}")
