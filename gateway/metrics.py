@@ -65,6 +65,15 @@ class GatewayMetrics:
             p + "instance_kv_usage_ratio", "KV blocks used / capacity", ["instance", "domain"], registry=r
         )
         self.retries = Counter(p + "dispatch_retries", "dispatch retried on another domain", ["reason"], registry=r)
+        self.resumes = Counter(
+            p + "resumes", "requests whose instance failed, by what was done (gateway.core.plan_resume)", ["outcome"],
+            registry=r,
+        )  # fmt: skip
+        self.replayed_tokens = Counter(
+            p + "replayed_tokens", "delivered output tokens sent again as prompt by replays", registry=r
+        )
+        for outcome in ("replayed", "completed", "not_replayable", "limit", "no_capacity"):
+            self.resumes.labels(outcome=outcome)
         for scope in ("intra_domain", "cross_domain"):  # export zeros from the start
             self.migrations.labels(scope=scope)
             self.downtime.labels(scope=scope)
