@@ -123,6 +123,7 @@ class Llumlet:
     async def stop(self) -> None:
         """Stop every loop, close channels, shut the engine thread down."""
         await self.driver.stop()
+        self.source.budgets.close()
 
     # ---- requests and load ----------------------------------------------------------------------
     async def submit(self, request: EngineRequest, origin: str, *, first_seq: int = 0) -> str | None:

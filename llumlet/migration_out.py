@@ -36,6 +36,7 @@ from llumlet.client import LlumletClient
 from llumlet.convert import UnmovableStateError
 from llumlet.driver import EngineDriver, Owned
 from llumlet.engine.types import MigrationState
+from llumlet.linkbudget import LinkBudgets
 from llumlet.migration_types import (
     CommitCall,
     DestStatus,
@@ -97,6 +98,7 @@ class MigrationSource:
         self._hooks = hooks or MigrationHooks()
         self._transport_for = transport_for
         self.in_flight = 0  # MigrateOut calls running now
+        self.budgets = LinkBudgets(config.link_budget_scope)  # every migration from here paces by them
         self._pool: bytes | None = None  # the engine's exported KV pool, b"" when it cannot be exported
 
     async def migrate_out(self, cmd: MigrationCommand) -> MigrationReport:
@@ -178,6 +180,7 @@ class MigrationSource:
             grpc_rate_cap_bytes_per_s=cfg.grpc_rate_cap_bytes_per_s,
             local_rate_cap_bytes_per_s=cfg.local_rate_cap_bytes_per_s,
             override_rate_cap_bytes_per_s=cmd.rate_cap_bytes_per_s,
+            budgets=self.budgets,
         )
 
     def _pool_handle(self) -> bytes | None:
