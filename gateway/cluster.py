@@ -328,7 +328,7 @@ class LiveCluster:
         )
         self._clients: dict[str, LlumletClient] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._load_watches: dict[str, asyncio.Task[None]] = {}
+        self._load_watches: dict[str, tuple[asyncio.Task[None], str]] = {}  # instance -> (its watch, address)
         self._aborting: set[asyncio.Task[None]] = set()
         self.replayer = Replayer(self.sink, self.router.dispatch, lambda: self.origin, metrics, max_replays)
 
@@ -358,9 +358,10 @@ class LiveCluster:
 
     async def close(self) -> None:
         """Stop everything started here."""
-        for task in [*self._tasks, *self._load_watches.values(), *self._aborting]:
+        watches = [task for task, _ in self._load_watches.values()]
+        for task in [*self._tasks, *watches, *self._aborting]:
             task.cancel()
-        for task in [*self._tasks, *self._load_watches.values(), *self._aborting]:
+        for task in [*self._tasks, *watches, *self._aborting]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.sink.stop()
@@ -435,11 +436,14 @@ class LiveCluster:
             seen = await self.view.wait_changed(seen)
             regs = self.view.instances()
             for iid, reg in regs.items():
-                task = self._load_watches.get(iid)
-                if task is None or task.done():
-                    self._load_watches[iid] = asyncio.create_task(self._watch_load(iid, reg.address))
-            for iid in [i for i in self._load_watches if i not in regs]:
-                self._load_watches.pop(iid).cancel()
+                task, address = self._load_watches.get(iid, (None, ""))
+                if task is None or task.done() or address != reg.address:  # new, or restarted elsewhere
+                    if task is not None:
+                        task.cancel()
+                    self._load_watches[iid] = (asyncio.create_task(self._watch_load(iid, reg.address)), reg.address)
+            for iid in [i for i in self._load_watches if i not in regs]:  # deregistered: its series go too
+                self._load_watches.pop(iid)[0].cancel()
+                self.metrics.remove_instance(iid, self._domain_of.get(iid, ""))
 
     async def _watch_load(self, instance_id: str, address: str) -> None:
         domain = self._domain_of.get(instance_id, "")
