@@ -153,6 +153,7 @@ async def _serve(ns: argparse.Namespace, topology: Topology, tokenizers: Mapping
         policy=settings.policy,
         reservation_ttl_s=settings.intervals.reservation_ttl_s,
         unavailable_wait_s=ns.unavailable_wait,
+        max_replays=settings.resume.max_replays,
     )
     runner: web.AppRunner | None = None
     try:

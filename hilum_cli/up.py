@@ -91,6 +91,7 @@ import yaml
 import hilum_config
 from hilum_cli.supervisor import ChildSpec, RestartPolicy, StartFailed, Supervisor
 from hilum_proto.tls import WILDCARD_HOSTS
+from llumlet.linkbudget import LinkBudgets
 from topology.load import TopologyError, bundled_path, load_topology, parse_topology, tokenizer_errors
 from topology.spec import Topology
 
@@ -555,6 +556,9 @@ def _llumlet_specs(lay: _Layout) -> list[ChildSpec]:
         model = topo.model_of(inst.instance_id)
         cmd = [py, "-m", "llumlet", "--instance-id", inst.instance_id, "--engine", cfg.engine]
         cmd += [*lay.listen(lay.plan.instances[inst.instance_id]), *_common(lay), "--seed", str(cfg.seed)]
+        # the llumlets of this cluster share its links' migration budgets; another cluster on this machine
+        # (whose links have the same names) does not
+        cmd += ["--link-budget-scope", link_budget_scope(lay.run_dir)]
         if cfg.engine == "sim":
             cmd += ["--time-scale", str(cfg.time_scale)]
         else:
@@ -567,6 +571,11 @@ def _llumlet_specs(lay: _Layout) -> list[ChildSpec]:
         cmd += list(cfg.llumlet_args)
         specs.append(ChildSpec(f"llumlet-{inst.instance_id}", tuple(cmd), ready_marker=" serving at "))
     return specs
+
+
+def link_budget_scope(run_dir: Path) -> str:
+    """The llumlets' ``--link-budget-scope`` of the cluster whose run directory is ``run_dir``."""
+    return f"hilum-up:{run_dir.resolve()}"
 
 
 def _rack_specs(lay: _Layout) -> list[ChildSpec]:
@@ -858,6 +867,7 @@ def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) ->
                 if sup is not None and started:
                     sup.stop_all(cfg.stop_timeout_s)
                     say("stopped; no process left")
+                LinkBudgets.remove_scope(link_budget_scope(run_dir))
                 if temporary:
                     _finish_run_dir(run_dir, keep=cfg.keep_run_dir or (crashed and started), say=say)
     return status

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from llumlet.backends.base import Backend
@@ -123,6 +123,7 @@ class Llumlet:
     async def stop(self) -> None:
         """Stop every loop, close channels, shut the engine thread down."""
         await self.driver.stop()
+        self.source.budgets.close()
 
     # ---- requests and load ----------------------------------------------------------------------
     async def submit(self, request: EngineRequest, origin: str, *, first_seq: int = 0) -> str | None:
@@ -172,11 +173,25 @@ class Llumlet:
         return await self.source.migrate_out(cmd)
 
     async def reserve(
-        self, request_id: str, attempt: int, num_blocks: int, *, src_instance_id: str = "", expiry_s: float = 0.0
+        self,
+        request_id: str,
+        attempt: int,
+        num_blocks: int,
+        *,
+        src_instance_id: str = "",
+        expiry_s: float = 0.0,
+        prefix_token_ids: Sequence[int] = (),
+        pool: bytes = b"",
     ) -> Reserved:
         """Destination: reserve or grow (``llumlet.migration_in``)."""
         return await self.destination.reserve(
-            request_id, attempt, num_blocks, src_instance_id=src_instance_id, expiry_s=expiry_s
+            request_id,
+            attempt,
+            num_blocks,
+            src_instance_id=src_instance_id,
+            expiry_s=expiry_s,
+            prefix_token_ids=prefix_token_ids,
+            pool=pool,
         )
 
     async def write_blocks(self, chunks: AsyncIterator[IncomingChunk]) -> Written:

@@ -116,18 +116,36 @@ class LlumletClient:
 
     # ---- destination side (what a source llumlet calls; dataclasses in and out) -----------------
     async def reserve(
-        self, request_id: str, attempt: int, num_blocks: int, *, src_instance_id: str = "", expiry_s: float = 0.0
+        self,
+        request_id: str,
+        attempt: int,
+        num_blocks: int,
+        *,
+        src_instance_id: str = "",
+        expiry_s: float = 0.0,
+        prefix_token_ids: Sequence[int] = (),
+        pool: bytes = b"",
     ) -> Reserved:
-        """Reserve (or grow a reservation to) ``num_blocks`` for ``(request_id, attempt)``."""
+        """Reserve (or grow a reservation to) ``num_blocks`` for ``(request_id, attempt)``; with
+        ``prefix_token_ids`` (first Reserve) the destination says which leading blocks it already caches."""
         msg = pb.ReserveRequest(
             request_id=request_id,
             attempt=attempt,
             src_instance_id=src_instance_id,
             num_blocks=num_blocks,
             expiry_s=expiry_s,
+            prefix_token_ids=prefix_token_ids,
+            pool=pool,
         )
         reply = await self.stub.Reserve(msg, timeout=self.timeout_s)
-        return Reserved(dest_status_from_pb(reply.status), reply.reason, reply.reservation_id, reply.num_blocks)
+        return Reserved(
+            dest_status_from_pb(reply.status),
+            reply.reason,
+            reply.reservation_id,
+            reply.num_blocks,
+            reply.num_cached_blocks,
+            reply.pool_opened,
+        )
 
     async def commit(self, call: CommitCall) -> DestReply:
         """Commit an incoming request. Raises ``llumlet.convert.UnmovableStateError`` for unmovable state."""

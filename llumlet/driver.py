@@ -55,6 +55,7 @@ class Owned:
     migrating: int = 0  # attempt of the outgoing migration in flight, 0 = none
     committing: bool = False  # Commit sent, outcome unknown
     abort_requested: bool = False  # the client aborted while committing
+    prompt_token_ids: tuple[int, ...] = ()  # the prompt, for a destination's prefix-cache lookup (may be empty)
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +262,8 @@ class EngineDriver:
             await self.call(self.engine.add_request, request)
         except ValueError as exc:  # RequestTooLargeError, duplicate id
             return str(exc)
-        self.owned[rid] = Owned(rid, origin, next_seq=first_seq, epoch=0)
+        prompt = request.prompt_token_ids or ()
+        self.owned[rid] = Owned(rid, origin, next_seq=first_seq, epoch=0, prompt_token_ids=prompt)
         self.moved.pop(rid, None)
         self.pusher.forget(rid)
         self.wake()

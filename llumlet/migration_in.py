@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from llumlet.driver import EngineDriver, Owned
 from llumlet.engine.protocol import KVPayload
@@ -37,7 +38,10 @@ from llumlet.migration_types import (
     reservation_id,
 )
 from llumlet.tokens import PushOutcome
-from llumlet.transport import TransportError
+from llumlet.transport import PeerPools, TransportError
+
+if TYPE_CHECKING:
+    from llumlet.kvpool import KVPool
 
 __all__ = ["IncomingChunk", "MigrationDestination"]
 
@@ -46,11 +50,13 @@ _log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class IncomingChunk:
-    """One run of blocks of a WriteBlocks stream, its data already read (inline or from shared memory)."""
+    """One run of blocks of a WriteBlocks stream: its data inline, or (local transport) where it lies in
+    a peer's KV pool on this host."""
 
     request_id: str
     attempt: int
-    payload: KVPayload
+    payload: KVPayload  # positions and logical size; the data when inline
+    source: tuple[KVPool, tuple[int, ...]] | None = None  # (the source's opened pool, its block ids)
 
 
 @dataclass(slots=True)
@@ -81,6 +87,7 @@ class MigrationDestination:
         self._attempts: dict[str, tuple[int, float]] = {}  # request_id -> (newest attempt seen, when)
         self._commits: dict[tuple[str, int], asyncio.Task[DestReply]] = {}  # Commits in progress
         self._ended: dict[tuple[str, int], tuple[DestReply, float]] = {}  # (request_id, attempt) -> its end, when
+        self.pools = PeerPools()  # local transport: KV pools of the source llumlets on this host, opened once
 
     def start(self) -> None:
         """Start the reservation reaper (after the driver started)."""
@@ -119,9 +126,24 @@ class MigrationDestination:
         return reply
 
     async def reserve(
-        self, request_id: str, attempt: int, num_blocks: int, *, src_instance_id: str = "", expiry_s: float = 0.0
+        self,
+        request_id: str,
+        attempt: int,
+        num_blocks: int,
+        *,
+        src_instance_id: str = "",
+        expiry_s: float = 0.0,
+        prefix_token_ids: Sequence[int] = (),
+        pool: bytes = b"",
     ) -> Reserved:
-        """Reserve ``num_blocks`` for ``(request_id, attempt)``, or grow the reservation of the same attempt."""
+        """Reserve ``num_blocks`` for ``(request_id, attempt)``, or grow the reservation of the same attempt.
+
+        A new reservation with ``prefix_token_ids`` (the request's prompt) adopts the leading blocks of that
+        prompt this engine already caches (``Engine.adopt_cached_prefix``): the reply's
+        ``num_cached_blocks`` says how many positions the source need not send. With ``pool`` (the source's
+        exported KV pool, local transport) the reply says whether this llumlet could open it
+        (``pool_opened``): peer copies when it could, bytes inline when not (another host, a GPU not visible).
+        """
         rid, d = request_id, self._d
         me = d.instance_id
         if not rid or attempt < 1:
@@ -141,12 +163,15 @@ class MigrationDestination:
             await self._release_local(cur, f"superseded by attempt {attempt}")
             cur = None
         res_id = reservation_id(rid, attempt)
+        cached = 0
         if cur is None:
             ok = await d.call(d.engine.reserve, res_id, num_blocks)
             expiry = expiry_s or self.config.reservation_expiry_s
             if ok:
-                cur = _Reservation(rid, attempt, res_id, src_instance_id, expiry, 0.0, num_blocks)
-                self.reservations[rid] = cur
+                cur = _Reservation(rid, attempt, res_id, src_instance_id, expiry, d.clock() + expiry, num_blocks)
+                self.reservations[rid] = cur  # with its deadline: the reaper may run at the next await
+                if prefix_token_ids:
+                    cached = await d.call(d.engine.adopt_cached_prefix, res_id, tuple(prefix_token_ids))
         else:
             ok = await d.call(d.engine.grow_reservation, res_id, num_blocks)
             if ok:
@@ -156,7 +181,14 @@ class MigrationDestination:
             return Reserved(DestStatus.NO_ROOM, f"{me}: {num_blocks} blocks asked, {free} free", res_id)
         cur.deadline = d.clock() + cur.expiry_s
         d.bump()
-        return Reserved(DestStatus.OK, "", res_id, cur.blocks)
+        opened = False
+        if pool:
+            try:
+                self.pools.open(pool)
+                opened = True
+            except TransportError as exc:
+                _log.warning("%s: %s: the source's blocks come inline", me, exc)
+        return Reserved(DestStatus.OK, "", res_id, cur.blocks, cached, opened)
 
     async def write_blocks(self, chunks: AsyncIterator[IncomingChunk]) -> Written:
         """Store a stream of block runs into their reservation."""
@@ -168,13 +200,20 @@ class MigrationDestination:
                 if cur is None:
                     return Written(status, reason, written, nbytes)
                 try:
-                    await d.call(d.engine.write_blocks, cur.reservation_id, chunk.payload)
+                    if chunk.source is None:
+                        await d.call(d.engine.write_blocks, cur.reservation_id, chunk.payload)
+                    else:
+                        pool, ids = chunk.source
+                        if len(ids) != chunk.payload.num_blocks:
+                            raise ValueError(f"{len(ids)} source block ids for {chunk.payload.num_blocks} blocks")
+                        first = chunk.payload.first_block
+                        await d.call(d.engine.write_blocks_from, cur.reservation_id, first, pool, ids)
                 except (KeyError, IndexError, ValueError) as exc:
                     return Written(DestStatus.FAILED, _describe(exc), written, nbytes)
                 cur.deadline = d.clock() + cur.expiry_s
                 written += chunk.payload.num_blocks
                 nbytes += chunk.payload.nbytes
-        except TransportError as exc:  # the data could not be read (a missing shared-memory segment)
+        except TransportError as exc:  # the data could not be read (the source's pool cannot be opened)
             return Written(DestStatus.FAILED, str(exc), written, nbytes)
         return Written(DestStatus.OK, "", written, nbytes)
 
@@ -232,7 +271,8 @@ class MigrationDestination:
             # adopted: the engine and the books change together, with no await in between
             if self.reservations.get(rid) is cur:
                 del self.reservations[rid]
-            d.adopt(Owned(rid, call.origin, next_seq=call.next_seq, epoch=call.epoch))
+            prompt = call.state.prompt_token_ids or ()
+            d.adopt(Owned(rid, call.origin, next_seq=call.next_seq, epoch=call.epoch, prompt_token_ids=prompt))
         outcome = await d.pusher.flush(rid)  # the ownership announcement, acknowledged by the origin
         if outcome is not PushOutcome.ACKED:
             if rid in d.owned:

@@ -35,8 +35,8 @@ from clusterstate.fencing import FencingGuard, StaleToken
 from llumlet.client import LlumletClient
 from llumlet.convert import UnmovableStateError
 from llumlet.driver import EngineDriver, Owned
-from llumlet.engine.protocol import KVPayload
 from llumlet.engine.types import MigrationState
+from llumlet.linkbudget import LinkBudgets
 from llumlet.migration_types import (
     CommitCall,
     DestStatus,
@@ -98,6 +98,8 @@ class MigrationSource:
         self._hooks = hooks or MigrationHooks()
         self._transport_for = transport_for
         self.in_flight = 0  # MigrateOut calls running now
+        self.budgets = LinkBudgets(config.link_budget_scope)  # every migration from here paces by them
+        self._pool: bytes | None = None  # the engine's exported KV pool, b"" when it cannot be exported
 
     async def migrate_out(self, cmd: MigrationCommand) -> MigrationReport:
         """Migrate ``cmd.request_id`` to ``cmd.dst_address``; see the module doc. Never raises for RPC errors."""
@@ -119,7 +121,7 @@ class MigrationSource:
         try:
             try:
                 transport = await self._choose_transport(cmd)
-            except (KeyError, ValueError, grpc.aio.AioRpcError) as exc:
+            except (KeyError, ValueError, grpc.aio.AioRpcError) as exc:  # TransportUnavailable is a ValueError
                 return MigrationReport(MigrationOutcome.REFUSED, f"no transport to {cmd.dst_address}: {exc}")
             report = await self._migrate(rec, cmd, transport, t0)
         finally:
@@ -174,10 +176,24 @@ class MigrationSource:
             self._d.instance_id,
             dst_id,
             cap_fraction=cfg.cap_fraction,
+            pool=self._pool_handle(),
             grpc_rate_cap_bytes_per_s=cfg.grpc_rate_cap_bytes_per_s,
             local_rate_cap_bytes_per_s=cfg.local_rate_cap_bytes_per_s,
             override_rate_cap_bytes_per_s=cmd.rate_cap_bytes_per_s,
+            budgets=self.budgets,
         )
+
+    def _pool_handle(self) -> bytes | None:
+        """The engine's KV pool exported for peers on this host (once; None: no data, or not shareable)."""
+        if self._pool is None:
+            pool = self._d.engine.kv_pool()
+            if pool is None:
+                self._pool = b""
+            else:
+                from llumlet.kvpool import export_pool
+
+                self._pool = export_pool(pool) or b""
+        return self._pool or None
 
     async def _migrate(self, rec: Owned, cmd: MigrationCommand, transport: Transport, t0: float) -> MigrationReport:
         d, cfg = self._d, self.config
@@ -190,6 +206,7 @@ class MigrationSource:
         block_size = d.engine.block_size_tokens
         stages: list[StageStats] = []
         copied = 0  # blocks [0, copied) are at the destination
+        cached = 0  # of those, the leading ones it already held (never sent)
         reserved = 0
         suspended: MigrationState | None = None
         suspending = False  # suspend was called: on failure the request may need resuming even without a state
@@ -198,11 +215,12 @@ class MigrationSource:
             return MigrationReport(
                 outcome,
                 reason,
-                transport.name.value,
+                transport.mode,
                 transport.rate_cap_bytes_per_s,
                 tuple(stages),
                 d.clock() - t0,
                 downtime_s,
+                cached,
             )
 
         try:
@@ -210,7 +228,13 @@ class MigrationSource:
             if kv is None:
                 return report(MigrationOutcome.REFUSED, f"{rid!r} finished before the migration started")
             reply = await peer.reserve(
-                rid, attempt, kv[1], src_instance_id=d.instance_id, expiry_s=cfg.reservation_expiry_s
+                rid,
+                attempt,
+                kv[1],
+                src_instance_id=d.instance_id,
+                expiry_s=cfg.reservation_expiry_s,
+                prefix_token_ids=rec.prompt_token_ids,
+                pool=transport.pool or b"",
             )
             if reply.status is not DestStatus.OK:
                 return report(
@@ -218,6 +242,9 @@ class MigrationSource:
                     f"destination {cmd.dst_address}: {reply.status.name}: {reply.reason}",
                 )
             reserved = reply.num_blocks
+            if transport.pool is not None and not reply.pool_opened:
+                transport.pool = None  # the destination cannot map our pool (another host, GPU not visible)
+            copied = cached = min(reply.num_cached_blocks, kv[1])  # what the destination caches is not sent
             # pre-copy stages: the request keeps decoding
             while True:
                 tokens, _ = await self._kv_or_end(rec)
@@ -229,7 +256,12 @@ class MigrationSource:
                 stages.append(await self._copy(peer, transport, rec, copied, full, len(stages), last=False))
                 copied = full
                 await self._hooks.stage_copied(rid, attempt, len(stages) - 1)
-            # last stage: suspended between two steps
+            # last stage: suspended between two steps. Grow the reservation first, while the request still
+            # decodes, by one block for a step that may run before the suspension: the last stage then
+            # rarely needs a Reserve round trip in the downtime (best effort: it grows there if needed).
+            _, held = await self._kv_or_end(rec)
+            with contextlib.suppress(_Failed):
+                reserved = await self._grow(peer, rid, attempt, held + 1, reserved)
             self._check_alive(rec)
             suspending = True
             suspended = await d.call(d.engine.suspend, rid)
@@ -267,7 +299,7 @@ class MigrationSource:
             await self._undo(peer, rec, attempt, suspending)
             why = _describe(exc)
             if rid not in d.owned:
-                why = f"{rid!r} ended during the migration ({why})"
+                why = f"{rid!r} finished or was aborted during the migration ({why})"
             return report(MigrationOutcome.ABORTED, why)
         except Exception as exc:  # a bug or an engine fault must not leave the request suspended: undo, log
             _log.exception("%s: migration of %s@%d failed", d.instance_id, rid, attempt)
@@ -320,22 +352,29 @@ class MigrationSource:
     async def _copy(
         self, peer: LlumletClient, transport: Transport, rec: Owned, first: int, end: int, stage: int, last: bool
     ) -> StageStats:
-        """Copy blocks ``[first, end)`` of the request as one stage."""
+        """Copy blocks ``[first, end)`` of the request as one stage.
+
+        The blocks are pinned down under the engine lock once (``Engine.begin_read``); the transport copies
+        them out without it (or names them for a peer copy), one message (``chunk_bytes``) at a time, while
+        the engine keeps stepping; once the destination acknowledged the stage (a peer copy reads the source's
+        pool until then), a pre-copy stage checks under the lock that the request held those blocks
+        throughout (else what was copied may be another request's: the migration fails).
+        """
         if end <= first:
             return StageStats(stage, last, 0, 0, 0.0)
         d = self._d
         per_msg = max(1, self.config.chunk_bytes // max(1, d.engine.kv_bytes_per_block))
         stream = transport.open(peer.stub, rec.request_id, rec.migrating)
         try:
-            pos = first
-            while pos < end:
-                n = min(per_msg, end - pos)
+            run = await d.call(d.engine.begin_read, rec.request_id, first, end - first)
+            for pos in range(first, end, per_msg):
                 if not last:
                     self._check_alive(rec)
-                payload: KVPayload = await d.call(d.engine.read_blocks, rec.request_id, pos, n)
-                await stream.send(payload)
-                pos += n
-            stats = await stream.close()
+                await stream.send(run, pos, min(per_msg, end - pos))
+            stats = await stream.close()  # a peer copy reads the source's pool until the destination replies
+            if not last and not await d.call(run.still_valid):
+                self._check_alive(rec)  # it finished (or was aborted): _Ended
+                raise _Failed(f"{rec.request_id!r} was preempted during pre-copy stage {stage}: its blocks were freed")
         except BaseException:
             await stream.abort()
             raise

@@ -41,6 +41,8 @@ class MigrationConfig:
     grpc_rate_cap_bytes_per_s: float = 0.0  # grpc transport cap; 0 = path bandwidth x cap_fraction, or none
     local_rate_cap_bytes_per_s: float = 0.0  # local transport cap; 0 = none
     chunk_bytes: int = 1 << 20  # blocks per message: this many logical bytes at most (>= 1 block)
+    link_budget_scope: str = ""  # who shares the link budgets: "" = this llumlet's migrations; a name = every
+    # llumlet on the host with it (llumlet.linkbudget)
     rpc_timeout_s: float = 10.0  # deadline of the control RPCs to the destination
 
     def __post_init__(self) -> None:
@@ -91,11 +93,12 @@ class MigrationReport:
 
     outcome: MigrationOutcome
     reason: str = ""
-    transport: str = ""
+    transport: str = ""  # how the bytes went: "local" (peer copies), "local-inline", "grpc" (Transport.mode)
     rate_cap_bytes_per_s: float = 0.0
     stages: tuple[StageStats, ...] = ()
     total_s: float = 0.0  # command -> committed (or given up)
     downtime_s: float = 0.0  # suspended -> destination committed
+    cached_blocks: int = 0  # leading blocks the destination already held (prefix cache): not sent
 
     @property
     def blocks(self) -> int:
@@ -112,6 +115,15 @@ class MigrationReport:
         """Bytes / seconds spent in stages (0 when nothing moved)."""
         seconds = sum(s.seconds for s in self.stages)
         return self.bytes / seconds if seconds > 0 else 0.0
+
+    @property
+    def precopy_bandwidth_bytes_per_s(self) -> float:
+        """Bytes / seconds of the pre-copy stages only (0 when there were none): the bandwidth the transport
+        sustained on this path while the request kept decoding — the ``B_pre`` the cost model's convergence
+        condition needs (docs/cost-model.md); the last stage is left out (a few blocks: latency-bound)."""
+        pre = [s for s in self.stages if not s.last]
+        seconds = sum(s.seconds for s in pre)
+        return sum(s.bytes for s in pre) / seconds if seconds > 0 else 0.0
 
 
 class MigrationHooks:
@@ -148,6 +160,8 @@ class Reserved:
     reason: str = ""
     reservation_id: str = ""
     num_blocks: int = 0
+    num_cached_blocks: int = 0  # leading positions the destination already caches: not to be sent
+    pool_opened: bool = False  # the destination opened the source's KV pool (local transport: peer copies)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from llumlet.driver import LoadSnapshot
 from llumlet.engine.protocol import KVPayload
 from llumlet.migration_in import IncomingChunk
 from llumlet.migration_types import DestStatus, MigrationCommand, MigrationOutcome, MigrationReport
-from llumlet.transport import TransportName, read_shm
+from llumlet.transport import TransportError, TransportName
 
 __all__ = ["LlumletService", "command_from_pb", "report_to_pb", "serve"]
 
@@ -33,7 +33,12 @@ _OUTCOMES = {
     MigrationOutcome.ABORTED: pb.MIGRATION_ABORTED,
     MigrationOutcome.REFUSED: pb.MIGRATION_REFUSED,
 }
-_TRANSPORTS = {pb.TRANSPORT_AUTO: None, pb.TRANSPORT_LOCAL: TransportName.LOCAL, pb.TRANSPORT_GRPC: TransportName.GRPC}
+_TRANSPORTS = {
+    pb.TRANSPORT_AUTO: None,
+    pb.TRANSPORT_LOCAL: TransportName.LOCAL,
+    pb.TRANSPORT_GRPC: TransportName.GRPC,
+    pb.TRANSPORT_NIXL: TransportName.NIXL,
+}
 
 
 def command_from_pb(msg: pb.MigrateOutRequest) -> MigrationCommand:
@@ -71,6 +76,8 @@ def report_to_pb(report: MigrationReport) -> pb.MigrateOutReply:
         total_s=report.total_s,
         downtime_s=report.downtime_s,
         bandwidth_bytes_per_s=report.bandwidth_bytes_per_s,
+        precopy_bandwidth_bytes_per_s=report.precopy_bandwidth_bytes_per_s,
+        cached_blocks=report.cached_blocks,
         stage_reports=[
             pb.StageReport(stage=s.stage, last=s.last, blocks=s.blocks, bytes=s.bytes, seconds=s.seconds)
             for s in report.stages
@@ -145,20 +152,31 @@ class LlumletService(pb_grpc.LlumletServicer):
             request.num_blocks,
             src_instance_id=request.src_instance_id,
             expiry_s=request.expiry_s,
+            prefix_token_ids=tuple(request.prefix_token_ids),
+            pool=request.pool,
         )
         return pb.ReserveReply(
             status=dest_status_to_pb(got.status),
             reason=got.reason,
             reservation_id=got.reservation_id,
             num_blocks=got.num_blocks,
+            num_cached_blocks=got.num_cached_blocks,
+            pool_opened=got.pool_opened,
         )
 
     async def WriteBlocks(self, request_iterator: AsyncIterator[pb.BlockChunk], context: _Ctx) -> pb.WriteBlocksReply:
         async def chunks() -> AsyncIterator[IncomingChunk]:
+            pool = None
             async for chunk in request_iterator:
-                data = read_shm(chunk.shm) if chunk.shm.name else chunk.data
-                payload = KVPayload(chunk.first_block, chunk.num_blocks, chunk.nbytes, data)
-                yield IncomingChunk(chunk.request_id, chunk.attempt, payload)
+                if chunk.pool:
+                    pool = self._l.destination.pools.open(chunk.pool)  # TransportError: the stream ends FAILED
+                source = None
+                if chunk.src_block_ids:
+                    if pool is None:
+                        raise TransportError("block ids of a peer pool, and the stream named no pool")
+                    source = (pool, tuple(chunk.src_block_ids))
+                payload = KVPayload(chunk.first_block, chunk.num_blocks, chunk.nbytes, chunk.data)
+                yield IncomingChunk(chunk.request_id, chunk.attempt, payload, source)
 
         got = await self._l.write_blocks(chunks())
         return pb.WriteBlocksReply(

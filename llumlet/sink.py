@@ -175,6 +175,31 @@ class TokenCollector:
             raise ValueError(f"TokenCollector: request {request_id!r} is already expected")
         self._streams[request_id] = _Stream(request_id, owner_address)
 
+    def resume(self, request_id: str, new_request_id: str) -> int:
+        """Collect ``new_request_id`` as the continuation of ``request_id`` (a replay of it elsewhere): its stream
+        starts with the contiguous tokens (and logprobs) held for ``request_id``, which is forgotten (its later
+        pushes are answered ``unknown``). Returns how many tokens it starts with.
+
+        Raises KeyError for a request not expected, ValueError when ``new_request_id`` already is.
+        """
+        if new_request_id in self._streams:
+            raise ValueError(f"TokenCollector: request {new_request_id!r} is already expected")
+        old = self._streams.pop(request_id, None)
+        if old is None:
+            raise KeyError(f"TokenCollector: request {request_id!r} is not expected")
+        new = self._streams[new_request_id] = _Stream(new_request_id, "")
+        new.ordered = list(old.ordered)
+        new.logprobs = list(old.logprobs[: len(old.ordered)])
+        return len(new.ordered)
+
+    def placed(self, request_id: str, owner_address: str) -> None:
+        """The request was submitted to the llumlet at ``owner_address``: it owns the request until a push says
+        otherwise (so its failure fails the request even before its first token). No-op for an unknown id or
+        once an owner is known."""
+        stream = self._streams.get(request_id)
+        if stream is not None and not stream.owner_address:
+            stream.owner_address = owner_address
+
     def forget(self, request_id: str) -> None:
         """Stop collecting (the client went away): further pushes are answered ``unknown``."""
         self._streams.pop(request_id, None)

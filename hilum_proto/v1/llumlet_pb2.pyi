@@ -48,18 +48,22 @@ class _TransportKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Transpo
     TRANSPORT_AUTO: _TransportKind.ValueType  # 0
     """by the topology: local inside an NVLink domain, grpc across"""
     TRANSPORT_LOCAL: _TransportKind.ValueType  # 1
-    """shared memory between processes on one host (stands in for NVLink)"""
+    """one host: peer copies from the source's KV pool (CUDA IPC, shared memory)"""
     TRANSPORT_GRPC: _TransportKind.ValueType  # 2
     """a gRPC stream with a token-bucket rate cap"""
+    TRANSPORT_NIXL: _TransportKind.ValueType  # 3
+    """RDMA through NIXL: refused (not installed / not driven by hilum yet)"""
 
 class TransportKind(_TransportKind, metaclass=_TransportKindEnumTypeWrapper): ...
 
 TRANSPORT_AUTO: TransportKind.ValueType  # 0
 """by the topology: local inside an NVLink domain, grpc across"""
 TRANSPORT_LOCAL: TransportKind.ValueType  # 1
-"""shared memory between processes on one host (stands in for NVLink)"""
+"""one host: peer copies from the source's KV pool (CUDA IPC, shared memory)"""
 TRANSPORT_GRPC: TransportKind.ValueType  # 2
 """a gRPC stream with a token-bucket rate cap"""
+TRANSPORT_NIXL: TransportKind.ValueType  # 3
+"""RDMA through NIXL: refused (not installed / not driven by hilum yet)"""
 Global___TransportKind: _TypeAlias = TransportKind  # noqa: Y015
 
 class _MigrationMode:
@@ -721,10 +725,12 @@ class MigrateOutReply(_message.Message):
     DOWNTIME_S_FIELD_NUMBER: _builtins.int
     BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     STAGE_REPORTS_FIELD_NUMBER: _builtins.int
+    PRECOPY_BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _builtins.int
+    CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
     outcome: Global___MigrationOutcome.ValueType
     reason: _builtins.str
     transport: _builtins.str
-    """"local" | "grpc" """
+    """"local" (peer copies) | "local-inline" | "grpc" """
     rate_cap_bytes_per_s: _builtins.float
     """cap applied, 0 = none"""
     stages: _builtins.int
@@ -737,6 +743,12 @@ class MigrateOutReply(_message.Message):
     """request suspended -> destination committed"""
     bandwidth_bytes_per_s: _builtins.float
     """bytes / time spent transferring"""
+    precopy_bandwidth_bytes_per_s: _builtins.float
+    """bytes / seconds of the pre-copy stages (0: none): what the"""
+    cached_blocks: _builtins.int
+    """transport sustained on this path while the request decoded
+    leading blocks the destination already held (its prefix cache): not sent
+    """
     @_builtins.property
     def stage_reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageReport]: ...
     def __init__(
@@ -753,10 +765,12 @@ class MigrateOutReply(_message.Message):
         downtime_s: _builtins.float = ...,
         bandwidth_bytes_per_s: _builtins.float = ...,
         stage_reports: _abc.Iterable[Global___StageReport] | None = ...,
+        precopy_bandwidth_bytes_per_s: _builtins.float = ...,
+        cached_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bandwidth_bytes_per_s", b"bandwidth_bytes_per_s", "blocks", b"blocks", "bytes", b"bytes", "downtime_s", b"downtime_s", "outcome", b"outcome", "rate_cap_bytes_per_s", b"rate_cap_bytes_per_s", "reason", b"reason", "stage_reports", b"stage_reports", "stages", b"stages", "total_s", b"total_s", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bandwidth_bytes_per_s", b"bandwidth_bytes_per_s", "blocks", b"blocks", "bytes", b"bytes", "cached_blocks", b"cached_blocks", "downtime_s", b"downtime_s", "outcome", b"outcome", "precopy_bandwidth_bytes_per_s", b"precopy_bandwidth_bytes_per_s", "rate_cap_bytes_per_s", b"rate_cap_bytes_per_s", "reason", b"reason", "stage_reports", b"stage_reports", "stages", b"stages", "total_s", b"total_s", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -771,6 +785,8 @@ class ReserveRequest(_message.Message):
     SRC_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     EXPIRY_S_FIELD_NUMBER: _builtins.int
+    PREFIX_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    POOL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     attempt: _builtins.int
     src_instance_id: _builtins.str
@@ -778,6 +794,14 @@ class ReserveRequest(_message.Message):
     """total blocks to hold (grow-only for the same attempt)"""
     expiry_s: _builtins.float
     """release unless a message of this attempt arrives within; 0 = default"""
+    pool: _builtins.bytes
+    """leading blocks it already caches (they are not sent)
+    first Reserve, local transport: the source's exported KV pool
+    """
+    @_builtins.property
+    def prefix_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """first Reserve: the prompt, so the destination can say which of its"""
+
     def __init__(
         self,
         *,
@@ -786,10 +810,12 @@ class ReserveRequest(_message.Message):
         src_instance_id: _builtins.str = ...,
         num_blocks: _builtins.int = ...,
         expiry_s: _builtins.float = ...,
+        prefix_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        pool: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "expiry_s", b"expiry_s", "num_blocks", b"num_blocks", "request_id", b"request_id", "src_instance_id", b"src_instance_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "expiry_s", b"expiry_s", "num_blocks", b"num_blocks", "pool", b"pool", "prefix_token_ids", b"prefix_token_ids", "request_id", b"request_id", "src_instance_id", b"src_instance_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -803,12 +829,20 @@ class ReserveReply(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     RESERVATION_ID_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    POOL_OPENED_FIELD_NUMBER: _builtins.int
     status: Global___DestStatus.ValueType
     reason: _builtins.str
     reservation_id: _builtins.str
     """"<request_id>@<attempt>" """
     num_blocks: _builtins.int
     """blocks now held"""
+    num_cached_blocks: _builtins.int
+    """leading block positions the destination already holds (its prefix"""
+    pool_opened: _builtins.bool
+    """cache): the source starts copying after them
+    the destination opened the source's pool: peer copies; else inline
+    """
     def __init__(
         self,
         *,
@@ -816,41 +850,16 @@ class ReserveReply(_message.Message):
         reason: _builtins.str = ...,
         reservation_id: _builtins.str = ...,
         num_blocks: _builtins.int = ...,
+        num_cached_blocks: _builtins.int = ...,
+        pool_opened: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "reason", b"reason", "reservation_id", b"reservation_id", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "pool_opened", b"pool_opened", "reason", b"reason", "reservation_id", b"reservation_id", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReserveReply: _TypeAlias = ReserveReply  # noqa: Y015
-
-@_typing.final
-class ShmRef(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    NAME_FIELD_NUMBER: _builtins.int
-    OFFSET_FIELD_NUMBER: _builtins.int
-    SIZE_FIELD_NUMBER: _builtins.int
-    name: _builtins.str
-    """multiprocessing.shared_memory segment name"""
-    offset: _builtins.int
-    size: _builtins.int
-    """bytes of block data in the segment"""
-    def __init__(
-        self,
-        *,
-        name: _builtins.str = ...,
-        offset: _builtins.int = ...,
-        size: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "offset", b"offset", "size", b"size"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___ShmRef: _TypeAlias = ShmRef  # noqa: Y015
 
 @_typing.final
 class BlockChunk(_message.Message):
@@ -862,7 +871,8 @@ class BlockChunk(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     NBYTES_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
-    SHM_FIELD_NUMBER: _builtins.int
+    SRC_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    POOL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     attempt: _builtins.int
     first_block: _builtins.int
@@ -871,10 +881,12 @@ class BlockChunk(_message.Message):
     nbytes: _builtins.int
     """logical size (what the rate cap charges)"""
     data: _builtins.bytes
-    """block contents (grpc transport), engine-specific layout"""
+    """block contents (inline), engine-specific layout"""
+    pool: _builtins.bytes
+    """the source's exported KV pool (llumlet.kvpool), in a stream's first chunk"""
     @_builtins.property
-    def shm(self) -> Global___ShmRef:
-        """or where to read them (local transport)"""
+    def src_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """or (local transport) the blocks' ids in the source's KV pool"""
 
     def __init__(
         self,
@@ -885,11 +897,12 @@ class BlockChunk(_message.Message):
         num_blocks: _builtins.int = ...,
         nbytes: _builtins.int = ...,
         data: _builtins.bytes = ...,
-        shm: Global___ShmRef | None = ...,
+        src_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        pool: _builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["shm", b"shm"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "data", b"data", "first_block", b"first_block", "nbytes", b"nbytes", "num_blocks", b"num_blocks", "request_id", b"request_id", "shm", b"shm"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "data", b"data", "first_block", b"first_block", "nbytes", b"nbytes", "num_blocks", b"num_blocks", "pool", b"pool", "request_id", b"request_id", "src_block_ids", b"src_block_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

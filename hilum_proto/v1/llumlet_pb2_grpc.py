@@ -141,7 +141,8 @@ class LlumletServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WriteBlocks(self, request_iterator, context):
-        """Copy KV blocks into the reservation (grpc transport: data inline; local transport: a shared-memory ref).
+        """Copy KV blocks into the reservation (grpc transport: data inline; local transport: block ids of the
+        source's KV pool, which the destination opens and copies from itself).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

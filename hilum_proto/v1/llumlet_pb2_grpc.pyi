@@ -70,7 +70,9 @@ class LlumletStub:
     Hold blocks for an incoming request; the same (request_id, attempt) again grows the reservation.
     """
     WriteBlocks: _grpc.StreamUnaryMultiCallable[_llumlet_pb2.BlockChunk, _llumlet_pb2.WriteBlocksReply]
-    """Copy KV blocks into the reservation (grpc transport: data inline; local transport: a shared-memory ref)."""
+    """Copy KV blocks into the reservation (grpc transport: data inline; local transport: block ids of the
+    source's KV pool, which the destination opens and copies from itself).
+    """
     Commit: _grpc.UnaryUnaryMultiCallable[_llumlet_pb2.CommitRequest, _llumlet_pb2.CommitReply]
     """Adopt the suspended request with its state and resume it here. Idempotent per (request_id, attempt)."""
     Release: _grpc.UnaryUnaryMultiCallable[_llumlet_pb2.ReleaseRequest, _llumlet_pb2.ReleaseReply]
@@ -100,7 +102,9 @@ class LlumletAsyncStub(LlumletStub):
     Hold blocks for an incoming request; the same (request_id, attempt) again grows the reservation.
     """
     WriteBlocks: _aio.StreamUnaryMultiCallable[_llumlet_pb2.BlockChunk, _llumlet_pb2.WriteBlocksReply]  # type: ignore[assignment]
-    """Copy KV blocks into the reservation (grpc transport: data inline; local transport: a shared-memory ref)."""
+    """Copy KV blocks into the reservation (grpc transport: data inline; local transport: block ids of the
+    source's KV pool, which the destination opens and copies from itself).
+    """
     Commit: _aio.UnaryUnaryMultiCallable[_llumlet_pb2.CommitRequest, _llumlet_pb2.CommitReply]  # type: ignore[assignment]
     """Adopt the suspended request with its state and resume it here. Idempotent per (request_id, attempt)."""
     Release: _aio.UnaryUnaryMultiCallable[_llumlet_pb2.ReleaseRequest, _llumlet_pb2.ReleaseReply]  # type: ignore[assignment]
@@ -175,7 +179,9 @@ class LlumletServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_llumlet_pb2.BlockChunk],
         context: _ServicerContext,
     ) -> _typing.Union[_llumlet_pb2.WriteBlocksReply, _abc.Awaitable[_llumlet_pb2.WriteBlocksReply]]:
-        """Copy KV blocks into the reservation (grpc transport: data inline; local transport: a shared-memory ref)."""
+        """Copy KV blocks into the reservation (grpc transport: data inline; local transport: block ids of the
+        source's KV pool, which the destination opens and copies from itself).
+        """
 
     @_abc_1.abstractmethod
     def Commit(

@@ -8,7 +8,9 @@ describes the modelled GPU, not this tiny model) and ``block_size_tokens`` (defa
 else 16). ``BackendConfig.seed`` seeds the model weights (engines that exchange KV need the same seed).
 Options (``--engine-option KEY=VALUE``): ``eos_token_id`` (an id, or ``none``), ``threads`` (PyTorch intra-op
 threads of this process, default 1: the tiny model gains nothing from more, and several llumlets share the
-CPUs), and ``model.<field>`` for any ``LlamaConfig`` field of the tiny model (ints, floats).
+CPUs), ``device`` (``cpu``, the default, or a CUDA device such as ``cuda`` / ``cuda:1``: the model and the KV
+pool live there, and the local transport copies blocks GPU to GPU through CUDA IPC), and ``model.<field>``
+for any ``LlamaConfig`` field of the tiny model (ints, floats).
 
 Tokenizer (``BackendConfig.tokenizer_path()``: ``--tokenizer``, else the topology model's ``tokenizer``): the
 tiny Llama takes its vocabulary size (``len(tokenizer)``) and its BOS / EOS / pad ids, so the gateway's
@@ -57,17 +59,25 @@ def make_torch_backend(config: BackendConfig) -> Backend:
         ) from exc
     eos: int | None = 2
     threads = 1
+    device = "cpu"
     overrides: dict[str, Any] = {}
     for key, value in config.options.items():
         if key == "threads":
             threads = int(_number(key, value))
         elif key == "eos_token_id":
             eos = None if value.lower() == "none" else int(_number(key, value))
+        elif key == "device":
+            if value != "cpu" and not value.startswith("cuda"):
+                raise ValueError(f"torch backend option device={value!r}: need cpu, cuda or cuda:<index>")
+            if value.startswith("cuda") and not torch.cuda.is_available():
+                raise ValueError(f"torch backend option device={value!r}: this PyTorch has no CUDA device")
+            device = value
         elif key.startswith("model."):
             overrides[key.removeprefix("model.")] = _number(key, value)
         else:
             raise ValueError(
-                f"torch backend: unknown option {key!r} (known: eos_token_id, threads, model.<LlamaConfig field>)"
+                f"torch backend: unknown option {key!r} "
+                "(known: eos_token_id, threads, device, model.<LlamaConfig field>)"
             )
     tokenizer = config.tokenizer_path()
     if tokenizer is not None:
@@ -95,6 +105,7 @@ def make_torch_backend(config: BackendConfig) -> Backend:
         max_num_batched_tokens=config.max_num_batched_tokens,
         model_overrides=overrides,
         rng=random.Random(config.seed + 1),
+        device=device,
     )
     return Backend(
         name="torch",

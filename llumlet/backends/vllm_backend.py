@@ -2,11 +2,13 @@
 
 Steps take the time they compute (no pacing). Imported lazily, so a llumlet without vLLM runs the other
 backends. Options (``--engine-option KEY=VALUE``): ``model`` (required: a local checkpoint directory or a
-model name vLLM can load), ``kv_cache_memory_bytes``, ``dtype`` (default ``auto``), ``max_model_len`` (default:
-the topology model's ``max_context_tokens``, else 4096), ``allow_untested_vllm`` (``true`` to run on a vLLM
-version other than the tested ones). ``BackendConfig.block_size_tokens`` (default: the topology model's,
-else 16) must suit the attention backend (the CPU build needs a multiple of 32). Engines that exchange KV
-must load the same model with the same dtype and block size (docs/vllm.md).
+model name vLLM can load), ``kv_cache_memory_bytes``, ``gpu_memory_utilization`` (a fraction), ``dtype``
+(default ``auto``), ``max_model_len`` (default: the topology model's ``max_context_tokens``, else 4096),
+``enforce_eager`` and ``enable_prefix_caching`` (``true`` / ``false``; default: vLLM's, i.e. CUDA graphs
+and prefix caching on), ``allow_untested_vllm`` (``true`` to run on a vLLM outside the supported range).
+``BackendConfig.block_size_tokens`` (default: the topology model's, else 16) must suit the attention backend
+(the CPU build needs a multiple of 32). Engines that exchange KV must load the same model with the same dtype
+and block size (docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -19,7 +21,29 @@ from llumlet.engine.types import SamplingFeature
 
 __all__ = ["make_vllm_backend"]
 
-_KNOWN = ("model", "kv_cache_memory_bytes", "dtype", "max_model_len", "allow_untested_vllm")
+_KNOWN = (
+    "model",
+    "kv_cache_memory_bytes",
+    "gpu_memory_utilization",
+    "dtype",
+    "max_model_len",
+    "enforce_eager",
+    "enable_prefix_caching",
+    "allow_untested_vllm",
+)
+
+
+def _parse(opts: dict[str, str], key: str, kind: type[int] | type[float], what: str) -> int | float:
+    try:
+        return kind(opts[key])
+    except ValueError:
+        raise ValueError(f"vllm backend: {key}={opts[key]!r}: need {what}") from None
+
+
+def _flag(key: str, value: str) -> bool:
+    if value.lower() not in ("true", "false"):
+        raise ValueError(f"vllm backend: {key}={value!r}: need true or false")
+    return value.lower() == "true"
 
 
 def make_vllm_backend(config: BackendConfig) -> Backend:
@@ -49,15 +73,16 @@ def make_vllm_backend(config: BackendConfig) -> Backend:
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "seed": config.seed,
         "rng": random.Random(config.seed + 1),
-        "allow_untested_vllm": opts.get("allow_untested_vllm", "false").lower() == "true",
+        "allow_untested_vllm": _flag("allow_untested_vllm", opts.get("allow_untested_vllm", "false")),
     }
+    engine_kwargs: dict[str, Any] = {
+        k: _flag(k, opts[k]) for k in ("enforce_eager", "enable_prefix_caching") if k in opts
+    }
+    if "gpu_memory_utilization" in opts:
+        engine_kwargs["gpu_memory_utilization"] = _parse(opts, "gpu_memory_utilization", float, "a fraction")
+    kwargs["engine_kwargs"] = engine_kwargs
     if "kv_cache_memory_bytes" in opts:
-        try:
-            kwargs["kv_cache_memory_bytes"] = int(opts["kv_cache_memory_bytes"])
-        except ValueError:
-            raise ValueError(
-                f"vllm backend: kv_cache_memory_bytes={opts['kv_cache_memory_bytes']!r}: need bytes"
-            ) from None
+        kwargs["kv_cache_memory_bytes"] = _parse(opts, "kv_cache_memory_bytes", int, "bytes")
     engine = VllmEngine(config.instance_id, opts["model"], **kwargs)
     # Only what VllmEngine.add_request maps from hilum's SamplingParams today; penalties, top_k, min_tokens,
     # logprobs and guided decoding are refused by name until it maps them (docs/gateway.md).

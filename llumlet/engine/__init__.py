@@ -11,7 +11,7 @@ from llumlet.engine.latency import (
     load_latency_model,
     supported_latency_models,
 )
-from llumlet.engine.protocol import Engine, KVPayload
+from llumlet.engine.protocol import BlockRun, Engine, KVPayload
 from llumlet.engine.scheduler import RequestStatus, ScheduledBatch, Scheduler, SchedulerRequest
 from llumlet.engine.types import (
     EngineLoad,
@@ -24,6 +24,7 @@ from llumlet.engine.types import (
 
 __all__ = [
     "BlockManager",
+    "BlockRun",
     "Engine",
     "EngineCore",
     "EngineLoad",

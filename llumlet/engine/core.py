@@ -13,6 +13,8 @@ source ``resume``s. A request that finishes during pre-copy is simply finished o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from llumlet.engine.blocks import BlockManager
 from llumlet.engine.latency import LatencyModel
 from llumlet.engine.paged import PagedEngine
@@ -165,19 +167,20 @@ class EngineCore(PagedEngine):
         )
 
     # ---- migration hooks ------------------------------------------------------------------------
-    def read_blocks(self, request_id: str, first_block: int, num_blocks: int) -> KVPayload:
-        """The model engine moves no data: a payload with the logical size only.
+    def _copy_out(self, first_block: int, block_ids: Sequence[int]) -> KVPayload:
+        """The model engine moves no data: a payload with the logical size only."""
+        return KVPayload(first_block, len(block_ids), len(block_ids) * self._kv_bytes_per_block)
 
-        Raises KeyError for an unknown request, IndexError past its last block.
+    def kv_pool(self) -> None:
+        """The model engine holds no KV data."""
+        return None
+
+    def write_blocks_from(self, reservation_id: str, first_block: int, source: object, src_block_ids: object) -> None:
+        """Refused: the model engine holds no KV data (a peer copy means the source is a real engine).
+
+        Raises ValueError.
         """
-        if request_id not in self.scheduler.requests:
-            raise KeyError(f"{self.instance_id}: read_blocks: unknown request {request_id!r}")
-        held = self.blocks.num_blocks_of(request_id)
-        if first_block < 0 or num_blocks < 0 or first_block + num_blocks > held:
-            raise IndexError(
-                f"{self.instance_id}: read_blocks({request_id!r}, {first_block}, {num_blocks}): it holds {held} blocks"
-            )
-        return KVPayload(first_block, num_blocks, num_blocks * self._kv_bytes_per_block)
+        raise ValueError(f"{self.instance_id}: the model engine stores no KV data; a peer copy cannot land here")
 
     def write_blocks(self, reservation_id: str, payload: KVPayload) -> None:
         """Check the reservation exists and is large enough; the model engine stores no data.

@@ -8,7 +8,10 @@ how a step is executed and priced, and how KV data is read, written and adopted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from llumlet.engine.blocks import BlockManager
+from llumlet.engine.protocol import BlockRun, KVPayload
 from llumlet.engine.scheduler import RequestStatus, Scheduler, SchedulerRequest
 from llumlet.engine.types import EngineLoad, MigrationState, RunningRequestLoad, SamplingParams
 
@@ -19,7 +22,8 @@ class PagedEngine:
     """Base of engines built on hilum's own block accounting and continuous batching.
 
     Subclasses set ``instance_id``, ``blocks``, ``scheduler``, ``_suspended`` (requests suspended for
-    migration) and ``_last_step_preempted`` in their constructor.
+    migration) and ``_last_step_preempted`` in their constructor, and implement :meth:`_copy_out` (the data
+    of physical blocks, or none for the model engine).
     """
 
     instance_id: str
@@ -27,6 +31,11 @@ class PagedEngine:
     scheduler: Scheduler
     _suspended: dict[str, SchedulerRequest]
     _last_step_preempted: bool
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block (the subclass's)."""
+        raise NotImplementedError
 
     @property
     def block_size_tokens(self) -> int:
@@ -88,6 +97,58 @@ class PagedEngine:
         if not state.in_decode:
             return f"{self.instance_id}: request {request_id!r} is still in prefill"
         return None
+
+    def read_blocks(self, request_id: str, first_block: int, num_blocks: int) -> KVPayload:
+        """The data of ``num_blocks`` blocks from position ``first_block`` of the request's block table
+        (layout: :meth:`_copy_out` of the subclass). Raises KeyError / IndexError as :meth:`begin_read`."""
+        return self.begin_read(request_id, first_block, num_blocks).copy(first_block, num_blocks)
+
+    def begin_read(self, request_id: str, first_block: int, num_blocks: int) -> BlockRun:
+        """Pin down a run of the request's blocks; ``copy`` runs without the engine lock (``BlockRun``).
+
+        ``still_valid`` is True while the request is known here (running or suspended), was not preempted
+        since, and its block table still holds the same blocks at those positions.
+
+        Raises KeyError for an unknown request, IndexError past its last block.
+        """
+        state = self.scheduler.requests.get(request_id)
+        if state is None:
+            raise KeyError(f"{self.instance_id}: read_blocks: unknown request {request_id!r}")
+        table = self.blocks.block_table(request_id)
+        if first_block < 0 or num_blocks < 0 or first_block + num_blocks > len(table):
+            raise IndexError(
+                f"{self.instance_id}: read_blocks({request_id!r}, {first_block}, {num_blocks}): "
+                f"it holds {len(table)} blocks"
+            )
+        ids = table[first_block : first_block + num_blocks]
+        preemptions = state.num_preemptions
+
+        def copy(first: int, n: int) -> KVPayload:
+            if first < first_block or n < 0 or first + n > first_block + len(ids):
+                raise IndexError(f"copy({first}, {n}) outside the run {first_block}..{first_block + len(ids)}")
+            return self._copy_out(first, ids[first - first_block : first - first_block + n])
+
+        def still_valid() -> bool:
+            now = self.scheduler.requests.get(request_id)
+            return (
+                now is state
+                and now.num_preemptions == preemptions
+                and self.blocks.block_table(request_id)[first_block : first_block + len(ids)] == ids
+            )
+
+        return BlockRun(request_id, first_block, ids, self.kv_bytes_per_block, copy, still_valid)
+
+    def _copy_out(self, first_block: int, block_ids: Sequence[int]) -> KVPayload:
+        """The data of physical blocks ``block_ids`` (block-table positions from ``first_block``). Called
+        without the engine lock: it may only read the KV pool."""
+        raise NotImplementedError
+
+    def adopt_cached_prefix(self, reservation_id: str, prompt_token_ids: Sequence[int]) -> int:
+        """0: these engines match their prefix cache by the trace's hash ids, not by content (every block of a
+        moved request is sent). Raises KeyError for an unknown reservation."""
+        if self.blocks.reservation_size(reservation_id) is None:
+            raise KeyError(f"{self.instance_id}: adopt_cached_prefix: unknown reservation {reservation_id!r}")
+        return 0
 
     def grow_reservation(self, reservation_id: str, n_blocks: int) -> bool:
         """Destination side: make the reservation hold at least ``n_blocks`` (grow-only).

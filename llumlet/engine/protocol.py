@@ -9,7 +9,10 @@ source side                              destination side
 -----------                              ----------------
 request_kv, migratable                   reserve(reservation_id, n_blocks) -> bool
                                          grow_reservation(reservation_id, n_blocks) -> bool
-read_blocks(request_id, first, n)  ───▶  write_blocks(reservation_id, first, payload)
+begin_read(request_id, first, n)
+  -> BlockRun; .copy(first, n)     ───▶  write_blocks(reservation_id, first, payload)      (bytes)
+read_blocks(request_id, first, n)  ───▶  (the same, copied under the lock)
+kv_pool(), BlockRun.block_ids      ───▶  write_blocks_from(reservation_id, first, pool, ids) (one host)
 suspend(request_id) -> MigrationState    commit_incoming(reservation_id, state) -> bool
 resume(request_id)   (on abort)          release_reservation(reservation_id)  (idempotent)
 free_migrated(request_id) (after commit)
@@ -17,16 +20,26 @@ free_migrated(request_id) (after commit)
 Mechanism only (STYLE.md): a backend says "can't" (False / None / a reason string) and never decides
 whom to move. Blocks are addressed by their position in the request's block table (block 0 holds
 tokens 0 .. block_size-1), so the two ends need not share physical block ids.
+
+Reading off the decode path: ``begin_read`` runs under the engine lock and only pins down which physical
+blocks hold the run (a few microseconds); the returned :class:`BlockRun`'s ``copy`` moves the data out in
+any thread, without the lock, while the engine keeps stepping (the full blocks of a running request are
+never written again), and ``still_valid`` — under the lock again — says whether the request held those
+blocks throughout (a preemption frees them, and a block freed mid-copy may have been reused).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from llumlet.engine.types import EngineLoad, EngineRequest, MigrationState, StepResult
 
-__all__ = ["Engine", "KVPayload"]
+if TYPE_CHECKING:
+    from llumlet.kvpool import KVPool
+
+__all__ = ["BlockRun", "Engine", "KVPayload"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +59,29 @@ class KVPayload:
     def __post_init__(self) -> None:
         if self.first_block < 0 or self.num_blocks < 0 or self.nbytes < 0:
             raise ValueError(f"KVPayload: negative field in {self.first_block}, {self.num_blocks}, {self.nbytes}")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRun:
+    """A run of a request's blocks pinned down under the engine lock, copied out later without it.
+
+    ``copy(first_block, num_blocks)`` (block-table positions inside the run) returns a :class:`KVPayload`
+    and may run in any thread while the engine steps; ``still_valid()`` must run under the engine lock
+    after the copies: True when the request still holds exactly these blocks and was not preempted since
+    ``begin_read`` (else the copied data may be another request's and must be discarded).
+    """
+
+    request_id: str
+    first_block: int  # block-table position of block_ids[0]
+    block_ids: tuple[int, ...]  # physical block ids in the source's pool (for transports that address them)
+    nbytes_per_block: int  # logical bytes of one block (kv_bytes_per_block): what rate caps charge
+    copy: Callable[[int, int], KVPayload]  # (first_block, num_blocks) inside the run -> the blocks' data
+    still_valid: Callable[[], bool]  # under the engine lock: the blocks were the request's throughout
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the run."""
+        return len(self.block_ids)
 
 
 class Engine(Protocol):
@@ -104,6 +140,18 @@ class Engine(Protocol):
         """
         ...
 
+    def begin_read(self, request_id: str, first_block: int, num_blocks: int) -> BlockRun:
+        """Pin down blocks ``[first_block, first_block + num_blocks)`` to copy them without the engine lock.
+
+        Raises KeyError for an unknown request, IndexError past its last block.
+        """
+        ...
+
+    def kv_pool(self) -> KVPool | None:
+        """The engine's KV memory for peer copies between llumlets of one host (``llumlet.kvpool``);
+        None when the engine holds no KV data (the model engine)."""
+        ...
+
     def suspend(self, request_id: str) -> MigrationState | None:
         """Between two steps: stop scheduling the request, keep its blocks; its state, or None if it can't."""
         ...
@@ -121,6 +169,15 @@ class Engine(Protocol):
         """Hold ``n_blocks`` for an incoming request; False if there is no room or the id is in use."""
         ...
 
+    def adopt_cached_prefix(self, reservation_id: str, prompt_token_ids: Sequence[int]) -> int:
+        """Right after ``reserve``: the leading full blocks of ``prompt_token_ids`` this engine already caches
+        become the reservation's first positions (held, counted as written, never written to), in place of
+        as many of its fresh blocks; returns how many (0 when the engine matches no content).
+
+        Raises KeyError for an unknown reservation.
+        """
+        ...
+
     def grow_reservation(self, reservation_id: str, n_blocks: int) -> bool:
         """Make the reservation hold at least ``n_blocks`` (the request grew during pre-copy); False if no room.
 
@@ -130,6 +187,13 @@ class Engine(Protocol):
 
     def write_blocks(self, reservation_id: str, payload: KVPayload) -> None:
         """Store copied blocks into the reservation at their block-table positions."""
+        ...
+
+    def write_blocks_from(
+        self, reservation_id: str, first_block: int, source: KVPool, src_block_ids: Sequence[int]
+    ) -> None:
+        """Copy blocks ``src_block_ids`` of a peer's pool (same host) into the reservation at positions
+        ``first_block ..``; errors as :meth:`write_blocks` (ValueError for a pool of another layout)."""
         ...
 
     def commit_incoming(self, reservation_id: str, state: MigrationState) -> bool:

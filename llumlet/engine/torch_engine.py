@@ -56,6 +56,7 @@ from llumlet.engine.types import (
     StepResult,
     TokenLogprobs,
 )
+from llumlet.kvpool import KVPool, copy_between, shared_host_tensor
 
 __all__ = [
     "EXTRA_EOS_TOKEN_ID",
@@ -236,6 +237,8 @@ class TorchEngine(PagedEngine):
         rng: draws the generator seed of requests whose ``SamplingParams.seed`` is None (default: a
             ``random.Random()`` seeded by the OS).
         clock: seconds, monotonic; ``StepResult.duration_s`` is the measured compute time of the step.
+        device: where the model and the KV pool live ("cpu", "cuda", "cuda:1"); sampling runs on the host
+            either way, so a request continues identically on engines of different devices.
 
     Prefix caching is off (prefix hashes in requests are accepted and ignored). Raises ValueError for
     non-positive sizes or an ``eos_token_id`` outside the vocabulary.
@@ -254,24 +257,32 @@ class TorchEngine(PagedEngine):
         model_overrides: Mapping[str, Any] | None = None,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        device: str = "cpu",
     ) -> None:
         self.instance_id = instance_id
+        self.device = torch.device(device)
         self.model, self.config = tiny_llama(model_seed, **dict(model_overrides or {}))
+        self.model_fingerprint = model_fingerprint(self.model)  # on the host, before the move to the device
+        self.model = self.model.to(self.device)  # type: ignore[arg-type, unused-ignore]
         vocab = int(self.config.vocab_size)
         if eos_token_id is not None and not 0 <= eos_token_id < vocab:
             raise ValueError(f"{instance_id}: eos_token_id = {eos_token_id} outside the vocabulary [0, {vocab})")
         self.eos_token_id = eos_token_id
+        self._vocab_size = vocab  # read once: a transformers config attribute costs ~8 us per access
         self.blocks = BlockManager(num_blocks, block_size_tokens, enable_prefix_caching=False)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.num_layers = int(self.config.num_hidden_layers)
         heads = int(self.config.num_attention_heads)
         self.num_kv_heads = int(self.config.num_key_value_heads or heads)
         self.head_dim = int(self.config.head_dim or int(self.config.hidden_size) // heads)
-        self.kv_cache = torch.zeros(
-            (self.num_layers, 2, num_blocks, self.num_kv_heads, block_size_tokens, self.head_dim),
-            dtype=torch.float32,
+        shape = (self.num_layers, 2, num_blocks, self.num_kv_heads, block_size_tokens, self.head_dim)
+        # a host pool lives in shared memory so that a llumlet of this host can copy blocks out of it
+        # directly (the local transport); a CUDA pool is exported with CUDA IPC (llumlet.kvpool)
+        self.kv_cache = (
+            shared_host_tensor(shape, torch.float32)
+            if self.device.type == "cpu"
+            else torch.zeros(shape, dtype=torch.float32, device=self.device)
         )
-        self.model_fingerprint = model_fingerprint(self.model)
         self._rng = rng if rng is not None else random.Random()
         self._clock = clock
         self._generators: dict[str, torch.Generator] = {}
@@ -290,7 +301,7 @@ class TorchEngine(PagedEngine):
     @property
     def vocab_size(self) -> int:
         """Token ids are in ``[0, vocab_size)``."""
-        return int(self.config.vocab_size)
+        return self._vocab_size
 
     def max_request_tokens(self) -> int:
         """Largest prompt + output (tokens) one request may have: the pool and the model's positions."""
@@ -326,9 +337,10 @@ class TorchEngine(PagedEngine):
     ) -> SamplingParams:
         if prompt is None:
             raise ValueError(f"{where}: the torch engine needs prompt_token_ids")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        vocab = self._vocab_size
+        if prompt and (min(prompt) < 0 or max(prompt) >= vocab):  # C-speed scan: a commit runs this too
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            raise ValueError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         if params is None:
             return SamplingParams(max_tokens=max_tokens, temperature=0.0)
         if params.max_tokens != max_tokens:
@@ -411,6 +423,7 @@ class TorchEngine(PagedEngine):
                 last = start + n == state.num_tokens
                 logits = self._forward(self.blocks.block_table(rid), ids, start, want_logits=last)
                 if logits is not None:
+                    logits = logits.cpu()  # sampling on the host with the request's CPU generator, any device
                     produced[rid] = self._sample(rid, logits, tokens, state.output_token_ids)
         return produced
 
@@ -438,12 +451,13 @@ class TorchEngine(PagedEngine):
         end = start + n
         bs = self.block_size_tokens
         llama: Any = self.model.model  # transformers modules: untyped attribute access
-        positions = torch.arange(start, end)
-        table = torch.tensor(block_table[: -(-end // bs)], dtype=torch.long)
+        dev = self.device
+        positions = torch.arange(start, end, device=dev)
+        table = torch.tensor(block_table[: -(-end // bs)], dtype=torch.long, device=dev)
         slot_blocks = table[positions // bs]
         slot_offsets = positions % bs
-        mask = torch.arange(end)[None, :] <= positions[:, None]  # [n, end] query i sees keys <= start + i
-        hidden = llama.embed_tokens(torch.tensor([list(token_ids)], dtype=torch.long))
+        mask = torch.arange(end, device=dev)[None, :] <= positions[:, None]  # [n, end] query i sees keys <= start+i
+        hidden = llama.embed_tokens(torch.tensor([list(token_ids)], dtype=torch.long, device=dev))
         cos, sin = llama.rotary_emb(hidden, positions[None, :])
         for i, layer in enumerate(llama.layers):
             attn = layer.self_attn
@@ -471,27 +485,18 @@ class TorchEngine(PagedEngine):
         return flat[None, :, :num_tokens, :]
 
     # ---- migration: source side -----------------------------------------------------------------
-    def read_blocks(self, request_id: str, first_block: int, num_blocks: int) -> KVPayload:
-        """The K/V of ``num_blocks`` blocks from position ``first_block`` of the request's block table.
+    def _copy_out(self, first_block: int, block_ids: Sequence[int]) -> KVPayload:
+        """The K/V of physical blocks ``block_ids``.
 
         ``data`` = raw float32 bytes (native order, C-contiguous) of a tensor
-        ``[num_layers, 2, num_blocks, num_kv_heads, block_size_tokens, head_dim]`` and nothing else;
-        ``nbytes == len(data) == num_blocks x kv_bytes_per_block``. Slots of the last block past the
-        request's tokens hold stale values (never read: attention masks them).
-
-        Raises KeyError for an unknown request, IndexError past its last block.
+        ``[num_layers, 2, len(block_ids), num_kv_heads, block_size_tokens, head_dim]`` and nothing else;
+        ``nbytes == len(data) == len(block_ids) x kv_bytes_per_block``. Slots of the last block past the
+        request's tokens hold stale values (never read: attention masks them). Reads the pool only, so it
+        may run while another thread steps the engine.
         """
-        if request_id not in self.scheduler.requests:
-            raise KeyError(f"{self.instance_id}: read_blocks: unknown request {request_id!r}")
-        table = self.blocks.block_table(request_id)
-        if first_block < 0 or num_blocks < 0 or first_block + num_blocks > len(table):
-            raise IndexError(
-                f"{self.instance_id}: read_blocks({request_id!r}, {first_block}, {num_blocks}): "
-                f"it holds {len(table)} blocks"
-            )
-        index = torch.tensor(table[first_block : first_block + num_blocks], dtype=torch.long)
-        data = self.kv_cache[:, :, index].contiguous().numpy().tobytes()
-        return KVPayload(first_block, num_blocks, num_blocks * self.kv_bytes_per_block, data)
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        data = self.kv_cache[:, :, index].cpu().contiguous().numpy().tobytes()
+        return KVPayload(first_block, len(block_ids), len(block_ids) * self.kv_bytes_per_block, data)
 
     def suspend(self, request_id: str) -> MigrationState | None:
         """Between two steps: take a running decode-phase request out of batching; it keeps its blocks.
@@ -564,9 +569,34 @@ class TorchEngine(PagedEngine):
             return
         shape = (self.num_layers, 2, payload.num_blocks, self.num_kv_heads, self.block_size_tokens, self.head_dim)
         blocks = torch.frombuffer(bytearray(payload.data), dtype=torch.float32).view(shape)
-        index = torch.tensor(held[payload.first_block : end], dtype=torch.long)
-        self.kv_cache[:, :, index] = blocks
+        index = torch.tensor(held[payload.first_block : end], dtype=torch.long, device=self.device)
+        self.kv_cache[:, :, index] = blocks.to(self.device)
         self._written[reservation_id].update(range(payload.first_block, end))
+
+    def kv_pool(self) -> KVPool:
+        """The KV pool (one tensor, blocks on axis 2) for peer copies between llumlets of one host."""
+        return KVPool((self.kv_cache,), 2)
+
+    def write_blocks_from(
+        self, reservation_id: str, first_block: int, source: KVPool, src_block_ids: Sequence[int]
+    ) -> None:
+        """Copy blocks straight from a peer's pool (opened with ``llumlet.kvpool.open_pool``) into the
+        reservation at positions ``first_block ..``.
+
+        Raises KeyError (unknown reservation), IndexError (past the reservation), ValueError (a pool of
+        another layout).
+        """
+        held = self.blocks.reservation_blocks(reservation_id)
+        if held is None:
+            raise KeyError(f"{self.instance_id}: write_blocks: unknown reservation {reservation_id!r}")
+        end = first_block + len(src_block_ids)
+        if first_block < 0 or end > len(held):
+            raise IndexError(
+                f"{self.instance_id}: write_blocks: blocks {first_block}..{end}"
+                f" exceed reservation {reservation_id!r} of {len(held)} blocks"
+            )
+        copy_between(source, src_block_ids, self.kv_pool(), held[first_block:end])
+        self._written[reservation_id].update(range(first_block, end))
 
     def commit_incoming(self, reservation_id: str, state: MigrationState) -> bool:
         """Adopt a migrated request with its KV in place and its generator state; it runs from the next step.

@@ -1,25 +1,30 @@
 """VllmEngine: the engine protocol over vLLM's v1 engine, with live KV-cache migration between vLLM instances.
 
 vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``, one
-GPU, tensor parallel size 1): ``LLMEngine`` adds, aborts and steps requests; a KV connector of vLLM's public
-API (:class:`HilumMigrationConnector`, a ``KVConnectorBase_V1``) loads a migrated request's KV when the
-destination re-admits it; everything else that needs vLLM's insides (queues, block pool, paged KV tensors,
-the sampler's generator) goes through :mod:`llumlet.engine.vllm_internals`, which checks the vLLM version.
+GPU, tensor parallel size 1; the model runner, CUDA graphs and prefix caching as vLLM sets them, async
+scheduling off: :data:`REFUSED_ENGINE_ARGS` says why): ``LLMEngine`` adds, aborts and steps requests; a KV
+connector of vLLM's public API (:class:`HilumMigrationConnector`, a ``KVConnectorBase_V1``) hands a migrated
+request its KV when the destination re-admits it; everything else that needs vLLM's insides (queues, block
+pool, paged KV tensors, the V1 sampler's generator) goes through :mod:`llumlet.engine.vllm_internals`,
+which checks the vLLM version.
 
-Migration (DESIGN.md, "Migration"): the source reads blocks of the request's block table from the paged KV
-tensors while the request keeps decoding; ``reserve`` takes blocks out of the destination's block pool and
-``write_blocks`` stores the copied blocks in them; at ``suspend`` the source takes the request out of its
-scheduler's running list (it keeps its blocks); ``commit_incoming`` re-admits the request on the
-destination with prompt + generated tokens as its prompt, at the head of the waiting queue, with
-``kv_transfer_params`` in ``SamplingParams.extra_args`` naming the reservation: at the next step the
-connector reports the first ``num_computed_tokens`` tokens as externally computed (so nothing is
-recomputed), the scheduler allocates blocks, and the worker side of the connector copies the reserved
-blocks' contents into them and restores the request's sampling generator before the step samples.
+Migration (DESIGN.md, "Migration"; docs/vllm.md, "How a move works"): the source copies blocks of the
+request's block table out of the paged KV tensors without the engine lock while the request keeps
+decoding (``begin_read``); ``reserve`` takes blocks out of the destination's block pool (adopting the
+prompt blocks its prefix cache already holds: ``adopt_cached_prefix``) and ``write_blocks`` /
+``write_blocks_from`` fill the others; at ``suspend`` the source takes the request out of its scheduler's
+running list (it keeps its blocks); ``commit_incoming`` re-admits the request on the destination with
+prompt + generated tokens as its prompt, at the head of the waiting queue, with ``kv_transfer_params`` in
+``SamplingParams.extra_args`` naming the reservation: the reservation's full blocks reach the request
+through the prefix cache (no copy), the rest of the moved tokens are loaded by the connector into fresh
+blocks (nothing is recomputed, no shared block is written), and the V1 runner's generator is restored
+before the step samples.
 
 What re-admission would lose and how it is carried (``MigrationState.extra``):
 
-- seeded sampling: the per-request ``torch.Generator`` state (random requests without a seed get one drawn
-  from the engine's ``rng``, so every random request has a generator that can move);
+- seeded sampling: the V1 runner's per-request ``torch.Generator`` state; the V2 runner needs none (its
+  noise is a hash of seed and position). Random requests without a seed get one drawn from the engine's
+  ``rng``, so every random request can move;
 - ``max_tokens`` / ``min_tokens``: the destination gets what remains of each;
 - repetition penalty: vLLM applies it to tokens seen in the prompt or the output alike, so output tokens
   turned into prompt tokens are penalised exactly as before;
@@ -29,8 +34,8 @@ Refused by :meth:`VllmEngine.migratable` (the destination would see the output t
 frequency and presence penalties (vLLM counts them over output tokens only) and stop strings (the
 destination's detokenizer would not see text produced before the move).
 
-Blocks are portable only between engines of the same model, dtype, block size, KV layout and vLLM build:
-``extra["model_fingerprint"]`` must match on commit.
+Blocks are portable only between engines of the same model, dtype, block size, KV layout, model runner and
+vLLM build: ``extra["model_fingerprint"]`` must match on commit.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ from vllm.v1.engine.llm_engine import LLMEngine  # type: ignore[import-not-found
 
 from llumlet.engine import vllm_internals as vi
 from llumlet.engine.core import RequestTooLargeError
-from llumlet.engine.protocol import KVPayload
+from llumlet.engine.protocol import BlockRun, KVPayload
 from llumlet.engine.types import (
     EngineLoad,
     EngineRequest,
@@ -69,11 +74,13 @@ from llumlet.engine.types import (
     SamplingParams,
     StepResult,
 )
+from llumlet.kvpool import KVPool, copy_between
 
 __all__ = [
     "EXTRA_GENERATOR_STATE",
     "EXTRA_MODEL_FINGERPRINT",
     "EXTRA_VLLM_OPTIONS",
+    "REFUSED_ENGINE_ARGS",
     "HilumMigrationConnector",
     "VllmEngine",
     "VllmSamplingOptions",
@@ -84,6 +91,31 @@ EXTRA_GENERATOR_STATE = "generator_state"  # MigrationState.extra key: bytes of 
 EXTRA_MODEL_FINGERPRINT = "model_fingerprint"  # MigrationState.extra key: str, VllmEngine.model_fingerprint
 EXTRA_VLLM_OPTIONS = "vllm_options"  # MigrationState.extra key: dict, VllmSamplingOptions fields
 KV_PARAMS_KEY = "hilum_migration"  # key in kv_transfer_params: the reservation id of a re-admitted request
+
+#: EngineArgs the backend sets itself and refuses to change, with the reason (docs/vllm.md, "How the backend
+#: runs vLLM").
+REFUSED_ENGINE_ARGS: Mapping[str, str] = {
+    "distributed_executor_backend": (
+        "the backend drives one in-process worker ('uni'): reserve, suspend and the KV copies act on the "
+        "scheduler, block pool and KV tensors of this process"
+    ),
+    "tensor_parallel_size": (
+        "tensor parallelism needs vLLM's multiprocess executor, whose workers hold the KV shards in other "
+        "processes; the backend copies KV in this process (not supported yet)"
+    ),
+    "pipeline_parallel_size": "pipeline parallelism spreads the KV over several workers (not supported)",
+    "async_scheduling": (
+        "with async scheduling the scheduler runs one step ahead, so a step of every running request is in "
+        "flight at any time: there is no point between two steps where suspend may take a request out"
+    ),
+    "kv_transfer_config": "the backend installs its own KV connector (HilumMigrationConnector)",
+}
+_REQUIRED_ARGS: Mapping[str, object] = {  # the one value each refused argument may take
+    "distributed_executor_backend": "uni",
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "async_scheduling": False,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,12 +156,12 @@ class VllmSamplingOptions:
 
 @dataclass
 class _Incoming:
-    """A committed migrated request waiting for admission on the destination."""
+    """A committed migrated request waiting for admission on the destination; it holds its reservation."""
 
-    internal_id: str  # vLLM's request id
+    internal_id: str  # vLLM's request id ("" until the request is submitted)
     num_computed_tokens: int  # tokens whose KV was moved (prompt + output - 1)
-    blocks: torch.Tensor  # moved KV, vllm_internals.read_kv_blocks layout
-    generator_state: bytes | None
+    blocks: list[Any]  # the reservation's KVCacheBlocks holding the moved KV, in block-table order
+    generator_state: bytes | None  # V1 runner: the sampler generator's state; None on V2 or greedy
     handles: vi.EngineHandles
 
 
@@ -141,44 +173,84 @@ class _HilumMetadata(KVConnectorMetadata):  # type: ignore[misc, unused-ignore]
 
 
 class HilumMigrationConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
-    """Loads the KV of migrated requests when the destination re-admits them.
+    """Hands the KV of migrated requests to them when the destination re-admits them.
 
-    Scheduler side: a request whose ``kv_transfer_params`` carry ``{"hilum_migration": <reservation id>}``
-    registered in ``incoming`` (by :meth:`VllmEngine.commit_incoming`) has its first
-    ``num_computed_tokens`` tokens reported as externally computed, loaded synchronously; after allocation
-    the load is put in the step's metadata. Worker side: ``start_load_kv`` runs the loads (copy the moved
-    blocks into the allocated ones, restore the sampling generator) before the forward pass. The connector
-    keeps no state on the worker side, so engines in one process may share vLLM's global worker connector.
-    Every other request passes through untouched (0 external tokens).
+    Scheduler side, for a request whose ``kv_transfer_params`` carry ``{"hilum_migration": <reservation
+    id>}`` registered in ``incoming`` (by :meth:`VllmEngine.commit_incoming`):
+
+    - ``on_new_request``: with prefix caching on, the reservation's full blocks are registered in the
+      prefix cache under the request's block hashes, so the scheduler finds them as a local hit and gives
+      them to the request without a copy (the reservation keeps its reference until the step ran);
+    - ``get_num_new_matched_tokens``: the moved tokens beyond the local hit are reported as externally
+      computed, loaded synchronously;
+    - ``update_state_after_alloc``: the blocks the scheduler allocated past the local hit (fresh, never
+      shared) get the moved KV from the reservation's blocks at the same positions, at the next step's
+      ``start_load_kv``, before the forward pass; the V1 runner's sampling generator is restored there too.
+
+    Blocks the local hit took from the cache (possibly shared with other requests) are never written. The
+    reservation's blocks go back to the pool after the step that admitted the request
+    (:meth:`release_loaded`). The worker side keeps no state, so engines in one process may share vLLM's
+    global worker connector. Every other request passes through untouched (0 external tokens).
     """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.incoming: dict[str, _Incoming] = {}  # reservation id -> request (set by VllmEngine)
         self._pending: list[Callable[[], None]] = []
+        self._admitted: list[_Incoming] = []  # loads issued this step; their reservations free after it
+
+    def held_blocks(self) -> int:
+        """Reservation blocks still held for committed requests (counted as reserved in the load)."""
+        return sum(len(e.blocks) for e in self.incoming.values()) + sum(len(e.blocks) for e in self._admitted)
+
+    def release_loaded(self) -> None:
+        """After a step: give the reservations of the requests admitted in it back to the pool."""
+        for entry in self._admitted:
+            vi.free_pool_blocks(entry.handles, entry.blocks)
+        self._admitted = []
+
+    def drop(self, internal_id: str) -> None:
+        """The request left before admission: give its reservation back."""
+        for key, entry in list(self.incoming.items()):
+            if entry.internal_id == internal_id:
+                del self.incoming[key]
+                vi.free_pool_blocks(entry.handles, entry.blocks)
 
     # scheduler side
-    def _entry(self, request: Any) -> _Incoming | None:
-        params = request.kv_transfer_params or {}
-        key = params.get(KV_PARAMS_KEY)
-        return self.incoming.get(key) if isinstance(key, str) else None
+    def _key(self, request: Any) -> str | None:
+        key = (request.kv_transfer_params or {}).get(KV_PARAMS_KEY)
+        return key if isinstance(key, str) and key in self.incoming else None
+
+    def on_new_request(self, request: Any) -> None:
+        key = self._key(request)
+        if key is None:
+            return
+        entry = self.incoming[key]
+        full = entry.num_computed_tokens // int(entry.handles.scheduler.block_size)
+        vi.cache_moved_blocks(entry.handles, request, entry.blocks, full)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        entry = self._entry(request)
-        if entry is None:
+        key = self._key(request)
+        if key is None:
             return 0, False
-        return max(entry.num_computed_tokens - num_computed_tokens, 0), False
+        return max(self.incoming[key].num_computed_tokens - num_computed_tokens, 0), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        entry = self._entry(request)
-        if entry is None or num_external_tokens == 0:
+        key = self._key(request)
+        if key is None:
             return
-        key = request.kv_transfer_params[KV_PARAMS_KEY]
-        block_ids = list(blocks.get_block_ids()[0])[: entry.blocks.shape[1]]
-        del self.incoming[key]
+        entry = self.incoming.pop(key)
+        self._admitted.append(entry)
+        block_size = int(entry.handles.scheduler.block_size)
+        local = entry.num_computed_tokens - num_external_tokens  # tokens the prefix cache gave (block-aligned)
+        first = local // block_size
+        end = -(-entry.num_computed_tokens // block_size)
+        dst = list(blocks.get_block_ids()[0])[first:end] if num_external_tokens else []
+        src = [b.block_id for b in entry.blocks[first:end]] if num_external_tokens else []
 
         def load() -> None:
-            vi.write_kv_blocks(entry.handles, block_ids, entry.blocks)
+            if src:
+                vi.copy_kv_blocks(entry.handles, src, dst)
             if entry.generator_state is not None:
                 vi.set_generator_state(entry.handles, entry.internal_id, entry.generator_state)
 
@@ -246,11 +318,17 @@ class VllmEngine:
         max_num_seqs, max_num_batched_tokens: the scheduler's batch limits.
         rng: draws a seed for random-sampling requests without one (default ``random.Random()``).
         clock: seconds, monotonic; ``StepResult.duration_s`` is the measured wall time of the step.
-        engine_kwargs: further ``vllm.engine.arg_utils.EngineArgs`` fields (e.g. ``gpu_memory_utilization``).
+        engine_kwargs: further ``vllm.engine.arg_utils.EngineArgs`` fields (e.g. ``gpu_memory_utilization``,
+            ``enforce_eager``, ``enable_prefix_caching``); those in :data:`REFUSED_ENGINE_ARGS` raise.
         allow_untested_vllm: skip the version check of :mod:`llumlet.engine.vllm_internals`.
 
-    Prefix caching is off. Raises ``vllm_internals.UnsupportedVllmError`` on an untested vLLM version or an
-    engine layout the backend cannot drive (see :func:`vllm_internals.engine_handles`).
+    vLLM decides the model runner (V2 wherever Triton runs), CUDA graphs and prefix caching (on by default;
+    migrated KV is handed over through it). Async scheduling is off (see :data:`REFUSED_ENGINE_ARGS`).
+
+    Raises:
+        vllm_internals.UnsupportedVllmError: a vLLM version outside the supported range, multiprocessing on,
+            or an engine layout the backend cannot drive (see :func:`vllm_internals.engine_handles`).
+        ValueError: an ``engine_kwargs`` entry the backend cannot honour (named, with the reason).
     """
 
     def __init__(
@@ -284,9 +362,7 @@ class VllmEngine:
             "max_num_seqs": max_num_seqs,
             "distributed_executor_backend": "uni",
             "tensor_parallel_size": 1,
-            "enable_prefix_caching": False,
             "async_scheduling": False,
-            "enforce_eager": True,
             "seed": seed,
             "kv_transfer_config": {
                 "kv_connector": "HilumMigrationConnector",
@@ -298,9 +374,13 @@ class VllmEngine:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         if max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
-        kwargs.update(engine_kwargs or {})
+        for key, value in (engine_kwargs or {}).items():
+            if key in REFUSED_ENGINE_ARGS and (key == "kv_transfer_config" or value != _REQUIRED_ARGS.get(key)):
+                raise ValueError(f"{instance_id}: engine_kwargs[{key!r}] = {value!r}: {REFUSED_ENGINE_ARGS[key]}")
+            kwargs[key] = value
         self.llm = LLMEngine.from_engine_args(EngineArgs(**kwargs))
         self._h = vi.engine_handles(self.llm)
+        self.stateless_sampling = vi.stateless_sampling(self.llm)  # V2 runner: seeded noise, no generator
         connector = self._h.scheduler.connector
         if not isinstance(connector, HilumMigrationConnector):
             raise vi.UnsupportedVllmError(f"scheduler connector is {type(connector).__name__}, not hilum's")
@@ -309,8 +389,9 @@ class VllmEngine:
         self._max_model_len = int(self.llm.model_config.max_model_len)
         self._dtype = self._h.kv_caches[0].dtype
         self._block_shape = vi.kv_block_shape(self._h)
+        runner = "v2" if self.stateless_sampling else "v1"  # their random streams differ: no move between them
         self.model_fingerprint = _fingerprint(
-            model, str(self.llm.model_config.dtype), self._block_size, self._block_shape, str(self._dtype)
+            model, str(self.llm.model_config.dtype), self._block_size, self._block_shape, str(self._dtype), runner
         )
         self._rng = rng if rng is not None else random.Random()
         self._clock = clock
@@ -406,9 +487,7 @@ class VllmEngine:
         tracked = self._tracked.pop(request_id, None)
         if tracked is not None:
             self._by_internal.pop(tracked.internal_id, None)
-            for key, entry in list(self._connector.incoming.items()):
-                if entry.internal_id == tracked.internal_id:
-                    del self._connector.incoming[key]
+            self._connector.drop(tracked.internal_id)
         return tracked
 
     def abort(self, request_id: str) -> bool:
@@ -441,6 +520,7 @@ class VllmEngine:
         start = self._clock()
         outputs = self.llm.step() if self.has_work() else []
         duration_s = self._clock() - start if outputs or before else 0.0
+        self._connector.release_loaded()  # the step ran: the re-admitted requests own their KV now
         token_ids: dict[str, tuple[int, ...]] = {}
         finished: list[str] = []
         reasons: dict[str, str] = {}
@@ -494,7 +574,7 @@ class VllmEngine:
     def load(self) -> EngineLoad:
         """Block usage (from the block pool) and queue state (from the scheduler)."""
         sched = self._h.scheduler
-        reserved = sum(len(r.blocks) for r in self._reservations.values())
+        reserved = sum(len(r.blocks) for r in self._reservations.values()) + self._connector.held_blocks()
         free = int(self._h.block_pool.get_num_free_blocks())
         running = []
         for r in sched.running:
@@ -570,18 +650,45 @@ class VllmEngine:
 
         Raises KeyError for an unknown request, IndexError past its last block.
         """
+        return self.begin_read(request_id, first_block, num_blocks).copy(first_block, num_blocks)
+
+    def begin_read(self, request_id: str, first_block: int, num_blocks: int) -> BlockRun:
+        """Pin down a run of the request's blocks (``BlockRun``); its ``copy`` gathers them on the copy stream
+        into pinned host memory without the engine lock (layout of :meth:`read_blocks`).
+
+        ``still_valid`` is True while the request is in the scheduler, was not preempted since, and its block
+        table holds the same blocks at those positions. Raises KeyError / IndexError as :meth:`read_blocks`.
+        """
         tracked = self._tracked.get(request_id)
-        if tracked is None or vi.scheduler_request(self._h, tracked.internal_id) is None:
+        r = vi.scheduler_request(self._h, tracked.internal_id) if tracked is not None else None
+        if tracked is None or r is None:
             raise KeyError(f"{self.instance_id}: read_blocks: unknown request {request_id!r}")
-        table = vi.request_block_ids(self._h, tracked.internal_id)
+        internal = tracked.internal_id
+        table = vi.request_block_ids(self._h, internal)
         if first_block < 0 or num_blocks < 0 or first_block + num_blocks > len(table):
             raise IndexError(
                 f"{self.instance_id}: read_blocks({request_id!r}, {first_block}, {num_blocks}): "
                 f"it holds {len(table)} blocks"
             )
-        blocks = vi.read_kv_blocks(self._h, table[first_block : first_block + num_blocks])
-        data = blocks.cpu().contiguous().view(torch.uint8).numpy().tobytes() if num_blocks else b""
-        return KVPayload(first_block, num_blocks, num_blocks * self.kv_bytes_per_block, data)
+        ids = tuple(table[first_block : first_block + num_blocks])
+        preemptions = int(r.num_preemptions)
+        per_block = self.kv_bytes_per_block
+
+        def copy(first: int, n: int) -> KVPayload:
+            if first < first_block or n < 0 or first + n > first_block + len(ids):
+                raise IndexError(f"copy({first}, {n}) outside the run {first_block}..{first_block + len(ids)}")
+            data = vi.copy_blocks_to_host(self._h, ids[first - first_block : first - first_block + n])
+            return KVPayload(first, n, n * per_block, data)
+
+        def still_valid() -> bool:
+            now = vi.scheduler_request(self._h, internal)
+            return (
+                now is r
+                and int(now.num_preemptions) == preemptions
+                and tuple(vi.request_block_ids(self._h, internal)[first_block : first_block + len(ids)]) == ids
+            )
+
+        return BlockRun(request_id, first_block, ids, per_block, copy, still_valid)
 
     def suspend(self, request_id: str) -> MigrationState | None:
         """Between two steps: take a running decode-phase request out of the scheduler; it keeps its blocks.
@@ -613,7 +720,9 @@ class VllmEngine:
             output_token_ids=tuple(tracked.output_ids),
             sampling_params=tracked.params,
             extra={
-                EXTRA_GENERATOR_STATE: vi.generator_state(self._h, tracked.internal_id),
+                EXTRA_GENERATOR_STATE: None
+                if self.stateless_sampling
+                else vi.generator_state(self._h, tracked.internal_id),
                 EXTRA_MODEL_FINGERPRINT: self.model_fingerprint,
                 EXTRA_VLLM_OPTIONS: dataclasses.asdict(tracked.options),
             },
@@ -647,6 +756,22 @@ class VllmEngine:
             return False
         self._reservations[reservation_id] = _Reservation(blocks)
         return True
+
+    def adopt_cached_prefix(self, reservation_id: str, prompt_token_ids: Sequence[int]) -> int:
+        """The leading full blocks of the prompt this engine's prefix cache holds become the reservation's
+        first positions (referenced, never written; as many fresh blocks go back to the pool); returns how
+        many. 0 with prefix caching off. Raises KeyError for an unknown reservation."""
+        res = self._reservations.get(reservation_id)
+        if res is None:
+            raise KeyError(f"{self.instance_id}: adopt_cached_prefix: unknown reservation {reservation_id!r}")
+        if res.written:
+            return 0  # only before any block was written: the positions would shift
+        cached = vi.hold_cached_prefix(self._h, self.llm, prompt_token_ids, len(res.blocks))
+        if cached:
+            vi.free_pool_blocks(self._h, res.blocks[: len(cached)])
+            res.blocks = [*cached, *res.blocks[len(cached) :]]
+            res.written.update(range(len(cached)))
+        return len(cached)
 
     def grow_reservation(self, reservation_id: str, n_blocks: int) -> bool:
         """Make the reservation hold at least ``n_blocks`` (grow-only); False when the extra blocks don't fit.
@@ -700,11 +825,39 @@ class VllmEngine:
             )
         if payload.num_blocks == 0:
             return
-        shape = (len(self._h.kv_caches), payload.num_blocks, *self._block_shape)
-        blocks = torch.frombuffer(bytearray(payload.data), dtype=torch.uint8).view(self._dtype).view(shape)
         ids = [b.block_id for b in res.blocks[payload.first_block : end]]
-        vi.write_kv_blocks(self._h, ids, blocks)
+        vi.write_kv_blocks_from_host(self._h, ids, payload.data)
         res.written.update(range(payload.first_block, end))
+
+    def kv_pool(self) -> KVPool:
+        """The paged KV tensors (one per layer) for peer copies between llumlets of one host."""
+        return vi.kv_pool(self._h)
+
+    def write_blocks_from(
+        self, reservation_id: str, first_block: int, source: KVPool, src_block_ids: Sequence[int]
+    ) -> None:
+        """Copy blocks straight from a peer's pool (``llumlet.kvpool.open_pool``: CUDA IPC on a GPU) into the
+        reservation at positions ``first_block ..``, on the copy stream.
+
+        Raises KeyError (unknown reservation), IndexError (past the reservation), ValueError (a pool of
+        another layout).
+        """
+        res = self._reservations.get(reservation_id)
+        if res is None:
+            raise KeyError(f"{self.instance_id}: write_blocks: unknown reservation {reservation_id!r}")
+        end = first_block + len(src_block_ids)
+        if first_block < 0 or end > len(res.blocks):
+            raise IndexError(
+                f"{self.instance_id}: write_blocks: blocks {first_block}..{end}"
+                f" exceed reservation {reservation_id!r} of {len(res.blocks)} blocks"
+            )
+        ids = [b.block_id for b in res.blocks[first_block:end]]
+        if self._h.copy_stream is None:
+            copy_between(source, src_block_ids, self.kv_pool(), ids)
+        else:
+            with torch.cuda.stream(self._h.copy_stream):
+                copy_between(source, src_block_ids, self.kv_pool(), ids)
+        res.written.update(range(first_block, end))
 
     def commit_incoming(self, reservation_id: str, state: MigrationState) -> bool:
         """Re-admit a migrated request at the head of the queue; its KV is loaded, not recomputed.
@@ -751,8 +904,13 @@ class VllmEngine:
         missing = sorted(set(range(kv_blocks)) - res.written)
         if missing:
             raise ValueError(f"{where}: block positions {missing} of reservation {reservation_id!r} were never written")
+        # the request's own blocks at admission: the full moved blocks come through the prefix cache (shared
+        # with the reservation, no copy); without prefix caching every block is new and the reservation is
+        # held until the connector copied it (the request's KV is twice in the pool for one step)
         need = math.ceil(state.num_tokens / self._block_size)
-        if need > len(res.blocks) + int(self._h.block_pool.get_num_free_blocks()):
+        handed = state.num_computed_tokens // self._block_size if vi.prefix_caching_enabled(self._h) else 0
+        surplus = len(res.blocks) - kv_blocks
+        if need - handed > surplus + int(self._h.block_pool.get_num_free_blocks()):
             return False
         request = EngineRequest(
             request_id=state.request_id,
@@ -766,16 +924,25 @@ class VllmEngine:
             sampling_params=state.sampling_params,
         )
         params = _effective_params(where, request, self._rng)
-        if gen_state is None and params.temperature > 0:
+        if gen_state is None and params.temperature > 0 and not self.stateless_sampling:
             raise ValueError(f"{where}: random sampling without a generator state")
-        moved = vi.read_kv_blocks(self._h, [b.block_id for b in res.blocks[:kv_blocks]])
-        self.release_reservation(reservation_id)
+        # the reservation's blocks go to the connector, which hands them to the request at admission
+        del self._reservations[reservation_id]
+        blocks = res.blocks[:kv_blocks]
+        vi.free_pool_blocks(self._h, res.blocks[kv_blocks:])
+        entry = _Incoming("", state.num_computed_tokens, blocks, gen_state, self._h)
+        self._connector.incoming[reservation_id] = entry
         prompt = [*state.prompt_token_ids, *state.output_token_ids]
         kv_params = {KV_PARAMS_KEY: reservation_id}
-        internal = self._submit(state.request_id, prompt, params, opts, request, state.num_output_tokens, kv_params)
-        self._connector.incoming[reservation_id] = _Incoming(
-            internal, state.num_computed_tokens, moved, gen_state, self._h
-        )
+        try:
+            entry.internal_id = self._submit(
+                state.request_id, prompt, params, opts, request, state.num_output_tokens, kv_params
+            )
+        except Exception:
+            self._connector.incoming.pop(reservation_id, None)
+            vi.free_pool_blocks(self._h, blocks)
+            raise
+        internal = entry.internal_id
         vi.move_to_queue_head(self._h, internal)
         tracked = _Tracked(request, params, opts, internal, list(state.output_token_ids), state.num_output_tokens)
         tracked.num_loaded_tokens = state.num_computed_tokens
@@ -809,12 +976,14 @@ def _effective_params(where: str, request: EngineRequest, rng: random.Random) ->
     return params
 
 
-def _fingerprint(model: str, dtype: str, block_size: int, block_shape: Sequence[int], kv_dtype: str) -> str:
-    """sha256 (hex, 16 chars) of what must match for KV blocks to be portable (the weights are trusted to be
-    the same for the same model name or directory and vLLM version)."""
+def _fingerprint(
+    model: str, dtype: str, block_size: int, block_shape: Sequence[int], kv_dtype: str, runner: str
+) -> str:
+    """sha256 (hex, 16 chars) of what must match for KV blocks and sampling state to be portable (the weights
+    are trusted to be the same for the same model name or directory and vLLM version)."""
     path = Path(model)
     ident = str(path.resolve()) if path.exists() else model
-    key = f"{ident}|{dtype}|{block_size}|{tuple(block_shape)}|{kv_dtype}|vllm {vllm.__version__}"
+    key = f"{ident}|{dtype}|{block_size}|{tuple(block_shape)}|{kv_dtype}|vllm {vllm.__version__}|runner {runner}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

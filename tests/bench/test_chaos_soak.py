@@ -268,7 +268,8 @@ def test_a_one_way_hold_lets_the_call_through_and_loses_its_answer() -> None:
             assert proxy.held.is_set() and ran == ["Reserve", "Commit"]  # the destination did commit
             proxy.reset_all()
             proxy.release()
-            assert await reserve(b"again", timeout=10) == b"ok:again"  # a new connection, answers flow again
+        async with grpc.aio.insecure_channel(proxy.address) as channel:  # a new connection: answers flow again
+            assert await channel.unary_unary("/hilum.v1.Llumlet/Reserve")(b"again", timeout=10) == b"ok:again"
         await proxy.close()
         await server.stop(None)
 

@@ -9,6 +9,7 @@ import asyncio
 import io
 import json
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -112,9 +113,15 @@ def test_client_gone_while_waiting_for_a_whole_response_frees_the_blocks(up: UpP
             body = {"model": MODEL, "prompt": "w" * 300, "max_tokens": 1500}
             with pytest.raises(TimeoutError):  # the client gives up and closes the connection
                 await session.post(up.url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=1.0))
-            async with session.get(up.url + "/metrics") as resp:
-                page = await resp.text()
-        assert 'hilum_gateway_requests_total{endpoint="completions",outcome="aborted"}' in page
+            aborted = 'hilum_gateway_requests_total{endpoint="completions",outcome="aborted"}'
+            deadline = time.monotonic() + 30.0  # the gateway notices the closed connection on its own time
+            while True:
+                async with session.get(up.url + "/metrics") as resp:
+                    page = await resp.text()
+                if aborted in page or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)
+        assert aborted in page
         assert await wait_load(up.info, idle_load(up.info)) == idle_load(up.info)
 
     asyncio.run(main())

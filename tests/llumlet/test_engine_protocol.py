@@ -218,6 +218,32 @@ def test_read_blocks_bounds(make: MakeEngine) -> None:
     assert_baseline(engine)
 
 
+def test_begin_read_copies_without_the_lock_and_detects_preemption(make: MakeEngine) -> None:
+    engine = make("a", 6)  # two 10-token prompts fill the pool: the first to grow preempts the other
+    engine.add_request(req("r1", 10, 8, arrival_s=0.0))
+    engine.add_request(req("r2", 10, 8, arrival_s=1.0))
+    engine.step()
+    run = engine.begin_read("r2", 0, 2)
+    assert (run.first_block, run.num_blocks, run.request_id) == (0, 2, "r2")
+    before = run.copy(0, 2)
+    assert before == engine.read_blocks("r2", 0, 2)
+    assert run.copy(1, 1) == engine.read_blocks("r2", 1, 1)  # a sub-run
+    with pytest.raises(IndexError, match="outside the run"):
+        run.copy(1, 2)
+    assert run.still_valid()
+    preempted: list[str] = []
+    for _ in range(10):
+        preempted += engine.step().preempted
+        if preempted:
+            break
+    assert preempted == ["r2"]
+    assert not run.still_valid()  # its blocks were freed: whatever was copied must be discarded
+    with pytest.raises(KeyError, match="unknown request"):
+        engine.begin_read("nope", 0, 1)
+    assert engine.abort("r1") and engine.abort("r2")
+    assert_baseline(engine)
+
+
 def test_suspend_and_resume(make: MakeEngine) -> None:
     engine = make("a", 16)
     engine.add_request(req("r", 10, 6, priority=2, arrival_s=5.0))

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hilum_proto.v1 import llumlet_pb2 as pb
@@ -40,7 +40,15 @@ from llumlet.engine.types import (
 )
 from llumlet.sink import TokenCollector
 from llumlet.tokens import TokenChunkOut, _merge
-from llumlet.transport import GrpcStreamTransport, SharedMemoryTransport, TokenBucket, TransportName, choose_transport
+from llumlet.transport import (
+    GrpcStreamTransport,
+    LocalTransport,
+    TokenBucket,
+    TransportName,
+    TransportUnavailable,
+    choose_transport,
+    nixl_available,
+)
 from topology.graph import TopologyGraph
 from topology.load import parse_topology
 
@@ -134,6 +142,7 @@ _values = st.recursive(
 )
 
 
+@settings(deadline=None)  # a loaded 2-core CI machine: time is no part of this property
 @given(st.dictionaries(st.text(min_size=1).filter(lambda k: not k.startswith("__")), _values, max_size=4))
 def test_extra_codec_round_trips_exactly(extra: dict[str, object]) -> None:
     back = decode_extra(encode_extra(extra))
@@ -294,8 +303,11 @@ def test_sim_backend_takes_sizes_and_latency_from_the_topology() -> None:
 # ---- transport choice ------------------------------------------------------------------------------
 def test_transport_follows_the_nvlink_domain_and_caps_the_network() -> None:
     graph = TopologyGraph(parse_topology(TWO_DOMAINS, "test"))
-    inside = choose_transport(None, graph, "a0", "a1", cap_fraction=0.2)
-    assert isinstance(inside, SharedMemoryTransport) and inside.rate_cap_bytes_per_s == 0.0
+    inside = choose_transport(None, graph, "a0", "a1", cap_fraction=0.2, pool=b"handle")
+    assert isinstance(inside, LocalTransport) and inside.rate_cap_bytes_per_s == 0.0
+    assert (inside.pool, inside.mode) == (b"handle", "local")
+    inline = choose_transport(None, graph, "a0", "a1", cap_fraction=0.2)  # the engine's pool is not shareable
+    assert inline.name is TransportName.LOCAL and inline.mode == "local-inline"
     across = choose_transport(None, graph, "a0", "b1", cap_fraction=0.2)
     assert isinstance(across, GrpcStreamTransport)
     assert across.rate_cap_bytes_per_s == pytest.approx(100e9 / 8 * 0.2)  # 100 Gb/s NIC x 20%
@@ -309,6 +321,12 @@ def test_transport_follows_the_nvlink_domain_and_caps_the_network() -> None:
     assert no_topology.name is TransportName.GRPC and no_topology.rate_cap_bytes_per_s == 0.0
     with pytest.raises(KeyError):
         choose_transport(None, graph, "a0", "zz", cap_fraction=0.2)
+
+
+def test_nixl_is_refused_by_name() -> None:
+    why = "not installed here" if not nixl_available() else "does not drive NIXL transfers yet"
+    with pytest.raises(TransportUnavailable, match=f"transport 'nixl'.*{why}"):
+        choose_transport(TransportName.NIXL, None, "a0", "b1", cap_fraction=0.2)
 
 
 # ---- pushes and the collector ---------------------------------------------------------------------

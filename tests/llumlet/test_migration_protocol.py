@@ -18,7 +18,7 @@ import pytest
 
 from hilum_proto.v1 import llumlet_pb2 as pb
 from llumlet.backends import BackendConfig
-from llumlet.engine.protocol import KVPayload
+from llumlet.engine.protocol import BlockRun
 from llumlet.engine.types import SamplingParams
 from llumlet.migration_types import DestStatus, MigrationCommand, MigrationConfig, MigrationHooks
 from llumlet.sink import CollectedStream, TokenCollector
@@ -247,11 +247,11 @@ class _BrokenStream:
     def __init__(self, inner: BlockStream, fail_after: int) -> None:
         self.inner, self.left = inner, fail_after
 
-    async def send(self, payload: KVPayload) -> None:
+    async def send(self, run: BlockRun, first_block: int, num_blocks: int) -> None:
         if self.left == 0:
             raise TransportError("link down (injected)")
         self.left -= 1
-        await self.inner.send(payload)
+        await self.inner.send(run, first_block, num_blocks)
 
     async def close(self) -> TransferStats:
         return await self.inner.close()
@@ -266,6 +266,8 @@ class _BreakOnce:
 
     name: TransportName = TransportName.GRPC
     rate_cap_bytes_per_s: float = 0.0
+    mode: str = "grpc"
+    pool: bytes | None = None
 
     def open(self, stub: object, request_id: str, attempt: int) -> BlockStream:
         inner = GrpcStreamTransport().open(stub, request_id, attempt)  # type: ignore[arg-type]

@@ -68,6 +68,7 @@ def make(model_dir: Path, _engines: dict[tuple[str, int], VllmEngine]) -> Iterat
                 dtype="float32",
                 max_model_len=num_blocks * BLOCK,
                 max_num_seqs=8,
+                engine_kwargs={"enforce_eager": True},  # no torch.compile on CPU: minutes on 2 cores
             )
         engine = _engines[key]
         assert engine.load().total_blocks == num_blocks
@@ -252,6 +253,23 @@ def test_request_kv_and_migratable(make: MakeEngine) -> None:
     assert engine.abort("r")
 
 
+def test_begin_read_copies_while_the_request_decodes(make: MakeEngine) -> None:
+    engine = make("a", 16)
+    engine.add_request(req("r", 80, 20))
+    engine.step()
+    run = engine.begin_read("r", 0, 2)  # the two full blocks
+    before = run.copy(0, 2)
+    assert before == engine.read_blocks("r", 0, 2) and len(before.data) == 2 * engine.kv_bytes_per_block
+    for _ in range(5):  # decoding appends to the partial block only
+        engine.step()
+    assert run.still_valid() and run.copy(0, 2) == before
+    with pytest.raises(IndexError, match="outside the run"):
+        run.copy(1, 2)
+    assert engine.abort("r")
+    assert not run.still_valid()
+    assert_baseline(engine)
+
+
 def test_read_blocks_bounds(make: MakeEngine) -> None:
     engine = make("a", 16)
     engine.add_request(req("r", 80, 5))
@@ -387,8 +405,9 @@ def test_migration_commit_moves_the_request_once(make: MakeEngine) -> None:
     assert dst.release_reservation("m1") == 0  # committed: release is a no-op
     with pytest.raises(ValueError, match="already"):
         dst.commit_incoming("m1", state)  # committed twice: the request is already here
-    load = dst.load()  # re-admitted at the head of the queue: admitted at the next step
-    assert (load.used_blocks, load.reserved_blocks, load.num_waiting, load.head_demand_blocks) == (0, 0, 1, 3)
+    load = dst.load()  # re-admitted at the head of the queue: admitted at the next step, its KV still in the
+    # reservation's 3 blocks, which it gets through the prefix cache then (no copy)
+    assert (load.used_blocks, load.reserved_blocks, load.num_waiting, load.head_demand_blocks) == (0, 3, 1, 3)
     first = dst.step()
     assert produced(first) == {"r": 1}
     assert (first.num_prefill_tokens, first.num_decode_tokens) == (1, 0)  # the last token only: KV was moved

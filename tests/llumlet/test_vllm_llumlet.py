@@ -44,7 +44,7 @@ def llumlets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Llu
     model = tiny_llama_checkpoint(tmp / "tiny-llama")
     args = ["--block-size", str(BLOCK), "--min-step-s", "0.01", "--engine-option", f"model={model}"]
     args += ["--engine-option", "dtype=float32", "--engine-option", f"kv_cache_memory_bytes={KV_BYTES}"]
-    args += ["--engine-option", "max_model_len=512", "--max-num-seqs", "8"]
+    args += ["--engine-option", "max_model_len=512", "--max-num-seqs", "8", "--engine-option", "enforce_eager=true"]
     procs = {i: LlumletProcess(i, args, tmp / f"{i}.log", engine="vllm") for i in ("v0", "v1")}
     try:
         for proc in procs.values():
@@ -98,3 +98,6 @@ def test_a_vllm_llumlet_serves_and_migrates_requests_exactly(llumlets: dict[str,
     reports = asyncio.run(main())
     assert [r.outcome for r in reports] == [pb.MIGRATION_COMMITTED] * 2, [r.reason for r in reports]
     assert all(r.transport == "grpc" and r.downtime_s > 0 for r in reports)
+    # the references ran on v1 with the same 70-token prompt: its 2 full blocks were in v1's prefix cache,
+    # adopted by the reservation and not sent again
+    assert [r.cached_blocks for r in reports] == [2, 2]

@@ -67,6 +67,7 @@ def make_engine(name: str, model: Path, num_blocks: int = 32) -> VllmEngine:
         max_model_len=512,
         max_num_seqs=8,
         rng=random.Random(99),
+        engine_kwargs={"enforce_eager": True},  # no torch.compile on CPU: minutes on 2 cores
     )
 
 
@@ -100,9 +101,14 @@ def steps(engine: VllmEngine, n: int, streams: dict[str, list[int]]) -> None:
             streams.setdefault(rid, []).extend(ids)
 
 
-def reference(engine: VllmEngine, params: SamplingParams, options: VllmSamplingOptions | None = None) -> list[int]:
+def reference(
+    engine: VllmEngine,
+    params: SamplingParams,
+    options: VllmSamplingOptions | None = None,
+    prompt: tuple[int, ...] = PROMPT,
+) -> list[int]:
     streams: dict[str, list[int]] = {}
-    engine.add_request(request("ref", params), options)
+    engine.add_request(request("ref", params, prompt), options)
     run(engine, streams)
     return streams["ref"]
 
@@ -234,11 +240,17 @@ def test_what_cannot_move_faithfully_is_refused(
     assert src.abort("r")
 
 
+def fresh_prompt(seed: int) -> tuple[int, ...]:
+    """60 tokens no engine has cached yet (the engines live for the module; prefix caching is on)."""
+    return tuple(random.Random(seed).randrange(3, 512) for _ in range(60))
+
+
 def test_negative_control_corrupted_blocks_change_the_output(pair: tuple[VllmEngine, VllmEngine]) -> None:
     src, dst = pair
-    expected = reference(src, GREEDY)
+    prompt = fresh_prompt(101)
+    expected = reference(src, GREEDY, prompt=prompt)
     streams: dict[str, list[int]] = {}
-    src.add_request(request("r", GREEDY))
+    src.add_request(request("r", GREEDY, prompt))
     migrate_mid_decode(src, dst, "r", streams, corrupt_block=0)
     before = list(streams["r"])
     assert before == expected[: len(before)]  # the source's part is intact
@@ -246,9 +258,64 @@ def test_negative_control_corrupted_blocks_change_the_output(pair: tuple[VllmEng
     assert streams["r"] != expected  # the destination attended over the zeroed keys/values
 
 
-def test_version_check_names_the_tested_versions() -> None:
-    check_vllm_version("0.32.0")
-    check_vllm_version("0.32.0+cpu")
-    with pytest.raises(UnsupportedVllmError, match=r"vLLM 0\.31\.0 is not a version .* \(0\.32\.0\)"):
-        check_vllm_version("0.31.0")
+def test_a_move_never_writes_into_blocks_shared_on_the_destination(pair: tuple[VllmEngine, VllmEngine]) -> None:
+    """The issue's corruption: the destination already runs ``b``, whose first block holds the same 32 prompt
+    tokens as the moved request's. A corrupted copy of that block arrives with the move; ``b``'s stream must
+    not change, and the moved request gets the destination's own cached block (what the destination caches
+    is used, not overwritten)."""
+    src, dst = pair
+    prompt = fresh_prompt(202)
+    expected = reference(src, GREEDY, prompt=prompt)
+    expected_b = reference(src, GREEDY, prompt=prompt[:40])
+    streams: dict[str, list[int]] = {}
+    dst.add_request(request("b", GREEDY, prompt[:40]))
+    steps(dst, 2, streams)
+    src.add_request(request("r", GREEDY, prompt))
+    migrate_mid_decode(src, dst, "r", streams, corrupt_block=0)
+    assert dst.load().cached_blocks == 0 and dst.load().reserved_blocks == 3  # held for "r" until it runs
+    run(dst, streams)
+    assert streams["b"] == expected_b
+    assert streams["r"] == expected
+    assert dst.load().reserved_blocks == 0
+
+
+def test_what_the_destination_caches_is_not_sent_again(pair: tuple[VllmEngine, VllmEngine]) -> None:
+    """The destination ran the same prompt before: its first block is in its prefix cache. The reservation
+    adopts it (held, never written), the source sends only the blocks after it, and the stream is the same."""
+    src, dst = pair
+    prompt = fresh_prompt(303)
+    expected = reference(dst, GREEDY, prompt=prompt)  # leaves the prompt's full block cached on dst
+    streams: dict[str, list[int]] = {}
+    src.add_request(request("r", GREEDY, prompt))
+    steps(src, 5, streams)
+    tokens, blocks = src.request_kv("r") or (0, 0)
+    assert (tokens, blocks) == (64, 2)
+    assert dst.reserve("pc", blocks + 1)
+    assert dst.adopt_cached_prefix("pc", prompt) == 1  # 60 prompt tokens: one full block of 32
+    assert dst.adopt_cached_prefix("pc", prompt) == 0  # once only (it would shift written positions)
+    state = src.suspend("r")
+    assert state is not None
+    _tokens, blocks = src.request_kv("r") or (0, 0)
+    dst.write_blocks("pc", src.read_blocks("r", 1, blocks - 1))  # block 0 is not sent
+    assert dst.commit_incoming("pc", state)
+    src.free_migrated("r")
+    run(dst, streams)
+    assert streams["r"] == expected
+
+
+def test_refused_engine_args_are_named() -> None:
+    with pytest.raises(ValueError, match="engine_kwargs\\['async_scheduling'\\] = True: with async scheduling"):
+        VllmEngine("x", "unused", engine_kwargs={"async_scheduling": True})
+    with pytest.raises(ValueError, match="tensor_parallel_size'\\] = 2: tensor parallelism needs"):
+        VllmEngine("x", "unused", engine_kwargs={"tensor_parallel_size": 2})
+
+
+def test_version_check_names_the_supported_range() -> None:
+    for ok in ("0.32.0", "0.32.0+cpu", "0.32.3", "0.32.1rc1"):
+        check_vllm_version(ok)
+    for bad in ("0.31.9", "0.33.0", "1.0.0", "dev"):
+        with pytest.raises(
+            UnsupportedVllmError, match=rf"vLLM {bad} is outside .* \(>=0\.32\.0,<0\.33\.0; tested: 0\.32\.0\)"
+        ):
+            check_vllm_version(bad)
     check_vllm_version("0.31.0", allow_untested=True)

@@ -271,5 +271,8 @@ def test_a_failed_instance_is_routed_nothing_from_its_next_report_on(etcd: Any, 
                 fs["i0"].bump()
                 await eventually(lambda: sched.core.failure("i0") == "", what="i0 healthy again")
                 assert (await sched.submit(*_submit("r5", 10))).instance_id == "i0"
+                request, msg = _submit("r6", 10)  # a request resumed after failing on i0 avoids it
+                msg.avoid_instance_ids.append("i0")
+                assert (await sched.submit(request, msg)).instance_id == "i1"
 
     asyncio.run(main())
