@@ -1,5 +1,6 @@
 """Exactly one owner per request whatever fails during a migration's commit (sim backend, in-process llumlets on
-real gRPC; the destination is reached through a loopback TCP proxy that cuts or freezes connections).
+real gRPC; the destination is reached through a loopback TCP proxy, bench.link_proxy, that cuts or freezes
+connections).
 
 After every fault: the request runs in exactly one engine (its running or suspended set), its stream is
 exactly 0, 1, ..., n-1 (no token lost, repeated or conflicting), the MigrateOut outcome names the instance that
@@ -14,8 +15,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import pytest
-from tcp_proxy import TcpProxy
 
+from bench.link_proxy import LinkProxy
 from hilum_proto.v1 import llumlet_pb2 as pb
 from llumlet.backends import BackendConfig
 from llumlet.engine.types import MigrationState, SamplingParams
@@ -38,7 +39,7 @@ class Pair:
     col: TokenCollector
     a: RunningLlumlet  # the source
     b: RunningLlumlet  # the destination, reached through ``proxy``
-    proxy: TcpProxy
+    proxy: LinkProxy
     hooks: _BeforeCommit
 
     async def submit(self, rid: str, max_tokens: int, prompt_tokens: int = 100) -> None:
@@ -96,11 +97,12 @@ def run(body: Callable[[Pair], Awaitable[None]], *, rpc_timeout_s: float = 10.0,
         b = await start_llumlet("b", backend=BackendConfig(instance_id="b", num_blocks=256, time_scale=0.2))
         if slow_commit_s:
             _slow_commit(b, slow_commit_s)
-        proxy = await TcpProxy(b.address).start()
+        proxy = LinkProxy(b.address)
+        await proxy.start()
         try:
             await asyncio.wait_for(body(Pair(col, a, b, proxy, hooks)), 120)
         finally:
-            await proxy.stop()
+            await proxy.close()
             await a.stop()
             await b.stop()
             await col.stop()
@@ -154,7 +156,10 @@ def test_a_network_blip_during_the_commit_leaves_one_owner(trial: int) -> None:
     """Every connection between source and destination is reset 0-7 ms after the Commit is sent."""
 
     async def body(p: Pair) -> None:
-        p.hooks.action = lambda: p.proxy.cut_in(trial / 1000)
+        def blip() -> None:  # every connection reset trial ms after the Commit is sent
+            asyncio.get_running_loop().call_later(trial / 1000, p.proxy.reset_all)
+
+        p.hooks.action = blip
         await p.submit("r", max_tokens=300)
         rep = await p.a.client.migrate_out("r", p.proxy.address, attempt=1, dst_instance_id="b")
         p.hooks.action = None
@@ -177,12 +182,12 @@ def test_a_destination_cut_off_after_the_commit_is_arbitrated_by_the_origin(slow
     ownership announcement and the source's claim wins. Fast adoption: the destination's; slow: the source's."""
 
     async def body(p: Pair) -> None:
-        p.hooks.action = p.proxy.freeze_replies
+        p.hooks.action = lambda: p.proxy.hold(answers_only=True)
         await p.submit("r", max_tokens=1000)  # still running when the source has learned the outcome
         rep = await p.a.client.migrate_out("r", p.proxy.address, attempt=1, dst_instance_id="b")
         assert rep.outcome in (pb.MIGRATION_COMMITTED, pb.MIGRATION_ABORTED), rep.reason
         await p.one_owner("r", rep)
-        p.proxy.thaw()
+        p.proxy.release()
         await p.complete("r", 1000)
         await p.baseline()
 
