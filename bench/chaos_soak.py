@@ -49,13 +49,15 @@ with a pause between them, every kind in each round of a shuffled deck:
 It prints requests served, faults injected by kind, and every violation with the seed and the faults fired in
 the 30 s before it (the schedule is the seed's; the timing of real processes is not, so a rerun with the same
 seed replays the same faults and load but not necessarily the same interleaving). ``--out DIR`` keeps the
-cluster's logs and writes ``report.json``.
+cluster's logs and writes ``report.json``; without it they are kept in a temporary directory only when a
+violation was found.
 
 Usage::
 
     .venv/bin/python bench/chaos_soak.py [--minutes 10] [--seed 1] [--concurrency 14] [--out DIR]
 
-Exit status: 0 no violation; 1 a violation, or the cluster did not start; 2 a bad option.
+Exit status: 0 no violation; 1 a violation, or the cluster did not start, or the run was interrupted; 2 a bad
+option.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -181,7 +184,7 @@ class Fault:
     after_s: float = 0.0  # link faults: seconds from the MigrateOut to the fault (mid-migration)
     delay_s: float = 0.0  # link-delay: added to every chunk the proxy forwards
     cross_domain: bool = False  # link faults: the destination is in another NVLink domain
-    call: str = ""  # link-oneway: the answers are held from the source's first call of this method in the move
+    call: str = ""  # link-oneway, link-drop: the fault hits at the source's first call of this method in the move
 
     def describe(self) -> str:
         """One line: ``#3 link-delay (+40 ms per chunk for 2.1 s, 60 ms into a cross-domain move) at 41.0 s``."""
@@ -194,7 +197,12 @@ class Fault:
         else:
             where = "across domains" if self.cross_domain else "inside its domain"
             move = f"{self.after_s * 1e3:.0f} ms into a move (preferably {where})"
-            if k is FaultKind.LINK_DROP:
+            if k is FaultKind.LINK_DROP and self.call:
+                what = (
+                    f"reset every connection {self.after_s * 1e3:.1f} ms after the source's {self.call} of a move "
+                    f"(preferably {where}), refuse new ones for {self.duration_s:.1f} s"
+                )
+            elif k is FaultKind.LINK_DROP:
                 what = f"reset every connection, refuse new ones for {self.duration_s:.1f} s, {move}"
             elif k is FaultKind.LINK_DELAY:
                 what = f"+{self.delay_s * 1e3:.0f} ms per chunk for {self.duration_s:.1f} s, from the start of a move"
@@ -223,8 +231,9 @@ def make_schedule(
     round injects each kind. Pauses last 0.5-4 s, or 11-14 s (beyond the lease TTL) with probability
     ``long_pause_fraction``; a drop refuses new connections for 0-2 s; a blackhole lasts 0.5-12 s and a one-way
     hold 2-14 s (beyond the llumlets' 10 s RPC deadline at times), from the source's Commit (3 in 5), first
-    Reserve or first pre-copy stage on; a delay adds 5-400 ms per chunk for 1-6 s; a drop or a blackhole
-    hits 0-20 ms into an intra-domain move, 0-120 ms into a cross-domain one. A gap of ``gap_s`` seconds follows
+    Reserve or first pre-copy stage on; a delay adds 5-400 ms per chunk for 1-6 s; half the drops hit 0-8 ms
+    after the source's Commit went out (a blip while the destination commits), the other half and every
+    blackhole 0-20 ms into an intra-domain move, 0-120 ms into a cross-domain one. A gap of ``gap_s`` seconds follows
     each fault. Every fault ends before ``chaos_s``.
     """
     rng = random.Random(seed)
@@ -249,6 +258,8 @@ def make_schedule(
             delay, duration = rng.uniform(0.005, 0.4), rng.uniform(1.0, 6.0)
         elif kind is FaultKind.LINK_ONEWAY:
             call, duration = rng.choice(ONEWAY_CALLS), rng.uniform(2.0, 14.0)
+        elif kind is FaultKind.LINK_DROP and rng.random() < 0.5:  # a blip 0-8 ms after the Commit went out
+            call, after, duration = "Commit", rng.uniform(0.0, 0.008), rng.uniform(0.0, 2.0)
         else:  # into the move: an intra-domain one (shared memory) takes milliseconds, a cross-domain one ~0.2 s
             after = rng.uniform(0.0, 0.12 if cross else 0.02)
             duration = rng.uniform(0.0, 2.0) if kind is FaultKind.LINK_DROP else rng.uniform(0.5, 12.0)
@@ -414,6 +425,7 @@ class Cluster:
         cmd = [sys.executable, "-m", "hilum_cli.main", "up", "--engine", "sim", "--topology", str(topology)]
         cmd += ["--coordinators", "2", "--gateways", "2", "--max-restarts", "1000", "--seed", str(self.seed)]
         cmd += ["--port", "0", "--etcd-port", "0", "--grpc-base-port", "0", "--run-dir", str(self.run_dir)]
+        cmd += ["--start-timeout", str(timeout_s)]  # hilum up gives up by itself: the readline below returns
         env = {k: v for k, v in os.environ.items() if k != "HILUM_CONFIG"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         with self.log.open("w") as log:
@@ -497,7 +509,9 @@ def _alive(pid: int) -> bool:
 class Violation:
     """A broken invariant: what, when (seconds after the load began), and the faults fired before it."""
 
-    kind: str  # stream | hang | two-engines | two-owners | orphan | leak | view | migration | process-left
+    # stream | hang | two-engines | two-owners | orphan | leak | view | migration | process-left; and cluster,
+    # interrupted, soak: the run itself did not go through (no cluster, Ctrl-C, an error of the soak)
+    kind: str
     at_s: float
     detail: str
     recent_faults: tuple[str, ...] = ()
@@ -1001,6 +1015,14 @@ class Injector:
                 return
         self.report.violate("two-owners", f"{problem}, {OWNER_RECHECK_S:g} s after the move answered: {what}")
 
+    @staticmethod
+    async def _called(proxy: LinkProxy, move: asyncio.Task[Any]) -> bool:
+        """Wait until the proxy's armed call came (True) or the move ended without it (False)."""
+        called = asyncio.create_task(proxy.called.wait())
+        await asyncio.wait([move, called], return_when=asyncio.FIRST_COMPLETED)
+        called.cancel()
+        return proxy.called.is_set()
+
     async def _link_fault(self, fault: Fault) -> str:
         deadline = time.monotonic() + 5.0
         while (move := await self._pick_move(fault.cross_domain)) is None:
@@ -1017,15 +1039,25 @@ class Injector:
         before = proxy.resets
         mid = True
         if fault.kind is FaultKind.LINK_ONEWAY:
-            proxy.hold_answers_from(fault.call)
-            held = asyncio.create_task(proxy.held.wait())
-            await asyncio.wait([call, held], return_when=asyncio.FIRST_COMPLETED)  # the call came, or the move ended
-            held.cancel()
-            mid = proxy.held.is_set()
-            if mid:
+            proxy.when_called(fault.call, lambda: proxy.hold(answers_only=True))
+            if mid := await self._called(proxy, call):
                 await asyncio.sleep(fault.duration_s)
                 proxy.reset_all()
             proxy.release()
+        elif fault.kind is FaultKind.LINK_DROP and fault.call:
+            hit: list[bool] = []
+
+            def drop() -> None:
+                hit.append(not call.done())
+                proxy.reset_all()
+                proxy.refuse = True
+
+            proxy.when_called(fault.call, lambda: asyncio.get_running_loop().call_later(fault.after_s, drop))
+            if await self._called(proxy, call):
+                await asyncio.sleep(fault.after_s + fault.duration_s)
+            proxy.refuse = False
+            proxy.release()
+            mid = hit == [True]
         elif fault.kind is FaultKind.LINK_DELAY:
             proxy.delay_s = fault.delay_s
             await asyncio.sleep(fault.duration_s)
@@ -1170,26 +1202,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_term)
-    status = 1
     try:
         info = cluster.start(ns.start_timeout_s)
         asyncio.run(soak(ns, cluster, info, report))
-        status = 0 if not report.violations else 1
     except ClusterFailed as exc:
-        print(f"chaos soak: error: {exc}", file=sys.stderr)
-        return 1
+        report.violate("cluster", str(exc))
     except KeyboardInterrupt:
-        print("chaos soak: interrupted; stopping the cluster", file=sys.stderr)
+        report.violate("interrupted", "the soak was interrupted (SIGINT or SIGTERM) before its end checks")
+    except Exception as exc:  # a failure of the soak itself still stops the cluster and reports
+        report.violate("soak", f"the soak failed: {type(exc).__name__}: {exc}")
     finally:
         left = cluster.stop()
         signal.signal(signal.SIGTERM, previous)
-        if left:
-            report.violate("process-left", f"processes still alive after the cluster stopped: {left}")
-            status = 1
-        print(report.render())
-        if ns.out:
-            (work / "report.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
-    return status
+    if left:
+        report.violate("process-left", f"processes still alive after the cluster stopped: {left}")
+    print(report.render())
+    if ns.out:
+        (work / "report.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    elif report.violations:
+        print(f"chaos soak: kept {work} (the cluster's logs)", file=sys.stderr)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if report.violations else 0
 
 
 if __name__ == "__main__":

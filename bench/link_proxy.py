@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import socket
 import struct
+from collections.abc import Callable
 
 import hpack
 
@@ -37,9 +38,9 @@ class LinkProxy:
     - :attr:`delay_s`: each chunk waits this long before it is forwarded, in order, both ways;
     - :meth:`hold` / :meth:`release`: nothing is forwarded meanwhile, or (``answers_only``) nothing the
       server answers: a silent partition, both ways or one way; no connection closes;
-    - :meth:`hold_answers_from`: the server's answers are held from the client's next call of a method on:
-      the server receives that call and acts on it, its answer never arrives. Calls are read from the
-      client's HTTP/2 stream (:class:`H2Calls`).
+    - :meth:`when_called`: an action (one of the above) the moment the client's next call of a method has
+      been forwarded, so that, say, the server receives a Commit and acts on it but its answer never
+      arrives (``hold(answers_only=True)``). Calls are read from the client's HTTP/2 stream (:class:`H2Calls`).
     """
 
     def __init__(self, upstream: str) -> None:
@@ -57,8 +58,8 @@ class LinkProxy:
         self._to_dst.set()
         self._to_src.set()
         self._handlers: set[asyncio.Task[None]] = set()
-        self._hold_at: str | None = None  # armed: hold the answers from the next call of this method on
-        self.held = asyncio.Event()  # the armed hold fired
+        self._armed: tuple[str, Callable[[], object]] | None = None  # (method, action): see when_called
+        self.called = asyncio.Event()  # the armed call came
         self._conns: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
         self._server: asyncio.Server | None = None
         self.port = 0
@@ -104,22 +105,24 @@ class LinkProxy:
             self._to_dst.clear()
 
     def release(self) -> None:
-        """Forward again (and disarm :meth:`hold_answers_from`)."""
-        self._hold_at = None
+        """Forward again (and disarm :meth:`when_called`)."""
+        self._armed = None
         self._to_dst.set()
         self._to_src.set()
 
-    def hold_answers_from(self, method: str) -> None:
-        """Hold every answer once the client's next call of ``method`` (``Commit``; on any connection) has been
-        forwarded; :attr:`held` is set when it happens; :meth:`release` ends it."""
-        self.held.clear()
-        self._hold_at = method
+    def when_called(self, method: str, action: Callable[[], object]) -> None:
+        """Run ``action`` once, synchronously, right after the client's next call of ``method`` (``Commit``; on
+        any connection) has been forwarded, before anything else is; :attr:`called` is set then.
+        :meth:`release` disarms it."""
+        self.called.clear()
+        self._armed = (method, action)
 
     def _calls(self, paths: list[str]) -> None:
-        if self._hold_at is not None and any(p.rsplit("/", 1)[-1] == self._hold_at for p in paths):
-            self._hold_at = None
-            self._to_src.clear()
-            self.held.set()
+        if self._armed is not None and any(p.rsplit("/", 1)[-1] == self._armed[0] for p in paths):
+            action = self._armed[1]
+            self._armed = None
+            action()
+            self.called.set()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()

@@ -58,10 +58,14 @@ def test_fault_parameters_stay_in_their_ranges() -> None:
             assert 0.5 <= f.duration_s <= 4.0 or 11.0 <= f.duration_s <= 14.0
         if f.kind is FaultKind.LINK_ONEWAY:
             assert f.call in ONEWAY_CALLS and 2.0 <= f.duration_s <= 14.0
-        if f.kind in (FaultKind.LINK_DROP, FaultKind.LINK_BLACKHOLE):
-            assert 0 <= f.after_s <= (0.12 if f.cross_domain else 0.02)
+        if f.kind is FaultKind.LINK_DROP and f.call:
+            assert f.call == "Commit" and 0 <= f.after_s <= 0.008 and f.duration_s <= 2.0
+        elif f.kind in (FaultKind.LINK_DROP, FaultKind.LINK_BLACKHOLE):
+            assert 0 <= f.after_s <= (0.12 if f.cross_domain else 0.02) and f.call == ""
         if f.kind is FaultKind.LINK_DELAY:
             assert 0.005 <= f.delay_s <= 0.4 and 1.0 <= f.duration_s <= 6.0
+    drops = [f for f in faults if f.kind is FaultKind.LINK_DROP]
+    assert 0.3 < sum(bool(f.call) for f in drops) / len(drops) < 0.7  # half of them at a Commit
     long = [f for f in faults if f.kind in PAUSES and f.duration_s > 10]
     assert 0.1 < len(long) / sum(f.kind in PAUSES for f in faults) < 0.3  # --long-pause-fraction 0.2
     assert all(f.duration_s <= 4.0 for f in _schedule(3, long_pause_fraction=0.0) if f.kind in PAUSES)

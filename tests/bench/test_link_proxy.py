@@ -115,12 +115,12 @@ def test_a_one_way_hold_lets_the_call_through_and_loses_its_answer() -> None:
         async with grpc.aio.insecure_channel(proxy.address) as channel:
             reserve = channel.unary_unary("/hilum.v1.Llumlet/Reserve")
             commit = channel.unary_unary("/hilum.v1.Llumlet/Commit")
-            proxy.hold_answers_from("Commit")
-            assert await reserve(b"r", timeout=10) == b"ok:r" and not proxy.held.is_set()
+            proxy.when_called("Commit", lambda: proxy.hold(answers_only=True))
+            assert await reserve(b"r", timeout=10) == b"ok:r" and not proxy.called.is_set()
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await commit(b"c", timeout=1.5)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert proxy.held.is_set() and ran == ["Reserve", "Commit"]  # the destination did commit
+            assert proxy.called.is_set() and ran == ["Reserve", "Commit"]  # the destination did commit
             proxy.reset_all()
             proxy.release()
         async with grpc.aio.insecure_channel(proxy.address) as channel:  # a new connection: answers flow again
