@@ -242,7 +242,13 @@ class MigrationDestination:
     async def _commit(self, cur: _Reservation, call: CommitCall) -> DestReply:
         rid, attempt, d = call.request_id, call.attempt, self._d
         try:
-            reply = await self._adopt(cur, call)
+            try:
+                reply = await self._adopt(cur, call)
+            except Exception as exc:  # a bug or an engine fault: the attempt fails, nothing of it stays here
+                _log.exception("%s: commit of %s failed", d.instance_id, reservation_id(rid, attempt))
+                if rid in d.owned:
+                    await d.drop(rid, push=None)
+                reply = DestReply(DestStatus.FAILED, f"{d.instance_id}: internal error: {type(exc).__name__}: {exc}")
             if reply.status is not DestStatus.OK and self.reservations.get(rid) is cur:
                 await self._release_local(cur, f"commit failed: {reply.reason}")
             return self._end(rid, attempt, reply)

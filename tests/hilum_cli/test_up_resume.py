@@ -1,8 +1,13 @@
-"""Resume on failure, end to end (issue 11): ``hilum up --engine sim`` as a real process; the llumlets holding
-streamed requests are killed (SIGKILL) mid-stream. Every greedy stream continues on another instance with no
-token repeated or missing (the sim engine's token ids are positions: each stream must be exactly 0 .. n-1), a
-seeded sampled one ends with an error event that says why it was not replayed, the gateway's ``/metrics``
-counts both, and the cluster returns to idle."""
+"""Resume on failure, end to end (issue 11): ``hilum up --engine sim`` as a real process, keepalive at 1 s + 1 s.
+
+- The llumlets holding streamed requests are killed (SIGKILL) mid-stream: every greedy stream continues on
+  another instance with no token repeated or missing (the sim engine's token ids are positions: each stream
+  must be exactly 0 .. n-1), a seeded sampled one ends with an error event that says why it was not replayed,
+  the gateway's ``/metrics`` counts both, and the survivors return to idle.
+- A llumlet is frozen (SIGSTOP: alive, connections open, answering nothing): keepalive notices within its
+  bound, its stream continues elsewhere; thawed, the llumlet drops its stale copy (the gateway answers its
+  pushes ``unknown``) and returns to idle.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ N_TOKENS = 400
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    cluster = start_up(tmp_path_factory.mktemp("up-resume"), "sim")
+    keepalive = {"HILUM_GRPC_KEEPALIVE_S": "1", "HILUM_GRPC_KEEPALIVE_TIMEOUT_S": "1"}  # bound: 2 s
+    cluster = start_up(tmp_path_factory.mktemp("up-resume"), "sim", env=keepalive)
     try:
         yield cluster
     finally:
@@ -91,5 +97,47 @@ def test_streams_of_killed_instances_continue_elsewhere(up: UpProcess) -> None:
                 break
             await asyncio.sleep(0.1)
         assert all(v == (0, 0, 0, 0) for v in load.values()), load
+
+    asyncio.run(main())
+
+
+def test_a_frozen_instance_is_noticed_by_keepalive_and_its_stream_continues(up: UpProcess) -> None:
+    async def main() -> None:
+        body = {"model": MODEL, "prompt": "frozen", "max_tokens": N_TOKENS, "stream": True, "return_token_ids": True,
+                "temperature": 0}  # fmt: skip
+        events: list[Any] = []
+        async with aiohttp.ClientSession() as session:
+            task = asyncio.create_task(_stream(session, up.url, body, events))
+            deadline = time.monotonic() + 60
+            while not any(c.get("choices") and c["choices"][0].get("token_ids") for c in events):
+                assert time.monotonic() < deadline, "the stream did not start"
+                await asyncio.sleep(0.02)
+            victim = events[0]["hilum"]["instance_id"]
+            pid = up.read_info()["processes"][f"llumlet-{victim}"]["pid"]
+            os.kill(pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            try:
+                n0 = len(events)
+                while len(events) == n0:  # no token until keepalive gives up and the request is replayed
+                    assert time.monotonic() - t0 < 30, "the frozen instance was never noticed"
+                    await asyncio.sleep(0.01)
+                resumed_after_s = time.monotonic() - t0
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            await asyncio.wait_for(task, 120)
+        ids = [t for c in events if c.get("choices") for t in c["choices"][0].get("token_ids", [])]
+        assert ids == list(range(N_TOKENS))
+        final = events[-1]["hilum"]
+        assert final["resumes"] == 1 and final["instance_id"] != victim
+        # noticed within the keepalive bound (2 s), then re-dispatched: a loaded CI machine gets some slack
+        assert resumed_after_s < 2 + 8, resumed_after_s
+        address = up.read_info()["llumlets"][victim]
+        deadline = time.monotonic() + 30
+        while True:  # thawed, the stale copy is dropped at its first push: the instance returns to idle
+            load = await cluster_load({"llumlets": {victim: address}, "domain_schedulers": {}})
+            if load[victim] == (0, 0, 0, 0) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        assert load[victim] == (0, 0, 0, 0), load
 
     asyncio.run(main())
