@@ -160,9 +160,10 @@ def test_answers_that_are_not_streams() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_short_soak_of_a_live_cluster_breaks_no_invariant(tmp_path: Path) -> None:
-    """75 s of load and faults with seed 19: every kind of fault, among them a 12.5 s one-way hold of the
-    answer to a Commit (the destination commits, the source does not hear within its deadline)."""
-    seed, minutes = 19, 1.25
+    """60 s of load and faults with seed 8: every kind of fault, among them a 10.4 s hold of a Commit's answer
+    (beyond the source's 10 s deadline), a reset 6.5 ms after a Commit went out, and etcd paused for 11.7 s
+    (beyond the 10 s lease TTL)."""
+    seed, minutes = 8, 1.0
     kinds = {f.kind for f in _schedule(seed, minutes * 60)}
     assert kinds == set(FaultKind)
     cmd = [sys.executable, str(REPO / "bench" / "chaos_soak.py"), "--minutes", str(minutes), "--seed", str(seed)]
@@ -171,8 +172,8 @@ def test_a_short_soak_of_a_live_cluster_breaks_no_invariant(tmp_path: Path) -> N
     report = json.loads((tmp_path / "report.json").read_text())
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert "violations: 0" in proc.stdout and report["violations"] == []
-    assert report["outcomes"]["complete"] >= 100
+    assert report["outcomes"]["complete"] >= 80
     assert sum(report["faults"].values()) >= 6 and report["faults"]["client-disconnect"] >= 3
-    assert report["samples"] >= 60 and report["view_checks"] >= 20
+    assert report["samples"] >= 50 and report["view_checks"] >= 15
     injected = {k for k, n in report["faults"].items() if n}
     assert {"llumlet-kill", "scheduler-pause", "leader-pause", "etcd-pause"} <= injected
