@@ -43,7 +43,7 @@ from gateway.tokenizer import Tokenizer, load_tokenizers
 from topology.load import TopologyError, load_topology
 from topology.spec import Topology
 
-__all__ = ["build_parser", "check_reuse_port", "main", "split_host_port", "tokenizer_overrides"]
+__all__ = ["build_parser", "main", "split_host_port", "tokenizer_overrides"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +106,7 @@ def tokenizer_overrides(items: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def check_reuse_port() -> None:
+def _check_reuse_port() -> None:
     """Raise ValueError naming ``--reuse-port`` when the platform lacks ``SO_REUSEPORT``."""
     if not hasattr(socket, "SO_REUSEPORT"):
         raise ValueError(
@@ -134,7 +134,7 @@ async def _serve(ns: argparse.Namespace, topology: Topology, tokenizers: Mapping
     if ns.also_listen:
         split_host_port(ns.also_listen, "--also-listen")
     if ns.reuse_port:
-        check_reuse_port()
+        _check_reuse_port()
     sink_listen = ns.sink_listen or f"{host}:0"
     split_host_port(sink_listen, "--sink-listen")
     metrics = GatewayMetrics()

@@ -36,8 +36,9 @@ While the cluster runs, ``hilum up`` supervises it (:mod:`hilum_cli.supervisor`)
 is restarted on the same ports, as systemd's ``Restart=on-failure`` would, with a growing delay and at most
 ``--max-restarts`` restarts within 60 s; each restart is logged on stderr and counted in ``cluster.json``.
 A process that stops cleanly (status 0, SIGTERM) or on a configuration error (status 2) stays down, which is
-how a fault drill stops one replica on purpose. Requests that ran on a crashed llumlet are lost (resuming
-them elsewhere is future work): their streams end with an error event, not a hang. After too many crashes
+how a fault drill stops one replica on purpose. Requests that ran on a crashed llumlet are resumed on
+another instance by token replay (docs/gateway.md, "Resume on failure"), or end with an error event when they
+cannot be; never a hang. After too many crashes
 ``hilum up`` stops the cluster and exits 1.
 
 Ctrl-C, SIGTERM or SIGHUP (SIGINT even when the shell started it with SIGINT ignored, as a script's
