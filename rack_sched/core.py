@@ -8,7 +8,8 @@ One :class:`DomainCore` per NVLink domain, fed its instances' load reports. It d
   whose load stream broke is deprioritised (it takes requests only when no instance of the model has a
   live stream: then requests are spread evenly over the instances still answering, counted in
   ``fallback_dispatches``); one that did not answer a Submit takes nothing until it answers again (a
-  heartbeat) or reports;
+  heartbeat) or reports; one whose engine failed (its report or Ping says so) takes nothing, is in no
+  migration and in no summary, until a report says it is healthy again (a restarted llumlet);
 - **rescheduling inside the domain**: ``policy.plan_migrations`` per model over the instances not busy with a
   migration. An instance is busy from the moment a move touching it is planned until the move finished *and*
   the instance sent a newer report, or ``settle_s`` passed (so a stale report cannot plan a second move from
@@ -129,11 +130,12 @@ class _Member:
     reports: int = 0  # reports received
     stream_up: bool = False  # its load stream delivers reports
     answers: bool = True  # the last Submit or heartbeat got an answer
+    failure: str = ""  # why its engine failed ("" = healthy)
 
     @property
     def reachable(self) -> bool:
-        """Fresh: reports flowing and answering calls (dispatch by load, migrations)."""
-        return self.stream_up and self.answers
+        """Fresh: reports flowing, answering calls and healthy (dispatch by load, migrations)."""
+        return self.stream_up and self.answers and not self.failure
 
 
 class DomainCore:
@@ -211,7 +213,21 @@ class DomainCore:
         member.load = load
         member.reports += 1
         member.stream_up = member.answers = True
+        member.failure = ""
         self._refresh(member)
+
+    def engine_failed(self, instance_id: str, reason: str) -> None:
+        """The instance's engine failed (its report, Ping or a Submit said so): it takes no request, is in no
+        migration and in no summary until a healthy report (see the module docstring). Unknown ids are ignored."""
+        member = self._members.get(instance_id)
+        if member is not None:
+            member.failure = reason or "engine failed"
+            self._view(member.model).remove(instance_id)
+
+    def failure(self, instance_id: str) -> str:
+        """Why the instance's engine failed, "" while healthy (or unknown)."""
+        member = self._members.get(instance_id)
+        return member.failure if member is not None else ""
 
     def stream_lost(self, instance_id: str) -> None:
         """The instance's load stream broke: deprioritised (see the module docstring) and in no migration,
@@ -269,10 +285,10 @@ class DomainCore:
         return member.load if member.load.draining == draining else replace(member.load, draining=draining)
 
     def loads(self, model: str | None = None) -> list[InstanceLoad]:
-        """Every reported instance's load (of ``model``, or all), drains applied, sorted by instance id."""
+        """Every reported, healthy instance's load (of ``model``, or all), drains applied, sorted by id."""
         out = []
         for iid, member in sorted(self._members.items()):
-            if model is None or member.model == model:
+            if not member.failure and (model is None or member.model == model):
                 load = self.load(iid)
                 if load is not None:
                     out.append(load)
@@ -341,11 +357,18 @@ class DomainCore:
             for _, m in sorted(self._members.items())
             if m.model == model
             and m.answers
+            and not m.failure
             and m.instance_id not in excluded
             and m.instance_id not in self._drained
             and (m.load.capacity_blocks if m.load is not None else m.capacity_blocks) >= need
         ]
         if not pool:
+            members = [m for m in self._members.values() if m.model == model]
+            if all(m.failure for m in members):
+                failures = "; ".join(
+                    f"{m.instance_id}: {m.failure}" for m in sorted(members, key=lambda m: m.instance_id)
+                )
+                return DispatchDecision(None, f"every instance of {model} here failed ({failures})")
             return DispatchDecision(None, f"no instance of {model} has a fresh load report or answers")
         self._spread = (self._spread + 1) % len(pool)
         self.fallback_dispatches += 1
