@@ -136,7 +136,9 @@ def candidate_destinations(
     domain's summary for the request's model; not draining (as their domain scheduler reports, or as
     ``drained(instance_id, domain_id)`` says from the drain intents); whose capacity can hold what the
     request may grow to (``move.max_blocks``) and whose real free blocks hold it now (``move.blocks``);
-    registered (when ``registered`` is given). Ordered by the instance's freeness, highest first, instances
+    registered (when ``registered`` is given); with a batch slot for the request beside the head of its own
+    queue when it reports its slot limit (``InstanceBrief.takes_one_more``: a request moved into a full batch
+    would not run). Ordered by the instance's freeness, highest first, instances
     of the domain the proposer was paired with first among equals, then by id. A named ``dst_instance_id``
     is the only candidate, if it passes the same rules.
     """
@@ -153,7 +155,7 @@ def candidate_destinations(
                 continue
             if registered is not None and b.instance_id not in registered:
                 continue
-            if b.capacity_blocks < move.max_blocks or b.free_blocks < move.blocks:
+            if b.capacity_blocks < move.max_blocks or b.free_blocks < move.blocks or not b.takes_one_more:
                 continue
             out.append((-b.freeness, summary.domain_id != move.dst_domain_id, b.instance_id))
     return [iid for _, _, iid in sorted(out)]

@@ -76,6 +76,7 @@ def brief(b: InstanceBrief) -> pb.InstanceBrief:
         num_waiting=b.num_waiting,
         draining=b.draining,
         decode_step_s=b.decode_step_s,
+        max_num_seqs=b.max_num_seqs,
     )
 
 
@@ -90,6 +91,7 @@ def brief_from_pb(msg: pb.InstanceBrief) -> InstanceBrief:
         num_waiting=msg.num_waiting,
         draining=msg.draining,
         decode_step_s=msg.decode_step_s,
+        max_num_seqs=msg.max_num_seqs,
     )
 
 

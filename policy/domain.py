@@ -33,10 +33,11 @@ class InstanceBrief:
     num_waiting: int  # requests queued on it
     draining: bool  # its domain scheduler applies a drain intent to it
     decode_step_s: float = 0.0  # its most recent step time, seconds (0 = not measured)
+    max_num_seqs: int = 0  # its batch slots (InstanceLoad.max_num_seqs; 0 = not known)
 
     def __post_init__(self) -> None:
         where = f"InstanceBrief({self.instance_id!r})"
-        for name in ("capacity_blocks", "num_running", "num_waiting"):
+        for name in ("capacity_blocks", "num_running", "num_waiting", "max_num_seqs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{where}: {name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.free_blocks <= self.capacity_blocks:
@@ -48,6 +49,12 @@ class InstanceBrief:
     def used_blocks(self) -> int:
         """Blocks held now (M − free)."""
         return self.capacity_blocks - self.free_blocks
+
+    @property
+    def takes_one_more(self) -> bool:
+        """A slot for one more running request beside the head of its own queue (``InstanceLoad.takes_one_more``,
+        the same rule): always True when its slot limit is not known."""
+        return self.max_num_seqs == 0 or self.num_running + 1 + (self.num_waiting > 0) <= self.max_num_seqs
 
     @property
     def freeness(self) -> float:
@@ -62,10 +69,11 @@ class InstanceBrief:
             capacity_blocks=load.capacity_blocks,
             free_blocks=load.free_blocks,
             virtual_usage=instance_virtual_usage(load, cfg),
-            num_running=len(load.running),
+            num_running=load.num_running,
             num_waiting=load.num_waiting,
             draining=load.draining,
             decode_step_s=load.decode_step_s,
+            max_num_seqs=load.max_num_seqs,
         )
 
 
@@ -134,7 +142,7 @@ def summarize_domain(
             )
     active = [load for load in loads if not load.draining]
     draining = bool(loads) and not active
-    num_running = sum(len(load.running) for load in loads)
+    num_running = sum(load.num_running for load in loads)
     capacity = sum(load.capacity_blocks for load in active)
     briefs = sorted((InstanceBrief.of(load, cfg) for load in loads), key=lambda b: b.instance_id)
     if draining:

@@ -145,6 +145,7 @@ class InstanceBrief(_message.Message):
     NUM_WAITING_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
     DECODE_STEP_S_FIELD_NUMBER: _builtins.int
+    MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     capacity_blocks: _builtins.int
     """KV cache capacity, blocks"""
@@ -158,6 +159,8 @@ class InstanceBrief(_message.Message):
     """its domain scheduler applies a drain to it (nothing new goes there)"""
     decode_step_s: _builtins.float
     """its most recent step time, seconds (0 = not measured)"""
+    max_num_seqs: _builtins.int
+    """its batch slots: requests per engine step at most (0 = not known)"""
     def __init__(
         self,
         *,
@@ -169,10 +172,11 @@ class InstanceBrief(_message.Message):
         num_waiting: _builtins.int = ...,
         draining: _builtins.bool = ...,
         decode_step_s: _builtins.float = ...,
+        max_num_seqs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "decode_step_s", b"decode_step_s", "draining", b"draining", "free_blocks", b"free_blocks", "instance_id", b"instance_id", "num_running", b"num_running", "num_waiting", b"num_waiting", "virtual_usage", b"virtual_usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "decode_step_s", b"decode_step_s", "draining", b"draining", "free_blocks", b"free_blocks", "instance_id", b"instance_id", "max_num_seqs", b"max_num_seqs", "num_running", b"num_running", "num_waiting", b"num_waiting", "virtual_usage", b"virtual_usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

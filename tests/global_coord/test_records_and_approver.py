@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -133,6 +134,19 @@ def test_a_full_instance_is_never_chosen_next_to_an_empty_one() -> None:
     # instance next to an empty one; the Reserve failed, the request cooled down, and the same pick repeated.
     summaries = [_summary("B", _brief("b0", 0, running=8), _brief("b1", 1000, running=0))]
     assert candidate_destinations(_move(), "A", summaries) == ["b1"]
+
+
+def test_an_instance_without_a_batch_slot_for_one_more_is_no_candidate() -> None:
+    # b0 is the freest (F 900) but runs 2 of 2 slots; b1 (F 450) has a slot. Before the engines reported
+    # their slots (max_num_seqs 0), b0 was chosen and the request would have waited there without a slot
+    full = replace(_brief("b0", 900, running=2), max_num_seqs=2)
+    roomy = replace(_brief("b1", 900, running=2), free_blocks=450, virtual_usage=550.0, max_num_seqs=4)
+    assert not full.takes_one_more and roomy.takes_one_more
+    assert candidate_destinations(_move(), "A", [_summary("B", full, roomy)]) == ["b1"]
+    unknown = replace(full, max_num_seqs=0)
+    assert candidate_destinations(_move(), "A", [_summary("B", unknown, roomy)]) == ["b0", "b1"]
+    queued = replace(roomy, num_running=3, num_waiting=1)  # 3 + 1 + its own queue's head > 4
+    assert candidate_destinations(_move(), "A", [_summary("B", queued)]) == []
 
 
 def test_the_paired_domain_wins_among_equals() -> None:
