@@ -14,6 +14,8 @@ section         dataclass                                           used by
 ``domain``      ``rack_sched.core.DomainConfig`` (its own keys)     domain schedulers: settle, cool-down
 ``cost``        ``topology.cost.CostConfig``                        coordinator, llumlets (pre-copy rule, cap)
 ``approval``    ``global_coord.approval.ApprovalConfig``            coordinator: cross-domain approvals
+``measured_``   ``topology.bandwidth.MeasuredBandwidthConfig``      coordinator, ``hilum sim``: pricing moves
+``bandwidth``                                                       with the rates moves were measured at
 ``intervals``   :class:`Intervals`                                  domain schedulers, gateways, ``hilum sim``
 ==============  =================================================  ==========================================
 
@@ -40,6 +42,7 @@ from global_coord.approval import ApprovalConfig
 from policy.remaining import RemainingConfig
 from policy.types import PolicyConfig
 from rack_sched.core import DomainConfig
+from topology.bandwidth import MeasuredBandwidthConfig
 from topology.cost import CostConfig
 
 __all__ = ["CONFIG_ENV", "ConfigError", "HilumConfig", "Intervals", "add_argument", "load_config", "parse_config"]
@@ -81,6 +84,7 @@ class HilumConfig:
     cost: CostConfig = field(default_factory=CostConfig)
     approval: ApprovalConfig = field(default_factory=ApprovalConfig)
     intervals: Intervals = field(default_factory=Intervals)
+    measured_bandwidth: MeasuredBandwidthConfig = field(default_factory=MeasuredBandwidthConfig)
     source: str = "<defaults>"  # where it was read from
 
 
@@ -93,6 +97,7 @@ _SECTIONS: dict[str, tuple[type[Any], tuple[str, ...] | None]] = {
     "cost": (CostConfig, None),
     "approval": (ApprovalConfig, None),
     "intervals": (Intervals, None),
+    "measured_bandwidth": (MeasuredBandwidthConfig, None),
 }
 
 
@@ -150,7 +155,16 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
         domain = DomainConfig(policy=policy, remaining=remaining, **built["domain"])
     except ValueError as exc:
         raise ConfigError([f"{source}: domain: {exc}"]) from None
-    return HilumConfig(policy, remaining, domain, built["cost"], built["approval"], built["intervals"], source)
+    return HilumConfig(
+        policy,
+        remaining,
+        domain,
+        built["cost"],
+        built["approval"],
+        built["intervals"],
+        built["measured_bandwidth"],
+        source,
+    )
 
 
 def load_config(path: str | Path | None = None) -> HilumConfig:

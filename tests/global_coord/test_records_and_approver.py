@@ -152,7 +152,7 @@ def test_choose_takes_first_approved_and_reports_last_rejection() -> None:
     paths = {"b0": ("l1",), "c0": ("l2",)}
     seen: list[tuple[str, int]] = []
 
-    def judge(move: MoveProposal, dst: str, path: _PathInfo, busiest: int) -> Judgement:
+    def judge(move: MoveProposal, dst: str, path: _PathInfo, busiest: int, measured: float | None = None) -> Judgement:
         seen.append((dst, busiest))
         if busiest >= 1:
             return Judgement(False, "link budget full")
