@@ -91,6 +91,7 @@ import yaml
 import hilum_config
 from hilum_cli.supervisor import ChildSpec, RestartPolicy, StartFailed, Supervisor
 from hilum_proto.tls import WILDCARD_HOSTS
+from llumlet.backends.base import parse_engine_options
 from topology.load import TopologyError, bundled_path, load_topology, parse_topology, tokenizer_errors
 from topology.spec import Topology
 
@@ -357,7 +358,10 @@ def _check(cfg: UpConfig) -> _Checked:
     if not topology.instances:
         raise UpError(f"topology {topology.source} has no instances")
     _check_tokenizers(cfg, topology)
-    options = _engine_options(cfg.engine_options)
+    try:
+        options = parse_engine_options(cfg.engine_options)
+    except ValueError as exc:
+        raise UpError(str(exc)) from None
     tokenizer = cfg.tokenizer
     if cfg.engine == "vllm":
         tokenizer = _vllm_tokenizer(cfg, topology, options)
@@ -377,17 +381,6 @@ def _check(cfg: UpConfig) -> _Checked:
         coordinators=cfg.coordinators,
     )
     return _Checked(topology, text, plan, binary, config_text, tokenizer)
-
-
-def _engine_options(raw: tuple[str, ...]) -> dict[str, str]:
-    """``--engine-option KEY=VALUE`` values as a mapping. Raises UpError on one without ``=``."""
-    out = {}
-    for item in raw:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UpError(f"--engine-option {item!r}: need KEY=VALUE")
-        out[key] = value
-    return out
 
 
 def _vllm_tokenizer(cfg: UpConfig, topology: Topology, options: dict[str, str]) -> str:

@@ -7,9 +7,10 @@ model name vLLM can load), ``kv_cache_memory_bytes`` (or ``BackendConfig.num_blo
 (default ``auto``), ``max_model_len`` (default: the topology model's ``max_context_tokens``, else 4096),
 ``enforce_eager`` and ``enable_prefix_caching`` (``true`` / ``false``; default: vLLM's, i.e. CUDA graphs
 and prefix caching on), ``allow_untested_vllm`` (``true`` to run on a vLLM outside the supported range).
-``BackendConfig.block_size_tokens`` (default: the topology model's, else 16) must suit the attention backend
-(the CPU build needs a multiple of 32). Engines that exchange KV must load the same model with the same dtype
-and block size (docs/vllm.md).
+``BackendConfig.tokenizer_path()`` (``--tokenizer``, else the topology model's ``tokenizer``) is the tokenizer
+vLLM loads (default: the checkpoint's). ``BackendConfig.block_size_tokens`` (default: the topology model's,
+else 16) must suit the attention backend (the CPU build needs a multiple of 32). Engines that exchange KV must
+load the same model with the same dtype and block size (docs/vllm.md).
 
 Sampling features: all of them (``SamplingFeature``): ``VllmEngine`` maps every field of hilum's
 ``SamplingParams`` onto vLLM's, guided decoding through vLLM's structured-output backend (xgrammar; the CPU
@@ -90,6 +91,9 @@ def make_vllm_backend(config: BackendConfig) -> Backend:
     }
     if "gpu_memory_utilization" in opts:
         engine_kwargs["gpu_memory_utilization"] = _parse(opts, "gpu_memory_utilization", float, "a fraction")
+    tokenizer = config.tokenizer_path()  # --tokenizer, else the topology model's; None: the checkpoint's own
+    if tokenizer is not None:
+        engine_kwargs["tokenizer"] = tokenizer
     kwargs["engine_kwargs"] = engine_kwargs
     if "kv_cache_memory_bytes" in opts:
         if config.num_blocks is not None:

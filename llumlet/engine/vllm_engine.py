@@ -176,7 +176,7 @@ def vllm_sampling_params(
     = all tokens in both; ``logprobs`` k = the sampled token's log probability and the k most probable;
     ``guided`` becomes ``structured_outputs``. Outputs come as deltas (``RequestOutputKind.DELTA``), without
     text (``detokenize=False``: stop strings are the gateway's). ``kv_transfer_params`` go to the KV
-    connector (``extra_args``). Raises ValueError (vLLM's) on a setting vLLM refuses.
+    connector (``extra_args``). Raises vLLM's ``VLLMValidationError`` (or ValueError) on a setting it refuses.
     """
     return VllmSamplingParams(
         n=1,
@@ -523,8 +523,8 @@ class VllmEngine:
         kv_params: dict[str, str] | None = None,
     ) -> str:
         """Add to vLLM with what remains of max_tokens / min_tokens after ``num_done`` outputs."""
-        vparams = vllm_sampling_params(params, num_done, kv_params)
         try:
+            vparams = vllm_sampling_params(params, num_done, kv_params)
             internal: str = self.llm.add_request(
                 request_id, TokensPrompt(prompt_token_ids=prompt_ids), vparams, priority=request.priority
             )

@@ -267,3 +267,19 @@ def test_a_spec_vllm_cannot_compile_is_refused_at_add_request(model: Model) -> N
     with pytest.raises(ValueError, match="s0: request 'bad': vLLM refused it"):
         model.engine.add_request(EngineRequest("bad", len(prompt), 8, prompt_token_ids=prompt, sampling_params=bad))
     assert not model.engine.has_work()
+
+
+def test_the_backend_sizes_the_pool_and_loads_the_tokenizer_it_is_given(model: Model) -> None:
+    from llumlet.backends.base import BackendConfig, make_backend
+
+    tokenizer = model.checkpoint.parent / "bpe"
+    options = {"model": str(model.checkpoint), "dtype": "float32", "enforce_eager": "true", "max_model_len": "512"}
+    config = BackendConfig("b0", num_blocks=16, block_size_tokens=BLOCK, tokenizer=str(tokenizer), options=options)
+    with pytest.raises(ValueError, match="give kv_cache_memory_bytes or --num-blocks, not both"):
+        make_backend("vllm", dataclasses.replace(config, options={**options, "kv_cache_memory_bytes": "1000000"}))
+    backend = make_backend("vllm", config)
+    engine = backend.engine
+    assert isinstance(engine, VllmEngine) and engine.load().total_blocks == 16  # --num-blocks: exactly
+    assert Path(engine.llm.model_config.tokenizer) == tokenizer  # --tokenizer: the one vLLM loads
+    guided = SamplingParams(max_tokens=4, guided=GuidedDecoding("regex", "a+"), logprobs=1, top_k=2)
+    assert backend.refuses(guided) is None
