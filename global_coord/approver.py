@@ -137,16 +137,17 @@ def link_flows(migrations: Iterable[MigrationRecord]) -> Counter[str]:
 
 def measured_rates(
     migrations: Iterable[tuple[MigrationRecord, int]], cfg: MeasuredBandwidthConfig, now_s: float
-) -> dict[BandwidthKey, float]:
-    """The measured rate of every (transport, path) at ``now_s`` (``topology.bandwidth``), from the migration
-    records and their etcd mod revisions: every record with a measurement is a sample, in revision order (the
-    order the domain schedulers wrote their outcomes)."""
+) -> Mapping[BandwidthKey, float]:
+    """The measured rate (bytes/s) of every (transport, path) at ``now_s`` (wall-clock seconds), from the
+    migration records and their etcd mod revisions: every record with a measurement is a sample, in revision
+    order (the order the domain schedulers wrote their outcomes). A read-only mapping whose rates are computed
+    on lookup (``topology.bandwidth.BandwidthEstimates.at``)."""
     samples = [
         BandwidthSample(r.transport, r.links, r.measured_bandwidth_bytes_per_s, r.measured_at_s)
         for r, _ in sorted(migrations, key=lambda item: item[1])
         if r.measured_bandwidth_bytes_per_s > 0 and r.transport
     ]
-    return BandwidthEstimates.of(samples, cfg).rates(now_s)
+    return BandwidthEstimates.of(samples, cfg).at(now_s)
 
 
 def busiest_link_flows(links: Iterable[str], flows: Mapping[str, int]) -> int:
@@ -204,7 +205,8 @@ def choose_destination(
 
     A candidate ``path_of`` cannot reach (KeyError / ValueError: unknown to the topology) is skipped. Each is
     judged with the measured rate of its path and the transport the move would take (``measured``, from
-    :func:`measured_rates`; none: every path priced with the topology).
+    :func:`measured_rates`; none: every path priced with the topology); only the judged candidates' paths
+    are looked up in it.
 
     Returns a :class:`Choice` with ``dst_instance_id=None`` and the last rejection when none is approved
     (or "no candidate" when the list is empty). At most ``max_tries`` candidates are judged.
@@ -218,7 +220,8 @@ def choose_destination(
         except (KeyError, ValueError) as exc:  # not in the topology file, or no path
             last = Judgement(False, f"{dst}: no path from {move.src_instance_id}: {exc}")
             continue
-        rate = (measured or {}).get(path_key(default_transport(path.same_domain), path.links))
+        # not ``measured or {}``: a lazy view (``BandwidthEstimates.at``) would compute every path's rate for bool()
+        rate = None if measured is None else measured.get(path_key(default_transport(path.same_domain), path.links))
         verdict = judge(move, dst, path, busiest_link_flows(path.links, flows), rate)
         if verdict.approved:
             return Choice(dst, path, verdict)

@@ -347,7 +347,7 @@ class HilumTwoTier(ClusterScheduler):
             self.ctx.graph.path,
             self.ctx.judge,
             executor.flows.counts(),
-            measured=self.bandwidth.rates(self._now()),
+            measured=self.bandwidth.at(self._now()),
         )
         if choice.dst_instance_id is None:
             self.feeds[domain_id].core.not_approved(move.request_id, self._now())

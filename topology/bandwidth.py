@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -106,7 +106,7 @@ class BandwidthSample:
 
 
 class BandwidthEstimates:
-    """Samples per (transport, path) key, in the order observed; :meth:`rates` folds them (module docstring).
+    """Samples per (transport, path) key, in the order observed; :meth:`rate` folds them (module docstring).
 
     ``observe`` in time order (the coordinator: records by etcd mod revision; the simulator: as its moves
     end). Keeps at most :data:`MAX_SAMPLES_PER_PATH` samples per key.
@@ -143,11 +143,36 @@ class BandwidthEstimates:
             estimate = sample.bytes_per_s if estimate is None else w * sample.bytes_per_s + (1 - w) * estimate
         return estimate
 
-    def rates(self, now_s: float) -> dict[BandwidthKey, float]:
-        """Every key's estimate at ``now_s`` (keys without a recent sample left out)."""
-        out = {}
-        for key in self._samples:
-            rate = self.rate(key, now_s)
-            if rate is not None:
-                out[key] = rate
-        return out
+    def at(self, now_s: float) -> Mapping[BandwidthKey, float]:
+        """The estimates at ``now_s`` (bytes/s) as a read-only mapping, what ``global_coord.approver.decide``
+        takes as ``measured``: keys without a sample younger than ``max_age_s`` are absent.
+
+        A view, not a copy: each estimate is computed (:meth:`rate`) when it is looked up, so a decision pays
+        for the few paths it judges, not for every path ever measured, and samples observed later show in it.
+        Iterating it (``len``, ``dict(...)``, ``==``) computes every key's estimate.
+        """
+        return _RatesAt(self, now_s)
+
+
+class _RatesAt(Mapping[BandwidthKey, float]):
+    """:meth:`BandwidthEstimates.at`: the estimates of ``estimates`` at ``now_s``, computed on lookup."""
+
+    __slots__ = ("_estimates", "_now_s")
+
+    def __init__(self, estimates: BandwidthEstimates, now_s: float) -> None:
+        self._estimates = estimates
+        self._now_s = now_s
+
+    def __getitem__(self, key: BandwidthKey) -> float:
+        rate = self._estimates.rate(key, self._now_s)
+        if rate is None:
+            raise KeyError(key)
+        return rate
+
+    def __iter__(self) -> Iterator[BandwidthKey]:
+        """The keys with an estimate at ``now_s``, in first-observed order."""
+        keys = list(self._estimates._samples)  # a copy: observing a new key while iterating is allowed
+        return (key for key in keys if self._estimates.rate(key, self._now_s) is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

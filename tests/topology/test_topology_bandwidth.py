@@ -45,7 +45,7 @@ def test_the_estimate_is_an_ewma_of_the_samples_in_order() -> None:
     assert est.rate(key, 2.0) == 0.25 * 4e9 + 0.75 * 8e9  # 7e9
     est.observe(sample(1e9, 3.0))
     assert est.rate(key, 3.0) == pytest.approx(0.25 * 1e9 + 0.75 * 7e9)  # 5.5e9
-    assert est.rates(3.0) == {key: pytest.approx(5.5e9)}
+    assert est.at(3.0) == {key: pytest.approx(5.5e9)}
     est.observe(sample(3e9, 3.0, transport="local-inline"))
     assert est.rate(path_key("local-inline", CROSS), 3.0) == 3e9 and est.rate(key, 3.0) == pytest.approx(5.5e9)
 
@@ -55,9 +55,22 @@ def test_old_samples_stop_counting_so_a_refused_path_is_measured_again() -> None
     key = path_key("grpc", CROSS)
     assert est.rate(key, 60.0) == 5e6  # both count
     assert est.rate(key, 60.1) == 9e6  # the first is older than max_age_s
-    assert est.rate(key, 110.1) is None and est.rates(110.1) == {}  # back to the topology's bandwidth
+    assert est.rate(key, 110.1) is None and est.at(110.1) == {}  # back to the topology's bandwidth
     never = BandwidthEstimates.of([sample(1e6, 0.0)], MeasuredBandwidthConfig(max_age_s=0.0))
     assert never.rate(key, 0.0) is None  # max_age_s 0: measurements are never used
+
+
+def test_the_rates_at_a_time_are_a_view_computed_on_lookup() -> None:
+    est = BandwidthEstimates(MeasuredBandwidthConfig(ewma_weight=0.5, max_age_s=10.0))
+    key, local = path_key("grpc", CROSS), path_key("local", ("nvlink:node-0-i0", "nvlink:node-0-i1"))
+    view = est.at(5.0)
+    assert key not in view and view.get(key) is None and len(view) == 0
+    est.observe(sample(4e6, 1.0))
+    est.observe(BandwidthSample("local", local[1], 2e9, 5.0))
+    assert view[key] == 4e6 and view.get(local) == 2e9 and list(view) == [key, local]  # first-observed order
+    with pytest.raises(KeyError):
+        est.at(11.5)[key]  # 10.5 s old
+    assert est.at(11.5) == {local: 2e9} and ("grpc", ("nic:x",)) not in view
 
 
 def test_only_the_newest_samples_of_a_path_are_kept() -> None:
