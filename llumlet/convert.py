@@ -238,7 +238,9 @@ def load_to_pb(load: EngineLoad, instance_id: str, domain_id: str) -> pb.LoadRep
 
 
 def load_from_pb(msg: pb.LoadReport) -> EngineLoad:
-    """``hilum.v1.LoadReport`` -> ``EngineLoad`` (for ``to_instance_load`` at a domain scheduler)."""
+    """``hilum.v1.LoadReport`` -> ``EngineLoad``, unchecked (a domain scheduler turns a report into its
+    ``InstanceLoad`` with ``rack_sched.convert.load_from_pb``, which checks it; ``to_instance_load`` trusts
+    its input)."""
     return EngineLoad(
         total_blocks=msg.total_blocks,
         used_blocks=msg.used_blocks,

@@ -7,11 +7,13 @@ Everything here is a frozen value: the rules in `policy.usage`, `policy.dispatch
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any, TypeVar
 
 __all__ = [
     "CANDIDATE_POLICIES",
@@ -19,6 +21,8 @@ __all__ = [
     "InstanceLoad",
     "PolicyConfig",
     "RequestLoad",
+    "trusted_instance_load",
+    "trusted_request_load",
 ]
 
 #: Names accepted by `PolicyConfig.candidate_policy` (see `policy.migration.candidate_order`).
@@ -129,6 +133,46 @@ class InstanceLoad:
     def free_blocks(self) -> int:
         """Real free KV cache blocks now: M − used."""
         return self.capacity_blocks - self.used_blocks
+
+
+_T = TypeVar("_T")
+
+
+def _trusted_constructor(cls: type[_T]) -> Callable[..., _T]:
+    """A constructor of the frozen, slotted dataclass ``cls`` that skips ``__post_init__``.
+
+    It makes the assignments the dataclass's own ``__init__`` makes (keyword or positional arguments in
+    field order, the declared defaults for omitted ones), so it follows any field added to ``cls``; what
+    it leaves out is the validation. Generated once per class, like the dataclass's ``__init__``.
+    """
+    params, body = [], []
+    env: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
+    for i, f in enumerate(dataclasses.fields(cls)):  # type: ignore[arg-type]
+        env[f"_set{i}"] = getattr(cls, f.name).__set__  # the slot's descriptor: no frozen __setattr__
+        if f.default is not dataclasses.MISSING:
+            env[f"_default{i}"] = f.default
+            params.append(f"{f.name}=_default{i}")
+        elif f.default_factory is not dataclasses.MISSING:
+            env[f"_factory{i}"] = f.default_factory
+            params.append(f"{f.name}=_factory{i}")
+            body.append(f"    if {f.name} is _factory{i}: {f.name} = _factory{i}()")
+        else:
+            params.append(f.name)
+        body.append(f"    _set{i}(obj, {f.name})")
+    source = f"def trusted({', '.join(params)}):\n    obj = _new(_cls)\n" + "\n".join(body) + "\n    return obj\n"
+    exec(source, env)  # generated from the dataclass's own field list, as dataclasses does for __init__
+    constructor: Callable[..., _T] = env["trusted"]
+    constructor.__doc__ = f"{cls.__name__}(...) without validation, for values already checked."
+    return constructor
+
+
+#: ``RequestLoad(...)`` without the checks of ``__post_init__``: for an engine's own counters, which are
+#: valid by construction (a count of blocks it holds cannot be negative). Input from outside (protobuf,
+#: files, users) goes through ``RequestLoad`` itself.
+trusted_request_load: Callable[..., RequestLoad] = _trusted_constructor(RequestLoad)
+
+#: ``InstanceLoad(...)`` without the checks of ``__post_init__`` (pass ``running`` as a tuple); same use.
+trusted_instance_load: Callable[..., InstanceLoad] = _trusted_constructor(InstanceLoad)
 
 
 def _freeze_headroom(headroom: Mapping[int, int]) -> Mapping[int, int]:

@@ -120,7 +120,6 @@ def run_cli(args: argparse.Namespace) -> int:
     """Run every requested policy on the same topology and trace; print and save the comparison."""
     from topology.load import TopologyError, load_topology
 
-    from .plots import plot_kv_usage, plot_ttft_cdf
     from .report import LATENCY_COLUMNS, MIGRATION_COLUMNS, render_table
     from .results import summarize, write_results
     from .runner import check_options, run_simulation
@@ -185,6 +184,8 @@ def run_cli(args: argparse.Namespace) -> int:
             render_table(summaries, title="migrations and simulator cost", columns=MIGRATION_COLUMNS, compact=True)
         )
     if out is not None:
+        from .plots import plot_kv_usage, plot_ttft_cdf  # matplotlib: only when plots are written
+
         path = write_results(runs, out)
         plot_ttft_cdf(runs, out / "ttft_cdf.png")
         for run in runs:

@@ -6,17 +6,29 @@ as soon as the instance is idle and has work, and its results land ``duration_s`
 hooks that must happen "between two steps" (suspending a request) are queued on the instance and run
 at the next step boundary, exactly as a real engine loop would.
 
+Runs of decode steps (``decode_runs=True``, the default): most steps are pure decode steps of the same
+batch, so the cluster asks the engine for a whole run of them (``EngineCore.start_decode_run``) and
+schedules one event at its end instead of one per step. The run is materialized lazily and exactly:
+anything that looks at an instance in the middle of a run (through :attr:`SimInstance.engine`,
+:meth:`Cluster.load`, :attr:`Cluster.requests`, :attr:`SimInstance.last_step_s`) first brings it to the
+state the step-by-step engine would have at that instant (every step that has started applied, every
+token of a step that has ended recorded at its own time); anything that changes the engine from outside,
+or a hook waiting for the next step boundary, cuts the run at the step in flight. The step-by-step path
+(``decode_runs=False``) is the reference the tests compare it with, record by record.
+
 The cluster also keeps the per-request records the report is made from (TTFT, TBT samples,
 preemptions, migrations).
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from llumlet.engine.core import EngineCore
+from llumlet.engine.core import DecodeRun, EngineCore
 from llumlet.engine.latency import LatencyModel
 from llumlet.engine.scheduler import Admission
 from llumlet.engine.types import EngineRequest, StepResult
@@ -24,10 +36,13 @@ from policy.types import InstanceLoad
 from topology.spec import InstanceSpec, ModelSpec, Topology
 
 from .events import EventKind, EventQueue
-from .results import RequestRecord
+from .results import RequestLog, RequestRecord
 from .traces import TraceRequest
 
-__all__ = ["Cluster", "EngineLimits", "RequestState", "SimInstance"]
+__all__ = ["MAX_RUN_STEPS", "Cluster", "EngineLimits", "RequestState", "SimInstance"]
+
+#: Steps one decode run plans at most (its step times are computed up front; a run is cut by any change).
+MAX_RUN_STEPS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +52,7 @@ class EngineLimits:
     max_num_seqs: int = 256  # running requests per step
     max_num_batched_tokens: int = 8192  # tokens (prefill chunk + decodes) per step
     admission: Admission = "chunked"  # "chunked" (vLLM v1) or "whole-prompt" (vLLM v0, Llumnix's engine)
+    prefix_caching: bool = False  # share prompt prefixes by the trace's hash ids (vLLM automatic prefix caching)
 
 
 @dataclass(slots=True)
@@ -44,6 +60,7 @@ class RequestState:
     """The simulator's running account of one request (turned into a RequestRecord at the end)."""
 
     trace: TraceRequest
+    index: int = 0  # arrival position (admission order)
     instance_id: str = ""
     first_token_s: float | None = None
     last_token_s: float | None = None
@@ -78,18 +95,53 @@ class RequestState:
         )
 
 
-class SimInstance:
-    """One model instance: its spec, its engine model, and its place in the schedule."""
+class _Run:
+    """A decode run in flight on an instance: the engine's run plus its step end times."""
 
-    def __init__(self, spec: InstanceSpec, engine: EngineCore, active: bool) -> None:
+    __slots__ = ("end_times_s", "gaps_s", "recorded", "run", "seq", "start_s")
+
+    def __init__(self, run: DecodeRun, start_s: float, seq: int) -> None:
+        self.run = run
+        self.start_s = start_s  # when its first step started
+        ends: list[float] = []
+        t = start_s
+        for d in run.durations_s:  # the clock of step-by-step events: each step ends at (previous end) + d
+            t += d
+            ends.append(t)
+        self.end_times_s = ends  # end_times_s[j]: when step j (from 0) ends
+        self.gaps_s = [b - a for a, b in itertools.pairwise(ends)]  # gaps_s[j]: end[j+1] - end[j]
+        self.recorded = 0  # steps whose tokens are in the request accounts
+        self.seq = seq  # the event queue's seq when the run started (orders ties, see _started_steps)
+
+    def scheduled_s(self, step: int) -> float:
+        """When the step-by-step event for the end of step ``step`` (from 0) would have been scheduled."""
+        return self.start_s if step == 0 else self.end_times_s[step - 1]
+
+
+class SimInstance:
+    """One model instance: its spec, its engine model, and its place in the schedule.
+
+    Read the engine through :attr:`engine`: in the middle of a decode run it is first brought to the
+    current time.
+    """
+
+    def __init__(
+        self, spec: InstanceSpec, engine: EngineCore, active: bool, sync: Callable[[SimInstance], None]
+    ) -> None:
         self.spec = spec
-        self.engine = engine
-        self.busy = False  # a step is in flight
+        self._engine = engine
+        self._sync = sync
+        self.busy = False  # a step (or a decode run) is in flight
         self.active = active  # False until a scripted scale-out adds it
         self.draining = False
         self.warm_until_s = -math.inf  # warm-up (negative fake usage) ends at this time
-        self.last_step_s = 0.0  # duration of the latest step, seconds (the decode step time estimate)
+        self._last_step_s = 0.0
         self.at_boundary: list[Callable[[], None]] = []  # hooks to run at the next step boundary
+        self._run: _Run | None = None  # the decode run in flight
+        self._flags = (False, False)  # (draining, warming up) as of the last load_version
+        self._flag_changes = 0  # times _flags changed
+        self._load: InstanceLoad | None = None  # the load report of _load_version
+        self._load_version = -1
 
     @property
     def instance_id(self) -> str:
@@ -99,12 +151,54 @@ class SimInstance:
     def domain_id(self) -> str:
         return self.spec.domain_id
 
+    @property
+    def engine(self) -> EngineCore:
+        """The engine, in the state step-by-step stepping would have now."""
+        if self._run is not None:
+            self._sync(self)
+        return self._engine
+
+    @property
+    def last_step_s(self) -> float:
+        """Duration of the latest step started, seconds (the decode step time estimate)."""
+        if self._run is not None:
+            self._sync(self)
+        return self._last_step_s
+
+
+class _SyncedRequests(Mapping[str, "RequestState"]):
+    """The request accounts, each brought to the current time when read (its instance may be mid-run)."""
+
+    def __init__(self, accounts: dict[str, RequestState], cluster: Cluster) -> None:
+        self._accounts = accounts
+        self._cluster = cluster
+
+    def __getitem__(self, request_id: str) -> RequestState:
+        state = self._accounts[request_id]
+        inst = self._cluster.instances.get(state.instance_id)
+        if inst is not None and inst._run is not None:
+            self._cluster._sync_accounts(inst)
+        return state
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._accounts)
+
+    def __len__(self) -> int:
+        return len(self._accounts)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._accounts
+
 
 class Cluster:
     """The simulated instances of a topology (those serving ``model``, or all), stepped on one event queue.
 
     ``on_finished`` listeners are told of every finished or aborted request (so a migration in
-    flight can release its reservation).
+    flight can release its reservation). ``decode_runs``: account pure decode steps in runs (one event
+    per run, see the module docstring); False steps every instance one event per step (the reference).
+    ``log``: where final request records go (a finished or refused request's account is then written
+    there and dropped, and :meth:`close_log` writes the unfinished ones); without one, every account
+    stays and :meth:`records` gives them.
     """
 
     def __init__(
@@ -115,10 +209,16 @@ class Cluster:
         limits: EngineLimits,
         inactive: Iterable[str] = (),
         model: str | None = None,
+        decode_runs: bool = True,
+        log: RequestLog | None = None,
     ) -> None:
         self.queue = queue
         self.topology = topology
-        self.requests: dict[str, RequestState] = {}
+        self.decode_runs = decode_runs
+        self.log = log
+        self._admitted = 0
+        self._accounts: dict[str, RequestState] = {}
+        self.requests: Mapping[str, RequestState] = _SyncedRequests(self._accounts, self)
         self.engine_steps = 0
         self.on_finished: list[Callable[[str], None]] = []
         self._finished_lengths: dict[str, list[int]] = {}  # instance -> output lengths finished, not yet reported
@@ -137,8 +237,14 @@ class Cluster:
                 max_num_batched_tokens=limits.max_num_batched_tokens,
                 kv_bytes_per_block=model_spec.kv_bytes_per_block,
                 admission=limits.admission,
+                enable_prefix_caching=limits.prefix_caching,
+                decode_runs=False,  # the cluster drives runs itself (start_decode_run), step() is one step
             )
-            self.instances[spec.instance_id] = SimInstance(spec, engine, spec.instance_id not in inactive_ids)
+            active = spec.instance_id not in inactive_ids
+            self.instances[spec.instance_id] = SimInstance(spec, engine, active, self._sync)
+        self._by_domain: dict[str, list[SimInstance]] = {}  # domain -> its instances, in topology order
+        for inst in self.instances.values():
+            self._by_domain.setdefault(inst.domain_id, []).append(inst)
 
     # ------------------------------------------------------------------ views
     def model_of(self, instance_id: str) -> ModelSpec:
@@ -150,19 +256,50 @@ class Cluster:
         return [d.domain_id for d in self.topology.domains if d.domain_id in present]
 
     def serving(self, domain_id: str | None = None) -> list[SimInstance]:
-        """Active instances (optionally of one domain), draining ones included."""
-        return [i for i in self.instances.values() if i.active and (domain_id is None or i.domain_id == domain_id)]
+        """Active instances (optionally of one domain: O(its instances)), draining ones included."""
+        if domain_id is None:
+            return [i for i in self.instances.values() if i.active]
+        return [i for i in self._by_domain.get(domain_id, ()) if i.active]
+
+    def load_version(self, inst: SimInstance) -> int:
+        """A counter that moves exactly when :meth:`load` of ``inst`` would report something new: its engine's
+        ``load_version`` plus the changes of its draining and warming-up flags. Compare it with the value
+        of the last report used to skip an instance that did not change.
+
+        A busy instance changes at every engine step (token counts grow, and with them blocks).
+        """
+        flags = (inst.draining, self.queue.now_s < inst.warm_until_s)
+        if flags != inst._flags:
+            inst._flags = flags
+            inst._flag_changes += 1
+        version = inst._engine.load_version + inst._flag_changes
+        flight = inst._run
+        if flight is not None:  # each step that has started but is not applied yet moves it by one
+            version += self._started_steps(flight) - flight.run.applied
+        return version
 
     def load(self, inst: SimInstance) -> InstanceLoad:
         """The instance's load report, as its llumlet would push it (policy's InstanceLoad), with its most
-        recent step time."""
-        return inst.engine.load().to_instance_load(
-            inst.instance_id,
-            inst.domain_id,
-            draining=inst.draining,
-            warming_up=self.queue.now_s < inst.warm_until_s,
-            decode_step_s=inst.last_step_s,
-        )
+        recent step time; rebuilt only when :meth:`load_version` moved (a new step is a new version)."""
+        version = self.load_version(inst)
+        if inst._load is None or inst._load_version != version:
+            draining, warming_up = inst._flags
+            ahead = 0
+            step_s = inst._last_step_s
+            flight = inst._run
+            if flight is not None:
+                started = self._started_steps(flight)
+                if started < flight.run.steps:  # computed from the run, not applied: the engine need not move
+                    ahead = started - flight.run.applied
+                    step_s = flight.run.durations_s[started - 1]
+                else:
+                    self._sync(inst)  # the last step (requests finish in it): apply it
+                    step_s = inst._last_step_s
+            inst._load = inst._engine.instance_load(
+                inst.instance_id, inst.domain_id, draining, warming_up, step_s, steps_ahead=ahead
+            )
+            inst._load_version = version
+        return inst._load
 
     def take_finished(self, instance_id: str) -> list[int]:
         """Output lengths of the requests that finished on ``instance_id`` since the last call (what its
@@ -172,14 +309,15 @@ class Cluster:
     # ------------------------------------------------------------------ requests
     def admit(self, req: TraceRequest) -> RequestState:
         """Start the account of a request that arrived (before dispatch)."""
-        state = RequestState(trace=req)
-        self.requests[req.request_id] = state
+        state = RequestState(trace=req, index=self._admitted)
+        self._admitted += 1
+        self._accounts[req.request_id] = state
         return state
 
     def submit(self, req: TraceRequest, instance_id: str) -> None:
         """Queue the request on ``instance_id`` and start stepping if the instance is idle."""
         inst = self.instances[instance_id]
-        self.requests[req.request_id].instance_id = instance_id
+        self._accounts[req.request_id].instance_id = instance_id
         inst.engine.add_request(
             EngineRequest(
                 request_id=req.request_id,
@@ -194,17 +332,23 @@ class Cluster:
         self.kick(inst)
 
     def kick(self, inst: SimInstance) -> None:
-        """Start the next step on an idle instance with work (no-op otherwise)."""
+        """Start the next step (or decode run) on an idle instance with work (no-op otherwise)."""
         if inst.busy:
             return
         self._run_boundary(inst)
-        if not inst.engine.has_work():
+        engine = inst._engine
+        if not engine.has_work():
             return
-        result = inst.engine.step()
+        if self.decode_runs:
+            run = engine.start_decode_run(MAX_RUN_STEPS, on_interrupt=lambda _run: self._cut(inst))
+            if run is not None:
+                self._start_run(inst, run)
+                return
+        result = engine.step()
         if result.is_idle:  # nothing fits now (space held by reservations): wait for the next event
             return
         self.engine_steps += 1
-        inst.last_step_s = result.duration_s
+        inst._last_step_s = result.duration_s
         inst.busy = True
         self.queue.schedule_in(result.duration_s, EventKind.STEP_DONE, lambda: self._step_done(inst, result))
 
@@ -214,6 +358,9 @@ class Cluster:
         if not inst.busy:
             self._run_boundary(inst)
             self.kick(inst)
+        elif inst._run is not None:  # the next boundary is the end of the step in flight
+            self._cut(inst)
+            inst._engine.cut_decode_run()
 
     def _run_boundary(self, inst: SimInstance) -> None:
         while inst.at_boundary:
@@ -223,14 +370,123 @@ class Cluster:
         now = self.queue.now_s
         inst.busy = False
         for request_id, count in result.new_tokens.items():
-            self._tokens(self.requests[request_id], count, now)
+            self._tokens(self._accounts[request_id], count, now)
         for request_id in result.preempted:
-            state = self.requests[request_id]
+            state = self._accounts[request_id]
             state.preemptions += 1
             state.preempted_at_s = now
         for request_id in result.finished:
             self._finish(request_id, now)
         self.kick(inst)
+
+    # ------------------------------------------------------------------ decode runs
+    def _start_run(self, inst: SimInstance, run: DecodeRun) -> None:
+        """One event at the end of the run (the engine applied its first step)."""
+        flight = _Run(run, self.queue.now_s, self.queue.next_seq())
+        inst._run = flight
+        inst._last_step_s = run.durations_s[0]
+        inst.busy = True
+        self._schedule_run_end(inst, flight)
+
+    def _schedule_run_end(self, inst: SimInstance, flight: _Run) -> None:
+        last = flight.run.steps - 1
+        self.queue.schedule(
+            flight.end_times_s[last],
+            EventKind.STEP_DONE,
+            lambda: self._run_done(inst, flight, last + 1),
+            scheduled_s=flight.scheduled_s(last),
+        )
+
+    def _started_steps(self, flight: _Run) -> int:
+        """Steps of the run that have started at this point of the event order (1..steps).
+
+        Step j + 1 starts when step j ends, at ``end_times_s[j]``; an event at the same instant runs
+        after it when of a later kind, or, being another step end, when scheduled later.
+        """
+        ends = flight.end_times_s
+        last = flight.run.steps - 1
+        now = self.queue.now_s
+        n = bisect.bisect_left(ends, now, 0, last)
+        if n < last and ends[n] == now:
+            key = self.queue.current_key()
+            while n < last and ends[n] == now:
+                if key is not None and (EventKind.STEP_DONE, flight.scheduled_s(n), flight.seq) >= key[1:]:
+                    break
+                n += 1
+        return n + 1
+
+    def _sync(self, inst: SimInstance) -> None:
+        """Bring the engine of an instance in a decode run to the current time: every step that has started
+        is applied."""
+        flight = inst._run
+        if flight is None:
+            return
+        started = self._started_steps(flight)
+        if started > flight.run.applied:
+            inst._engine.advance_decode_run(started)
+        inst._last_step_s = flight.run.durations_s[started - 1]
+
+    def _sync_accounts(self, inst: SimInstance) -> None:
+        """Bring the request accounts of an instance in a decode run to the current time: every token of a
+        step that has ended is recorded."""
+        flight = inst._run
+        if flight is not None:
+            self._record_run_tokens(flight, self._started_steps(flight) - 1)
+
+    def _cut(self, inst: SimInstance) -> None:
+        """The run is about to be cut (a change from outside, a boundary hook): bring it to now and end it
+        with the step in flight."""
+        flight = inst._run
+        if flight is None:
+            return
+        self._sync(inst)
+        run = flight.run
+        if run.applied < run.steps:
+            run.steps = run.applied  # what the engine's cut does too; the old end event goes stale
+            self._schedule_run_end(inst, flight)
+
+    def _run_done(self, inst: SimInstance, flight: _Run, steps: int) -> None:
+        if inst._run is not flight or flight.run.steps != steps:
+            return  # the run was cut; a later event ends it
+        run = flight.run
+        if run.applied < steps:
+            inst._engine.advance_decode_run(steps)
+        self._record_run_tokens(flight, steps)
+        inst._run = None
+        inst._last_step_s = run.durations_s[steps - 1]
+        inst.busy = False
+        self.engine_steps += steps
+        now = self.queue.now_s
+        for request_id in run.finished:
+            self._finish(request_id, now)
+        self.kick(inst)
+
+    def _record_run_tokens(self, flight: _Run, ended: int) -> None:
+        """Record the tokens of the run's steps ``flight.recorded`` .. ``ended - 1`` (one per request and
+        step, each at its step's end), as ``_tokens`` would step by step."""
+        first = flight.recorded
+        if ended <= first:
+            return
+        flight.recorded = ended
+        ends = flight.end_times_s
+        t_first, t_last = ends[first], ends[ended - 1]
+        later_gaps = flight.gaps_s[first : ended - 1]
+        count = ended - first
+        accounts = self._accounts
+        for request_id in flight.run.request_ids:
+            state = accounts[request_id]
+            if state.first_token_s is None:
+                state.first_token_s = t_first
+                state.token_gaps_s.extend(later_gaps)
+            else:
+                if state.last_token_s is not None:
+                    state.token_gaps_s.append(t_first - state.last_token_s)
+                state.token_gaps_s.extend(later_gaps)
+            if state.preempted_at_s is not None:
+                state.preempted_s += t_first - state.preempted_at_s
+                state.preempted_at_s = None
+            state.last_token_s = t_last
+            state.generated_tokens += count
 
     def _tokens(self, state: RequestState, count: int, now: float) -> None:
         if count <= 0:
@@ -247,24 +503,48 @@ class Cluster:
         state.generated_tokens += count
 
     def _finish(self, request_id: str, now: float) -> None:
-        state = self.requests[request_id]
+        state = self._accounts[request_id]
         state.finish_s = now
         self._finished_lengths.setdefault(state.instance_id, []).append(state.generated_tokens)
         for listener in self.on_finished:
             listener(request_id)
+        self._retire(state)
+
+    def _retire(self, state: RequestState) -> None:
+        """A final account goes to the log (with one) and leaves memory."""
+        if self.log is not None:
+            self.log.add(state.index, state.record())
+            del self._accounts[state.trace.request_id]
 
     def refuse(self, req: TraceRequest, reason: str) -> None:
         """Record that no instance could ever hold ``req``."""
-        self.requests[req.request_id].refused = reason
+        state = self._accounts[req.request_id]
+        state.refused = reason
+        self._retire(state)
 
     def records(self) -> tuple[RequestRecord, ...]:
-        """Every request's record, in arrival order."""
-        return tuple(s.record() for s in self.requests.values())
+        """The record of every request still held (all of them without a log), in arrival order."""
+        for inst in self.instances.values():
+            self._sync_accounts(inst)
+        return tuple(s.record() for s in self._accounts.values())
+
+    def close_log(self) -> RequestLog:
+        """Write the requests still held (unfinished at the end) to the log and return it.
+
+        Raises RuntimeError without a log.
+        """
+        if self.log is None:
+            raise RuntimeError("Cluster.close_log: the cluster has no request log")
+        for inst in self.instances.values():
+            self._sync_accounts(inst)
+        for state in list(self._accounts.values()):
+            self._retire(state)
+        return self.log
 
     def kv_usage_fraction(self) -> dict[str, float]:
         """Per-instance KV usage (used / total blocks), for the timeline plot."""
         out: dict[str, float] = {}
         for inst in self.instances.values():
-            load = inst.engine.load()
-            out[inst.instance_id] = load.used_blocks / load.total_blocks if inst.active else 0.0
+            blocks = inst.engine.blocks
+            out[inst.instance_id] = blocks.used_blocks / blocks.num_blocks if inst.active else 0.0
         return out

@@ -16,7 +16,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from sim.results import SimRun, StoredRun, SweepRow
+from sim.results import SimRun, StoredRun, SweepRow, request_totals
 
 __all__ = ["KV_HEATMAP_MIN_INSTANCES", "plot_kv_usage", "plot_p99_vs_load", "plot_ttft_cdf"]
 
@@ -62,7 +62,8 @@ def plot_ttft_cdf(runs: Sequence[SimRun | StoredRun], path: str | Path) -> Path:
     fig, ax = _new_figure()
     drawn = 0
     for run, label in zip(runs, _run_labels(runs), strict=True):
-        ttft_ms = np.sort(np.array([t * 1e3 for r in run.requests if (t := r.ttft_s) is not None], dtype=np.float64))
+        ttft_s = request_totals(run.requests).ttft_s
+        ttft_ms = np.sort(ttft_s[~np.isnan(ttft_s)] * 1e3)
         if ttft_ms.size == 0:
             continue
         fraction = np.arange(1, ttft_ms.size + 1, dtype=np.float64) / len(run.requests)

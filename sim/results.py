@@ -5,20 +5,30 @@ The simulator core (``sim.runner.run_simulation``) produces one :class:`SimRun` 
 unit of comparison between policies); :func:`write_results` stores runs as ``results.json``, whose
 schema is documented field by field in ``docs/sim-results.md``; :func:`load_results` reads it back.
 
+Large runs: the simulator writes each request's record to a :class:`RequestLog` when it becomes final
+(finished, refused, or unfinished at the end). The log spools the records to a temporary file and
+keeps in memory only what a summary needs (:class:`RequestTotals`: a few numbers per request in numpy
+arrays, plus every token gap, 8 bytes each, because percentiles are exact); ``write_results`` copies
+the spooled records into ``results.json`` one at a time. Memory is then about 60 bytes per request
+plus 8 bytes per output token, instead of Python objects for every record and gap.
+
 Percentiles are computed with ``numpy.percentile`` (linear interpolation between closest ranks,
 numpy's default ``method="linear"``). An empty sample gives ``None``, never NaN.
 """
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import enum
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import tempfile
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -30,7 +40,9 @@ __all__ = [
     "MigrationOutcome",
     "MigrationRecord",
     "PolicySummary",
+    "RequestLog",
     "RequestRecord",
+    "RequestTotals",
     "ResultsError",
     "SimRun",
     "StoredRun",
@@ -38,6 +50,7 @@ __all__ = [
     "json_default",
     "load_results",
     "percentile",
+    "request_totals",
     "results_document",
     "summarize",
     "summary_from_dict",
@@ -147,6 +160,182 @@ class KvTimeline:
         return KvTimeline(interval_s=0.0, times_s=(), usage_fraction={})
 
 
+_REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord) if f.name != "token_gaps_s")
+
+
+def _request_dict(rec: RequestRecord) -> dict[str, Any]:
+    out = {name: getattr(rec, name) for name in _REQUEST_FIELDS}
+    out["ttft_s"] = rec.ttft_s
+    out["e2e_s"] = rec.e2e_s
+    return out
+
+
+def json_default(value: object) -> Any:
+    """``json.dumps`` hook: numpy scalars become Python numbers; anything else is a TypeError."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"cannot write a value of type {type(value).__name__} to JSON")
+
+
+def _request_json(rec: RequestRecord) -> str:
+    """A request's object in ``results.json`` (token gaps are not stored), one line."""
+    return json.dumps(_request_dict(rec), allow_nan=False, default=json_default)
+
+
+class RequestTotals:
+    """The per-request figures :func:`summarize` needs, kept compactly, for ``num_requests`` requests.
+
+    Arrays over requests in arrival order (``add``'s ``index``): TTFT, end-to-end latency and mean TBT
+    in seconds (NaN: no value), preemption time in seconds, preemption counts, and flags; plus every
+    token gap of every request in the order the requests were added (``gaps_s``). About 40 bytes per
+    request and 8 per token gap.
+
+    Raises ValueError for a negative ``num_requests``, IndexError for an index out of range.
+    """
+
+    def __init__(self, num_requests: int) -> None:
+        if num_requests < 0:
+            raise ValueError(f"RequestTotals: num_requests = {num_requests}, need >= 0")
+        self.num_requests = num_requests
+        self.ttft_s = np.full(num_requests, np.nan)  # first_token_s - arrival_s
+        self.e2e_s = np.full(num_requests, np.nan)  # finish_s - arrival_s
+        self.decode_mean_s = np.full(num_requests, np.nan)  # mean of the request's token gaps
+        self.preempted_s = np.zeros(num_requests)  # time lost to preemption
+        self.preemptions = np.zeros(num_requests, dtype=np.int64)
+        self.high_priority = np.zeros(num_requests, dtype=np.bool_)  # priority >= HIGH_PRIORITY_MIN
+        self.finished = np.zeros(num_requests, dtype=np.bool_)
+        self.refused = np.zeros(num_requests, dtype=np.bool_)
+        self._gaps = array.array("d")
+        self.max_finish_s = 0.0  # the latest finish_s, 0 before any
+
+    @classmethod
+    def of(cls, records: Sequence[RequestRecord]) -> RequestTotals:
+        """The totals of a sequence of records (index = position)."""
+        totals = cls(len(records))
+        for i, rec in enumerate(records):
+            totals.add(i, rec)
+        return totals
+
+    def add(self, index: int, rec: RequestRecord) -> None:
+        """Count the final record of the request at arrival position ``index`` (each index once)."""
+        if not 0 <= index < self.num_requests:
+            raise IndexError(f"RequestTotals.add: index {index} outside 0..{self.num_requests - 1}")
+        if (ttft := rec.ttft_s) is not None:
+            self.ttft_s[index] = ttft
+        if (e2e := rec.e2e_s) is not None:
+            self.e2e_s[index] = e2e
+        gaps = rec.token_gaps_s
+        if gaps:
+            self.decode_mean_s[index] = sum(gaps) / len(gaps)
+            self._gaps.extend(gaps)
+        self.preempted_s[index] = rec.preempted_s
+        self.preemptions[index] = rec.preemptions
+        self.high_priority[index] = rec.priority >= HIGH_PRIORITY_MIN
+        self.finished[index] = rec.finish_s is not None
+        self.refused[index] = rec.refused is not None
+        if rec.finish_s is not None and rec.finish_s > self.max_finish_s:
+            self.max_finish_s = rec.finish_s
+
+    @property
+    def gaps_s(self) -> np.ndarray[Any, np.dtype[np.float64]]:
+        """Every token gap (TBT sample) of every request added, seconds (a view, no copy)."""
+        return np.frombuffer(self._gaps, dtype=np.float64)
+
+
+class RequestLog(Sequence["RequestRecord"]):
+    """The request records of a large run, streamed: each written to a spool file when it becomes final.
+
+    ``add(index, record)`` stores the final record of the request at arrival position ``index``; the log
+    reads as a sequence of ``num_requests`` records in arrival order (from the spool, token gaps
+    included), and :attr:`totals` holds what :func:`summarize` needs in memory. The spool is an
+    anonymous temporary file, removed when the log is closed or collected. Pickling a log gives a tuple
+    of its records.
+
+    Raises ValueError for a negative ``num_requests`` or a second record for one index; reading a
+    request not recorded yet raises LookupError.
+    """
+
+    def __init__(self, num_requests: int) -> None:
+        self.totals = RequestTotals(num_requests)
+        self._spool = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the log
+        weakref.finalize(self, self._spool.close)  # the log collected: the spool goes too, quietly
+        self._end = 0  # bytes written
+        self._read_since_write = False  # the file position is not at the end
+        self._offset = np.full(num_requests, -1, dtype=np.int64)  # where each record's line starts
+        self._length = np.zeros(num_requests, dtype=np.int64)
+        self._gap_start = np.zeros(num_requests, dtype=np.int64)  # its gaps in totals.gaps_s
+        self._gap_count = np.zeros(num_requests, dtype=np.int64)
+
+    def add(self, index: int, rec: RequestRecord) -> None:
+        """Store the final record of the request at arrival position ``index``."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"RequestLog.add: index {index} outside 0..{len(self) - 1}")
+        if self._offset[index] >= 0:
+            raise ValueError(f"RequestLog.add: request {rec.request_id!r} (index {index}) is already recorded")
+        line = _request_json(rec).encode()
+        if self._read_since_write:  # a seek flushes the write buffer: only after a read moved the position
+            self._spool.seek(self._end)
+            self._read_since_write = False
+        self._spool.write(line)
+        self._offset[index], self._length[index] = self._end, len(line)
+        self._end += len(line)
+        self._gap_start[index], self._gap_count[index] = len(self.totals.gaps_s), len(rec.token_gaps_s)
+        self.totals.add(index, rec)
+
+    def __len__(self) -> int:
+        return self.totals.num_requests
+
+    def json_line(self, index: int) -> bytes:
+        """The stored JSON object of the request at ``index`` (as in ``results.json``)."""
+        offset = int(self._offset[index])
+        if offset < 0:
+            raise LookupError(f"RequestLog: request {index} has no record yet")
+        self._spool.seek(offset)
+        self._read_since_write = True
+        return self._spool.read(int(self._length[index]))
+
+    @overload
+    def __getitem__(self, index: int) -> RequestRecord: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[RequestRecord]: ...
+
+    def __getitem__(self, index: int | slice) -> RequestRecord | list[RequestRecord]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"RequestLog: index {index} outside a log of {len(self)}")
+        index %= len(self)
+        data = json.loads(self.json_line(index))
+        start = int(self._gap_start[index])
+        gaps = tuple(self.totals.gaps_s[start : start + int(self._gap_count[index])].tolist())
+        return RequestRecord(**{name: data[name] for name in _REQUEST_FIELDS}, token_gaps_s=gaps)
+
+    def __iter__(self) -> Iterator[RequestRecord]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to any sequence of the same records (a tuple of them, another log)."""
+        if not isinstance(other, Sequence) or isinstance(other, str | bytes):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (tuple, (list(self),))
+
+    def close(self) -> None:
+        """Remove the spool (the records can no longer be read; the totals stay)."""
+        self._spool.close()
+
+
+def request_totals(requests: Sequence[RequestRecord]) -> RequestTotals:
+    """The totals of a run's requests: kept by a :class:`RequestLog`, computed for any other sequence."""
+    return requests.totals if isinstance(requests, RequestLog) else RequestTotals.of(requests)
+
+
 @dataclass(frozen=True, slots=True)
 class SimRun:
     """Everything one simulation run produced: its spec, records and cost."""
@@ -159,7 +348,7 @@ class SimRun:
     sim_duration_s: float  # simulated time from the first arrival to the last event, s
     wall_s: float  # wall-clock time the run took, s
     engine_steps: int  # engine steps simulated over all instances
-    requests: tuple[RequestRecord, ...]  # one record per trace request, arrival order
+    requests: Sequence[RequestRecord]  # one record per trace request, arrival order (a RequestLog from the simulator)
     migrations: tuple[MigrationRecord, ...]  # one record per migration attempt, start order
     kv: KvTimeline  # per-instance KV usage over time
     config: Mapping[str, object] = field(default_factory=dict)  # resolved options (JSON-able values)
@@ -219,28 +408,26 @@ def summarize(run: SimRun) -> PolicySummary:
     TBT over every token gap of every request. Migration counts split committed moves by
     :attr:`MigrationRecord.cross_domain`; ``cross_domain_bytes`` also counts aborted cross-domain
     attempts (their bytes did cross the network); downtime statistics cover committed moves only.
+    The request figures come from :func:`request_totals` (kept by the run's :class:`RequestLog`).
     """
-    reqs = run.requests
-    ttfts = [t for r in reqs if (t := r.ttft_s) is not None]
-    high_ttfts = [t for r in reqs if r.priority >= HIGH_PRIORITY_MIN and (t := r.ttft_s) is not None]
-    e2es = [t for r in reqs if (t := r.e2e_s) is not None]
-    gaps = [g for r in reqs for g in r.token_gaps_s]
-    decode_means = [sum(r.token_gaps_s) / len(r.token_gaps_s) for r in reqs if r.token_gaps_s]
+    t = request_totals(run.requests)
+    has_ttft = ~np.isnan(t.ttft_s)
     committed = [m for m in run.migrations if m.outcome == "committed"]
     downtimes = [m.downtime_s for m in committed]
+    n = t.num_requests
     return PolicySummary(
         policy=run.policy,
-        requests=len(reqs),
-        finished=sum(1 for r in reqs if r.finish_s is not None),
-        refused=sum(1 for r in reqs if r.refused is not None),
-        ttft_p50_s=percentile(ttfts, 50),
-        ttft_p99_s=percentile(ttfts, 99),
-        tbt_p50_s=percentile(gaps, 50),
-        tbt_p99_s=percentile(gaps, 99),
-        e2e_p99_s=percentile(e2es, 99),
-        high_priority_ttft_p99_s=percentile(high_ttfts, 99),
-        preemptions=sum(r.preemptions for r in reqs),
-        preempted_s=float(sum(r.preempted_s for r in reqs)),
+        requests=n,
+        finished=int(t.finished.sum()),
+        refused=int(t.refused.sum()),
+        ttft_p50_s=percentile(t.ttft_s[has_ttft], 50),
+        ttft_p99_s=percentile(t.ttft_s[has_ttft], 99),
+        tbt_p50_s=percentile(t.gaps_s, 50),
+        tbt_p99_s=percentile(t.gaps_s, 99),
+        e2e_p99_s=percentile(t.e2e_s[~np.isnan(t.e2e_s)], 99),
+        high_priority_ttft_p99_s=percentile(t.ttft_s[has_ttft & t.high_priority], 99),
+        preemptions=int(t.preemptions.sum()),
+        preempted_s=float(sum(t.preempted_s.tolist())),  # in arrival order, as a sum over the records
         migrations_intra_domain=sum(1 for m in committed if not m.cross_domain),
         migrations_cross_domain=sum(1 for m in committed if m.cross_domain),
         migrations_aborted=sum(1 for m in run.migrations if m.outcome == "aborted"),
@@ -250,8 +437,8 @@ def summarize(run: SimRun) -> PolicySummary:
         sim_duration_s=run.sim_duration_s,
         engine_steps=run.engine_steps,
         wall_s=run.wall_s,
-        requests_per_wall_s=len(reqs) / run.wall_s if run.wall_s > 0 else None,
-        decode_p99_s=percentile(decode_means, 99),
+        requests_per_wall_s=n / run.wall_s if run.wall_s > 0 else None,
+        decode_p99_s=percentile(t.decode_mean_s[~np.isnan(t.decode_mean_s)], 99),
     )
 
 
@@ -274,7 +461,6 @@ class StoredRun:
     migrations: tuple[MigrationRecord, ...]
 
 
-_REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord) if f.name != "token_gaps_s")
 _MIGRATION_FIELDS = tuple(f.name for f in dataclasses.fields(MigrationRecord))
 _SUMMARY_FIELDS = tuple(f.name for f in dataclasses.fields(PolicySummary))
 
@@ -301,13 +487,6 @@ def _to_json_value(value: object, where: str) -> Any:
     raise TypeError(f"{where}: cannot write a value of type {type(value).__name__} to JSON")
 
 
-def json_default(value: object) -> Any:
-    """``json.dumps`` hook: numpy scalars become Python numbers; anything else is a TypeError."""
-    if isinstance(value, np.generic):
-        return value.item()
-    raise TypeError(f"cannot write a value of type {type(value).__name__} to JSON")
-
-
 def _finite_or_none(value: float | None) -> float | None:
     return value if value is None or math.isfinite(value) else None
 
@@ -320,51 +499,58 @@ def _summary_dict(summary: PolicySummary) -> dict[str, Any]:
     return out
 
 
-def _request_dict(rec: RequestRecord) -> dict[str, Any]:
-    out = {name: getattr(rec, name) for name in _REQUEST_FIELDS}
-    out["ttft_s"] = rec.ttft_s
-    out["e2e_s"] = rec.e2e_s
-    return out
-
-
 def _migration_dict(rec: MigrationRecord) -> dict[str, Any]:
     out = {name: getattr(rec, name) for name in _MIGRATION_FIELDS}
     out["cross_domain"] = rec.cross_domain
     return out
 
 
+def _run_head(index: int, run: SimRun) -> dict[str, Any]:
+    """A run's ``spec`` and ``summary`` objects."""
+    spec = {
+        "policy": run.policy,
+        "topology": run.topology,
+        "trace": run.trace,
+        "seed": run.seed,
+        "rate_scale": run.rate_scale,
+        "config": _to_json_value(run.config, f"runs[{index}].spec.config"),
+    }
+    return {"spec": spec, "summary": _summary_dict(summarize(run))}
+
+
+def _request_lines(run: SimRun) -> Iterator[str]:
+    """The JSON object of each request of ``run``, in order (a log's are read back as stored)."""
+    requests = run.requests
+    if isinstance(requests, RequestLog):
+        for i in range(len(requests)):
+            yield requests.json_line(i).decode()
+    else:
+        for rec in requests:
+            yield _request_json(rec)
+
+
 def results_document(runs: Sequence[SimRun]) -> dict[str, Any]:
-    """The JSON document written by :func:`write_results` (see docs/sim-results.md).
+    """The JSON document written by :func:`write_results` (see docs/sim-results.md), in memory.
 
     Raises:
         TypeError: if a run's config holds a value with no JSON form (message names the key path).
     """
     doc_runs = []
     for i, run in enumerate(runs):
-        spec = {
-            "policy": run.policy,
-            "topology": run.topology,
-            "trace": run.trace,
-            "seed": run.seed,
-            "rate_scale": run.rate_scale,
-            "config": _to_json_value(run.config, f"runs[{i}].spec.config"),
-        }
-        doc_runs.append(
-            {
-                "spec": spec,
-                "summary": _summary_dict(summarize(run)),
-                "requests": [_request_dict(r) for r in run.requests],
-                "migrations": [_migration_dict(m) for m in run.migrations],
-            }
-        )
+        doc = _run_head(i, run)
+        doc["requests"] = [json.loads(line) for line in _request_lines(run)]
+        doc["migrations"] = [_migration_dict(m) for m in run.migrations]
+        doc_runs.append(doc)
     return {"schema_version": SCHEMA_VERSION, "runs": doc_runs}
 
 
 def write_results(runs: Sequence[SimRun], out_dir: str | Path) -> Path:
     """Write ``results.json`` for ``runs`` into ``out_dir`` (created if missing); return its path.
 
-    The layout is documented in docs/sim-results.md. Token gaps and KV timelines are not stored
-    (they are summarised and plotted instead). The JSON is strict: no NaN or Infinity.
+    The layout is documented in docs/sim-results.md; the document is :func:`results_document`'s, written
+    one record per line without building it in memory (a :class:`RequestLog`'s records are copied from
+    its spool). Token gaps and KV timelines are not stored (they are summarised and plotted instead).
+    The JSON is strict: no NaN or Infinity.
 
     Raises:
         TypeError: if a run's config holds a value with no JSON form.
@@ -373,8 +559,25 @@ def write_results(runs: Sequence[SimRun], out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS_FILE_NAME
-    text = json.dumps(results_document(runs), indent=1, allow_nan=False, default=json_default)
-    path.write_text(text + "\n", encoding="utf-8")
+    heads = [_run_head(i, run) for i, run in enumerate(runs)]  # config errors before the file is touched
+
+    def dumps(value: object) -> str:
+        return json.dumps(value, allow_nan=False, default=json_default)
+
+    with path.open("w", encoding="utf-8") as f:
+        f.write(f'{{"schema_version": {SCHEMA_VERSION}, "runs": [')
+        for i, (run, head) in enumerate(zip(runs, heads, strict=True)):
+            f.write(",\n" if i else "\n")
+            f.write(f'{{"spec": {dumps(head["spec"])},\n"summary": {dumps(head["summary"])},\n"requests": [')
+            for j, line in enumerate(_request_lines(run)):
+                f.write(",\n" if j else "\n")
+                f.write(line)
+            f.write('\n],\n"migrations": [')
+            for j, mig in enumerate(run.migrations):
+                f.write(",\n" if j else "\n")
+                f.write(dumps(_migration_dict(mig)))
+            f.write("\n]}")
+        f.write("\n]}\n")
     return path
 
 

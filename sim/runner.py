@@ -32,7 +32,7 @@ from topology.spec import InstanceSpec, Topology
 from .cluster import Cluster, EngineLimits
 from .events import EventKind, EventQueue
 from .migration import LinkFlows, MigrationExecutor
-from .results import KvTimeline, SimRun
+from .results import KvTimeline, RequestLog, SimRun
 from .schedulers import SchedulerContext, SchedulingConfig, make_scheduler
 from .traces import Trace, TraceRequest, load_trace, with_priorities
 
@@ -68,6 +68,15 @@ class SimOptions(BaseModel):
         "chunked", description="engine admission: vLLM v1 chunk by chunk, or vLLM v0 whole prompt + watermark"
     )
     kv_samples: int = Field(200, ge=2, description="points in the per-instance KV usage timeline")
+    prefix_caching: bool = Field(
+        False,
+        description="engines share prompt prefixes by the trace's prefix hash ids (Mooncake traces carry them)",
+    )
+    decode_runs: bool = Field(
+        True,
+        description="account pure decode steps in runs, one event per run (False: one event per engine step, "
+        "the reference; the results are the same)",
+    )
 
     @field_validator("drain", "scale_out")
     @classmethod
@@ -212,10 +221,19 @@ def run_simulation(
     drains, scale_outs = check_options(topo, options)
 
     queue = EventQueue()
-    limits = EngineLimits(options.max_num_seqs, options.max_num_batched_tokens, options.admission)
+    limits = EngineLimits(
+        options.max_num_seqs, options.max_num_batched_tokens, options.admission, options.prefix_caching
+    )
     derived: list[str] = []
     cluster = Cluster(
-        queue, topo, _latency_for(topo, derived), limits, inactive=[i for i, _ in scale_outs], model=model
+        queue,
+        topo,
+        _latency_for(topo, derived),
+        limits,
+        inactive=[i for i, _ in scale_outs],
+        model=model,
+        decode_runs=options.decode_runs,
+        log=RequestLog(len(trace.requests)),
     )
     graph = TopologyGraph(topo)
     config = configured(spec.config, options)
@@ -284,16 +302,17 @@ def run_simulation(
         pass
     if progress is not None:
         progress(1.0)
+    log = cluster.close_log()
     return SimRun(
         policy=spec.policy,
         topology=topo.name,
         trace=trace.name,
         seed=spec.seed,
         rate_scale=spec.rate_scale,
-        sim_duration_s=max((r.finish_s for r in cluster.requests.values() if r.finish_s is not None), default=0.0),
+        sim_duration_s=log.totals.max_finish_s,
         wall_s=time.perf_counter() - wall_start,
         engine_steps=cluster.engine_steps,
-        requests=cluster.records(),
+        requests=log,
         migrations=tuple(executor.records),
         kv=KvTimeline(
             interval_s=sample_every_s,

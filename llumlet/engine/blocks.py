@@ -46,6 +46,7 @@ class _Table:
     shared: list[int] = field(default_factory=list)  # hash ids of referenced cache entries, in order
     private: list[int] = field(default_factory=list)  # block ids owned by the request
     num_tokens: int = 0  # token slots allocated
+    num_blocks: int = 0  # len(private) + blocks of every shared entry, kept up to date
 
 
 class BlockManager:
@@ -65,6 +66,7 @@ class BlockManager:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._tables: dict[str, _Table] = {}
         self._reservations: dict[str, list[int]] = {}
+        self._reserved = 0  # blocks held by all reservations
         self._entries: dict[int, _Entry] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced entries, oldest first
         self._used_private = 0
@@ -87,7 +89,7 @@ class BlockManager:
     @property
     def reserved_blocks(self) -> int:
         """Blocks held by reservations."""
-        return sum(len(b) for b in self._reservations.values())
+        return self._reserved
 
     @property
     def cached_blocks(self) -> int:
@@ -110,9 +112,7 @@ class BlockManager:
     def num_blocks_of(self, request_id: str) -> int:
         """Blocks the request holds (0 if unknown)."""
         t = self._tables.get(request_id)
-        if t is None:
-            return 0
-        return len(t.private) + sum(len(self._entries[h].blocks) for h in t.shared)
+        return 0 if t is None else t.num_blocks
 
     def num_tokens_of(self, request_id: str) -> int:
         """Token slots allocated to the request (0 if unknown)."""
@@ -151,9 +151,8 @@ class BlockManager:
         if num_new_tokens < 0:
             raise ValueError(f"allocate_slots({request_id!r}): num_new_tokens = {num_new_tokens} < 0")
         t = self._tables.get(request_id)
-        held_tokens = 0 if t is None else t.num_tokens
-        held_blocks = self.num_blocks_of(request_id)
-        need = self.blocks_for_tokens(held_tokens + num_new_tokens) - held_blocks
+        held_tokens, held_blocks = (0, 0) if t is None else (t.num_tokens, t.num_blocks)
+        need = -(-(held_tokens + num_new_tokens) // self.block_size_tokens) - held_blocks
         new = self._take(need) if need > 0 else []
         if new is None:
             return None
@@ -161,12 +160,94 @@ class BlockManager:
             t = self._tables[request_id] = _Table()
         t.private.extend(new)
         t.num_tokens += num_new_tokens
+        t.num_blocks += len(new)
         self._used_private += len(new)
         return tuple(new)
 
     def append_slot(self, request_id: str) -> bool:
         """One more token slot (a decode); a new block every ``block_size_tokens`` tokens. False if full."""
         return self.allocate_slots(request_id, 1) is not None
+
+    # ---- decode rounds (many decode steps at once) -------------------------------------------------
+    def _first_new_block_round(self, t: _Table) -> int:
+        """The first round of one slot per round in which the table needs a new block (then every B rounds).
+
+        Round r takes slot ``num_tokens + r``; it needs a block when that exceeds ``num_blocks x B`` slots.
+        """
+        return t.num_blocks * self.block_size_tokens - t.num_tokens + 1
+
+    def decode_rounds_that_fit(self, request_ids: Sequence[str], max_rounds: int) -> int:
+        """How many rounds of one new slot for every request (``append_slot`` over ``request_ids``, round after
+        round) the free list can supply, at most ``max_rounds``; evictable cached blocks are not counted.
+
+        With ``f_i`` the first round in which request i needs a block (``_first_new_block_round``) and
+        ``B`` the block size, r rounds need ``sum_i max(0, (r - f_i) // B + 1)`` new blocks. Raises KeyError
+        for a request that holds no table.
+        """
+        if max_rounds <= 0 or not request_ids:
+            return max(0, max_rounds)
+        bs = self.block_size_tokens
+        firsts = sorted(self._first_new_block_round(self._tables[rid]) for rid in request_ids)
+        free = len(self._free)
+
+        def need(rounds: int) -> int:
+            return sum((rounds - f) // bs + 1 for f in firsts if f <= rounds)
+
+        if need(max_rounds) <= free:
+            return max_rounds
+        if firsts[-1] <= bs:  # the usual case (no table holds spare blocks): every B rounds need len(ids) blocks
+            full, rem = divmod(free, len(firsts))
+            return full * bs + firsts[rem] - 1  # the round before the (rem+1)-th request of the next period
+        lo, hi = 0, max_rounds  # need(lo) <= free < need(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
+        return lo
+
+    def decode_rounds_new_blocks(self, request_ids: Sequence[str], rounds: int) -> int:
+        """New blocks that ``rounds`` rounds of ``append_slot`` over ``request_ids`` would take (changes nothing)."""
+        return sum(self.decode_new_blocks_each(request_ids, rounds))
+
+    def decode_new_blocks_each(self, request_ids: Sequence[str], rounds: int) -> list[int]:
+        """New blocks each request would take over ``rounds`` rounds of ``append_slot`` (changes nothing)."""
+        bs = self.block_size_tokens
+        out = []
+        for rid in request_ids:
+            t = self._tables[rid]
+            first = t.num_blocks * bs - t.num_tokens + 1  # _first_new_block_round, inlined: this is per report
+            out.append((rounds - first) // bs + 1 if first <= rounds else 0)
+        return out
+
+    def extend_decode_slots(self, request_ids: Sequence[str], rounds: int) -> int:
+        """Give every request ``rounds`` more token slots, exactly as ``rounds`` rounds of ``append_slot`` over
+        ``request_ids`` (in that order, round after round) would: the same blocks, in the same order.
+
+        Only from the free list: the caller checks ``decode_rounds_that_fit`` first. Returns the number of
+        blocks allocated. Raises KeyError for a request without a table, ValueError (nothing changed) when the
+        free list cannot supply them.
+        """
+        if rounds <= 0:
+            return 0
+        bs = self.block_size_tokens
+        tables = [self._tables[rid] for rid in request_ids]
+        events: list[tuple[int, int]] = []  # (round, position in request_ids) of each new block
+        for i, t in enumerate(tables):
+            first = t.num_blocks * bs - t.num_tokens + 1  # _first_new_block_round, inlined: this is per step
+            if first <= rounds:
+                events.extend([(r, i) for r in range(first, rounds + 1, bs)])
+        free = self._free
+        if len(events) > len(free):
+            raise ValueError(f"extend_decode_slots: {len(events)} new blocks needed, {len(free)} free")
+        for t in tables:
+            t.num_tokens += rounds
+        if rounds > 1:
+            events.sort()  # round by round; with one round they are in request order already
+        for _, i in events:
+            t = tables[i]
+            t.private.append(free.pop())
+            t.num_blocks += 1
+        self._used_private += len(events)
+        return len(events)
 
     def free(self, request_id: str) -> int:
         """Release the request's blocks; shared prefix entries lose a reference (cached when unreferenced).
@@ -200,6 +281,7 @@ class BlockManager:
         if got is None:
             return False
         self._reservations[reservation_id] = got
+        self._reserved += n_blocks
         return True
 
     def grow_reservation(self, reservation_id: str, n_blocks: int) -> bool:
@@ -217,6 +299,7 @@ class BlockManager:
         if got is None:
             return False
         held.extend(got)
+        self._reserved += len(got)
         return True
 
     def reservation_size(self, reservation_id: str) -> int | None:
@@ -255,11 +338,12 @@ class BlockManager:
                 return None
             extra = got
         del self._reservations[reservation_id]
+        self._reserved -= len(held)
         blocks = held + extra
         surplus = blocks[need:]
         blocks = blocks[:need]
         self._free.extend(reversed(surplus))
-        self._tables[request_id] = _Table(private=blocks, num_tokens=num_tokens)
+        self._tables[request_id] = _Table(private=blocks, num_tokens=num_tokens, num_blocks=len(blocks))
         self._used_private += len(blocks)
         return tuple(blocks)
 
@@ -268,6 +352,7 @@ class BlockManager:
         blocks = self._reservations.pop(reservation_id, None)
         if blocks is None:
             return 0
+        self._reserved -= len(blocks)
         self._free.extend(reversed(blocks))
         return len(blocks)
 
@@ -294,11 +379,7 @@ class BlockManager:
             return PrefixMatch(0, 0)
         per = self._blocks_per_hash(hash_block_tokens)
         self.prefix_queries_tokens_total += max(0, max_hit_tokens)
-        matched: list[int] = []
-        for j, h in enumerate(prefix_block_hashes):
-            if (j + 1) * hash_block_tokens > max_hit_tokens or h not in self._entries or h in matched:
-                break
-            matched.append(h)
+        matched = self.prefix_matching(prefix_block_hashes, hash_block_tokens, max_hit_tokens)
         if not matched:
             return PrefixMatch(0, 0)
         t = self._tables[request_id] = _Table()
@@ -311,8 +392,43 @@ class BlockManager:
             entry.refs += 1
             t.shared.append(h)
         t.num_tokens = len(matched) * hash_block_tokens
+        t.num_blocks = len(matched) * per
         self.prefix_hit_tokens_total += t.num_tokens
         return PrefixMatch(hit_tokens=t.num_tokens, hit_blocks=len(matched) * per)
+
+    def prefix_matching(
+        self, prefix_block_hashes: Sequence[int], hash_block_tokens: int, max_hit_tokens: int
+    ) -> list[int]:
+        """The hash ids ``match_prefix`` would share, in order (changes nothing; without prefix caching, [])."""
+        if not self.enable_prefix_caching:
+            return []
+        matched: list[int] = []
+        for j, h in enumerate(prefix_block_hashes):
+            if (j + 1) * hash_block_tokens > max_hit_tokens or h not in self._entries or h in matched:
+                break
+            matched.append(h)
+        return matched
+
+    def cached_blocks_in(self, hashes: Sequence[int]) -> int:
+        """Blocks of the unreferenced (evictable) entries among ``hashes``: what matching them takes out of
+        :attr:`available_blocks`."""
+        return sum(len(self._entries[h].blocks) for h in hashes if self._entries[h].refs == 0)
+
+    def repeat_unadmitted_lookups(
+        self, prefix_block_hashes: Sequence[int], hash_block_tokens: int, max_hit_tokens: int, times: int
+    ) -> None:
+        """The effects of ``times`` rounds of ``match_prefix`` then ``free`` for a request that holds no
+        blocks and is not admitted (a blocked head of the queue, step after step): the lookup counters
+        grow, and the matched unreferenced entries move to the most recently used end, in prefix order."""
+        if times <= 0 or not self.enable_prefix_caching or not prefix_block_hashes:
+            return
+        self._blocks_per_hash(hash_block_tokens)
+        self.prefix_queries_tokens_total += times * max(0, max_hit_tokens)
+        matched = self.prefix_matching(prefix_block_hashes, hash_block_tokens, max_hit_tokens)
+        self.prefix_hit_tokens_total += times * len(matched) * hash_block_tokens
+        for h in matched:
+            if self._entries[h].refs == 0:
+                self._lru.move_to_end(h)
 
     def publish_prefix(
         self,
@@ -332,11 +448,8 @@ class BlockManager:
             return 0
         per = self._blocks_per_hash(hash_block_tokens)
         published = 0
-        while len(t.shared) < len(prefix_block_hashes):
-            j = len(t.shared)
-            h = prefix_block_hashes[j]
-            if (j + 1) * hash_block_tokens > num_computed_tokens or h in self._entries or len(t.private) < per:
-                break
+        while self._publishable(t, prefix_block_hashes, hash_block_tokens, num_computed_tokens, per):
+            h = prefix_block_hashes[len(t.shared)]
             blocks = tuple(t.private[:per])
             del t.private[:per]
             self._entries[h] = _Entry(blocks=blocks, refs=1)
@@ -345,6 +458,28 @@ class BlockManager:
             t.shared.append(h)
             published += 1
         return published
+
+    def _publishable(
+        self, t: _Table, prefix_block_hashes: Sequence[int], hash_block_tokens: int, num_computed_tokens: int, per: int
+    ) -> bool:
+        """Whether ``publish_prefix`` would publish the hash block right after the table's shared prefix."""
+        j = len(t.shared)
+        return (
+            j < len(prefix_block_hashes)
+            and (j + 1) * hash_block_tokens <= num_computed_tokens
+            and prefix_block_hashes[j] not in self._entries
+            and len(t.private) >= per
+        )
+
+    def would_publish(
+        self, request_id: str, prefix_block_hashes: Sequence[int], hash_block_tokens: int, num_computed_tokens: int
+    ) -> bool:
+        """Whether ``publish_prefix`` with these arguments would publish anything (changes nothing)."""
+        t = self._tables.get(request_id)
+        if not self.enable_prefix_caching or t is None or not prefix_block_hashes:
+            return False
+        per = self._blocks_per_hash(hash_block_tokens)
+        return self._publishable(t, prefix_block_hashes, hash_block_tokens, num_computed_tokens, per)
 
     # ---- checks -------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -355,6 +490,10 @@ class BlockManager:
         every = private + reserved + shared + self._free
         assert len(every) == len(set(every)) == self.num_blocks, "a block is lost or in two places"
         assert self._used_private == len(private), "private count drifted"
+        assert self._reserved == len(reserved), "reserved count drifted"
+        for rid, t in self._tables.items():
+            held = len(t.private) + sum(len(self._entries[h].blocks) for h in t.shared)
+            assert t.num_blocks == held, f"{rid}: block count {t.num_blocks} != {held} held"
         refs: dict[int, int] = {}
         for t in self._tables.values():
             for h in t.shared:

@@ -13,7 +13,8 @@ source ``resume``s. A request that finishes during pre-copy is simply finished o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from llumlet.engine.blocks import BlockManager
 from llumlet.engine.latency import LatencyModel
@@ -21,12 +22,17 @@ from llumlet.engine.paged import PagedEngine
 from llumlet.engine.protocol import KVPayload
 from llumlet.engine.scheduler import Admission, RequestStatus, Scheduler, SchedulerRequest
 from llumlet.engine.types import (
+    EngineLoad,
     EngineRequest,
     MigrationState,
     StepResult,
+    instance_load_of,
 )
 
-__all__ = ["EngineCore", "RequestStats", "RequestTooLargeError"]
+if TYPE_CHECKING:
+    from policy.types import InstanceLoad
+
+__all__ = ["DecodeRun", "EngineCore", "RequestStats", "RequestTooLargeError"]
 
 
 class RequestTooLargeError(ValueError):
@@ -51,6 +57,40 @@ class RequestStats:
         )
 
 
+class DecodeRun:
+    """A run of pure decode steps planned by :meth:`EngineCore.start_decode_run`.
+
+    Every step of the run schedules the same batch, ``request_ids``, one token each, and nothing else; step
+    ``j`` (from 0) lasts ``durations_s[j]``. The engine's state holds the first ``applied`` steps (a step is
+    applied when it starts, as :meth:`EngineCore.step` applies a batch when it returns it); ``steps`` is how
+    many the run has: fewer than planned once the run is cut. ``finished`` names the requests that finished
+    in its last step, once that step is applied (a request can only finish there).
+    """
+
+    __slots__ = ("_on_interrupt", "applied", "durations_s", "finished", "request_ids", "steps")
+
+    def __init__(
+        self,
+        request_ids: tuple[str, ...],
+        durations_s: list[float],
+        on_interrupt: Callable[[DecodeRun], None] | None,
+    ) -> None:
+        self.request_ids = request_ids  # the batch, in schedule order
+        self.durations_s = durations_s  # seconds, one per planned step
+        self.steps = len(durations_s)  # steps in the run (shrinks when cut)
+        self.applied = 0  # steps already in the engine's state, 1..steps once started
+        self.finished: tuple[str, ...] = ()  # requests that finished in the last step (once applied)
+        self._on_interrupt = on_interrupt
+
+    @property
+    def done(self) -> bool:
+        """Every step of the run is applied."""
+        return self.applied >= self.steps
+
+    def __repr__(self) -> str:
+        return f"DecodeRun({len(self.request_ids)} requests, applied {self.applied} of {self.steps} steps)"
+
+
 class EngineCore(PagedEngine):
     """A modelled LLM engine instance.
 
@@ -64,9 +104,23 @@ class EngineCore(PagedEngine):
         enable_prefix_caching: share prompt prefixes by hash id (see ``blocks.py``).
         kv_bytes_per_block: bytes one block occupies on the modelled GPU (reported in ``KVPayload.nbytes``).
         admission: "chunked" (vLLM v1, default) or "whole-prompt" (vLLM v0, see ``Scheduler._admit``).
+        decode_runs: let :meth:`step` apply pure decode steps in runs (``Scheduler.decode_run_length``,
+            O(batch + new blocks) per step) instead of forming each batch with ``Scheduler.schedule``; the
+            results are the same. False keeps the step-by-step reference, for tests.
 
     Raises ValueError for non-positive sizes.
+
+    Runs of decode steps: :meth:`start_decode_run` plans the steps until the next event that matters (a
+    finish, a block the free list cannot supply, a budget) and applies the first; the caller applies the
+    others as their time comes (:meth:`advance_decode_run`). Before any change from outside (a request
+    added or aborted, a reservation, a migration hook) the caller is told (``on_interrupt``), applies the
+    steps that have started by then, and the run ends after them: the rest was planned on the old state.
+    :attr:`load_version` changes whenever :meth:`load` would report something new (every applied step
+    changes token counts) and :meth:`load` is rebuilt only then.
     """
+
+    #: steps :meth:`step` plans at most per run (a run is cut by any change from outside anyway)
+    STEP_RUN_STEPS = 64
 
     def __init__(
         self,
@@ -79,8 +133,10 @@ class EngineCore(PagedEngine):
         enable_prefix_caching: bool = False,
         kv_bytes_per_block: int = 0,
         admission: Admission = "chunked",
+        decode_runs: bool = True,
     ) -> None:
         self.instance_id = instance_id
+        self.decode_runs = decode_runs
         self._kv_bytes_per_block = kv_bytes_per_block
         self.latency_model = latency_model
         self.blocks = BlockManager(num_blocks, block_size_tokens, enable_prefix_caching)
@@ -88,11 +144,87 @@ class EngineCore(PagedEngine):
         self._suspended: dict[str, SchedulerRequest] = {}
         self._last_step_preempted = False
         self.stats: dict[str, RequestStats] = {}  # request_id -> counters of requests that left
+        self._run: DecodeRun | None = None  # the decode run in progress (applied < steps), if any
+        self._load_version = 0
+        self._load: EngineLoad | None = None  # load() of _load_at_version
+        self._load_at_version = -1
 
     @property
     def kv_bytes_per_block(self) -> int:
         """Bytes one KV block would occupy on the modelled GPU (0 when not given)."""
         return self._kv_bytes_per_block
+
+    # ---- load -----------------------------------------------------------------------------------
+    @property
+    def load_version(self) -> int:
+        """A counter that moves whenever :meth:`load` would report something new, and only when the engine
+        changed: calls that change nothing (a refused reservation, an idle step) leave it where it was."""
+        return self._load_version
+
+    def load(self) -> EngineLoad:
+        """Current block usage and queue state (rebuilt only when :attr:`load_version` moved)."""
+        if self._load is None or self._load_at_version != self._load_version:
+            self._load = super().load()
+            self._load_at_version = self._load_version
+        return self._load
+
+    def instance_load(
+        self,
+        instance_id: str,
+        domain_id: str,
+        draining: bool = False,
+        warming_up: bool = False,
+        decode_step_s: float = 0.0,
+        steps_ahead: int = 0,
+    ) -> InstanceLoad:
+        """``load().to_instance_load(...)``, built straight from the engine's state: no ``EngineLoad`` in
+        between (the simulator asks for it at every step of a busy instance).
+
+        ``steps_ahead``: the load as it will be once that many more steps of the decode run in progress are
+        applied, computed without applying them (a caller that only looks need not move the engine); the
+        run's last step, where requests finish, must not be among them. Raises ValueError otherwise.
+        """
+        num_waiting, head_demand, queued_demand, preempting = self._queue_state()
+        blocks = self.blocks
+        rows = self._running_rows()
+        used = blocks.used_blocks
+        if steps_ahead:
+            run = self._run
+            if steps_ahead < 0 or run is None or run.applied + steps_ahead >= run.steps:
+                raise ValueError(f"{self.instance_id}: instance_load(steps_ahead={steps_ahead}) with {run!r}")
+            grown = blocks.decode_new_blocks_each(run.request_ids, steps_ahead)
+            rows = [  # every request of the run is in decode: one more token a step
+                (rid, n + g, prio, tokens + steps_ahead, True, out + steps_ahead, max_tokens, max_blocks, why)
+                for (rid, n, prio, tokens, _, out, max_tokens, max_blocks, why), g in zip(rows, grown, strict=True)
+            ]
+            used += sum(grown)
+        return instance_load_of(
+            instance_id,
+            domain_id,
+            draining,
+            warming_up,
+            decode_step_s,
+            total_blocks=blocks.num_blocks,
+            used_blocks=used,
+            reserved_blocks=blocks.reserved_blocks,
+            running=rows,
+            num_waiting=num_waiting,
+            head_demand_blocks=head_demand,
+            queued_demand_blocks=queued_demand,
+            preempting=preempting,
+        )
+
+    def _changing(self) -> None:
+        """A change from outside is about to happen: the run in progress ends after the steps its driver
+        applies now (``on_interrupt``)."""
+        run = self._run
+        if run is not None and run.applied < run.steps and run._on_interrupt is not None:
+            run._on_interrupt(run)
+        self.cut_decode_run()
+
+    def _changed(self) -> None:
+        """The state changed (what :meth:`load` reports may differ): a new load version."""
+        self._load_version += 1
 
     # ---- requests -------------------------------------------------------------------------------
     def max_request_tokens(self) -> int:
@@ -126,10 +258,17 @@ class EngineCore(PagedEngine):
             )
         if request.request_id in self._suspended:
             raise ValueError(f"request {request.request_id!r} is already in this engine (suspended)")
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request {request.request_id!r} is already in this engine")
+        self._changing()
         self.scheduler.add(request)
+        self._changed()
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is (waiting, running, suspended); free its blocks. False if unknown."""
+        if request_id not in self.scheduler.requests and request_id not in self._suspended:
+            return False
+        self._changing()
         state = self._suspended.pop(request_id, None)
         if state is not None:
             self.scheduler.requests.pop(request_id, None)
@@ -139,12 +278,100 @@ class EngineCore(PagedEngine):
         if state is None:
             return False
         self.stats[request_id] = RequestStats(state)
+        self._changed()
         return True
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self) -> StepResult:
-        """Schedule one batch, price it and apply it. An idle result (nothing fit) has duration 0."""
+        """Schedule one batch, price it and apply it. An idle result (nothing fit) has duration 0.
+
+        With ``decode_runs`` a pure decode step comes from the run in progress (or a new one), at
+        O(batch) cost; the result is the one ``Scheduler.schedule`` would have given.
+        """
+        if self.decode_runs:
+            run = self._run
+            if run is None or run.done:
+                run = self.start_decode_run(self.STEP_RUN_STEPS)
+                if run is not None:
+                    return self._run_step_result(run)
+            else:
+                self.advance_decode_run(run.applied + 1)
+                return self._run_step_result(run)
+        self.cut_decode_run()
+        return self._schedule_step()
+
+    def _run_step_result(self, run: DecodeRun) -> StepResult:
+        """The StepResult of the run's latest applied step."""
+        return StepResult(
+            duration_s=run.durations_s[run.applied - 1],
+            new_tokens=dict.fromkeys(run.request_ids, 1),
+            finished=run.finished if run.done else (),
+            preempted=(),
+            num_prefill_tokens=0,
+            num_decode_tokens=len(run.request_ids),
+            num_scheduled_seqs=len(run.request_ids),
+        )
+
+    def start_decode_run(
+        self, max_steps: int, on_interrupt: Callable[[DecodeRun], None] | None = None
+    ) -> DecodeRun | None:
+        """Plan the next steps as a run of pure decode steps (at most ``max_steps``) and apply the first.
+
+        Returns None (nothing changed) when the next step is not a pure decode step of every running
+        request (``Scheduler.decode_run_length``); :meth:`step` then forms it. ``on_interrupt(run)`` is
+        called before a change from outside while steps are left: apply the steps that have started
+        (:meth:`advance_decode_run`); the run then ends after them (``steps`` becomes ``applied``).
+
+        Raises RuntimeError while another run has steps left to apply.
+        """
+        if self._run is not None and not self._run.done:
+            raise RuntimeError(f"{self.instance_id}: start_decode_run: {self._run!r} is in progress")
+        self._run = None
+        sched = self.scheduler
+        steps = sched.decode_run_length(max_steps)
+        if steps < 1:
+            return None
+        running = sched.running
+        first_kv = sum(s.num_computed_tokens for s in running) + len(running)
+        durations = self.latency_model.decode_step_times_s(len(running), first_kv, steps)
+        run = DecodeRun(tuple(s.request_id for s in running), durations, on_interrupt)
+        self._run = run
+        self.advance_decode_run(1)
+        return run
+
+    def advance_decode_run(self, applied: int) -> None:
+        """Apply the run's steps up to ``applied`` (of ``steps``); steps already applied stay. The last step
+        removes the requests that finish in it (``DecodeRun.finished``).
+
+        Raises RuntimeError when no run is in progress, ValueError when ``applied`` exceeds its steps.
+        """
+        run = self._run
+        if run is None:
+            raise RuntimeError(f"{self.instance_id}: advance_decode_run: no decode run in progress")
+        if applied > run.steps:
+            raise ValueError(f"{self.instance_id}: advance_decode_run({applied}): {run!r}")
+        if applied <= run.applied:
+            return
+        finished = self.scheduler.apply_decode_steps(applied - run.applied, run.request_ids)
+        self._load_version += applied - run.applied  # one version per step, as step-by-step stepping
+        run.applied = applied
+        self._last_step_preempted = False
+        if finished:
+            for state in finished:
+                self.stats[state.request_id] = RequestStats(state)
+            run.finished = tuple(s.request_id for s in finished)
+
+    def cut_decode_run(self) -> None:
+        """End the run in progress after its applied steps (no-op without one)."""
+        run = self._run
+        if run is not None:
+            self._run = None
+            run.steps = run.applied
+
+    def _schedule_step(self) -> StepResult:
+        """One step the step-by-step way: ``Scheduler.schedule``, the latency model, ``Scheduler.update``."""
         batch = self.scheduler.schedule()
+        preempted_before = self._last_step_preempted
         self._last_step_preempted = bool(batch.preempted)
         duration_s = self.latency_model.step_time_s(
             [(c, before) for _, c, before in batch.prefill], [ctx for _, ctx in batch.decode]
@@ -154,6 +381,8 @@ class EngineCore(PagedEngine):
         new_tokens, finished, recomputed = self.scheduler.update(batch, duration_s)
         for rid in finished:
             self.stats[rid] = RequestStats(departing[rid])
+        if batch.num_seqs or batch.preempted or preempted_before:
+            self._load_version += 1
         return StepResult(
             duration_s=duration_s,
             new_tokens=new_tokens,
@@ -199,11 +428,21 @@ class EngineCore(PagedEngine):
 
     def reserve(self, reservation_id: str, n_blocks: int) -> bool:
         """Destination side: hold ``n_blocks`` for an incoming request. False if no room or id in use."""
-        return self.blocks.reserve(reservation_id, n_blocks)
+        self._changing()
+        if not self.blocks.reserve(reservation_id, n_blocks):
+            return False
+        self._changed()
+        return True
 
     def release_reservation(self, reservation_id: str) -> int:
         """Give a reservation back. Idempotent and safe if never reserved; returns blocks released."""
-        return self.blocks.release(reservation_id)
+        if self.blocks.reservation_size(reservation_id) is None:
+            return 0
+        self._changing()
+        released = self.blocks.release(reservation_id)
+        if released:
+            self._changed()
+        return released
 
     def suspend(self, request_id: str) -> MigrationState | None:
         """Source side, between two steps: take a running decode-phase request out of batching.
@@ -221,11 +460,13 @@ class EngineCore(PagedEngine):
 
         Idempotent: returns the blocks freed, 0 if the request is not suspended here.
         """
-        state = self._suspended.pop(request_id, None)
-        if state is None:
+        if request_id not in self._suspended:
             return 0
+        self._changing()
+        state = self._suspended.pop(request_id)
         self.scheduler.requests.pop(request_id, None)
         self.stats[request_id] = RequestStats(state)
+        self._changed()
         return self.blocks.free(request_id)
 
     def commit_incoming(self, reservation_id: str, state: MigrationState) -> bool:
@@ -246,6 +487,7 @@ class EngineCore(PagedEngine):
                 f"{self.instance_id}: commit_incoming({state.request_id!r}): not in decode phase "
                 f"(computed {state.num_computed_tokens} of {state.num_tokens} tokens)"
             )
+        self._changing()
         if self.blocks.commit(reservation_id, state.request_id, state.num_computed_tokens) is None:
             return False
         request = EngineRequest(
@@ -264,4 +506,5 @@ class EngineCore(PagedEngine):
         sched_state.num_computed_tokens = state.num_computed_tokens
         sched_state.output_token_ids = list(state.output_token_ids)
         self.scheduler.add_running(sched_state)
+        self._changed()
         return True

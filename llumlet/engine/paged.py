@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from llumlet.engine.blocks import BlockManager
 from llumlet.engine.protocol import BlockRun, KVPayload
 from llumlet.engine.scheduler import RequestStatus, Scheduler, SchedulerRequest
-from llumlet.engine.types import EngineLoad, MigrationState, RunningRequestLoad, SamplingParams
+from llumlet.engine.types import EngineLoad, MigrationState, RunningRequestLoad, RunningRow, SamplingParams
 
 __all__ = ["PagedEngine"]
 
@@ -42,6 +42,14 @@ class PagedEngine:
         """Tokens per KV cache block."""
         return self.blocks.block_size_tokens
 
+    def _changing(self) -> None:
+        """Hook called before a migration hook here changes the engine's state (EngineCore ends its decode
+        run in progress)."""
+
+    def _changed(self) -> None:
+        """Hook called after a migration hook here changed the engine's state (EngineCore keeps a load
+        version)."""
+
     def has_work(self) -> bool:
         """True while a request waits or runs (suspended requests alone are not work)."""
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -52,33 +60,52 @@ class PagedEngine:
 
     def load(self) -> EngineLoad:
         """Current block usage and queue state."""
-        sched = self.scheduler
+        num_waiting, head_demand, queued_demand, preempting = self._queue_state()
         return EngineLoad(
             total_blocks=self.blocks.num_blocks,
             used_blocks=self.blocks.used_blocks,
             reserved_blocks=self.blocks.reserved_blocks,
             cached_blocks=self.blocks.cached_blocks,
-            running=tuple(
-                RunningRequestLoad(
-                    request_id=s.request_id,
-                    blocks=self.blocks.num_blocks_of(s.request_id),
-                    priority=s.request.priority,
-                    num_tokens=s.num_tokens,
-                    in_decode=s.in_decode,
-                    output_tokens=s.num_output_tokens,
-                    max_tokens=s.request.max_tokens,
-                    max_blocks=-(
-                        -(s.request.prompt_tokens + s.request.max_tokens - 1) // self.blocks.block_size_tokens
-                    ),
-                )
-                for s in sched.running
-            ),
-            num_waiting=len(sched.waiting),
-            head_demand_blocks=sched.head_demand_blocks(),
-            queued_demand_blocks=sched.queued_demand_blocks(),
-            preempting=self._last_step_preempted or any(s.num_preemptions for s in sched.waiting),
+            running=tuple([RunningRequestLoad(*row) for row in self._running_rows()]),
+            num_waiting=num_waiting,
+            head_demand_blocks=head_demand,
+            queued_demand_blocks=queued_demand,
+            preempting=preempting,
             num_suspended=len(self._suspended),
         )
+
+    def _running_rows(self) -> list[RunningRow]:
+        """Each running request as the load report sees it, in arrival order (one pass, fields read directly:
+        this runs for every report)."""
+        blocks_of = self.blocks.num_blocks_of
+        bs = self.blocks.block_size_tokens
+        rows: list[RunningRow] = []
+        for s in self.scheduler.running:
+            req = s.request
+            out = s.num_output_tokens
+            num_tokens = req.prompt_tokens + out
+            in_decode = out > 0 and s.num_computed_tokens == num_tokens - 1
+            max_blocks = -(-(req.prompt_tokens + req.max_tokens - 1) // bs)
+            rows.append(
+                (
+                    req.request_id,
+                    blocks_of(req.request_id),
+                    req.priority,
+                    num_tokens,
+                    in_decode,
+                    out,
+                    req.max_tokens,
+                    max_blocks,
+                    "",
+                )
+            )
+        return rows
+
+    def _queue_state(self) -> tuple[int, int, int, bool]:
+        """(num_waiting, head_demand_blocks, queued_demand_blocks, preempting) of the load report."""
+        sched = self.scheduler
+        preempting = self._last_step_preempted or any(s.num_preemptions for s in sched.waiting)
+        return len(sched.waiting), sched.head_demand_blocks(), sched.queued_demand_blocks(), preempting
 
     def request_kv(self, request_id: str) -> tuple[int, int] | None:
         """(tokens in the KV cache, blocks held) of an unfinished request; None if unknown."""
@@ -155,23 +182,34 @@ class PagedEngine:
 
         False when the extra blocks don't fit (nothing changes). Raises KeyError for an unknown reservation.
         """
-        return self.blocks.grow_reservation(reservation_id, n_blocks)
+        before = self.blocks.reserved_for(reservation_id)
+        if n_blocks > before:
+            self._changing()
+        if not self.blocks.grow_reservation(reservation_id, n_blocks):
+            return False
+        if self.blocks.reserved_for(reservation_id) != before:
+            self._changed()
+        return True
 
     def resume(self, request_id: str) -> bool:
         """Undo ``suspend`` (migration aborted): the request runs here again. False if not suspended."""
-        state = self._suspended.pop(request_id, None)
-        if state is None:
+        if request_id not in self._suspended:
             return False
+        self._changing()
+        state = self._suspended.pop(request_id)
         self.scheduler.add_running(state)
+        self._changed()
         return True
 
     def _take_suspended(
         self, state: SchedulerRequest, sampling_params: SamplingParams | None, extra: dict[str, object]
     ) -> MigrationState:
         """Take a running request out of batching (it keeps its blocks) and return its ``MigrationState``."""
+        self._changing()
         self.scheduler.running.remove(state)
         state.status = RequestStatus.SUSPENDED
         self._suspended[state.request_id] = state
+        self._changed()
         req = state.request
         return MigrationState(
             request_id=state.request_id,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -265,6 +265,7 @@ class Scheduler:
                 used += self._schedule_running(state, limit - used, batch)
         while not batch.preempted and self.waiting and used < limit and len(self.running) < self.max_num_seqs:
             head = self.waiting[0]
+            pending = head.recompute_pending
             hits_now = self._match_prefix(head)
             got = self._admit(head, limit - used, batch)
             if got == 0:
@@ -272,12 +273,129 @@ class Scheduler:
                     self.blocks.free(head.request_id)
                     head.num_computed_tokens = 0
                     head.prefix_hit_tokens -= hits_now
+                    head.recompute_pending = pending
                 break
             batch.hits += hits_now
             used += got
             self.waiting.popleft()
             self.add_running(head)
         return ScheduledBatch(tuple(batch.prefill), tuple(batch.decode), tuple(batch.preempted), batch.hits)
+
+    # ---- runs of pure decode steps ---------------------------------------------------------------
+    def decode_run_length(self, max_steps: int) -> int:
+        """How many of the next steps are pure decode steps of every running request; 0 if the next is not.
+
+        A pure decode step is one in which :meth:`schedule` gives every running request (all in decode) one
+        token, takes each new block from the free list (no eviction, no preemption) and admits nothing, and
+        :meth:`update` finishes no request before its last step and publishes no prefix. Such steps follow
+        each other with the same batch and contexts growing by one token, until a request finishes (that
+        step is the last of the run), the free list would run out (that step is not in the run, it may
+        preempt), or ``max_steps``. Admission stays blocked over the run once it fails in its first step:
+        the batch's token count is fixed and free blocks only shrink.
+
+        A blocked head of the queue is looked up in the prefix cache again at every step (counters, LRU
+        order: :meth:`apply_decode_steps` repeats that). Conservative: 0 when a request still has tokens to
+        recompute or could publish a prefix block.
+        """
+        running = self.running
+        n = len(running)
+        if max_steps < 1 or n == 0 or n > self.max_num_seqs or n > self.max_num_batched_tokens:
+            return 0
+        blocks = self.blocks
+        caching = blocks.enable_prefix_caching
+        steps = max_steps
+        for s in running:
+            req = s.request
+            if s.recompute_pending or s.num_output_tokens == 0:
+                return 0
+            if s.num_computed_tokens != req.prompt_tokens + s.num_output_tokens - 1:  # not in decode
+                return 0
+            steps = min(steps, req.max_tokens - s.num_output_tokens)
+            if (
+                caching
+                and req.prefix_block_hashes
+                and blocks.would_publish(
+                    req.request_id, req.prefix_block_hashes, req.prefix_hash_block_tokens, req.prompt_tokens
+                )
+            ):
+                return 0
+        if steps < 1:
+            return 0
+        ids = [s.request_id for s in running]
+        steps = blocks.decode_rounds_that_fit(ids, steps)
+        head = self._attempted_head()
+        if steps and head is not None and self._head_fits(head, blocks.decode_rounds_new_blocks(ids, 1)):
+            return 0
+        return steps
+
+    def _attempted_head(self) -> SchedulerRequest | None:
+        """The waiting head :meth:`schedule` tries to admit after a pure decode step of every running request
+        (None when the queue is empty or the batch is full)."""
+        n = len(self.running)
+        if self.waiting and n < self.max_num_batched_tokens and n < self.max_num_seqs:
+            return self.waiting[0]
+        return None
+
+    def _looks_up_prefix(self, head: SchedulerRequest) -> bool:
+        """Whether ``_match_prefix`` looks ``head`` up in the prefix cache (the lookup has effects)."""
+        return (
+            self.blocks.enable_prefix_caching
+            and bool(head.request.prefix_block_hashes)
+            and not head.num_computed_tokens
+        )
+
+    def _head_fits(self, head: SchedulerRequest, blocks_taken: int) -> bool:
+        """Whether ``head`` would be admitted after a pure decode step whose decodes took ``blocks_taken``
+        blocks: a read-only mirror of ``_match_prefix`` then ``_admit``. Once it does not fit, it does not
+        over a run: the budget is fixed and available blocks only shrink."""
+        blocks = self.blocks
+        req = head.request
+        rid = head.request_id
+        held_tokens, held_blocks, computed = (
+            blocks.num_tokens_of(rid),
+            blocks.num_blocks_of(rid),
+            head.num_computed_tokens,
+        )
+        available = blocks.available_blocks - blocks_taken
+        if self._looks_up_prefix(head):
+            matched = blocks.prefix_matching(req.prefix_block_hashes, req.prefix_hash_block_tokens, head.num_tokens - 1)
+            held_tokens = computed = len(matched) * req.prefix_hash_block_tokens
+            held_blocks = blocks.blocks_for_tokens(held_tokens)
+            available -= blocks.cached_blocks_in(matched)
+        if self.admission == "whole-prompt":
+            need = blocks.blocks_for_tokens(head.num_tokens) - held_blocks
+            if need > available - self.watermark_blocks:
+                return False
+        chunk = min(head.num_tokens - computed, self.max_num_batched_tokens - len(self.running))
+        if chunk <= 0:
+            return False
+        return blocks.blocks_for_tokens(held_tokens + chunk) - held_blocks <= available
+
+    def apply_decode_steps(self, steps: int, request_ids: Sequence[str] | None = None) -> list[SchedulerRequest]:
+        """Apply ``steps`` pure decode steps at once, exactly as ``steps`` rounds of :meth:`schedule` +
+        :meth:`update` would; returns the requests that finished (removed, blocks freed), in batch order.
+
+        The caller makes sure :meth:`decode_run_length` allowed them (nothing changed since); a request can
+        only finish in the last step of a run. ``request_ids``: the running requests' ids, if the caller
+        keeps them (a run's batch).
+        """
+        running = self.running
+        head = self._attempted_head()
+        if head is not None and self._looks_up_prefix(head):  # each step looked the blocked head up again
+            req = head.request
+            self.blocks.repeat_unadmitted_lookups(
+                req.prefix_block_hashes, req.prefix_hash_block_tokens, head.num_tokens - 1, steps
+            )
+        self.blocks.extend_decode_slots(request_ids or [s.request_id for s in running], steps)
+        finished: list[SchedulerRequest] = []
+        for s in running:
+            s.num_computed_tokens += steps
+            s.num_output_tokens += steps
+            if s.num_output_tokens >= s.request.max_tokens:
+                finished.append(s)
+        for s in finished:
+            self.remove(s.request_id)
+        return finished
 
     def _match_prefix(self, state: SchedulerRequest) -> int:
         req = state.request

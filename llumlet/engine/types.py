@@ -6,9 +6,11 @@ only link to the policy layer.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
-from collections.abc import Mapping
+import operator
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
@@ -24,10 +26,12 @@ __all__ = [
     "GuidedDecoding",
     "MigrationState",
     "RunningRequestLoad",
+    "RunningRow",
     "SamplingFeature",
     "SamplingParams",
     "StepResult",
     "TokenLogprobs",
+    "instance_load_of",
 ]
 
 
@@ -253,40 +257,77 @@ class EngineLoad:
         warming_up: bool = False,
         decode_step_s: float = 0.0,
     ) -> InstanceLoad:
-        """Convert for the policy layer.
-
-        ``used_blocks`` of the result counts reservations too (they hold capacity); evictable cached prefix
-        blocks count as free. Suspended requests are not in ``running`` (they are leaving). ``decode_step_s``:
-        the engine's most recent step time, measured by whoever steps it (the llumlet, the simulator).
-        """
-        from policy.types import InstanceLoad, RequestLoad
-
-        return InstanceLoad(
-            instance_id=instance_id,
-            capacity_blocks=self.total_blocks,
-            used_blocks=self.used_blocks + self.reserved_blocks,
-            running=tuple(
-                RequestLoad(
-                    request_id=r.request_id,
-                    blocks=r.blocks,
-                    priority=r.priority,
-                    num_tokens=r.num_tokens,
-                    migratable=r.in_decode and not r.unmigratable_reason,
-                    output_tokens=r.output_tokens,
-                    max_tokens=r.max_tokens,
-                    max_blocks=r.max_blocks,
-                )
-                for r in self.running
-            ),
+        """Convert for the policy layer (:func:`instance_load_of` says how). ``decode_step_s``: the engine's
+        most recent step time, measured by whoever steps it (the llumlet, the simulator)."""
+        return instance_load_of(
+            instance_id,
+            domain_id,
+            draining,
+            warming_up,
+            decode_step_s,
+            total_blocks=self.total_blocks,
+            used_blocks=self.used_blocks,
+            reserved_blocks=self.reserved_blocks,
+            running=[_row_of(r) for r in self.running],
             num_waiting=self.num_waiting,
             head_demand_blocks=self.head_demand_blocks,
             queued_demand_blocks=self.queued_demand_blocks,
             preempting=self.preempting,
-            draining=draining,
-            warming_up=warming_up,
-            domain_id=domain_id,
-            decode_step_s=decode_step_s,
         )
+
+
+RunningRow = tuple[str, int, int, int, bool, int, int, int, str]
+"""One running request as the load report sees it: the fields of :class:`RunningRequestLoad`, in its order
+(``RunningRequestLoad(*row)`` is the request's entry; an engine builds rows where it would build many)."""
+
+_row_of = operator.attrgetter(*(f.name for f in dataclasses.fields(RunningRequestLoad)))
+
+
+def instance_load_of(
+    instance_id: str,
+    domain_id: str,
+    draining: bool,
+    warming_up: bool,
+    decode_step_s: float,
+    *,
+    total_blocks: int,
+    used_blocks: int,
+    reserved_blocks: int,
+    running: Iterable[RunningRow],
+    num_waiting: int,
+    head_demand_blocks: int,
+    queued_demand_blocks: int,
+    preempting: bool,
+) -> InstanceLoad:
+    """An engine's load as the policy layer's ``InstanceLoad`` (the fields as in :class:`EngineLoad`).
+
+    ``used_blocks`` of the result counts reservations too (they hold capacity); evictable cached prefix
+    blocks count as free; suspended requests are not running (they are leaving); a request is migratable
+    once in decode unless the engine names a reason it cannot move. Built without ``InstanceLoad``'s checks:
+    an engine's counts are consistent by construction (a report from outside is checked where it is
+    decoded, ``rack_sched.convert``).
+    """
+    from policy.types import trusted_instance_load, trusted_request_load
+
+    return trusted_instance_load(
+        instance_id=instance_id,
+        capacity_blocks=total_blocks,
+        used_blocks=used_blocks + reserved_blocks,
+        running=tuple(
+            [
+                trusted_request_load(rid, blocks, prio, tokens, in_decode and not why, out, max_tokens, max_blocks)
+                for rid, blocks, prio, tokens, in_decode, out, max_tokens, max_blocks, why in running
+            ]
+        ),
+        num_waiting=num_waiting,
+        head_demand_blocks=head_demand_blocks,
+        queued_demand_blocks=queued_demand_blocks,
+        preempting=preempting,
+        draining=draining,
+        warming_up=warming_up,
+        domain_id=domain_id,
+        decode_step_s=decode_step_s,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,3 +48,18 @@ def test_two_queues_do_not_share_state() -> None:
     b.schedule(1.0, EventKind.TICK, lambda: order.append("b"))
     b.run_next()
     assert a.now_s == 0.0 and b.now_s == 1.0 and len(a) == 1 and order == ["b"]
+
+
+def test_scheduled_at_orders_same_time_events_and_the_running_key_is_visible() -> None:
+    q = EventQueue()
+    seen: list[tuple[str, object]] = []
+    q.schedule(1.0, EventKind.TICK, lambda: None)
+    q.run_next()  # now 1.0
+    q.schedule(3.0, EventKind.STEP_DONE, lambda: seen.append(("late", q.current_key())))
+    # a step end that step-by-step stepping would have scheduled at 0.5 goes first, though scheduled last
+    q.schedule(3.0, EventKind.STEP_DONE, lambda: seen.append(("early", q.current_key())), scheduled_s=0.5)
+    while q.run_next():
+        pass
+    assert [name for name, _ in seen] == ["early", "late"]
+    assert seen[0][1] == (3.0, int(EventKind.STEP_DONE), 0.5, 3) and seen[1][1] == (3.0, 0, 1.0, 2)
+    assert q.current_key() is None

@@ -6,7 +6,9 @@ import dataclasses
 import enum
 import json
 import math
+import pickle
 import re
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,7 @@ from sim.results import (
     KvTimeline,
     MigrationRecord,
     PolicySummary,
+    RequestLog,
     RequestRecord,
     ResultsError,
     SimRun,
@@ -306,3 +309,59 @@ def test_load_results_errors_name_file_and_key(tmp_path: Path) -> None:
     path.write_text("{not json")
     with pytest.raises(ResultsError, match="not valid JSON"):
         load_results(path)
+
+
+def logged(run: SimRun, order: list[int]) -> SimRun:
+    """The same run with its records in a RequestLog, added in ``order`` (as requests finish)."""
+    log = RequestLog(len(run.requests))
+    for i in order:
+        log.add(i, run.requests[i])
+    return dataclasses.replace(run, requests=log)
+
+
+def test_a_request_log_reads_back_in_arrival_order_and_summarizes_the_same(tmp_path: Path) -> None:
+    run = hand_run()
+    log_run = logged(run, [2, 0, 3, 1])  # finish order differs from arrival order
+    log = log_run.requests
+    assert isinstance(log, RequestLog)
+    assert list(log) == list(run.requests) and log == run.requests and run.requests == log
+    assert log[1].token_gaps_s == (0.03,) and log[-1].refused == "no_capacity" and log[1:3] == list(run.requests[1:3])
+    assert summarize(log_run) == summarize(run)
+    assert list(log.totals.gaps_s) == [0.05, 0.01, 0.02, 0.04, 0.03]  # in the order the records came
+    assert log.totals.max_finish_s == 2.0
+    # results.json: the streamed file is the in-memory document, and the same with or without a log
+    doc = json.loads(write_results([log_run, run], tmp_path).read_text())
+    assert doc == results_document([log_run, run]) == results_document([run, run])
+    assert pickle.loads(pickle.dumps(log)) == tuple(run.requests)
+
+
+def test_a_request_log_refuses_a_second_record_and_names_a_missing_one() -> None:
+    run = hand_run()
+    log = RequestLog(4)
+    log.add(1, run.requests[1])
+    assert log[1] == run.requests[1]  # a read in between writes
+    log.add(3, run.requests[3])
+    assert (log[3], log[1]) == (run.requests[3], run.requests[1])
+    with pytest.raises(ValueError, match=r"'r1' \(index 1\) is already recorded"):
+        log.add(1, run.requests[1])
+    with pytest.raises(LookupError, match="request 0 has no record yet"):
+        log[0]
+    with pytest.raises(IndexError, match="index 4 outside"):
+        log.add(4, run.requests[0])
+
+
+def test_a_request_log_keeps_a_few_numbers_per_request_in_memory() -> None:
+    gaps = tuple(0.01 * k for k in range(1, 11))
+    records = [
+        req(f"r{i}", arrival_s=float(i), first_token_s=i + 0.5, finish_s=i + 1.0, gaps=gaps) for i in range(20_000)
+    ]
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    log = RequestLog(len(records))
+    for i, rec in enumerate(records):
+        log.add(i, rec)
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    # per request: ~11 numbers in numpy arrays + 10 gaps of 8 bytes; records and their tuples are not kept
+    assert held < 20_000 * (11 * 8 + 10 * 8 + 40)
+    assert log[19_999] == records[19_999]

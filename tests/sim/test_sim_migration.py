@@ -7,7 +7,7 @@ from sim_factories import tiny_topology
 
 from llumlet.engine.latency import load_latency_model
 from sim.cluster import Cluster, EngineLimits, RequestState
-from sim.events import EventQueue
+from sim.events import EventKind, EventQueue
 from sim.migration import LinkFlows, MigrationExecutor
 from sim.traces import TraceRequest
 from topology.cost import CostConfig, MigrationCostInput, plan_migration
@@ -31,9 +31,20 @@ class Rig:
         self.cluster.submit(req, instance_id)
         return state
 
-    def run_until(self, predicate: object) -> None:
+    def run_until(self, predicate: object, probe_s: float = 1e-3) -> None:
+        """Run events until ``predicate()`` holds, checked at every event and at least every ``probe_s``
+        of simulated time (a decode run is one event: the probes let a condition be seen mid-run; read
+        request accounts through ``cluster.requests``, which brings them to the current time)."""
         assert callable(predicate)
+        probing = [False]
+
+        def probe() -> None:
+            probing[0] = False
+
         while not predicate():
+            if not probing[0]:
+                probing[0] = True
+                self.queue.schedule_in(probe_s, EventKind.SAMPLE, probe)
             assert self.queue.run_next(), "simulation ended before the condition held"
 
     def run_all(self) -> None:
@@ -44,7 +55,7 @@ class Rig:
 def test_a_cross_domain_move_takes_the_time_the_cost_model_predicts() -> None:
     rig = Rig()
     state = rig.submit("r0", "n0-i0", prompt=1000, output=3000)
-    rig.run_until(lambda: state.generated_tokens >= 50)
+    rig.run_until(lambda: rig.cluster.requests["r0"].generated_tokens >= 50)
     src = rig.cluster.instances["n0-i0"]
     tokens, _blocks = src.engine.request_kv("r0") or (0, 0)
     step_s = src.last_step_s
@@ -86,8 +97,8 @@ def test_pre_copy_downtime_does_not_grow_with_the_context() -> None:
     downtimes = []
     for prompt in (256, 3000):
         rig = Rig()
-        state = rig.submit("r", "n0-i0", prompt=prompt, output=1000)
-        rig.run_until(lambda s=state: s.generated_tokens >= 20)
+        rig.submit("r", "n0-i0", prompt=prompt, output=1000)
+        rig.run_until(lambda r=rig: r.cluster.requests["r"].generated_tokens >= 20)
         assert rig.executor.start("r", "n0-i0", "n1-i0")
         rig.run_until(lambda r=rig: bool(r.executor.records))
         downtimes.append(rig.executor.records[0].downtime_s)
@@ -124,7 +135,7 @@ def test_two_moves_on_one_link_share_it() -> None:
 def test_a_request_that_finishes_during_pre_copy_aborts_and_releases_the_reservation() -> None:
     rig = Rig(CostConfig(cap_fraction=0.01))  # a slow link: 250 MB/s
     state = rig.submit("r", "n0-i0", prompt=2000, output=30)
-    rig.run_until(lambda: state.generated_tokens >= 25)
+    rig.run_until(lambda: rig.cluster.requests["r"].generated_tokens >= 25)
     assert rig.executor.start("r", "n0-i0", "n1-i0")
     dst = rig.cluster.instances["n1-i0"]
     assert dst.engine.load().reserved_blocks > 0
@@ -139,7 +150,7 @@ def test_no_room_on_the_destination_means_no_start() -> None:
     rig = Rig()
     state = rig.submit("big", "n0-i0", prompt=3000, output=900)
     rig.submit("filler", "n1-i0", prompt=3000, output=900)
-    rig.run_until(lambda: state.generated_tokens >= 2)
+    rig.run_until(lambda: rig.cluster.requests["big"].generated_tokens >= 2)
     # The destination holds 2000 blocks; "filler" leaves fewer than "big" needs plus the margin.
     dst = rig.cluster.instances["n1-i0"]
     assert dst.engine.reserve("squat", dst.engine.load().free_blocks - 10)

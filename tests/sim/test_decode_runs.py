@@ -1,0 +1,152 @@
+"""The simulator with decode runs (one event per run of pure decode steps) equals the step-by-step one.
+
+Every run here is simulated twice, ``decode_runs=True`` and the reference ``decode_runs=False``, and every
+request record (TTFT, every TBT gap, preemptions and the time they cost, migrations, where it finished),
+every migration record, the KV usage timeline and the engine step count must be equal: not close, equal.
+The workloads are chosen to exercise what can cut or interrupt a run: preemption (a memory-tight cluster
+at a high rate), live migration inside and across domains (``llumnix``, ``hilum``), prefix sharing
+(Mooncake's hash ids with prefix caching on), whole-prompt admission, priorities, a drain and a scale-out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import pytest
+from sim_factories import make_trace, tiny_topology
+
+from llumlet.engine.blocks import BlockManager, PrefixMatch
+from llumlet.engine.latency import load_latency_model
+from sim.cluster import Cluster, EngineLimits
+from sim.events import EventKind, EventQueue
+from sim.results import SimRun, summarize
+from sim.runner import SimSpec, run_simulation
+
+AZURE = SimSpec("2x8-a100-40gb", "azure-conv", "llumnix", rate_scale=6.0, max_requests=400)
+MOONCAKE = SimSpec(
+    "2x8-a100-40gb", "mooncake-conv", "hilum", rate_scale=3.0, max_requests=300, options={"prefix_caching": True}
+)
+
+
+def both_ways(spec: SimSpec) -> tuple[SimRun, SimRun]:
+    runs = [run_simulation(dataclasses.replace(spec, options={**spec.options, "decode_runs": f})) for f in (1, 0)]
+    return runs[0], runs[1]
+
+
+def assert_same(fast: SimRun, ref: SimRun) -> None:
+    assert len(fast.requests) == len(ref.requests)
+    for a, b in zip(fast.requests, ref.requests, strict=True):
+        assert a == b, a.request_id
+    assert fast.migrations == ref.migrations
+    assert fast.kv == ref.kv
+    assert (fast.engine_steps, fast.sim_duration_s) == (ref.engine_steps, ref.sim_duration_s)
+
+
+@pytest.mark.parametrize(
+    ("spec", "want"),
+    [
+        (AZURE, "preempts, migrates across domains"),
+        (dataclasses.replace(AZURE, policy="hilum", options={"priority_fraction": 0.2}), "preempts, migrates"),
+        (dataclasses.replace(AZURE, policy="round-robin", options={"admission": "whole-prompt"}), "preempts"),
+        (
+            dataclasses.replace(
+                MOONCAKE,
+                policy="llumnix",
+                options={**MOONCAKE.options, "drain": ("node-0-i3@10",), "scale_out": ("node-1-i7@5",)},
+            ),
+            "preempts, migrates across domains, shares prefixes",
+        ),
+    ],
+    ids=["llumnix-azure", "hilum-azure-priorities", "round-robin-whole-prompt", "llumnix-mooncake-prefix-drain"],
+)
+def test_decode_runs_reproduce_the_step_by_step_simulation(
+    spec: SimSpec, want: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hits = [0]
+    match = BlockManager.match_prefix
+
+    def counting(self: BlockManager, *args: Any) -> PrefixMatch:
+        got = match(self, *args)
+        hits[0] += got.hit_tokens
+        return got
+
+    monkeypatch.setattr(BlockManager, "match_prefix", counting)
+    fast, ref = both_ways(spec)
+    assert_same(fast, ref)
+    s = summarize(fast)
+    assert s.finished == s.requests  # every request ran to its end, both ways
+    assert s.preemptions > 0
+    if "migrates" in want:
+        assert s.migrations_intra_domain + s.migrations_cross_domain > 0
+    if "across domains" in want:
+        assert s.migrations_cross_domain > 0
+    if "shares prefixes" in want:
+        assert hits[0] > 0
+
+
+def probed_run(decode_runs: bool) -> list[object]:
+    """24 requests on the tiny topology; a probe every 3 ms records every load, step time and account."""
+    trace = make_trace([(0.01 * i, 50 + 37 * i % 300, 20 + 53 * i % 200) for i in range(24)])
+    queue = EventQueue()
+    latency = load_latency_model("llama-2-7b", "a100", 1)
+    topo = tiny_topology(kv_capacity_blocks=120)
+    cluster = Cluster(queue, topo, lambda _spec: latency, EngineLimits(), decode_runs=decode_runs)
+    ids = list(cluster.instances)
+
+    def arrive(i: int) -> None:
+        req = trace.requests[i]
+        cluster.admit(req)
+        cluster.submit(req, ids[i % len(ids)])
+
+    for i, req in enumerate(trace.requests):
+        queue.schedule(req.arrival_s, EventKind.ARRIVAL, functools.partial(arrive, i))
+    out: list[object] = []
+    last: dict[str, tuple[int, object]] = {}
+
+    def probe() -> None:
+        for inst in cluster.instances.values():
+            version, load = cluster.load_version(inst), cluster.load(inst)
+            before = last.get(inst.instance_id)
+            if before is not None:  # an unchanged version means the very same report, else a new one
+                assert (before[0] == version) == (before[1] is load) == (before[1] == load)
+            last[inst.instance_id] = (version, load)
+            out.append((queue.now_s, load, inst.last_step_s))
+        for rid in cluster.requests:
+            st = cluster.requests[rid]
+            out.append((st.generated_tokens, st.last_token_s, len(st.token_gaps_s), st.preempted_s))
+        if len(queue):
+            queue.schedule_in(0.003, EventKind.SAMPLE, probe)
+
+    queue.schedule(0.0, EventKind.SAMPLE, probe)
+    while queue.run_next():
+        pass
+    assert all(st.finish_s is not None for st in cluster.requests.values())
+    return out
+
+
+def test_mid_run_reads_see_the_step_by_step_state() -> None:
+    """Reads in the middle of decode runs see what the step-by-step simulator has at that instant."""
+    fast, ref = probed_run(True), probed_run(False)
+    assert len(fast) > 1000 and fast == ref
+
+
+def test_the_reference_is_the_step_by_step_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode_runs=False must really take one event per step (else the comparison above proves nothing)."""
+    spec = dataclasses.replace(AZURE, max_requests=60)
+    events = [0]
+    run_next = EventQueue.run_next
+
+    def counting(self: EventQueue) -> bool:
+        events[0] += 1
+        return run_next(self)
+
+    monkeypatch.setattr(EventQueue, "run_next", counting)
+    counts: dict[bool, int] = {}
+    for decode_runs in (True, False):
+        events[0] = 0
+        run = run_simulation(dataclasses.replace(spec, options={"decode_runs": decode_runs}))
+        counts[decode_runs] = events[0]
+    assert counts[False] > run.engine_steps  # at least one event per step
+    assert counts[True] < counts[False] / 3  # runs of decode steps: several times fewer events
