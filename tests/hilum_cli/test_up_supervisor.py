@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from up_harness import TOPOLOGY, UpProcess, alive, start_up
+from up_harness import TOPOLOGY, UpProcess, running_up
 
 from hilum_cli.ctl import main as hilumctl
 from llumlet.client import LlumletClient
@@ -32,13 +32,8 @@ CONFIG = Path(__file__).resolve().parents[2] / "examples" / "hilum.yaml"
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     extra = ["--coordinators", "2", "--config", str(CONFIG)]
-    cluster = start_up(tmp_path_factory.mktemp("up-supervisor"), "sim", extra)
-    try:
+    with running_up(tmp_path_factory.mktemp("up-supervisor"), "sim", extra) as cluster:
         yield cluster
-    finally:
-        err = cluster.stop()
-        assert "no process left" in err
-        assert [p for p in cluster.read_info()["pids"] if alive(p)] == []
 
 
 def _kill(up: UpProcess, name: str) -> int:

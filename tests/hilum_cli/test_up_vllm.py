@@ -24,8 +24,8 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed: `make test-vllm` builds .venv-vllm and runs these", allow_module_level=True)
 
-import openai
-from up_harness import UpProcess, alive, start_up
+from up_harness import CHAT_MESSAGES as MESSAGES
+from up_harness import UpProcess, chat_completion, openai_client, running_up
 
 from gateway.tokenizer import HFTokenizer
 from hilum_proto.v1 import llumlet_pb2 as lpb
@@ -62,7 +62,6 @@ fabric:
   racks:
     - {id: rack-0, domains: [dom-a, dom-b]}
 """
-MESSAGES = [{"role": "system", "content": "Réponds en français."}, {"role": "user", "content": "Bonjour 🙂 你好"}]
 ATTEMPT = 1_000_000  # above any attempt a domain scheduler uses
 
 
@@ -79,20 +78,14 @@ def up(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator[U
     options = [f"model={checkpoint}", "dtype=float32", "enforce_eager=true"]  # enforce_eager: no torch.compile
     extra = [arg for o in options for arg in ("--engine-option", o)]
     extra += ["--min-step-s", "0.04", "--start-timeout", "400"]  # steps slow enough to move a request mid-stream
-    cluster = start_up(tmp_path_factory.mktemp("up-vllm"), "vllm", extra, timeout_s=600, topology=TOPOLOGY)
-    try:
+    with running_up(tmp_path_factory.mktemp("up-vllm"), "vllm", extra, timeout_s=600, topology=TOPOLOGY) as cluster:
         yield cluster
-    finally:
-        err = cluster.stop()
-        assert "no process left" in err
-        assert [p for p in cluster.info["pids"] if alive(p)] == []
 
 
 @pytest.fixture(scope="module")
 def client(up: UpProcess) -> Iterator[Any]:
-    c = openai.OpenAI(api_key="none", base_url=f"{up.url}/v1", max_retries=0, timeout=120)
-    yield c
-    c.close()
+    with openai_client(up, timeout_s=120) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +94,7 @@ def tok(checkpoint: Path) -> HFTokenizer:
 
 
 def chat(client: Any, **kw: Any) -> Any:
-    extra = {"return_token_ids": True, **kw.pop("extra_body", {})}
-    return client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body=extra, **kw)
+    return chat_completion(client, MODEL, **kw)
 
 
 def test_the_gateway_serves_the_checkpoints_tokenizer_and_every_feature(client: Any, checkpoint: Path) -> None:
