@@ -22,6 +22,7 @@ from global_coord.coordinator import Coordinator, CoordinatorConfig
 from global_coord.server import start_server
 from global_coord.wiring import ClusterModel, load_cluster_model
 from hilum_proto.tls import advertised_address, bind_server
+from topology.bandwidth import MeasuredBandwidthConfig
 
 __all__ = ["main", "parse_args", "serve_replica"]
 
@@ -43,11 +44,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def serve_replica(ns: argparse.Namespace, model: ClusterModel | None) -> int:
+async def serve_replica(
+    ns: argparse.Namespace, model: ClusterModel | None, bandwidth: MeasuredBandwidthConfig | None = None
+) -> int:
     """Run one replica as configured by ``ns`` (from :func:`parse_args`) until SIGTERM/SIGINT.
 
     ``model`` supplies the topology, paths and judge (None: proposals are rejected, GetTopology says
-    nothing is loaded). Returns the exit status.
+    nothing is loaded); ``bandwidth`` how measured rates price moves (None: the defaults). Returns the exit
+    status.
     """
     endpoints = [e.strip() for e in ns.etcd.split(",") if e.strip()]
     client = connect(endpoints)
@@ -71,6 +75,7 @@ async def serve_replica(ns: argparse.Namespace, model: ClusterModel | None) -> i
         path_of=model.path_of if model else None,
         judge=model.judge if model else None,
         topology=model.topology if model else None,
+        bandwidth=bandwidth,
     )
     await start_server(coordinator, server)
     print(f"coordinator {ns.id} listening on port {port}", flush=True)
@@ -93,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2  # a configuration error: restarting cannot fix it
     try:
         model = load_cluster_model(ns.topology, settings.cost, settings.approval) if ns.topology else None
-        return asyncio.run(serve_replica(ns, model))
+        return asyncio.run(serve_replica(ns, model, settings.measured_bandwidth))
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"global_coord: error: {exc}", file=sys.stderr)
         return 1

@@ -14,6 +14,8 @@ section         dataclass                                           used by
 ``domain``      ``rack_sched.core.DomainConfig`` (its own keys)     domain schedulers: settle, cool-down
 ``cost``        ``topology.cost.CostConfig``                        coordinator, llumlets (pre-copy rule, cap)
 ``approval``    ``global_coord.approval.ApprovalConfig``            coordinator: cross-domain approvals
+``measured_``   ``topology.bandwidth.MeasuredBandwidthConfig``      coordinator, ``hilum sim``: pricing moves
+``bandwidth``                                                       with the rates moves were measured at
 ``intervals``   :class:`Intervals`                                  domain schedulers, gateways, ``hilum sim``
 ``resume``      :class:`ResumeConfig`                               gateways: replaying requests whose instance
                                                                     failed (``gateway.core.plan_resume``)
@@ -42,6 +44,7 @@ from global_coord.approval import ApprovalConfig
 from policy.remaining import RemainingConfig
 from policy.types import PolicyConfig
 from rack_sched.core import DomainConfig
+from topology.bandwidth import MeasuredBandwidthConfig
 from topology.cost import CostConfig
 
 __all__ = [
@@ -110,6 +113,7 @@ class HilumConfig:
     approval: ApprovalConfig = field(default_factory=ApprovalConfig)
     intervals: Intervals = field(default_factory=Intervals)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
+    measured_bandwidth: MeasuredBandwidthConfig = field(default_factory=MeasuredBandwidthConfig)
     source: str = "<defaults>"  # where it was read from
 
 
@@ -123,6 +127,7 @@ _SECTIONS: dict[str, tuple[type[Any], tuple[str, ...] | None]] = {
     "approval": (ApprovalConfig, None),
     "intervals": (Intervals, None),
     "resume": (ResumeConfig, None),
+    "measured_bandwidth": (MeasuredBandwidthConfig, None),
 }
 
 
@@ -181,7 +186,15 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
     except ValueError as exc:
         raise ConfigError([f"{source}: domain: {exc}"]) from None
     return HilumConfig(
-        policy, remaining, domain, built["cost"], built["approval"], built["intervals"], built["resume"], source
+        policy,
+        remaining,
+        domain,
+        built["cost"],
+        built["approval"],
+        built["intervals"],
+        built["resume"],
+        built["measured_bandwidth"],
+        source,
     )
 
 

@@ -28,7 +28,11 @@ def test_the_example_file_holds_exactly_the_defaults() -> None:
 def test_every_key_is_documented_with_its_default() -> None:
     doc = DOC.read_text()
     cfg = HilumConfig()
-    for section in ("policy", "remaining", "domain", "cost", "approval", "intervals", "resume"):
+    sections = [f.name for f in dataclasses.fields(HilumConfig) if f.name != "source"]
+    assert "measured_bandwidth" in sections
+    example = EXAMPLE.read_text()
+    for section in sections:
+        assert re.search(rf"^{section}:", example, flags=re.MULTILINE), f"examples/hilum.yaml lacks {section}"
         value = getattr(cfg, section)
         for f in dataclasses.fields(value):
             if f.init and f.name not in ("policy", "remaining"):
@@ -48,7 +52,8 @@ def test_errors_name_the_file_and_the_key_all_at_once(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(bad)
     assert err.value.errors == [
-        f"{bad}: extras: unknown section (known: policy, remaining, domain, cost, approval, intervals, resume)",
+        f"{bad}: extras: unknown section (known: policy, remaining, domain, cost, approval, intervals, resume, "
+        "measured_bandwidth)",
         f"{bad}: policy.no_such_key: Extra inputs are not permitted",
         f"{bad}: cost.cap_fraction: Input should be a valid number",
         f"{bad}: approval: downtime_budget_s must be > 0, got -1.0",
