@@ -147,7 +147,13 @@ def test_summary_is_published_at_the_rate_limit(etcd: Any, prefix: str) -> None:
                 (summary,) = value["summaries"]  # one model
                 assert (summary["num_instances"], summary["num_running"], summary["capacity_blocks"]) == (2, 50, 2000)
                 assert summary["model"] == "llama-2-7b" and summary["taken_s"] > 1e9  # wall clock
-                brief = {"draining": False, "num_waiting": 0, "capacity_blocks": 1000, "decode_step_s": 0.0}
+                brief = {
+                    "draining": False,
+                    "num_waiting": 0,
+                    "capacity_blocks": 1000,
+                    "decode_step_s": 0.0,
+                    "max_num_seqs": 0,
+                }
                 assert summary["instances"] == [
                     {**brief, "instance_id": "a", "num_running": 50, "free_blocks": 950, "virtual_usage": 50.0},
                     {**brief, "instance_id": "b", "num_running": 0, "free_blocks": 1000, "virtual_usage": 0.0},
