@@ -59,6 +59,7 @@ import enum
 import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from policy.domain import DomainSummary, InstanceBrief
 from policy.usage import freeness_of
@@ -77,6 +78,7 @@ __all__ = [
     "StepResult",
     "Tracked",
     "fleet_load",
+    "pools_of",
     "safe_to_stop",
 ]
 
@@ -136,6 +138,30 @@ class PoolInstance:
     domain_id: str
     capacity_blocks: int  # its KV cache capacity, blocks (M)
     num_gpus: int = 1  # GPUs it occupies (GPU-hours)
+
+
+class _InstanceSpecLike(Protocol):
+    """What :func:`pools_of` reads of ``topology.spec.InstanceSpec``."""
+
+    @property
+    def instance_id(self) -> str: ...
+    @property
+    def domain_id(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def kv_capacity_blocks(self) -> int: ...
+    @property
+    def gpus(self) -> tuple[int, ...]: ...
+
+
+def pools_of(instances: Iterable[_InstanceSpecLike]) -> dict[str, list[PoolInstance]]:
+    """model -> its instances as :class:`PoolInstance` s, in the order given (a topology's instances)."""
+    out: dict[str, list[PoolInstance]] = {}
+    for spec in instances:
+        pool = PoolInstance(spec.instance_id, spec.domain_id, spec.kv_capacity_blocks, len(spec.gpus))
+        out.setdefault(spec.model, []).append(pool)
+    return out
 
 
 class ScaleAction(enum.StrEnum):
