@@ -85,7 +85,12 @@ async def serve_replica(
         actuator = CommandActuator(settings.actuator)
         autoscale = AutoscaleLoop(coordinator, settings.autoscale, actuator, pools_of(model.topology.instances))
         loop_task = asyncio.create_task(autoscale.run(stop), name="autoscaler")
-    await start_server(coordinator, server)
+    await start_server(
+        coordinator,
+        server,
+        settings.autoscale if settings is not None else None,
+        settings.actuator if settings is not None else None,
+    )
     print(f"coordinator {ns.id} listening on port {port}", flush=True)
     try:
         await coordinator.run(stop)
