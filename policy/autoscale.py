@@ -468,8 +468,10 @@ class Autoscaler:
         )
         if self._last_action_s is not None and now_s < self._last_action_s + cfg.cool_down_s:
             return StepResult(tuple(decisions), evaluation, abandoned)
-        by_domain = {  # a drained domain comes last
-            s.domain_id: math.inf if s.draining else s.freeness for s in given if not s.model or s.model == self.model
+        by_domain = {  # a domain with no live instance of the model (empty or drained) comes last
+            s.domain_id: s.freeness if s.capacity_blocks > 0 else math.inf
+            for s in given
+            if not s.model or s.model == self.model
         }
         taken = set(briefs) | set(registered)
         action = self._scale_out(fleet, count, coming_blocks, taken, unavailable, by_domain, now_s)

@@ -133,6 +133,20 @@ def test_a_short_dip_does_nothing_the_cool_down_holds_and_failed_starts_come_las
     assert actions(scaler.step(heavy(), 50.0)) == [("scale-out", "a1")]
 
 
+def test_a_domain_with_no_instance_of_the_model_comes_last_for_a_start() -> None:
+    # B's domain scheduler runs but serves no instance of m yet: its summary is empty (capacity 0, freeness 0,
+    # not "draining"), which must not make it look like the fullest domain. A holds the load: a1 starts first.
+    scaler = Autoscaler("m", RULE, POOL)
+    summaries = [
+        summarize_domain("A", [inst("a0", 100, [10] * 9)], CFG, model="m"),
+        summarize_domain("B", [], CFG, model="m"),
+    ]
+    # F = (100 - 90) / 9 = 1.1 < 10; +a1: (200 - 90) / 9 = 12.2 >= 10: one start.
+    result = run(scaler, summaries, [0.0, 10.0])
+    assert actions(result) == [("scale-out", "a1")]
+    assert result.evaluation.freeness == pytest.approx(10 / 9)
+
+
 def light4(b1_draining: bool = False, b1_blocks: Sequence[int] = ()) -> list[DomainSummary]:
     """Four instances, three requests: F = (400 - 16) / 3 = 128; without b1 (300 - 16) / 3 = 94.7."""
     return fleet(
