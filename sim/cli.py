@@ -21,7 +21,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from hilum_config import add_argument as add_config_argument
 from hilum_config import load_config
 
-from .runner import DEFAULTS, SimSpec
+from .runner import DEFAULTS, SimSpec, check_autoscale
 from .schedulers import POLICY_NAMES
 
 
@@ -62,6 +62,25 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--scale-out", action="append", default=[], metavar="INSTANCE@S", help="instance joins at time S"
     )
+    parser.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="run the autoscaler (the configuration file's autoscale section) on the virtual clock",
+    )
+    parser.add_argument(
+        "--initial-instances",
+        type=int,
+        default=None,
+        metavar="N",
+        help="instances serving from the start, in turn from each domain (default: all)",
+    )
+    parser.add_argument(
+        "--cold-start-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --autoscale: seconds before a started instance serves (default 60)",
+    )
     parser.add_argument("--summary-lag-ms", type=float, default=None, help="domain summary information lag")
     parser.add_argument(
         "--admission",
@@ -98,6 +117,9 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         "scale_out": tuple(args.scale_out),
         "admission": args.admission,
         "model": args.model,
+        "autoscale": args.autoscale,
+        "initial_instances": args.initial_instances,
+        "cold_start_s": args.cold_start_s,
     }
     if args.summary_lag_ms is not None:
         options["summary_lag_s"] = args.summary_lag_ms / 1e3
@@ -111,8 +133,8 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         options=options,
         config=args.config,
     )
-    base.parsed_options()  # fail before any work on bad options
-    load_config(args.config)  # and on a bad configuration file
+    parsed = base.parsed_options()  # fail before any work on bad options
+    check_autoscale(parsed, load_config(args.config))  # and on a bad configuration file, or one that clashes
     return [replace(base, policy=p) for p in policies]
 
 

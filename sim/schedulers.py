@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from gateway.core import GatewayCore, PlacementAttempt
 from global_coord.approver import MoveJudge, decide
 from policy.dispatch import DispatchDecision
-from policy.domain import DomainSummary
+from policy.domain import DomainSummary, summarize_domain
 from rack_sched.core import CrossDomainProposal, DomainConfig, DomainCore, DomainRequest
 from topology.graph import TopologyGraph
 
@@ -101,6 +101,9 @@ class _Feed:
         drained = []
         for inst in self._pool:
             if not inst.active:
+                if inst.instance_id in self._added:  # stopped (an autoscaler's scale-in): deregistered
+                    self.core.remove_instance(inst.instance_id)
+                    self._added.discard(inst.instance_id)
                 continue
             if inst.instance_id not in self._added:
                 model = self.cluster.model_of(inst.instance_id)
@@ -129,6 +132,16 @@ class ClusterScheduler(ABC):
     @abstractmethod
     def dispatch(self, req: TraceRequest) -> DispatchDecision:
         """Choose the instance for a newly arrived request (target_id None: refused, with reason)."""
+
+    def summaries(self) -> list[DomainSummary]:
+        """What the autoscaler reads: a summary of every domain's serving instances, as a domain scheduler
+        would publish it now (``policy.summarize_domain`` over their load reports). The two-tier policy gives
+        the summaries it has delivered instead (published every ``summary_interval_s``, ``summary_lag_s`` old)."""
+        now = self._now()
+        model = self.cluster.model_of(next(iter(self.cluster.instances))).name
+        policy = self.ctx.domain.policy
+        loads = {d: [self.cluster.load(i) for i in self.cluster.serving(d)] for d in self.cluster.domain_ids()}
+        return [summarize_domain(d, members, policy, model=model, taken_s=now) for d, members in loads.items()]
 
     def _every(self, interval_s: float, kind: EventKind, action: Callable[[], None]) -> None:
         """Run ``action`` every ``interval_s`` while requests remain."""
@@ -255,6 +268,9 @@ class HilumTwoTier(ClusterScheduler):
     def _deliver(self, domain_id: str, summaries: tuple[DomainSummary, ...]) -> None:
         self.delivered[domain_id] = summaries
         self.gateway.update(domain_id, summaries)
+
+    def summaries(self) -> list[DomainSummary]:
+        return [s for per_domain in self.delivered.values() for s in per_domain]
 
     def _publish(self) -> None:
         now = self._now()

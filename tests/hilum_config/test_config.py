@@ -136,9 +136,7 @@ def test_the_autoscale_section_builds_the_rule_and_the_hook(tmp_path: Path) -> N
     assert (cfg.actuator.argv(), cfg.actuator.command_attempts) == (["/bin/hook", "--dry-run"], 2)
     assert cfg.actuator.command_timeout_s == 120.0  # not set: the default
     with pytest.raises(ConfigError) as err:
-        parse_config(
-            {"autoscale": {"min_instances": 0, "command": 5, "no_such": 1, "command_attempts": 0}}, "f.yaml"
-        )
+        parse_config({"autoscale": {"min_instances": 0, "command": 5, "no_such": 1, "command_attempts": 0}}, "f.yaml")
     assert err.value.errors == [
         "f.yaml: autoscale.command: Input should be a valid string",
         "f.yaml: autoscale.no_such: Extra inputs are not permitted",
