@@ -72,3 +72,25 @@ def test_a_hook_past_its_timeout_is_killed_and_one_that_cannot_run_fails(tmp_pat
         missing.check()
     with pytest.raises(ValueError, match="command_attempts must be >= 1"):
         ActuatorConfig(str(slow), command_attempts=0)
+
+
+def test_the_example_hook_under_deploy_starts_and_stops_the_llumlet_unit_on_its_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hook = Path(__file__).resolve().parents[2] / "deploy" / "hilum-autoscale-hook"
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node-3-i2 10.0.0.13\n")
+    monkeypatch.setenv("HILUM_AUTOSCALE_DRY_RUN", "1")
+    monkeypatch.setenv("HILUM_AUTOSCALE_HOSTS", str(hosts))
+    cfg = ActuatorConfig(str(hook), command_attempts=1)
+    cfg.check()  # an executable file
+    actuator = CommandActuator(cfg, random.Random(0))
+    started = asyncio.run(actuator.run("scale-out", "llama", "node-3-i2"))
+    assert started.ok and started.output == (
+        "scale-out llama node-3-i2: ssh -o BatchMode=yes -o ConnectTimeout=10 hilum@10.0.0.13 "
+        "sudo systemctl start hilum-llumlet@node-3-i2\n"
+    )
+    stopped = asyncio.run(actuator.run("scale-in", "llama", "node-1-i0"))  # not in the file: its node by name
+    assert stopped.ok and stopped.output.endswith("hilum@node-1 sudo systemctl stop hilum-llumlet@node-1-i0\n")
+    refused = asyncio.run(actuator.run("scale-in", "llama", "x;reboot"))
+    assert (refused.ok, refused.exit_code) == (False, 64) and "refusing instance id" in refused.output
