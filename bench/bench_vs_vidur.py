@@ -330,7 +330,7 @@ def main() -> None:
 
     def median_rate(simulator: str, policy: str) -> float:
         cpu = [m.cpu_s for m in results if (m.simulator, m.policy) == (simulator, policy)]
-        return statistics.median(args.requests / c for c in cpu)
+        return float(statistics.median(args.requests / c for c in cpu))
 
     header = ("hilum policy", "hilum req/CPU s", "vidur policy", "vidur req/CPU s", "hilum / vidur")
     print("\n{:<14} {:>16} {:>13} {:>16} {:>14}".format(*header))

@@ -426,11 +426,31 @@ class ClusterView:
             self.version += 1
             self._changed.notify_all()
 
-    async def _list(self, cause: str) -> int:
+    async def list_at(self, revision: int) -> None:
+        """Hold the prefix's contents as etcd had them at ``revision`` (a past one; nothing is watched): what
+        any view that reflects ``revision`` holds, so a checker can compare a replica's answers, stamped with
+        their view's revision, against etcd itself.
+
+        Raises:
+            ValueError: ``revision`` < 1.
+            etcd3aio.EtcdError: ``revision`` was compacted away or is in the future; or a RETRYABLE_ERRORS one.
+        """
+        if revision < 1:
+            raise ValueError(f"list_at: revision must be >= 1, got {revision}")
+        await self._read(revision)
+        self.revision = revision
+        await self._bump()
+
+    async def _read(self, revision: int = 0) -> int:
+        """Replace the entries by the prefix's contents at ``revision`` (0: now); the revision read."""
         prefix = self.keys.prefix
-        resp = await kv_of(self._client).get(prefix, range_end=prefix_range_end(prefix), timeout=_RPC_TIMEOUT_S)
+        kv = kv_of(self._client)
+        resp = await kv.get(prefix, range_end=prefix_range_end(prefix), revision=revision, timeout=_RPC_TIMEOUT_S)
         self._entries = {bytes(item.key).decode(): _entry(item) for item in resp.kvs}
-        self.revision = int(resp.header.revision)
+        return int(resp.header.revision)
+
+    async def _list(self, cause: str) -> int:
+        self.revision = await self._read()
         self.relists[cause] = self.relists.get(cause, 0) + 1
         self.synced.set()
         await self._bump()

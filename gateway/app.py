@@ -131,6 +131,7 @@ class _Choice:
     instance_id: str = ""
     migrations: int = 0
     moves: tuple[Move, ...] = ()
+    resumes: int = 0  # replays on another instance after its instance failed
 
 
 @dataclass(slots=True)
@@ -349,7 +350,7 @@ class GatewayApp:
                 req.first_token_seen = True
                 self.metrics.ttft.observe(self.clock() - req.t0)
             choice.instance_id = update.instance_id or choice.instance_id
-            choice.migrations, choice.moves = update.migrations, update.moves
+            choice.migrations, choice.moves, choice.resumes = update.migrations, update.moves, update.resumes
             piece = choice.output.push(update.token_ids, update.logprobs)
             self.metrics.output_tokens.inc(len(piece.token_ids))
             if piece.stopped is not None:
@@ -391,6 +392,7 @@ class GatewayApp:
             instance_id=choice.instance_id,
             migrations=choice.migrations,
             moves=moves,
+            resumes=choice.resumes,
         )
         return out
 

@@ -2,15 +2,23 @@
 
     python -m gateway --listen 0.0.0.0:8000 --etcd 127.0.0.1:2379 --topology cluster.yaml \\
         [--sink-listen 0.0.0.0:7300 --sink-advertise gw-1.example:7300] [--prefix /hilum/v1/] \\
-        [--tokenizer MODEL=DIR ...]
+        [--tokenizer MODEL=DIR ...] [--reuse-port --also-listen 0.0.0.0:8001]
 
 Each served model's tokenizer is loaded before anything listens (``gateway.tokenizer.load_tokenizers``: the
 topology's ``models[].tokenizer`` or ``--tokenizer``, else the byte stand-in): a missing directory stops the
 start with the topology key named.
 
-Prints ``gateway serving at http://<host:port> (token sink <host:port>)`` on stdout once it listens, and
-runs until SIGTERM or SIGINT. Exit status 2 on a configuration error (bad topology, an address that is
-taken), with the reason on stderr.
+Several gateways in front of one cluster (``hilum up --gateways N``): each is independent (its own etcd view,
+token sink and reservations; ``gateway.core``); they can share one ``--listen`` address with ``--reuse-port``
+(the socket option ``SO_REUSEPORT``: the kernel spreads new connections over every process bound to the
+address; only processes of the same user can join it). ``--reuse-port`` is refused by name on a platform
+without ``SO_REUSEPORT``. ``--also-listen HOST:PORT`` serves the same API on a second address of this gateway
+alone (not shared), so a health check or a Prometheus scrape reaches this one gateway.
+
+Prints ``gateway serving at http://<host:port> (token sink <host:port>)`` on stdout once it listens (with
+``, also at http://<host:port>`` for ``--also-listen``), and runs until SIGTERM or SIGINT. Exit status 2 on a
+configuration error (bad topology, an address that is taken, ``--reuse-port`` where it is unsupported), with
+the reason on stderr.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import asyncio
 import logging
 import random
 import signal
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -44,6 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--etcd", required=True, metavar="HOST:PORT", help="etcd endpoint (comma-separated for several)")
     p.add_argument("--topology", required=True, metavar="FILE", help="topology YAML file or bundled name")
     p.add_argument("--prefix", default="/hilum/v1/", help="etcd key prefix")
+    p.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="bind --listen with SO_REUSEPORT, so several gateways share one address (the kernel spreads connections)",
+    )
+    p.add_argument(
+        "--also-listen",
+        default="",
+        metavar="HOST:PORT",
+        help="serve the same API on this address too, this gateway's alone (health checks, metrics scrapes)",
+    )
     p.add_argument(
         "--sink-listen", default="", metavar="HOST:PORT", help="token sink gRPC address (default: HTTP host, port 0)"
     )
@@ -86,8 +106,35 @@ def tokenizer_overrides(items: Sequence[str]) -> dict[str, str]:
     return out
 
 
+def _check_reuse_port() -> None:
+    """Raise ValueError naming ``--reuse-port`` when the platform lacks ``SO_REUSEPORT``."""
+    if not hasattr(socket, "SO_REUSEPORT"):
+        raise ValueError(
+            "--reuse-port: this platform has no SO_REUSEPORT, so gateways cannot share one address; give each "
+            "gateway its own --listen port (hilum up --gateway-ports separate)"
+        )
+
+
+async def _start_site(runner: web.AppRunner, address: str, what: str, *, reuse_port: bool) -> str:
+    """Listen on ``address`` (``host:port``); the URL served (with the port bound when ``address`` asked for 0).
+
+    Raises RuntimeError naming ``what`` when the address cannot be bound.
+    """
+    host, port = split_host_port(address, what)
+    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port)
+    try:
+        await site.start()
+    except OSError as exc:
+        raise RuntimeError(f"cannot listen on {address} ({what}): {exc.strerror or exc}") from None
+    return f"http://{host}:{site.port}"
+
+
 async def _serve(ns: argparse.Namespace, topology: Topology, tokenizers: Mapping[str, Tokenizer]) -> None:
-    host, port = split_host_port(ns.listen, "--listen")
+    host = split_host_port(ns.listen, "--listen")[0]
+    if ns.also_listen:
+        split_host_port(ns.also_listen, "--also-listen")
+    if ns.reuse_port:
+        _check_reuse_port()
     sink_listen = ns.sink_listen or f"{host}:0"
     split_host_port(sink_listen, "--sink-listen")
     metrics = GatewayMetrics()
@@ -106,6 +153,7 @@ async def _serve(ns: argparse.Namespace, topology: Topology, tokenizers: Mapping
         policy=settings.policy,
         reservation_ttl_s=settings.intervals.reservation_ttl_s,
         unavailable_wait_s=ns.unavailable_wait,
+        max_replays=settings.resume.max_replays,
     )
     runner: web.AppRunner | None = None
     try:
@@ -113,15 +161,11 @@ async def _serve(ns: argparse.Namespace, topology: Topology, tokenizers: Mapping
         app = GatewayApp(cluster, metrics, tokenizers).app()
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=False)
-        try:
-            await site.start()
-        except OSError as exc:
-            raise RuntimeError(f"cannot listen on {ns.listen}: {exc.strerror or exc}") from None
-        bound = port
-        for address in runner.addresses:  # the port actually bound when --listen asked for 0
-            bound = int(address[1])
-        print(f"gateway serving at http://{host}:{bound} (token sink {cluster.origin})", flush=True)
+        url = await _start_site(runner, ns.listen, "--listen", reuse_port=ns.reuse_port)
+        also = ""
+        if ns.also_listen:
+            also = ", also at " + await _start_site(runner, ns.also_listen, "--also-listen", reuse_port=False)
+        print(f"gateway serving at {url} (token sink {cluster.origin}){also}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -10,7 +10,10 @@
 - one WatchLoad stream per registered llumlet, for the per-instance KV usage and preemption metrics;
 - aborts: a client that leaves gets ``Abort`` sent to the llumlet that owns its request now (the llumlet
   forwards it if the request migrated meanwhile), and the sink forgets the request, so any later push is
-  answered ``unknown`` and the llumlet drops it: the request's blocks are freed on every instance.
+  answered ``unknown`` and the llumlet drops it: the request's blocks are freed on every instance;
+- resume on failure (:class:`Replayer`): a request whose instance died or whose engine failed is replayed
+  on another instance as ``gateway.core.plan_resume`` decides, under a new engine request id, and its
+  client's stream continues from the tokens it already has.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import AsyncGenerator, Iterable, Mapping
-from dataclasses import replace
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import grpc
@@ -28,8 +31,9 @@ import grpc
 from clusterstate.etcd import Etcd3Client
 from clusterstate.records import InstanceRegistration
 from clusterstate.store import ClusterView, Keys
+from gateway.core import ResumeAction, plan_resume
 from gateway.metrics import GatewayMetrics
-from gateway.router import DomainRouter, GrpcSubmitter, Placement
+from gateway.router import DispatchFailed, DomainRouter, GrpcSubmitter, Placement
 from gateway.sink import GatewaySink, TokenUpdate
 from gateway.validation import GenerationRequest, ModelLimits, model_limits
 from hilum_proto.v1 import llumlet_pb2
@@ -38,7 +42,7 @@ from llumlet.convert import sampling_to_pb
 from policy.types import PolicyConfig
 from topology.spec import Topology
 
-__all__ = ["Backend", "LiveCluster", "MetricsObserver", "features_by_model", "submit_message"]
+__all__ = ["Backend", "LiveCluster", "MetricsObserver", "Replayer", "features_by_model", "submit_message"]
 
 _log = logging.getLogger(__name__)
 
@@ -124,6 +128,152 @@ class MetricsObserver:
         self._m.observe_migration(src != dst, gap_s)
 
 
+#: Places a Submit on some domain: (message, demand blocks, blocks it may grow to) -> where it runs.
+Dispatch = Callable[[llumlet_pb2.SubmitRequest, int, int], Awaitable[Placement]]
+
+
+@dataclass(slots=True)
+class _Run:
+    """One dispatched choice: the engine request that runs it now, and its replays."""
+
+    request: GenerationRequest  # as the client asked (one choice)
+    engine_id: str  # the engine request running it now: the choice's id, then ``<id>.r1``, ``<id>.r2``, ...
+    address: str = ""  # llumlet it was last submitted to
+    failed: list[str] = field(default_factory=list)  # instances it failed on, in order
+
+
+class Replayer:
+    """The engine request behind each dispatched choice, replayed elsewhere when its instance fails.
+
+    Each choice's stream (:meth:`updates`) follows its engine request in the sink. When that request fails
+    *resumable* — its llumlet's stream broke (dead process, host, or a keepalive that went unanswered) or its
+    engine failed — :func:`gateway.core.plan_resume` decides: replay it (a new engine request
+    ``<choice id>.r<k>`` with the prompt plus the tokens already delivered, the rest of ``max_tokens``,
+    numbered on from there, avoiding the instances it failed on; the sink continues the stream from the tokens
+    it holds, so the client sees each token once), end it normally (every token was there), or end it with an
+    error event that says why it was not resumed. Every outcome is counted in
+    ``hilum_gateway_resumes_total{outcome}``.
+
+    Args:
+        sink: the gateway's token sink.
+        dispatch: places a Submit (the router).
+        origin: the sink address the llumlets push to.
+        metrics: where to count.
+        max_replays: ``resume.max_replays`` of the configuration.
+    """
+
+    def __init__(
+        self,
+        sink: GatewaySink,
+        dispatch: Dispatch,
+        origin: Callable[[], str],
+        metrics: GatewayMetrics,
+        max_replays: int,
+    ) -> None:
+        self._sink = sink
+        self._dispatch = dispatch
+        self._origin = origin
+        self._metrics = metrics
+        self.max_replays = max_replays
+        self._runs: dict[str, _Run] = {}
+
+    async def start(self, request_id: str, request: GenerationRequest) -> Placement:
+        """Dispatch a choice (its engine request has the choice's id). Raises ``DispatchFailed``."""
+        run = self._runs[request_id] = _Run(request, request_id)
+        self._sink.open(request_id)
+        placement = await self._place(run, submit_message(request_id, request, self._origin()), request)
+        return placement
+
+    async def _place(self, run: _Run, msg: llumlet_pb2.SubmitRequest, request: GenerationRequest) -> Placement:
+        placement = await self._dispatch(msg, request.demand_blocks, request.need_blocks)
+        run.address = placement.instance_address
+        self._sink.dispatched(run.engine_id, placement.instance_id, placement.instance_address)
+        return placement
+
+    def engine_id(self, request_id: str) -> str:
+        """The engine request running the choice now (the choice's id for one never dispatched)."""
+        run = self._runs.get(request_id)
+        return run.engine_id if run is not None else request_id
+
+    def address(self, request_id: str) -> str:
+        """The llumlet that runs the choice now as far as the gateway knows ("" before it was placed)."""
+        run = self._runs.get(request_id)
+        if run is None:
+            return ""
+        return self._sink.owner_address(run.engine_id) or run.address
+
+    def finish(self, request_id: str) -> None:
+        """Forget a choice: its engine request's later pushes are answered ``unknown``."""
+        run = self._runs.pop(request_id, None)
+        self._sink.close(run.engine_id if run is not None else request_id)
+
+    async def updates(self, request_id: str) -> AsyncGenerator[TokenUpdate, None]:
+        """The choice's tokens, across replays, then its end. Raises KeyError for a choice never started."""
+        run = self._runs[request_id]
+        delivered = 0
+        while True:
+            lost: TokenUpdate | None = None
+            async for update in self._sink.updates(run.engine_id, delivered=delivered):
+                if update.done and update.resumable:
+                    lost = update
+                    break
+                delivered += len(update.token_ids)
+                yield replace(update, resumes=len(run.failed))
+                if update.done:
+                    return
+            assert lost is not None
+            if lost.token_ids:  # the last tokens it delivered before failing
+                delivered += len(lost.token_ids)
+                yield replace(lost, done=False, finish_reason="", error="", resumable=False, resumes=len(run.failed))
+            end = await self._resume(run, lost)
+            if end is not None:
+                yield end
+                return
+
+    async def _resume(self, run: _Run, lost: TokenUpdate) -> TokenUpdate | None:
+        """Replay the choice after its instance failed; None when it runs again, else its last update."""
+        output = self._sink.get(run.engine_id).token_ids
+        run.failed.append(lost.instance_id or run.address)
+        plan = plan_resume(
+            run.request.prompt_token_ids,
+            run.request.sampling,
+            output,
+            replays_done=len(run.failed) - 1,
+            failed_instance_ids=run.failed,
+            max_replays=self.max_replays,
+        )
+        self._metrics.resumes.labels(outcome=plan.action.value).inc()
+
+        def ended(reason: str, error: str) -> TokenUpdate:
+            return replace(lost, token_ids=(), logprobs=(), done=True, finish_reason=reason, error=error,
+                           resumes=len(run.failed) - 1)  # fmt: skip
+
+        if plan.action is ResumeAction.COMPLETE:
+            return ended("length", "")
+        if plan.action is not ResumeAction.REPLAY or plan.sampling is None:
+            return ended("error", f"{lost.error}; not resumed: {plan.reason}")
+        _log.warning("request %s: %s; resuming it: %s", run.engine_id, lost.error, plan.reason)
+        new_id = f"{self._base_id(run.engine_id)}.r{len(run.failed)}"
+        self._sink.resume(run.engine_id, new_id)
+        run.engine_id = new_id  # before dispatching: a client that leaves meanwhile closes the replay's stream
+        replay = replace(run.request, prompt_token_ids=plan.prompt_token_ids, sampling=plan.sampling)
+        msg = submit_message(new_id, replay, self._origin())
+        msg.first_seq = plan.first_seq
+        msg.avoid_instance_ids.extend(plan.avoid_instance_ids)
+        try:
+            await self._place(run, msg, replay)
+        except DispatchFailed as exc:
+            self._metrics.resumes.labels(outcome="no_capacity").inc()
+            return ended("error", f"{lost.error}; not resumed: {exc.message}")
+        self._metrics.replayed_tokens.inc(plan.first_seq)
+        return None
+
+    @staticmethod
+    def _base_id(engine_id: str) -> str:
+        base, dot, k = engine_id.rpartition(".r")
+        return base if dot and k.isdigit() else engine_id
+
+
 class LiveCluster:
     """The real :class:`Backend` (see the module docstring). ``await start_services()``, then serve;
     ``await close()`` at the end.
@@ -138,6 +288,7 @@ class LiveCluster:
             llumlets push to (default: the bound one).
         policy: the rule book's configuration.
         reservation_ttl_s: how long a dispatch reservation counts at most (``intervals.reservation_ttl_s``).
+        max_replays: replays of a request whose instance failed (``resume.max_replays``; :class:`Replayer`).
     """
 
     def __init__(
@@ -153,6 +304,7 @@ class LiveCluster:
         policy: PolicyConfig | None = None,
         reservation_ttl_s: float = 1.0,
         unavailable_wait_s: float = 5.0,
+        max_replays: int = 3,
     ) -> None:
         self.topology = topology
         self._limits = model_limits(topology)
@@ -176,9 +328,9 @@ class LiveCluster:
         )
         self._clients: dict[str, LlumletClient] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._load_watches: dict[str, asyncio.Task[None]] = {}
+        self._load_watches: dict[str, tuple[asyncio.Task[None], str]] = {}  # instance -> (its watch, address)
         self._aborting: set[asyncio.Task[None]] = set()
-        self._placed: dict[str, str] = {}  # request_id -> llumlet address it was submitted to
+        self.replayer = Replayer(self.sink, self.router.dispatch, lambda: self.origin, metrics, max_replays)
 
     @property
     def limits(self) -> Mapping[str, ModelLimits]:
@@ -206,9 +358,10 @@ class LiveCluster:
 
     async def close(self) -> None:
         """Stop everything started here."""
-        for task in [*self._tasks, *self._load_watches.values(), *self._aborting]:
+        watches = [task for task, _ in self._load_watches.values()]
+        for task in [*self._tasks, *watches, *self._aborting]:
             task.cancel()
-        for task in [*self._tasks, *self._load_watches.values(), *self._aborting]:
+        for task in [*self._tasks, *watches, *self._aborting]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.sink.stop()
@@ -229,26 +382,19 @@ class LiveCluster:
         return True, f"{len(domains)} domain(s): {', '.join(sorted(domains))}"
 
     async def start(self, request_id: str, request: GenerationRequest) -> Placement:
-        self.sink.open(request_id)
-        msg = submit_message(request_id, request, self.origin)
-        placement = await self.router.dispatch(msg, request.demand_blocks, request.need_blocks)
-        self._placed[request_id] = placement.instance_address
-        self.sink.dispatched(request_id, placement.instance_id, placement.instance_address)
-        return placement
+        return await self.replayer.start(request_id, request)
 
     def updates(self, request_id: str) -> AsyncGenerator[TokenUpdate, None]:
-        return self.sink.updates(request_id)
-
-    def _address_of(self, request_id: str) -> str:
-        return self.sink.owner_address(request_id) or self._placed.get(request_id, "")
+        return self.replayer.updates(request_id)
 
     async def abort(self, request_id: str) -> None:
-        address = self._address_of(request_id)
+        engine_id, address = self.replayer.engine_id(request_id), self.replayer.address(request_id)
         self.finish(request_id)
-        await self._abort_at(request_id, address)
+        await self._abort_at(engine_id, address)
 
     def abort_soon(self, request_id: str, placement: asyncio.Task[Placement] | None = None) -> None:
-        address = self._address_of(request_id)  # now: the handler forgets the request right after
+        # now: the handler forgets the request right after
+        engine_id, address = self.replayer.engine_id(request_id), self.replayer.address(request_id)
         self.finish(request_id)
 
         async def run() -> None:
@@ -259,7 +405,7 @@ class LiveCluster:
                 except (Exception, asyncio.CancelledError):
                     return  # never placed: nothing to abort
                 self.finish(request_id)
-            await self._abort_at(request_id, where)
+            await self._abort_at(engine_id, where)
 
         task = asyncio.get_running_loop().create_task(run(), name=f"abort-{request_id}")
         self._aborting.add(task)
@@ -276,8 +422,7 @@ class LiveCluster:
             )
 
     def finish(self, request_id: str) -> None:
-        self.sink.close(request_id)
-        self._placed.pop(request_id, None)
+        self.replayer.finish(request_id)
 
     def _client(self, address: str) -> LlumletClient:
         if address not in self._clients:
@@ -291,11 +436,14 @@ class LiveCluster:
             seen = await self.view.wait_changed(seen)
             regs = self.view.instances()
             for iid, reg in regs.items():
-                task = self._load_watches.get(iid)
-                if task is None or task.done():
-                    self._load_watches[iid] = asyncio.create_task(self._watch_load(iid, reg.address))
-            for iid in [i for i in self._load_watches if i not in regs]:
-                self._load_watches.pop(iid).cancel()
+                task, address = self._load_watches.get(iid, (None, ""))
+                if task is None or task.done() or address != reg.address:  # new, or restarted elsewhere
+                    if task is not None:
+                        task.cancel()
+                    self._load_watches[iid] = (asyncio.create_task(self._watch_load(iid, reg.address)), reg.address)
+            for iid in [i for i in self._load_watches if i not in regs]:  # deregistered: its series go too
+                self._load_watches.pop(iid)[0].cancel()
+                self.metrics.remove_instance(iid, self._domain_of.get(iid, ""))
 
     async def _watch_load(self, instance_id: str, address: str) -> None:
         domain = self._domain_of.get(instance_id, "")

@@ -20,6 +20,12 @@ queueing it, and the next domain is tried); when every domain was full, the free
 queue it. A domain that refuses (it can never hold the request, or every instance drains) is not asked
 again; one that is unavailable (restarting, unreachable) is asked again after the shell's backoff.
 
+A request whose instance died or whose engine failed is resumed by :func:`plan_resume` (after NVIDIA
+Dynamo's request migration): token replay — the original prompt plus the tokens the client already has, the
+rest of ``max_tokens`` — on another instance, so the client's stream continues with no token repeated or
+missing, at most ``resume.max_replays`` times; a request that cannot be replayed faithfully ends with an
+error event that says why.
+
 The live gateway (``gateway.router``) feeds it from etcd and submits over gRPC; the simulator
 (``sim.schedulers``) feeds it the summaries it delivers on the virtual clock. Stamps are wall-clock seconds
 live (the publishers' and the gateways' clocks agree to NTP precision), virtual seconds simulated.
@@ -27,14 +33,17 @@ live (the publishers' and the gateways' clocks agree to NTP precision), virtual 
 
 from __future__ import annotations
 
+import enum
 import random
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, replace
 
+from llumlet.engine.types import SamplingParams
 from policy.dispatch import DispatchDecision, DomainDispatchView
 from policy.domain import DomainSummary
 from policy.types import PolicyConfig
 
-__all__ = ["GatewayCore", "PlacementAttempt"]
+__all__ = ["GatewayCore", "PlacementAttempt", "ResumeAction", "ResumePlan", "plan_resume"]
 
 
 class GatewayCore:
@@ -202,3 +211,107 @@ class PlacementAttempt:
     def explain(self) -> str:
         """Why no domain took the request: each domain's answer, or why none could be chosen."""
         return "; ".join(f"{d}: {r}" for d, r in sorted(self.reasons.items())) or self.last_reason
+
+
+class ResumeAction(enum.Enum):
+    """What :func:`plan_resume` decided."""
+
+    REPLAY = "replayed"  # submit the replay it describes
+    COMPLETE = "completed"  # the client already has every token: end the stream normally ("length")
+    NOT_REPLAYABLE = "not_replayable"  # a replay would not continue the same sampling: end with an error
+    LIMIT = "limit"  # replayed resume.max_replays times already: end with an error
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePlan:
+    """How to resume a request whose instance failed (:func:`plan_resume`).
+
+    For :attr:`ResumeAction.REPLAY`: submit ``prompt_token_ids`` (the original prompt, then the tokens already
+    delivered) with ``sampling`` (``max_tokens`` and ``min_tokens`` less those tokens), numbered from
+    ``first_seq`` (the tokens already delivered), on any instance but ``avoid_instance_ids``.
+    """
+
+    action: ResumeAction
+    reason: str  # in words: what is replayed, or why not
+    prompt_token_ids: tuple[int, ...] = ()
+    sampling: SamplingParams | None = None
+    first_seq: int = 0
+    avoid_instance_ids: tuple[str, ...] = ()
+
+
+def plan_resume(
+    prompt_token_ids: Sequence[int],
+    sampling: SamplingParams,
+    output_token_ids: Sequence[int],
+    *,
+    replays_done: int,
+    failed_instance_ids: Sequence[str],
+    max_replays: int,
+) -> ResumePlan:
+    """Decide how to resume one request (one choice) whose instance died or whose engine failed.
+
+    Args:
+        prompt_token_ids: the request's original prompt.
+        sampling: its original sampling settings.
+        output_token_ids: the tokens its client already has (the sink's contiguous tokens), in order.
+        replays_done: replays of it so far.
+        failed_instance_ids: the instances it failed on, the latest last (the replay avoids them).
+        max_replays: ``resume.max_replays`` of the configuration.
+
+    Token replay after NVIDIA Dynamo's request migration: the prompt plus the output so far, the rest of
+    ``max_tokens``; that continues a greedy request exactly and an unseeded sampled one as a fresh sample of
+    the same distribution. Not replayable faithfully (ended with an error that says which and why): seeded
+    sampling (temperature > 0 and a seed: the generator's state after those tokens is lost with the instance,
+    a replay would sample a different continuation than the seed promises), structured output (the grammar's
+    state over the output is lost; a replay would constrain the output as if it started at the replayed
+    tokens) and frequency / presence penalties (they count the output so far, which a replay turns into
+    prompt). A request with no token yet is replayed whatever its sampling (a plain re-dispatch).
+
+    Raises ValueError on a negative count.
+    """
+    n = len(output_token_ids)
+    if replays_done < 0 or max_replays < 0:
+        raise ValueError(f"plan_resume: replays_done = {replays_done}, max_replays = {max_replays}: need >= 0")
+    avoid = tuple(dict.fromkeys(failed_instance_ids))
+    if n >= sampling.max_tokens:
+        return ResumePlan(ResumeAction.COMPLETE, f"all {sampling.max_tokens} tokens were delivered before it failed")
+    if replays_done >= max_replays:
+        why = (
+            "resuming is off (resume.max_replays = 0)"
+            if max_replays == 0
+            else (f"replayed {replays_done} times already (resume.max_replays = {max_replays})")
+        )
+        return ResumePlan(ResumeAction.LIMIT, why)
+    if n > 0:
+        refused = _unfaithful(sampling, n)
+        if refused:
+            return ResumePlan(ResumeAction.NOT_REPLAYABLE, refused)
+    rest = replace(sampling, max_tokens=sampling.max_tokens - n, min_tokens=max(0, sampling.min_tokens - n))
+    return ResumePlan(
+        ResumeAction.REPLAY,
+        f"replay {n} delivered tokens after the prompt, {rest.max_tokens} more to generate",
+        tuple(prompt_token_ids) + tuple(output_token_ids),
+        rest,
+        n,
+        avoid,
+    )
+
+
+def _unfaithful(sampling: SamplingParams, n: int) -> str:
+    """Why a replay after ``n`` tokens would not continue these settings' sampling ("" if it would)."""
+    if sampling.seed is not None and sampling.temperature > 0:
+        return (
+            f"seeded sampling (seed {sampling.seed}, temperature {sampling.temperature:g}) cannot be replayed "
+            f"faithfully: its random generator's state after {n} tokens was lost with the instance"
+        )
+    if sampling.guided is not None:
+        return (
+            f"structured output ({sampling.guided.kind}) cannot be replayed faithfully: the constraint's state "
+            f"after {n} tokens was lost with the instance"
+        )
+    if sampling.frequency_penalty or sampling.presence_penalty:
+        return (
+            "frequency and presence penalties cannot be replayed faithfully: they count the output so far, "
+            "which a replay would send as prompt"
+        )
+    return ""

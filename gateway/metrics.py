@@ -8,7 +8,9 @@ Counters: ``requests_total{endpoint, outcome}`` (outcome ``ok``, ``bad_request``
 ``cross_domain``, seen as owner changes in the token stream), ``preemptions_total{instance}`` (preemption
 episodes: load reports where the instance turned ``preempting``), ``dispatch_retries_total{reason}``.
 Gauges: ``requests_running``, ``instance_kv_used_blocks{instance, domain}``,
-``instance_kv_usage_ratio{instance, domain}`` (from each llumlet's WatchLoad stream).
+``instance_kv_usage_ratio{instance, domain}`` (from each llumlet's WatchLoad stream; an instance's series leave
+when it deregisters). ``resumes_total{outcome}`` and ``replayed_tokens_total``: requests whose instance failed
+(``gateway.core.plan_resume``).
 Histograms: ``ttft_seconds`` (request received -> first token received), ``tbt_seconds`` (between tokens
 as received; a push of k tokens counts k gaps of dt/k), ``migration_downtime_seconds{scope}`` (the token
 gap across an owner change: the old owner's last token -> the new owner's first; an upper bound of the
@@ -16,6 +18,8 @@ real downtime, about one decode step more). Full table: docs/gateway.md.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -65,6 +69,15 @@ class GatewayMetrics:
             p + "instance_kv_usage_ratio", "KV blocks used / capacity", ["instance", "domain"], registry=r
         )
         self.retries = Counter(p + "dispatch_retries", "dispatch retried on another domain", ["reason"], registry=r)
+        self.resumes = Counter(
+            p + "resumes", "requests whose instance failed, by what was done (gateway.core.plan_resume)", ["outcome"],
+            registry=r,
+        )  # fmt: skip
+        self.replayed_tokens = Counter(
+            p + "replayed_tokens", "delivered output tokens sent again as prompt by replays", registry=r
+        )
+        for outcome in ("replayed", "completed", "not_replayable", "limit", "no_capacity"):
+            self.resumes.labels(outcome=outcome)
         for scope in ("intra_domain", "cross_domain"):  # export zeros from the start
             self.migrations.labels(scope=scope)
             self.downtime.labels(scope=scope)
@@ -85,6 +98,16 @@ class GatewayMetrics:
         self.kv_used.labels(instance=instance_id, domain=domain_id).set(used_blocks)
         if capacity_blocks > 0:
             self.kv_ratio.labels(instance=instance_id, domain=domain_id).set(used_blocks / capacity_blocks)
+
+    def remove_instance(self, instance_id: str, domain_id: str) -> None:
+        """An instance deregistered: its series leave the page (a dead instance's gauges do not linger)."""
+        for metric, labels in (
+            (self.kv_used, (instance_id, domain_id)),
+            (self.kv_ratio, (instance_id, domain_id)),
+            (self.preemptions, (instance_id,)),
+        ):
+            with contextlib.suppress(KeyError):
+                metric.remove(*labels)
 
     def render(self) -> bytes:
         """The text exposition format."""

@@ -11,7 +11,9 @@ during and after migrations. :class:`GatewaySink` adds what the HTTP side needs:
   NVLink domains (``domain_of``), and the gap between the old owner's last token and the new owner's first
   is its client-visible downtime;
 - liveness: each owner llumlet is watched (``TokenCollector.watch``), so a llumlet that dies fails the
-  requests it owns with a clear error instead of leaving the client waiting.
+  requests it owns with a clear error, marked ``resumable``, instead of leaving the client waiting; so does a
+  llumlet whose engine failed (its pushed error is marked so). :meth:`GatewaySink.resume` continues such a
+  request under a new id (a replay elsewhere, ``gateway.core.plan_resume``) from the tokens already held.
 
 The hook is ``TokenCollector._push`` (overridden, the collector's logic unchanged): the collector has no
 public per-push callback yet.
@@ -54,6 +56,8 @@ class TokenUpdate:
     migrations: int  # committed migrations seen so far
     moves: tuple[Move, ...] = ()  # those migrations whose first new token arrived (or that ended the stream)
     logprobs: tuple[TokenLogprobs, ...] = ()  # aligned with token_ids when the request asked for logprobs
+    resumable: bool = False  # done with an error of its instance (dead or failed): it may be replayed elsewhere
+    resumes: int = 0  # replays on another instance after a failure so far (set by the backend that replays)
 
 
 class SinkObserver(Protocol):
@@ -114,7 +118,20 @@ class GatewaySink(TokenCollector):
         if prog is not None and not prog.owner_instance_id:
             prog.owner_instance_id = instance_id
         if address:
+            self.placed(request_id, address)
             self.watch(address)
+
+    def resume(self, request_id: str, new_request_id: str) -> int:
+        """Continue ``request_id`` as ``new_request_id`` (replayed elsewhere): the new stream starts with the
+        tokens held, its progress (migrations, moves) carries over; returns the tokens held. Raises KeyError
+        for a request not opened, ValueError for a new id already open."""
+        held = super().resume(request_id, new_request_id)
+        prog = self._progress.pop(request_id, None) or _Progress()
+        prog.wake = asyncio.Event()
+        prog.received, prog.epoch, prog.owner_instance_id = held, 0, ""
+        prog.pending_gap_from_s, prog.pending_move = None, ("", "")
+        self._progress[new_request_id] = prog
+        return held
 
     def close(self, request_id: str) -> None:
         """Stop collecting: later pushes are answered ``unknown`` (the llumlet drops the request)."""
@@ -137,14 +154,16 @@ class GatewaySink(TokenCollector):
         except KeyError:
             return ""
 
-    async def updates(self, request_id: str, stall_timeout_s: float = 300.0) -> AsyncGenerator[TokenUpdate, None]:
-        """New tokens of ``request_id`` as they arrive, then one update with ``done`` set.
+    async def updates(
+        self, request_id: str, stall_timeout_s: float = 300.0, *, delivered: int = 0
+    ) -> AsyncGenerator[TokenUpdate, None]:
+        """New tokens of ``request_id`` after the first ``delivered`` as they arrive, then one update with
+        ``done`` set.
 
         A request with no progress for ``stall_timeout_s`` ends with an error update. Raises KeyError for a
         request not opened.
         """
         prog = self._progress[request_id]
-        delivered = 0
         last_progress = self._clock()
         while True:
             prog.wake.clear()
@@ -163,6 +182,7 @@ class GatewaySink(TokenCollector):
                     prog.migrations,
                     tuple(prog.moves),
                     logprobs,
+                    snap.resumable,
                 )
                 if snap.done:
                     return
@@ -181,7 +201,9 @@ class GatewaySink(TokenCollector):
         if prog is None or (ack.unknown and not msg.finished):
             return ack
         now = self._clock()
-        if msg.epoch > prog.epoch and not ack.superseded:
+        if msg.epoch > prog.epoch and not ack.superseded and msg.sender_instance_id == prog.owner_instance_id:
+            prog.epoch = int(msg.epoch)  # the owner claimed the next epoch (a move whose commit it could not learn)
+        elif msg.epoch > prog.epoch and not ack.superseded:
             src = prog.owner_instance_id
             prog.migrations += int(msg.epoch - prog.epoch)
             prog.epoch = int(msg.epoch)

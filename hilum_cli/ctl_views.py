@@ -251,6 +251,7 @@ def requests_json(answers: Sequence[DomainAnswer], instance_id: str = "") -> Jso
                 "domain_id": a.domain_id,
                 "address": i.address,
                 "connected": i.connected,
+                "failure": i.failure,
                 "draining": i.draining,
                 "num_running": i.num_running if i.has_load else None,
                 "num_waiting": i.num_waiting if i.has_load else None,
@@ -473,6 +474,8 @@ def render_requests(console: Console, data: Json) -> None:
     for i in data["instances"]:
         counts = ["-", "-"] if i["num_running"] is None else [str(i["num_running"]), str(i["num_waiting"])]
         llumlet = i["address"] + ("" if i["connected"] else " (not connected)")
+        if i.get("failure"):
+            llumlet += f" (failed: {i['failure']})"
         table.add_row(i["instance_id"], i["domain_id"], *counts, "draining" if i["draining"] else "-", llumlet)
     console.print(table)
     answered = [d for d in data["domains"] if d["answered"]]

@@ -1,7 +1,8 @@
 """``hilum up``: a whole hilum cluster on one machine, for trying hilum and for end-to-end tests.
 
-    hilum up [--topology FILE] [--engine sim|torch] [--coordinators N] [--port 8000] [--etcd-port 2379]
-             [--grpc-base-port 7070] [--etcd HOST:PORT] [--run-dir DIR] [--max-restarts 5]
+    hilum up [--topology FILE] [--engine sim|torch] [--coordinators N] [--gateways N [--gateway-ports shared|separate]]
+             [--port 8000] [--etcd-port 2379] [--grpc-base-port 7070] [--etcd HOST:PORT] [--run-dir DIR]
+             [--max-restarts 5]
 
 Before starting anything it checks the options, loads the topology, checks that ``--etcd`` answers (or that
 the embedded etcd's binary is there) and that every port is free; each failure is one line naming what is
@@ -14,7 +15,16 @@ which and what it waits for:
 3. one llumlet per instance of the topology (``python -m llumlet --engine ENGINE``), each registering
    itself in etcd under its own lease;
 4. one domain scheduler per NVLink domain (``python -m rack_sched``, which finds its llumlets in etcd);
-5. the gateway (``python -m gateway``), then waits until its ``/health`` lists every domain.
+5. ``--gateways N`` gateways (``python -m gateway``; default 1), then waits until each one's ``/health`` lists
+   every domain.
+
+Several gateways are independent processes in front of the same cluster (each with its own token sink and
+dispatch reservations; ``gateway.core`` keeps them from herding). With ``--gateway-ports shared`` (the
+default) they all listen on ``--port`` with ``SO_REUSEPORT``, the kernel spreading new connections over
+them, and gateway ``k`` also listens alone on ``--port + 1 + k`` (its own ``/health`` and ``/metrics``); on a
+platform without ``SO_REUSEPORT`` this is refused by name before anything starts. With ``separate``, gateway
+``k`` listens on ``--port + k`` only. Either way ``cluster.json`` lists every gateway's URL and token sink
+(``gateways``) and the URLs clients may use (``gateway_urls``); each is supervised like every other process.
 
 It prints every address, the ``hilumctl`` line to query the cluster, a ``curl`` line and a ``hilum bench``
 line, and writes them with every pid to ``<run dir>/cluster.json``. The run directory always holds the
@@ -26,12 +36,13 @@ While the cluster runs, ``hilum up`` supervises it (:mod:`hilum_cli.supervisor`)
 is restarted on the same ports, as systemd's ``Restart=on-failure`` would, with a growing delay and at most
 ``--max-restarts`` restarts within 60 s; each restart is logged on stderr and counted in ``cluster.json``.
 A process that stops cleanly (status 0, SIGTERM) or on a configuration error (status 2) stays down, which is
-how a fault drill stops one replica on purpose. Requests that ran on a crashed llumlet are lost (resuming
-them elsewhere is future work): their streams end with an error event, not a hang. After too many crashes
+how a fault drill stops one replica on purpose. Requests that ran on a crashed llumlet are resumed on
+another instance by token replay (docs/gateway.md, "Resume on failure"), or end with an error event when they
+cannot be; never a hang. After too many crashes
 ``hilum up`` stops the cluster and exits 1.
 
 Ctrl-C, SIGTERM or SIGHUP (SIGINT even when the shell started it with SIGINT ignored, as a script's
-background job) stops everything: first the gateway, which ends every open stream with an error event,
+background job) stops everything: first the gateways, which end every open stream with an error event,
 then the rest in reverse order, SIGTERM to each stage, SIGKILL after ``stop_timeout_s``; every child is in
 one process group that is swept with SIGKILL at the end, and every child is reaped, so no process is left
 behind. On Linux each child also gets SIGTERM if ``hilum up`` itself dies (``PR_SET_PDEATHSIG``).
@@ -40,9 +51,9 @@ The run directory: ``--run-dir DIR`` is kept. Without it a temporary ``hilum-up-
 removed at exit, and the exit says so; it is kept, with its path printed, when the start failed after a
 process had started, or after a crash (for the logs), or with ``--keep-run-dir``.
 
-Ports: the gateway's HTTP ``--port``; etcd ``--etcd-port`` (client) and the next one (peer); gRPC from
-``--grpc-base-port``: the coordinators, then one per domain scheduler, one per llumlet, and the gateway's
-token sink. A port given as 0 is chosen free. With ``--host 0.0.0.0`` every process listens on every
+Ports: the gateways' HTTP from ``--port`` (above); etcd ``--etcd-port`` (client) and the next one (peer); gRPC
+from ``--grpc-base-port``: the coordinators, then one per domain scheduler, one per llumlet, and one token
+sink per gateway. A port given as 0 is chosen free. With ``--host 0.0.0.0`` every process listens on every
 interface and registers 127.0.0.1 as the address the others reach it at.
 
 Without ``--topology`` a built-in two-domain topology is used (:data:`LOCAL_TOPOLOGY`: two nodes of two
@@ -81,6 +92,7 @@ import yaml
 import hilum_config
 from hilum_cli.supervisor import ChildSpec, RestartPolicy, StartFailed, Supervisor
 from hilum_proto.tls import WILDCARD_HOSTS
+from llumlet.linkbudget import LinkBudgets
 from topology.load import TopologyError, bundled_path, load_topology, parse_topology, tokenizer_errors
 from topology.spec import Topology
 
@@ -128,26 +140,37 @@ class UpError(RuntimeError):
 
 
 # ---- ports ---------------------------------------------------------------------------------------------
+GATEWAY_PORTS = ("shared", "separate")  # --gateway-ports: one address for every gateway (SO_REUSEPORT), or one each
+
+
 @dataclass(frozen=True, slots=True)
 class PortPlan:
     """Every port the cluster uses (all on ``host``)."""
 
     host: str
-    gateway: int
+    gateway: int  # the HTTP port clients use: shared by every gateway, or the first gateway's own
     etcd_client: int
     etcd_peer: int
     coordinators: dict[str, int]  # coordinator id -> port
     domains: dict[str, int]  # domain_id -> domain scheduler port
     instances: dict[str, int]  # instance_id -> llumlet port
-    sink: int  # the gateway's token sink
+    gateways: dict[str, int]  # gateway name -> the HTTP port it alone serves (== gateway for a lone one)
+    sinks: dict[str, int]  # gateway name -> its token sink's port
+
+    @property
+    def shared_gateway_port(self) -> bool:
+        """Whether several gateways share :attr:`gateway` (SO_REUSEPORT), each also on its own port."""
+        return self.gateway not in self.gateways.values()
 
     def named(self) -> list[tuple[str, int]]:
         """(what, port) for every port, in start order."""
-        out = [("gateway HTTP", self.gateway), ("etcd client", self.etcd_client), ("etcd peer", self.etcd_peer)]
+        out = [("gateway HTTP (shared)" if self.shared_gateway_port else "gateway HTTP", self.gateway)]
+        out += [(f"{g} HTTP", p) for g, p in self.gateways.items() if p != self.gateway]
+        out += [("etcd client", self.etcd_client), ("etcd peer", self.etcd_peer)]
         out += [(f"coordinator {c}", p) for c, p in self.coordinators.items()]
         out += [(f"domain scheduler {d}", p) for d, p in self.domains.items()]
         out += [(f"llumlet {i}", p) for i, p in self.instances.items()]
-        out.append(("gateway token sink", self.sink))
+        out += [(f"{g} token sink", p) for g, p in self.sinks.items()]
         return out
 
 
@@ -173,6 +196,11 @@ def coordinator_ids(n: int) -> list[str]:
     return [f"coord-{k}" for k in range(n)]
 
 
+def gateway_names(n: int) -> list[str]:
+    """The process names of ``n`` gateways: ``gateway`` alone, else ``gateway-0``, ``gateway-1``, ..."""
+    return ["gateway"] if n == 1 else [f"gateway-{k}" for k in range(n)]
+
+
 def plan_ports(
     topology: Topology,
     host: str,
@@ -182,8 +210,14 @@ def plan_ports(
     *,
     etcd_embedded: bool,
     coordinators: int = 1,
+    gateways: int = 1,
+    gateway_ports: str = "shared",
 ) -> PortPlan:
     """Assign ports (0 = a free one each) and check that each is free.
+
+    Gateways: a lone one listens on ``gateway``. Several with ``gateway_ports="shared"`` all listen on
+    ``gateway`` and gateway ``k`` also alone on ``gateway + 1 + k``; with ``"separate"`` gateway ``k`` listens
+    on ``gateway + k`` only. Their token sinks take gRPC ports after the llumlets'.
 
     Raises:
         UpError: a port is in use or repeated, naming it and the option that moves it.
@@ -195,22 +229,29 @@ def plan_ports(
     coords = coordinator_ids(coordinators)
     domains = [d.domain_id for d in topology.domains]
     instances = [i.instance_id for i in topology.instances]
+    names = gateway_names(gateways)
     if grpc_base:
-        ports = iter(range(grpc_base, grpc_base + len(coords) + len(domains) + len(instances) + 1))
+        ports = iter(range(grpc_base, grpc_base + len(coords) + len(domains) + len(instances) + len(names)))
         coord = {c: next(ports) for c in coords}
         dom = {d: next(ports) for d in domains}
         inst = {i: next(ports) for i in instances}
-        sink = next(ports)
+        sinks = {g: next(ports) for g in names}
     else:
         coord = {c: _free_port(host) for c in coords}
         dom = {d: _free_port(host) for d in domains}
         inst = {i: _free_port(host) for i in instances}
-        sink = _free_port(host)
+        sinks = {g: _free_port(host) for g in names}
+    shared = pick(gateway)
+    if gateways == 1:
+        own = {names[0]: shared}
+    elif gateway_ports == "shared":
+        own = {g: gateway + 1 + k if gateway else _free_port(host) for k, g in enumerate(names)}
+    else:
+        own = {g: shared + k if gateway else (shared if k == 0 else _free_port(host)) for k, g in enumerate(names)}
     etcd_client = pick(etcd) if etcd_embedded else 0
     etcd_peer = (etcd_client + 1 if etcd else _free_port(host)) if etcd_embedded else 0
-    plan = PortPlan(host, pick(gateway), etcd_client, etcd_peer, coord, dom, inst, sink)
+    plan = PortPlan(host, shared, etcd_client, etcd_peer, coord, dom, inst, own, sinks)
     seen: dict[int, str] = {}
-    options = {"gateway HTTP": "--port", "etcd client": "--etcd-port", "etcd peer": "--etcd-port"}
     for what, port in plan.named():
         if port == 0:
             continue
@@ -218,7 +259,12 @@ def plan_ports(
             raise UpError(f"port {port} would serve both the {seen[port]} and the {what}: choose other ports")
         seen[port] = what
         if not port_free(host, port):
-            option = options.get(what, "--grpc-base-port")
+            if "HTTP" in what:
+                option = "--port"
+            elif what.startswith("etcd"):
+                option = "--etcd-port"
+            else:
+                option = "--grpc-base-port"
             raise UpError(f"port {port} ({what}) on {host} is already in use: stop what holds it or pass {option}")
     return plan
 
@@ -236,6 +282,8 @@ class UpConfig:
     etcd_port: int = 2379
     grpc_base_port: int = 7070
     coordinators: int = 1  # replicas: one leads, the others stand by
+    gateways: int = 1  # gateways in front of the cluster
+    gateway_ports: str = "shared"  # several gateways: "shared" (one address, SO_REUSEPORT) or "separate"
     run_dir: str = ""  # "" = a new temporary directory, removed at exit
     keep_run_dir: bool = False
     time_scale: float = 1.0  # sim engine: wall seconds per modelled second
@@ -336,6 +384,7 @@ def _check(cfg: UpConfig) -> _Checked:
         raise UpError(f"--engine {cfg.engine!r}: choose one of {', '.join(ENGINES)}")
     if cfg.coordinators < 1:
         raise UpError(f"--coordinators: need at least 1, got {cfg.coordinators}")
+    _check_gateways(cfg)
     if not cfg.start_timeout_s > 0:
         raise UpError(f"--start-timeout: must be > 0 seconds, got {cfg.start_timeout_s:g}")
     config_text = _config_text(cfg)
@@ -356,8 +405,23 @@ def _check(cfg: UpConfig) -> _Checked:
         cfg.grpc_base_port,
         etcd_embedded=not cfg.etcd,
         coordinators=cfg.coordinators,
+        gateways=cfg.gateways,
+        gateway_ports=cfg.gateway_ports,
     )
     return _Checked(topology, text, plan, binary, config_text)
+
+
+def _check_gateways(cfg: UpConfig) -> None:
+    """``--gateways`` and ``--gateway-ports``; sharing one port needs SO_REUSEPORT. Raises UpError."""
+    if cfg.gateways < 1:
+        raise UpError(f"--gateways: need at least 1, got {cfg.gateways}")
+    if cfg.gateway_ports not in GATEWAY_PORTS:
+        raise UpError(f"--gateway-ports {cfg.gateway_ports!r}: choose one of {', '.join(GATEWAY_PORTS)}")
+    if cfg.gateways > 1 and cfg.gateway_ports == "shared" and not hasattr(socket, "SO_REUSEPORT"):
+        raise UpError(
+            f"--gateways {cfg.gateways} on one port needs SO_REUSEPORT, which this platform lacks: pass "
+            "--gateway-ports separate (each gateway on its own port)"
+        )
 
 
 def _check_tokenizers(cfg: UpConfig, topology: Topology) -> None:
@@ -432,7 +496,19 @@ class _Layout:
 
     @property
     def gateway_url(self) -> str:
+        """The URL clients use: the address every gateway shares, or the first gateway's."""
         return f"http://{self.reach_host}:{self.plan.gateway}"
+
+    def own_url(self, gateway: str) -> str:
+        """The URL only ``gateway`` serves (its /health and /metrics)."""
+        return f"http://{self.reach_host}:{self.plan.gateways[gateway]}"
+
+    @property
+    def client_urls(self) -> list[str]:
+        """Every URL a client may send requests to: the shared one, or each gateway's."""
+        if self.plan.shared_gateway_port:
+            return [self.gateway_url]
+        return [self.own_url(g) for g in self.plan.gateways]
 
 
 def _etcd_spec(lay: _Layout, binary: Path) -> ChildSpec:
@@ -481,6 +557,9 @@ def _llumlet_specs(lay: _Layout) -> list[ChildSpec]:
         model = topo.model_of(inst.instance_id)
         cmd = [py, "-m", "llumlet", "--instance-id", inst.instance_id, "--engine", cfg.engine]
         cmd += [*lay.listen(lay.plan.instances[inst.instance_id]), *_common(lay), "--seed", str(cfg.seed)]
+        # the llumlets of this cluster share its links' migration budgets; another cluster on this machine
+        # (whose links have the same names) does not
+        cmd += ["--link-budget-scope", link_budget_scope(lay.run_dir)]
         if cfg.engine == "sim":
             cmd += ["--time-scale", str(cfg.time_scale)]
         else:
@@ -495,6 +574,11 @@ def _llumlet_specs(lay: _Layout) -> list[ChildSpec]:
     return specs
 
 
+def link_budget_scope(run_dir: Path) -> str:
+    """The llumlets' ``--link-budget-scope`` of the cluster whose run directory is ``run_dir``."""
+    return f"hilum-up:{run_dir.resolve()}"
+
+
 def _rack_specs(lay: _Layout) -> list[ChildSpec]:
     first = lay.address(next(iter(lay.plan.coordinators.values())))
     specs = []
@@ -506,15 +590,22 @@ def _rack_specs(lay: _Layout) -> list[ChildSpec]:
     return specs
 
 
-def _gateway_spec(lay: _Layout) -> ChildSpec:
+def _gateway_specs(lay: _Layout) -> list[ChildSpec]:
     cfg, plan = lay.cfg, lay.plan
-    cmd = [sys.executable, "-m", "gateway", "--listen", f"{cfg.host}:{plan.gateway}", *_common(lay)]
-    cmd += ["--sink-listen", f"{cfg.host}:{plan.sink}", "--seed", str(cfg.seed)]
-    if cfg.host in WILDCARD_HOSTS:
-        cmd += ["--sink-advertise", lay.address(plan.sink)]
-    if cfg.tokenizer:
-        cmd += [f"--tokenizer={m}={cfg.tokenizer}" for m in sorted({i.model for i in lay.topology.instances})]
-    return ChildSpec("gateway", tuple(cmd), ready_marker="gateway serving at ")
+    specs: list[ChildSpec] = []
+    for name, own in plan.gateways.items():
+        sink = plan.sinks[name]
+        listen = plan.gateway if plan.shared_gateway_port else own
+        cmd = [sys.executable, "-m", "gateway", "--listen", f"{cfg.host}:{listen}", *_common(lay)]
+        if plan.shared_gateway_port:
+            cmd += ["--reuse-port", "--also-listen", f"{cfg.host}:{own}"]
+        cmd += ["--sink-listen", f"{cfg.host}:{sink}", "--seed", str(cfg.seed + len(specs))]
+        if cfg.host in WILDCARD_HOSTS:
+            cmd += ["--sink-advertise", lay.address(sink)]
+        if cfg.tokenizer:
+            cmd += [f"--tokenizer={m}={cfg.tokenizer}" for m in sorted({i.model for i in lay.topology.instances})]
+        specs.append(ChildSpec(name, tuple(cmd), ready_marker="gateway serving at "))
+    return specs
 
 
 @dataclass(slots=True)
@@ -567,7 +658,7 @@ def start_cluster(
         (coords, _coordinator_specs(lay)),
         (f"{len(checked.topology.instances)} llumlets ({cfg.engine} engine: {engine})", _llumlet_specs(lay)),
         (f"{len(checked.topology.domains)} domain schedulers", _rack_specs(lay)),
-        (f"the gateway on {lay.gateway_url}", [_gateway_spec(lay)]),
+        (_gateways_stage(lay), _gateway_specs(lay)),
     ]
     try:
         for what, specs in stages:
@@ -586,23 +677,35 @@ def start_cluster(
     return cluster
 
 
+def _gateways_stage(lay: _Layout) -> str:
+    """What the gateways' stage says it starts."""
+    plan = lay.plan
+    if len(plan.gateways) == 1:
+        return f"the gateway on {lay.gateway_url}"
+    if plan.shared_gateway_port:
+        return f"{len(plan.gateways)} gateways sharing {lay.gateway_url} (SO_REUSEPORT)"
+    return f"{len(plan.gateways)} gateways on {', '.join(lay.client_urls)}"
+
+
 def _wait_for_every_domain(cluster: RunningCluster, timeout_s: float, say: Callable[[str], None]) -> None:
-    """Wait until the gateway's ``/health`` lists every domain (each scheduler has published a summary)."""
+    """Wait until each gateway's ``/health`` lists every domain (each scheduler has published a summary)."""
     lay, sup = cluster.layout, cluster.supervisor
     want = {d.domain_id for d in lay.topology.domains}
-    say("waiting for the gateway's /health to list every domain (each domain scheduler publishes a summary) ...")
+    each = "the gateway's" if len(lay.plan.gateways) == 1 else "each gateway's"
+    say(f"waiting for {each} /health to list every domain (each domain scheduler publishes a summary) ...")
     deadline = time.monotonic() + timeout_s
-    while (seen := _gateway_domains(lay.gateway_url)) is None or not want <= seen:
-        sup.raise_if_exited()
-        if time.monotonic() > deadline:
-            missing = sorted(want - (seen or set()))
-            racks = [c for c in sup.children() if c.name in {f"rack-{d}" for d in missing}]
-            tails = "\n".join(f"--- {c.log_path}:\n{c.log_tail(800)}" for c in racks)
-            raise UpError(
-                f"the gateway's /health did not list domain(s) {', '.join(missing)} within {timeout_s:g} s (their "
-                f"domain schedulers have published no summary the gateway sees):\n{tails}"
-            )
-        time.sleep(0.1)
+    for name in lay.plan.gateways:
+        while (seen := _gateway_domains(lay.own_url(name))) is None or not want <= seen:
+            sup.raise_if_exited()
+            if time.monotonic() > deadline:
+                missing = sorted(want - (seen or set()))
+                racks = [c for c in sup.children() if c.name in {f"rack-{d}" for d in missing}]
+                tails = "\n".join(f"--- {c.log_path}:\n{c.log_tail(800)}" for c in racks)
+                raise UpError(
+                    f"{name}'s /health did not list domain(s) {', '.join(missing)} within {timeout_s:g} s (their "
+                    f"domain schedulers have published no summary the gateway sees):\n{tails}"
+                )
+            time.sleep(0.1)
 
 
 def _info(lay: _Layout) -> dict[str, Any]:
@@ -614,6 +717,9 @@ def _info(lay: _Layout) -> dict[str, Any]:
         "config_file": str(lay.config_path) if lay.config_path is not None else None,
         "engine": lay.cfg.engine,
         "gateway_url": lay.gateway_url,
+        "gateway_urls": lay.client_urls,
+        "gateway_port_shared": plan.shared_gateway_port,
+        "gateways": {g: {"url": lay.own_url(g), "token_sink": lay.address(plan.sinks[g])} for g in plan.gateways},
         "etcd": lay.etcd_endpoint,
         "etcd_embedded": not lay.cfg.etcd,
         "coordinator": next(iter(coordinators.values())),
@@ -621,11 +727,24 @@ def _info(lay: _Layout) -> dict[str, Any]:
         "domain_schedulers": {d: lay.address(p) for d, p in plan.domains.items()},
         "llumlets": {i: lay.address(p) for i, p in plan.instances.items()},
         "instance_domains": {i.instance_id: i.domain_id for i in topo.instances},
-        "token_sink": lay.address(plan.sink),
         "models": sorted({i.model for i in topo.instances}),
         "run_dir": str(lay.run_dir),
         "max_restarts": lay.cfg.restart.max_restarts,
     }
+
+
+def _gateway_lines(info: dict[str, Any]) -> list[str]:
+    api = "(/v1/completions, /v1/chat/completions, /v1/models, /metrics)"
+    gateways = info["gateways"]
+    if len(gateways) == 1:
+        return [f"  gateway       {info['gateway_url']}   {api}"]
+    if info["gateway_port_shared"]:
+        own = ", ".join(f"{g} {v['url']}" for g, v in gateways.items())
+        return [
+            f"  gateways      {info['gateway_url']}   {api}, shared by {len(gateways)} gateways (SO_REUSEPORT)",
+            f"                each alone (its /health, /metrics): {own}",
+        ]
+    return [f"  gateways      {', '.join(info['gateway_urls'])}   {api}"]
 
 
 def describe(info: dict[str, Any], *, temporary_run_dir: bool = False) -> str:
@@ -635,7 +754,7 @@ def describe(info: dict[str, Any], *, temporary_run_dir: bool = False) -> str:
     standby = " (one leads, the others stand by)" if len(coordinators) > 1 else ""
     lines = [
         f"hilum up: cluster {info['topology']!r} ({info['engine']} engine) is up",
-        f"  gateway       {info['gateway_url']}   (/v1/completions, /v1/chat/completions, /v1/models, /metrics)",
+        *_gateway_lines(info),
         f"  etcd          {info['etcd']}{' (embedded)' if info['etcd_embedded'] else ''}",
         f"  coordinators  {', '.join(f'{c} {a}' for c, a in coordinators.items())}{standby}",
     ]
@@ -749,6 +868,7 @@ def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) ->
                 if sup is not None and started:
                     sup.stop_all(cfg.stop_timeout_s)
                     say("stopped; no process left")
+                LinkBudgets.remove_scope(link_budget_scope(run_dir))
                 if temporary:
                     _finish_run_dir(run_dir, keep=cfg.keep_run_dir or (crashed and started), say=say)
     return status
@@ -774,6 +894,14 @@ def register(sub: Any) -> None:
     p.add_argument("--topology", default=None, help="topology file or bundled name (default: built-in local-2x2)")
     p.add_argument("--engine", default="sim", choices=ENGINES, help="llumlet engine backend (default sim)")
     p.add_argument("--coordinators", type=int, default=1, metavar="N", help="coordinator replicas (default 1)")
+    p.add_argument("--gateways", type=int, default=1, metavar="N", help="gateways in front of the cluster (default 1)")
+    p.add_argument(
+        "--gateway-ports",
+        default="shared",
+        choices=GATEWAY_PORTS,
+        help="several gateways: all on --port (SO_REUSEPORT; each also alone on --port+1+k), or gateway k on "
+        "--port+k (default shared)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address every process listens on")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: a free one)")
     p.add_argument("--etcd", default="", metavar="HOST:PORT", help="use this etcd instead of starting one")
@@ -815,6 +943,8 @@ def _main(ns: argparse.Namespace) -> int:
         etcd_port=ns.etcd_port,
         grpc_base_port=ns.grpc_base_port,
         coordinators=ns.coordinators,
+        gateways=ns.gateways,
+        gateway_ports=ns.gateway_ports,
         run_dir=ns.run_dir,
         keep_run_dir=ns.keep_run_dir,
         time_scale=ns.time_scale,

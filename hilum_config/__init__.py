@@ -15,6 +15,8 @@ section         dataclass                                           used by
 ``cost``        ``topology.cost.CostConfig``                        coordinator, llumlets (pre-copy rule, cap)
 ``approval``    ``global_coord.approval.ApprovalConfig``            coordinator: cross-domain approvals
 ``intervals``   :class:`Intervals`                                  domain schedulers, gateways, ``hilum sim``
+``resume``      :class:`ResumeConfig`                               gateways: replaying requests whose instance
+                                                                    failed (``gateway.core.plan_resume``)
 ``autoscale``   ``policy.autoscale.AutoscaleConfig`` (the rule) and  coordinator leader, ``hilum sim``
                 ``global_coord.actuator.ActuatorConfig`` (the hook)
 ==============  =================================================  ==========================================
@@ -46,7 +48,16 @@ from policy.types import PolicyConfig
 from rack_sched.core import DomainConfig
 from topology.cost import CostConfig
 
-__all__ = ["CONFIG_ENV", "ConfigError", "HilumConfig", "Intervals", "add_argument", "load_config", "parse_config"]
+__all__ = [
+    "CONFIG_ENV",
+    "ConfigError",
+    "HilumConfig",
+    "Intervals",
+    "ResumeConfig",
+    "add_argument",
+    "load_config",
+    "parse_config",
+]
 
 #: Environment variable naming the configuration file when no ``--config`` is given.
 CONFIG_ENV = "HILUM_CONFIG"
@@ -76,6 +87,23 @@ class Intervals:
 
 
 @dataclass(frozen=True, slots=True)
+class ResumeConfig:
+    """Resuming a request whose instance failed (``gateway.core.plan_resume``). Raises ValueError on a bad value.
+
+    ``max_replays``: times one request (one choice) may be replayed on another instance after its instance
+    died or its engine failed; 0 turns resuming off (such a request ends with an error event). NVIDIA
+    Dynamo's ``--migration-limit`` is the same setting; 3, its suggested value, survives transient losses
+    without replaying forever.
+    """
+
+    max_replays: int = 3
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_replays, int) or self.max_replays < 0:
+            raise ValueError(f"max_replays must be an int >= 0, got {self.max_replays!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class HilumConfig:
     """The whole configuration (see the module docstring)."""
 
@@ -85,6 +113,7 @@ class HilumConfig:
     cost: CostConfig = field(default_factory=CostConfig)
     approval: ApprovalConfig = field(default_factory=ApprovalConfig)
     intervals: Intervals = field(default_factory=Intervals)
+    resume: ResumeConfig = field(default_factory=ResumeConfig)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # the rule keys of the autoscale section
     actuator: ActuatorConfig = field(default_factory=ActuatorConfig)  # its command keys (autoscale.command ...)
     source: str = "<defaults>"  # where it was read from
@@ -99,6 +128,7 @@ _SECTIONS: dict[str, tuple[type[Any], tuple[str, ...] | None]] = {
     "cost": (CostConfig, None),
     "approval": (ApprovalConfig, None),
     "intervals": (Intervals, None),
+    "resume": (ResumeConfig, None),
     "autoscale": (AutoscaleConfig, None),  # and ActuatorConfig's keys: see _AUTOSCALE_ACTUATOR
 }
 _AUTOSCALE_ACTUATOR = ActuatorConfig  # the autoscale section's other keys (the hook): HilumConfig.actuator
@@ -170,6 +200,7 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
         built["cost"],
         built["approval"],
         built["intervals"],
+        built["resume"],
         built["autoscale"],
         built["actuator"],
         source,

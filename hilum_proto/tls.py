@@ -1,6 +1,7 @@
-"""TLS for the gRPC connections between hilum's processes, and for their etcd client.
+"""TLS and keepalive for the gRPC connections between hilum's processes, and TLS for their etcd client.
 
-Configured by environment variables, read when a channel or server port is made (never at import), so
+Every gRPC channel hilum opens (:func:`open_channel`) and every server it binds (:func:`new_server`) comes
+from here. Configured by environment variables, read when a channel or server is made (never at import), so
 every process — coordinator, domain scheduler, llumlet, gateway, hilumctl — picks up the same settings
 from its systemd ``EnvironmentFile`` (deploy/README.md) without a flag of its own:
 
@@ -12,7 +13,18 @@ from its systemd ``EnvironmentFile`` (deploy/README.md) without a flag of its ow
 ``HILUM_TLS_CLIENT_AUTH``   ``1`` (default when a certificate is set): servers require and verify a client
                             certificate signed by the CA (mutual TLS); ``0``: server-side TLS only.
 ``HILUM_ETCD_CA`` / ``_CERT`` / ``_KEY``  the same for the etcd client (etcd often has its own PKI).
+``HILUM_GRPC_KEEPALIVE_S``  seconds between HTTP/2 keepalive pings on every connection, also while idle
+                            (default 5).
+``HILUM_GRPC_KEEPALIVE_TIMEOUT_S``  seconds a ping may go unanswered before the connection is closed and
+                            its calls fail with ``UNAVAILABLE`` (default 5).
 ==========================  ==================================================================================
+
+Keepalive: both ends ping (a client its server, a server its clients), so a peer that stops answering
+without closing its connections — a host that froze or lost power, a SIGSTOPped process, a cable pulled —
+is noticed within ``HILUM_GRPC_KEEPALIVE_S + HILUM_GRPC_KEEPALIVE_TIMEOUT_S`` (10 s by default) rather than
+when TCP gives up (minutes): a WatchLoad stream breaks (the domain scheduler stops routing to the instance,
+the gateway resumes its requests elsewhere), a unary call fails. Servers accept pings as often as every half
+interval, so clients are never sent away for pinging too much.
 
 Certificates must name the host part of the addresses processes use to reach each other (a SAN of the
 ``--advertise`` host). Errors name the variable and the file.
@@ -29,6 +41,7 @@ import grpc
 
 __all__ = [
     "WILDCARD_HOSTS",
+    "Keepalive",
     "TlsError",
     "TlsFiles",
     "add_port",
@@ -36,6 +49,7 @@ __all__ = [
     "bind_server",
     "etcd_tls_args",
     "grpc_tls",
+    "keepalive",
     "new_server",
     "open_channel",
 ]
@@ -45,6 +59,68 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")  # listen hosts that bind every i
 
 class TlsError(ValueError):
     """The TLS environment is inconsistent or names a file that cannot be read."""
+
+
+@dataclass(frozen=True, slots=True)
+class Keepalive:
+    """HTTP/2 keepalive of every connection: ping every ``time_s``, give up after ``timeout_s`` without an answer.
+
+    A silently dead peer is noticed within ``bound_s`` = ``time_s + timeout_s``.
+    """
+
+    time_s: float = 5.0
+    timeout_s: float = 5.0
+
+    @property
+    def bound_s(self) -> float:
+        """Seconds within which a peer that stopped answering is noticed."""
+        return self.time_s + self.timeout_s
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        """gRPC channel arguments of a client."""
+        return [
+            ("grpc.keepalive_time_ms", round(self.time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", round(self.timeout_s * 1000)),
+            # gRPC core (1.85) waits for any ping's answer this long, the keepalive's too (default 60 s)
+            ("grpc.http2.ping_timeout_ms", round(self.timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),  # keep pinging an idle stream (a quiet WatchLoad)
+        ]
+
+    def server_options(self) -> list[tuple[str, int]]:
+        """gRPC server arguments: ping the clients, and let them ping every half interval."""
+        return [
+            ("grpc.keepalive_time_ms", round(self.time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", round(self.timeout_s * 1000)),
+            ("grpc.http2.ping_timeout_ms", round(self.timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", round(self.time_s * 500)),
+            ("grpc.http2.min_ping_interval_without_data_ms", round(self.time_s * 500)),
+            ("grpc.http2.max_ping_strikes", 0),
+        ]
+
+
+def keepalive(env: Mapping[str, str] | None = None) -> Keepalive:
+    """The keepalive settings from ``env`` (default: the process environment).
+
+    Raises:
+        ValueError: naming the variable, when a value is not a number of seconds > 0.
+    """
+    env = os.environ if env is None else env
+    values = {}
+    for key, name in (("time_s", "HILUM_GRPC_KEEPALIVE_S"), ("timeout_s", "HILUM_GRPC_KEEPALIVE_TIMEOUT_S")):
+        raw = env.get(name, "")
+        if not raw:
+            continue
+        try:
+            value = float(raw)
+        except ValueError:
+            value = float("nan")
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"{name}={raw!r}: need a number of seconds > 0")
+        values[key] = value
+    return Keepalive(**values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,11 +182,13 @@ def etcd_tls_args(env: Mapping[str, str] | None = None) -> dict[str, bytes]:
 
 
 def open_channel(address: str, options: Sequence[tuple[str, int | str]] | None = None) -> grpc.aio.Channel:
-    """A ``grpc.aio`` channel to ``address`` (``host:port``): TLS when ``HILUM_TLS_CA`` is set, else plaintext.
+    """A ``grpc.aio`` channel to ``address`` (``host:port``): TLS when ``HILUM_TLS_CA`` is set, else plaintext;
+    with keepalive (:func:`keepalive`). ``options`` are added after (and so override) hilum's.
 
     Raises:
-        TlsError: see :func:`grpc_tls`.
+        TlsError: see :func:`grpc_tls`; ValueError: see :func:`keepalive`.
     """
+    options = [*keepalive().channel_options(), *(options or ())]
     tls = grpc_tls()
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options)
@@ -138,10 +216,14 @@ def add_port(server: grpc.aio.Server, listen: str) -> int:
 
 
 def new_server(options: Sequence[tuple[str, int | str]] = ()) -> grpc.aio.Server:
-    """A ``grpc.aio`` server that cannot share its port: gRPC turns SO_REUSEPORT on by default, which lets a
-    second process bind a port already in use and silently take half of its connections. With it off, binding
-    a used port fails (``add_port`` returns 0) and the process says so."""
-    return grpc.aio.server(options=[("grpc.so_reuseport", 0), *options])
+    """A ``grpc.aio`` server with keepalive (:func:`keepalive`) that cannot share its port: gRPC turns
+    SO_REUSEPORT on by default, which lets a second process bind a port already in use and silently take half
+    of its connections. With it off, binding a used port fails (``add_port`` returns 0) and the process says so.
+
+    Raises:
+        ValueError: see :func:`keepalive`.
+    """
+    return grpc.aio.server(options=[("grpc.so_reuseport", 0), *keepalive().server_options(), *options])
 
 
 def bind_server(listen: str) -> tuple[grpc.aio.Server, int]:

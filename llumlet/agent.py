@@ -62,6 +62,7 @@ class PingInfo:
     engine: str  # backend name: sim, torch, vllm
     block_size_tokens: int
     kv_bytes_per_block: int
+    failure: str = ""  # why its engine failed ("" = healthy)
 
 
 class Llumlet:
@@ -122,12 +123,14 @@ class Llumlet:
     async def stop(self) -> None:
         """Stop every loop, close channels, shut the engine thread down."""
         await self.driver.stop()
+        self.source.budgets.close()
 
     # ---- requests and load ----------------------------------------------------------------------
-    async def submit(self, request: EngineRequest, origin: str) -> str | None:
-        """Queue a request whose tokens go to ``origin``; the reason when it is not accepted, else None."""
+    async def submit(self, request: EngineRequest, origin: str, *, first_seq: int = 0) -> str | None:
+        """Queue a request whose tokens go to ``origin`` (numbered from ``first_seq``); the reason when it is not
+        accepted, else None."""
         reserved = request.request_id in self.destination.reservations
-        return await self.driver.submit(request, origin, reserved=reserved)
+        return await self.driver.submit(request, origin, reserved=reserved, first_seq=first_seq)
 
     def arrival_s(self) -> float:
         """Arrival time stamp of a new request (wall clock, comparable across hosts)."""
@@ -161,6 +164,7 @@ class Llumlet:
             engine=self.backend.name,
             block_size_tokens=self.engine.block_size_tokens,
             kv_bytes_per_block=self.engine.kv_bytes_per_block,
+            failure=self.driver.failure,
         )
 
     # ---- migration --------------------------------------------------------------------------------

@@ -48,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-rate-cap", type=float, default=0.0, help="grpc transport cap, bytes/s (0 = topology)")
     p.add_argument("--local-rate-cap", type=float, default=0.0, help="local transport cap, bytes/s (0 = none)")
     p.add_argument(
+        "--link-budget-scope",
+        default=None,
+        metavar="NAME",
+        help="llumlets on this host with the same NAME share each link's migration budget (default: the etcd "
+        "prefix with --etcd, else this llumlet alone)",
+    )
+    p.add_argument(
         "--etcd",
         default="",
         help="etcd endpoints HOST:PORT[,...]: register this instance under a lease (needs --topology)",
@@ -94,6 +101,7 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
         cap_fraction=settings.cost.cap_fraction,
         grpc_rate_cap_bytes_per_s=ns.grpc_rate_cap,
         local_rate_cap_bytes_per_s=ns.local_rate_cap,
+        link_budget_scope=ns.link_budget_scope if ns.link_budget_scope is not None else (ns.prefix if ns.etcd else ""),
     )
     llumlet = Llumlet(
         LlumletConfig(instance_id=ns.instance_id, domain_id=domain_id, migration=migration),

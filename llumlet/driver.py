@@ -9,6 +9,11 @@ the last blocks) sees the token numbering of every step before it.
 The migration source (``llumlet.migration_out``) and destination (``llumlet.migration_in``) work through
 this driver: :meth:`EngineDriver.call` for engine calls, :attr:`EngineDriver.owned` for the requests this
 instance runs, :meth:`EngineDriver.bump` after any change a load report shows.
+
+An engine that fails (any exception from a step) fails the instance: :attr:`EngineDriver.failure` says why,
+Ping and every load report carry it (domain schedulers stop routing to it), every request it owned ends at
+once with an error marked ``resumable`` (its origin may replay it elsewhere), and it takes no new request
+and no migration. It stays failed until the process is restarted.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ class Owned:
     request_id: str
     origin: str  # TokenSink address
     next_seq: int  # seq of the next token
-    epoch: int  # owner epoch (committed migrations so far)
+    epoch: int  # owner epoch (committed migrations so far; +1 for a claim after an unresolved commit)
     migrating: int = 0  # attempt of the outgoing migration in flight, 0 = none
     committing: bool = False  # Commit sent, outcome unknown
     abort_requested: bool = False  # the client aborted while committing
@@ -64,6 +69,7 @@ class LoadSnapshot:
     num_reservations: int = 0  # incoming migrations holding blocks here (filled by the llumlet)
     num_migrations_out: int = 0  # outgoing migrations in flight (filled by the llumlet)
     finished_output_tokens: tuple[int, ...] = ()  # output lengths of requests that finished since the last report
+    failure: str = ""  # why the engine failed ("" = healthy): the instance takes no work
 
 
 class EngineDriver:
@@ -118,6 +124,8 @@ class EngineDriver:
         self._finished_seq = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._pusher: TokenPusher | None = None
+        self.failure = ""  # why the engine failed; "" while healthy
+        self._last_load: EngineLoad | None = None  # the engine's last load (reported once it failed)
 
     # ---- lifecycle --------------------------------------------------------------------------------
     async def start(self, address: str) -> None:
@@ -183,15 +191,20 @@ class EngineDriver:
     async def _engine_loop(self) -> None:
         while True:
             self._work.clear()
-            async with self.lock:
-                busy = self.engine.has_work()
-            if not busy:
+            t0 = self.clock()
+            try:
+                async with self.lock:
+                    busy = self.engine.has_work()
+                    result = await self.call_locked(self.engine.step) if busy else None
+                    if result is not None:
+                        self._apply(result)
+            except Exception as exc:  # the engine is broken: fail the instance rather than hang its requests
+                _log.exception("%s: engine step failed", self.instance_id)
+                self.fail(f"engine step raised {type(exc).__name__}: {exc}")
+                return
+            if result is None:
                 await self._work.wait()
                 continue
-            t0 = self.clock()
-            async with self.lock:
-                result = await self.call_locked(self.engine.step)
-                self._apply(result)
             if result.is_idle:
                 await asyncio.sleep(self._idle_retry_s)
                 continue
@@ -229,12 +242,17 @@ class EngineDriver:
             self.bump()
 
     # ---- requests -----------------------------------------------------------------------------------
-    async def submit(self, request: EngineRequest, origin: str, *, reserved: bool = False) -> str | None:
+    async def submit(
+        self, request: EngineRequest, origin: str, *, reserved: bool = False, first_seq: int = 0
+    ) -> str | None:
         """Queue a request whose tokens go to ``origin``; the reason when it is not accepted, else None.
 
-        ``reserved``: the request id holds an incoming migration's reservation here (refused).
+        ``reserved``: the request id holds an incoming migration's reservation here (refused). ``first_seq``:
+        the seq of its first output token (a request resumed elsewhere continues its origin's numbering).
         """
         rid = request.request_id
+        if self.failure:
+            return f"{self.instance_id}: {self.failure}"
         if rid in self.owned or reserved:
             return f"{self.instance_id}: request {rid!r} is already here"
         refused = self.backend.refuses(request.sampling_params)
@@ -244,11 +262,55 @@ class EngineDriver:
             await self.call(self.engine.add_request, request)
         except ValueError as exc:  # RequestTooLargeError, duplicate id
             return str(exc)
-        self.owned[rid] = Owned(rid, origin, next_seq=0, epoch=0, prompt_token_ids=request.prompt_token_ids or ())
+        prompt = request.prompt_token_ids or ()
+        self.owned[rid] = Owned(rid, origin, next_seq=first_seq, epoch=0, prompt_token_ids=prompt)
         self.moved.pop(rid, None)
+        self.pusher.forget(rid)
         self.wake()
         self.bump()
         return None
+
+    def adopt(self, rec: Owned) -> None:
+        """A migrated request now runs here (the engine adopted it): book it and announce its owner epoch to its
+        origin (an ownership-only push; :meth:`TokenPusher.flush` says whether the origin took it)."""
+        self.owned[rec.request_id] = rec
+        self.moved.pop(rec.request_id, None)
+        self.pusher.forget(rec.request_id)
+        self.pusher.push(rec.origin, TokenChunkOut(rec.request_id, rec.next_seq, [], rec.epoch))
+        self.wake()
+        self.bump()
+
+    async def claim(self, rec: Owned) -> PushOutcome:
+        """Ask the origin to make this instance the owner of ``rec`` at the next epoch (a move whose commit
+        outcome is unknown: the origin takes the first claim of an epoch, so either this one or the
+        destination's announcement wins). ``ACKED``: this instance owns it at ``rec.epoch + 1`` now."""
+        self.pusher.push(rec.origin, TokenChunkOut(rec.request_id, rec.next_seq, [], rec.epoch + 1))
+        outcome = await self.pusher.flush(rec.request_id)
+        if outcome is PushOutcome.ACKED:
+            rec.epoch += 1
+        return outcome
+
+    def fail(self, reason: str) -> None:
+        """The engine failed: end every request here with a resumable error, refuse all new work (see the module
+        docstring). Requests whose outgoing commit is in flight are left to their migration."""
+        if self.failure:
+            return
+        self.failure = reason
+        _log.error("%s: instance failed: %s; its requests end with a resumable error", self.instance_id, reason)
+        for rid, rec in list(self.owned.items()):
+            if rec.committing:
+                continue
+            self.end_failed(rid)
+        self.bump()
+
+    def end_failed(self, request_id: str) -> None:
+        """Forget a request of a failed engine and tell its origin, resumable (no engine call)."""
+        rec = self.owned.pop(request_id, None)
+        if rec is None:
+            return
+        error = f"instance {self.instance_id} failed ({self.failure}): request {request_id} lost"
+        chunk = TokenChunkOut(request_id, rec.next_seq, [], rec.epoch, True, "error", error, resumable=True)
+        self.pusher.push(rec.origin, chunk)
 
     def arrival_s(self) -> float:
         """Arrival time stamp of a new request (wall clock, comparable across hosts)."""
@@ -277,8 +339,15 @@ class EngineDriver:
         return False, ""
 
     async def drop(self, request_id: str, push: tuple[str, str] | None) -> None:
-        """Remove a request from the engine and the books; push its end (reason, error) unless ``push`` is None."""
-        await self.call(self.engine.abort, request_id)
+        """Remove a request from the engine and the books; push its end (reason, error) unless ``push`` is None.
+
+        A failed engine is not called (its requests are only in the books)."""
+        if not self.failure:
+            try:
+                await self.call(self.engine.abort, request_id)
+            except Exception as exc:
+                _log.exception("%s: engine abort failed", self.instance_id)
+                self.fail(f"engine abort raised {type(exc).__name__}: {exc}")
         rec = self.owned.pop(request_id, None)
         if rec is not None and push is not None:
             reason, error = push
@@ -298,9 +367,17 @@ class EngineDriver:
 
     # ---- load -----------------------------------------------------------------------------------------
     async def load(self) -> LoadSnapshot:
-        """The engine's load now, with the driver's counters."""
-        load = await self.call(self.engine.load)
-        return LoadSnapshot(load, len(self.owned), self._version, self._recent_step_s)
+        """The engine's load now, with the driver's counters (once failed: its last load and the failure)."""
+        if not self.failure:
+            try:
+                self._last_load = await self.call(self.engine.load)
+            except Exception as exc:  # a broken engine fails the instance
+                _log.exception("%s: engine load failed", self.instance_id)
+                self.fail(f"engine load raised {type(exc).__name__}: {exc}")
+        load = self._last_load if self._last_load is not None else EngineLoad(0, 0, 0, 0)
+        if self.failure:
+            load = replace(load, running=(), num_waiting=0)
+        return LoadSnapshot(load, len(self.owned), self._version, self._recent_step_s, failure=self.failure)
 
     async def watch(self, min_interval_s: float) -> AsyncIterator[LoadSnapshot]:
         """The load now, then after every change (at most one report per ``min_interval_s``; 0 = the default).

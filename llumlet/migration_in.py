@@ -2,9 +2,19 @@
 
 One reservation per request, of its newest attempt; an older attempt's message is answered ``STALE`` and
 changes nothing; every message of the current attempt extends the reservation's expiry; a reaper releases
-expired reservations. ``commit`` adopts the request, announces the new owner epoch to the origin
-(acknowledged before answering), and the engine loop resumes it. ``release`` is idempotent and says whether
-that attempt committed here.
+expired reservations.
+
+Each attempt ``(request_id, attempt)`` ends once, and its end is remembered (``moved_ttl_s``):
+
+- ``commit`` adopts the request, announces the new owner epoch to its origin and answers once the origin
+  acknowledged it (the origin is the arbiter of ownership: the source may claim the same epoch when it cannot
+  learn the outcome, and the first of the two the origin sees wins; a destination whose announcement is
+  answered ``superseded`` drops the request). Commit runs to its end whatever happens to the RPC that asked
+  for it, and is idempotent: a repeated Commit of the attempt waits for the first and returns its outcome;
+- ``release`` is idempotent too: it waits for a Commit of the attempt in progress and says whether the attempt
+  committed here; if it had not, the attempt is over and a later Commit of it is refused;
+- a Commit that fails (no room for the growth, a state the engine refuses, the origin gone) ends the attempt
+  and returns its blocks at once.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from llumlet.migration_types import (
     Written,
     reservation_id,
 )
-from llumlet.tokens import PushOutcome, TokenChunkOut
+from llumlet.tokens import PushOutcome
 from llumlet.transport import PeerPools, TransportError
 
 if TYPE_CHECKING:
@@ -66,7 +76,7 @@ class MigrationDestination:
     Args:
         driver: the llumlet's engine driver.
         config: migration settings (reservation expiry).
-        moved_ttl_s: how long committed attempts and attempt numbers are remembered.
+        moved_ttl_s: how long ended attempts and attempt numbers are remembered.
     """
 
     def __init__(self, driver: EngineDriver, config: MigrationConfig, *, moved_ttl_s: float = 300.0) -> None:
@@ -75,7 +85,8 @@ class MigrationDestination:
         self._moved_ttl_s = moved_ttl_s
         self.reservations: dict[str, _Reservation] = {}  # request_id -> its newest attempt's reservation
         self._attempts: dict[str, tuple[int, float]] = {}  # request_id -> (newest attempt seen, when)
-        self._committed: dict[tuple[str, int], float] = {}  # (request_id, attempt) committed here -> when
+        self._commits: dict[tuple[str, int], asyncio.Task[DestReply]] = {}  # Commits in progress
+        self._ended: dict[tuple[str, int], tuple[DestReply, float]] = {}  # (request_id, attempt) -> its end, when
         self.pools = PeerPools()  # local transport: KV pools of the source llumlets on this host, opened once
 
     def start(self) -> None:
@@ -87,16 +98,32 @@ class MigrationDestination:
         _, status, reason = self._current(request_id, attempt)
         return status, reason
 
+    def committed(self, request_id: str, attempt: int) -> bool:
+        """True when ``(request_id, attempt)`` committed here (the request ran here from then on)."""
+        end = self._ended.get((request_id, attempt))
+        return end is not None and end[0].status is DestStatus.OK
+
     def _current(self, request_id: str, attempt: int) -> tuple[_Reservation | None, DestStatus, str]:
         """The reservation of ``(request_id, attempt)`` or (None, status, reason)."""
         newest = self._attempts.get(request_id, (0, 0.0))[0]
         if attempt < newest:
             return None, DestStatus.STALE, f"attempt {attempt} of {request_id!r} is older than attempt {newest}"
+        end = self._ended.get((request_id, attempt))
+        if end is not None:
+            reply = end[0]
+            rid = reservation_id(request_id, attempt)
+            if reply.status is DestStatus.OK:
+                return None, DestStatus.REFUSED, f"{self._d.instance_id}: {rid!r} committed here"
+            return None, DestStatus.REFUSED, f"{self._d.instance_id}: no reservation {rid!r} ({reply.reason})"
         cur = self.reservations.get(request_id)
         if cur is None or cur.attempt != attempt:
             rid = reservation_id(request_id, attempt)
             return None, DestStatus.REFUSED, f"{self._d.instance_id}: no reservation {rid!r} (expired or released)"
         return cur, DestStatus.OK, ""
+
+    def _end(self, request_id: str, attempt: int, reply: DestReply) -> DestReply:
+        self._ended[(request_id, attempt)] = (reply, self._d.clock())
+        return reply
 
     async def reserve(
         self,
@@ -121,10 +148,14 @@ class MigrationDestination:
         me = d.instance_id
         if not rid or attempt < 1:
             return Reserved(DestStatus.REFUSED, f"{me}: need a request_id and attempt >= 1")
+        if d.failure:
+            return Reserved(DestStatus.REFUSED, f"{me}: {d.failure}")
         newest = self._attempts.get(rid, (0, 0.0))[0]
         if attempt < newest:
             return Reserved(DestStatus.STALE, f"attempt {attempt} of {rid!r} < newest {newest}")
-        if (rid, attempt) in self._committed or rid in d.owned:
+        if (rid, attempt) in self._ended or (rid, attempt) in self._commits:
+            return Reserved(DestStatus.REFUSED, self._current(rid, attempt)[2] or f"{me}: {rid!r}@{attempt} commits")
+        if rid in d.owned:
             return Reserved(DestStatus.REFUSED, f"{me}: {rid!r} already runs here")
         self._attempts[rid] = (attempt, d.clock())
         cur = self.reservations.get(rid)
@@ -187,12 +218,49 @@ class MigrationDestination:
         return Written(DestStatus.OK, "", written, nbytes)
 
     async def commit(self, call: CommitCall) -> DestReply:
-        """Adopt the request, announce the new owner to its origin, resume it."""
+        """Adopt the request, announce the new owner to its origin, resume it (see the module docstring).
+
+        Idempotent per ``(request_id, attempt)``; runs to its end even when the caller is cancelled.
+        """
+        key = (call.request_id, call.attempt)
+        newest = self._attempts.get(call.request_id, (0, 0.0))[0]
+        if call.attempt < newest:
+            return DestReply(DestStatus.STALE, f"attempt {call.attempt} of {call.request_id!r} < newest {newest}")
+        end = self._ended.get(key)
+        if end is not None:
+            return end[0]
+        task = self._commits.get(key)
+        if task is None:
+            cur, status, reason = self._current(*key)
+            if cur is None:
+                return DestReply(status, reason)
+            task = self._commits[key] = asyncio.get_running_loop().create_task(
+                self._commit(cur, call), name=f"commit-{reservation_id(*key)}"
+            )
+        return await asyncio.shield(task)
+
+    async def _commit(self, cur: _Reservation, call: CommitCall) -> DestReply:
         rid, attempt, d = call.request_id, call.attempt, self._d
+        try:
+            try:
+                reply = await self._adopt(cur, call)
+            except Exception as exc:  # a bug or an engine fault: the attempt fails, nothing of it stays here
+                _log.exception("%s: commit of %s failed", d.instance_id, reservation_id(rid, attempt))
+                if rid in d.owned:
+                    await d.drop(rid, push=None)
+                reply = DestReply(DestStatus.FAILED, f"{d.instance_id}: internal error: {type(exc).__name__}: {exc}")
+            if reply.status is not DestStatus.OK and self.reservations.get(rid) is cur:
+                await self._release_local(cur, f"commit failed: {reply.reason}")
+            return self._end(rid, attempt, reply)
+        finally:
+            self._commits.pop((rid, attempt), None)
+            d.bump()
+
+    async def _adopt(self, cur: _Reservation, call: CommitCall) -> DestReply:
+        rid, d = call.request_id, self._d
         me = d.instance_id
-        cur, status, reason = self._current(rid, attempt)
-        if cur is None:
-            return DestReply(status, reason)
+        if d.failure:
+            return DestReply(DestStatus.REFUSED, f"{me}: {d.failure}")
         if rid in d.owned:
             return DestReply(DestStatus.REFUSED, f"{me}: {rid!r} already runs here")
         if not call.origin:
@@ -206,15 +274,12 @@ class MigrationDestination:
                 return DestReply(DestStatus.FAILED, f"{me}: {exc}")
             if not ok:
                 return DestReply(DestStatus.NO_ROOM, f"{me}: the grown request of {rid!r} does not fit")
-            del self.reservations[rid]
-            self._committed[(rid, attempt)] = d.clock()
+            # adopted: the engine and the books change together, with no await in between
+            if self.reservations.get(rid) is cur:
+                del self.reservations[rid]
             prompt = call.state.prompt_token_ids or ()
-            d.owned[rid] = Owned(rid, call.origin, next_seq=call.next_seq, epoch=call.epoch, prompt_token_ids=prompt)
-            d.moved.pop(rid, None)
-            d.pusher.push(call.origin, TokenChunkOut(rid, call.next_seq, [], call.epoch))  # ownership
-        d.wake()
-        d.bump()
-        outcome = await d.pusher.flush(rid)
+            d.adopt(Owned(rid, call.origin, next_seq=call.next_seq, epoch=call.epoch, prompt_token_ids=prompt))
+        outcome = await d.pusher.flush(rid)  # the ownership announcement, acknowledged by the origin
         if outcome is not PushOutcome.ACKED:
             if rid in d.owned:
                 await d.drop(rid, push=None)
@@ -222,12 +287,18 @@ class MigrationDestination:
         return DestReply(DestStatus.OK)
 
     async def release(self, request_id: str, attempt: int) -> Released:
-        """Release ``(request_id, attempt)``'s reservation; idempotent; says if that attempt committed here."""
-        rid = request_id
-        if (rid, attempt) in self._committed:
+        """Release ``(request_id, attempt)``'s reservation and end the attempt; idempotent; says whether that
+        attempt committed here (waiting for a Commit of it in progress)."""
+        rid, key = request_id, (request_id, attempt)
+        task = self._commits.get(key)
+        if task is not None:
+            await asyncio.shield(task)
+        if self.committed(rid, attempt):
             return Released(DestStatus.OK, committed=True)
         if attempt < self._attempts.get(rid, (0, 0.0))[0]:
             return Released(DestStatus.STALE)
+        if key not in self._ended:  # the attempt is over: a late Reserve or Commit of it is refused
+            self._end(rid, attempt, DestReply(DestStatus.REFUSED, "released by the source"))
         cur = self.reservations.get(rid)
         if cur is None or cur.attempt != attempt:
             return Released(DestStatus.OK)
@@ -250,10 +321,13 @@ class MigrationDestination:
             await asyncio.sleep(period)
             now = d.clock()
             for cur in [r for r in self.reservations.values() if r.deadline <= now]:
+                if (cur.request_id, cur.attempt) in self._commits:
+                    continue  # being adopted
+                self._end(cur.request_id, cur.attempt, DestReply(DestStatus.REFUSED, "the reservation expired"))
                 await self._release_local(cur, f"expired (no message for {cur.expiry_s} s)")
             horizon = now - self._moved_ttl_s
             d.forget_moved(horizon)
-            self._committed = {k: t for k, t in self._committed.items() if t > horizon}
+            self._ended = {k: v for k, v in self._ended.items() if v[1] > horizon}
             self._attempts = {k: v for k, v in self._attempts.items() if v[1] > horizon or k in self.reservations}
 
 

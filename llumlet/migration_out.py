@@ -8,7 +8,17 @@
 4. suspend the request between two steps, copy the rest (partial block included) while flushing its pushed
    tokens to the origin, ``Commit`` with the state, the origin, the next seq and the next owner epoch;
 5. on success free the blocks here (``free_migrated``) and remember where the request went (aborts are
-   forwarded); on any failure ``Release`` the destination (best effort; it also expires) and resume here.
+   forwarded); on any failure before the Commit ``Release`` the destination (best effort; it also expires)
+   and resume here. A failure inside ``suspend`` resumes the request too (whatever the engine did before it
+   raised).
+
+When the Commit's answer is lost (deadline, broken connection) the source must learn the outcome before it
+either resumes or frees the request, or two engines would run it. It asks again (Commit is idempotent: the
+destination answers the first one's outcome, waiting for it); if the destination cannot answer, it asks the
+request's origin, the arbiter of ownership: it claims the next owner epoch there (``EngineDriver.claim``).
+The origin takes the first of that claim and the destination's announcement: claim taken → the source
+resumes as owner and the destination, whose announcement is refused, drops its copy; claim refused → the
+destination owns the request and the source frees it.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -25,6 +36,7 @@ from llumlet.client import LlumletClient
 from llumlet.convert import UnmovableStateError
 from llumlet.driver import EngineDriver, Owned
 from llumlet.engine.types import MigrationState
+from llumlet.linkbudget import LinkBudgets
 from llumlet.migration_types import (
     CommitCall,
     DestStatus,
@@ -51,6 +63,12 @@ class _Ended(Exception):
 
 class _Failed(Exception):
     """The migration failed; the request continues on the source."""
+
+
+@dataclass(frozen=True, slots=True)
+class _CommitOutcome:
+    moved: bool  # the destination runs the request (else: this instance does, its claim was taken)
+    reason: str  # how it was learned, when not from the first Commit's answer
 
 
 class MigrationSource:
@@ -80,6 +98,7 @@ class MigrationSource:
         self._hooks = hooks or MigrationHooks()
         self._transport_for = transport_for
         self.in_flight = 0  # MigrateOut calls running now
+        self.budgets = LinkBudgets(config.link_budget_scope)  # every migration from here paces by them
         self._pool: bytes | None = None  # the engine's exported KV pool, b"" when it cannot be exported
 
     async def migrate_out(self, cmd: MigrationCommand) -> MigrationReport:
@@ -126,6 +145,8 @@ class MigrationSource:
 
     def _precheck(self, cmd: MigrationCommand) -> str | None:
         me = self._d.instance_id
+        if self._d.failure:
+            return f"{me}: {self._d.failure}"
         if cmd.attempt < 1:
             return f"{me}: attempt = {cmd.attempt}, need >= 1"
         if not cmd.dst_address or cmd.dst_address == self._d.address:
@@ -159,6 +180,7 @@ class MigrationSource:
             grpc_rate_cap_bytes_per_s=cfg.grpc_rate_cap_bytes_per_s,
             local_rate_cap_bytes_per_s=cfg.local_rate_cap_bytes_per_s,
             override_rate_cap_bytes_per_s=cmd.rate_cap_bytes_per_s,
+            budgets=self.budgets,
         )
 
     def _pool_handle(self) -> bytes | None:
@@ -187,6 +209,7 @@ class MigrationSource:
         cached = 0  # of those, the leading ones it already held (never sent)
         reserved = 0
         suspended: MigrationState | None = None
+        suspending = False  # suspend was called: on failure the request may need resuming even without a state
 
         def report(outcome: MigrationOutcome, reason: str = "", downtime_s: float = 0.0) -> MigrationReport:
             return MigrationReport(
@@ -240,6 +263,7 @@ class MigrationSource:
             with contextlib.suppress(_Failed):
                 reserved = await self._grow(peer, rid, attempt, held + 1, reserved)
             self._check_alive(rec)
+            suspending = True
             suspended = await d.call(d.engine.suspend, rid)
             if suspended is None:
                 raise _Ended(f"{rid!r} finished (or left decode) before the last stage")
@@ -267,29 +291,40 @@ class MigrationSource:
                 epoch=rec.epoch + 1,
                 src_instance_id=d.instance_id,
             )
-            await self._commit(peer, commit)
+            committed = await self._commit(peer, rec, commit)
         except _Ended as exc:
-            await self._undo(peer, rec, attempt, suspended)
+            await self._undo(peer, rec, attempt, suspending)
             return report(MigrationOutcome.ABORTED, str(exc))
         except (_Failed, TransportError, UnmovableStateError, KeyError, IndexError, grpc.aio.AioRpcError) as exc:
-            await self._undo(peer, rec, attempt, suspended)
+            await self._undo(peer, rec, attempt, suspending)
             why = _describe(exc)
             if rid not in d.owned:
-                why = f"{rid!r} ended during the migration ({why})"
+                why = f"{rid!r} finished or was aborted during the migration ({why})"
             return report(MigrationOutcome.ABORTED, why)
-        except Exception as exc:  # a bug must not leave the request suspended: undo, report, log
+        except Exception as exc:  # a bug or an engine fault must not leave the request suspended: undo, log
             _log.exception("%s: migration of %s@%d failed", d.instance_id, rid, attempt)
-            await self._undo(peer, rec, attempt, suspended)
+            await self._undo(peer, rec, attempt, suspending)
             return report(MigrationOutcome.ABORTED, f"internal error: {type(exc).__name__}: {exc}")
+        if not committed.moved:  # the origin took this instance's claim: the request runs here again
+            if rec.abort_requested:
+                await d.drop(rid, push=("abort", ""))
+            else:
+                await self._resume(rec)
+            d.spawn(self._release(peer, rid, attempt), f"release-{rid}@{attempt}")
+            return report(MigrationOutcome.ABORTED, committed.reason)
         # committed: the destination runs the request now
-        await d.call(d.engine.free_migrated, rid)
+        try:
+            await d.call(d.engine.free_migrated, rid)
+        except Exception as exc:
+            _log.exception("%s: free_migrated failed", d.instance_id)
+            d.fail(f"engine free_migrated raised {type(exc).__name__}: {exc}")
         d.owned.pop(rid, None)
         d.moved[rid] = (cmd.dst_address, d.clock())
         downtime_s = d.clock() - t_suspend
         if rec.abort_requested:
             d.spawn(self._forward_abort(cmd.dst_address, rid), f"forward-abort-{rid}")
         d.bump()
-        return report(MigrationOutcome.COMMITTED, "", downtime_s)
+        return report(MigrationOutcome.COMMITTED, committed.reason, downtime_s)
 
     def _check_alive(self, rec: Owned) -> None:
         if self._d.owned.get(rec.request_id) is not rec:
@@ -345,39 +380,74 @@ class MigrationSource:
             raise
         return StageStats(stage, last, stats.blocks, stats.bytes, stats.seconds)
 
-    async def _commit(self, peer: LlumletClient, call: CommitCall) -> None:
-        """Send Commit; on an RPC error ask the destination (Release) whether it committed. Raises _Failed."""
+    async def _commit(self, peer: LlumletClient, rec: Owned, call: CommitCall) -> _CommitOutcome:
+        """Send Commit and learn its outcome (see the module docstring).
+
+        Raises _Failed when the destination answered that the attempt did not commit (the request stays here,
+        suspended), _Ended when the origin no longer takes the request.
+        """
         try:
             reply = await peer.commit(call)
-        except grpc.aio.AioRpcError as exc:
-            try:
-                rel = await peer.release(call.request_id, call.attempt, timeout_s=2.0)
-            except grpc.aio.AioRpcError:
-                raise _Failed(f"Commit broke ({_describe(exc)}) and the destination does not answer") from exc
-            if rel.committed:
-                return
-            raise _Failed(f"Commit broke ({_describe(exc)}); the destination released the reservation") from exc
+        except grpc.aio.AioRpcError as first:
+            why = _describe(first)
+            try:  # the same Commit again: idempotent, it answers the first one's outcome
+                reply = await peer.commit(call)
+            except grpc.aio.AioRpcError as again:
+                return await self._arbitrate(rec, call, f"Commit broke ({why}; asked again: {_describe(again)})")
+            if reply.status is DestStatus.OK:
+                return _CommitOutcome(True, f"Commit broke ({why}); asked again: committed")
         if reply.status is not DestStatus.OK:
             raise _Failed(f"destination refused the commit ({reply.status.name}): {reply.reason}")
+        return _CommitOutcome(True, "")
 
-    async def _undo(self, peer: LlumletClient, rec: Owned, attempt: int, suspended: MigrationState | None) -> None:
-        """After a failed or ended migration: release the destination, resume (or abort) the request here."""
+    async def _arbitrate(self, rec: Owned, call: CommitCall, why: str) -> _CommitOutcome:
+        """The destination cannot say whether it committed: claim the next owner epoch at the origin."""
         d = self._d
+        outcome = await d.claim(rec)
+        _log.warning("%s: %s: claimed %s at its origin: %s", d.instance_id, why, call.request_id, outcome.value)
+        if outcome is PushOutcome.ACKED:
+            return _CommitOutcome(False, f"{why}; the origin took this instance's claim: the request stays here")
+        if outcome is PushOutcome.SUPERSEDED:
+            d.pusher.forget(call.request_id)
+            return _CommitOutcome(True, f"{why}; the origin says the destination owns the request")
+        await d.drop(call.request_id, push=None)  # no owner here: the destination's copy, if any, is the only one
+        raise _Ended(f"{why}; the origin of {call.request_id!r} no longer takes its tokens ({outcome.value})")
+
+    async def _undo(self, peer: LlumletClient, rec: Owned, attempt: int, suspending: bool) -> None:
+        """After a failed or ended migration: release the destination, resume (or abort) the request here."""
+        await self._release(peer, rec.request_id, attempt)
+        rec.committing = False
+        if not suspending or self._d.owned.get(rec.request_id) is not rec:
+            return
+        if rec.abort_requested:
+            await self._d.drop(rec.request_id, push=("abort", ""))
+            return
+        await self._resume(rec)
+
+    async def _resume(self, rec: Owned) -> None:
+        """Put the request back in batching here (a no-op if the engine never took it out)."""
+        d = self._d
+        rec.committing = False
+        if d.failure:
+            d.end_failed(rec.request_id)
+            return
         try:
-            await peer.release(rec.request_id, attempt, timeout_s=2.0)
+            await d.call(d.engine.resume, rec.request_id)
+        except Exception as exc:
+            _log.exception("%s: resume of %s failed", d.instance_id, rec.request_id)
+            d.fail(f"engine resume raised {type(exc).__name__}: {exc}")
+            d.end_failed(rec.request_id)
+            return
+        d.wake()
+
+    async def _release(self, peer: LlumletClient, request_id: str, attempt: int) -> None:
+        try:
+            await peer.release(request_id, attempt, timeout_s=2.0)
         except grpc.aio.AioRpcError as exc:
             _log.warning(
                 "%s: release of %s@%d at %s failed (%s); it expires there",
-                d.instance_id, rec.request_id, attempt, peer.address, _describe(exc),
+                self._d.instance_id, request_id, attempt, peer.address, _describe(exc),
             )  # fmt: skip
-        rec.committing = False
-        if suspended is None or d.owned.get(rec.request_id) is not rec:
-            return
-        if rec.abort_requested:
-            await d.drop(rec.request_id, push=("abort", ""))
-            return
-        await d.call(d.engine.resume, rec.request_id)
-        d.wake()
 
     async def _forward_abort(self, address: str, request_id: str) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):

@@ -41,6 +41,8 @@ class MigrationConfig:
     grpc_rate_cap_bytes_per_s: float = 0.0  # grpc transport cap; 0 = path bandwidth x cap_fraction, or none
     local_rate_cap_bytes_per_s: float = 0.0  # local transport cap; 0 = none
     chunk_bytes: int = 1 << 20  # blocks per message: this many logical bytes at most (>= 1 block)
+    link_budget_scope: str = ""  # who shares the link budgets: "" = this llumlet's migrations; a name = every
+    # llumlet on the host with it (llumlet.linkbudget)
     rpc_timeout_s: float = 10.0  # deadline of the control RPCs to the destination
 
     def __post_init__(self) -> None:

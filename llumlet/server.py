@@ -100,6 +100,7 @@ class LlumletService(pb_grpc.LlumletServicer):
             engine=info.engine,
             block_size_tokens=info.block_size_tokens,
             kv_bytes_per_block=info.kv_bytes_per_block,
+            failure=info.failure,
         )
 
     async def Submit(self, request: pb.SubmitRequest, context: _Ctx) -> pb.SubmitReply:
@@ -107,8 +108,9 @@ class LlumletService(pb_grpc.LlumletServicer):
             engine_request = request_from_submit(request, self._l.arrival_s())
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        reason = await self._l.submit(engine_request, request.origin)
-        return pb.SubmitReply(accepted=reason is None, reason=reason or "")
+        reason = await self._l.submit(engine_request, request.origin, first_seq=request.first_seq)
+        failed = reason is not None and bool(self._l.driver.failure)
+        return pb.SubmitReply(accepted=reason is None, reason=reason or "", instance_failed=failed)
 
     async def Abort(self, request: pb.AbortRequest, context: _Ctx) -> pb.AbortReply:
         found, forwarded_to = await self._l.abort(request.request_id)
@@ -129,6 +131,7 @@ class LlumletService(pb_grpc.LlumletServicer):
         msg.version = snap.version
         msg.recent_step_s = snap.recent_step_s
         msg.finished_output_tokens.extend(snap.finished_output_tokens)
+        msg.failure = snap.failure
         return msg
 
     async def MigrateOut(self, request: pb.MigrateOutRequest, context: _Ctx) -> pb.MigrateOutReply:

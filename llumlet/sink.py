@@ -5,9 +5,12 @@ collector keeps the first copy of each seq, buffers out-of-order ones and releas
 A stream is done when a ``finished`` push arrived and every seq before its end is held.
 
 Ownership: a push names its sender and its owner epoch (token_sink.proto). The collector keeps the sender of
-the highest epoch as the request's owner and answers older epochs with ``superseded``. ``watch(address)``
-follows a llumlet's liveness through its WatchLoad stream: when the stream breaks, every unfinished request
-that llumlet owns fails with a clear error ("instance ... stopped"), because its tokens can no longer come.
+the highest epoch as the request's owner and answers older epochs with ``superseded``; the first sender of an
+epoch holds it, so a later push of the same epoch from another sender is ``superseded`` too (the arbitration
+of a migration whose source could not learn whether its commit happened: its claim and the destination's
+announcement name the same epoch). ``watch(address)`` follows a llumlet's liveness through its WatchLoad
+stream: when the stream breaks, every unfinished request that llumlet owns fails with a clear error
+("instance ... stopped"), marked ``resumable`` (the request did nothing wrong: its instance is gone).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class CollectedStream:
     conflicts: int  # of those, with a different id than the first copy (must stay 0)
     pushes: int  # pushes received
     logprobs: tuple[TokenLogprobs, ...] = ()  # aligned with token_ids when the request asked for logprobs, else ()
+    resumable: bool = False  # it failed with its instance (dead, or its engine failed), not by its own fault
 
 
 class _Stream:
@@ -60,6 +64,7 @@ class _Stream:
         self.final_len: int | None = None
         self.finish_reason = ""
         self.error = ""
+        self.resumable = False
         self.owner_address = owner_address
         self.epoch = 0
         self.duplicates = 0
@@ -80,6 +85,7 @@ class _Stream:
             self.conflicts,
             self.pushes,
             tuple(self.logprobs),
+            self.resumable,
         )
 
     def add(self, first_seq: int, token_ids: list[int], logprobs: list[TokenLogprobs]) -> None:
@@ -103,9 +109,9 @@ class _Stream:
             if entry is not None and len(self.logprobs) == seq:
                 self.logprobs.append(entry)
 
-    def fail(self, error: str) -> None:
+    def fail(self, error: str, resumable: bool = False) -> None:
         if not self.done.is_set():
-            self.error, self.finish_reason = error, "error"
+            self.error, self.finish_reason, self.resumable = error, "error", resumable
             self.done.set()
 
 
@@ -169,15 +175,40 @@ class TokenCollector:
             raise ValueError(f"TokenCollector: request {request_id!r} is already expected")
         self._streams[request_id] = _Stream(request_id, owner_address)
 
+    def resume(self, request_id: str, new_request_id: str) -> int:
+        """Collect ``new_request_id`` as the continuation of ``request_id`` (a replay of it elsewhere): its stream
+        starts with the contiguous tokens (and logprobs) held for ``request_id``, which is forgotten (its later
+        pushes are answered ``unknown``). Returns how many tokens it starts with.
+
+        Raises KeyError for a request not expected, ValueError when ``new_request_id`` already is.
+        """
+        if new_request_id in self._streams:
+            raise ValueError(f"TokenCollector: request {new_request_id!r} is already expected")
+        old = self._streams.pop(request_id, None)
+        if old is None:
+            raise KeyError(f"TokenCollector: request {request_id!r} is not expected")
+        new = self._streams[new_request_id] = _Stream(new_request_id, "")
+        new.ordered = list(old.ordered)
+        new.logprobs = list(old.logprobs[: len(old.ordered)])
+        return len(new.ordered)
+
+    def placed(self, request_id: str, owner_address: str) -> None:
+        """The request was submitted to the llumlet at ``owner_address``: it owns the request until a push says
+        otherwise (so its failure fails the request even before its first token). No-op for an unknown id or
+        once an owner is known."""
+        stream = self._streams.get(request_id)
+        if stream is not None and not stream.owner_address:
+            stream.owner_address = owner_address
+
     def forget(self, request_id: str) -> None:
         """Stop collecting (the client went away): further pushes are answered ``unknown``."""
         self._streams.pop(request_id, None)
 
-    def fail(self, request_id: str, error: str) -> None:
-        """Mark a request failed with ``error`` (no-op when done or unknown)."""
+    def fail(self, request_id: str, error: str, *, resumable: bool = False) -> None:
+        """Mark a request failed with ``error`` (no-op when done or unknown); ``resumable``: by its instance."""
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.fail(error)
+            stream.fail(error, resumable)
 
     def get(self, request_id: str) -> CollectedStream:
         """The stream as held now. Raises KeyError for a request not expected."""
@@ -219,7 +250,7 @@ class TokenCollector:
                 reason = f"{exc.code().name}: {exc.details()}"
         for stream in self._streams.values():
             if stream.owner_address == address and not stream.done.is_set():
-                stream.fail(f"{who} stopped ({reason}): request {stream.request_id} lost")
+                stream.fail(f"{who} stopped ({reason}): request {stream.request_id} lost", resumable=True)
         self._watches.pop(address, None)
 
     # ---- the service --------------------------------------------------------------------------
@@ -228,7 +259,8 @@ class TokenCollector:
         if stream is None:
             return pb.TokenAck(request_id=msg.request_id, unknown=True)
         stream.pushes += 1
-        if msg.epoch < stream.epoch:
+        taken = msg.epoch == stream.epoch and stream.owner_address and msg.sender_address != stream.owner_address
+        if msg.epoch < stream.epoch or (taken and msg.epoch > 0):
             return pb.TokenAck(request_id=msg.request_id, next_seq=len(stream.ordered), superseded=True)
         if msg.epoch > stream.epoch or not stream.owner_address:
             stream.epoch = msg.epoch
@@ -244,6 +276,7 @@ class TokenCollector:
         if msg.finished and stream.final_len is None:
             stream.final_len = msg.first_seq + len(msg.token_ids)
             stream.finish_reason, stream.error = msg.finish_reason, msg.error
+            stream.resumable = msg.resumable and bool(msg.error)
             del stream.ordered[stream.final_len :]
             del stream.logprobs[stream.final_len :]
         if stream.final_len is not None and len(stream.ordered) >= stream.final_len:

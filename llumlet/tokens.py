@@ -56,6 +56,7 @@ class TokenChunkOut:
     error: str = ""
     merged: int = field(default=1)  # queued chunks this one stands for
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token when the request asked, else []
+    resumable: bool = False  # finished with an error of the instance, not the request: the origin may replay it
 
     @property
     def end_seq(self) -> int:
@@ -83,6 +84,7 @@ def _merge(batch: list[TokenChunkOut]) -> dict[str, list[TokenChunkOut]]:
             last.token_ids.extend(chunk.token_ids)
             last.logprobs.extend(chunk.logprobs)
             last.finished, last.finish_reason, last.error = chunk.finished, chunk.finish_reason, chunk.error
+            last.resumable = chunk.resumable
             last.merged += chunk.merged
         else:
             runs.append(
@@ -96,6 +98,7 @@ def _merge(batch: list[TokenChunkOut]) -> dict[str, list[TokenChunkOut]]:
                     chunk.error,
                     chunk.merged,
                     list(chunk.logprobs),
+                    chunk.resumable,
                 )
             )
     return out
@@ -214,6 +217,7 @@ class TokenPusher:
             sender_instance_id=self.instance_id,
             sender_address=self.address,
             logprobs=[logprobs_to_pb(e) for e in chunk.logprobs],
+            resumable=chunk.resumable,
         )
         error = ""
         for attempt in range(self._retries + 1):

@@ -13,8 +13,9 @@ seconds from open to the destination's reply), which the llumlet reports per mig
   GPU-to-GPU copy, no host staging). An engine whose pool cannot be exported (vLLM's CPU build) sends the
   bytes inline instead; the report says so (``local-inline``).
 - ``grpc`` (across domains, the fallback): the bytes inline in the ``WriteBlocks`` stream, copied out of the
-  pool off the engine lock (pinned host memory on a GPU), paced by a token bucket at ``path bandwidth x cap
-  fraction`` (topology.cost's cap, default 20%) or a configured rate.
+  pool off the engine lock (pinned host memory on a GPU), paced by the migration budget of every link of the
+  path (``capacity x cap fraction``, topology.cost's cap, default 20%), shared by every migration on the link
+  (``llumlet.linkbudget``), or by a configured rate.
 - ``nixl`` (RDMA across nodes, as vLLM's NIXL connector and Llumnix use): refused by name — with the reason
   "not installed" when the ``nixl`` package is absent, and "not implemented" when it is present: hilum does
   not yet drive NIXL transfers (:func:`nixl_available` tells which).
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import importlib.util
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -36,6 +38,7 @@ import grpc
 from hilum_proto.v1 import llumlet_pb2 as pb
 from hilum_proto.v1 import llumlet_pb2_grpc as pb_grpc
 from llumlet.engine.protocol import BlockRun
+from llumlet.linkbudget import LinkBudgets, Pacer
 from topology.graph import TopologyGraph
 
 if TYPE_CHECKING:
@@ -174,7 +177,7 @@ class _GrpcBlockStream:
         stub: pb_grpc.LlumletAsyncStub,
         request_id: str,
         attempt: int,
-        bucket: TokenBucket | None,
+        bucket: Pacer | None,
         pool: bytes | None,
         clock: Callable[[], float],
     ) -> None:
@@ -247,8 +250,9 @@ def _describe(exc: BaseException) -> str:
 
 
 class _CappedTransport:
-    """One migration's transport: every stage it opens draws on one token bucket (empty at the start, holding
-    at most ``burst_bytes``, default 10 ms at the cap), so the cap holds over the whole migration."""
+    """One migration's transport: every stage it opens draws on one pacer — ``pacer`` (the shared link budgets,
+    ``llumlet.linkbudget``), or a token bucket of this migration alone (empty at the start, holding at most
+    ``burst_bytes``, default 10 ms at the cap) — so the cap holds over the whole migration."""
 
     name: TransportName
 
@@ -257,13 +261,14 @@ class _CappedTransport:
         rate_cap_bytes_per_s: float = 0.0,
         burst_bytes: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pacer: Pacer | None = None,
     ) -> None:
         if rate_cap_bytes_per_s < 0:
             raise ValueError(f"{type(self).__name__}: rate_cap_bytes_per_s = {rate_cap_bytes_per_s} < 0")
         self.rate_cap_bytes_per_s = rate_cap_bytes_per_s
         self.clock = clock
         burst = rate_cap_bytes_per_s * 0.01 if burst_bytes is None else burst_bytes
-        self._bucket = (
+        self._bucket: Pacer | None = pacer or (
             TokenBucket(rate_cap_bytes_per_s, burst, clock, initial_bytes=0.0) if rate_cap_bytes_per_s else None
         )
 
@@ -298,8 +303,9 @@ class LocalTransport(_CappedTransport):
         rate_cap_bytes_per_s: float = 0.0,
         burst_bytes: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pacer: Pacer | None = None,
     ) -> None:
-        super().__init__(rate_cap_bytes_per_s, burst_bytes, clock)
+        super().__init__(rate_cap_bytes_per_s, burst_bytes, clock, pacer)
         self.pool = pool
 
     @property
@@ -351,14 +357,22 @@ def choose_transport(
     grpc_rate_cap_bytes_per_s: float = 0.0,
     local_rate_cap_bytes_per_s: float = 0.0,
     override_rate_cap_bytes_per_s: float = 0.0,
+    budgets: LinkBudgets | None = None,
 ) -> Transport:
     """The transport for a migration ``src -> dst``.
 
     ``hint`` None = by the topology: ``local`` when both instances are in one NVLink domain
     (``TopologyGraph.path(...).same_domain``), else ``grpc``; without a graph, ``grpc``. ``pool``: the source
     engine's exported KV pool (``llumlet.kvpool.export_pool``), used by ``local``. Rate caps, first that
-    applies: ``override_rate_cap_bytes_per_s`` (the command's), the configured cap of that transport, and
-    for ``grpc`` with a graph ``path bandwidth x cap_fraction``; else none.
+    applies:
+
+    1. ``override_rate_cap_bytes_per_s`` (the command's): this migration's own cap;
+    2. the configured cap of that transport: a budget of this llumlet's migrations on it, shared by them;
+    3. ``grpc`` with a graph: the migration budget of every link of the path, ``capacity x cap_fraction``,
+       shared by every migration on the link (``budgets``: this llumlet's :class:`LinkBudgets`; None = this
+       migration's alone);
+
+    else none.
 
     Raises:
         KeyError: an instance is not in the topology.
@@ -380,10 +394,19 @@ def choose_transport(
         if hint is not None
         else (TransportName.LOCAL if path is not None and path.same_domain else TransportName.GRPC)
     )
+    budgets = budgets or LinkBudgets()
     if name is TransportName.LOCAL:
-        rate = override_rate_cap_bytes_per_s or local_rate_cap_bytes_per_s
-        return LocalTransport(pool, rate_cap_bytes_per_s=rate)
-    rate = override_rate_cap_bytes_per_s or grpc_rate_cap_bytes_per_s
-    if not rate and path is not None and not path.same_domain:
-        rate = path.bandwidth_bytes_per_s * cap_fraction
-    return GrpcStreamTransport(rate_cap_bytes_per_s=rate)
+        if override_rate_cap_bytes_per_s or not local_rate_cap_bytes_per_s:
+            return LocalTransport(pool, rate_cap_bytes_per_s=override_rate_cap_bytes_per_s)
+        pacer = budgets.pacer({f"llumlet:{src_instance_id}:local": local_rate_cap_bytes_per_s})
+        return LocalTransport(pool, local_rate_cap_bytes_per_s, pacer=pacer)
+    if override_rate_cap_bytes_per_s:
+        return GrpcStreamTransport(rate_cap_bytes_per_s=override_rate_cap_bytes_per_s)
+    if grpc_rate_cap_bytes_per_s:
+        pacer = budgets.pacer({f"llumlet:{src_instance_id}:grpc": grpc_rate_cap_bytes_per_s})
+        return GrpcStreamTransport(grpc_rate_cap_bytes_per_s, pacer=pacer)
+    if graph is not None and path is not None and not path.same_domain:
+        link_budgets = {link: graph.link_capacity_bytes_per_s(link) * cap_fraction for link in path.links}
+        pacer = budgets.pacer({k: v for k, v in link_budgets.items() if math.isfinite(v) and v > 0})
+        return GrpcStreamTransport(pacer.rate_cap_bytes_per_s, pacer=pacer)
+    return GrpcStreamTransport()

@@ -218,7 +218,7 @@ class DispatchView(_View):
                 target_id=load.instance_id,
                 capacity_blocks=load.capacity_blocks,
                 usage=dispatch_usage(load, self._cfg),
-                num_running=len(load.running) + load.num_waiting,
+                num_running=load.num_running + load.num_waiting,
                 free_blocks=load.free_blocks - queued_blocks(load),
                 max_request_blocks=load.capacity_blocks,
                 draining=load.draining,

@@ -62,7 +62,7 @@ class InstanceBrief:
             capacity_blocks=load.capacity_blocks,
             free_blocks=load.free_blocks,
             virtual_usage=instance_virtual_usage(load, cfg),
-            num_running=len(load.running),
+            num_running=load.num_running,
             num_waiting=load.num_waiting,
             draining=load.draining,
             decode_step_s=load.decode_step_s,
@@ -134,7 +134,7 @@ def summarize_domain(
             )
     active = [load for load in loads if not load.draining]
     draining = bool(loads) and not active
-    num_running = sum(len(load.running) for load in loads)
+    num_running = sum(load.num_running for load in loads)
     capacity = sum(load.capacity_blocks for load in active)
     briefs = sorted((InstanceBrief.of(load, cfg) for load in loads), key=lambda b: b.instance_id)
     if draining:

@@ -109,21 +109,26 @@ def plan_migrations(
     cfg: PolicyConfig,
     rng: random.Random,
     max_moves: int | None = None,
+    details: Callable[[InstanceLoad], InstanceLoad] | None = None,
 ) -> list[MigrationDecision]:
     """Plan at most `max_moves` (default cfg.max_migrations_per_round) migrations among `loads`.
 
-    Ties in freeness are broken by a seeded draw from `rng`, then by instance id. Raises ValueError
-    on repeated instance ids or a negative max_moves.
+    Ties in freeness are broken by a seeded draw from `rng` (one per instance, taken only when some instance
+    is a source), then by instance id. `loads` may be brief
+    (``InstanceLoad.detailed`` False): sources and destinations are chosen from the aggregates, and
+    `details` turns a brief source into its detailed report (same state, the batch listed) when its
+    requests are looked at. Raises ValueError on repeated instance ids, a negative max_moves, or a brief
+    source without `details`.
     """
     limit = cfg.max_migrations_per_round if max_moves is None else max_moves
     if limit < 0:
         raise ValueError(f"plan_migrations: max_moves must be >= 0, got {limit}")
     f = _freeness_by_id(loads, cfg)
+    sources = [x for x in loads if _is_source(x, f[x.instance_id], cfg)]
+    if not sources or limit == 0:  # nothing to plan: no tie to break either (no draw taken from rng)
+        return []
     draw = {i: rng.random() for i in sorted(f)}
-    sources = sorted(
-        (x for x in loads if _is_source(x, f[x.instance_id], cfg)),
-        key=lambda x: fullest_first(f[x.instance_id], x.instance_id, draw[x.instance_id]),
-    )
+    sources.sort(key=lambda x: fullest_first(f[x.instance_id], x.instance_id, draw[x.instance_id]))
     by_freeness = sorted(loads, key=lambda x: freest_first(f[x.instance_id], x.instance_id, draw[x.instance_id]))
     source_ids = {x.instance_id for x in sources}
     order = candidate_order(cfg.candidate_policy)
@@ -135,6 +140,12 @@ def plan_migrations(
         if src.instance_id in used:
             continue
         pool = [d for d in by_freeness if _accepts(d, src, f[d.instance_id], cfg, used, source_ids)]
+        if not pool:
+            continue
+        if not src.detailed:
+            if details is None:
+                raise ValueError(f"plan_migrations: {src.instance_id!r} is a brief report and no details are given")
+            src = details(src)
         decision = _first_move(src, pool, order, f, cfg)
         if decision is not None:
             decisions.append(decision)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -21,6 +21,7 @@ __all__ = [
     "InstanceLoad",
     "PolicyConfig",
     "RequestLoad",
+    "priority_counts_of",
     "trusted_instance_load",
     "trusted_request_load",
 ]
@@ -68,15 +69,22 @@ class RequestLoad:
 class InstanceLoad:
     """A load report of one instance (one engine), the only input of the rules.
 
+    The rules read the batch through two aggregates, ``num_running`` (B) and ``priority_counts`` (the
+    headroom of virtual usage); only the choice of which request moves reads ``running`` itself. A report
+    has both aggregates computed from ``running``, unless it is *brief* (``brief=True``, ``running`` empty):
+    then it carries the aggregates alone. A simulator builds brief reports for every instance at every tick
+    and asks for the detailed report of an instance only when a rule picks a request from it (``detailed``;
+    see ``policy.migration.plan_migrations``'s ``details``).
+
     Raises ValueError when capacity_blocks <= 0, a block count is negative, used_blocks exceeds
-    capacity_blocks, head_demand_blocks is set without a waiting request, or two running requests
-    share an id.
+    capacity_blocks, head_demand_blocks is set without a waiting request, two running requests share an id,
+    or, in a brief report, the aggregates disagree with each other.
     """
 
     instance_id: str
     capacity_blocks: int  # M: KV cache blocks of the instance
     used_blocks: int  # KV cache blocks allocated now (running requests and reservations)
-    running: tuple[RequestLoad, ...] = ()  # the running batch; B = max(1, len(running))
+    running: tuple[RequestLoad, ...] = ()  # the running batch (empty in a brief report)
     num_waiting: int = 0  # requests queued on this instance, not yet admitted
     head_demand_blocks: int = 0  # blocks the head-of-line queued request needs to be admitted
     queued_demand_blocks: int = 0  # blocks every queued request needs, head included (>= head demand)
@@ -85,6 +93,10 @@ class InstanceLoad:
     warming_up: bool = False  # freshly added: negative fake usage so it fills quickly
     domain_id: str = ""  # NVLink domain of the instance ("" when not known)
     decode_step_s: float = 0.0  # duration of its most recent engine step, seconds (0 = not measured yet)
+    num_running: int = 0  # requests in the running batch; B = max(1, num_running) (from running unless brief)
+    # (priority, running requests of that priority) for every priority > 0 present, ascending (same)
+    priority_counts: tuple[tuple[int, int], ...] = ()
+    brief: bool = False  # True: running is not listed; num_running and priority_counts say what it holds
 
     def __post_init__(self) -> None:
         where = f"InstanceLoad({self.instance_id!r})"
@@ -128,11 +140,43 @@ class InstanceLoad:
             counts = Counter(r.request_id for r in self.running)
             dupes = sorted(i for i, n in counts.items() if n > 1)
             _require(False, where, f"running request ids repeat: {dupes}")
+        if not self.brief:  # the aggregates follow the list (also through dataclasses.replace(load, running=...))
+            object.__setattr__(self, "num_running", len(self.running))
+            object.__setattr__(self, "priority_counts", priority_counts_of(r.priority for r in self.running))
+            return
+        _require(not self.running, where, "a brief report lists no running requests (num_running counts them)")
+        _require(self.num_running >= 0, where, f"num_running must be >= 0, got {self.num_running}")
+        pairs = tuple((int(p), int(n)) for p, n in self.priority_counts)
+        _require(
+            all(p > 0 and n > 0 for p, n in pairs) and [p for p, _ in pairs] == sorted({p for p, _ in pairs}),
+            where,
+            f"priority_counts must be ascending (priority > 0, count > 0) pairs, got {self.priority_counts}",
+        )
+        _require(
+            sum(n for _, n in pairs) <= self.num_running,
+            where,
+            f"priority_counts {pairs} count more requests than num_running {self.num_running}",
+        )
+        object.__setattr__(self, "priority_counts", pairs)
 
     @property
     def free_blocks(self) -> int:
         """Real free KV cache blocks now: M − used."""
         return self.capacity_blocks - self.used_blocks
+
+    @property
+    def detailed(self) -> bool:
+        """True when ``running`` lists the whole batch: every report but a brief one of a busy instance."""
+        return not self.brief or self.num_running == 0
+
+
+def priority_counts_of(priorities: Iterable[int]) -> tuple[tuple[int, int], ...]:
+    """``InstanceLoad.priority_counts`` of a batch with these priorities: (priority, count) for each priority
+    > 0 present, ascending."""
+    high = [p for p in priorities if p > 0]  # usually none: one pass, no Counter
+    if not high:
+        return ()
+    return tuple(sorted(Counter(high).items()))
 
 
 _T = TypeVar("_T")
@@ -171,7 +215,8 @@ def _trusted_constructor(cls: type[_T]) -> Callable[..., _T]:
 #: files, users) goes through ``RequestLoad`` itself.
 trusted_request_load: Callable[..., RequestLoad] = _trusted_constructor(RequestLoad)
 
-#: ``InstanceLoad(...)`` without the checks of ``__post_init__`` (pass ``running`` as a tuple); same use.
+#: ``InstanceLoad(...)`` without the checks of ``__post_init__``; same use. Pass ``running`` as a tuple and
+#: ``num_running`` / ``priority_counts`` consistent with it (``priority_counts_of``): nothing derives them here.
 trusted_instance_load: Callable[..., InstanceLoad] = _trusted_constructor(InstanceLoad)
 
 

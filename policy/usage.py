@@ -37,12 +37,13 @@ def instance_virtual_usage(load: InstanceLoad, cfg: PolicyConfig) -> float:
 
     ΣV = used_blocks + Σ_running headroom + head-of-line demand (if a request waits)
          + warmup_usage_blocks (if warming up, <= 0).
+    Σ_running headroom = Σ_p headroom(p) × (running requests of priority p): ``load.priority_counts``.
     used_blocks stands for Σ real blocks so blocks reserved for incoming migrations count too.
     Source: Llumnix OSDI'24 §4.4.2 and Algorithm 1 (CalcVirtualUsage, fake requests).
     """
     if load.draining:
         return math.inf
-    headroom = sum(cfg.headroom_blocks(r.priority) for r in load.running)
+    headroom = sum(cfg.headroom_blocks(p) * n for p, n in load.priority_counts)
     queued = load.head_demand_blocks if load.num_waiting > 0 else 0
     warmup = cfg.warmup_usage_blocks if load.warming_up else 0
     return float(load.used_blocks + headroom + queued + warmup)
@@ -50,7 +51,7 @@ def instance_virtual_usage(load: InstanceLoad, cfg: PolicyConfig) -> float:
 
 def batch_size(load: InstanceLoad) -> int:
     """B = max(1, number of running requests): the divisor of freeness."""
-    return max(1, len(load.running))
+    return max(1, load.num_running)
 
 
 def freeness_of(capacity_blocks: float, virtual_usage_blocks: float, num_running: int) -> float:
@@ -64,7 +65,7 @@ def freeness_of(capacity_blocks: float, virtual_usage_blocks: float, num_running
 
 def freeness(load: InstanceLoad, cfg: PolicyConfig) -> float:
     """Freeness F of one instance: (M − ΣV) / B. Never NaN; −inf when draining."""
-    return freeness_of(load.capacity_blocks, instance_virtual_usage(load, cfg), len(load.running))
+    return freeness_of(load.capacity_blocks, instance_virtual_usage(load, cfg), load.num_running)
 
 
 def queued_blocks(load: InstanceLoad) -> int:
@@ -91,4 +92,4 @@ def dispatch_usage(load: InstanceLoad, cfg: PolicyConfig) -> float:
 
 def dispatch_freeness(load: InstanceLoad, cfg: PolicyConfig) -> float:
     """F for dispatch: (M − dispatch ΣV) / max(1, running + waiting)."""
-    return freeness_of(load.capacity_blocks, dispatch_usage(load, cfg), len(load.running) + load.num_waiting)
+    return freeness_of(load.capacity_blocks, dispatch_usage(load, cfg), load.num_running + load.num_waiting)

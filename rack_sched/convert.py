@@ -104,6 +104,7 @@ def domain_state(info: DomainStateInfo) -> pb.DomainState:
                 freeness=i.freeness if i.load else math.nan,
                 load_version=i.load_version,
                 running_request_ids=[r.request_id for r in i.load.running] if i.load else [],
+                failure=i.failure,
             )
             for i in info.instances
         ],

@@ -8,7 +8,8 @@ One :class:`DomainCore` per NVLink domain, fed its instances' load reports. It d
   whose load stream broke is deprioritised (it takes requests only when no instance of the model has a
   live stream: then requests are spread evenly over the instances still answering, counted in
   ``fallback_dispatches``); one that did not answer a Submit takes nothing until it answers again (a
-  heartbeat) or reports;
+  heartbeat) or reports; one whose engine failed (its report or Ping says so) takes nothing, is in no
+  migration and in no summary, until a report says it is healthy again (a restarted llumlet);
 - **rescheduling inside the domain**: ``policy.plan_migrations`` per model over the instances not busy with a
   migration. An instance is busy from the moment a move touching it is planned until the move finished *and*
   the instance sent a newer report, or ``settle_s`` passed (so a stale report cannot plan a second move from
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from global_coord.approver import MoveProposal
@@ -129,11 +130,12 @@ class _Member:
     reports: int = 0  # reports received
     stream_up: bool = False  # its load stream delivers reports
     answers: bool = True  # the last Submit or heartbeat got an answer
+    failure: str = ""  # why its engine failed ("" = healthy)
 
     @property
     def reachable(self) -> bool:
-        """Fresh: reports flowing and answering calls (dispatch by load, migrations)."""
-        return self.stream_up and self.answers
+        """Fresh: reports flowing, answering calls and healthy (dispatch by load, migrations)."""
+        return self.stream_up and self.answers and not self.failure
 
 
 class DomainCore:
@@ -143,14 +145,27 @@ class DomainCore:
         domain_id: the domain.
         cfg: how it decides.
         rng: the seeded random source (dispatch near-ties, migration ties).
+        details_of: where the detailed load of an instance comes from when it reported a brief one
+            (``InstanceLoad.detailed`` False): called with the instance id when a rule picks a request from
+            it, it must return the report of the same state with the batch listed. The simulator reports
+            briefs and passes its engines' detailed loads here; the live scheduler's reports are detailed
+            (None: a brief report is an error when a rule needs its requests).
     """
 
-    def __init__(self, domain_id: str, cfg: DomainConfig, rng: random.Random) -> None:
+    def __init__(
+        self,
+        domain_id: str,
+        cfg: DomainConfig,
+        rng: random.Random,
+        details_of: Callable[[str], InstanceLoad] | None = None,
+    ) -> None:
         self.domain_id = domain_id
         self.cfg = cfg
         self._rng = rng
+        self._details_of = details_of
         self._members: dict[str, _Member] = {}
         self._views: dict[str, DispatchView] = {}  # model -> dispatch view over its reachable instances
+        self._stale: dict[str, set[str]] = {}  # model -> instances whose view entry awaits their latest report
         self._spread = 0  # rotation of the even spread used while no instance has a fresh report
         self.fallback_dispatches = 0  # requests placed by that spread
         self._drained: frozenset[str] = frozenset()
@@ -198,7 +213,21 @@ class DomainCore:
         member.load = load
         member.reports += 1
         member.stream_up = member.answers = True
+        member.failure = ""
         self._refresh(member)
+
+    def engine_failed(self, instance_id: str, reason: str) -> None:
+        """The instance's engine failed (its report, Ping or a Submit said so): it takes no request, is in no
+        migration and in no summary until a healthy report (see the module docstring). Unknown ids are ignored."""
+        member = self._members.get(instance_id)
+        if member is not None:
+            member.failure = reason or "engine failed"
+            self._view(member.model).remove(instance_id)
+
+    def failure(self, instance_id: str) -> str:
+        """Why the instance's engine failed, "" while healthy (or unknown)."""
+        member = self._members.get(instance_id)
+        return member.failure if member is not None else ""
 
     def stream_lost(self, instance_id: str) -> None:
         """The instance's load stream broke: deprioritised (see the module docstring) and in no migration,
@@ -256,26 +285,36 @@ class DomainCore:
         return member.load if member.load.draining == draining else replace(member.load, draining=draining)
 
     def loads(self, model: str | None = None) -> list[InstanceLoad]:
-        """Every reported instance's load (of ``model``, or all), drains applied, sorted by instance id."""
+        """Every reported, healthy instance's load (of ``model``, or all), drains applied, sorted by id."""
         out = []
         for iid, member in sorted(self._members.items()):
-            if model is None or member.model == model:
+            if not member.failure and (model is None or member.model == model):
                 load = self.load(iid)
                 if load is not None:
                     out.append(load)
         return out
 
     def _view(self, model: str) -> DispatchView:
+        """The dispatch view of ``model``, brought up to date with the reports received since it was last read."""
         view = self._views.get(model)
         if view is None:
             view = self._views[model] = DispatchView((), self.cfg.policy, self._rng)
+        stale = self._stale.pop(model, None)
+        if stale:
+            for iid in sorted(stale):
+                member = self._members.get(iid)
+                load = self.load(iid)
+                if member is not None and load is not None and member.reachable:
+                    view.update(load)
         return view
 
     def _refresh(self, member: _Member) -> None:
-        load = self.load(member.instance_id)
-        if load is not None and member.reachable:
-            self._view(member.model).update(load)
+        """The member's state changed: its view entry is rebuilt when the view is next read (a report drops the
+        instance's reservations then; several reports in between cost one rebuild)."""
+        if member.load is not None and member.reachable:
+            self._stale.setdefault(member.model, set()).add(member.instance_id)
         else:
+            self._stale.get(member.model, set()).discard(member.instance_id)
             self._view(member.model).remove(member.instance_id)
 
     # ---- dispatch --------------------------------------------------------------------------------
@@ -318,11 +357,18 @@ class DomainCore:
             for _, m in sorted(self._members.items())
             if m.model == model
             and m.answers
+            and not m.failure
             and m.instance_id not in excluded
             and m.instance_id not in self._drained
             and (m.load.capacity_blocks if m.load is not None else m.capacity_blocks) >= need
         ]
         if not pool:
+            members = [m for m in self._members.values() if m.model == model]
+            if all(m.failure for m in members):
+                failures = "; ".join(
+                    f"{m.instance_id}: {m.failure}" for m in sorted(members, key=lambda m: m.instance_id)
+                )
+                return DispatchDecision(None, f"every instance of {model} here failed ({failures})")
             return DispatchDecision(None, f"no instance of {model} has a fresh load report or answers")
         self._spread = (self._spread + 1) % len(pool)
         self.fallback_dispatches += 1
@@ -347,6 +393,16 @@ class DomainCore:
             return False
         return True
 
+    def detailed(self, load: InstanceLoad) -> InstanceLoad:
+        """``load`` (as :meth:`load` returns it) with its batch listed: itself when it is detailed, else the
+        instance's detailed report from ``details_of``, drains applied. Raises ValueError without a source."""
+        if load.detailed:
+            return load
+        if self._details_of is None:
+            raise ValueError(f"{self.domain_id}: {load.instance_id} sent a brief load report and no details source")
+        full = self._details_of(load.instance_id)
+        return full if full.draining == load.draining else replace(full, draining=load.draining)
+
     def free_loads(self, now_s: float, model: str | None = None) -> list[InstanceLoad]:
         """Loads of reachable instances (of ``model``, or all) not busy with a migration, sorted by id."""
         return [
@@ -360,7 +416,9 @@ class DomainCore:
         (call :meth:`migration_done` when it ended, whatever the outcome)."""
         moves: list[MigrationDecision] = []
         for model in self.models():
-            for move in plan_migrations(self.free_loads(now_s, model), self.cfg.policy, self._rng):
+            for move in plan_migrations(
+                self.free_loads(now_s, model), self.cfg.policy, self._rng, details=self.detailed
+            ):
                 self.migration_started((move.src_id, move.dst_id))
                 moves.append(move)
         return moves
@@ -394,28 +452,34 @@ class DomainCore:
         for model in self.models():
             loads = [self._holding_back(load) for load in self.free_loads(now_s, model)]
             mine = summarize_domain(self.domain_id, self.loads(model), self.cfg.policy, model=model)
-            move = plan_cross_domain(mine, by_model.get(model, []), loads, self.cfg.policy, self._rng)
+            move = plan_cross_domain(
+                mine,
+                by_model.get(model, []),
+                loads,
+                self.cfg.policy,
+                self._rng,
+                details=lambda load: self._holding_back(self.detailed(load)),
+            )
             if move is None:
                 continue
-            src = next(x for x in loads if x.instance_id == move.src_instance_id)
-            request = next(r for r in src.running if r.request_id == move.request_id)
+            request = move.request
             return CrossDomainProposal(
                 src_instance_id=move.src_instance_id,
-                request_id=move.request_id,
+                request_id=request.request_id,
                 model=model,
-                blocks=move.blocks,
-                num_tokens=move.num_tokens,
+                blocks=request.blocks,
+                num_tokens=request.num_tokens,
                 max_blocks=request.max_blocks,
                 remaining_tokens=self.remaining.estimate(request.output_tokens, request.max_tokens),
-                decode_step_s=src.decode_step_s if src.decode_step_s > 0 else self.cfg.default_decode_step_s,
+                decode_step_s=move.src_decode_step_s if move.src_decode_step_s > 0 else self.cfg.default_decode_step_s,
                 dst_domain_id=move.dst_domain_id,
                 reason=move.reason,
             )
         return None
 
     def _holding_back(self, load: InstanceLoad) -> InstanceLoad:
-        """``load`` with the requests in their cool-down marked unmigratable."""
-        if not any(r.request_id in self._not_approved for r in load.running):
+        """``load`` with the requests in their cool-down marked unmigratable (a brief load lists none)."""
+        if not self._not_approved or not any(r.request_id in self._not_approved for r in load.running):
             return load
         held = tuple(replace(r, migratable=False) if r.request_id in self._not_approved else r for r in load.running)
         return replace(load, running=held)

@@ -8,13 +8,13 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from clusterstate.records import DrainKind
 from policy.domain import DomainSummary
 from policy.migration import pair_domains, plan_migrations
-from policy.types import InstanceLoad, PolicyConfig
+from policy.types import InstanceLoad, PolicyConfig, RequestLoad
 
 __all__ = ["CrossDomainMove", "drained_instances", "plan_cross_domain"]
 
@@ -39,14 +39,18 @@ def drained_instances(
 
 @dataclass(frozen=True, slots=True)
 class CrossDomainMove:
-    """A move this domain proposes: ``request_id`` (``blocks``, ``num_tokens``) from ``src_instance_id``."""
+    """A move this domain proposes: ``request`` (as its instance reported it) from ``src_instance_id``."""
 
     src_instance_id: str
-    request_id: str
-    blocks: int  # KV blocks it holds at planning time
-    num_tokens: int  # tokens whose KV it holds
+    request: RequestLoad  # the request at planning time: blocks, tokens, output so far, limits
+    src_decode_step_s: float  # the source's most recent step time, seconds (0 = not measured)
     dst_domain_id: str  # the domain pair_domains chose; the coordinator picks the instance
     reason: str
+
+    @property
+    def request_id(self) -> str:
+        """The request that moves."""
+        return self.request.request_id
 
 
 def _stand_in(summary: DomainSummary) -> InstanceLoad:
@@ -64,6 +68,7 @@ def plan_cross_domain(
     loads: Sequence[InstanceLoad],
     cfg: PolicyConfig,
     rng: random.Random,
+    details: Callable[[InstanceLoad], InstanceLoad] | None = None,
 ) -> CrossDomainMove | None:
     """The move to propose when ``pair_domains`` pairs this domain (``mine``) as a source, else None.
 
@@ -71,10 +76,12 @@ def plan_cross_domain(
     ``largest_free_blocks`` free, no batch); ``plan_migrations`` over ``loads`` (this domain's instances that
     are not busy, drains applied) plus that stand-in chooses source and request by the same rules as inside a
     domain (candidate order, fits the free space, lowers the potential). Only a move to the stand-in is
-    returned: when an instance of this domain is freer, the intra-domain loop balances instead.
+    returned: when an instance of this domain is freer, the intra-domain loop balances instead. ``loads`` may
+    be brief; ``details`` gives a brief source's detailed report (as in ``plan_migrations``).
 
     Raises:
-        ValueError: on repeated domain or instance ids (from ``policy``).
+        ValueError: on repeated domain or instance ids, or a brief source without ``details`` (from
+            ``policy``).
     """
     pairs = pair_domains([mine, *others], cfg)
     dst_id = next((dst for src, dst in pairs if src == mine.domain_id), None)
@@ -82,16 +89,23 @@ def plan_cross_domain(
         return None
     dst = next(s for s in others if s.domain_id == dst_id)
     stand_in = _stand_in(dst)
-    for decision in plan_migrations([*loads, stand_in], cfg, rng):
+    looked_at: dict[str, InstanceLoad] = {}
+
+    def detailed(load: InstanceLoad) -> InstanceLoad:
+        if details is None:
+            raise ValueError(f"plan_cross_domain: {load.instance_id!r} is a brief report and no details are given")
+        looked_at[load.instance_id] = details(load)
+        return looked_at[load.instance_id]
+
+    for decision in plan_migrations([*loads, stand_in], cfg, rng, details=detailed):
         if decision.dst_id != stand_in.instance_id:
             continue
-        src = next(x for x in loads if x.instance_id == decision.src_id)
+        src = looked_at.get(decision.src_id) or next(x for x in loads if x.instance_id == decision.src_id)
         request = next(r for r in src.running if r.request_id == decision.request_id)
         return CrossDomainMove(
             src_instance_id=decision.src_id,
-            request_id=decision.request_id,
-            blocks=decision.blocks,
-            num_tokens=request.num_tokens,
+            request=request,
+            src_decode_step_s=src.decode_step_s,
             dst_domain_id=dst_id,
             reason=f"domains paired {mine.domain_id} -> {dst_id}; {decision.reason}",
         )

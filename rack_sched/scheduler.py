@@ -343,10 +343,22 @@ class DomainScheduler:
             await self._clock.sleep(delay)
 
     def _on_report(self, inst: _Instance, report: llumlet_pb2.LoadReport) -> None:
+        if report.failure:
+            self._failed(inst, report.failure)
+            inst.version = int(report.version)
+            inst.settled.set()
+            return
         load = load_from_pb(report, inst.instance_id, self.cfg.domain_id)
         self.core.report(inst.instance_id, load, report.finished_output_tokens)
         inst.version = int(report.version)
         inst.settled.set()
+        self._offer_summary()
+
+    def _failed(self, inst: _Instance, failure: str) -> None:
+        """The instance's engine failed: route nothing to it, move nothing to or from it (``DomainCore``)."""
+        if not self.core.failure(inst.instance_id):
+            _log.error("domain %s: instance %s failed: %s", self.cfg.domain_id, inst.instance_id, failure)
+        self.core.engine_failed(inst.instance_id, failure)
         self._offer_summary()
 
     def summaries(self) -> tuple[DomainSummary, ...]:
@@ -361,8 +373,9 @@ class DomainScheduler:
     async def submit(self, request: DomainRequest, msg: llumlet_pb2.SubmitRequest) -> DispatchResult:
         """Choose an instance for a new request (``DomainCore.dispatch``) and submit it there.
 
-        ``msg`` is forwarded to the chosen llumlet unchanged. An unreachable instance is skipped (until its next
-        load report) and the next choice tried.
+        ``msg`` is forwarded to the chosen llumlet unchanged; its ``avoid_instance_ids`` are not chosen. An
+        unreachable instance is skipped (until its next load report or an answered heartbeat) and the next choice
+        tried; so is one whose engine failed (until a healthy report).
         """
         demand = request.demand_blocks(self.cfg.block_size_tokens)
         if not self.ready.is_set():
@@ -372,7 +385,7 @@ class DomainScheduler:
                 demand_blocks=demand,
             )
         failures: list[str] = []
-        failed: set[str] = set()
+        failed: set[str] = set(msg.avoid_instance_ids)  # a resumed request avoids where it failed
         for _ in range(max(1, len(self._instances))):
             spread_before = self.core.fallback_dispatches
             decision = self.core.dispatch(request, exclude=failed)
@@ -391,6 +404,9 @@ class DomainScheduler:
                 failures.append(f"{inst.instance_id} unreachable ({exc.code().name})")
                 failed.add(inst.instance_id)
                 self._unreachable(inst)
+                continue
+            if reply.instance_failed:  # excluded by the core from now on: the next choice
+                self._failed(inst, reply.reason)
                 continue
             if not reply.accepted:
                 return DispatchResult(
@@ -416,10 +432,12 @@ class DomainScheduler:
         backoff = Backoff(self.cfg.backoff, self._rng)
         while not self.core.answering(inst.instance_id) and inst.instance_id in self._instances:
             try:
-                await inst.stub.Ping(llumlet_pb2.LlumletPingRequest(), timeout=self.cfg.rpc_timeout_s)
+                pong = await inst.stub.Ping(llumlet_pb2.LlumletPingRequest(), timeout=self.cfg.rpc_timeout_s)
             except grpc.aio.AioRpcError:
                 await self._clock.sleep(backoff.next_s())
                 continue
+            if pong.failure:
+                self._failed(inst, pong.failure)
             self.core.answered(inst.instance_id)
             _log.info("domain %s: instance %s answers again", self.cfg.domain_id, inst.instance_id)
 
@@ -641,6 +659,7 @@ class DomainScheduler:
                     load=load,
                     freeness=freeness(load, self.cfg.decide.policy) if load is not None else math.nan,
                     load_version=inst.version,
+                    failure=self.core.failure(iid),
                 )
             )
         return DomainStateInfo(

@@ -85,6 +85,7 @@ class InstanceStateInfo:
     load: InstanceLoad | None  # last report, drains applied; None before the first
     freeness: float  # F of that load (-inf while draining; nan without a load)
     load_version: int
+    failure: str = ""  # why its engine failed ("" = healthy)
 
 
 @dataclass(frozen=True, slots=True)

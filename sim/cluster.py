@@ -140,8 +140,8 @@ class SimInstance:
         self._run: _Run | None = None  # the decode run in flight
         self._flags = (False, False)  # (draining, warming up) as of the last load_version
         self._flag_changes = 0  # times _flags changed
-        self._load: InstanceLoad | None = None  # the load report of _load_version
-        self._load_version = -1
+        self._load: tuple[int, InstanceLoad] | None = None  # (load version, the detailed report of it)
+        self._brief: tuple[int, InstanceLoad] | None = None  # (load version, the brief report of it)
 
     @property
     def instance_id(self) -> str:
@@ -283,10 +283,10 @@ class Cluster:
         Raises ValueError unless it is idle and empty (no request, no KV block held or reserved, no step in flight).
         """
         inst = self.instances[instance_id]
-        load = self.load(inst)
-        if inst.busy or load.running or load.num_waiting or load.used_blocks:
+        load = self.load(inst, brief=True)
+        if inst.busy or load.num_running or load.num_waiting or load.used_blocks:
             raise ValueError(
-                f"{instance_id}: cannot stop: {len(load.running)} running, {load.num_waiting} waiting, "
+                f"{instance_id}: cannot stop: {load.num_running} running, {load.num_waiting} waiting, "
                 f"{load.used_blocks} KV blocks held{', a step in flight' if inst.busy else ''}"
             )
         inst.active = False
@@ -325,28 +325,39 @@ class Cluster:
             version += self._started_steps(flight) - flight.run.applied
         return version
 
-    def load(self, inst: SimInstance) -> InstanceLoad:
+    def load(self, inst: SimInstance, *, brief: bool = False, version: int | None = None) -> InstanceLoad:
         """The instance's load report, as its llumlet would push it (policy's InstanceLoad), with its most
-        recent step time; rebuilt only when :meth:`load_version` moved (a new step is a new version)."""
-        version = self.load_version(inst)
-        if inst._load is None or inst._load_version != version:
-            draining, warming_up = inst._flags
-            ahead = 0
-            step_s = inst._last_step_s
-            flight = inst._run
-            if flight is not None:
-                started = self._started_steps(flight)
-                if started < flight.run.steps:  # computed from the run, not applied: the engine need not move
-                    ahead = started - flight.run.applied
-                    step_s = flight.run.durations_s[started - 1]
-                else:
-                    self._sync(inst)  # the last step (requests finish in it): apply it
-                    step_s = inst._last_step_s
-            inst._load = inst._engine.instance_load(
-                inst.instance_id, inst.domain_id, draining, warming_up, step_s, steps_ahead=ahead
-            )
-            inst._load_version = version
-        return inst._load
+        recent step time; rebuilt only when :meth:`load_version` moved (a new step is a new version).
+
+        ``brief``: the brief report (every figure but the list of running requests, ``InstanceLoad.detailed``
+        False while busy), cheap at any batch size; the detailed one of the same version is ``load(inst)``.
+        ``version``: :meth:`load_version` of ``inst``, when the caller just read it (now, nothing changed since).
+        """
+        if version is None:
+            version = self.load_version(inst)
+        cache = inst._brief if brief else inst._load
+        if cache is not None and cache[0] == version:
+            return cache[1]
+        draining, warming_up = inst._flags
+        ahead = 0
+        step_s = inst._last_step_s
+        flight = inst._run
+        if flight is not None:
+            started = self._started_steps(flight)
+            if started < flight.run.steps:  # computed from the run, not applied: the engine need not move
+                ahead = started - flight.run.applied
+                step_s = flight.run.durations_s[started - 1]
+            else:
+                self._sync(inst)  # the last step (requests finish in it): apply it
+                step_s = inst._last_step_s
+        load = inst._engine.instance_load(
+            inst.instance_id, inst.domain_id, draining, warming_up, step_s, steps_ahead=ahead, brief=brief
+        )
+        if brief:
+            inst._brief = (version, load)
+        else:
+            inst._load = (version, load)
+        return load
 
     def take_finished(self, instance_id: str) -> list[int]:
         """Output lengths of the requests that finished on ``instance_id`` since the last call (what its

@@ -33,6 +33,7 @@ from gateway.core import GatewayCore, PlacementAttempt
 from global_coord.approver import MoveJudge, decide
 from policy.dispatch import DispatchDecision
 from policy.domain import DomainSummary, summarize_domain
+from policy.types import InstanceLoad
 from rack_sched.core import CrossDomainProposal, DomainConfig, DomainCore, DomainRequest
 from topology.graph import TopologyGraph
 
@@ -86,33 +87,48 @@ def domain_request(req: TraceRequest, model: str) -> DomainRequest:
 
 
 class _Feed:
-    """A domain core over some instances, fed their load reports as a domain scheduler would receive them."""
+    """A domain core over some instances, fed their load reports as a domain scheduler would receive them.
+
+    Like a llumlet, an instance reports when its load changed (``Cluster.load_version``) and only then. The
+    reports are brief (``InstanceLoad.detailed`` False: the batch as counts); the core asks for an instance's
+    detailed report (``details_of``) when a rule picks a request from it — the same state, built only then.
+    """
+
+    brief = True  # False: detailed reports every time (the reference the tests compare against)
 
     def __init__(
         self, domain_id: str, cluster: Cluster, instance_ids: Iterable[str], cfg: DomainConfig, rng: random.Random
     ):
         self.cluster = cluster
-        self.core = DomainCore(domain_id, cfg, rng)
+        self.core = DomainCore(domain_id, cfg, rng, details_of=self._details_of)
         self._pool = [cluster.instances[i] for i in instance_ids]  # every instance it may ever hold
-        self._added: set[str] = set()
+        self._reported: dict[str, int] = {}  # instance -> load version of its last report
+
+    def _details_of(self, instance_id: str) -> InstanceLoad:
+        return self.cluster.load(self.cluster.instances[instance_id])
 
     def refresh(self) -> None:
-        """Hand the core every serving instance's load now (and the drains), as fresh reports."""
+        """Hand the core the load of every serving instance that changed since its last report (and the
+        drains)."""
+        cluster, core, reported = self.cluster, self.core, self._reported
         drained = []
         for inst in self._pool:
             if not inst.active:
-                if inst.instance_id in self._added:  # stopped (an autoscaler's scale-in): deregistered
-                    self.core.remove_instance(inst.instance_id)
-                    self._added.discard(inst.instance_id)
+                if reported.pop(inst.instance_id, None) is not None:  # stopped (an autoscaler's scale-in)
+                    core.remove_instance(inst.instance_id)
                 continue
-            if inst.instance_id not in self._added:
-                model = self.cluster.model_of(inst.instance_id)
-                self.core.add_instance(inst.instance_id, inst.spec.model, model.block_size_tokens)
-                self._added.add(inst.instance_id)
-            self.core.report(inst.instance_id, self.cluster.load(inst), self.cluster.take_finished(inst.instance_id))
+            iid = inst.instance_id
+            if iid not in reported:
+                model = cluster.model_of(iid)
+                core.add_instance(iid, inst.spec.model, model.block_size_tokens)
+                reported[iid] = -1
+            version = cluster.load_version(inst)
+            if version != reported[iid]:
+                core.report(iid, cluster.load(inst, brief=self.brief, version=version), cluster.take_finished(iid))
+                reported[iid] = version
             if inst.draining:
-                drained.append(inst.instance_id)
-        self.core.set_drains(drained, False)
+                drained.append(iid)
+        core.set_drains(drained, False)
 
 
 class ClusterScheduler(ABC):
@@ -140,7 +156,8 @@ class ClusterScheduler(ABC):
         now = self._now()
         model = self.cluster.model_of(next(iter(self.cluster.instances))).name
         policy = self.ctx.domain.policy
-        loads = {d: [self.cluster.load(i) for i in self.cluster.serving(d)] for d in self.cluster.domain_ids()}
+        cluster = self.cluster
+        loads = {d: [cluster.load(i, brief=True) for i in cluster.serving(d)] for d in cluster.domain_ids()}
         return [summarize_domain(d, members, policy, model=model, taken_s=now) for d, members in loads.items()]
 
     def _every(self, interval_s: float, kind: EventKind, action: Callable[[], None]) -> None:

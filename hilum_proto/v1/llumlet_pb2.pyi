@@ -11,6 +11,16 @@ the destination llumlet with Reserve -> WriteBlocks* (pre-copy stages, then the 
 request is suspended) -> Commit, or Release on any failure. Every destination message carries
 (request_id, attempt); the reservation id is "<request_id>@<attempt>"; a message of an attempt older than
 the newest the destination has seen for that request is answered DEST_STALE and changes nothing.
+
+Each attempt ends exactly once at the destination: Commit runs to its end whatever happens to the call and
+is idempotent (a repeated Commit of the attempt returns the first one's outcome, waiting for it); Release
+waits for a Commit of the attempt in progress and answers whether it committed, and otherwise ends the
+attempt (a later Commit of it is refused). A source whose Commit failed asks again; if the destination
+cannot answer, the request's origin arbitrates (token_sink.proto): the source claims the next owner epoch
+there, and whichever of its claim and the destination's announcement the origin sees first owns the request.
+
+An instance whose engine failed says so in Ping and every LoadReport (`failure`), refuses new work and
+migrations, and ends each request it ran with a resumable error (TokenChunk.resumable).
 """
 
 from collections import abc as _abc
@@ -155,12 +165,15 @@ class LlumletPingReply(_message.Message):
     ENGINE_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_TOKENS_FIELD_NUMBER: _builtins.int
     KV_BYTES_PER_BLOCK_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     domain_id: _builtins.str
     engine: _builtins.str
     """backend name: "sim" | "torch" """
     block_size_tokens: _builtins.int
     kv_bytes_per_block: _builtins.int
+    failure: _builtins.str
+    """why its engine failed ("" = healthy): it takes no request or migration"""
     def __init__(
         self,
         *,
@@ -169,10 +182,11 @@ class LlumletPingReply(_message.Message):
         engine: _builtins.str = ...,
         block_size_tokens: _builtins.int = ...,
         kv_bytes_per_block: _builtins.int = ...,
+        failure: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size_tokens", b"block_size_tokens", "domain_id", b"domain_id", "engine", b"engine", "instance_id", b"instance_id", "kv_bytes_per_block", b"kv_bytes_per_block"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size_tokens", b"block_size_tokens", "domain_id", b"domain_id", "engine", b"engine", "failure", b"failure", "instance_id", b"instance_id", "kv_bytes_per_block", b"kv_bytes_per_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -303,6 +317,8 @@ class SubmitRequest(_message.Message):
     PREFIX_HASH_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     ONLY_IF_ROOM_FIELD_NUMBER: _builtins.int
+    FIRST_SEQ_FIELD_NUMBER: _builtins.int
+    AVOID_INSTANCE_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     prompt_tokens: _builtins.int
     """prompt length; may be 0 when prompt_token_ids is given"""
@@ -315,6 +331,10 @@ class SubmitRequest(_message.Message):
     """the model it is for: only instances serving it take it ("" = the one served)"""
     only_if_room: _builtins.bool
     """domain scheduler: answer DISPATCH_FULL rather than queue it when no"""
+    first_seq: _builtins.int
+    """instance has room now (a gateway trying the domains in turn)
+    seq of its first output token: a request resumed after its instance
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """real engines need them; the sim engine needs only the length"""
@@ -323,6 +343,13 @@ class SubmitRequest(_message.Message):
     def sampling(self) -> Global___Sampling: ...
     @_builtins.property
     def prefix_block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def avoid_instance_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """failed continues the origin's numbering (prompt = original prompt +
+        the tokens the origin already holds)
+        domain scheduler: instances not to use (where it failed before)
+        """
+
     def __init__(
         self,
         *,
@@ -336,10 +363,12 @@ class SubmitRequest(_message.Message):
         prefix_hash_block_tokens: _builtins.int = ...,
         model: _builtins.str = ...,
         only_if_room: _builtins.bool = ...,
+        first_seq: _builtins.int = ...,
+        avoid_instance_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "only_if_room", b"only_if_room", "origin", b"origin", "prefix_block_hashes", b"prefix_block_hashes", "prefix_hash_block_tokens", b"prefix_hash_block_tokens", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["avoid_instance_ids", b"avoid_instance_ids", "first_seq", b"first_seq", "model", b"model", "only_if_room", b"only_if_room", "origin", b"origin", "prefix_block_hashes", b"prefix_block_hashes", "prefix_hash_block_tokens", b"prefix_hash_block_tokens", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -351,18 +380,22 @@ class SubmitReply(_message.Message):
 
     ACCEPTED_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    INSTANCE_FAILED_FIELD_NUMBER: _builtins.int
     accepted: _builtins.bool
     reason: _builtins.str
     """why not (too large for this instance, duplicate id)"""
+    instance_failed: _builtins.bool
+    """refused because the instance's engine failed (try another instance)"""
     def __init__(
         self,
         *,
         accepted: _builtins.bool = ...,
         reason: _builtins.str = ...,
+        instance_failed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "instance_failed", b"instance_failed", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -520,6 +553,7 @@ class LoadReport(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     RECENT_STEP_S_FIELD_NUMBER: _builtins.int
     FINISHED_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     domain_id: _builtins.str
     total_blocks: _builtins.int
@@ -542,6 +576,10 @@ class LoadReport(_message.Message):
     """grows with every change"""
     recent_step_s: _builtins.float
     """duration of the most recent engine step, seconds (0 = none yet)"""
+    failure: _builtins.str
+    """the stream's previous report (remaining-output estimates)
+    why its engine failed ("" = healthy): route nothing to it
+    """
     @_builtins.property
     def running(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunningRequest]: ...
     @_builtins.property
@@ -569,10 +607,11 @@ class LoadReport(_message.Message):
         version: _builtins.int = ...,
         recent_step_s: _builtins.float = ...,
         finished_output_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        failure: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "domain_id", b"domain_id", "finished_output_tokens", b"finished_output_tokens", "head_demand_blocks", b"head_demand_blocks", "instance_id", b"instance_id", "num_migrations_out", b"num_migrations_out", "num_requests", b"num_requests", "num_reservations", b"num_reservations", "num_suspended", b"num_suspended", "num_waiting", b"num_waiting", "preempting", b"preempting", "queued_demand_blocks", b"queued_demand_blocks", "recent_step_s", b"recent_step_s", "reserved_blocks", b"reserved_blocks", "running", b"running", "total_blocks", b"total_blocks", "used_blocks", b"used_blocks", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "domain_id", b"domain_id", "failure", b"failure", "finished_output_tokens", b"finished_output_tokens", "head_demand_blocks", b"head_demand_blocks", "instance_id", b"instance_id", "num_migrations_out", b"num_migrations_out", "num_requests", b"num_requests", "num_reservations", b"num_reservations", "num_suspended", b"num_suspended", "num_waiting", b"num_waiting", "preempting", b"preempting", "queued_demand_blocks", b"queued_demand_blocks", "recent_step_s", b"recent_step_s", "reserved_blocks", b"reserved_blocks", "running", b"running", "total_blocks", b"total_blocks", "used_blocks", b"used_blocks", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

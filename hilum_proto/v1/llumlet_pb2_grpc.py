@@ -149,14 +149,15 @@ class LlumletServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Commit(self, request, context):
-        """Adopt the suspended request with its state and resume it here.
+        """Adopt the suspended request with its state and resume it here. Idempotent per (request_id, attempt).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Give the reservation back. Idempotent; a no-op for a stale or unknown attempt.
+        """Give the reservation back and end the attempt; answers whether it committed here (waiting for a Commit of
+        it in progress). Idempotent; a no-op for a stale or unknown attempt.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

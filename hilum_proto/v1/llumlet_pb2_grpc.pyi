@@ -11,6 +11,16 @@ the destination llumlet with Reserve -> WriteBlocks* (pre-copy stages, then the 
 request is suspended) -> Commit, or Release on any failure. Every destination message carries
 (request_id, attempt); the reservation id is "<request_id>@<attempt>"; a message of an attempt older than
 the newest the destination has seen for that request is answered DEST_STALE and changes nothing.
+
+Each attempt ends exactly once at the destination: Commit runs to its end whatever happens to the call and
+is idempotent (a repeated Commit of the attempt returns the first one's outcome, waiting for it); Release
+waits for a Commit of the attempt in progress and answers whether it committed, and otherwise ends the
+attempt (a later Commit of it is refused). A source whose Commit failed asks again; if the destination
+cannot answer, the request's origin arbitrates (token_sink.proto): the source claims the next owner epoch
+there, and whichever of its claim and the destination's announcement the origin sees first owns the request.
+
+An instance whose engine failed says so in Ping and every LoadReport (`failure`), refuses new work and
+migrations, and ends each request it ran with a resumable error (TokenChunk.resumable).
 """
 
 from collections import abc as _abc
@@ -64,9 +74,11 @@ class LlumletStub:
     source's KV pool, which the destination opens and copies from itself).
     """
     Commit: _grpc.UnaryUnaryMultiCallable[_llumlet_pb2.CommitRequest, _llumlet_pb2.CommitReply]
-    """Adopt the suspended request with its state and resume it here."""
+    """Adopt the suspended request with its state and resume it here. Idempotent per (request_id, attempt)."""
     Release: _grpc.UnaryUnaryMultiCallable[_llumlet_pb2.ReleaseRequest, _llumlet_pb2.ReleaseReply]
-    """Give the reservation back. Idempotent; a no-op for a stale or unknown attempt."""
+    """Give the reservation back and end the attempt; answers whether it committed here (waiting for a Commit of
+    it in progress). Idempotent; a no-op for a stale or unknown attempt.
+    """
 
 @_typing.type_check_only
 class LlumletAsyncStub(LlumletStub):
@@ -94,9 +106,11 @@ class LlumletAsyncStub(LlumletStub):
     source's KV pool, which the destination opens and copies from itself).
     """
     Commit: _aio.UnaryUnaryMultiCallable[_llumlet_pb2.CommitRequest, _llumlet_pb2.CommitReply]  # type: ignore[assignment]
-    """Adopt the suspended request with its state and resume it here."""
+    """Adopt the suspended request with its state and resume it here. Idempotent per (request_id, attempt)."""
     Release: _aio.UnaryUnaryMultiCallable[_llumlet_pb2.ReleaseRequest, _llumlet_pb2.ReleaseReply]  # type: ignore[assignment]
-    """Give the reservation back. Idempotent; a no-op for a stale or unknown attempt."""
+    """Give the reservation back and end the attempt; answers whether it committed here (waiting for a Commit of
+    it in progress). Idempotent; a no-op for a stale or unknown attempt.
+    """
 
 class LlumletServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -175,7 +189,7 @@ class LlumletServicer(metaclass=_abc_1.ABCMeta):
         request: _llumlet_pb2.CommitRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_llumlet_pb2.CommitReply, _abc.Awaitable[_llumlet_pb2.CommitReply]]:
-        """Adopt the suspended request with its state and resume it here."""
+        """Adopt the suspended request with its state and resume it here. Idempotent per (request_id, attempt)."""
 
     @_abc_1.abstractmethod
     def Release(
@@ -183,6 +197,8 @@ class LlumletServicer(metaclass=_abc_1.ABCMeta):
         request: _llumlet_pb2.ReleaseRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_llumlet_pb2.ReleaseReply, _abc.Awaitable[_llumlet_pb2.ReleaseReply]]:
-        """Give the reservation back. Idempotent; a no-op for a stale or unknown attempt."""
+        """Give the reservation back and end the attempt; answers whether it committed here (waiting for a Commit of
+        it in progress). Idempotent; a no-op for a stale or unknown attempt.
+        """
 
 def add_LlumletServicer_to_server(servicer: LlumletServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19hilum/v1/token_sink.proto\x12\x08hilum.v1\"\xec\x01\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tfirst_seq\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x1a\n\x12sender_instance_id\x18\x08 \x01(\t\x12\x16\n\x0esender_address\x18\t \x01(\t\x12)\n\x08logprobs\x18\n \x03(\x0b\x32\x17.hilum.v1.TokenLogprobs\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x01\"U\n\x08TokenAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08next_seq\x18\x02 \x01(\x04\x12\x0f\n\x07unknown\x18\x03 \x01(\x08\x12\x12\n\nsuperseded\x18\x04 \x01(\x08\x32\x43\n\tTokenSink\x12\x36\n\nPushTokens\x12\x14.hilum.v1.TokenChunk\x1a\x12.hilum.v1.TokenAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19hilum/v1/token_sink.proto\x12\x08hilum.v1\"\xff\x01\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tfirst_seq\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x1a\n\x12sender_instance_id\x18\x08 \x01(\t\x12\x16\n\x0esender_address\x18\t \x01(\t\x12)\n\x08logprobs\x18\n \x03(\x0b\x32\x17.hilum.v1.TokenLogprobs\x12\x11\n\tresumable\x18\x0b \x01(\x08\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x01\"U\n\x08TokenAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08next_seq\x18\x02 \x01(\x04\x12\x0f\n\x07unknown\x18\x03 \x01(\x08\x12\x12\n\nsuperseded\x18\x04 \x01(\x08\x32\x43\n\tTokenSink\x12\x36\n\nPushTokens\x12\x14.hilum.v1.TokenChunk\x1a\x12.hilum.v1.TokenAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,11 +32,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hilum_proto.v1.token_sink_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TOKENCHUNK']._serialized_start=40
-  _globals['_TOKENCHUNK']._serialized_end=276
-  _globals['_TOKENLOGPROBS']._serialized_start=278
-  _globals['_TOKENLOGPROBS']._serialized_end=355
-  _globals['_TOKENACK']._serialized_start=357
-  _globals['_TOKENACK']._serialized_end=442
-  _globals['_TOKENSINK']._serialized_start=444
-  _globals['_TOKENSINK']._serialized_end=511
+  _globals['_TOKENCHUNK']._serialized_end=295
+  _globals['_TOKENLOGPROBS']._serialized_start=297
+  _globals['_TOKENLOGPROBS']._serialized_end=374
+  _globals['_TOKENACK']._serialized_start=376
+  _globals['_TOKENACK']._serialized_end=461
+  _globals['_TOKENSINK']._serialized_start=463
+  _globals['_TOKENSINK']._serialized_end=530
 # @@protoc_insertion_point(module_scope)

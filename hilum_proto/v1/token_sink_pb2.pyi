@@ -8,6 +8,11 @@ drop duplicates and reorder: each stream is assembled exactly once, in order, ac
 push also names its sender and the owner epoch (0 on the instance the request was submitted to, +1 per
 committed migration); the sink keeps the highest epoch's sender as the request's owner and answers
 pushes of an older epoch with `superseded`.
+
+The sink is also the arbiter of a migration whose commit outcome its source could not learn: the first
+sender of an epoch holds it, and a later push of the same epoch from another sender is `superseded`. The
+destination announces epoch e+1 (an empty push) before it answers Commit; a source that cannot learn the
+outcome claims e+1 itself: whichever the sink sees first owns the request, the other drops it.
 """
 
 from collections import abc as _abc
@@ -39,6 +44,7 @@ class TokenChunk(_message.Message):
     SENDER_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     SENDER_ADDRESS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    RESUMABLE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_seq: _builtins.int
     """seq of token_ids[0] in the output, from 0"""
@@ -53,6 +59,8 @@ class TokenChunk(_message.Message):
     sender_instance_id: _builtins.str
     sender_address: _builtins.str
     """host:port of the sender's Llumlet service"""
+    resumable: _builtins.bool
+    """finished with an error of the instance (its engine failed), not of"""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """may be empty (a final or an ownership-only push)"""
@@ -74,10 +82,11 @@ class TokenChunk(_message.Message):
         sender_instance_id: _builtins.str = ...,
         sender_address: _builtins.str = ...,
         logprobs: _abc.Iterable[Global___TokenLogprobs] | None = ...,
+        resumable: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "error", b"error", "finish_reason", b"finish_reason", "finished", b"finished", "first_seq", b"first_seq", "logprobs", b"logprobs", "request_id", b"request_id", "sender_address", b"sender_address", "sender_instance_id", b"sender_instance_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "error", b"error", "finish_reason", b"finish_reason", "finished", b"finished", "first_seq", b"first_seq", "logprobs", b"logprobs", "request_id", b"request_id", "resumable", b"resumable", "sender_address", b"sender_address", "sender_instance_id", b"sender_instance_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

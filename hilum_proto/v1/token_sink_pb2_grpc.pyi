@@ -8,6 +8,11 @@ drop duplicates and reorder: each stream is assembled exactly once, in order, ac
 push also names its sender and the owner epoch (0 on the instance the request was submitted to, +1 per
 committed migration); the sink keeps the highest epoch's sender as the request's owner and answers
 pushes of an older epoch with `superseded`.
+
+The sink is also the arbiter of a migration whose commit outcome its source could not learn: the first
+sender of an epoch holds it, and a later push of the same epoch from another sender is `superseded`. The
+destination announces epoch e+1 (an empty push) before it answers Commit; a source that cannot learn the
+outcome claims e+1 itself: whichever the sink sees first owns the request, the other drops it.
 """
 
 from collections import abc as _abc

@@ -307,18 +307,21 @@ def instance_load_of(
     an engine's counts are consistent by construction (a report from outside is checked where it is
     decoded, ``rack_sched.convert``).
     """
-    from policy.types import trusted_instance_load, trusted_request_load
+    from policy.types import priority_counts_of, trusted_instance_load, trusted_request_load
 
+    requests = tuple(
+        [
+            trusted_request_load(rid, blocks, prio, tokens, in_decode and not why, out, max_tokens, max_blocks)
+            for rid, blocks, prio, tokens, in_decode, out, max_tokens, max_blocks, why in running
+        ]
+    )
     return trusted_instance_load(
         instance_id=instance_id,
         capacity_blocks=total_blocks,
         used_blocks=used_blocks + reserved_blocks,
-        running=tuple(
-            [
-                trusted_request_load(rid, blocks, prio, tokens, in_decode and not why, out, max_tokens, max_blocks)
-                for rid, blocks, prio, tokens, in_decode, out, max_tokens, max_blocks, why in running
-            ]
-        ),
+        running=requests,
+        num_running=len(requests),
+        priority_counts=priority_counts_of(r.priority for r in requests),
         num_waiting=num_waiting,
         head_demand_blocks=head_demand_blocks,
         queued_demand_blocks=queued_demand_blocks,

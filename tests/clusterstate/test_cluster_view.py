@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
 from etcd_server import EtcdServer
 
 from clusterstate.etcd import Etcd3Client, connect, kv_of, lease_of, prefix_range_end
@@ -103,5 +104,28 @@ def test_view_converges_after_compaction_and_etcd_restart(etcd_private: EtcdServ
         await asyncio.gather(task, return_exceptions=True)
         await writer.close()
         await reader.close()
+
+    asyncio.run(main())
+
+
+def test_list_at_holds_the_contents_of_a_past_revision(etcd: EtcdServer, prefix: str) -> None:
+    async def main() -> None:
+        client = connect([etcd.endpoint])
+        await client.connect()
+        kv = kv_of(client)
+        await kv.put(f"{prefix}domains/d0", b'{"domain_id": "d0", "address": "h:1"}')
+        then = int((await kv.put(f"{prefix}instances/i0", b"{}")).header.revision)
+        await kv.put(f"{prefix}domains/d1", b'{"domain_id": "d1", "address": "h:2"}')
+        await kv.delete(f"{prefix}instances/i0")
+        view = ClusterView(client, Keys(prefix), rng=random.Random(0))
+        await view.list_at(then)
+        assert view.revision == then and sorted(view.snapshot()) == [f"{prefix}domains/d0", f"{prefix}instances/i0"]
+        assert {d: r.address for d, r in view.domains().items()} == {"d0": "h:1"}
+        now = int((await kv.get(f"{prefix}x")).header.revision)
+        await view.list_at(now)
+        assert sorted(view.snapshot()) == [f"{prefix}domains/d0", f"{prefix}domains/d1"]
+        with pytest.raises(ValueError, match="revision must be >= 1, got 0"):
+            await view.list_at(0)
+        await client.close()
 
     asyncio.run(main())

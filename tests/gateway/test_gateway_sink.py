@@ -31,14 +31,16 @@ class Observer:
         self.migrations.append((src, dst, gap_s))
 
 
-def chunk(first: int, ids: list[int], epoch: int, sender: str, finished: bool = False) -> pb.TokenChunk:
+def chunk(
+    first: int, ids: list[int], epoch: int, sender: str, finished: bool = False, address: str = ""
+) -> pb.TokenChunk:
     return pb.TokenChunk(
         request_id="r",
         first_seq=first,
         token_ids=ids,
         epoch=epoch,
         sender_instance_id=sender,
-        sender_address="",
+        sender_address=address,
         finished=finished,
         finish_reason="length" if finished else "",
     )
@@ -97,5 +99,35 @@ def test_a_request_never_opened_is_unknown_and_a_closed_one_too() -> None:
         assert not sink._push(chunk(0, [1], 0, "a0")).unknown
         sink.close("r")
         assert sink._push(chunk(1, [2], 0, "a0")).unknown
+
+    asyncio.run(main())
+
+
+def test_the_first_sender_of_an_epoch_owns_the_request() -> None:
+    """A source that could not learn whether its commit happened claims the next epoch; the sink takes the first
+    of that claim and the destination's announcement and supersedes the other. A claim by the owner itself is
+    no migration."""
+    clock, obs = Clock(), Observer()
+
+    async def main() -> None:
+        sink = GatewaySink(observer=obs, clock=clock)
+        sink.open("r")
+        sink.dispatched("r", "a0", "")
+        assert not sink._push(chunk(0, [10, 11], 0, "a0", address="a:1")).superseded
+        assert not sink._push(chunk(2, [], 1, "a0", address="a:1")).superseded  # a0 claims epoch 1 first
+        late = sink._push(chunk(2, [], 1, "b0", address="b:1"))  # b0's announcement of epoch 1 comes second
+        assert late.superseded
+        assert not sink._push(chunk(2, [12], 1, "a0", address="a:1", finished=True)).superseded
+        got = sink.get("r")
+        assert got.token_ids == (10, 11, 12) and got.done and got.owner_address == "a:1" and got.epoch == 1
+        assert obs.migrations == []  # the owner stayed a0
+
+        sink.open("q")  # the other order: the destination's announcement wins, the source's claim is refused
+        for msg in (chunk(0, [10], 0, "a0", address="a:1"), chunk(1, [], 1, "b0", address="b:1")):
+            msg.request_id = "q"
+            assert not sink._push(msg).superseded
+        claim = chunk(1, [], 1, "a0", address="a:1")
+        claim.request_id = "q"
+        assert sink._push(claim).superseded and sink.get("q").owner_address == "b:1"
 
     asyncio.run(main())

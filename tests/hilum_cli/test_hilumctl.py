@@ -473,9 +473,9 @@ def test_requests_of_one_domain_both_forms(cluster: Cluster, capsys: pytest.Capt
                      "ready": True, "draining": False, "migrations_in_flight": 1, "error": None}],
         "instances": [
             {"instance_id": "node-0-i0", "domain_id": "node-0", "address": "127.0.0.1:9200", "connected": True,
-             "draining": False, "num_running": 2, "num_waiting": 1},
+             "failure": "", "draining": False, "num_running": 2, "num_waiting": 1},
             {"instance_id": "node-0-i1", "domain_id": "node-0", "address": "127.0.0.1:9201", "connected": True,
-             "draining": True, "num_running": 1, "num_waiting": 0},
+             "failure": "", "draining": True, "num_running": 1, "num_waiting": 0},
         ],
         "requests": [
             {"request_id": "req-a", "domain_id": "node-0", "instance_id": "node-0-i0"},

@@ -75,7 +75,7 @@ def test_an_unreachable_etcd_is_one_line_at_once_and_nothing_is_left(
 def test_two_coordinators_get_ports_after_the_base() -> None:
     plan = plan_ports(_topology(), "127.0.0.1", 0, 0, 17070, etcd_embedded=True, coordinators=2)  # type: ignore[arg-type]
     assert plan.coordinators == {"coord-0": 17070, "coord-1": 17071}
-    assert (plan.domains["dom-a"], plan.instances["a0"], plan.sink) == (17072, 17074, 17078)
+    assert (plan.domains["dom-a"], plan.instances["a0"], plan.sinks["gateway"]) == (17072, 17074, 17078)
 
 
 def test_a_bad_configuration_file_is_refused_before_anything_starts(tmp_path: Path) -> None:

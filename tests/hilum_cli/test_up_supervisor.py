@@ -1,6 +1,7 @@
 """``hilum up`` as a supervisor (a real process, ``--engine sim``, two coordinators): a child killed with
 SIGKILL is restarted on its ports and counted, the streams of a crashed llumlet end with an error event
-(not a hang), a killed leader is followed by a leader again, a killed domain scheduler serves again at once.
+(not a hang; resuming is off here: ``resume.max_replays: 0``, test_up_resume.py has it on), a killed leader is
+followed by a leader again, a killed domain scheduler serves again at once.
 """
 
 from __future__ import annotations
@@ -26,13 +27,18 @@ from llumlet.client import LlumletClient
 pytestmark = pytest.mark.slow
 
 MODEL = "llama-2-7b"
-CONFIG = Path(__file__).resolve().parents[2] / "examples" / "hilum.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hilum.yaml"
+# the example configuration with resuming off: a crashed llumlet's streams end with an error event
+CONFIG_TEXT = EXAMPLE.read_text().replace("  max_replays: 3 ", "  max_replays: 0 ")
 
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    extra = ["--coordinators", "2", "--config", str(CONFIG)]
-    cluster = start_up(tmp_path_factory.mktemp("up-supervisor"), "sim", extra)
+    run_dir = tmp_path_factory.mktemp("up-supervisor")
+    config = run_dir / "resume-off.yaml"
+    config.write_text(CONFIG_TEXT)
+    extra = ["--coordinators", "2", "--config", str(config)]
+    cluster = start_up(run_dir, "sim", extra)
     try:
         yield cluster
     finally:
@@ -64,7 +70,7 @@ def test_the_run_dir_holds_the_topology_and_configuration_it_serves(up: UpProces
     assert info["topology_file"] == str(up.run_dir / "topology.yaml")
     assert (up.run_dir / "topology.yaml").read_text() == TOPOLOGY  # the --topology file, copied
     assert info["config_file"] == str(up.run_dir / "hilum.yaml")
-    assert (up.run_dir / "hilum.yaml").read_text() == CONFIG.read_text()
+    assert (up.run_dir / "hilum.yaml").read_text() == CONFIG_TEXT != EXAMPLE.read_text()
     for name, process in info["processes"].items():  # every hilum process reads both
         if name != "etcd":
             argv = Path(f"/proc/{process['pid']}/cmdline").read_bytes().split(b"\0")
@@ -89,7 +95,7 @@ def test_a_crashed_llumlet_is_restarted_and_its_streams_end_with_an_error(up: Up
             assert "error" in events[-1], events[-1]
             message = events[-1]["error"]["message"]
             assert f"at {up.info['llumlets'][instance]} stopped (UNAVAILABLE" in message, message
-            assert message.endswith(f"request {first['hilum']['request_id']} lost")
+            assert f"request {first['hilum']['request_id']} lost; not resumed: resuming is off" in message
             assert took < 30
             err = await asyncio.to_thread(up.wait_stderr, f"{name} serves again", 60)
             assert (

@@ -28,7 +28,8 @@ def test_the_example_file_holds_exactly_the_defaults() -> None:
 def test_every_key_is_documented_with_its_default() -> None:
     doc = DOC.read_text()
     cfg = HilumConfig()
-    sections = [(s, getattr(cfg, s)) for s in ("policy", "remaining", "domain", "cost", "approval", "intervals")]
+    names = ("policy", "remaining", "domain", "cost", "approval", "intervals", "resume")
+    sections = [(s, getattr(cfg, s)) for s in names]
     sections += [("autoscale", cfg.autoscale), ("autoscale", cfg.actuator)]  # one section, two dataclasses
     for section, value in sections:
         for f in dataclasses.fields(value):
@@ -49,7 +50,8 @@ def test_errors_name_the_file_and_the_key_all_at_once(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(bad)
     assert err.value.errors == [
-        f"{bad}: extras: unknown section (known: policy, remaining, domain, cost, approval, intervals, autoscale)",
+        f"{bad}: extras: unknown section (known: policy, remaining, domain, cost, approval, intervals, resume, "
+        "autoscale)",
         f"{bad}: policy.no_such_key: Extra inputs are not permitted",
         f"{bad}: cost.cap_fraction: Input should be a valid number",
         f"{bad}: approval: downtime_budget_s must be > 0, got -1.0",

@@ -225,7 +225,7 @@ def test_a_reservation_never_committed_expires() -> None:
         load = await c.b.client.get_load()
         assert (load.reserved_blocks, load.num_reservations) == (0, 0)
         commit = await c.b.client.stub.Commit(pb.CommitRequest(request_id="ghost", attempt=1, origin="x:1"))
-        assert commit.status == pb.DEST_REFUSED and "expired or released" in commit.reason
+        assert commit.status == pb.DEST_REFUSED and "reservation expired" in commit.reason
 
     run(body)
 

@@ -49,6 +49,7 @@ class FakeLlumlet(pb_grpc.LlumletServicer):
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     fail_watch: bool = False  # WatchLoad fails at once (its load stream is down; Submit still works)
     fail_submits: int = 0  # the next this many Submits fail with UNAVAILABLE
+    failure: str = ""  # its engine failed: said in reports and Ping, Submits refused
     pings: int = 0
 
     async def start(self) -> FakeLlumlet:
@@ -89,16 +90,21 @@ class FakeLlumlet(pb_grpc.LlumletServicer):
             ],
             num_requests=len(self.running),
             version=self.version,
+            failure=self.failure,
         )
 
     async def Ping(self, request: pb.LlumletPingRequest, context: Any) -> pb.LlumletPingReply:
         self.pings += 1
-        return pb.LlumletPingReply(instance_id=self.instance_id, domain_id=self.domain_id, engine="fake")
+        return pb.LlumletPingReply(
+            instance_id=self.instance_id, domain_id=self.domain_id, engine="fake", failure=self.failure
+        )
 
     async def Submit(self, request: pb.SubmitRequest, context: Any) -> pb.SubmitReply:
         if self.fail_submits > 0:
             self.fail_submits -= 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "blip (test)")
+        if self.failure:
+            return pb.SubmitReply(accepted=False, reason=self.failure, instance_failed=True)
         prompt = len(request.prompt_token_ids) or request.prompt_tokens
         blocks = math.ceil((prompt + 1) / BLOCK)
         if request.request_id in self.running:

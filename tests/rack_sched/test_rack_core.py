@@ -168,3 +168,24 @@ def test_an_unanswered_instance_comes_back_with_an_answer_not_only_a_report() ->
     assert not c.answering("a")
     c.answered("a")  # a heartbeat got an answer; a is idle and sends no report
     assert c.answering("a") and c.dispatch(DomainRequest("r2", "m", 10, 5)).target_id == "a"
+
+
+def test_a_failed_instance_takes_nothing_and_is_in_no_move_or_summary_until_a_healthy_report() -> None:
+    c = core(a="m", b="m", f="m")
+    c.report("a", load("a", 100, 24, 24, 24, 24))  # F = 4 / 4 < 3: a source
+    c.report("b", load("b", 100, 60))
+    c.report("f", load("f", 1000))  # the freest by far
+    assert c.dispatch(DomainRequest("r0", "m", 10, 5)).target_id == "f"
+    c.engine_failed("f", "engine step raised RuntimeError: boom")
+    assert c.failure("f") == "engine step raised RuntimeError: boom" and not c.reachable("f")
+    assert {c.dispatch(DomainRequest(f"r{k}", "m", 10, 5)).target_id for k in range(1, 5)} == {"b"}
+    assert [(m.src_id, m.dst_id) for m in c.plan_rebalance(now_s=0.0)] == [("a", "b")]  # not to f
+    assert [s.capacity_blocks for s in c.summaries(1.0)] == [200]  # f's 1000 blocks are not offered
+    c.answered("f")  # answering a heartbeat does not make it healthy
+    assert c.dispatch(DomainRequest("r5", "m", 10, 5)).target_id != "f"
+    c.engine_failed("a", "x")
+    c.engine_failed("b", "y")
+    refused = c.dispatch(DomainRequest("r6", "m", 10, 5))
+    assert refused.target_id is None and refused.reason.startswith("every instance of m here failed (a: x; b: y; f:")
+    c.report("f", load("f", 1000))  # restarted: a healthy report
+    assert c.failure("f") == "" and c.dispatch(DomainRequest("r7", "m", 10, 5)).target_id == "f"

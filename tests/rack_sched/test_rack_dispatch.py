@@ -244,3 +244,35 @@ def test_an_idle_instance_excluded_by_one_failed_call_is_readmitted_by_a_heartbe
                 assert (again.outcome, again.instance_id) == (DispatchOutcome.ACCEPTED, "i0")
 
     asyncio.run(main())
+
+
+def test_a_failed_instance_is_routed_nothing_from_its_next_report_on(etcd: Any, prefix: str) -> None:
+    # issue 11: an instance whose engine loop died kept answering load queries and kept receiving work
+    async def main() -> None:
+        async with fakes("d", {"i0": 1000, "i1": 100}) as fs, etcd_client(etcd.endpoint) as client:
+            for f in fs.values():
+                await register(client, prefix, f)
+            async with scheduler(etcd.endpoint, prefix, "d") as sched:
+                assert (await sched.submit(*_submit("r0", 10))).instance_id == "i0"  # the freer one
+                # a Submit that races the failure's report: the llumlet refuses it as failed, the next instance
+                # takes it, and the instance is excluded from then on
+                fs["i0"].failure = "engine step raised RuntimeError: boom"
+                raced = await sched.submit(*_submit("r1", 10))
+                assert (raced.outcome, raced.instance_id) == (DispatchOutcome.ACCEPTED, "i1")
+                assert sched.core.failure("i0") == "engine step raised RuntimeError: boom"
+                fs["i0"].bump()  # the report the llumlet pushes when its engine fails
+                await eventually(lambda: fs["i0"].version == sched.state().instances[0].load_version, what="report")
+                results = [await sched.submit(*_submit(f"r{k}", 10)) for k in range(2, 5)]
+                assert {(r.outcome, r.instance_id) for r in results} == {(DispatchOutcome.ACCEPTED, "i1")}
+                assert fs["i0"].submits == ["r0"]
+                info = next(i for i in sched.state().instances if i.instance_id == "i0")
+                assert info.failure == "engine step raised RuntimeError: boom" and not info.connected
+                fs["i0"].failure = ""  # restarted: its next report is healthy
+                fs["i0"].bump()
+                await eventually(lambda: sched.core.failure("i0") == "", what="i0 healthy again")
+                assert (await sched.submit(*_submit("r5", 10))).instance_id == "i0"
+                request, msg = _submit("r6", 10)  # a request resumed after failing on i0 avoids it
+                msg.avoid_instance_ids.append("i0")
+                assert (await sched.submit(request, msg)).instance_id == "i1"
+
+    asyncio.run(main())

@@ -37,13 +37,8 @@ def test_cross_domain_move_only_when_paired_as_source() -> None:
     # Domain b: freest instance has 80 of 100 free -> stand-in V = 20; V_a0 - 20 = 78 > 40: "small" moves first.
     move = plan_cross_domain(mine, [_summary("b", 40.0, 80)], [a0], CFG, random.Random(0))
     assert move is not None
-    assert (move.src_instance_id, move.request_id, move.blocks, move.num_tokens, move.dst_domain_id) == (
-        "a0",
-        "small",
-        40,
-        630,
-        "b",
-    )
+    got = (move.src_instance_id, move.request_id, move.request.blocks, move.request.num_tokens, move.dst_domain_id)
+    assert got == ("a0", "small", 40, 630, "b")
     # b with only 30 free blocks: nothing of a0 fits there (both requests hold more).
     assert plan_cross_domain(mine, [_summary("b", 30.0, 30)], [a0], CFG, random.Random(0)) is None
     # b not free enough to be a destination (F 2 < 3): no pair, no move.

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import random
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -115,6 +115,7 @@ class _Cluster:
         self.queue = _Queue()
         self.instances = {s.instance_id: _Inst(s.instance_id, s.domain_id, s) for s in topo.instances}
         self.loads: dict[str, EngineLoad] = {}
+        self._version = 0
 
     def model_of(self, instance_id: str) -> Any:
         return self.topology.model_of(instance_id)
@@ -122,8 +123,18 @@ class _Cluster:
     def domain_ids(self) -> list[str]:
         return [d.domain_id for d in self.topology.domains]
 
-    def load(self, inst: _Inst) -> InstanceLoad:
-        return self.loads[inst.instance_id].to_instance_load(inst.instance_id, inst.domain_id, decode_step_s=STEP_S)
+    def load_version(self, inst: _Inst) -> int:
+        """A new version at every read: the scripted loads may change between any two refreshes."""
+        self._version += 1
+        return self._version
+
+    def load(self, inst: _Inst, *, brief: bool = False, version: int | None = None) -> InstanceLoad:
+        load = self.loads[inst.instance_id].to_instance_load(inst.instance_id, inst.domain_id, decode_step_s=STEP_S)
+        if not brief:
+            return load
+        return replace(
+            load, running=(), brief=True, num_running=len(load.running), priority_counts=load.priority_counts
+        )
 
     def take_finished(self, instance_id: str) -> list[int]:
         return []

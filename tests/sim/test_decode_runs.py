@@ -150,3 +150,37 @@ def test_the_reference_is_the_step_by_step_engine(monkeypatch: pytest.MonkeyPatc
         counts[decode_runs] = events[0]
     assert counts[False] > run.engine_steps  # at least one event per step
     assert counts[True] < counts[False] / 3  # runs of decode steps: several times fewer events
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dataclasses.replace(AZURE, policy="hilum", options={"priority_fraction": 0.2}),
+        dataclasses.replace(AZURE, options={"drain": ("node-0-i3@10",)}),
+        dataclasses.replace(AZURE, policy="least-loaded"),
+    ],
+    ids=["hilum-priorities", "llumnix-drain", "least-loaded"],
+)
+def test_brief_load_reports_decide_as_detailed_ones(spec: SimSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The domain cores fed brief reports (the batch as counts; detailed only where a rule picks a request)
+    make every decision they make on detailed reports: the runs are equal record for record."""
+    import sim.schedulers
+
+    briefs = [0]
+    load = Cluster.load
+
+    def counting(self: Cluster, inst: Any, **kwargs: Any) -> Any:
+        got = load(self, inst, **kwargs)
+        briefs[0] += not got.detailed
+        return got
+
+    monkeypatch.setattr(Cluster, "load", counting)
+    fast = run_simulation(spec)
+    assert briefs[0] > 1000  # the cores did run on brief reports of busy instances
+    monkeypatch.setattr(sim.schedulers._Feed, "brief", False)
+    briefs[0] = 0
+    ref = run_simulation(spec)
+    assert briefs[0] == 0
+    assert_same(fast, ref)
+    s = summarize(fast)
+    assert s.migrations_intra_domain + s.migrations_cross_domain > 0 or spec.policy == "least-loaded"
