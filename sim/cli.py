@@ -13,7 +13,7 @@ import json
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
@@ -23,6 +23,12 @@ from hilum_config import load_config
 
 from .runner import DEFAULTS, SimSpec, check_autoscale
 from .schedulers import POLICY_NAMES
+
+if TYPE_CHECKING:
+    from topology.spec import Topology
+
+    from .results import PolicySummary
+    from .traces import Trace
 
 
 def register(sub: Any) -> None:
@@ -155,34 +161,15 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run every requested policy on the same topology and trace; print and save the comparison."""
-    from topology.load import TopologyError, load_topology
-
     from .report import LATENCY_COLUMNS, MIGRATION_COLUMNS, render_table
     from .results import summarize, write_results
-    from .runner import check_options, run_simulation
-    from .traces import load_trace
+    from .runner import run_simulation
 
     err = Console(stderr=True, soft_wrap=True)
-    try:
-        specs = _specs(args)
-        topology = load_topology(args.topology)
-        check_options(topology, specs[0].parsed_options())
-        out = _output_dir(args.out)
-        trace = load_trace(
-            args.trace,
-            rate_scale=args.rate_scale,
-            max_requests=args.max_requests,
-            seed=args.seed,
-            arrival=args.arrival,
-            rate_per_s=args.rate,
-            arrival_cv=args.arrival_cv,
-        )
-    except TopologyError as exc:
-        err.print("[red]hilum sim: invalid topology[/red]\n" + "\n".join(exc.errors), highlight=False)
-        return 2
-    except (ValueError, OSError) as exc:
-        err.print(f"[red]hilum sim:[/red] {exc}", highlight=False)
-        return 2
+    loaded = _load(args, err, "hilum sim")
+    if isinstance(loaded, int):
+        return loaded
+    specs, topology, trace, out = loaded
     runs = []
     with Progress(
         TextColumn("{task.description}"),
@@ -236,49 +223,34 @@ def run_size_cli(args: argparse.Namespace) -> int:
     from rich import box
     from rich.table import Table
 
-    from topology.load import TopologyError, load_topology
-
     from .results import summarize, summary_to_dict
-    from .runner import check_options, run_simulation, served_model
+    from .runner import run_simulation, served_model
     from .sizing import size_fleet
-    from .traces import load_trace
 
     err = Console(stderr=True, soft_wrap=True)
-    try:
-        if not args.target_p99_ttft_ms > 0:
-            raise ValueError(f"--target-p99-ttft-ms must be > 0, got {args.target_p99_ttft_ms:g}")
-        if args.autoscale:
-            raise ValueError("--autoscale cannot be combined with sim size: it sizes static fleets")
-        if args.initial_instances is not None:
-            raise ValueError("--initial-instances cannot be combined with sim size: it chooses the sizes itself")
-        if args.scale_out:
-            raise ValueError("--scale-out cannot be combined with sim size: it sizes static fleets")
-        specs = _specs(args)
-        topology = load_topology(args.topology)
-        check_options(topology, specs[0].parsed_options())
-        out = _output_dir(args.out)
-        trace = load_trace(
-            args.trace,
-            rate_scale=args.rate_scale,
-            max_requests=args.max_requests,
-            seed=args.seed,
-            arrival=args.arrival,
-            rate_per_s=args.rate,
-            arrival_cv=args.arrival_cv,
-        )
-    except TopologyError as exc:
-        err.print("[red]hilum sim size: invalid topology[/red]\n" + "\n".join(exc.errors), highlight=False)
+    refused = None
+    if not args.target_p99_ttft_ms > 0:
+        refused = f"--target-p99-ttft-ms must be > 0, got {args.target_p99_ttft_ms:g}"
+    elif args.autoscale:
+        refused = "--autoscale cannot be combined with sim size: it sizes static fleets"
+    elif args.initial_instances is not None:
+        refused = "--initial-instances cannot be combined with sim size: it chooses the sizes itself"
+    elif args.scale_out:
+        refused = "--scale-out cannot be combined with sim size: it sizes static fleets"
+    if refused is not None:
+        err.print(f"[red]hilum sim size:[/red] {refused}", highlight=False)
         return 2
-    except (ValueError, OSError) as exc:
-        err.print(f"[red]hilum sim size:[/red] {exc}", highlight=False)
-        return 2
+    loaded = _load(args, err, "hilum sim size")
+    if isinstance(loaded, int):
+        return loaded
+    specs, topology, trace, out = loaded
     model = served_model(topology, specs[0].parsed_options().model)
     pool_size = sum(1 for i in topology.instances if i.model == model)
     target_s = args.target_p99_ttft_ms / 1e3
     sizings = []
     for spec in specs:
 
-        def simulate(n: int, spec: SimSpec = spec) -> Any:
+        def simulate(n: int, spec: SimSpec = spec) -> PolicySummary:
             sized = replace(spec, options={**spec.options, "initial_instances": n})
             summary = summarize(run_simulation(sized, trace=trace, topology=topology))
             p99 = "-" if summary.ttft_p99_s is None else f"{summary.ttft_p99_s * 1e3:.0f} ms"
@@ -323,6 +295,39 @@ def run_size_cli(args: argparse.Namespace) -> int:
         path.write_text(json.dumps({"target_p99_ttft_ms": args.target_p99_ttft_ms, "rows": rows}, indent=1))
         err.print(f"sizing: {path}", highlight=False)
     return 0
+
+
+def _load(
+    args: argparse.Namespace, err: Console, command: str
+) -> tuple[list[SimSpec], Topology, Trace, Path | None] | int:
+    """The runs' specs, the topology, the trace and the output folder of ``args``; or, after printing why on
+    ``err``, exit status 2 (bad options, topology, trace, configuration or output folder)."""
+    from topology.load import TopologyError, load_topology
+
+    from .runner import check_options
+    from .traces import load_trace
+
+    try:
+        specs = _specs(args)
+        topology = load_topology(args.topology)
+        check_options(topology, specs[0].parsed_options())
+        out = _output_dir(args.out)
+        trace = load_trace(
+            args.trace,
+            rate_scale=args.rate_scale,
+            max_requests=args.max_requests,
+            seed=args.seed,
+            arrival=args.arrival,
+            rate_per_s=args.rate,
+            arrival_cv=args.arrival_cv,
+        )
+    except TopologyError as exc:
+        err.print(f"[red]{command}: invalid topology[/red]\n" + "\n".join(exc.errors), highlight=False)
+        return 2
+    except (ValueError, OSError) as exc:
+        err.print(f"[red]{command}:[/red] {exc}", highlight=False)
+        return 2
+    return specs, topology, trace, out
 
 
 def _output_dir(out: str | None) -> Path | None:
