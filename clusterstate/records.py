@@ -140,6 +140,11 @@ class MigrationRecord:
     expected_transfer_s: float = 0.0
     expected_downtime_s: float = 0.0
     reason: str = ""
+    # what the carried-out move measured (written with its outcome by the domain scheduler; the coordinator
+    # prices later moves on the path with it: topology.bandwidth)
+    transport: str = ""  # how the bytes went (MigrateOutReply.transport); "" = not carried out / not known
+    measured_bandwidth_bytes_per_s: float = 0.0  # pre-copy rate achieved (MigrateOutReply); 0 = none measured
+    measured_at_s: float = 0.0  # wall-clock seconds of the measurement (the domain scheduler's clock)
 
     @staticmethod
     def make_id(request_id: str, attempt: int) -> str:

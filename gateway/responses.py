@@ -13,7 +13,9 @@
   token's text (U+FFFD for a token that is part of a multi-byte character).
 
 Token texts come from ``Tokenizer.token_text`` (each token alone, special tokens kept). The log
-probabilities are the model's raw distribution (``llumlet.engine.types.TokenLogprobs``).
+probabilities are the model's raw distribution (``llumlet.engine.types.TokenLogprobs``); a token the engine
+gives no probability at all (log -inf, e.g. one a guided-decoding grammar excludes) is written as
+:data:`MIN_LOGPROB`, as vLLM's server writes it (JSON has no infinity).
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ from typing import Any
 from gateway.tokenizer import Tokenizer
 from llumlet.engine.types import TokenLogprobs
 
-__all__ = ["CompletionLogprobs", "chat_logprobs", "error_body", "usage"]
+__all__ = ["MIN_LOGPROB", "CompletionLogprobs", "chat_logprobs", "error_body", "usage"]
+
+#: The smallest log probability written (vLLM's OpenAI server clamps to it too).
+MIN_LOGPROB = -9999.0
+
+
+def _clamped(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
 
 
 def error_body(message: str, *, kind: str = "invalid_request_error", param: str | None = None, code: str = "") -> Any:
@@ -55,8 +64,8 @@ class CompletionLogprobs:
         for token, entry in zip(token_ids, logprobs, strict=True):
             text = self.tokenizer.token_text(token)
             out["tokens"].append(text)
-            out["token_logprobs"].append(entry.logprob)
-            out["top_logprobs"].append({self.tokenizer.token_text(t): lp for t, lp in entry.top})
+            out["token_logprobs"].append(_clamped(entry.logprob))
+            out["top_logprobs"].append({self.tokenizer.token_text(t): _clamped(lp) for t, lp in entry.top})
             out["text_offset"].append(self.offset)
             self.offset += len(text)
         return out
@@ -64,7 +73,7 @@ class CompletionLogprobs:
 
 def _entry(tokenizer: Tokenizer, token: int, logprob: float) -> dict[str, Any]:
     text = tokenizer.token_text(token)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": _clamped(logprob), "bytes": list(text.encode("utf-8"))}
 
 
 def chat_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 The global coordinator and the simulator both call :func:`judge_move`; it never does I/O. A move
 between two NVLink domains is approved only when (DESIGN.md, "Cost model"):
 
-1. the pre-copy converges on the path at the rate the move would get (cost model, ``plan.converges``);
+1. the pre-copy converges on the path at the rate the move would get (cost model, ``plan.converges``): the
+   topology's bandwidth under the migration cap and the flows already on the path, or what moves on that path
+   and transport were measured to achieve when that is lower (``topology.bandwidth``);
 2. its expected downtime fits the TBT budget (``downtime_budget_s``, by default half of a 50 ms TBT SLO);
 3. the link budget has room: no link on the path would carry more than ``max_flows_per_link``
    concurrent migrations (so the migration cap is never exceeded by piling flows on a shared link);
@@ -81,21 +83,26 @@ def judge_move(
         raise ValueError(f"decode_step_s must be > 0, got {decode_step_s}")
     if busiest_link_flows >= cfg.max_flows_per_link:
         return Verdict(False, f"link budget full: {busiest_link_flows} migrations on the busiest link")
+    rate = f"{plan.effective_bandwidth_bytes_per_s / 1e6:.1f} MB/s ({plan.bandwidth_source})"
     if not plan.converges:
-        return Verdict(False, "pre-copy does not converge: KV grows faster than the path carries it")
+        return Verdict(False, f"pre-copy does not converge: KV grows faster than the path carries it at {rate}")
     if plan.downtime_s > cfg.downtime_budget_s:
         return Verdict(
             False,
-            f"downtime {plan.downtime_s * 1e3:.1f} ms exceeds the budget of {cfg.downtime_budget_s * 1e3:.1f} ms",
+            f"downtime {plan.downtime_s * 1e3:.1f} ms exceeds the budget of {cfg.downtime_budget_s * 1e3:.1f} ms "
+            f"at {rate}",
         )
     remaining_s = remaining_tokens * decode_step_s
     if remaining_s < cfg.min_benefit_ratio * plan.transfer_s:
         return Verdict(
             False,
             f"not worth it: {remaining_s:.3f} s of decoding left < {cfg.min_benefit_ratio:g} x "
-            f"{plan.transfer_s:.3f} s of transfer",
+            f"{plan.transfer_s:.3f} s of transfer at {rate}",
         )
-    return Verdict(True, f"approved: {plan.transfer_s * 1e3:.1f} ms transfer, {plan.downtime_s * 1e3:.2f} ms downtime")
+    return Verdict(
+        True,
+        f"approved: {plan.transfer_s * 1e3:.1f} ms transfer, {plan.downtime_s * 1e3:.2f} ms downtime at {rate}",
+    )
 
 
 def price_and_judge(
@@ -108,6 +115,7 @@ def price_and_judge(
     busiest_link_flows: int,
     cost: CostConfig,
     cfg: ApprovalConfig,
+    measured_bandwidth_bytes_per_s: float | None = None,
 ) -> tuple[Verdict, MigrationPlan]:
     """Price a move with the cost model at the rate it would get now, then judge it.
 
@@ -123,6 +131,9 @@ def price_and_judge(
         busiest_link_flows: migrations already on the busiest link of the path.
         cost: the cost model's configuration (migration cap, stages, overheads).
         cfg: the approval thresholds.
+        measured_bandwidth_bytes_per_s: what moves on this path and transport achieved
+            (``topology.bandwidth``), None while unmeasured; the cost model prices with the lower of it and
+            the topology's share.
 
     Returns:
         (verdict, plan).
@@ -138,6 +149,7 @@ def price_and_judge(
             decode_step_s=decode_step_s,
             path_bandwidth_bytes_per_s=path_bandwidth_bytes_per_s,
             existing_flows=busiest_link_flows,
+            measured_bandwidth_bytes_per_s=measured_bandwidth_bytes_per_s,
         ),
         cost,
     )

@@ -8,7 +8,9 @@ each candidate in order; the judge applies the cost model and the approval rule
 (``global_coord.approval.judge_move`` over ``topology.cost``; wired in ``global_coord.wiring``). Link budgets
 are counted from the active migrations (live: the records in etcd, so they are rebuilt after any restart;
 simulated: the executor's flows): every proposed or approved migration holds one flow on each link of its
-path until it is committed or aborted.
+path until it is committed or aborted. Moves are priced with what earlier moves on the same path and transport
+were measured to achieve (:func:`measured_rates`, ``topology.bandwidth``; live: the measurements the domain
+schedulers write into the records, simulated: the executor's) once there is such a measurement.
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ from typing import Protocol
 
 from clusterstate.records import ACTIVE_STATES, MigrationRecord
 from policy.domain import DomainSummary
+from topology.bandwidth import (
+    BandwidthEstimates,
+    BandwidthKey,
+    BandwidthSample,
+    MeasuredBandwidthConfig,
+    default_transport,
+    path_key,
+)
 
 __all__ = [
     "Choice",
@@ -34,6 +44,7 @@ __all__ = [
     "choose_destination",
     "decide",
     "link_flows",
+    "measured_rates",
 ]
 
 
@@ -93,10 +104,16 @@ class Judgement:
 
 
 class MoveJudge(Protocol):
-    """Prices and judges moving ``move`` to ``dst_instance_id`` over ``path``."""
+    """Prices and judges moving ``move`` to ``dst_instance_id`` over ``path``; ``measured_bandwidth_bytes_per_s``
+    is what moves on that path and transport achieved (None: unmeasured, price with the topology)."""
 
     def __call__(
-        self, move: MoveProposal, dst_instance_id: str, path: PathLike, busiest_link_flows: int
+        self,
+        move: MoveProposal,
+        dst_instance_id: str,
+        path: PathLike,
+        busiest_link_flows: int,
+        measured_bandwidth_bytes_per_s: float | None = None,
     ) -> Judgement: ...
 
 
@@ -116,6 +133,21 @@ def link_flows(migrations: Iterable[MigrationRecord]) -> Counter[str]:
         if record.state in ACTIVE_STATES:
             flows.update(set(record.links))
     return flows
+
+
+def measured_rates(
+    migrations: Iterable[tuple[MigrationRecord, int]], cfg: MeasuredBandwidthConfig, now_s: float
+) -> Mapping[BandwidthKey, float]:
+    """The measured rate (bytes/s) of every (transport, path) at ``now_s`` (wall-clock seconds), from the
+    migration records and their etcd mod revisions: every record with a measurement is a sample, in revision
+    order (the order the domain schedulers wrote their outcomes). A read-only mapping whose rates are computed
+    on lookup (``topology.bandwidth.BandwidthEstimates.at``)."""
+    samples = [
+        BandwidthSample(r.transport, r.links, r.measured_bandwidth_bytes_per_s, r.measured_at_s)
+        for r, _ in sorted(migrations, key=lambda item: item[1])
+        if r.measured_bandwidth_bytes_per_s > 0 and r.transport
+    ]
+    return BandwidthEstimates.of(samples, cfg).at(now_s)
 
 
 def busiest_link_flows(links: Iterable[str], flows: Mapping[str, int]) -> int:
@@ -166,11 +198,15 @@ def choose_destination(
     judge: MoveJudge,
     flows: Mapping[str, int],
     *,
+    measured: Mapping[BandwidthKey, float] | None = None,
     max_tries: int = 16,
 ) -> Choice:
     """Judge candidates in order; the first approved one wins.
 
-    A candidate ``path_of`` cannot reach (KeyError / ValueError: unknown to the topology) is skipped.
+    A candidate ``path_of`` cannot reach (KeyError / ValueError: unknown to the topology) is skipped. Each is
+    judged with the measured rate of its path and the transport the move would take (``measured``, from
+    :func:`measured_rates`; none: every path priced with the topology); only the judged candidates' paths
+    are looked up in it.
 
     Returns a :class:`Choice` with ``dst_instance_id=None`` and the last rejection when none is approved
     (or "no candidate" when the list is empty). At most ``max_tries`` candidates are judged.
@@ -184,7 +220,9 @@ def choose_destination(
         except (KeyError, ValueError) as exc:  # not in the topology file, or no path
             last = Judgement(False, f"{dst}: no path from {move.src_instance_id}: {exc}")
             continue
-        verdict = judge(move, dst, path, busiest_link_flows(path.links, flows))
+        # not ``measured or {}``: a lazy view (``BandwidthEstimates.at``) would compute every path's rate for bool()
+        rate = None if measured is None else measured.get(path_key(default_transport(path.same_domain), path.links))
+        verdict = judge(move, dst, path, busiest_link_flows(path.links, flows), rate)
         if verdict.approved:
             return Choice(dst, path, verdict)
         last = Judgement(False, f"{dst}: {verdict.reason}", verdict.transfer_s, verdict.downtime_s)
@@ -201,8 +239,10 @@ def decide(
     *,
     drained: Callable[[str, str], bool] = lambda instance_id, domain_id: False,
     registered: Collection[str] | None = None,
+    measured: Mapping[BandwidthKey, float] | None = None,
 ) -> Choice:
     """The coordinator's whole decision on one proposed move: candidates (:func:`candidate_destinations`),
-    then the first the judge approves (:func:`choose_destination`) under the link budgets ``flows``."""
+    then the first the judge approves (:func:`choose_destination`) under the link budgets ``flows``, each
+    priced with its path's ``measured`` rate when there is one."""
     candidates = candidate_destinations(move, src_domain_id, summaries, drained, registered)
-    return choose_destination(move, candidates, path_of, judge, flows)
+    return choose_destination(move, candidates, path_of, judge, flows, measured=measured)

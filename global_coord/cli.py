@@ -53,8 +53,9 @@ async def serve_replica(
     """Run one replica as configured by ``ns`` (from :func:`parse_args`) until SIGTERM/SIGINT.
 
     ``model`` supplies the topology, paths and judge (None: proposals are rejected, GetTopology says
-    nothing is loaded). ``settings``: the configuration file; with ``autoscale.enabled`` (checked by
-    :func:`check_autoscale`) the replica runs the autoscaler while it leads. Returns the exit status.
+    nothing is loaded). ``settings``: the configuration file (None: the defaults): its ``measured_bandwidth``
+    section prices moves at measured rates, and with ``autoscale.enabled`` (checked by :func:`check_autoscale`)
+    the replica runs the autoscaler while it leads. Returns the exit status.
     """
     endpoints = [e.strip() for e in ns.etcd.split(",") if e.strip()]
     client = connect(endpoints)
@@ -78,6 +79,7 @@ async def serve_replica(
         path_of=model.path_of if model else None,
         judge=model.judge if model else None,
         topology=model.topology if model else None,
+        bandwidth=settings.measured_bandwidth if settings is not None else None,
     )
     loop_task = None
     if settings is not None and settings.autoscale.enabled and model is not None:

@@ -190,6 +190,9 @@ def migration(record: MigrationRecord, mod_revision: int) -> pb.Migration:
         expected_downtime_s=record.expected_downtime_s,
         reason=record.reason,
         mod_revision=mod_revision,
+        transport=record.transport,
+        measured_bandwidth_bytes_per_s=record.measured_bandwidth_bytes_per_s,
+        measured_at_s=record.measured_at_s,
     )
 
 
@@ -212,6 +215,9 @@ def migration_record_from_pb(msg: pb.Migration) -> tuple[MigrationRecord, int]:
         expected_transfer_s=msg.expected_transfer_s,
         expected_downtime_s=msg.expected_downtime_s,
         reason=msg.reason,
+        transport=msg.transport,
+        measured_bandwidth_bytes_per_s=msg.measured_bandwidth_bytes_per_s,
+        measured_at_s=msg.measured_at_s,
     )
     return record, msg.mod_revision
 

@@ -7,7 +7,10 @@ fails its fence proves this replica no longer leads: it drops its session and ca
 
 Approvals are serialised (one at a time), judged against link budgets counted from the migrations in
 the view, and the leader waits for its view to reflect each approval before judging the next, so two
-concurrent approvals never both take the last flow on a link. The coordinator keeps no other state.
+concurrent approvals never both take the last flow on a link. Each move is priced with the pre-copy rate
+earlier moves on its path achieved (the measurements the domain schedulers write into the records they
+finish: ``approver.measured_rates``), rebuilt from the view at each approval. The coordinator keeps no other
+state.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ from global_coord.approver import (
     PathOf,
     decide,
     link_flows,
+    measured_rates,
 )
+from topology.bandwidth import MeasuredBandwidthConfig
 
 __all__ = ["Coordinator", "CoordinatorConfig", "NotLeader", "ProposeResult", "StatusInfo", "TopologyLike"]
 
@@ -151,6 +156,9 @@ class Coordinator:
         path_of, judge: the topology's paths and the cost-model judge; without them every proposal is
             rejected with a reason saying so.
         topology: the loaded topology (served by GetTopology), or None.
+        bandwidth: how the measured rates in the migration records price later moves (``topology.bandwidth``).
+        clock: monotonic seconds (the session); wall_clock: seconds since the epoch, to age the measurements
+            the domain schedulers stamped with theirs.
     """
 
     def __init__(
@@ -162,12 +170,16 @@ class Coordinator:
         path_of: PathOf | None = None,
         judge: MoveJudge | None = None,
         topology: TopologyLike | None = None,
+        bandwidth: MeasuredBandwidthConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.cfg = cfg
         self._client = client
         self._rng = rng
         self._clock = clock
+        self._wall_clock = wall_clock
+        self.bandwidth = bandwidth if bandwidth is not None else MeasuredBandwidthConfig()
         self.path_of = path_of
         self.judge = judge
         self.topology = topology
@@ -392,6 +404,7 @@ class Coordinator:
             link_flows(r for r, _ in migrations.values()),
             drained=lambda iid, did: (DrainKind.INSTANCE, iid) in drains or (DrainKind.DOMAIN, did) in drains,
             registered=instances.keys(),
+            measured=measured_rates(migrations.values(), self.bandwidth, self._wall_clock()),
         )
         if choice.dst_instance_id is None or choice.path is None:
             return self._reject(choice.judgement.reason, leader.token)

@@ -47,8 +47,16 @@ class CostModelJudge:
         self._cost_cfg = cost_cfg if cost_cfg is not None else CostConfig()
         self._approval_cfg = approval_cfg if approval_cfg is not None else ApprovalConfig()
 
-    def __call__(self, move: MoveProposal, dst_instance_id: str, path: PathLike, busiest_link_flows: int) -> Judgement:
-        """Price and judge; a move between instances serving different models is never approved."""
+    def __call__(
+        self,
+        move: MoveProposal,
+        dst_instance_id: str,
+        path: PathLike,
+        busiest_link_flows: int,
+        measured_bandwidth_bytes_per_s: float | None = None,
+    ) -> Judgement:
+        """Price and judge (with the measured rate of the path when given); a move between instances serving
+        different models is never approved."""
         src_model = self._topo.model_of(move.src_instance_id)
         dst_model = self._topo.model_of(dst_instance_id)
         if src_model.name != dst_model.name:
@@ -62,6 +70,7 @@ class CostModelJudge:
             busiest_link_flows=busiest_link_flows,
             cost=self._cost_cfg,
             cfg=self._approval_cfg,
+            measured_bandwidth_bytes_per_s=measured_bandwidth_bytes_per_s,
         )
         return Judgement(verdict.approved, verdict.reason, float(plan.transfer_s), float(plan.downtime_s))
 

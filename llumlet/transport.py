@@ -39,6 +39,7 @@ from hilum_proto.v1 import llumlet_pb2 as pb
 from hilum_proto.v1 import llumlet_pb2_grpc as pb_grpc
 from llumlet.engine.protocol import BlockRun
 from llumlet.linkbudget import LinkBudgets, Pacer
+from topology.bandwidth import default_transport
 from topology.graph import TopologyGraph
 
 if TYPE_CHECKING:
@@ -389,11 +390,7 @@ def choose_transport(
             '(docs/migration.md, "Transports")'
         )
     path = graph.path(src_instance_id, dst_instance_id) if graph is not None else None
-    name = (
-        hint
-        if hint is not None
-        else (TransportName.LOCAL if path is not None and path.same_domain else TransportName.GRPC)
-    )
+    name = hint if hint is not None else TransportName(default_transport(path is not None and path.same_domain))
     budgets = budgets or LinkBudgets()
     if name is TransportName.LOCAL:
         if override_rate_cap_bytes_per_s or not local_rate_cap_bytes_per_s:

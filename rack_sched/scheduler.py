@@ -20,7 +20,8 @@ Loops (all started by :meth:`DomainScheduler.run`):
   ``SummaryPublisher`` (at most one put per ``summary_interval_s``, under the scheduler's lease);
 - cross-domain, every ``cross_interval_s``: the move the core proposes goes to the coordinator leader; an
   approval is carried out (its fencing token checked by a ``FencingGuard`` and passed to the llumlet), its
-  outcome recorded by compare-and-swap (``committed`` or ``aborted``).
+  outcome recorded by compare-and-swap (``committed`` or ``aborted``) together with the transport and the
+  pre-copy bandwidth the llumlet measured, which the coordinator prices later moves on that path with.
 
 Its registration is claimed in one transaction (``Registrar.claim``): two schedulers started together for
 one domain cannot both run.
@@ -587,16 +588,30 @@ class DomainScheduler:
         committed = result is not None and result.outcome == llumlet_pb2.MIGRATION_COMMITTED
         why = result.reason if result is not None else "MigrateOut failed"
         state = MigrationState.COMMITTED if committed else MigrationState.ABORTED
-        await self._finish_record(record.migration_id, mod_revision, state, None if committed else why)
+        measured: dict[str, Any] = {}
+        if result is not None and result.precopy_bandwidth_bytes_per_s > 0 and result.transport:
+            # what the transport sustained on this path: the coordinator prices later moves with it
+            measured = {
+                "transport": result.transport,
+                "measured_bandwidth_bytes_per_s": result.precopy_bandwidth_bytes_per_s,
+                "measured_at_s": self._clock.wall_s(),
+            }
+        await self._finish_record(record.migration_id, mod_revision, state, None if committed else why, measured)
         return committed
 
     async def _finish_record(
-        self, migration_id: str, mod_revision: int, state: MigrationState, reason: str | None
+        self,
+        migration_id: str,
+        mod_revision: int,
+        state: MigrationState,
+        reason: str | None,
+        update: dict[str, Any] | None = None,
     ) -> None:
-        """Move a migration record to ``state`` by compare-and-swap (retrying on a newer revision)."""
+        """Move a migration record to ``state`` by compare-and-swap (retrying on a newer revision), with the
+        fields of ``update`` (the move's measurements) changed too."""
         for _ in range(5):
             try:
-                result = await self.store.transition(migration_id, mod_revision, state, reason=reason)
+                result = await self.store.transition(migration_id, mod_revision, state, reason=reason, update=update)
             except (KeyError, ValueError) as exc:
                 _log.warning("domain %s: cannot record %s as %s: %s", self.cfg.domain_id, migration_id, state, exc)
                 return

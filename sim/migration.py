@@ -16,7 +16,9 @@ The protocol is the one in DESIGN.md (after Llumnix §4.2) and the one the lluml
 Stage durations come from the same effective bandwidth the cost model uses
 (:func:`topology.cost.effective_bandwidth_bytes_per_s`): the path's bottleneck bandwidth times the
 migration cap, shared fairly among the flows on the busiest link of the path. The share is sampled
-when a stage starts and held for the stage (piecewise-constant fair sharing).
+when a stage starts and held for the stage (piecewise-constant fair sharing). Each record carries the rate
+its pre-copy stages achieved (``precopy_bandwidth_bytes_per_s``, as a llumlet's MigrateOutReply does): the
+sample the two-tier policy prices later moves with (``topology.bandwidth``).
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ class _Move:
     suspended_at_s: float | None = None
     done: bool = False
     why: str = ""  # the decision that started it (recorded as the committed move's reason)
+    stage_in_flight: tuple[int, float] = (0, 0.0)  # (bytes, seconds) of the live stage being copied
+    precopy_bytes: int = 0  # bytes of the live stages completed
+    precopy_s: float = 0.0  # their time
 
 
 class MigrationExecutor:
@@ -159,6 +164,7 @@ class MigrationExecutor:
             self.cluster.at_step_boundary(move.src, lambda: self._suspend(move))
             return
         duration = self._copy_s(move, remaining)
+        move.stage_in_flight = (remaining * self._block_bytes(move), duration)
         move.copied_blocks += remaining
         move.stage += 1
         self.cluster.queue.schedule_in(duration, EventKind.MIGRATION, lambda: self._stage_done(move))
@@ -173,6 +179,9 @@ class MigrationExecutor:
     def _stage_done(self, move: _Move) -> None:
         if move.done:
             return
+        nbytes, seconds = move.stage_in_flight
+        move.precopy_bytes += nbytes
+        move.precopy_s += seconds
         self._next_stage(move)
 
     def _suspend(self, move: _Move) -> None:
@@ -241,6 +250,7 @@ class MigrationExecutor:
             stages=move.stage + (1 if move.suspended_at_s is not None else 0),
             outcome=outcome,
             reason=reason,
+            precopy_bandwidth_bytes_per_s=move.precopy_bytes / move.precopy_s if move.precopy_s > 0 else 0.0,
         )
         self.records.append(record)
         for listener in self.on_done:

@@ -139,6 +139,7 @@ class MigrationRecord:
     stages: int  # pre-copy stages run, including the last (stop-and-copy) stage
     outcome: MigrationOutcome  # "committed": the request resumed on dst; "aborted": it stayed on src
     reason: str  # why the move was made (committed) or why it was aborted
+    precopy_bandwidth_bytes_per_s: float = 0.0  # bytes / seconds of the completed live stages; 0 = none
 
     @property
     def cross_domain(self) -> bool:

@@ -301,6 +301,7 @@ def run_simulation(
         timing=timing,
         rng=random.Random(spec.seed),
         live=lambda: done[0] < total,
+        measured_bandwidth=config.measured_bandwidth,
     )
     scheduler = make_scheduler(spec.policy, ctx)
     autoscaler = None

@@ -18,8 +18,10 @@ summaries published every ``summary_interval_s`` and received ``summary_lag_s`` 
 - ``hilum``: two tiers. The gateway core picks a domain from the lagged summaries; that domain's core
   dispatches and rebalances with fresh reports (llumlets push on every change); every ``cross_interval_s``
   each domain core proposes what ``policy.pair_domains`` makes it a source for, and the coordinator's core
-  approves or rejects it with the cost model. A committed cross-domain move lets its domain propose again at
-  once (the live domain scheduler's loop does the same).
+  approves or rejects it with the cost model, pricing each path with the pre-copy rate earlier approved
+  moves on it achieved (``topology.bandwidth``: the executor's measurements, as the live coordinator reads the
+  llumlets' from the migration records). A committed cross-domain move lets its domain propose again at once
+  (the live domain scheduler's loop does the same).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from gateway.core import GatewayCore, PlacementAttempt
 from global_coord.approver import MoveJudge, decide
@@ -35,6 +37,7 @@ from policy.dispatch import DispatchDecision
 from policy.domain import DomainSummary, summarize_domain
 from policy.types import InstanceLoad
 from rack_sched.core import CrossDomainProposal, DomainConfig, DomainCore, DomainRequest
+from topology.bandwidth import BandwidthEstimates, BandwidthSample, MeasuredBandwidthConfig, default_transport
 from topology.graph import TopologyGraph
 
 from .cluster import Cluster
@@ -78,6 +81,7 @@ class SchedulerContext:
     timing: SchedulingConfig
     rng: random.Random
     live: Callable[[], bool]  # True while requests remain; periodic loops stop when it turns False
+    measured_bandwidth: MeasuredBandwidthConfig = field(default_factory=MeasuredBandwidthConfig)
 
 
 def domain_request(req: TraceRequest, model: str) -> DomainRequest:
@@ -188,11 +192,16 @@ class ClusterScheduler(ABC):
         if pending is not None:
             core, ids, cross = pending
             core.migration_done(ids, self._now())
+            if cross:
+                self._measured_across(record)
             if cross and record.outcome == "committed":
                 self._committed_across(core.domain_id)
 
     def _committed_across(self, domain_id: str) -> None:  # noqa: B027 - only the two-tier policy proposes
         """A cross-domain move of ``domain_id`` committed."""
+
+    def _measured_across(self, record: MigrationRecord) -> None:  # noqa: B027 - only the two-tier policy prices
+        """An approved cross-domain move ended (committed or aborted), with what it measured."""
 
 
 class RoundRobin(ClusterScheduler):
@@ -269,6 +278,7 @@ class HilumTwoTier(ClusterScheduler):
             by_domain.setdefault(inst.domain_id, []).append(iid)
         self.feeds = {d: _Feed(d, ctx.cluster, by_domain[d], ctx.domain, ctx.rng) for d in ctx.cluster.domain_ids()}
         self.gateway = GatewayCore(ctx.domain.policy, ctx.rng, reservation_ttl_s=ctx.timing.reservation_ttl_s)
+        self.bandwidth = BandwidthEstimates(ctx.measured_bandwidth)  # what the coordinator learns from the records
         self.delivered: dict[str, tuple[DomainSummary, ...]] = {}  # what etcd holds, as the gateway sees it
         for feed in self.feeds.values():
             feed.refresh()
@@ -333,6 +343,15 @@ class HilumTwoTier(ClusterScheduler):
     def _committed_across(self, domain_id: str) -> None:
         self._propose(domain_id)
 
+    def _measured_across(self, record: MigrationRecord) -> None:
+        """As a domain scheduler writes the llumlet's measurement into the migration record it finishes."""
+        if record.precopy_bandwidth_bytes_per_s > 0:
+            path = self.ctx.graph.path(record.src_instance_id, record.dst_instance_id)
+            transport = default_transport(path.same_domain)
+            self.bandwidth.observe(
+                BandwidthSample(transport, path.links, record.precopy_bandwidth_bytes_per_s, record.end_s)
+            )
+
     def _others(self, domain_id: str) -> list[DomainSummary]:
         return [s for d, summaries in self.delivered.items() if d != domain_id for s in summaries]
 
@@ -354,7 +373,15 @@ class HilumTwoTier(ClusterScheduler):
         proposal = move.proposal(domain_id, attempt=1)
         summaries = [s for per_domain in self.delivered.values() for s in per_domain]
         executor = self.ctx.executor
-        choice = decide(proposal, domain_id, summaries, self.ctx.graph.path, self.ctx.judge, executor.flows.counts())
+        choice = decide(
+            proposal,
+            domain_id,
+            summaries,
+            self.ctx.graph.path,
+            self.ctx.judge,
+            executor.flows.counts(),
+            measured=self.bandwidth.at(self._now()),
+        )
         if choice.dst_instance_id is None:
             self.feeds[domain_id].core.not_approved(move.request_id, self._now())
             return False

@@ -10,7 +10,10 @@ Formulas (units: bytes, seconds, bytes/s; ``Bt`` = KV bytes per token, ``bs`` = 
 ``Bb = Bt·bs`` bytes per block, ``d`` = decode step time, ``n0`` = tokens at the start):
 
 * effective bandwidth ``B = path_bottleneck · cap_fraction / (existing_flows + 1)``: a migration may use at
-  most ``cap_fraction`` of a link and shares it fairly with the flows already on the bottleneck link;
+  most ``cap_fraction`` of a link and shares it fairly with the flows already on the bottleneck link; once
+  moves on that path and transport were measured (``measured_bandwidth_bytes_per_s``, the estimate of
+  :mod:`topology.bandwidth`), ``B = min(that, measured)``: a move never goes faster than what moves on the
+  path achieved, nor than the cap allows;
 * tokens at time ``T`` after the start: ``n(T) = n0 + ⌊T / d⌋``; stage 0 copies ``⌊n0/bs⌋`` blocks
   (minus the prefix blocks already on the destination), taking ``blocks·Bb / B``;
 * after each live stage the remainder is ``⌈n(T)/bs⌉ − blocks copied so far``; a further live stage copies
@@ -37,13 +40,14 @@ reproduced exactly, including block boundaries.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Literal
 
 from topology.graph import PathInfo
 
 __all__ = [
+    "BandwidthSource",
     "CostConfig",
     "MigrationCostInput",
     "MigrationPlan",
@@ -55,6 +59,7 @@ __all__ = [
 ]
 
 PlanMode = Literal["pre-copy", "pre-copy+recompute-prefix", "blocking"]
+BandwidthSource = Literal["topology", "measured"]
 
 
 def _exact(x: float | int) -> Fraction:
@@ -178,7 +183,9 @@ class MigrationCostInput:
     * ``prefix_blocks``: full blocks at the start of the sequence that hold a shared prefix;
     * ``prefix_blocks_on_dst``: of those, how many the destination already holds (matched by block hash);
     * ``prefix_reprefill_s``: time to re-prefill the missing prefix blocks on the destination, or None to not
-      price recomputation.
+      price recomputation;
+    * ``measured_bandwidth_bytes_per_s``: what moves on this path and transport achieved
+      (``topology.bandwidth.BandwidthEstimates``), or None while unmeasured (the topology's bandwidth alone).
     """
 
     kv_tokens: int
@@ -190,6 +197,7 @@ class MigrationCostInput:
     prefix_blocks: int = 0
     prefix_blocks_on_dst: int = 0
     prefix_reprefill_s: float | None = None
+    measured_bandwidth_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("kv_tokens", "existing_flows", "prefix_blocks", "prefix_blocks_on_dst"):
@@ -216,6 +224,13 @@ class MigrationCostInput:
                 self.prefix_reprefill_s,
                 "a finite number >= 0 or None",
             )
+        if self.measured_bandwidth_bytes_per_s is not None:
+            _check(
+                _finite(self.measured_bandwidth_bytes_per_s) and self.measured_bandwidth_bytes_per_s > 0,
+                "measured_bandwidth_bytes_per_s",
+                self.measured_bandwidth_bytes_per_s,
+                "a finite number > 0 or None",
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +244,8 @@ class MigrationPlan:
     * ``transfer_s``: total copy time (Σ stage_s); ``downtime_s``: time the request is stopped;
     * ``total_bytes``: bytes sent (Σ stage_bytes);
     * ``completion_s``: from the start until the request runs on the destination;
-    * ``effective_bandwidth_bytes_per_s``: B in the module docstring;
+    * ``effective_bandwidth_bytes_per_s``: B in the module docstring; ``bandwidth_source``: ``"topology"`` when
+      B is the topology's share, ``"measured"`` when the measured rate was lower and set it;
     * ``skipped_prefix_blocks``: prefix blocks not copied because the destination has them;
     * ``recomputed_prefix_blocks`` / ``recompute_s``: prefix blocks re-prefilled on the destination and
       the time that takes.
@@ -244,6 +260,7 @@ class MigrationPlan:
     total_bytes: int
     completion_s: float
     effective_bandwidth_bytes_per_s: float
+    bandwidth_source: BandwidthSource = "topology"
     skipped_prefix_blocks: int = 0
     recomputed_prefix_blocks: int = 0
     recompute_s: float = 0.0
@@ -359,10 +376,18 @@ def plan_migration(inp: MigrationCostInput, cfg: CostConfig | None = None) -> Mi
 
     Returns the pre-copy plan, or the pre-copy plan that recomputes the missing prefix on the destination when
     that one completes sooner (ties: lower downtime), or — when pre-copy cannot converge — a blocking
-    stop-and-copy plan with ``converges=False``.
+    stop-and-copy plan with ``converges=False``. Its ``bandwidth_source`` says whether the measured rate set B.
     """
     cfg = cfg or CostConfig()
     bw = _effective(inp.path_bandwidth_bytes_per_s, cfg.cap_fraction, inp.existing_flows)
+    measured = inp.measured_bandwidth_bytes_per_s
+    source: BandwidthSource = "topology"
+    if measured is not None and _exact(measured) < bw:
+        bw, source = _exact(measured), "measured"
+    return replace(_plan(inp, cfg, bw), bandwidth_source=source)
+
+
+def _plan(inp: MigrationCostInput, cfg: CostConfig, bw: Fraction) -> MigrationPlan:
     growth = Fraction(inp.kv_bytes_per_token) / _exact(inp.decode_step_s)
     if growth >= bw:
         return _blocking(inp, cfg, bw)

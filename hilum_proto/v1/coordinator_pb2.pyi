@@ -425,6 +425,9 @@ class Migration(_message.Message):
     EXPECTED_DOWNTIME_S_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     MOD_REVISION_FIELD_NUMBER: _builtins.int
+    TRANSPORT_FIELD_NUMBER: _builtins.int
+    MEASURED_BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _builtins.int
+    MEASURED_AT_S_FIELD_NUMBER: _builtins.int
     migration_id: _builtins.str
     """"<request_id>#<attempt>" """
     request_id: _builtins.str
@@ -444,6 +447,14 @@ class Migration(_message.Message):
     """the approval rule's reason, or why it was aborted"""
     mod_revision: _builtins.int
     """etcd mod revision of the record (compare-and-swap handle)"""
+    transport: _builtins.str
+    """what the carried-out move measured (written with its outcome; prices later moves on the path)
+    how the bytes went ("grpc", "local", ...); "" = not measured
+    """
+    measured_bandwidth_bytes_per_s: _builtins.float
+    """pre-copy rate achieved; 0 = none measured"""
+    measured_at_s: _builtins.float
+    """wall-clock seconds of the measurement"""
     @_builtins.property
     def links(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """network links on the path, for link budgets"""
@@ -466,10 +477,13 @@ class Migration(_message.Message):
         expected_downtime_s: _builtins.float = ...,
         reason: _builtins.str = ...,
         mod_revision: _builtins.int = ...,
+        transport: _builtins.str = ...,
+        measured_bandwidth_bytes_per_s: _builtins.float = ...,
+        measured_at_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "blocks", b"blocks", "dst_domain_id", b"dst_domain_id", "dst_instance_id", b"dst_instance_id", "expected_downtime_s", b"expected_downtime_s", "expected_transfer_s", b"expected_transfer_s", "fencing_token", b"fencing_token", "links", b"links", "migration_id", b"migration_id", "mod_revision", b"mod_revision", "reason", b"reason", "request_id", b"request_id", "src_domain_id", b"src_domain_id", "src_instance_id", b"src_instance_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "blocks", b"blocks", "dst_domain_id", b"dst_domain_id", "dst_instance_id", b"dst_instance_id", "expected_downtime_s", b"expected_downtime_s", "expected_transfer_s", b"expected_transfer_s", "fencing_token", b"fencing_token", "links", b"links", "measured_at_s", b"measured_at_s", "measured_bandwidth_bytes_per_s", b"measured_bandwidth_bytes_per_s", "migration_id", b"migration_id", "mod_revision", b"mod_revision", "reason", b"reason", "request_id", b"request_id", "src_domain_id", b"src_domain_id", "src_instance_id", b"src_instance_id", "state", b"state", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

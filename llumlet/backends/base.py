@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from llumlet.engine.protocol import Engine
@@ -10,7 +10,7 @@ from llumlet.engine.types import SamplingFeature, SamplingParams, StepResult
 from topology.load import tokenizer_errors
 from topology.spec import Topology
 
-__all__ = ["BACKEND_NAMES", "Backend", "BackendConfig", "UnknownBackendError", "make_backend"]
+__all__ = ["BACKEND_NAMES", "Backend", "BackendConfig", "UnknownBackendError", "make_backend", "parse_engine_options"]
 
 #: Backends ``make_backend`` knows, in the order the CLI lists them.
 BACKEND_NAMES: tuple[str, ...] = ("sim", "torch", "vllm")
@@ -104,6 +104,20 @@ class Backend:
             + (", ".join(sorted(self.sampling_features)) or "none of the optional sampling features")
             + ")"
         )
+
+
+def parse_engine_options(items: Sequence[str]) -> dict[str, str]:
+    """``KEY=VALUE`` strings (the CLI's ``--engine-option``) as ``BackendConfig.options``; a later key wins.
+
+    Raises ValueError naming an item without ``=`` or with an empty key.
+    """
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine-option {item!r}: need KEY=VALUE")
+        out[key] = value
+    return out
 
 
 def make_backend(name: str, config: BackendConfig) -> Backend:

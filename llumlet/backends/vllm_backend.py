@@ -2,13 +2,20 @@
 
 Steps take the time they compute (no pacing). Imported lazily, so a llumlet without vLLM runs the other
 backends. Options (``--engine-option KEY=VALUE``): ``model`` (required: a local checkpoint directory or a
-model name vLLM can load), ``kv_cache_memory_bytes``, ``gpu_memory_utilization`` (a fraction), ``dtype``
+model name vLLM can load), ``kv_cache_memory_bytes`` (or ``BackendConfig.num_blocks``, the CLI's
+``--num-blocks``: exactly that many KV blocks), ``gpu_memory_utilization`` (a fraction), ``dtype``
 (default ``auto``), ``max_model_len`` (default: the topology model's ``max_context_tokens``, else 4096),
 ``enforce_eager`` and ``enable_prefix_caching`` (``true`` / ``false``; default: vLLM's, i.e. CUDA graphs
 and prefix caching on), ``allow_untested_vllm`` (``true`` to run on a vLLM outside the supported range).
-``BackendConfig.block_size_tokens`` (default: the topology model's, else 16) must suit the attention backend
-(the CPU build needs a multiple of 32). Engines that exchange KV must load the same model with the same dtype
-and block size (docs/vllm.md).
+``BackendConfig.tokenizer_path()`` (``--tokenizer``, else the topology model's ``tokenizer``) is the tokenizer
+vLLM loads (default: the checkpoint's). ``BackendConfig.block_size_tokens`` (default: the topology model's,
+else 16) must suit the attention backend (the CPU build needs a multiple of 32). Engines that exchange KV must
+load the same model with the same dtype and block size (docs/vllm.md).
+
+Sampling features: all of them (``SamplingFeature``): ``VllmEngine`` maps every field of hilum's
+``SamplingParams`` onto vLLM's, guided decoding through vLLM's structured-output backend (xgrammar; the CPU
+build runs it too). Requests with frequency / presence penalties or guided decoding run but do not migrate
+(``vllm_engine.not_migratable``).
 """
 
 from __future__ import annotations
@@ -19,7 +26,10 @@ from typing import Any
 from llumlet.backends.base import Backend, BackendConfig
 from llumlet.engine.types import SamplingFeature
 
-__all__ = ["make_vllm_backend"]
+#: What ``VllmEngine`` honours: every optional sampling feature (docs/gateway.md, "Request fields").
+VLLM_SAMPLING_FEATURES = frozenset(SamplingFeature)
+
+__all__ = ["VLLM_SAMPLING_FEATURES", "make_vllm_backend"]
 
 _KNOWN = (
     "model",
@@ -51,7 +61,8 @@ def make_vllm_backend(config: BackendConfig) -> Backend:
 
     Raises:
         RuntimeError: vLLM is not installed, or its version is untested (see docs/vllm.md).
-        ValueError: a missing ``model`` option, an unknown option or a bad value.
+        ValueError: a missing ``model`` option, an unknown option or a bad value, both ``kv_cache_memory_bytes``
+            and ``num_blocks``.
     """
     opts = dict(config.options)
     unknown = sorted(set(opts) - set(_KNOWN))
@@ -80,13 +91,22 @@ def make_vllm_backend(config: BackendConfig) -> Backend:
     }
     if "gpu_memory_utilization" in opts:
         engine_kwargs["gpu_memory_utilization"] = _parse(opts, "gpu_memory_utilization", float, "a fraction")
+    tokenizer = config.tokenizer_path()  # --tokenizer, else the topology model's; None: the checkpoint's own
+    if tokenizer is not None:
+        engine_kwargs["tokenizer"] = tokenizer
     kwargs["engine_kwargs"] = engine_kwargs
     if "kv_cache_memory_bytes" in opts:
+        if config.num_blocks is not None:
+            raise ValueError("vllm backend: give kv_cache_memory_bytes or --num-blocks, not both")
         kwargs["kv_cache_memory_bytes"] = _parse(opts, "kv_cache_memory_bytes", int, "bytes")
+    if config.num_blocks is not None:
+        kwargs["num_blocks"] = config.num_blocks
     engine = VllmEngine(config.instance_id, opts["model"], **kwargs)
-    # Only what VllmEngine.add_request maps from hilum's SamplingParams today; penalties, top_k, min_tokens,
-    # logprobs and guided decoding are refused by name until it maps them (docs/gateway.md).
-    features = frozenset({SamplingFeature.STOP_TOKEN_IDS})
     return Backend(
-        "vllm", engine, time_scale=0.0, real_token_ids=True, min_step_s=config.min_step_s, sampling_features=features
+        "vllm",
+        engine,
+        time_scale=0.0,
+        real_token_ids=True,
+        min_step_s=config.min_step_s,
+        sampling_features=VLLM_SAMPLING_FEATURES,
     )

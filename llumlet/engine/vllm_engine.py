@@ -20,7 +20,13 @@ through the prefix cache (no copy), the rest of the moved tokens are loaded by t
 blocks (nothing is recomputed, no shared block is written), and the V1 runner's generator is restored
 before the step samples.
 
-What re-admission would lose and how it is carried (``MigrationState.extra``):
+Sampling: every field of hilum's ``SamplingParams`` maps onto vLLM's (:func:`vllm_sampling_params`): top-k,
+``min_tokens``, the repetition / frequency / presence penalties, stop token ids, logprobs with top
+alternatives (returned per token as :class:`~llumlet.engine.types.TokenLogprobs`, vLLM's raw logprobs) and
+guided decoding (vLLM's ``StructuredOutputsParams``, its ``auto`` structured-output backend: xgrammar, which
+the CPU build runs too). Stop strings are the gateway's (it matches them on the text), never the engine's.
+
+What re-admission would lose and how it is carried (``MigrationState``: ``sampling_params`` and ``extra``):
 
 - seeded sampling: the V1 runner's per-request ``torch.Generator`` state; the V2 runner needs none (its
   noise is a hash of seed and position). Random requests without a seed get one drawn from the engine's
@@ -28,11 +34,12 @@ What re-admission would lose and how it is carried (``MigrationState.extra``):
 - ``max_tokens`` / ``min_tokens``: the destination gets what remains of each;
 - repetition penalty: vLLM applies it to tokens seen in the prompt or the output alike, so output tokens
   turned into prompt tokens are penalised exactly as before;
-- stop token ids, ``ignore_eos``, temperature, top-p, top-k: unchanged.
+- stop token ids, ``ignore_eos``, temperature, top-p, top-k, logprobs: unchanged.
 
-Refused by :meth:`VllmEngine.migratable` (the destination would see the output tokens as prompt tokens):
-frequency and presence penalties (vLLM counts them over output tokens only) and stop strings (the
-destination's detokenizer would not see text produced before the move).
+Refused by :meth:`VllmEngine.migratable` (:func:`not_migratable`; the destination would see the output tokens
+as prompt tokens): frequency and presence penalties (vLLM counts them over output tokens only) and guided
+decoding (the destination's grammar would start over at the moved output). The load report marks such
+requests unmigratable, so no scheduler plans a move for them.
 
 Blocks are portable only between engines of the same model, dtype, block size, KV layout, model runner and
 vLLM build: ``extra["model_fingerprint"]`` must match on commit.
@@ -42,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import os
 import random
@@ -59,8 +67,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
     KVConnectorMetadata,
 )
 from vllm.engine.arg_utils import EngineArgs  # type: ignore[import-not-found, unused-ignore]
+from vllm.exceptions import VLLMClientError  # type: ignore[import-not-found, unused-ignore]
 from vllm.inputs import TokensPrompt  # type: ignore[import-not-found, unused-ignore]
-from vllm.sampling_params import RequestOutputKind  # type: ignore[import-not-found, unused-ignore]
+from vllm.sampling_params import (  # type: ignore[import-not-found, unused-ignore]
+    RequestOutputKind,
+    StructuredOutputsParams,
+)
 from vllm.v1.engine.llm_engine import LLMEngine  # type: ignore[import-not-found, unused-ignore]
 
 from llumlet.engine import vllm_internals as vi
@@ -69,27 +81,28 @@ from llumlet.engine.protocol import BlockRun, KVPayload
 from llumlet.engine.types import (
     EngineLoad,
     EngineRequest,
+    GuidedDecoding,
     MigrationState,
     RunningRequestLoad,
     SamplingParams,
     StepResult,
+    TokenLogprobs,
 )
 from llumlet.kvpool import KVPool, copy_between
 
 __all__ = [
     "EXTRA_GENERATOR_STATE",
     "EXTRA_MODEL_FINGERPRINT",
-    "EXTRA_VLLM_OPTIONS",
     "REFUSED_ENGINE_ARGS",
     "HilumMigrationConnector",
     "VllmEngine",
-    "VllmSamplingOptions",
+    "not_migratable",
     "tiny_llama_checkpoint",
+    "vllm_sampling_params",
 ]
 
 EXTRA_GENERATOR_STATE = "generator_state"  # MigrationState.extra key: bytes of the sampler generator, or None
 EXTRA_MODEL_FINGERPRINT = "model_fingerprint"  # MigrationState.extra key: str, VllmEngine.model_fingerprint
-EXTRA_VLLM_OPTIONS = "vllm_options"  # MigrationState.extra key: dict, VllmSamplingOptions fields
 KV_PARAMS_KEY = "hilum_migration"  # key in kv_transfer_params: the reservation id of a re-admitted request
 
 #: EngineArgs the backend sets itself and refuses to change, with the reason (docs/vllm.md, "How the backend
@@ -118,37 +131,79 @@ _REQUIRED_ARGS: Mapping[str, object] = {  # the one value each refused argument 
 }
 
 
-@dataclass(frozen=True, slots=True)
-class VllmSamplingOptions:
-    """vLLM sampling settings beyond hilum's ``SamplingParams`` (passed to :meth:`VllmEngine.add_request`).
+def not_migratable(params: SamplingParams) -> str | None:
+    """Why a request sampling with ``params`` cannot move faithfully between vLLM engines, or None.
 
-    Defaults are vLLM's "off" values. Raises ValueError on negative ``top_k`` / ``min_tokens`` or a
-    non-positive ``repetition_penalty``.
+    The destination re-admits the request with its output so far as prompt: frequency and presence penalties
+    (vLLM counts them over output tokens only) would stop counting it, a guided-decoding grammar would start
+    over at it.
     """
+    if params.frequency_penalty or params.presence_penalty:
+        return (
+            f"frequency/presence penalty ({params.frequency_penalty}, {params.presence_penalty}): vLLM counts "
+            "them over output tokens only, and the destination re-admits the output as prompt"
+        )
+    if params.guided is not None:
+        return (
+            f"guided decoding ({params.guided.kind}): the destination's grammar would start over at the output "
+            "moved with the request"
+        )
+    return None
 
-    frequency_penalty: float = 0.0  # subtracted per occurrence of a token in the output (refuses migration)
-    presence_penalty: float = 0.0  # subtracted once if a token is in the output (refuses migration)
-    repetition_penalty: float = 1.0  # divides logits of tokens in prompt or output (carried)
-    top_k: int = 0  # 0 = all tokens
-    min_tokens: int = 0  # output tokens before EOS / stop tokens may end the request (carried)
-    stop: tuple[str, ...] = ()  # stop strings, need a tokenizer (refuse migration)
 
-    def __post_init__(self) -> None:
-        if self.top_k < 0 or self.min_tokens < 0:
-            raise ValueError(f"VllmSamplingOptions: top_k = {self.top_k}, min_tokens = {self.min_tokens}: need >= 0")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"VllmSamplingOptions.repetition_penalty = {self.repetition_penalty}: need > 0")
-
-    def not_migratable(self) -> str | None:
-        """Why a request with these options cannot move faithfully, or None."""
-        if self.frequency_penalty or self.presence_penalty:
-            return (
-                f"frequency/presence penalty ({self.frequency_penalty}, {self.presence_penalty}): vLLM counts them "
-                "over output tokens only, and the destination re-admits the output as prompt"
-            )
-        if self.stop:
-            return "stop strings: the destination's detokenizer would not see the text produced before the move"
+def _structured_outputs(guided: GuidedDecoding | None) -> StructuredOutputsParams | None:
+    """hilum's constraint as vLLM's ``StructuredOutputsParams`` (``GUIDED_KINDS``: what ``spec`` holds)."""
+    if guided is None:
         return None
+    if guided.kind == "json_schema":
+        return StructuredOutputsParams(json=guided.spec)
+    if guided.kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if guided.kind == "regex":
+        return StructuredOutputsParams(regex=guided.spec)
+    if guided.kind == "choice":
+        return StructuredOutputsParams(choice=[str(c) for c in json.loads(guided.spec)])
+    return StructuredOutputsParams(grammar=guided.spec)  # "grammar": EBNF / Lark, vLLM's backend tells which
+
+
+def vllm_sampling_params(
+    params: SamplingParams, num_done: int = 0, kv_transfer_params: Mapping[str, str] | None = None
+) -> VllmSamplingParams:
+    """vLLM's ``SamplingParams`` for hilum's ``params`` after ``num_done`` output tokens (a re-admitted
+    migrated request: what remains of ``max_tokens`` and ``min_tokens``).
+
+    Field by field the meanings are the same (``llumlet.engine.types.SamplingParams`` follows vLLM's): top-k 0
+    = all tokens in both; ``logprobs`` k = the sampled token's log probability and the k most probable;
+    ``guided`` becomes ``structured_outputs``. Outputs come as deltas (``RequestOutputKind.DELTA``), without
+    text (``detokenize=False``: stop strings are the gateway's). ``kv_transfer_params`` go to the KV
+    connector (``extra_args``). Raises vLLM's ``VLLMValidationError`` (or ValueError) on a setting it refuses.
+    """
+    return VllmSamplingParams(
+        n=1,
+        max_tokens=params.max_tokens - num_done,
+        min_tokens=max(params.min_tokens - num_done, 0),
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        ignore_eos=params.ignore_eos,
+        stop_token_ids=list(params.stop_token_ids),
+        repetition_penalty=params.repetition_penalty,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
+        logprobs=params.logprobs,
+        structured_outputs=_structured_outputs(params.guided),
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+        extra_args={"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None,
+    )
+
+
+def _token_logprobs(token: int, entry: Mapping[int, Any], k: int) -> TokenLogprobs:
+    """vLLM's logprobs of one position (``{token id: Logprob(logprob, rank, ...)}``: the sampled token and the
+    ``k`` most probable) as hilum's: the sampled token's, and the top ``k`` by rank."""
+    top = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k)
+    return TokenLogprobs(float(entry[token].logprob), tuple((int(t), float(v)) for _, t, v in top[:k]))
 
 
 # ---- the KV connector (vLLM's public API) ----------------------------------------------------------------
@@ -289,7 +344,6 @@ class _Tracked:
 
     request: EngineRequest  # as submitted (original prompt, max_tokens, priority, arrival)
     params: SamplingParams  # effective hilum params (seed filled in for random sampling)
-    options: VllmSamplingOptions
     internal_id: str  # vLLM's request id
     output_ids: list[int]  # every output token so far, those produced before a migration included
     num_carried: int = 0  # of output_ids, produced on other engines (the vLLM request sees them as prompt)
@@ -313,6 +367,8 @@ class VllmEngine:
         block_size_tokens: vLLM block size (the CPU backend needs a multiple of 32; GPUs take 16).
         kv_cache_memory_bytes: KV cache size; the pool has ``kv_cache_memory_bytes // kv_bytes_per_block``
             blocks (one of them vLLM's null block, not usable).
+        num_blocks: usable KV blocks instead: the pool holds exactly this many plus vLLM's null block
+            (``num_gpu_blocks_override``) and vLLM's memory profile is skipped (on a GPU they must fit).
         dtype: model dtype ("float32" on CPU for exact comparisons, "bfloat16"/"float16" on GPUs).
         max_model_len: longest prompt + output, tokens.
         max_num_seqs, max_num_batched_tokens: the scheduler's batch limits.
@@ -328,7 +384,8 @@ class VllmEngine:
     Raises:
         vllm_internals.UnsupportedVllmError: a vLLM version outside the supported range, multiprocessing on,
             or an engine layout the backend cannot drive (see :func:`vllm_internals.engine_handles`).
-        ValueError: an ``engine_kwargs`` entry the backend cannot honour (named, with the reason).
+        ValueError: an ``engine_kwargs`` entry the backend cannot honour (named, with the reason), both
+            ``kv_cache_memory_bytes`` and ``num_blocks``, or ``num_blocks`` < 1.
     """
 
     def __init__(
@@ -338,6 +395,7 @@ class VllmEngine:
         *,
         block_size_tokens: int = 16,
         kv_cache_memory_bytes: int | None = None,
+        num_blocks: int | None = None,
         dtype: str = "auto",
         max_model_len: int = 4096,
         max_num_seqs: int = 256,
@@ -370,8 +428,18 @@ class VllmEngine:
                 "kv_role": "kv_both",
             },
         }
+        if kv_cache_memory_bytes is not None and num_blocks is not None:
+            raise ValueError(f"{instance_id}: give kv_cache_memory_bytes or num_blocks, not both")
         if kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        if num_blocks is not None:
+            if num_blocks < 1:
+                raise ValueError(f"{instance_id}: num_blocks = {num_blocks}: need >= 1")
+            kwargs["num_gpu_blocks_override"] = num_blocks + 1  # + vLLM's null block
+            # an explicit size skips vLLM's memory profile (on CPU: reserving gpu_memory_utilization of the
+            # node's RAM); the override then sizes the pool, whatever this says (kv_cache_utils)
+            if "gpu_memory_utilization" not in (engine_kwargs or {}):
+                kwargs["kv_cache_memory_bytes"] = 1
         if max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
         for key, value in (engine_kwargs or {}).items():
@@ -421,13 +489,14 @@ class VllmEngine:
         return min(self.total_blocks * self._block_size, self._max_model_len)
 
     # ---- requests -------------------------------------------------------------------------------
-    def add_request(self, request: EngineRequest, options: VllmSamplingOptions | None = None) -> None:
-        """Queue a request (FCFS). ``sampling_params`` None means greedy; ``options`` adds vLLM-only settings.
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request (FCFS). ``sampling_params`` None means greedy (:func:`vllm_sampling_params`).
 
         Raises:
             RequestTooLargeError: prompt + max_tokens - 1 tokens exceed the pool or ``max_model_len``.
-            ValueError: duplicate id, no ``prompt_token_ids``, or ``sampling_params.max_tokens`` different
-                from ``request.max_tokens``.
+            ValueError: duplicate id, no ``prompt_token_ids``, ``sampling_params.max_tokens`` different
+                from ``request.max_tokens``, or a setting vLLM refuses (e.g. a guided-decoding spec its
+                structured-output backend cannot compile).
         """
         where = f"{self.instance_id}: request {request.request_id!r}"
         need = request.prompt_tokens + request.max_tokens - 1
@@ -441,42 +510,26 @@ class VllmEngine:
         if request.prompt_token_ids is None:
             raise ValueError(f"{where}: the vLLM engine needs prompt_token_ids")
         params = _effective_params(where, request, self._rng)
-        opts = options or VllmSamplingOptions()
-        internal = self._submit(request.request_id, list(request.prompt_token_ids), params, opts, request, 0)
-        self._track(_Tracked(request, params, opts, internal, []))
+        internal = self._submit(request.request_id, list(request.prompt_token_ids), params, request, 0)
+        self._track(_Tracked(request, params, internal, []))
 
     def _submit(
         self,
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
-        opts: VllmSamplingOptions,
         request: EngineRequest,
         num_done: int,
         kv_params: dict[str, str] | None = None,
     ) -> str:
         """Add to vLLM with what remains of max_tokens / min_tokens after ``num_done`` outputs."""
-        vparams = VllmSamplingParams(
-            n=1,
-            max_tokens=params.max_tokens - num_done,
-            min_tokens=max(opts.min_tokens - num_done, 0),
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=opts.top_k,
-            seed=params.seed,
-            ignore_eos=params.ignore_eos,
-            stop_token_ids=list(params.stop_token_ids),
-            stop=list(opts.stop),
-            frequency_penalty=opts.frequency_penalty,
-            presence_penalty=opts.presence_penalty,
-            repetition_penalty=opts.repetition_penalty,
-            detokenize=bool(opts.stop),
-            output_kind=RequestOutputKind.DELTA,
-            extra_args={"kv_transfer_params": kv_params} if kv_params else None,
-        )
-        internal: str = self.llm.add_request(
-            request_id, TokensPrompt(prompt_token_ids=prompt_ids), vparams, priority=request.priority
-        )
+        try:
+            vparams = vllm_sampling_params(params, num_done, kv_params)
+            internal: str = self.llm.add_request(
+                request_id, TokensPrompt(prompt_token_ids=prompt_ids), vparams, priority=request.priority
+            )
+        except (ValueError, VLLMClientError) as exc:  # vLLM's validation of the request (VLLMValidationError)
+            raise ValueError(f"{self.instance_id}: request {request_id!r}: vLLM refused it: {exc}") from exc
         return internal
 
     def _track(self, tracked: _Tracked) -> None:
@@ -509,8 +562,11 @@ class VllmEngine:
     def step(self) -> StepResult:
         """One ``LLMEngine.step()``: new token ids per request, finished requests with their reasons.
 
-        ``finish_reasons``: vLLM's ("stop": EOS, a stop token or string; "length": max_tokens). Prefill and
-        decode token counts come from each request's computed-token count before and after the step.
+        ``finish_reasons``: vLLM's ("stop": EOS or a stop token; "length": max_tokens). ``logprobs``, for the
+        requests that asked for them: one :class:`TokenLogprobs` per new token (vLLM's raw logprobs: the
+        model's distribution before temperature, penalties and top-k/p; a guided request's grammar mask is
+        in it, as vLLM applies the mask to the logits). Prefill and decode token counts come from each
+        request's computed-token count before and after the step.
         """
         before = {
             t.request.request_id: (r.num_computed_tokens, r.num_prompt_tokens)
@@ -522,6 +578,7 @@ class VllmEngine:
         duration_s = self._clock() - start if outputs or before else 0.0
         self._connector.release_loaded()  # the step ran: the re-admitted requests own their KV now
         token_ids: dict[str, tuple[int, ...]] = {}
+        logprobs: dict[str, tuple[TokenLogprobs, ...]] = {}
         finished: list[str] = []
         reasons: dict[str, str] = {}
         for out in outputs:
@@ -534,6 +591,14 @@ class VllmEngine:
             if ids:
                 token_ids[rid] = ids
                 tracked.output_ids.extend(ids)
+                k = tracked.params.logprobs
+                if k is not None:
+                    entries = list(completion.logprobs or ())
+                    if len(entries) != len(ids):
+                        raise vi.UnsupportedVllmError(
+                            f"{self.instance_id}: vLLM returned {len(entries)} logprobs for {len(ids)} tokens"
+                        )
+                    logprobs[rid] = tuple(_token_logprobs(t, e, k) for t, e in zip(ids, entries, strict=True))
             if out.finished:
                 finished.append(rid)
                 reasons[rid] = str(completion.finish_reason or "stop")
@@ -569,6 +634,7 @@ class VllmEngine:
             num_scheduled_seqs=scheduled,
             token_ids=token_ids,
             finish_reasons=reasons,
+            logprobs=logprobs,
         )
 
     def load(self) -> EngineLoad:
@@ -593,6 +659,7 @@ class VllmEngine:
                         if tracked
                         else 0
                     ),
+                    unmigratable_reason=(not_migratable(tracked.params) or "") if tracked else "",
                 )
             )
         waiting = list(sched.waiting)
@@ -625,7 +692,7 @@ class VllmEngine:
         """None when the request can move faithfully now, else why not.
 
         Refused: unknown; suspended; not running (waiting, preempted); in prefill; frequency/presence
-        penalties or stop strings (see :meth:`VllmSamplingOptions.not_migratable`).
+        penalties or guided decoding (:func:`not_migratable`).
         """
         where = f"{self.instance_id}: request {request_id!r}"
         tracked = self._tracked.get(request_id)
@@ -638,7 +705,7 @@ class VllmEngine:
             return f"{where} is {str(r.status).lower()}, not running (waiting)"
         if r.num_computed_tokens < r.num_prompt_tokens or r.num_computed_tokens != r.num_tokens - 1:
             return f"{where} is still in prefill"
-        reason = tracked.options.not_migratable()
+        reason = not_migratable(tracked.params)
         return f"{where}: {reason}" if reason else None
 
     def read_blocks(self, request_id: str, first_block: int, num_blocks: int) -> KVPayload:
@@ -693,8 +760,8 @@ class VllmEngine:
     def suspend(self, request_id: str) -> MigrationState | None:
         """Between two steps: take a running decode-phase request out of the scheduler; it keeps its blocks.
 
-        ``extra``: ``generator_state`` (bytes or None for greedy), ``model_fingerprint`` (str),
-        ``vllm_options`` (dict of :class:`VllmSamplingOptions`). ``sampling_params.seed`` is the seed the
+        ``extra``: ``generator_state`` (bytes or None for greedy), ``model_fingerprint`` (str).
+        ``sampling_params`` (every setting, :func:`vllm_sampling_params`); its ``seed`` is the seed the
         request samples with (drawn here if it had none). None when it cannot move (:meth:`migratable`).
         """
         if self.migratable(request_id) is not None:
@@ -724,7 +791,6 @@ class VllmEngine:
                 if self.stateless_sampling
                 else vi.generator_state(self._h, tracked.internal_id),
                 EXTRA_MODEL_FINGERPRINT: self.model_fingerprint,
-                EXTRA_VLLM_OPTIONS: dataclasses.asdict(tracked.options),
             },
         )
 
@@ -894,8 +960,7 @@ class VllmEngine:
                 f"{where}: model fingerprint {state.extra.get(EXTRA_MODEL_FINGERPRINT)!r} != this engine's "
                 f"{self.model_fingerprint!r} (different model, dtype, block size or KV layout)"
             )
-        opts = _options_from(where, state.extra.get(EXTRA_VLLM_OPTIONS))
-        if (reason := opts.not_migratable()) is not None:
+        if state.sampling_params is not None and (reason := not_migratable(state.sampling_params)) is not None:
             raise ValueError(f"{where}: {reason}")
         gen_state = state.extra.get(EXTRA_GENERATOR_STATE)
         if gen_state is not None and not isinstance(gen_state, bytes):
@@ -936,7 +1001,7 @@ class VllmEngine:
         kv_params = {KV_PARAMS_KEY: reservation_id}
         try:
             entry.internal_id = self._submit(
-                state.request_id, prompt, params, opts, request, state.num_output_tokens, kv_params
+                state.request_id, prompt, params, request, state.num_output_tokens, kv_params
             )
         except Exception:
             self._connector.incoming.pop(reservation_id, None)
@@ -944,22 +1009,10 @@ class VllmEngine:
             raise
         internal = entry.internal_id
         vi.move_to_queue_head(self._h, internal)
-        tracked = _Tracked(request, params, opts, internal, list(state.output_token_ids), state.num_output_tokens)
+        tracked = _Tracked(request, params, internal, list(state.output_token_ids), state.num_output_tokens)
         tracked.num_loaded_tokens = state.num_computed_tokens
         self._track(tracked)
         return True
-
-
-def _options_from(where: str, raw: object) -> VllmSamplingOptions:
-    """``extra["vllm_options"]`` back into options; ValueError naming the field on anything else."""
-    if raw is None:
-        return VllmSamplingOptions()
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where}: extra[{EXTRA_VLLM_OPTIONS!r}] must be a dict, got {type(raw).__name__}")
-    try:
-        return VllmSamplingOptions(**{**raw, "stop": tuple(raw.get("stop", ()))})
-    except TypeError as exc:
-        raise ValueError(f"{where}: extra[{EXTRA_VLLM_OPTIONS!r}]: {exc}") from exc
 
 
 def _effective_params(where: str, request: EngineRequest, rng: random.Random) -> SamplingParams:
@@ -987,20 +1040,37 @@ def _fingerprint(
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def tiny_llama_checkpoint(directory: str | Path, seed: int = 0, vocab_size: int = 512) -> Path:
-    """Write a small random-weight Llama (float32) and a WordLevel tokenizer to ``directory``; no download.
+def tiny_llama_checkpoint(
+    directory: str | Path, seed: int = 0, vocab_size: int = 512, tokenizer: str | Path | None = None
+) -> Path:
+    """Write a small random-weight Llama (float32) and its tokenizer to ``directory``; nothing is downloaded.
 
-    Tokens are ``t0 .. t{vocab_size-1}`` (id = index; ``t1`` BOS, ``t2`` EOS). 2 layers, hidden 128,
-    4 query heads and 2 KV heads of dimension 32 (the CPU attention backend supports head_dim 32 and up),
-    weights drawn with ``initializer_range`` 0.5 from ``torch.manual_seed(seed)`` (peaked logits: varied
-    greedy streams). Idempotent: an existing checkpoint is kept. Returns the directory.
+    2 layers, hidden 128, 4 query heads and 2 KV heads of dimension 32 (the CPU attention backend supports
+    head_dim 32 and up), weights drawn with ``initializer_range`` 0.5 from ``torch.manual_seed(seed)``
+    (peaked logits: varied greedy streams).
+
+    ``tokenizer``: a Hugging Face tokenizer directory (``save_pretrained``'s files, chat template included)
+    copied into the checkpoint; the model takes its vocabulary (``len(tokenizer)`` ids, ``vocab_size`` is
+    ignored) and its BOS / EOS / pad ids, so vLLM and the gateway both read that tokenizer from the checkpoint
+    directory. None: a WordLevel tokenizer of ``vocab_size`` tokens ``t0 ..`` (id = index; ``t1`` BOS, ``t2``
+    EOS). Idempotent: an existing checkpoint is kept. Returns the directory.
+
+    Raises ``llumlet.engine.hf_tokenizer.TokenizerLoadError`` for a tokenizer directory that cannot be loaded.
     """
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+    from llumlet.engine.hf_tokenizer import load_hf_tokenizer
+
     out = Path(directory)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
+    special: dict[str, Any] = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}
+    hf_tokenizer = None
+    if tokenizer is not None:
+        hf_tokenizer = load_hf_tokenizer(tokenizer)
+        vocab_size = len(hf_tokenizer)
+        special = {k: getattr(hf_tokenizer, k) for k in special}
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=128,
@@ -1011,14 +1081,16 @@ def tiny_llama_checkpoint(directory: str | Path, seed: int = 0, vocab_size: int 
         head_dim=32,
         max_position_embeddings=2048,
         initializer_range=0.5,
-        bos_token_id=1,
-        eos_token_id=2,
         tie_word_embeddings=False,
+        **special,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).float()  # type: ignore[no-untyped-call, unused-ignore]
     model.save_pretrained(out)
+    if hf_tokenizer is not None:
+        hf_tokenizer.save_pretrained(out)
+        return out
     tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # type: ignore[assignment, unused-ignore]
     fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call, unused-ignore]

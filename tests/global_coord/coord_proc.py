@@ -34,7 +34,9 @@ def _path_of(src: str, dst: str) -> PathLike:
     return _Path(12.5e9, ("spine",), False)
 
 
-def _judge(move: MoveProposal, dst: str, path: PathLike, busiest_link_flows: int) -> Judgement:
+def _judge(
+    move: MoveProposal, dst: str, path: PathLike, busiest_link_flows: int, measured: float | None = None
+) -> Judgement:
     if busiest_link_flows >= 1:
         return Judgement(False, "link budget full")
     return Judgement(True, "approved: test judge", 0.1, 0.005)

@@ -42,7 +42,9 @@ def _path_of(src: str, dst: str) -> PathLike:
     return _Path(12.5e9, ("nic:" + src, "spine", "nic:" + dst), src[0] == dst[0])
 
 
-def _judge(move: MoveProposal, dst: str, path: PathLike, busiest_link_flows: int) -> Judgement:
+def _judge(
+    move: MoveProposal, dst: str, path: PathLike, busiest_link_flows: int, measured: float | None = None
+) -> Judgement:
     if busiest_link_flows >= 1:  # one migration per link
         return Judgement(False, f"link budget full: {busiest_link_flows} on the busiest link")
     return Judgement(True, "approved: test judge", transfer_s=0.4, downtime_s=0.01)

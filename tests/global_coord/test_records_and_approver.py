@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 
 import pytest
 
@@ -26,6 +27,7 @@ from global_coord.approver import (
     link_flows,
 )
 from policy.domain import DomainSummary, InstanceBrief
+from topology.bandwidth import BandwidthKey
 
 
 def _brief(
@@ -152,7 +154,7 @@ def test_choose_takes_first_approved_and_reports_last_rejection() -> None:
     paths = {"b0": ("l1",), "c0": ("l2",)}
     seen: list[tuple[str, int]] = []
 
-    def judge(move: MoveProposal, dst: str, path: _PathInfo, busiest: int) -> Judgement:
+    def judge(move: MoveProposal, dst: str, path: _PathInfo, busiest: int, measured: float | None = None) -> Judgement:
         seen.append((dst, busiest))
         if busiest >= 1:
             return Judgement(False, "link budget full")
@@ -167,3 +169,36 @@ def test_choose_takes_first_approved_and_reports_last_rejection() -> None:
     assert none.judgement.reason == "b0: link budget full"
     empty = choose_destination(_move(), [], lambda s, d: _PathInfo(()), judge, {})
     assert empty.judgement.reason.startswith("no destination")
+
+
+class _LookupsOnly(Mapping[BandwidthKey, float]):
+    """Measured rates that may only be looked up (as a lazy ``BandwidthEstimates.at`` view is meant to be)."""
+
+    def __init__(self, rates: dict[BandwidthKey, float]) -> None:
+        self.rates = rates
+        self.looked_up: list[BandwidthKey] = []
+
+    def __getitem__(self, key: BandwidthKey) -> float:
+        self.looked_up.append(key)
+        return self.rates[key]
+
+    def __iter__(self) -> Iterator[BandwidthKey]:
+        raise AssertionError("choose_destination iterated over every measured path")
+
+    def __len__(self) -> int:
+        raise AssertionError("choose_destination computed every measured path (len / bool)")
+
+
+def test_choose_prices_each_candidate_with_its_paths_measured_rate_looking_up_only_that() -> None:
+    paths = {"b0": ("l1",), "c0": ("l2",)}
+    priced: list[tuple[str, float | None]] = []
+
+    def judge(move: MoveProposal, dst: str, path: _PathInfo, busiest: int, measured: float | None = None) -> Judgement:
+        priced.append((dst, measured))
+        return Judgement(dst == "c0", "ok" if dst == "c0" else "slow")
+
+    measured = _LookupsOnly({("grpc", ("l1",)): 1e6})  # c0's path has no measurement
+    choice = choose_destination(_move(), ["b0", "c0"], lambda s, d: _PathInfo(paths[d]), judge, {}, measured=measured)
+    assert choice.dst_instance_id == "c0"
+    assert priced == [("b0", 1e6), ("c0", None)]
+    assert measured.looked_up == [("grpc", ("l1",)), ("grpc", ("l2",))]

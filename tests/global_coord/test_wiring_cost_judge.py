@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from global_coord.approver import MoveProposal
+from clusterstate.records import MigrationRecord, MigrationState
+from global_coord.approver import MoveProposal, decide, measured_rates
 from global_coord.wiring import load_cluster_model
+from policy.domain import DomainSummary, InstanceBrief
+from topology.bandwidth import MeasuredBandwidthConfig
 
 pytest.importorskip("topology.cost")  # merged from the topology branch
 pytest.importorskip("global_coord.approval")  # written by the lead
@@ -31,3 +36,54 @@ def test_cost_model_judge_on_the_two_node_example() -> None:
     full = model.judge(_move(1600, 500), "node-1-i0", path, 2)
     assert not full.approved and full.reason.startswith("link budget full: 2")
     assert model.topology.name == "2x8-a100"
+
+
+def _record(rid: str, rate: float, at_s: float, state: MigrationState = MigrationState.COMMITTED) -> MigrationRecord:
+    return MigrationRecord(
+        migration_id=MigrationRecord.make_id(rid, 1), request_id=rid, attempt=1, src_instance_id="node-0-i3",
+        dst_instance_id="node-1-i5", src_domain_id="node-0", dst_domain_id="node-1", blocks=10, state=state,
+        fencing_token=7, links=("nvlink:node-0-i3", "nic:node-0", "nic:node-1", "nvlink:node-1-i5"),
+        transport="grpc", measured_bandwidth_bytes_per_s=rate, measured_at_s=at_s,
+    )  # fmt: skip
+
+
+def test_a_slow_measured_link_makes_the_coordinator_refuse_what_it_approved_at_nominal_bandwidth() -> None:
+    model = load_cluster_model("2x8-a100")
+    move = _move(1600, 500)
+    brief = InstanceBrief("node-1-i0", 1000, 900, 100.0, 1, 0, False)
+    summaries = [DomainSummary("node-1", 1, 1000, 100.0, 900.0, 900, 1000, 1, 0, False, instances=(brief,))]
+    cfg = MeasuredBandwidthConfig(ewma_weight=0.5, max_age_s=60.0)
+
+    def decide_at(records: list[tuple[MigrationRecord, int]], now_s: float) -> tuple[str | None, str]:
+        """(the destination approved or None, the judgement's reason) with the records' rates at ``now_s``."""
+        measured = measured_rates(records, cfg, now_s)
+        choice = decide(move, "node-0", summaries, model.path_of, model.judge, {}, measured=measured)
+        return choice.dst_instance_id, choice.judgement.reason
+
+    # unmeasured: priced at the topology's 5 GB/s (20% of the 25 GB/s NICs), 839 MB in ~0.17 s: approved
+    nominal = ("node-1-i0", "approved: 169.4 ms transfer, 2.68 ms downtime at 5000.0 MB/s (topology)")
+    assert decide_at([], 100.0) == nominal
+    # moves between node-0 and node-1 (other GPUs: the same NICs) measured 8 then 12 MB/s: EWMA 10 MB/s, below
+    # the 26 MB/s the request's KV grows at (0.5 MiB per 20 ms step): the same move is refused
+    slow = [(_record("a", 8e6, 90.0), 11), (_record("b", 12e6, 95.0, MigrationState.ABORTED), 12)]
+    assert measured_rates(slow, cfg, 100.0) == {("grpc", ("nic:node-0", "nic:node-1")): 10e6}
+    refused = "node-1-i0: pre-copy does not converge: KV grows faster than the path carries it at 10.0 MB/s (measured)"
+    assert decide_at(slow, 100.0) == (None, refused)
+    # a fast measurement on the path (EWMA 0.5 x 2 GB/s + 0.5 x 10 MB/s) approves it again, priced at the
+    # measured 1005 MB/s since that is below the topology's share
+    fast = [*slow, (_record("c", 2e9, 99.0), 13)]
+    repriced = ("node-1-i0", "approved: 859.7 ms transfer, 9.35 ms downtime at 1005.0 MB/s (measured)")
+    assert decide_at(fast, 100.0) == repriced
+    assert decide_at(fast[::-1], 100.0) == repriced  # samples are folded in revision order, not list order
+    # a measurement above the share does not raise B: priced at the topology's 5 GB/s
+    faster = [(_record("d", 20e9, 99.0), 14)]
+    assert decide_at(faster, 100.0) == nominal
+    # the 8 MB/s sample counts up to 60 s old (at 150 s), then only the 12 MB/s one: still refused; once both
+    # are older than max_age_s the path is priced at the topology's bandwidth again
+    assert decide_at(slow, 150.0) == (None, refused)
+    assert decide_at(slow, 150.5) == (None, refused.replace("at 10.0 MB/s", "at 12.0 MB/s"))
+    assert decide_at(slow, 155.5) == nominal
+    # records without a measurement (not carried out, or stop-and-copy) are not samples
+    unmeasured = [(dataclasses.replace(r, measured_bandwidth_bytes_per_s=0.0), rev) for r, rev in slow]
+    assert measured_rates(unmeasured, cfg, 100.0) == {}
+    assert decide_at(unmeasured, 100.0) == nominal

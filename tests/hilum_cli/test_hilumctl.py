@@ -248,8 +248,11 @@ async def _get(c: Cluster, key: str) -> bytes | None:
         await client.close()
 
 
-async def _record_migration(c: Cluster, record: MigrationRecord, *then: MigrationState) -> None:
-    """Create a migration record as the leader does (fenced with its token), then move it through ``then``."""
+async def _record_migration(
+    c: Cluster, record: MigrationRecord, *then: MigrationState, measured: dict[str, object] | None = None
+) -> None:
+    """Create a migration record as the leader does (fenced with its token), then move it through ``then``
+    (the last transition with the ``measured`` fields, as a domain scheduler records a move's outcome)."""
     client = connect([c.etcd.endpoint])
     await client.connect()
     try:
@@ -257,8 +260,9 @@ async def _record_migration(c: Cluster, record: MigrationRecord, *then: Migratio
         created = await store.create_migration(replace(record, fencing_token=c.token), fence)
         assert created.ok
         rev = created.mod_revision
-        for state in then:
-            result = await store.transition(record.migration_id, rev, state, fence=fence)
+        for k, state in enumerate(then):
+            update = measured if k == len(then) - 1 else None
+            result = await store.transition(record.migration_id, rev, state, fence=fence, update=update)
             assert result.ok
             rev = result.mod_revision
     finally:
@@ -375,7 +379,9 @@ def test_topology(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_migrations_list_and_state_filter(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
     asyncio.run(_record_migration(cluster, _migration("list-a", "node-x-i0", "node-y-i0"), MigrationState.APPROVED))
-    asyncio.run(_record_migration(cluster, _migration("list-b", "node-x-i1", "node-y-i1", 8), MigrationState.ABORTED))
+    measured = {"transport": "grpc", "measured_bandwidth_bytes_per_s": 12.5e6, "measured_at_s": 1.7e9}
+    b = _migration("list-b", "node-x-i1", "node-y-i1", 8)
+    asyncio.run(_record_migration(cluster, b, MigrationState.APPROVED, MigrationState.ABORTED, measured=measured))
     address = cluster.standby_address
     # the standby's view follows etcd's watch
     by_id = until(
@@ -391,8 +397,10 @@ def test_migrations_list_and_state_filter(cluster: Cluster, capsys: pytest.Captu
         "dst_domain_id": "node-y", "blocks": 64, "fencing_token": cluster.token,
         "links": ["nic:node-0", "tor:rack-0"], "expected_transfer_s": 0.25, "expected_downtime_s": 0.004,
         "reason": "test move", "mod_revision": by_id["list-a#0"]["mod_revision"],
+        "transport": None, "measured_bandwidth_bytes_per_s": None,
     }  # fmt: skip
     assert by_id["list-b#0"]["state"] == "aborted"
+    assert (by_id["list-b#0"]["transport"], by_id["list-b#0"]["measured_bandwidth_bytes_per_s"]) == ("grpc", 12.5e6)
     active = ctl_json(capsys, "--coordinator", address, "--json", "migrations", "--state", "active")
     assert "list-a#0" in {m["migration_id"] for m in active["migrations"]}
     assert {m["state"] for m in active["migrations"]} <= {"proposed", "approved"}
@@ -403,6 +411,10 @@ def test_migrations_list_and_state_filter(cluster: Cluster, capsys: pytest.Captu
     row = next(line.split() for line in out.splitlines() if line.lstrip().startswith("list-a#0"))
     assert row[:10] == ["list-a#0", "approved", "node-x-i0", "(node-x)", "node-y-i0", "(node-y)", "64",
                         str(cluster.token), "0.250", "s"]  # fmt: skip
+    assert row[12] == "-"  # not measured
+    rc, out, _ = ctl(capsys, "--coordinator", address, "migrations", "--state", "aborted")
+    row = next(line.split() for line in out.splitlines() if line.lstrip().startswith("list-b#0"))
+    assert row[12:15] == ["12.5", "MB/s", "(grpc)"]
 
 
 def test_follow_prints_a_migration_created_while_it_runs(cluster: Cluster) -> None:

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from up_harness import UpProcess, alive, start_up
+from up_harness import CHAT_MESSAGES as MESSAGES
+from up_harness import UpProcess, chat_completion, openai_client, running_up
 
 from gateway.tokenizer import HFTokenizer
 
@@ -39,26 +40,19 @@ domains:
       - {id: a0, gpus: [0], tensor_parallel_size: 1, model: tiny-bpe, kv_capacity_blocks: 128}
       - {id: a1, gpus: [1], tensor_parallel_size: 1, model: tiny-bpe, kv_capacity_blocks: 128}
 """
-MESSAGES = [{"role": "system", "content": "Réponds en français."}, {"role": "user", "content": "Bonjour 🙂 你好"}]
 
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory, bpe_tokenizer_dir: Path) -> Iterator[UpProcess]:
     tmp = tmp_path_factory.mktemp("up-openai")
-    cluster = start_up(tmp, "torch", ["--tokenizer", str(bpe_tokenizer_dir)], timeout_s=300, topology=TOPOLOGY)
-    try:
+    with running_up(tmp, "torch", ["--tokenizer", str(bpe_tokenizer_dir)], timeout_s=300, topology=TOPOLOGY) as cluster:
         yield cluster
-    finally:
-        err = cluster.stop()
-        assert "no process left" in err
-        assert [p for p in cluster.info["pids"] if alive(p)] == []
 
 
 @pytest.fixture(scope="module")
 def client(up: UpProcess) -> Iterator[Any]:
-    c = openai.OpenAI(api_key="none", base_url=f"{up.url}/v1", max_retries=0, timeout=60)
-    yield c
-    c.close()
+    with openai_client(up, timeout_s=60) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +61,7 @@ def tok(bpe_tokenizer_dir: Path) -> HFTokenizer:
 
 
 def chat(client: Any, **kw: Any) -> Any:
-    extra = {"return_token_ids": True, **kw.pop("extra_body", {})}
-    return client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body=extra, **kw)
+    return chat_completion(client, MODEL, **kw)
 
 
 def test_models_and_the_registered_features(client: Any) -> None:

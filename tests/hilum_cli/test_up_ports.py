@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import socket
 import tempfile
@@ -86,3 +87,48 @@ def test_a_bad_configuration_file_is_refused_before_anything_starts(tmp_path: Pa
     assert run_up(cfg, out=io.StringIO(), err=err) == 1
     assert err.getvalue().startswith(f"hilum up: error: --config {bad}: {bad}: policy")
     assert not (tmp_path / "run").exists()
+
+
+def _up_vllm(tmp_path: Path, *options: str, **kw: object) -> tuple[int, str]:
+    topo = tmp_path / "t.yaml"
+    topo.write_text(TOPOLOGY)
+    err = io.StringIO()
+    cfg = UpConfig(
+        topology=str(topo),
+        engine="vllm",
+        engine_options=options,
+        port=0,
+        etcd_port=0,
+        grpc_base_port=0,
+        run_dir=str(tmp_path / "run"),
+        **kw,  # type: ignore[arg-type]
+    )
+    return run_up(cfg, out=io.StringIO(), err=err), err.getvalue()
+
+
+def test_engine_vllm_without_a_checkpoint_says_which_option(tmp_path: Path) -> None:
+    status, err = _up_vllm(tmp_path)
+    assert status == 1
+    assert err.startswith("hilum up: error: --engine vllm needs the checkpoint every llumlet loads: --engine-option")
+    assert not (tmp_path / "run").exists()
+
+
+def test_engine_vllm_refuses_a_python_without_vllm_naming_it_and_the_venv(tmp_path: Path) -> None:
+    import sys
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this python has vLLM: the refusal needs one without it")
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    status, err = _up_vllm(tmp_path, f"model={checkpoint}", llumlet_python=sys.executable)
+    assert status == 1
+    assert f"--engine vllm: the llumlets' python ({sys.executable}) cannot run vLLM: " in err
+    assert "No module named 'vllm'" in err and "make .venv-vllm/.installed" in err and "--llumlet-python" in err
+    assert not (tmp_path / "run").exists()  # refused before anything started
+
+
+def test_engine_vllm_with_a_model_name_needs_a_tokenizer_directory(tmp_path: Path) -> None:
+    status, err = _up_vllm(tmp_path, "model=meta-llama/Llama-3.1-8B-Instruct")
+    assert status == 1
+    assert "--engine-option model=meta-llama/Llama-3.1-8B-Instruct: not a directory here" in err
+    assert "pass --tokenizer DIR" in err

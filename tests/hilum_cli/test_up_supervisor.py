@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from up_harness import TOPOLOGY, UpProcess, alive, start_up
+from up_harness import TOPOLOGY, UpProcess, running_up
 
 from hilum_cli.ctl import main as hilumctl
 from llumlet.client import LlumletClient
@@ -38,13 +38,8 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     config = run_dir / "resume-off.yaml"
     config.write_text(CONFIG_TEXT)
     extra = ["--coordinators", "2", "--config", str(config)]
-    cluster = start_up(run_dir, "sim", extra)
-    try:
+    with running_up(run_dir, "sim", extra) as cluster:
         yield cluster
-    finally:
-        err = cluster.stop()
-        assert "no process left" in err
-        assert [p for p in cluster.read_info()["pids"] if alive(p)] == []
 
 
 def _kill(up: UpProcess, name: str) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from up_harness import UpProcess, alive, idle_load, start_up, wait_load
+from up_harness import UpProcess, idle_load, running_up, wait_load
 
 from hilum_proto.v1 import llumlet_pb2 as lpb
 from llumlet.client import LlumletClient
@@ -44,13 +44,8 @@ ATTEMPT_BASE = 1_000_000  # above any attempt a domain scheduler uses (they star
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     tmp = tmp_path_factory.mktemp("up-torch")
-    cluster = start_up(tmp, "torch", ["--min-step-s", "0.01"], timeout_s=300, kv_blocks=1024)
-    try:
+    with running_up(tmp, "torch", ["--min-step-s", "0.01"], timeout_s=300, kv_blocks=1024) as cluster:
         yield cluster
-    finally:
-        err = cluster.stop()
-        assert "no process left" in err
-        assert [p for p in cluster.info["pids"] if alive(p)] == []
 
 
 def requests_of_trace() -> list[tuple[float, dict[str, Any]]]:

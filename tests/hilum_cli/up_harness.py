@@ -1,9 +1,11 @@
 """Running ``hilum up`` as a real process for tests: start, read ``cluster.json``, stop with SIGINT, and
-check that no process is left behind; llumlet / domain scheduler load probes."""
+check that no process is left behind (:func:`running_up`); llumlet / domain scheduler load probes; the
+official ``openai`` client on its gateway (:func:`openai_client`, :func:`chat_completion`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -11,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +163,45 @@ def start_up(
     proc.kill()
     _, err = proc.communicate()
     raise AssertionError(f"hilum up did not come up: {''.join(lines)}\n{err}")
+
+
+@contextlib.contextmanager
+def running_up(run_dir: Path, engine: str, extra: list[str] | None = None, **kw: Any) -> Iterator[UpProcess]:
+    """:func:`start_up` (same arguments), yield the cluster; then stop it (Ctrl-C) and check it said that no
+    process was left and that none of the processes it started (as first started and as last restarted, from
+    ``cluster.json``) is alive. Raises AssertionError when one is."""
+    cluster = start_up(run_dir, engine, extra, **kw)
+    try:
+        yield cluster
+    finally:
+        err = cluster.stop()
+        assert "no process left" in err, err
+        pids = set(cluster.info["pids"]) | set(cluster.read_info()["pids"])
+        assert sorted(p for p in pids if alive(p)) == []
+
+
+#: A chat in three scripts (accents, an emoji, CJK): the tokenizer's byte fallback and its chat template.
+CHAT_MESSAGES = [{"role": "system", "content": "Réponds en français."}, {"role": "user", "content": "Bonjour 🙂 你好"}]
+
+
+@contextlib.contextmanager
+def openai_client(cluster: UpProcess, timeout_s: float) -> Iterator[Any]:
+    """The official ``openai`` client on the cluster's gateway, without retries (a failure shows at once),
+    each call given ``timeout_s`` seconds; closed on exit."""
+    import openai
+
+    client = openai.OpenAI(api_key="none", base_url=f"{cluster.url}/v1", max_retries=0, timeout=timeout_s)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def chat_completion(client: Any, model: str, **kw: Any) -> Any:
+    """A chat completion of :data:`CHAT_MESSAGES` on ``model`` that returns the token ids beside the text
+    (``return_token_ids``, merged into the ``extra_body`` given); ``kw`` goes to ``chat.completions.create``."""
+    extra = {"return_token_ids": True, **kw.pop("extra_body", {})}
+    return client.chat.completions.create(model=model, messages=CHAT_MESSAGES, extra_body=extra, **kw)
 
 
 def alive(pid: int) -> bool:

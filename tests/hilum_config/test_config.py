@@ -28,10 +28,14 @@ def test_the_example_file_holds_exactly_the_defaults() -> None:
 def test_every_key_is_documented_with_its_default() -> None:
     doc = DOC.read_text()
     cfg = HilumConfig()
-    names = ("policy", "remaining", "domain", "cost", "approval", "intervals", "resume")
-    sections = [(s, getattr(cfg, s)) for s in names]
-    sections += [("autoscale", cfg.autoscale), ("autoscale", cfg.actuator)]  # one section, two dataclasses
-    for section, value in sections:
+    # every field is a section of its own, but the actuator's keys, which are the autoscale section's too
+    fields = [f.name for f in dataclasses.fields(HilumConfig) if f.name != "source"]
+    assert "measured_bandwidth" in fields and "autoscale" in fields
+    example = EXAMPLE.read_text()
+    for name in fields:
+        section = "autoscale" if name == "actuator" else name
+        assert re.search(rf"^{section}:", example, flags=re.MULTILINE), f"examples/hilum.yaml lacks {section}"
+        value = getattr(cfg, name)
         for f in dataclasses.fields(value):
             if f.init and f.name not in ("policy", "remaining"):
                 row = re.search(rf"^\| `{section}\.{f.name}` \|[^\n]*", doc, flags=re.MULTILINE)
@@ -51,7 +55,7 @@ def test_errors_name_the_file_and_the_key_all_at_once(tmp_path: Path) -> None:
         load_config(bad)
     assert err.value.errors == [
         f"{bad}: extras: unknown section (known: policy, remaining, domain, cost, approval, intervals, resume, "
-        "autoscale)",
+        "measured_bandwidth, autoscale)",
         f"{bad}: policy.no_such_key: Extra inputs are not permitted",
         f"{bad}: cost.cap_fraction: Input should be a valid number",
         f"{bad}: approval: downtime_budget_s must be > 0, got -1.0",

@@ -2,9 +2,10 @@
 
 A request decodes on ``src``; its KV moves in pre-copy stages (full blocks while it keeps decoding, then
 the rest after ``suspend``); ``dst`` re-admits it with its KV loaded by the connector (nothing recomputed)
-and the sampling generator restored. Its token stream must equal the stream of the same request run
-without migration. A negative control corrupts one moved block and sees the stream change, which proves
-the destination really attends over the moved KV. What cannot move faithfully is refused with a reason.
+and the sampling generator restored. Its token stream (and its logprobs) must equal those of the same
+request run without migration. A negative control corrupts one moved block and sees the stream change, which
+proves the destination really attends over the moved KV. What cannot move faithfully (frequency / presence
+penalties, guided decoding) is refused with a reason, and the load report says so.
 
 Runs only where vLLM is importable (``make test-vllm``).
 """
@@ -15,6 +16,7 @@ import dataclasses
 import importlib.util
 import os
 import random
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,15 +29,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    from llumlet.engine.vllm_engine import (
-        EXTRA_GENERATOR_STATE,
-        VllmEngine,
-        VllmSamplingOptions,
-        tiny_llama_checkpoint,
-    )
+    from llumlet.engine.vllm_engine import EXTRA_GENERATOR_STATE, VllmEngine, tiny_llama_checkpoint
     from llumlet.engine.vllm_internals import UnsupportedVllmError, check_vllm_version
 
 from llumlet.engine import EngineRequest, KVPayload, SamplingParams
+from llumlet.engine.types import GuidedDecoding, TokenLogprobs
 
 pytestmark = [
     pytest.mark.slow,
@@ -86,29 +84,34 @@ def request(rid: str, params: SamplingParams, prompt: tuple[int, ...] = PROMPT) 
     return EngineRequest(rid, len(prompt), params.max_tokens, prompt_token_ids=prompt, sampling_params=params)
 
 
+LOGPROBS: dict[str, list[TokenLogprobs]] = {}  # request id -> logprobs of the last run/steps that saw it
+
+
+def _take(engine: VllmEngine, streams: dict[str, list[int]]) -> None:
+    result = engine.step()
+    for rid, ids in result.token_ids.items():
+        streams.setdefault(rid, []).extend(ids)
+    for rid, lps in result.logprobs.items():
+        LOGPROBS.setdefault(rid, []).extend(lps)
+
+
 def run(engine: VllmEngine, streams: dict[str, list[int]], max_steps: int = 200) -> None:
     for _ in range(max_steps):
         if not engine.has_work():
             return
-        for rid, ids in engine.step().token_ids.items():
-            streams.setdefault(rid, []).extend(ids)
+        _take(engine, streams)
     raise AssertionError("did not finish")
 
 
 def steps(engine: VllmEngine, n: int, streams: dict[str, list[int]]) -> None:
     for _ in range(n):
-        for rid, ids in engine.step().token_ids.items():
-            streams.setdefault(rid, []).extend(ids)
+        _take(engine, streams)
 
 
-def reference(
-    engine: VllmEngine,
-    params: SamplingParams,
-    options: VllmSamplingOptions | None = None,
-    prompt: tuple[int, ...] = PROMPT,
-) -> list[int]:
+def reference(engine: VllmEngine, params: SamplingParams, prompt: tuple[int, ...] = PROMPT) -> list[int]:
     streams: dict[str, list[int]] = {}
-    engine.add_request(request("ref", params, prompt), options)
+    LOGPROBS.pop("ref", None)
+    engine.add_request(request("ref", params, prompt))
     run(engine, streams)
     return streams["ref"]
 
@@ -206,38 +209,73 @@ def migrate_rest(src: VllmEngine, dst: VllmEngine, rid: str, streams: dict[str, 
     assert src.free_migrated(rid) == blocks
 
 
-def test_repetition_penalty_top_k_and_min_tokens_are_carried(pair: tuple[VllmEngine, VllmEngine]) -> None:
+def test_repetition_penalty_top_k_min_tokens_and_logprobs_are_carried(pair: tuple[VllmEngine, VllmEngine]) -> None:
     src, dst = pair
-    params = dataclasses.replace(SEEDED, ignore_eos=False, seed=77)
-    options = VllmSamplingOptions(repetition_penalty=1.3, top_k=50, min_tokens=20)
-    expected = reference(src, params, options)
+    params = dataclasses.replace(
+        SEEDED, ignore_eos=False, seed=77, repetition_penalty=1.3, top_k=50, min_tokens=20, logprobs=3
+    )
+    expected = reference(src, params)
+    expected_logprobs = LOGPROBS.pop("ref")
     streams: dict[str, list[int]] = {}
-    src.add_request(request("r", params), options)
+    LOGPROBS.pop("r", None)
+    src.add_request(request("r", params))
     steps(src, 5, streams)
     assert src.migratable("r") is None
     migrate_rest(src, dst, "r", streams)
     run(dst, streams)
     assert streams["r"] == expected and len(expected) >= 20
+    assert len(expected_logprobs) == len(expected) and all(len(lp.top) == 3 for lp in expected_logprobs)
+    got = LOGPROBS.pop("r")
+    assert [lp.top[0][0] for lp in got] == [lp.top[0][0] for lp in expected_logprobs]
+    for a, b in zip(got, expected_logprobs, strict=True):  # the destination computes the same distribution
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
 
 
 @pytest.mark.parametrize(
-    ("options", "reason"),
+    ("params", "reason"),
     [
-        (VllmSamplingOptions(frequency_penalty=0.5), "frequency/presence penalty"),
-        (VllmSamplingOptions(presence_penalty=0.5), "frequency/presence penalty"),
-        (VllmSamplingOptions(stop=("t7 t8",)), "stop strings"),
+        (dataclasses.replace(GREEDY, frequency_penalty=0.5), "frequency/presence penalty (0.5, 0.0): vLLM counts"),
+        (dataclasses.replace(GREEDY, presence_penalty=0.5), "frequency/presence penalty (0.0, 0.5): vLLM counts"),
     ],
+    ids=["frequency", "presence"],
 )
 def test_what_cannot_move_faithfully_is_refused(
-    pair: tuple[VllmEngine, VllmEngine], options: VllmSamplingOptions, reason: str
+    pair: tuple[VllmEngine, VllmEngine], params: SamplingParams, reason: str
 ) -> None:
     src, _dst = pair
-    src.add_request(request("r", GREEDY), options)
+    src.add_request(request("r", params))
     steps(src, 2, {})
     refusal = src.migratable("r")
     assert refusal is not None and reason in refusal
+    (running,) = src.load().running
+    assert reason in running.unmigratable_reason  # no scheduler plans a move it would refuse
+    assert not src.load().to_instance_load("src", "d").running[0].migratable
     assert src.suspend("r") is None
     assert src.abort("r")
+
+
+@pytest.mark.parametrize(
+    ("params", "reason"),
+    [
+        (dataclasses.replace(GREEDY, presence_penalty=0.5), "frequency/presence penalty (0.0, 0.5)"),
+        (dataclasses.replace(GREEDY, guided=GuidedDecoding("json_object")), "guided decoding (json_object)"),
+    ],
+    ids=["presence", "guided"],
+)
+def test_a_destination_refuses_a_state_that_cannot_move(
+    pair: tuple[VllmEngine, VllmEngine], params: SamplingParams, reason: str
+) -> None:
+    """A source that did not check: the destination's commit refuses it, changing nothing."""
+    src, dst = pair
+    src.add_request(request("g", GREEDY))
+    steps(src, 2, {})
+    moved = src.suspend("g")
+    assert moved is not None
+    assert dst.reserve("x", 4)
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        dst.commit_incoming("x", dataclasses.replace(moved, sampling_params=params))
+    assert dst.release_reservation("x") == 4
+    assert src.resume("g") and src.abort("g")
 
 
 def fresh_prompt(seed: int) -> tuple[int, ...]:

@@ -8,9 +8,12 @@ The same scripted sequence of load reports of four instances in two NVLink domai
 - once through the simulator's composition (``sim.schedulers.HilumTwoTier``), whose cluster reports the same
   loads.
 
-Three decisions are compared: where a new request goes (domain, then instance), which move the busy domain
-makes inside itself, and which cross-domain move is proposed and where the coordinator sends it. The loads
-are chosen without near-ties, so the seeded tie-breaks cannot differ.
+Four decisions are compared: where a new request goes (domain, then instance), which move the busy domain
+makes inside itself, which cross-domain move is proposed and where the coordinator sends it, and — once that
+move reported a pre-copy rate far below the path's nominal one (live: in the MigrateOut reply, written into
+the migration record by the domain scheduler; simulated: in the executor's record) — that the next proposal
+on the same path is refused for it. The loads are chosen without near-ties, so the seeded tie-breaks cannot
+differ.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ MODEL = "llama-2-7b"
 BS = 16
 STEP_S = 0.03
 CFG = DomainConfig(policy=PolicyConfig(tie_tolerance=0.0))
+SLOW_BYTES_PER_S = 10e6  # measured pre-copy rate of the first cross-domain move: KV grows faster (17 MB/s)
 
 
 def _engine_load(*blocks: int) -> EngineLoad:
@@ -88,6 +92,8 @@ class Decisions:
     dispatch: tuple[str, str] = ("", "")  # (domain, instance) of the new request
     intra: list[tuple[str, str, str]] = field(default_factory=list)  # (src, dst, request) moves in n1
     cross: list[tuple[str, str, str]] = field(default_factory=list)  # (src, dst, request) across domains
+    after_measured: list[tuple[str, str, str]] = field(default_factory=list)  # moves started after the report
+    refused: list[str] = field(default_factory=list)  # requests of n1 whose move was not approved
 
 
 # ---------------------------------------------------------------------------------------------- simulated
@@ -155,14 +161,22 @@ class _Executor:
         self.started.append((src_id, dst_id, request_id))
         return True
 
-    def commit_all(self) -> None:
-        for _src, _dst, request_id in self.started:
+    def commit_all(self, precopy_bytes_per_s: float = 0.0) -> None:
+        started, self.started = self.started, []  # a commit may start the next move at once
+        for src, dst, request_id in started:
+            record = SimpleNamespace(
+                request_id=request_id,
+                outcome="committed",
+                src_instance_id=src,
+                dst_instance_id=dst,
+                end_s=0.0,
+                precopy_bandwidth_bytes_per_s=precopy_bytes_per_s,
+            )
             for listener in self.on_done:
-                listener(SimpleNamespace(request_id=request_id, outcome="committed"))
-        self.started.clear()
+                listener(record)
 
 
-def simulated(topo: Topology) -> Decisions:
+def simulated(topo: Topology, measured_bytes_per_s: float = SLOW_BYTES_PER_S) -> Decisions:
     cluster = _Cluster(topo)
     executor = _Executor()
     cluster.loads = STEP_DISPATCH
@@ -189,6 +203,9 @@ def simulated(topo: Topology) -> Decisions:
     sched._publish()
     sched._propose("n1")
     out.cross = list(executor.started)
+    executor.commit_all(measured_bytes_per_s)  # the move reports its pre-copy rate; n1 proposes again at once
+    out.after_measured = list(executor.started)
+    out.refused = sorted(sched.feeds["n1"].core._not_approved)
     return out
 
 
@@ -202,6 +219,7 @@ class _ScriptedLlumlet(pb_grpc.LlumletServicer):
         self.version = 0
         self.changed = asyncio.Event()
         self.commands: list[pb.MigrateOutRequest] = []
+        self.precopy_bytes_per_s = 0.0  # what MigrateOut reports having measured
         self.address = ""
         self.server = grpc.aio.server()
 
@@ -232,7 +250,9 @@ class _ScriptedLlumlet(pb_grpc.LlumletServicer):
 
     async def MigrateOut(self, request: pb.MigrateOutRequest, context: Any) -> pb.MigrateOutReply:
         self.commands.append(request)
-        return pb.MigrateOutReply(outcome=pb.MIGRATION_COMMITTED)
+        return pb.MigrateOutReply(
+            outcome=pb.MIGRATION_COMMITTED, transport="grpc", precopy_bandwidth_bytes_per_s=self.precopy_bytes_per_s
+        )
 
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseReply:
         return pb.ReleaseReply(status=pb.DEST_OK)
@@ -278,6 +298,7 @@ async def live(topo: Topology, endpoint: str, prefix: str) -> Decisions:
             rng=random.Random(1),
             path_of=TopologyGraph(topo).path,
             judge=CostModelJudge(topo),
+            wall_clock=ManualClock().wall_s,  # the domain schedulers' clock stamps the measurements
         )
         await start_coordinator(coord, server)
         stack.push_async_callback(server.stop, None)
@@ -365,8 +386,29 @@ async def live(topo: Topology, endpoint: str, prefix: str) -> Decisions:
             )
             move = scheds["n1"].plan_cross_domain()
             assert move is not None
+            for ll in llumlets.values():
+                ll.precopy_bytes_per_s = SLOW_BYTES_PER_S
             assert await scheds["n1"].cross_domain(move), "the approved cross-domain move did not commit"
             out.cross = [(iid, c.dst_instance_id, c.request_id) for iid, ll in llumlets.items() for c in ll.commands]
+            for ll in llumlets.values():
+                ll.commands.clear()
+
+            def measured() -> bool:
+                return any(r.measured_bandwidth_bytes_per_s > 0 for r, _ in coord.view.migrations().values())
+
+            await _until(measured, "the coordinator sees the measured rate in the migration record")
+            for iid, load in STEP_CROSS.items():
+                llumlets[iid].set(load)  # a fresh report: the source settles after its move
+            await _until(lambda: not scheds["n1"].core.is_busy(move.src_instance_id, 0.0), "the source settled")
+            again = scheds["n1"].plan_cross_domain()
+            assert again is not None
+            assert not await scheds["n1"].cross_domain(again)
+            out.after_measured = [
+                (iid, c.dst_instance_id, c.request_id) for iid, ll in llumlets.items() for c in ll.commands
+            ]
+            out.refused = sorted(scheds["n1"].core._not_approved)
+            answer = await coord.propose(again.proposal("n1", 10**9))
+            assert not answer.approved and "at 10.0 MB/s (measured)" in answer.reason, answer.reason
             return out
         finally:
             for stop in stops:
@@ -384,5 +426,8 @@ def test_live_shells_and_the_simulator_make_the_same_decisions(etcd: Any, prefix
     assert sim.dispatch == ("n0", "n0-i1")
     assert sim.intra == [("n1-i0", "n1-i1", "n1-i0-r0")]
     assert len(sim.cross) == 1 and sim.cross[0][1] == "n0-i1"  # the empty instance, not merely the freest domain
+    assert sim.after_measured == [] and sim.refused == [sim.cross[0][2]]  # priced at 10 MB/s: not approved
+    nominal = simulated(topo, measured_bytes_per_s=5e9)  # a measurement at the nominal share changes nothing
+    assert nominal.after_measured == sim.cross and nominal.refused == []
     got = asyncio.run(live(topo, etcd.endpoint, prefix))
     assert got == sim
