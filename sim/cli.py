@@ -93,7 +93,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--autoscale",
         action="store_true",
-        help="run the autoscaler (the configuration file's autoscale section) on the virtual clock",
+        help="run the autoscaler (the configuration file's autoscale section) on the virtual clock; on too when "
+        "that section says enabled: true",
     )
     parser.add_argument(
         "--initial-instances",
@@ -154,8 +155,11 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         options=options,
         config=args.config,
     )
+    config = load_config(args.config)  # fail before any work on a bad configuration file
+    if config.autoscale.enabled and not args.autoscale:  # the file's switch turns it on here too
+        base = replace(base, options={**options, "autoscale": True})
     parsed = base.parsed_options()  # fail before any work on bad options
-    check_autoscale(parsed, load_config(args.config))  # and on a bad configuration file, or one that clashes
+    check_autoscale(parsed, config)  # and on a configuration that clashes with them
     return [replace(base, policy=p) for p in policies]
 
 
@@ -244,6 +248,13 @@ def run_size_cli(args: argparse.Namespace) -> int:
     if isinstance(loaded, int):
         return loaded
     specs, topology, trace, out = loaded
+    if specs[0].parsed_options().autoscale:  # not from the command line (refused above): the file's switch
+        err.print(
+            "[red]hilum sim size:[/red] the configuration's autoscale.enabled is true: sim size sizes static "
+            "fleets; use a configuration with it false",
+            highlight=False,
+        )
+        return 2
     model = served_model(topology, specs[0].parsed_options().model)
     pool_size = sum(1 for i in topology.instances if i.model == model)
     target_s = args.target_p99_ttft_ms / 1e3

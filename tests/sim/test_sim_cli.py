@@ -55,6 +55,22 @@ def test_sim_autoscale_prints_gpu_hours_and_its_decisions_reach_results_json(
     assert run["summary"]["gpu_hours"] == pytest.approx(expected)
 
 
+def test_the_configuration_files_autoscale_switch_runs_the_autoscaler(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "hilum.yaml"
+    text = example.read_text()
+    assert "  enabled: false " in text
+    config = tmp_path / "on.yaml"
+    config.write_text(text.replace("  enabled: false ", "  enabled: true  ", 1))
+    argv = ["sim", "--max-requests", "300", "--policy", "hilum", "--initial-instances", "2", "--config", str(config)]
+    assert main([*argv, "--json"]) == 0
+    (summary,) = json.loads(capsys.readouterr().out)
+    assert summary["scale_outs"] >= 1  # as with --autoscale: two instances cannot hold 13 req/s
+    assert main(["sim", "size", "--target-p99-ttft-ms", "1000", "--config", str(config), "--max-requests", "5"]) == 2
+    assert "autoscale.enabled is true" in capsys.readouterr().err
+
+
 def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["sim", "--trace", "sharegpt", "--arrival", "gamma", "--arrival-cv", "3", "--rate", "5"]
     assert main([*argv, "--max-requests", "20", "--policy", "hilum", "--json", "--rate-scale", "1"]) == 0
