@@ -21,11 +21,13 @@ from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, TypeVar
 
+from policy.autoscale import AutoscaleState, Evaluation
 from policy.domain import DomainSummary, InstanceBrief
 
 __all__ = [
     "ACTIVE_STATES",
     "TRANSITIONS",
+    "AutoscaleRecord",
     "DomainRegistration",
     "DrainIntent",
     "DrainKind",
@@ -33,6 +35,7 @@ __all__ = [
     "MigrationRecord",
     "MigrationState",
     "RecordError",
+    "ScaleEvent",
     "SummaryRecord",
     "decode",
     "encode",
@@ -159,8 +162,37 @@ class DrainIntent:
     fencing_token: int = 0  # token of the leader that wrote it
 
 
-Record = DomainRegistration | InstanceRegistration | SummaryRecord | MigrationRecord | DrainIntent
-R = TypeVar("R", DomainRegistration, InstanceRegistration, SummaryRecord, MigrationRecord, DrainIntent)
+@dataclass(frozen=True, slots=True)
+class ScaleEvent:
+    """One decision of the autoscaler (``policy.autoscale.ScaleDecision``) and what became of it."""
+
+    action: str  # policy.autoscale.ScaleAction value: scale-out, undrain, drain, scale-in, release
+    instance_id: str
+    at_s: float  # when it was decided, wall clock (seconds since the epoch)
+    reason: str  # the rule that decided, with its figures
+    status: str = "running"  # "running", "done" or "failed"
+    attempts: int = 0  # hook attempts made (actions without a hook: 0)
+    exit_code: int | None = None  # of the hook's last attempt (None: no hook, not finished, timed out)
+    output: str = ""  # the end of the hook's last output, or why the action failed
+    finished_s: float | None = None  # when it ended, wall clock
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscaleRecord:
+    """What the autoscaler leader keeps at ``P autoscale/<model>``: its state, its last round, recent decisions.
+
+    Written by the leader only (fenced); a new leader resumes from ``state``.
+    """
+
+    model: str
+    state: AutoscaleState
+    evaluation: Evaluation | None = None  # the last round (None before the first)
+    events: tuple[ScaleEvent, ...] = ()  # the most recent decisions, oldest first
+    fencing_token: int = 0  # token of the leader that wrote it
+
+
+Record = DomainRegistration | InstanceRegistration | SummaryRecord | MigrationRecord | DrainIntent | AutoscaleRecord
+R = TypeVar("R", DomainRegistration, InstanceRegistration, SummaryRecord, MigrationRecord, DrainIntent, AutoscaleRecord)
 
 
 def encode(record: Record) -> bytes:

@@ -11,10 +11,12 @@ Key layout (``P`` = the prefix, default ``/hilum/v1/``; every value is JSON, see
                                     the key's mod revision; coordinator writes also carry the leader fence
     P drains/instance/<id>          DrainIntent, durable; created / deleted by the leader, fenced
     P drains/domain/<id>
+    P autoscale/<model>             AutoscaleRecord, durable; the autoscaler's state and recent decisions,
+                                    put by the leader, fenced
 
-Registrations and summaries vanish with their agent's lease; migrations and drains survive everything
-and are the only durable state. The coordinator keeps nothing else: its :class:`ClusterView` is rebuilt
-by listing ``P`` and watching from the list revision.
+Registrations and summaries vanish with their agent's lease; migrations, drains and the autoscaler's records
+survive everything and are the only durable state. The coordinator keeps nothing else: its
+:class:`ClusterView` is rebuilt by listing ``P`` and watching from the list revision.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from clusterstate.etcd import (
 from clusterstate.fencing import Fence, FencedOut
 from clusterstate.records import (
     TRANSITIONS,
+    AutoscaleRecord,
     DomainRegistration,
     DrainIntent,
     DrainKind,
@@ -89,6 +92,9 @@ class Keys:
 
     def drain(self, kind: DrainKind, target_id: str) -> str:
         return f"{self.prefix}drains/{kind.value}/{_check_id(target_id)}"
+
+    def autoscale(self, model: str) -> str:
+        return f"{self.prefix}autoscale/{_check_id(model)}"
 
 
 def _check_id(ident: str) -> str:
@@ -246,6 +252,19 @@ class Store:
         self._check_fence(resp, fence)
         return False
 
+    async def put_autoscale(self, record: AutoscaleRecord, fence: Fence) -> None:
+        """Write the autoscaler's record of one model, only while ``fence`` holds.
+
+        Raises:
+            FencedOut: when the writer no longer leads.
+        """
+        kv = kv_of(self._client)
+        resp = await self._txn(
+            [fence.compare()], [kv.txn_op_put(self.keys.autoscale(record.model), encode(record))], []
+        )
+        if not resp.succeeded:  # the only comparison is the fence
+            raise FencedOut(f"leader key {fence.leader_key} no longer has fencing token {fence.token}")
+
     @staticmethod
     def _check_fence(resp: Any, fence: Fence) -> None:
         leader_kvs = list(resp.responses[1].response_range.kvs)
@@ -385,6 +404,10 @@ class ClusterView:
 
     def drains(self) -> dict[tuple[DrainKind, str], DrainIntent]:
         return {(r.kind, r.target_id): r for r in self._decoded("drains/", DrainIntent).values()}
+
+    def autoscale(self) -> dict[str, AutoscaleRecord]:
+        """model -> the autoscaler's record."""
+        return {r.model: r for r in self._decoded("autoscale/", AutoscaleRecord).values()}
 
     async def wait_changed(self, seen_version: int) -> int:
         """Wait until :attr:`version` differs from ``seen_version``; return the new version."""

@@ -18,11 +18,14 @@ from collections.abc import Sequence
 
 import hilum_config
 from clusterstate.etcd import connect
+from global_coord.actuator import CommandActuator
+from global_coord.autoscaler import AutoscaleLoop
 from global_coord.coordinator import Coordinator, CoordinatorConfig
 from global_coord.server import start_server
 from global_coord.wiring import ClusterModel, load_cluster_model
 from hilum_proto.tls import advertised_address, bind_server
-from topology.bandwidth import MeasuredBandwidthConfig
+from policy.autoscale import pools_of
+from topology.spec import Topology
 
 __all__ = ["main", "parse_args", "serve_replica"]
 
@@ -45,13 +48,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 async def serve_replica(
-    ns: argparse.Namespace, model: ClusterModel | None, bandwidth: MeasuredBandwidthConfig | None = None
+    ns: argparse.Namespace, model: ClusterModel | None, settings: hilum_config.HilumConfig | None = None
 ) -> int:
     """Run one replica as configured by ``ns`` (from :func:`parse_args`) until SIGTERM/SIGINT.
 
     ``model`` supplies the topology, paths and judge (None: proposals are rejected, GetTopology says
-    nothing is loaded); ``bandwidth`` how measured rates price moves (None: the defaults). Returns the exit
-    status.
+    nothing is loaded). ``settings``: the configuration file (None: the defaults): its ``measured_bandwidth``
+    section prices moves at measured rates, and with ``autoscale.enabled`` (checked by :func:`check_autoscale`)
+    the replica runs the autoscaler while it leads. Returns the exit status.
     """
     endpoints = [e.strip() for e in ns.etcd.split(",") if e.strip()]
     client = connect(endpoints)
@@ -75,16 +79,40 @@ async def serve_replica(
         path_of=model.path_of if model else None,
         judge=model.judge if model else None,
         topology=model.topology if model else None,
-        bandwidth=bandwidth,
+        bandwidth=settings.measured_bandwidth if settings is not None else None,
     )
-    await start_server(coordinator, server)
+    loop_task = None
+    if settings is not None and settings.autoscale.enabled and model is not None:
+        assert isinstance(model.topology, Topology)  # check_autoscale
+        actuator = CommandActuator(settings.actuator)
+        autoscale = AutoscaleLoop(coordinator, settings.autoscale, actuator, pools_of(model.topology.instances))
+        loop_task = asyncio.create_task(autoscale.run(stop), name="autoscaler")
+    await start_server(
+        coordinator,
+        server,
+        settings.autoscale if settings is not None else None,
+        settings.actuator if settings is not None else None,
+    )
     print(f"coordinator {ns.id} listening on port {port}", flush=True)
     try:
         await coordinator.run(stop)
     finally:
+        if loop_task is not None:
+            stop.set()
+            await loop_task
         await server.stop(grace=1.0)
         await client.close()
     return 0
+
+
+def check_autoscale(settings: hilum_config.HilumConfig, topology: str | None) -> None:
+    """Raise ValueError, naming the key, when ``autoscale.enabled`` cannot be honoured: no topology (no pool of
+    instances) or no runnable ``autoscale.command``."""
+    if not settings.autoscale.enabled:
+        return
+    if not topology:
+        raise ValueError("autoscale.enabled needs --topology: the autoscaler starts and stops the topology's instances")
+    settings.actuator.check()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,8 +125,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"global_coord: error: {exc}", file=sys.stderr)
         return 2  # a configuration error: restarting cannot fix it
     try:
+        check_autoscale(settings, ns.topology)
+    except ValueError as exc:
+        print(f"global_coord: error: {settings.source}: {exc}", file=sys.stderr)
+        return 2
+    try:
         model = load_cluster_model(ns.topology, settings.cost, settings.approval) if ns.topology else None
-        return asyncio.run(serve_replica(ns, model, settings.measured_bandwidth))
+        return asyncio.run(serve_replica(ns, model, settings))
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"global_coord: error: {exc}", file=sys.stderr)
         return 1

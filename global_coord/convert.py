@@ -8,20 +8,24 @@ Functions named after the message build it; ``*_from_pb`` functions read one and
 from __future__ import annotations
 
 from clusterstate.records import (
+    AutoscaleRecord,
     DomainRegistration,
     DrainIntent,
     DrainKind,
     InstanceRegistration,
     MigrationRecord,
     MigrationState,
+    ScaleEvent,
     SummaryRecord,
 )
 from global_coord.approver import MoveProposal
 from global_coord.coordinator import StatusInfo, TopologyLike
 from hilum_proto.v1 import coordinator_pb2 as pb
+from policy.autoscale import AutoscaleConfig
 from policy.domain import DomainSummary, InstanceBrief
 
 __all__ = [
+    "autoscale_reply",
     "brief",
     "brief_from_pb",
     "domain_info",
@@ -304,4 +308,65 @@ def topology_reply(topo: TopologyLike | None) -> pb.TopologyReply:
             )
             for d in topo.domains
         ],
+    )
+
+
+def _scale_event(e: ScaleEvent) -> pb.ScaleEvent:
+    return pb.ScaleEvent(
+        action=e.action,
+        instance_id=e.instance_id,
+        at_s=e.at_s,
+        reason=e.reason,
+        status=e.status,
+        attempts=e.attempts,
+        exit_code=e.exit_code,
+        output=e.output,
+        finished_s=e.finished_s,
+    )
+
+
+def _autoscale_model(r: AutoscaleRecord) -> pb.AutoscaleModel:
+    msg = pb.AutoscaleModel(
+        model=r.model,
+        instances=[
+            pb.AutoscaleInstance(instance_id=t.instance_id, phase=t.phase.value, since_s=t.since_s)
+            for t in r.state.tracked
+        ],
+        last_action_s=r.state.last_action_s,
+        events=[_scale_event(e) for e in r.events],
+        fencing_token=r.fencing_token,
+    )
+    ev = r.evaluation
+    if ev is not None:
+        msg.evaluated_at_s = ev.at_s
+        if ev.freeness is not None:
+            msg.freeness = ev.freeness
+        if ev.freeness_without_candidate is not None:
+            msg.freeness_without_candidate = ev.freeness_without_candidate
+        msg.candidate = ev.candidate
+        msg.live, msg.coming, msg.draining, msg.requests = ev.live, ev.coming, ev.draining, ev.requests
+        msg.min_instances, msg.max_instances = ev.min_instances, ev.max_instances
+    return msg
+
+
+def autoscale_reply(
+    rule: AutoscaleConfig, command: str, records: dict[str, AutoscaleRecord], revision: int
+) -> pb.AutoscaleReply:
+    """AutoscaleReply: this replica's rule (and hook ``command``) and every model's record, sorted by model."""
+    return pb.AutoscaleReply(
+        rule=pb.AutoscaleRule(
+            enabled=rule.enabled,
+            interval_s=rule.interval_s,
+            scale_out_freeness_below=rule.scale_out_freeness_below,
+            scale_in_freeness_above=rule.scale_in_freeness_above,
+            scale_out_hold_s=rule.scale_out_hold_s,
+            scale_in_hold_s=rule.scale_in_hold_s,
+            cool_down_s=rule.cool_down_s,
+            min_instances=rule.min_instances,
+            max_instances=rule.max_instances,
+            start_timeout_s=rule.start_timeout_s,
+            command=command,
+        ),
+        models=[_autoscale_model(records[m]) for m in sorted(records)],
+        view_revision=revision,
     )

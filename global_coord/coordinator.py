@@ -30,6 +30,7 @@ from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client
 from clusterstate.fencing import Fence, FencedOut
 from clusterstate.records import (
     ACTIVE_STATES,
+    AutoscaleRecord,
     DrainIntent,
     DrainKind,
     MigrationRecord,
@@ -449,6 +450,17 @@ class Coordinator:
         if not created:
             intent = self.view.drains().get((kind, target_id), intent)
         return created, intent
+
+    async def put_autoscale(self, record: AutoscaleRecord) -> None:
+        """Write the autoscaler's record of one model, stamped with this leader's token (fenced).
+
+        Raises NotLeader on a standby, or when the fence shows this replica no longer leads.
+        """
+        leader, fence = self._fence()
+        try:
+            await self.store.put_autoscale(replace(record, fencing_token=leader.token), fence)
+        except FencedOut as exc:
+            raise self._fenced_out(exc) from exc
 
     async def undrain(self, kind: DrainKind, target_id: str) -> tuple[bool, DrainIntent]:
         """Remove a drain intent; (deleted, intent). Raises NotLeader on a standby."""

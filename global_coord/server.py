@@ -15,9 +15,11 @@ import grpc
 
 from clusterstate.records import ACTIVE_STATES, DrainKind, MigrationRecord
 from global_coord import convert
+from global_coord.actuator import ActuatorConfig
 from global_coord.coordinator import Coordinator, NotLeader
 from hilum_proto.v1 import coordinator_pb2 as pb
 from hilum_proto.v1 import coordinator_pb2_grpc as pb_grpc
+from policy.autoscale import AutoscaleConfig
 
 __all__ = ["CoordinatorService", "start_server"]
 
@@ -27,10 +29,20 @@ _Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
-    """Implements ``hilum.v1.Coordinator`` over one :class:`Coordinator` replica."""
+    """Implements ``hilum.v1.Coordinator`` over one :class:`Coordinator` replica.
 
-    def __init__(self, coordinator: Coordinator) -> None:
+    ``autoscale`` / ``actuator``: the replica's autoscale settings, shown by GetAutoscale (defaults: disabled).
+    """
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        autoscale: AutoscaleConfig | None = None,
+        actuator: ActuatorConfig | None = None,
+    ) -> None:
         self._c = coordinator
+        self._autoscale = autoscale if autoscale is not None else AutoscaleConfig()
+        self._actuator = actuator if actuator is not None else ActuatorConfig()
 
     async def Status(self, request: pb.StatusRequest, context: _Ctx) -> pb.StatusReply:
         return convert.status_reply(self._c.status())
@@ -113,6 +125,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def GetTopology(self, request: pb.GetTopologyRequest, context: _Ctx) -> pb.TopologyReply:
         return convert.topology_reply(self._c.topology)
 
+    async def GetAutoscale(self, request: pb.GetAutoscaleRequest, context: _Ctx) -> pb.AutoscaleReply:
+        view = self._c.view
+        return convert.autoscale_reply(self._autoscale, self._actuator.command, view.autoscale(), view.revision)
+
     async def ProposeMigration(self, request: pb.MigrationProposal, context: _Ctx) -> pb.Approval:
         try:
             move = convert.move_proposal_from_pb(request)
@@ -129,8 +145,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return reply
 
 
-async def start_server(coordinator: Coordinator, server: grpc.aio.Server) -> None:
-    """Add the Coordinator service for ``coordinator`` to a bound ``server`` and start it."""
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(coordinator), server)
+async def start_server(
+    coordinator: Coordinator,
+    server: grpc.aio.Server,
+    autoscale: AutoscaleConfig | None = None,
+    actuator: ActuatorConfig | None = None,
+) -> None:
+    """Add the Coordinator service for ``coordinator`` to a bound ``server`` and start it (``autoscale``,
+    ``actuator``: the settings GetAutoscale shows)."""
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(coordinator, autoscale, actuator), server)
     await server.start()
     _log.info("coordinator %s serving at %s", coordinator.cfg.coordinator_id, coordinator.cfg.advertise_address)

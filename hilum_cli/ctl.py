@@ -8,6 +8,7 @@
     hilumctl drain node-3-i2 --wait --timeout 600
     hilumctl undrain node-3-i2
     hilumctl topology
+    hilumctl autoscale --events 20
 
 Finding the coordinator: ``--coordinator HOST:PORT[,HOST:PORT...]`` (any replica; reads are answered by
 the first that answers, writes follow the leader it names) or ``--etcd HOST:PORT [--prefix P]`` (read the
@@ -102,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="--wait limit, seconds (300)")
             p.add_argument("--interval", type=float, default=1.0, metavar="S", help="--wait poll period, seconds (1)")
     command("topology", "the topology file the coordinator was started with")
+    p = command("autoscale", "the autoscaler: its rule, each model's fleet freeness, instances in a phase, decisions")
+    p.add_argument("--events", type=int, default=10, metavar="N", help="latest decisions shown per model (10)")
     return parser
 
 
@@ -315,6 +318,12 @@ async def _topology(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
     return 0
 
 
+async def _autoscale(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
+    data = views.autoscale_json(await c.read("GetAutoscale", pb.GetAutoscaleRequest()), c.address)
+    out.json(data) if out.as_json else views.render_autoscale(out.console, data, events=ns.events)
+    return 0
+
+
 _COMMANDS = {
     "status": _status,
     "domains": _domains,
@@ -324,6 +333,7 @@ _COMMANDS = {
     "drain": _drain,
     "undrain": _drain,
     "topology": _topology,
+    "autoscale": _autoscale,
 }
 
 
@@ -331,6 +341,8 @@ def _check_options(ns: argparse.Namespace) -> None:
     """Usage errors a command would otherwise find only after reaching the coordinator. Raises UsageError."""
     if ns.command == "drain" and (ns.timeout < 0 or ns.interval <= 0):
         raise UsageError(f"--timeout must be >= 0 and --interval > 0, got {ns.timeout:g} and {ns.interval:g}")
+    if ns.command == "autoscale" and ns.events < 0:
+        raise UsageError(f"--events must be >= 0, got {ns.events}")
 
 
 async def run(ns: argparse.Namespace, target: Target, out: _Out) -> int:

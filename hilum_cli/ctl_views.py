@@ -15,6 +15,7 @@ intent was removed: it has not seen the undrain yet).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from hilum_proto.v1 import coordinator_pb2 as pb
 
 __all__ = [
     "STATE_NAMES",
+    "autoscale_json",
     "domain_json",
     "domains_json",
     "drain_state",
@@ -36,6 +38,7 @@ __all__ = [
     "migration_json",
     "migration_line",
     "migrations_json",
+    "render_autoscale",
     "render_domains",
     "render_instances",
     "render_migrations",
@@ -262,6 +265,62 @@ def requests_json(answers: Sequence[DomainAnswer], instance_id: str = "") -> Jso
     return {"domains": domains, "instances": instances, "requests": requests}
 
 
+def _opt(msg: Any, name: str) -> Any:
+    """An ``optional`` field of a message: its value, or None when absent."""
+    return getattr(msg, name) if msg.HasField(name) else None
+
+
+def autoscale_json(reply: pb.AutoscaleReply, address: str) -> Json:
+    """``autoscale --json``: the rule, and per model its last round, its instances in a phase and its decisions.
+
+    Times are wall clock, seconds since the epoch (``*_s``); a value that is absent is null.
+    """
+    r = reply.rule
+    rule = {
+        "enabled": r.enabled, "interval_s": r.interval_s, "scale_out_freeness_below": r.scale_out_freeness_below,
+        "scale_in_freeness_above": r.scale_in_freeness_above, "scale_out_hold_s": r.scale_out_hold_s,
+        "scale_in_hold_s": r.scale_in_hold_s, "cool_down_s": r.cool_down_s, "min_instances": r.min_instances,
+        "max_instances": r.max_instances, "start_timeout_s": r.start_timeout_s, "command": r.command,
+    }  # fmt: skip
+    models = []
+    for m in reply.models:
+        models.append(
+            {
+                "model": m.model,
+                "evaluated_at_s": _opt(m, "evaluated_at_s"),
+                "freeness": _opt(m, "freeness"),
+                "freeness_without_candidate": _opt(m, "freeness_without_candidate"),
+                "candidate": m.candidate,
+                "live": m.live,
+                "coming": m.coming,
+                "draining": m.draining,
+                "requests": m.requests,
+                "min_instances": m.min_instances,
+                "max_instances": m.max_instances,
+                "last_action_s": _opt(m, "last_action_s"),
+                "fencing_token": m.fencing_token,
+                "instances": [
+                    {"instance_id": i.instance_id, "phase": i.phase, "since_s": i.since_s} for i in m.instances
+                ],
+                "events": [
+                    {
+                        "action": e.action,
+                        "instance_id": e.instance_id,
+                        "at_s": e.at_s,
+                        "reason": e.reason,
+                        "status": e.status,
+                        "attempts": e.attempts,
+                        "exit_code": _opt(e, "exit_code"),
+                        "output": e.output,
+                        "finished_s": _opt(e, "finished_s"),
+                    }
+                    for e in m.events
+                ],
+            }
+        )
+    return {"address": address, "rule": rule, "models": models, "view_revision": reply.view_revision}
+
+
 # ---- tables --------------------------------------------------------------------------------------
 def _table(*columns: str, title: str | None = None) -> Table:
     table = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left", pad_edge=False)
@@ -432,3 +491,47 @@ def render_requests(console: Console, data: Json) -> None:
         f"{len(data['requests'])} running, {waiting} waiting on {len(data['instances'])} instances "
         f"({len(answered)} of {len(data['domains'])} domain schedulers answered)"
     )
+
+
+def _clock(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%H:%M:%S", time.localtime(t))
+
+
+def render_autoscale(console: Console, data: Json, *, events: int = 10) -> None:
+    """``autoscale``: the rule, per model its last round and instances in a phase, then its latest decisions."""
+    r = data["rule"]
+    state = "enabled" if r["enabled"] else "disabled on this replica"
+    console.print(
+        f"autoscaler {state}: every {r['interval_s']:g} s; out below freeness {r['scale_out_freeness_below']:g} "
+        f"for {r['scale_out_hold_s']:g} s, in above {r['scale_in_freeness_above']:g} for {r['scale_in_hold_s']:g} s; "
+        f"cool-down {r['cool_down_s']:g} s; hook {r['command'] or '(none)'}"
+    )
+    if not data["models"]:
+        console.print("no autoscaler record yet (it runs on the coordinator leader when autoscale.enabled is true)")
+        return
+    table = _table("MODEL", "FREENESS", "WITHOUT", "CANDIDATE", "LIVE", "COMING", "LEAVING", "MIN", "MAX", "EVALUATED")
+    for m in data["models"]:
+        table.add_row(
+            m["model"], _blocks(m["freeness"]), _blocks(m["freeness_without_candidate"]), m["candidate"] or "-",
+            str(m["live"]), str(m["coming"]), str(m["draining"]), str(m["min_instances"]), str(m["max_instances"]),
+            _clock(m["evaluated_at_s"]),
+        )  # fmt: skip
+    console.print(table)
+    console.print("FREENESS: the fleet's, coming capacity counted; WITHOUT: without the scale-in candidate")
+    for m in data["models"]:
+        if m["instances"]:
+            phases = ", ".join(f"{i['instance_id']} {i['phase']} since {_clock(i['since_s'])}" for i in m["instances"])
+            console.print(f"{m['model']}: {phases}")
+        shown = m["events"][-events:]
+        if not shown:
+            continue
+        table = _table(
+            "AT", "ACTION", "INSTANCE", "STATUS", "TRIES", "EXIT", "REASON", title=f"{m['model']}: decisions"
+        )
+        for e in shown:
+            exit_code = "-" if e["exit_code"] is None else str(e["exit_code"])
+            reason = e["reason"] + (f" [{e['output'].strip().splitlines()[-1]}]" if e["output"].strip() else "")
+            table.add_row(
+                _clock(e["at_s"]), e["action"], e["instance_id"], e["status"], str(e["attempts"]), exit_code, reason
+            )
+        console.print(table)

@@ -361,9 +361,9 @@ class Supervisor:
         """A restarted child: say when it serves again; kill it (a crash) if it does not within the limit."""
         if child.is_ready():
             child.back_s = child.started_s
-            self._say(f"{child.name} serves again (pid {proc.pid}, restart {child.restarts})")
-            if self.on_restart is not None:
+            if self.on_restart is not None:  # first: once the line is out, cluster.json shows the restart
                 self.on_restart(child)
+            self._say(f"{child.name} serves again (pid {proc.pid}, restart {child.restarts})")
         elif now - child.started_s > self.ready_timeout_s:
             self._say(f"{child.name} (pid {proc.pid}) did not serve within {self.ready_timeout_s:g} s of its "
                       "restart; killing it")  # fmt: skip

@@ -235,8 +235,18 @@ def plan_ports(
         UpError: a port is in use or repeated, naming it and the option that moves it.
     """
 
+    handed_out: set[int] = set()
+
+    def fresh() -> int:
+        """A free port not yet in this plan: the OS may hand a just-closed ephemeral port out again."""
+        while True:
+            port = _free_port(host)
+            if port not in handed_out:
+                handed_out.add(port)
+                return port
+
     def pick(port: int) -> int:
-        return port if port else _free_port(host)
+        return port if port else fresh()
 
     coords = coordinator_ids(coordinators)
     domains = [d.domain_id for d in topology.domains]
@@ -249,19 +259,19 @@ def plan_ports(
         inst = {i: next(ports) for i in instances}
         sinks = {g: next(ports) for g in names}
     else:
-        coord = {c: _free_port(host) for c in coords}
-        dom = {d: _free_port(host) for d in domains}
-        inst = {i: _free_port(host) for i in instances}
-        sinks = {g: _free_port(host) for g in names}
+        coord = {c: fresh() for c in coords}
+        dom = {d: fresh() for d in domains}
+        inst = {i: fresh() for i in instances}
+        sinks = {g: fresh() for g in names}
     shared = pick(gateway)
     if gateways == 1:
         own = {names[0]: shared}
     elif gateway_ports == "shared":
-        own = {g: gateway + 1 + k if gateway else _free_port(host) for k, g in enumerate(names)}
+        own = {g: gateway + 1 + k if gateway else fresh() for k, g in enumerate(names)}
     else:
-        own = {g: shared + k if gateway else (shared if k == 0 else _free_port(host)) for k, g in enumerate(names)}
+        own = {g: shared + k if gateway else (shared if k == 0 else fresh()) for k, g in enumerate(names)}
     etcd_client = pick(etcd) if etcd_embedded else 0
-    etcd_peer = (etcd_client + 1 if etcd else _free_port(host)) if etcd_embedded else 0
+    etcd_peer = (etcd_client + 1 if etcd else fresh()) if etcd_embedded else 0
     plan = PortPlan(host, shared, etcd_client, etcd_peer, coord, dom, inst, own, sinks)
     seen: dict[int, str] = {}
     for what, port in plan.named():

@@ -19,6 +19,8 @@ section         dataclass                                           used by
 ``intervals``   :class:`Intervals`                                  domain schedulers, gateways, ``hilum sim``
 ``resume``      :class:`ResumeConfig`                               gateways: replaying requests whose instance
                                                                     failed (``gateway.core.plan_resume``)
+``autoscale``   ``policy.autoscale.AutoscaleConfig`` (the rule) and  coordinator leader, ``hilum sim``
+                ``global_coord.actuator.ActuatorConfig`` (the hook)
 ==============  =================================================  ==========================================
 
 ``docs/configuration.md`` lists every key with its default and unit; ``examples/hilum.yaml`` is a complete
@@ -40,7 +42,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
+from global_coord.actuator import ActuatorConfig
 from global_coord.approval import ApprovalConfig
+from policy.autoscale import AutoscaleConfig
 from policy.remaining import RemainingConfig
 from policy.types import PolicyConfig
 from rack_sched.core import DomainConfig
@@ -114,6 +118,8 @@ class HilumConfig:
     intervals: Intervals = field(default_factory=Intervals)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     measured_bandwidth: MeasuredBandwidthConfig = field(default_factory=MeasuredBandwidthConfig)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # the rule keys of the autoscale section
+    actuator: ActuatorConfig = field(default_factory=ActuatorConfig)  # its command keys (autoscale.command ...)
     source: str = "<defaults>"  # where it was read from
 
 
@@ -128,16 +134,20 @@ _SECTIONS: dict[str, tuple[type[Any], tuple[str, ...] | None]] = {
     "intervals": (Intervals, None),
     "resume": (ResumeConfig, None),
     "measured_bandwidth": (MeasuredBandwidthConfig, None),
+    "autoscale": (AutoscaleConfig, None),  # and ActuatorConfig's keys: see _AUTOSCALE_ACTUATOR
 }
+_AUTOSCALE_ACTUATOR = ActuatorConfig  # the autoscale section's other keys (the hook): HilumConfig.actuator
 
 
 def _keys(cls: type[Any], only: tuple[str, ...] | None) -> list[dataclasses.Field[Any]]:
     return [f for f in dataclasses.fields(cls) if f.init and (only is None or f.name in only)]
 
 
-def _schema(cls: type[Any], only: tuple[str, ...] | None) -> type[BaseModel]:
-    hints = typing.get_type_hints(cls)
-    fields: dict[str, Any] = {f.name: (hints[f.name], None) for f in _keys(cls, only)}
+def _schema(cls: type[Any], only: tuple[str, ...] | None, *more: type[Any]) -> type[BaseModel]:
+    fields: dict[str, Any] = {}
+    for c in (cls, *more):
+        hints = typing.get_type_hints(c)
+        fields.update({f.name: (hints[f.name], None) for f in _keys(c, only if c is cls else None)})
     return create_model(f"{cls.__name__}Section", __config__=ConfigDict(extra="forbid", strict=True), **fields)
 
 
@@ -163,8 +173,9 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
         if not isinstance(section, Mapping):
             errors.append(f"{source}: {name}: expected a mapping of keys, got {type(section).__name__}")
             continue
+        more = (_AUTOSCALE_ACTUATOR,) if name == "autoscale" else ()
         try:
-            values = _schema(cls, only).model_validate(dict(section))
+            values = _schema(cls, only, *more).model_validate(dict(section))
         except ValidationError as exc:
             for e in exc.errors():
                 where = ".".join(str(p) for p in (name, *e["loc"]))
@@ -174,10 +185,12 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
         if name == "domain":
             built[name] = kwargs  # completed below with its policy and remaining
             continue
-        try:
-            built[name] = cls(**kwargs)
-        except ValueError as exc:
-            errors.append(f"{source}: {name}: {exc}")
+        for c in (cls, *more):
+            own = {k: v for k, v in kwargs.items() if k in {f.name for f in _keys(c, None)}}
+            try:
+                built["actuator" if c is _AUTOSCALE_ACTUATOR else name] = c(**own)
+            except ValueError as exc:
+                errors.append(f"{source}: {name}: {exc}")
     if errors:
         raise ConfigError(errors)
     policy, remaining = built["policy"], built["remaining"]
@@ -194,6 +207,8 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
         built["intervals"],
         built["resume"],
         built["measured_bandwidth"],
+        built["autoscale"],
+        built["actuator"],
         source,
     )
 

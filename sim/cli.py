@@ -13,7 +13,7 @@ import json
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
@@ -21,8 +21,14 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from hilum_config import add_argument as add_config_argument
 from hilum_config import load_config
 
-from .runner import DEFAULTS, SimSpec
+from .runner import DEFAULTS, SimSpec, check_autoscale
 from .schedulers import POLICY_NAMES
+
+if TYPE_CHECKING:
+    from topology.spec import Topology
+
+    from .results import PolicySummary
+    from .traces import Trace
 
 
 def register(sub: Any) -> None:
@@ -33,6 +39,28 @@ def register(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_run_arguments(parser)
+    parser.set_defaults(func=run_cli)
+    sims = parser.add_subparsers(dest="sim_command", metavar="{sweep,size}")
+    sweep = sims.add_parser("sweep", help="run a grid of simulations as Ray tasks")
+    sweep.add_argument("config", help="sweep YAML file (see docs/sim-results.md)")
+    sweep.add_argument("--ray-address", default=None, help="existing Ray cluster (default: a local Ray)")
+    sweep.add_argument("--out", default="sweep-results", help="directory for sweep.json and plots")
+    sweep.set_defaults(func=run_sweep_cli)
+    size = sims.add_parser(
+        "size",
+        help="the smallest static fleet meeting a P99 TTFT target, per policy (each size a real simulation)",
+        description="Bisect over static fleet sizes (--initial-instances) for the smallest that meets "
+        "--target-p99-ttft-ms, per policy; every size simulated is shown with its GPU-hours (sim/sizing.py). "
+        "The run options go after 'size'.",
+    )
+    size.add_argument("--target-p99-ttft-ms", type=float, required=True, metavar="MS", help="the P99 TTFT target")
+    _add_run_arguments(size)
+    size.set_defaults(func=run_size_cli)
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of one comparison (``hilum sim`` and ``hilum sim size``)."""
     parser.add_argument("--topology", default=DEFAULTS.topology, help="bundled topology name or YAML file")
     parser.add_argument("--trace", default=DEFAULTS.trace, help="bundled trace name or trace file")
     parser.add_argument(
@@ -62,6 +90,26 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--scale-out", action="append", default=[], metavar="INSTANCE@S", help="instance joins at time S"
     )
+    parser.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="run the autoscaler (the configuration file's autoscale section) on the virtual clock; on too when "
+        "that section says enabled: true",
+    )
+    parser.add_argument(
+        "--initial-instances",
+        type=int,
+        default=None,
+        metavar="N",
+        help="instances serving from the start, in turn from each domain (default: all)",
+    )
+    parser.add_argument(
+        "--cold-start-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --autoscale: seconds before a started instance serves (default 60)",
+    )
     parser.add_argument("--summary-lag-ms", type=float, default=None, help="domain summary information lag")
     parser.add_argument(
         "--admission",
@@ -79,13 +127,6 @@ def register(sub: Any) -> None:
     parser.add_argument("--out", default=None, help="directory for results.json and plots")
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON instead of a table")
     add_config_argument(parser)
-    parser.set_defaults(func=run_cli)
-    sims = parser.add_subparsers(dest="sim_command", metavar="sweep")
-    sweep = sims.add_parser("sweep", help="run a grid of simulations as Ray tasks")
-    sweep.add_argument("config", help="sweep YAML file (see docs/sim-results.md)")
-    sweep.add_argument("--ray-address", default=None, help="existing Ray cluster (default: a local Ray)")
-    sweep.add_argument("--out", default="sweep-results", help="directory for sweep.json and plots")
-    sweep.set_defaults(func=run_sweep_cli)
 
 
 def _specs(args: argparse.Namespace) -> list[SimSpec]:
@@ -106,6 +147,9 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         "admission": args.admission,
         "scheduling": args.scheduling,
         "model": args.model,
+        "autoscale": args.autoscale,
+        "initial_instances": args.initial_instances,
+        "cold_start_s": args.cold_start_s,
     }
     if args.summary_lag_ms is not None:
         options["summary_lag_s"] = args.summary_lag_ms / 1e3
@@ -119,41 +163,25 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         options=options,
         config=args.config,
     )
-    base.parsed_options()  # fail before any work on bad options
-    load_config(args.config)  # and on a bad configuration file
+    config = load_config(args.config)  # fail before any work on a bad configuration file
+    if config.autoscale.enabled and not args.autoscale:  # the file's switch turns it on here too
+        base = replace(base, options={**options, "autoscale": True})
+    parsed = base.parsed_options()  # fail before any work on bad options
+    check_autoscale(parsed, config)  # and on a configuration that clashes with them
     return [replace(base, policy=p) for p in policies]
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run every requested policy on the same topology and trace; print and save the comparison."""
-    from topology.load import TopologyError, load_topology
-
     from .report import LATENCY_COLUMNS, MIGRATION_COLUMNS, render_table
     from .results import summarize, write_results
-    from .runner import check_options, run_simulation
-    from .traces import load_trace
+    from .runner import run_simulation
 
     err = Console(stderr=True, soft_wrap=True)
-    try:
-        specs = _specs(args)
-        topology = load_topology(args.topology)
-        check_options(topology, specs[0].parsed_options())
-        out = _output_dir(args.out)
-        trace = load_trace(
-            args.trace,
-            rate_scale=args.rate_scale,
-            max_requests=args.max_requests,
-            seed=args.seed,
-            arrival=args.arrival,
-            rate_per_s=args.rate,
-            arrival_cv=args.arrival_cv,
-        )
-    except TopologyError as exc:
-        err.print("[red]hilum sim: invalid topology[/red]\n" + "\n".join(exc.errors), highlight=False)
-        return 2
-    except (ValueError, OSError) as exc:
-        err.print(f"[red]hilum sim:[/red] {exc}", highlight=False)
-        return 2
+    loaded = _load(args, err, "hilum sim")
+    if isinstance(loaded, int):
+        return loaded
+    specs, topology, trace, out = loaded
     runs = []
     with Progress(
         TextColumn("{task.description}"),
@@ -200,6 +228,125 @@ def run_cli(args: argparse.Namespace) -> int:
             plot_kv_usage(run, out / f"kv_usage_{run.policy}.png")
         err.print(f"results: {path}; plots in {out}/", highlight=False)
     return 0
+
+
+def run_size_cli(args: argparse.Namespace) -> int:
+    """``hilum sim size``: per policy, the smallest static fleet meeting the P99 TTFT target (sim/sizing.py)."""
+    from rich import box
+    from rich.table import Table
+
+    from .results import summarize, summary_to_dict
+    from .runner import run_simulation, served_model
+    from .sizing import size_fleet
+
+    err = Console(stderr=True, soft_wrap=True)
+    refused = None
+    if not args.target_p99_ttft_ms > 0:
+        refused = f"--target-p99-ttft-ms must be > 0, got {args.target_p99_ttft_ms:g}"
+    elif args.autoscale:
+        refused = "--autoscale cannot be combined with sim size: it sizes static fleets"
+    elif args.initial_instances is not None:
+        refused = "--initial-instances cannot be combined with sim size: it chooses the sizes itself"
+    elif args.scale_out:
+        refused = "--scale-out cannot be combined with sim size: it sizes static fleets"
+    if refused is not None:
+        err.print(f"[red]hilum sim size:[/red] {refused}", highlight=False)
+        return 2
+    loaded = _load(args, err, "hilum sim size")
+    if isinstance(loaded, int):
+        return loaded
+    specs, topology, trace, out = loaded
+    if specs[0].parsed_options().autoscale:  # not from the command line (refused above): the file's switch
+        err.print(
+            "[red]hilum sim size:[/red] the configuration's autoscale.enabled is true: sim size sizes static "
+            "fleets; use a configuration with it false",
+            highlight=False,
+        )
+        return 2
+    model = served_model(topology, specs[0].parsed_options().model)
+    pool_size = sum(1 for i in topology.instances if i.model == model)
+    target_s = args.target_p99_ttft_ms / 1e3
+    sizings = []
+    for spec in specs:
+
+        def simulate(n: int, spec: SimSpec = spec) -> PolicySummary:
+            sized = replace(spec, options={**spec.options, "initial_instances": n})
+            summary = summarize(run_simulation(sized, trace=trace, topology=topology))
+            p99 = "-" if summary.ttft_p99_s is None else f"{summary.ttft_p99_s * 1e3:.0f} ms"
+            err.print(f"{spec.policy}: {n} instances: P99 TTFT {p99}", highlight=False)
+            return summary
+
+        sizings.append(size_fleet(spec.policy, pool_size, target_s, simulate))
+    rows = [
+        {
+            "policy": s.policy,
+            "instances": t.instances,
+            "meets": t.meets,
+            "chosen": t.instances == s.chosen,
+            "summary": summary_to_dict(t.summary),
+        }
+        for s in sizings
+        for t in s.trials
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        table = Table(
+            title=f"smallest static fleet with P99 TTFT <= {args.target_p99_ttft_ms:g} ms ({trace.name} "
+            f"x{args.rate_scale:g}, {len(trace.requests)} requests, on {topology.name}: {pool_size} {model} instances)",
+            title_justify="left",
+            box=box.SIMPLE_HEAD,
+        )
+        for header in ("policy", "instances", "GPU-h", "TTFT p99 ms", "meets", ""):
+            table.add_column(header, justify="left" if header in ("policy", "") else "right")
+        for s in sizings:
+            for t in s.trials:
+                p99 = "-" if t.summary.ttft_p99_s is None else f"{t.summary.ttft_p99_s * 1e3:.0f}"
+                gpu_h = "-" if t.summary.gpu_hours is None else f"{t.summary.gpu_hours:.2f}"
+                mark = "<- smallest found" if t.instances == s.chosen else ""
+                table.add_row(s.policy, str(t.instances), gpu_h, p99, "yes" if t.meets else "no", mark)
+            if s.chosen is None:
+                table.add_row(s.policy, "-", "-", "-", "-", f"not met even by all {pool_size}")
+        console = Console() if sys.stdout.isatty() else Console(width=140)
+        console.print(table)
+    if out is not None:
+        path = out / "sizing.json"
+        path.write_text(json.dumps({"target_p99_ttft_ms": args.target_p99_ttft_ms, "rows": rows}, indent=1))
+        err.print(f"sizing: {path}", highlight=False)
+    return 0
+
+
+def _load(
+    args: argparse.Namespace, err: Console, command: str
+) -> tuple[list[SimSpec], Topology, Trace, Path | None] | int:
+    """The runs' specs, the topology, the trace and the output folder of ``args``; or, after printing why on
+    ``err``, exit status 2 (bad options, topology, trace, configuration or output folder)."""
+    from topology.load import TopologyError, load_topology
+
+    from .runner import check_options
+    from .traces import load_trace
+
+    try:
+        specs = _specs(args)
+        topology = load_topology(args.topology)
+        check_options(topology, specs[0].parsed_options())
+        out = _output_dir(args.out)
+        trace = load_trace(
+            args.trace,
+            rate_scale=args.rate_scale,
+            max_requests=args.max_requests,
+            seed=args.seed,
+            arrival=args.arrival,
+            rate_per_s=args.rate,
+            arrival_cv=args.arrival_cv,
+        )
+    except TopologyError as exc:
+        err.print(f"[red]{command}: invalid topology[/red]\n" + "\n".join(exc.errors), highlight=False)
+        return 2
+    except (ValueError, OSError) as exc:
+        err.print(f"[red]{command}:[/red] {exc}", highlight=False)
+        return 2
+    return specs, topology, trace, out
 
 
 def _output_dir(out: str | None) -> Path | None:

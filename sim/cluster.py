@@ -247,6 +247,53 @@ class Cluster:
         self._by_domain: dict[str, list[SimInstance]] = {}  # domain -> its instances, in topology order
         for inst in self.instances.values():
             self._by_domain.setdefault(inst.domain_id, []).append(inst)
+        # GPU time: instance -> since when its GPUs are held (serving, or cold-starting); seconds held so far.
+        self._held_since: dict[str, float] = {i: 0.0 for i, inst in self.instances.items() if inst.active}
+        self._gpu_s = 0.0
+
+    # ------------------------------------------------------------------ fleet
+    def hold_gpus(self, instance_id: str) -> None:
+        """``instance_id`` holds its GPUs from now (a start: scripted, or an autoscaler's with its cold start).
+        Idempotent."""
+        self._held_since.setdefault(instance_id, self.queue.now_s)
+
+    def free_gpus(self, instance_id: str) -> None:
+        """``instance_id`` gives its GPUs back now (it stopped). Idempotent."""
+        since = self._held_since.pop(instance_id, None)
+        if since is not None:
+            self._gpu_s += (self.queue.now_s - since) * len(self.instances[instance_id].spec.gpus)
+
+    def gpu_hours(self, end_s: float) -> float:
+        """Σ over instances of the time their GPUs were held up to ``end_s`` × their GPU count, GPU-hours.
+
+        Instances still holding GPUs count until ``end_s`` (the run's end); an interval past ``end_s`` counts 0.
+        """
+        held = sum(max(0.0, end_s - since) * len(self.instances[i].spec.gpus) for i, since in self._held_since.items())
+        return (self._gpu_s + held) / 3600.0
+
+    def activate(self, instance_id: str, warmup_s: float) -> None:
+        """``instance_id`` starts serving now, with a warm-up of ``warmup_s`` (negative fake usage), holding its
+        GPUs from now unless it already does (an autoscaler's start holds them from its decision)."""
+        inst = self.instances[instance_id]
+        inst.active = True
+        inst.warm_until_s = self.queue.now_s + warmup_s
+        self.hold_gpus(instance_id)
+
+    def deactivate(self, instance_id: str) -> None:
+        """``instance_id`` stops now: it serves nothing and its GPUs are free.
+
+        Raises ValueError unless it is idle and empty (no request, no KV block held or reserved, no step in flight).
+        """
+        inst = self.instances[instance_id]
+        load = self.load(inst, brief=True)
+        if inst.busy or load.num_running or load.num_waiting or load.used_blocks:
+            raise ValueError(
+                f"{instance_id}: cannot stop: {load.num_running} running, {load.num_waiting} waiting, "
+                f"{load.used_blocks} KV blocks held{', a step in flight' if inst.busy else ''}"
+            )
+        inst.active = False
+        inst.warm_until_s = -math.inf
+        self.free_gpus(instance_id)
 
     # ------------------------------------------------------------------ views
     def model_of(self, instance_id: str) -> ModelSpec:

@@ -70,6 +70,8 @@ _SUMMARY_COLUMNS: tuple[tuple[str, Callable[[PolicySummary], str]], ...] = (
     ("engine\nsteps", lambda s: str(s.engine_steps)),
     ("wall s", lambda s: _s(s.wall_s)),
     ("req per\nwall s", lambda s: _s(s.requests_per_wall_s)),
+    ("GPU-h", lambda s: _s(s.gpu_hours)),
+    ("scale\nout/in", lambda s: f"{s.scale_outs}/{s.scale_ins}"),
 )
 
 
@@ -80,7 +82,7 @@ LATENCY_COLUMNS: tuple[str, ...] = (
 )  # fmt: skip
 MIGRATION_COLUMNS: tuple[str, ...] = (
     "mig\nintra", "mig\ncross", "mig\naborted", "cross\nGB", "downtime\nmean ms", "downtime\np99 ms",
-    "sim s", "engine\nsteps", "wall s", "req per\nwall s",
+    "sim s", "engine\nsteps", "wall s", "req per\nwall s", "GPU-h", "scale\nout/in",
 )  # fmt: skip
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "RequestRecord",
     "RequestTotals",
     "ResultsError",
+    "ScaleRecord",
     "SimRun",
     "StoredRun",
     "SweepRow",
@@ -108,6 +109,18 @@ class RequestRecord:
         if self.finish_s is None:
             return None
         return self.finish_s - self.arrival_s
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleRecord:
+    """One decision of the autoscaler in a simulation (``hilum sim --autoscale``) and how it went."""
+
+    at_s: float  # simulated time of the decision, s
+    action: str  # policy.autoscale.ScaleAction: scale-out, drain, undrain, scale-in, release
+    instance_id: str
+    reason: str  # the rule that decided, with its figures
+    ok: bool = True  # False: it could not be carried out (a stop of an instance not empty after all)
+    note: str = ""  # why it failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,6 +365,8 @@ class SimRun:
     migrations: tuple[MigrationRecord, ...]  # one record per migration attempt, start order
     kv: KvTimeline  # per-instance KV usage over time
     config: Mapping[str, object] = field(default_factory=dict)  # resolved options (JSON-able values)
+    gpu_hours: float | None = None  # Σ over instances of the time their GPUs were held × GPUs, GPU-hours
+    scale_events: tuple[ScaleRecord, ...] = ()  # the autoscaler's decisions, in order (--autoscale)
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,6 +399,9 @@ class PolicySummary:
     high_priority_ttft_mean_s: float | None = None  # mean TTFT of high-priority requests, s; None if none
     normal_ttft_mean_s: float | None = None  # mean TTFT of normal (priority 0) requests, s; None if none
     normal_ttft_p99_s: float | None = None  # P99 TTFT of normal (priority 0) requests, s; None if none
+    gpu_hours: float | None = None  # GPUs held (serving, cold-starting) × time until the run's end, GPU-hours
+    scale_outs: int = 0  # instances the autoscaler started
+    scale_ins: int = 0  # instances the autoscaler stopped
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -445,6 +463,9 @@ def summarize(run: SimRun) -> PolicySummary:
         high_priority_ttft_mean_s=_mean(t.ttft_s[has_ttft & t.high_priority].tolist()),
         normal_ttft_mean_s=_mean(t.ttft_s[has_ttft & ~t.high_priority].tolist()),
         normal_ttft_p99_s=percentile(t.ttft_s[has_ttft & ~t.high_priority], 99),
+        gpu_hours=run.gpu_hours,
+        scale_outs=sum(1 for e in run.scale_events if e.action == "scale-out" and e.ok),
+        scale_ins=sum(1 for e in run.scale_events if e.action == "scale-in" and e.ok),
     )
 
 
@@ -469,6 +490,8 @@ class StoredRun:
 
 _MIGRATION_FIELDS = tuple(f.name for f in dataclasses.fields(MigrationRecord))
 _SUMMARY_FIELDS = tuple(f.name for f in dataclasses.fields(PolicySummary))
+#: Summary fields a results.json written before them lacks (read as their default).
+_OPTIONAL_SUMMARY = frozenset({"gpu_hours", "scale_outs", "scale_ins"})
 
 
 def _to_json_value(value: object, where: str) -> Any:
@@ -546,6 +569,7 @@ def results_document(runs: Sequence[SimRun]) -> dict[str, Any]:
         doc = _run_head(i, run)
         doc["requests"] = [json.loads(line) for line in _request_lines(run)]
         doc["migrations"] = [_migration_dict(m) for m in run.migrations]
+        doc["scale_events"] = [dataclasses.asdict(e) for e in run.scale_events]
         doc_runs.append(doc)
     return {"schema_version": SCHEMA_VERSION, "runs": doc_runs}
 
@@ -582,6 +606,10 @@ def write_results(runs: Sequence[SimRun], out_dir: str | Path) -> Path:
             for j, mig in enumerate(run.migrations):
                 f.write(",\n" if j else "\n")
                 f.write(dumps(_migration_dict(mig)))
+            f.write('\n],\n"scale_events": [')
+            for j, event in enumerate(run.scale_events):
+                f.write(",\n" if j else "\n")
+                f.write(dumps(dataclasses.asdict(event)))
             f.write("\n]}")
         f.write("\n]}\n")
     return path
@@ -609,7 +637,10 @@ def _record(cls: type[Any], names: Sequence[str], obj: Any, where: str, **extra:
 
 
 def _summary_from(obj: Any, where: str) -> PolicySummary:
-    summary: PolicySummary = _record(PolicySummary, _SUMMARY_FIELDS, obj, where)
+    """A summary; the fields added after the first layout (those with a default) may be absent."""
+    data = _mapping(obj, where)
+    present = [f.name for f in dataclasses.fields(PolicySummary) if f.name in data or f.name not in _OPTIONAL_SUMMARY]
+    summary: PolicySummary = _record(PolicySummary, present, data, where)
     return summary
 
 

@@ -11,7 +11,7 @@ import functools
 import random
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -25,10 +25,12 @@ from llumlet.engine.latency import (
     derive_latency_model,
     load_latency_model,
 )
+from policy.autoscale import pools_of
 from topology.graph import TopologyGraph
 from topology.load import load_topology
 from topology.spec import InstanceSpec, Topology
 
+from .autoscale import SimAutoscaler, initial_fleet
 from .cluster import Cluster, EngineLimits
 from .events import EventKind, EventQueue
 from .migration import LinkFlows, MigrationExecutor
@@ -36,7 +38,21 @@ from .results import KvTimeline, RequestLog, SimRun
 from .schedulers import SchedulerContext, SchedulingConfig, make_scheduler
 from .traces import Trace, TraceRequest, load_trace, with_priorities
 
-__all__ = ["DEFAULTS", "SimOptions", "SimSpec", "check_options", "fit_to_context", "run_simulation", "served_model"]
+#: Seconds from an autoscaler's scale-out until the instance serves, unless ``SimOptions.cold_start_s`` says
+#: otherwise (loading a 13B model's weights and capturing CUDA graphs: about a minute).
+DEFAULT_COLD_START_S = 60.0
+
+__all__ = [
+    "DEFAULTS",
+    "DEFAULT_COLD_START_S",
+    "SimOptions",
+    "SimSpec",
+    "check_autoscale",
+    "check_options",
+    "fit_to_context",
+    "run_simulation",
+    "served_model",
+]
 
 
 class SimOptions(BaseModel):
@@ -51,6 +67,23 @@ class SimOptions(BaseModel):
     drain: tuple[str, ...] = Field((), description="scripted drains, each 'INSTANCE@SECONDS'")
     scale_out: tuple[str, ...] = Field(
         (), description="scripted scale-outs, each 'INSTANCE@SECONDS': the instance is idle until then"
+    )
+    autoscale: bool = Field(
+        False,
+        description="run the autoscaler (policy.autoscale, the configuration file's autoscale section) on the "
+        "virtual clock: it starts pool instances and drains and stops serving ones",
+    )
+    initial_instances: int | None = Field(
+        None,
+        ge=1,
+        description="instances of the model serving from the start, taken in turn from each domain (None: all; "
+        "the others wait in the pool for the autoscaler, or stay off without it)",
+    )
+    cold_start_s: float | None = Field(
+        None,
+        ge=0,
+        description="with autoscale: seconds from a scale-out until the instance serves (None: 60); its GPUs "
+        "count from the decision",
     )
     report_interval_s: float = Field(
         0.05, gt=0, description="load reports reaching a central scheduler (llumnix, least-loaded; Llumnix: 50 ms)"
@@ -223,6 +256,11 @@ def run_simulation(
     max_context = topo.models[model].max_context_tokens
     trace, truncated = fit_to_context(trace, max_context)
     drains, scale_outs = check_options(topo, options)
+    config = configured(spec.config, options)
+    cold_start_s = check_autoscale(options, config)
+    pool = pools_of(i for i in topo.instances if i.model == model)[model]
+    serving = set(initial_fleet(pool, options.initial_instances or len(pool)))
+    off = [p.instance_id for p in pool if p.instance_id not in serving]
 
     queue = EventQueue()
     limits = EngineLimits(
@@ -238,13 +276,12 @@ def run_simulation(
         topo,
         _latency_for(topo, derived),
         limits,
-        inactive=[i for i, _ in scale_outs],
+        inactive=[*(i for i, _ in scale_outs), *off],
         model=model,
         decode_runs=options.decode_runs,
         log=RequestLog(len(trace.requests)),
     )
     graph = TopologyGraph(topo)
-    config = configured(spec.config, options)
     executor = MigrationExecutor(cluster, graph, config.cost, LinkFlows())
     timing = SchedulingConfig(
         report_interval_s=options.report_interval_s,
@@ -275,6 +312,20 @@ def run_simulation(
         measured_bandwidth=config.measured_bandwidth,
     )
     scheduler = make_scheduler(spec.policy, ctx)
+    autoscaler = None
+    if options.autoscale:
+        autoscaler = SimAutoscaler(
+            model,
+            replace(config.autoscale, enabled=True),
+            pool,
+            cluster,
+            scheduler,
+            executor,
+            cold_start_s=cold_start_s,
+            warmup_s=timing.warmup_s,
+            drained=[i for i, _ in drains],
+            live=ctx.live,
+        )
 
     def arrive(req: TraceRequest) -> None:
         cluster.admit(req)
@@ -306,11 +357,25 @@ def run_simulation(
 
     queue.schedule(0.0, EventKind.SAMPLE, sample)
     scheduler.start()
+    if autoscaler is not None:
+        autoscaler.start()
     while queue.run_next():
         pass
     if progress is not None:
         progress(1.0)
     log = cluster.close_log()
+    run_config: dict[str, object] = {
+        "options": options.model_dump(),
+        "max_requests": spec.max_requests,
+        "model": model,
+        "max_context_tokens": max_context,
+        "truncated_requests": truncated,
+        "derived_latency_models": derived,
+        "initial_instances": len(serving),
+    }
+    if autoscaler is not None:
+        run_config["autoscale"] = dataclasses.asdict(autoscaler.rule)
+        run_config["cold_start_s"] = autoscaler.cold_start_s
     return SimRun(
         policy=spec.policy,
         topology=topo.name,
@@ -327,14 +392,9 @@ def run_simulation(
             times_s=tuple(times),
             usage_fraction={k: tuple(v) for k, v in usage.items()},
         ),
-        config={
-            "options": options.model_dump(),
-            "max_requests": spec.max_requests,
-            "model": model,
-            "max_context_tokens": max_context,
-            "truncated_requests": truncated,
-            "derived_latency_models": derived,
-        },
+        config=run_config,
+        gpu_hours=cluster.gpu_hours(log.totals.max_finish_s),
+        scale_events=tuple(autoscaler.records) if autoscaler is not None else (),
     )
 
 
@@ -346,6 +406,16 @@ def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[s
     """
     model = served_model(topology, options.model)
     known = sorted(i.instance_id for i in topology.instances if i.model == model)
+    if options.initial_instances is not None and options.initial_instances > len(known):
+        raise ValueError(
+            f"initial_instances {options.initial_instances}: {topology.name} has only {len(known)} {model} instances"
+        )
+    if options.autoscale and options.scale_out:
+        raise ValueError("scale_out (--scale-out) cannot be combined with autoscale: the autoscaler starts instances")
+    if options.cold_start_s is not None and not options.autoscale:
+        raise ValueError("cold_start_s (--cold-start-s) applies only with autoscale (--autoscale)")
+    if options.initial_instances is not None and options.scale_out:
+        raise ValueError("initial_instances cannot be combined with scale_out: the instances kept off would clash")
     drains = [_parse_event(d) for d in options.drain]
     scale_outs = [_parse_event(s) for s in options.scale_out]
     for instance_id, _ in drains + scale_outs:
@@ -358,6 +428,22 @@ def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[s
     if both:
         raise ValueError(f"instance(s) both drained and scaled out: {sorted(both)}")
     return drains, scale_outs
+
+
+def check_autoscale(options: SimOptions, config: HilumConfig) -> float:
+    """The cold start an autoscaled run uses (``options.cold_start_s`` or :data:`DEFAULT_COLD_START_S`), s.
+
+    Raises ValueError when it is not below the configuration's ``autoscale.start_timeout_s`` (every start
+    would be given up before it serves); only checked with ``options.autoscale``.
+    """
+    cold_start_s = DEFAULT_COLD_START_S if options.cold_start_s is None else options.cold_start_s
+    timeout_s = config.autoscale.start_timeout_s
+    if options.autoscale and not cold_start_s < timeout_s:
+        raise ValueError(
+            f"cold_start_s ({cold_start_s:g}) must be below autoscale.start_timeout_s ({timeout_s:g}) of the "
+            "configuration, or every start would be given up before it serves"
+        )
+    return cold_start_s
 
 
 def served_model(topology: Topology, requested: str | None) -> str:
@@ -413,6 +499,4 @@ def _drain(cluster: Cluster, instance_id: str) -> None:
 
 
 def _scale_out(cluster: Cluster, instance_id: str, warmup_s: float) -> None:
-    inst = cluster.instances[instance_id]
-    inst.active = True
-    inst.warm_until_s = cluster.queue.now_s + warmup_s
+    cluster.activate(instance_id, warmup_s)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from gateway.core import GatewayCore, PlacementAttempt
 from global_coord.approver import MoveJudge, decide
 from policy.dispatch import DispatchDecision
-from policy.domain import DomainSummary
+from policy.domain import DomainSummary, summarize_domain
 from policy.types import InstanceLoad
 from rack_sched.core import CrossDomainProposal, DomainConfig, DomainCore, DomainRequest
 from topology.bandwidth import BandwidthEstimates, BandwidthSample, MeasuredBandwidthConfig, default_transport
@@ -118,6 +118,8 @@ class _Feed:
         drained = []
         for inst in self._pool:
             if not inst.active:
+                if reported.pop(inst.instance_id, None) is not None:  # stopped (an autoscaler's scale-in)
+                    core.remove_instance(inst.instance_id)
                 continue
             iid = inst.instance_id
             if iid not in reported:
@@ -150,6 +152,17 @@ class ClusterScheduler(ABC):
     @abstractmethod
     def dispatch(self, req: TraceRequest) -> DispatchDecision:
         """Choose the instance for a newly arrived request (target_id None: refused, with reason)."""
+
+    def summaries(self) -> list[DomainSummary]:
+        """What the autoscaler reads: a summary of every domain's serving instances, as a domain scheduler
+        would publish it now (``policy.summarize_domain`` over their load reports). The two-tier policy gives
+        the summaries it has delivered instead (published every ``summary_interval_s``, ``summary_lag_s`` old)."""
+        now = self._now()
+        model = self.cluster.model_of(next(iter(self.cluster.instances))).name
+        policy = self.ctx.domain.policy
+        cluster = self.cluster
+        loads = {d: [cluster.load(i, brief=True) for i in cluster.serving(d)] for d in cluster.domain_ids()}
+        return [summarize_domain(d, members, policy, model=model, taken_s=now) for d, members in loads.items()]
 
     def _every(self, interval_s: float, kind: EventKind, action: Callable[[], None]) -> None:
         """Run ``action`` every ``interval_s`` while requests remain."""
@@ -282,6 +295,9 @@ class HilumTwoTier(ClusterScheduler):
     def _deliver(self, domain_id: str, summaries: tuple[DomainSummary, ...]) -> None:
         self.delivered[domain_id] = summaries
         self.gateway.update(domain_id, summaries)
+
+    def summaries(self) -> list[DomainSummary]:
+        return [s for per_domain in self.delivered.values() for s in per_domain]
 
     def _publish(self) -> None:
         now = self._now()

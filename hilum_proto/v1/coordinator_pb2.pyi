@@ -891,3 +891,283 @@ class Approval(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Approval: _TypeAlias = Approval  # noqa: Y015
+
+@_typing.final
+class GetAutoscaleRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetAutoscaleRequest: _TypeAlias = GetAutoscaleRequest  # noqa: Y015
+
+@_typing.final
+class AutoscaleRule(_message.Message):
+    """The autoscale section of this replica's configuration (policy.autoscale.AutoscaleConfig)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENABLED_FIELD_NUMBER: _builtins.int
+    INTERVAL_S_FIELD_NUMBER: _builtins.int
+    SCALE_OUT_FREENESS_BELOW_FIELD_NUMBER: _builtins.int
+    SCALE_IN_FREENESS_ABOVE_FIELD_NUMBER: _builtins.int
+    SCALE_OUT_HOLD_S_FIELD_NUMBER: _builtins.int
+    SCALE_IN_HOLD_S_FIELD_NUMBER: _builtins.int
+    COOL_DOWN_S_FIELD_NUMBER: _builtins.int
+    MIN_INSTANCES_FIELD_NUMBER: _builtins.int
+    MAX_INSTANCES_FIELD_NUMBER: _builtins.int
+    START_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    COMMAND_FIELD_NUMBER: _builtins.int
+    enabled: _builtins.bool
+    interval_s: _builtins.float
+    scale_out_freeness_below: _builtins.float
+    """decode steps"""
+    scale_in_freeness_above: _builtins.float
+    """decode steps"""
+    scale_out_hold_s: _builtins.float
+    scale_in_hold_s: _builtins.float
+    cool_down_s: _builtins.float
+    min_instances: _builtins.int
+    max_instances: _builtins.int
+    """0 = every instance of the model in the topology"""
+    start_timeout_s: _builtins.float
+    command: _builtins.str
+    """the hook"""
+    def __init__(
+        self,
+        *,
+        enabled: _builtins.bool = ...,
+        interval_s: _builtins.float = ...,
+        scale_out_freeness_below: _builtins.float = ...,
+        scale_in_freeness_above: _builtins.float = ...,
+        scale_out_hold_s: _builtins.float = ...,
+        scale_in_hold_s: _builtins.float = ...,
+        cool_down_s: _builtins.float = ...,
+        min_instances: _builtins.int = ...,
+        max_instances: _builtins.int = ...,
+        start_timeout_s: _builtins.float = ...,
+        command: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "cool_down_s", b"cool_down_s", "enabled", b"enabled", "interval_s", b"interval_s", "max_instances", b"max_instances", "min_instances", b"min_instances", "scale_in_freeness_above", b"scale_in_freeness_above", "scale_in_hold_s", b"scale_in_hold_s", "scale_out_freeness_below", b"scale_out_freeness_below", "scale_out_hold_s", b"scale_out_hold_s", "start_timeout_s", b"start_timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AutoscaleRule: _TypeAlias = AutoscaleRule  # noqa: Y015
+
+@_typing.final
+class AutoscaleInstance(_message.Message):
+    """An instance the autoscaler acts on (policy.autoscale.Tracked)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    SINCE_S_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    phase: _builtins.str
+    """"starting", "draining", "stopping" or "stopped" """
+    since_s: _builtins.float
+    """wall clock, seconds since the epoch"""
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.str = ...,
+        phase: _builtins.str = ...,
+        since_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "phase", b"phase", "since_s", b"since_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AutoscaleInstance: _TypeAlias = AutoscaleInstance  # noqa: Y015
+
+@_typing.final
+class ScaleEvent(_message.Message):
+    """One decision and what became of it (clusterstate.records.ScaleEvent)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTION_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    AT_S_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    OUTPUT_FIELD_NUMBER: _builtins.int
+    FINISHED_S_FIELD_NUMBER: _builtins.int
+    action: _builtins.str
+    """"scale-out", "undrain", "drain", "scale-in" or "release" """
+    instance_id: _builtins.str
+    at_s: _builtins.float
+    """when it was decided, wall clock"""
+    reason: _builtins.str
+    status: _builtins.str
+    """"running", "done" or "failed" """
+    attempts: _builtins.int
+    """hook attempts (0: an action without a hook)"""
+    exit_code: _builtins.int
+    """of the hook's last attempt; absent: no hook, not finished, or timed out"""
+    output: _builtins.str
+    """the end of the hook's output, or why the action failed"""
+    finished_s: _builtins.float
+    """wall clock; absent while it runs"""
+    def __init__(
+        self,
+        *,
+        action: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+        at_s: _builtins.float = ...,
+        reason: _builtins.str = ...,
+        status: _builtins.str = ...,
+        attempts: _builtins.int = ...,
+        exit_code: _builtins.int | None = ...,
+        output: _builtins.str = ...,
+        finished_s: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_finished_s", b"_finished_s", "exit_code", b"exit_code", "finished_s", b"finished_s"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_finished_s", b"_finished_s", "action", b"action", "at_s", b"at_s", "attempts", b"attempts", "exit_code", b"exit_code", "finished_s", b"finished_s", "instance_id", b"instance_id", "output", b"output", "reason", b"reason", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
+    _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
+    _WhichOneofReturnType__finished_s: _TypeAlias = _typing.Literal["finished_s"]  # noqa: Y015
+    _WhichOneofArgType__finished_s: _TypeAlias = _typing.Literal["_finished_s", b"_finished_s"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_code) -> _WhichOneofReturnType__exit_code | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__finished_s) -> _WhichOneofReturnType__finished_s | None: ...
+
+Global___ScaleEvent: _TypeAlias = ScaleEvent  # noqa: Y015
+
+@_typing.final
+class AutoscaleModel(_message.Message):
+    """The autoscaler's record of one model (clusterstate.records.AutoscaleRecord)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    EVALUATED_AT_S_FIELD_NUMBER: _builtins.int
+    FREENESS_FIELD_NUMBER: _builtins.int
+    FREENESS_WITHOUT_CANDIDATE_FIELD_NUMBER: _builtins.int
+    CANDIDATE_FIELD_NUMBER: _builtins.int
+    LIVE_FIELD_NUMBER: _builtins.int
+    COMING_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    MIN_INSTANCES_FIELD_NUMBER: _builtins.int
+    MAX_INSTANCES_FIELD_NUMBER: _builtins.int
+    INSTANCES_FIELD_NUMBER: _builtins.int
+    LAST_ACTION_S_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    FENCING_TOKEN_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    evaluated_at_s: _builtins.float
+    """the last round, wall clock; absent before the first"""
+    freeness: _builtins.float
+    """the fleet's freeness with coming capacity; absent: nothing reported"""
+    freeness_without_candidate: _builtins.float
+    """what a scale-in of the candidate would leave"""
+    candidate: _builtins.str
+    """the instance a scale-in would drain ("" = none)"""
+    live: _builtins.int
+    """instances serving"""
+    coming: _builtins.int
+    """started or registered, not reported yet"""
+    draining: _builtins.int
+    """instances the autoscaler drains or stops"""
+    requests: _builtins.int
+    """running + queued requests"""
+    min_instances: _builtins.int
+    max_instances: _builtins.int
+    """the effective maximum"""
+    last_action_s: _builtins.float
+    """the last scale-out or start of a scale-in (the cool-down runs from it)"""
+    fencing_token: _builtins.int
+    """of the leader that wrote the record"""
+    @_builtins.property
+    def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___AutoscaleInstance]: ...
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScaleEvent]:
+        """the most recent decisions, oldest first"""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        evaluated_at_s: _builtins.float | None = ...,
+        freeness: _builtins.float | None = ...,
+        freeness_without_candidate: _builtins.float | None = ...,
+        candidate: _builtins.str = ...,
+        live: _builtins.int = ...,
+        coming: _builtins.int = ...,
+        draining: _builtins.int = ...,
+        requests: _builtins.int = ...,
+        min_instances: _builtins.int = ...,
+        max_instances: _builtins.int = ...,
+        instances: _abc.Iterable[Global___AutoscaleInstance] | None = ...,
+        last_action_s: _builtins.float | None = ...,
+        events: _abc.Iterable[Global___ScaleEvent] | None = ...,
+        fencing_token: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_evaluated_at_s", b"_evaluated_at_s", "_freeness", b"_freeness", "_freeness_without_candidate", b"_freeness_without_candidate", "_last_action_s", b"_last_action_s", "evaluated_at_s", b"evaluated_at_s", "freeness", b"freeness", "freeness_without_candidate", b"freeness_without_candidate", "last_action_s", b"last_action_s"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_evaluated_at_s", b"_evaluated_at_s", "_freeness", b"_freeness", "_freeness_without_candidate", b"_freeness_without_candidate", "_last_action_s", b"_last_action_s", "candidate", b"candidate", "coming", b"coming", "draining", b"draining", "evaluated_at_s", b"evaluated_at_s", "events", b"events", "fencing_token", b"fencing_token", "freeness", b"freeness", "freeness_without_candidate", b"freeness_without_candidate", "instances", b"instances", "last_action_s", b"last_action_s", "live", b"live", "max_instances", b"max_instances", "min_instances", b"min_instances", "model", b"model", "requests", b"requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__evaluated_at_s: _TypeAlias = _typing.Literal["evaluated_at_s"]  # noqa: Y015
+    _WhichOneofArgType__evaluated_at_s: _TypeAlias = _typing.Literal["_evaluated_at_s", b"_evaluated_at_s"]  # noqa: Y015
+    _WhichOneofReturnType__freeness: _TypeAlias = _typing.Literal["freeness"]  # noqa: Y015
+    _WhichOneofArgType__freeness: _TypeAlias = _typing.Literal["_freeness", b"_freeness"]  # noqa: Y015
+    _WhichOneofReturnType__freeness_without_candidate: _TypeAlias = _typing.Literal["freeness_without_candidate"]  # noqa: Y015
+    _WhichOneofArgType__freeness_without_candidate: _TypeAlias = _typing.Literal["_freeness_without_candidate", b"_freeness_without_candidate"]  # noqa: Y015
+    _WhichOneofReturnType__last_action_s: _TypeAlias = _typing.Literal["last_action_s"]  # noqa: Y015
+    _WhichOneofArgType__last_action_s: _TypeAlias = _typing.Literal["_last_action_s", b"_last_action_s"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__evaluated_at_s) -> _WhichOneofReturnType__evaluated_at_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__freeness) -> _WhichOneofReturnType__freeness | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__freeness_without_candidate) -> _WhichOneofReturnType__freeness_without_candidate | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__last_action_s) -> _WhichOneofReturnType__last_action_s | None: ...
+
+Global___AutoscaleModel: _TypeAlias = AutoscaleModel  # noqa: Y015
+
+@_typing.final
+class AutoscaleReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RULE_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
+    VIEW_REVISION_FIELD_NUMBER: _builtins.int
+    view_revision: _builtins.int
+    @_builtins.property
+    def rule(self) -> Global___AutoscaleRule: ...
+    @_builtins.property
+    def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___AutoscaleModel]:
+        """sorted by model; empty: the autoscaler never ran"""
+
+    def __init__(
+        self,
+        *,
+        rule: Global___AutoscaleRule | None = ...,
+        models: _abc.Iterable[Global___AutoscaleModel] | None = ...,
+        view_revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rule", b"rule"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["models", b"models", "rule", b"rule", "view_revision", b"view_revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AutoscaleReply: _TypeAlias = AutoscaleReply  # noqa: Y015

@@ -79,6 +79,11 @@ class CoordinatorStub:
                 request_serializer=hilum_dot_v1_dot_coordinator__pb2.MigrationProposal.SerializeToString,
                 response_deserializer=hilum_dot_v1_dot_coordinator__pb2.Approval.FromString,
                 _registered_method=True)
+        self.GetAutoscale = channel.unary_unary(
+                '/hilum.v1.Coordinator/GetAutoscale',
+                request_serializer=hilum_dot_v1_dot_coordinator__pb2.GetAutoscaleRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_coordinator__pb2.AutoscaleReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -147,6 +152,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetAutoscale(self, request, context):
+        """The autoscaler: its rule, and per model its state, its last round and its recent decisions
+        (the records the leader keeps in etcd, as this replica's view holds them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -194,6 +207,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ProposeMigration,
                     request_deserializer=hilum_dot_v1_dot_coordinator__pb2.MigrationProposal.FromString,
                     response_serializer=hilum_dot_v1_dot_coordinator__pb2.Approval.SerializeToString,
+            ),
+            'GetAutoscale': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAutoscale,
+                    request_deserializer=hilum_dot_v1_dot_coordinator__pb2.GetAutoscaleRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_coordinator__pb2.AutoscaleReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -439,6 +457,33 @@ class Coordinator:
             '/hilum.v1.Coordinator/ProposeMigration',
             hilum_dot_v1_dot_coordinator__pb2.MigrationProposal.SerializeToString,
             hilum_dot_v1_dot_coordinator__pb2.Approval.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAutoscale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hilum.v1.Coordinator/GetAutoscale',
+            hilum_dot_v1_dot_coordinator__pb2.GetAutoscaleRequest.SerializeToString,
+            hilum_dot_v1_dot_coordinator__pb2.AutoscaleReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,10 @@ class CoordinatorStub:
     """The topology the coordinator was started with."""
     ProposeMigration: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.MigrationProposal, _coordinator_pb2.Approval]
     """A domain scheduler asks to move one request to another domain (leader only)."""
+    GetAutoscale: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetAutoscaleRequest, _coordinator_pb2.AutoscaleReply]
+    """The autoscaler: its rule, and per model its state, its last round and its recent decisions
+    (the records the leader keeps in etcd, as this replica's view holds them).
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -76,6 +80,10 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """The topology the coordinator was started with."""
     ProposeMigration: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.MigrationProposal, _coordinator_pb2.Approval]  # type: ignore[assignment]
     """A domain scheduler asks to move one request to another domain (leader only)."""
+    GetAutoscale: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetAutoscaleRequest, _coordinator_pb2.AutoscaleReply]  # type: ignore[assignment]
+    """The autoscaler: its rule, and per model its state, its last round and its recent decisions
+    (the records the leader keeps in etcd, as this replica's view holds them).
+    """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -149,5 +157,15 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.Approval, _abc.Awaitable[_coordinator_pb2.Approval]]:
         """A domain scheduler asks to move one request to another domain (leader only)."""
+
+    @_abc_1.abstractmethod
+    def GetAutoscale(
+        self,
+        request: _coordinator_pb2.GetAutoscaleRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.AutoscaleReply, _abc.Awaitable[_coordinator_pb2.AutoscaleReply]]:
+        """The autoscaler: its rule, and per model its state, its last round and its recent decisions
+        (the records the leader keeps in etcd, as this replica's view holds them).
+        """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

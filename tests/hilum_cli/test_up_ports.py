@@ -13,6 +13,7 @@ import pytest
 import yaml
 from up_harness import TOPOLOGY
 
+import hilum_cli.up as up_module
 from hilum_cli.up import UpConfig, UpError, plan_ports, run_up
 from topology.load import parse_topology
 
@@ -26,6 +27,23 @@ def test_port_zero_picks_distinct_free_ports_for_every_process() -> None:
     assert set(plan.instances) == {"a0", "a1", "b0", "b1"} and set(plan.domains) == {"dom-a", "dom-b"}
     ports = [p for _, p in plan.named()]
     assert len(ports) == 3 + 1 + 2 + 4 + 1 and len(set(ports)) == len(ports) and all(ports)
+
+
+def test_an_ephemeral_port_handed_out_twice_is_not_planned_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The OS may give a just-closed ephemeral port again (it did under load: the coordinator and a token sink
+    # got the same one); the plan asks again rather than refuse its own choice.
+    real = up_module._free_port
+    given: list[int] = []
+
+    def repeating(host: str) -> int:
+        port = given[0] if len(given) in (3, 7) else real(host)  # the first port again, twice
+        given.append(port)
+        return port
+
+    monkeypatch.setattr(up_module, "_free_port", repeating)
+    plan = plan_ports(_topology(), "127.0.0.1", 0, 0, 0, etcd_embedded=True, gateways=2)  # type: ignore[arg-type]
+    ports = [p for _, p in plan.named()]
+    assert given.count(given[0]) == 3 and len(set(ports)) == len(ports) and given[0] in ports
 
 
 def test_a_taken_gateway_port_is_a_clear_error_and_nothing_starts(tmp_path: Path) -> None:

@@ -28,12 +28,14 @@ def test_the_example_file_holds_exactly_the_defaults() -> None:
 def test_every_key_is_documented_with_its_default() -> None:
     doc = DOC.read_text()
     cfg = HilumConfig()
-    sections = [f.name for f in dataclasses.fields(HilumConfig) if f.name != "source"]
-    assert "measured_bandwidth" in sections
+    # every field is a section of its own, but the actuator's keys, which are the autoscale section's too
+    fields = [f.name for f in dataclasses.fields(HilumConfig) if f.name != "source"]
+    assert "measured_bandwidth" in fields and "autoscale" in fields
     example = EXAMPLE.read_text()
-    for section in sections:
+    for name in fields:
+        section = "autoscale" if name == "actuator" else name
         assert re.search(rf"^{section}:", example, flags=re.MULTILINE), f"examples/hilum.yaml lacks {section}"
-        value = getattr(cfg, section)
+        value = getattr(cfg, name)
         for f in dataclasses.fields(value):
             if f.init and f.name not in ("policy", "remaining"):
                 row = re.search(rf"^\| `{section}\.{f.name}` \|[^\n]*", doc, flags=re.MULTILINE)
@@ -53,7 +55,7 @@ def test_errors_name_the_file_and_the_key_all_at_once(tmp_path: Path) -> None:
         load_config(bad)
     assert err.value.errors == [
         f"{bad}: extras: unknown section (known: policy, remaining, domain, cost, approval, intervals, resume, "
-        "measured_bandwidth)",
+        "measured_bandwidth, autoscale)",
         f"{bad}: policy.no_such_key: Extra inputs are not permitted",
         f"{bad}: cost.cap_fraction: Input should be a valid number",
         f"{bad}: approval: downtime_budget_s must be > 0, got -1.0",
@@ -127,3 +129,27 @@ def test_every_process_refuses_a_bad_file_naming_the_key(argv: list[str], tmp_pa
     )
     assert proc.returncode == 2, proc.stderr
     assert f"{bad}: cost.max_stages: Input should be a valid integer" in proc.stderr
+
+
+def test_the_autoscale_section_builds_the_rule_and_the_hook(tmp_path: Path) -> None:
+    f = tmp_path / "h.yaml"
+    f.write_text(
+        "autoscale: {enabled: true, min_instances: 2, scale_in_hold_s: 120.0, command: '/bin/hook --dry-run',"
+        " command_attempts: 2}\n"
+    )
+    cfg = load_config(f)
+    assert (cfg.autoscale.enabled, cfg.autoscale.min_instances, cfg.autoscale.scale_in_hold_s) == (True, 2, 120.0)
+    assert (cfg.actuator.argv(), cfg.actuator.command_attempts) == (["/bin/hook", "--dry-run"], 2)
+    assert cfg.actuator.command_timeout_s == 120.0  # not set: the default
+    with pytest.raises(ConfigError) as err:
+        parse_config({"autoscale": {"min_instances": 0, "command": 5, "no_such": 1, "command_attempts": 0}}, "f.yaml")
+    assert err.value.errors == [
+        "f.yaml: autoscale.command: Input should be a valid string",
+        "f.yaml: autoscale.no_such: Extra inputs are not permitted",
+    ]
+    with pytest.raises(ConfigError) as err:
+        parse_config({"autoscale": {"min_instances": 0, "command_attempts": 0}}, "f.yaml")
+    assert err.value.errors == [
+        "f.yaml: autoscale: AutoscaleConfig: min_instances must be >= 1, got 0",
+        "f.yaml: autoscale: command_attempts must be >= 1, got 0",
+    ]

@@ -37,6 +37,9 @@ SUMMARY = PolicySummary(
     wall_s=30.0,
     requests_per_wall_s=33.33,
     decode_p99_s=0.0333,
+    gpu_hours=2.345,
+    scale_outs=3,
+    scale_ins=2,
 )
 
 
@@ -78,6 +81,8 @@ def test_format_table_row_has_the_right_numbers() -> None:
         "123456",
         "30.0",
         "33.3",
+        "2.3",  # GPU-hours
+        "3/2",  # scale-outs / scale-ins
     ]
 
 
@@ -85,7 +90,7 @@ def test_render_table_one_row_per_policy() -> None:
     other = dataclasses.replace(SUMMARY, policy="round_robin")
     table = render_table([SUMMARY, other], title="t")
     assert table.row_count == 2
-    assert len(table.columns) == 23
+    assert len(table.columns) == 25
 
 
 def test_baseline_ratio_column() -> None:

@@ -24,6 +24,7 @@ from sim.results import (
     RequestLog,
     RequestRecord,
     ResultsError,
+    ScaleRecord,
     SimRun,
     load_results,
     percentile,
@@ -253,10 +254,14 @@ def test_write_and_load_round_trip(tmp_path: Path) -> None:
 
 
 def test_json_layout_has_documented_keys(tmp_path: Path) -> None:
-    doc = json.loads(write_results([hand_run()], tmp_path).read_text())
+    scaled = dataclasses.replace(hand_run(), scale_events=(ScaleRecord(2.0, "drain", "i1", "fleet freeness ..."),))
+    doc = json.loads(write_results([scaled], tmp_path).read_text())
     assert doc["schema_version"] == SCHEMA_VERSION
     run = doc["runs"][0]
-    assert set(run) == {"spec", "summary", "requests", "migrations"}
+    assert set(run) == {"spec", "summary", "requests", "migrations", "scale_events"}
+    assert run["scale_events"] == [
+        {"at_s": 2.0, "action": "drain", "instance_id": "i1", "reason": "fleet freeness ...", "ok": True, "note": ""}
+    ]
     assert set(run["spec"]) == {"policy", "topology", "trace", "seed", "rate_scale", "config"}
     assert set(run["summary"]) == {f.name for f in dataclasses.fields(PolicySummary)}
     request = run["requests"][0]
@@ -268,7 +273,7 @@ def test_json_layout_has_documented_keys(tmp_path: Path) -> None:
     # every key that appears in the file is documented in docs/sim-results.md
     documented = set(re.findall(r"^\| `([a-z_0-9]+)`", DOC.read_text(), flags=re.MULTILINE))
     keys = set(doc) | set(run) | set(run["spec"]) | set(run["summary"]) | set(request)
-    keys |= set(run["migrations"][0])
+    keys |= set(run["migrations"][0]) | set(run["scale_events"][0])
     assert keys - documented == set()
 
 

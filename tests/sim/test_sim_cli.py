@@ -36,6 +36,41 @@ def test_sim_table_names_every_policy(capsys: pytest.CaptureFixture[str]) -> Non
     assert "TTFT" in text and "downtime" in text
 
 
+def test_sim_autoscale_prints_gpu_hours_and_its_decisions_reach_results_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    argv = ["sim", "--max-requests", "300", "--policy", "hilum", "--autoscale", "--initial-instances", "2"]
+    assert main([*argv, "--cold-start-s", "5", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "GPU-h" in text and "scale" in text
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    starts = [e for e in run["scale_events"] if e["action"] == "scale-out"]
+    assert starts and run["summary"]["scale_outs"] == len(starts)  # two instances cannot hold 13 req/s
+    assert run["spec"]["config"]["initial_instances"] == 2 and run["spec"]["config"]["cold_start_s"] == 5.0
+    # The two from the start for the whole run, each started one from its decision: 1 GPU each.
+    end = run["summary"]["sim_duration_s"]
+    expected = (2 * end + sum(end - e["at_s"] for e in starts)) / 3600
+    assert not [e for e in run["scale_events"] if e["action"] == "scale-in"]  # 78 s: too short for a scale-in
+    assert run["summary"]["gpu_hours"] == pytest.approx(expected)
+
+
+def test_the_configuration_files_autoscale_switch_runs_the_autoscaler(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "hilum.yaml"
+    text = example.read_text()
+    assert "  enabled: false " in text
+    config = tmp_path / "on.yaml"
+    config.write_text(text.replace("  enabled: false ", "  enabled: true  ", 1))
+    argv = ["sim", "--max-requests", "300", "--policy", "hilum", "--initial-instances", "2", "--config", str(config)]
+    assert main([*argv, "--json"]) == 0
+    (summary,) = json.loads(capsys.readouterr().out)
+    assert summary["scale_outs"] >= 1  # as with --autoscale: two instances cannot hold 13 req/s
+    assert main(["sim", "size", "--target-p99-ttft-ms", "1000", "--config", str(config), "--max-requests", "5"]) == 2
+    assert "autoscale.enabled is true" in capsys.readouterr().err
+
+
 def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["sim", "--trace", "sharegpt", "--arrival", "gamma", "--arrival-cv", "3", "--rate", "5"]
     assert main([*argv, "--max-requests", "20", "--policy", "hilum", "--json", "--rate-scale", "1"]) == 0
@@ -57,6 +92,10 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--drain", "nope@10"], "unknown instance 'nope'"),
         (["--drain", "node-0-i1@5", "--scale-out", "node-0-i1@9"], "both drained and scaled out"),
         (["--out", "README.md"], "exists and is not a directory"),
+        (["--cold-start-s", "5"], "cold_start_s (--cold-start-s) applies only with autoscale (--autoscale)"),
+        (["--autoscale", "--cold-start-s", "600"], "must be below autoscale.start_timeout_s (600)"),
+        (["--autoscale", "--scale-out", "node-0-i1@9"], "cannot be combined with autoscale"),
+        (["--initial-instances", "17"], "has only 16 llama-2-13b instances"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
