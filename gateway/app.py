@@ -388,7 +388,7 @@ class GatewayApp:
         if req.gen.n > 1:
             out["index"] = choice.index
         out.update(
-            domain_id=choice.placement.domain_id,
+            domain_id=self.backend.domain_of(choice.instance_id) or choice.placement.domain_id,
             instance_id=choice.instance_id,
             migrations=choice.migrations,
             moves=moves,
