@@ -225,7 +225,7 @@ class GatewayApp:
         name = request.match_info["model"]
         if name not in self.backend.limits:
             served = ", ".join(sorted(self.backend.limits)) or "none"
-            message = f"The model {name!r} does not exist here; served: {served}"
+            message = f"the model {name!r} does not exist here; served: {served}"
             return _json(404, error_body(message, param="model", code="model_not_found"))
         return _json(200, self._model_object(name))
 
@@ -388,7 +388,7 @@ class GatewayApp:
         if req.gen.n > 1:
             out["index"] = choice.index
         out.update(
-            domain_id=choice.placement.domain_id,
+            domain_id=self.backend.domain_of(choice.instance_id) or choice.placement.domain_id,
             instance_id=choice.instance_id,
             migrations=choice.migrations,
             moves=moves,

@@ -50,6 +50,7 @@ from policy.types import PolicyConfig
 from rack_sched.core import DomainConfig
 from topology.bandwidth import MeasuredBandwidthConfig
 from topology.cost import CostConfig
+from topology.load import yaml_error_line
 
 __all__ = [
     "CONFIG_ENV",
@@ -231,7 +232,7 @@ def load_config(path: str | Path | None = None) -> HilumConfig:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError([f"{p}: not valid YAML: {exc}"]) from None
+        raise ConfigError([f"{p}: {yaml_error_line(exc)}"]) from None
     return parse_config(raw, str(p))
 
 

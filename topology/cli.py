@@ -208,7 +208,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     con.print(
         f"[bold]{summary['name']}[/bold] ({summary['source']}): {summary['num_gpus']} GPUs, "
         f"{summary['num_domains']} NVLink domains, {summary['num_instances']} instances, "
-        f"{len(summary['fabric']['racks'])} racks"
+        f"{_count(len(summary['fabric']['racks']), 'rack')}"
     )
     t = Table(title="Models")
     for col in (
@@ -361,3 +361,8 @@ def _cmd_path(args: argparse.Namespace) -> int:
         t.add_row(str(k), link["link"], f"{_gbyte(cap)} ({_gbit(cap)})", "bottleneck" if cap == bw else "")
     con.print(t)
     return 0
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 rack``, ``2 racks``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -636,6 +636,16 @@ def bundled_path(name: str) -> Path | None:
     return path if stem in BUNDLED_NAMES and path.is_file() else None
 
 
+def yaml_error_line(exc: yaml.YAMLError) -> str:
+    """One line for a YAML syntax error: ``line L, column C: YAML syntax error: PROBLEM`` (1-based, where
+    PyYAML marks it), or ``(file): YAML syntax error: ...`` when it marks no place."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "(file)"
+        return f"{where}: YAML syntax error: {exc.problem or exc.context or 'invalid YAML'}"
+    return f"(file): YAML syntax error: {exc}"
+
+
 def load_topology(path_or_name: str | Path) -> Topology:
     """Load a topology file, or a bundled example by name (``1x8-a100``, ``2x8-a100``, ``64x8-h100``,
     ``nvl72-gb200``). An existing file wins over a bundled name.
@@ -661,11 +671,6 @@ def load_topology(path_or_name: str | Path) -> Topology:
         raise TopologyError([f"{shown}: (file): cannot read: {exc}"]) from exc
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "(file)"
-        problem = exc.problem or exc.context or "invalid YAML"
-        raise TopologyError([f"{shown}: {where}: YAML syntax error: {problem}"]) from exc
     except yaml.YAMLError as exc:
-        raise TopologyError([f"{shown}: (file): YAML syntax error: {exc}"]) from exc
+        raise TopologyError([f"{shown}: {yaml_error_line(exc)}"]) from exc
     return parse_topology(data, shown, base_dir=path.resolve().parent)

@@ -223,6 +223,7 @@ def test_streaming_completion_and_chat() -> None:
                 "instance_id": "a0",
             }
             assert events[-3]["hilum"]["migrations"] == 1 and events[-3]["hilum"]["instance_id"] == "b0"
+            assert events[-3]["hilum"]["domain_id"] == "dom-b"  # where it is now, as instance_id
             assert events[-3]["hilum"]["moves"] == [
                 {
                     "src_instance_id": "a0",

@@ -42,6 +42,16 @@ def test_every_key_is_documented_with_its_default() -> None:
                 assert row is not None, f"docs/configuration.md lacks {section}.{f.name}"
 
 
+def test_a_yaml_syntax_error_is_one_line_naming_where(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("intervals:\n  report_interval_s: 0.05\npolicy: [1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    (line,) = err.value.errors
+    assert line.startswith(f"{bad}: line 4, column 1: YAML syntax error: expected ',' or ']'"), line
+    assert "\n" not in line
+
+
 def test_errors_name_the_file_and_the_key_all_at_once(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_show_2x8_prints_the_figures(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["topology", "show", "2x8-a100"]) == 0
     out = capsys.readouterr().out
-    assert "2x8-a100 (2x8-a100.yaml): 16 GPUs, 2 NVLink domains, 16 instances, 1 racks" in out
+    assert "2x8-a100 (2x8-a100.yaml): 16 GPUs, 2 NVLink domains, 16 instances, 1 rack" in out
     assert "524,288" in out  # KV bytes per token of Llama-2-7B fp16
     assert "8 MiB" in out  # per 16-token block
     for figure in ("7,609", "121,744", "60,872", "973,952"):  # per-instance and per-domain blocks / tokens
