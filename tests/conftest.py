@@ -8,16 +8,9 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc.aio
 import pytest
 from bpe_tokenizer import build_tokenizer
 from etcd_server import EtcdServer
-
-# grpc.aio's global completion queue is shut down when the last gRPC aio object is collected, and that
-# shutdown joins its poller thread: a collection at the wrong moment (a later test's garbage, long after the
-# loop that used it closed) hangs there for good (grpc/grpc#22365; seen once in a full run, in a pure
-# simulator test after the parity test). One reference for the whole session keeps the queue up.
-grpc.aio.init_grpc_aio()
 
 
 @pytest.fixture(scope="session")
