@@ -411,9 +411,13 @@ async def live(topo: Topology, endpoint: str, prefix: str) -> Decisions:
             assert not answer.approved and "at 10.0 MB/s (measured)" in answer.reason, answer.reason
             return out
         finally:
+            # the shells stop by themselves (closing their channels and watches) before anything is cancelled:
+            # a gRPC aio call left pending when the loop closes can hang the process at a later collection
             for stop in stops:
                 stop.set()
-            for task in tasks:
+            shells = tasks[: len(stops)]  # each shell's task was started with its stop event; the view has none
+            _, pending = await asyncio.wait(shells, timeout=10)
+            for task in [*pending, *tasks[len(stops) :]]:
                 task.cancel()
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
