@@ -47,7 +47,13 @@ def ray_session() -> Iterator[None]:
     ray = pytest.importorskip("ray")
     saved = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    except Exception as exc:  # Ray's fixed 30 s wait for its raylet (ray/_private/node.py) passed: once more
+        if "timed out during startup" not in str(exc):
+            raise
+        ray.shutdown()
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:
