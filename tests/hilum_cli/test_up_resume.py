@@ -117,7 +117,14 @@ def test_a_frozen_instance_is_noticed_by_keepalive_and_its_stream_continues(up: 
             os.kill(pid, signal.SIGSTOP)
             t0 = time.monotonic()
             try:
-                n0 = len(events)
+                # tokens the instance sent before it froze may still arrive: wait until none came for 0.5 s
+                # (well below the 2 s keepalive bound), then for the next event: the replay's
+                n0, quiet_from = len(events), time.monotonic()
+                while time.monotonic() - quiet_from < 0.5:
+                    if len(events) != n0:
+                        n0, quiet_from = len(events), time.monotonic()
+                    assert time.monotonic() - t0 < 30, "the frozen instance kept streaming"
+                    await asyncio.sleep(0.01)
                 while len(events) == n0:  # no token until keepalive gives up and the request is replayed
                     assert time.monotonic() - t0 < 30, "the frozen instance was never noticed"
                     await asyncio.sleep(0.01)
