@@ -72,7 +72,7 @@ class InstanceLoad:
     The rules read the batch through two aggregates, ``num_running`` (B) and ``priority_counts`` (the
     headroom of virtual usage); only the choice of which request moves reads ``running`` itself. A report
     has both aggregates computed from ``running``, unless it is *brief* (``brief=True``, ``running`` empty):
-    then it carries the aggregates alone. A simulator builds brief reports for every instance at every tick
+    then it carries the aggregates alone. The simulator sends brief reports (when an instance's load changed)
     and asks for the detailed report of an instance only when a rule picks a request from it (``detailed``;
     see ``policy.migration.plan_migrations``'s ``details``).
 

@@ -281,8 +281,11 @@ class DomainCore:
         member = self._members.get(instance_id)
         if member is None or member.load is None:
             return None
-        draining = instance_id in self._drained
-        return member.load if member.load.draining == draining else replace(member.load, draining=draining)
+        return self._drains_applied(member.load)
+
+    def _drains_applied(self, load: InstanceLoad) -> InstanceLoad:
+        draining = load.instance_id in self._drained
+        return load if load.draining == draining else replace(load, draining=draining)
 
     def loads(self, model: str | None = None) -> list[InstanceLoad]:
         """Every reported, healthy instance's load (of ``model``, or all), drains applied, sorted by id."""
@@ -400,8 +403,7 @@ class DomainCore:
             return load
         if self._details_of is None:
             raise ValueError(f"{self.domain_id}: {load.instance_id} sent a brief load report and no details source")
-        full = self._details_of(load.instance_id)
-        return full if full.draining == load.draining else replace(full, draining=load.draining)
+        return self._drains_applied(self._details_of(load.instance_id))
 
     def free_loads(self, now_s: float, model: str | None = None) -> list[InstanceLoad]:
         """Loads of reachable instances (of ``model``, or all) not busy with a migration, sorted by id."""

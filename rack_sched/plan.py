@@ -92,12 +92,12 @@ def plan_cross_domain(
     looked_at: dict[str, InstanceLoad] = {}
 
     def detailed(load: InstanceLoad) -> InstanceLoad:
-        if details is None:
-            raise ValueError(f"plan_cross_domain: {load.instance_id!r} is a brief report and no details are given")
+        assert details is not None
         looked_at[load.instance_id] = details(load)
         return looked_at[load.instance_id]
 
-    for decision in plan_migrations([*loads, stand_in], cfg, rng, details=detailed):
+    # without ``details``, plan_migrations refuses a brief source itself
+    for decision in plan_migrations([*loads, stand_in], cfg, rng, details=detailed if details else None):
         if decision.dst_id != stand_in.instance_id:
             continue
         src = looked_at.get(decision.src_id) or next(x for x in loads if x.instance_id == decision.src_id)

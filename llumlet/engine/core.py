@@ -198,9 +198,7 @@ class EngineCore(PagedEngine):
         rows = self._running_rows()
         used = blocks.used_blocks
         if steps_ahead:
-            run = self._run
-            if steps_ahead < 0 or run is None or run.applied + steps_ahead >= run.steps:
-                raise ValueError(f"{self.instance_id}: instance_load(steps_ahead={steps_ahead}) with {run!r}")
+            run = self._run_ahead(steps_ahead)
             grown = blocks.decode_new_blocks_each(run.request_ids, steps_ahead)
             rows = [  # every request of the run is in decode: one more token a step
                 (rid, n + g, prio, tokens + steps_ahead, True, out + steps_ahead, max_tokens, max_blocks, why)
@@ -224,6 +222,14 @@ class EngineCore(PagedEngine):
             max_num_seqs=self.scheduler.max_num_seqs,
         )
 
+    def _run_ahead(self, steps_ahead: int) -> DecodeRun:
+        """The decode run in flight, when ``steps_ahead`` of its steps can be read ahead of the applied ones.
+        Raises ValueError otherwise."""
+        run = self._run
+        if steps_ahead < 0 or run is None or run.applied + steps_ahead >= run.steps:
+            raise ValueError(f"{self.instance_id}: instance_load(steps_ahead={steps_ahead}) with {run!r}")
+        return run
+
     def _brief_load(
         self, instance_id: str, domain_id: str, draining: bool, warming_up: bool, decode_step_s: float, steps_ahead: int
     ) -> InstanceLoad:
@@ -233,10 +239,7 @@ class EngineCore(PagedEngine):
         blocks = self.blocks
         used = blocks.used_blocks + blocks.reserved_blocks
         if steps_ahead:
-            run = self._run
-            if steps_ahead < 0 or run is None or run.applied + steps_ahead >= run.steps:
-                raise ValueError(f"{self.instance_id}: instance_load(steps_ahead={steps_ahead}) with {run!r}")
-            used += blocks.decode_rounds_new_blocks(run.request_ids, steps_ahead)
+            used += blocks.decode_rounds_new_blocks(self._run_ahead(steps_ahead).request_ids, steps_ahead)
         running = self.scheduler.running
         return trusted_instance_load(
             instance_id=instance_id,

@@ -11,6 +11,7 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
 
+from clusterstate.records import DomainRegistration, SummaryRecord
 from gateway.app import GatewayApp
 from gateway.metrics import GatewayMetrics
 from gateway.router import DispatchFailed, Placement
@@ -146,3 +147,18 @@ class ScriptedBackend(FakeBackend):
             last = i + self.chunk >= len(tokens)
             await asyncio.sleep(0)
             yield TokenUpdate(part, last, reason if last else "", "", "a0", 0, (), lps)
+
+
+@dataclass
+class Source:
+    """What DomainRouter reads of the cluster view: fixed domain registrations and summaries."""
+
+    regs: dict[str, DomainRegistration]
+    sums: dict[str, SummaryRecord]
+    version: int = 1
+
+    def domains(self) -> dict[str, DomainRegistration]:
+        return self.regs
+
+    def summaries(self) -> dict[str, SummaryRecord]:
+        return self.sums

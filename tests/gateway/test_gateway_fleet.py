@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
+from gateway_fakes import Source
 
 from clusterstate.clock import ManualClock
 from clusterstate.records import DomainRegistration, SummaryRecord
@@ -35,19 +36,6 @@ def summary(domain: str, used: int) -> SummaryRecord:
     total = 1200.0 + used
     s = DomainSummary(domain, 2, 2000, total, (2000 - total) / 8, 400, 1000, 8, 0, False, model="m", instances=briefs)
     return SummaryRecord(domain, (s,))
-
-
-@dataclass
-class Source:
-    regs: dict[str, DomainRegistration]
-    sums: dict[str, SummaryRecord]
-    version: int = 1
-
-    def domains(self) -> dict[str, DomainRegistration]:
-        return self.regs
-
-    def summaries(self) -> dict[str, SummaryRecord]:
-        return self.sums
 
 
 @dataclass

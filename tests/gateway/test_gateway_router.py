@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from gateway_fakes import Source
 
 from clusterstate.clock import ManualClock
 from clusterstate.records import DomainRegistration, SummaryRecord
@@ -45,19 +46,6 @@ def record(
         taken_s=taken_s,
     )
     return SummaryRecord(domain, (summary,))
-
-
-@dataclass
-class Source:
-    regs: dict[str, DomainRegistration]
-    sums: dict[str, SummaryRecord]
-    version: int = 1
-
-    def domains(self) -> dict[str, DomainRegistration]:
-        return self.regs
-
-    def summaries(self) -> dict[str, SummaryRecord]:
-        return self.sums
 
 
 @dataclass
