@@ -164,9 +164,11 @@ class Child:
 
     @property
     def pid(self) -> int:
+        """The current process's pid (0 before its first start)."""
         return self.proc.pid if self.proc is not None else 0
 
     def running(self) -> bool:
+        """Whether its current process is alive."""
         return self.proc is not None and self.proc.poll() is None
 
     def is_ready(self) -> bool:
@@ -176,6 +178,7 @@ class Child:
         return self.ready.is_set()
 
     def log_tail(self, n_chars: int = 2000) -> str:
+        """The last ``n_chars`` characters of its log ("" when the log cannot be read)."""
         try:
             return self.log_path.read_text(errors="replace")[-n_chars:]
         except OSError:

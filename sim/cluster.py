@@ -297,6 +297,7 @@ class Cluster:
 
     # ------------------------------------------------------------------ views
     def model_of(self, instance_id: str) -> ModelSpec:
+        """The model ``instance_id`` serves. Raises KeyError for an unknown instance."""
         return self.topology.model_of(instance_id)
 
     def domain_ids(self) -> list[str]:
