@@ -235,6 +235,12 @@ def plan_ports(
         UpError: a port is in use or repeated, naming it and the option that moves it.
     """
 
+    try:  # the host itself first: an address of another machine, or a name that does not resolve
+        _free_port(host)
+    except OSError as exc:
+        raise UpError(
+            f"--host {host}: cannot listen there ({exc.strerror or exc}): give a name or address of this machine"
+        ) from None
     handed_out: set[int] = set()
 
     def fresh() -> int:

@@ -29,6 +29,13 @@ def test_port_zero_picks_distinct_free_ports_for_every_process() -> None:
     assert len(ports) == 3 + 1 + 2 + 4 + 1 and len(set(ports)) == len(ports) and all(ports)
 
 
+@pytest.mark.parametrize("host", ["nosuch.invalid", "192.0.2.1"])
+def test_a_host_this_machine_cannot_listen_on_is_named_not_called_a_taken_port(host: str) -> None:
+    with pytest.raises(UpError) as err:
+        plan_ports(_topology(), host, 18300, 0, 17070, etcd_embedded=True)  # type: ignore[arg-type]
+    assert str(err.value).startswith(f"--host {host}: cannot listen there (") and "in use" not in str(err.value)
+
+
 def test_an_ephemeral_port_handed_out_twice_is_not_planned_twice(monkeypatch: pytest.MonkeyPatch) -> None:
     # The OS may give a just-closed ephemeral port again (it did under load: the coordinator and a token sink
     # got the same one); the plan asks again rather than refuse its own choice.
