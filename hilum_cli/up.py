@@ -427,6 +427,8 @@ def _check(cfg: UpConfig) -> _Checked:
         options = parse_engine_options(cfg.engine_options)
     except ValueError as exc:
         raise UpError(str(exc)) from None
+    if cfg.engine == "sim" and options:
+        raise UpError(f"--engine-option {', '.join(sorted(options))}: the sim engine takes no option")
     tokenizer = cfg.tokenizer
     if cfg.engine == "vllm":
         tokenizer = _vllm_tokenizer(cfg, topology, options)

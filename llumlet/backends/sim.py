@@ -34,7 +34,10 @@ def make_sim_backend(config: BackendConfig) -> Backend:
     Raises:
         KeyError: the instance is not in ``config.topology``.
         UnsupportedLatencyModelError: no latency model for the instance's (model, GPU, TP).
+        ValueError: ``config.options`` is not empty (the sim backend takes no ``--engine-option``).
     """
+    if config.options:
+        raise ValueError(f"sim backend: unknown option(s) {', '.join(sorted(config.options))} (it takes none)")
     topo = config.topology
     if topo is not None:
         spec = topo.instance(config.instance_id)

@@ -131,6 +131,14 @@ def _up_vllm(tmp_path: Path, *options: str, **kw: object) -> tuple[int, str]:
     return run_up(cfg, out=io.StringIO(), err=err), err.getvalue()
 
 
+def test_engine_options_for_the_sim_engine_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    err = io.StringIO()
+    cfg = UpConfig(engine_options=("nosuch=1",), port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "r"))
+    assert run_up(cfg, out=io.StringIO(), err=err) == 1
+    assert err.getvalue().startswith("hilum up: error: --engine-option nosuch: the sim engine takes no option")
+    assert not (tmp_path / "r").exists()
+
+
 def test_engine_vllm_without_a_checkpoint_says_which_option(tmp_path: Path) -> None:
     status, err = _up_vllm(tmp_path)
     assert status == 1

@@ -69,6 +69,11 @@ def test_torch_options() -> None:
         make_backend("torch", BackendConfig(instance_id="x", options={"threads": "many"}))
 
 
+def test_the_sim_backend_refuses_any_option_by_name() -> None:
+    with pytest.raises(ValueError, match=r"sim backend: unknown option\(s\) colour, nosuch \(it takes none\)"):
+        make_backend("sim", BackendConfig(instance_id="x", options={"nosuch": "1", "colour": "red"}))
+
+
 def test_torch_takes_vocabulary_and_eos_from_the_tokenizer(bpe_tokenizer_dir: Path, tmp_path: Path) -> None:
     from gateway.tokenizer import HFTokenizer
 
