@@ -20,6 +20,7 @@ and stops at the first miss.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -207,6 +208,22 @@ class BlockManager:
     def decode_rounds_new_blocks(self, request_ids: Sequence[str], rounds: int) -> int:
         """New blocks that ``rounds`` rounds of ``append_slot`` over ``request_ids`` would take (changes nothing)."""
         return sum(self.decode_new_blocks_each(request_ids, rounds))
+
+    def decode_new_blocks_by_round(self, request_ids: Sequence[str], rounds: int) -> list[int]:
+        """New blocks after each number of rounds of ``append_slot`` over ``request_ids`` (changes nothing):
+        element r, for r = 0..``rounds``, is ``decode_rounds_new_blocks(request_ids, r)``.
+
+        O(requests + rounds + the blocks taken), once for every read of the rounds ahead: request i takes a
+        block in rounds f_i, f_i + B, f_i + 2B, ... (``_first_new_block_round``). Raises KeyError for a request
+        that holds no table.
+        """
+        bs = self.block_size_tokens
+        taken = [0] * (rounds + 1)  # taken[r]: blocks taken in round r
+        for rid in request_ids:
+            t = self._tables[rid]
+            for r in range(t.num_blocks * bs - t.num_tokens + 1, rounds + 1, bs):
+                taken[r] += 1
+        return list(itertools.accumulate(taken))
 
     def decode_new_blocks_each(self, request_ids: Sequence[str], rounds: int) -> list[int]:
         """New blocks each request would take over ``rounds`` rounds of ``append_slot`` (changes nothing)."""

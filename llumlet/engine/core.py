@@ -91,6 +91,31 @@ class DecodeRun:
         return f"DecodeRun({len(self.request_ids)} requests, applied {self.applied} of {self.steps} steps)"
 
 
+class _RunFigures:
+    """What a brief report reads of a decode run in progress, computed once per run (see ``_brief_load``).
+
+    Over the run's steps the batch and the queue stay as they are (a change from outside cuts the run) and the
+    first step cleared the preemption flag, so every figure but the blocks held is constant while steps are
+    left; the blocks follow the run's rounds of one slot per request (``BlockManager.decode_new_blocks_by_round``,
+    from the state when the figures were taken).
+    """
+
+    __slots__ = ("_base", "_new_blocks", "queue", "run")
+
+    def __init__(
+        self, run: DecodeRun, queue: tuple[int, tuple[tuple[int, int], ...], int, int, int, bool], blocks: BlockManager
+    ) -> None:
+        self.run = run
+        self.queue = queue  # EngineCore._brief_figures() while the run has steps left
+        self._base = run.applied  # steps applied when taken
+        self._new_blocks = blocks.decode_new_blocks_by_round(run.request_ids, run.steps - 1 - run.applied)
+
+    def new_blocks(self, applied: int, steps_ahead: int) -> int:
+        """Blocks ``steps_ahead`` more steps take from the state of ``applied`` steps (both before the last)."""
+        cumulative = self._new_blocks
+        return cumulative[applied + steps_ahead - self._base] - cumulative[applied - self._base]
+
+
 class EngineCore(PagedEngine):
     """A modelled LLM engine instance.
 
@@ -148,6 +173,7 @@ class EngineCore(PagedEngine):
         self._last_step_preempted = False
         self.stats: dict[str, RequestStats] = {}  # request_id -> counters of requests that left
         self._run: DecodeRun | None = None  # the decode run in progress (applied < steps), if any
+        self._run_figures: _RunFigures | None = None  # a brief report's figures of that run
         self._load_version = 0
         self._load: EngineLoad | None = None  # load() of _load_at_version
         self._load_at_version = -1
@@ -233,14 +259,21 @@ class EngineCore(PagedEngine):
     def _brief_load(
         self, instance_id: str, domain_id: str, draining: bool, warming_up: bool, decode_step_s: float, steps_ahead: int
     ) -> InstanceLoad:
-        from policy.types import priority_counts_of, trusted_instance_load
+        from policy.types import trusted_instance_load
 
-        num_waiting, head_demand, queued_demand, preempting = self._queue_state()
+        if steps_ahead:
+            self._run_ahead(steps_ahead)  # the check: a read-ahead stays before the run's last step
         blocks = self.blocks
         used = blocks.used_blocks + blocks.reserved_blocks
-        if steps_ahead:
-            used += blocks.decode_rounds_new_blocks(self._run_ahead(steps_ahead).request_ids, steps_ahead)
-        running = self.scheduler.running
+        run = self._run
+        if run is not None and not run.done:  # O(1): the run's figures, computed once per run
+            figures = self._run_figures
+            if figures is None or figures.run is not run:
+                figures = self._run_figures = _RunFigures(run, self._brief_figures(), blocks)
+            used += figures.new_blocks(run.applied, steps_ahead)
+            num_running, priority_counts, num_waiting, head_demand, queued_demand, preempting = figures.queue
+        else:
+            num_running, priority_counts, num_waiting, head_demand, queued_demand, preempting = self._brief_figures()
         return trusted_instance_load(
             instance_id=instance_id,
             capacity_blocks=blocks.num_blocks,
@@ -254,11 +287,20 @@ class EngineCore(PagedEngine):
             warming_up=warming_up,
             domain_id=domain_id,
             decode_step_s=decode_step_s,
-            num_running=len(running),
-            priority_counts=priority_counts_of([s.request.priority for s in running]),
+            num_running=num_running,
+            priority_counts=priority_counts,
             brief=True,
             max_num_seqs=self.scheduler.max_num_seqs,
         )
+
+    def _brief_figures(self) -> tuple[int, tuple[tuple[int, int], ...], int, int, int, bool]:
+        """(num_running, priority_counts, num_waiting, head_demand_blocks, queued_demand_blocks, preempting) of
+        a brief report, from the state now."""
+        from policy.types import priority_counts_of
+
+        running = self.scheduler.running
+        counts = priority_counts_of([s.request.priority for s in running])
+        return (len(running), counts, *self._queue_state())
 
     def _changing(self) -> None:
         """A change from outside is about to happen: the run in progress ends after the steps its driver

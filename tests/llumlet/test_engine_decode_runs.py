@@ -223,6 +223,35 @@ def test_a_load_ahead_of_the_applied_steps_is_the_load_once_they_are_applied() -
         e.instance_load("i0", "d0", steps_ahead=1)
 
 
+def test_a_brief_load_of_a_run_is_the_detailed_one_as_counts() -> None:
+    """Brief reports in a run come from figures taken once per run (blocks by round); every one, read ahead
+    or after the steps are applied, has the aggregates of the detailed report of that state."""
+    e = make(True, False, "whole-prompt", 40)
+    for i in range(3):
+        e.add_request(EngineRequest(f"r{i}", prompt_tokens=3 + 5 * i, max_tokens=30 + i, priority=i % 2))
+    e.add_request(EngineRequest("w", prompt_tokens=150, max_tokens=1, arrival_s=9.0))  # 38 blocks: waits
+    e.step()
+    run = e.start_decode_run(100)
+    assert run is not None and run.steps > 16  # long enough for every request to take a block in it
+    base = run.applied
+
+    def counts(load: Any) -> tuple[object, ...]:
+        return (load.used_blocks, load.num_running, load.priority_counts, load.num_waiting, load.head_demand_blocks,
+                load.queued_demand_blocks, load.preempting)  # fmt: skip
+
+    ahead = [counts(e.instance_load("i0", "d0", steps_ahead=k, brief=True)) for k in range(run.steps - base)]
+    for k in range(run.steps - base):
+        e.advance_decode_run(base + k)
+        brief = e.instance_load("i0", "d0", brief=True)
+        assert brief.brief and counts(brief) == ahead[k] == counts(e.instance_load("i0", "d0")), k
+        later = [counts(e.instance_load("i0", "d0", steps_ahead=j, brief=True)) for j in range(run.steps - base - k)]
+        assert later == ahead[k:]
+    assert ahead[-1][0] > ahead[0][0] + 2 and ahead[0][2] == ((1, 1),)
+    e.advance_decode_run(run.steps)  # the last step: r0 finishes, the figures are the state's again
+    assert counts(e.instance_load("i0", "d0", brief=True)) == counts(e.instance_load("i0", "d0"))
+    assert e.instance_load("i0", "d0", brief=True).num_running == 2
+
+
 def test_load_version_moves_exactly_when_the_load_changes() -> None:
     e = make(True, True, "chunked", 30)
     seen = [(e.load_version, e.load())]
