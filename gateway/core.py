@@ -66,6 +66,7 @@ class GatewayCore:
         self._choices = cfg.domain_choices
         self._views: dict[str, DomainDispatchView] = {}  # model -> view over the domains serving it
         self._summaries: dict[tuple[str, str], DomainSummary] = {}  # (domain, model) -> latest summary
+        self._holding: dict[str, set[str]] = {}  # model -> domains that may hold reservations of its picks
 
     def models(self) -> list[str]:
         """Models some domain serves, sorted."""
@@ -104,6 +105,7 @@ class GatewayCore:
     def _drop(self, domain_id: str, model: str) -> None:
         del self._summaries[(domain_id, model)]
         self._view(model).remove(domain_id)
+        self._holding.get(model, set()).discard(domain_id)
 
     def _view(self, model: str) -> DomainDispatchView:
         view = self._views.get(model)
@@ -138,11 +140,25 @@ class GatewayCore:
             served = ", ".join(self.models()) or "nothing yet"
             return DispatchDecision(None, f"model {model!r} is not served (served: {served})")
         view = self._view(resolved)
-        horizon = now_s - self.reservation_ttl_s
-        for (_, m), s in self._summaries.items():  # expire old reservations (see reservation_ttl_s)
-            if m == resolved:
-                view.update(s, as_of=max(s.taken_s, horizon))
-        return view.pick(demand_blocks, priority, stamp=now_s, need_blocks=need_blocks, exclude=exclude)
+        self._expire(resolved, view, now_s - self.reservation_ttl_s)
+        decision = view.pick(demand_blocks, priority, stamp=now_s, need_blocks=need_blocks, exclude=exclude)
+        if decision.target_id is not None:
+            self._holding.setdefault(resolved, set()).add(decision.target_id)
+        return decision
+
+    def _expire(self, model: str, view: DomainDispatchView, horizon_s: float) -> None:
+        """Drop the reservations of ``model``'s picks stamped at or before ``horizon_s`` (see
+        ``reservation_ttl_s``), and those its summary was taken after: each domain holding some is rebuilt from
+        its summary with the later ones kept. A domain holding none is what its summary says already (a rebuild
+        would change nothing), so the cost is in the domains picked within ``reservation_ttl_s``, not all."""
+        holding = self._holding.get(model)
+        if not holding:
+            return
+        for domain_id in sorted(holding):
+            summary = self._summaries[(domain_id, model)]
+            view.update(summary, as_of=max(summary.taken_s, horizon_s))
+            if not view.reservations(domain_id):
+                holding.discard(domain_id)
 
 
 class PlacementAttempt:

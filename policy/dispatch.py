@@ -104,6 +104,11 @@ class _View:
         """Freeness of a target as this view sees it, reservations included. KeyError if unknown."""
         return self._targets[target_id].freeness()
 
+    def reservations(self, target_id: str) -> int:
+        """Requests dispatched to a target since its report (those the view still counts); 0 if unknown."""
+        target = self._targets.get(target_id)
+        return target.reserved_count if target is not None else 0
+
     def pick(
         self,
         demand_blocks: int,

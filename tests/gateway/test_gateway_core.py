@@ -7,6 +7,7 @@ import random
 import pytest
 
 from gateway.core import GatewayCore
+from policy.dispatch import DomainDispatchView
 from policy.domain import DomainSummary
 from policy.types import PolicyConfig
 
@@ -69,3 +70,49 @@ def test_tried_domains_are_excluded_without_losing_their_reservations() -> None:
     assert first == second  # the other one was excluded
     third = g.pick("m", 40, now_s=1.0).target_id
     assert third != first  # both reservations still count on the first
+
+
+class _RebuildingEveryDomain(GatewayCore):
+    """The reference: every pick rebuilds every domain of the model from its summary (no bookkeeping of which
+    domains hold reservations)."""
+
+    def _expire(self, model: str, view: DomainDispatchView, horizon_s: float) -> None:
+        for (_, m), s in self._summaries.items():
+            if m == model:
+                view.update(s, as_of=max(s.taken_s, horizon_s))
+
+
+def test_expiring_only_the_domains_holding_reservations_picks_as_rebuilding_every_domain() -> None:
+    """A long seeded mix of summaries (some taken exactly at a pick's instant), picks with exclusions, removals
+    and picks past the TTL: both cores make every pick alike and see every domain alike after it."""
+    cfg = PolicyConfig(domain_choices=2)
+    cores = [GatewayCore(cfg, random.Random(7), reservation_ttl_s=0.3), _RebuildingEveryDomain(cfg, random.Random(7),
+             reservation_ttl_s=0.3)]  # fmt: skip
+    events = random.Random(3)
+    domains = [f"d{i}" for i in range(12)]
+    now, picks, held_after = 0.0, [], 0
+    for _ in range(3000):
+        now += events.choice((0.0, 0.01, 0.05, 0.4))
+        roll = events.random()
+        if roll < 0.3:
+            d = events.choice(domains)
+            s = summary(d, events.randrange(0, 90), taken_s=now - events.choice((0.0, 0.0, 0.05, 0.2)))
+            for core in cores:
+                core.update(d, [s])
+        elif roll < 0.32:
+            d = events.choice(domains)
+            for core in cores:
+                core.remove(d)
+        else:
+            demand = events.randrange(1, 40)
+            exclude = set(events.sample(domains, events.randrange(0, 3)))
+            got = [core.pick("m", demand, now, exclude=exclude) for core in cores]
+            assert got[0] == got[1]
+            picks.append(got[0].target_id)
+            view = cores[0]._view("m")
+            held_after += sum(view.reservations(d) > 0 for d in domains)
+        views = [core._view("m") for core in cores]
+        for d in cores[1].domains("m"):
+            assert views[0].freeness(d) == views[1].freeness(d), d
+            assert views[0].reservations(d) == views[1].reservations(d), d
+    assert len({p for p in picks if p is not None}) == len(domains) and held_after > 0
