@@ -42,6 +42,7 @@ __all__ = [
     "MigrationDecision",
     "candidate_order",
     "gives_a_slot",
+    "is_source_domain",
     "move_lowers_potential",
     "pair_domains",
     "plan_migrations",
@@ -262,8 +263,7 @@ def pair_domains(summaries: Sequence[DomainSummary], cfg: PolicyConfig) -> list[
     if len(set(ids)) != len(ids):
         raise ValueError(f"pair_domains: repeated domain ids in {sorted(ids)}")
     sources = sorted(
-        (s for s in summaries if s.draining or s.freeness < cfg.migrate_out_freeness_below),
-        key=lambda s: fullest_first(s.freeness, s.domain_id),
+        (s for s in summaries if is_source_domain(s, cfg)), key=lambda s: fullest_first(s.freeness, s.domain_id)
     )
     by_freeness = sorted(summaries, key=lambda s: freest_first(s.freeness, s.domain_id))
     source_ids = {s.domain_id for s in sources}
@@ -277,6 +277,12 @@ def pair_domains(summaries: Sequence[DomainSummary], cfg: PolicyConfig) -> list[
             pairs.append((src.domain_id, dst.domain_id))
             used.update((src.domain_id, dst.domain_id))
     return pairs
+
+
+def is_source_domain(summary: DomainSummary, cfg: PolicyConfig) -> bool:
+    """True iff ``pair_domains`` takes the domain as a source: draining, or F < migrate_out_freeness_below. A
+    domain that is not is never paired as a source, whatever the other summaries."""
+    return summary.draining or summary.freeness < cfg.migrate_out_freeness_below
 
 
 def _domain_accepts(

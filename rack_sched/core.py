@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from global_coord.approver import MoveProposal
 from policy.dispatch import DispatchDecision, DispatchView
 from policy.domain import DomainSummary, summarize_domain
-from policy.migration import MigrationDecision, plan_migrations
+from policy.migration import MigrationDecision, is_source_domain, plan_migrations
 from policy.remaining import RemainingConfig, RemainingEstimator
 from policy.types import InstanceLoad, PolicyConfig
 from rack_sched.plan import plan_cross_domain
@@ -444,16 +444,21 @@ class DomainCore:
     def plan_cross_domain(self, others: Iterable[DomainSummary], now_s: float) -> CrossDomainProposal | None:
         """The move to propose now, if ``policy.pair_domains`` makes this domain a source for some model.
 
-        ``others``: the other domains' latest summaries (as received; those of other domains only).
+        ``others``: the other domains' latest summaries (as received; those of other domains only), iterated
+        at most once and only when this domain is a source for some model (``policy.is_source_domain``).
         """
         self._not_approved = {r: t for r, t in self._not_approved.items() if t > now_s}
-        by_model: dict[str, list[DomainSummary]] = {}
-        for summary in others:
-            if summary.domain_id != self.domain_id:
-                by_model.setdefault(summary.model, []).append(summary)
+        by_model: dict[str, list[DomainSummary]] | None = None  # read only when this domain is a source
         for model in self.models():
-            loads = [self._holding_back(load) for load in self.free_loads(now_s, model)]
             mine = summarize_domain(self.domain_id, self.loads(model), self.cfg.policy, model=model)
+            if not is_source_domain(mine, self.cfg.policy):
+                continue  # plan_cross_domain's first rule: not paired as a source, whatever the others
+            if by_model is None:
+                by_model = {}
+                for summary in others:
+                    if summary.domain_id != self.domain_id:
+                        by_model.setdefault(summary.model, []).append(summary)
+            loads = [self._holding_back(load) for load in self.free_loads(now_s, model)]
             move = plan_cross_domain(
                 mine,
                 by_model.get(model, []),

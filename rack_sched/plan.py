@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from clusterstate.records import DrainKind
 from policy.domain import DomainSummary
-from policy.migration import pair_domains, plan_migrations
+from policy.migration import is_source_domain, pair_domains, plan_migrations
 from policy.types import InstanceLoad, PolicyConfig, RequestLoad
 
 __all__ = ["CrossDomainMove", "drained_instances", "plan_cross_domain"]
@@ -83,6 +83,8 @@ def plan_cross_domain(
         ValueError: on repeated domain or instance ids, or a brief source without ``details`` (from
             ``policy``).
     """
+    if not is_source_domain(mine, cfg):  # never paired as a source: no need to look at the others
+        return None
     pairs = pair_domains([mine, *others], cfg)
     dst_id = next((dst for src, dst in pairs if src == mine.domain_id), None)
     if dst_id is None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 from gateway.core import GatewayCore, PlacementAttempt
@@ -352,8 +352,9 @@ class HilumTwoTier(ClusterScheduler):
                 BandwidthSample(transport, path.links, record.precopy_bandwidth_bytes_per_s, record.end_s)
             )
 
-    def _others(self, domain_id: str) -> list[DomainSummary]:
-        return [s for d, summaries in self.delivered.items() if d != domain_id for s in summaries]
+    def _others(self, domain_id: str) -> Iterator[DomainSummary]:
+        """The delivered summaries of the other domains, read only if the domain's core needs them."""
+        return (s for d, summaries in self.delivered.items() if d != domain_id for s in summaries)
 
     def _propose(self, domain_id: str) -> None:
         """The domain's core proposes one move; the coordinator's core decides; the executor carries it out."""

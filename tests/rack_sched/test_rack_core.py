@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -118,6 +119,22 @@ def test_no_proposal_without_a_destination_domain_of_the_model() -> None:
     other_model = DomainSummary("e", 1, 1000, 0.0, 1000.0, 1000, 1000, 0, 0, False, model="other")
     assert c.plan_cross_domain([other_model], now_s=0.0) is None
     assert c.plan_cross_domain([], now_s=0.0) is None
+
+
+def test_a_domain_that_is_no_source_reads_no_other_summary() -> None:
+    """The others' summaries are read only when this domain is a source (at 4,096 instances every domain's
+    round would otherwise read the 511 others')."""
+    reads = [0]
+
+    def others() -> Iterator[DomainSummary]:
+        reads[0] += 1
+        yield _summary("e", 900)
+
+    c = core(a="m")
+    c.report("a", load("a", 1000, 100))  # F = 900: no source
+    assert c.plan_cross_domain(others(), now_s=0.0) is None and reads[0] == 0
+    c.report("a", load("a", 1000, 300, 300, 396))  # F = 4 / 3: a source
+    assert c.plan_cross_domain(others(), now_s=0.0) is not None and reads[0] == 1
 
 
 def test_one_summary_per_model_stamped_with_the_publishers_time() -> None:
