@@ -278,7 +278,7 @@ def records_of(measured: Sequence[Measured]) -> tuple[list[RequestRecord], list[
                     start_s=m.sent_s,
                     end_s=m.finish_s or m.sent_s,
                     downtime_s=float(gap) if gap is not None else 0.0,
-                    bytes_transferred=0,
+                    bytes_transferred=None,  # the gateway does not see a move's bytes
                     stages=0,
                     outcome="committed",
                     reason="seen by the gateway",
@@ -411,7 +411,7 @@ def run_bench(ns: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sy
         rate_scale=ns.rate_scale,
         sim_duration_s=wall,
         wall_s=wall,
-        engine_steps=0,
+        engine_steps=None,  # a live run's engine steps are not counted
         requests=tuple(requests),
         migrations=tuple(migrations),
         kv=KvTimeline.empty(),
