@@ -81,6 +81,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shutil
 import signal
@@ -100,6 +101,7 @@ from typing import Any, TextIO
 import yaml
 
 import hilum_config
+from global_coord.cli import check_autoscale
 from hilum_cli.supervisor import ChildSpec, RestartPolicy, StartFailed, Supervisor
 from hilum_proto.tls import WILDCARD_HOSTS
 from llumlet.backends.base import parse_engine_options
@@ -403,8 +405,12 @@ def _config_text(cfg: UpConfig) -> str | None:
     if path is None:
         return None
     try:
-        hilum_config.load_config(path)
+        settings = hilum_config.load_config(path)
     except hilum_config.ConfigError as exc:
+        raise UpError(f"--config {path}: {exc}") from None
+    try:  # the coordinators would refuse it after etcd started: refuse it first
+        check_autoscale(settings, topology="the cluster's topology")
+    except ValueError as exc:
         raise UpError(f"--config {path}: {exc}") from None
     return Path(path).read_text(encoding="utf-8")
 
@@ -418,6 +424,9 @@ def _check(cfg: UpConfig) -> _Checked:
     _check_gateways(cfg)
     if not cfg.start_timeout_s > 0:
         raise UpError(f"--start-timeout: must be > 0 seconds, got {cfg.start_timeout_s:g}")
+    for flag, value in (("--time-scale", cfg.time_scale), ("--min-step-s", cfg.min_step_s)):
+        if not (math.isfinite(value) and value >= 0):
+            raise UpError(f"{flag}: must be a finite number >= 0, got {value:g}")
     config_text = _config_text(cfg)
     topology, text = _topology_text(cfg)
     if not topology.instances:
