@@ -190,3 +190,15 @@ def test_values_a_child_would_refuse_are_refused_before_anything_starts(
     assert run_up(cfg, out=io.StringIO(), err=err) == 1
     assert message in err.getvalue()
     assert not (tmp_path / "r").exists()  # nothing started, not even the run directory
+
+
+def test_a_bad_api_key_file_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n  - {name: a, key_sha256: nothex}\n")
+    err = io.StringIO()
+    cfg = UpConfig(api_keys=str(keys), port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "r"))
+    assert run_up(cfg, out=io.StringIO(), err=err) == 1
+    assert (
+        f"hilum up: error: --api-keys {keys}: keys[0] (a): key_sha256 must be 64 hexadecimal digits" in err.getvalue()
+    )
+    assert not (tmp_path / "r").exists()
