@@ -81,6 +81,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shutil
 import signal
@@ -100,6 +101,8 @@ from typing import Any, TextIO
 import yaml
 
 import hilum_config
+from gateway.apikeys import load_api_keys
+from global_coord.cli import check_autoscale
 from hilum_cli.supervisor import ChildSpec, RestartPolicy, StartFailed, Supervisor
 from hilum_proto.tls import WILDCARD_HOSTS
 from llumlet.backends.base import parse_engine_options
@@ -326,6 +329,7 @@ class UpConfig:
     tokenizer: str = ""  # tokenizer directory of every served model (overrides models[].tokenizer); "" = none
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     config: str | None = None  # the hilum configuration file (None: $HILUM_CONFIG, else the defaults)
+    api_keys: str = ""  # the gateways' API key file (gateway.apikeys); "" = the gateways are open
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,8 +407,12 @@ def _config_text(cfg: UpConfig) -> str | None:
     if path is None:
         return None
     try:
-        hilum_config.load_config(path)
+        settings = hilum_config.load_config(path)
     except hilum_config.ConfigError as exc:
+        raise UpError(f"--config {path}: {exc}") from None
+    try:  # the coordinators would refuse it after etcd started: refuse it first
+        check_autoscale(settings, topology="the cluster's topology")
+    except ValueError as exc:
         raise UpError(f"--config {path}: {exc}") from None
     return Path(path).read_text(encoding="utf-8")
 
@@ -418,7 +426,15 @@ def _check(cfg: UpConfig) -> _Checked:
     _check_gateways(cfg)
     if not cfg.start_timeout_s > 0:
         raise UpError(f"--start-timeout: must be > 0 seconds, got {cfg.start_timeout_s:g}")
+    for flag, value in (("--time-scale", cfg.time_scale), ("--min-step-s", cfg.min_step_s)):
+        if not (math.isfinite(value) and value >= 0):
+            raise UpError(f"{flag}: must be a finite number >= 0, got {value:g}")
     config_text = _config_text(cfg)
+    if cfg.api_keys:
+        try:
+            load_api_keys(cfg.api_keys)
+        except ValueError as exc:
+            raise UpError(f"--api-keys {exc}") from None
     topology, text = _topology_text(cfg)
     if not topology.instances:
         raise UpError(f"topology {topology.source} has no instances")
@@ -706,6 +722,8 @@ def _gateway_specs(lay: _Layout) -> list[ChildSpec]:
             cmd += ["--sink-advertise", lay.address(sink)]
         if lay.tokenizer:
             cmd += [f"--tokenizer={m}={lay.tokenizer}" for m in sorted({i.model for i in lay.topology.instances})]
+        if cfg.api_keys:
+            cmd += ["--api-keys", str(Path(cfg.api_keys).resolve())]  # the children run in the repository
         specs.append(ChildSpec(name, tuple(cmd), ready_marker="gateway serving at "))
     return specs
 
@@ -820,6 +838,7 @@ def _info(lay: _Layout) -> dict[str, Any]:
         "topology": topo.name,
         "topology_file": str(lay.topology_path),
         "config_file": str(lay.config_path) if lay.config_path is not None else None,
+        "api_keys_file": str(Path(lay.cfg.api_keys).resolve()) if lay.cfg.api_keys else None,
         "engine": lay.cfg.engine,
         "gateway_url": lay.gateway_url,
         "gateway_urls": lay.client_urls,
@@ -874,9 +893,17 @@ def describe(info: dict[str, Any], *, temporary_run_dir: bool = False) -> str:
         "",
         f"query it:  hilumctl --coordinator {','.join(coordinators.values())} status",
         f"try it:    curl {info['gateway_url']}/v1/completions -H 'Content-Type: application/json' "
-        f"""-d '{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}'""",
+        + ("-H 'Authorization: Bearer KEY' " if info.get("api_keys_file") else "")
+        + f"""-d '{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}'""",
         f"bench it:  hilum bench --url {info['gateway_url']} --trace azure-conv --max-requests 50 "
-        f"--compare-sim {info['topology_file']}" + (f" --config {info['config_file']}" if info["config_file"] else ""),
+        f"--compare-sim {info['topology_file']}"
+        + (f" --config {info['config_file']}" if info["config_file"] else "")
+        + (" --api-key KEY" if info.get("api_keys_file") else ""),
+        *(
+            [f"API keys:  {info['api_keys_file']} (every /v1/ request needs one of its keys)"]
+            if info.get("api_keys_file")
+            else []
+        ),
         (
             f"A crashed process is restarted (at most {info['max_restarts']} times in a minute)."
             if info["max_restarts"]
@@ -1042,6 +1069,12 @@ def register(sub: Any) -> None:
         help="Hugging Face tokenizer directory of the served models (overrides the topology's models[].tokenizer; "
         "torch engines take its vocabulary, the gateway its chat template)",
     )
+    p.add_argument(
+        "--api-keys",
+        default="",
+        metavar="FILE",
+        help="the gateways' API keys and each one's priority class (YAML, docs/gateway.md); default: open",
+    )
     hilum_config.add_argument(p)
     p.set_defaults(func=_main)
 
@@ -1075,6 +1108,7 @@ def _main(ns: argparse.Namespace) -> int:
         tokenizer=str(Path(ns.tokenizer).resolve()) if ns.tokenizer else "",  # the children run elsewhere
         engine_options=tuple(_resolved_option(o) for o in ns.engine_option),
         llumlet_python=ns.llumlet_python,
+        api_keys=ns.api_keys,
     )
     return run_up(cfg)
 

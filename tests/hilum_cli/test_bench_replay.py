@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestServer
 
+from gateway.apikeys import ApiKeys, parse_api_keys
 from gateway.app import GatewayApp
 from gateway.metrics import GatewayMetrics
 from gateway.router import Placement
@@ -123,7 +124,7 @@ def bench_args(url: str = "http://127.0.0.1:9", **changes: Any) -> argparse.Name
     """``hilum bench``'s options (3 requests of azure-conv) with ``changes``."""
     options: dict[str, Any] = {
         "url": url, "trace": "azure-conv", "rate_scale": 50.0, "max_requests": 3, "model": None,
-        "compare_sim": None, "seed": 0, "timeout": 5.0, "out": None, "config": None,
+        "compare_sim": None, "api_key": "", "seed": 0, "timeout": 5.0, "out": None, "config": None,
     }  # fmt: skip
     return argparse.Namespace(**{**options, **changes})
 
@@ -135,11 +136,11 @@ def test_run_bench_says_clearly_when_no_gateway_answers() -> None:
 
 
 @contextlib.contextmanager
-def echo_gateway() -> Iterator[tuple[str, EchoBackend]]:
+def echo_gateway(api_keys: ApiKeys | None = None) -> Iterator[tuple[str, EchoBackend]]:
     """A gateway over :class:`EchoBackend` on a loop of its own (``run_bench`` runs its own loop)."""
     backend = EchoBackend()
     loop = asyncio.new_event_loop()
-    server = TestServer(GatewayApp(backend, GatewayMetrics()).app())  # type: ignore[arg-type]
+    server = TestServer(GatewayApp(backend, GatewayMetrics(), api_keys=api_keys).app())  # type: ignore[arg-type]
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     asyncio.run_coroutine_threadsafe(server.start_server(), loop).result(timeout=30)
@@ -203,6 +204,19 @@ def test_a_failed_comparison_keeps_the_live_results(tmp_path: Path, monkeypatch:
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [r["spec"]["policy"] for r in results["runs"]] == ["live"]
     assert f"results written to {tmp_path / 'out' / 'results.json'}" in err.getvalue()
+
+
+def test_a_gateway_with_api_keys_is_benched_with_one(tmp_path: Path) -> None:
+    keys = parse_api_keys({"keys": [{"name": "bench", "key": "sk-bench"}]})
+    with echo_gateway(keys) as (url, backend):
+        out, err = io.StringIO(), io.StringIO()
+        assert run_bench(bench_args(url, api_key="sk-nope"), out=out, err=err) == 1
+        assert "refused the API key (the API key is not valid here): pass --api-key KEY" in err.getvalue()
+        assert backend.requests == {}
+        out, err = io.StringIO(), io.StringIO()
+        assert run_bench(bench_args(url, api_key="sk-bench"), out=out, err=err) == 0
+    rows = {c[0]: c for c in table_rows(out.getvalue())}
+    assert rows["live"][1:4] == ["3", "3", "0"]  # requests, done, refused
 
 
 def table_rows(table: str) -> list[list[str]]:

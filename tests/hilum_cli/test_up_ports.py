@@ -165,3 +165,40 @@ def test_engine_vllm_with_a_model_name_needs_a_tokenizer_directory(tmp_path: Pat
     assert status == 1
     assert "--engine-option model=meta-llama/Llama-3.1-8B-Instruct: not a directory here" in err
     assert "pass --tokenizer DIR" in err
+
+
+@pytest.mark.parametrize(
+    ("kw", "config", "message"),
+    [
+        ({"time_scale": -1.0}, "", "hilum up: error: --time-scale: must be a finite number >= 0, got -1"),
+        ({"min_step_s": float("nan")}, "", "hilum up: error: --min-step-s: must be a finite number >= 0, got nan"),
+        (
+            {},
+            "autoscale:\n  enabled: true\n",
+            "autoscale.command is empty: the autoscaler has no way to start or stop an instance",
+        ),
+    ],
+)
+def test_values_a_child_would_refuse_are_refused_before_anything_starts(
+    tmp_path: Path, kw: dict[str, object], config: str, message: str
+) -> None:
+    if config:
+        (tmp_path / "hilum.yaml").write_text(config)
+        kw = {**kw, "config": str(tmp_path / "hilum.yaml")}
+    err = io.StringIO()
+    cfg = UpConfig(port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "r"), **kw)  # type: ignore[arg-type]
+    assert run_up(cfg, out=io.StringIO(), err=err) == 1
+    assert message in err.getvalue()
+    assert not (tmp_path / "r").exists()  # nothing started, not even the run directory
+
+
+def test_a_bad_api_key_file_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n  - {name: a, key_sha256: nothex}\n")
+    err = io.StringIO()
+    cfg = UpConfig(api_keys=str(keys), port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "r"))
+    assert run_up(cfg, out=io.StringIO(), err=err) == 1
+    assert (
+        f"hilum up: error: --api-keys {keys}: keys[0] (a): key_sha256 must be 64 hexadecimal digits" in err.getvalue()
+    )
+    assert not (tmp_path / "r").exists()
