@@ -14,7 +14,6 @@ source ``resume``s. A request that finishes during pre-copy is simply finished o
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from llumlet.engine.blocks import BlockManager
 from llumlet.engine.latency import LatencyModel
@@ -28,9 +27,7 @@ from llumlet.engine.types import (
     StepResult,
     instance_load_of,
 )
-
-if TYPE_CHECKING:
-    from policy.types import InstanceLoad
+from policy.types import InstanceLoad, priority_counts_of, trusted_instance_load
 
 __all__ = ["DecodeRun", "EngineCore", "RequestStats", "RequestTooLargeError"]
 
@@ -259,8 +256,6 @@ class EngineCore(PagedEngine):
     def _brief_load(
         self, instance_id: str, domain_id: str, draining: bool, warming_up: bool, decode_step_s: float, steps_ahead: int
     ) -> InstanceLoad:
-        from policy.types import trusted_instance_load
-
         if steps_ahead:
             self._run_ahead(steps_ahead)  # the check: a read-ahead stays before the run's last step
         blocks = self.blocks
@@ -296,8 +291,6 @@ class EngineCore(PagedEngine):
     def _brief_figures(self) -> tuple[int, tuple[tuple[int, int], ...], int, int, int, bool]:
         """(num_running, priority_counts, num_waiting, head_demand_blocks, queued_demand_blocks, preempting) of
         a brief report, from the state now."""
-        from policy.types import priority_counts_of
-
         running = self.scheduler.running
         counts = priority_counts_of([s.request.priority for s in running])
         return (len(running), counts, *self._queue_state())

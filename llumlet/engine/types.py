@@ -13,10 +13,8 @@ import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from policy.types import InstanceLoad  # type: ignore[import-not-found, unused-ignore]
+from policy.types import InstanceLoad, priority_counts_of, trusted_instance_load, trusted_request_load
 
 __all__ = [
     "GUIDED_KINDS",
@@ -310,8 +308,6 @@ def instance_load_of(
     an engine's counts are consistent by construction (a report from outside is checked where it is
     decoded, ``rack_sched.convert``).
     """
-    from policy.types import priority_counts_of, trusted_instance_load, trusted_request_load
-
     requests = tuple(
         [
             trusted_request_load(rid, blocks, prio, tokens, in_decode and not why, out, max_tokens, max_blocks)
