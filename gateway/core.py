@@ -34,6 +34,7 @@ live (the publishers' and the gateways' clocks agree to NTP precision), virtual 
 from __future__ import annotations
 
 import enum
+import heapq
 import random
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -66,7 +67,9 @@ class GatewayCore:
         self._choices = cfg.domain_choices
         self._views: dict[str, DomainDispatchView] = {}  # model -> view over the domains serving it
         self._summaries: dict[tuple[str, str], DomainSummary] = {}  # (domain, model) -> latest summary
-        self._holding: dict[str, set[str]] = {}  # model -> domains that may hold reservations of its picks
+        # model -> (stamp, domain) of every reservation its picks made, oldest first (a heap; see _expire)
+        self._stamps: dict[str, list[tuple[float, str]]] = {}
+        self._early: dict[str, set[str]] = {}  # model -> domains picked at or before their summary was taken
 
     def models(self) -> list[str]:
         """Models some domain serves, sorted."""
@@ -105,7 +108,6 @@ class GatewayCore:
     def _drop(self, domain_id: str, model: str) -> None:
         del self._summaries[(domain_id, model)]
         self._view(model).remove(domain_id)
-        self._holding.get(model, set()).discard(domain_id)
 
     def _view(self, model: str) -> DomainDispatchView:
         view = self._views.get(model)
@@ -142,23 +144,28 @@ class GatewayCore:
         view = self._view(resolved)
         self._expire(resolved, view, now_s - self.reservation_ttl_s)
         decision = view.pick(demand_blocks, priority, stamp=now_s, need_blocks=need_blocks, exclude=exclude)
-        if decision.target_id is not None:
-            self._holding.setdefault(resolved, set()).add(decision.target_id)
+        chosen = decision.target_id
+        if chosen is not None:
+            heapq.heappush(self._stamps.setdefault(resolved, []), (now_s, chosen))
+            if now_s <= self._summaries[(chosen, resolved)].taken_s:  # its summary's clock is ahead of ours
+                self._early.setdefault(resolved, set()).add(chosen)
         return decision
 
     def _expire(self, model: str, view: DomainDispatchView, horizon_s: float) -> None:
-        """Drop the reservations of ``model``'s picks stamped at or before ``horizon_s`` (see
-        ``reservation_ttl_s``), and those its summary was taken after: each domain holding some is rebuilt from
-        its summary with the later ones kept. A domain holding none is what its summary says already (a rebuild
-        would change nothing), so the cost is in the domains picked within ``reservation_ttl_s``, not all."""
-        holding = self._holding.get(model)
-        if not holding:
-            return
-        for domain_id in sorted(holding):
-            summary = self._summaries[(domain_id, model)]
-            view.update(summary, as_of=max(summary.taken_s, horizon_s))
-            if not view.reservations(domain_id):
-                holding.discard(domain_id)
+        """Before a pick: every domain of ``model`` counts only the reservations stamped after ``horizon_s``
+        (``reservation_ttl_s``) and after its summary was taken, as if each were rebuilt from its summary with
+        ``as_of = max(taken_s, horizon_s)``. Only the domains holding a reservation that rule drops are rebuilt
+        (the others would not change): those whose oldest stamps fell behind the horizon (popped from the heap of
+        stamps) and those picked at or before their summary was taken (a summary replaced since dropped them
+        already). O(reservations expired), not O(domains), per pick."""
+        due = self._early.pop(model, set())
+        stamps = self._stamps.get(model, [])
+        while stamps and stamps[0][0] <= horizon_s:
+            due.add(heapq.heappop(stamps)[1])
+        for domain_id in sorted(due):
+            summary = self._summaries.get((domain_id, model))
+            if summary is not None:  # else dropped since, with its reservations
+                view.update(summary, as_of=max(summary.taken_s, horizon_s))
 
 
 class PlacementAttempt:

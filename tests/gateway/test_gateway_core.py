@@ -83,8 +83,9 @@ class _RebuildingEveryDomain(GatewayCore):
 
 
 def test_expiring_only_the_domains_holding_reservations_picks_as_rebuilding_every_domain() -> None:
-    """A long seeded mix of summaries (some taken exactly at a pick's instant), picks with exclusions, removals
-    and picks past the TTL: both cores make every pick alike and see every domain alike after it."""
+    """A long seeded mix of summaries (some taken exactly at a pick's instant, some on a clock ahead of the
+    gateway's), picks with exclusions, removals and picks past the TTL: both cores make every pick alike and see
+    every domain alike after it."""
     cfg = PolicyConfig(domain_choices=2)
     cores = [GatewayCore(cfg, random.Random(7), reservation_ttl_s=0.3), _RebuildingEveryDomain(cfg, random.Random(7),
              reservation_ttl_s=0.3)]  # fmt: skip
@@ -96,7 +97,7 @@ def test_expiring_only_the_domains_holding_reservations_picks_as_rebuilding_ever
         roll = events.random()
         if roll < 0.3:
             d = events.choice(domains)
-            s = summary(d, events.randrange(0, 90), taken_s=now - events.choice((0.0, 0.0, 0.05, 0.2)))
+            s = summary(d, events.randrange(0, 90), taken_s=now - events.choice((0.0, 0.0, 0.05, 0.2, -0.02)))
             for core in cores:
                 core.update(d, [s])
         elif roll < 0.32:
