@@ -603,9 +603,16 @@ class Cluster:
         return self.log
 
     def kv_usage_fraction(self) -> dict[str, float]:
-        """Per-instance KV usage (used / total blocks), for the timeline plot."""
+        """Per-instance KV usage (blocks held by requests / total blocks), for the timeline plot.
+
+        Read from the brief load report (which counts reservations as used; they are taken out again), so an
+        instance in the middle of a decode run is read without moving its engine."""
         out: dict[str, float] = {}
         for inst in self.instances.values():
-            blocks = inst.engine.blocks
-            out[inst.instance_id] = blocks.used_blocks / blocks.num_blocks if inst.active else 0.0
+            if inst.active:
+                blocks = inst._engine.blocks
+                held = self.load(inst, brief=True).used_blocks - blocks.reserved_blocks
+                out[inst.instance_id] = held / blocks.num_blocks
+            else:
+                out[inst.instance_id] = 0.0
         return out
