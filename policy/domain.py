@@ -9,10 +9,10 @@ every instance, so the coordinator can choose a destination instance by its real
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from policy.types import InstanceLoad, PolicyConfig
+from policy.types import InstanceLoad, PolicyConfig, _trusted_constructor
 from policy.usage import freeness_of, instance_virtual_usage, queued_blocks
 
 __all__ = ["DomainSummary", "InstanceBrief", "summarize_domain"]
@@ -63,8 +63,8 @@ class InstanceBrief:
 
     @classmethod
     def of(cls, load: InstanceLoad, cfg: PolicyConfig) -> InstanceBrief:
-        """The brief of one instance's load report."""
-        return cls(
+        """The brief of one instance's load report (a valid report makes a valid brief: no checks again)."""
+        return _trusted_instance_brief(
             instance_id=load.instance_id,
             capacity_blocks=load.capacity_blocks,
             free_blocks=load.free_blocks,
@@ -75,6 +75,9 @@ class InstanceBrief:
             decode_step_s=load.decode_step_s,
             max_num_seqs=load.max_num_seqs,
         )
+
+
+_trusted_instance_brief: Callable[..., InstanceBrief] = _trusted_constructor(InstanceBrief)
 
 
 @dataclass(frozen=True, slots=True)

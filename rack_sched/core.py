@@ -164,6 +164,8 @@ class DomainCore:
         self._rng = rng
         self._details_of = details_of
         self._members: dict[str, _Member] = {}
+        self._by_id: list[_Member] | None = None  # the members sorted by id (None: to be sorted again)
+        self._models: list[str] | None = None  # models() (None: to be listed again)
         self._views: dict[str, DispatchView] = {}  # model -> dispatch view over its reachable instances
         self._stale: dict[str, set[str]] = {}  # model -> instances whose view entry awaits their latest report
         self._spread = 0  # rotation of the even spread used while no instance has a fresh report
@@ -186,11 +188,13 @@ class DomainCore:
         if block_size_tokens < 1:
             raise ValueError(f"{self.domain_id}: {instance_id}: block_size_tokens must be >= 1")
         self._members[instance_id] = _Member(instance_id, model, block_size_tokens, capacity_blocks)
+        self._by_id = self._models = None
 
     def remove_instance(self, instance_id: str) -> None:
         """An instance deregistered (idempotent)."""
         member = self._members.pop(instance_id, None)
         if member is not None:
+            self._by_id = self._models = None
             self._view(member.model).remove(instance_id)
 
     def instance_ids(self) -> list[str]:
@@ -199,7 +203,15 @@ class DomainCore:
 
     def models(self) -> list[str]:
         """Models served by registered instances, sorted."""
-        return sorted({m.model for m in self._members.values()})
+        if self._models is None:
+            self._models = sorted({m.model for m in self._members.values()})
+        return list(self._models)
+
+    def _sorted_members(self) -> list[_Member]:
+        """The registered members, sorted by instance id (kept until one registers or leaves)."""
+        if self._by_id is None:
+            self._by_id = [m for _, m in sorted(self._members.items())]
+        return self._by_id
 
     def report(self, instance_id: str, load: InstanceLoad, finished_output_tokens: Iterable[int] = ()) -> None:
         """A load report arrived (the instance's state replaces the last; its dispatch reservations drop).
@@ -289,13 +301,11 @@ class DomainCore:
 
     def loads(self, model: str | None = None) -> list[InstanceLoad]:
         """Every reported, healthy instance's load (of ``model``, or all), drains applied, sorted by id."""
-        out = []
-        for iid, member in sorted(self._members.items()):
-            if not member.failure and (model is None or member.model == model):
-                load = self.load(iid)
-                if load is not None:
-                    out.append(load)
-        return out
+        return [
+            self._drains_applied(m.load)
+            for m in self._sorted_members()
+            if m.load is not None and not m.failure and (model is None or m.model == model)
+        ]
 
     def _view(self, model: str) -> DispatchView:
         """The dispatch view of ``model``, brought up to date with the reports received since it was last read."""
@@ -408,9 +418,12 @@ class DomainCore:
     def free_loads(self, now_s: float, model: str | None = None) -> list[InstanceLoad]:
         """Loads of reachable instances (of ``model``, or all) not busy with a migration, sorted by id."""
         return [
-            load
-            for load in self.loads(model)
-            if self._members[load.instance_id].reachable and not self.is_busy(load.instance_id, now_s)
+            self._drains_applied(m.load)
+            for m in self._sorted_members()
+            if m.load is not None
+            and (model is None or m.model == model)
+            and m.reachable
+            and not self.is_busy(m.instance_id, now_s)
         ]
 
     def plan_rebalance(self, now_s: float) -> list[MigrationDecision]:
