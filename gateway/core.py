@@ -67,13 +67,14 @@ class GatewayCore:
         self._choices = cfg.domain_choices
         self._views: dict[str, DomainDispatchView] = {}  # model -> view over the domains serving it
         self._summaries: dict[tuple[str, str], DomainSummary] = {}  # (domain, model) -> latest summary
+        self._serving: dict[str, int] = {}  # model -> domains with a summary of it (read at every pick)
         # model -> (stamp, domain) of every reservation its picks made, oldest first (a heap; see _expire)
         self._stamps: dict[str, list[tuple[float, str]]] = {}
         self._early: dict[str, set[str]] = {}  # model -> domains picked at or before their summary was taken
 
     def models(self) -> list[str]:
         """Models some domain serves, sorted."""
-        return sorted({model for _, model in self._summaries})
+        return sorted(self._serving)
 
     def domains(self, model: str | None = None) -> list[str]:
         """Domains with a summary (for ``model``, or any), sorted."""
@@ -97,6 +98,8 @@ class GatewayCore:
         for model, s in fresh.items():
             if self._summaries.get((domain_id, model)) == s:
                 continue  # nothing new: keep the reservations
+            if (domain_id, model) not in self._summaries:
+                self._serving[model] = self._serving.get(model, 0) + 1
             self._summaries[(domain_id, model)] = s
             self._view(model).update(s, as_of=s.taken_s)
 
@@ -107,6 +110,9 @@ class GatewayCore:
 
     def _drop(self, domain_id: str, model: str) -> None:
         del self._summaries[(domain_id, model)]
+        self._serving[model] -= 1
+        if not self._serving[model]:
+            del self._serving[model]
         self._view(model).remove(domain_id)
 
     def _view(self, model: str) -> DomainDispatchView:
@@ -117,10 +123,9 @@ class GatewayCore:
 
     def resolve_model(self, model: str) -> str | None:
         """The model a request names, or the only model served when it names none (None: not served)."""
-        models = self.models()
         if not model:
-            return models[0] if len(models) == 1 else None
-        return model if model in models else None
+            return next(iter(self._serving)) if len(self._serving) == 1 else None
+        return model if model in self._serving else None
 
     def pick(
         self,

@@ -130,6 +130,8 @@ class SimInstance:
         self, spec: InstanceSpec, engine: EngineCore, active: bool, sync: Callable[[SimInstance], None]
     ) -> None:
         self.spec = spec
+        self.instance_id = spec.instance_id  # read at every load report: a plain attribute, not a property
+        self.domain_id = spec.domain_id
         self._engine = engine
         self._sync = sync
         self.busy = False  # a step (or a decode run) is in flight
@@ -143,14 +145,6 @@ class SimInstance:
         self._flag_changes = 0  # times _flags changed
         self._load: tuple[int, InstanceLoad] | None = None  # (load version, the detailed report of it)
         self._brief: tuple[int, InstanceLoad] | None = None  # (load version, the brief report of it)
-
-    @property
-    def instance_id(self) -> str:
-        return self.spec.instance_id
-
-    @property
-    def domain_id(self) -> str:
-        return self.spec.domain_id
 
     @property
     def engine(self) -> EngineCore:
@@ -318,9 +312,10 @@ class Cluster:
 
         A busy instance changes at every engine step (token counts grow, and with them blocks).
         """
-        flags = (inst.draining, self.queue.now_s < inst.warm_until_s)
-        if flags != inst._flags:
-            inst._flags = flags
+        draining, warming_up = inst.draining, self.queue.now_s < inst.warm_until_s
+        flags = inst._flags
+        if draining is not flags[0] or warming_up is not flags[1]:
+            inst._flags = (draining, warming_up)
             inst._flag_changes += 1
         version = inst._engine.load_version + inst._flag_changes
         flight = inst._run

@@ -114,21 +114,22 @@ class _Feed:
     def refresh(self) -> None:
         """Hand the core the load of every serving instance that changed since its last report (and the
         drains)."""
-        cluster, core, reported = self.cluster, self.core, self._reported
+        cluster, core, reported, brief = self.cluster, self.core, self._reported, self.brief
+        load_version, load, report = cluster.load_version, cluster.load, core.report
         drained = []
         for inst in self._pool:
-            if not inst.active:
-                if reported.pop(inst.instance_id, None) is not None:  # stopped (an autoscaler's scale-in)
-                    core.remove_instance(inst.instance_id)
-                continue
             iid = inst.instance_id
-            if iid not in reported:
-                model = cluster.model_of(iid)
-                core.add_instance(iid, inst.spec.model, model.block_size_tokens)
-                reported[iid] = -1
-            version = cluster.load_version(inst)
-            if version != reported[iid]:
-                core.report(iid, cluster.load(inst, brief=self.brief, version=version), cluster.take_finished(iid))
+            if not inst.active:
+                if reported.pop(iid, None) is not None:  # stopped (an autoscaler's scale-in)
+                    core.remove_instance(iid)
+                continue
+            last = reported.get(iid)
+            if last is None:
+                core.add_instance(iid, inst.spec.model, cluster.model_of(iid).block_size_tokens)
+                last = reported[iid] = -1
+            version = load_version(inst)
+            if version != last:
+                report(iid, load(inst, brief=brief, version=version), cluster.take_finished(iid))
                 reported[iid] = version
             if inst.draining:
                 drained.append(iid)
