@@ -113,6 +113,7 @@ def probed_run(decode_runs: bool) -> list[object]:
                 assert (before[0] == version) == (before[1] is load) == (before[1] == load)
             last[inst.instance_id] = (version, load)
             out.append((queue.now_s, load, inst.last_step_s))
+        out.append(cluster.kv_usage_fraction())  # read from the brief reports, engines left where they are
         for rid in cluster.requests:
             st = cluster.requests[rid]
             out.append((st.generated_tokens, st.last_token_s, len(st.token_gaps_s), st.preempted_s))
