@@ -337,17 +337,9 @@ class Cluster:
         if cache is not None and cache[0] == version:
             return cache[1]
         draining, warming_up = inst._flags
-        ahead = 0
-        step_s = inst._last_step_s
-        flight = inst._run
-        if flight is not None:
-            started = self._started_steps(flight)
-            if started < flight.run.steps:  # computed from the run, not applied: the engine need not move
-                ahead = started - flight.run.applied
-                step_s = flight.run.durations_s[started - 1]
-            else:
-                self._sync(inst)  # the last step (requests finish in it): apply it
-                step_s = inst._last_step_s
+        ahead = self._steps_ahead(inst)
+        flight = inst._run  # its latest started step's time, as step-by-step stepping has it now
+        step_s = flight.run.durations_s[flight.run.applied + ahead - 1] if flight is not None else inst._last_step_s
         load = inst._engine.instance_load(
             inst.instance_id, inst.domain_id, draining, warming_up, step_s, steps_ahead=ahead, brief=brief
         )
@@ -356,6 +348,19 @@ class Cluster:
         else:
             inst._load = (version, load)
         return load
+
+    def _steps_ahead(self, inst: SimInstance) -> int:
+        """Steps of the decode run in flight that have started and are not applied: a reader computes the state
+        from the run ahead of them, the engine need not move. The run's last step (requests finish in it) is
+        applied instead, and 0 returned."""
+        flight = inst._run
+        if flight is None:
+            return 0
+        started = self._started_steps(flight)
+        if started < flight.run.steps:
+            return started - flight.run.applied
+        self._sync(inst)
+        return 0
 
     def take_finished(self, instance_id: str) -> list[int]:
         """Output lengths of the requests that finished on ``instance_id`` since the last call (what its
@@ -600,14 +605,13 @@ class Cluster:
     def kv_usage_fraction(self) -> dict[str, float]:
         """Per-instance KV usage (blocks held by requests / total blocks), for the timeline plot.
 
-        Read from the brief load report (which counts reservations as used; they are taken out again), so an
-        instance in the middle of a decode run is read without moving its engine."""
+        An instance in the middle of a decode run is read ahead of its applied steps
+        (``EngineCore.held_blocks``), without moving its engine."""
         out: dict[str, float] = {}
         for inst in self.instances.values():
-            if inst.active:
-                blocks = inst._engine.blocks
-                held = self.load(inst, brief=True).used_blocks - blocks.reserved_blocks
-                out[inst.instance_id] = held / blocks.num_blocks
-            else:
+            if not inst.active:
                 out[inst.instance_id] = 0.0
+                continue
+            engine = inst._engine
+            out[inst.instance_id] = engine.held_blocks(self._steps_ahead(inst)) / engine.blocks.num_blocks
         return out

@@ -259,16 +259,14 @@ class EngineCore(PagedEngine):
         if steps_ahead:
             self._run_ahead(steps_ahead)  # the check: a read-ahead stays before the run's last step
         blocks = self.blocks
-        used = blocks.used_blocks + blocks.reserved_blocks
-        run = self._run
-        if run is not None and not run.done:  # O(1): the run's figures, computed once per run
-            figures = self._run_figures
-            if figures is None or figures.run is not run:
-                figures = self._run_figures = _RunFigures(run, self._brief_figures(), blocks)
-            used += figures.new_blocks(run.applied, steps_ahead)
+        figures = self._figures_of_run()
+        if figures is not None:  # O(1): the run's figures, computed once per run
+            used = blocks.used_blocks + figures.new_blocks(figures.run.applied, steps_ahead)
             num_running, priority_counts, num_waiting, head_demand, queued_demand, preempting = figures.queue
         else:
+            used = blocks.used_blocks
             num_running, priority_counts, num_waiting, head_demand, queued_demand, preempting = self._brief_figures()
+        used += blocks.reserved_blocks
         return trusted_instance_load(
             instance_id=instance_id,
             capacity_blocks=blocks.num_blocks,
@@ -287,6 +285,25 @@ class EngineCore(PagedEngine):
             brief=True,
             max_num_seqs=self.scheduler.max_num_seqs,
         )
+
+    def held_blocks(self, steps_ahead: int = 0) -> int:
+        """KV blocks held by requests (reservations not counted), as ``steps_ahead`` more steps of the decode run
+        in progress will leave them (as :meth:`instance_load`'s ``steps_ahead``; raises ValueError likewise)."""
+        if steps_ahead:
+            self._run_ahead(steps_ahead)
+        figures = self._figures_of_run()
+        held = self.blocks.used_blocks
+        return held if figures is None else held + figures.new_blocks(figures.run.applied, steps_ahead)
+
+    def _figures_of_run(self) -> _RunFigures | None:
+        """The figures of the decode run in progress while it has steps left (None otherwise)."""
+        run = self._run
+        if run is None or run.done:
+            return None
+        figures = self._run_figures
+        if figures is None or figures.run is not run:
+            figures = self._run_figures = _RunFigures(run, self._brief_figures(), self.blocks)
+        return figures
 
     def _brief_figures(self) -> tuple[int, tuple[tuple[int, int], ...], int, int, int, bool]:
         """(num_running, priority_counts, num_waiting, head_demand_blocks, queued_demand_blocks, preempting) of
