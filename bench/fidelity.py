@@ -308,11 +308,13 @@ def timing_report(repeats: Sequence[Repeat]) -> str:
 
 def calibration(repeats: Sequence[Repeat]) -> dict[str, float] | None:
     """The ``cost`` keys these live moves measure (docs/cost-model.md, "Calibrating the fixed overheads"), each
-    a median over the committed moves of every repeat: ``setup_overhead_s`` = setup + Reserve round trip +
-    last live stage -> suspend asked; ``stage_overhead_s`` = the wall time of a live stage that sent blocks;
-    ``suspend_resume_overhead_s`` = the downtime. The sim engine moves no bytes, so all of it is control plane
-    (on a real engine, subtract each stage's copy, its bytes / the path's rate). None without committed moves."""
-    ts = [t for r in repeats for _, t in r.timings]
+    a median over the committed moves inside a domain of every repeat: ``setup_overhead_s`` = setup + Reserve
+    round trip + last live stage -> suspend asked; ``stage_overhead_s`` = the wall time of a live stage that
+    sent blocks; ``suspend_resume_overhead_s`` = the downtime. Inside a domain the sim engines' local
+    transport moves no bytes and is not paced, so all of that is control plane (across domains the grpc
+    stream is paced to the path's share: its stages also hold the copy time the cost model prices anyway; on
+    a real engine, subtract each stage's copy, its bytes / the path's rate). None without such moves."""
+    ts = [t for r in repeats for cross, t in r.timings if not cross]
     stage = [x for t in ts for x, b in zip(t.stage_s, t.blocks, strict=False) if b > 0]
     if not ts:
         return None

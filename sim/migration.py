@@ -17,10 +17,10 @@ Stage durations come from the same effective bandwidth the cost model uses
 (:func:`topology.cost.effective_bandwidth_bytes_per_s`): the path's bottleneck bandwidth times the
 migration cap, shared fairly among the flows on the busiest link of the path; the cost model's fixed
 control-plane times (``CostConfig``) are charged where it charges them: ``setup_overhead_s`` before stage 0,
-``stage_overhead_s`` to every live stage that sends blocks, ``suspend_resume_overhead_s`` to the downtime. The share is sampled
-when a stage starts and held for the stage (piecewise-constant fair sharing). Each record carries the rate
-its pre-copy stages achieved (``precopy_bandwidth_bytes_per_s``, as a llumlet's MigrateOutReply does): the
-sample the two-tier policy prices later moves with (``topology.bandwidth``).
+``stage_overhead_s`` to every live stage that sends blocks, ``suspend_resume_overhead_s`` to the downtime.
+The share is sampled when a stage starts and held for the stage (piecewise-constant fair sharing). Each
+record carries the rate its pre-copy stages achieved (``precopy_bandwidth_bytes_per_s``, as a llumlet's
+MigrateOutReply does): the sample the two-tier policy prices later moves with (``topology.bandwidth``).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 from sim.results import PolicySummary
 
 _PATH = Path(__file__).resolve().parents[2] / "bench" / "fidelity.py"
@@ -75,3 +77,62 @@ def test_a_figure_outside_tolerance_or_missing_fails() -> None:
     table, ok = fidelity.report([_summary(ttft_p50_s=None)], sim, 0.2)
     assert not ok
     assert _rows(table)["TTFT p50 ms"][-1] == "n/a"
+
+
+def _line(src: str, dst: str, outcome: str, **phases: float) -> str:
+    from llumlet.migration_types import MigrationOutcome, MigrationReport, StageStats
+
+    stage_s = phases.pop("stage_s")
+    report = MigrationReport(
+        MigrationOutcome(outcome),
+        stages=(StageStats(0, False, 20, 0, stage_s / 2, stage_s), StageStats(1, True, 1, 0, 0.001, 0.004)),
+        **phases,  # type: ignore[arg-type]
+    )
+    return (
+        f"2026-12-01 17:06:19,665 {src} llumlet.migration_out INFO {src}: migrate r@1 -> {dst}: {outcome} "
+        f"(21 blocks, 1.0 ms, downtime 1.0 ms) {report.timing_line()}"
+    )
+
+
+def test_the_live_moves_timing_lines_calibrate_the_fixed_overheads(tmp_path: Path) -> None:
+    import json
+
+    fidelity = _fidelity()
+    (tmp_path / "cluster.json").write_text(
+        json.dumps(
+            {
+                "instance_domains": {"a0": "node-a", "a1": "node-a", "b0": "node-b"},
+                "llumlets": {"a0": "127.0.0.1:5000", "a1": "127.0.0.1:5001", "b0": "127.0.0.1:5002"},
+            }
+        )
+    )
+    intra = {"setup_s": 0.001, "reserve_s": 0.004, "presuspend_s": 0.003, "total_s": 0.1, "commit_s": 0.01}
+    (tmp_path / "llumlet-a0.log").write_text(
+        "\n".join(
+            [
+                "2026-12-01 17:06:05 a0 llumlet.cli INFO llumlet a0 serving",
+                _line("a0", "127.0.0.1:5001", "committed", stage_s=0.030, downtime_s=0.020, **intra),
+                _line("a0", "127.0.0.1:5001", "committed", stage_s=0.050, downtime_s=0.030, **intra),
+                _line("a0", "127.0.0.1:5001", "aborted", stage_s=9.0, downtime_s=9.0, **intra),  # not a move
+                _line("a0", "127.0.0.1:5002", "committed", stage_s=0.300, downtime_s=0.025, **intra),  # across
+            ]
+        )
+    )
+    (tmp_path / "llumlet-a1.log").write_text(
+        _line("a1", "127.0.0.1:5000", "committed", stage_s=0.040, downtime_s=0.026, **intra) + "\n"
+    )
+    timings = fidelity.live_timings(tmp_path)
+    assert sorted((cross, round(t.stage_s[0], 6)) for cross, t in timings) == [
+        (False, 0.03),
+        (False, 0.04),
+        (False, 0.05),
+        (True, 0.3),
+    ]
+    repeat = fidelity.Repeat(live=None, sim=None, timings=timings)
+    # medians of the three moves inside a domain: the cross-domain one (its stage holds a paced copy) is left out
+    assert fidelity.calibration([repeat]) == {
+        "setup_overhead_s": pytest.approx(0.008),
+        "stage_overhead_s": pytest.approx(0.04),
+        "suspend_resume_overhead_s": pytest.approx(0.026),
+    }
+    assert fidelity.calibration([fidelity.Repeat(None, None, ())]) is None
