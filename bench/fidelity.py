@@ -12,14 +12,24 @@ flight, migrations that take wall time) against the simulator's event queue.
 
 Prints, side by side, the live repeats, their mean, the simulator, and live/sim for TTFT P50 and P99, TBT
 P50, and the committed migrations (all, inside a domain, across domains), with a verdict per figure
-against ``--tolerance`` (issue 10 asks for TTFT P50/P99 and the migration counts within 20%). Live
+against ``--tolerance`` (issue 10 asks for TTFT P50/P99 and the migration counts within 20%). With
+``--sim-seeds K`` the simulator runs K times on the first repeat's replayed requests (seeds from
+``--seed``: the tie-breaks alone change) and the live mean is judged against the mean of those runs. Live
 migrations are counted at the gateway (each owner change a response reports); the simulator counts
 committed moves; both exclude aborted attempts.
+
+Then where a committed move's time goes, live (each llumlet logs its moves' phases at INFO:
+``MigrationReport.timing_line``; the cluster runs at ``--log-level INFO`` for it) against the simulator's
+moves, inside a domain and across (p50 / p90), and the ``cost`` keys the live moves calibrate
+(``setup_overhead_s``, ``stage_overhead_s``, ``suspend_resume_overhead_s``: docs/cost-model.md, "Calibrating
+the fixed overheads"), beside the values of the configuration in use. ``bench/fidelity.yaml`` holds such a
+calibration: ``--config bench/fidelity.yaml`` runs the cluster and the simulator with it.
 
 Run (about 70 s of wall time per repeat on the default 200 requests):
 
     .venv/bin/python bench/fidelity.py [--topology FILE] [--config FILE] [--trace azure-conv]
-        [--max-requests 200] [--rate-scale 4] [--repeats 2] [--tolerance 0.2] [--out DIR] [--check]
+        [--max-requests 200] [--rate-scale 4] [--repeats 2] [--tolerance 0.2] [--sim-seeds 1] [--out DIR]
+        [--check]
 
 Exit status: 0 done (``--check``: and every judged figure within tolerance); 1 a figure outside tolerance
 with ``--check``, or the cluster or the replay failed (its log tail is printed); 2 a bad option.
@@ -200,16 +210,23 @@ def _fmt(x: float | None, figure: Figure) -> str:
     return f"{x * figure.scale:.1f}" if figure.unit else f"{x:.0f}"
 
 
-def report(lives: Sequence[PolicySummary], sim: PolicySummary, tolerance: float) -> tuple[str, bool]:
-    """The side-by-side table and whether every judged figure is within ``tolerance`` (relative to sim)."""
-    heads = [f"live #{i + 1}" for i in range(len(lives))] + ["live mean", "sim", "live/sim", "verdict"]
+def _mean(values: Sequence[float | None]) -> float | None:
+    """The mean, None when any value is missing (or there is none)."""
+    known = [x for x in values if x is not None]
+    return statistics.fmean(known) if len(known) == len(values) and known else None
+
+
+def report(lives: Sequence[PolicySummary], sims: Sequence[PolicySummary], tolerance: float) -> tuple[str, bool]:
+    """The side-by-side table and whether every judged figure is within ``tolerance``: the live repeats' mean
+    against the simulated runs' (one run, or one per seed: ``--sim-seeds``)."""
+    sim_head = "sim" if len(sims) == 1 else f"sim mean of {len(sims)}"
+    heads = [f"live #{i + 1}" for i in range(len(lives))] + ["live mean", sim_head, "live/sim", "verdict"]
     rows = [["figure", *heads]]
     ok = True
     for fig in FIGURES:
         lv = [value(s, fig.field) for s in lives]
-        known = [x for x in lv if x is not None]
-        mean = statistics.fmean(known) if len(known) == len(lv) and known else None
-        sv = value(sim, fig.field)
+        mean = _mean(lv)
+        sv = _mean([value(s, fig.field) for s in sims])
         ratio = mean / sv if mean is not None and sv else None
         if not fig.judged:
             verdict = "shown"
@@ -325,6 +342,27 @@ def calibration(repeats: Sequence[Repeat]) -> dict[str, float] | None:
     }
 
 
+def sim_spread(repeat: Repeat, work: Path, config: str | None, seeds: Sequence[int]) -> list[PolicySummary]:
+    """The simulator alone on the first repeat's replayed requests (as ``hilum bench --compare-sim`` ran it:
+    its topology and configuration file), once per seed: how much the simulated figures move with the seeded
+    tie-breaks alone. The repeat's own seed reproduces its simulated row."""
+    from hilum_cli.bench import simulate
+    from sim.results import summarize
+    from sim.traces import Trace, TraceRequest
+
+    replayed = sorted(repeat.sim.requests, key=lambda r: r.arrival_s)
+    t0 = replayed[0].arrival_s
+    trace = Trace(
+        "replayed",
+        "bench/fidelity.py",
+        "",
+        tuple(TraceRequest(r.request_id, r.arrival_s - t0, r.prompt_tokens, r.output_tokens) for r in replayed),
+    )
+    run_dir = work / "cluster-0"
+    cfg = str(run_dir / "hilum.yaml") if config else None
+    return [summarize(simulate(trace, str(run_dir / "topology.yaml"), seed, cfg)) for seed in seeds]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--topology", default=None, help="topology file or bundled name (default: hilum up's local-2x2)")
@@ -338,9 +376,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=float, default=180.0, help="seconds the cluster may take to start")
     p.add_argument("--out", default=None, help="keep the logs and results.json files here (default: temporary)")
     p.add_argument("--check", action="store_true", help="exit 1 if a judged figure is outside --tolerance")
+    p.add_argument(
+        "--sim-seeds", type=int, default=1, help="also run the simulator alone with this many seeds (default 1: no)"
+    )
     ns = p.parse_args(argv)
-    if ns.max_requests < 1 or ns.repeats < 1:
-        p.error("--max-requests and --repeats must be >= 1")
+    if ns.max_requests < 1 or ns.repeats < 1 or ns.sim_seeds < 1:
+        p.error("--max-requests, --repeats and --sim-seeds must be >= 1")
     if not (math.isfinite(ns.rate_scale) and ns.rate_scale > 0 and math.isfinite(ns.tolerance) and ns.tolerance >= 0):
         p.error("--rate-scale must be > 0 and --tolerance >= 0")
     if ns.config and not Path(ns.config).is_file():
@@ -361,6 +402,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except FidelityError as exc:
                 print(f"fidelity: error: {exc}", file=sys.stderr)
                 return 1
+        seeds = list(range(ns.seed, ns.seed + ns.sim_seeds))
+        spread = sim_spread(repeats[0], work, ns.config, seeds) if ns.sim_seeds > 1 else []
     lives = [r.live.summary for r in repeats]
     sims = [r.sim.summary for r in repeats]
     if any(value(s, f.field) != value(sims[0], f.field) for s in sims[1:] for f in FIGURES):  # deterministic
@@ -373,10 +416,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"fidelity: {ns.max_requests} requests of {ns.trace} at x{ns.rate_scale:g} on {topo}, "
         f"config {ns.config or 'defaults'}, tolerance {ns.tolerance:.0%}"
     )
-    table, ok = report(lives, sims[0], ns.tolerance)
+    table, ok = report(lives, spread or sims[:1], ns.tolerance)
     print(table, end="")
     print("\nwhere a committed move's time goes (live: the llumlets' timing lines; sim: its records)")
     print(timing_report(repeats), end="")
+    if spread:
+        print(f"\nthe simulator alone on live #1's replayed requests, seeds {seeds[0]}..{seeds[-1]}:")
+        for fig in FIGURES:
+            label = f"{fig.label} {fig.unit}".rstrip()
+            print(f"  {label:<16}" + "  ".join(f"{_fmt(value(s, fig.field), fig):>8}" for s in spread))
     measured = calibration(repeats)
     if measured is not None:
         used = hilum_config.load_config(ns.config).cost

@@ -60,7 +60,7 @@ def test_figures_within_tolerance_pass_and_the_mean_of_repeats_is_compared() -> 
     fidelity = _fidelity()
     sim = _summary()
     lives = [_summary(ttft_p50_s=1.1, migrations_intra_domain=36), _summary(ttft_p50_s=1.2, migrations_intra_domain=44)]
-    table, ok = fidelity.report(lives, sim, 0.2)
+    table, ok = fidelity.report(lives, [sim], 0.2)
     rows = _rows(table)
     assert ok
     assert rows["TTFT p50 ms"] == ["1100.0", "1200.0", "1150.0", "1000.0", "1.15", "within"]
@@ -68,13 +68,24 @@ def test_figures_within_tolerance_pass_and_the_mean_of_repeats_is_compared() -> 
     assert rows["intra-domain"][-1] == "shown"
 
 
+def test_with_several_seeds_the_live_mean_is_judged_against_the_simulated_mean() -> None:
+    fidelity = _fidelity()
+    live = [_summary(migrations_intra_domain=50, migrations_cross_domain=10)]  # 60 moves
+    sims = [_summary(migrations_intra_domain=30, migrations_cross_domain=10), _summary(migrations_intra_domain=70)]
+    table, ok = fidelity.report(live, sims, 0.2)
+    assert ok and "sim mean of 2" in table.splitlines()[0]
+    assert _rows(table)["migrations"] == ["60", "60", "60", "1.00", "within"]  # (40 + 80) / 2
+    _, alone = fidelity.report(live, sims[:1], 0.2)
+    assert not alone  # 60 against the first seed's 40 alone: 1.50
+
+
 def test_a_figure_outside_tolerance_or_missing_fails() -> None:
     fidelity = _fidelity()
     sim = _summary()
-    table, ok = fidelity.report([_summary(ttft_p99_s=5.0)], sim, 0.2)
+    table, ok = fidelity.report([_summary(ttft_p99_s=5.0)], [sim], 0.2)
     assert not ok
     assert _rows(table)["TTFT p99 ms"][-2:] == ["1.25", "OUTSIDE"]
-    table, ok = fidelity.report([_summary(ttft_p50_s=None)], sim, 0.2)
+    table, ok = fidelity.report([_summary(ttft_p50_s=None)], [sim], 0.2)
     assert not ok
     assert _rows(table)["TTFT p50 ms"][-1] == "n/a"
 

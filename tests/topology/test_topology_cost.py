@@ -102,7 +102,7 @@ def test_each_live_stage_that_sends_blocks_costs_the_stage_overhead() -> None:
     assert short.stage_s == pytest.approx((0.0, 0.1))
     assert short.downtime_s == pytest.approx(0.105)
     assert cfg.live_stage_overhead_s(0) == 0.0 and cfg.live_stage_overhead_s(3) == 0.1
-    with pytest.raises(ValueError, match="stage_overhead_s must be a finite number >= 0, got -0.001"):
+    with pytest.raises(ValueError, match=r"stage_overhead_s must be a finite number >= 0, got -0\.001"):
         CostConfig(stage_overhead_s=-0.001)
     with pytest.raises(ValueError, match="stage_overhead_s must be a finite number >= 0, got inf"):
         CostConfig(stage_overhead_s=math.inf)
@@ -125,7 +125,7 @@ def test_the_setup_overhead_comes_before_stage_0_while_the_request_decodes() -> 
     assert blocking.mode == "blocking" and blocking.stage_bytes == (224_000,)
     assert blocking.downtime_s == pytest.approx(0.453)
     assert blocking.completion_s == pytest.approx(0.503)
-    with pytest.raises(ValueError, match="setup_overhead_s must be a finite number >= 0, got -1.0"):
+    with pytest.raises(ValueError, match=r"setup_overhead_s must be a finite number >= 0, got -1\.0"):
         CostConfig(setup_overhead_s=-1.0)
 
 
