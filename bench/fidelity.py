@@ -403,7 +403,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"fidelity: error: {exc}", file=sys.stderr)
                 return 1
         seeds = list(range(ns.seed, ns.seed + ns.sim_seeds))
-        spread = sim_spread(repeats[0], work, ns.config, seeds) if ns.sim_seeds > 1 else []
+        spread: list[PolicySummary] = []
+        if ns.sim_seeds > 1:
+            try:
+                spread = sim_spread(repeats[0], work, ns.config, seeds)
+            except (ValueError, OSError) as exc:  # the live results are still printed, judged against seed 0
+                print(f"fidelity: error: the simulator's runs with seeds {seeds}: {exc}", file=sys.stderr)
     lives = [r.live.summary for r in repeats]
     sims = [r.sim.summary for r in repeats]
     if any(value(s, f.field) != value(sims[0], f.field) for s in sims[1:] for f in FIGURES):  # deterministic
