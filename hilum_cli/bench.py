@@ -52,7 +52,7 @@ import aiohttp
 
 import hilum_config
 from sim.results import KvTimeline, MigrationRecord, RequestRecord, SimRun, summarize, write_results
-from sim.traces import Trace, TraceRequest, load_trace
+from sim.traces import Trace, TraceRequest, load_trace, with_priorities
 from topology.load import TopologyError, load_topology
 from topology.spec import Topology
 
@@ -306,16 +306,24 @@ def _write_trace_jsonl(trace: Trace, path: Path) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def simulate(trace: Trace, topology: str, seed: int, config: str | None = None) -> SimRun:
+def simulate(
+    trace: Trace, topology: str, seed: int, config: str | None = None, priority_fraction: float = 0.0
+) -> SimRun:
     """The simulator's run of exactly these requests and arrivals on ``topology`` (policy ``hilum``), with the
-    configuration file ``config`` (None: ``$HILUM_CONFIG``, else the defaults)."""
+    configuration file ``config`` (None: ``$HILUM_CONFIG``, else the defaults) and the high-priority requests
+    of ``trace`` (those ``with_priorities(trace, priority_fraction, seed)`` marked: the simulator marks the
+    same ones from the same seed). Raises ValueError when its classes would differ from the trace's."""
     from sim.runner import SimSpec, run_simulation
 
     with tempfile.TemporaryDirectory(prefix="hilum-bench-") as tmp:
         path = Path(tmp) / "replayed.jsonl.gz"
         _write_trace_jsonl(trace, path)
-        spec = SimSpec(topology=topology, trace=str(path), policy="hilum", seed=seed, config=config)
-        return run_simulation(spec)
+        options = {"priority_fraction": priority_fraction} if priority_fraction else {}
+        spec = SimSpec(topology=topology, trace=str(path), policy="hilum", seed=seed, config=config, options=options)
+        run = run_simulation(spec)
+    if [r.priority for r in run.requests] != [r.priority for r in trace.requests]:
+        raise ValueError("the simulated requests' priority classes differ from the replayed ones")
+    return run
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,12 +346,15 @@ def _check(ns: argparse.Namespace) -> _Checked:
             raise BenchUsageError(f"{option}: must be a number > 0, got {value:g}")
     if ns.max_requests < 1:
         raise BenchUsageError(f"--max-requests: must be >= 1, got {ns.max_requests}")
+    if not 0.0 <= ns.priority_fraction <= 1.0:
+        raise BenchUsageError(f"--priority-fraction: must be within 0..1, got {ns.priority_fraction:g}")
     try:
         trace = load_trace(ns.trace, rate_scale=ns.rate_scale, max_requests=ns.max_requests, seed=ns.seed)
     except (ValueError, OSError) as exc:
         raise BenchUsageError(f"--trace {ns.trace}: {exc}") from None
     if not trace.requests:
         raise BenchUsageError(f"--trace {ns.trace}: the trace has no requests")
+    trace = with_priorities(trace, ns.priority_fraction, ns.seed)  # sent as each request's "priority"
     compare = None
     if ns.compare_sim:
         try:
@@ -438,7 +449,7 @@ def run_bench(ns: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sy
     if ns.compare_sim:
         print(f"hilum bench: simulating the same requests on {ns.compare_sim} ...", file=err, flush=True)
         try:
-            simulated = simulate(clipped.trace, ns.compare_sim, ns.seed, ns.config)
+            simulated = simulate(clipped.trace, ns.compare_sim, ns.seed, ns.config, ns.priority_fraction)
         except (ValueError, OSError, KeyError) as exc:
             print(f"hilum bench: error: --compare-sim {ns.compare_sim}: the simulation failed: {exc}", file=err)
             status = 1
@@ -474,6 +485,13 @@ def register(sub: Any) -> None:
     p.add_argument("--model", default=None, help="model to ask for (default: the only one served)")
     p.add_argument("--compare-sim", default=None, metavar="TOPOLOGY", help="also simulate on this topology")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts (and the simulation)")
+    p.add_argument(
+        "--priority-fraction",
+        type=float,
+        default=0.0,
+        help="a seeded share of the requests sent with priority high (the table's hi-pri column; the simulation "
+        "marks the same ones)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument(
         "--api-key",

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -130,7 +130,7 @@ class MigrationSource:
             self.in_flight -= 1
             d.bump()
         _log.info(
-            "%s: migrate %s@%d -> %s: %s %s (%d blocks, %.1f ms, downtime %.1f ms)",
+            "%s: migrate %s@%d -> %s: %s %s (%d blocks, %.1f ms, downtime %.1f ms) %s",
             d.instance_id,
             rid,
             cmd.attempt,
@@ -140,6 +140,7 @@ class MigrationSource:
             report.blocks,
             report.total_s * 1e3,
             report.downtime_s * 1e3,
+            report.timing_line(),
         )
         return report
 
@@ -210,6 +211,7 @@ class MigrationSource:
         reserved = 0
         suspended: MigrationState | None = None
         suspending = False  # suspend was called: on failure the request may need resuming even without a state
+        setup_s = reserve_s = presuspend_s = suspend_wait_s = commit_s = 0.0  # where the time went (MigrationReport)
 
         def report(outcome: MigrationOutcome, reason: str = "", downtime_s: float = 0.0) -> MigrationReport:
             return MigrationReport(
@@ -221,12 +223,19 @@ class MigrationSource:
                 d.clock() - t0,
                 downtime_s,
                 cached,
+                setup_s=setup_s,
+                reserve_s=reserve_s,
+                presuspend_s=presuspend_s,
+                suspend_wait_s=suspend_wait_s,
+                commit_s=commit_s,
             )
 
         try:
             kv = await d.call(d.engine.request_kv, rid)
             if kv is None:
                 return report(MigrationOutcome.REFUSED, f"{rid!r} finished before the migration started")
+            t_reserve = d.clock()
+            setup_s = t_reserve - t0
             reply = await peer.reserve(
                 rid,
                 attempt,
@@ -236,6 +245,7 @@ class MigrationSource:
                 prefix_token_ids=rec.prompt_token_ids,
                 pool=transport.pool or b"",
             )
+            reserve_s = d.clock() - t_reserve
             if reply.status is not DestStatus.OK:
                 return report(
                     MigrationOutcome.REFUSED,
@@ -247,15 +257,18 @@ class MigrationSource:
             copied = cached = min(reply.num_cached_blocks, kv[1])  # what the destination caches is not sent
             # pre-copy stages: the request keeps decoding
             while True:
+                t_stage = d.clock()
                 tokens, _ = await self._kv_or_end(rec)
                 n = rule.next_live_stage(tokens, copied, len(stages), block_size)
                 if n is None:
                     break
                 full = copied + n
                 reserved = await self._grow(peer, rid, attempt, full, reserved)
-                stages.append(await self._copy(peer, transport, rec, copied, full, len(stages), last=False))
+                stats = await self._copy(peer, transport, rec, copied, full, len(stages), last=False)
+                stages.append(replace(stats, wall_s=d.clock() - t_stage))
                 copied = full
                 await self._hooks.stage_copied(rid, attempt, len(stages) - 1)
+            t_live_done = d.clock()
             # last stage: suspended between two steps. Grow the reservation first, while the request still
             # decodes, by one block for a step that may run before the suspension: the last stage then
             # rarely needs a Reserve round trip in the downtime (best effort: it grows there if needed).
@@ -264,19 +277,23 @@ class MigrationSource:
                 reserved = await self._grow(peer, rid, attempt, held + 1, reserved)
             self._check_alive(rec)
             suspending = True
+            t_ask = d.clock()
+            presuspend_s = t_ask - t_live_done
             suspended = await d.call(d.engine.suspend, rid)
             if suspended is None:
                 raise _Ended(f"{rid!r} finished (or left decode) before the last stage")
             t_suspend = d.clock()
+            suspend_wait_s = t_suspend - t_ask
             if suspended.num_output_tokens != rec.next_seq:
                 raise _Failed(f"token numbering mismatch: engine {suspended.num_output_tokens}, llumlet {rec.next_seq}")
             _, held = await self._kv_or_end(rec)
             reserved = await self._grow(peer, rid, attempt, held, reserved)
             flushed = asyncio.ensure_future(d.pusher.flush(rid))
             try:
-                stages.append(await self._copy(peer, transport, rec, copied, held, len(stages), last=True))
+                last_stage = await self._copy(peer, transport, rec, copied, held, len(stages), last=True)
             finally:
                 pushed = await flushed
+            stages.append(replace(last_stage, wall_s=d.clock() - t_suspend))
             if pushed is not PushOutcome.ACKED:
                 raise _Ended(f"the origin of {rid!r} no longer takes its tokens ({pushed.value})")
             await self._hooks.before_commit(rid, attempt)
@@ -291,7 +308,9 @@ class MigrationSource:
                 epoch=rec.epoch + 1,
                 src_instance_id=d.instance_id,
             )
+            t_commit = d.clock()
             committed = await self._commit(peer, rec, commit)
+            commit_s = d.clock() - t_commit
         except _Ended as exc:
             await self._undo(peer, rec, attempt, suspending)
             return report(MigrationOutcome.ABORTED, str(exc))

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from llumlet.engine.types import MigrationState
 from llumlet.transport import TransportName
 from topology.cost import PrecopyRule
 
 __all__ = [
+    "TIMING_TAG",
     "CommitCall",
     "DestReply",
     "DestStatus",
@@ -23,10 +25,12 @@ __all__ = [
     "MigrationHooks",
     "MigrationOutcome",
     "MigrationReport",
+    "MigrationTiming",
     "Released",
     "Reserved",
     "StageStats",
     "Written",
+    "parse_timing_line",
     "reservation_id",
 ]
 
@@ -84,7 +88,8 @@ class StageStats:
     last: bool  # the stage copied while the request was suspended
     blocks: int
     bytes: int  # logical KV bytes
-    seconds: float
+    seconds: float  # the copy: stream open -> the destination's reply (the transport's measurement)
+    wall_s: float = 0.0  # the whole stage as the migration spent it: engine calls, reservation growth, the copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +104,12 @@ class MigrationReport:
     total_s: float = 0.0  # command -> committed (or given up)
     downtime_s: float = 0.0  # suspended -> destination committed
     cached_blocks: int = 0  # leading blocks the destination already held (prefix cache): not sent
+    # where the time went (seconds; 0 when the migration ended before that phase), docs/migration.md "Timing"
+    setup_s: float = 0.0  # command -> the first Reserve sent (checks, transport choice, engine calls)
+    reserve_s: float = 0.0  # the first Reserve round trip (before stage 0)
+    presuspend_s: float = 0.0  # the last live stage's end -> suspend asked (the checks, the reservation grown)
+    suspend_wait_s: float = 0.0  # suspend asked -> suspended (the engine's step boundary)
+    commit_s: float = 0.0  # the Commit round trip (the destination adopts the request and resumes it)
 
     @property
     def blocks(self) -> int:
@@ -124,6 +135,84 @@ class MigrationReport:
         pre = [s for s in self.stages if not s.last]
         seconds = sum(s.seconds for s in pre)
         return sum(s.bytes for s in pre) / seconds if seconds > 0 else 0.0
+
+    def timing_line(self) -> str:
+        """Where the migration's time went, one parseable token list (milliseconds; :func:`parse_timing_line`):
+
+        ``timing_ms setup=U reserve=R stages=S0,S1,... presuspend=P suspend_wait=W last=L commit=C downtime=D
+        total=T blocks=B`` (``stages``: each live stage's ``wall_s``, ``-`` for none; ``last``: the suspended
+        stage's ``wall_s``, the token flush included; ``blocks``: per stage, the blocks copied, ``,``-separated).
+        """
+
+        def ms(x: float) -> str:
+            return f"{x * 1e3:.3f}"
+
+        live = [s for s in self.stages if not s.last]
+        last = next((s.wall_s for s in self.stages if s.last), 0.0)
+        return (
+            f"{TIMING_TAG} setup={ms(self.setup_s)} reserve={ms(self.reserve_s)} "
+            f"stages={','.join(ms(s.wall_s) for s in live) or '-'} presuspend={ms(self.presuspend_s)} "
+            f"suspend_wait={ms(self.suspend_wait_s)} last={ms(last)} commit={ms(self.commit_s)} "
+            f"downtime={ms(self.downtime_s)} total={ms(self.total_s)} "
+            f"blocks={','.join(str(s.blocks) for s in self.stages) or '-'}"
+        )
+
+
+#: The token that starts :meth:`MigrationReport.timing_line` (in the llumlet's log line of each migration).
+TIMING_TAG = "timing_ms"
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationTiming:
+    """One migration's :meth:`MigrationReport.timing_line`, read back (seconds)."""
+
+    setup_s: float
+    reserve_s: float
+    stage_s: tuple[float, ...]  # each live stage's wall time
+    presuspend_s: float
+    suspend_wait_s: float
+    last_s: float  # the suspended stage, token flush included
+    commit_s: float
+    downtime_s: float
+    total_s: float
+    blocks: tuple[int, ...]  # per stage, the last one last
+
+
+def parse_timing_line(text: str) -> MigrationTiming | None:
+    """The :class:`MigrationTiming` of the first ``timing_ms ...`` token list in ``text`` (a log line), or None
+    when it has none. Raises ValueError naming the token when one is malformed."""
+    at = text.find(TIMING_TAG + " ")
+    if at < 0:
+        return None
+    fields: dict[str, str] = {}
+    for token in text[at + len(TIMING_TAG) :].split():
+        key, sep, val = token.partition("=")
+        if not sep:
+            break
+        fields[key] = val
+    try:
+
+        def s(key: str) -> float:
+            return float(fields[key]) / 1e3
+
+        def many(key: str, kind: type[float] | type[int]) -> tuple[Any, ...]:
+            raw = fields[key]
+            return () if raw == "-" else tuple(kind(x) for x in raw.split(","))
+
+        return MigrationTiming(
+            setup_s=s("setup"),
+            reserve_s=s("reserve"),
+            stage_s=tuple(x / 1e3 for x in many("stages", float)),
+            presuspend_s=s("presuspend"),
+            suspend_wait_s=s("suspend_wait"),
+            last_s=s("last"),
+            commit_s=s("commit"),
+            downtime_s=s("downtime"),
+            total_s=s("total"),
+            blocks=many("blocks", int),
+        )
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"bad {TIMING_TAG} line ({exc}): {text[at:].strip()!r}") from None
 
 
 class MigrationHooks:

@@ -78,8 +78,15 @@ def report_to_pb(report: MigrationReport) -> pb.MigrateOutReply:
         bandwidth_bytes_per_s=report.bandwidth_bytes_per_s,
         precopy_bandwidth_bytes_per_s=report.precopy_bandwidth_bytes_per_s,
         cached_blocks=report.cached_blocks,
+        setup_s=report.setup_s,
+        reserve_s=report.reserve_s,
+        presuspend_s=report.presuspend_s,
+        suspend_wait_s=report.suspend_wait_s,
+        commit_s=report.commit_s,
         stage_reports=[
-            pb.StageReport(stage=s.stage, last=s.last, blocks=s.blocks, bytes=s.bytes, seconds=s.seconds)
+            pb.StageReport(
+                stage=s.stage, last=s.last, blocks=s.blocks, bytes=s.bytes, seconds=s.seconds, wall_s=s.wall_s
+            )
             for s in report.stages
         ],
     )

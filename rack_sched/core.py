@@ -16,8 +16,9 @@ One :class:`DomainCore` per NVLink domain, fed its instances' load reports. It d
   a state the first one already changed);
 - **what to propose across domains**: when ``policy.pair_domains`` over this domain's summary and the others'
   makes it a source, the move ``rack_sched.plan.plan_cross_domain`` picks, priced with the remaining-output
-  estimate (``policy.remaining``) and the source's measured step time. A request whose move was not approved
-  is not proposed again for ``cool_down_s``;
+  estimate (``policy.remaining``) and the source's measured step time. One cross-domain move of the domain
+  at a time: none is proposed while the last one (:meth:`DomainCore.cross_domain_started`) has not ended. A
+  request whose move was not approved is not proposed again for ``cool_down_s``;
 - **its summaries**: one ``policy.domain.DomainSummary`` per model it serves.
 
 The live domain scheduler (``rack_sched.scheduler``) feeds it from its llumlets' WatchLoad streams and carries
@@ -175,6 +176,7 @@ class DomainCore:
         self._busy: dict[str, int] = {}  # instance -> migrations in flight touching it
         self._settle: dict[str, tuple[int, float]] = {}  # instance -> (reports at finish, deadline)
         self._not_approved: dict[str, float] = {}  # request -> until when it is not proposed again
+        self._cross_in_flight = 0  # this domain's cross-domain moves proposed and not ended (0 or 1)
         self.remaining = RemainingEstimator(cfg.remaining)
         self.migrations_in_flight = 0
 
@@ -455,11 +457,15 @@ class DomainCore:
 
     # ---- across domains ----------------------------------------------------------------------------
     def plan_cross_domain(self, others: Iterable[DomainSummary], now_s: float) -> CrossDomainProposal | None:
-        """The move to propose now, if ``policy.pair_domains`` makes this domain a source for some model.
+        """The move to propose now, if ``policy.pair_domains`` makes this domain a source for some model, and
+        None while this domain's previous cross-domain move has not ended (one at a time, module docstring).
 
         ``others``: the other domains' latest summaries (as received; those of other domains only), iterated
-        at most once and only when this domain is a source for some model (``policy.is_source_domain``).
+        at most once and only when this domain is a source for some model (``policy.is_source_domain``). Call
+        :meth:`cross_domain_started` when proposing the move, :meth:`cross_domain_done` when it ended.
         """
+        if self._cross_in_flight:
+            return None
         self._not_approved = {r: t for r, t in self._not_approved.items() if t > now_s}
         by_model: dict[str, list[DomainSummary]] | None = None  # read only when this domain is a source
         for model in self.models():
@@ -503,6 +509,17 @@ class DomainCore:
             return load
         held = tuple(replace(r, migratable=False) if r.request_id in self._not_approved else r for r in load.running)
         return replace(load, running=held)
+
+    def cross_domain_started(self, move: CrossDomainProposal) -> None:
+        """``move`` is proposed: its source is busy and the domain proposes nothing more until
+        :meth:`cross_domain_done`."""
+        self._cross_in_flight += 1
+        self.migration_started((move.src_instance_id,))
+
+    def cross_domain_done(self, move: CrossDomainProposal, now_s: float) -> None:
+        """The move begun by :meth:`cross_domain_started` ended: refused, committed, aborted or failed."""
+        self._cross_in_flight -= 1
+        self.migration_done((move.src_instance_id,), now_s)
 
     def not_approved(self, request_id: str, now_s: float) -> None:
         """The coordinator did not approve moving ``request_id``: do not propose it again for ``cool_down_s``."""

@@ -543,11 +543,11 @@ class DomainScheduler:
                 "domain %s: no coordinator leader to propose to (start one, or pass --coordinator)", self.cfg.domain_id
             )
             return False
-        self.core.migration_started((move.src_instance_id,))
+        self.core.cross_domain_started(move)
         try:
             return await self._propose_and_carry_out(proposal, address)
         finally:
-            self.core.migration_done((move.src_instance_id,), self._clock.now_s())
+            self.core.cross_domain_done(move, self._clock.now_s())
 
     async def _propose_and_carry_out(self, proposal: MoveProposal, address: str) -> bool:
         self._counters.proposed += 1

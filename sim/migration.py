@@ -15,10 +15,12 @@ The protocol is the one in DESIGN.md (after Llumnix §4.2) and the one the lluml
 
 Stage durations come from the same effective bandwidth the cost model uses
 (:func:`topology.cost.effective_bandwidth_bytes_per_s`): the path's bottleneck bandwidth times the
-migration cap, shared fairly among the flows on the busiest link of the path. The share is sampled
-when a stage starts and held for the stage (piecewise-constant fair sharing). Each record carries the rate
-its pre-copy stages achieved (``precopy_bandwidth_bytes_per_s``, as a llumlet's MigrateOutReply does): the
-sample the two-tier policy prices later moves with (``topology.bandwidth``).
+migration cap, shared fairly among the flows on the busiest link of the path; the cost model's fixed
+control-plane times (``CostConfig``) are charged where it charges them: ``setup_overhead_s`` before stage 0,
+``stage_overhead_s`` to every live stage that sends blocks, ``suspend_resume_overhead_s`` to the downtime.
+The share is sampled when a stage starts and held for the stage (piecewise-constant fair sharing). Each
+record carries the rate its pre-copy stages achieved (``precopy_bandwidth_bytes_per_s``, as a llumlet's
+MigrateOutReply does): the sample the two-tier policy prices later moves with (``topology.bandwidth``).
 """
 
 from __future__ import annotations
@@ -141,8 +143,15 @@ class MigrationExecutor:
         self.active[request_id] = move
         self.busy_instances.update((src_id, dst_id))
         self.flows.add(path.links)
-        self._next_stage(move)
+        if self.cost.setup_overhead_s > 0:  # the command and the reservation's round trip: it decodes meanwhile
+            self.cluster.queue.schedule_in(self.cost.setup_overhead_s, EventKind.MIGRATION, lambda: self._begin(move))
+        else:
+            self._next_stage(move)
         return True
+
+    def _begin(self, move: _Move) -> None:
+        if not move.done:
+            self._next_stage(move)
 
     # ------------------------------------------------------------------ stages
     def _block_bytes(self, move: _Move) -> int:
@@ -163,7 +172,7 @@ class MigrationExecutor:
         if remaining is None:
             self.cluster.at_step_boundary(move.src, lambda: self._suspend(move))
             return
-        duration = self._copy_s(move, remaining)
+        duration = self._copy_s(move, remaining) + self.cost.live_stage_overhead_s(remaining)
         move.stage_in_flight = (remaining * self._block_bytes(move), duration)
         move.copied_blocks += remaining
         move.stage += 1

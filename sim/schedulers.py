@@ -20,8 +20,11 @@ summaries published every ``summary_interval_s`` and received ``summary_lag_s`` 
   each domain core proposes what ``policy.pair_domains`` makes it a source for, and the coordinator's core
   approves or rejects it with the cost model, pricing each path with the pre-copy rate earlier approved
   moves on it achieved (``topology.bandwidth``: the executor's measurements, as the live coordinator reads the
-  llumlets' from the migration records). A committed cross-domain move lets its domain propose again at once
-  (the live domain scheduler's loop does the same).
+  llumlets' from the migration records). One cross-domain move per domain at a time (the domain core
+  proposes none while one is in flight, as the live domain scheduler's loop carries its proposals out one by
+  one); a committed move lets its domain propose again at once (the live loop does the same). The rounds run
+  every ``cross_interval_s``; the live loop sleeps that long after a round ends, so its period also holds the
+  round's own time (a timing difference, docs/simulator.md "Fidelity").
 """
 
 from __future__ import annotations
@@ -144,7 +147,8 @@ class ClusterScheduler(ABC):
     def __init__(self, ctx: SchedulerContext) -> None:
         self.ctx = ctx
         self.cluster = ctx.cluster
-        self._pending: dict[str, tuple[DomainCore, tuple[str, ...], bool]] = {}  # request -> (core, busy ids, cross)
+        # request -> (its domain core, the instances it keeps busy, the cross-domain proposal or None: inside)
+        self._pending: dict[str, tuple[DomainCore, tuple[str, ...], CrossDomainProposal | None]] = {}
         ctx.executor.on_done.append(self._migration_done)
 
     def start(self) -> None:  # noqa: B027 - optional hook, most policies have no loop
@@ -183,23 +187,25 @@ class ClusterScheduler(ABC):
         """One rescheduling round of ``feed``'s core; each move goes to the executor."""
         for move in feed.core.plan_rebalance(self._now()):
             ids = (move.src_id, move.dst_id)
-            self._pending[move.request_id] = (feed.core, ids, False)  # before starting: a move may end at once
+            self._pending[move.request_id] = (feed.core, ids, None)  # before starting: a move may end at once
             started = self.ctx.executor.start(move.request_id, move.src_id, move.dst_id, move.reason)
             if not started and self._pending.pop(move.request_id, None) is not None:
                 feed.core.migration_done(ids, self._now())
 
     def _migration_done(self, record: MigrationRecord) -> None:
         pending = self._pending.pop(record.request_id, None)
-        if pending is not None:
-            core, ids, cross = pending
+        if pending is None:
+            return
+        core, ids, cross = pending
+        if cross is None:
             core.migration_done(ids, self._now())
-            if cross:
-                self._measured_across(record)
-            if cross and record.outcome == "committed":
-                self._committed_across(core.domain_id)
+            return
+        core.cross_domain_done(cross, self._now())
+        self._measured_across(record)
+        self._cross_ended(core.domain_id, record.outcome == "committed")
 
-    def _committed_across(self, domain_id: str) -> None:  # noqa: B027 - only the two-tier policy proposes
-        """A cross-domain move of ``domain_id`` committed."""
+    def _cross_ended(self, domain_id: str, committed: bool) -> None:  # noqa: B027 - only the two-tier policy
+        """A cross-domain move of ``domain_id`` that was carried out ended (``committed`` or not)."""
 
     def _measured_across(self, record: MigrationRecord) -> None:  # noqa: B027 - only the two-tier policy prices
         """An approved cross-domain move ended (committed or aborted), with what it measured."""
@@ -341,8 +347,9 @@ class HilumTwoTier(ClusterScheduler):
         for domain_id in self.feeds:
             self._propose(domain_id)
 
-    def _committed_across(self, domain_id: str) -> None:
-        self._propose(domain_id)
+    def _cross_ended(self, domain_id: str, committed: bool) -> None:
+        if committed:  # propose again at once, as the live loop does after a commit
+            self._propose(domain_id)
 
     def _measured_across(self, record: MigrationRecord) -> None:
         """As a domain scheduler writes the llumlet's measurement into the migration record it finishes."""
@@ -357,19 +364,23 @@ class HilumTwoTier(ClusterScheduler):
         """The delivered summaries of the other domains, read only if the domain's core needs them."""
         return (s for d, summaries in self.delivered.items() if d != domain_id for s in summaries)
 
-    def _propose(self, domain_id: str) -> None:
-        """The domain's core proposes one move; the coordinator's core decides; the executor carries it out."""
+    def _propose(self, domain_id: str) -> bool:
+        """The domain's core proposes one move; the coordinator's core decides; the executor carries it out.
+        True when a move was started (its end reaches :meth:`_cross_ended`)."""
         feed = self.feeds[domain_id]
         feed.refresh()
         now = self._now()
         move = feed.core.plan_cross_domain(self._others(domain_id), now)
         if move is None:
-            return
+            return False
+        feed.core.cross_domain_started(move)
         ids = (move.src_instance_id,)
-        feed.core.migration_started(ids)
-        self._pending[move.request_id] = (feed.core, ids, True)  # before starting: a move may end at once
-        if not self._approve_and_start(domain_id, move) and self._pending.pop(move.request_id, None) is not None:
-            feed.core.migration_done(ids, now)
+        self._pending[move.request_id] = (feed.core, ids, move)  # before starting: a move may end at once
+        if self._approve_and_start(domain_id, move):
+            return True
+        if self._pending.pop(move.request_id, None) is not None:
+            feed.core.cross_domain_done(move, now)
+        return False
 
     def _approve_and_start(self, domain_id: str, move: CrossDomainProposal) -> bool:
         proposal = move.proposal(domain_id, attempt=1)

@@ -14,8 +14,12 @@ Formulas (units: bytes, seconds, bytes/s; ``Bt`` = KV bytes per token, ``bs`` = 
   moves on that path and transport were measured (``measured_bandwidth_bytes_per_s``, the estimate of
   :mod:`topology.bandwidth`), ``B = min(that, measured)``: a move never goes faster than what moves on the
   path achieved, nor than the cap allows;
-* tokens at time ``T`` after the start: ``n(T) = n0 + ⌊T / d⌋``; stage 0 copies ``⌊n0/bs⌋`` blocks
-  (minus the prefix blocks already on the destination), taking ``blocks·Bb / B``;
+* fixed control-plane times (:class:`CostConfig`, calibrated from measured moves, docs/cost-model.md):
+  ``setup_overhead_s`` before stage 0 (the request decodes meanwhile), ``stage_overhead_s`` added to every
+  live stage that sends blocks, ``suspend_resume_overhead_s`` added to the downtime;
+* tokens at time ``T`` after the start: ``n(T) = n0 + ⌊T / d⌋``; stage 0, at ``T = setup_overhead_s``,
+  copies ``⌊n(T)/bs⌋`` blocks (minus the prefix blocks already on the destination), taking
+  ``blocks·Bb / B + stage_overhead_s``;
 * after each live stage the remainder is ``⌈n(T)/bs⌉ − blocks copied so far``; a further live stage copies
   the newly full blocks ``⌊n(T)/bs⌋ − copied``; the loop stops when the remainder ``≤ stop_remaining_blocks``,
   after ``max_stages`` live stages, or when no block filled meanwhile. This stop rule is
@@ -23,7 +27,9 @@ Formulas (units: bytes, seconds, bytes/s; ``Bt`` = KV bytes per token, ``bs`` = 
 * downtime ``= remainder·Bb / B + suspend_resume_overhead_s``;
 * convergence (closed form): pre-copy shrinks the remainder only if the request produces KV more slowly than
   the path carries it, ``Bt / d < B``. Otherwise the plan is a blocking stop-and-copy of everything that
-  must move: downtime ``= blocks·Bb / B + overhead``, ``converges=False``.
+  must move: downtime ``= blocks·Bb / B + overhead``, ``converges=False``;
+* ``transfer_s`` = Σ stage times (what the approval weighs against the benefit); ``completion_s`` =
+  ``setup_overhead_s`` + the stages + ``suspend_resume_overhead_s``.
 
 Since ``Bt/d < B`` means a stage of ``k`` blocks lasts less than ``k·bs`` decode steps, the remainder never
 grows from stage to stage, so a converging plan's downtime is at most the blocking downtime.
@@ -129,7 +135,13 @@ class CostConfig:
     ``stop_remaining_blocks``: suspend when at most this many blocks are left to copy (≥ 0).
     ``suspend_resume_overhead_s``: fixed downtime added to the last stage (suspending on the source,
     committing and resuming on the destination). Default 1 ms is an assumption, not a measurement:
-    calibrate it.
+    calibrate it (docs/cost-model.md, "Calibrating the fixed overheads").
+    ``stage_overhead_s``: fixed time of one live pre-copy stage that sends blocks, besides its bytes (the
+    control-plane round trip: engine calls, pinning the blocks, the destination's acknowledgment). Default 0:
+    on real hardware it is a sub-millisecond local RPC, small next to a stage's copy; calibrate it the same way.
+    ``setup_overhead_s``: fixed time of a move outside its stages and its downtime (the command, the
+    destination's reservation before stage 0, the checks and the reservation's growth before the suspension),
+    charged before stage 0: the request decodes meanwhile. Default 0, for the same reason.
     Raises ValueError on an out-of-range value.
     """
 
@@ -137,6 +149,8 @@ class CostConfig:
     max_stages: int = 8
     stop_remaining_blocks: int = 1
     suspend_resume_overhead_s: float = 0.001
+    stage_overhead_s: float = 0.0
+    setup_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check(
@@ -157,12 +171,15 @@ class CostConfig:
             self.stop_remaining_blocks,
             "an int >= 0",
         )
-        _check(
-            _finite(self.suspend_resume_overhead_s) and self.suspend_resume_overhead_s >= 0,
-            "suspend_resume_overhead_s",
-            self.suspend_resume_overhead_s,
-            "a finite number >= 0",
-        )
+        for name in ("suspend_resume_overhead_s", "stage_overhead_s", "setup_overhead_s"):
+            value = getattr(self, name)
+            _check(_finite(value) and value >= 0, name, value, "a finite number >= 0")
+
+    def live_stage_overhead_s(self, blocks_sent: int) -> float:
+        """The fixed time a live pre-copy stage adds to its copy: ``stage_overhead_s`` when it sends any block,
+        0 for a stage with nothing to send (no round trip). The cost model and the simulator's executor both
+        charge it (module docstring)."""
+        return self.stage_overhead_s if blocks_sent > 0 else 0.0
 
     @property
     def precopy(self) -> PrecopyRule:
@@ -307,17 +324,22 @@ def _precopy(inp: MigrationCostInput, cfg: CostConfig, bw: Fraction, skip_blocks
     rule = cfg.precopy
     copied = 0
     blocks: list[int] = []
-    elapsed = Fraction(0)
-    tokens = inp.kv_tokens
+    elapsed = _exact(cfg.setup_overhead_s)  # the request decodes while the move is set up
+    tokens = inp.kv_tokens + math.floor(elapsed / step_s)
     while (stage := rule.next_live_stage(tokens, copied, len(blocks), bs)) is not None:
         sent = stage - (skip_blocks if not blocks else 0)  # the prefix the destination holds is not sent
         blocks.append(sent)
-        elapsed += sent * block_s
+        elapsed += _stage_s(sent, block_s, cfg, live=True)
         copied += stage
         tokens = inp.kv_tokens + math.floor(elapsed / step_s)
     remainder = -(-tokens // bs) - copied
     blocks.append(remainder)
     return _Stages(blocks=tuple(blocks), live_s=elapsed, last_s=remainder * block_s)
+
+
+def _stage_s(blocks: int, block_s: Fraction, cfg: CostConfig, *, live: bool) -> Fraction:
+    """One stage's time: its blocks' copy, plus :meth:`CostConfig.live_stage_overhead_s` for a live stage."""
+    return blocks * block_s + (_exact(cfg.live_stage_overhead_s(blocks)) if live else 0)
 
 
 def _plan_from_stages(
@@ -334,14 +356,16 @@ def _plan_from_stages(
     recompute = (
         _exact(inp.prefix_reprefill_s) if recompute_blocks and inp.prefix_reprefill_s is not None else Fraction(0)
     )
+    setup = _exact(cfg.setup_overhead_s)
     copy_done = stages.live_s + stages.last_s
-    resume = max(copy_done, recompute) + overhead
+    resume = max(copy_done, setup + recompute) + overhead
+    last = len(stages.blocks) - 1
     return MigrationPlan(
         converges=True,
         mode=mode,
         stage_bytes=tuple(b * block_bytes for b in stages.blocks),
-        stage_s=tuple(float(b * block_s) for b in stages.blocks),
-        transfer_s=float(copy_done),
+        stage_s=tuple(float(_stage_s(b, block_s, cfg, live=i < last)) for i, b in enumerate(stages.blocks)),
+        transfer_s=float(copy_done - setup),
         downtime_s=float(resume - stages.live_s),
         total_bytes=sum(stages.blocks) * block_bytes,
         completion_s=float(resume),
@@ -354,7 +378,9 @@ def _plan_from_stages(
 
 def _blocking(inp: MigrationCostInput, cfg: CostConfig, bw: Fraction) -> MigrationPlan:
     block_bytes = inp.kv_bytes_per_token * inp.block_size_tokens
-    blocks = -(-inp.kv_tokens // inp.block_size_tokens) - inp.prefix_blocks_on_dst
+    setup = _exact(cfg.setup_overhead_s)
+    tokens = inp.kv_tokens + math.floor(setup / _exact(inp.decode_step_s))  # decoded while the move is set up
+    blocks = -(-tokens // inp.block_size_tokens) - inp.prefix_blocks_on_dst
     copy_s = blocks * Fraction(block_bytes) / bw
     stopped = copy_s + _exact(cfg.suspend_resume_overhead_s)
     return MigrationPlan(
@@ -365,7 +391,7 @@ def _blocking(inp: MigrationCostInput, cfg: CostConfig, bw: Fraction) -> Migrati
         transfer_s=float(copy_s),
         downtime_s=float(stopped),
         total_bytes=blocks * block_bytes,
-        completion_s=float(stopped),
+        completion_s=float(setup + stopped),
         effective_bandwidth_bytes_per_s=float(bw),
         skipped_prefix_blocks=inp.prefix_blocks_on_dst,
     )

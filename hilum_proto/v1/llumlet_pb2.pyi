@@ -690,6 +690,7 @@ class StageReport(_message.Message):
     BLOCKS_FIELD_NUMBER: _builtins.int
     BYTES_FIELD_NUMBER: _builtins.int
     SECONDS_FIELD_NUMBER: _builtins.int
+    WALL_S_FIELD_NUMBER: _builtins.int
     stage: _builtins.int
     """0, 1, ...; the last stage (request suspended) is flagged"""
     last: _builtins.bool
@@ -697,6 +698,9 @@ class StageReport(_message.Message):
     bytes: _builtins.int
     """logical KV bytes (blocks x kv_bytes_per_block)"""
     seconds: _builtins.float
+    """the copy: stream open -> the destination's reply"""
+    wall_s: _builtins.float
+    """the whole stage: engine calls, reservation growth, the copy"""
     def __init__(
         self,
         *,
@@ -705,10 +709,11 @@ class StageReport(_message.Message):
         blocks: _builtins.int = ...,
         bytes: _builtins.int = ...,
         seconds: _builtins.float = ...,
+        wall_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "bytes", b"bytes", "last", b"last", "seconds", b"seconds", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "bytes", b"bytes", "last", b"last", "seconds", b"seconds", "stage", b"stage", "wall_s", b"wall_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -731,6 +736,11 @@ class MigrateOutReply(_message.Message):
     STAGE_REPORTS_FIELD_NUMBER: _builtins.int
     PRECOPY_BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    SETUP_S_FIELD_NUMBER: _builtins.int
+    RESERVE_S_FIELD_NUMBER: _builtins.int
+    PRESUSPEND_S_FIELD_NUMBER: _builtins.int
+    SUSPEND_WAIT_S_FIELD_NUMBER: _builtins.int
+    COMMIT_S_FIELD_NUMBER: _builtins.int
     outcome: Global___MigrationOutcome.ValueType
     reason: _builtins.str
     transport: _builtins.str
@@ -753,6 +763,18 @@ class MigrateOutReply(_message.Message):
     """transport sustained on this path while the request decoded
     leading blocks the destination already held (its prefix cache): not sent
     """
+    setup_s: _builtins.float
+    """where the time went, seconds (0: the migration ended before that phase); docs/migration.md "Timing"
+    command -> the first Reserve sent (checks, transport, engine calls)
+    """
+    reserve_s: _builtins.float
+    """the first Reserve round trip (before stage 0)"""
+    presuspend_s: _builtins.float
+    """the last live stage's end -> suspend asked (checks, reservation grown)"""
+    suspend_wait_s: _builtins.float
+    """suspend asked -> suspended (the engine's step boundary)"""
+    commit_s: _builtins.float
+    """the Commit round trip (the destination adopts and resumes the request)"""
     @_builtins.property
     def stage_reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageReport]: ...
     def __init__(
@@ -771,10 +793,15 @@ class MigrateOutReply(_message.Message):
         stage_reports: _abc.Iterable[Global___StageReport] | None = ...,
         precopy_bandwidth_bytes_per_s: _builtins.float = ...,
         cached_blocks: _builtins.int = ...,
+        setup_s: _builtins.float = ...,
+        reserve_s: _builtins.float = ...,
+        presuspend_s: _builtins.float = ...,
+        suspend_wait_s: _builtins.float = ...,
+        commit_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bandwidth_bytes_per_s", b"bandwidth_bytes_per_s", "blocks", b"blocks", "bytes", b"bytes", "cached_blocks", b"cached_blocks", "downtime_s", b"downtime_s", "outcome", b"outcome", "precopy_bandwidth_bytes_per_s", b"precopy_bandwidth_bytes_per_s", "rate_cap_bytes_per_s", b"rate_cap_bytes_per_s", "reason", b"reason", "stage_reports", b"stage_reports", "stages", b"stages", "total_s", b"total_s", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bandwidth_bytes_per_s", b"bandwidth_bytes_per_s", "blocks", b"blocks", "bytes", b"bytes", "cached_blocks", b"cached_blocks", "commit_s", b"commit_s", "downtime_s", b"downtime_s", "outcome", b"outcome", "precopy_bandwidth_bytes_per_s", b"precopy_bandwidth_bytes_per_s", "presuspend_s", b"presuspend_s", "rate_cap_bytes_per_s", b"rate_cap_bytes_per_s", "reason", b"reason", "reserve_s", b"reserve_s", "setup_s", b"setup_s", "stage_reports", b"stage_reports", "stages", b"stages", "suspend_wait_s", b"suspend_wait_s", "total_s", b"total_s", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

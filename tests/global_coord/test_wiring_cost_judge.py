@@ -11,6 +11,7 @@ from global_coord.approver import MoveProposal, decide, measured_rates
 from global_coord.wiring import load_cluster_model
 from policy.domain import DomainSummary, InstanceBrief
 from topology.bandwidth import MeasuredBandwidthConfig
+from topology.cost import CostConfig
 
 pytest.importorskip("topology.cost")  # merged from the topology branch
 pytest.importorskip("global_coord.approval")  # written by the lead
@@ -87,3 +88,23 @@ def test_a_slow_measured_link_makes_the_coordinator_refuse_what_it_approved_at_n
     unmeasured = [(dataclasses.replace(r, measured_bandwidth_bytes_per_s=0.0), rev) for r, rev in slow]
     assert measured_rates(unmeasured, cfg, 100.0) == {}
     assert decide_at(unmeasured, 100.0) == nominal
+
+
+def test_the_coordinator_judges_a_move_by_its_calibrated_fixed_overheads() -> None:
+    # 1600 tokens with 20 left (0.4 s of decoding) over 5 GB/s: 169.4 ms of transfer, worth it at defaults
+    move = _move(1600, 20)
+    default = load_cluster_model("2x8-a100")
+    path = default.path_of("node-0-i0", "node-1-i0")
+    ok = default.judge(move, "node-1-i0", path, 0)
+    assert ok.approved and ok.transfer_s == pytest.approx(0.1694498816)
+    # a 40 ms round trip per live stage (one stage sends blocks: the 9 tokens decoded meanwhile fill none):
+    # 209.4 ms of transfer, 0.4 s < 2 x 0.209 s: not worth it
+    slow_stages = load_cluster_model("2x8-a100", CostConfig(stage_overhead_s=0.04))
+    late = slow_stages.judge(move, "node-1-i0", path, 0)
+    assert not late.approved and late.transfer_s == pytest.approx(0.2094498816)
+    assert late.reason.startswith("not worth it: 0.400 s of decoding left < 2 x 0.209 s of transfer")
+    # 30 ms of suspend / Commit / resume: 31.7 ms of downtime, over the 25 ms budget
+    slow_commit = load_cluster_model("2x8-a100", CostConfig(suspend_resume_overhead_s=0.03))
+    paused = slow_commit.judge(move, "node-1-i0", path, 0)
+    assert not paused.approved and paused.downtime_s == pytest.approx(ok.downtime_s + 0.029)
+    assert paused.reason.startswith("downtime 31.7 ms exceeds the budget of 25.0 ms")

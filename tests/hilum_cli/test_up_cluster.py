@@ -4,7 +4,6 @@ has its request's blocks freed, and Ctrl-C leaves no process behind."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import io
 import json
@@ -19,6 +18,7 @@ import pytest
 from up_harness import TOPOLOGY, UpProcess, alive, cluster_load, idle_load, start_up, wait_load
 
 from hilum_cli.bench import run_bench
+from hilum_cli.main import build_parser
 
 pytestmark = pytest.mark.slow
 
@@ -130,18 +130,8 @@ def test_client_gone_while_waiting_for_a_whole_response_frees_the_blocks(up: UpP
 def test_bench_replays_a_trace_against_the_cluster(up: UpProcess, tmp_path: Path) -> None:
     topo = tmp_path / "topology.yaml"
     topo.write_text(TOPOLOGY)
-    ns = argparse.Namespace(
-        url=up.url,
-        trace="azure-conv",
-        rate_scale=8.0,
-        max_requests=12,
-        model=None,
-        compare_sim=str(topo),
-        seed=0,
-        timeout=60.0,
-        out=str(tmp_path / "out"),
-        config=None,
-    )
+    argv = ["bench", "--url", up.url, "--rate-scale", "8", "--max-requests", "12", "--compare-sim", str(topo)]
+    ns = build_parser().parse_args([*argv, "--timeout", "60", "--out", str(tmp_path / "out")])  # the real options
     out, err = io.StringIO(), io.StringIO()
     assert run_bench(ns, out=out, err=err) == 0, err.getvalue()
     cells = [[c.strip() for c in line.strip("│").split("│")] for line in out.getvalue().splitlines()]

@@ -79,6 +79,20 @@ def test_errors_name_the_file_and_the_key_all_at_once(tmp_path: Path) -> None:
         parse_config([1, 2], "f")
 
 
+def test_the_fixed_overheads_of_a_move_are_read_and_checked_by_name(tmp_path: Path) -> None:
+    cfg = parse_config({"cost": {"stage_overhead_s": 0.02, "setup_overhead_s": 0.05}}, "f")
+    assert cfg.cost.stage_overhead_s == 0.02 and cfg.cost.setup_overhead_s == 0.05
+    assert cfg.cost.suspend_resume_overhead_s == 0.001  # the default of the key not set
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cost: {stage_overhead_s: -0.01, setup_overhead_s: slow}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    assert err.value.errors == [f"{bad}: cost.setup_overhead_s: Input should be a valid number"]
+    with pytest.raises(ConfigError) as err:
+        parse_config({"cost": {"stage_overhead_s": -0.01}}, "f")
+    assert err.value.errors == ["f: cost: stage_overhead_s must be a finite number >= 0, got -0.01"]
+
+
 def test_the_environment_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     f = tmp_path / "h.yaml"
     f.write_text("policy: {priority_headroom_blocks: {1: 64, 2: 256}}\nintervals: {rebalance_interval_s: 0.1}\n")

@@ -412,3 +412,38 @@ def test_topology_fixture_file_matches(tmp_path: Path) -> None:
     path = tmp_path / "two.yaml"
     path.write_text(yaml.safe_dump(TWO_DOMAINS))
     assert [i.instance_id for i in load_topology(path).instances] == ["a0", "a1", "b0", "b1"]
+
+
+def test_a_timing_line_reads_back_and_a_bad_one_is_named() -> None:
+    from llumlet.migration_types import MigrationOutcome, MigrationReport, StageStats, parse_timing_line
+
+    rep = MigrationReport(
+        MigrationOutcome.COMMITTED,
+        stages=(StageStats(0, False, 19, 0, 0.004, 0.0215), StageStats(1, True, 1, 0, 0.001, 0.006)),
+        total_s=0.09,
+        downtime_s=0.0167,
+        setup_s=0.002,
+        reserve_s=0.0039,
+        presuspend_s=0.008,
+        suspend_wait_s=0.0006,
+        commit_s=0.0122,
+    )
+    line = rep.timing_line()
+    assert line == (
+        "timing_ms setup=2.000 reserve=3.900 stages=21.500 presuspend=8.000 suspend_wait=0.600 last=6.000 "
+        "commit=12.200 downtime=16.700 total=90.000 blocks=19,1"
+    )
+    got = parse_timing_line(f"2026-12-01 llumlet.migration_out INFO a: migrate r@1 -> x:1: committed  (..) {line}")
+    assert got is not None
+    assert (got.setup_s, got.reserve_s, got.presuspend_s) == pytest.approx((0.002, 0.0039, 0.008))
+    assert got.stage_s == pytest.approx((0.0215,))
+    assert (got.suspend_wait_s, got.last_s, got.commit_s) == pytest.approx((0.0006, 0.006, 0.0122))
+    assert (got.downtime_s, got.total_s, got.blocks) == (pytest.approx(0.0167), pytest.approx(0.09), (19, 1))
+    none = MigrationReport(MigrationOutcome.REFUSED).timing_line()
+    assert "stages=- " in none and none.endswith("blocks=-")
+    assert parse_timing_line(none) is not None and parse_timing_line(none).stage_s == ()  # type: ignore[union-attr]
+    assert parse_timing_line("a: migrate r@1 -> x:1: refused") is None
+    with pytest.raises(ValueError, match=r"bad timing_ms line .*'commit'"):
+        parse_timing_line("timing_ms setup=1 reserve=1 stages=- presuspend=1 suspend_wait=1 last=1 downtime=1")
+    with pytest.raises(ValueError, match=r"bad timing_ms line .*fast"):
+        parse_timing_line(line.replace("reserve=3.900", "reserve=fast"))

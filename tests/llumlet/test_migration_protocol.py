@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,14 @@ from hilum_proto.v1 import llumlet_pb2 as pb
 from llumlet.backends import BackendConfig
 from llumlet.engine.protocol import BlockRun
 from llumlet.engine.types import SamplingParams
-from llumlet.migration_types import DestStatus, MigrationCommand, MigrationConfig, MigrationHooks
+from llumlet.migration_types import (
+    TIMING_TAG,
+    DestStatus,
+    MigrationCommand,
+    MigrationConfig,
+    MigrationHooks,
+    parse_timing_line,
+)
 from llumlet.sink import CollectedStream, TokenCollector
 from llumlet.testing import RunningLlumlet, start_llumlet
 from llumlet.transport import BlockStream, GrpcStreamTransport, TransferStats, Transport, TransportError, TransportName
@@ -120,6 +128,41 @@ def test_pre_copy_moves_a_decoding_request_exactly_once() -> None:
         got = await c.exactly_once("r", 150)
         assert got.epoch == 1 and got.owner_address == c.b.address
         await c.baseline()
+
+    run(body)
+
+
+def test_a_committed_move_reports_where_its_time_went(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="llumlet.migration_out")
+
+    async def body(c: Cluster) -> None:
+        await c.submit("r", max_tokens=150, prompt_tokens=300)
+        await c.decoding("r")
+        rep = await c.a.client.migrate_out("r", c.b.address, attempt=1)
+        assert rep.outcome == pb.MIGRATION_COMMITTED, rep.reason
+        pre, last = rep.stage_reports[:-1], rep.stage_reports[-1]
+        assert rep.reserve_s > 0 and rep.commit_s > 0 and rep.setup_s > 0 and rep.presuspend_s > 0
+        assert rep.suspend_wait_s > 0
+        for stage in rep.stage_reports:  # a stage's wall time holds its copy (and, for a live one, more)
+            assert stage.wall_s >= stage.seconds
+        assert pre[0].blocks > 0 and pre[0].wall_s > pre[0].seconds > 0
+        # the phases are consecutive intervals of the move: together at most its total; the downtime holds
+        # the last stage and the Commit round trip
+        assert rep.downtime_s >= last.wall_s + rep.commit_s
+        phases = rep.setup_s + rep.reserve_s + sum(s.wall_s for s in pre) + rep.presuspend_s + rep.suspend_wait_s
+        assert phases + rep.downtime_s <= rep.total_s
+        # the llumlet's log line of the move carries the same figures, in ms (bench/fidelity.py reads them)
+        lines = [r.getMessage() for r in caplog.records if TIMING_TAG in r.getMessage()]
+        assert len(lines) == 1 and ": committed " in lines[0]
+        timing = parse_timing_line(lines[0])
+        assert timing is not None
+        assert timing.reserve_s == pytest.approx(rep.reserve_s, abs=1e-6)
+        assert timing.commit_s == pytest.approx(rep.commit_s, abs=1e-6)
+        assert timing.downtime_s == pytest.approx(rep.downtime_s, abs=1e-6)
+        assert timing.stage_s == pytest.approx(tuple(s.wall_s for s in pre), abs=1e-6)
+        assert timing.last_s == pytest.approx(last.wall_s, abs=1e-6)
+        assert timing.blocks == tuple(s.blocks for s in rep.stage_reports)
+        await c.exactly_once("r", 150)
 
     run(body)
 

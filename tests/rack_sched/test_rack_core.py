@@ -113,6 +113,26 @@ def test_cross_domain_proposal_estimates_remaining_output_and_cools_down() -> No
     assert later.remaining_tokens == 120  # min(490, mean residual (100 + 140) / 2)
 
 
+def test_one_cross_domain_move_of_a_domain_at_a_time() -> None:
+    # the live domain scheduler's loop carries its proposals out one by one; the simulator asks the core the
+    # same, so a round that comes while a move is in flight proposes nothing there either
+    c = core(DomainConfig(settle_s=0.2), a="m", b="m")
+    c.report("a", load("a", 1000, 300, 300, 396))  # both instances sources: the domain is one
+    c.report("b", load("b", 1000, 300, 300, 396))
+    move = c.plan_cross_domain([_summary("e", 900)], now_s=0.0)
+    assert move is not None
+    c.cross_domain_started(move)
+    assert c.migrations_in_flight == 1 and c.is_busy(move.src_instance_id, 0.0)
+    assert c.plan_cross_domain([_summary("e", 900)], now_s=0.6) is None  # the other instance is free, yet none
+    c.cross_domain_done(move, now_s=0.7)
+    assert c.migrations_in_flight == 0
+    again = c.plan_cross_domain([_summary("e", 900)], now_s=0.7)
+    assert again is not None and again.src_instance_id != move.src_instance_id  # the source still settles
+    c.cross_domain_started(again)
+    c.cross_domain_done(again, now_s=0.8)  # refused, committed or aborted: the domain may propose again
+    assert c.plan_cross_domain([_summary("e", 900)], now_s=1.0) is not None
+
+
 def test_no_proposal_without_a_destination_domain_of_the_model() -> None:
     c = core(a="m")
     c.report("a", load("a", 1000, 300, 300, 396))

@@ -93,6 +93,44 @@ def test_a_cross_domain_move_takes_the_time_the_cost_model_predicts() -> None:
         assert load.used_blocks == 0 and load.reserved_blocks == 0
 
 
+def test_the_fixed_overheads_lengthen_a_move_as_the_cost_model_prices_them() -> None:
+    # the same move with the control-plane times a loopback cluster measures (bench/fidelity.py): the setup
+    # before stage 0, each live stage that sends blocks costs stage_overhead_s more, the downtime
+    # suspend_resume_overhead_s
+    moved: dict[float, tuple[float, float, int]] = {}
+    for stage_overhead_s in (0.0, 0.02):
+        cost = CostConfig(stage_overhead_s=stage_overhead_s, suspend_resume_overhead_s=0.03, setup_overhead_s=0.04)
+        rig = Rig(cost)
+        rig.submit("r0", "n0-i0", prompt=1000, output=3000)
+        rig.run_until(lambda r=rig: r.cluster.requests["r0"].generated_tokens >= 50)
+        src = rig.cluster.instances["n0-i0"]
+        tokens, _blocks = src.engine.request_kv("r0") or (0, 0)
+        model = rig.topo.model_of("n0-i0")
+        plan = plan_migration(
+            MigrationCostInput(tokens, model.kv_bytes_per_token, model.block_size_tokens, src.last_step_s, 25e9),
+            cost,
+        )
+        assert rig.executor.start("r0", "n0-i0", "n1-i0")
+        rig.run_until(lambda r=rig: bool(r.executor.records))
+        (record,) = rig.executor.records
+        assert record.outcome == "committed" and record.stages == plan.num_stages
+        live_sending = sum(1 for b in plan.stage_bytes[:-1] if b > 0)
+        assert live_sending >= 2
+        assert plan.transfer_s == pytest.approx(
+            plan.total_bytes / 5e9 + live_sending * stage_overhead_s, rel=1e-9
+        )  # 20% of the 25 GB/s NIC
+        assert record.end_s - record.start_s == pytest.approx(plan.completion_s, abs=1.5 * src.last_step_s)
+        assert record.end_s - record.start_s > 0.04 + plan.transfer_s  # the setup, then the stages
+        assert record.downtime_s == pytest.approx(plan.downtime_s, rel=0.05, abs=1e-4)
+        assert record.downtime_s >= 0.03
+        # the pre-copy rate a move reports includes the stages' round trips, as a llumlet's does
+        live_s = sum(plan.stage_s[:-1])
+        assert record.precopy_bandwidth_bytes_per_s == pytest.approx(sum(plan.stage_bytes[:-1]) / live_s, rel=0.05)
+        moved[stage_overhead_s] = (record.end_s - record.start_s, record.downtime_s, live_sending)
+    (fast_s, _, _), (slow_s, _, stages) = moved[0.0], moved[0.02]
+    assert slow_s - fast_s == pytest.approx(stages * 0.02, abs=1.5 * 0.03)
+
+
 def test_pre_copy_downtime_does_not_grow_with_the_context() -> None:
     downtimes = []
     for prompt in (256, 3000):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -80,6 +81,52 @@ def test_three_live_stages_by_hand() -> None:
     capped = plan_migration(MigrationCostInput(160, 1000, 16, 0.02, 160_000), CostConfig(1.0, 2, 1, 0.0))
     assert capped.stage_bytes == (160_000, 48_000, 32_000)
     assert capped.downtime_s == pytest.approx(0.2)
+
+
+def test_each_live_stage_that_sends_blocks_costs_the_stage_overhead() -> None:
+    # The three-stage case above with a 0.1 s round trip per live stage: stage 0, 10 blocks, 1.0 + 0.1 s ->
+    # 160 + 55 = 215 tokens (13 full + 1 partial, 4 left). Stage 1: 3 blocks, 0.4 s (T=1.5) -> 235 tokens,
+    # 2 left. Stage 2: 1 block, 0.2 s (T=1.7) -> 245 tokens (15 full), 2 left. Stage 3: 1 block, 0.2 s
+    # (T=1.9) -> 255 tokens, 1 left -> suspend. Last stage: 1 block, 0.1 s, plus the 5 ms overhead (the
+    # stage overhead is not charged there: suspend_resume_overhead_s is that stage's fixed time).
+    cfg = CostConfig(cap_fraction=1.0, stop_remaining_blocks=1, suspend_resume_overhead_s=0.005, stage_overhead_s=0.1)
+    plan = plan_migration(MigrationCostInput(160, 1000, 16, 0.02, 160_000), cfg)
+    assert plan.stage_bytes == (160_000, 48_000, 16_000, 16_000, 16_000)
+    assert plan.stage_s == pytest.approx((1.1, 0.4, 0.2, 0.2, 0.1))
+    assert plan.transfer_s == pytest.approx(2.0)
+    assert plan.downtime_s == pytest.approx(0.105)
+    assert plan.completion_s == pytest.approx(2.005)
+    # a live stage with nothing to send (fewer tokens than a block) makes no round trip
+    short = plan_migration(MigrationCostInput(10, 1000, 16, 0.02, 160_000), cfg)
+    assert short.stage_bytes == (0, 16_000)
+    assert short.stage_s == pytest.approx((0.0, 0.1))
+    assert short.downtime_s == pytest.approx(0.105)
+    assert cfg.live_stage_overhead_s(0) == 0.0 and cfg.live_stage_overhead_s(3) == 0.1
+    with pytest.raises(ValueError, match=r"stage_overhead_s must be a finite number >= 0, got -0\.001"):
+        CostConfig(stage_overhead_s=-0.001)
+    with pytest.raises(ValueError, match="stage_overhead_s must be a finite number >= 0, got inf"):
+        CostConfig(stage_overhead_s=math.inf)
+
+
+def test_the_setup_overhead_comes_before_stage_0_while_the_request_decodes() -> None:
+    # The three-stage case with 50 ms of setup: stage 0 starts at T=0.05 with 162 tokens (still 10 full
+    # blocks), 1.0 s (T=1.05, 212 tokens, 4 left); stage 1: 3 blocks (T=1.35, 227 tokens, 2 left); stage 2:
+    # 1 block (T=1.45, 232 tokens, 1 left) -> suspend. The transfer is the stages alone; the completion adds
+    # the setup; the downtime is unchanged.
+    cfg = CostConfig(cap_fraction=1.0, stop_remaining_blocks=1, suspend_resume_overhead_s=0.005, setup_overhead_s=0.05)
+    plan = plan_migration(MigrationCostInput(160, 1000, 16, 0.02, 160_000), cfg)
+    assert plan.stage_bytes == (160_000, 48_000, 16_000, 16_000)
+    assert plan.transfer_s == pytest.approx(1.5)
+    assert plan.downtime_s == pytest.approx(0.105)
+    assert plan.completion_s == pytest.approx(1.555)
+    # a blocking copy copies what the request decoded during the setup too: 160 + 50 tokens = 14 blocks,
+    # 224,000 B at 0.5 MB/s = 0.448 s + 5 ms (no live stage: no stage overhead)
+    blocking = plan_migration(MigrationCostInput(160, 1000, 16, 0.001, 500_000), replace(cfg, stage_overhead_s=9.0))
+    assert blocking.mode == "blocking" and blocking.stage_bytes == (224_000,)
+    assert blocking.downtime_s == pytest.approx(0.453)
+    assert blocking.completion_s == pytest.approx(0.503)
+    with pytest.raises(ValueError, match=r"setup_overhead_s must be a finite number >= 0, got -1\.0"):
+        CostConfig(setup_overhead_s=-1.0)
 
 
 def test_no_convergence_prices_a_blocking_copy() -> None:
