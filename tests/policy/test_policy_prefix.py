@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from policy_factories import CFG, inst
@@ -23,7 +24,7 @@ from policy import (
 
 H = 32  # tokens per hash block
 BS = 16  # tokens per KV block
-PREFIX = dict(prefix_block_tokens=H, block_size_tokens=BS)
+PREFIX: dict[str, Any] = {"prefix_block_tokens": H, "block_size_tokens": BS}
 
 
 def holding(load: InstanceLoad, *hashes: int) -> InstanceLoad:
@@ -105,7 +106,7 @@ def test_a_burst_with_one_prefix_lands_together_until_the_margin() -> None:
     loads = [inst("a", 100, [5, 5, 5, 5]), inst("b", 100, [5, 5, 5, 5])]
     v = view(*loads)
     hashes = (7, 8, 9, 10, 11)
-    picks = [v.pick(10, prefix_hashes=hashes, **PREFIX).target_id for _ in range(6)]
+    picks = [str(v.pick(10, prefix_hashes=hashes, **PREFIX).target_id) for _ in range(6)]
     x, y = picks[0], {"a": "b", "b": "a"}[picks[0]]
     assert picks == [x] * 5 + [y]
     assert v.freeness(x) == pytest.approx(66 / 9)
