@@ -244,6 +244,8 @@ class EngineLoad:
     preempting: bool = False  # a preemption happened in the last step or a preempted request still waits
     num_suspended: int = 0  # requests suspended for migration (their blocks are in used_blocks)
     max_num_seqs: int = 0  # batch slots: requests per step at most (0 = not known)
+    prefix_hashes: frozenset[int] = frozenset()  # hash ids of its prefix-cache entries (used or evictable)
+    prefix_block_tokens: int = 0  # tokens per hash block of those (0 = no prefix cache, or nothing cached yet)
 
     @property
     def free_blocks(self) -> int:
@@ -275,6 +277,8 @@ class EngineLoad:
             queued_demand_blocks=self.queued_demand_blocks,
             preempting=self.preempting,
             max_num_seqs=self.max_num_seqs,
+            prefix_hashes=self.prefix_hashes,
+            prefix_block_tokens=self.prefix_block_tokens,
         )
 
 
@@ -301,6 +305,8 @@ def instance_load_of(
     queued_demand_blocks: int,
     preempting: bool,
     max_num_seqs: int = 0,
+    prefix_hashes: frozenset[int] = frozenset(),
+    prefix_block_tokens: int = 0,
 ) -> InstanceLoad:
     """An engine's load as the policy layer's ``InstanceLoad`` (the fields as in :class:`EngineLoad`).
 
@@ -334,6 +340,8 @@ def instance_load_of(
         domain_id=domain_id,
         decode_step_s=decode_step_s,
         max_num_seqs=max_num_seqs,
+        prefix_hashes=prefix_hashes,
+        prefix_block_tokens=prefix_block_tokens if prefix_hashes else 0,
     )
 
 
