@@ -371,7 +371,7 @@ class BlockManager:
         the rest. Surplus reserved blocks go back to the free list; missing ones (the request grew) are taken
         from the pool. Returns the request's block table, or None when the growth does not fit (nothing changes, the
         reservation stays). Raises KeyError for an unknown reservation, ValueError if the request already
-        holds blocks here.
+        holds blocks here or ``num_tokens`` is less than its adopted prefix.
         """
         if reservation_id not in self._reservations:
             raise KeyError(f"commit: unknown reservation {reservation_id!r} (released or never made)")
@@ -381,6 +381,11 @@ class BlockManager:
         adopted = self._reserved_prefix.get(reservation_id, [])
         shared_blocks = sum(len(self._entries[h].blocks) for h in adopted)
         need = self.blocks_for_tokens(num_tokens) - shared_blocks
+        if need < 0:
+            raise ValueError(
+                f"commit({reservation_id!r}): {num_tokens} tokens are fewer than the {shared_blocks} prefix blocks "
+                "it adopted hold"
+            )
         extra: list[int] = []
         if need > len(held):
             got = self._take(need - len(held))
@@ -554,8 +559,8 @@ class BlockManager:
             held = len(t.private) + sum(len(self._entries[h].blocks) for h in t.shared)
             assert t.num_blocks == held, f"{rid}: block count {t.num_blocks} != {held} held"
         refs: dict[int, int] = {}
-        for t in self._tables.values():
-            for h in t.shared:
+        for holder in [*(t.shared for t in self._tables.values()), *self._reserved_prefix.values()]:
+            for h in holder:
                 refs[h] = refs.get(h, 0) + 1
         for h, e in self._entries.items():
             assert e.refs == refs.get(h, 0), f"entry {h}: refs {e.refs} != holders {refs.get(h, 0)}"
