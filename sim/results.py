@@ -25,6 +25,7 @@ import json
 import math
 import tempfile
 import weakref
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ __all__ = [
     "SimRun",
     "StoredRun",
     "SweepRow",
+    "busiest_dispatch_share",
     "json_default",
     "load_results",
     "percentile",
@@ -478,6 +480,17 @@ def summarize(run: SimRun) -> PolicySummary:
         scale_ins=sum(1 for e in run.scale_events if e.action == "scale-in" and e.ok),
         prefix_hit_rate=_hit_rate(t),
     )
+
+
+def busiest_dispatch_share(requests: Iterable[RequestRecord], num_instances: int) -> float | None:
+    """Requests dispatch placed on the busiest instance over its fair share (placed requests / ``num_instances``):
+    1.0 is a perfectly even spread; None when no request was placed. Raises ValueError for ``num_instances`` < 1."""
+    if num_instances < 1:
+        raise ValueError(f"busiest_dispatch_share: num_instances = {num_instances}, need >= 1")
+    counts = Counter(r.dispatched_instance_id for r in requests if r.dispatched_instance_id)
+    if not counts:
+        return None
+    return max(counts.values()) / (sum(counts.values()) / num_instances)
 
 
 def _hit_rate(t: RequestTotals) -> float | None:
