@@ -100,6 +100,7 @@ class PagedEngine:
                     req.max_tokens,
                     max_blocks,
                     "",
+                    req.prefix_block_hashes,
                 )
             )
         return rows

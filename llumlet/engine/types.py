@@ -227,6 +227,7 @@ class RunningRequestLoad:
     max_tokens: int = 0  # its output limit (0 = not known)
     max_blocks: int = 0  # KV blocks it may grow to: prompt + max_tokens - 1 tokens (0 = not known)
     unmigratable_reason: str = ""  # why the engine cannot move it faithfully even in decode; "" = it can
+    prefix_hashes: tuple[int, ...] = ()  # hash ids of its prompt's prefix blocks (EngineRequest.prefix_block_hashes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,7 +283,7 @@ class EngineLoad:
         )
 
 
-RunningRow = tuple[str, int, int, int, bool, int, int, int, str]
+RunningRow = tuple[str, int, int, int, bool, int, int, int, str, tuple[int, ...]]
 """One running request as the load report sees it: the fields of :class:`RunningRequestLoad`, in its order
 (``RunningRequestLoad(*row)`` is the request's entry; an engine builds rows where it would build many)."""
 
@@ -320,8 +321,10 @@ def instance_load_of(
 
     requests = tuple(
         [
-            trusted_request_load(rid, blocks, prio, tokens, in_decode and not why, out, max_tokens, max_blocks)
-            for rid, blocks, prio, tokens, in_decode, out, max_tokens, max_blocks, why in running
+            trusted_request_load(
+                rid, blocks, prio, tokens, in_decode and not why, out, max_tokens, max_blocks, prefix_hashes=hashes
+            )
+            for rid, blocks, prio, tokens, in_decode, out, max_tokens, max_blocks, why, hashes in running
         ]
     )
     return trusted_instance_load(
