@@ -387,6 +387,7 @@ def run_simulation(
         "truncated_requests": truncated,
         "derived_latency_models": derived,
         "initial_instances": len(serving),
+        "prefix_aware_dispatch": config.policy.prefix_aware_dispatch,  # the file's, or the option's override
     }
     if autoscaler is not None:
         run_config["autoscale"] = dataclasses.asdict(autoscaler.rule)
