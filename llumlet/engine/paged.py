@@ -73,6 +73,8 @@ class PagedEngine:
             preempting=preempting,
             num_suspended=len(self._suspended),
             max_num_seqs=self.scheduler.max_num_seqs,
+            prefix_hashes=self.blocks.prefix_hashes,
+            prefix_block_tokens=self.blocks.prefix_block_tokens,
         )
 
     def _running_rows(self) -> list[RunningRow]:
@@ -98,6 +100,7 @@ class PagedEngine:
                     req.max_tokens,
                     max_blocks,
                     "",
+                    req.prefix_block_hashes,
                 )
             )
         return rows
