@@ -26,7 +26,7 @@ max_tokens, what it may grow to; 0 = only the demand is known):
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from policy.domain import DomainSummary
@@ -113,6 +113,9 @@ class _View:
         need_blocks: int = 0,
         exclude: Collection[str] = (),
         only_if_room: bool = False,
+        prefix_hashes: Sequence[int] = (),
+        prefix_block_tokens: int = 0,
+        block_size_tokens: int = 0,
     ) -> DispatchDecision:
         """Choose a target for a request and reserve it there.
 
@@ -125,6 +128,11 @@ class _View:
                 that many on one instance. 0: not known, only the demand counts.
             exclude: targets not to choose this time (tried already); their state is kept.
             only_if_room: refuse (``full=True``) rather than queue when no capable target has room now.
+            prefix_hashes: hash ids of the prompt's prefix blocks an engine may reuse, in order (the full hash
+                blocks before the prompt's last token: vLLM always computes that one).
+            prefix_block_tokens: tokens each hash covers (a multiple of ``block_size_tokens``).
+            block_size_tokens: tokens per KV block of the targets (``demand_blocks``' unit); with
+                ``prefix_block_tokens`` it gives the blocks one hash stands for. 0 (either): no prefix.
 
         Returns target_id None, with the reason, only when no target (not excluded) can ever hold the
         request. Raises ValueError if demand_blocks or need_blocks < 0.

@@ -70,8 +70,14 @@ class DomainRequest:
     max_tokens: int
     priority: int = 0
     only_if_room: bool = False  # refuse (``full``) rather than queue when no instance has room now
+    # hash ids of its prompt's prefix blocks, in order (InstanceLoad.prefix_hashes' ids); each covers
+    # prefix_block_tokens tokens (0 = no prefix information)
+    prefix_hashes: tuple[int, ...] = ()
+    prefix_block_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.prefix_hashes and self.prefix_block_tokens < 1:
+            raise ValueError(f"request {self.request_id!r}: prefix_hashes given but prefix_block_tokens < 1")
         if not self.request_id or self.prompt_tokens < 0 or self.max_tokens < 1 or self.priority < 0:
             raise ValueError(
                 f"request {self.request_id!r}: need a request id, prompt_tokens >= 0, max_tokens >= 1 and "
@@ -81,6 +87,15 @@ class DomainRequest:
     def demand_blocks(self, block_size_tokens: int) -> int:
         """KV blocks it needs to start: prompt plus the first output token, ``ceil((p + 1) / b)``."""
         return math.ceil((self.prompt_tokens + 1) / block_size_tokens)
+
+    def reusable_prefix_hashes(self) -> tuple[int, ...]:
+        """The hashes of its prefix an engine may reuse: the hash blocks that end before the prompt's last token
+        (vLLM computes that token whatever the cache holds; ``BlockManager.match_prefix`` matches up to
+        ``prompt_tokens − 1`` tokens)."""
+        if not self.prefix_hashes:
+            return ()
+        usable = max(0, self.prompt_tokens - 1) // self.prefix_block_tokens
+        return self.prefix_hashes if usable >= len(self.prefix_hashes) else self.prefix_hashes[:usable]
 
     def need_blocks(self, block_size_tokens: int) -> int:
         """KV blocks it may grow to: ``ceil((p + max_tokens − 1) / b)`` (what an engine checks at admission)."""
@@ -348,6 +363,9 @@ class DomainCore:
             need_blocks=request.need_blocks(block_size),
             exclude=excluded,
             only_if_room=request.only_if_room,
+            prefix_hashes=request.reusable_prefix_hashes(),
+            prefix_block_tokens=request.prefix_block_tokens,
+            block_size_tokens=block_size,
         )
 
     def _spread_evenly(
