@@ -201,8 +201,10 @@ class EngineCore(PagedEngine):
             run = self._run_ahead(steps_ahead)
             grown = blocks.decode_new_blocks_each(run.request_ids, steps_ahead)
             rows = [  # every request of the run is in decode: one more token a step
-                (rid, n + g, prio, tokens + steps_ahead, True, out + steps_ahead, max_tokens, max_blocks, why)
-                for (rid, n, prio, tokens, _, out, max_tokens, max_blocks, why), g in zip(rows, grown, strict=True)
+                (rid, n + g, prio, tokens + steps_ahead, True, out + steps_ahead, max_tokens, max_blocks, why, hashes)
+                for (rid, n, prio, tokens, _, out, max_tokens, max_blocks, why, hashes), g in zip(
+                    rows, grown, strict=True
+                )
             ]
             used += sum(grown)
         return instance_load_of(

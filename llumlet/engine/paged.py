@@ -73,6 +73,8 @@ class PagedEngine:
             preempting=preempting,
             num_suspended=len(self._suspended),
             max_num_seqs=self.scheduler.max_num_seqs,
+            prefix_hit_tokens=self.blocks.prefix_hit_tokens_total,
+            prefix_query_tokens=self.blocks.prefix_queries_tokens_total,
         )
 
     def _running_rows(self) -> list[RunningRow]:
@@ -98,6 +100,7 @@ class PagedEngine:
                     req.max_tokens,
                     max_blocks,
                     "",
+                    req.prefix_block_hashes,
                 )
             )
         return rows
@@ -171,12 +174,26 @@ class PagedEngine:
         without the engine lock: it may only read the KV pool."""
         raise NotImplementedError
 
-    def adopt_cached_prefix(self, reservation_id: str, prompt_token_ids: Sequence[int]) -> int:
-        """0: these engines match their prefix cache by the trace's hash ids, not by content (every block of a
-        moved request is sent). Raises KeyError for an unknown reservation."""
+    def adopt_cached_prefix(
+        self,
+        reservation_id: str,
+        prompt_token_ids: Sequence[int],
+        prefix_block_hashes: Sequence[int] = (),
+        prefix_hash_block_tokens: int = 0,
+    ) -> int:
+        """The cached prefix entries of the request's leading ``prefix_block_hashes`` become the reservation's
+        first positions (``BlockManager.adopt_prefix``); returns how many blocks (0 without prefix caching:
+        the CPU reference engine, whose every moved block is then sent). Raises KeyError for an unknown
+        reservation, ValueError for a hash block that is not a multiple of the block size."""
         if self.blocks.reservation_size(reservation_id) is None:
             raise KeyError(f"{self.instance_id}: adopt_cached_prefix: unknown reservation {reservation_id!r}")
-        return 0
+        if not self.blocks.enable_prefix_caching or not prefix_block_hashes:
+            return 0
+        self._changing()
+        n = self.blocks.adopt_prefix(reservation_id, prefix_block_hashes, prefix_hash_block_tokens)
+        if n:
+            self._changed()
+        return n
 
     def grow_reservation(self, reservation_id: str, n_blocks: int) -> bool:
         """Destination side: make the reservation hold at least ``n_blocks`` (grow-only).

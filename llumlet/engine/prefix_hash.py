@@ -23,7 +23,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["PrefixCacheConfig", "prefix_block_hashes"]
+__all__ = ["PREFIX_CACHE_DEFAULTS", "PrefixCacheConfig", "prefix_block_hashes"]
 
 _MAX_TOKEN_ID = 2**32 - 1  # token ids travel as uint32 (llumlet.proto)
 _ROOT = b"hilum-prefix-v1"  # the "parent" of block 0 (vLLM: NONE_HASH); versioned with the encoding
@@ -95,3 +95,7 @@ class PrefixCacheConfig:
     def block_tokens(self, block_size_tokens: int) -> int:
         """Tokens one prefix hash covers for a model with KV blocks of ``block_size_tokens`` tokens."""
         return self.blocks_per_hash * block_size_tokens
+
+
+#: The defaults (a shared immutable value for argument defaults).
+PREFIX_CACHE_DEFAULTS = PrefixCacheConfig()

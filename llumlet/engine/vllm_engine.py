@@ -824,10 +824,17 @@ class VllmEngine:
         self._reservations[reservation_id] = _Reservation(blocks)
         return True
 
-    def adopt_cached_prefix(self, reservation_id: str, prompt_token_ids: Sequence[int]) -> int:
+    def adopt_cached_prefix(
+        self,
+        reservation_id: str,
+        prompt_token_ids: Sequence[int],
+        prefix_block_hashes: Sequence[int] = (),
+        prefix_hash_block_tokens: int = 0,
+    ) -> int:
         """The leading full blocks of the prompt this engine's prefix cache holds become the reservation's
         first positions (referenced, never written; as many fresh blocks go back to the pool); returns how
-        many. 0 with prefix caching off. Raises KeyError for an unknown reservation."""
+        many. Matched by content with vLLM's own block hashes (hilum's ``prefix_block_hashes`` are not
+        needed). 0 with prefix caching off. Raises KeyError for an unknown reservation."""
         res = self._reservations.get(reservation_id)
         if res is None:
             raise KeyError(f"{self.instance_id}: adopt_cached_prefix: unknown reservation {reservation_id!r}")
