@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from global_coord.approver import MoveProposal
-from policy.dispatch import DispatchDecision, DispatchView
+from policy.dispatch import DispatchDecision, DispatchView, reusable_prefix_hashes
 from policy.domain import DomainSummary, summarize_domain
 from policy.migration import MigrationDecision, plan_migrations
 from policy.remaining import RemainingConfig, RemainingEstimator
@@ -87,15 +87,6 @@ class DomainRequest:
     def demand_blocks(self, block_size_tokens: int) -> int:
         """KV blocks it needs to start: prompt plus the first output token, ``ceil((p + 1) / b)``."""
         return math.ceil((self.prompt_tokens + 1) / block_size_tokens)
-
-    def reusable_prefix_hashes(self) -> tuple[int, ...]:
-        """The hashes of its prefix an engine may reuse: the hash blocks that end before the prompt's last token
-        (vLLM computes that token whatever the cache holds; ``BlockManager.match_prefix`` matches up to
-        ``prompt_tokens − 1`` tokens)."""
-        if not self.prefix_hashes:
-            return ()
-        usable = max(0, self.prompt_tokens - 1) // self.prefix_block_tokens
-        return self.prefix_hashes if usable >= len(self.prefix_hashes) else self.prefix_hashes[:usable]
 
     def need_blocks(self, block_size_tokens: int) -> int:
         """KV blocks it may grow to: ``ceil((p + max_tokens − 1) / b)`` (what an engine checks at admission)."""
@@ -363,7 +354,9 @@ class DomainCore:
             need_blocks=request.need_blocks(block_size),
             exclude=excluded,
             only_if_room=request.only_if_room,
-            prefix_hashes=request.reusable_prefix_hashes(),
+            prefix_hashes=reusable_prefix_hashes(
+                request.prefix_hashes, request.prefix_block_tokens, request.prompt_tokens
+            ),
             prefix_block_tokens=request.prefix_block_tokens,
             block_size_tokens=block_size,
         )

@@ -212,6 +212,7 @@ class MigrationExecutor:
             return
         move.src.engine.free_migrated(move.request_id)
         state = self.cluster.requests[move.request_id]
+        self.cluster.count_prefix_hits(state, move.src)
         state.instance_id = move.dst.instance_id
         state.migrations += 1
         self._finish(move, "committed", move.why)

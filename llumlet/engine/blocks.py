@@ -73,6 +73,8 @@ class BlockManager:
         self._used_private = 0
         self._used_shared = 0
         self._cached = 0
+        self._prefix_hashes: frozenset[int] | None = frozenset()  # ids of _entries; None: rebuild on next read
+        self.prefix_block_tokens = 0  # tokens per hash block of the entries (the last published; 0 = none yet)
         self.prefix_hit_tokens_total = 0  # prompt tokens reused from the cache since creation
         self.prefix_queries_tokens_total = 0  # prompt tokens looked up (for a hit rate)
 
@@ -139,6 +141,7 @@ class BlockManager:
         while len(self._free) < n:
             h, _ = self._lru.popitem(last=False)
             entry = self._entries.pop(h)
+            self._prefix_hashes = None
             self._cached -= len(entry.blocks)
             self._free.extend(entry.blocks)
         return [self._free.pop() for _ in range(n)]
@@ -410,6 +413,15 @@ class BlockManager:
         return len(blocks) + self._unref(self._reserved_prefix.pop(reservation_id, ()))
 
     # ---- prefix cache -------------------------------------------------------------------------------
+    @property
+    def prefix_hashes(self) -> frozenset[int]:
+        """Hash ids of every prefix-cache entry, referenced or evictable (what a load report lists). The same
+        frozenset until an entry is inserted or evicted: rebuilt only then, and on its first read after."""
+        held = self._prefix_hashes
+        if held is None:
+            held = self._prefix_hashes = frozenset(self._entries)
+        return held
+
     def _blocks_per_hash(self, hash_block_tokens: int) -> int:
         if hash_block_tokens < 1 or hash_block_tokens % self.block_size_tokens:
             raise ValueError(
@@ -506,6 +518,8 @@ class BlockManager:
             blocks = tuple(t.private[:per])
             del t.private[:per]
             self._entries[h] = _Entry(blocks=blocks, refs=1)
+            self._prefix_hashes = None
+            self.prefix_block_tokens = hash_block_tokens
             self._used_private -= per
             self._used_shared += per
             t.shared.append(h)

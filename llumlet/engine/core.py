@@ -222,6 +222,8 @@ class EngineCore(PagedEngine):
             queued_demand_blocks=queued_demand,
             preempting=preempting,
             max_num_seqs=self.scheduler.max_num_seqs,
+            prefix_hashes=blocks.prefix_hashes,
+            prefix_block_tokens=blocks.prefix_block_tokens,
         )
 
     def _run_ahead(self, steps_ahead: int) -> DecodeRun:
@@ -243,6 +245,7 @@ class EngineCore(PagedEngine):
         if steps_ahead:
             used += blocks.decode_rounds_new_blocks(self._run_ahead(steps_ahead).request_ids, steps_ahead)
         running = self.scheduler.running
+        held = blocks.prefix_hashes
         return trusted_instance_load(
             instance_id=instance_id,
             capacity_blocks=blocks.num_blocks,
@@ -260,6 +263,8 @@ class EngineCore(PagedEngine):
             priority_counts=priority_counts_of([s.request.priority for s in running]),
             brief=True,
             max_num_seqs=self.scheduler.max_num_seqs,
+            prefix_hashes=held,
+            prefix_block_tokens=blocks.prefix_block_tokens if held else 0,
         )
 
     def _changing(self) -> None:

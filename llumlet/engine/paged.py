@@ -73,6 +73,8 @@ class PagedEngine:
             preempting=preempting,
             num_suspended=len(self._suspended),
             max_num_seqs=self.scheduler.max_num_seqs,
+            prefix_hashes=self.blocks.prefix_hashes,
+            prefix_block_tokens=self.blocks.prefix_block_tokens,
             prefix_hit_tokens=self.blocks.prefix_hit_tokens_total,
             prefix_query_tokens=self.blocks.prefix_queries_tokens_total,
         )

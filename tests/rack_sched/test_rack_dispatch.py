@@ -153,6 +153,7 @@ def test_summary_is_published_at_the_rate_limit(etcd: Any, prefix: str) -> None:
                     "capacity_blocks": 1000,
                     "decode_step_s": 0.0,
                     "max_num_seqs": 0,
+                    "prefix_hashes": [],  # the fakes hold no prefix cache
                 }
                 assert summary["instances"] == [
                     {**brief, "instance_id": "a", "num_running": 50, "free_blocks": 950, "virtual_usage": 50.0},

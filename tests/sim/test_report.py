@@ -40,6 +40,7 @@ SUMMARY = PolicySummary(
     gpu_hours=2.345,
     scale_outs=3,
     scale_ins=2,
+    prefix_hit_rate=0.4321,
 )
 
 
@@ -71,6 +72,7 @@ def test_format_table_row_has_the_right_numbers() -> None:
         "-",  # no high-priority requests
         "17",
         "4.3",
+        "43.2",  # prefix hit %
         "40",
         "5",
         "2",
@@ -90,7 +92,7 @@ def test_render_table_one_row_per_policy() -> None:
     other = dataclasses.replace(SUMMARY, policy="round_robin")
     table = render_table([SUMMARY, other], title="t")
     assert table.row_count == 2
-    assert len(table.columns) == 25
+    assert len(table.columns) == 26
 
 
 def test_baseline_ratio_column() -> None:
