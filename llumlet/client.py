@@ -54,8 +54,11 @@ class LlumletClient:
         prompt_token_ids: Sequence[int] = (),
         prompt_tokens: int = 0,
         priority: int = 0,
+        prefix_block_hashes: Sequence[int] = (),
+        prefix_hash_block_tokens: int = 0,
     ) -> pb.SubmitReply:
-        """Submit a request whose tokens go to the TokenSink at ``origin``."""
+        """Submit a request whose tokens go to the TokenSink at ``origin``; ``prefix_block_hashes`` (each of
+        ``prefix_hash_block_tokens`` tokens) name its prompt's prefix blocks for the engine's prefix cache."""
         msg = pb.SubmitRequest(
             request_id=request_id,
             prompt_tokens=prompt_tokens,
@@ -63,6 +66,8 @@ class LlumletClient:
             sampling=sampling_to_pb(sampling),
             priority=priority,
             origin=origin,
+            prefix_block_hashes=prefix_block_hashes,
+            prefix_hash_block_tokens=prefix_hash_block_tokens,
         )
         return await self.stub.Submit(msg, timeout=self.timeout_s)
 

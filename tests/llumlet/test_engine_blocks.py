@@ -72,6 +72,44 @@ def test_prefix_cache_share_publish_evict() -> None:
     bm.check_invariants()
 
 
+def test_a_reservation_adopts_the_cached_prefix_and_gives_back_as_many_fresh_blocks() -> None:
+    bm = BlockManager(num_blocks=12, block_size_tokens=4, enable_prefix_caching=True)
+    hashes = (11, 22, 33)  # hash blocks of 8 tokens = 2 engine blocks each
+    assert bm.allocate_slots("a", 24) is not None
+    assert bm.publish_prefix("a", hashes, 8, num_computed_tokens=20) == 2  # 11, 22 cached; 33 not
+    cached = bm.block_table("a")[:4]
+    bm.free("a")
+    assert (bm.cached_blocks, bm.free_blocks) == (4, 8)
+    assert bm.reserve("m", 6)
+    assert (bm.reserved_blocks, bm.free_blocks) == (6, 2)
+    assert bm.adopt_prefix("m", hashes, 8) == 4  # 11 and 22; the chain stops at 33
+    assert bm.adopt_prefix("m", hashes, 8) == 0  # once
+    assert (bm.reserved_blocks, bm.free_blocks, bm.cached_blocks, bm.used_blocks) == (2, 6, 0, 4)
+    assert bm.reservation_size("m") == 6 and bm.reserved_for("m") == 6
+    positions = bm.reservation_blocks("m")
+    assert positions is not None and positions[:4] == cached and len(positions) == 6
+    bm.check_invariants()
+    assert bm.grow_reservation("m", 7) and bm.reservation_size("m") == 7 and bm.reserved_blocks == 3
+    table = bm.commit("m", "moved", 26)  # 7 blocks of 4 tokens
+    assert table is not None and table[:4] == cached and len(table) == 7
+    assert bm.match_prefix("c", hashes, 8, max_hit_tokens=23).hit_blocks == 4  # still shared
+    bm.check_invariants()
+    bm.free("moved")
+    bm.free("c")
+    assert bm.cached_blocks == 4 and bm.used_blocks == 0
+    # a released reservation gives its adopted entries back to the cache
+    assert bm.reserve("n", 4) and bm.adopt_prefix("n", hashes, 8) == 4
+    assert bm.cached_blocks == 0
+    assert bm.release("n") == 4 and bm.cached_blocks == 4 and bm.reserved_blocks == 0
+    bm.check_invariants()
+    # at most as many blocks as it holds; nothing without prefix caching
+    assert bm.reserve("o", 3) and bm.adopt_prefix("o", hashes, 8) == 2
+    plain = BlockManager(num_blocks=4, block_size_tokens=4)
+    assert plain.reserve("p", 2) and plain.adopt_prefix("p", hashes, 8) == 0
+    with pytest.raises(KeyError, match="unknown reservation"):
+        bm.adopt_prefix("nope", hashes, 8)
+
+
 def test_prefix_hash_block_must_be_multiple_of_block_size() -> None:
     bm = BlockManager(num_blocks=8, block_size_tokens=16, enable_prefix_caching=True)
     with pytest.raises(ValueError, match="multiple"):
@@ -121,6 +159,13 @@ class BlockMachine(RuleBasedStateMachine):
     def reserve(self, res: str, n: int) -> None:
         self.bm.reserve(res, n)
 
+    @rule(res=res_ids, depth=st.integers(1, 3))
+    def adopt(self, res: str, depth: int) -> None:
+        if self.bm.reservation_size(res) is not None:
+            before = self.bm.reservation_size(res)
+            self.bm.adopt_prefix(res, (1, 2, 3)[:depth], 8)
+            assert self.bm.reservation_size(res) == before
+
     @rule(res=res_ids)
     def release(self, res: str) -> None:
         self.bm.release(res)
@@ -134,6 +179,8 @@ class BlockMachine(RuleBasedStateMachine):
             table = self.bm.commit(res, rid, n)
         except KeyError:  # not reserved (or already committed / released)
             return
+        except ValueError:  # fewer tokens than the prefix it adopted
+            return
         if table is not None:
             self.tokens[rid] = n
 
@@ -141,7 +188,9 @@ class BlockMachine(RuleBasedStateMachine):
     def accounting(self) -> None:
         self.bm.check_invariants()
         held = sum(self.bm.num_blocks_of(r) for r in self.tokens)
-        assert held >= self.bm.used_blocks  # shared blocks count once in used, per holder in held
+        # prefix blocks a reservation adopted are used too: its positions beyond the fresh (reserved) blocks
+        adopted = sum(self.bm.reservation_size(r) or 0 for r in ("m0", "m1", "m2")) - self.bm.reserved_blocks
+        assert held + adopted >= self.bm.used_blocks  # shared blocks count once in used, per holder in held
 
 
 TestBlockMachine = BlockMachine.TestCase
