@@ -38,6 +38,7 @@ from hilum_proto.tls import open_channel
 from hilum_proto.v1 import llumlet_pb2
 from hilum_proto.v1 import rack_sched_pb2 as rpb
 from hilum_proto.v1 import rack_sched_pb2_grpc as rpb_grpc
+from policy.dispatch import reusable_prefix_hashes
 from policy.types import PolicyConfig
 
 __all__ = [
@@ -207,7 +208,11 @@ class DomainRouter:
             demand_blocks,
             need_blocks,
             msg.priority,
-            prefix_hashes=tuple(msg.prefix_block_hashes) if block_size_tokens else (),
+            prefix_hashes=reusable_prefix_hashes(
+                tuple(msg.prefix_block_hashes), msg.prefix_hash_block_tokens, len(msg.prompt_token_ids)
+            )
+            if block_size_tokens
+            else (),
             prefix_block_tokens=msg.prefix_hash_block_tokens,
             block_size_tokens=block_size_tokens,
         )

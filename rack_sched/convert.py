@@ -109,6 +109,7 @@ def domain_state(info: DomainStateInfo) -> pb.DomainState:
                 load_version=i.load_version,
                 running_request_ids=[r.request_id for r in i.load.running] if i.load else [],
                 failure=i.failure,
+                num_prefix_hashes=len(i.load.prefix_hashes) if i.load else 0,
             )
             for i in info.instances
         ],
