@@ -52,7 +52,7 @@ class EngineLimits:
     max_num_seqs: int = 256  # running requests per step
     max_num_batched_tokens: int = 8192  # tokens (prefill chunk + decodes) per step
     admission: Admission = "chunked"  # "chunked" (vLLM v1) or "whole-prompt" (vLLM v0, Llumnix's engine)
-    prefix_caching: bool = False  # share prompt prefixes by the trace's hash ids (vLLM automatic prefix caching)
+    prefix_caching: bool = True  # share prompt prefixes by the trace's hash ids (vLLM V1: automatic prefix caching on)
     scheduling: SchedulingPolicy = "priority"  # engine scheduling: priority classes, or "fcfs" (priorities ignored)
 
 

@@ -142,6 +142,8 @@ class MigrationRecord:
     outcome: MigrationOutcome  # "committed": the request resumed on dst; "aborted": it stayed on src
     reason: str  # why the move was made (committed) or why it was aborted
     precopy_bandwidth_bytes_per_s: float = 0.0  # bytes / seconds of the completed live stages; 0 = none
+    skipped_prefix_blocks: int = 0  # leading prefix blocks the destination's cache held: adopted, not copied
+    recomputed_prefix_blocks: int = 0  # prefix blocks the destination recomputed instead (the cost model's plan)
 
     @property
     def cross_domain(self) -> bool:
@@ -509,6 +511,7 @@ class StoredRun:
 
 
 _MIGRATION_FIELDS = tuple(f.name for f in dataclasses.fields(MigrationRecord))
+_OPTIONAL_MIGRATION = frozenset({"skipped_prefix_blocks", "recomputed_prefix_blocks"})  # absent in older files
 _SUMMARY_FIELDS = tuple(f.name for f in dataclasses.fields(PolicySummary))
 #: Summary fields a results.json written before them lacks (read as their default).
 _OPTIONAL_SUMMARY = frozenset({"gpu_hours", "scale_outs", "scale_ins", "prefix_hit_rate"})
@@ -728,7 +731,12 @@ def load_results(path: str | Path) -> list[StoredRun]:
                     for j, r in enumerate(reqs)
                 ),
                 migrations=tuple(
-                    _record(MigrationRecord, _MIGRATION_FIELDS, m, f"{where}.migrations[{j}]")
+                    _record(
+                        MigrationRecord,
+                        [n for n in _MIGRATION_FIELDS if n not in _OPTIONAL_MIGRATION or n in m],
+                        m,
+                        f"{where}.migrations[{j}]",
+                    )
                     for j, m in enumerate(migs)
                 ),
             )

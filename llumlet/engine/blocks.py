@@ -65,9 +65,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._tables: dict[str, _Table] = {}
-        self._reservations: dict[str, list[int]] = {}  # reservation id -> its fresh blocks, in position order
-        self._reserved_prefix: dict[str, list[int]] = {}  # reservation id -> cache entries it adopted (positions 0..)
+        self._reservations: dict[str, list[int]] = {}
         self._reserved = 0  # blocks held by all reservations
+        self._reserved_prefix: dict[str, list[int]] = {}  # reservation -> hash ids of the cached entries it adopted
         self._entries: dict[int, _Entry] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced entries, oldest first
         self._used_private = 0
@@ -261,9 +261,33 @@ class BlockManager:
         t = self._tables.pop(request_id, None)
         if t is None:
             return 0
+        n = len(t.private)
         self._free.extend(reversed(t.private))
         self._used_private -= len(t.private)
-        return len(t.private) + self._unref(t.shared)
+        return n + self._unref(t.shared)
+
+    def _ref(self, hashes: Sequence[int]) -> None:
+        """One more holder of each entry (an unreferenced one leaves the LRU: used, no longer evictable)."""
+        for h in hashes:
+            entry = self._entries[h]
+            if entry.refs == 0:
+                del self._lru[h]
+                self._cached -= len(entry.blocks)
+                self._used_shared += len(entry.blocks)
+            entry.refs += 1
+
+    def _unref(self, hashes: Sequence[int]) -> int:
+        """One holder fewer of each entry (cached, evictable, when none is left); returns their blocks."""
+        n = 0
+        for h in hashes:
+            entry = self._entries[h]
+            n += len(entry.blocks)
+            entry.refs -= 1
+            if entry.refs == 0:
+                self._used_shared -= len(entry.blocks)
+                self._cached += len(entry.blocks)
+                self._lru[h] = None
+        return n
 
     # ---- reservations (incoming migrations) ---------------------------------------------------------
     def reserve(self, reservation_id: str, n_blocks: int) -> bool:
@@ -288,107 +312,83 @@ class BlockManager:
         held = self._reservations.get(reservation_id)
         if held is None:
             raise KeyError(f"grow_reservation: unknown reservation {reservation_id!r} (released or never made)")
-        size = self._adopted_blocks(reservation_id) + len(held)
-        if n_blocks <= size:
+        if n_blocks <= len(held):
             return True
-        got = self._take(n_blocks - size)
+        got = self._take(n_blocks - len(held))
         if got is None:
             return False
         held.extend(got)
         self._reserved += len(got)
         return True
 
+    def adopt_prefix(
+        self, reservation_id: str, prefix_block_hashes: Sequence[int], hash_block_tokens: int, max_hit_tokens: int
+    ) -> int:
+        """An incoming request's leading hash blocks this cache holds become its first block-table positions at
+        :meth:`commit` (referenced from now, never copied): the migration sends only the rest. Matched as
+        :meth:`prefix_matching` matches (``max_hit_tokens``: the request's full blocks of KV). Once per
+        reservation, before :meth:`commit`; the reservation's own blocks are for the rest of the request.
+
+        Returns the blocks adopted (0 without prefix caching, or when nothing matches). Raises KeyError for an
+        unknown reservation, ValueError when it adopted already.
+        """
+        if reservation_id not in self._reservations:
+            raise KeyError(f"adopt_prefix: unknown reservation {reservation_id!r} (released or never made)")
+        if reservation_id in self._reserved_prefix:
+            raise ValueError(f"adopt_prefix({reservation_id!r}): adopted a prefix already")
+        if not self.enable_prefix_caching or not prefix_block_hashes:
+            return 0
+        per = self._blocks_per_hash(hash_block_tokens)
+        matched = self.prefix_matching(prefix_block_hashes, hash_block_tokens, max_hit_tokens)
+        if matched:
+            self._ref(matched)
+            self._reserved_prefix[reservation_id] = matched
+        return len(matched) * per
+
+    def adopted_blocks(self, reservation_id: str) -> int:
+        """Blocks of the cached entries the reservation adopted (:meth:`adopt_prefix`; 0 if none or unknown)."""
+        return sum(len(self._entries[h].blocks) for h in self._reserved_prefix.get(reservation_id, ()))
+
     def reservation_size(self, reservation_id: str) -> int | None:
         """Blocks held by a reservation; None when it does not exist (never made, committed or released)."""
         held = self._reservations.get(reservation_id)
-        return None if held is None else self._adopted_blocks(reservation_id) + len(held)
+        return None if held is None else len(held)
 
     def reservation_blocks(self, reservation_id: str) -> tuple[int, ...] | None:
         """Physical block ids of a reservation in position order (position i becomes block-table entry i
         at ``commit``); None when it does not exist."""
         held = self._reservations.get(reservation_id)
-        if held is None:
-            return None
-        adopted = [b for h in self._reserved_prefix.get(reservation_id, ()) for b in self._entries[h].blocks]
-        return (*adopted, *held)
+        return None if held is None else tuple(held)
 
     def reserved_for(self, reservation_id: str) -> int:
-        """Blocks held by the reservation, adopted prefix blocks included (0 if unknown)."""
-        return self.reservation_size(reservation_id) or 0
-
-    def _adopted_blocks(self, reservation_id: str) -> int:
-        return sum(len(self._entries[h].blocks) for h in self._reserved_prefix.get(reservation_id, ()))
-
-    def adopt_prefix(self, reservation_id: str, prefix_block_hashes: Sequence[int], hash_block_tokens: int) -> int:
-        """Make the cached entries of the leading ``prefix_block_hashes`` the reservation's first positions.
-
-        For an incoming migration: the blocks this cache already holds for the request's prompt prefix need not
-        be copied. The matched entries (from the first hash, stopping at the first miss, at most as many blocks
-        as the reservation holds) are referenced by the reservation (they become used and cannot be evicted),
-        and as many of its fresh blocks go back to the free list, so it holds as many positions as before.
-        ``commit`` gives them to the request as its shared prefix; ``release`` drops the references. Returns
-        the positions adopted (engine blocks), 0 without prefix caching, for a reservation that adopted before,
-        or on a miss. Raises KeyError for an unknown reservation, ValueError for a hash block that is not a
-        positive multiple of the block size.
-        """
-        held = self._reservations.get(reservation_id)
-        if held is None:
-            raise KeyError(f"adopt_prefix: unknown reservation {reservation_id!r} (released or never made)")
-        if not self.enable_prefix_caching or not prefix_block_hashes or reservation_id in self._reserved_prefix:
-            return 0
-        per = self._blocks_per_hash(hash_block_tokens)
-        most = len(held) // per
-        matched = self.prefix_matching(prefix_block_hashes[:most], hash_block_tokens, most * hash_block_tokens)
-        if not matched:
-            return 0
-        for h in matched:
-            entry = self._entries[h]
-            if entry.refs == 0:
-                del self._lru[h]
-                self._cached -= len(entry.blocks)
-                self._used_shared += len(entry.blocks)
-            entry.refs += 1
-        n = len(matched) * per
-        self._reserved_prefix[reservation_id] = matched
-        self._free.extend(reversed(held[len(held) - n :]))
-        del held[len(held) - n :]
-        self._reserved -= n
-        return n
-
-    def _unref(self, hashes: Sequence[int]) -> int:
-        """Drop one reference of each entry (cached when unreferenced); the blocks they hold."""
-        n = 0
-        for h in hashes:
-            entry = self._entries[h]
-            n += len(entry.blocks)
-            entry.refs -= 1
-            if entry.refs == 0:
-                self._used_shared -= len(entry.blocks)
-                self._cached += len(entry.blocks)
-                self._lru[h] = None
-        return n
+        """Blocks held by the reservation (0 if unknown)."""
+        return len(self._reservations.get(reservation_id, ()))
 
     def commit(self, reservation_id: str, request_id: str, num_tokens: int) -> tuple[int, ...] | None:
         """Turn the reservation into ``request_id``'s blocks for ``num_tokens`` token slots.
 
-        Surplus reserved blocks go back to the free list; missing ones (the request grew) are taken from the
-        pool. Returns the request's block table, or None when the growth does not fit (nothing changes, the
+        The cached entries it adopted (:meth:`adopt_prefix`) come first, shared; the reservation's blocks hold
+        the rest. Surplus reserved blocks go back to the free list; missing ones (the request grew) are taken
+        from the pool. Returns the request's block table, or None when the growth does not fit (nothing changes, the
         reservation stays). Raises KeyError for an unknown reservation, ValueError if the request already
-        holds blocks here.
+        holds blocks here or ``num_tokens`` is less than its adopted prefix.
         """
         if reservation_id not in self._reservations:
             raise KeyError(f"commit: unknown reservation {reservation_id!r} (released or never made)")
         if request_id in self._tables:
             raise ValueError(f"commit({reservation_id!r}): request {request_id!r} already holds blocks")
         held = self._reservations[reservation_id]
-        shared = self._reserved_prefix.get(reservation_id, [])
-        adopted = self._adopted_blocks(reservation_id)
-        need = self.blocks_for_tokens(num_tokens)
-        if need < adopted:
-            raise ValueError(f"commit({reservation_id!r}): {num_tokens} tokens, but {adopted} prefix blocks adopted")
+        adopted = self._reserved_prefix.get(reservation_id, [])
+        shared_blocks = sum(len(self._entries[h].blocks) for h in adopted)
+        need = self.blocks_for_tokens(num_tokens) - shared_blocks
+        if need < 0:
+            raise ValueError(
+                f"commit({reservation_id!r}): {num_tokens} tokens are fewer than the {shared_blocks} prefix blocks "
+                "it adopted hold"
+            )
         extra: list[int] = []
-        if need - adopted > len(held):
-            got = self._take(need - adopted - len(held))
+        if need > len(held):
+            got = self._take(need - len(held))
             if got is None:
                 return None
             extra = got
@@ -396,21 +396,24 @@ class BlockManager:
         self._reserved_prefix.pop(reservation_id, None)
         self._reserved -= len(held)
         blocks = held + extra
-        surplus = blocks[need - adopted :]
-        blocks = blocks[: need - adopted]
+        surplus = blocks[need:]
+        blocks = blocks[:need]
         self._free.extend(reversed(surplus))
-        self._tables[request_id] = _Table(shared=shared, private=blocks, num_tokens=num_tokens, num_blocks=need)
+        table = _Table(private=blocks, shared=list(adopted), num_tokens=num_tokens, num_blocks=shared_blocks + need)
+        self._tables[request_id] = table
         self._used_private += len(blocks)
         return self.block_table(request_id)
 
     def release(self, reservation_id: str) -> int:
-        """Give a reservation's blocks back. Idempotent; 0 for an unknown or already released id."""
+        """Give a reservation's blocks back (its adopted entries lose a reference). Idempotent; 0 for an unknown
+        or already released id. Returns the reservation's own blocks released."""
         blocks = self._reservations.pop(reservation_id, None)
         if blocks is None:
             return 0
         self._reserved -= len(blocks)
         self._free.extend(reversed(blocks))
-        return len(blocks) + self._unref(self._reserved_prefix.pop(reservation_id, ()))
+        self._unref(self._reserved_prefix.pop(reservation_id, []))
+        return len(blocks)
 
     # ---- prefix cache -------------------------------------------------------------------------------
     @property
@@ -448,14 +451,8 @@ class BlockManager:
         if not matched:
             return PrefixMatch(0, 0)
         t = self._tables[request_id] = _Table()
-        for h in matched:
-            entry = self._entries[h]
-            if entry.refs == 0:
-                del self._lru[h]
-                self._cached -= len(entry.blocks)
-                self._used_shared += len(entry.blocks)
-            entry.refs += 1
-            t.shared.append(h)
+        self._ref(matched)
+        t.shared.extend(matched)
         t.num_tokens = len(matched) * hash_block_tokens
         t.num_blocks = len(matched) * per
         self.prefix_hit_tokens_total += t.num_tokens
@@ -562,8 +559,8 @@ class BlockManager:
             held = len(t.private) + sum(len(self._entries[h].blocks) for h in t.shared)
             assert t.num_blocks == held, f"{rid}: block count {t.num_blocks} != {held} held"
         refs: dict[int, int] = {}
-        for hashes in [*(t.shared for t in self._tables.values()), *self._reserved_prefix.values()]:
-            for h in hashes:
+        for holder in [*(t.shared for t in self._tables.values()), *self._reserved_prefix.values()]:
+            for h in holder:
                 refs[h] = refs.get(h, 0) + 1
         for h, e in self._entries.items():
             assert e.refs == refs.get(h, 0), f"entry {h}: refs {e.refs} != holders {refs.get(h, 0)}"

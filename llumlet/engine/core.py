@@ -487,6 +487,41 @@ class EngineCore(PagedEngine):
         self._changed()
         return True
 
+    def adopt_prefix(
+        self, reservation_id: str, prefix_block_hashes: Sequence[int], hash_block_tokens: int, kv_tokens: int
+    ) -> int:
+        """Destination side, right after :meth:`reserve`: the incoming request's leading prefix hash blocks this
+        engine's prefix cache holds become its first blocks at :meth:`commit_incoming`, shared with the cache,
+        never copied nor allocated twice (``BlockManager.adopt_prefix``). ``kv_tokens``: tokens whose KV the
+        request holds (only its full blocks can match). Returns the blocks adopted (0 without prefix caching).
+        Raises KeyError for an unknown reservation."""
+        full_tokens = kv_tokens - kv_tokens % self.blocks.block_size_tokens
+        if self.blocks.reservation_size(reservation_id) is None:
+            raise KeyError(f"{self.instance_id}: adopt_prefix: unknown reservation {reservation_id!r}")
+        if not self.blocks.prefix_matching(prefix_block_hashes, hash_block_tokens, full_tokens):
+            return 0  # nothing to share: no change (a decode run in progress goes on)
+        self._changing()
+        adopted = self.blocks.adopt_prefix(reservation_id, prefix_block_hashes, hash_block_tokens, full_tokens)
+        self._changed()
+        return adopted
+
+    def adopt_cached_prefix(
+        self,
+        reservation_id: str,
+        prompt_token_ids: Sequence[int],
+        prefix_block_hashes: Sequence[int] = (),
+        prefix_hash_block_tokens: int = 0,
+    ) -> int:
+        """The llumlet's Reserve (``Engine.adopt_cached_prefix``): :meth:`adopt_prefix` by the prompt's prefix hash
+        ids, which cover full prompt blocks only, all of them in the KV of a request in decode (this engine has
+        no content to match ``prompt_token_ids`` by). Raises KeyError for an unknown reservation."""
+        if not prefix_block_hashes:
+            if self.blocks.reservation_size(reservation_id) is None:
+                raise KeyError(f"{self.instance_id}: adopt_cached_prefix: unknown reservation {reservation_id!r}")
+            return 0
+        kv_tokens = len(prefix_block_hashes) * prefix_hash_block_tokens
+        return self.adopt_prefix(reservation_id, prefix_block_hashes, prefix_hash_block_tokens, kv_tokens)
+
     def release_reservation(self, reservation_id: str) -> int:
         """Give a reservation back. Idempotent and safe if never reserved; returns blocks released."""
         if self.blocks.reservation_size(reservation_id) is None:

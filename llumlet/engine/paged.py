@@ -183,19 +183,11 @@ class PagedEngine:
         prefix_block_hashes: Sequence[int] = (),
         prefix_hash_block_tokens: int = 0,
     ) -> int:
-        """The cached prefix entries of the request's leading ``prefix_block_hashes`` become the reservation's
-        first positions (``BlockManager.adopt_prefix``); returns how many blocks (0 without prefix caching:
-        the CPU reference engine, whose every moved block is then sent). Raises KeyError for an unknown
-        reservation, ValueError for a hash block that is not a multiple of the block size."""
+        """0: no prefix cache here (the CPU reference engine: every block of a moved request is sent; the model
+        engine overrides this). Raises KeyError for an unknown reservation."""
         if self.blocks.reservation_size(reservation_id) is None:
             raise KeyError(f"{self.instance_id}: adopt_cached_prefix: unknown reservation {reservation_id!r}")
-        if not self.blocks.enable_prefix_caching or not prefix_block_hashes:
-            return 0
-        self._changing()
-        n = self.blocks.adopt_prefix(reservation_id, prefix_block_hashes, prefix_hash_block_tokens)
-        if n:
-            self._changed()
-        return n
+        return 0
 
     def grow_reservation(self, reservation_id: str, n_blocks: int) -> bool:
         """Destination side: make the reservation hold at least ``n_blocks`` (grow-only).
