@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 import pytest
+from up_harness import TOPOLOGY as HARNESS_TOPOLOGY
 from up_harness import UpProcess, openai_client, running_up
 
 from hilum_proto.v1 import rack_sched_pb2, rack_sched_pb2_grpc
@@ -26,22 +27,7 @@ pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
 MODEL = "llama-2-7b"
-TOPOLOGY = """\
-name: up-prefix-1x2
-models:
-  - {name: llama-2-7b, num_layers: 32, num_attention_heads: 32, num_kv_heads: 32, head_dim: 128,
-     hidden_size: 4096, dtype: float16, block_size_tokens: 16, num_params: 6738415616, max_context_tokens: 4096}
-gpu_types:
-  - {name: a100-80gb, memory_gib: 80, hbm_gbyte_per_s: 2039, nvlink_gbyte_per_s: 600}
-domains:
-  - id: dom-a
-    kind: node
-    gpu_type: a100-80gb
-    nodes: [{id: node-a, num_gpus: 2, nic_gbit_per_s: 100}]
-    instances:
-      - {id: a0, gpus: [0], tensor_parallel_size: 1, model: llama-2-7b, kv_capacity_blocks: 128}
-      - {id: a1, gpus: [1], tensor_parallel_size: 1, model: llama-2-7b, kv_capacity_blocks: 128}
-"""
+TOPOLOGY = HARNESS_TOPOLOGY.split("  - id: dom-b")[0]  # the harness's first domain alone: a0, a1, no fabric
 # The sim gateway's byte tokenizer: one token per byte. The 600 bytes of system prompt they share hold 9 full
 # hash blocks of 64 tokens (prefix_cache.blocks_per_hash 4 x 16-token blocks) = 576 tokens.
 SYSTEM = ("You are a careful assistant for the hilum test suite. " * 20)[:600]

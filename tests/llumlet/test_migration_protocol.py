@@ -33,11 +33,21 @@ class Cluster:
     a: RunningLlumlet
     b: RunningLlumlet
 
-    async def submit(self, rid: str, max_tokens: int, prompt_tokens: int = 200) -> None:
-        self.col.expect(rid, self.a.address)
-        reply = await self.a.client.submit(
-            rid, self.col.address, SamplingParams(max_tokens=max_tokens), prompt_tokens=prompt_tokens
-        )
+    async def submit(
+        self,
+        rid: str,
+        max_tokens: int,
+        prompt_tokens: int = 200,
+        prefix_hashes: tuple[int, ...] = (),
+        on: RunningLlumlet | None = None,
+    ) -> None:
+        """Submit ``rid`` on ``a`` (or ``on``); ``prefix_hashes`` of 64-token hash blocks, if any."""
+        node = on or self.a
+        self.col.expect(rid, node.address)
+        reply = await node.client.submit(
+            rid, self.col.address, SamplingParams(max_tokens=max_tokens), prompt_tokens=prompt_tokens,
+            prefix_block_hashes=prefix_hashes, prefix_hash_block_tokens=64 if prefix_hashes else 0,
+        )  # fmt: skip
         assert reply.accepted, reply.reason
 
     async def decoding(self, rid: str, n_tokens: int = 3) -> None:
@@ -381,22 +391,12 @@ def test_a_destination_that_caches_the_prompt_prefix_is_sent_only_the_rest() -> 
     hashes = prefix_block_hashes(list(range(300)), 64)  # 4 hash blocks of 64 tokens: 16 KV blocks of 16
 
     async def body(c: Cluster) -> None:
-        c.col.expect("warm", c.b.address)
-        warm = await c.b.client.submit(
-            "warm", c.col.address, SamplingParams(max_tokens=2), prompt_tokens=300,
-            prefix_block_hashes=hashes, prefix_hash_block_tokens=64,
-        )  # fmt: skip
-        assert warm.accepted, warm.reason
+        await c.submit("warm", 2, 300, hashes, on=c.b)
         await c.col.wait("warm", 10)
         held = await c.b.client.get_load()
         assert set(held.prefix_hashes) == set(hashes) and held.prefix_block_tokens == 64
         assert held.used_blocks == 0 and held.cached_blocks == 16  # evictable, reusable
-        c.col.expect("r", c.a.address)
-        reply = await c.a.client.submit(
-            "r", c.col.address, SamplingParams(max_tokens=150), prompt_tokens=300,
-            prefix_block_hashes=hashes, prefix_hash_block_tokens=64,
-        )  # fmt: skip
-        assert reply.accepted, reply.reason
+        await c.submit("r", 150, 300, hashes)
         await c.decoding("r")
         rep = await c.a.client.migrate_out("r", c.b.address, attempt=1)
         assert rep.outcome == pb.MIGRATION_COMMITTED, rep.reason
@@ -420,12 +420,7 @@ def test_without_a_cached_prefix_every_block_is_sent() -> None:
     hashes = prefix_block_hashes(list(range(300)), 64)
 
     async def body(c: Cluster) -> None:
-        c.col.expect("r", c.a.address)
-        reply = await c.a.client.submit(
-            "r", c.col.address, SamplingParams(max_tokens=150), prompt_tokens=300,
-            prefix_block_hashes=hashes, prefix_hash_block_tokens=64,
-        )  # fmt: skip
-        assert reply.accepted, reply.reason
+        await c.submit("r", 150, 300, hashes)
         await c.decoding("r")
         rep = await c.a.client.migrate_out("r", c.b.address, attempt=1)
         assert rep.outcome == pb.MIGRATION_COMMITTED, rep.reason
