@@ -35,6 +35,7 @@ def measure(n: int, policy: str, requests_per_instance: int, rate: float) -> tup
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     s = summarize(run)
     assert s.finished == count, f"{s.finished} of {count} requests finished"
+    assert run.engine_steps is not None  # a simulated run counts its steps
     return cpu, wall, run.sim_duration_s, run.engine_steps
 
 

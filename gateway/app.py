@@ -14,7 +14,9 @@ Routes:
 Every request gets the gateway's own id (``cmpl-<hex>`` / ``chatcmpl-<hex>``; the llumlets see ``<hex>``, or
 ``<hex>-<i>`` for choice ``i`` of ``n`` > 1): a client's ``X-Request-Id`` is echoed back in the response
 header, never used to find a request, so a reused client id cannot disturb a running request. Bad input is
-answered 400 before anything is dispatched (``gateway.validation``); every error, on any path (400, 404
+answered 400 before anything is dispatched (``gateway.validation``); with an API key file
+(``gateway.apikeys``) a ``/v1/`` request without a valid key is a 401 and a priority above its key's ceiling a
+403; every error, on any path (400, 401, 403, 404
 for an unknown route or model, 405, 413 for a body over :data:`MAX_BODY_BYTES`, 415 for a body sent as a
 form, multipart or text rather than JSON, 500, 502, 503), is OpenAI's error object (``gateway.responses.error_body``).
 
@@ -48,6 +50,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.apikeys import ApiKey, ApiKeys, Unauthorized
 from gateway.cluster import Backend
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.output import ChoiceOutput, Piece
@@ -60,6 +63,8 @@ from gateway.validation import (
     BadRequest,
     GenerationRequest,
     ModelNotFound,
+    PriorityGrant,
+    PriorityNotAllowed,
     parse_chat,
     parse_completion,
 )
@@ -74,6 +79,7 @@ MAX_BODY_BYTES = 16 * 1024 * 1024  # a request body larger than this is a 413
 # by default; anything else (a form, multipart, text) is a 415 that says what to send.
 _BODY_TYPES = ("application/json", "application/octet-stream")
 _MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
+_CALLER = web.RequestKey("hilum_api_key", ApiKey)  # the key that authenticated the request (with a key file)
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -181,12 +187,13 @@ class GatewayApp:
     wall_clock: Callable[[], float] = time.time
     started_s: int = 0  # wall time the models are served since (``created`` in /v1/models); 0 = at app()
     max_body_bytes: int = MAX_BODY_BYTES  # a larger request body is a 413
+    api_keys: ApiKeys | None = None  # callers and their priority classes (gateway.apikeys); None = open
 
     def app(self) -> web.Application:
         """The aiohttp application with every route."""
         if not self.started_s:
             self.started_s = int(self.wall_clock())
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[_openai_errors])
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[_openai_errors, self._authenticate])
         app[_MAX_BODY_KEY] = self.max_body_bytes
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -195,6 +202,22 @@ class GatewayApp:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_page)
         return app
+
+    @web.middleware
+    async def _authenticate(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """With a key file, every ``/v1/`` route needs a key of it (401 otherwise); /health, /metrics stay open."""
+        if self.api_keys is not None and request.path.startswith("/v1/"):
+            try:
+                request[_CALLER] = self.api_keys.authenticate(request.headers.get("Authorization"))
+            except Unauthorized as exc:
+                if request.path in ("/v1/completions", "/v1/chat/completions"):
+                    endpoint = request.path.removeprefix("/v1/").replace("/", "_")
+                    self.metrics.count_request(endpoint, "unauthorized")
+                body = error_body(str(exc), code="invalid_api_key")
+                return _json(401, body, {"WWW-Authenticate": "Bearer"})
+        return await handler(request)
 
     def tokenizer(self, model: str) -> Tokenizer:
         """The tokenizer of ``model`` (the byte stand-in when none was given)."""
@@ -265,7 +288,11 @@ class GatewayApp:
         parse = parse_completion if kind == "completion" else parse_chat
         model = body.get("model") if isinstance(body, dict) else None
         tokenizer = self.tokenizer(model) if isinstance(model, str) else ByteTokenizer()
-        return parse(body, self.backend.limits, tokenizer, priority_header=request.headers.get(PRIORITY_HEADER))
+        caller: ApiKey | None = request.get(_CALLER)
+        grant = PriorityGrant() if caller is None else PriorityGrant(caller.priority, caller.max_priority, caller.name)
+        return parse(
+            body, self.backend.limits, tokenizer, priority_header=request.headers.get(PRIORITY_HEADER), grant=grant
+        )
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         t0 = self.clock()
@@ -275,7 +302,7 @@ class GatewayApp:
             gen = await self._parse(request, kind)
         except BadRequest as exc:
             self.metrics.count_request(endpoint, "bad_request")
-            status = 404 if isinstance(exc, ModelNotFound) else 400
+            status = 404 if isinstance(exc, ModelNotFound) else 403 if isinstance(exc, PriorityNotAllowed) else 400
             return _json(status, error_body(exc.message, param=exc.param, code=exc.code), headers)
         req = _Request(kind, uuid.uuid4().hex, gen, self.tokenizer(gen.model), t0, endpoint)
         failed = await self._place(req, headers)
@@ -552,7 +579,10 @@ class GatewayApp:
 
 
 def build_app(
-    backend: Backend, metrics: GatewayMetrics, tokenizers: Mapping[str, Tokenizer] | None = None
+    backend: Backend,
+    metrics: GatewayMetrics,
+    tokenizers: Mapping[str, Tokenizer] | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> web.Application:
-    """The aiohttp application of a gateway over ``backend``."""
-    return GatewayApp(backend, metrics, dict(tokenizers or {})).app()
+    """The aiohttp application of a gateway over ``backend`` (``api_keys``: see ``gateway.apikeys``)."""
+    return GatewayApp(backend, metrics, dict(tokenizers or {}), api_keys=api_keys).app()

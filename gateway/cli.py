@@ -36,6 +36,7 @@ from aiohttp import web
 
 import hilum_config
 from clusterstate.etcd import connect
+from gateway.apikeys import ApiKeys, load_api_keys
 from gateway.app import GatewayApp
 from gateway.cluster import LiveCluster
 from gateway.metrics import GatewayMetrics
@@ -80,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--unavailable-wait", type=float, default=5.0, help="retry unavailable domains for, seconds")
     p.add_argument("--seed", type=int, default=None, help="random seed (dispatch ties); default: random")
+    p.add_argument(
+        "--api-keys",
+        default="",
+        metavar="FILE",
+        help="YAML file of API keys and their priority classes (gateway.apikeys); without it the gateway is open",
+    )
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     hilum_config.add_argument(p)
     return p
@@ -129,7 +136,9 @@ async def _start_site(runner: web.AppRunner, address: str, what: str, *, reuse_p
     return f"http://{host}:{site.port}"
 
 
-async def _serve(ns: argparse.Namespace, topology: Topology, tokenizers: Mapping[str, Tokenizer]) -> None:
+async def _serve(
+    ns: argparse.Namespace, topology: Topology, tokenizers: Mapping[str, Tokenizer], api_keys: ApiKeys | None
+) -> None:
     host = split_host_port(ns.listen, "--listen")[0]
     if ns.also_listen:
         split_host_port(ns.also_listen, "--also-listen")
@@ -159,7 +168,7 @@ async def _serve(ns: argparse.Namespace, topology: Topology, tokenizers: Mapping
     runner: web.AppRunner | None = None
     try:
         await cluster.start_services()
-        app = GatewayApp(cluster, metrics, tokenizers).app()
+        app = GatewayApp(cluster, metrics, tokenizers, api_keys=api_keys).app()
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         url = await _start_site(runner, ns.listen, "--listen", reuse_port=ns.reuse_port)
@@ -189,7 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         topology = load_topology(ns.topology)
         tokenizers = load_tokenizers(topology, tokenizer_overrides(ns.tokenizer), byte_vocab_size=ns.vocab_size)
-        asyncio.run(_serve(ns, topology, tokenizers))
+        api_keys = load_api_keys(ns.api_keys) if ns.api_keys else None
+        asyncio.run(_serve(ns, topology, tokenizers, api_keys))
     except (TopologyError, ValueError, RuntimeError, OSError) as exc:
         print(f"gateway: error: {exc}", file=sys.stderr)
         return 2

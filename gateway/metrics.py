@@ -2,7 +2,7 @@
 
 Every metric is named ``hilum_gateway_*`` and measured where the gateway stands: at the front door.
 
-Counters: ``requests_total{endpoint, outcome}`` (outcome ``ok``, ``bad_request``, ``refused``,
+Counters: ``requests_total{endpoint, outcome}`` (outcome ``ok``, ``bad_request``, ``unauthorized``, ``refused``,
 ``unavailable``, ``aborted`` = the client left, ``error``), ``output_tokens_total``,
 ``migrations_total{scope}`` (committed migrations of this gateway's requests, ``intra_domain`` or
 ``cross_domain``, seen as owner changes in the token stream), ``preemptions_total{instance}`` (preemption
@@ -34,7 +34,7 @@ _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 1
 _TBT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 _DOWNTIME_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
-Outcome = str  # "ok" | "bad_request" | "refused" | "unavailable" | "aborted" | "error"
+Outcome = str  # "ok" | "bad_request" | "unauthorized" | "refused" | "unavailable" | "aborted" | "error"
 
 
 class GatewayMetrics:

@@ -47,6 +47,8 @@ __all__ = [
     "GenerationRequest",
     "ModelLimits",
     "ModelNotFound",
+    "PriorityGrant",
+    "PriorityNotAllowed",
     "model_limits",
     "parse_chat",
     "parse_completion",
@@ -132,6 +134,10 @@ class BadRequest(ValueError):
 
 class ModelNotFound(BadRequest):
     """The body names a model this gateway does not serve (HTTP 404, OpenAI's ``model_not_found``)."""
+
+
+class PriorityNotAllowed(BadRequest):
+    """The request asks for a priority class above its API key's ``max_priority`` (HTTP 403)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,12 +388,30 @@ def parse_priority(value: Any, where: str) -> int:
     return int(value)
 
 
-def _priority(body: Mapping[str, Any], header: str | None) -> int:
+@dataclass(frozen=True, slots=True)
+class PriorityGrant:
+    """The priority classes a caller may use: ``default`` when a request names none, ``ceiling`` the highest
+    it may ask for (``gateway.apikeys``; without keys: 0 and :data:`MAX_PRIORITY`)."""
+
+    default: int = 0
+    ceiling: int = MAX_PRIORITY
+    caller: str = ""  # the API key's name, for the refusal ("" = no keys)
+
+
+def _priority(body: Mapping[str, Any], header: str | None, grant: PriorityGrant) -> int:
     if body.get("priority") is not None:
-        return parse_priority(body["priority"], "priority")
-    if header is not None:
-        return parse_priority(header, PRIORITY_HEADER)
-    return 0
+        asked, where = parse_priority(body["priority"], "priority"), "priority"
+    elif header is not None:
+        asked, where = parse_priority(header, PRIORITY_HEADER), PRIORITY_HEADER
+    else:
+        return grant.default
+    if asked > grant.ceiling:
+        raise PriorityNotAllowed(
+            f"{where} {asked} is above {grant.ceiling}, the highest the API key {grant.caller!r} may ask for",
+            param=where,
+            code="priority_not_allowed",
+        )
+    return asked
 
 
 def _max_tokens(
@@ -591,6 +615,7 @@ def _finish(
     max_names: Sequence[str],
     tokenizer: Tokenizer,
     priority_header: str | None,
+    grant: PriorityGrant,
 ) -> GenerationRequest:
     max_tokens = _max_tokens(body, max_names, limits, len(prompt), kind)
     used = next((n for n in max_names if body.get(n) is not None), max_names[0])
@@ -612,7 +637,7 @@ def _finish(
         model=limits.name,
         prompt_token_ids=prompt,
         sampling=sampling,
-        priority=_priority(body, priority_header),
+        priority=_priority(body, priority_header, grant),
         stream=stream,
         include_usage=include_usage,
         return_token_ids=_bool(body, "return_token_ids"),
@@ -640,23 +665,35 @@ def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
 
 
 def parse_completion(
-    body: Any, limits: Mapping[str, ModelLimits], tokenizer: Tokenizer, *, priority_header: str | None = None
+    body: Any,
+    limits: Mapping[str, ModelLimits],
+    tokenizer: Tokenizer,
+    *,
+    priority_header: str | None = None,
+    grant: PriorityGrant = PriorityGrant(),
 ) -> GenerationRequest:
-    """Validate a ``/v1/completions`` body. Raises :class:`BadRequest` (see the module docstring);
-    :class:`ModelNotFound` (a BadRequest) for a model not served."""
+    """Validate a ``/v1/completions`` body; ``grant``: the priority classes the caller may use. Raises
+    :class:`BadRequest` (see the module docstring); :class:`ModelNotFound` (a BadRequest) for a model not
+    served; :class:`PriorityNotAllowed` (a BadRequest) for a priority above ``grant.ceiling``."""
     obj = _require_object(body)
     model = _model(obj, limits)
     _check_fields(obj, COMPLETION_FIELDS | {"best_of"}, _COMPLETION_OFF)
     prompt = _completion_prompt(obj, tokenizer)
-    return _finish("completion", obj, model, prompt, ("max_tokens",), tokenizer, priority_header)
+    return _finish("completion", obj, model, prompt, ("max_tokens",), tokenizer, priority_header, grant)
 
 
 def parse_chat(
-    body: Any, limits: Mapping[str, ModelLimits], tokenizer: Tokenizer, *, priority_header: str | None = None
+    body: Any,
+    limits: Mapping[str, ModelLimits],
+    tokenizer: Tokenizer,
+    *,
+    priority_header: str | None = None,
+    grant: PriorityGrant = PriorityGrant(),
 ) -> GenerationRequest:
     """Validate a ``/v1/chat/completions`` body (prompt = the model's chat template over ``messages``).
 
-    Raises :class:`BadRequest`; :class:`ModelNotFound` for a model not served.
+    Raises :class:`BadRequest`; :class:`ModelNotFound` for a model not served; :class:`PriorityNotAllowed`
+    for a priority above ``grant.ceiling`` (the caller's API key).
     """
     obj = _require_object(body)
     model = _model(obj, limits)
@@ -670,4 +707,4 @@ def parse_chat(
     if not prompt:
         raise BadRequest("the chat template rendered these messages to an empty prompt", param="messages")
     names = ("max_completion_tokens", "max_tokens")
-    return _finish("chat", obj, model, prompt, names, tokenizer, priority_header)
+    return _finish("chat", obj, model, prompt, names, tokenizer, priority_header, grant)

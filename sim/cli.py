@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -148,10 +149,21 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
     unknown = [p for p in policies if p not in POLICY_NAMES]
     if unknown or not policies:
         raise ValueError(f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join(POLICY_NAMES)}")
+    repeated = sorted({p for p in policies if policies.count(p) > 1})
+    if repeated:
+        raise ValueError(f"--policy names {', '.join(repeated)} more than once; name each policy once")
     if args.rate_scale is None:
         args.rate_scale = DEFAULTS.rate_scale if args.trace == DEFAULTS.trace else 1.0
     if args.rate_scale <= 0:
         raise ValueError(f"--rate-scale must be > 0, got {args.rate_scale}")
+    if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
+        raise ValueError(f"--rate must be a number of requests per second > 0, got {args.rate}")
+    if args.arrival_cv is not None and not (math.isfinite(args.arrival_cv) and args.arrival_cv > 0):
+        raise ValueError(f"--arrival-cv must be > 0 (the Gamma inter-arrival CV; 1 is Poisson), got {args.arrival_cv}")
+    if args.arrival == "gamma" and args.arrival_cv is None:
+        raise ValueError("--arrival gamma needs --arrival-cv (the inter-arrival CV, e.g. 2)")
+    if args.arrival_cv is not None and args.arrival != "gamma":
+        raise ValueError("--arrival-cv applies only with --arrival gamma")
     if args.max_requests is not None and args.max_requests < 1:
         raise ValueError(f"--max-requests must be >= 1, got {args.max_requests}")
     options: dict[str, Any] = {
@@ -222,12 +234,18 @@ def run_cli(args: argparse.Namespace) -> int:
         model = str(runs[0].config["model"])
         served = [i for i in topology.instances if i.model == model]
         domains = {i.domain_id for i in served}
+        start = runs[0].config.get("initial_instances", len(served))
+        fleet = (
+            f"{len(served)} {model} instances"
+            if start == len(served)
+            else f"{start} of {len(served)} {model} instances at start"
+        )
         truncated = runs[0].config.get("truncated_requests", 0)
         rate = len(trace.requests) / trace.duration_s if trace.duration_s > 0 else 0.0
         title = (
             f"{trace.name} x{args.rate_scale:g} ({len(trace.requests)} requests, {rate:.1f} req/s"
             f"{f', {truncated} cut to the {model} context' if truncated else ''}) on {topology.name} "
-            f"({len(served)} {model} instances, {len(domains)} domains), seed {args.seed}"
+            f"({fleet}, {len(domains)} domains), seed {args.seed}"
         )
         baseline = "least-loaded" if "least-loaded" in {s.policy for s in summaries} else None
         console = Console() if sys.stdout.isatty() else Console(width=140)  # files and pipes: no squeezing

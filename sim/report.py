@@ -41,8 +41,8 @@ def _s(value: float | None) -> str:
     return MISSING if value is None else f"{value:.1f}"
 
 
-def _gb(value_bytes: int) -> str:
-    return f"{value_bytes / 1e9:.2f}"
+def _gb(value_bytes: int | None) -> str:
+    return MISSING if value_bytes is None else f"{value_bytes / 1e9:.2f}"
 
 
 # (header, cell) for every summary column after the leading label columns; headers are short and
@@ -68,7 +68,7 @@ _SUMMARY_COLUMNS: tuple[tuple[str, Callable[[PolicySummary], str]], ...] = (
     ("downtime\nmean ms", lambda s: _ms(s.downtime_mean_s)),
     ("downtime\np99 ms", lambda s: _ms(s.downtime_p99_s)),
     ("sim s", lambda s: _s(s.sim_duration_s)),
-    ("engine\nsteps", lambda s: str(s.engine_steps)),
+    ("engine\nsteps", lambda s: MISSING if s.engine_steps is None else str(s.engine_steps)),
     ("wall s", lambda s: _s(s.wall_s)),
     ("req per\nwall s", lambda s: _s(s.requests_per_wall_s)),
     ("GPU-h", lambda s: _s(s.gpu_hours)),

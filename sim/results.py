@@ -25,6 +25,7 @@ import json
 import math
 import tempfile
 import weakref
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ __all__ = [
     "SimRun",
     "StoredRun",
     "SweepRow",
+    "busiest_dispatch_share",
     "json_default",
     "load_results",
     "percentile",
@@ -137,7 +139,7 @@ class MigrationRecord:
     start_s: float  # time the destination reservation was made, s
     end_s: float  # time of commit (or of abort), s
     downtime_s: float  # time the request was suspended (last stage only), s; 0.0 if never suspended
-    bytes_transferred: int  # KV-cache bytes copied over all stages, bytes
+    bytes_transferred: int | None  # KV-cache bytes copied over all stages, bytes; None = not measured (live)
     stages: int  # pre-copy stages run, including the last (stop-and-copy) stage
     outcome: MigrationOutcome  # "committed": the request resumed on dst; "aborted": it stayed on src
     reason: str  # why the move was made (committed) or why it was aborted
@@ -369,7 +371,7 @@ class SimRun:
     rate_scale: float  # arrival-rate multiplier applied to the trace (1.0 = as recorded)
     sim_duration_s: float  # simulated time from the first arrival to the last event, s
     wall_s: float  # wall-clock time the run took, s
-    engine_steps: int  # engine steps simulated over all instances
+    engine_steps: int | None  # engine steps simulated over all instances; None = not counted (a live run)
     requests: Sequence[RequestRecord]  # one record per trace request, arrival order (a RequestLog from the simulator)
     migrations: tuple[MigrationRecord, ...]  # one record per migration attempt, start order
     kv: KvTimeline  # per-instance KV usage over time
@@ -397,11 +399,12 @@ class PolicySummary:
     migrations_intra_domain: int  # committed migrations inside one NVLink domain
     migrations_cross_domain: int  # committed migrations between domains
     migrations_aborted: int  # aborted migration attempts (both kinds)
-    cross_domain_bytes: int  # bytes sent between domains by all cross-domain attempts, bytes
+    # bytes sent between domains by all cross-domain attempts, bytes; None when a move's bytes are not known
+    cross_domain_bytes: int | None
     downtime_mean_s: float | None  # mean downtime of committed migrations, s
     downtime_p99_s: float | None  # P99 downtime of committed migrations, s
     sim_duration_s: float  # simulated duration, s
-    engine_steps: int  # engine steps over all instances
+    engine_steps: int | None  # engine steps over all instances; None = not counted (a live run)
     wall_s: float  # wall-clock time of the run, s
     requests_per_wall_s: float | None  # simulated requests per wall-clock second; None if wall_s <= 0
     decode_p99_s: float | None = None  # P99 over requests of their mean TBT (Llumnix's "decode latency"), s
@@ -426,6 +429,11 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     if arr.size == 0:
         return None
     return float(np.percentile(arr, q, method="linear"))
+
+
+def _total_or_none(values: Sequence[int | None]) -> int | None:
+    """The sum, or None when any value is not known."""
+    return None if any(v is None for v in values) else sum(v for v in values if v is not None)
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -462,7 +470,7 @@ def summarize(run: SimRun) -> PolicySummary:
         migrations_intra_domain=sum(1 for m in committed if not m.cross_domain),
         migrations_cross_domain=sum(1 for m in committed if m.cross_domain),
         migrations_aborted=sum(1 for m in run.migrations if m.outcome == "aborted"),
-        cross_domain_bytes=sum(m.bytes_transferred for m in run.migrations if m.cross_domain),
+        cross_domain_bytes=_total_or_none([m.bytes_transferred for m in run.migrations if m.cross_domain]),
         downtime_mean_s=_mean(downtimes),
         downtime_p99_s=percentile(downtimes, 99),
         sim_duration_s=run.sim_duration_s,
@@ -478,6 +486,17 @@ def summarize(run: SimRun) -> PolicySummary:
         scale_ins=sum(1 for e in run.scale_events if e.action == "scale-in" and e.ok),
         prefix_hit_rate=_hit_rate(t),
     )
+
+
+def busiest_dispatch_share(requests: Iterable[RequestRecord], num_instances: int) -> float | None:
+    """Requests dispatch placed on the busiest instance over its fair share (placed requests / ``num_instances``):
+    1.0 is a perfectly even spread; None when no request was placed. Raises ValueError for ``num_instances`` < 1."""
+    if num_instances < 1:
+        raise ValueError(f"busiest_dispatch_share: num_instances = {num_instances}, need >= 1")
+    counts = Counter(r.dispatched_instance_id for r in requests if r.dispatched_instance_id)
+    if not counts:
+        return None
+    return max(counts.values()) / (sum(counts.values()) / num_instances)
 
 
 def _hit_rate(t: RequestTotals) -> float | None:

@@ -159,9 +159,16 @@ class SimSpec:
             return SimOptions(**dict(self.options))
         except ValidationError as exc:
             problems = "; ".join(
-                f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()
+                f"{_option_name(e['loc'])}: {e['msg'].removeprefix('Value error, ')}, got {e.get('input')!r}"
+                for e in exc.errors()
             )
             raise ValueError(f"invalid simulation options: {problems}") from None
+
+
+def _option_name(loc: tuple[int | str, ...]) -> str:
+    """``priority_fraction (--priority-fraction)``: a sweep file's key and the flag of ``hilum sim`` that sets it."""
+    key = ".".join(map(str, loc))
+    return f"{key} (--{key.replace('_', '-')})" if len(loc) == 1 else key
 
 
 #: The embedded defaults of a bare ``hilum sim``: the bundled 2 x 8 A100-40GB topology (16 Llama-2-13B
@@ -416,14 +423,18 @@ def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[s
     known = sorted(i.instance_id for i in topology.instances if i.model == model)
     if options.initial_instances is not None and options.initial_instances > len(known):
         raise ValueError(
-            f"initial_instances {options.initial_instances}: {topology.name} has only {len(known)} {model} instances"
+            f"initial_instances (--initial-instances) {options.initial_instances}: {topology.name} has only "
+            f"{len(known)} {model} instances"
         )
     if options.autoscale and options.scale_out:
         raise ValueError("scale_out (--scale-out) cannot be combined with autoscale: the autoscaler starts instances")
     if options.cold_start_s is not None and not options.autoscale:
         raise ValueError("cold_start_s (--cold-start-s) applies only with autoscale (--autoscale)")
     if options.initial_instances is not None and options.scale_out:
-        raise ValueError("initial_instances cannot be combined with scale_out: the instances kept off would clash")
+        raise ValueError(
+            "initial_instances (--initial-instances) cannot be combined with scale_out (--scale-out): "
+            "the instances kept off would clash"
+        )
     drains = [_parse_event(d) for d in options.drain]
     scale_outs = [_parse_event(s) for s in options.scale_out]
     for instance_id, _ in drains + scale_outs:

@@ -655,7 +655,10 @@ def load_trace(
     if arrival == "trace" and not has_times:
         raise TraceError(f"{source}: has no timestamps; use arrival='poisson' or 'gamma'")
     if arrival == "trace" and (rate_per_s is not None or arrival_cv is not None):
-        raise TraceError(f"{source}: rate_per_s/arrival_cv apply only to synthetic arrivals; use rate_scale")
+        raise TraceError(
+            f"{source}: rate_per_s (--rate) and arrival_cv (--arrival-cv) apply only to synthetic arrivals "
+            "(arrival poisson or gamma); to replay the trace's own timestamps faster use rate_scale (--rate-scale)"
+        )
     if num_requests is not None and has_times:
         raise TraceError(f"{source}: num_requests applies only to traces without timestamps; use max_requests")
     if num_requests is not None and num_requests < 0:

@@ -227,7 +227,7 @@ class RunningRequestLoad:
     max_tokens: int = 0  # its output limit (0 = not known)
     max_blocks: int = 0  # KV blocks it may grow to: prompt + max_tokens - 1 tokens (0 = not known)
     unmigratable_reason: str = ""  # why the engine cannot move it faithfully even in decode; "" = it can
-    prefix_hashes: tuple[int, ...] = ()  # its prompt's prefix hash ids, in order (EngineRequest.prefix_block_hashes)
+    prefix_hashes: tuple[int, ...] = ()  # hash ids of its prompt's prefix blocks (EngineRequest.prefix_block_hashes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,7 +323,9 @@ def instance_load_of(
 
     requests = tuple(
         [
-            trusted_request_load(rid, blocks, prio, tokens, in_decode and not why, out, max_tokens, max_blocks, hashes)
+            trusted_request_load(
+                rid, blocks, prio, tokens, in_decode and not why, out, max_tokens, max_blocks, prefix_hashes=hashes
+            )
             for rid, blocks, prio, tokens, in_decode, out, max_tokens, max_blocks, why, hashes in running
         ]
     )

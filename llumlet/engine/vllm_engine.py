@@ -385,6 +385,9 @@ class VllmEngine:
 
     vLLM decides the model runner (V2 wherever Triton runs), CUDA graphs and prefix caching (on by default;
     migrated KV is handed over through it). Async scheduling is off (see :data:`REFUSED_ENGINE_ARGS`).
+    vLLM's scheduler runs its ``priority`` policy (``scheduling_policy``; ``engine_kwargs`` may set
+    ``"fcfs"``): a request's hilum priority class orders its queue (a higher class first, then arrival) and
+    picks the preemption victim (the lowest class, latest arrival); equal classes keep vLLM's FCFS order.
 
     Raises:
         vllm_internals.UnsupportedVllmError: a vLLM version outside the supported range, multiprocessing on,
@@ -426,6 +429,7 @@ class VllmEngine:
             "distributed_executor_backend": "uni",
             "tensor_parallel_size": 1,
             "async_scheduling": False,
+            "scheduling_policy": "priority",  # the request's class orders the queue and picks victims
             "seed": seed,
             "kv_transfer_config": {
                 "kv_connector": "HilumMigrationConnector",
@@ -534,8 +538,8 @@ class VllmEngine:
         """Add to vLLM with what remains of max_tokens / min_tokens after ``num_done`` outputs."""
         try:
             vparams = vllm_sampling_params(params, num_done, kv_params)
-            internal: str = self.llm.add_request(
-                request_id, TokensPrompt(prompt_token_ids=prompt_ids), vparams, priority=request.priority
+            internal: str = self.llm.add_request(  # vLLM serves a lower value first; hilum a higher class
+                request_id, TokensPrompt(prompt_token_ids=prompt_ids), vparams, priority=-request.priority
             )
         except (ValueError, VLLMClientError) as exc:  # vLLM's validation of the request (VLLMValidationError)
             raise ValueError(f"{self.instance_id}: request {request_id!r}: vLLM refused it: {exc}") from exc

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestServer
 
+from gateway.apikeys import ApiKeys, parse_api_keys
 from gateway.app import GatewayApp
 from gateway.metrics import GatewayMetrics
 from gateway.router import Placement
@@ -25,7 +26,7 @@ from gateway.validation import GenerationRequest, ModelLimits
 from hilum_cli import bench
 from hilum_cli.bench import ClippedTrace, Measured, ModelInfo, clip_trace, records_of, replay, run_bench
 from hilum_cli.up import LOCAL_TOPOLOGY
-from sim.traces import Trace, TraceRequest
+from sim.traces import Trace, TraceRequest, load_trace, with_priorities
 
 
 def trace(*rows: tuple[float, int, int]) -> Trace:
@@ -123,7 +124,8 @@ def bench_args(url: str = "http://127.0.0.1:9", **changes: Any) -> argparse.Name
     """``hilum bench``'s options (3 requests of azure-conv) with ``changes``."""
     options: dict[str, Any] = {
         "url": url, "trace": "azure-conv", "rate_scale": 50.0, "max_requests": 3, "model": None,
-        "compare_sim": None, "seed": 0, "timeout": 5.0, "out": None, "config": None,
+        "compare_sim": None, "api_key": "", "priority_fraction": 0.0, "seed": 0, "timeout": 5.0, "out": None,
+        "config": None,
     }  # fmt: skip
     return argparse.Namespace(**{**options, **changes})
 
@@ -135,11 +137,11 @@ def test_run_bench_says_clearly_when_no_gateway_answers() -> None:
 
 
 @contextlib.contextmanager
-def echo_gateway() -> Iterator[tuple[str, EchoBackend]]:
+def echo_gateway(api_keys: ApiKeys | None = None) -> Iterator[tuple[str, EchoBackend]]:
     """A gateway over :class:`EchoBackend` on a loop of its own (``run_bench`` runs its own loop)."""
     backend = EchoBackend()
     loop = asyncio.new_event_loop()
-    server = TestServer(GatewayApp(backend, GatewayMetrics()).app())  # type: ignore[arg-type]
+    server = TestServer(GatewayApp(backend, GatewayMetrics(), api_keys=api_keys).app())  # type: ignore[arg-type]
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     asyncio.run_coroutine_threadsafe(server.start_server(), loop).result(timeout=30)
@@ -170,6 +172,7 @@ def test_every_option_and_path_is_checked_before_the_first_request(tmp_path: Pat
         ({"rate_scale": 0.0}, "--rate-scale: must be a number > 0, got 0", ""),
         ({"timeout": float("nan")}, "--timeout: must be a number > 0, got nan", ""),
         ({"max_requests": 0}, "--max-requests: must be >= 1, got 0", ""),
+        ({"priority_fraction": 1.5}, "--priority-fraction: must be within 0..1, got 1.5", ""),
         ({"url": "127.0.0.1:8000"}, "--url '127.0.0.1:8000': expected http://HOST:PORT", ""),
     ]
     with echo_gateway() as (url, backend):
@@ -203,6 +206,36 @@ def test_a_failed_comparison_keeps_the_live_results(tmp_path: Path, monkeypatch:
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [r["spec"]["policy"] for r in results["runs"]] == ["live"]
     assert f"results written to {tmp_path / 'out' / 'results.json'}" in err.getvalue()
+
+
+def test_a_gateway_with_api_keys_is_benched_with_one(tmp_path: Path) -> None:
+    keys = parse_api_keys({"keys": [{"name": "bench", "key": "sk-bench"}]})
+    with echo_gateway(keys) as (url, backend):
+        out, err = io.StringIO(), io.StringIO()
+        assert run_bench(bench_args(url, api_key="sk-nope"), out=out, err=err) == 1
+        assert "refused the API key (the API key is not valid here): pass --api-key KEY" in err.getvalue()
+        assert backend.requests == {}
+        out, err = io.StringIO(), io.StringIO()
+        assert run_bench(bench_args(url, api_key="sk-bench"), out=out, err=err) == 0
+    rows = {c[0]: c for c in table_rows(out.getvalue())}
+    assert rows["live"][1:4] == ["3", "3", "0"]  # requests, done, refused
+
+
+def test_a_seeded_share_is_sent_high_priority_and_simulated_so(tmp_path: Path) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    with echo_gateway() as (url, backend):
+        assert run_bench(bench_args(url, priority_fraction=0.5, max_requests=4), out=out, err=err) == 0
+    assert sorted(r.priority for r in backend.requests.values()) == [0, 0, 1, 1]  # round(0.5 x 4) sent high
+    hi_pri = 11  # the "hi-pri TTFT p99" cell: measured for the high class
+    assert table_rows(out.getvalue())[-1][0] == "live" and table_rows(out.getvalue())[-1][hi_pri] != "-"
+    topo = tmp_path / "local.yaml"
+    topo.write_text(LOCAL_TOPOLOGY)  # llama-2-7b, which the simulator has a latency model of
+    replayed = with_priorities(load_trace("azure-conv", max_requests=20, rate_scale=10.0), 0.25, 3)
+    run = bench.simulate(replayed, str(topo), 3, None, 0.25)
+    assert [r.priority for r in run.requests] == [r.priority for r in replayed.requests]
+    assert sum(r.priority for r in run.requests) == 5  # the same five requests high, simulated as sent
+    with pytest.raises(ValueError, match="priority classes differ from the replayed ones"):
+        bench.simulate(replayed, str(topo), 4, None, 0.25)  # another seed would mark other requests
 
 
 def table_rows(table: str) -> list[list[str]]:

@@ -79,7 +79,7 @@ def test_bad_gateway_counts_and_modes_are_refused(tmp_path: Path) -> None:
         (UpConfig(gateways=2, gateway_ports="many"), "--gateway-ports 'many': choose one of shared, separate"),
     ]:
         err = io.StringIO()
-        assert run_up(cfg, out=io.StringIO(), err=err) == 1
+        assert run_up(cfg, out=io.StringIO(), err=err) == 2
         assert words in err.getvalue()
 
 

@@ -3,7 +3,9 @@ coordinator, a domain scheduler, two CPU reference llumlets, the gateway) servin
 vocabulary is a real tokenizer's (a BPE trained locally, with a chat template). Every endpoint and option
 end to end: the answers are that tokenizer's tokens and text, usage counts them, streams equal whole
 responses, seeds, n, stop strings, logprobs and the penalties / top-k / min_tokens act in the engine, and
-what the torch engine cannot do (guided decoding) is refused by name from its etcd registration.
+what the torch engine cannot do (guided decoding) is refused by name from its etcd registration. The
+gateway runs with an API key file (``--api-keys``): the client sends its key; a wrong key and a priority above
+the key's are refused.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-bpe"
+API_KEY = "sk-hilum-tests"
 TOPOLOGY = """\
 name: up-openai-1x2
 models:
@@ -45,14 +48,25 @@ domains:
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory, bpe_tokenizer_dir: Path) -> Iterator[UpProcess]:
     tmp = tmp_path_factory.mktemp("up-openai")
-    with running_up(tmp, "torch", ["--tokenizer", str(bpe_tokenizer_dir)], timeout_s=300, topology=TOPOLOGY) as cluster:
+    keys = tmp / "keys.yaml"
+    keys.write_text(f"keys:\n  - {{name: tests, key: {API_KEY}, max_priority: 0}}\n")
+    extra = ["--tokenizer", str(bpe_tokenizer_dir), "--api-keys", str(keys)]
+    with running_up(tmp, "torch", extra, timeout_s=300, topology=TOPOLOGY) as cluster:
         yield cluster
 
 
 @pytest.fixture(scope="module")
 def client(up: UpProcess) -> Iterator[Any]:
-    with openai_client(up, timeout_s=60) as c:
+    with openai_client(up, timeout_s=60, api_key=API_KEY) as c:
         yield c
+
+
+def test_a_wrong_key_and_a_priority_above_the_keys_are_refused(up: UpProcess, client: Any) -> None:
+    with openai_client(up, timeout_s=60, api_key="sk-wrong") as other, pytest.raises(openai.AuthenticationError):
+        other.models.list()
+    with pytest.raises(openai.PermissionDeniedError, match="the highest the API key 'tests' may ask for"):
+        chat(client, max_tokens=2, extra_body={"priority": "high"})
+    assert Path(up.info["api_keys_file"]).name == "keys.yaml"  # cluster.json says the gateways need keys
 
 
 @pytest.fixture(scope="module")

@@ -109,7 +109,7 @@ def test_a_bad_configuration_file_is_refused_before_anything_starts(tmp_path: Pa
     bad.write_text("policy:\n  no_such_key: 1\n")
     err = io.StringIO()
     cfg = UpConfig(config=str(bad), port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "run"))
-    assert run_up(cfg, out=io.StringIO(), err=err) == 1
+    assert run_up(cfg, out=io.StringIO(), err=err) == 2
     assert err.getvalue().startswith(f"hilum up: error: --config {bad}: {bad}: policy")
     assert not (tmp_path / "run").exists()
 
@@ -134,14 +134,14 @@ def _up_vllm(tmp_path: Path, *options: str, **kw: object) -> tuple[int, str]:
 def test_engine_options_for_the_sim_engine_are_refused_before_anything_starts(tmp_path: Path) -> None:
     err = io.StringIO()
     cfg = UpConfig(engine_options=("nosuch=1",), port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "r"))
-    assert run_up(cfg, out=io.StringIO(), err=err) == 1
+    assert run_up(cfg, out=io.StringIO(), err=err) == 2
     assert err.getvalue().startswith("hilum up: error: --engine-option nosuch: the sim engine takes no option")
     assert not (tmp_path / "r").exists()
 
 
 def test_engine_vllm_without_a_checkpoint_says_which_option(tmp_path: Path) -> None:
     status, err = _up_vllm(tmp_path)
-    assert status == 1
+    assert status == 2
     assert err.startswith("hilum up: error: --engine vllm needs the checkpoint every llumlet loads: --engine-option")
     assert not (tmp_path / "run").exists()
 
@@ -162,6 +162,43 @@ def test_engine_vllm_refuses_a_python_without_vllm_naming_it_and_the_venv(tmp_pa
 
 def test_engine_vllm_with_a_model_name_needs_a_tokenizer_directory(tmp_path: Path) -> None:
     status, err = _up_vllm(tmp_path, "model=meta-llama/Llama-3.1-8B-Instruct")
-    assert status == 1
+    assert status == 2
     assert "--engine-option model=meta-llama/Llama-3.1-8B-Instruct: not a directory here" in err
     assert "pass --tokenizer DIR" in err
+
+
+@pytest.mark.parametrize(
+    ("kw", "config", "message"),
+    [
+        ({"time_scale": -1.0}, "", "hilum up: error: --time-scale: must be a finite number >= 0, got -1"),
+        ({"min_step_s": float("nan")}, "", "hilum up: error: --min-step-s: must be a finite number >= 0, got nan"),
+        (
+            {},
+            "autoscale:\n  enabled: true\n",
+            "autoscale.command is empty: the autoscaler has no way to start or stop an instance",
+        ),
+    ],
+)
+def test_values_a_child_would_refuse_are_refused_before_anything_starts(
+    tmp_path: Path, kw: dict[str, object], config: str, message: str
+) -> None:
+    if config:
+        (tmp_path / "hilum.yaml").write_text(config)
+        kw = {**kw, "config": str(tmp_path / "hilum.yaml")}
+    err = io.StringIO()
+    cfg = UpConfig(port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "r"), **kw)  # type: ignore[arg-type]
+    assert run_up(cfg, out=io.StringIO(), err=err) == 2
+    assert message in err.getvalue()
+    assert not (tmp_path / "r").exists()  # nothing started, not even the run directory
+
+
+def test_a_bad_api_key_file_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n  - {name: a, key_sha256: nothex}\n")
+    err = io.StringIO()
+    cfg = UpConfig(api_keys=str(keys), port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "r"))
+    assert run_up(cfg, out=io.StringIO(), err=err) == 2
+    assert (
+        f"hilum up: error: --api-keys {keys}: keys[0] (a): key_sha256 must be 64 hexadecimal digits" in err.getvalue()
+    )
+    assert not (tmp_path / "r").exists()

@@ -185,12 +185,12 @@ CHAT_MESSAGES = [{"role": "system", "content": "Réponds en français."}, {"role
 
 
 @contextlib.contextmanager
-def openai_client(cluster: UpProcess, timeout_s: float) -> Iterator[Any]:
+def openai_client(cluster: UpProcess, timeout_s: float, api_key: str = "none") -> Iterator[Any]:
     """The official ``openai`` client on the cluster's gateway, without retries (a failure shows at once),
-    each call given ``timeout_s`` seconds; closed on exit."""
+    each call given ``timeout_s`` seconds, sending ``api_key``; closed on exit."""
     import openai
 
-    client = openai.OpenAI(api_key="none", base_url=f"{cluster.url}/v1", max_retries=0, timeout=timeout_s)
+    client = openai.OpenAI(api_key=api_key, base_url=f"{cluster.url}/v1", max_retries=0, timeout=timeout_s)
     try:
         yield client
     finally:

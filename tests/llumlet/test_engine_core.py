@@ -174,6 +174,7 @@ def test_load_reports_list_the_cached_prefix_hashes_only_with_prefix_caching() -
         assert detailed.prefix_hashes == brief.prefix_hashes == e.load().prefix_hashes == want
         assert detailed.prefix_block_tokens == brief.prefix_block_tokens == (512 if caching else 0)
         assert e.load().to_instance_load("i0", "d").prefix_hashes == want
+        assert detailed.running[0].prefix_hashes == (1, 2, 3)  # the request's own, for pricing a move
         e.step()  # a decode step: the cache did not change, the report shares the same set
         assert e.instance_load("i0", "d", brief=True).prefix_hashes is brief.prefix_hashes
 

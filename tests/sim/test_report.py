@@ -88,6 +88,12 @@ def test_format_table_row_has_the_right_numbers() -> None:
     ]
 
 
+def test_what_a_live_run_does_not_measure_shows_as_missing() -> None:
+    live = dataclasses.replace(SUMMARY, policy="live", cross_domain_bytes=None, engine_steps=None)
+    row = body_rows(format_table([live], title="t"))["live"]
+    assert (row[16], row[20]) == ("-", "-")  # cross GB, engine steps (not 0: a live run does not count them)
+
+
 def test_render_table_one_row_per_policy() -> None:
     other = dataclasses.replace(SUMMARY, policy="round_robin")
     table = render_table([SUMMARY, other], title="t")

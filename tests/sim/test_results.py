@@ -68,7 +68,7 @@ def req(
 
 
 def mig(
-    src_domain: str, dst_domain: str, *, outcome: str, downtime_s: float, bytes_: int, rid: str = "r1"
+    src_domain: str, dst_domain: str, *, outcome: str, downtime_s: float, bytes_: int | None, rid: str = "r1"
 ) -> MigrationRecord:
     return MigrationRecord(
         request_id=rid,
@@ -175,6 +175,14 @@ def test_summarize_migrations_split_intra_cross_and_aborted() -> None:
     assert s.downtime_p99_s == pytest.approx(0.002 + 0.99 * 0.008)
     assert (s.sim_duration_s, s.engine_steps, s.wall_s) == (10.0, 1234, 2.0)
     assert s.requests_per_wall_s == pytest.approx(2.0)
+
+
+def test_a_live_run_leaves_what_it_did_not_measure_unknown() -> None:
+    moves = (mig("d0", "d1", outcome="committed", downtime_s=0.03, bytes_=None),)  # a move the gateway saw
+    s = summarize(hand_run(engine_steps=None, migrations=moves))
+    assert (s.migrations_cross_domain, s.cross_domain_bytes, s.engine_steps) == (1, None, None)
+    known = (mig("d0", "d0", outcome="committed", downtime_s=0.0, bytes_=None), *hand_run().migrations)
+    assert summarize(hand_run(migrations=known)).cross_domain_bytes == 3_500_000_000  # an intra move's bytes: unused
 
 
 def test_summarize_empty_run_gives_none_not_nan() -> None:

@@ -165,7 +165,7 @@ def test_results_json_holds_gpu_hours_and_every_decision(config: str, tmp_path: 
         ({"initial_instances": 0}, "initial_instances"),
         (
             {"autoscale": False, "initial_instances": 2, "scale_out": ("n0-i1@3",)},
-            "initial_instances cannot be combined with scale_out",
+            r"initial_instances \(--initial-instances\) cannot be combined with scale_out \(--scale-out\)",
         ),
         ({"autoscale": True, "cold_start_s": 100.0}, r"below autoscale.start_timeout_s \(100\)"),
     ],

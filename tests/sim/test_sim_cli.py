@@ -87,15 +87,23 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--trace", "no-such-trace"], "no-such-trace"),
         (["--topology", "no-such-topology"], "no-such-topology"),
         (["--drain", "node-0-i0"], "expected INSTANCE@SECONDS"),
-        (["--priority-fraction", "1.5"], "priority_fraction"),
-        (["--trace", "sharegpt", "--arrival", "gamma"], "arrival_cv"),
+        (
+            ["--priority-fraction", "1.5"],
+            "priority_fraction (--priority-fraction): Input should be less than or equal to 1, got 1.5",
+        ),
+        (["--trace", "sharegpt", "--arrival", "gamma"], "--arrival gamma needs --arrival-cv"),
+        (["--arrival-cv", "2"], "--arrival-cv applies only with --arrival gamma"),
+        (["--arrival", "gamma", "--arrival-cv", "-1"], "--arrival-cv must be > 0"),
+        (["--arrival", "poisson", "--rate", "0"], "--rate must be a number of requests per second > 0, got 0.0"),
+        (["--rate", "3"], "rate_per_s (--rate) and arrival_cv (--arrival-cv) apply only to synthetic arrivals"),
+        (["--policy", "hilum,llumnix,hilum"], "--policy names hilum more than once"),
         (["--drain", "nope@10"], "unknown instance 'nope'"),
         (["--drain", "node-0-i1@5", "--scale-out", "node-0-i1@9"], "both drained and scaled out"),
         (["--out", "README.md"], "exists and is not a directory"),
         (["--cold-start-s", "5"], "cold_start_s (--cold-start-s) applies only with autoscale (--autoscale)"),
         (["--autoscale", "--cold-start-s", "600"], "must be below autoscale.start_timeout_s (600)"),
         (["--autoscale", "--scale-out", "node-0-i1@9"], "cannot be combined with autoscale"),
-        (["--initial-instances", "17"], "has only 16 llama-2-13b instances"),
+        (["--initial-instances", "17"], "initial_instances (--initial-instances) 17: 2x8-a100-40gb has only 16"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -157,3 +165,10 @@ def test_the_bundled_sweep_example_is_valid() -> None:
 
     config = load_sweep_config(Path(__file__).resolve().parents[2] / "examples" / "sweep.yaml")
     _check_sweep(config.topologies, config.trace, config.policies, config.options)
+
+
+def test_the_title_counts_the_instances_serving_at_start(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["sim", "--max-requests", "5", "--policy", "round-robin", "--initial-instances", "4"]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(4 of 16 llama-2-13b instances at start, 2 domains)" in out

@@ -4,11 +4,10 @@ rule (policy/dispatch.py) composed by the simulated tiers, on engines that repor
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 
 import pytest
 
-from sim.results import SimRun, summarize
+from sim.results import RequestRecord, SimRun, busiest_dispatch_share, summarize
 from sim.runner import SimSpec, run_simulation
 
 # 600 requests at 3x the trace's rate on 16 Llama-2-7B instances with ample KV memory: busy, not saturated.
@@ -17,12 +16,6 @@ SLICE = SimSpec("2x8-a100", "mooncake-conv", "llumnix", rate_scale=3.0, max_requ
 
 def run(policy: str, **options: object) -> SimRun:
     return run_simulation(dataclasses.replace(SLICE, policy=policy, options=options))
-
-
-def busiest_share(result: SimRun, num_instances: int = 16) -> float:
-    """Requests dispatched to the busiest instance over its fair share (admitted requests / instances)."""
-    counts = Counter(r.dispatched_instance_id for r in result.requests if r.dispatched_instance_id)
-    return max(counts.values()) / (sum(counts.values()) / num_instances)
 
 
 @pytest.mark.parametrize("policy", ["llumnix", "hilum"])
@@ -34,7 +27,20 @@ def test_prefix_awareness_raises_the_hit_rate_without_piling_up(policy: str) -> 
     # more (~18 % of prompt tokens); routing a conversation's next turn where its context is cached adds more.
     assert blind.prefix_hit_rate > 0.1
     assert aware.prefix_hit_rate > blind.prefix_hit_rate + 0.08
-    assert busiest_share(aware_run) <= 2.0
+    share = busiest_dispatch_share(aware_run.requests, 16)
+    assert share is not None and share <= 2.0
+
+
+def test_busiest_dispatch_share_is_the_busiest_instance_over_the_fair_share() -> None:
+    def placed(*ids: str) -> list[RequestRecord]:
+        base = RequestRecord("r", 0, 0.0, 10, 1, 1, 0.1, 0.2, (), 0, 0.0, 0, None, "")
+        return [dataclasses.replace(base, request_id=f"r{k}", dispatched_instance_id=i) for k, i in enumerate(ids)]
+
+    # 6 placed on 3 instances (fair share 2): a got 3, so 1.5; an unplaced request does not count.
+    assert busiest_dispatch_share(placed("a", "a", "a", "b", "c", "c", ""), 3) == pytest.approx(1.5)
+    assert busiest_dispatch_share(placed(""), 3) is None
+    with pytest.raises(ValueError, match="num_instances"):
+        busiest_dispatch_share([], 0)
 
 
 def test_prefix_caching_off_means_no_hit() -> None:
