@@ -263,6 +263,8 @@ def move_proposal(move: MoveProposal) -> pb.MigrationProposal:
         model=move.model,
         max_blocks=move.max_blocks,
         dst_domain_id=move.dst_domain_id,
+        prefix_hashes=move.prefix_hashes,
+        prefix_block_tokens=move.prefix_block_tokens,
     )
 
 
@@ -281,6 +283,8 @@ def move_proposal_from_pb(msg: pb.MigrationProposal) -> MoveProposal:
         model=msg.model,
         max_blocks=msg.max_blocks,
         dst_domain_id=msg.dst_domain_id,
+        prefix_hashes=tuple(msg.prefix_hashes),
+        prefix_block_tokens=msg.prefix_block_tokens,
     )
 
 

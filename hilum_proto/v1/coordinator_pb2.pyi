@@ -826,6 +826,8 @@ class MigrationProposal(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     MAX_BLOCKS_FIELD_NUMBER: _builtins.int
     DST_DOMAIN_ID_FIELD_NUMBER: _builtins.int
+    PREFIX_HASHES_FIELD_NUMBER: _builtins.int
+    PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
     proposer_domain_id: _builtins.str
     request_id: _builtins.str
     attempt: _builtins.int
@@ -847,6 +849,14 @@ class MigrationProposal(_message.Message):
     """KV blocks it may grow to: a destination must hold them (0 = unknown)"""
     dst_domain_id: _builtins.str
     """the domain the proposer was paired with (a preference)"""
+    prefix_block_tokens: _builtins.int
+    """the leading ones needs them not copied (the cost model prices that)
+    tokens one of prefix_hashes covers (0 = none known)
+    """
+    @_builtins.property
+    def prefix_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """its prompt's prefix hash ids, in order: a destination whose cache holds"""
+
     def __init__(
         self,
         *,
@@ -862,10 +872,12 @@ class MigrationProposal(_message.Message):
         model: _builtins.str = ...,
         max_blocks: _builtins.int = ...,
         dst_domain_id: _builtins.str = ...,
+        prefix_hashes: _abc.Iterable[_builtins.int] | None = ...,
+        prefix_block_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "blocks", b"blocks", "decode_step_s", b"decode_step_s", "dst_domain_id", b"dst_domain_id", "dst_instance_id", b"dst_instance_id", "max_blocks", b"max_blocks", "model", b"model", "num_tokens", b"num_tokens", "proposer_domain_id", b"proposer_domain_id", "remaining_tokens", b"remaining_tokens", "request_id", b"request_id", "src_instance_id", b"src_instance_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "blocks", b"blocks", "decode_step_s", b"decode_step_s", "dst_domain_id", b"dst_domain_id", "dst_instance_id", b"dst_instance_id", "max_blocks", b"max_blocks", "model", b"model", "num_tokens", b"num_tokens", "prefix_block_tokens", b"prefix_block_tokens", "prefix_hashes", b"prefix_hashes", "proposer_domain_id", b"proposer_domain_id", "remaining_tokens", b"remaining_tokens", "request_id", b"request_id", "src_instance_id", b"src_instance_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

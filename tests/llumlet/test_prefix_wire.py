@@ -104,3 +104,19 @@ def test_every_field_of_the_engine_load_has_its_load_report_field() -> None:
     wire = set(pb.LoadReport.DESCRIPTOR.fields_by_name) | {"total_blocks"}
     assert names <= wire, names - wire
     assert {f.name for f in dataclasses.fields(RunningRequestLoad)} <= set(pb.RunningRequest.DESCRIPTOR.fields_by_name)
+
+
+def test_a_cross_domain_proposal_carries_the_requests_prefix_to_the_coordinator() -> None:
+    """The coordinator prices a move with how many of its leading prefix hash blocks the destination holds: the
+    proposal's hashes cross MigrationProposal, every field both ways."""
+    from global_coord.approver import MoveProposal
+    from global_coord.convert import move_proposal, move_proposal_from_pb
+
+    move = MoveProposal(
+        "d0", "r", 3, "a0", "b1", 40, 630, 100, 0.03, model="m", max_blocks=60, dst_domain_id="d1",
+        prefix_hashes=(5, 6, 7), prefix_block_tokens=64,
+    )  # fmt: skip
+    defaults = {f.name: f.default for f in dataclasses.fields(MoveProposal)}
+    assert [n for n, d in defaults.items() if getattr(move, n) == d] == []  # every field set: a drop would show
+    assert move_proposal_from_pb(move_proposal(move)) == move
+    assert set(defaults) <= set(cpb.MigrationProposal.DESCRIPTOR.fields_by_name)
