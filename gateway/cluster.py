@@ -474,9 +474,8 @@ class LiveCluster:
                 async for report in self._client(address).watch_load(min_interval_s=0.1):
                     used = report.used_blocks
                     self.metrics.set_instance_kv(instance_id, domain, used, report.total_blocks)
-                    self.metrics.prefix_hits.labels(instance=instance_id, domain=domain).set(report.prefix_hit_tokens)
-                    self.metrics.prefix_queries.labels(instance=instance_id, domain=domain).set(
-                        report.prefix_query_tokens
+                    self.metrics.set_instance_prefix(
+                        instance_id, domain, report.prefix_hit_tokens, report.prefix_query_tokens
                     )
                     if report.preempting and not preempting:
                         self.metrics.preemptions.labels(instance=instance_id).inc()

@@ -113,6 +113,12 @@ class GatewayMetrics:
         if capacity_blocks > 0:
             self.kv_ratio.labels(instance=instance_id, domain=domain_id).set(used_blocks / capacity_blocks)
 
+    def set_instance_prefix(self, instance_id: str, domain_id: str, hit_tokens: int, query_tokens: int) -> None:
+        """Per-instance prefix-cache counters, tokens since its engine started (``LoadReport.prefix_hit_tokens``,
+        ``prefix_query_tokens``)."""
+        self.prefix_hits.labels(instance=instance_id, domain=domain_id).set(hit_tokens)
+        self.prefix_queries.labels(instance=instance_id, domain=domain_id).set(query_tokens)
+
     def remove_instance(self, instance_id: str, domain_id: str) -> None:
         """An instance deregistered: its series leave the page (a dead instance's gauges do not linger)."""
         for metric, labels in (
