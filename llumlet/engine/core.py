@@ -505,6 +505,28 @@ class EngineCore(PagedEngine):
         self._changed()
         return adopted
 
+    def adopt_cached_prefix(
+        self,
+        reservation_id: str,
+        prompt_token_ids: Sequence[int],
+        prefix_block_hashes: Sequence[int] = (),
+        prefix_hash_block_tokens: int = 0,
+    ) -> int:
+        """The llumlet's Reserve (``Engine.adopt_cached_prefix``): :meth:`adopt_prefix` by the prompt's prefix hash
+        ids, which cover full prompt blocks only, all of them in the KV of a request in decode (this engine has
+        no content to match ``prompt_token_ids`` by). 0 for hash blocks that are not whole blocks here (hashed for
+        another block size: they name nothing this cache holds). Raises KeyError for an unknown reservation."""
+        if (
+            not prefix_block_hashes
+            or prefix_hash_block_tokens < 1
+            or prefix_hash_block_tokens % self.blocks.block_size_tokens
+        ):
+            if self.blocks.reservation_size(reservation_id) is None:
+                raise KeyError(f"{self.instance_id}: adopt_cached_prefix: unknown reservation {reservation_id!r}")
+            return 0
+        kv_tokens = len(prefix_block_hashes) * prefix_hash_block_tokens
+        return self.adopt_prefix(reservation_id, prefix_block_hashes, prefix_hash_block_tokens, kv_tokens)
+
     def release_reservation(self, reservation_id: str) -> int:
         """Give a reservation back. Idempotent and safe if never reserved; returns blocks released."""
         if self.blocks.reservation_size(reservation_id) is None:

@@ -247,6 +247,8 @@ class EngineLoad:
     max_num_seqs: int = 0  # batch slots: requests per step at most (0 = not known)
     prefix_hashes: frozenset[int] = frozenset()  # hash ids of its prefix-cache entries (used or evictable)
     prefix_block_tokens: int = 0  # tokens per hash block of those (0 = no prefix cache, or nothing cached yet)
+    prefix_hit_tokens: int = 0  # prompt tokens served from its prefix cache since the engine started
+    prefix_query_tokens: int = 0  # prompt tokens looked up in it since then (hit rate = hits / queries)
 
     @property
     def free_blocks(self) -> int:
