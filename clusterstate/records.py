@@ -2,8 +2,8 @@
 
 A record read from etcd that fails validation raises :class:`RecordError` naming the key and the field; a
 watcher logs it and skips the key rather than crash (a buggy agent must not take the coordinator down).
-The codec follows each dataclass's type hints (``str``, ``int``, ``float``, ``bool``, enums, tuples, nested
-dataclasses): strict — no bool for an int, no NaN — and every ``__post_init__`` check applies.
+The codec follows each dataclass's type hints (``str``, ``int``, ``float``, ``bool``, enums, tuples, frozensets
+(as sorted lists), nested dataclasses): strict — no bool for an int, no NaN — and every ``__post_init__`` check applies.
 
 A domain's load is the rule book's own ``policy.domain.DomainSummary`` (one per model it serves, in one
 :class:`SummaryRecord`): the same value from the domain scheduler to etcd, to the wire and back.
@@ -197,7 +197,14 @@ R = TypeVar("R", DomainRegistration, InstanceRegistration, SummaryRecord, Migrat
 
 def encode(record: Record) -> bytes:
     """JSON bytes of ``record`` (sorted keys; ±inf allowed for usage and freeness)."""
-    return json.dumps(asdict(record), sort_keys=True, separators=(",", ":")).encode()
+    return json.dumps(asdict(record), sort_keys=True, separators=(",", ":"), default=_json_set).encode()
+
+
+def _json_set(value: Any) -> Any:
+    """A set (prefix hash ids) as its sorted list; TypeError for anything else JSON cannot hold."""
+    if isinstance(value, frozenset | set):
+        return sorted(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 _HINTS: dict[type[Any], dict[str, Any]] = {}
@@ -224,6 +231,11 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             raise RecordError(f"{where}: expected a list, got {value!r}")
         (item, _ellipsis) = typing.get_args(tp)
         return tuple(_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is frozenset:
+        if not isinstance(value, list):
+            raise RecordError(f"{where}: expected a list, got {value!r}")
+        (member,) = typing.get_args(tp)
+        return frozenset(_coerce(member, v, f"{where}[{i}]") for i, v in enumerate(value))
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         return _from_dict(tp, value, where)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):

@@ -163,6 +163,7 @@ async def _serve(
         reservation_ttl_s=settings.intervals.reservation_ttl_s,
         unavailable_wait_s=ns.unavailable_wait,
         max_replays=settings.resume.max_replays,
+        prefix_cache=settings.prefix_cache,
     )
     runner: web.AppRunner | None = None
     try:

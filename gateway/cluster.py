@@ -39,6 +39,7 @@ from gateway.validation import GenerationRequest, ModelLimits, model_limits
 from hilum_proto.v1 import llumlet_pb2
 from llumlet.client import LlumletClient
 from llumlet.convert import sampling_to_pb
+from llumlet.engine.prefix_hash import PREFIX_CACHE_DEFAULTS, PrefixCacheConfig, prefix_block_hashes
 from policy.types import PolicyConfig
 from topology.spec import Topology
 
@@ -79,9 +80,16 @@ class Backend(Protocol):
         """Forget a request that ended (or was never started)."""
 
 
-def submit_message(request_id: str, request: GenerationRequest, origin: str) -> llumlet_pb2.SubmitRequest:
+def submit_message(
+    request_id: str, request: GenerationRequest, origin: str, prefix_block_tokens: int = 0
+) -> llumlet_pb2.SubmitRequest:
     """The ``SubmitRequest`` sent to a domain scheduler (prompt as token ids, every sampling setting of
-    ``request.sampling``, tokens pushed to ``origin``). Stop strings and ``n`` stay at the gateway."""
+    ``request.sampling``, tokens pushed to ``origin``). Stop strings and ``n`` stay at the gateway.
+
+    ``prefix_block_tokens`` > 0: it carries the prompt's prefix hash ids, one per full block of that many
+    tokens (``llumlet.engine.prefix_hash.prefix_block_hashes``), which dispatch matches against what each
+    instance reports it caches and the sim engine's prefix cache reuses; 0: none."""
+    hashes = prefix_block_hashes(request.prompt_token_ids, prefix_block_tokens) if prefix_block_tokens else ()
     return llumlet_pb2.SubmitRequest(
         request_id=request_id,
         prompt_tokens=request.prompt_tokens,
@@ -90,6 +98,8 @@ def submit_message(request_id: str, request: GenerationRequest, origin: str) -> 
         priority=request.priority,
         origin=origin,
         model=request.model,
+        prefix_block_hashes=hashes,
+        prefix_hash_block_tokens=prefix_block_tokens if hashes else 0,
     )
 
 
@@ -128,8 +138,9 @@ class MetricsObserver:
         self._m.observe_migration(src != dst, gap_s)
 
 
-#: Places a Submit on some domain: (message, demand blocks, blocks it may grow to) -> where it runs.
-Dispatch = Callable[[llumlet_pb2.SubmitRequest, int, int], Awaitable[Placement]]
+#: Places a Submit on some domain: (message, demand blocks, blocks it may grow to, KV block size in tokens) ->
+#: where it runs.
+Dispatch = Callable[[llumlet_pb2.SubmitRequest, int, int, int], Awaitable[Placement]]
 
 
 @dataclass(slots=True)
@@ -160,6 +171,7 @@ class Replayer:
         origin: the sink address the llumlets push to.
         metrics: where to count.
         max_replays: ``resume.max_replays`` of the configuration.
+        prefix_cache: how prompts are hashed (``prefix_cache.blocks_per_hash``; :func:`submit_message`).
     """
 
     def __init__(
@@ -169,7 +181,9 @@ class Replayer:
         origin: Callable[[], str],
         metrics: GatewayMetrics,
         max_replays: int,
+        prefix_cache: PrefixCacheConfig = PREFIX_CACHE_DEFAULTS,
     ) -> None:
+        self._prefix_cache = prefix_cache
         self._sink = sink
         self._dispatch = dispatch
         self._origin = origin
@@ -181,11 +195,15 @@ class Replayer:
         """Dispatch a choice (its engine request has the choice's id). Raises ``DispatchFailed``."""
         run = self._runs[request_id] = _Run(request, request_id)
         self._sink.open(request_id)
-        placement = await self._place(run, submit_message(request_id, request, self._origin()), request)
+        placement = await self._place(run, self._message(request_id, request), request)
         return placement
 
+    def _message(self, engine_id: str, request: GenerationRequest) -> llumlet_pb2.SubmitRequest:
+        tokens = self._prefix_cache.block_tokens(request.block_size_tokens)
+        return submit_message(engine_id, request, self._origin(), tokens)
+
     async def _place(self, run: _Run, msg: llumlet_pb2.SubmitRequest, request: GenerationRequest) -> Placement:
-        placement = await self._dispatch(msg, request.demand_blocks, request.need_blocks)
+        placement = await self._dispatch(msg, request.demand_blocks, request.need_blocks, request.block_size_tokens)
         run.address = placement.instance_address
         self._sink.dispatched(run.engine_id, placement.instance_id, placement.instance_address)
         return placement
@@ -257,7 +275,7 @@ class Replayer:
         self._sink.resume(run.engine_id, new_id)
         run.engine_id = new_id  # before dispatching: a client that leaves meanwhile closes the replay's stream
         replay = replace(run.request, prompt_token_ids=plan.prompt_token_ids, sampling=plan.sampling)
-        msg = submit_message(new_id, replay, self._origin())
+        msg = self._message(new_id, replay)
         msg.first_seq = plan.first_seq
         msg.avoid_instance_ids.extend(plan.avoid_instance_ids)
         try:
@@ -305,6 +323,7 @@ class LiveCluster:
         reservation_ttl_s: float = 1.0,
         unavailable_wait_s: float = 5.0,
         max_replays: int = 3,
+        prefix_cache: PrefixCacheConfig = PREFIX_CACHE_DEFAULTS,
     ) -> None:
         self.topology = topology
         self._limits = model_limits(topology)
@@ -330,7 +349,9 @@ class LiveCluster:
         self._tasks: list[asyncio.Task[None]] = []
         self._load_watches: dict[str, tuple[asyncio.Task[None], str]] = {}  # instance -> (its watch, address)
         self._aborting: set[asyncio.Task[None]] = set()
-        self.replayer = Replayer(self.sink, self.router.dispatch, lambda: self.origin, metrics, max_replays)
+        self.replayer = Replayer(
+            self.sink, self.router.dispatch, lambda: self.origin, metrics, max_replays, prefix_cache
+        )
 
     @property
     def limits(self) -> Mapping[str, ModelLimits]:
@@ -453,6 +474,9 @@ class LiveCluster:
                 async for report in self._client(address).watch_load(min_interval_s=0.1):
                     used = report.used_blocks
                     self.metrics.set_instance_kv(instance_id, domain, used, report.total_blocks)
+                    self.metrics.set_instance_prefix(
+                        instance_id, domain, report.prefix_hit_tokens, report.prefix_query_tokens
+                    )
                     if report.preempting and not preempting:
                         self.metrics.preemptions.labels(instance=instance_id).inc()
                     preempting = report.preempting

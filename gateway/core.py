@@ -136,9 +136,14 @@ class GatewayCore:
         need_blocks: int = 0,
         priority: int = 0,
         exclude: Collection[str] = (),
+        prefix_hashes: Sequence[int] = (),
+        prefix_block_tokens: int = 0,
+        block_size_tokens: int = 0,
     ) -> DispatchDecision:
         """Choose a domain for a request of ``model`` (``demand_blocks`` to start, ``need_blocks`` at most) and
         reserve it there, stamped ``now_s``. ``exclude``: domains already tried for this request.
+        ``prefix_hashes``, ``prefix_block_tokens``, ``block_size_tokens``: its reusable prompt prefix, as
+        ``policy.dispatch.DomainDispatchView.pick`` takes it (a domain holding it is preferred within the margin).
 
         Raises ValueError on negative block counts.
         """
@@ -148,7 +153,16 @@ class GatewayCore:
             return DispatchDecision(None, f"model {model!r} is not served (served: {served})")
         view = self._view(resolved)
         self._expire(resolved, view, now_s - self.reservation_ttl_s)
-        decision = view.pick(demand_blocks, priority, stamp=now_s, need_blocks=need_blocks, exclude=exclude)
+        decision = view.pick(
+            demand_blocks,
+            priority,
+            stamp=now_s,
+            need_blocks=need_blocks,
+            exclude=exclude,
+            prefix_hashes=prefix_hashes,
+            prefix_block_tokens=prefix_block_tokens,
+            block_size_tokens=block_size_tokens,
+        )
         chosen = decision.target_id
         if chosen is not None:
             heapq.heappush(self._stamps.setdefault(resolved, []), (now_s, chosen))
@@ -180,14 +194,29 @@ class PlacementAttempt:
     Args:
         core: the gateway's view of the domains.
         model, demand_blocks, need_blocks, priority: the request (``need_blocks``: what it may grow to).
+        prefix_hashes, prefix_block_tokens, block_size_tokens: its reusable prompt prefix (``GatewayCore.pick``).
     """
 
-    def __init__(self, core: GatewayCore, model: str, demand_blocks: int, need_blocks: int = 0, priority: int = 0):
+    def __init__(
+        self,
+        core: GatewayCore,
+        model: str,
+        demand_blocks: int,
+        need_blocks: int = 0,
+        priority: int = 0,
+        *,
+        prefix_hashes: Sequence[int] = (),
+        prefix_block_tokens: int = 0,
+        block_size_tokens: int = 0,
+    ):
         self._core = core
         self.model = model
         self.demand_blocks = demand_blocks
         self.need_blocks = need_blocks
         self.priority = priority
+        self.prefix_hashes = prefix_hashes
+        self.prefix_block_tokens = prefix_block_tokens
+        self.block_size_tokens = block_size_tokens
         self.only_if_room = True  # the first pass asks each domain to take it only if it has room now
         self.refused: set[str] = set()  # never again for this request
         self.unavailable: set[str] = set()  # again after a backoff (:meth:`retry_unavailable`)
@@ -213,6 +242,9 @@ class PlacementAttempt:
             need_blocks=self.need_blocks,
             priority=self.priority,
             exclude=exclude,
+            prefix_hashes=self.prefix_hashes,
+            prefix_block_tokens=self.prefix_block_tokens,
+            block_size_tokens=self.block_size_tokens,
         )
         self.last_reason = decision.reason
         return decision

@@ -8,7 +8,9 @@ Counters: ``requests_total{endpoint, outcome}`` (outcome ``ok``, ``bad_request``
 ``cross_domain``, seen as owner changes in the token stream), ``preemptions_total{instance}`` (preemption
 episodes: load reports where the instance turned ``preempting``), ``dispatch_retries_total{reason}``.
 Gauges: ``requests_running``, ``instance_kv_used_blocks{instance, domain}``,
-``instance_kv_usage_ratio{instance, domain}`` (from each llumlet's WatchLoad stream; an instance's series leave
+``instance_kv_usage_ratio{instance, domain}``, ``instance_prefix_hit_tokens{instance, domain}`` and
+``instance_prefix_query_tokens{instance, domain}`` (the instance's prefix-cache counters since its engine
+started: hit rate = hits / queries) (from each llumlet's WatchLoad stream; an instance's series leave
 when it deregisters). ``resumes_total{outcome}`` and ``replayed_tokens_total``: requests whose instance failed
 (``gateway.core.plan_resume``).
 Histograms: ``ttft_seconds`` (request received -> first token received), ``tbt_seconds`` (between tokens
@@ -68,6 +70,18 @@ class GatewayMetrics:
         self.kv_ratio = Gauge(
             p + "instance_kv_usage_ratio", "KV blocks used / capacity", ["instance", "domain"], registry=r
         )
+        self.prefix_hits = Gauge(
+            p + "instance_prefix_hit_tokens",
+            "prompt tokens the instance served from its prefix cache since its engine started",
+            ["instance", "domain"],
+            registry=r,
+        )
+        self.prefix_queries = Gauge(
+            p + "instance_prefix_query_tokens",
+            "prompt tokens the instance looked up in its prefix cache since its engine started",
+            ["instance", "domain"],
+            registry=r,
+        )
         self.retries = Counter(p + "dispatch_retries", "dispatch retried on another domain", ["reason"], registry=r)
         self.resumes = Counter(
             p + "resumes", "requests whose instance failed, by what was done (gateway.core.plan_resume)", ["outcome"],
@@ -99,11 +113,19 @@ class GatewayMetrics:
         if capacity_blocks > 0:
             self.kv_ratio.labels(instance=instance_id, domain=domain_id).set(used_blocks / capacity_blocks)
 
+    def set_instance_prefix(self, instance_id: str, domain_id: str, hit_tokens: int, query_tokens: int) -> None:
+        """Per-instance prefix-cache counters, tokens since its engine started (``LoadReport.prefix_hit_tokens``,
+        ``prefix_query_tokens``)."""
+        self.prefix_hits.labels(instance=instance_id, domain=domain_id).set(hit_tokens)
+        self.prefix_queries.labels(instance=instance_id, domain=domain_id).set(query_tokens)
+
     def remove_instance(self, instance_id: str, domain_id: str) -> None:
         """An instance deregistered: its series leave the page (a dead instance's gauges do not linger)."""
         for metric, labels in (
             (self.kv_used, (instance_id, domain_id)),
             (self.kv_ratio, (instance_id, domain_id)),
+            (self.prefix_hits, (instance_id, domain_id)),
+            (self.prefix_queries, (instance_id, domain_id)),
             (self.preemptions, (instance_id,)),
         ):
             with contextlib.suppress(KeyError):

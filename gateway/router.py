@@ -38,6 +38,7 @@ from hilum_proto.tls import open_channel
 from hilum_proto.v1 import llumlet_pb2
 from hilum_proto.v1 import rack_sched_pb2 as rpb
 from hilum_proto.v1 import rack_sched_pb2_grpc as rpb_grpc
+from policy.dispatch import reusable_prefix_hashes
 from policy.types import PolicyConfig
 
 __all__ = [
@@ -190,14 +191,31 @@ class DomainRouter:
                 continue
             self._records[domain_id] = record
 
-    async def dispatch(self, msg: llumlet_pb2.SubmitRequest, demand_blocks: int, need_blocks: int = 0) -> Placement:
-        """Place ``msg`` on some domain serving ``msg.model`` (its ``priority`` counts).
+    async def dispatch(
+        self, msg: llumlet_pb2.SubmitRequest, demand_blocks: int, need_blocks: int = 0, block_size_tokens: int = 0
+    ) -> Placement:
+        """Place ``msg`` on some domain serving ``msg.model`` (its ``priority`` and prefix hashes count).
 
-        ``demand_blocks``: KV blocks it needs to start; ``need_blocks``: what it may grow to (0: not known).
+        ``demand_blocks``: KV blocks it needs to start; ``need_blocks``: what it may grow to (0: not known);
+        ``block_size_tokens``: the model's KV block size, with which its ``prefix_block_hashes`` (each of
+        ``prefix_hash_block_tokens`` tokens) become blocks a domain already holds (0: its prefix plays no part).
         Raises :class:`DispatchFailed`.
         """
         deadline = self._clock.now_s() + self._unavailable_wait_s
-        attempt = PlacementAttempt(self.core, msg.model, demand_blocks, need_blocks, msg.priority)
+        attempt = PlacementAttempt(
+            self.core,
+            msg.model,
+            demand_blocks,
+            need_blocks,
+            msg.priority,
+            prefix_hashes=reusable_prefix_hashes(
+                tuple(msg.prefix_block_hashes), msg.prefix_hash_block_tokens, len(msg.prompt_token_ids)
+            )
+            if block_size_tokens
+            else (),
+            prefix_block_tokens=msg.prefix_hash_block_tokens,
+            block_size_tokens=block_size_tokens,
+        )
         tries = 0
         backoff = self._backoff_s
         while True:

@@ -116,6 +116,8 @@ def price_and_judge(
     cost: CostConfig,
     cfg: ApprovalConfig,
     measured_bandwidth_bytes_per_s: float | None = None,
+    prefix_blocks: int = 0,
+    prefix_blocks_on_dst: int = 0,
 ) -> tuple[Verdict, MigrationPlan]:
     """Price a move with the cost model at the rate it would get now, then judge it.
 
@@ -134,6 +136,8 @@ def price_and_judge(
         measured_bandwidth_bytes_per_s: what moves on this path and transport achieved
             (``topology.bandwidth``), None while unmeasured; the cost model prices with the lower of it and
             the topology's share.
+        prefix_blocks: full KV blocks at the start of its KV holding its prompt's prefix hash blocks.
+        prefix_blocks_on_dst: of those, the ones the destination's prefix cache holds: not copied.
 
     Returns:
         (verdict, plan).
@@ -150,6 +154,8 @@ def price_and_judge(
             path_bandwidth_bytes_per_s=path_bandwidth_bytes_per_s,
             existing_flows=busiest_link_flows,
             measured_bandwidth_bytes_per_s=measured_bandwidth_bytes_per_s,
+            prefix_blocks=prefix_blocks,
+            prefix_blocks_on_dst=prefix_blocks_on_dst,
         ),
         cost,
     )

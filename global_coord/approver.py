@@ -64,9 +64,15 @@ class MoveProposal:
     model: str = ""  # the model it runs; a destination must serve it ("" = the source's)
     max_blocks: int = 0  # KV blocks it may grow to; a destination's capacity must hold them (0 = not known)
     dst_domain_id: str = ""  # the domain the proposer was paired with (a preference; "" = any)
+    # hash ids of its prompt's prefix blocks, each of prefix_block_tokens tokens (() / 0: none known); a
+    # destination whose cache holds the leading ones needs them not copied (the judge prices that)
+    prefix_hashes: tuple[int, ...] = ()
+    prefix_block_tokens: int = 0
 
     def __post_init__(self) -> None:
         problems = []
+        if self.prefix_hashes and self.prefix_block_tokens < 1:
+            problems.append(f"prefix_hashes given but prefix_block_tokens is {self.prefix_block_tokens}")
         for name in ("proposer_domain_id", "request_id", "src_instance_id"):
             if not getattr(self, name):
                 problems.append(f"{name} is empty")
@@ -105,7 +111,9 @@ class Judgement:
 
 class MoveJudge(Protocol):
     """Prices and judges moving ``move`` to ``dst_instance_id`` over ``path``; ``measured_bandwidth_bytes_per_s``
-    is what moves on that path and transport achieved (None: unmeasured, price with the topology)."""
+    is what moves on that path and transport achieved (None: unmeasured, price with the topology);
+    ``dst_prefix_hash_blocks``: how many of the move's leading ``prefix_hashes`` the destination's prefix cache
+    holds (those blocks are not copied)."""
 
     def __call__(
         self,
@@ -114,6 +122,7 @@ class MoveJudge(Protocol):
         path: PathLike,
         busiest_link_flows: int,
         measured_bandwidth_bytes_per_s: float | None = None,
+        dst_prefix_hash_blocks: int = 0,
     ) -> Judgement: ...
 
 
@@ -202,8 +211,12 @@ def choose_destination(
     *,
     measured: Mapping[BandwidthKey, float] | None = None,
     max_tries: int = 16,
+    prefix_held: Mapping[str, frozenset[int]] | None = None,
 ) -> Choice:
     """Judge candidates in order; the first approved one wins.
+
+    ``prefix_held``: the prefix hash blocks each candidate's cache holds (``InstanceBrief.prefix_hashes``); the
+    judge is told how many of the move's leading ``prefix_hashes`` a candidate holds (a gap ends the run).
 
     A candidate ``path_of`` cannot reach (KeyError / ValueError: unknown to the topology) is skipped. Each is
     judged with the measured rate of its path and the transport the move would take (``measured``, from
@@ -224,7 +237,9 @@ def choose_destination(
             continue
         # not ``measured or {}``: a lazy view (``BandwidthEstimates.at``) would compute every path's rate for bool()
         rate = None if measured is None else measured.get(path_key(default_transport(path.same_domain), path.links))
-        verdict = judge(move, dst, path, busiest_link_flows(path.links, flows), rate)
+        held = prefix_held.get(dst) if prefix_held is not None and move.prefix_hashes else None
+        on_dst = _leading_run(move.prefix_hashes, held) if held else 0
+        verdict = judge(move, dst, path, busiest_link_flows(path.links, flows), rate, on_dst)
         if verdict.approved:
             return Choice(dst, path, verdict)
         last = Judgement(False, f"{dst}: {verdict.reason}", verdict.transfer_s, verdict.downtime_s)
@@ -246,5 +261,17 @@ def decide(
     """The coordinator's whole decision on one proposed move: candidates (:func:`candidate_destinations`),
     then the first the judge approves (:func:`choose_destination`) under the link budgets ``flows``, each
     priced with its path's ``measured`` rate when there is one."""
+    summaries = list(summaries)
     candidates = candidate_destinations(move, src_domain_id, summaries, drained, registered)
-    return choose_destination(move, candidates, path_of, judge, flows, measured=measured)
+    held = {b.instance_id: b.prefix_hashes for s in summaries for b in s.instances if b.prefix_hashes}
+    return choose_destination(move, candidates, path_of, judge, flows, measured=measured, prefix_held=held)
+
+
+def _leading_run(hashes: Iterable[int], held: frozenset[int]) -> int:
+    """How many leading ``hashes`` are in ``held`` (a cache is matched from the first block on)."""
+    run = 0
+    for h in hashes:
+        if h not in held:
+            break
+        run += 1
+    return run

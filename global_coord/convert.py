@@ -81,6 +81,7 @@ def brief(b: InstanceBrief) -> pb.InstanceBrief:
         draining=b.draining,
         decode_step_s=b.decode_step_s,
         max_num_seqs=b.max_num_seqs,
+        prefix_hashes=sorted(b.prefix_hashes),
     )
 
 
@@ -96,6 +97,7 @@ def brief_from_pb(msg: pb.InstanceBrief) -> InstanceBrief:
         draining=msg.draining,
         decode_step_s=msg.decode_step_s,
         max_num_seqs=msg.max_num_seqs,
+        prefix_hashes=frozenset(msg.prefix_hashes),
     )
 
 
@@ -116,6 +118,7 @@ def summary(s: DomainSummary) -> pb.DomainSummary:
         model=s.model,
         taken_s=s.taken_s,
         instances=[brief(b) for b in s.instances],
+        prefix_hashes=[] if s.instances else sorted(s.prefix_hashes),  # else derived from the instances
     )
 
 
@@ -138,6 +141,7 @@ def summary_from_pb(msg: pb.DomainSummary) -> DomainSummary:
         model=msg.model,
         taken_s=msg.taken_s,
         instances=tuple(brief_from_pb(b) for b in msg.instances),
+        prefix_hashes=frozenset(msg.prefix_hashes),
     )
 
 
@@ -259,6 +263,8 @@ def move_proposal(move: MoveProposal) -> pb.MigrationProposal:
         model=move.model,
         max_blocks=move.max_blocks,
         dst_domain_id=move.dst_domain_id,
+        prefix_hashes=move.prefix_hashes,
+        prefix_block_tokens=move.prefix_block_tokens,
     )
 
 
@@ -277,6 +283,8 @@ def move_proposal_from_pb(msg: pb.MigrationProposal) -> MoveProposal:
         model=msg.model,
         max_blocks=msg.max_blocks,
         dst_domain_id=msg.dst_domain_id,
+        prefix_hashes=tuple(msg.prefix_hashes),
+        prefix_block_tokens=msg.prefix_block_tokens,
     )
 
 

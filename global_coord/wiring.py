@@ -54,9 +54,12 @@ class CostModelJudge:
         path: PathLike,
         busiest_link_flows: int,
         measured_bandwidth_bytes_per_s: float | None = None,
+        dst_prefix_hash_blocks: int = 0,
     ) -> Judgement:
         """Price and judge (with the measured rate of the path when given); a move between instances serving
-        different models is never approved."""
+        different models is never approved. The prefix blocks the destination holds
+        (``dst_prefix_hash_blocks`` of the move's hash blocks) are priced as not copied; recomputing the rest
+        there is not priced here (the coordinator has no latency model): the copy is the upper bound."""
         src_model = self._topo.model_of(move.src_instance_id)
         dst_model = self._topo.model_of(dst_instance_id)
         if src_model.name != dst_model.name:
@@ -71,8 +74,19 @@ class CostModelJudge:
             cost=self._cost_cfg,
             cfg=self._approval_cfg,
             measured_bandwidth_bytes_per_s=measured_bandwidth_bytes_per_s,
+            **_prefix_blocks(move, src_model.block_size_tokens, dst_prefix_hash_blocks),
         )
         return Judgement(verdict.approved, verdict.reason, float(plan.transfer_s), float(plan.downtime_s))
+
+
+def _prefix_blocks(move: MoveProposal, block_size_tokens: int, dst_hash_blocks: int) -> dict[str, int]:
+    """``prefix_blocks`` (the move's full prefix blocks) and ``prefix_blocks_on_dst`` (those the destination
+    holds) of the cost model's input, in KV blocks; none when the move's hash blocks are not whole KV blocks."""
+    if not move.prefix_hashes or move.prefix_block_tokens % block_size_tokens:
+        return {}
+    per = move.prefix_block_tokens // block_size_tokens
+    prefix = min(len(move.prefix_hashes) * per, move.num_tokens // block_size_tokens)
+    return {"prefix_blocks": prefix, "prefix_blocks_on_dst": min(dst_hash_blocks * per, prefix)}
 
 
 def load_cluster_model(

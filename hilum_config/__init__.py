@@ -21,6 +21,8 @@ section         dataclass                                           used by
                                                                     failed (``gateway.core.plan_resume``)
 ``autoscale``   ``policy.autoscale.AutoscaleConfig`` (the rule) and  coordinator leader, ``hilum sim``
                 ``global_coord.actuator.ActuatorConfig`` (the hook)
+``prefix_``     ``llumlet.engine.prefix_hash.PrefixCacheConfig``    gateways (prompt hashes), llumlets (the sim
+``cache``                                                           engine's cache, load reports)
 ==============  =================================================  ==========================================
 
 ``docs/configuration.md`` lists every key with its default and unit; ``examples/hilum.yaml`` is a complete
@@ -44,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from global_coord.actuator import ActuatorConfig
 from global_coord.approval import ApprovalConfig
+from llumlet.engine.prefix_hash import PrefixCacheConfig
 from policy.autoscale import AutoscaleConfig
 from policy.remaining import RemainingConfig
 from policy.types import PolicyConfig
@@ -121,6 +124,7 @@ class HilumConfig:
     measured_bandwidth: MeasuredBandwidthConfig = field(default_factory=MeasuredBandwidthConfig)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # the rule keys of the autoscale section
     actuator: ActuatorConfig = field(default_factory=ActuatorConfig)  # its command keys (autoscale.command ...)
+    prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
     source: str = "<defaults>"  # where it was read from
 
 
@@ -136,6 +140,7 @@ _SECTIONS: dict[str, tuple[type[Any], tuple[str, ...] | None]] = {
     "resume": (ResumeConfig, None),
     "measured_bandwidth": (MeasuredBandwidthConfig, None),
     "autoscale": (AutoscaleConfig, None),  # and ActuatorConfig's keys: see _AUTOSCALE_ACTUATOR
+    "prefix_cache": (PrefixCacheConfig, None),
 }
 _AUTOSCALE_ACTUATOR = ActuatorConfig  # the autoscale section's other keys (the hook): HilumConfig.actuator
 
@@ -210,6 +215,7 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
         built["measured_bandwidth"],
         built["autoscale"],
         built["actuator"],
+        built["prefix_cache"],
         source,
     )
 

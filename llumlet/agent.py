@@ -14,21 +14,24 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 from llumlet.backends.base import Backend
 from llumlet.driver import EngineDriver, LoadSnapshot
+from llumlet.engine.prefix_hash import PrefixCacheConfig
 from llumlet.engine.types import EngineRequest
 from llumlet.migration_in import IncomingChunk, MigrationDestination
 from llumlet.migration_out import MigrationSource
 from llumlet.migration_types import (
+    NO_PREFIX,
     CommitCall,
     DestReply,
     MigrationCommand,
     MigrationConfig,
     MigrationHooks,
     MigrationReport,
+    PromptPrefix,
     Released,
     Reserved,
     Written,
@@ -51,6 +54,7 @@ class LlumletConfig:
     moved_ttl_s: float = 300.0  # remember where a request migrated to (abort forwarding) this long
     push_retries: int = 5  # retries of one token push
     idle_retry_s: float = 0.005  # wait after a step that scheduled nothing (queued work did not fit)
+    prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)  # report_max_hashes caps reports
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +184,7 @@ class Llumlet:
         *,
         src_instance_id: str = "",
         expiry_s: float = 0.0,
-        prefix_token_ids: Sequence[int] = (),
+        prefix: PromptPrefix = NO_PREFIX,
         pool: bytes = b"",
     ) -> Reserved:
         """Destination: reserve or grow (``llumlet.migration_in``)."""
@@ -190,7 +194,7 @@ class Llumlet:
             num_blocks,
             src_instance_id=src_instance_id,
             expiry_s=expiry_s,
-            prefix_token_ids=prefix_token_ids,
+            prefix=prefix,
             pool=pool,
         )
 

@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
     domain_id = ns.domain_id or (topology.instance(ns.instance_id).domain_id if topology is not None else "")
+    settings = hilum_config.load_config(ns.config)
     backend = make_backend(
         ns.engine,
         BackendConfig(
@@ -83,9 +84,9 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
             seed=ns.seed,
             options=parse_engine_options(ns.engine_option),
             tokenizer=ns.tokenizer,
+            prefix_cache=settings.prefix_cache,
         ),
     )
-    settings = hilum_config.load_config(ns.config)
     migration = MigrationConfig(
         precopy=settings.cost.precopy,  # the cost model's stop rule: a move pauses as long as it was priced to
         reservation_expiry_s=ns.reservation_expiry_s,
@@ -95,7 +96,9 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
         link_budget_scope=ns.link_budget_scope if ns.link_budget_scope is not None else (ns.prefix if ns.etcd else ""),
     )
     llumlet = Llumlet(
-        LlumletConfig(instance_id=ns.instance_id, domain_id=domain_id, migration=migration),
+        LlumletConfig(
+            instance_id=ns.instance_id, domain_id=domain_id, migration=migration, prefix_cache=settings.prefix_cache
+        ),
         backend,
         topology=topology,
         rng=random.Random(ns.seed),

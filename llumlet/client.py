@@ -11,7 +11,7 @@ from hilum_proto.v1 import llumlet_pb2 as pb
 from hilum_proto.v1 import llumlet_pb2_grpc as pb_grpc
 from llumlet.convert import commit_to_pb, dest_status_from_pb, sampling_to_pb
 from llumlet.engine.types import SamplingParams
-from llumlet.migration_types import CommitCall, DestReply, Released, Reserved
+from llumlet.migration_types import NO_PREFIX, CommitCall, DestReply, PromptPrefix, Released, Reserved
 
 __all__ = ["LlumletClient"]
 
@@ -54,8 +54,11 @@ class LlumletClient:
         prompt_token_ids: Sequence[int] = (),
         prompt_tokens: int = 0,
         priority: int = 0,
+        prefix_block_hashes: Sequence[int] = (),
+        prefix_hash_block_tokens: int = 0,
     ) -> pb.SubmitReply:
-        """Submit a request whose tokens go to the TokenSink at ``origin``."""
+        """Submit a request whose tokens go to the TokenSink at ``origin``; ``prefix_block_hashes`` (each of
+        ``prefix_hash_block_tokens`` tokens) name its prompt's prefix blocks for the engine's prefix cache."""
         msg = pb.SubmitRequest(
             request_id=request_id,
             prompt_tokens=prompt_tokens,
@@ -63,6 +66,8 @@ class LlumletClient:
             sampling=sampling_to_pb(sampling),
             priority=priority,
             origin=origin,
+            prefix_block_hashes=prefix_block_hashes,
+            prefix_hash_block_tokens=prefix_hash_block_tokens,
         )
         return await self.stub.Submit(msg, timeout=self.timeout_s)
 
@@ -123,18 +128,20 @@ class LlumletClient:
         *,
         src_instance_id: str = "",
         expiry_s: float = 0.0,
-        prefix_token_ids: Sequence[int] = (),
+        prefix: PromptPrefix = NO_PREFIX,
         pool: bytes = b"",
     ) -> Reserved:
-        """Reserve (or grow a reservation to) ``num_blocks`` for ``(request_id, attempt)``; with
-        ``prefix_token_ids`` (first Reserve) the destination says which leading blocks it already caches."""
+        """Reserve (or grow a reservation to) ``num_blocks`` for ``(request_id, attempt)``; with a ``prefix``
+        (first Reserve) the destination says which leading blocks it already caches."""
         msg = pb.ReserveRequest(
             request_id=request_id,
             attempt=attempt,
             src_instance_id=src_instance_id,
             num_blocks=num_blocks,
             expiry_s=expiry_s,
-            prefix_token_ids=prefix_token_ids,
+            prefix_token_ids=prefix.token_ids,
+            prefix_block_hashes=prefix.block_hashes,
+            prefix_hash_block_tokens=prefix.hash_block_tokens,
             pool=pool,
         )
         reply = await self.stub.Reserve(msg, timeout=self.timeout_s)

@@ -39,6 +39,7 @@ __all__ = [
     "load_to_pb",
     "logprobs_from_pb",
     "logprobs_to_pb",
+    "reported_prefix",
     "request_from_submit",
     "sampling_from_pb",
     "sampling_to_pb",
@@ -206,8 +207,12 @@ def request_from_submit(msg: pb.SubmitRequest, arrival_s: float) -> EngineReques
     )
 
 
-def load_to_pb(load: EngineLoad, instance_id: str, domain_id: str) -> pb.LoadReport:
-    """``EngineLoad`` -> ``hilum.v1.LoadReport`` (the llumlet's counters are filled by the caller)."""
+def load_to_pb(load: EngineLoad, instance_id: str, domain_id: str, max_hashes: int | None = None) -> pb.LoadReport:
+    """``EngineLoad`` -> ``hilum.v1.LoadReport`` (the llumlet's counters are filled by the caller).
+
+    ``max_hashes``: prefix hash ids the report carries at most (``prefix_cache.report_max_hashes``; None = all),
+    for the instance (:func:`reported_prefix`) and for each running request (its leading ones)."""
+    held = reported_prefix(load, max_hashes)
     return pb.LoadReport(
         instance_id=instance_id,
         domain_id=domain_id,
@@ -226,6 +231,7 @@ def load_to_pb(load: EngineLoad, instance_id: str, domain_id: str) -> pb.LoadRep
                 max_tokens=r.max_tokens,
                 max_blocks=r.max_blocks,
                 unmigratable_reason=r.unmigratable_reason,
+                prefix_hashes=r.prefix_hashes if max_hashes is None else r.prefix_hashes[:max_hashes],
             )
             for r in load.running
         ],
@@ -235,7 +241,30 @@ def load_to_pb(load: EngineLoad, instance_id: str, domain_id: str) -> pb.LoadRep
         preempting=load.preempting,
         num_suspended=load.num_suspended,
         max_num_seqs=load.max_num_seqs,
+        prefix_hashes=held,
+        prefix_block_tokens=load.prefix_block_tokens if held else 0,
+        prefix_hit_tokens=load.prefix_hit_tokens,
+        prefix_query_tokens=load.prefix_query_tokens,
     )
+
+
+def reported_prefix(load: EngineLoad, max_hashes: int | None) -> list[int]:
+    """The prefix hash ids a load report carries of ``load.prefix_hashes``: all of them while they are at most
+    ``max_hashes`` (None: no cap); else the ones its running requests use (those requests' prefixes, in their
+    order: in use now, so the most recently used), then others, up to ``max_hashes``."""
+    held = load.prefix_hashes
+    if max_hashes is None or len(held) <= max_hashes:
+        return list(held)
+    out: dict[int, None] = {}
+    for r in load.running:
+        for h in r.prefix_hashes:
+            if h in held:
+                out[h] = None
+    for h in held:
+        if len(out) >= max_hashes:
+            break
+        out[h] = None
+    return list(out)[:max_hashes]
 
 
 def load_from_pb(msg: pb.LoadReport) -> EngineLoad:
@@ -258,6 +287,7 @@ def load_from_pb(msg: pb.LoadReport) -> EngineLoad:
                 r.max_tokens,
                 r.max_blocks,
                 r.unmigratable_reason,
+                tuple(r.prefix_hashes),
             )
             for r in msg.running
         ),
@@ -267,6 +297,10 @@ def load_from_pb(msg: pb.LoadReport) -> EngineLoad:
         preempting=msg.preempting,
         num_suspended=msg.num_suspended,
         max_num_seqs=msg.max_num_seqs,
+        prefix_hashes=frozenset(msg.prefix_hashes),
+        prefix_block_tokens=msg.prefix_block_tokens,
+        prefix_hit_tokens=msg.prefix_hit_tokens,
+        prefix_query_tokens=msg.prefix_query_tokens,
     )
 
 

@@ -35,6 +35,7 @@ import grpc
 from llumlet.backends.base import Backend
 from llumlet.client import LlumletClient
 from llumlet.engine.types import EngineLoad, EngineRequest, StepResult
+from llumlet.migration_types import NO_PREFIX, PromptPrefix
 from llumlet.tokens import PushOutcome, TokenChunkOut, TokenPusher
 
 __all__ = ["EngineDriver", "LoadSnapshot", "Owned"]
@@ -55,7 +56,7 @@ class Owned:
     migrating: int = 0  # attempt of the outgoing migration in flight, 0 = none
     committing: bool = False  # Commit sent, outcome unknown
     abort_requested: bool = False  # the client aborted while committing
-    prompt_token_ids: tuple[int, ...] = ()  # the prompt, for a destination's prefix-cache lookup (may be empty)
+    prefix: PromptPrefix = NO_PREFIX  # the prompt, for a destination's prefix-cache lookup (may be empty)
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,8 +263,10 @@ class EngineDriver:
             await self.call(self.engine.add_request, request)
         except ValueError as exc:  # RequestTooLargeError, duplicate id
             return str(exc)
-        prompt = request.prompt_token_ids or ()
-        self.owned[rid] = Owned(rid, origin, next_seq=first_seq, epoch=0, prompt_token_ids=prompt)
+        prefix = PromptPrefix(
+            request.prompt_token_ids or (), request.prefix_block_hashes, request.prefix_hash_block_tokens
+        )
+        self.owned[rid] = Owned(rid, origin, next_seq=first_seq, epoch=0, prefix=prefix)
         self.moved.pop(rid, None)
         self.pusher.forget(rid)
         self.wake()

@@ -21,17 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llumlet.driver import EngineDriver, Owned
 from llumlet.engine.protocol import KVPayload
 from llumlet.migration_types import (
+    NO_PREFIX,
     CommitCall,
     DestReply,
     DestStatus,
     MigrationConfig,
+    PromptPrefix,
     Released,
     Reserved,
     Written,
@@ -133,13 +135,13 @@ class MigrationDestination:
         *,
         src_instance_id: str = "",
         expiry_s: float = 0.0,
-        prefix_token_ids: Sequence[int] = (),
+        prefix: PromptPrefix = NO_PREFIX,
         pool: bytes = b"",
     ) -> Reserved:
         """Reserve ``num_blocks`` for ``(request_id, attempt)``, or grow the reservation of the same attempt.
 
-        A new reservation with ``prefix_token_ids`` (the request's prompt) adopts the leading blocks of that
-        prompt this engine already caches (``Engine.adopt_cached_prefix``): the reply's
+        A new reservation with a ``prefix`` (the request's prompt, its prefix hash ids) adopts the leading
+        blocks of that prompt this engine already caches (``Engine.adopt_cached_prefix``): the reply's
         ``num_cached_blocks`` says how many positions the source need not send. With ``pool`` (the source's
         exported KV pool, local transport) the reply says whether this llumlet could open it
         (``pool_opened``): peer copies when it could, bytes inline when not (another host, a GPU not visible).
@@ -170,8 +172,14 @@ class MigrationDestination:
             if ok:
                 cur = _Reservation(rid, attempt, res_id, src_instance_id, expiry, d.clock() + expiry, num_blocks)
                 self.reservations[rid] = cur  # with its deadline: the reaper may run at the next await
-                if prefix_token_ids:
-                    cached = await d.call(d.engine.adopt_cached_prefix, res_id, tuple(prefix_token_ids))
+                if prefix.token_ids or prefix.block_hashes:
+                    cached = await d.call(
+                        d.engine.adopt_cached_prefix,
+                        res_id,
+                        prefix.token_ids,
+                        prefix.block_hashes,
+                        prefix.hash_block_tokens,
+                    )
         else:
             ok = await d.call(d.engine.grow_reservation, res_id, num_blocks)
             if ok:
@@ -277,8 +285,9 @@ class MigrationDestination:
             # adopted: the engine and the books change together, with no await in between
             if self.reservations.get(rid) is cur:
                 del self.reservations[rid]
-            prompt = call.state.prompt_token_ids or ()
-            d.adopt(Owned(rid, call.origin, next_seq=call.next_seq, epoch=call.epoch, prompt_token_ids=prompt))
+            st = call.state
+            prefix = PromptPrefix(st.prompt_token_ids or (), st.prefix_block_hashes, st.prefix_hash_block_tokens)
+            d.adopt(Owned(rid, call.origin, next_seq=call.next_seq, epoch=call.epoch, prefix=prefix))
         outcome = await d.pusher.flush(rid)  # the ownership announcement, acknowledged by the origin
         if outcome is not PushOutcome.ACKED:
             if rid in d.owned:

@@ -242,7 +242,7 @@ class MigrationSource:
                 kv[1],
                 src_instance_id=d.instance_id,
                 expiry_s=cfg.reservation_expiry_s,
-                prefix_token_ids=rec.prompt_token_ids,
+                prefix=rec.prefix,
                 pool=transport.pool or b"",
             )
             reserve_s = d.clock() - t_reserve

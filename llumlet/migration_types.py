@@ -26,6 +26,7 @@ __all__ = [
     "MigrationOutcome",
     "MigrationReport",
     "MigrationTiming",
+    "PromptPrefix",
     "Released",
     "Reserved",
     "StageStats",
@@ -239,6 +240,21 @@ class DestStatus(enum.Enum):
     REFUSED = "refused"  # not now (already here, no such reservation, bad request)
     NO_ROOM = "no_room"  # the blocks asked for do not fit
     FAILED = "failed"  # the operation broke (bad state, write error); the reservation is unchanged
+
+
+@dataclass(frozen=True, slots=True)
+class PromptPrefix:
+    """A request's prompt as a destination's prefix cache looks it up (first Reserve of a migration): by
+    content (``token_ids``: vLLM) or by hash ids (``block_hashes``, chained per ``hash_block_tokens`` tokens,
+    ``llumlet.engine.prefix_hash``: the sim engine). Any part may be empty (then it matches nothing)."""
+
+    token_ids: tuple[int, ...] = ()
+    block_hashes: tuple[int, ...] = ()
+    hash_block_tokens: int = 0  # tokens one of block_hashes covers (0 = none)
+
+
+#: The prefix of a request whose prompt is not known here (matches nothing).
+NO_PREFIX = PromptPrefix()
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from llumlet.convert import commit_from_pb, dest_status_to_pb, load_to_pb, reque
 from llumlet.driver import LoadSnapshot
 from llumlet.engine.protocol import KVPayload
 from llumlet.migration_in import IncomingChunk
-from llumlet.migration_types import DestStatus, MigrationCommand, MigrationOutcome, MigrationReport
+from llumlet.migration_types import DestStatus, MigrationCommand, MigrationOutcome, MigrationReport, PromptPrefix
 from llumlet.transport import TransportError, TransportName
 
 __all__ = ["LlumletService", "command_from_pb", "report_to_pb", "serve"]
@@ -131,7 +131,8 @@ class LlumletService(pb_grpc.LlumletServicer):
             yield self._load(snap)
 
     def _load(self, snap: LoadSnapshot) -> pb.LoadReport:
-        msg = load_to_pb(snap.load, self._l.config.instance_id, self._l.config.domain_id)
+        cfg = self._l.config
+        msg = load_to_pb(snap.load, cfg.instance_id, cfg.domain_id, cfg.prefix_cache.report_max_hashes)
         msg.num_requests = snap.num_requests
         msg.num_reservations = snap.num_reservations
         msg.num_migrations_out = snap.num_migrations_out
@@ -159,7 +160,9 @@ class LlumletService(pb_grpc.LlumletServicer):
             request.num_blocks,
             src_instance_id=request.src_instance_id,
             expiry_s=request.expiry_s,
-            prefix_token_ids=tuple(request.prefix_token_ids),
+            prefix=PromptPrefix(
+                tuple(request.prefix_token_ids), tuple(request.prefix_block_hashes), request.prefix_hash_block_tokens
+            ),
             pool=request.pool,
         )
         return pb.ReserveReply(

@@ -6,7 +6,7 @@ the gateway. Rules and sources: docs/policy.md.
 
 from __future__ import annotations
 
-from policy.dispatch import DispatchDecision, DispatchView, DomainDispatchView
+from policy.dispatch import DispatchDecision, DispatchView, DomainDispatchView, reusable_prefix_hashes
 from policy.domain import DomainSummary, InstanceBrief, summarize_domain
 from policy.migration import (
     CandidateOrder,
@@ -46,5 +46,6 @@ __all__ = [
     "plan_migrations",
     "potential",
     "request_virtual_usage",
+    "reusable_prefix_hashes",
     "summarize_domain",
 ]

@@ -21,19 +21,59 @@ max_tokens, what it may grow to; 0 = only the demand is known):
    targets of the pool are drawn first and the freest of those taken: several dispatchers sharing the
    same lagged view (a fleet of gateways) then spread a burst instead of all picking the same target;
 4. reserve: add demand + priority headroom to its usage and one request to its batch.
+
+Prefix-aware dispatch (``PolicyConfig.prefix_aware_dispatch``), for a request that gives the hash ids of its
+reusable prompt prefix (``prefix_hashes``, each covering ``prefix_block_tokens`` tokens, ``h`` = that over the
+KV block size, the KV blocks one hash stands for):
+
+* a target's hit is ``hit = min(run·h, demand − 1)`` blocks, ``run`` the leading hashes of the request found in
+  the target's ``prefix_hashes`` (reported, plus those of the requests this view sent it since the report):
+  an engine reuses a prefix only from its first block on, and always computes the prompt's last token;
+* blocks present need no new memory: steps 2 and 4 use the target's effective demand ``demand − hit``;
+* step 3 becomes: ``F'`` = a target's freeness after reserving its effective demand; the targets with
+  ``F' ≥ F'_best − margin·|F'_best|`` (``margin`` = ``prefix_affinity_margin``) are eligible, and the eligible
+  ones with the longest hit are chosen from (the freest by ``F'``, near-ties drawn as in step 3). When no
+  eligible target holds any of the prefix, step 3 applies unchanged. So affinity wins only while the prefix
+  holder is within the margin of the freest; beyond it load wins, and a popular prefix cannot pile requests
+  onto one instance. With ample free memory ``F ≈ M/B``: the holder's batch grows to at most
+  ``1/(1 − margin)`` times the freest's (2× at the default 0.5). With ``choices`` = d, the target with the
+  longest hit joins the d drawn ones;
+* the chosen target's view entry counts the request's hashes as held, so a burst with one prefix lands together
+  before the next report (each request still under the margin).
+
+Sources: SGLang's cache-aware router (sgl-router ``cache_aware``: the highest prefix match wins while the
+workers' loads are balanced, the shortest queue once ``balance_abs_threshold`` and ``balance_rel_threshold``
+are both exceeded) — hilum's margin is that relative threshold, on freeness; NVIDIA Dynamo's KV router
+(cost = overlap weight × new prefill blocks + active decode blocks: cached blocks need no new prefill nor
+memory) — hilum's effective demand. vLLM's automatic prefix caching and the Mooncake trace's ``hash_ids``
+define the hash blocks.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from policy.domain import DomainSummary
 from policy.types import InstanceLoad, PolicyConfig
 from policy.usage import dispatch_usage, freeness_of, queued_blocks
 
-__all__ = ["DispatchDecision", "DispatchView", "DomainDispatchView"]
+__all__ = ["DispatchDecision", "DispatchView", "DomainDispatchView", "reusable_prefix_hashes"]
+
+
+def reusable_prefix_hashes(hashes: Sequence[int], prefix_block_tokens: int, prompt_tokens: int) -> Sequence[int]:
+    """The leading ``hashes`` of a prompt of ``prompt_tokens`` tokens an engine may reuse from its prefix cache:
+    the hash blocks (of ``prefix_block_tokens`` tokens) that end before the prompt's last token, which is always
+    computed (vLLM's automatic prefix caching; ``llumlet.engine.blocks.BlockManager.match_prefix`` matches at most
+    ``prompt_tokens − 1`` tokens). ``hashes`` itself when all of them are reusable (no copy). Raises ValueError
+    when hashes are given with ``prefix_block_tokens`` < 1."""
+    if not hashes:
+        return hashes
+    if prefix_block_tokens < 1:
+        raise ValueError(f"prefix hashes given but prefix_block_tokens is {prefix_block_tokens}")
+    usable = max(0, prompt_tokens - 1) // prefix_block_tokens
+    return hashes if usable >= len(hashes) else hashes[:usable]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,31 +96,55 @@ class _Target:
     free_blocks: int  # blocks a new request could use now (instance: M − used − queued head)
     max_request_blocks: int  # the largest request one instance of it can ever hold
     draining: bool
+    prefix_hashes: frozenset[int] = frozenset()  # prefix hash blocks it holds, as reported (shared, not copied)
+    prefix_block_tokens: int = 0  # tokens per hash block of those (0: not reported, any size matches)
     reserved_usage: float = 0.0  # Σ(demand + headroom) dispatched since the report
     reserved_blocks: int = 0  # Σ demand dispatched since the report
     reserved_count: int = 0  # requests dispatched since the report
-    stamped: tuple[tuple[float, int, int], ...] = ()  # (stamp, demand, virtual) of stamped reservations
+    added_hashes: set[int] | None = None  # prefix hashes of the requests dispatched since the report
+    # (stamp, demand, virtual, prefix hashes) of stamped reservations
+    stamped: tuple[tuple[float, int, int, Sequence[int]], ...] = ()
 
-    def freeness(self) -> float:
+    def freeness(self, extra_usage: float = 0.0, extra_requests: int = 0) -> float:
         return freeness_of(
-            self.capacity_blocks, self.usage + self.reserved_usage, self.num_running + self.reserved_count
+            self.capacity_blocks,
+            self.usage + self.reserved_usage + extra_usage,
+            self.num_running + self.reserved_count + extra_requests,
         )
 
     def has_room(self, demand_blocks: int) -> bool:
         return self.free_blocks - self.reserved_blocks >= demand_blocks
 
-    def reserve(self, demand_blocks: int, virtual_blocks: int, stamp: float | None = None) -> None:
+    def prefix_run(self, hashes: Sequence[int], block_tokens: int) -> int:
+        """How many leading ``hashes`` (of ``block_tokens``-token hash blocks) it holds or was sent."""
+        if self.prefix_block_tokens not in (0, block_tokens):
+            return 0  # hashed at another granularity: the ids do not name the same blocks
+        held, added = self.prefix_hashes, self.added_hashes
+        run = 0
+        for h in hashes:
+            if h not in held and (added is None or h not in added):
+                break
+            run += 1
+        return run
+
+    def reserve(
+        self, demand_blocks: int, virtual_blocks: int, stamp: float | None = None, hashes: Sequence[int] = ()
+    ) -> None:
         self.reserved_usage += virtual_blocks
         self.reserved_blocks += demand_blocks
         self.reserved_count += 1
+        if hashes:
+            if self.added_hashes is None:
+                self.added_hashes = set()
+            self.added_hashes.update(hashes)
         if stamp is not None:
-            self.stamped += ((stamp, demand_blocks, virtual_blocks),)
+            self.stamped += ((stamp, demand_blocks, virtual_blocks, hashes),)
 
     def keep_after(self, previous: _Target, as_of: float) -> None:
         """Carry over ``previous``'s stamped reservations made after ``as_of`` (the new report misses them)."""
-        for stamp, demand, virtual in previous.stamped:
+        for stamp, demand, virtual, hashes in previous.stamped:
             if stamp > as_of:
-                self.reserve(demand, virtual, stamp)
+                self.reserve(demand, virtual, stamp, hashes)
 
 
 class _View:
@@ -118,6 +182,9 @@ class _View:
         need_blocks: int = 0,
         exclude: Collection[str] = (),
         only_if_room: bool = False,
+        prefix_hashes: Sequence[int] = (),
+        prefix_block_tokens: int = 0,
+        block_size_tokens: int = 0,
     ) -> DispatchDecision:
         """Choose a target for a request and reserve it there.
 
@@ -130,6 +197,11 @@ class _View:
                 that many on one instance. 0: not known, only the demand counts.
             exclude: targets not to choose this time (tried already); their state is kept.
             only_if_room: refuse (``full=True``) rather than queue when no capable target has room now.
+            prefix_hashes: hash ids of the prompt's prefix blocks an engine may reuse, in order (the full hash
+                blocks before the prompt's last token: vLLM always computes that one).
+            prefix_block_tokens: tokens each hash covers (a multiple of ``block_size_tokens``).
+            block_size_tokens: tokens per KV block of the targets (``demand_blocks``' unit); with
+                ``prefix_block_tokens`` it gives the blocks one hash stands for. 0 (either): no prefix.
 
         Returns target_id None, with the reason, only when no target (not excluded) can ever hold the
         request. Raises ValueError if demand_blocks or need_blocks < 0.
@@ -145,14 +217,39 @@ class _View:
         ]
         if not capable:
             return DispatchDecision(None, self._refusal(size, exclude))
-        roomy = [t for t in capable if t.has_room(demand_blocks)]
+        per_hash = self._blocks_per_hash(prefix_hashes, prefix_block_tokens, block_size_tokens)
+        hits: dict[str, int] = {}
+        if per_hash and demand_blocks > 1:
+            for t in capable:
+                run = t.prefix_run(prefix_hashes, prefix_block_tokens)
+                if run:
+                    hits[t.target_id] = min(run * per_hash, demand_blocks - 1)
+        roomy = [t for t in capable if t.has_room(demand_blocks - hits.get(t.target_id, 0))]
         if not roomy and only_if_room:
             noun = self._noun
             why = f"no {noun} has {demand_blocks} free blocks now ({len(capable)} could hold the request later)"
             return DispatchDecision(None, why, full=True)
-        chosen, num_near = self._choose(roomy or capable)
-        chosen.reserve(demand_blocks, demand_blocks + self._cfg.headroom_blocks(priority), stamp)
-        return DispatchDecision(chosen.target_id, self._reason(chosen, demand_blocks, num_near, bool(roomy)))
+        headroom = self._cfg.headroom_blocks(priority)
+        pool = roomy or capable
+        if hits and any(t.target_id in hits for t in pool):
+            chosen, num_near = self._choose_by_prefix(pool, hits, demand_blocks + headroom)
+        else:
+            chosen, num_near = self._choose(pool)
+        hit = hits.get(chosen.target_id, 0)
+        chosen.reserve(demand_blocks - hit, demand_blocks - hit + headroom, stamp, prefix_hashes if per_hash else ())
+        reason = self._reason(chosen, demand_blocks, num_near, bool(roomy))
+        return DispatchDecision(chosen.target_id, f"{reason}; prefix hit {hit} blocks" if hit else reason)
+
+    def _blocks_per_hash(self, hashes: Sequence[int], block_tokens: int, block_size_tokens: int) -> int:
+        """KV blocks one prefix hash stands for; 0 when the request's prefix takes no part."""
+        if not hashes or not self._cfg.prefix_aware_dispatch:
+            return 0
+        if block_size_tokens < 1 or block_tokens < 1 or block_tokens % block_size_tokens:
+            raise ValueError(
+                f"pick: prefix_block_tokens {block_tokens} must be a positive multiple of block_size_tokens "
+                f"{block_size_tokens} when prefix_hashes are given"
+            )
+        return block_tokens // block_size_tokens
 
     def _set(self, target: _Target, as_of: float | None = None) -> None:
         previous = self._targets.get(target.target_id)
@@ -160,16 +257,41 @@ class _View:
             target.keep_after(previous, as_of)
         self._targets[target.target_id] = target
 
-    def _choose(self, pool: list[_Target]) -> tuple[_Target, int]:
-        """The freest of `pool` (of `choices` targets drawn from it, when set); near-ties (within
-        tie_tolerance of the best) drawn with the rng."""
+    def _sample(self, pool: list[_Target]) -> list[_Target]:
+        """`choices` targets drawn from `pool` (all of it when unset or larger)."""
         if 0 < self._choices < len(pool):
-            pool = self._rng.sample(sorted(pool, key=lambda t: t.target_id), self._choices)
-        scored = [(t.freeness(), t.target_id, t) for t in pool]
+            return self._rng.sample(sorted(pool, key=lambda t: t.target_id), self._choices)
+        return pool
+
+    def _freest(self, scored: list[tuple[float, str, _Target]]) -> tuple[_Target, int]:
+        """The highest-scored of (freeness, id, target); near-ties (within tie_tolerance of the best) drawn."""
         best = max(f for f, _, _ in scored)
         floor = best - self._cfg.tie_tolerance * abs(best)
         near = sorted((tid, t) for f, tid, t in scored if f >= floor)
         return self._rng.choice(near)[1], len(near)
+
+    def _choose(self, pool: list[_Target]) -> tuple[_Target, int]:
+        """The freest of `pool` (of `choices` targets drawn from it, when set); near-ties (within
+        tie_tolerance of the best) drawn with the rng."""
+        return self._freest([(t.freeness(), t.target_id, t) for t in self._sample(pool)])
+
+    def _choose_by_prefix(self, pool: list[_Target], hits: dict[str, int], virtual_blocks: int) -> tuple[_Target, int]:
+        """The longest prefix hit among the targets whose freeness after the reservation is within
+        ``prefix_affinity_margin`` of the freest's (module docstring); plain :meth:`_choose` when none of
+        those holds the prefix. ``virtual_blocks``: demand + headroom, before the hit."""
+        drawn = sample = self._sample(pool)
+        if len(drawn) < len(pool):  # the longest hit joins the drawn ones
+            best_hit = max(pool, key=lambda t: (hits.get(t.target_id, 0), t.target_id))
+            if best_hit not in drawn:
+                sample = [*drawn, best_hit]
+        after = [(t.freeness(virtual_blocks - hits.get(t.target_id, 0), 1), t.target_id, t) for t in sample]
+        best = max(f for f, _, _ in after)
+        floor = best - self._cfg.prefix_affinity_margin * abs(best)
+        eligible = [x for x in after if x[0] >= floor]
+        longest = max(hits.get(tid, 0) for _, tid, _ in eligible)
+        if longest == 0:
+            return self._freest([(t.freeness(), t.target_id, t) for t in drawn])
+        return self._freest([x for x in eligible if hits.get(x[1], 0) == longest])
 
     def _reason(self, chosen: _Target, demand_blocks: int, num_near: int, has_room: bool) -> str:
         noun = self._noun
@@ -227,6 +349,8 @@ class DispatchView(_View):
                 free_blocks=load.free_blocks - queued_blocks(load),
                 max_request_blocks=load.capacity_blocks,
                 draining=load.draining,
+                prefix_hashes=load.prefix_hashes,
+                prefix_block_tokens=load.prefix_block_tokens,
             ),
             as_of,
         )
@@ -266,6 +390,7 @@ class DomainDispatchView(_View):
                 free_blocks=summary.largest_free_blocks,
                 max_request_blocks=summary.max_instance_capacity_blocks,
                 draining=summary.draining,
+                prefix_hashes=summary.prefix_hashes,
             ),
             as_of,
         )

@@ -34,9 +34,12 @@ class InstanceBrief:
     draining: bool  # its domain scheduler applies a drain intent to it
     decode_step_s: float = 0.0  # its most recent step time, seconds (0 = not measured)
     max_num_seqs: int = 0  # its batch slots (InstanceLoad.max_num_seqs; 0 = not known)
+    prefix_hashes: frozenset[int] = frozenset()  # prefix blocks it holds (InstanceLoad.prefix_hashes, shared)
 
     def __post_init__(self) -> None:
         where = f"InstanceBrief({self.instance_id!r})"
+        if not isinstance(self.prefix_hashes, frozenset):
+            object.__setattr__(self, "prefix_hashes", frozenset(self.prefix_hashes))
         for name in ("capacity_blocks", "num_running", "num_waiting", "max_num_seqs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{where}: {name} must be >= 0, got {getattr(self, name)}")
@@ -74,6 +77,7 @@ class InstanceBrief:
             draining=load.draining,
             decode_step_s=load.decode_step_s,
             max_num_seqs=load.max_num_seqs,
+            prefix_hashes=load.prefix_hashes,
         )
 
 
@@ -101,6 +105,9 @@ class DomainSummary:
     model: str = ""  # the model these instances serve ("" = not known)
     taken_s: float = 0.0  # when it was computed, on the publisher's clock (a gateway keeps later reservations)
     instances: tuple[InstanceBrief, ...] = ()  # every instance of the group, sorted by instance_id
+    # prefix blocks some non-draining instance of the group holds: the union of their briefs' prefix_hashes
+    # (derived from ``instances`` when they list any; a gateway prefers the domain holding a request's prefix)
+    prefix_hashes: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         where = f"DomainSummary({self.domain_id!r})"
@@ -120,6 +127,11 @@ class DomainSummary:
         ids = [i.instance_id for i in self.instances]
         if ids != sorted(set(ids)):
             raise ValueError(f"{where}: instances must be sorted by id without repeats, got {ids}")
+        held = [i.prefix_hashes for i in self.instances if i.prefix_hashes and not i.draining]
+        if held:
+            object.__setattr__(self, "prefix_hashes", held[0] if len(held) == 1 else frozenset().union(*held))
+        elif not isinstance(self.prefix_hashes, frozenset):
+            object.__setattr__(self, "prefix_hashes", frozenset(self.prefix_hashes))
 
 
 def summarize_domain(

@@ -53,9 +53,14 @@ class RequestLoad:
     output_tokens: int = 0  # tokens generated so far
     max_tokens: int = 0  # the request's output limit (its max_tokens); 0 = not known
     max_blocks: int = 0  # KV blocks it may grow to (prompt + max_tokens − 1 tokens); 0 = not known
+    # hash ids of its prompt's prefix blocks, in order; each covers its instance's prefix_block_tokens tokens
+    # (vLLM's prefix-cache block hashes, Mooncake's hash_ids); () = no prefix information
+    prefix_hashes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         where = f"RequestLoad({self.request_id!r})"
+        if not isinstance(self.prefix_hashes, tuple):
+            object.__setattr__(self, "prefix_hashes", tuple(self.prefix_hashes))
         _require(bool(self.request_id), "RequestLoad", "request_id must be a non-empty string")
         _require(self.blocks >= 0, where, f"blocks must be >= 0, got {self.blocks}")
         _require(self.priority >= 0, where, f"priority must be >= 0, got {self.priority}")
@@ -98,9 +103,24 @@ class InstanceLoad:
     priority_counts: tuple[tuple[int, int], ...] = ()
     brief: bool = False  # True: running is not listed; num_running and priority_counts say what it holds
     max_num_seqs: int = 0  # batch slots: requests the engine runs in one step at most (0 = not known)
+    # hash ids of the prefix blocks it holds (used or cached, evictable): a new request whose prompt starts with
+    # them reuses their KV (blocks already present need no new memory). The engine keeps this set and rebuilds
+    # it only when its cache inserts or evicts an entry, so consecutive reports share one frozenset.
+    prefix_hashes: frozenset[int] = frozenset()
+    prefix_block_tokens: int = 0  # tokens per hash block of prefix_hashes (Mooncake: 512); 0 = no prefix cache
 
     def __post_init__(self) -> None:
         where = f"InstanceLoad({self.instance_id!r})"
+        if not isinstance(self.prefix_hashes, frozenset):
+            object.__setattr__(self, "prefix_hashes", frozenset(self.prefix_hashes))
+        _require(
+            self.prefix_block_tokens >= 0, where, f"prefix_block_tokens must be >= 0, got {self.prefix_block_tokens}"
+        )
+        _require(
+            not self.prefix_hashes or self.prefix_block_tokens > 0,
+            where,
+            f"prefix_hashes lists {len(self.prefix_hashes)} hash blocks but prefix_block_tokens is 0",
+        )
         _require(bool(self.instance_id), "InstanceLoad", "instance_id must be a non-empty string")
         _require(self.capacity_blocks > 0, where, f"capacity_blocks must be > 0, got {self.capacity_blocks}")
         _require(self.used_blocks >= 0, where, f"used_blocks must be >= 0, got {self.used_blocks}")
@@ -268,6 +288,14 @@ class PolicyConfig:
     # Domain choice (gateways): draw this many candidate domains and take the freest (power of d choices), so
     # many gateways sharing lagged summaries spread a burst; 0 = consider every domain.
     domain_choices: int = 2
+    # Prefix-aware dispatch (policy.dispatch): a target holding a request's prompt prefix needs fewer new blocks
+    # for it and, among targets within prefix_affinity_margin of the freest, the longest prefix hit wins.
+    # False: dispatch by load alone (the request's prefix is ignored), to compare.
+    prefix_aware_dispatch: bool = True
+    # Affinity yields to load: a target whose freeness after the reservation is below F_best − margin·|F_best|
+    # (F_best: the freest target's, after its reservation) is not chosen for its prefix. Share in [0, 1); with
+    # ample free memory F ≈ M/B, so a prefix holder carries at most 1/(1 − margin) times the freest's batch.
+    prefix_affinity_margin: float = 0.5
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "priority_headroom_blocks", _freeze_headroom(self.priority_headroom_blocks))
@@ -306,6 +334,11 @@ class PolicyConfig:
             "PolicyConfig.domain_choices",
             f"must be >= 0 (0: every domain), got {self.domain_choices}",
         )
+        _require(
+            math.isfinite(self.prefix_affinity_margin) and 0.0 <= self.prefix_affinity_margin < 1.0,
+            "PolicyConfig.prefix_affinity_margin",
+            f"must be in [0, 1), got {self.prefix_affinity_margin}",
+        )
 
     def __hash__(self) -> int:
         return hash(
@@ -318,6 +351,8 @@ class PolicyConfig:
                 self.candidate_policy,
                 self.max_migrations_per_round,
                 self.domain_choices,
+                self.prefix_aware_dispatch,
+                self.prefix_affinity_margin,
             )
         )
 

@@ -39,6 +39,10 @@ def load_from_pb(report: llumlet_pb2.LoadReport, instance_id: str, domain_id: st
     """
     if report.instance_id and report.instance_id != instance_id:
         raise ValueError(f"load report of {instance_id}: it names instance {report.instance_id!r}")
+    if report.prefix_hashes and report.prefix_block_tokens < 1:
+        raise ValueError(
+            f"load report of {instance_id}: {len(report.prefix_hashes)} prefix_hashes but prefix_block_tokens is 0"
+        )
     step_s = report.recent_step_s if math.isfinite(report.recent_step_s) and report.recent_step_s > 0 else 0.0
     return engine_load_from_pb(report).to_instance_load(instance_id, domain_id, decode_step_s=step_s)
 
@@ -105,6 +109,7 @@ def domain_state(info: DomainStateInfo) -> pb.DomainState:
                 load_version=i.load_version,
                 running_request_ids=[r.request_id for r in i.load.running] if i.load else [],
                 failure=i.failure,
+                num_prefix_hashes=len(i.load.prefix_hashes) if i.load else 0,
             )
             for i in info.instances
         ],

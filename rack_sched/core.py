@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from global_coord.approver import MoveProposal
-from policy.dispatch import DispatchDecision, DispatchView
+from policy.dispatch import DispatchDecision, DispatchView, reusable_prefix_hashes
 from policy.domain import DomainSummary, summarize_domain
 from policy.migration import MigrationDecision, is_source_domain, plan_migrations
 from policy.remaining import RemainingConfig, RemainingEstimator
@@ -71,8 +71,14 @@ class DomainRequest:
     max_tokens: int
     priority: int = 0
     only_if_room: bool = False  # refuse (``full``) rather than queue when no instance has room now
+    # hash ids of its prompt's prefix blocks, in order (InstanceLoad.prefix_hashes' ids); each covers
+    # prefix_block_tokens tokens (0 = no prefix information)
+    prefix_hashes: tuple[int, ...] = ()
+    prefix_block_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.prefix_hashes and self.prefix_block_tokens < 1:
+            raise ValueError(f"request {self.request_id!r}: prefix_hashes given but prefix_block_tokens < 1")
         if not self.request_id or self.prompt_tokens < 0 or self.max_tokens < 1 or self.priority < 0:
             raise ValueError(
                 f"request {self.request_id!r}: need a request id, prompt_tokens >= 0, max_tokens >= 1 and "
@@ -102,6 +108,8 @@ class CrossDomainProposal:
     decode_step_s: float  # the source's measured step time, seconds
     dst_domain_id: str  # the domain policy.pair_domains paired it with
     reason: str
+    prefix_hashes: tuple[int, ...] = ()  # hash ids of its prompt's prefix blocks (RequestLoad.prefix_hashes)
+    prefix_block_tokens: int = 0  # tokens per hash block (its source's InstanceLoad.prefix_block_tokens)
 
     def proposal(self, proposer_domain_id: str, attempt: int) -> MoveProposal:
         """The coordinator's ``MoveProposal`` of this move (the coordinator chooses the destination instance)."""
@@ -118,6 +126,8 @@ class CrossDomainProposal:
             model=self.model,
             max_blocks=self.max_blocks,
             dst_domain_id=self.dst_domain_id,
+            prefix_hashes=self.prefix_hashes if self.prefix_block_tokens else (),
+            prefix_block_tokens=self.prefix_block_tokens,
         )
 
 
@@ -360,6 +370,11 @@ class DomainCore:
             need_blocks=request.need_blocks(block_size),
             exclude=excluded,
             only_if_room=request.only_if_room,
+            prefix_hashes=reusable_prefix_hashes(
+                request.prefix_hashes, request.prefix_block_tokens, request.prompt_tokens
+            ),
+            prefix_block_tokens=request.prefix_block_tokens,
+            block_size_tokens=block_size,
         )
 
     def _spread_evenly(
@@ -500,6 +515,8 @@ class DomainCore:
                 decode_step_s=move.src_decode_step_s if move.src_decode_step_s > 0 else self.cfg.default_decode_step_s,
                 dst_domain_id=move.dst_domain_id,
                 reason=move.reason,
+                prefix_hashes=request.prefix_hashes,
+                prefix_block_tokens=move.src_prefix_block_tokens,
             )
         return None
 

@@ -46,6 +46,7 @@ class CrossDomainMove:
     src_decode_step_s: float  # the source's most recent step time, seconds (0 = not measured)
     dst_domain_id: str  # the domain pair_domains chose; the coordinator picks the instance
     reason: str
+    src_prefix_block_tokens: int = 0  # tokens per hash block of the source's prefix cache (0: none)
 
     @property
     def request_id(self) -> str:
@@ -110,5 +111,6 @@ def plan_cross_domain(
             src_decode_step_s=src.decode_step_s,
             dst_domain_id=dst_id,
             reason=f"domains paired {mine.domain_id} -> {dst_id}; {decision.reason}",
+            src_prefix_block_tokens=src.prefix_block_tokens,
         )
     return None

@@ -40,16 +40,24 @@ class RackSchedulerService(pb_grpc.RackSchedulerServicer):
     async def Submit(self, request: llumlet_pb2.SubmitRequest, context: _Ctx) -> pb.DispatchReply:
         try:
             prompt = convert.prompt_length(request)
+            spec = DomainRequest(
+                request.request_id,
+                request.model,
+                prompt,
+                request.sampling.max_tokens,
+                request.priority,
+                only_if_room=request.only_if_room,
+                prefix_hashes=tuple(request.prefix_block_hashes),
+                prefix_block_tokens=request.prefix_hash_block_tokens,
+            )
+            block = self._s.cfg.block_size_tokens
+            if spec.prefix_hashes and spec.prefix_block_tokens % block:
+                raise ValueError(
+                    f"SubmitRequest {request.request_id!r}: prefix_hash_block_tokens {spec.prefix_block_tokens} is "
+                    f"not a multiple of this domain's KV block size {block}"
+                )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        spec = DomainRequest(
-            request.request_id,
-            request.model,
-            prompt,
-            request.sampling.max_tokens,
-            request.priority,
-            only_if_room=request.only_if_room,
-        )
         return convert.dispatch_reply(await self._s.submit(spec, request))
 
     async def GetDomainState(self, request: pb.GetDomainStateRequest, context: _Ctx) -> pb.DomainState:

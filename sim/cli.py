@@ -125,6 +125,20 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="engine scheduling: priority classes in admission and preemption (default) or fcfs (priorities "
         "ignored in the engine, as before issue 15)",
     )
+    parser.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="engines reuse cached prompt prefixes by the trace's hash ids (default on, as vLLM V1; "
+        "--no-prefix-caching: every prompt is computed in full)",
+    )
+    parser.add_argument(
+        "--prefix-aware",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="dispatch counts the prefix blocks a target holds (default: the configuration's "
+        "policy.prefix_aware_dispatch, on; --no-prefix-aware: load alone, to compare)",
+    )
     parser.add_argument("--out", default=None, help="directory for results.json and plots")
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON instead of a table")
     add_config_argument(parser)
@@ -162,6 +176,8 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         "autoscale": args.autoscale,
         "initial_instances": args.initial_instances,
         "cold_start_s": args.cold_start_s,
+        "prefix_caching": args.prefix_caching,
+        "prefix_aware_dispatch": args.prefix_aware,
     }
     if args.summary_lag_ms is not None:
         options["summary_lag_s"] = args.summary_lag_ms / 1e3

@@ -52,7 +52,7 @@ class EngineLimits:
     max_num_seqs: int = 256  # running requests per step
     max_num_batched_tokens: int = 8192  # tokens (prefill chunk + decodes) per step
     admission: Admission = "chunked"  # "chunked" (vLLM v1) or "whole-prompt" (vLLM v0, Llumnix's engine)
-    prefix_caching: bool = False  # share prompt prefixes by the trace's hash ids (vLLM automatic prefix caching)
+    prefix_caching: bool = True  # share prompt prefixes by the trace's hash ids (vLLM V1: automatic prefix caching on)
     scheduling: SchedulingPolicy = "priority"  # engine scheduling: priority classes, or "fcfs" (priorities ignored)
 
 
@@ -74,6 +74,8 @@ class RequestState:
     migrations: int = 0
     migrating: bool = False
     refused: str | None = None
+    prefix_hit_tokens: int = 0  # prompt tokens reused from prefix caches, on the engines it left
+    dispatched_instance_id: str = ""  # where dispatch first placed it
 
     def record(self) -> RequestRecord:
         """Freeze this account into the report's RequestRecord."""
@@ -93,6 +95,8 @@ class RequestState:
             migrations=self.migrations,
             refused=self.refused,
             instance_id=self.instance_id,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+            dispatched_instance_id=self.dispatched_instance_id,
         )
 
 
@@ -378,7 +382,9 @@ class Cluster:
     def submit(self, req: TraceRequest, instance_id: str) -> None:
         """Queue the request on ``instance_id`` and start stepping if the instance is idle."""
         inst = self.instances[instance_id]
-        self._accounts[req.request_id].instance_id = instance_id
+        state = self._accounts[req.request_id]
+        state.instance_id = instance_id
+        state.dispatched_instance_id = state.dispatched_instance_id or instance_id
         inst.engine.add_request(
             EngineRequest(
                 request_id=req.request_id,
@@ -563,9 +569,16 @@ class Cluster:
         state.last_token_s = now
         state.generated_tokens += count
 
+    def count_prefix_hits(self, state: RequestState, inst: SimInstance) -> None:
+        """The request left ``inst``'s engine (finished, or migrated away): add the prompt tokens it reused there."""
+        stats = inst.engine.stats.get(state.trace.request_id)
+        if stats is not None:
+            state.prefix_hit_tokens += stats.prefix_hit_tokens
+
     def _finish(self, request_id: str, now: float) -> None:
         state = self._accounts[request_id]
         state.finish_s = now
+        self.count_prefix_hits(state, self.instances[state.instance_id])
         self._finished_lengths.setdefault(state.instance_id, []).append(state.generated_tokens)
         for listener in self.on_finished:
             listener(request_id)

@@ -13,6 +13,15 @@ The protocol is the one in DESIGN.md (after Llumnix §4.2) and the one the lluml
 5. the source frees its blocks. A request that finishes (or is aborted) before commit releases the
    reservation and stays where it was.
 
+Prefix blocks (prefix caching): the destination first adopts the leading prefix hash blocks of the request
+its prefix cache already holds (``EngineCore.adopt_prefix``: shared with its cache, never allocated twice,
+never copied) and reserves the rest. The move is priced with the cost model (:func:`topology.cost.plan_migration`,
+with ``prefix_blocks`` = the request's full prompt hash blocks, ``prefix_blocks_on_dst`` = those adopted and
+``prefix_reprefill_s`` = the destination's latency model prefilling the missing ones alone); when its plan is
+``"pre-copy+recompute-prefix"`` the missing prefix blocks are not copied either: the destination recomputes
+them while the rest is copied, and the request resumes when both are done (the recomputation is charged as a
+delay only, not to the destination's batch: an approximation).
+
 Stage durations come from the same effective bandwidth the cost model uses
 (:func:`topology.cost.effective_bandwidth_bytes_per_s`): the path's bottleneck bandwidth times the
 migration cap, shared fairly among the flows on the busiest link of the path; the cost model's fixed
@@ -32,7 +41,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from llumlet.engine.types import MigrationState
-from topology.cost import CostConfig, effective_bandwidth_bytes_per_s
+from topology.cost import CostConfig, MigrationCostInput, effective_bandwidth_bytes_per_s, plan_migration
 from topology.graph import PathInfo, TopologyGraph
 
 from .cluster import Cluster, SimInstance
@@ -40,6 +49,9 @@ from .events import EventKind
 from .results import MigrationRecord
 
 __all__ = ["LinkFlows", "MigrationExecutor"]
+
+#: Step time a move is priced with while its source has not stepped yet, seconds (``DomainConfig``'s default).
+DEFAULT_DECODE_STEP_S = 0.03
 
 
 class LinkFlows:
@@ -83,6 +95,9 @@ class _Move:
     stage_in_flight: tuple[int, float] = (0, 0.0)  # (bytes, seconds) of the live stage being copied
     precopy_bytes: int = 0  # bytes of the live stages completed
     precopy_s: float = 0.0  # their time
+    skipped_blocks: int = 0  # leading prefix blocks the destination held (adopted, not copied)
+    recomputed_blocks: int = 0  # prefix blocks the destination recomputes instead of receiving them
+    recompute_done_s: float = 0.0  # when that recomputation ends (0: none)
 
 
 class MigrationExecutor:
@@ -132,13 +147,22 @@ class MigrationExecutor:
         kv = src.engine.request_kv(request_id)
         if kv is None:
             return False
-        _tokens, blocks = kv
+        tokens, blocks = kv
         self._attempts += 1
         reservation_id = f"{request_id}#m{self._attempts}"
-        if not dst.engine.reserve(reservation_id, blocks + self.reserve_margin_blocks):
+        request = src.engine.request_state(request_id)
+        hashes, hash_tokens = (
+            (request.request.prefix_block_hashes, request.request.prefix_hash_block_tokens) if request else ((), 0)
+        )
+        adopted = self._reserve(dst, reservation_id, blocks, tokens, hashes, hash_tokens)
+        if adopted is None:
             return False
         path = self.graph.path(src_id, dst_id)
         move = _Move(request_id, src, dst, path, reservation_id, start_s=self.cluster.queue.now_s, why=why)
+        if hashes:
+            self._plan_prefix(
+                move, tokens, hashes, hash_tokens, request.request.prompt_tokens if request else 0, adopted
+            )
         state.migrating = True
         self.active[request_id] = move
         self.busy_instances.update((src_id, dst_id))
@@ -152,6 +176,55 @@ class MigrationExecutor:
     def _begin(self, move: _Move) -> None:
         if not move.done:
             self._next_stage(move)
+
+    def _reserve(
+        self, dst: SimInstance, reservation_id: str, blocks: int, tokens: int, hashes: tuple[int, ...], hash_tokens: int
+    ) -> int | None:
+        """Reserve room on ``dst`` for a request holding ``blocks`` (``tokens`` of KV): the prefix blocks its cache
+        holds adopted first, the rest reserved (plus the margin). Returns the blocks adopted, None: no room."""
+        engine = dst.engine
+        full = tokens - tokens % engine.blocks.block_size_tokens
+        if not hashes or not engine.blocks.prefix_matching(hashes, hash_tokens, full):
+            return 0 if engine.reserve(reservation_id, blocks + self.reserve_margin_blocks) else None
+        if not engine.reserve(reservation_id, 0):
+            return None
+        adopted = engine.adopt_prefix(reservation_id, hashes, hash_tokens, tokens)
+        if not engine.grow_reservation(reservation_id, blocks - adopted + self.reserve_margin_blocks):
+            engine.release_reservation(reservation_id)
+            return None
+        return adopted
+
+    def _plan_prefix(
+        self, move: _Move, tokens: int, hashes: tuple[int, ...], hash_tokens: int, prompt_tokens: int, adopted: int
+    ) -> None:
+        """Price the move with its prefix (module docstring) and follow the plan: skip the adopted blocks, and
+        the rest of the prefix too when recomputing it on the destination finishes sooner."""
+        model = self.cluster.model_of(move.src.instance_id)
+        bs = model.block_size_tokens
+        prefix_blocks = min(min(len(hashes), prompt_tokens // hash_tokens) * (hash_tokens // bs), tokens // bs)
+        move.skipped_blocks = move.copied_blocks = adopted = min(adopted, prefix_blocks)
+        missing = prefix_blocks - adopted
+        if missing <= 0:
+            return
+        latency = move.dst.engine.latency_model
+        plan = plan_migration(
+            MigrationCostInput(
+                kv_tokens=tokens,
+                kv_bytes_per_token=model.kv_bytes_per_token,
+                block_size_tokens=bs,
+                decode_step_s=move.src.last_step_s or DEFAULT_DECODE_STEP_S,
+                path_bandwidth_bytes_per_s=move.path.bandwidth_bytes_per_s,
+                existing_flows=self.flows.busiest(move.path.links),
+                prefix_blocks=prefix_blocks,
+                prefix_blocks_on_dst=adopted,
+                prefix_reprefill_s=latency.step_time_s([(missing * bs, adopted * bs)], []),
+            ),
+            self.cost,
+        )
+        if plan.mode == "pre-copy+recompute-prefix":
+            move.recomputed_blocks = missing
+            move.copied_blocks = prefix_blocks
+            move.recompute_done_s = move.start_s + self.cost.setup_overhead_s + plan.recompute_s  # after the set-up
 
     # ------------------------------------------------------------------ stages
     def _block_bytes(self, move: _Move) -> int:
@@ -208,7 +281,9 @@ class MigrationExecutor:
         move.suspended_at_s = self.cluster.queue.now_s
         block_size = self.cluster.model_of(move.src.instance_id).block_size_tokens
         last_blocks = -(-tokens // block_size) - move.copied_blocks  # the remainder, partial last block included
-        duration = self._copy_s(move, last_blocks) + self.cost.suspend_resume_overhead_s
+        copy_s = self._copy_s(move, last_blocks)
+        recompute_left_s = move.recompute_done_s - self.cluster.queue.now_s  # the destination's, in parallel
+        duration = max(copy_s, recompute_left_s) + self.cost.suspend_resume_overhead_s
         self.cluster.queue.schedule_in(duration, EventKind.MIGRATION, lambda: self._commit(move, state))
 
     def _commit(self, move: _Move, suspended: MigrationState) -> None:
@@ -221,6 +296,7 @@ class MigrationExecutor:
             return
         move.src.engine.free_migrated(move.request_id)
         state = self.cluster.requests[move.request_id]
+        self.cluster.count_prefix_hits(state, move.src)
         state.instance_id = move.dst.instance_id
         state.migrations += 1
         self._finish(move, "committed", move.why)
@@ -260,6 +336,8 @@ class MigrationExecutor:
             outcome=outcome,
             reason=reason,
             precopy_bandwidth_bytes_per_s=move.precopy_bytes / move.precopy_s if move.precopy_s > 0 else 0.0,
+            skipped_prefix_blocks=move.skipped_blocks,
+            recomputed_prefix_blocks=move.recomputed_blocks,
         )
         self.records.append(record)
         for listener in self.on_done:

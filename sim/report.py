@@ -60,6 +60,7 @@ _SUMMARY_COLUMNS: tuple[tuple[str, Callable[[PolicySummary], str]], ...] = (
     ("hi-pri\nTTFT p99", lambda s: _ms(s.high_priority_ttft_p99_s)),
     ("preempt", lambda s: str(s.preemptions)),
     ("preempt\nlost s", lambda s: _s(s.preempted_s)),
+    ("prefix\nhit %", lambda s: MISSING if s.prefix_hit_rate is None else f"{100 * s.prefix_hit_rate:.1f}"),
     ("mig\nintra", lambda s: str(s.migrations_intra_domain)),
     ("mig\ncross", lambda s: str(s.migrations_cross_domain)),
     ("mig\naborted", lambda s: str(s.migrations_aborted)),
@@ -78,7 +79,7 @@ _SUMMARY_COLUMNS: tuple[tuple[str, Callable[[PolicySummary], str]], ...] = (
 #: The columns of the two tables ``hilum sim`` prints (each fits a 120-column terminal).
 LATENCY_COLUMNS: tuple[str, ...] = (
     "done", "refused", "TTFT\np50 ms", "TTFT\np99 ms", "TBT\np50 ms", "TBT\np99 ms", "decode\np99 ms",
-    "E2E\np99 ms", "hi-pri\nTTFT p99", "preempt", "preempt\nlost s",
+    "E2E\np99 ms", "hi-pri\nTTFT p99", "preempt", "preempt\nlost s", "prefix\nhit %",
 )  # fmt: skip
 MIGRATION_COLUMNS: tuple[str, ...] = (
     "mig\nintra", "mig\ncross", "mig\naborted", "cross\nGB", "downtime\nmean ms", "downtime\np99 ms",

@@ -25,6 +25,7 @@ import json
 import math
 import tempfile
 import weakref
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ __all__ = [
     "SimRun",
     "StoredRun",
     "SweepRow",
+    "busiest_dispatch_share",
     "json_default",
     "load_results",
     "percentile",
@@ -95,6 +97,8 @@ class RequestRecord:
     migrations: int  # committed migrations of this request
     refused: str | None  # refusal reason (e.g. "no_capacity"); None if the request was admitted
     instance_id: str  # instance where the request finished (or was last), "" if never placed
+    prefix_hit_tokens: int = 0  # prompt tokens its engines reused from their prefix cache (every admission)
+    dispatched_instance_id: str = ""  # instance dispatch first placed it on, "" if never placed
 
     @property
     def ttft_s(self) -> float | None:
@@ -140,6 +144,8 @@ class MigrationRecord:
     outcome: MigrationOutcome  # "committed": the request resumed on dst; "aborted": it stayed on src
     reason: str  # why the move was made (committed) or why it was aborted
     precopy_bandwidth_bytes_per_s: float = 0.0  # bytes / seconds of the completed live stages; 0 = none
+    skipped_prefix_blocks: int = 0  # leading prefix blocks the destination's cache held: adopted, not copied
+    recomputed_prefix_blocks: int = 0  # prefix blocks the destination recomputed instead (the cost model's plan)
 
     @property
     def cross_domain(self) -> bool:
@@ -174,6 +180,7 @@ class KvTimeline:
 
 
 _REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord) if f.name != "token_gaps_s")
+_OPTIONAL_REQUEST = frozenset({"prefix_hit_tokens", "dispatched_instance_id"})  # absent in older files
 
 
 def _request_dict(rec: RequestRecord) -> dict[str, Any]:
@@ -218,6 +225,8 @@ class RequestTotals:
         self.high_priority = np.zeros(num_requests, dtype=np.bool_)  # priority >= HIGH_PRIORITY_MIN
         self.finished = np.zeros(num_requests, dtype=np.bool_)
         self.refused = np.zeros(num_requests, dtype=np.bool_)
+        self.prompt_tokens = np.zeros(num_requests, dtype=np.int64)
+        self.prefix_hit_tokens = np.zeros(num_requests, dtype=np.int64)  # prompt tokens reused from a prefix cache
         self._gaps = array.array("d")
         self.max_finish_s = 0.0  # the latest finish_s, 0 before any
 
@@ -246,6 +255,8 @@ class RequestTotals:
         self.high_priority[index] = rec.priority >= HIGH_PRIORITY_MIN
         self.finished[index] = rec.finish_s is not None
         self.refused[index] = rec.refused is not None
+        self.prompt_tokens[index] = rec.prompt_tokens
+        self.prefix_hit_tokens[index] = rec.prefix_hit_tokens
         if rec.finish_s is not None and rec.finish_s > self.max_finish_s:
             self.max_finish_s = rec.finish_s
 
@@ -403,6 +414,7 @@ class PolicySummary:
     gpu_hours: float | None = None  # GPUs held (serving, cold-starting) × time until the run's end, GPU-hours
     scale_outs: int = 0  # instances the autoscaler started
     scale_ins: int = 0  # instances the autoscaler stopped
+    prefix_hit_rate: float | None = None  # Σ prompt tokens reused from prefix caches / Σ prompt tokens (admitted)
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -472,7 +484,30 @@ def summarize(run: SimRun) -> PolicySummary:
         gpu_hours=run.gpu_hours,
         scale_outs=sum(1 for e in run.scale_events if e.action == "scale-out" and e.ok),
         scale_ins=sum(1 for e in run.scale_events if e.action == "scale-in" and e.ok),
+        prefix_hit_rate=_hit_rate(t),
     )
+
+
+def busiest_dispatch_share(requests: Iterable[RequestRecord], num_instances: int) -> float | None:
+    """Requests dispatch placed on the busiest instance over its fair share (placed requests / ``num_instances``):
+    1.0 is a perfectly even spread; None when no request was placed. Raises ValueError for ``num_instances`` < 1."""
+    if num_instances < 1:
+        raise ValueError(f"busiest_dispatch_share: num_instances = {num_instances}, need >= 1")
+    counts = Counter(r.dispatched_instance_id for r in requests if r.dispatched_instance_id)
+    if not counts:
+        return None
+    return max(counts.values()) / (sum(counts.values()) / num_instances)
+
+
+def _hit_rate(t: RequestTotals) -> float | None:
+    """Prompt tokens reused from prefix caches over the prompt tokens of the admitted requests (None: none).
+
+    A request preempted and admitted again may hit again, so this is the share of prompt tokens a request's
+    first prefill would have computed that some prefill did not (it can exceed 1 only under repeated
+    preemption of cached prompts)."""
+    admitted = ~t.refused
+    prompt = int(t.prompt_tokens[admitted].sum())
+    return int(t.prefix_hit_tokens[admitted].sum()) / prompt if prompt else None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -495,9 +530,10 @@ class StoredRun:
 
 
 _MIGRATION_FIELDS = tuple(f.name for f in dataclasses.fields(MigrationRecord))
+_OPTIONAL_MIGRATION = frozenset({"skipped_prefix_blocks", "recomputed_prefix_blocks"})  # absent in older files
 _SUMMARY_FIELDS = tuple(f.name for f in dataclasses.fields(PolicySummary))
 #: Summary fields a results.json written before them lacks (read as their default).
-_OPTIONAL_SUMMARY = frozenset({"gpu_hours", "scale_outs", "scale_ins"})
+_OPTIONAL_SUMMARY = frozenset({"gpu_hours", "scale_outs", "scale_ins", "prefix_hit_rate"})
 
 
 def _to_json_value(value: object, where: str) -> Any:
@@ -704,11 +740,22 @@ def load_results(path: str | Path) -> list[StoredRun]:
                 config=_mapping(_require(spec, "config", f"{where}.spec"), f"{where}.spec.config"),
                 summary=_summary_from(_require(run_map, "summary", where), f"{where}.summary"),
                 requests=tuple(
-                    _record(RequestRecord, _REQUEST_FIELDS, r, f"{where}.requests[{j}]", token_gaps_s=())
+                    _record(
+                        RequestRecord,
+                        [n for n in _REQUEST_FIELDS if n not in _OPTIONAL_REQUEST or n in r],
+                        r,
+                        f"{where}.requests[{j}]",
+                        token_gaps_s=(),
+                    )
                     for j, r in enumerate(reqs)
                 ),
                 migrations=tuple(
-                    _record(MigrationRecord, _MIGRATION_FIELDS, m, f"{where}.migrations[{j}]")
+                    _record(
+                        MigrationRecord,
+                        [n for n in _MIGRATION_FIELDS if n not in _OPTIONAL_MIGRATION or n in m],
+                        m,
+                        f"{where}.migrations[{j}]",
+                    )
                     for j, m in enumerate(migs)
                 ),
             )

@@ -106,8 +106,12 @@ class SimOptions(BaseModel):
     )
     kv_samples: int = Field(200, ge=2, description="points in the per-instance KV usage timeline")
     prefix_caching: bool = Field(
-        False,
-        description="engines share prompt prefixes by the trace's prefix hash ids (Mooncake traces carry them)",
+        True,
+        description="engines share prompt prefixes by the trace's prefix hash ids (Mooncake traces carry them), "
+        "as vLLM V1's automatic prefix caching does by default; False: every prompt is computed in full",
+    )
+    prefix_aware_dispatch: bool | None = Field(
+        None, description="overrides policy.prefix_aware_dispatch (dispatch counts the prefix blocks a target holds)"
     )
     decode_runs: bool = Field(
         True,
@@ -229,7 +233,11 @@ def configured(path: str | None, options: SimOptions) -> HilumConfig:
     approval = cfg.approval
     if options.downtime_budget_s is not None:
         approval = dataclasses.replace(approval, downtime_budget_s=options.downtime_budget_s)
-    return dataclasses.replace(cfg, intervals=intervals, cost=cost, approval=approval)
+    policy, domain = cfg.policy, cfg.domain
+    if options.prefix_aware_dispatch is not None:
+        policy = dataclasses.replace(policy, prefix_aware_dispatch=options.prefix_aware_dispatch)
+        domain = dataclasses.replace(domain, policy=policy)
+    return dataclasses.replace(cfg, policy=policy, domain=domain, intervals=intervals, cost=cost, approval=approval)
 
 
 def run_simulation(
@@ -379,6 +387,7 @@ def run_simulation(
         "truncated_requests": truncated,
         "derived_latency_models": derived,
         "initial_instances": len(serving),
+        "prefix_aware_dispatch": config.policy.prefix_aware_dispatch,  # the file's, or the option's override
     }
     if autoscaler is not None:
         run_config["autoscale"] = dataclasses.asdict(autoscaler.rule)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from gateway.core import GatewayCore, PlacementAttempt
 from global_coord.approver import MoveJudge, decide
-from policy.dispatch import DispatchDecision
+from policy.dispatch import DispatchDecision, reusable_prefix_hashes
 from policy.domain import DomainSummary, summarize_domain
 from policy.types import InstanceLoad
 from rack_sched.core import CrossDomainProposal, DomainConfig, DomainCore, DomainRequest
@@ -89,8 +89,17 @@ class SchedulerContext:
 
 def domain_request(req: TraceRequest, model: str) -> DomainRequest:
     """The request as a gateway submits it: ``max_tokens`` is the trace's output length (trace replay, as
-    ``hilum bench`` and vLLM's benchmark_serving send it; the engines stop there)."""
-    return DomainRequest(req.request_id, model, req.prompt_tokens, max(1, req.output_tokens), req.priority)
+    ``hilum bench`` and vLLM's benchmark_serving send it; the engines stop there), with the hash ids of its
+    prompt's prefix blocks (a gateway hashes the prompt's tokens; a trace carries them)."""
+    return DomainRequest(
+        req.request_id,
+        model,
+        req.prompt_tokens,
+        max(1, req.output_tokens),
+        req.priority,
+        prefix_hashes=req.prefix_block_hashes,
+        prefix_block_tokens=req.prefix_block_tokens if req.prefix_block_hashes else 0,
+    )
 
 
 class _Feed:
@@ -323,7 +332,14 @@ class HilumTwoTier(ClusterScheduler):
         request = domain_request(req, model)
         bs = self.cluster.model_of(next(iter(self.cluster.instances))).block_size_tokens
         attempt = PlacementAttempt(
-            self.gateway, request.model, request.demand_blocks(bs), request.need_blocks(bs), request.priority
+            self.gateway,
+            request.model,
+            request.demand_blocks(bs),
+            request.need_blocks(bs),
+            request.priority,
+            prefix_hashes=reusable_prefix_hashes(request.prefix_hashes, request.prefix_block_tokens, req.prompt_tokens),
+            prefix_block_tokens=request.prefix_block_tokens,
+            block_size_tokens=bs,
         )
         while (domain_id := attempt.next(self._now())) is not None:
             feed = self.feeds[domain_id]

@@ -146,6 +146,7 @@ class InstanceBrief(_message.Message):
     DRAINING_FIELD_NUMBER: _builtins.int
     DECODE_STEP_S_FIELD_NUMBER: _builtins.int
     MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
+    PREFIX_HASHES_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     capacity_blocks: _builtins.int
     """KV cache capacity, blocks"""
@@ -161,6 +162,10 @@ class InstanceBrief(_message.Message):
     """its most recent step time, seconds (0 = not measured)"""
     max_num_seqs: _builtins.int
     """its batch slots: requests per engine step at most (0 = not known)"""
+    @_builtins.property
+    def prefix_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """prefix hash ids it holds, as its load report carried them (capped)"""
+
     def __init__(
         self,
         *,
@@ -173,10 +178,11 @@ class InstanceBrief(_message.Message):
         draining: _builtins.bool = ...,
         decode_step_s: _builtins.float = ...,
         max_num_seqs: _builtins.int = ...,
+        prefix_hashes: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "decode_step_s", b"decode_step_s", "draining", b"draining", "free_blocks", b"free_blocks", "instance_id", b"instance_id", "max_num_seqs", b"max_num_seqs", "num_running", b"num_running", "num_waiting", b"num_waiting", "virtual_usage", b"virtual_usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "decode_step_s", b"decode_step_s", "draining", b"draining", "free_blocks", b"free_blocks", "instance_id", b"instance_id", "max_num_seqs", b"max_num_seqs", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_hashes", b"prefix_hashes", "virtual_usage", b"virtual_usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -204,6 +210,7 @@ class DomainSummary(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     TAKEN_S_FIELD_NUMBER: _builtins.int
     INSTANCES_FIELD_NUMBER: _builtins.int
+    PREFIX_HASHES_FIELD_NUMBER: _builtins.int
     domain_id: _builtins.str
     num_instances: _builtins.int
     capacity_blocks: _builtins.int
@@ -227,6 +234,10 @@ class DomainSummary(_message.Message):
     def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceBrief]:
         """sorted by instance_id"""
 
+    @_builtins.property
+    def prefix_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the union of its non-draining instances' prefix_hashes (when instances"""
+
     def __init__(
         self,
         *,
@@ -244,10 +255,11 @@ class DomainSummary(_message.Message):
         model: _builtins.str = ...,
         taken_s: _builtins.float = ...,
         instances: _abc.Iterable[Global___InstanceBrief] | None = ...,
+        prefix_hashes: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "domain_id", b"domain_id", "draining", b"draining", "freeness", b"freeness", "instances", b"instances", "largest_free_blocks", b"largest_free_blocks", "max_instance_capacity_blocks", b"max_instance_capacity_blocks", "model", b"model", "num_instances", b"num_instances", "num_running", b"num_running", "num_waiting", b"num_waiting", "queued_blocks", b"queued_blocks", "taken_s", b"taken_s", "virtual_usage", b"virtual_usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "domain_id", b"domain_id", "draining", b"draining", "freeness", b"freeness", "instances", b"instances", "largest_free_blocks", b"largest_free_blocks", "max_instance_capacity_blocks", b"max_instance_capacity_blocks", "model", b"model", "num_instances", b"num_instances", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_hashes", b"prefix_hashes", "queued_blocks", b"queued_blocks", "taken_s", b"taken_s", "virtual_usage", b"virtual_usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -814,6 +826,8 @@ class MigrationProposal(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     MAX_BLOCKS_FIELD_NUMBER: _builtins.int
     DST_DOMAIN_ID_FIELD_NUMBER: _builtins.int
+    PREFIX_HASHES_FIELD_NUMBER: _builtins.int
+    PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
     proposer_domain_id: _builtins.str
     request_id: _builtins.str
     attempt: _builtins.int
@@ -835,6 +849,14 @@ class MigrationProposal(_message.Message):
     """KV blocks it may grow to: a destination must hold them (0 = unknown)"""
     dst_domain_id: _builtins.str
     """the domain the proposer was paired with (a preference)"""
+    prefix_block_tokens: _builtins.int
+    """the leading ones needs them not copied (the cost model prices that)
+    tokens one of prefix_hashes covers (0 = none known)
+    """
+    @_builtins.property
+    def prefix_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """its prompt's prefix hash ids, in order: a destination whose cache holds"""
+
     def __init__(
         self,
         *,
@@ -850,10 +872,12 @@ class MigrationProposal(_message.Message):
         model: _builtins.str = ...,
         max_blocks: _builtins.int = ...,
         dst_domain_id: _builtins.str = ...,
+        prefix_hashes: _abc.Iterable[_builtins.int] | None = ...,
+        prefix_block_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "blocks", b"blocks", "decode_step_s", b"decode_step_s", "dst_domain_id", b"dst_domain_id", "dst_instance_id", b"dst_instance_id", "max_blocks", b"max_blocks", "model", b"model", "num_tokens", b"num_tokens", "proposer_domain_id", b"proposer_domain_id", "remaining_tokens", b"remaining_tokens", "request_id", b"request_id", "src_instance_id", b"src_instance_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "blocks", b"blocks", "decode_step_s", b"decode_step_s", "dst_domain_id", b"dst_domain_id", "dst_instance_id", b"dst_instance_id", "max_blocks", b"max_blocks", "model", b"model", "num_tokens", b"num_tokens", "prefix_block_tokens", b"prefix_block_tokens", "prefix_hashes", b"prefix_hashes", "proposer_domain_id", b"proposer_domain_id", "remaining_tokens", b"remaining_tokens", "request_id", b"request_id", "src_instance_id", b"src_instance_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

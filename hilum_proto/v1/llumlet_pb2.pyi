@@ -327,6 +327,9 @@ class SubmitRequest(_message.Message):
     origin: _builtins.str
     """host:port of the TokenSink that receives the tokens"""
     prefix_hash_block_tokens: _builtins.int
+    """llumlet.engine.prefix_hash); the gateway computes them
+    tokens one of those covers (prefix_cache.blocks_per_hash x block size)
+    """
     model: _builtins.str
     """the model it is for: only instances serving it take it ("" = the one served)"""
     only_if_room: _builtins.bool
@@ -342,7 +345,9 @@ class SubmitRequest(_message.Message):
     @_builtins.property
     def sampling(self) -> Global___Sampling: ...
     @_builtins.property
-    def prefix_block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def prefix_block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """hash ids of the prompt's full prefix blocks, in order (chained:"""
+
     @_builtins.property
     def avoid_instance_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """failed continues the origin's numbering (prompt = original prompt +
@@ -492,6 +497,7 @@ class RunningRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_BLOCKS_FIELD_NUMBER: _builtins.int
     UNMIGRATABLE_REASON_FIELD_NUMBER: _builtins.int
+    PREFIX_HASHES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     blocks: _builtins.int
     """KV blocks held"""
@@ -508,6 +514,10 @@ class RunningRequest(_message.Message):
     """KV blocks it may grow to (prompt + max_tokens - 1 tokens); 0 = not known"""
     unmigratable_reason: _builtins.str
     """why the engine cannot move it faithfully; "" = it can (in decode)"""
+    @_builtins.property
+    def prefix_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """its prompt's prefix hash ids, in order (SubmitRequest.prefix_block_hashes)"""
+
     def __init__(
         self,
         *,
@@ -520,10 +530,11 @@ class RunningRequest(_message.Message):
         max_tokens: _builtins.int = ...,
         max_blocks: _builtins.int = ...,
         unmigratable_reason: _builtins.str = ...,
+        prefix_hashes: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "in_decode", b"in_decode", "max_blocks", b"max_blocks", "max_tokens", b"max_tokens", "num_tokens", b"num_tokens", "output_tokens", b"output_tokens", "priority", b"priority", "request_id", b"request_id", "unmigratable_reason", b"unmigratable_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "in_decode", b"in_decode", "max_blocks", b"max_blocks", "max_tokens", b"max_tokens", "num_tokens", b"num_tokens", "output_tokens", b"output_tokens", "prefix_hashes", b"prefix_hashes", "priority", b"priority", "request_id", b"request_id", "unmigratable_reason", b"unmigratable_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -555,6 +566,10 @@ class LoadReport(_message.Message):
     FINISHED_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     FAILURE_FIELD_NUMBER: _builtins.int
     MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
+    PREFIX_HASHES_FIELD_NUMBER: _builtins.int
+    PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _builtins.int
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     domain_id: _builtins.str
     total_blocks: _builtins.int
@@ -583,11 +598,23 @@ class LoadReport(_message.Message):
     """
     max_num_seqs: _builtins.int
     """batch slots: requests per engine step at most (0 = not known)"""
+    prefix_block_tokens: _builtins.int
+    """used first, at most prefix_cache.report_max_hashes of them
+    tokens one of prefix_hashes covers (0 = none held / no prefix cache)
+    """
+    prefix_hit_tokens: _builtins.int
+    """prompt tokens served from its prefix cache since its engine started"""
+    prefix_query_tokens: _builtins.int
+    """prompt tokens looked up in its prefix cache since then"""
     @_builtins.property
     def running(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunningRequest]: ...
     @_builtins.property
     def finished_output_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """WatchLoad: output lengths of requests that finished since"""
+
+    @_builtins.property
+    def prefix_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """hash ids of the prefix blocks it holds (used or cached), most recently"""
 
     def __init__(
         self,
@@ -612,10 +639,14 @@ class LoadReport(_message.Message):
         finished_output_tokens: _abc.Iterable[_builtins.int] | None = ...,
         failure: _builtins.str = ...,
         max_num_seqs: _builtins.int = ...,
+        prefix_hashes: _abc.Iterable[_builtins.int] | None = ...,
+        prefix_block_tokens: _builtins.int = ...,
+        prefix_hit_tokens: _builtins.int = ...,
+        prefix_query_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "domain_id", b"domain_id", "failure", b"failure", "finished_output_tokens", b"finished_output_tokens", "head_demand_blocks", b"head_demand_blocks", "instance_id", b"instance_id", "max_num_seqs", b"max_num_seqs", "num_migrations_out", b"num_migrations_out", "num_requests", b"num_requests", "num_reservations", b"num_reservations", "num_suspended", b"num_suspended", "num_waiting", b"num_waiting", "preempting", b"preempting", "queued_demand_blocks", b"queued_demand_blocks", "recent_step_s", b"recent_step_s", "reserved_blocks", b"reserved_blocks", "running", b"running", "total_blocks", b"total_blocks", "used_blocks", b"used_blocks", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "domain_id", b"domain_id", "failure", b"failure", "finished_output_tokens", b"finished_output_tokens", "head_demand_blocks", b"head_demand_blocks", "instance_id", b"instance_id", "max_num_seqs", b"max_num_seqs", "num_migrations_out", b"num_migrations_out", "num_requests", b"num_requests", "num_reservations", b"num_reservations", "num_suspended", b"num_suspended", "num_waiting", b"num_waiting", "preempting", b"preempting", "prefix_block_tokens", b"prefix_block_tokens", "prefix_hashes", b"prefix_hashes", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens", "queued_demand_blocks", b"queued_demand_blocks", "recent_step_s", b"recent_step_s", "reserved_blocks", b"reserved_blocks", "running", b"running", "total_blocks", b"total_blocks", "used_blocks", b"used_blocks", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -818,6 +849,8 @@ class ReserveRequest(_message.Message):
     EXPIRY_S_FIELD_NUMBER: _builtins.int
     PREFIX_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     POOL_FIELD_NUMBER: _builtins.int
+    PREFIX_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    PREFIX_HASH_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     attempt: _builtins.int
     src_instance_id: _builtins.str
@@ -829,9 +862,17 @@ class ReserveRequest(_message.Message):
     """leading blocks it already caches (they are not sent)
     first Reserve, local transport: the source's exported KV pool
     """
+    prefix_hash_block_tokens: _builtins.int
+    """its cache by hash ids, the sim engine, uses these)
+    tokens one of those covers
+    """
     @_builtins.property
     def prefix_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """first Reserve: the prompt, so the destination can say which of its"""
+
+    @_builtins.property
+    def prefix_block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """first Reserve: the prompt's prefix hash ids (an engine that matches"""
 
     def __init__(
         self,
@@ -843,10 +884,12 @@ class ReserveRequest(_message.Message):
         expiry_s: _builtins.float = ...,
         prefix_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         pool: _builtins.bytes = ...,
+        prefix_block_hashes: _abc.Iterable[_builtins.int] | None = ...,
+        prefix_hash_block_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "expiry_s", b"expiry_s", "num_blocks", b"num_blocks", "pool", b"pool", "prefix_token_ids", b"prefix_token_ids", "request_id", b"request_id", "src_instance_id", b"src_instance_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "expiry_s", b"expiry_s", "num_blocks", b"num_blocks", "pool", b"pool", "prefix_block_hashes", b"prefix_block_hashes", "prefix_hash_block_tokens", b"prefix_hash_block_tokens", "prefix_token_ids", b"prefix_token_ids", "request_id", b"request_id", "src_instance_id", b"src_instance_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

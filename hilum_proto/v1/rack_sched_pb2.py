@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from hilum_proto.v1 import llumlet_pb2 as hilum_dot_v1_dot_llumlet__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19hilum/v1/rack_sched.proto\x12\x08hilum.v1\x1a\x16hilum/v1/llumlet.proto\"\x11\n\x0fRackPingRequest\"H\n\rRackPingReply\x12\x11\n\tdomain_id\x18\x01 \x01(\t\x12\x15\n\rnum_instances\x18\x02 \x01(\r\x12\r\n\x05ready\x18\x03 \x01(\x08\"\x91\x01\n\rDispatchReply\x12*\n\x07outcome\x18\x01 \x01(\x0e\x32\x19.hilum.v1.DispatchOutcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x18\n\x10instance_address\x18\x04 \x01(\t\x12\x15\n\rdemand_blocks\x18\x05 \x01(\r\"\x17\n\x15GetDomainStateRequest\"\x9a\x02\n\rInstanceState\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x10\n\x08has_load\x18\x04 \x01(\x08\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x06 \x01(\x03\x12\x13\n\x0bused_blocks\x18\x07 \x01(\x03\x12\x13\n\x0bnum_running\x18\x08 \x01(\r\x12\x13\n\x0bnum_waiting\x18\t \x01(\r\x12\x10\n\x08\x66reeness\x18\n \x01(\x01\x12\x14\n\x0cload_version\x18\x0b \x01(\x04\x12\x1b\n\x13running_request_ids\x18\x0c \x03(\t\x12\x0f\n\x07\x66\x61ilure\x18\r \x01(\t\"\xe2\x02\n\x0b\x44omainState\x12\x11\n\tdomain_id\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12*\n\tinstances\x18\x03 \x03(\x0b\x32\x17.hilum.v1.InstanceState\x12\x17\n\x0f\x64omain_draining\x18\x04 \x01(\x08\x12\x1c\n\x14migrations_in_flight\x18\x05 \x01(\r\x12\x1c\n\x14migrations_committed\x18\x06 \x01(\x04\x12\x1a\n\x12migrations_aborted\x18\x07 \x01(\x04\x12\x1d\n\x15\x63ross_domain_proposed\x18\x08 \x01(\x04\x12\x1d\n\x15\x63ross_domain_approved\x18\t \x01(\x04\x12\x1b\n\x13summaries_published\x18\n \x01(\x04\x12\x1c\n\x14newest_fencing_token\x18\x0b \x01(\x03\x12\x1b\n\x13\x66\x61llback_dispatches\x18\x0c \x01(\x04*\x8d\x01\n\x0f\x44ispatchOutcome\x12 \n\x1c\x44ISPATCH_OUTCOME_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44ISPATCH_ACCEPTED\x10\x01\x12\x14\n\x10\x44ISPATCH_REFUSED\x10\x02\x12\x18\n\x14\x44ISPATCH_UNAVAILABLE\x10\x03\x12\x11\n\rDISPATCH_FULL\x10\x04\x32\xd1\x01\n\rRackScheduler\x12:\n\x04Ping\x12\x19.hilum.v1.RackPingRequest\x1a\x17.hilum.v1.RackPingReply\x12:\n\x06Submit\x12\x17.hilum.v1.SubmitRequest\x1a\x17.hilum.v1.DispatchReply\x12H\n\x0eGetDomainState\x12\x1f.hilum.v1.GetDomainStateRequest\x1a\x15.hilum.v1.DomainStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19hilum/v1/rack_sched.proto\x12\x08hilum.v1\x1a\x16hilum/v1/llumlet.proto\"\x11\n\x0fRackPingRequest\"H\n\rRackPingReply\x12\x11\n\tdomain_id\x18\x01 \x01(\t\x12\x15\n\rnum_instances\x18\x02 \x01(\r\x12\r\n\x05ready\x18\x03 \x01(\x08\"\x91\x01\n\rDispatchReply\x12*\n\x07outcome\x18\x01 \x01(\x0e\x32\x19.hilum.v1.DispatchOutcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x18\n\x10instance_address\x18\x04 \x01(\t\x12\x15\n\rdemand_blocks\x18\x05 \x01(\r\"\x17\n\x15GetDomainStateRequest\"\xb5\x02\n\rInstanceState\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x10\n\x08has_load\x18\x04 \x01(\x08\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x06 \x01(\x03\x12\x13\n\x0bused_blocks\x18\x07 \x01(\x03\x12\x13\n\x0bnum_running\x18\x08 \x01(\r\x12\x13\n\x0bnum_waiting\x18\t \x01(\r\x12\x10\n\x08\x66reeness\x18\n \x01(\x01\x12\x14\n\x0cload_version\x18\x0b \x01(\x04\x12\x1b\n\x13running_request_ids\x18\x0c \x03(\t\x12\x0f\n\x07\x66\x61ilure\x18\r \x01(\t\x12\x19\n\x11num_prefix_hashes\x18\x0e \x01(\r\"\xe2\x02\n\x0b\x44omainState\x12\x11\n\tdomain_id\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12*\n\tinstances\x18\x03 \x03(\x0b\x32\x17.hilum.v1.InstanceState\x12\x17\n\x0f\x64omain_draining\x18\x04 \x01(\x08\x12\x1c\n\x14migrations_in_flight\x18\x05 \x01(\r\x12\x1c\n\x14migrations_committed\x18\x06 \x01(\x04\x12\x1a\n\x12migrations_aborted\x18\x07 \x01(\x04\x12\x1d\n\x15\x63ross_domain_proposed\x18\x08 \x01(\x04\x12\x1d\n\x15\x63ross_domain_approved\x18\t \x01(\x04\x12\x1b\n\x13summaries_published\x18\n \x01(\x04\x12\x1c\n\x14newest_fencing_token\x18\x0b \x01(\x03\x12\x1b\n\x13\x66\x61llback_dispatches\x18\x0c \x01(\x04*\x8d\x01\n\x0f\x44ispatchOutcome\x12 \n\x1c\x44ISPATCH_OUTCOME_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44ISPATCH_ACCEPTED\x10\x01\x12\x14\n\x10\x44ISPATCH_REFUSED\x10\x02\x12\x18\n\x14\x44ISPATCH_UNAVAILABLE\x10\x03\x12\x11\n\rDISPATCH_FULL\x10\x04\x32\xd1\x01\n\rRackScheduler\x12:\n\x04Ping\x12\x19.hilum.v1.RackPingRequest\x1a\x17.hilum.v1.RackPingReply\x12:\n\x06Submit\x12\x17.hilum.v1.SubmitRequest\x1a\x17.hilum.v1.DispatchReply\x12H\n\x0eGetDomainState\x12\x1f.hilum.v1.GetDomainStateRequest\x1a\x15.hilum.v1.DomainStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hilum_proto.v1.rack_sched_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DISPATCHOUTCOME']._serialized_start=972
-  _globals['_DISPATCHOUTCOME']._serialized_end=1113
+  _globals['_DISPATCHOUTCOME']._serialized_start=999
+  _globals['_DISPATCHOUTCOME']._serialized_end=1140
   _globals['_RACKPINGREQUEST']._serialized_start=63
   _globals['_RACKPINGREQUEST']._serialized_end=80
   _globals['_RACKPINGREPLY']._serialized_start=82
@@ -43,9 +43,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETDOMAINSTATEREQUEST']._serialized_start=304
   _globals['_GETDOMAINSTATEREQUEST']._serialized_end=327
   _globals['_INSTANCESTATE']._serialized_start=330
-  _globals['_INSTANCESTATE']._serialized_end=612
-  _globals['_DOMAINSTATE']._serialized_start=615
-  _globals['_DOMAINSTATE']._serialized_end=969
-  _globals['_RACKSCHEDULER']._serialized_start=1116
-  _globals['_RACKSCHEDULER']._serialized_end=1325
+  _globals['_INSTANCESTATE']._serialized_end=639
+  _globals['_DOMAINSTATE']._serialized_start=642
+  _globals['_DOMAINSTATE']._serialized_end=996
+  _globals['_RACKSCHEDULER']._serialized_start=1143
+  _globals['_RACKSCHEDULER']._serialized_end=1352
 # @@protoc_insertion_point(module_scope)

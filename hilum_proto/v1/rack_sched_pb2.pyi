@@ -170,6 +170,7 @@ class InstanceState(_message.Message):
     LOAD_VERSION_FIELD_NUMBER: _builtins.int
     RUNNING_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     FAILURE_FIELD_NUMBER: _builtins.int
+    NUM_PREFIX_HASHES_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     address: _builtins.str
     """host:port of its llumlet"""
@@ -190,6 +191,8 @@ class InstanceState(_message.Message):
     """LoadReport.version of the last report"""
     failure: _builtins.str
     """why its engine failed ("" = healthy): it takes nothing"""
+    num_prefix_hashes: _builtins.int
+    """prefix hash ids its last load report listed (what dispatch matches)"""
     @_builtins.property
     def running_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -208,10 +211,11 @@ class InstanceState(_message.Message):
         load_version: _builtins.int = ...,
         running_request_ids: _abc.Iterable[_builtins.str] | None = ...,
         failure: _builtins.str = ...,
+        num_prefix_hashes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity_blocks", b"capacity_blocks", "connected", b"connected", "draining", b"draining", "failure", b"failure", "freeness", b"freeness", "has_load", b"has_load", "instance_id", b"instance_id", "load_version", b"load_version", "num_running", b"num_running", "num_waiting", b"num_waiting", "running_request_ids", b"running_request_ids", "used_blocks", b"used_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity_blocks", b"capacity_blocks", "connected", b"connected", "draining", b"draining", "failure", b"failure", "freeness", b"freeness", "has_load", b"has_load", "instance_id", b"instance_id", "load_version", b"load_version", "num_prefix_hashes", b"num_prefix_hashes", "num_running", b"num_running", "num_waiting", b"num_waiting", "running_request_ids", b"running_request_ids", "used_blocks", b"used_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from llumlet.engine.prefix_hash import PrefixCacheConfig
 from llumlet.engine.protocol import Engine
 from llumlet.engine.types import SamplingFeature, SamplingParams, StepResult
 from topology.load import tokenizer_errors
@@ -41,6 +42,7 @@ class BackendConfig:
     seed: int = 0  # backend randomness (torch: model weights)
     options: Mapping[str, str] = field(default_factory=dict)
     tokenizer: str | None = None  # the model's tokenizer directory; None = the topology model's ``tokenizer``
+    prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)  # sim: caching on/off
 
     def tokenizer_path(self) -> str | None:
         """``tokenizer``, else the topology model's ``tokenizer`` (None when neither names one).

@@ -4,7 +4,9 @@ The llumlet makes each step last its modelled duration (``StepResult.duration_s 
 time), so a control plane sees the timing of the modelled GPU without any model. With a topology the
 instance's model, GPU type and tensor-parallel degree choose the latency model (docs/engine-model.md) and its
 KV capacity and block size come from the topology; without one, a Llama-2-7B on one A100 with
-``DEFAULT_NUM_BLOCKS`` blocks.
+``DEFAULT_NUM_BLOCKS`` blocks. Prefix caching is on unless the configuration's ``prefix_cache.enabled`` is
+false: a request's prefix hash ids (``SubmitRequest.prefix_block_hashes``, which the gateway computes from the
+prompt's tokens) name the blocks it may share, as vLLM's block hashes do.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def make_sim_backend(config: BackendConfig) -> Backend:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         kv_bytes_per_block=kv_bytes_per_token * block_size,
+        enable_prefix_caching=config.prefix_cache.enabled,
     )
     return Backend(
         name="sim",

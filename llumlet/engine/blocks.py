@@ -68,11 +68,14 @@ class BlockManager:
         self._tables: dict[str, _Table] = {}
         self._reservations: dict[str, list[int]] = {}
         self._reserved = 0  # blocks held by all reservations
+        self._reserved_prefix: dict[str, list[int]] = {}  # reservation -> hash ids of the cached entries it adopted
         self._entries: dict[int, _Entry] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced entries, oldest first
         self._used_private = 0
         self._used_shared = 0
         self._cached = 0
+        self._prefix_hashes: frozenset[int] | None = frozenset()  # ids of _entries; None: rebuild on next read
+        self.prefix_block_tokens = 0  # tokens per hash block of the entries (the last published; 0 = none yet)
         self.prefix_hit_tokens_total = 0  # prompt tokens reused from the cache since creation
         self.prefix_queries_tokens_total = 0  # prompt tokens looked up (for a hit rate)
 
@@ -139,6 +142,7 @@ class BlockManager:
         while len(self._free) < n:
             h, _ = self._lru.popitem(last=False)
             entry = self._entries.pop(h)
+            self._prefix_hashes = None
             self._cached -= len(entry.blocks)
             self._free.extend(entry.blocks)
         return [self._free.pop() for _ in range(n)]
@@ -277,7 +281,22 @@ class BlockManager:
         n = len(t.private)
         self._free.extend(reversed(t.private))
         self._used_private -= len(t.private)
-        for h in t.shared:
+        return n + self._unref(t.shared)
+
+    def _ref(self, hashes: Sequence[int]) -> None:
+        """One more holder of each entry (an unreferenced one leaves the LRU: used, no longer evictable)."""
+        for h in hashes:
+            entry = self._entries[h]
+            if entry.refs == 0:
+                del self._lru[h]
+                self._cached -= len(entry.blocks)
+                self._used_shared += len(entry.blocks)
+            entry.refs += 1
+
+    def _unref(self, hashes: Sequence[int]) -> int:
+        """One holder fewer of each entry (cached, evictable, when none is left); returns their blocks."""
+        n = 0
+        for h in hashes:
             entry = self._entries[h]
             n += len(entry.blocks)
             entry.refs -= 1
@@ -319,6 +338,34 @@ class BlockManager:
         self._reserved += len(got)
         return True
 
+    def adopt_prefix(
+        self, reservation_id: str, prefix_block_hashes: Sequence[int], hash_block_tokens: int, max_hit_tokens: int
+    ) -> int:
+        """An incoming request's leading hash blocks this cache holds become its first block-table positions at
+        :meth:`commit` (referenced from now, never copied): the migration sends only the rest. Matched as
+        :meth:`prefix_matching` matches (``max_hit_tokens``: the request's full blocks of KV). Once per
+        reservation, before :meth:`commit`; the reservation's own blocks are for the rest of the request.
+
+        Returns the blocks adopted (0 without prefix caching, or when nothing matches). Raises KeyError for an
+        unknown reservation, ValueError when it adopted already.
+        """
+        if reservation_id not in self._reservations:
+            raise KeyError(f"adopt_prefix: unknown reservation {reservation_id!r} (released or never made)")
+        if reservation_id in self._reserved_prefix:
+            raise ValueError(f"adopt_prefix({reservation_id!r}): adopted a prefix already")
+        if not self.enable_prefix_caching or not prefix_block_hashes:
+            return 0
+        per = self._blocks_per_hash(hash_block_tokens)
+        matched = self.prefix_matching(prefix_block_hashes, hash_block_tokens, max_hit_tokens)
+        if matched:
+            self._ref(matched)
+            self._reserved_prefix[reservation_id] = matched
+        return len(matched) * per
+
+    def adopted_blocks(self, reservation_id: str) -> int:
+        """Blocks of the cached entries the reservation adopted (:meth:`adopt_prefix`; 0 if none or unknown)."""
+        return sum(len(self._entries[h].blocks) for h in self._reserved_prefix.get(reservation_id, ()))
+
     def reservation_size(self, reservation_id: str) -> int | None:
         """Blocks held by a reservation; None when it does not exist (never made, committed or released)."""
         held = self._reservations.get(reservation_id)
@@ -337,17 +384,25 @@ class BlockManager:
     def commit(self, reservation_id: str, request_id: str, num_tokens: int) -> tuple[int, ...] | None:
         """Turn the reservation into ``request_id``'s blocks for ``num_tokens`` token slots.
 
-        Surplus reserved blocks go back to the free list; missing ones (the request grew) are taken from the
-        pool. Returns the request's block table, or None when the growth does not fit (nothing changes, the
+        The cached entries it adopted (:meth:`adopt_prefix`) come first, shared; the reservation's blocks hold
+        the rest. Surplus reserved blocks go back to the free list; missing ones (the request grew) are taken
+        from the pool. Returns the request's block table, or None when the growth does not fit (nothing changes, the
         reservation stays). Raises KeyError for an unknown reservation, ValueError if the request already
-        holds blocks here.
+        holds blocks here or ``num_tokens`` is less than its adopted prefix.
         """
         if reservation_id not in self._reservations:
             raise KeyError(f"commit: unknown reservation {reservation_id!r} (released or never made)")
         if request_id in self._tables:
             raise ValueError(f"commit({reservation_id!r}): request {request_id!r} already holds blocks")
         held = self._reservations[reservation_id]
-        need = self.blocks_for_tokens(num_tokens)
+        adopted = self._reserved_prefix.get(reservation_id, [])
+        shared_blocks = sum(len(self._entries[h].blocks) for h in adopted)
+        need = self.blocks_for_tokens(num_tokens) - shared_blocks
+        if need < 0:
+            raise ValueError(
+                f"commit({reservation_id!r}): {num_tokens} tokens are fewer than the {shared_blocks} prefix blocks "
+                "it adopted hold"
+            )
         extra: list[int] = []
         if need > len(held):
             got = self._take(need - len(held))
@@ -355,25 +410,38 @@ class BlockManager:
                 return None
             extra = got
         del self._reservations[reservation_id]
+        self._reserved_prefix.pop(reservation_id, None)
         self._reserved -= len(held)
         blocks = held + extra
         surplus = blocks[need:]
         blocks = blocks[:need]
         self._free.extend(reversed(surplus))
-        self._tables[request_id] = _Table(private=blocks, num_tokens=num_tokens, num_blocks=len(blocks))
+        table = _Table(private=blocks, shared=list(adopted), num_tokens=num_tokens, num_blocks=shared_blocks + need)
+        self._tables[request_id] = table
         self._used_private += len(blocks)
-        return tuple(blocks)
+        return self.block_table(request_id)
 
     def release(self, reservation_id: str) -> int:
-        """Give a reservation's blocks back. Idempotent; 0 for an unknown or already released id."""
+        """Give a reservation's blocks back (its adopted entries lose a reference). Idempotent; 0 for an unknown
+        or already released id. Returns the reservation's own blocks released."""
         blocks = self._reservations.pop(reservation_id, None)
         if blocks is None:
             return 0
         self._reserved -= len(blocks)
         self._free.extend(reversed(blocks))
+        self._unref(self._reserved_prefix.pop(reservation_id, []))
         return len(blocks)
 
     # ---- prefix cache -------------------------------------------------------------------------------
+    @property
+    def prefix_hashes(self) -> frozenset[int]:
+        """Hash ids of every prefix-cache entry, referenced or evictable (what a load report lists). The same
+        frozenset until an entry is inserted or evicted: rebuilt only then, and on its first read after."""
+        held = self._prefix_hashes
+        if held is None:
+            held = self._prefix_hashes = frozenset(self._entries)
+        return held
+
     def _blocks_per_hash(self, hash_block_tokens: int) -> int:
         if hash_block_tokens < 1 or hash_block_tokens % self.block_size_tokens:
             raise ValueError(
@@ -400,14 +468,8 @@ class BlockManager:
         if not matched:
             return PrefixMatch(0, 0)
         t = self._tables[request_id] = _Table()
-        for h in matched:
-            entry = self._entries[h]
-            if entry.refs == 0:
-                del self._lru[h]
-                self._cached -= len(entry.blocks)
-                self._used_shared += len(entry.blocks)
-            entry.refs += 1
-            t.shared.append(h)
+        self._ref(matched)
+        t.shared.extend(matched)
         t.num_tokens = len(matched) * hash_block_tokens
         t.num_blocks = len(matched) * per
         self.prefix_hit_tokens_total += t.num_tokens
@@ -470,6 +532,8 @@ class BlockManager:
             blocks = tuple(t.private[:per])
             del t.private[:per]
             self._entries[h] = _Entry(blocks=blocks, refs=1)
+            self._prefix_hashes = None
+            self.prefix_block_tokens = hash_block_tokens
             self._used_private -= per
             self._used_shared += per
             t.shared.append(h)
@@ -512,8 +576,8 @@ class BlockManager:
             held = len(t.private) + sum(len(self._entries[h].blocks) for h in t.shared)
             assert t.num_blocks == held, f"{rid}: block count {t.num_blocks} != {held} held"
         refs: dict[int, int] = {}
-        for t in self._tables.values():
-            for h in t.shared:
+        for holder in [*(t.shared for t in self._tables.values()), *self._reserved_prefix.values()]:
+            for h in holder:
                 refs[h] = refs.get(h, 0) + 1
         for h, e in self._entries.items():
             assert e.refs == refs.get(h, 0), f"entry {h}: refs {e.refs} != holders {refs.get(h, 0)}"

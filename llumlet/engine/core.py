@@ -224,8 +224,10 @@ class EngineCore(PagedEngine):
             run = self._run_ahead(steps_ahead)
             grown = blocks.decode_new_blocks_each(run.request_ids, steps_ahead)
             rows = [  # every request of the run is in decode: one more token a step
-                (rid, n + g, prio, tokens + steps_ahead, True, out + steps_ahead, max_tokens, max_blocks, why)
-                for (rid, n, prio, tokens, _, out, max_tokens, max_blocks, why), g in zip(rows, grown, strict=True)
+                (rid, n + g, prio, tokens + steps_ahead, True, out + steps_ahead, max_tokens, max_blocks, why, hashes)
+                for (rid, n, prio, tokens, _, out, max_tokens, max_blocks, why, hashes), g in zip(
+                    rows, grown, strict=True
+                )
             ]
             used += sum(grown)
         return instance_load_of(
@@ -243,6 +245,8 @@ class EngineCore(PagedEngine):
             queued_demand_blocks=queued_demand,
             preempting=preempting,
             max_num_seqs=self.scheduler.max_num_seqs,
+            prefix_hashes=blocks.prefix_hashes,
+            prefix_block_tokens=blocks.prefix_block_tokens,
         )
 
     def _run_ahead(self, steps_ahead: int) -> DecodeRun:
@@ -267,6 +271,7 @@ class EngineCore(PagedEngine):
             used = blocks.used_blocks
             num_running, priority_counts, num_waiting, head_demand, queued_demand, preempting = self._brief_figures()
         used += blocks.reserved_blocks
+        held = blocks.prefix_hashes  # the same frozenset until the prefix cache changes
         return trusted_instance_load(
             instance_id=instance_id,
             capacity_blocks=blocks.num_blocks,
@@ -284,6 +289,8 @@ class EngineCore(PagedEngine):
             priority_counts=priority_counts,
             brief=True,
             max_num_seqs=self.scheduler.max_num_seqs,
+            prefix_hashes=held,
+            prefix_block_tokens=blocks.prefix_block_tokens if held else 0,
         )
 
     def held_blocks(self, steps_ahead: int = 0) -> int:
@@ -531,6 +538,46 @@ class EngineCore(PagedEngine):
             return False
         self._changed()
         return True
+
+    def adopt_prefix(
+        self, reservation_id: str, prefix_block_hashes: Sequence[int], hash_block_tokens: int, kv_tokens: int
+    ) -> int:
+        """Destination side, right after :meth:`reserve`: the incoming request's leading prefix hash blocks this
+        engine's prefix cache holds become its first blocks at :meth:`commit_incoming`, shared with the cache,
+        never copied nor allocated twice (``BlockManager.adopt_prefix``). ``kv_tokens``: tokens whose KV the
+        request holds (only its full blocks can match). Returns the blocks adopted (0 without prefix caching).
+        Raises KeyError for an unknown reservation."""
+        full_tokens = kv_tokens - kv_tokens % self.blocks.block_size_tokens
+        if self.blocks.reservation_size(reservation_id) is None:
+            raise KeyError(f"{self.instance_id}: adopt_prefix: unknown reservation {reservation_id!r}")
+        if not self.blocks.prefix_matching(prefix_block_hashes, hash_block_tokens, full_tokens):
+            return 0  # nothing to share: no change (a decode run in progress goes on)
+        self._changing()
+        adopted = self.blocks.adopt_prefix(reservation_id, prefix_block_hashes, hash_block_tokens, full_tokens)
+        self._changed()
+        return adopted
+
+    def adopt_cached_prefix(
+        self,
+        reservation_id: str,
+        prompt_token_ids: Sequence[int],
+        prefix_block_hashes: Sequence[int] = (),
+        prefix_hash_block_tokens: int = 0,
+    ) -> int:
+        """The llumlet's Reserve (``Engine.adopt_cached_prefix``): :meth:`adopt_prefix` by the prompt's prefix hash
+        ids, which cover full prompt blocks only, all of them in the KV of a request in decode (this engine has
+        no content to match ``prompt_token_ids`` by). 0 for hash blocks that are not whole blocks here (hashed for
+        another block size: they name nothing this cache holds). Raises KeyError for an unknown reservation."""
+        if (
+            not prefix_block_hashes
+            or prefix_hash_block_tokens < 1
+            or prefix_hash_block_tokens % self.blocks.block_size_tokens
+        ):
+            if self.blocks.reservation_size(reservation_id) is None:
+                raise KeyError(f"{self.instance_id}: adopt_cached_prefix: unknown reservation {reservation_id!r}")
+            return 0
+        kv_tokens = len(prefix_block_hashes) * prefix_hash_block_tokens
+        return self.adopt_prefix(reservation_id, prefix_block_hashes, prefix_hash_block_tokens, kv_tokens)
 
     def release_reservation(self, reservation_id: str) -> int:
         """Give a reservation back. Idempotent and safe if never reserved; returns blocks released."""

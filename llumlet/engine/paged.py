@@ -73,6 +73,10 @@ class PagedEngine:
             preempting=preempting,
             num_suspended=len(self._suspended),
             max_num_seqs=self.scheduler.max_num_seqs,
+            prefix_hashes=self.blocks.prefix_hashes,
+            prefix_block_tokens=self.blocks.prefix_block_tokens,
+            prefix_hit_tokens=self.blocks.prefix_hit_tokens_total,
+            prefix_query_tokens=self.blocks.prefix_queries_tokens_total,
         )
 
     def _running_rows(self) -> list[RunningRow]:
@@ -98,6 +102,7 @@ class PagedEngine:
                     req.max_tokens,
                     max_blocks,
                     "",
+                    req.prefix_block_hashes,
                 )
             )
         return rows
@@ -171,9 +176,15 @@ class PagedEngine:
         without the engine lock: it may only read the KV pool."""
         raise NotImplementedError
 
-    def adopt_cached_prefix(self, reservation_id: str, prompt_token_ids: Sequence[int]) -> int:
-        """0: these engines match their prefix cache by the trace's hash ids, not by content (every block of a
-        moved request is sent). Raises KeyError for an unknown reservation."""
+    def adopt_cached_prefix(
+        self,
+        reservation_id: str,
+        prompt_token_ids: Sequence[int],
+        prefix_block_hashes: Sequence[int] = (),
+        prefix_hash_block_tokens: int = 0,
+    ) -> int:
+        """0: no prefix cache here (the CPU reference engine: every block of a moved request is sent; the model
+        engine overrides this). Raises KeyError for an unknown reservation."""
         if self.blocks.reservation_size(reservation_id) is None:
             raise KeyError(f"{self.instance_id}: adopt_cached_prefix: unknown reservation {reservation_id!r}")
         return 0

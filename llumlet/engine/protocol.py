@@ -169,10 +169,18 @@ class Engine(Protocol):
         """Hold ``n_blocks`` for an incoming request; False if there is no room or the id is in use."""
         ...
 
-    def adopt_cached_prefix(self, reservation_id: str, prompt_token_ids: Sequence[int]) -> int:
-        """Right after ``reserve``: the leading full blocks of ``prompt_token_ids`` this engine already caches
+    def adopt_cached_prefix(
+        self,
+        reservation_id: str,
+        prompt_token_ids: Sequence[int],
+        prefix_block_hashes: Sequence[int] = (),
+        prefix_hash_block_tokens: int = 0,
+    ) -> int:
+        """Right after ``reserve``: the leading full blocks of the request's prompt this engine already caches
         become the reservation's first positions (held, counted as written, never written to), in place of
-        as many of its fresh blocks; returns how many (0 when the engine matches no content).
+        as many of its fresh blocks; returns how many (0 when it caches none of them). An engine matches by
+        content (``prompt_token_ids``: vLLM) or by the prompt's prefix hash ids (``prefix_block_hashes``, each
+        of ``prefix_hash_block_tokens`` tokens: the model engine, whose requests have no content).
 
         Raises KeyError for an unknown reservation.
         """

@@ -225,6 +225,7 @@ class RunningRequestLoad:
     max_tokens: int = 0  # its output limit (0 = not known)
     max_blocks: int = 0  # KV blocks it may grow to: prompt + max_tokens - 1 tokens (0 = not known)
     unmigratable_reason: str = ""  # why the engine cannot move it faithfully even in decode; "" = it can
+    prefix_hashes: tuple[int, ...] = ()  # hash ids of its prompt's prefix blocks (EngineRequest.prefix_block_hashes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +243,10 @@ class EngineLoad:
     preempting: bool = False  # a preemption happened in the last step or a preempted request still waits
     num_suspended: int = 0  # requests suspended for migration (their blocks are in used_blocks)
     max_num_seqs: int = 0  # batch slots: requests per step at most (0 = not known)
+    prefix_hashes: frozenset[int] = frozenset()  # hash ids of its prefix-cache entries (used or evictable)
+    prefix_block_tokens: int = 0  # tokens per hash block of those (0 = no prefix cache, or nothing cached yet)
+    prefix_hit_tokens: int = 0  # prompt tokens served from its prefix cache since the engine started
+    prefix_query_tokens: int = 0  # prompt tokens looked up in it since then (hit rate = hits / queries)
 
     @property
     def free_blocks(self) -> int:
@@ -273,10 +278,12 @@ class EngineLoad:
             queued_demand_blocks=self.queued_demand_blocks,
             preempting=self.preempting,
             max_num_seqs=self.max_num_seqs,
+            prefix_hashes=self.prefix_hashes,
+            prefix_block_tokens=self.prefix_block_tokens,
         )
 
 
-RunningRow = tuple[str, int, int, int, bool, int, int, int, str]
+RunningRow = tuple[str, int, int, int, bool, int, int, int, str, tuple[int, ...]]
 """One running request as the load report sees it: the fields of :class:`RunningRequestLoad`, in its order
 (``RunningRequestLoad(*row)`` is the request's entry; an engine builds rows where it would build many)."""
 
@@ -299,6 +306,8 @@ def instance_load_of(
     queued_demand_blocks: int,
     preempting: bool,
     max_num_seqs: int = 0,
+    prefix_hashes: frozenset[int] = frozenset(),
+    prefix_block_tokens: int = 0,
 ) -> InstanceLoad:
     """An engine's load as the policy layer's ``InstanceLoad`` (the fields as in :class:`EngineLoad`).
 
@@ -310,8 +319,10 @@ def instance_load_of(
     """
     requests = tuple(
         [
-            trusted_request_load(rid, blocks, prio, tokens, in_decode and not why, out, max_tokens, max_blocks)
-            for rid, blocks, prio, tokens, in_decode, out, max_tokens, max_blocks, why in running
+            trusted_request_load(
+                rid, blocks, prio, tokens, in_decode and not why, out, max_tokens, max_blocks, prefix_hashes=hashes
+            )
+            for rid, blocks, prio, tokens, in_decode, out, max_tokens, max_blocks, why, hashes in running
         ]
     )
     return trusted_instance_load(
@@ -330,6 +341,8 @@ def instance_load_of(
         domain_id=domain_id,
         decode_step_s=decode_step_s,
         max_num_seqs=max_num_seqs,
+        prefix_hashes=prefix_hashes,
+        prefix_block_tokens=prefix_block_tokens if prefix_hashes else 0,
     )
 
 

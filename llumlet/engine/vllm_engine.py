@@ -54,6 +54,7 @@ import math
 import os
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,10 @@ __all__ = [
     "tiny_llama_checkpoint",
     "vllm_sampling_params",
 ]
+
+#: Prefix hash ids a VllmEngine remembers for its load reports (the prompts it served most recently; each is
+#: reported while vLLM still caches its block): twice the default ``prefix_cache.report_max_hashes``.
+_MAX_PREFIX_IDS = 1024
 
 EXTRA_GENERATOR_STATE = "generator_state"  # MigrationState.extra key: bytes of the sampler generator, or None
 EXTRA_MODEL_FINGERPRINT = "model_fingerprint"  # MigrationState.extra key: str, VllmEngine.model_fingerprint
@@ -471,6 +476,10 @@ class VllmEngine:
         self._by_internal: dict[str, str] = {}  # vLLM request id -> external id
         self._reservations: dict[str, _Reservation] = {}
         self._last_step_preempted = False
+        # hilum prefix hash id -> vLLM's hash of the last block of that hash block, for prompts served here,
+        # least recently served first (at most _MAX_PREFIX_IDS): what load() reports, checked in vLLM's cache
+        self._prefix_ids: OrderedDict[int, Any] = OrderedDict()
+        self._prefix_block_tokens = 0
 
     # ---- sizes ----------------------------------------------------------------------------------
     @property
@@ -539,6 +548,23 @@ class VllmEngine:
     def _track(self, tracked: _Tracked) -> None:
         self._tracked[tracked.request.request_id] = tracked
         self._by_internal[tracked.internal_id] = tracked.request.request_id
+        self._remember_prefix(tracked.request, tracked.internal_id)
+
+    def _remember_prefix(self, request: EngineRequest, internal_id: str) -> None:
+        """Map the request's hilum prefix hash ids to vLLM's hashes of the same blocks (the last vLLM block of
+        each hash block), so that :meth:`load` can report the ids whose blocks vLLM still caches. Nothing when
+        prefix caching is off or a hash block is not a whole number of vLLM blocks."""
+        hashes, tokens = request.prefix_block_hashes, request.prefix_hash_block_tokens
+        if not hashes or tokens % self._block_size or not vi.prefix_caching_enabled(self._h):
+            return
+        per = tokens // self._block_size
+        ours = vi.request_block_hashes(self._h, internal_id)
+        for j, hid in enumerate(hashes[: len(ours) // per]):
+            self._prefix_ids[hid] = ours[(j + 1) * per - 1]
+            self._prefix_ids.move_to_end(hid)
+        self._prefix_block_tokens = tokens
+        while len(self._prefix_ids) > _MAX_PREFIX_IDS:
+            self._prefix_ids.popitem(last=False)
 
     def _forget(self, request_id: str) -> _Tracked | None:
         tracked = self._tracked.pop(request_id, None)
@@ -668,6 +694,7 @@ class VllmEngine:
             )
         waiting = list(sched.waiting)
         demands = [math.ceil(int(r.num_tokens) / self._block_size) for r in waiting]
+        held = frozenset(hid for hid, ours in self._prefix_ids.items() if vi.is_cached(self._h, ours))
         return EngineLoad(
             total_blocks=self.total_blocks,
             used_blocks=self.total_blocks - free - reserved,
@@ -680,6 +707,8 @@ class VllmEngine:
             preempting=self._last_step_preempted or any(r.num_preemptions for r in waiting),
             num_suspended=sum(t.suspended for t in self._tracked.values()),
             max_num_seqs=int(getattr(sched, "max_num_running_reqs", 0)),  # vLLM's max_num_seqs, as it runs
+            prefix_hashes=held,
+            prefix_block_tokens=self._prefix_block_tokens if held else 0,
         )
 
     # ---- migration: source side -----------------------------------------------------------------
@@ -828,10 +857,17 @@ class VllmEngine:
         self._reservations[reservation_id] = _Reservation(blocks)
         return True
 
-    def adopt_cached_prefix(self, reservation_id: str, prompt_token_ids: Sequence[int]) -> int:
+    def adopt_cached_prefix(
+        self,
+        reservation_id: str,
+        prompt_token_ids: Sequence[int],
+        prefix_block_hashes: Sequence[int] = (),
+        prefix_hash_block_tokens: int = 0,
+    ) -> int:
         """The leading full blocks of the prompt this engine's prefix cache holds become the reservation's
         first positions (referenced, never written; as many fresh blocks go back to the pool); returns how
-        many. 0 with prefix caching off. Raises KeyError for an unknown reservation."""
+        many. Matched by content with vLLM's own block hashes (hilum's ``prefix_block_hashes`` are not
+        needed). 0 with prefix caching off. Raises KeyError for an unknown reservation."""
         res = self._reservations.get(reservation_id)
         if res is None:
             raise KeyError(f"{self.instance_id}: adopt_cached_prefix: unknown reservation {reservation_id!r}")

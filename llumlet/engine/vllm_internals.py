@@ -47,12 +47,14 @@ __all__ = [
     "generator_state",
     "hold_cached_prefix",
     "hold_pool_blocks",
+    "is_cached",
     "kv_block_shape",
     "kv_pool",
     "move_to_queue_head",
     "pause_request",
     "prefix_caching_enabled",
     "read_kv_blocks",
+    "request_block_hashes",
     "request_block_ids",
     "scheduler_request",
     "set_generator_state",
@@ -176,6 +178,19 @@ def stateless_sampling(llm_engine: Any) -> bool:
 def prefix_caching_enabled(h: EngineHandles) -> bool:
     """Whether the block pool caches full blocks by content hash (vLLM's automatic prefix caching)."""
     return bool(h.block_pool.enable_caching)
+
+
+def request_block_hashes(h: EngineHandles, internal_id: str) -> list[Any]:
+    """vLLM's own hashes of a scheduled request's full blocks, in order (``Request.block_hashes``: chained over
+    the block's tokens and extra keys with the engine's ``prefix_caching_hash_algo``); [] when the scheduler
+    does not know the request or prefix caching is off."""
+    request = h.scheduler.requests.get(internal_id)
+    return list(getattr(request, "block_hashes", ())) if request is not None else []
+
+
+def is_cached(h: EngineHandles, block_hash: Any) -> bool:
+    """Whether the prefix cache holds a block under ``block_hash`` (used or evictable; KV cache group 0)."""
+    return h.block_pool.get_cached_block(block_hash, [0]) is not None
 
 
 # ---- scheduler ------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from gateway.sink import GatewaySink, TokenUpdate
 from gateway.validation import GenerationRequest
 from hilum_proto.v1 import llumlet_pb2
 from hilum_proto.v1 import token_sink_pb2 as pb
+from llumlet.engine.prefix_hash import PrefixCacheConfig, prefix_block_hashes
 from llumlet.engine.types import GuidedDecoding, SamplingParams
 
 PROMPT = (5, 6, 7)
@@ -107,7 +108,8 @@ class Dispatcher:
     sent: list[llumlet_pb2.SubmitRequest] = field(default_factory=list)
     fail_from: int = 99
 
-    async def __call__(self, msg: llumlet_pb2.SubmitRequest, demand: int, need: int) -> Placement:
+    async def __call__(self, msg: llumlet_pb2.SubmitRequest, demand: int, need: int, block_size: int) -> Placement:
+        assert block_size == 4  # the model's, for the prefix hashes' blocks
         if len(self.sent) >= self.fail_from:
             raise DispatchFailed("no domain accepted the request: d: full", unavailable=False)
         copy = llumlet_pb2.SubmitRequest()
@@ -141,7 +143,8 @@ def test_a_request_whose_instance_died_is_replayed_and_its_stream_continues() ->
     async def main() -> None:
         sink, metrics = GatewaySink(poll_s=0.01), GatewayMetrics()
         dispatch = Dispatcher(["a0", "b0", "b1"])
-        replayer = Replayer(sink, dispatch, lambda: "gw:1", metrics, max_replays=2)
+        one_block = PrefixCacheConfig(blocks_per_hash=1)  # a prefix hash per 4-token block
+        replayer = Replayer(sink, dispatch, lambda: "gw:1", metrics, max_replays=2, prefix_cache=one_block)
         await replayer.start("c", _request(SamplingParams(max_tokens=10, temperature=0.0)))
         got: list[TokenUpdate] = []
         reader = asyncio.create_task(_consume(replayer, "c", got))
@@ -154,6 +157,10 @@ def test_a_request_whose_instance_died_is_replayed_and_its_stream_continues() ->
         assert replay.request_id == "c.r1" and replay.first_seq == 3
         assert list(replay.prompt_token_ids) == [5, 6, 7, 0, 1, 2] and replay.sampling.max_tokens == 7
         assert list(replay.avoid_instance_ids) == ["a0"] and replay.origin == "gw:1"
+        # the prefix hashes are those of what each Submit's prompt is: none for 3 tokens, one block of the replay's
+        assert list(dispatch.sent[0].prefix_block_hashes) == [] and dispatch.sent[0].prefix_hash_block_tokens == 0
+        assert tuple(replay.prefix_block_hashes) == prefix_block_hashes([5, 6, 7, 0], 4)
+        assert replay.prefix_hash_block_tokens == 4
         assert push(sink, "c", 3, [99], "a0").unknown  # the dead instance, should it come back: dropped
         assert replayer.engine_id("c") == "c.r1" and replayer.address("c") == "b0:1"
         push(sink, "c.r1", 3, [3, 4], "b0")

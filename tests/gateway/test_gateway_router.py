@@ -215,3 +215,30 @@ def test_invalid_argument_is_not_retried() -> None:
     with pytest.raises(DispatchFailed, match="rejected the request: boom"):
         asyncio.run(r.dispatch(msg(), demand_blocks=5))
     assert len(sub.calls) == 1
+
+
+def test_a_domain_holding_the_prompts_prefix_wins_within_the_margin() -> None:
+    """The Submit's prefix hashes (the gateway's, llumlet.engine.prefix_hash) reach the domain choice: the domain
+    whose summary lists them wins while it is within policy.prefix_affinity_margin of the freest; without the
+    model's block size they take no part (as before)."""
+    import dataclasses
+
+    from llumlet.engine.prefix_hash import prefix_block_hashes
+
+    prompt = list(range(200, 330))  # 130 tokens: two 64-token hash blocks
+    hashes = prefix_block_hashes(prompt, 64)
+    sums = {"idle": record("idle", 10), "warm": record("warm", 30)}
+    warm = sums["warm"].summaries[0]
+    sums["warm"] = SummaryRecord("warm", (dataclasses.replace(warm, prefix_hashes=frozenset(hashes)),))
+    answers: dict[str, object] = {"idle": rpb.DISPATCH_ACCEPTED, "warm": rpb.DISPATCH_ACCEPTED}
+    m = llumlet_pb2.SubmitRequest(
+        request_id="r", prompt_token_ids=prompt, model="m", prefix_block_hashes=hashes, prefix_hash_block_tokens=64
+    )
+    r, _ = router(sums, answers)
+    assert asyncio.run(r.dispatch(m, demand_blocks=9, block_size_tokens=16)).domain_id == "warm"
+    r, _ = router(sums, answers)
+    assert asyncio.run(r.dispatch(m, demand_blocks=9)).domain_id == "idle"  # no block size: load alone
+    far = {**sums, "warm": SummaryRecord("warm", (dataclasses.replace(sums["warm"].summaries[0], freeness=10.0,
+                                                                       virtual_usage=90.0),))}  # fmt: skip
+    r, _ = router(far, answers)
+    assert asyncio.run(r.dispatch(m, demand_blocks=9, block_size_tokens=16)).domain_id == "idle"  # load wins

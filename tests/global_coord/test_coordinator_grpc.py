@@ -43,7 +43,12 @@ def _path_of(src: str, dst: str) -> PathLike:
 
 
 def _judge(
-    move: MoveProposal, dst: str, path: PathLike, busiest_link_flows: int, measured: float | None = None
+    move: MoveProposal,
+    dst: str,
+    path: PathLike,
+    busiest_link_flows: int,
+    measured: float | None = None,
+    dst_prefix_hash_blocks: int = 0,
 ) -> Judgement:
     if busiest_link_flows >= 1:  # one migration per link
         return Judgement(False, f"link budget full: {busiest_link_flows} on the busiest link")

@@ -168,7 +168,9 @@ def test_choose_takes_first_approved_and_reports_last_rejection() -> None:
     paths = {"b0": ("l1",), "c0": ("l2",)}
     seen: list[tuple[str, int]] = []
 
-    def judge(move: MoveProposal, dst: str, path: _PathInfo, busiest: int, measured: float | None = None) -> Judgement:
+    def judge(
+        move: MoveProposal, dst: str, path: _PathInfo, busiest: int, measured: float | None = None, on_dst: int = 0
+    ) -> Judgement:
         seen.append((dst, busiest))
         if busiest >= 1:
             return Judgement(False, "link budget full")
@@ -207,7 +209,9 @@ def test_choose_prices_each_candidate_with_its_paths_measured_rate_looking_up_on
     paths = {"b0": ("l1",), "c0": ("l2",)}
     priced: list[tuple[str, float | None]] = []
 
-    def judge(move: MoveProposal, dst: str, path: _PathInfo, busiest: int, measured: float | None = None) -> Judgement:
+    def judge(
+        move: MoveProposal, dst: str, path: _PathInfo, busiest: int, measured: float | None = None, on_dst: int = 0
+    ) -> Judgement:
         priced.append((dst, measured))
         return Judgement(dst == "c0", "ok" if dst == "c0" else "slow")
 

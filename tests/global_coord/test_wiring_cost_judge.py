@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from clusterstate.records import MigrationRecord, MigrationState
-from global_coord.approver import MoveProposal, decide, measured_rates
+from global_coord.approver import Judgement, MoveProposal, decide, measured_rates
 from global_coord.wiring import load_cluster_model
 from policy.domain import DomainSummary, InstanceBrief
 from topology.bandwidth import MeasuredBandwidthConfig
@@ -108,3 +108,31 @@ def test_the_coordinator_judges_a_move_by_its_calibrated_fixed_overheads() -> No
     paused = slow_commit.judge(move, "node-1-i0", path, 0)
     assert not paused.approved and paused.downtime_s == pytest.approx(ok.downtime_s + 0.029)
     assert paused.reason.startswith("downtime 31.7 ms exceeds the budget of 25.0 ms")
+
+
+def test_a_destination_holding_the_prefix_is_priced_with_fewer_blocks_to_copy() -> None:
+    # 1600 tokens of Llama-2-7B: 100 blocks; the prompt's 3 hash blocks of 512 tokens are 96 of them. The
+    # destination caches the first two (64 blocks): the copy is 36 blocks, not 100.
+    model = load_cluster_model("2x8-a100")
+    path = model.path_of("node-0-i0", "node-1-i0")
+    move = dataclasses.replace(_move(1600, 500), prefix_hashes=(7, 8, 9), prefix_block_tokens=512)
+    cold = model.judge(move, "node-1-i0", path, 0)
+    warm = model.judge(move, "node-1-i0", path, 0, None, 2)
+    assert cold.transfer_s == pytest.approx(model.judge(_move(1600, 500), "node-1-i0", path, 0).transfer_s)
+    assert warm.transfer_s < cold.transfer_s * 0.45
+    # decide tells the judge how many leading hashes each candidate's brief holds (a gap ends the run).
+    held = InstanceBrief("node-1-i0", 1000, 900, 100.0, 1, 0, False, prefix_hashes=frozenset({7, 8, 42}))
+    gap = InstanceBrief("node-1-i1", 1000, 900, 100.0, 1, 0, False, prefix_hashes=frozenset({8, 9}))
+    summary = DomainSummary("node-1", 2, 2000, 200.0, 900.0, 900, 1000, 2, 0, False, instances=(held, gap))
+    told: dict[str, int] = {}
+
+    def judge(
+        m: MoveProposal, dst: str, p: object, flows: int, rate: float | None = None, on_dst: int = 0
+    ) -> Judgement:
+        told[dst] = on_dst
+        return Judgement(False, "just looking")
+
+    decide(move, "node-0", [summary], model.path_of, judge, {})
+    assert told == {"node-1-i0": 2, "node-1-i1": 0}
+    with pytest.raises(ValueError, match="prefix_block_tokens is 0"):
+        dataclasses.replace(move, prefix_block_tokens=0)

@@ -65,7 +65,7 @@ def test_errors_name_the_file_and_the_key_all_at_once(tmp_path: Path) -> None:
         load_config(bad)
     assert err.value.errors == [
         f"{bad}: extras: unknown section (known: policy, remaining, domain, cost, approval, intervals, resume, "
-        "measured_bandwidth, autoscale)",
+        "measured_bandwidth, autoscale, prefix_cache)",
         f"{bad}: policy.no_such_key: Extra inputs are not permitted",
         f"{bad}: cost.cap_fraction: Input should be a valid number",
         f"{bad}: approval: downtime_budget_s must be > 0, got -1.0",
@@ -177,3 +177,14 @@ def test_the_autoscale_section_builds_the_rule_and_the_hook(tmp_path: Path) -> N
         "f.yaml: autoscale: AutoscaleConfig: min_instances must be >= 1, got 0",
         "f.yaml: autoscale: command_attempts must be >= 1, got 0",
     ]
+
+
+def test_prefix_cache_section_builds_its_config_and_names_bad_values() -> None:
+    cfg = parse_config({"prefix_cache": {"enabled": False, "blocks_per_hash": 2, "report_max_hashes": 64}}, "f")
+    assert (cfg.prefix_cache.enabled, cfg.prefix_cache.block_tokens(16), cfg.prefix_cache.report_max_hashes) == (
+        False,
+        32,
+        64,
+    )
+    with pytest.raises(ConfigError, match=r"f: prefix_cache: blocks_per_hash must be an int >= 1, got 0"):
+        parse_config({"prefix_cache": {"blocks_per_hash": 0}}, "f")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -72,6 +74,52 @@ def test_prefix_cache_share_publish_evict() -> None:
     bm.check_invariants()
 
 
+def test_prefix_hashes_are_one_frozenset_until_the_cache_changes() -> None:
+    bm = BlockManager(num_blocks=8, block_size_tokens=4, enable_prefix_caching=True)
+    assert bm.prefix_hashes == frozenset() and bm.prefix_block_tokens == 0
+    assert bm.allocate_slots("a", 24) is not None
+    assert bm.publish_prefix("a", (11, 22, 33), 8, num_computed_tokens=24) == 3
+    held = bm.prefix_hashes
+    assert held == {11, 22, 33} and bm.prefix_block_tokens == 8
+    bm.free("a")  # referenced -> cached: the same entries, the same set object
+    assert bm.prefix_hashes is held
+    assert bm.allocate_slots("c", 12) is not None  # 3 blocks: 2 free + the LRU entry 11 evicted
+    assert bm.prefix_hashes == {22, 33}
+    assert BlockManager(8, 4).prefix_hashes == frozenset()  # no prefix caching: nothing held
+
+
+def test_a_reservation_adopts_the_cached_prefix_and_commits_it_shared() -> None:
+    # Entries 11, 22 (2 blocks each) cached; an incoming request of 21 tokens with hashes 11, 22, 44.
+    bm = BlockManager(num_blocks=12, block_size_tokens=4, enable_prefix_caching=True)
+    assert bm.allocate_slots("a", 16) is not None
+    bm.publish_prefix("a", (11, 22), 8, num_computed_tokens=16)
+    bm.free("a")
+    assert (bm.cached_blocks, bm.used_blocks) == (4, 0)
+    assert bm.reserve("m", 0)
+    assert bm.adopt_prefix("m", (11, 22, 44), 8, max_hit_tokens=20) == 4  # 44 is not cached
+    assert (bm.cached_blocks, bm.used_blocks, bm.adopted_blocks("m")) == (0, 4, 4)  # referenced: not evictable
+    assert bm.grow_reservation("m", 2)  # the rest: 21 tokens = 6 blocks, 4 of them adopted
+    bm.check_invariants()
+    with pytest.raises(ValueError, match="adopted a prefix already"):
+        bm.adopt_prefix("m", (11,), 8, 20)
+    table = bm.commit("m", "r", 21)
+    assert table is not None and len(table) == 6
+    assert table[:4] == bm.block_table("r")[:4] and bm.num_blocks_of("r") == 6
+    assert (bm.used_blocks, bm.reserved_blocks) == (6, 0)  # the prefix counted once, not allocated twice
+    bm.check_invariants()
+    assert bm.free("r") == 6
+    assert bm.cached_blocks == 4  # back in the cache
+    # A released reservation gives its adopted entries back too.
+    assert bm.reserve("m2", 1)
+    assert bm.adopt_prefix("m2", (11,), 8, 8) == 2
+    assert bm.release("m2") == 1
+    assert (bm.cached_blocks, bm.used_blocks) == (4, 0)
+    bm.check_invariants()
+    with pytest.raises(KeyError):
+        bm.adopt_prefix("gone", (11,), 8, 8)
+    assert BlockManager(8, 4).reserve("x", 1)
+
+
 def test_prefix_hash_block_must_be_multiple_of_block_size() -> None:
     bm = BlockManager(num_blocks=8, block_size_tokens=16, enable_prefix_caching=True)
     with pytest.raises(ValueError, match="multiple"):
@@ -126,6 +174,11 @@ class BlockMachine(RuleBasedStateMachine):
         self.bm.release(res)
         assert self.bm.release(res) == 0
 
+    @rule(res=res_ids, depth=st.integers(1, 3))
+    def adopt(self, res: str, depth: int) -> None:
+        with contextlib.suppress(KeyError, ValueError):  # not reserved, or adopted already
+            self.bm.adopt_prefix(res, (1, 2, 3)[:depth], 8, max_hit_tokens=24)
+
     @rule(res=res_ids, rid=st.sampled_from(["x0", "x1"]), n=st.integers(1, 40))
     def commit(self, res: str, rid: str, n: int) -> None:
         if rid in self.tokens:
@@ -134,6 +187,8 @@ class BlockMachine(RuleBasedStateMachine):
             table = self.bm.commit(res, rid, n)
         except KeyError:  # not reserved (or already committed / released)
             return
+        except ValueError:  # fewer tokens than the prefix it adopted
+            return
         if table is not None:
             self.tokens[rid] = n
 
@@ -141,6 +196,7 @@ class BlockMachine(RuleBasedStateMachine):
     def accounting(self) -> None:
         self.bm.check_invariants()
         held = sum(self.bm.num_blocks_of(r) for r in self.tokens)
+        held += sum(self.bm.adopted_blocks(m) for m in ("m0", "m1", "m2"))  # a reservation's prefix is used
         assert held >= self.bm.used_blocks  # shared blocks count once in used, per holder in held
 
 

@@ -164,6 +164,51 @@ def test_random_workload_conserves_tokens_and_blocks() -> None:
     assert sum(st.num_preemptions for st in e.stats.values()) > 0  # the instance is small enough to preempt
 
 
+def test_load_reports_list_the_cached_prefix_hashes_only_with_prefix_caching() -> None:
+    for caching in (True, False):
+        e = EngineCore("i0", 200, 16, flat_model(), enable_prefix_caching=caching)
+        e.add_request(EngineRequest("a", 1100, 3, prefix_block_hashes=(1, 2, 3), prefix_hash_block_tokens=512))
+        e.step()  # a's prompt computed: hash blocks 1, 2 are full (3 is not)
+        detailed, brief = e.instance_load("i0", "d"), e.instance_load("i0", "d", brief=True)
+        want = frozenset({1, 2}) if caching else frozenset()
+        assert detailed.prefix_hashes == brief.prefix_hashes == e.load().prefix_hashes == want
+        assert detailed.prefix_block_tokens == brief.prefix_block_tokens == (512 if caching else 0)
+        assert e.load().to_instance_load("i0", "d").prefix_hashes == want
+        assert detailed.running[0].prefix_hashes == (1, 2, 3)  # the request's own, for pricing a move
+        e.step()  # a decode step: the cache did not change, the report shares the same set
+        assert e.instance_load("i0", "d", brief=True).prefix_hashes is brief.prefix_hashes
+
+
+def test_a_migrated_request_adopts_the_prefix_its_destination_caches() -> None:
+    src = EngineCore("s", 200, 16, flat_model(), enable_prefix_caching=True)
+    dst = EngineCore("d", 200, 16, flat_model(), enable_prefix_caching=True)
+    dst.add_request(EngineRequest("w", 1100, 1, prefix_block_hashes=(1, 2, 3), prefix_hash_block_tokens=512))
+    run(dst)  # dst caches hash blocks 1, 2 (64 blocks), evictable
+    src.add_request(EngineRequest("r", 1100, 50, prefix_block_hashes=(1, 2, 3), prefix_hash_block_tokens=512))
+    for _ in range(3):
+        src.step()
+    tokens, blocks = src.request_kv("r") or (0, 0)
+    assert dst.reserve("m", 0)
+    version = dst.load_version
+    assert dst.adopt_prefix("m", (1, 2, 3), 512, tokens) == 64
+    assert dst.load_version != version and dst.load().cached_blocks == 0  # referenced now
+    assert dst.grow_reservation("m", blocks - 64)
+    state = src.suspend("r")
+    assert state is not None and dst.commit_incoming("m", state)
+    src.free_migrated("r")
+    assert dst.blocks.num_blocks_of("r") == blocks and dst.load().used_blocks == blocks  # no block twice
+    dst.blocks.check_invariants()
+    run(dst)
+    assert dst.blocks.used_blocks == 0 and dst.blocks.cached_blocks == 64
+    # Nothing cached, nothing adopted (and no change reported).
+    cold = EngineCore("c", 200, 16, flat_model(), enable_prefix_caching=True)
+    assert cold.reserve("m", 0)
+    version = cold.load_version
+    assert cold.adopt_prefix("m", (1, 2), 512, tokens) == 0 and cold.load_version == version
+    with pytest.raises(KeyError):
+        cold.adopt_prefix("nope", (1,), 512, tokens)
+
+
 def test_prefix_caching_skips_shared_prompt_blocks() -> None:
     e = EngineCore("i0", 200, 16, flat_model(), enable_prefix_caching=True)
     e.add_request(EngineRequest("a", 1100, 2, prefix_block_hashes=(1, 2, 3), prefix_hash_block_tokens=512))

@@ -103,3 +103,22 @@ def test_torch_takes_vocabulary_and_eos_from_the_tokenizer(bpe_tokenizer_dir: Pa
     (tmp_path / "tok").symlink_to(bpe_tokenizer_dir)
     from_topology = make_backend("torch", BackendConfig(instance_id="node-0-i0", num_blocks=16, topology=topo))
     assert from_topology.engine.vocab_size == 400  # type: ignore[attr-defined]
+
+
+def test_the_sim_backend_caches_prefixes_unless_the_configuration_turns_it_off() -> None:
+    """prefix_cache.enabled (on by default): a second request with the same prefix hashes reuses them."""
+    from llumlet.engine.prefix_hash import PrefixCacheConfig, prefix_block_hashes
+
+    hashes = prefix_block_hashes(list(range(200)), 64)  # 3 hash blocks of 64 tokens
+
+    def second_hit(cfg: BackendConfig) -> int:
+        engine = make_backend("sim", cfg).engine
+        for rid in ("first", "second"):
+            engine.add_request(EngineRequest(rid, 200, 2, prefix_block_hashes=hashes, prefix_hash_block_tokens=64))
+            while engine.has_work():
+                engine.step()
+        return engine.load().prefix_hit_tokens
+
+    assert second_hit(BackendConfig(instance_id="on", time_scale=0)) == 3 * 64
+    off = PrefixCacheConfig(enabled=False)
+    assert second_hit(BackendConfig(instance_id="off", time_scale=0, prefix_cache=off)) == 0

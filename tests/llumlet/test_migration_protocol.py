@@ -19,6 +19,7 @@ import pytest
 
 from hilum_proto.v1 import llumlet_pb2 as pb
 from llumlet.backends import BackendConfig
+from llumlet.engine.prefix_hash import prefix_block_hashes
 from llumlet.engine.protocol import BlockRun
 from llumlet.engine.types import SamplingParams
 from llumlet.migration_types import (
@@ -40,11 +41,21 @@ class Cluster:
     a: RunningLlumlet
     b: RunningLlumlet
 
-    async def submit(self, rid: str, max_tokens: int, prompt_tokens: int = 200) -> None:
-        self.col.expect(rid, self.a.address)
-        reply = await self.a.client.submit(
-            rid, self.col.address, SamplingParams(max_tokens=max_tokens), prompt_tokens=prompt_tokens
-        )
+    async def submit(
+        self,
+        rid: str,
+        max_tokens: int,
+        prompt_tokens: int = 200,
+        prefix_hashes: tuple[int, ...] = (),
+        on: RunningLlumlet | None = None,
+    ) -> None:
+        """Submit ``rid`` on ``a`` (or ``on``); ``prefix_hashes`` of 64-token hash blocks, if any."""
+        node = on or self.a
+        self.col.expect(rid, node.address)
+        reply = await node.client.submit(
+            rid, self.col.address, SamplingParams(max_tokens=max_tokens), prompt_tokens=prompt_tokens,
+            prefix_block_hashes=prefix_hashes, prefix_hash_block_tokens=64 if prefix_hashes else 0,
+        )  # fmt: skip
         assert reply.accepted, reply.reason
 
     async def decoding(self, rid: str, n_tokens: int = 3) -> None:
@@ -412,6 +423,52 @@ def test_an_abort_after_the_move_is_forwarded_to_the_destination() -> None:
         assert reply.found and reply.forwarded_to == c.b.address
         got = await c.exactly_once("r", 400, reason="abort")
         assert got.epoch == 1
+        await c.baseline()
+
+    run(body)
+
+
+def test_a_destination_that_caches_the_prompt_prefix_is_sent_only_the_rest() -> None:
+    """The destination's sim engine holds the prompt's first 256 tokens (a finished request with the same prefix
+    hashes published them): Reserve adopts those 16 blocks by hash id and the source sends only the others."""
+    hashes = prefix_block_hashes(list(range(300)), 64)  # 4 hash blocks of 64 tokens: 16 KV blocks of 16
+
+    async def body(c: Cluster) -> None:
+        await c.submit("warm", 2, 300, hashes, on=c.b)
+        await c.col.wait("warm", 10)
+        held = await c.b.client.get_load()
+        assert set(held.prefix_hashes) == set(hashes) and held.prefix_block_tokens == 64
+        assert held.used_blocks == 0 and held.cached_blocks == 16  # evictable, reusable
+        await c.submit("r", 150, 300, hashes)
+        await c.decoding("r")
+        rep = await c.a.client.migrate_out("r", c.b.address, attempt=1)
+        assert rep.outcome == pb.MIGRATION_COMMITTED, rep.reason
+        assert rep.cached_blocks == 16  # the 4 cached hash blocks, never sent
+        # sent: the request's blocks (19 for its prompt and first tokens, more as it decoded) less the 16 cached
+        assert rep.blocks == sum(s.blocks for s in rep.stage_reports) and rep.blocks + rep.cached_blocks >= 19
+        assert rep.bytes == rep.blocks * 16 * 524_288
+        moved = await c.b.client.get_load()
+        assert moved.cached_blocks == 0  # the request references the adopted entries now
+        await c.exactly_once("r", 150)
+        await c.baseline()
+        after = await c.b.client.get_load()
+        assert after.cached_blocks >= 16  # given back to the cache when it finished, not lost
+
+    run(body)
+
+
+def test_without_a_cached_prefix_every_block_is_sent() -> None:
+    """The same move to a destination that caches nothing sends every block (cached_blocks 0): what the test
+    above saves."""
+    hashes = prefix_block_hashes(list(range(300)), 64)
+
+    async def body(c: Cluster) -> None:
+        await c.submit("r", 150, 300, hashes)
+        await c.decoding("r")
+        rep = await c.a.client.migrate_out("r", c.b.address, attempt=1)
+        assert rep.outcome == pb.MIGRATION_COMMITTED, rep.reason
+        assert rep.cached_blocks == 0 and rep.blocks >= 19
+        await c.exactly_once("r", 150)
         await c.baseline()
 
     run(body)

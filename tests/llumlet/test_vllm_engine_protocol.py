@@ -147,6 +147,37 @@ def decode_steps(engine: VllmEngine, n: int, counts: dict[str, int]) -> None:
 # ---- sizes, requests, steps ------------------------------------------------------------------------
 
 
+def test_load_reports_the_prefix_hash_ids_whose_blocks_vllm_still_caches(make: MakeEngine) -> None:
+    """vLLM's blocks are named by its own hashes; the engine maps each hilum prefix hash id of a prompt it served
+    to vLLM's hash of that hash block's last block, and reports the ids vLLM still caches (docs/vllm.md)."""
+    from dataclasses import replace
+
+    from llumlet.engine.prefix_hash import prefix_block_hashes
+
+    engine = make("pfx", 16)
+    one = req("one", 3 * BLOCK + 5, 4)  # 3 full blocks of its prompt are cached once computed
+    ids = prefix_block_hashes(one.prompt_token_ids or (), BLOCK)
+    engine.add_request(replace(one, prefix_block_hashes=ids, prefix_hash_block_tokens=BLOCK))
+    run_until_idle(engine, {})
+    load = engine.load()
+    assert load.prefix_hashes == frozenset(ids) and len(ids) == 3 and load.prefix_block_tokens == BLOCK
+    two = req("two", 2 * BLOCK + 1, 2)  # hash blocks of 2 vLLM blocks: one id, named by its second block
+    pair = prefix_block_hashes(two.prompt_token_ids or (), 2 * BLOCK)
+    engine.add_request(replace(two, prefix_block_hashes=pair, prefix_hash_block_tokens=2 * BLOCK))
+    run_until_idle(engine, {})
+    assert engine.load().prefix_hashes == frozenset(ids) | frozenset(pair)
+    odd = req("odd", 2 * BLOCK, 2)  # 16-token hash blocks are not whole vLLM blocks: not reported
+    engine.add_request(replace(odd, prefix_block_hashes=prefix_block_hashes(odd.prompt_token_ids or (), 16),
+                               prefix_hash_block_tokens=16))  # fmt: skip
+    run_until_idle(engine, {})
+    assert engine.load().prefix_hashes == frozenset(ids) | frozenset(pair)
+    big = req("big", 15 * BLOCK, 2)  # takes every block: vLLM evicts the cached ones, and they leave the report
+    engine.add_request(big)
+    run_until_idle(engine, {})
+    assert engine.load().prefix_hashes == frozenset()
+    assert_baseline(engine)
+
+
 def test_sizes(make: MakeEngine) -> None:
     engine = make("a", 16)
     assert engine.instance_id == "a"

@@ -34,7 +34,12 @@ def _path_of(src: str, dst: str) -> PathLike:
 
 
 def _judge(
-    move: MoveProposal, dst: str, path: PathLike, busiest_link_flows: int, measured: float | None = None
+    move: MoveProposal,
+    dst: str,
+    path: PathLike,
+    busiest_link_flows: int,
+    measured: float | None = None,
+    dst_prefix_hash_blocks: int = 0,
 ) -> Judgement:
     return Judgement(True, "approved: test judge", 0.1, 0.005)
 

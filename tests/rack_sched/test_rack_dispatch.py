@@ -94,6 +94,16 @@ def test_refusal_reasons_and_invalid_input_over_grpc(etcd: Any, prefix: str) -> 
                         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                         assert "request_id is empty" in str(err.value.details())
                         assert "max_tokens must be >= 1" in str(err.value.details())
+                        for tokens, why in ((0, "prefix_hashes given but prefix_block_tokens < 1"),
+                                            (24, "prefix_hash_block_tokens 24 is not a multiple of this domain's "
+                                                 "KV block size 16")):  # fmt: skip
+                            bad = _submit("p", 100)[1]
+                            bad.prefix_block_hashes.extend([7, 8])
+                            bad.prefix_hash_block_tokens = tokens
+                            with pytest.raises(grpc.aio.AioRpcError) as err:
+                                await stub.Submit(bad)
+                            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                            assert why in str(err.value.details())
                 finally:
                     await server.stop(grace=None)
 
@@ -153,6 +163,7 @@ def test_summary_is_published_at_the_rate_limit(etcd: Any, prefix: str) -> None:
                     "capacity_blocks": 1000,
                     "decode_step_s": 0.0,
                     "max_num_seqs": 0,
+                    "prefix_hashes": [],  # the fakes hold no prefix cache
                 }
                 assert summary["instances"] == [
                     {**brief, "instance_id": "a", "num_running": 50, "free_blocks": 950, "virtual_usage": 50.0},

@@ -5,7 +5,8 @@ request record (TTFT, every TBT gap, preemptions and the time they cost, migrati
 every migration record, the KV usage timeline and the engine step count must be equal: not close, equal.
 The workloads are chosen to exercise what can cut or interrupt a run: preemption (a memory-tight cluster
 at a high rate), live migration inside and across domains (``llumnix``, ``hilum``), prefix sharing
-(Mooncake's hash ids with prefix caching on), whole-prompt admission, priorities, a drain and a scale-out.
+(Mooncake's hash ids with prefix caching on and prefix-aware dispatch; moves that adopt the destination's
+cached prefix or recompute it), whole-prompt admission, priorities, a drain and a scale-out.
 """
 
 from __future__ import annotations
@@ -56,10 +57,17 @@ def assert_same(fast: SimRun, ref: SimRun) -> None:
                 policy="llumnix",
                 options={**MOONCAKE.options, "drain": ("node-0-i3@10",), "scale_out": ("node-1-i7@5",)},
             ),
-            "preempts, migrates across domains, shares prefixes",
+            "preempts, migrates across domains, shares prefixes, adopts and recomputes prefixes",
         ),
+        (MOONCAKE, "preempts, migrates, shares prefixes, adopts prefixes"),  # prefix-aware in both tiers
     ],
-    ids=["llumnix-azure", "hilum-azure-priorities", "round-robin-whole-prompt", "llumnix-mooncake-prefix-drain"],
+    ids=[
+        "llumnix-azure",
+        "hilum-azure-priorities",
+        "round-robin-whole-prompt",
+        "llumnix-mooncake-prefix-drain",
+        "hilum-mooncake-prefix",
+    ],
 )
 def test_decode_runs_reproduce_the_step_by_step_simulation(
     spec: SimSpec, want: str, monkeypatch: pytest.MonkeyPatch
@@ -84,6 +92,10 @@ def test_decode_runs_reproduce_the_step_by_step_simulation(
         assert s.migrations_cross_domain > 0
     if "shares prefixes" in want:
         assert hits[0] > 0
+    if "adopts" in want:  # a destination held some of a moved request's prefix: those blocks were not copied
+        assert any(m.skipped_prefix_blocks > 0 for m in fast.migrations)
+    if "recomputes" in want:  # the cost model chose to recompute a missing prefix on a cross-domain move
+        assert any(m.recomputed_prefix_blocks > 0 for m in fast.migrations)
 
 
 def probed_run(decode_runs: bool) -> list[object]:

@@ -40,6 +40,7 @@ SUMMARY = PolicySummary(
     gpu_hours=2.345,
     scale_outs=3,
     scale_ins=2,
+    prefix_hit_rate=0.4321,
 )
 
 
@@ -71,6 +72,7 @@ def test_format_table_row_has_the_right_numbers() -> None:
         "-",  # no high-priority requests
         "17",
         "4.3",
+        "43.2",  # prefix hit %
         "40",
         "5",
         "2",
@@ -89,14 +91,14 @@ def test_format_table_row_has_the_right_numbers() -> None:
 def test_what_a_live_run_does_not_measure_shows_as_missing() -> None:
     live = dataclasses.replace(SUMMARY, policy="live", cross_domain_bytes=None, engine_steps=None)
     row = body_rows(format_table([live], title="t"))["live"]
-    assert (row[16], row[20]) == ("-", "-")  # cross GB, engine steps (not 0: a live run does not count them)
+    assert (row[17], row[21]) == ("-", "-")  # cross GB, engine steps (not 0: a live run does not count them)
 
 
 def test_render_table_one_row_per_policy() -> None:
     other = dataclasses.replace(SUMMARY, policy="round_robin")
     table = render_table([SUMMARY, other], title="t")
     assert table.row_count == 2
-    assert len(table.columns) == 25
+    assert len(table.columns) == 26
 
 
 def test_baseline_ratio_column() -> None:

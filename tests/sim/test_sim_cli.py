@@ -172,3 +172,22 @@ def test_the_title_counts_the_instances_serving_at_start(capsys: pytest.CaptureF
     assert main(argv) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "(4 of 16 llama-2-13b instances at start, 2 domains)" in out
+
+
+def test_prefix_caching_and_prefix_awareness_are_switched_from_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hits = {}
+    for flags in ([], ["--no-prefix-aware"], ["--no-prefix-caching"]):
+        out = tmp_path / "-".join(flags or ["default"])
+        argv = ["sim", "--topology", "2x8-a100", "--trace", "mooncake-conv", "--max-requests", "300"]
+        assert main([*argv, "--rate-scale", "3", "--policy", "llumnix", "--out", str(out), *flags]) == 0
+        assert "prefix" in capsys.readouterr().out  # the table's hit-rate column
+        (run,) = json.loads((out / "results.json").read_text())["runs"]
+        config = run["spec"]["config"]
+        assert config["options"]["prefix_caching"] == ("--no-prefix-caching" not in flags)
+        assert config["options"]["prefix_aware_dispatch"] == (False if flags == ["--no-prefix-aware"] else None)
+        assert config["prefix_aware_dispatch"] == (flags != ["--no-prefix-aware"])  # as resolved
+        hits[" ".join(flags)] = run["summary"]["prefix_hit_rate"]
+    assert hits["--no-prefix-caching"] == 0.0
+    assert hits[""] > hits["--no-prefix-aware"] > 0.0

@@ -9,6 +9,7 @@ from llumlet.engine.latency import load_latency_model
 from sim.cluster import Cluster, EngineLimits, RequestState
 from sim.events import EventKind, EventQueue
 from sim.migration import LinkFlows, MigrationExecutor
+from sim.results import MigrationRecord
 from sim.traces import TraceRequest
 from topology.cost import CostConfig, MigrationCostInput, plan_migration
 from topology.graph import TopologyGraph
@@ -194,3 +195,74 @@ def test_no_room_on_the_destination_means_no_start() -> None:
     assert dst.engine.reserve("squat", dst.engine.load().free_blocks - 10)
     assert not rig.executor.start("big", "n0-i0", "n1-i0")
     assert rig.executor.records == [] and not state.migrating
+
+
+def prefixed(rig: Rig, request_id: str, instance_id: str, prompt: int, output: int, hashes: tuple[int, ...]) -> None:
+    req = TraceRequest(
+        request_id,
+        rig.queue.now_s,
+        prompt_tokens=prompt,
+        output_tokens=output,
+        prefix_block_hashes=hashes,
+        prefix_block_tokens=512,
+    )
+    rig.cluster.admit(req)
+    rig.cluster.submit(req, instance_id)
+
+
+def moved(
+    rig: Rig, warm_dst: bool, dst: str = "n0-i1", hashes: tuple[int, ...] = (1, 2), prompt: int = 1100
+) -> MigrationRecord:
+    """Migrate a request with prefix ``hashes`` from n0-i0 to ``dst``, whose cache holds hash blocks 1, 2 when
+    ``warm_dst`` (an earlier request there computed them)."""
+    if warm_dst:
+        prefixed(rig, "w", dst, 1100, 1, (1, 2, 9))
+        rig.run_until(lambda: rig.cluster.requests["w"].finish_s is not None)
+    prefixed(rig, "r", "n0-i0", prompt, 400, hashes)
+    rig.run_until(lambda: rig.cluster.requests["r"].generated_tokens >= 20)
+    assert rig.executor.start("r", "n0-i0", dst)
+    rig.run_until(lambda: bool(rig.executor.records))
+    (record,) = rig.executor.records
+    assert record.outcome == "committed"
+    rig.run_all()
+    assert rig.cluster.requests["r"].generated_tokens == 400
+    for inst in rig.cluster.instances.values():
+        inst.engine.blocks.check_invariants()
+        assert inst.engine.load().used_blocks == 0 and inst.engine.load().reserved_blocks == 0
+    return record
+
+
+def test_a_move_copies_only_the_blocks_the_destination_does_not_cache() -> None:
+    # Inside the domain (NVLink, 120 GB/s after the cap) copying beats recomputing: the plan is pre-copy.
+    bb = tiny_topology().model_of("n0-i0").kv_bytes_per_block
+    cold, warm = moved(Rig(), warm_dst=False), moved(Rig(), warm_dst=True)
+    assert (cold.skipped_prefix_blocks, warm.skipped_prefix_blocks) == (0, 64)  # hash blocks 1, 2: 2 x 32 blocks
+    assert cold.recomputed_prefix_blocks == warm.recomputed_prefix_blocks == 0
+    # The same request, the same stages: 64 blocks fewer cross NVLink (a block more or less may fill
+    # meanwhile, as the shorter copy lets fewer decode steps run).
+    assert cold.bytes_transferred - warm.bytes_transferred == pytest.approx(64 * bb, abs=2 * bb)
+
+
+def test_a_slow_path_recomputes_the_missing_prefix_when_the_cost_model_says_so() -> None:
+    # 1 % of a 200 Gb/s NIC: 250 MB/s, 33 ms per 8 MiB block. 4 hash blocks (128 blocks, 2048 tokens) take
+    # 4.3 s to copy, re-prefilling them on the destination far less: the plan recomputes them.
+    rig = Rig(CostConfig(cap_fraction=0.01))
+    record = moved(rig, warm_dst=False, dst="n1-i0", hashes=(1, 2, 3, 4), prompt=2100)
+    assert record.recomputed_prefix_blocks == 128 and record.skipped_prefix_blocks == 0
+    model = rig.topo.model_of("n0-i0")
+    plan = plan_migration(
+        MigrationCostInput(
+            kv_tokens=2100 + 19,
+            kv_bytes_per_token=model.kv_bytes_per_token,
+            block_size_tokens=16,
+            decode_step_s=rig.cluster.instances["n0-i0"].last_step_s,
+            path_bandwidth_bytes_per_s=25e9,
+            prefix_blocks=128,
+            prefix_reprefill_s=rig.cluster.instances["n1-i0"].engine.latency_model.step_time_s([(2048, 0)], []),
+        ),
+        rig.cost,
+    )
+    assert plan.mode == "pre-copy+recompute-prefix"
+    assert record.end_s - record.start_s >= plan.recompute_s  # it resumed once the recomputation was done
+    # Only the non-prefix blocks were sent: 2119 tokens hold 132 full blocks, 128 of them prefix.
+    assert record.bytes_transferred < 10 * model.kv_bytes_per_block
