@@ -157,6 +157,25 @@ def test_a_domain_that_is_no_source_reads_no_other_summary() -> None:
     assert c.plan_cross_domain(others(), now_s=0.0) is not None and reads[0] == 1
 
 
+def test_members_and_models_follow_registrations_in_id_order() -> None:
+    """The core keeps its members sorted and its models listed between registrations: both follow every one."""
+    c = core(b="m", d="m")
+    for iid in ("b", "d"):
+        c.report(iid, load(iid, 100))
+    assert [x.instance_id for x in c.loads()] == ["b", "d"] and c.models() == ["m"]
+    c.add_instance("a", "x", BS)
+    c.add_instance("c", "m", BS)
+    c.report("a", load("a", 100))
+    c.report("c", load("c", 100))
+    assert [x.instance_id for x in c.loads()] == ["a", "b", "c", "d"] and c.models() == ["m", "x"]
+    assert [x.instance_id for x in c.free_loads(0.0, "m")] == ["b", "c", "d"]
+    c.remove_instance("b")
+    c.remove_instance("a")
+    assert [x.instance_id for x in c.loads()] == ["c", "d"] and c.models() == ["m"]
+    c.models().append("not kept")  # a copy: the core's own list does not change
+    assert c.models() == ["m"]
+
+
 def test_one_summary_per_model_stamped_with_the_publishers_time() -> None:
     c = core(a="x", b="y", c="y")
     for iid in ("a", "b", "c"):
