@@ -27,7 +27,8 @@ reusable prompt prefix (``prefix_hashes``, each covering ``prefix_block_tokens``
 KV block size, the KV blocks one hash stands for):
 
 * a target's hit is ``hit = min(run·h, demand − 1)`` blocks, ``run`` the leading hashes of the request found in
-  the target's ``prefix_hashes`` (reported, plus those of the requests this view sent it since the report):
+  the target's ``prefix_hashes`` (reported, plus those of the requests this view sent it since the report; a
+  target that reports no prefix held has no hit, since nothing says it caches at all):
   an engine reuses a prefix only from its first block on, and always computes the prompt's last token;
 * blocks present need no new memory: steps 2 and 4 use the target's effective demand ``demand − hit``;
 * step 3 becomes: ``F'`` = a target's freeness after reserving its effective demand; the targets with
@@ -116,10 +117,14 @@ class _Target:
         return self.free_blocks - self.reserved_blocks >= demand_blocks
 
     def prefix_run(self, hashes: Sequence[int], block_tokens: int) -> int:
-        """How many leading ``hashes`` (of ``block_tokens``-token hash blocks) it holds or was sent."""
+        """How many leading ``hashes`` (of ``block_tokens``-token hash blocks) it holds or was sent. A target
+        whose report holds no prefix counts none: nothing says it caches at all (prefix caching off, an engine
+        without a cache), so what this view sent it is no evidence either."""
         if self.prefix_block_tokens not in (0, block_tokens):
             return 0  # hashed at another granularity: the ids do not name the same blocks
         held, added = self.prefix_hashes, self.added_hashes
+        if not held:
+            return 0
         run = 0
         for h in hashes:
             if h not in held and (added is None or h not in added):

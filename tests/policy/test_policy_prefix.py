@@ -100,10 +100,11 @@ def test_hits_are_capped_below_the_demand_and_reusable_prefix_stops_before_the_l
 
 def test_a_burst_with_one_prefix_lands_together_until_the_margin() -> None:
     # a and b run 4 requests of 5 blocks each (F = 20). Demand 10, hashes 7..11: hit min(10, 9) = 9 once the
-    # view counts the hashes on the first request's target X (drawn from the exact tie).
+    # view counts the hashes on the first request's target X (drawn from the exact tie). Both report a prefix
+    # cache (an unrelated hash 99 held), so what the view sends them counts.
     # F'_X after k requests there: (100 − 20 − 10 − (k − 1)·1 − 1) / (4 + k + 1): 11.5, 9.71, 8.38, 7.33, 6.5;
     # F'_Y stays (100 − 30) / 5 = 14, floor 7: the 2nd to 5th requests join X, the 6th goes to Y.
-    loads = [inst("a", 100, [5, 5, 5, 5]), inst("b", 100, [5, 5, 5, 5])]
+    loads = [holding(inst("a", 100, [5, 5, 5, 5]), 99), holding(inst("b", 100, [5, 5, 5, 5]), 99)]
     v = view(*loads)
     hashes = (7, 8, 9, 10, 11)
     picks = [str(v.pick(10, prefix_hashes=hashes, **PREFIX).target_id) for _ in range(6)]
@@ -114,6 +115,16 @@ def test_a_burst_with_one_prefix_lands_together_until_the_margin() -> None:
     blind = view(*loads, cfg=replace(CFG, prefix_aware_dispatch=False))
     blind_picks = [blind.pick(10, prefix_hashes=hashes, **PREFIX).target_id for _ in range(4)]
     assert Counter(blind_picks) == {"a": 2, "b": 2}
+
+
+def test_a_target_that_holds_no_prefix_gets_no_hit_from_what_it_was_sent() -> None:
+    # Prefix caching off (or an engine without a cache): reports never hold a prefix, so the burst must spread
+    # exactly as without prefix awareness; the view's own record of what it sent is no evidence of a cache.
+    loads = [inst("a", 100, [5, 5, 5, 5]), inst("b", 100, [5, 5, 5, 5])]
+    v = view(*loads)
+    picks = [v.pick(10, prefix_hashes=(7, 8, 9, 10, 11), **PREFIX).target_id for _ in range(4)]
+    assert Counter(picks) == {"a": 2, "b": 2}
+    assert v.freeness("a") == pytest.approx((100 - 20 - 20) / 6)  # every block of demand reserved: no hit
 
 
 def test_a_fresh_report_replaces_the_hashes_the_view_added() -> None:
@@ -175,8 +186,8 @@ def test_hashes_of_another_granularity_never_match_and_bad_sizes_are_refused() -
 def test_domain_view_prefers_the_domain_holding_the_prefix_and_keeps_it_across_a_lagged_summary() -> None:
     # d1: two instances, one holds hashes 1, 2; d2 is freer. Domain F: d1 (200 − 40)/2 = 80, d2 (200 − 20)/1 = 180.
     d1 = summarize_domain("d1", [holding(inst("x", 100, [20]), 1, 2), inst("y", 100, [20])], CFG, taken_s=1.0)
-    d2 = summarize_domain("d2", [inst("z", 100, [20]), inst("w", 100)], CFG, taken_s=1.0)
-    assert d1.prefix_hashes == frozenset({1, 2}) and d2.prefix_hashes == frozenset()
+    d2 = summarize_domain("d2", [holding(inst("z", 100, [20]), 50), inst("w", 100)], CFG, taken_s=1.0)
+    assert d1.prefix_hashes == frozenset({1, 2}) and d2.prefix_hashes == frozenset({50})  # both cache prefixes
     v = DomainDispatchView([d1, d2], CFG, random.Random(0))
     # Demand 10, hit 4: F'_d1 = (200 − 40 − 6) / 3 = 51.3; F'_d2 = (200 − 30) / 2 = 85, floor 42.5: d1.
     assert v.pick(10, stamp=2.0, prefix_hashes=(1, 2), **PREFIX).target_id == "d1"
