@@ -22,7 +22,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from hilum_config import add_argument as add_config_argument
 from hilum_config import load_config
 
-from .runner import DEFAULTS, SimSpec, check_autoscale
+from .runner import DEFAULTS, SimSpec, check_autoscale, check_prefix_cache
 from .schedulers import POLICY_NAMES
 
 if TYPE_CHECKING:
@@ -128,9 +128,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefix-caching",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="engines reuse cached prompt prefixes by the trace's hash ids (default on, as vLLM V1; "
-        "--no-prefix-caching: every prompt is computed in full)",
+        default=None,
+        help="engines reuse cached prompt prefixes by the trace's hash ids (default: the configuration's "
+        "prefix_cache.enabled, true as in vLLM V1; --no-prefix-caching: every prompt is computed in full)",
     )
     parser.add_argument(
         "--prefix-aware",
@@ -196,6 +196,7 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         base = replace(base, options={**options, "autoscale": True})
     parsed = base.parsed_options()  # fail before any work on bad options
     check_autoscale(parsed, config)  # and on a configuration that clashes with them
+    check_prefix_cache(config)
     return [replace(base, policy=p) for p in policies]
 
 

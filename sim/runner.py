@@ -105,10 +105,11 @@ class SimOptions(BaseModel):
         description="engine scheduling: priority classes in admission and preemption, or fcfs (priorities ignored)",
     )
     kv_samples: int = Field(200, ge=2, description="points in the per-instance KV usage timeline")
-    prefix_caching: bool = Field(
-        True,
+    prefix_caching: bool | None = Field(
+        None,
         description="engines share prompt prefixes by the trace's prefix hash ids (Mooncake traces carry them), "
-        "as vLLM V1's automatic prefix caching does by default; False: every prompt is computed in full",
+        "as vLLM V1's automatic prefix caching does by default; False: every prompt is computed in full; "
+        "None: the configuration's prefix_cache.enabled (default true)",
     )
     prefix_aware_dispatch: bool | None = Field(
         None, description="overrides policy.prefix_aware_dispatch (dispatch counts the prefix blocks a target holds)"
@@ -237,7 +238,22 @@ def configured(path: str | None, options: SimOptions) -> HilumConfig:
     if options.prefix_aware_dispatch is not None:
         policy = dataclasses.replace(policy, prefix_aware_dispatch=options.prefix_aware_dispatch)
         domain = dataclasses.replace(domain, policy=policy)
+    check_prefix_cache(cfg)
     return dataclasses.replace(cfg, policy=policy, domain=domain, intervals=intervals, cost=cost, approval=approval)
+
+
+def check_prefix_cache(cfg: HilumConfig) -> None:
+    """Refuse, by key, the ``prefix_cache`` settings the simulator cannot honour: its engines match prefixes by
+    the trace's own hash blocks (Mooncake: 512 tokens), not by ``blocks_per_hash``, and report every hash they
+    hold (no ``report_max_hashes`` cap). Raises ValueError."""
+    default = type(cfg.prefix_cache)()
+    for key in ("blocks_per_hash", "report_max_hashes"):
+        if getattr(cfg.prefix_cache, key) != getattr(default, key):
+            raise ValueError(
+                f"{cfg.source}: prefix_cache.{key}: hilum sim cannot honour it (its engines match prefixes by the "
+                f"trace's own hash blocks and report every hash they hold); leave it at {getattr(default, key)} "
+                "for hilum sim (prefix_cache.enabled is honoured)"
+            )
 
 
 def run_simulation(
@@ -282,7 +298,7 @@ def run_simulation(
         options.max_num_seqs,
         options.max_num_batched_tokens,
         options.admission,
-        options.prefix_caching,
+        config.prefix_cache.enabled if options.prefix_caching is None else options.prefix_caching,
         options.scheduling,
     )
     derived: list[str] = []
@@ -388,6 +404,7 @@ def run_simulation(
         "derived_latency_models": derived,
         "initial_instances": len(serving),
         "prefix_aware_dispatch": config.policy.prefix_aware_dispatch,  # the file's, or the option's override
+        "prefix_caching": limits.prefix_caching,  # the option, else the file's prefix_cache.enabled
     }
     if autoscaler is not None:
         run_config["autoscale"] = dataclasses.asdict(autoscaler.rule)

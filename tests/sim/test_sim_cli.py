@@ -178,16 +178,23 @@ def test_prefix_caching_and_prefix_awareness_are_switched_from_the_command_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     hits = {}
-    for flags in ([], ["--no-prefix-aware"], ["--no-prefix-caching"]):
+    off = tmp_path / "off.yaml"
+    off.write_text("prefix_cache:\n  enabled: false\n")
+    for flags in ([], ["--no-prefix-aware"], ["--no-prefix-caching"], ["--config", str(off)]):
         out = tmp_path / "-".join(flags or ["default"])
         argv = ["sim", "--topology", "2x8-a100", "--trace", "mooncake-conv", "--max-requests", "300"]
         assert main([*argv, "--rate-scale", "3", "--policy", "llumnix", "--out", str(out), *flags]) == 0
         assert "prefix" in capsys.readouterr().out  # the table's hit-rate column
         (run,) = json.loads((out / "results.json").read_text())["runs"]
         config = run["spec"]["config"]
-        assert config["options"]["prefix_caching"] == ("--no-prefix-caching" not in flags)
+        assert config["options"]["prefix_caching"] == (False if "--no-prefix-caching" in flags else None)
+        assert config["prefix_caching"] == (flags in ([], ["--no-prefix-aware"]))  # as resolved: flag, else file
         assert config["options"]["prefix_aware_dispatch"] == (False if flags == ["--no-prefix-aware"] else None)
         assert config["prefix_aware_dispatch"] == (flags != ["--no-prefix-aware"])  # as resolved
         hits[" ".join(flags)] = run["summary"]["prefix_hit_rate"]
-    assert hits["--no-prefix-caching"] == 0.0
+    assert hits["--no-prefix-caching"] == 0.0 and hits[f"--config {off}"] == 0.0
     assert hits[""] > hits["--no-prefix-aware"] > 0.0
+    tuned = tmp_path / "tuned.yaml"
+    tuned.write_text("prefix_cache:\n  report_max_hashes: 64\n")
+    assert main(["sim", "--max-requests", "5", "--config", str(tuned)]) == 2
+    assert "prefix_cache.report_max_hashes: hilum sim cannot honour it" in capsys.readouterr().err
