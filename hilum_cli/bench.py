@@ -356,14 +356,14 @@ def _check(ns: argparse.Namespace) -> _Checked:
         raise BenchUsageError(f"--trace {ns.trace}: the trace has no requests")
     trace = with_priorities(trace, ns.priority_fraction, ns.seed)  # sent as each request's "priority"
     compare = None
-    if ns.compare_sim:
-        try:
+    try:  # checked even without --compare-sim: a bad file named on the command line is a usage error
+        hilum_config.load_config(ns.config)
+        if ns.compare_sim:
             compare = load_topology(ns.compare_sim)
-            hilum_config.load_config(ns.config)
-        except TopologyError as exc:
-            raise BenchUsageError(f"--compare-sim: {exc}") from None
-        except hilum_config.ConfigError as exc:
-            raise BenchUsageError(f"--config: {exc}") from None
+    except TopologyError as exc:
+        raise BenchUsageError(f"--compare-sim: {exc}") from None
+    except hilum_config.ConfigError as exc:
+        raise BenchUsageError(f"--config: {exc}") from None
     out = None
     if ns.out:
         out = Path(ns.out)

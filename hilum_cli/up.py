@@ -241,7 +241,8 @@ def plan_ports(
     on ``gateway + k`` only. Their token sinks take gRPC ports after the llumlets'.
 
     Raises:
-        UpError: a port is in use or repeated, naming it and the option that moves it.
+        UpError: a port is in use, naming it and the option that moves it; UpUsageError: a port repeated or
+            outside 1..65535.
     """
 
     try:  # the host itself first: an address of another machine, or a name that does not resolve
@@ -292,16 +293,13 @@ def plan_ports(
     for what, port in plan.named():
         if port == 0:
             continue
+        option = "--port" if "HTTP" in what else "--etcd-port" if what.startswith("etcd") else "--grpc-base-port"
+        if not 0 < port <= 65535:
+            raise UpUsageError(f"{option}: the {what} would get port {port}, outside 1..65535: choose ports within it")
         if port in seen:
             raise UpUsageError(f"port {port} would serve both the {seen[port]} and the {what}: choose other ports")
         seen[port] = what
         if not port_free(host, port):
-            if "HTTP" in what:
-                option = "--port"
-            elif what.startswith("etcd"):
-                option = "--etcd-port"
-            else:
-                option = "--grpc-base-port"
             raise UpError(f"port {port} ({what}) on {host} is already in use: stop what holds it or pass {option}")
     return plan
 

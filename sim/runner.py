@@ -166,10 +166,22 @@ class SimSpec:
             raise ValueError(f"invalid simulation options: {problems}") from None
 
 
+#: The ``hilum sim`` flag of each option that has one (the others are set in a sweep file's ``options`` only).
+_OPTION_FLAGS = {
+    **{k: f"--{k.replace('_', '-')}" for k in ("priority_fraction", "drain", "scale_out", "autoscale", "model")},
+    **{k: f"--{k.replace('_', '-')}" for k in ("initial_instances", "cold_start_s", "admission", "scheduling")},
+    "prefix_caching": "--prefix-caching",
+    "prefix_aware_dispatch": "--prefix-aware",
+    "summary_lag_s": "--summary-lag-ms, in ms there",
+}
+
+
 def _option_name(loc: tuple[int | str, ...]) -> str:
-    """``priority_fraction (--priority-fraction)``: a sweep file's key and the flag of ``hilum sim`` that sets it."""
+    """``priority_fraction (--priority-fraction)``: a sweep file's key, and the flag of ``hilum sim`` that sets
+    it when one does."""
     key = ".".join(map(str, loc))
-    return f"{key} (--{key.replace('_', '-')})" if len(loc) == 1 else key
+    flag = _OPTION_FLAGS.get(str(loc[0])) if loc else None
+    return f"{key} ({flag})" if flag else key
 
 
 #: The embedded defaults of a bare ``hilum sim``: the bundled 2 x 8 A100-40GB topology (16 Llama-2-13B

@@ -202,3 +202,20 @@ def test_a_bad_api_key_file_is_refused_before_anything_starts(tmp_path: Path) ->
         f"hilum up: error: --api-keys {keys}: keys[0] (a): key_sha256 must be 64 hexadecimal digits" in err.getvalue()
     )
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"port": 99999}, "--port: the gateway HTTP would get port 99999, outside 1..65535"),
+        ({"port": -1}, "--port: the gateway HTTP would get port -1, outside 1..65535"),
+        ({"etcd_port": 65535}, "--etcd-port: the etcd peer would get port 65536, outside 1..65535"),
+        ({"grpc_base_port": 65530}, "--grpc-base-port: the llumlet b1 would get port 65536, outside 1..65535"),
+    ],
+)
+def test_a_port_outside_the_range_is_a_usage_error(tmp_path: Path, kw: dict[str, int], message: str) -> None:
+    err = io.StringIO()
+    cfg = UpConfig(**{"port": 0, "etcd_port": 0, "grpc_base_port": 0, "run_dir": str(tmp_path / "r"), **kw})  # type: ignore[arg-type]
+    assert run_up(cfg, out=io.StringIO(), err=err) == 2
+    assert err.getvalue().startswith(f"hilum up: error: {message}: choose ports within it")
+    assert not (tmp_path / "r").exists()
