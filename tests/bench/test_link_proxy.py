@@ -112,21 +112,26 @@ def test_a_one_way_hold_lets_the_call_through_and_loses_its_answer() -> None:
         await server.start()
         proxy = LinkProxy(f"127.0.0.1:{port}")
         await proxy.start()
-        async with grpc.aio.insecure_channel(proxy.address) as channel:
-            reserve = channel.unary_unary("/hilum.v1.Llumlet/Reserve")
-            commit = channel.unary_unary("/hilum.v1.Llumlet/Commit")
-            proxy.when_called("Commit", lambda: proxy.hold(answers_only=True))
-            assert await reserve(b"r", timeout=10) == b"ok:r" and not proxy.called.is_set()
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await commit(b"c", timeout=1.5)
-            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert proxy.called.is_set() and ran == ["Reserve", "Commit"]  # the destination did commit
-            proxy.reset_all()
-            proxy.release()
-        async with grpc.aio.insecure_channel(proxy.address) as channel:  # a new connection: answers flow again
-            assert await channel.unary_unary("/hilum.v1.Llumlet/Reserve")(b"again", timeout=10) == b"ok:again"
-        await proxy.close()
-        await server.stop(None)
+        try:  # stopped whatever happens: a server left to the GC disturbs the tests after this one
+            async with grpc.aio.insecure_channel(proxy.address) as channel:
+                reserve = channel.unary_unary("/hilum.v1.Llumlet/Reserve")
+                commit = channel.unary_unary("/hilum.v1.Llumlet/Commit")
+                proxy.when_called("Commit", lambda: proxy.hold(answers_only=True))
+                assert await reserve(b"r", timeout=10) == b"ok:r" and not proxy.called.is_set()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await commit(b"c", timeout=1.5)
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert proxy.called.is_set() and ran == ["Reserve", "Commit"]  # the destination did commit
+                proxy.reset_all()
+                proxy.release()
+            # A new connection (its own subchannel: gRPC would otherwise reuse the reset one from its global pool
+            # and fail the first call while it notices): answers flow again.
+            fresh = [("grpc.use_local_subchannel_pool", 1)]
+            async with grpc.aio.insecure_channel(proxy.address, options=fresh) as channel:
+                assert await channel.unary_unary("/hilum.v1.Llumlet/Reserve")(b"again", timeout=10) == b"ok:again"
+        finally:
+            await proxy.close()
+            await server.stop(None)
 
     asyncio.run(main())
 
