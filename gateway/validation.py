@@ -400,14 +400,16 @@ class PriorityGrant:
 
 def _priority(body: Mapping[str, Any], header: str | None, grant: PriorityGrant) -> int:
     if body.get("priority") is not None:
-        asked, where = parse_priority(body["priority"], "priority"), "priority"
+        raw, where = body["priority"], "priority"
     elif header is not None:
-        asked, where = parse_priority(header, PRIORITY_HEADER), PRIORITY_HEADER
+        raw, where = header, PRIORITY_HEADER
     else:
         return grant.default
+    asked = parse_priority(raw, where)
     if asked > grant.ceiling:
+        named = f"{raw!r} (class {asked})" if isinstance(raw, str) and not raw.strip().isdigit() else str(asked)
         raise PriorityNotAllowed(
-            f"{where} {asked} is above {grant.ceiling}, the highest the API key {grant.caller!r} may ask for",
+            f"{where} {named} is above {grant.ceiling}, the highest the API key {grant.caller!r} may ask for",
             param=where,
             code="priority_not_allowed",
         )

@@ -363,7 +363,7 @@ def _probe_etcd(endpoints: str, timeout_s: float) -> None:
     """Check that the etcd at ``endpoints`` answers a read within ``timeout_s`` (TLS as every process uses it).
 
     Raises:
-        UpError: one line saying what did not answer and what to do.
+        UpError: one line saying what did not answer and what to do (UpUsageError: not HOST:PORT).
     """
     from clusterstate.etcd import RETRYABLE_ERRORS, connect, kv_of
     from hilum_cli.ctl_client import short_error
@@ -380,7 +380,7 @@ def _probe_etcd(endpoints: str, timeout_s: float) -> None:
     try:
         asyncio.run(probe())
     except ValueError as exc:
-        raise UpError(f"--etcd {endpoints}: {exc}") from None
+        raise UpUsageError(f"--etcd {endpoints}: {exc}") from None  # malformed: not HOST:PORT
     except RETRYABLE_ERRORS as exc:
         if isinstance(exc, TimeoutError):
             why = f"did not answer within {timeout_s:g} s"

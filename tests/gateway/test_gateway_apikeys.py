@@ -138,7 +138,10 @@ def test_the_openai_client_with_and_without_a_key(tok: HFTokenizer) -> None:
     assert [e.status_code for e in seen["401"]] == [401, 401]
     assert seen["401"][0].body["code"] == "invalid_api_key" and "not valid here" in seen["401"][0].body["message"]
     assert seen["403"].status_code == 403 and seen["403"].body["code"] == "priority_not_allowed"
-    assert "above 0, the highest the API key 'batch' may ask for" in seen["403"].body["message"]
+    assert (
+        "priority 'high' (class 1) is above 0, the highest the API key 'batch' may ask for"
+        in seen["403"].body["message"]
+    )
     assert seen["models"] == [MODEL] and (seen["/health"], seen["/metrics"]) == (200, 200)
     assert [r.priority for _, r in backend.started] == [1, 0, 0, 1]  # chat, batch, either, either asking high
     text = metrics.render().decode()

@@ -219,3 +219,10 @@ def test_a_port_outside_the_range_is_a_usage_error(tmp_path: Path, kw: dict[str,
     assert run_up(cfg, out=io.StringIO(), err=err) == 2
     assert err.getvalue().startswith(f"hilum up: error: {message}: choose ports within it")
     assert not (tmp_path / "r").exists()
+
+
+def test_a_malformed_etcd_address_is_a_usage_error(tmp_path: Path) -> None:
+    err = io.StringIO()
+    cfg = UpConfig(etcd="nohost", port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "r"))
+    assert run_up(cfg, out=io.StringIO(), err=err) == 2
+    assert err.getvalue().startswith("hilum up: error: --etcd nohost: etcd endpoint 'nohost': expected host:port")
