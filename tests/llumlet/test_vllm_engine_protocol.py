@@ -200,9 +200,9 @@ def test_steps_count_tokens_blocks_and_finish_each_request_once(make: MakeEngine
     load = engine.load()
     assert load.used_blocks == 3 + 2 + 4  # ceil(80/32) + ceil(40/32) + ceil(104/32)
     assert [(r.request_id, r.blocks, r.num_tokens, r.in_decode, r.priority) for r in load.running] == [
+        ("r3", 4, 105, True, 1),  # vLLM's priority policy admitted the high-priority request first
         ("r1", 3, 81, True, 0),
         ("r2", 2, 41, True, 0),
-        ("r3", 4, 105, True, 1),
     ]
     counts = dict(produced(first))
     second = engine.step()
