@@ -167,10 +167,9 @@ class SimSpec:
 
 
 #: The ``hilum sim`` flag of each option that has one (the others are set in a sweep file's ``options`` only).
+_SAME_NAMED = ("priority_fraction", "drain", "scale_out", "autoscale", "model", "initial_instances", "cold_start_s")
 _OPTION_FLAGS = {
-    **{k: f"--{k.replace('_', '-')}" for k in ("priority_fraction", "drain", "scale_out", "autoscale", "model")},
-    **{k: f"--{k.replace('_', '-')}" for k in ("initial_instances", "cold_start_s", "admission", "scheduling")},
-    "prefix_caching": "--prefix-caching",
+    **{k: "--" + k.replace("_", "-") for k in (*_SAME_NAMED, "admission", "scheduling", "prefix_caching")},
     "prefix_aware_dispatch": "--prefix-aware",
     "summary_lag_s": "--summary-lag-ms, in ms there",
 }
