@@ -109,7 +109,7 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
 
 
 class Migrator:
-    """Moves every running request once inside its domain, then once across domains."""
+    """Moves every running request twice: once inside its domain and once across domains, in either order."""
 
     def __init__(self, info: dict[str, Any]) -> None:
         self.domains = info["instance_domains"]
@@ -127,7 +127,7 @@ class Migrator:
                 for r in load.running:
                     if r.in_decode and r.request_id not in self.seen:
                         self.seen.add(r.request_id)
-                        self.tasks.append(asyncio.create_task(self.drive(r.request_id, iid)))
+                        self.tasks.append(asyncio.create_task(self.drive(r.request_id, iid, len(self.seen) % 2 == 0)))
             await asyncio.sleep(0.03)
         await asyncio.gather(*self.tasks)
 
@@ -139,13 +139,19 @@ class Migrator:
             return True
         return False
 
-    async def drive(self, rid: str, here: str) -> None:
-        sibling = next(i for i in self.domains if i != here and self.domains[i] == self.domains[here])
-        if await self.move(rid, here, sibling):
-            here = sibling
-        await asyncio.sleep(self.rng.uniform(0.05, 0.3))
-        there = self.rng.choice([i for i in self.domains if self.domains[i] != self.domains[here]])
-        await self.move(rid, here, there)
+    async def drive(self, rid: str, here: str, cross_first: bool) -> None:
+        """Two moves of one request: every other request crosses domains first, the rest move inside first
+        (a request may finish before its second move; alternating keeps both kinds common on a loaded machine)."""
+        kinds = ("cross", "intra") if cross_first else ("intra", "cross")
+        for n, kind in enumerate(kinds):
+            if n:
+                await asyncio.sleep(self.rng.uniform(0.05, 0.3))
+            same = kind == "intra"
+            there = self.rng.choice(
+                [i for i in self.domains if i != here and (self.domains[i] == self.domains[here]) == same]
+            )
+            if await self.move(rid, here, there):
+                here = there
 
     async def close(self) -> None:
         for client in self.clients.values():
@@ -186,9 +192,9 @@ def test_migrated_responses_equal_unmigrated_ones(up: UpProcess) -> None:
         intra = sum(1 for m in moves if not m["cross_domain"])
         cross = sum(1 for m in moves if m["cross_domain"])
         assert migrator.committed["intra"] >= NUM_REQUESTS // 4, migrator.committed
-        # a cross-domain move comes 50-300 ms after the first, paced by the link's budget: on a loaded machine
-        # some requests end before it (40 of 200 moved across in one CI run); 25 still compare many moved streams
-        assert migrator.committed["cross"] >= NUM_REQUESTS // 8, migrator.committed
+        # half the requests cross first, half 50-300 ms after an intra-domain move (on a loaded machine many end
+        # before their second move: 19 of 200 crossed in one CI run when every request moved inside first)
+        assert migrator.committed["cross"] >= NUM_REQUESTS // 4, migrator.committed
         assert intra >= migrator.committed["intra"] and cross >= migrator.committed["cross"]
         assert sum(1 for a in moved if a["hilum"]["migrations"] > 0) >= NUM_REQUESTS // 2
         # the gateway counted each migration it saw in a token stream, and nothing else
