@@ -232,13 +232,18 @@ class DomainCore:
         report (they teach the remaining-output estimate). Raises KeyError for an unregistered instance.
         """
         member = self._members[instance_id]
-        for n in finished_output_tokens:
-            self.remaining.observe(n)
+        self.finished(finished_output_tokens)
         member.load = load
         member.reports += 1
         member.stream_up = member.answers = True
         member.failure = ""
         self._refresh(member)
+
+    def finished(self, output_tokens: Iterable[int]) -> None:
+        """Requests of this domain finished with these output lengths (tokens; what a report's
+        ``finished_output_tokens`` carries): they teach the remaining-output estimate, in this order."""
+        for n in output_tokens:
+            self.remaining.observe(n)
 
     def engine_failed(self, instance_id: str, reason: str) -> None:
         """The instance's engine failed (its report, Ping or a Submit said so): it takes no request, is in no
@@ -422,6 +427,11 @@ class DomainCore:
             del self._settle[instance_id]
             return False
         return True
+
+    def settled(self) -> bool:
+        """True when no instance is busy with a migration or settling after one (:meth:`is_busy` is False for
+        every instance whatever the reports to come)."""
+        return not self._settle and not any(self._busy.values())
 
     def detailed(self, load: InstanceLoad) -> InstanceLoad:
         """``load`` (as :meth:`load` returns it) with its batch listed: itself when it is detailed, else the

@@ -13,6 +13,7 @@ source ``resume``s. A request that finishes during pre-copy is simply finished o
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 
 from llumlet.engine.blocks import BlockManager
@@ -111,6 +112,13 @@ class _RunFigures:
         """Blocks ``steps_ahead`` more steps take from the state of ``applied`` steps (both before the last)."""
         cumulative = self._new_blocks
         return cumulative[applied + steps_ahead - self._base] - cumulative[applied - self._base]
+
+    def steps_within(self, steps: int, extra_blocks: int) -> int:
+        """The most steps (>= ``steps``, before the last) after which the run took <= ``extra_blocks`` more
+        blocks than after ``steps`` (see ``EngineCore.decode_run_steps_within``)."""
+        cumulative, base = self._new_blocks, self._base  # cumulative[k]: blocks taken by base + k steps
+        limit = cumulative[steps - base] + extra_blocks
+        return base + bisect.bisect_right(cumulative, limit, steps - base) - 1
 
 
 class EngineCore(PagedEngine):
@@ -301,6 +309,16 @@ class EngineCore(PagedEngine):
         figures = self._figures_of_run()
         held = self.blocks.used_blocks
         return held if figures is None else held + figures.new_blocks(figures.run.applied, steps_ahead)
+
+    def decode_run_steps_within(self, steps: int, extra_blocks: int) -> int:
+        """The most steps of the decode run in progress (counted from its start, as ``DecodeRun.applied``), at
+        least ``steps``, after which the requests hold at most ``extra_blocks`` KV blocks more than after
+        ``steps``; the run's last step (requests finish in it) is never counted unless ``steps`` is it. Nothing
+        else of the state changes over those steps (a change from outside cuts the run). ``steps`` itself
+        without a run with steps left. ``steps``: applied or read ahead (:meth:`instance_load`'s
+        ``steps_ahead``), before the run's last step."""
+        figures = self._figures_of_run()
+        return steps if figures is None else figures.steps_within(steps, extra_blocks)
 
     def _figures_of_run(self) -> _RunFigures | None:
         """The figures of the decode run in progress while it has steps left (None otherwise)."""
