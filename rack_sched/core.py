@@ -232,7 +232,8 @@ class DomainCore:
         report (they teach the remaining-output estimate). Raises KeyError for an unregistered instance.
         """
         member = self._members[instance_id]
-        self.finished(finished_output_tokens)
+        if finished_output_tokens:
+            self.finished(finished_output_tokens)
         member.load = load
         member.reports += 1
         member.stream_up = member.answers = True
@@ -342,7 +343,10 @@ class DomainCore:
         """The member's state changed: its view entry is rebuilt when the view is next read (a report drops the
         instance's reservations then; several reports in between cost one rebuild)."""
         if member.load is not None and member.reachable:
-            self._stale.setdefault(member.model, set()).add(member.instance_id)
+            stale = self._stale.get(member.model)
+            if stale is None:
+                stale = self._stale[member.model] = set()
+            stale.add(member.instance_id)
         else:
             self._stale.get(member.model, set()).discard(member.instance_id)
             self._view(member.model).remove(member.instance_id)
