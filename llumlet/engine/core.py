@@ -579,6 +579,34 @@ class EngineCore(PagedEngine):
         kv_tokens = len(prefix_block_hashes) * prefix_hash_block_tokens
         return self.adopt_prefix(reservation_id, prefix_block_hashes, prefix_hash_block_tokens, kv_tokens)
 
+    def prefill_time_s(self, num_tokens: int, cached_tokens: int) -> float | None:
+        """The latency model's time of one step prefilling ``num_tokens`` after ``cached_tokens`` of context,
+        alone (``LatencyModel.step_time_s``), seconds; 0 for no token. The simulator's migration executor and the
+        sim llumlet's Reserve both price re-prefilling a moved prefix with it."""
+        if num_tokens <= 0:
+            return 0.0
+        return self.latency_model.step_time_s([(num_tokens, cached_tokens)], [])
+
+    def recompute_prefix(
+        self, reservation_id: str, prompt_token_ids: Sequence[int], first_block: int, num_blocks: int
+    ) -> float:
+        """The model engine holds no KV data: the positions need nothing written; returns the modelled time of
+        prefilling them (:meth:`prefill_time_s`), which the caller waits out. It is charged as a delay of the
+        move, not to this engine's batch (an approximation the simulator's executor shares: it calls this too).
+
+        Raises KeyError for an unknown reservation, IndexError past it.
+        """
+        size = self.blocks.reservation_size(reservation_id)
+        if size is None:
+            raise KeyError(f"{self.instance_id}: recompute_prefix: unknown reservation {reservation_id!r}")
+        if first_block < 0 or num_blocks < 0 or first_block + num_blocks > size:
+            raise IndexError(
+                f"{self.instance_id}: recompute_prefix: blocks {first_block}..{first_block + num_blocks}"
+                f" exceed reservation {reservation_id!r} of {size} blocks"
+            )
+        bs = self.blocks.block_size_tokens
+        return self.prefill_time_s(num_blocks * bs, first_block * bs) or 0.0
+
     def release_reservation(self, reservation_id: str) -> int:
         """Give a reservation back. Idempotent and safe if never reserved; returns blocks released."""
         if self.blocks.reservation_size(reservation_id) is None:
