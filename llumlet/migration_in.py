@@ -244,9 +244,9 @@ class MigrationDestination:
                 await asyncio.sleep(wait_s)  # the model engine's re-prefill takes its modelled time
             cur.deadline = d.clock() + cur.expiry_s
         except Exception as exc:  # refused (KeyError, IndexError, ValueError) or an engine fault: the Commit fails
-            cur.recompute_error = f"{d.instance_id}: re-prefilling {num_blocks} blocks from {first_block} failed: " + (
-                _describe(exc) if isinstance(exc, KeyError | IndexError | ValueError) else f"{type(exc).__name__}: {exc}"
-            )
+            refused = isinstance(exc, KeyError | IndexError | ValueError)
+            why = _describe(exc) if refused else f"{type(exc).__name__}: {exc}"
+            cur.recompute_error = f"{d.instance_id}: re-prefilling {num_blocks} blocks from {first_block} failed: {why}"
             _log.warning("%s", cur.recompute_error)
         finally:
             cur.recomputed.set()

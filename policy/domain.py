@@ -35,6 +35,7 @@ class InstanceBrief:
     decode_step_s: float = 0.0  # its most recent step time, seconds (0 = not measured)
     max_num_seqs: int = 0  # its batch slots (InstanceLoad.max_num_seqs; 0 = not known)
     prefix_hashes: frozenset[int] = frozenset()  # prefix blocks it holds (InstanceLoad.prefix_hashes, shared)
+    prefill_s_per_token: float = 0.0  # its engine's prefill estimate per token, s (InstanceLoad's; 0 = none)
 
     def __post_init__(self) -> None:
         where = f"InstanceBrief({self.instance_id!r})"
@@ -47,6 +48,8 @@ class InstanceBrief:
             raise ValueError(f"{where}: free_blocks {self.free_blocks} outside [0, {self.capacity_blocks}]")
         if math.isnan(self.virtual_usage):
             raise ValueError(f"{where}: virtual_usage must not be NaN")
+        if not (math.isfinite(self.prefill_s_per_token) and self.prefill_s_per_token >= 0):
+            raise ValueError(f"{where}: prefill_s_per_token must be finite and >= 0, got {self.prefill_s_per_token}")
 
     @property
     def used_blocks(self) -> int:
@@ -78,6 +81,7 @@ class InstanceBrief:
             decode_step_s=load.decode_step_s,
             max_num_seqs=load.max_num_seqs,
             prefix_hashes=load.prefix_hashes,
+            prefill_s_per_token=load.prefill_s_per_token,
         )
 
 

@@ -570,6 +570,7 @@ class LoadReport(_message.Message):
     PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _builtins.int
     PREFIX_QUERY_TOKENS_FIELD_NUMBER: _builtins.int
+    PREFILL_S_PER_TOKEN_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     domain_id: _builtins.str
     total_blocks: _builtins.int
@@ -606,6 +607,8 @@ class LoadReport(_message.Message):
     """prompt tokens served from its prefix cache since its engine started"""
     prefix_query_tokens: _builtins.int
     """prompt tokens looked up in its prefix cache since then"""
+    prefill_s_per_token: _builtins.float
+    """its engine's prefill estimate per prompt token, seconds (what"""
     @_builtins.property
     def running(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunningRequest]: ...
     @_builtins.property
@@ -643,10 +646,11 @@ class LoadReport(_message.Message):
         prefix_block_tokens: _builtins.int = ...,
         prefix_hit_tokens: _builtins.int = ...,
         prefix_query_tokens: _builtins.int = ...,
+        prefill_s_per_token: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "domain_id", b"domain_id", "failure", b"failure", "finished_output_tokens", b"finished_output_tokens", "head_demand_blocks", b"head_demand_blocks", "instance_id", b"instance_id", "max_num_seqs", b"max_num_seqs", "num_migrations_out", b"num_migrations_out", "num_requests", b"num_requests", "num_reservations", b"num_reservations", "num_suspended", b"num_suspended", "num_waiting", b"num_waiting", "preempting", b"preempting", "prefix_block_tokens", b"prefix_block_tokens", "prefix_hashes", b"prefix_hashes", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens", "queued_demand_blocks", b"queued_demand_blocks", "recent_step_s", b"recent_step_s", "reserved_blocks", b"reserved_blocks", "running", b"running", "total_blocks", b"total_blocks", "used_blocks", b"used_blocks", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "domain_id", b"domain_id", "failure", b"failure", "finished_output_tokens", b"finished_output_tokens", "head_demand_blocks", b"head_demand_blocks", "instance_id", b"instance_id", "max_num_seqs", b"max_num_seqs", "num_migrations_out", b"num_migrations_out", "num_requests", b"num_requests", "num_reservations", b"num_reservations", "num_suspended", b"num_suspended", "num_waiting", b"num_waiting", "preempting", b"preempting", "prefill_s_per_token", b"prefill_s_per_token", "prefix_block_tokens", b"prefix_block_tokens", "prefix_hashes", b"prefix_hashes", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens", "queued_demand_blocks", b"queued_demand_blocks", "recent_step_s", b"recent_step_s", "reserved_blocks", b"reserved_blocks", "running", b"running", "total_blocks", b"total_blocks", "used_blocks", b"used_blocks", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -21,11 +21,13 @@ from llumlet.engine.paged import PagedEngine
 from llumlet.engine.protocol import KVPayload
 from llumlet.engine.scheduler import Admission, RequestStatus, Scheduler, SchedulerRequest, SchedulingPolicy
 from llumlet.engine.types import (
+    PREFILL_RATE_TOKENS,
     EngineLoad,
     EngineRequest,
     MigrationState,
     StepResult,
     instance_load_of,
+    prefill_s_per_token_of,
 )
 from policy.types import InstanceLoad, priority_counts_of, trusted_instance_load
 
@@ -164,6 +166,8 @@ class EngineCore(PagedEngine):
         self.decode_runs = decode_runs
         self._kv_bytes_per_block = kv_bytes_per_block
         self.latency_model = latency_model
+        # the per-token prefill estimate its load reports carry (the latency model is fixed: computed once)
+        self._prefill_s_per_token = prefill_s_per_token_of(latency_model.step_time_s([(PREFILL_RATE_TOKENS, 0)], []))
         self.blocks = BlockManager(num_blocks, block_size_tokens, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, admission, scheduling)
         self._suspended: dict[str, SchedulerRequest] = {}
@@ -247,6 +251,7 @@ class EngineCore(PagedEngine):
             max_num_seqs=self.scheduler.max_num_seqs,
             prefix_hashes=blocks.prefix_hashes,
             prefix_block_tokens=blocks.prefix_block_tokens,
+            prefill_s_per_token=self._prefill_s_per_token,
         )
 
     def _run_ahead(self, steps_ahead: int) -> DecodeRun:
@@ -291,6 +296,7 @@ class EngineCore(PagedEngine):
             max_num_seqs=self.scheduler.max_num_seqs,
             prefix_hashes=held,
             prefix_block_tokens=blocks.prefix_block_tokens if held else 0,
+            prefill_s_per_token=self._prefill_s_per_token,
         )
 
     def held_blocks(self, steps_ahead: int = 0) -> int:

@@ -24,6 +24,7 @@ def _record() -> SummaryRecord:
             head_demand_blocks=30,
             queued_demand_blocks=50,
             decode_step_s=0.031,
+            prefill_s_per_token=2.5e-5,
         ),
         InstanceLoad("d0-a", 1000, 0, draining=True),
     ]
@@ -36,7 +37,7 @@ def test_every_field_of_the_summary_survives_etcd() -> None:
     assert s.queued_blocks == 20  # the demand behind each head of line: kept (it was dropped before)
     assert (s.model, s.taken_s) == ("llama-2-7b", 12.5)
     assert [b.instance_id for b in s.instances] == ["d0-a", "d0-b"]  # sorted by instance id
-    assert s.instances[1] == InstanceBrief("d0-b", 1000, 700, 330.0, 2, 2, False, 0.031)
+    assert s.instances[1] == InstanceBrief("d0-b", 1000, 700, 330.0, 2, 2, False, 0.031, prefill_s_per_token=2.5e-5)
     assert s.instances[0].draining and s.instances[0].freeness == -math.inf
     raw = encode(record)
     assert decode(SummaryRecord, raw, "k") == record

@@ -17,7 +17,6 @@ import torch
 from hilum_proto.v1 import llumlet_pb2 as pb
 from llumlet.backends import BackendConfig
 from llumlet.engine.types import SamplingParams
-from llumlet.migration_types import parse_timing_line
 from llumlet.sink import TokenCollector
 from llumlet.testing import RunningLlumlet, start_llumlet
 
@@ -92,11 +91,3 @@ def test_a_fast_path_copies_the_prompt_blocks() -> None:
         assert rep.stage_reports[0].blocks >= 4  # the prompt blocks were sent in stage 0
 
     asyncio.run(_pair(body))
-
-
-def test_the_timing_line_names_the_plan_and_the_recomputed_blocks() -> None:
-    from llumlet.migration_types import MigrationOutcome, MigrationReport
-
-    line = MigrationReport(MigrationOutcome.COMMITTED, plan="pre-copy+recompute-prefix", recomputed_blocks=4)
-    timing = parse_timing_line("x: migrate r@1 -> b: committed " + line.timing_line())
-    assert timing is not None and (timing.plan, timing.recomputed_blocks) == ("pre-copy+recompute-prefix", 4)
