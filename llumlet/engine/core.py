@@ -602,9 +602,10 @@ class EngineCore(PagedEngine):
 
         Raises KeyError for an unknown reservation, IndexError past it.
         """
-        size = self.blocks.reservation_size(reservation_id)
-        if size is None:
+        fresh = self.blocks.reservation_size(reservation_id)
+        if fresh is None:
             raise KeyError(f"{self.instance_id}: recompute_prefix: unknown reservation {reservation_id!r}")
+        size = self.blocks.adopted_blocks(reservation_id) + fresh  # positions: the adopted prefix, then the rest
         if first_block < 0 or num_blocks < 0 or first_block + num_blocks > size:
             raise IndexError(
                 f"{self.instance_id}: recompute_prefix: blocks {first_block}..{first_block + num_blocks}"
