@@ -458,7 +458,7 @@ def test_recomputed_prefix_blocks_hold_the_sources_kv_and_give_the_unmigrated_st
     streams = Streams()
     for _ in range(3):
         streams.add(src.step())
-    tokens, blocks = src.request_kv("m") or (0, 0)
+    _, blocks = src.request_kv("m") or (0, 0)
     assert dst.reserve("m#1", blocks + 2)
     with pytest.raises(ValueError, match="need 16 prompt tokens, got 13"):
         dst.recompute_prefix("m#1", prompt_ids(77, 13), 0, 4)
