@@ -12,7 +12,7 @@ section         dataclass                                           used by
 ``policy``      ``policy.types.PolicyConfig``                       every tier: virtual usage, dispatch, pairing
 ``remaining``   ``policy.remaining.RemainingConfig``                domain schedulers: remaining-output estimate
 ``domain``      ``rack_sched.core.DomainConfig`` (its own keys)     domain schedulers: settle, cool-down
-``cost``        ``topology.cost.CostConfig``                        coordinator, llumlets (pre-copy rule, cap)
+``cost``        ``topology.cost.CostConfig``                        coordinator, llumlets (pre-copy rule, cap, plan)
 ``approval``    ``global_coord.approval.ApprovalConfig``            coordinator: cross-domain approvals
 ``measured_``   ``topology.bandwidth.MeasuredBandwidthConfig``      coordinator, ``hilum sim``: pricing moves
 ``bandwidth``                                                       with the rates moves were measured at
