@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable
 
 import pytest
-import torch
 
 from hilum_proto.v1 import llumlet_pb2 as pb
 from llumlet.backends import BackendConfig
@@ -21,29 +19,12 @@ from llumlet.engine.types import MigrationState, SamplingParams
 from llumlet.migration_types import CommitCall, DestStatus, PromptPrefix
 from llumlet.sink import TokenCollector
 from llumlet.testing import RunningLlumlet, start_llumlet
+from tests.llumlet.test_local_transport import torch_pair
 
 pytestmark = pytest.mark.slow
 
 PARAMS = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
 PROMPT_TOKENS = 70  # 4 full blocks of 16 tokens hold prompt tokens only: the prefix the plan may recompute
-
-
-async def _pair(body: Callable[[TokenCollector, RunningLlumlet, RunningLlumlet], Awaitable[None]]) -> None:
-    torch.set_num_threads(1)
-    col = TokenCollector()
-    await col.start()
-
-    def backend(name: str) -> BackendConfig:
-        return BackendConfig(instance_id=name, num_blocks=64, block_size_tokens=16, min_step_s=0.005)
-
-    a = await start_llumlet("a", engine="torch", backend=backend("a"))
-    b = await start_llumlet("b", engine="torch", backend=backend("b"))
-    try:
-        await body(col, a, b)
-    finally:
-        await a.stop()
-        await b.stop()
-        await col.stop()
 
 
 async def _move(
@@ -82,7 +63,7 @@ def test_a_slow_path_has_the_destination_re_prefill_the_prompt_blocks() -> None:
         assert held == rep.blocks and rep.blocks >= 1  # only the blocks after the prompt's went over the wire
         assert rep.stage_reports[0].blocks == 0  # stage 0 had no full block left to send: the prefix was it
 
-    asyncio.run(_pair(body))
+    asyncio.run(torch_pair(body))
 
 
 def test_a_fast_path_copies_the_prompt_blocks() -> None:
@@ -92,7 +73,7 @@ def test_a_fast_path_copies_the_prompt_blocks() -> None:
         assert rep.plan == "pre-copy" and rep.recomputed_blocks == 0 and rep.recompute_s == 0.0
         assert rep.stage_reports[0].blocks >= 4  # the prompt blocks were sent in stage 0
 
-    asyncio.run(_pair(body))
+    asyncio.run(torch_pair(body))
 
 
 # ---- the model engine (sim backend) on a real clock: the destination waits out its modelled re-prefill --------
