@@ -77,6 +77,11 @@ class ConfigError(ValueError):
         self.errors = errors
         super().__init__("\n".join(errors))
 
+    def for_flag(self, flag: str = "--config") -> str:
+        """The problems for a command line that named the file with ``flag``: one line each,
+        ``"--config <file>: <key.path>: <message>"``."""
+        return "\n".join(f"{flag} {e}" for e in self.errors)
+
 
 @dataclass(frozen=True, slots=True)
 class Intervals:
