@@ -53,6 +53,31 @@ def test_infinite_usage_of_a_draining_domain_round_trips() -> None:
     assert back == record
 
 
+def test_the_prefix_union_is_stored_once_in_the_instances_and_derived_again() -> None:
+    cfg = PolicyConfig()
+    loads = [
+        InstanceLoad("a", 100, 0, prefix_hashes=frozenset({1, 2}), prefix_block_tokens=512),
+        InstanceLoad("b", 100, 0, prefix_hashes=frozenset({2, 3}), prefix_block_tokens=512),
+    ]
+    record = SummaryRecord("d", (summarize_domain("d", loads, cfg, model="m"),))
+    assert record.summaries[0].prefix_hashes == {1, 2, 3}
+    raw = json.loads(encode(record))
+    (stored,) = raw["summaries"]
+    assert "prefix_hashes" not in stored  # derived from the instances' own lists
+    assert [b["prefix_hashes"] for b in stored["instances"]] == [[1, 2], [2, 3]]
+    assert decode(SummaryRecord, encode(record), "k") == record
+    # a summary without instances (a stand-in) keeps its own list; one with instances ignores what is given
+    bare = DomainSummary("e", 1, 100, 0.0, 100.0, 100, 100, 0, 0, False, prefix_hashes=frozenset({7}))
+    assert json.loads(encode(SummaryRecord("e", (bare,))))["summaries"][0]["prefix_hashes"] == [7]
+    assert decode(SummaryRecord, encode(SummaryRecord("e", (bare,))), "k").summaries[0].prefix_hashes == {7}
+    given = DomainSummary(**{**_fields(record.summaries[0]), "prefix_hashes": frozenset({9})})
+    assert given.prefix_hashes == {1, 2, 3}
+
+
+def _fields(summary: DomainSummary) -> dict[str, object]:
+    return {f: getattr(summary, f) for f in DomainSummary.__dataclass_fields__}
+
+
 def test_bad_summaries_are_rejected_naming_the_key_and_field() -> None:
     raw = json.loads(encode(_record()))
     raw["summaries"][0]["instances"][1]["free_blocks"] = "9"
