@@ -22,7 +22,9 @@ Faithfulness rules (docs/engine-model.md, "CPU reference engine"):
   draw (none when greedy). A token is sampled once, at the step that computes the request's last known
   token, so recompute after a preemption never re-samples produced tokens.
 - Migration moves the K/V bytes themselves (``read_blocks`` / ``write_blocks``) and the generator state
-  (``MigrationState.extra``), so a migrated request continues bit-for-bit as if it had stayed.
+  (``MigrationState.extra``), so a migrated request continues bit-for-bit as if it had stayed; or, when the
+  cost model says so, the destination re-prefills the prompt's blocks from their token ids
+  (``recompute_prefix``, estimated by ``prefill_time_s`` from the measured prefill rate).
 
 Import cost: importing this module imports torch and transformers (~3 s); ``llumlet.engine`` does not
 re-export it for that reason.
