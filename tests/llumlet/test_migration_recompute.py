@@ -53,15 +53,15 @@ async def _move(
 
 
 def test_a_slow_path_has_the_destination_re_prefill_the_prompt_blocks() -> None:
-    # 400 kB/s: the 4 prompt blocks (8 KiB each) take ~80 ms to copy; re-prefilling 64 tokens of the tiny
+    # 200 kB/s: the 4 prompt blocks (8 KiB each) take 164 ms to copy; re-prefilling 64 tokens of the tiny
     # Llama takes a few ms on this CPU (b measured its rate on the reference), so the plan recomputes them.
     async def body(col: TokenCollector, a: RunningLlumlet, b: RunningLlumlet) -> None:
-        rep = await _move(col, a, b, "slow", 400e3)
+        rep = await _move(col, a, b, "slow", 200e3)
         assert rep.plan == "pre-copy+recompute-prefix" and rep.recomputed_blocks == 4
-        assert 0 < rep.recompute_s < 0.08
-        held = sum(s.blocks for s in rep.stage_reports)
-        assert held == rep.blocks and rep.blocks >= 1  # only the blocks after the prompt's went over the wire
+        assert 0 < rep.recompute_s < 4 * 8192 / 200e3
         assert rep.stage_reports[0].blocks == 0  # stage 0 had no full block left to send: the prefix was it
+        # only the blocks after the prompt's went over the wire: the 5th (73+ tokens), maybe a 6th
+        assert 1 <= rep.blocks <= 2 and rep.bytes == rep.blocks * 8192
 
     asyncio.run(torch_pair(body))
 
