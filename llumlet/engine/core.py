@@ -22,11 +22,13 @@ from llumlet.engine.paged import PagedEngine
 from llumlet.engine.protocol import KVPayload
 from llumlet.engine.scheduler import Admission, RequestStatus, Scheduler, SchedulerRequest, SchedulingPolicy
 from llumlet.engine.types import (
+    PREFILL_RATE_TOKENS,
     EngineLoad,
     EngineRequest,
     MigrationState,
     StepResult,
     instance_load_of,
+    prefill_s_per_token_of,
 )
 from policy.types import InstanceLoad, priority_counts_of, trusted_instance_load
 
@@ -172,6 +174,8 @@ class EngineCore(PagedEngine):
         self.decode_runs = decode_runs
         self._kv_bytes_per_block = kv_bytes_per_block
         self.latency_model = latency_model
+        # the per-token prefill estimate its load reports carry (the latency model is fixed: computed once)
+        self._prefill_s_per_token = prefill_s_per_token_of(latency_model.step_time_s([(PREFILL_RATE_TOKENS, 0)], []))
         self.blocks = BlockManager(num_blocks, block_size_tokens, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, admission, scheduling)
         self._suspended: dict[str, SchedulerRequest] = {}
@@ -255,6 +259,7 @@ class EngineCore(PagedEngine):
             max_num_seqs=self.scheduler.max_num_seqs,
             prefix_hashes=blocks.prefix_hashes,
             prefix_block_tokens=blocks.prefix_block_tokens,
+            prefill_s_per_token=self._prefill_s_per_token,
         )
 
     def _run_ahead(self, steps_ahead: int) -> DecodeRun:
@@ -299,6 +304,7 @@ class EngineCore(PagedEngine):
             max_num_seqs=self.scheduler.max_num_seqs,
             prefix_hashes=held,
             prefix_block_tokens=blocks.prefix_block_tokens if held else 0,
+            prefill_s_per_token=self._prefill_s_per_token,
         )
 
     def held_blocks(self, steps_ahead: int = 0) -> int:
@@ -596,6 +602,35 @@ class EngineCore(PagedEngine):
             return 0
         kv_tokens = len(prefix_block_hashes) * prefix_hash_block_tokens
         return self.adopt_prefix(reservation_id, prefix_block_hashes, prefix_hash_block_tokens, kv_tokens)
+
+    def prefill_time_s(self, num_tokens: int, cached_tokens: int) -> float | None:
+        """The latency model's time of one step prefilling ``num_tokens`` after ``cached_tokens`` of context,
+        alone (``LatencyModel.step_time_s``), seconds; 0 for no token. The simulator's migration executor and the
+        sim llumlet's Reserve both price re-prefilling a moved prefix with it."""
+        if num_tokens <= 0:
+            return 0.0
+        return self.latency_model.step_time_s([(num_tokens, cached_tokens)], [])
+
+    def recompute_prefix(
+        self, reservation_id: str, prompt_token_ids: Sequence[int], first_block: int, num_blocks: int
+    ) -> float:
+        """The model engine holds no KV data: the positions need nothing written; returns the modelled time of
+        prefilling them (:meth:`prefill_time_s`), which the caller waits out. It is charged as a delay of the
+        move, not to this engine's batch (an approximation the simulator's executor shares: it calls this too).
+
+        Raises KeyError for an unknown reservation, IndexError past it.
+        """
+        fresh = self.blocks.reservation_size(reservation_id)
+        if fresh is None:
+            raise KeyError(f"{self.instance_id}: recompute_prefix: unknown reservation {reservation_id!r}")
+        size = self.blocks.adopted_blocks(reservation_id) + fresh  # positions: the adopted prefix, then the rest
+        if first_block < 0 or num_blocks < 0 or first_block + num_blocks > size:
+            raise IndexError(
+                f"{self.instance_id}: recompute_prefix: blocks {first_block}..{first_block + num_blocks}"
+                f" exceed reservation {reservation_id!r} of {size} blocks"
+            )
+        bs = self.blocks.block_size_tokens
+        return self.prefill_time_s(num_blocks * bs, first_block * bs) or 0.0
 
     def release_reservation(self, reservation_id: str) -> int:
         """Give a reservation back. Idempotent and safe if never reserved; returns blocks released."""
