@@ -434,7 +434,8 @@ class DomainCore:
 
     def settled(self) -> bool:
         """True when no instance is busy with a migration or settling after one (:meth:`is_busy` is False for
-        every instance whatever the reports to come)."""
+        every instance whatever the reports to come). Conservative: a settle window stays until a rescheduling
+        round (:meth:`plan_rebalance`) finds it over."""
         return not self._settle and not any(self._busy.values())
 
     def detailed(self, load: InstanceLoad) -> InstanceLoad:
