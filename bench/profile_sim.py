@@ -3,11 +3,11 @@
 Runs ``sim.runner.DEFAULTS`` (the default run, as ``bench/bench_sim_default.py``) once under cProfile, or with
 ``--synthetic N`` ``bench/bench_sim_speed.py``'s workload at N instances (8-GPU H100 nodes, 8 ShareGPT requests
 per instance at 0.5 req/s per instance), and prints the profiled seconds, then the functions with the most
-cumulative time, each with its share of the whole (cumulative shares overlap: a caller's includes its callees')
-and its profiled microseconds per simulated request (compare two sizes by that column: a function whose cost
-per request grows with the cluster is what keeps the simulator from being flat in size). ``--sort tottime``
-ranks by time spent in the function itself. Profiling slows the run about 4x; the shares, not the seconds, are
-the figure. Times are CPU seconds of this process (the machine is shared). Run:
+cumulative time, each with its share of the whole (cumulative shares overlap: a caller's includes its callees'),
+how many times it was called and its profiled microseconds per simulated request (compare two sizes by that
+column: a function whose cost per request grows with the cluster keeps the simulator from being flat in size).
+``--sort tottime`` ranks by time spent in the function itself. Profiling slows the run 4-10x; the shares and the
+calls, not the seconds, are the figure. Times are CPU seconds of this process (the machine is shared). Run:
 
     .venv/bin/python bench/profile_sim.py [--policy hilum] [--synthetic 1024] [--top 25] [--sort tottime]
 """
@@ -51,10 +51,10 @@ def main() -> None:
     column = 3 if args.sort == "cumulative" else 2
     rows = sorted(table.items(), key=lambda kv: kv[1][column], reverse=True)
     print(f"{what} under {args.policy}: {total_s:.1f} profiled s, {requests} requests")
-    print(f"{args.sort + ' s':>14}  {'share':>6}  {'us/request':>10}  function")
+    print(f"{args.sort + ' s':>14}  {'share':>6}  {'calls':>9}  {'us/request':>10}  function")
     for (path, line, name), stat in rows[: args.top]:
-        s, where = stat[column], f"{path.rsplit('/', 2)[-1]}:{line}({name})"
-        print(f"{s:14.2f}  {s / total_s:6.1%}  {s / max(1, requests) * 1e6:10.1f}  {where}")
+        s, calls, where = stat[column], stat[1], f"{path.rsplit('/', 2)[-1]}:{line}({name})"
+        print(f"{s:14.2f}  {s / total_s:6.1%}  {calls:9d}  {s / max(1, requests) * 1e6:10.1f}  {where}")
 
 
 if __name__ == "__main__":
