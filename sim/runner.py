@@ -458,15 +458,19 @@ def _few_collections() -> Iterator[None]:
     """While the event loop runs: the objects built before it (topology, trace, engines) are frozen out of the
     cyclic collector (``gc.freeze``: the full collections do not go over them again) and young collections run
     every :data:`GC_YOUNG_THRESHOLD` allocations; both restored after. Nothing simulated depends on when the
-    collector runs (reference counting frees what it can at once either way)."""
+    collector runs (reference counting frees what it can at once either way). A process that froze objects itself
+    keeps them frozen (nothing is frozen or unfrozen then)."""
     thresholds = gc.get_threshold()
-    gc.freeze()
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
     gc.set_threshold(max(thresholds[0], GC_YOUNG_THRESHOLD), *thresholds[1:])
     try:
         yield
     finally:
         gc.set_threshold(*thresholds)
-        gc.unfreeze()
+        if freeze:
+            gc.unfreeze()
 
 
 def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:

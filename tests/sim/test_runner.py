@@ -79,13 +79,18 @@ def test_same_seed_same_result_and_no_state_between_runs() -> None:
 
 def test_the_collector_settings_are_restored_after_a_run() -> None:
     """The event loop freezes what was built before it and collects young objects less often; after the run the
-    process's collector is as it was."""
+    process's collector is as it was (a caller's frozen objects stay frozen)."""
     before = gc.get_threshold()
     gc.set_threshold(900, 11, 12)
     try:
         _run("hilum")
         assert gc.get_threshold() == (900, 11, 12) and gc.get_freeze_count() == 0
+        gc.freeze()  # the caller's own frozen objects stay frozen
+        frozen = gc.get_freeze_count()
+        _run("round-robin")
+        assert gc.get_freeze_count() == frozen > 0
     finally:
+        gc.unfreeze()
         gc.set_threshold(*before)
 
 
