@@ -450,21 +450,21 @@ def run_simulation(
 #: Net allocations of container objects between two young-generation collections while a simulation runs (Python's
 #: default is 700): a large run keeps millions of live objects (request accounts, token gaps, engine state), and at
 #: the default every collection goes over hundreds of survivors: at 1,024 instances 8-10 % of the run's CPU.
-GC_YOUNG_THRESHOLD = 10_000
+_GC_YOUNG_THRESHOLD = 10_000
 
 
 @contextlib.contextmanager
 def _few_collections() -> Iterator[None]:
     """While the event loop runs: the objects built before it (topology, trace, engines) are frozen out of the
     cyclic collector (``gc.freeze``: the full collections do not go over them again) and young collections run
-    every :data:`GC_YOUNG_THRESHOLD` allocations; both restored after. Nothing simulated depends on when the
+    every ``_GC_YOUNG_THRESHOLD`` allocations; both restored after. Nothing simulated depends on when the
     collector runs (reference counting frees what it can at once either way). A process that froze objects itself
     keeps them frozen (nothing is frozen or unfrozen then)."""
     thresholds = gc.get_threshold()
     freeze = gc.get_freeze_count() == 0
     if freeze:
         gc.freeze()
-    gc.set_threshold(max(thresholds[0], GC_YOUNG_THRESHOLD), *thresholds[1:])
+    gc.set_threshold(max(thresholds[0], _GC_YOUNG_THRESHOLD), *thresholds[1:])
     try:
         yield
     finally:
