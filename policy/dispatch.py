@@ -52,9 +52,11 @@ define the hash blocks.
 
 from __future__ import annotations
 
+import bisect
 import random
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar, overload
 
 from policy.domain import DomainSummary
 from policy.types import InstanceLoad, PolicyConfig
@@ -152,6 +154,116 @@ class _Target:
                 self.reserve(demand, virtual, stamp, hashes)
 
 
+class _InIdOrder(Sequence[_Target]):
+    """The targets of a view in id order, less those at ``gaps`` (sorted positions in ``ids``): the pool a pick
+    draws from, as a sequence ``random.sample`` indexes (it reads ``len`` and ``k`` items, or copies a pool of
+    at most 21) without the pool being listed. Item ``j``: O(len(gaps))."""
+
+    __slots__ = ("_gaps", "_ids", "_targets")
+
+    def __init__(self, ids: list[str], targets: dict[str, _Target], gaps: list[int]) -> None:
+        self._ids = ids
+        self._targets = targets
+        self._gaps = gaps
+
+    def __len__(self) -> int:
+        return len(self._ids) - len(self._gaps)
+
+    @overload
+    def __getitem__(self, j: int) -> _Target: ...
+    @overload
+    def __getitem__(self, j: slice) -> list[_Target]: ...
+    def __getitem__(self, j: int | slice) -> _Target | list[_Target]:
+        if isinstance(j, slice):
+            return [self[k] for k in range(*j.indices(len(self)))]
+        n = len(self)
+        if j < 0:
+            j += n
+        if not 0 <= j < n:
+            raise IndexError(j)
+        p = j  # the j-th position not in gaps: every gap at or before it moves it one further
+        for g in self._gaps:
+            if g > p:
+                break
+            p += 1
+        return self._targets[self._ids[p]]
+
+    def __iter__(self) -> Iterator[_Target]:
+        gaps, targets = set(self._gaps), self._targets
+        return (targets[tid] for p, tid in enumerate(self._ids) if p not in gaps)
+
+
+class _PoolIndex:
+    """What a sampling view (``choices`` > 0) keeps to find its pick's pool without going over every target:
+    the targets' ids sorted, their room (free − reserved blocks) and their largest request (blocks) each in a
+    sorted list, and the draining ones. A pick's pool is every target less the few that fail its filters
+    (draining, too small, excluded, no room), found by bisection: O(log targets + those left out), where the
+    scan of :meth:`_View.pick` is O(targets). Each change of a target costs O(log targets) comparisons (and a
+    memmove of the lists)."""
+
+    __slots__ = ("_caps", "_draining", "_ids", "_keys", "_rooms")
+
+    def __init__(self) -> None:
+        self._ids: list[str] = []  # every target id, sorted
+        self._rooms: list[tuple[int, str]] = []  # (free − reserved blocks, id), sorted
+        self._caps: list[tuple[int, str]] = []  # (max_request_blocks, id), sorted
+        self._draining: set[str] = set()
+        self._keys: dict[str, tuple[int, int]] = {}  # id -> (room, max_request_blocks) as listed
+
+    def put(self, target: _Target) -> None:
+        """``target`` was added, replaced or reserved on."""
+        tid = target.target_id
+        key = (target.free_blocks - target.reserved_blocks, target.max_request_blocks)
+        old = self._keys.get(tid)
+        if old != key:
+            if old is None:
+                bisect.insort(self._ids, tid)
+            else:
+                _discard(self._rooms, (old[0], tid))
+                _discard(self._caps, (old[1], tid))
+            self._keys[tid] = key
+            bisect.insort(self._rooms, (key[0], tid))
+            bisect.insort(self._caps, (key[1], tid))
+        if target.draining:
+            self._draining.add(tid)
+        else:
+            self._draining.discard(tid)
+
+    def drop(self, target_id: str) -> None:
+        """``target_id`` left the view (idempotent)."""
+        old = self._keys.pop(target_id, None)
+        if old is None:
+            return
+        _discard(self._ids, target_id)
+        _discard(self._rooms, (old[0], target_id))
+        _discard(self._caps, (old[1], target_id))
+        self._draining.discard(target_id)
+
+    def pools(
+        self, targets: dict[str, _Target], size: int, demand_blocks: int, exclude: Collection[str]
+    ) -> tuple[_InIdOrder, _InIdOrder]:
+        """(capable, roomy) of :meth:`_View.pick` without hits, in id order: capable = not draining, not
+        excluded, ``max_request_blocks >= size``; roomy = capable with ``room >= demand_blocks``."""
+        out = set(self._draining)
+        out.update(tid for _, tid in self._caps[: bisect.bisect_left(self._caps, (size,))])
+        out.update(tid for tid in exclude if tid in self._keys)
+        short = {tid for _, tid in self._rooms[: bisect.bisect_left(self._rooms, (demand_blocks,))]} - out
+        ids = self._ids
+        capable_gaps = sorted(bisect.bisect_left(ids, tid) for tid in out)
+        roomy_gaps = sorted([*capable_gaps, *(bisect.bisect_left(ids, tid) for tid in short)])
+        return _InIdOrder(ids, targets, capable_gaps), _InIdOrder(ids, targets, roomy_gaps)
+
+
+_K = TypeVar("_K", str, tuple[int, str])
+
+
+def _discard(items: list[_K], item: _K) -> None:
+    """Remove ``item`` from the sorted list ``items`` (absent: nothing)."""
+    k = bisect.bisect_left(items, item)
+    if k < len(items) and items[k] == item:
+        del items[k]
+
+
 class _View:
     """Mechanics shared by instance and domain views; subclasses turn reports into `_Target`s."""
 
@@ -164,10 +276,15 @@ class _View:
         self._rng = rng
         self._choices = choices
         self._targets: dict[str, _Target] = {}
+        # a sampling view finds its pool by index (a gateway's view of hundreds of domains); a view that ranks
+        # every target (choices 0) goes over all of them anyway
+        self._index = _PoolIndex() if choices > 0 else None
 
     def remove(self, target_id: str) -> None:
         """Forget a target (gone, deregistered). Idempotent: an unknown id is ignored."""
         self._targets.pop(target_id, None)
+        if self._index is not None:
+            self._index.drop(target_id)
 
     def freeness(self, target_id: str) -> float:
         """Freeness of a target as this view sees it, reservations included. KeyError if unknown."""
@@ -215,11 +332,7 @@ class _View:
             if value < 0:
                 raise ValueError(f"pick: {name} must be >= 0, got {value}")
         size = max(demand_blocks, need_blocks)
-        capable = [
-            t
-            for t in self._targets.values()
-            if not t.draining and t.max_request_blocks >= size and t.target_id not in exclude
-        ]
+        capable, roomy = self._pools(size, demand_blocks, exclude)
         if not capable:
             return DispatchDecision(None, self._refusal(size, exclude))
         per_hash = self._blocks_per_hash(prefix_hashes, prefix_block_tokens, block_size_tokens)
@@ -229,7 +342,8 @@ class _View:
                 run = t.prefix_run(prefix_hashes, prefix_block_tokens)
                 if run:
                     hits[t.target_id] = min(run * per_hash, demand_blocks - 1)
-        roomy = [t for t in capable if t.has_room(demand_blocks - hits.get(t.target_id, 0))]
+            if hits:  # blocks present need no room
+                roomy = [t for t in capable if t.has_room(demand_blocks - hits.get(t.target_id, 0))]
         if not roomy and only_if_room:
             noun = self._noun
             why = f"no {noun} has {demand_blocks} free blocks now ({len(capable)} could hold the request later)"
@@ -242,8 +356,25 @@ class _View:
             chosen, num_near = self._choose(pool)
         hit = hits.get(chosen.target_id, 0)
         chosen.reserve(demand_blocks - hit, demand_blocks - hit + headroom, stamp, prefix_hashes if per_hash else ())
+        if self._index is not None:
+            self._index.put(chosen)
         reason = self._reason(chosen, demand_blocks, num_near, bool(roomy))
         return DispatchDecision(chosen.target_id, f"{reason}; prefix hit {hit} blocks" if hit else reason)
+
+    def _pools(
+        self, size: int, demand_blocks: int, exclude: Collection[str]
+    ) -> tuple[Sequence[_Target], Sequence[_Target]]:
+        """(capable, roomy) of a pick, before prefix hits (module docstring, steps 1 and 2): capable = not
+        draining, not excluded, able to hold ``size`` blocks; roomy = capable with ``demand_blocks`` free. By
+        the index when the view samples (in id order), else by going over every target."""
+        if self._index is not None:
+            return self._index.pools(self._targets, size, demand_blocks, exclude)
+        capable = [
+            t
+            for t in self._targets.values()
+            if not t.draining and t.max_request_blocks >= size and t.target_id not in exclude
+        ]
+        return capable, [t for t in capable if t.has_room(demand_blocks)]
 
     def _blocks_per_hash(self, hashes: Sequence[int], block_tokens: int, block_size_tokens: int) -> int:
         """KV blocks one prefix hash stands for; 0 when the request's prefix takes no part."""
@@ -261,11 +392,14 @@ class _View:
         if previous is not None and as_of is not None:
             target.keep_after(previous, as_of)
         self._targets[target.target_id] = target
+        if self._index is not None:
+            self._index.put(target)
 
-    def _sample(self, pool: list[_Target]) -> list[_Target]:
-        """`choices` targets drawn from `pool` (all of it when unset or larger)."""
+    def _sample(self, pool: Sequence[_Target]) -> Sequence[_Target]:
+        """`choices` targets drawn from `pool` in id order (all of it when unset or larger)."""
         if 0 < self._choices < len(pool):
-            return self._rng.sample(sorted(pool, key=lambda t: t.target_id), self._choices)
+            in_order = pool if isinstance(pool, _InIdOrder) else sorted(pool, key=lambda t: t.target_id)
+            return self._rng.sample(in_order, self._choices)
         return pool
 
     def _freest(self, scored: list[tuple[float, str, _Target]]) -> tuple[_Target, int]:
@@ -275,12 +409,14 @@ class _View:
         near = sorted((tid, t) for f, tid, t in scored if f >= floor)
         return self._rng.choice(near)[1], len(near)
 
-    def _choose(self, pool: list[_Target]) -> tuple[_Target, int]:
+    def _choose(self, pool: Sequence[_Target]) -> tuple[_Target, int]:
         """The freest of `pool` (of `choices` targets drawn from it, when set); near-ties (within
         tie_tolerance of the best) drawn with the rng."""
         return self._freest([(t.freeness(), t.target_id, t) for t in self._sample(pool)])
 
-    def _choose_by_prefix(self, pool: list[_Target], hits: dict[str, int], virtual_blocks: int) -> tuple[_Target, int]:
+    def _choose_by_prefix(
+        self, pool: Sequence[_Target], hits: dict[str, int], virtual_blocks: int
+    ) -> tuple[_Target, int]:
         """The longest prefix hit among the targets whose freeness after the reservation is within
         ``prefix_affinity_margin`` of the freest's (module docstring); plain :meth:`_choose` when none of
         those holds the prefix. ``virtual_blocks``: demand + headroom, before the hit."""

@@ -187,3 +187,70 @@ def test_domain_view_from_summaries_skips_draining_domain() -> None:
     assert v.pick(5).target_id == "busy"
     v.remove("busy")
     assert v.pick(5).reason == "all 1 domains are draining"
+
+
+class _Scanning(DomainDispatchView):
+    """The same view finding every pick's pool by going over all its domains (the reference of the index)."""
+
+    def __init__(self, cfg: PolicyConfig, rng: random.Random, choices: int) -> None:
+        super().__init__((), cfg, rng, choices)
+        self._index = None
+
+
+def test_a_sampling_view_finds_its_pools_by_index_as_by_going_over_every_domain() -> None:
+    """A long seeded mix of summaries (full domains, draining ones, small ones, some holding a prefix), removals
+    and picks (with exclusions, demands that only some domains have room for, requests too large for some, prefix
+    hashes) on pools of 2 to 60 domains (``random.sample`` copies a pool of at most 21 and indexes a larger one):
+    the indexed view and the scanning one make every pick alike and see every domain alike after it."""
+    cfg = PolicyConfig(domain_choices=2, prefix_aware_dispatch=True)
+    events = random.Random(5)
+    compared, sizes, kinds = 0, set(), Counter()
+    for domains_n in (2, 7, 21, 22, 60):
+        views = [DomainDispatchView((), cfg, random.Random(11), 2), _Scanning(cfg, random.Random(11), 2)]
+        domains = [f"d{i:02d}" for i in range(domains_n)]
+        for _ in range(1500):
+            roll = events.random()
+            if roll < 0.3:
+                d = events.choice(domains)
+                capacity = events.choice((100, 100, 100, 40))
+                free = events.choice((0, 3, 20, 60, capacity, capacity, capacity))
+                s = DomainSummary(
+                    d, 1, capacity, float(capacity - free), float(free), free, capacity, 1, 0,
+                    draining=events.random() < 0.1,
+                    prefix_hashes=frozenset({7, 8}) if events.random() < 0.3 else frozenset(),
+                )  # fmt: skip
+                as_of = events.choice((None, 0.5))
+                for v in views:
+                    v.update(s, as_of=as_of)
+            elif roll < 0.33:
+                d = events.choice(domains)
+                for v in views:
+                    v.remove(d)
+            else:
+                demand = events.randrange(1, 70)
+                need = events.choice((0, demand, 90))
+                exclude = set(events.sample(domains, events.randrange(0, min(4, domains_n))))
+                hashes = (7, 8) if events.random() < 0.2 else ()
+                only_if_room = events.random() < 0.3
+                got = [
+                    v.pick(
+                        demand, need_blocks=need, stamp=1.0, exclude=exclude,
+                        only_if_room=only_if_room, prefix_hashes=hashes,
+                        prefix_block_tokens=32 if hashes else 0, block_size_tokens=16 if hashes else 0,
+                    )
+                    for v in views
+                ]  # fmt: skip
+                assert got[0] == got[1]
+                compared += 1
+                kinds[
+                    ("picked" if got[0].target_id else "full" if got[0].full else "refused", "hit" in got[0].reason)
+                ] += 1
+                capable, roomy = views[0]._pools(max(demand, need), demand, exclude)
+                sizes.add(len(roomy or capable))
+            for d in domains:
+                if d in views[1]._targets:
+                    assert views[0].freeness(d) == views[1].freeness(d)
+                    assert views[0].reservations(d) == views[1].reservations(d)
+    assert compared > 4500
+    assert {k for k, _ in kinds} == {"picked", "full", "refused"} and kinds[("picked", True)] > 0
+    assert min(sizes) == 0 and max(sizes) > 21

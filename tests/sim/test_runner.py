@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import re
 
 import pytest
@@ -74,6 +75,23 @@ def test_same_seed_same_result_and_no_state_between_runs() -> None:
     assert first.engine_steps == again.engine_steps
     other = _run("hilum", seed=5)
     assert other.requests != first.requests
+
+
+def test_the_collector_settings_are_restored_after_a_run() -> None:
+    """The event loop freezes what was built before it and collects young objects less often; after the run the
+    process's collector is as it was (a caller's frozen objects stay frozen)."""
+    before = gc.get_threshold()
+    gc.set_threshold(900, 11, 12)
+    try:
+        _run("hilum")
+        assert gc.get_threshold() == (900, 11, 12) and gc.get_freeze_count() == 0
+        gc.freeze()  # the caller's own frozen objects stay frozen
+        frozen = gc.get_freeze_count()
+        _run("round-robin")
+        assert frozen > 0 and gc.get_freeze_count() > frozen // 2  # (a frozen object freed meanwhile leaves it)
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
 
 
 def test_a_request_no_instance_can_ever_hold_is_refused_with_a_reason() -> None:
