@@ -18,7 +18,7 @@ import math
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, TypeVar
 
 from policy.autoscale import AutoscaleState, Evaluation
@@ -196,8 +196,25 @@ R = TypeVar("R", DomainRegistration, InstanceRegistration, SummaryRecord, Migrat
 
 
 def encode(record: Record) -> bytes:
-    """JSON bytes of ``record`` (sorted keys; ±inf allowed for usage and freeness)."""
-    return json.dumps(asdict(record), sort_keys=True, separators=(",", ":"), default=_json_set).encode()
+    """JSON bytes of ``record`` (sorted keys; ±inf allowed for usage and freeness). A field whose metadata says
+    ``derived_from`` another field that is set (``DomainSummary.prefix_hashes``, the union of its instances') is
+    left out: decoding derives it again, so the record never holds it twice."""
+    return json.dumps(_plain(record), sort_keys=True, separators=(",", ":"), default=_json_set).encode()
+
+
+def _plain(value: Any) -> Any:
+    """``dataclasses.asdict`` without the fields derived from another set field (:func:`encode`)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            f.name: _plain(getattr(value, f.name))
+            for f in fields(value)
+            if not ("derived_from" in f.metadata and getattr(value, f.metadata["derived_from"]))
+        }
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def _json_set(value: Any) -> Any:

@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 
 from gateway.validation import BadRequest, parse_priority
+from topology.load import parse_yaml, yaml_error_line
 
 __all__ = ["ApiKey", "ApiKeys", "Unauthorized", "load_api_keys", "parse_api_keys"]
 
@@ -154,7 +155,7 @@ def load_api_keys(path: str | Path) -> ApiKeys:
     except OSError as exc:
         raise ValueError(f"{path}: cannot read the API key file: {exc.strerror or exc}") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = parse_yaml(text)
     except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+        raise ValueError(f"{path}: {yaml_error_line(exc)}") from None
     return parse_api_keys(raw, str(path))

@@ -118,6 +118,7 @@ def price_and_judge(
     measured_bandwidth_bytes_per_s: float | None = None,
     prefix_blocks: int = 0,
     prefix_blocks_on_dst: int = 0,
+    prefix_reprefill_s: float | None = None,
 ) -> tuple[Verdict, MigrationPlan]:
     """Price a move with the cost model at the rate it would get now, then judge it.
 
@@ -138,6 +139,8 @@ def price_and_judge(
             the topology's share.
         prefix_blocks: full KV blocks at the start of its KV holding its prompt's prefix hash blocks.
         prefix_blocks_on_dst: of those, the ones the destination's prefix cache holds: not copied.
+        prefix_reprefill_s: the destination's estimate of re-prefilling the others, seconds (None: it offers
+            none): the cost model then also prices recomputing them there and takes the plan that completes first.
 
     Returns:
         (verdict, plan).
@@ -156,6 +159,7 @@ def price_and_judge(
             measured_bandwidth_bytes_per_s=measured_bandwidth_bytes_per_s,
             prefix_blocks=prefix_blocks,
             prefix_blocks_on_dst=prefix_blocks_on_dst,
+            prefix_reprefill_s=prefix_reprefill_s,
         ),
         cost,
     )

@@ -114,7 +114,9 @@ class MoveJudge(Protocol):
     """Prices and judges moving ``move`` to ``dst_instance_id`` over ``path``; ``measured_bandwidth_bytes_per_s``
     is what moves on that path and transport achieved (None: unmeasured, price with the topology);
     ``dst_prefix_hash_blocks``: how many of the move's leading ``prefix_hashes`` the destination's prefix cache
-    holds (those blocks are not copied)."""
+    holds (those blocks are not copied); ``dst_prefill_s_per_token``: the destination's prefill estimate per
+    prompt token (``InstanceBrief.prefill_s_per_token``; 0: it offers none), which prices re-prefilling the rest
+    of the prefix there instead of copying it."""
 
     def __call__(
         self,
@@ -124,6 +126,7 @@ class MoveJudge(Protocol):
         busiest_link_flows: int,
         measured_bandwidth_bytes_per_s: float | None = None,
         dst_prefix_hash_blocks: int = 0,
+        dst_prefill_s_per_token: float = 0.0,
     ) -> Judgement: ...
 
 
@@ -213,11 +216,14 @@ def choose_destination(
     measured: Mapping[BandwidthKey, float] | None = None,
     max_tries: int = 16,
     prefix_held: Mapping[str, frozenset[int]] | None = None,
+    prefill_s_per_token: Mapping[str, float] | None = None,
 ) -> Choice:
     """Judge candidates in order; the first approved one wins.
 
     ``prefix_held``: the prefix hash blocks each candidate's cache holds (``InstanceBrief.prefix_hashes``); the
     judge is told how many of the move's leading ``prefix_hashes`` a candidate holds (a gap ends the run).
+    ``prefill_s_per_token``: each candidate's prefill estimate (``InstanceBrief.prefill_s_per_token``; missing:
+    none), told to the judge with it.
 
     A candidate ``path_of`` cannot reach (KeyError / ValueError: unknown to the topology) is skipped. Each is
     judged with the measured rate of its path and the transport the move would take (``measured``, from
@@ -240,7 +246,8 @@ def choose_destination(
         rate = None if measured is None else measured.get(path_key(default_transport(path.same_domain), path.links))
         held = prefix_held.get(dst) if prefix_held is not None and move.prefix_hashes else None
         on_dst = leading_run(move.prefix_hashes, held) if held else 0
-        verdict = judge(move, dst, path, busiest_link_flows(path.links, flows), rate, on_dst)
+        prefill = prefill_s_per_token.get(dst, 0.0) if prefill_s_per_token is not None else 0.0
+        verdict = judge(move, dst, path, busiest_link_flows(path.links, flows), rate, on_dst, prefill)
         if verdict.approved:
             return Choice(dst, path, verdict)
         last = Judgement(False, f"{dst}: {verdict.reason}", verdict.transfer_s, verdict.downtime_s)
@@ -265,4 +272,7 @@ def decide(
     summaries = list(summaries)
     candidates = candidate_destinations(move, src_domain_id, summaries, drained, registered)
     held = {b.instance_id: b.prefix_hashes for s in summaries for b in s.instances if b.prefix_hashes}
-    return choose_destination(move, candidates, path_of, judge, flows, measured=measured, prefix_held=held)
+    prefill = {b.instance_id: b.prefill_s_per_token for s in summaries for b in s.instances if b.prefill_s_per_token}
+    return choose_destination(
+        move, candidates, path_of, judge, flows, measured=measured, prefix_held=held, prefill_s_per_token=prefill
+    )

@@ -105,12 +105,12 @@ async def serve_replica(
     return 0
 
 
-def check_autoscale(settings: hilum_config.HilumConfig, topology: str | None) -> None:
+def check_autoscale(settings: hilum_config.HilumConfig, has_topology: bool) -> None:
     """Raise ValueError, naming the key, when ``autoscale.enabled`` cannot be honoured: no topology (no pool of
-    instances) or no runnable ``autoscale.command``."""
+    instances; ``has_topology`` False) or no runnable ``autoscale.command``."""
     if not settings.autoscale.enabled:
         return
-    if not topology:
+    if not has_topology:
         raise ValueError("autoscale.enabled needs --topology: the autoscaler starts and stops the topology's instances")
     settings.actuator.check()
 
@@ -122,10 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = hilum_config.load_config(ns.config)
     except hilum_config.ConfigError as exc:
-        print(f"global_coord: error: {exc}", file=sys.stderr)
+        print(f"global_coord: error: {exc.for_flag()}", file=sys.stderr)
         return 2  # a configuration error: restarting cannot fix it
     try:
-        check_autoscale(settings, ns.topology)
+        check_autoscale(settings, bool(ns.topology))
     except ValueError as exc:
         print(f"global_coord: error: {settings.source}: {exc}", file=sys.stderr)
         return 2

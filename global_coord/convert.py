@@ -82,6 +82,7 @@ def brief(b: InstanceBrief) -> pb.InstanceBrief:
         decode_step_s=b.decode_step_s,
         max_num_seqs=b.max_num_seqs,
         prefix_hashes=sorted(b.prefix_hashes),
+        prefill_s_per_token=b.prefill_s_per_token,
     )
 
 
@@ -98,6 +99,7 @@ def brief_from_pb(msg: pb.InstanceBrief) -> InstanceBrief:
         decode_step_s=msg.decode_step_s,
         max_num_seqs=msg.max_num_seqs,
         prefix_hashes=frozenset(msg.prefix_hashes),
+        prefill_s_per_token=msg.prefill_s_per_token,
     )
 
 

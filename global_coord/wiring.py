@@ -55,15 +55,23 @@ class CostModelJudge:
         busiest_link_flows: int,
         measured_bandwidth_bytes_per_s: float | None = None,
         dst_prefix_hash_blocks: int = 0,
+        dst_prefill_s_per_token: float = 0.0,
     ) -> Judgement:
         """Price and judge (with the measured rate of the path when given); a move between instances serving
         different models is never approved. The prefix blocks the destination holds
-        (``dst_prefix_hash_blocks`` of the move's hash blocks) are priced as not copied; recomputing the rest
-        there is not priced here (the coordinator has no latency model): the copy is the upper bound."""
+        (``dst_prefix_hash_blocks`` of the move's hash blocks) are priced as not copied; when the destination's
+        report offers a prefill estimate (``dst_prefill_s_per_token`` > 0), re-prefilling the rest of the prefix
+        there is priced too (their tokens x that rate), and the plan that completes first is judged (the one the
+        source's llumlet carries out, priced with the destination's own estimate at the move)."""
         src_model = self._topo.model_of(move.src_instance_id)
         dst_model = self._topo.model_of(dst_instance_id)
         if src_model.name != dst_model.name:
             return Judgement(False, f"model mismatch: {src_model.name} on the source, {dst_model.name} here")
+        prefix = _prefix_blocks(move, src_model.block_size_tokens, dst_prefix_hash_blocks)
+        missing_tokens = (prefix.get("prefix_blocks", 0) - prefix.get("prefix_blocks_on_dst", 0)) * (
+            src_model.block_size_tokens
+        )
+        reprefill_s = missing_tokens * dst_prefill_s_per_token if missing_tokens and dst_prefill_s_per_token else None
         verdict, plan = price_and_judge(
             src_model,
             kv_tokens=move.num_tokens,
@@ -74,7 +82,8 @@ class CostModelJudge:
             cost=self._cost_cfg,
             cfg=self._approval_cfg,
             measured_bandwidth_bytes_per_s=measured_bandwidth_bytes_per_s,
-            **_prefix_blocks(move, src_model.block_size_tokens, dst_prefix_hash_blocks),
+            prefix_reprefill_s=reprefill_s,
+            **prefix,
         )
         return Judgement(verdict.approved, verdict.reason, float(plan.transfer_s), float(plan.downtime_s))
 

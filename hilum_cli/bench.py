@@ -363,7 +363,7 @@ def _check(ns: argparse.Namespace) -> _Checked:
     except TopologyError as exc:
         raise BenchUsageError(f"--compare-sim: {exc}") from None
     except hilum_config.ConfigError as exc:
-        raise BenchUsageError(f"--config: {exc}") from None
+        raise BenchUsageError(exc.for_flag()) from None
     out = None
     if ns.out:
         out = Path(ns.out)

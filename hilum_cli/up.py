@@ -413,9 +413,9 @@ def _config_text(cfg: UpConfig) -> str | None:
     try:
         settings = hilum_config.load_config(path)
     except hilum_config.ConfigError as exc:
-        raise UpUsageError(f"--config {path}: {exc}") from None
+        raise UpUsageError(exc.for_flag()) from None
     try:  # the coordinators would refuse it after etcd started: refuse it first
-        check_autoscale(settings, topology="the cluster's topology")
+        check_autoscale(settings, has_topology=True)
     except ValueError as exc:
         raise UpUsageError(f"--config {path}: {exc}") from None
     return Path(path).read_text(encoding="utf-8")

@@ -12,7 +12,7 @@ section         dataclass                                           used by
 ``policy``      ``policy.types.PolicyConfig``                       every tier: virtual usage, dispatch, pairing
 ``remaining``   ``policy.remaining.RemainingConfig``                domain schedulers: remaining-output estimate
 ``domain``      ``rack_sched.core.DomainConfig`` (its own keys)     domain schedulers: settle, cool-down
-``cost``        ``topology.cost.CostConfig``                        coordinator, llumlets (pre-copy rule, cap)
+``cost``        ``topology.cost.CostConfig``                        coordinator, llumlets (pre-copy rule, cap, plan)
 ``approval``    ``global_coord.approval.ApprovalConfig``            coordinator: cross-domain approvals
 ``measured_``   ``topology.bandwidth.MeasuredBandwidthConfig``      coordinator, ``hilum sim``: pricing moves
 ``bandwidth``                                                       with the rates moves were measured at
@@ -53,7 +53,7 @@ from policy.types import PolicyConfig
 from rack_sched.core import DomainConfig
 from topology.bandwidth import MeasuredBandwidthConfig
 from topology.cost import CostConfig
-from topology.load import yaml_error_line
+from topology.load import parse_yaml, yaml_error_line
 
 __all__ = [
     "CONFIG_ENV",
@@ -76,6 +76,11 @@ class ConfigError(ValueError):
     def __init__(self, errors: list[str]) -> None:
         self.errors = errors
         super().__init__("\n".join(errors))
+
+    def for_flag(self, flag: str = "--config") -> str:
+        """The problems for a command line that named the file with ``flag``: one line each,
+        ``"--config <file>: <key.path>: <message>"``."""
+        return "\n".join(f"{flag} {e}" for e in self.errors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,9 +199,9 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
         for c in (cls, *more):
             own = {k: v for k, v in kwargs.items() if k in {f.name for f in _keys(c, None)}}
             try:
-                built["actuator" if c is _AUTOSCALE_ACTUATOR else name] = c(**own)
-            except ValueError as exc:
-                errors.append(f"{source}: {name}: {exc}")
+                built["actuator" if c is _AUTOSCALE_ACTUATOR else name] = _build(c, own, f"{source}: {name}")
+            except ConfigError as exc:
+                errors += exc.errors
     if errors:
         raise ConfigError(errors)
     policy, remaining = built["policy"], built["remaining"]
@@ -220,6 +225,42 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
     )
 
 
+def _build(cls: type[Any], values: dict[str, Any], where: str) -> Any:
+    """``cls(**values)``, or ConfigError with every value it refuses: each refusal names its key when the
+    dataclass's message does (``"cap_fraction must be ..."``, ``"PolicyConfig.tie_tolerance: must be ..."``) as
+    ``"<where>.<key>: <message>"``; that key is set aside and the rest tried again, so one bad value never hides
+    another. A refusal naming no key (a rule between keys) is reported at ``where`` and ends the search."""
+    errors: list[str] = []
+    left = dict(values)
+    while True:
+        try:
+            built = cls(**left)
+        except ValueError as exc:
+            key, message = _blamed(str(exc), left, cls.__name__)
+            if key is None:
+                errors.append(f"{where}: {message}")
+                break
+            errors.append(f"{where}.{key}: {message}")
+            del left[key]
+            continue
+        if not errors:
+            return built
+        break
+    raise ConfigError(errors)
+
+
+def _blamed(message: str, keys: Mapping[str, Any], class_name: str) -> tuple[str | None, str]:
+    """The key a dataclass's refusal names at its start (the longest that matches) and the rest of the message;
+    (None, message) when it names none."""
+    text = message.removeprefix(f"{class_name}.")
+    for key in sorted(keys, key=len, reverse=True):
+        if text.startswith(f"{key}: "):
+            return key, text[len(key) + 2 :]
+        if text.startswith(f"{key} "):
+            return key, text[len(key) + 1 :]
+    return None, message
+
+
 def load_config(path: str | Path | None = None) -> HilumConfig:
     """Read the configuration file at ``path``, else the one ``HILUM_CONFIG`` names, else the defaults.
 
@@ -236,7 +277,7 @@ def load_config(path: str | Path | None = None) -> HilumConfig:
     except OSError as exc:
         raise ConfigError([f"{p}: cannot read the configuration file: {exc.strerror or exc}"]) from None
     try:
-        raw = yaml.safe_load(text)
+        raw = parse_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError([f"{p}: {yaml_error_line(exc)}"]) from None
     return parse_config(raw, str(p))

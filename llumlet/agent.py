@@ -186,8 +186,10 @@ class Llumlet:
         expiry_s: float = 0.0,
         prefix: PromptPrefix = NO_PREFIX,
         pool: bytes = b"",
+        prefix_blocks: int = 0,
+        recompute_blocks: int = 0,
     ) -> Reserved:
-        """Destination: reserve or grow (``llumlet.migration_in``)."""
+        """Destination: reserve or grow, or start re-prefilling the prefix (``llumlet.migration_in``)."""
         return await self.destination.reserve(
             request_id,
             attempt,
@@ -196,6 +198,8 @@ class Llumlet:
             expiry_s=expiry_s,
             prefix=prefix,
             pool=pool,
+            prefix_blocks=prefix_blocks,
+            recompute_blocks=recompute_blocks,
         )
 
     async def write_blocks(self, chunks: AsyncIterator[IncomingChunk]) -> Written:

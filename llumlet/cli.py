@@ -89,6 +89,7 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
     )
     migration = MigrationConfig(
         precopy=settings.cost.precopy,  # the cost model's stop rule: a move pauses as long as it was priced to
+        cost=settings.cost,  # its overheads price the copy-versus-recompute plan of a move with a prefix
         reservation_expiry_s=ns.reservation_expiry_s,
         cap_fraction=settings.cost.cap_fraction,
         grpc_rate_cap_bytes_per_s=ns.grpc_rate_cap,

@@ -130,9 +130,13 @@ class LlumletClient:
         expiry_s: float = 0.0,
         prefix: PromptPrefix = NO_PREFIX,
         pool: bytes = b"",
+        prefix_blocks: int = 0,
+        recompute_blocks: int = 0,
     ) -> Reserved:
         """Reserve (or grow a reservation to) ``num_blocks`` for ``(request_id, attempt)``; with a ``prefix``
-        (first Reserve) the destination says which leading blocks it already caches."""
+        (first Reserve) the destination says which leading blocks it already caches, and with ``prefix_blocks``
+        (the leading blocks holding prompt tokens only) its estimate of re-prefilling the rest of them; a later
+        Reserve with ``recompute_blocks`` asks it to re-prefill that many after the cached ones."""
         msg = pb.ReserveRequest(
             request_id=request_id,
             attempt=attempt,
@@ -143,6 +147,8 @@ class LlumletClient:
             prefix_block_hashes=prefix.block_hashes,
             prefix_hash_block_tokens=prefix.hash_block_tokens,
             pool=pool,
+            prefix_blocks=prefix_blocks,
+            recompute_blocks=recompute_blocks,
         )
         reply = await self.stub.Reserve(msg, timeout=self.timeout_s)
         return Reserved(
@@ -152,6 +158,7 @@ class LlumletClient:
             reply.num_blocks,
             reply.num_cached_blocks,
             reply.pool_opened,
+            reply.prefix_reprefill_s if reply.HasField("prefix_reprefill_s") else None,
         )
 
     async def commit(self, call: CommitCall) -> DestReply:

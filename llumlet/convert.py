@@ -243,6 +243,7 @@ def load_to_pb(load: EngineLoad, instance_id: str, domain_id: str, max_hashes: i
         max_num_seqs=load.max_num_seqs,
         prefix_hashes=held,
         prefix_block_tokens=load.prefix_block_tokens if held else 0,
+        prefill_s_per_token=load.prefill_s_per_token,
         prefix_hit_tokens=load.prefix_hit_tokens,
         prefix_query_tokens=load.prefix_query_tokens,
     )
@@ -301,6 +302,7 @@ def load_from_pb(msg: pb.LoadReport) -> EngineLoad:
         prefix_block_tokens=msg.prefix_block_tokens,
         prefix_hit_tokens=msg.prefix_hit_tokens,
         prefix_query_tokens=msg.prefix_query_tokens,
+        prefill_s_per_token=msg.prefill_s_per_token,
     )
 
 

@@ -179,6 +179,11 @@ class EngineDriver:
         """Run one engine call in the engine thread; the caller holds :attr:`lock`."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
+    @property
+    def recent_step_s(self) -> float:
+        """Duration of the most recent step that scheduled work, seconds (0 before the first)."""
+        return self._recent_step_s
+
     def bump(self) -> None:
         """Something a load report shows changed: wake the WatchLoad streams."""
         self._version += 1

@@ -15,6 +15,14 @@ Each attempt ``(request_id, attempt)`` ends once, and its end is remembered (``m
   committed here; if it had not, the attempt is over and a later Commit of it is refused;
 - a Commit that fails (no room for the growth, a state the engine refuses, the origin gone) ends the attempt
   and returns its blocks at once.
+
+Recomputing the prefix (docs/cost-model.md): the first Reserve names the request's prefix blocks (the leading
+blocks holding prompt tokens only); the reply carries this engine's estimate of re-prefilling the ones it does
+not cache (``Engine.prefill_time_s``, None when it offers none). When the source's plan
+(``topology.cost.plan_migration``) says recompute, a later Reserve names ``recompute_blocks``: this llumlet
+re-prefills them into the reservation (``Engine.recompute_prefix``; a model engine's modelled time is waited
+out at the backend's time scale) while the rest is copied, and Commit waits for it (a failed recomputation
+fails the Commit: the request stays on the source).
 """
 
 from __future__ import annotations
@@ -70,6 +78,10 @@ class _Reservation:
     expiry_s: float
     deadline: float
     blocks: int
+    prompt_token_ids: tuple[int, ...] = ()  # the first Reserve's prompt (what a recomputation prefills)
+    cached_blocks: int = 0  # leading positions adopted from the prefix cache
+    recomputed: asyncio.Event | None = None  # set when the asked recomputation ended (None: none asked)
+    recompute_error: str = ""  # why it failed ("" = it succeeded, or none was asked)
 
 
 class MigrationDestination:
@@ -137,6 +149,8 @@ class MigrationDestination:
         expiry_s: float = 0.0,
         prefix: PromptPrefix = NO_PREFIX,
         pool: bytes = b"",
+        prefix_blocks: int = 0,
+        recompute_blocks: int = 0,
     ) -> Reserved:
         """Reserve ``num_blocks`` for ``(request_id, attempt)``, or grow the reservation of the same attempt.
 
@@ -145,6 +159,9 @@ class MigrationDestination:
         ``num_cached_blocks`` says how many positions the source need not send. With ``pool`` (the source's
         exported KV pool, local transport) the reply says whether this llumlet could open it
         (``pool_opened``): peer copies when it could, bytes inline when not (another host, a GPU not visible).
+        With ``prefix_blocks`` (first Reserve) the reply's ``prefix_reprefill_s`` estimates re-prefilling those not
+        cached; ``recompute_blocks`` (a later Reserve of the attempt) starts re-prefilling that many blocks after
+        the cached ones (module docstring); asked twice, the second is refused.
         """
         rid, d = request_id, self._d
         me = d.instance_id
@@ -166,6 +183,8 @@ class MigrationDestination:
             cur = None
         res_id = reservation_id(rid, attempt)
         cached = 0
+        if cur is not None and recompute_blocks:
+            return self._start_recompute(cur, recompute_blocks)
         if cur is None:
             ok = await d.call(d.engine.reserve, res_id, num_blocks)
             expiry = expiry_s or self.config.reservation_expiry_s
@@ -180,6 +199,7 @@ class MigrationDestination:
                         prefix.block_hashes,
                         prefix.hash_block_tokens,
                     )
+                cur.prompt_token_ids, cur.cached_blocks = prefix.token_ids, cached
         else:
             ok = await d.call(d.engine.grow_reservation, res_id, num_blocks)
             if ok:
@@ -196,7 +216,40 @@ class MigrationDestination:
                 opened = True
             except TransportError as exc:
                 _log.warning("%s: %s: the source's blocks come inline", me, exc)
-        return Reserved(DestStatus.OK, "", res_id, cur.blocks, cached, opened)
+        reprefill_s = None
+        if prefix_blocks > cached:
+            bs = d.engine.block_size_tokens
+            reprefill_s = await d.call(d.engine.prefill_time_s, (prefix_blocks - cached) * bs, cached * bs)
+        return Reserved(DestStatus.OK, "", res_id, cur.blocks, cached, opened, reprefill_s)
+
+    def _start_recompute(self, cur: _Reservation, num_blocks: int) -> Reserved:
+        """Begin re-prefilling ``num_blocks`` after the cached positions of ``cur`` (module docstring)."""
+        d = self._d
+        if cur.recomputed is not None:
+            return Reserved(DestStatus.REFUSED, f"{d.instance_id}: {cur.reservation_id!r} already recomputes")
+        cur.recomputed = asyncio.Event()
+        cur.deadline = d.clock() + cur.expiry_s
+        d.spawn(self._recompute(cur, cur.cached_blocks, num_blocks), f"recompute-{cur.reservation_id}")
+        return Reserved(DestStatus.OK, "", cur.reservation_id, cur.blocks, cur.cached_blocks)
+
+    async def _recompute(self, cur: _Reservation, first_block: int, num_blocks: int) -> None:
+        d = self._d
+        assert cur.recomputed is not None
+        try:
+            modelled_s = await d.call(
+                d.engine.recompute_prefix, cur.reservation_id, cur.prompt_token_ids, first_block, num_blocks
+            )
+            wait_s = modelled_s * d.backend.time_scale
+            if wait_s > 0:
+                await asyncio.sleep(wait_s)  # the model engine's re-prefill takes its modelled time
+            cur.deadline = d.clock() + cur.expiry_s
+        except Exception as exc:  # refused (KeyError, IndexError, ValueError) or an engine fault: the Commit fails
+            refused = isinstance(exc, KeyError | IndexError | ValueError)
+            why = _describe(exc) if refused else f"{type(exc).__name__}: {exc}"
+            cur.recompute_error = f"{d.instance_id}: re-prefilling {num_blocks} blocks from {first_block} failed: {why}"
+            _log.warning("%s", cur.recompute_error)
+        finally:
+            cur.recomputed.set()
 
     async def write_blocks(self, chunks: AsyncIterator[IncomingChunk]) -> Written:
         """Store a stream of block runs into their reservation."""
@@ -275,6 +328,10 @@ class MigrationDestination:
             return DestReply(DestStatus.FAILED, f"{me}: commit of {rid!r} names no origin")
         if call.state.request_id != rid:
             return DestReply(DestStatus.FAILED, f"{me}: state is of {call.state.request_id!r}, not {rid!r}")
+        if cur.recomputed is not None:  # the prefix re-prefilled here, in parallel with the copy
+            await cur.recomputed.wait()
+            if cur.recompute_error:
+                return DestReply(DestStatus.FAILED, cur.recompute_error)
         async with d.lock:
             try:
                 ok = await d.call_locked(d.engine.commit_incoming, cur.reservation_id, call.state)

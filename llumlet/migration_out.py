@@ -1,7 +1,11 @@
 """The source side of a live migration: ``MigrateOut`` (DESIGN.md "Migration", docs/migration.md).
 
 1. check the fencing token (``FencingGuard``), that the request runs here in decode, choose the transport;
-2. ``Reserve`` the request's blocks at the destination (reservation ``<request_id>@<attempt>``);
+2. ``Reserve`` the request's blocks at the destination (reservation ``<request_id>@<attempt>``); the reply
+   says which leading prefix blocks it caches (not sent) and its estimate of re-prefilling the rest of the
+   prompt's blocks. With an estimate and a rate cap, the move is priced with ``topology.cost.plan_migration``
+   (the cost model the simulator's executor prices with too): when its plan is ``pre-copy+recompute-prefix``, a
+   second Reserve asks the destination to re-prefill those blocks, which are then not sent either;
 3. pre-copy stages: copy every full block not yet copied while the request keeps decoding; a stage ends with
    the destination's reply; when to stop is ``topology.cost.PrecopyRule`` — the rule the cost model prices
    moves with (``0`` stages = stop-and-copy);
@@ -49,7 +53,7 @@ from llumlet.migration_types import (
 )
 from llumlet.tokens import PushOutcome
 from llumlet.transport import Transport, TransportError, choose_transport
-from topology.cost import PrecopyRule
+from topology.cost import DEFAULT_DECODE_STEP_S, MigrationCostInput, MigrationPlan, PrecopyRule, plan_migration
 from topology.graph import TopologyGraph
 
 __all__ = ["MigrationSource"]
@@ -130,14 +134,16 @@ class MigrationSource:
             self.in_flight -= 1
             d.bump()
         _log.info(
-            "%s: migrate %s@%d -> %s: %s %s (%d blocks, %.1f ms, downtime %.1f ms) %s",
+            "%s: migrate %s@%d -> %s: %s %s (%s, %d blocks, %d recomputed there, %.1f ms, downtime %.1f ms) %s",
             d.instance_id,
             rid,
             cmd.attempt,
             cmd.dst_address,
             report.outcome.value,
             report.reason,
+            report.plan or "-",
             report.blocks,
+            report.recomputed_blocks,
             report.total_s * 1e3,
             report.downtime_s * 1e3,
             report.timing_line(),
@@ -212,6 +218,8 @@ class MigrationSource:
         suspended: MigrationState | None = None
         suspending = False  # suspend was called: on failure the request may need resuming even without a state
         setup_s = reserve_s = presuspend_s = suspend_wait_s = commit_s = 0.0  # where the time went (MigrationReport)
+        plan = "stop-and-copy" if rule.max_stages == 0 else "pre-copy"
+        recomputed, recompute_s = 0, 0.0  # prefix blocks the destination re-prefills, its estimate of that
 
         def report(outcome: MigrationOutcome, reason: str = "", downtime_s: float = 0.0) -> MigrationReport:
             return MigrationReport(
@@ -228,6 +236,9 @@ class MigrationSource:
                 presuspend_s=presuspend_s,
                 suspend_wait_s=suspend_wait_s,
                 commit_s=commit_s,
+                plan=plan,
+                recomputed_blocks=recomputed,
+                recompute_s=recompute_s,
             )
 
         try:
@@ -236,6 +247,7 @@ class MigrationSource:
                 return report(MigrationOutcome.REFUSED, f"{rid!r} finished before the migration started")
             t_reserve = d.clock()
             setup_s = t_reserve - t0
+            prefix_blocks = rec.prefix.prompt_blocks(kv[0], block_size)
             reply = await peer.reserve(
                 rid,
                 attempt,
@@ -244,6 +256,7 @@ class MigrationSource:
                 expiry_s=cfg.reservation_expiry_s,
                 prefix=rec.prefix,
                 pool=transport.pool or b"",
+                prefix_blocks=prefix_blocks,
             )
             reserve_s = d.clock() - t_reserve
             if reply.status is not DestStatus.OK:
@@ -255,6 +268,20 @@ class MigrationSource:
             if transport.pool is not None and not reply.pool_opened:
                 transport.pool = None  # the destination cannot map our pool (another host, GPU not visible)
             copied = cached = min(reply.num_cached_blocks, kv[1])  # what the destination caches is not sent
+            priced = self._price(kv[0], prefix_blocks, cached, reply.prefix_reprefill_s, transport, rule)
+            if priced is not None and priced.mode == "pre-copy+recompute-prefix":
+                again = await peer.reserve(
+                    rid,
+                    attempt,
+                    reserved,
+                    src_instance_id=d.instance_id,
+                    expiry_s=cfg.reservation_expiry_s,
+                    recompute_blocks=priced.recomputed_prefix_blocks,
+                )
+                if again.status is not DestStatus.OK:
+                    raise _Failed(f"destination would not re-prefill the prefix: {again.reason}")
+                plan, recomputed, recompute_s = priced.mode, priced.recomputed_prefix_blocks, priced.recompute_s
+                copied += recomputed  # the destination computes these: not sent
             # pre-copy stages: the request keeps decoding
             while True:
                 t_stage = d.clock()
@@ -344,6 +371,46 @@ class MigrationSource:
             d.spawn(self._forward_abort(cmd.dst_address, rid), f"forward-abort-{rid}")
         d.bump()
         return report(MigrationOutcome.COMMITTED, committed.reason, downtime_s)
+
+    def _price(
+        self,
+        kv_tokens: int,
+        prefix_blocks: int,
+        cached: int,
+        reprefill_s: float | None,
+        transport: Transport,
+        rule: PrecopyRule,
+    ) -> MigrationPlan | None:
+        """The cost model's plan of this move with its prefix (``topology.cost.plan_migration``, the one the
+        simulator's executor follows), or None when there is nothing to choose: no missing prefix block, no
+        estimate from the destination, stop-and-copy, or a transport without a rate cap (no rate to price the
+        copy with: it copies). Priced at the transport's rate cap (the migration cap of the path already applied)
+        with the configured overheads and this move's pre-copy rule; the source's recent step time is the decode
+        step (:data:`topology.cost.DEFAULT_DECODE_STEP_S` before its first step)."""
+        rate = transport.rate_cap_bytes_per_s
+        if reprefill_s is None or prefix_blocks <= cached or rule.max_stages == 0 or not rate:
+            return None
+        engine = self._d.engine
+        bs = engine.block_size_tokens
+        cost = replace(
+            self.config.cost,
+            cap_fraction=1.0,
+            max_stages=rule.max_stages,
+            stop_remaining_blocks=rule.stop_remaining_blocks,
+        )
+        return plan_migration(
+            MigrationCostInput(
+                kv_tokens=kv_tokens,
+                kv_bytes_per_token=max(1, engine.kv_bytes_per_block // bs),
+                block_size_tokens=bs,
+                decode_step_s=self._d.recent_step_s or DEFAULT_DECODE_STEP_S,
+                path_bandwidth_bytes_per_s=rate,
+                prefix_blocks=prefix_blocks,
+                prefix_blocks_on_dst=cached,
+                prefix_reprefill_s=reprefill_s,
+            ),
+            cost,
+        )
 
     def _check_alive(self, rec: Owned) -> None:
         if self._d.owned.get(rec.request_id) is not rec:

@@ -13,7 +13,7 @@ from typing import Any
 
 from llumlet.engine.types import MigrationState
 from llumlet.transport import TransportName
-from topology.cost import PrecopyRule
+from topology.cost import CostConfig, PrecopyRule
 
 __all__ = [
     "TIMING_TAG",
@@ -49,6 +49,9 @@ class MigrationConfig:
     link_budget_scope: str = ""  # who shares the link budgets: "" = this llumlet's migrations; a name = every
     # llumlet on the host with it (llumlet.linkbudget)
     rpc_timeout_s: float = 10.0  # deadline of the control RPCs to the destination
+    # the cost model's settings (``hilum_config``'s ``cost``): their fixed overheads price the copy-versus-recompute
+    # plan of a move with a prefix (topology.cost.plan_migration); the move runs by ``precopy`` and ``cap_fraction``
+    cost: CostConfig = field(default_factory=CostConfig)
 
     def __post_init__(self) -> None:
         if self.reservation_expiry_s <= 0 or self.rpc_timeout_s <= 0 or self.chunk_bytes < 1:
@@ -111,6 +114,9 @@ class MigrationReport:
     presuspend_s: float = 0.0  # the last live stage's end -> suspend asked (the checks, the reservation grown)
     suspend_wait_s: float = 0.0  # suspend asked -> suspended (the engine's step boundary)
     commit_s: float = 0.0  # the Commit round trip (the destination adopts the request and resumes it)
+    plan: str = ""  # the plan carried out: "pre-copy", "pre-copy+recompute-prefix" (topology.cost) or "stop-and-copy"
+    recomputed_blocks: int = 0  # prefix blocks the destination re-prefilled instead of receiving them
+    recompute_s: float = 0.0  # the destination's estimate of that re-prefill, seconds (what the plan priced)
 
     @property
     def blocks(self) -> int:
@@ -141,8 +147,10 @@ class MigrationReport:
         """Where the migration's time went, one parseable token list (milliseconds; :func:`parse_timing_line`):
 
         ``timing_ms setup=U reserve=R stages=S0,S1,... presuspend=P suspend_wait=W last=L commit=C downtime=D
-        total=T blocks=B`` (``stages``: each live stage's ``wall_s``, ``-`` for none; ``last``: the suspended
-        stage's ``wall_s``, the token flush included; ``blocks``: per stage, the blocks copied, ``,``-separated).
+        total=T blocks=B plan=M recomputed=K`` (``stages``: each live stage's ``wall_s``, ``-`` for none; ``last``:
+        the suspended stage's ``wall_s``, the token flush included; ``blocks``: per stage, the blocks copied,
+        ``,``-separated; ``plan``: :attr:`plan`, ``-`` before one was made; ``recomputed``: the prefix blocks the
+        destination re-prefilled).
         """
 
         def ms(x: float) -> str:
@@ -155,7 +163,8 @@ class MigrationReport:
             f"stages={','.join(ms(s.wall_s) for s in live) or '-'} presuspend={ms(self.presuspend_s)} "
             f"suspend_wait={ms(self.suspend_wait_s)} last={ms(last)} commit={ms(self.commit_s)} "
             f"downtime={ms(self.downtime_s)} total={ms(self.total_s)} "
-            f"blocks={','.join(str(s.blocks) for s in self.stages) or '-'}"
+            f"blocks={','.join(str(s.blocks) for s in self.stages) or '-'} plan={self.plan or '-'} "
+            f"recomputed={self.recomputed_blocks}"
         )
 
 
@@ -177,6 +186,8 @@ class MigrationTiming:
     downtime_s: float
     total_s: float
     blocks: tuple[int, ...]  # per stage, the last one last
+    plan: str = ""  # the plan carried out ("" when the line has none)
+    recomputed_blocks: int = 0  # prefix blocks the destination re-prefilled
 
 
 def parse_timing_line(text: str) -> MigrationTiming | None:
@@ -211,6 +222,8 @@ def parse_timing_line(text: str) -> MigrationTiming | None:
             downtime_s=s("downtime"),
             total_s=s("total"),
             blocks=many("blocks", int),
+            plan="" if fields.get("plan", "-") == "-" else fields["plan"],
+            recomputed_blocks=int(fields.get("recomputed", "0")),
         )
     except (KeyError, ValueError) as exc:
         raise ValueError(f"bad {TIMING_TAG} line ({exc}): {text[at:].strip()!r}") from None
@@ -252,6 +265,14 @@ class PromptPrefix:
     block_hashes: tuple[int, ...] = ()
     hash_block_tokens: int = 0  # tokens one of block_hashes covers (0 = none)
 
+    def prompt_blocks(self, kv_tokens: int, block_size_tokens: int) -> int:
+        """Leading KV blocks of a request holding ``kv_tokens`` that hold known prompt tokens only: what a
+        destination could re-prefill (``topology.cost.MigrationCostInput.prefix_blocks``). The prompt's tokens
+        when ``token_ids`` are known, else the tokens its hash ids cover (the sim engine's requests have no
+        content); 0 when neither is known."""
+        tokens = len(self.token_ids) or len(self.block_hashes) * self.hash_block_tokens
+        return min(tokens, kv_tokens) // block_size_tokens
+
 
 #: The prefix of a request whose prompt is not known here (matches nothing).
 NO_PREFIX = PromptPrefix()
@@ -267,6 +288,9 @@ class Reserved:
     num_blocks: int = 0
     num_cached_blocks: int = 0  # leading positions the destination already caches: not to be sent
     pool_opened: bool = False  # the destination opened the source's KV pool (local transport: peer copies)
+    # the destination's estimate of re-prefilling the prefix blocks it does not cache (Engine.prefill_time_s),
+    # seconds; None: it offers none (or was not asked: no prefix_blocks in the first Reserve)
+    prefix_reprefill_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,6 +83,9 @@ def report_to_pb(report: MigrationReport) -> pb.MigrateOutReply:
         presuspend_s=report.presuspend_s,
         suspend_wait_s=report.suspend_wait_s,
         commit_s=report.commit_s,
+        plan=report.plan,
+        recomputed_blocks=report.recomputed_blocks,
+        recompute_s=report.recompute_s,
         stage_reports=[
             pb.StageReport(
                 stage=s.stage, last=s.last, blocks=s.blocks, bytes=s.bytes, seconds=s.seconds, wall_s=s.wall_s
@@ -164,6 +167,8 @@ class LlumletService(pb_grpc.LlumletServicer):
                 tuple(request.prefix_token_ids), tuple(request.prefix_block_hashes), request.prefix_hash_block_tokens
             ),
             pool=request.pool,
+            prefix_blocks=request.prefix_blocks,
+            recompute_blocks=request.recompute_blocks,
         )
         return pb.ReserveReply(
             status=dest_status_to_pb(got.status),
@@ -172,6 +177,7 @@ class LlumletService(pb_grpc.LlumletServicer):
             num_blocks=got.num_blocks,
             num_cached_blocks=got.num_cached_blocks,
             pool_opened=got.pool_opened,
+            prefix_reprefill_s=got.prefix_reprefill_s,
         )
 
     async def WriteBlocks(self, request_iterator: AsyncIterator[pb.BlockChunk], context: _Ctx) -> pb.WriteBlocksReply:

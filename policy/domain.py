@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from policy.types import InstanceLoad, PolicyConfig, _trusted_constructor
 from policy.usage import freeness_of, instance_virtual_usage, queued_blocks
@@ -35,6 +35,7 @@ class InstanceBrief:
     decode_step_s: float = 0.0  # its most recent step time, seconds (0 = not measured)
     max_num_seqs: int = 0  # its batch slots (InstanceLoad.max_num_seqs; 0 = not known)
     prefix_hashes: frozenset[int] = frozenset()  # prefix blocks it holds (InstanceLoad.prefix_hashes, shared)
+    prefill_s_per_token: float = 0.0  # its engine's prefill estimate per token, s (InstanceLoad's; 0 = none)
 
     def __post_init__(self) -> None:
         where = f"InstanceBrief({self.instance_id!r})"
@@ -47,6 +48,8 @@ class InstanceBrief:
             raise ValueError(f"{where}: free_blocks {self.free_blocks} outside [0, {self.capacity_blocks}]")
         if math.isnan(self.virtual_usage):
             raise ValueError(f"{where}: virtual_usage must not be NaN")
+        if not (math.isfinite(self.prefill_s_per_token) and self.prefill_s_per_token >= 0):
+            raise ValueError(f"{where}: prefill_s_per_token must be finite and >= 0, got {self.prefill_s_per_token}")
 
     @property
     def used_blocks(self) -> int:
@@ -78,6 +81,7 @@ class InstanceBrief:
             decode_step_s=load.decode_step_s,
             max_num_seqs=load.max_num_seqs,
             prefix_hashes=load.prefix_hashes,
+            prefill_s_per_token=load.prefill_s_per_token,
         )
 
 
@@ -105,9 +109,10 @@ class DomainSummary:
     model: str = ""  # the model these instances serve ("" = not known)
     taken_s: float = 0.0  # when it was computed, on the publisher's clock (a gateway keeps later reservations)
     instances: tuple[InstanceBrief, ...] = ()  # every instance of the group, sorted by instance_id
-    # prefix blocks some non-draining instance of the group holds: the union of their briefs' prefix_hashes
-    # (derived from ``instances`` when they list any; a gateway prefers the domain holding a request's prefix)
-    prefix_hashes: frozenset[int] = frozenset()
+    # prefix blocks some non-draining instance of the group holds: the union of their briefs' prefix_hashes,
+    # derived from ``instances`` whenever they list any (what is given is then ignored; a codec stores it only
+    # without them: its ``derived_from`` metadata); a gateway prefers the domain holding a request's prefix
+    prefix_hashes: frozenset[int] = field(default=frozenset(), metadata={"derived_from": "instances"})
 
     def __post_init__(self) -> None:
         where = f"DomainSummary({self.domain_id!r})"
@@ -128,8 +133,9 @@ class DomainSummary:
         if ids != sorted(set(ids)):
             raise ValueError(f"{where}: instances must be sorted by id without repeats, got {ids}")
         held = [i.prefix_hashes for i in self.instances if i.prefix_hashes and not i.draining]
-        if held:
-            object.__setattr__(self, "prefix_hashes", held[0] if len(held) == 1 else frozenset().union(*held))
+        if self.instances:
+            union = frozenset().union(*held) if len(held) > 1 else (held[0] if held else frozenset())
+            object.__setattr__(self, "prefix_hashes", union)
         elif not isinstance(self.prefix_hashes, frozenset):
             object.__setattr__(self, "prefix_hashes", frozenset(self.prefix_hashes))
 

@@ -35,6 +35,7 @@ full batch, and this rule moves a running request out to give it a slot.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from policy.dispatch import leading_run
 from policy.domain import DomainSummary
 from policy.ordering import freest_first, fullest_first
 from policy.types import CANDIDATE_POLICIES, InstanceLoad, PolicyConfig, RequestLoad
-from policy.usage import freeness, instance_virtual_usage, request_virtual_usage
+from policy.usage import batch_size, freeness, instance_virtual_usage, request_virtual_usage
 
 __all__ = [
     "CandidateOrder",
@@ -56,6 +57,7 @@ __all__ = [
     "plan_migrations",
     "potential",
     "prefix_blocks_on",
+    "source_slack_blocks",
 ]
 
 #: Orders a source's migratable requests, first to move first; the bool is "source is draining".
@@ -138,9 +140,7 @@ def move_lowers_potential(
     return v_r > 0 and 2 * v_r * v_src - 2 * w * v_dst > v_r * v_r + w * w
 
 
-def prefix_blocks_on(
-    dst: InstanceLoad, request: RequestLoad, prefix_block_tokens: int, block_size_tokens: int
-) -> int:
+def prefix_blocks_on(dst: InstanceLoad, request: RequestLoad, prefix_block_tokens: int, block_size_tokens: int) -> int:
     """KV blocks of ``request`` that ``dst``'s prefix cache holds: its leading prefix hash blocks that ``dst``
     reports (:func:`policy.dispatch.leading_run`), times the KV blocks one hash stands for, at most
     ``request.blocks``. ``prefix_block_tokens``: tokens per hash of the request's ``prefix_hashes`` (its source's
@@ -224,6 +224,17 @@ def _freeness_by_id(loads: Sequence[InstanceLoad], cfg: PolicyConfig) -> dict[st
 
 def _is_source(load: InstanceLoad, f: float, cfg: PolicyConfig) -> bool:
     return load.draining or load.preempting or f < cfg.migrate_out_freeness_below or load.slots_starved
+
+
+def source_slack_blocks(load: InstanceLoad, cfg: PolicyConfig) -> float:
+    """KV blocks the instance may still take, its batch and queue as they are, before `plan_migrations` takes it
+    as a source: the largest u with F(used_blocks + u) >= migrate_out_freeness_below, i.e. M − ΣV − thr·B
+    (blocks; fractional when the threshold is). Negative when it is a source now; −inf when it is one whatever
+    its blocks (draining, preempting, starved of slots). A caller that knows how the blocks held grow (an
+    engine's decode run) can tell from it how long a rescheduling round would find no source there."""
+    if load.draining or load.preempting or load.slots_starved:
+        return -math.inf
+    return load.capacity_blocks - instance_virtual_usage(load, cfg) - cfg.migrate_out_freeness_below * batch_size(load)
 
 
 def gives_a_slot(src: InstanceLoad, dst: InstanceLoad) -> bool:

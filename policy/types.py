@@ -108,6 +108,9 @@ class InstanceLoad:
     # it only when its cache inserts or evicts an entry, so consecutive reports share one frozenset.
     prefix_hashes: frozenset[int] = frozenset()
     prefix_block_tokens: int = 0  # tokens per hash block of prefix_hashes (Mooncake: 512); 0 = no prefix cache
+    # its engine's estimate of prefilling one prompt token, seconds (``Engine.prefill_time_s`` over a mid-size
+    # prompt): what re-prefilling a moved request's missing prefix there costs; 0 = it offers none (vLLM)
+    prefill_s_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         where = f"InstanceLoad({self.instance_id!r})"
@@ -156,6 +159,11 @@ class InstanceLoad:
             f"decode_step_s must be a finite number >= 0, got {self.decode_step_s}",
         )
         _require(self.max_num_seqs >= 0, where, f"max_num_seqs must be >= 0, got {self.max_num_seqs}")
+        _require(
+            math.isfinite(self.prefill_s_per_token) and self.prefill_s_per_token >= 0,
+            where,
+            f"prefill_s_per_token must be a finite number >= 0, got {self.prefill_s_per_token}",
+        )
         object.__setattr__(self, "running", tuple(self.running))
         ids = {r.request_id for r in self.running}
         if len(ids) != len(self.running):

@@ -44,6 +44,11 @@ def load_from_pb(report: llumlet_pb2.LoadReport, instance_id: str, domain_id: st
             f"load report of {instance_id}: {len(report.prefix_hashes)} prefix_hashes but prefix_block_tokens is 0"
         )
     step_s = report.recent_step_s if math.isfinite(report.recent_step_s) and report.recent_step_s > 0 else 0.0
+    if not (math.isfinite(report.prefill_s_per_token) and report.prefill_s_per_token >= 0):
+        raise ValueError(
+            f"load report of {instance_id}: prefill_s_per_token must be a finite number >= 0, "
+            f"got {report.prefill_s_per_token}"
+        )
     return engine_load_from_pb(report).to_instance_load(instance_id, domain_id, decode_step_s=step_s)
 
 

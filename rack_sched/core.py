@@ -232,13 +232,19 @@ class DomainCore:
         report (they teach the remaining-output estimate). Raises KeyError for an unregistered instance.
         """
         member = self._members[instance_id]
-        for n in finished_output_tokens:
-            self.remaining.observe(n)
+        if finished_output_tokens:
+            self.finished(finished_output_tokens)
         member.load = load
         member.reports += 1
         member.stream_up = member.answers = True
         member.failure = ""
         self._refresh(member)
+
+    def finished(self, output_tokens: Iterable[int]) -> None:
+        """Requests of this domain finished with these output lengths (tokens; what a report's
+        ``finished_output_tokens`` carries): they teach the remaining-output estimate, in this order."""
+        for n in output_tokens:
+            self.remaining.observe(n)
 
     def engine_failed(self, instance_id: str, reason: str) -> None:
         """The instance's engine failed (its report, Ping or a Submit said so): it takes no request, is in no
@@ -337,7 +343,10 @@ class DomainCore:
         """The member's state changed: its view entry is rebuilt when the view is next read (a report drops the
         instance's reservations then; several reports in between cost one rebuild)."""
         if member.load is not None and member.reachable:
-            self._stale.setdefault(member.model, set()).add(member.instance_id)
+            stale = self._stale.get(member.model)
+            if stale is None:
+                stale = self._stale[member.model] = set()
+            stale.add(member.instance_id)
         else:
             self._stale.get(member.model, set()).discard(member.instance_id)
             self._view(member.model).remove(member.instance_id)
@@ -422,6 +431,12 @@ class DomainCore:
             del self._settle[instance_id]
             return False
         return True
+
+    def settled(self) -> bool:
+        """True when no instance is busy with a migration or settling after one (:meth:`is_busy` is False for
+        every instance whatever the reports to come). Conservative: a settle window stays until a rescheduling
+        round (:meth:`plan_rebalance`) finds it over."""
+        return not self._settle and not any(self._busy.values())
 
     def detailed(self, load: InstanceLoad) -> InstanceLoad:
         """``load`` (as :meth:`load` returns it) with its batch listed: itself when it is detailed, else the

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from hilum_config import ConfigError, load_config
 from hilum_config import add_argument as add_config_argument
-from hilum_config import load_config
 
 from .runner import DEFAULTS, SimSpec, check_autoscale, check_prefix_cache
 from .schedulers import POLICY_NAMES
@@ -56,12 +56,14 @@ def register(sub: Any) -> None:
         "The run options go after 'size'.",
     )
     size.add_argument("--target-p99-ttft-ms", type=float, required=True, metavar="MS", help="the P99 TTFT target")
-    _add_run_arguments(size)
+    _add_run_arguments(size, sizing=True)
     size.set_defaults(func=run_size_cli)
 
 
-def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of one comparison (``hilum sim`` and ``hilum sim size``)."""
+def _add_run_arguments(parser: argparse.ArgumentParser, sizing: bool = False) -> None:
+    """The options of one comparison (``hilum sim`` and ``hilum sim size``). With ``sizing``, the options that
+    change the fleet during a run are hidden from the help (``hilum sim size`` refuses them by name)."""
+    fleet = argparse.SUPPRESS if sizing else None
     parser.add_argument("--topology", default=DEFAULTS.topology, help="bundled topology name or YAML file")
     parser.add_argument("--trace", default=DEFAULTS.trace, help="bundled trace name or trace file")
     parser.add_argument(
@@ -89,12 +91,13 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--priority-fraction", type=float, default=0.0, help="share of high-priority requests")
     parser.add_argument("--drain", action="append", default=[], metavar="INSTANCE@S", help="drain at time S")
     parser.add_argument(
-        "--scale-out", action="append", default=[], metavar="INSTANCE@S", help="instance joins at time S"
+        "--scale-out", action="append", default=[], metavar="INSTANCE@S", help=fleet or "instance joins at time S"
     )
     parser.add_argument(
         "--autoscale",
         action="store_true",
-        help="run the autoscaler (the configuration file's autoscale section) on the virtual clock; on too when "
+        help=fleet
+        or "run the autoscaler (the configuration file's autoscale section) on the virtual clock; on too when "
         "that section says enabled: true",
     )
     parser.add_argument(
@@ -102,14 +105,14 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="instances serving from the start, in turn from each domain (default: all)",
+        help=fleet or "instances serving from the start, in turn from each domain (default: all)",
     )
     parser.add_argument(
         "--cold-start-s",
         type=float,
         default=None,
         metavar="S",
-        help="with --autoscale: seconds before a started instance serves (default 60)",
+        help=fleet or "with --autoscale: seconds before a started instance serves (default 60)",
     )
     parser.add_argument("--summary-lag-ms", type=float, default=None, help="domain summary information lag")
     parser.add_argument(
@@ -154,8 +157,10 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         raise ValueError(f"--policy names {', '.join(repeated)} more than once; name each policy once")
     if args.rate_scale is None:
         args.rate_scale = DEFAULTS.rate_scale if args.trace == DEFAULTS.trace else 1.0
-    if args.rate_scale <= 0:
-        raise ValueError(f"--rate-scale must be > 0, got {args.rate_scale}")
+    if not (math.isfinite(args.rate_scale) and args.rate_scale > 0):
+        raise ValueError(f"--rate-scale must be a finite number > 0, got {args.rate_scale:g}")
+    if args.summary_lag_ms is not None and not (math.isfinite(args.summary_lag_ms) and args.summary_lag_ms >= 0):
+        raise ValueError(f"--summary-lag-ms must be a finite number of milliseconds >= 0, got {args.summary_lag_ms:g}")
     if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
         raise ValueError(f"--rate must be a number of requests per second > 0, got {args.rate}")
     if args.arrival_cv is not None and not (math.isfinite(args.arrival_cv) and args.arrival_cv > 0):
@@ -191,7 +196,10 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         options=options,
         config=args.config,
     )
-    config = load_config(args.config)  # fail before any work on a bad configuration file
+    try:  # fail before any work on a bad configuration file
+        config = load_config(args.config)
+    except ConfigError as exc:
+        raise ValueError(exc.for_flag()) from None
     if config.autoscale.enabled and not args.autoscale:  # the file's switch turns it on here too
         base = replace(base, options={**options, "autoscale": True})
     parsed = base.parsed_options()  # fail before any work on bad options
@@ -266,7 +274,10 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def run_size_cli(args: argparse.Namespace) -> int:
-    """``hilum sim size``: per policy, the smallest static fleet meeting the P99 TTFT target (sim/sizing.py)."""
+    """``hilum sim size``: per policy, the smallest static fleet meeting the P99 TTFT target (sim/sizing.py).
+
+    Exit status 0 when every policy met it with some fleet size, 1 when one missed it even with the whole pool
+    (the table says which), 2 on bad options."""
     from rich import box
     from rich.table import Table
 
@@ -285,7 +296,7 @@ def run_size_cli(args: argparse.Namespace) -> int:
     elif args.scale_out:
         refused = "--scale-out cannot be combined with sim size: it sizes static fleets"
     if refused is not None:
-        err.print(f"[red]hilum sim size:[/red] {refused}", highlight=False)
+        err.print(f"[red]hilum sim size: error:[/red] {refused}", highlight=False)
         return 2
     loaded = _load(args, err, "hilum sim size")
     if isinstance(loaded, int):
@@ -293,7 +304,7 @@ def run_size_cli(args: argparse.Namespace) -> int:
     specs, topology, trace, out = loaded
     if specs[0].parsed_options().autoscale:  # not from the command line (refused above): the file's switch
         err.print(
-            "[red]hilum sim size:[/red] the configuration's autoscale.enabled is true: sim size sizes static "
+            "[red]hilum sim size: error:[/red] the configuration's autoscale.enabled is true: sim size sizes static "
             "fleets; use a configuration with it false",
             highlight=False,
         )
@@ -348,6 +359,10 @@ def run_size_cli(args: argparse.Namespace) -> int:
         path = out / "sizing.json"
         path.write_text(json.dumps({"target_p99_ttft_ms": args.target_p99_ttft_ms, "rows": rows}, indent=1))
         err.print(f"sizing: {path}", highlight=False)
+    unmet = [s.policy for s in sizings if s.chosen is None]
+    if unmet:  # a script asking "which fleet meets the target" must not read success here
+        err.print(f"hilum sim size: target not met by {', '.join(unmet)} even with all {pool_size} instances")
+        return 1
     return 0
 
 
@@ -376,10 +391,13 @@ def _load(
             arrival_cv=args.arrival_cv,
         )
     except TopologyError as exc:
-        err.print(f"[red]{command}: invalid topology[/red]\n" + "\n".join(exc.errors), highlight=False)
+        err.print(
+            f"[red]{command}: error: invalid topology (--topology {args.topology})[/red]\n" + "\n".join(exc.errors),
+            highlight=False,
+        )
         return 2
     except (ValueError, OSError) as exc:
-        err.print(f"[red]{command}:[/red] {exc}", highlight=False)
+        err.print(f"[red]{command}: error:[/red] {exc}", highlight=False)
         return 2
     return specs, topology, trace, out
 
@@ -413,13 +431,13 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
         _check_sweep(config.topologies, config.trace, config.policies, config.options)
         out = _output_dir(args.out)
     except (ValueError, OSError, ValidationError) as exc:
-        print(f"hilum sim sweep: {exc}", file=sys.stderr)
+        print(f"hilum sim sweep: error: {exc}", file=sys.stderr)
         return 2
     assert out is not None
     try:
         rows = run_sweep(config, ray_address=args.ray_address, out_dir=out)
     except SweepPointError as exc:
-        print(f"hilum sim sweep: {exc}", file=sys.stderr)
+        print(f"hilum sim sweep: error: {exc}", file=sys.stderr)
         return 1
     console = Console() if sys.stdout.isatty() else Console(width=200)
     console.print(render_sweep_table(rows))

@@ -39,7 +39,7 @@ from .events import EventKind, EventQueue
 from .results import RequestLog, RequestRecord
 from .traces import TraceRequest
 
-__all__ = ["MAX_RUN_STEPS", "Cluster", "EngineLimits", "RequestState", "SimInstance"]
+__all__ = ["MAX_RUN_STEPS", "Cluster", "EngineLimits", "GrowthMark", "RequestState", "SimInstance"]
 
 #: Steps one decode run plans at most (its step times are computed up front; a run is cut by any change).
 MAX_RUN_STEPS = 4096
@@ -121,6 +121,16 @@ class _Run:
     def scheduled_s(self, step: int) -> float:
         """When the step-by-step event for the end of step ``step`` (from 0) would have been scheduled."""
         return self.start_s if step == 0 else self.end_times_s[step - 1]
+
+
+@dataclass(frozen=True, slots=True)
+class GrowthMark:
+    """Where an instance's load stood (``Cluster.growth_mark``): its decode run, its load version less the run's
+    started steps (constant while only the run's steps go on), and the last started step the mark covers."""
+
+    flight: _Run | None  # the decode run in flight then (None: none, the load holds while the version does)
+    base: int  # load version − started steps of that run
+    last_step: int  # the mark holds while at most this many steps of the run have started
 
 
 class SimInstance:
@@ -316,6 +326,10 @@ class Cluster:
 
         A busy instance changes at every engine step (token counts grow, and with them blocks).
         """
+        return self.load_position(inst)[0]
+
+    def load_position(self, inst: SimInstance) -> tuple[int, int]:
+        """(:meth:`load_version`, the steps of the decode run in flight that have started: 0 without one)."""
         draining, warming_up = inst.draining, self.queue.now_s < inst.warm_until_s
         flags = inst._flags
         if draining is not flags[0] or warming_up is not flags[1]:
@@ -323,17 +337,37 @@ class Cluster:
             inst._flag_changes += 1
         version = inst._engine.load_version + inst._flag_changes
         flight = inst._run
-        if flight is not None:  # each step that has started but is not applied yet moves it by one
-            version += self._started_steps(flight) - flight.run.applied
-        return version
+        if flight is None:
+            return version, 0
+        started = self._started_steps(flight)  # each step started but not applied yet moves the version by one
+        return version + started - flight.run.applied, started
 
-    def load(self, inst: SimInstance, *, brief: bool = False, version: int | None = None) -> InstanceLoad:
+    def growth_mark(self, inst: SimInstance, extra_blocks: int, position: tuple[int, int]) -> GrowthMark:
+        """A mark that :meth:`within_growth` holds while ``inst``'s load differs from what :meth:`load` reports
+        now by at most ``extra_blocks`` more KV blocks held, and in nothing else a policy reads (its decode
+        run's steps go on, nothing else changed; the step time aside). ``position``: its :meth:`load_position`
+        now. O(log steps of the run)."""
+        version, started = position
+        flight = inst._run
+        last = 0 if flight is None else inst._engine.decode_run_steps_within(started, extra_blocks)
+        return GrowthMark(flight, version - started, last)
+
+    def within_growth(self, inst: SimInstance, mark: GrowthMark, position: tuple[int, int]) -> bool:
+        """True while ``mark`` (a :meth:`growth_mark` of ``inst``) holds; ``position``: its :meth:`load_position`
+        now."""
+        version, started = position
+        return inst._run is mark.flight and version - started == mark.base and started <= mark.last_step
+
+    def load(
+        self, inst: SimInstance, *, brief: bool = False, version: int | None = None, started: int | None = None
+    ) -> InstanceLoad:
         """The instance's load report, as its llumlet would push it (policy's InstanceLoad), with its most
         recent step time; rebuilt only when :meth:`load_version` moved (a new step is a new version).
 
         ``brief``: the brief report (every figure but the list of running requests, ``InstanceLoad.detailed``
         False while busy), cheap at any batch size; the detailed one of the same version is ``load(inst)``.
-        ``version``: :meth:`load_version` of ``inst``, when the caller just read it (now, nothing changed since).
+        ``version``: :meth:`load_version` of ``inst``, when the caller just read it (now, nothing changed since);
+        ``started`` with it: the started steps of its :meth:`load_position`.
         """
         if version is None:
             version = self.load_version(inst)
@@ -341,7 +375,7 @@ class Cluster:
         if cache is not None and cache[0] == version:
             return cache[1]
         draining, warming_up = inst._flags
-        ahead = self._steps_ahead(inst)
+        ahead = self._steps_ahead(inst, started)
         flight = inst._run  # its latest started step's time, as step-by-step stepping has it now
         step_s = flight.run.durations_s[flight.run.applied + ahead - 1] if flight is not None else inst._last_step_s
         load = inst._engine.instance_load(
@@ -353,14 +387,15 @@ class Cluster:
             inst._load = (version, load)
         return load
 
-    def _steps_ahead(self, inst: SimInstance) -> int:
+    def _steps_ahead(self, inst: SimInstance, started: int | None = None) -> int:
         """Steps of the decode run in flight that have started and are not applied: a reader computes the state
         from the run ahead of them, the engine need not move. The run's last step (requests finish in it) is
-        applied instead, and 0 returned."""
+        applied instead, and 0 returned. ``started``: the run's started steps, when the caller just read them."""
         flight = inst._run
         if flight is None:
             return 0
-        started = self._started_steps(flight)
+        if started is None:
+            started = self._started_steps(flight)
         if started < flight.run.steps:
             return started - flight.run.applied
         self._sync(inst)

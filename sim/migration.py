@@ -17,10 +17,12 @@ Prefix blocks (prefix caching): the destination first adopts the leading prefix 
 its prefix cache already holds (``EngineCore.adopt_prefix``: shared with its cache, never allocated twice,
 never copied) and reserves the rest. The move is priced with the cost model (:func:`topology.cost.plan_migration`,
 with ``prefix_blocks`` = the request's full prompt hash blocks, ``prefix_blocks_on_dst`` = those adopted and
-``prefix_reprefill_s`` = the destination's latency model prefilling the missing ones alone); when its plan is
+``prefix_reprefill_s`` = ``EngineCore.prefill_time_s`` of the destination, its latency model prefilling the
+missing ones alone: the estimate a sim llumlet's Reserve reply carries); when its plan is
 ``"pre-copy+recompute-prefix"`` the missing prefix blocks are not copied either: the destination recomputes
-them while the rest is copied, and the request resumes when both are done (the recomputation is charged as a
-delay only, not to the destination's batch: an approximation).
+them while the rest is copied (``EngineCore.recompute_prefix``, which a sim llumlet destination calls too), and
+the request resumes when both are done (the recomputation is charged as a delay only, not to the destination's
+batch: an approximation, the same in the sim llumlet).
 
 Stage durations come from the same effective bandwidth the cost model uses
 (:func:`topology.cost.effective_bandwidth_bytes_per_s`): the path's bottleneck bandwidth times the
@@ -41,7 +43,13 @@ from types import MappingProxyType
 from typing import Literal
 
 from llumlet.engine.types import MigrationState
-from topology.cost import CostConfig, MigrationCostInput, effective_bandwidth_bytes_per_s, plan_migration
+from topology.cost import (
+    DEFAULT_DECODE_STEP_S,
+    CostConfig,
+    MigrationCostInput,
+    effective_bandwidth_bytes_per_s,
+    plan_migration,
+)
 from topology.graph import PathInfo, TopologyGraph
 
 from .cluster import Cluster, SimInstance
@@ -49,9 +57,6 @@ from .events import EventKind
 from .results import MigrationRecord
 
 __all__ = ["LinkFlows", "MigrationExecutor"]
-
-#: Step time a move is priced with while its source has not stepped yet, seconds (``DomainConfig``'s default).
-DEFAULT_DECODE_STEP_S = 0.03
 
 
 class LinkFlows:
@@ -206,7 +211,6 @@ class MigrationExecutor:
         missing = prefix_blocks - adopted
         if missing <= 0:
             return
-        latency = move.dst.engine.latency_model
         plan = plan_migration(
             MigrationCostInput(
                 kv_tokens=tokens,
@@ -217,14 +221,16 @@ class MigrationExecutor:
                 existing_flows=self.flows.busiest(move.path.links),
                 prefix_blocks=prefix_blocks,
                 prefix_blocks_on_dst=adopted,
-                prefix_reprefill_s=latency.step_time_s([(missing * bs, adopted * bs)], []),
+                prefix_reprefill_s=move.dst.engine.prefill_time_s(missing * bs, adopted * bs),
             ),
             self.cost,
         )
         if plan.mode == "pre-copy+recompute-prefix":
             move.recomputed_blocks = missing
             move.copied_blocks = prefix_blocks
-            move.recompute_done_s = move.start_s + self.cost.setup_overhead_s + plan.recompute_s  # after the set-up
+            # the destination engine charges the re-prefill as a sim llumlet's does (EngineCore.recompute_prefix)
+            recompute_s = move.dst.engine.recompute_prefix(move.reservation_id, (), adopted, missing)
+            move.recompute_done_s = move.start_s + self.cost.setup_overhead_s + recompute_s  # after the set-up
 
     # ------------------------------------------------------------------ stages
     def _block_bytes(self, move: _Move) -> int:

@@ -160,7 +160,9 @@ class SimSpec:
             return SimOptions(**dict(self.options))
         except ValidationError as exc:
             problems = "; ".join(
-                f"{_option_name(e['loc'])}: {e['msg'].removeprefix('Value error, ')}, got {e.get('input')!r}"
+                # a validator's own message names the bad value already
+                f"{_option_name(e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
+                + ("" if e["type"] == "value_error" else f", got {e.get('input')!r}")
                 for e in exc.errors()
             )
             raise ValueError(f"invalid simulation options: {problems}") from None

@@ -29,6 +29,7 @@ summaries published every ``summary_interval_s`` and received ``summary_lag_s`` 
 
 from __future__ import annotations
 
+import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
@@ -38,12 +39,13 @@ from gateway.core import GatewayCore, PlacementAttempt
 from global_coord.approver import MoveJudge, decide
 from policy.dispatch import DispatchDecision, reusable_prefix_hashes
 from policy.domain import DomainSummary, summarize_domain
+from policy.migration import MigrationDecision, source_slack_blocks
 from policy.types import InstanceLoad
 from rack_sched.core import CrossDomainProposal, DomainConfig, DomainCore, DomainRequest
 from topology.bandwidth import BandwidthEstimates, BandwidthSample, MeasuredBandwidthConfig, default_transport
 from topology.graph import TopologyGraph
 
-from .cluster import Cluster
+from .cluster import Cluster, GrowthMark
 from .events import EventKind
 from .migration import MigrationExecutor
 from .results import MigrationRecord
@@ -111,6 +113,7 @@ class _Feed:
     """
 
     brief = True  # False: detailed reports every time (the reference the tests compare against)
+    skip_quiet_rounds = True  # False: every rescheduling round refreshes and plans (the reference of the tests)
 
     def __init__(
         self, domain_id: str, cluster: Cluster, instance_ids: Iterable[str], cfg: DomainConfig, rng: random.Random
@@ -118,7 +121,10 @@ class _Feed:
         self.cluster = cluster
         self.core = DomainCore(domain_id, cfg, rng, details_of=self._details_of)
         self._pool = [cluster.instances[i] for i in instance_ids]  # every instance it may ever hold
-        self._reported: dict[str, int] = {}  # instance -> load version of its last report
+        self._reported: dict[str, int] = {}  # instance -> load version of its last report (or of a deferred one)
+        self._deferred: set[str] = set()  # instances whose report a skipped round deferred to the next refresh
+        self._drained: list[str] = []  # the drains of the last refresh
+        self._quiet: dict[str, GrowthMark] = {}  # instance -> while it holds, the instance is no migration source
 
     def _details_of(self, instance_id: str) -> InstanceLoad:
         return self.cluster.load(self.cluster.instances[instance_id])
@@ -126,8 +132,8 @@ class _Feed:
     def refresh(self) -> None:
         """Hand the core the load of every serving instance that changed since its last report (and the
         drains)."""
-        cluster, core, reported, brief = self.cluster, self.core, self._reported, self.brief
-        load_version, load, report = cluster.load_version, cluster.load, core.report
+        cluster, core, reported, brief, deferred = self.cluster, self.core, self._reported, self.brief, self._deferred
+        load_position, load, report = cluster.load_position, cluster.load, core.report
         drained = []
         for inst in self._pool:
             iid = inst.instance_id
@@ -139,13 +145,67 @@ class _Feed:
             if last is None:
                 core.add_instance(iid, inst.spec.model, cluster.model_of(iid).block_size_tokens)
                 last = reported[iid] = -1
-            version = load_version(inst)
-            if version != last:
-                report(iid, load(inst, brief=brief, version=version), cluster.take_finished(iid))
+            version, started = load_position(inst)
+            if version != last or iid in deferred:
+                report(iid, load(inst, brief=brief, version=version, started=started), cluster.take_finished(iid))
                 reported[iid] = version
             if inst.draining:
                 drained.append(iid)
+        deferred.clear()
+        self._drained = drained
         core.set_drains(drained, False)
+
+    def rebalance(self, now_s: float) -> list[MigrationDecision]:
+        """One rescheduling round: :meth:`refresh`, then the core's ``plan_rebalance``; or, when that round
+        would find no source (``plan_migrations`` then plans nothing and draws nothing), neither.
+
+        No source: no migration of the domain in flight or settling, no drain, no instance joined or left, and
+        every instance within the blocks its last report left it before ``policy.source_slack_blocks`` (less
+        one block, against rounding) makes it a source, as its decode run grows it (``Cluster.growth_mark``).
+        The skipped refresh changes nothing the core decides with: an instance that changed is reported at
+        the next refresh (a dispatch's, a publication's, the next round's; the same state, or a newer one it
+        would have been reported with anyway), and the output lengths its report would have carried are handed
+        to the core now, in the order the refresh would have (the remaining-output estimate keeps its order).
+        """
+        if self.skip_quiet_rounds and self._quiet_round():
+            return []
+        self.refresh()
+        return self.core.plan_rebalance(now_s)
+
+    def _quiet_round(self) -> bool:
+        """True when a rescheduling round now would find no source (see :meth:`rebalance`); then the output
+        lengths of the instances that changed go to the core, and their reports are deferred."""
+        if self._drained or not self.core.settled():
+            return False
+        cluster, quiet, reported = self.cluster, self._quiet, self._reported
+        policy = self.core.cfg.policy
+        changed = []
+        for inst in self._pool:
+            iid = inst.instance_id
+            if not inst.active:
+                if iid in reported:
+                    return False  # it stops: the refresh removes it
+                continue
+            if inst.draining or iid not in reported:
+                return False
+            position = cluster.load_position(inst)
+            mark = quiet.get(iid)
+            if mark is None or not cluster.within_growth(inst, mark, position):
+                # the report the refresh would send now (built once: Cluster.load keeps it for that refresh)
+                version, started = position
+                load = cluster.load(inst, brief=self.brief, version=version, started=started)
+                slack = source_slack_blocks(load, policy)
+                if slack < 1:
+                    return False
+                quiet[iid] = cluster.growth_mark(inst, math.floor(slack) - 1, position)
+            version = position[0]
+            if version != reported[iid]:
+                changed.append((iid, version))
+        for iid, version in changed:  # what the refresh would have reported now
+            self.core.finished(cluster.take_finished(iid))
+            reported[iid] = version
+            self._deferred.add(iid)
+        return True
 
 
 class ClusterScheduler(ABC):
@@ -194,7 +254,7 @@ class ClusterScheduler(ABC):
 
     def _rebalance(self, feed: _Feed) -> None:
         """One rescheduling round of ``feed``'s core; each move goes to the executor."""
-        for move in feed.core.plan_rebalance(self._now()):
+        for move in feed.rebalance(self._now()):
             ids = (move.src_id, move.dst_id)
             self._pending[move.request_id] = (feed.core, ids, None)  # before starting: a move may end at once
             started = self.ctx.executor.start(move.request_id, move.src_id, move.dst_id, move.reason)
@@ -258,7 +318,6 @@ class _Flat(ClusterScheduler):
             self._every(self.ctx.timing.migrate_interval_s, EventKind.TICK, self._rebalance_all)
 
     def _rebalance_all(self) -> None:
-        self.feed.refresh()
         self._rebalance(self.feed)
 
     def dispatch(self, req: TraceRequest) -> DispatchDecision:
@@ -356,7 +415,6 @@ class HilumTwoTier(ClusterScheduler):
     # ---- rescheduling ----------------------------------------------------------------------------
     def _rebalance_domains(self) -> None:
         for feed in self.feeds.values():
-            feed.refresh()
             self._rebalance(feed)
 
     def _cross_domain_round(self) -> None:

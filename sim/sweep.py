@@ -40,6 +40,7 @@ from sim.results import (
     summary_from_dict,
     summary_to_dict,
 )
+from topology.load import parse_yaml, yaml_error_line
 
 __all__ = [
     "SWEEP_FILE_NAME",
@@ -126,9 +127,9 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
     p = Path(path)
     text = p.read_text(encoding="utf-8")
     try:
-        data = yaml.safe_load(text)
+        data = parse_yaml(text)
     except yaml.YAMLError as exc:
-        raise SweepConfigError([f"{p}: (top level): not valid YAML: {exc}"]) from exc
+        raise SweepConfigError([f"{p}: {yaml_error_line(exc)}"]) from exc
     if not isinstance(data, Mapping):
         raise SweepConfigError([f"{p}: (top level): expected a mapping of keys, got {type(data).__name__}"])
     try:

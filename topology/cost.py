@@ -53,6 +53,7 @@ from typing import Literal
 from topology.graph import PathInfo
 
 __all__ = [
+    "DEFAULT_DECODE_STEP_S",
     "BandwidthSource",
     "CostConfig",
     "MigrationCostInput",
@@ -65,6 +66,10 @@ __all__ = [
 ]
 
 PlanMode = Literal["pre-copy", "pre-copy+recompute-prefix", "blocking"]
+
+#: Decode step time a move is priced with while its source has not stepped yet, seconds (``DomainConfig``'s
+#: default); the simulator's executor and a llumlet's source both use it.
+DEFAULT_DECODE_STEP_S = 0.03
 BandwidthSource = Literal["topology", "measured"]
 
 

@@ -11,6 +11,7 @@ The file format and its units are documented in ``docs/topology.md``.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -39,7 +40,9 @@ __all__ = [
     "bundled_path",
     "load_topology",
     "parse_topology",
+    "parse_yaml",
     "tokenizer_errors",
+    "yaml_error_line",
 ]
 
 #: Folder of the example topologies shipped with the package.
@@ -605,7 +608,9 @@ def _known(ids: Mapping[str, Any]) -> str:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """A safe YAML loader that rejects a key repeated in one mapping (PyYAML keeps the last silently)."""
+    """A safe YAML loader that rejects a key repeated in one mapping (PyYAML keeps the last silently) and reads
+    ``1.0e9`` and ``1e-3`` as numbers, as YAML 1.2 does (PyYAML's YAML 1.1 wants a dot and a sign, ``1.0e+9``;
+    without them they were strings)."""
 
 
 def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
@@ -627,6 +632,18 @@ def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) 
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    """The YAML document ``text`` as hilum reads every file it is given (topology, configuration, sweep, API
+    keys): safe, a repeated key refused, ``1e9`` a number. Raises yaml.YAMLError (:func:`yaml_error_line`
+    words it)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)
 
 
 def bundled_path(name: str) -> Path | None:
@@ -670,7 +687,7 @@ def load_topology(path_or_name: str | Path) -> Topology:
     except (OSError, UnicodeDecodeError) as exc:
         raise TopologyError([f"{shown}: (file): cannot read: {exc}"]) from exc
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
+        data = parse_yaml(text)
     except yaml.YAMLError as exc:
         raise TopologyError([f"{shown}: {yaml_error_line(exc)}"]) from exc
     return parse_topology(data, shown, base_dir=path.resolve().parent)

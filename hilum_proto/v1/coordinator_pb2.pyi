@@ -147,6 +147,7 @@ class InstanceBrief(_message.Message):
     DECODE_STEP_S_FIELD_NUMBER: _builtins.int
     MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
     PREFIX_HASHES_FIELD_NUMBER: _builtins.int
+    PREFILL_S_PER_TOKEN_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     capacity_blocks: _builtins.int
     """KV cache capacity, blocks"""
@@ -162,6 +163,8 @@ class InstanceBrief(_message.Message):
     """its most recent step time, seconds (0 = not measured)"""
     max_num_seqs: _builtins.int
     """its batch slots: requests per engine step at most (0 = not known)"""
+    prefill_s_per_token: _builtins.float
+    """its engine's prefill estimate per prompt token, seconds (0 = none)"""
     @_builtins.property
     def prefix_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """prefix hash ids it holds, as its load report carried them (capped)"""
@@ -179,10 +182,11 @@ class InstanceBrief(_message.Message):
         decode_step_s: _builtins.float = ...,
         max_num_seqs: _builtins.int = ...,
         prefix_hashes: _abc.Iterable[_builtins.int] | None = ...,
+        prefill_s_per_token: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "decode_step_s", b"decode_step_s", "draining", b"draining", "free_blocks", b"free_blocks", "instance_id", b"instance_id", "max_num_seqs", b"max_num_seqs", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_hashes", b"prefix_hashes", "virtual_usage", b"virtual_usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "decode_step_s", b"decode_step_s", "draining", b"draining", "free_blocks", b"free_blocks", "instance_id", b"instance_id", "max_num_seqs", b"max_num_seqs", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefill_s_per_token", b"prefill_s_per_token", "prefix_hashes", b"prefix_hashes", "virtual_usage", b"virtual_usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

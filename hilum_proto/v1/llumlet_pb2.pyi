@@ -570,6 +570,7 @@ class LoadReport(_message.Message):
     PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _builtins.int
     PREFIX_QUERY_TOKENS_FIELD_NUMBER: _builtins.int
+    PREFILL_S_PER_TOKEN_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     domain_id: _builtins.str
     total_blocks: _builtins.int
@@ -606,6 +607,8 @@ class LoadReport(_message.Message):
     """prompt tokens served from its prefix cache since its engine started"""
     prefix_query_tokens: _builtins.int
     """prompt tokens looked up in its prefix cache since then"""
+    prefill_s_per_token: _builtins.float
+    """its engine's prefill estimate per prompt token, seconds (what"""
     @_builtins.property
     def running(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunningRequest]: ...
     @_builtins.property
@@ -643,10 +646,11 @@ class LoadReport(_message.Message):
         prefix_block_tokens: _builtins.int = ...,
         prefix_hit_tokens: _builtins.int = ...,
         prefix_query_tokens: _builtins.int = ...,
+        prefill_s_per_token: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "domain_id", b"domain_id", "failure", b"failure", "finished_output_tokens", b"finished_output_tokens", "head_demand_blocks", b"head_demand_blocks", "instance_id", b"instance_id", "max_num_seqs", b"max_num_seqs", "num_migrations_out", b"num_migrations_out", "num_requests", b"num_requests", "num_reservations", b"num_reservations", "num_suspended", b"num_suspended", "num_waiting", b"num_waiting", "preempting", b"preempting", "prefix_block_tokens", b"prefix_block_tokens", "prefix_hashes", b"prefix_hashes", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens", "queued_demand_blocks", b"queued_demand_blocks", "recent_step_s", b"recent_step_s", "reserved_blocks", b"reserved_blocks", "running", b"running", "total_blocks", b"total_blocks", "used_blocks", b"used_blocks", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "domain_id", b"domain_id", "failure", b"failure", "finished_output_tokens", b"finished_output_tokens", "head_demand_blocks", b"head_demand_blocks", "instance_id", b"instance_id", "max_num_seqs", b"max_num_seqs", "num_migrations_out", b"num_migrations_out", "num_requests", b"num_requests", "num_reservations", b"num_reservations", "num_suspended", b"num_suspended", "num_waiting", b"num_waiting", "preempting", b"preempting", "prefill_s_per_token", b"prefill_s_per_token", "prefix_block_tokens", b"prefix_block_tokens", "prefix_hashes", b"prefix_hashes", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens", "queued_demand_blocks", b"queued_demand_blocks", "recent_step_s", b"recent_step_s", "reserved_blocks", b"reserved_blocks", "running", b"running", "total_blocks", b"total_blocks", "used_blocks", b"used_blocks", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -772,6 +776,9 @@ class MigrateOutReply(_message.Message):
     PRESUSPEND_S_FIELD_NUMBER: _builtins.int
     SUSPEND_WAIT_S_FIELD_NUMBER: _builtins.int
     COMMIT_S_FIELD_NUMBER: _builtins.int
+    PLAN_FIELD_NUMBER: _builtins.int
+    RECOMPUTED_BLOCKS_FIELD_NUMBER: _builtins.int
+    RECOMPUTE_S_FIELD_NUMBER: _builtins.int
     outcome: Global___MigrationOutcome.ValueType
     reason: _builtins.str
     transport: _builtins.str
@@ -806,6 +813,14 @@ class MigrateOutReply(_message.Message):
     """suspend asked -> suspended (the engine's step boundary)"""
     commit_s: _builtins.float
     """the Commit round trip (the destination adopts and resumes the request)"""
+    plan: _builtins.str
+    """the cost model's plan carried out: "pre-copy" |"""
+    recomputed_blocks: _builtins.int
+    """"pre-copy+recompute-prefix" (topology.cost.PlanMode) | "stop-and-copy"
+    prefix blocks the destination re-prefilled instead of receiving them
+    """
+    recompute_s: _builtins.float
+    """the destination's estimate of that re-prefill, seconds (0: none)"""
     @_builtins.property
     def stage_reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageReport]: ...
     def __init__(
@@ -829,10 +844,13 @@ class MigrateOutReply(_message.Message):
         presuspend_s: _builtins.float = ...,
         suspend_wait_s: _builtins.float = ...,
         commit_s: _builtins.float = ...,
+        plan: _builtins.str = ...,
+        recomputed_blocks: _builtins.int = ...,
+        recompute_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bandwidth_bytes_per_s", b"bandwidth_bytes_per_s", "blocks", b"blocks", "bytes", b"bytes", "cached_blocks", b"cached_blocks", "commit_s", b"commit_s", "downtime_s", b"downtime_s", "outcome", b"outcome", "precopy_bandwidth_bytes_per_s", b"precopy_bandwidth_bytes_per_s", "presuspend_s", b"presuspend_s", "rate_cap_bytes_per_s", b"rate_cap_bytes_per_s", "reason", b"reason", "reserve_s", b"reserve_s", "setup_s", b"setup_s", "stage_reports", b"stage_reports", "stages", b"stages", "suspend_wait_s", b"suspend_wait_s", "total_s", b"total_s", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bandwidth_bytes_per_s", b"bandwidth_bytes_per_s", "blocks", b"blocks", "bytes", b"bytes", "cached_blocks", b"cached_blocks", "commit_s", b"commit_s", "downtime_s", b"downtime_s", "outcome", b"outcome", "plan", b"plan", "precopy_bandwidth_bytes_per_s", b"precopy_bandwidth_bytes_per_s", "presuspend_s", b"presuspend_s", "rate_cap_bytes_per_s", b"rate_cap_bytes_per_s", "reason", b"reason", "recompute_s", b"recompute_s", "recomputed_blocks", b"recomputed_blocks", "reserve_s", b"reserve_s", "setup_s", b"setup_s", "stage_reports", b"stage_reports", "stages", b"stages", "suspend_wait_s", b"suspend_wait_s", "total_s", b"total_s", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -851,6 +869,8 @@ class ReserveRequest(_message.Message):
     POOL_FIELD_NUMBER: _builtins.int
     PREFIX_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     PREFIX_HASH_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
+    PREFIX_BLOCKS_FIELD_NUMBER: _builtins.int
+    RECOMPUTE_BLOCKS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     attempt: _builtins.int
     src_instance_id: _builtins.str
@@ -865,6 +885,12 @@ class ReserveRequest(_message.Message):
     prefix_hash_block_tokens: _builtins.int
     """its cache by hash ids, the sim engine, uses these)
     tokens one of those covers
+    """
+    prefix_blocks: _builtins.int
+    """first Reserve: leading blocks holding prompt tokens only (what the"""
+    recompute_blocks: _builtins.int
+    """destination could re-prefill); the reply estimates the missing ones
+    a later Reserve: re-prefill the prompt's blocks [num_cached_blocks,
     """
     @_builtins.property
     def prefix_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -886,10 +912,12 @@ class ReserveRequest(_message.Message):
         pool: _builtins.bytes = ...,
         prefix_block_hashes: _abc.Iterable[_builtins.int] | None = ...,
         prefix_hash_block_tokens: _builtins.int = ...,
+        prefix_blocks: _builtins.int = ...,
+        recompute_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "expiry_s", b"expiry_s", "num_blocks", b"num_blocks", "pool", b"pool", "prefix_block_hashes", b"prefix_block_hashes", "prefix_hash_block_tokens", b"prefix_hash_block_tokens", "prefix_token_ids", b"prefix_token_ids", "request_id", b"request_id", "src_instance_id", b"src_instance_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "expiry_s", b"expiry_s", "num_blocks", b"num_blocks", "pool", b"pool", "prefix_block_hashes", b"prefix_block_hashes", "prefix_blocks", b"prefix_blocks", "prefix_hash_block_tokens", b"prefix_hash_block_tokens", "prefix_token_ids", b"prefix_token_ids", "recompute_blocks", b"recompute_blocks", "request_id", b"request_id", "src_instance_id", b"src_instance_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -905,6 +933,7 @@ class ReserveReply(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
     POOL_OPENED_FIELD_NUMBER: _builtins.int
+    PREFIX_REPREFILL_S_FIELD_NUMBER: _builtins.int
     status: Global___DestStatus.ValueType
     reason: _builtins.str
     reservation_id: _builtins.str
@@ -917,6 +946,8 @@ class ReserveReply(_message.Message):
     """cache): the source starts copying after them
     the destination opened the source's pool: peer copies; else inline
     """
+    prefix_reprefill_s: _builtins.float
+    """first Reserve with prefix_blocks: the engine's estimate of"""
     def __init__(
         self,
         *,
@@ -926,12 +957,15 @@ class ReserveReply(_message.Message):
         num_blocks: _builtins.int = ...,
         num_cached_blocks: _builtins.int = ...,
         pool_opened: _builtins.bool = ...,
+        prefix_reprefill_s: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_prefix_reprefill_s", b"_prefix_reprefill_s", "prefix_reprefill_s", b"prefix_reprefill_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "pool_opened", b"pool_opened", "reason", b"reason", "reservation_id", b"reservation_id", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prefix_reprefill_s", b"_prefix_reprefill_s", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "pool_opened", b"pool_opened", "prefix_reprefill_s", b"prefix_reprefill_s", "reason", b"reason", "reservation_id", b"reservation_id", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__prefix_reprefill_s: _TypeAlias = _typing.Literal["prefix_reprefill_s"]  # noqa: Y015
+    _WhichOneofArgType__prefix_reprefill_s: _TypeAlias = _typing.Literal["_prefix_reprefill_s", b"_prefix_reprefill_s"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prefix_reprefill_s) -> _WhichOneofReturnType__prefix_reprefill_s | None: ...
 
 Global___ReserveReply: _TypeAlias = ReserveReply  # noqa: Y015
 

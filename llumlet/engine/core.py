@@ -13,6 +13,7 @@ source ``resume``s. A request that finishes during pre-copy is simply finished o
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 
 from llumlet.engine.blocks import BlockManager
@@ -21,11 +22,13 @@ from llumlet.engine.paged import PagedEngine
 from llumlet.engine.protocol import KVPayload
 from llumlet.engine.scheduler import Admission, RequestStatus, Scheduler, SchedulerRequest, SchedulingPolicy
 from llumlet.engine.types import (
+    PREFILL_RATE_TOKENS,
     EngineLoad,
     EngineRequest,
     MigrationState,
     StepResult,
     instance_load_of,
+    prefill_s_per_token_of,
 )
 from policy.types import InstanceLoad, priority_counts_of, trusted_instance_load
 
@@ -112,6 +115,13 @@ class _RunFigures:
         cumulative = self._new_blocks
         return cumulative[applied + steps_ahead - self._base] - cumulative[applied - self._base]
 
+    def steps_within(self, steps: int, extra_blocks: int) -> int:
+        """The most steps (>= ``steps``, before the last) after which the run took <= ``extra_blocks`` more
+        blocks than after ``steps`` (see ``EngineCore.decode_run_steps_within``)."""
+        cumulative, base = self._new_blocks, self._base  # cumulative[k]: blocks taken by base + k steps
+        limit = cumulative[steps - base] + extra_blocks
+        return base + bisect.bisect_right(cumulative, limit, steps - base) - 1
+
 
 class EngineCore(PagedEngine):
     """A modelled LLM engine instance.
@@ -164,6 +174,8 @@ class EngineCore(PagedEngine):
         self.decode_runs = decode_runs
         self._kv_bytes_per_block = kv_bytes_per_block
         self.latency_model = latency_model
+        # the per-token prefill estimate its load reports carry (the latency model is fixed: computed once)
+        self._prefill_s_per_token = prefill_s_per_token_of(latency_model.step_time_s([(PREFILL_RATE_TOKENS, 0)], []))
         self.blocks = BlockManager(num_blocks, block_size_tokens, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, admission, scheduling)
         self._suspended: dict[str, SchedulerRequest] = {}
@@ -247,6 +259,7 @@ class EngineCore(PagedEngine):
             max_num_seqs=self.scheduler.max_num_seqs,
             prefix_hashes=blocks.prefix_hashes,
             prefix_block_tokens=blocks.prefix_block_tokens,
+            prefill_s_per_token=self._prefill_s_per_token,
         )
 
     def _run_ahead(self, steps_ahead: int) -> DecodeRun:
@@ -291,6 +304,7 @@ class EngineCore(PagedEngine):
             max_num_seqs=self.scheduler.max_num_seqs,
             prefix_hashes=held,
             prefix_block_tokens=blocks.prefix_block_tokens if held else 0,
+            prefill_s_per_token=self._prefill_s_per_token,
         )
 
     def held_blocks(self, steps_ahead: int = 0) -> int:
@@ -301,6 +315,16 @@ class EngineCore(PagedEngine):
         figures = self._figures_of_run()
         held = self.blocks.used_blocks
         return held if figures is None else held + figures.new_blocks(figures.run.applied, steps_ahead)
+
+    def decode_run_steps_within(self, steps: int, extra_blocks: int) -> int:
+        """The most steps of the decode run in progress (counted from its start, as ``DecodeRun.applied``), at
+        least ``steps``, after which the requests hold at most ``extra_blocks`` KV blocks more than after
+        ``steps``; the run's last step (requests finish in it) is never counted unless ``steps`` is it. Nothing
+        else of the state changes over those steps (a change from outside cuts the run). ``steps`` itself
+        without a run with steps left. ``steps``: applied or read ahead (:meth:`instance_load`'s
+        ``steps_ahead``), before the run's last step."""
+        figures = self._figures_of_run()
+        return steps if figures is None else figures.steps_within(steps, extra_blocks)
 
     def _figures_of_run(self) -> _RunFigures | None:
         """The figures of the decode run in progress while it has steps left (None otherwise)."""
@@ -578,6 +602,35 @@ class EngineCore(PagedEngine):
             return 0
         kv_tokens = len(prefix_block_hashes) * prefix_hash_block_tokens
         return self.adopt_prefix(reservation_id, prefix_block_hashes, prefix_hash_block_tokens, kv_tokens)
+
+    def prefill_time_s(self, num_tokens: int, cached_tokens: int) -> float | None:
+        """The latency model's time of one step prefilling ``num_tokens`` after ``cached_tokens`` of context,
+        alone (``LatencyModel.step_time_s``), seconds; 0 for no token. The simulator's migration executor and the
+        sim llumlet's Reserve both price re-prefilling a moved prefix with it."""
+        if num_tokens <= 0:
+            return 0.0
+        return self.latency_model.step_time_s([(num_tokens, cached_tokens)], [])
+
+    def recompute_prefix(
+        self, reservation_id: str, prompt_token_ids: Sequence[int], first_block: int, num_blocks: int
+    ) -> float:
+        """The model engine holds no KV data: the positions need nothing written; returns the modelled time of
+        prefilling them (:meth:`prefill_time_s`), which the caller waits out. It is charged as a delay of the
+        move, not to this engine's batch (an approximation the simulator's executor shares: it calls this too).
+
+        Raises KeyError for an unknown reservation, IndexError past it.
+        """
+        fresh = self.blocks.reservation_size(reservation_id)
+        if fresh is None:
+            raise KeyError(f"{self.instance_id}: recompute_prefix: unknown reservation {reservation_id!r}")
+        size = self.blocks.adopted_blocks(reservation_id) + fresh  # positions: the adopted prefix, then the rest
+        if first_block < 0 or num_blocks < 0 or first_block + num_blocks > size:
+            raise IndexError(
+                f"{self.instance_id}: recompute_prefix: blocks {first_block}..{first_block + num_blocks}"
+                f" exceed reservation {reservation_id!r} of {size} blocks"
+            )
+        bs = self.blocks.block_size_tokens
+        return self.prefill_time_s(num_blocks * bs, first_block * bs) or 0.0
 
     def release_reservation(self, reservation_id: str) -> int:
         """Give a reservation back. Idempotent and safe if never reserved; returns blocks released."""

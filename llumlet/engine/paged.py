@@ -13,7 +13,15 @@ from collections.abc import Sequence
 from llumlet.engine.blocks import BlockManager
 from llumlet.engine.protocol import BlockRun, KVPayload
 from llumlet.engine.scheduler import RequestStatus, Scheduler, SchedulerRequest
-from llumlet.engine.types import EngineLoad, MigrationState, RunningRequestLoad, RunningRow, SamplingParams
+from llumlet.engine.types import (
+    PREFILL_RATE_TOKENS,
+    EngineLoad,
+    MigrationState,
+    RunningRequestLoad,
+    RunningRow,
+    SamplingParams,
+    prefill_s_per_token_of,
+)
 
 __all__ = ["PagedEngine"]
 
@@ -77,6 +85,7 @@ class PagedEngine:
             prefix_block_tokens=self.blocks.prefix_block_tokens,
             prefix_hit_tokens=self.blocks.prefix_hit_tokens_total,
             prefix_query_tokens=self.blocks.prefix_queries_tokens_total,
+            prefill_s_per_token=prefill_s_per_token_of(self.prefill_time_s(PREFILL_RATE_TOKENS, 0)),
         )
 
     def _running_rows(self) -> list[RunningRow]:
@@ -170,6 +179,10 @@ class PagedEngine:
             )
 
         return BlockRun(request_id, first_block, ids, self.kv_bytes_per_block, copy, still_valid)
+
+    def prefill_time_s(self, num_tokens: int, cached_tokens: int) -> float | None:
+        """``Engine.prefill_time_s``: each engine gives its own estimate."""
+        raise NotImplementedError
 
     def _copy_out(self, first_block: int, block_ids: Sequence[int]) -> KVPayload:
         """The data of physical blocks ``block_ids`` (block-table positions from ``first_block``). Called

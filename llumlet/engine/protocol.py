@@ -13,6 +13,8 @@ begin_read(request_id, first, n)
   -> BlockRun; .copy(first, n)     ───▶  write_blocks(reservation_id, first, payload)      (bytes)
 read_blocks(request_id, first, n)  ───▶  (the same, copied under the lock)
 kv_pool(), BlockRun.block_ids      ───▶  write_blocks_from(reservation_id, first, pool, ids) (one host)
+                                         prefill_time_s(num_tokens, cached_tokens) -> float | None
+                                         recompute_prefix(reservation_id, prompt_ids, first, n) -> s
 suspend(request_id) -> MigrationState    commit_incoming(reservation_id, state) -> bool
 resume(request_id)   (on abort)          release_reservation(reservation_id)  (idempotent)
 free_migrated(request_id) (after commit)
@@ -183,6 +185,29 @@ class Engine(Protocol):
         of ``prefix_hash_block_tokens`` tokens: the model engine, whose requests have no content).
 
         Raises KeyError for an unknown reservation.
+        """
+        ...
+
+    def prefill_time_s(self, num_tokens: int, cached_tokens: int) -> float | None:
+        """Estimated seconds to prefill ``num_tokens`` prompt tokens after ``cached_tokens`` whose KV is already in
+        place, alone in one step, on this engine: what re-prefilling a migrated request's missing prefix here
+        would take (``topology.cost.MigrationCostInput.prefix_reprefill_s``). None when this engine cannot
+        re-prefill a migrated prefix (:meth:`recompute_prefix`) or has no estimate yet: then a migration here
+        always copies the prefix.
+        """
+        ...
+
+    def recompute_prefix(
+        self, reservation_id: str, prompt_token_ids: Sequence[int], first_block: int, num_blocks: int
+    ) -> float:
+        """Fill the reservation's positions ``[first_block, first_block + num_blocks)`` by prefilling the prompt's
+        tokens of those blocks here (positions before ``first_block`` already hold the prompt's KV: adopted from
+        the prefix cache or recomputed), instead of receiving them from the source. Returns the seconds of
+        modelled time the recomputation still takes after the call (the model engine, which computes nothing:
+        :meth:`prefill_time_s` of those tokens; an engine that really computed them: 0).
+
+        Raises KeyError for an unknown reservation, IndexError past it, ValueError when the engine cannot
+        recompute (no estimate offered) or ``prompt_token_ids`` does not cover the blocks.
         """
         ...
 

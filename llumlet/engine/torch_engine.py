@@ -22,7 +22,9 @@ Faithfulness rules (docs/engine-model.md, "CPU reference engine"):
   draw (none when greedy). A token is sampled once, at the step that computes the request's last known
   token, so recompute after a preemption never re-samples produced tokens.
 - Migration moves the K/V bytes themselves (``read_blocks`` / ``write_blocks``) and the generator state
-  (``MigrationState.extra``), so a migrated request continues bit-for-bit as if it had stayed.
+  (``MigrationState.extra``), so a migrated request continues bit-for-bit as if it had stayed; or, when the
+  cost model says so, the destination re-prefills the prompt's blocks from their token ids
+  (``recompute_prefix``, estimated by ``prefill_time_s`` from the measured prefill rate).
 
 Import cost: importing this module imports torch and transformers (~3 s); ``llumlet.engine`` does not
 re-export it for that reason.
@@ -290,6 +292,8 @@ class TorchEngine(PagedEngine):
         self._suspended: dict[str, SchedulerRequest] = {}
         self._written: dict[str, set[int]] = {}  # reservation id -> block positions written
         self._last_step_preempted = False
+        self._prefill_tokens = 0  # prompt tokens prefilled so far (steps and recomputed prefixes)
+        self._prefill_s = 0.0  # the compute time they took, seconds (prefill_time_s's measured rate)
         self.stats: dict[str, RequestStats] = {}  # request_id -> counters of requests that left
 
     # ---- sizes ----------------------------------------------------------------------------------
@@ -421,7 +425,10 @@ class TorchEngine(PagedEngine):
                 tokens = state.request.prompt_token_ids or ()
                 ids = [*tokens, *state.output_token_ids][start : start + n]
                 last = start + n == state.num_tokens
+                t0 = self._clock()
                 logits = self._forward(self.blocks.block_table(rid), ids, start, want_logits=last)
+                if start + n <= len(tokens):  # a prefill chunk of prompt tokens: measures the prefill rate
+                    self._count_prefill(n, self._clock() - t0)
                 if logits is not None:
                     logits = logits.cpu()  # sampling on the host with the request's CPU generator, any device
                     produced[rid] = self._sample(rid, logits, tokens, state.output_token_ids)
@@ -597,6 +604,55 @@ class TorchEngine(PagedEngine):
             )
         copy_between(source, src_block_ids, self.kv_pool(), held[first_block:end])
         self._written[reservation_id].update(range(first_block, end))
+
+    def _count_prefill(self, num_tokens: int, seconds: float) -> None:
+        self._prefill_tokens += num_tokens
+        self._prefill_s += seconds
+
+    def prefill_time_s(self, num_tokens: int, cached_tokens: int) -> float | None:
+        """``num_tokens`` x the measured prefill time per token: the compute time of every prompt-token chunk
+        this engine ran so far (prefill chunks of its steps and recomputed prefixes) over their tokens, seconds.
+        A linear estimate (attention's share grows with the context, ``cached_tokens``, which it ignores: on this
+        engine's small models the linear layers dominate). None before the first prefill was measured: no
+        estimate, so a migration here copies the prefix."""
+        if self._prefill_tokens == 0:
+            return None
+        return num_tokens * self._prefill_s / self._prefill_tokens
+
+    def recompute_prefix(
+        self, reservation_id: str, prompt_token_ids: Sequence[int], first_block: int, num_blocks: int
+    ) -> float:
+        """Compute the K/V of the prompt's tokens at positions ``[first_block·bs, (first_block + num_blocks)·bs)``
+        through the model into the reservation's blocks, attending over the positions before them (which must
+        hold the prompt's KV already); the positions count as written. Returns 0 (the time was spent here).
+
+        Raises:
+            KeyError: unknown reservation.
+            IndexError: the blocks exceed the reservation.
+            ValueError: ``prompt_token_ids`` has fewer than ``(first_block + num_blocks)·bs`` tokens, or the
+                positions before ``first_block`` were never written.
+        """
+        where = f"{self.instance_id}: recompute_prefix({reservation_id!r})"
+        held = self.blocks.reservation_blocks(reservation_id)
+        written = self._written.get(reservation_id)
+        if held is None or written is None:
+            raise KeyError(f"{where}: unknown reservation")
+        end = first_block + num_blocks
+        if first_block < 0 or num_blocks < 0 or end > len(held):
+            raise IndexError(f"{where}: blocks {first_block}..{end} exceed the reservation of {len(held)} blocks")
+        bs = self.block_size_tokens
+        if len(prompt_token_ids) < end * bs:
+            raise ValueError(f"{where}: blocks ..{end} need {end * bs} prompt tokens, got {len(prompt_token_ids)}")
+        if not set(range(first_block)) <= written:
+            raise ValueError(f"{where}: positions before block {first_block} hold no KV to attend over")
+        if num_blocks == 0:
+            return 0.0
+        t0 = self._clock()
+        with torch.inference_mode():
+            self._forward(held[:end], prompt_token_ids[first_block * bs : end * bs], first_block * bs, False)
+        self._count_prefill(num_blocks * bs, self._clock() - t0)
+        written.update(range(first_block, end))
+        return 0.0
 
     def commit_incoming(self, reservation_id: str, state: MigrationState) -> bool:
         """Adopt a migrated request with its KV in place and its generator state; it runs from the next step.

@@ -19,6 +19,7 @@ from policy.types import InstanceLoad, priority_counts_of, trusted_instance_load
 __all__ = [
     "GUIDED_KINDS",
     "MAX_TOP_LOGPROBS",
+    "PREFILL_RATE_TOKENS",
     "EngineLoad",
     "EngineRequest",
     "GuidedDecoding",
@@ -30,6 +31,7 @@ __all__ = [
     "StepResult",
     "TokenLogprobs",
     "instance_load_of",
+    "prefill_s_per_token_of",
 ]
 
 
@@ -247,6 +249,7 @@ class EngineLoad:
     prefix_block_tokens: int = 0  # tokens per hash block of those (0 = no prefix cache, or nothing cached yet)
     prefix_hit_tokens: int = 0  # prompt tokens served from its prefix cache since the engine started
     prefix_query_tokens: int = 0  # prompt tokens looked up in it since then (hit rate = hits / queries)
+    prefill_s_per_token: float = 0.0  # its prefill estimate per prompt token, seconds (prefill_s_per_token_of)
 
     @property
     def free_blocks(self) -> int:
@@ -280,7 +283,19 @@ class EngineLoad:
             max_num_seqs=self.max_num_seqs,
             prefix_hashes=self.prefix_hashes,
             prefix_block_tokens=self.prefix_block_tokens,
+            prefill_s_per_token=self.prefill_s_per_token,
         )
+
+
+#: Prompt tokens an engine's per-token prefill estimate is taken over (a mid-size prompt): load reports carry
+#: ``Engine.prefill_time_s(PREFILL_RATE_TOKENS, 0) / PREFILL_RATE_TOKENS``.
+PREFILL_RATE_TOKENS = 1024
+
+
+def prefill_s_per_token_of(prefill_time_s: float | None) -> float:
+    """The per-token prefill estimate a load report carries, from ``Engine.prefill_time_s(PREFILL_RATE_TOKENS,
+    0)``: that over :data:`PREFILL_RATE_TOKENS`, seconds per token; 0 when the engine offers none (None)."""
+    return 0.0 if prefill_time_s is None else prefill_time_s / PREFILL_RATE_TOKENS
 
 
 RunningRow = tuple[str, int, int, int, bool, int, int, int, str, tuple[int, ...]]
@@ -308,6 +323,7 @@ def instance_load_of(
     max_num_seqs: int = 0,
     prefix_hashes: frozenset[int] = frozenset(),
     prefix_block_tokens: int = 0,
+    prefill_s_per_token: float = 0.0,
 ) -> InstanceLoad:
     """An engine's load as the policy layer's ``InstanceLoad`` (the fields as in :class:`EngineLoad`).
 
@@ -343,6 +359,7 @@ def instance_load_of(
         max_num_seqs=max_num_seqs,
         prefix_hashes=prefix_hashes,
         prefix_block_tokens=prefix_block_tokens if prefix_hashes else 0,
+        prefill_s_per_token=prefill_s_per_token,
     )
 
 

@@ -880,6 +880,25 @@ class VllmEngine:
             res.written.update(range(len(cached)))
         return len(cached)
 
+    def prefill_time_s(self, num_tokens: int, cached_tokens: int) -> float | None:
+        """None: this engine offers no re-prefill of a migrated prefix (:meth:`recompute_prefix`), so a migration
+        here always copies it (docs/cost-model.md, "Recomputing the prefix")."""
+        return None
+
+    def recompute_prefix(
+        self, reservation_id: str, prompt_token_ids: Sequence[int], first_block: int, num_blocks: int
+    ) -> float:
+        """Refused: vLLM's scheduler prefills only requests it schedules itself; writing a prefill into a held
+        reservation's blocks outside its step would need a forward pass vLLM does not expose (its model runner
+        owns the attention metadata and the KV layout), so the missing prefix of a moved request is always copied.
+
+        Raises ValueError.
+        """
+        raise ValueError(
+            f"{self.instance_id}: the vLLM engine cannot re-prefill a migrated prefix into a reservation "
+            f"({reservation_id!r}); it offers no prefill estimate, so migrations copy the prefix"
+        )
+
     def grow_reservation(self, reservation_id: str, n_blocks: int) -> bool:
         """Make the reservation hold at least ``n_blocks`` (grow-only); False when the extra blocks don't fit.
 

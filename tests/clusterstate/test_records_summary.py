@@ -24,6 +24,7 @@ def _record() -> SummaryRecord:
             head_demand_blocks=30,
             queued_demand_blocks=50,
             decode_step_s=0.031,
+            prefill_s_per_token=2.5e-5,
         ),
         InstanceLoad("d0-a", 1000, 0, draining=True),
     ]
@@ -36,7 +37,7 @@ def test_every_field_of_the_summary_survives_etcd() -> None:
     assert s.queued_blocks == 20  # the demand behind each head of line: kept (it was dropped before)
     assert (s.model, s.taken_s) == ("llama-2-7b", 12.5)
     assert [b.instance_id for b in s.instances] == ["d0-a", "d0-b"]  # sorted by instance id
-    assert s.instances[1] == InstanceBrief("d0-b", 1000, 700, 330.0, 2, 2, False, 0.031)
+    assert s.instances[1] == InstanceBrief("d0-b", 1000, 700, 330.0, 2, 2, False, 0.031, prefill_s_per_token=2.5e-5)
     assert s.instances[0].draining and s.instances[0].freeness == -math.inf
     raw = encode(record)
     assert decode(SummaryRecord, raw, "k") == record
@@ -50,6 +51,31 @@ def test_infinite_usage_of_a_draining_domain_round_trips() -> None:
     back = decode(SummaryRecord, encode(record), "k")
     assert back.summaries[0].virtual_usage == math.inf and back.summaries[0].freeness == -math.inf
     assert back == record
+
+
+def test_the_prefix_union_is_stored_once_in_the_instances_and_derived_again() -> None:
+    cfg = PolicyConfig()
+    loads = [
+        InstanceLoad("a", 100, 0, prefix_hashes=frozenset({1, 2}), prefix_block_tokens=512),
+        InstanceLoad("b", 100, 0, prefix_hashes=frozenset({2, 3}), prefix_block_tokens=512),
+    ]
+    record = SummaryRecord("d", (summarize_domain("d", loads, cfg, model="m"),))
+    assert record.summaries[0].prefix_hashes == {1, 2, 3}
+    raw = json.loads(encode(record))
+    (stored,) = raw["summaries"]
+    assert "prefix_hashes" not in stored  # derived from the instances' own lists
+    assert [b["prefix_hashes"] for b in stored["instances"]] == [[1, 2], [2, 3]]
+    assert decode(SummaryRecord, encode(record), "k") == record
+    # a summary without instances (a stand-in) keeps its own list; one with instances ignores what is given
+    bare = DomainSummary("e", 1, 100, 0.0, 100.0, 100, 100, 0, 0, False, prefix_hashes=frozenset({7}))
+    assert json.loads(encode(SummaryRecord("e", (bare,))))["summaries"][0]["prefix_hashes"] == [7]
+    assert decode(SummaryRecord, encode(SummaryRecord("e", (bare,))), "k").summaries[0].prefix_hashes == {7}
+    given = DomainSummary(**{**_fields(record.summaries[0]), "prefix_hashes": frozenset({9})})
+    assert given.prefix_hashes == {1, 2, 3}
+
+
+def _fields(summary: DomainSummary) -> dict[str, object]:
+    return {f: getattr(summary, f) for f in DomainSummary.__dataclass_fields__}
 
 
 def test_bad_summaries_are_rejected_naming_the_key_and_field() -> None:

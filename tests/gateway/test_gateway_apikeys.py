@@ -79,7 +79,10 @@ def test_load_api_keys_names_the_file(tmp_path: Path) -> None:
         load_api_keys(tmp_path / "none.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("keys: [\n")
-    with pytest.raises(ValueError, match=f"{bad}: not valid YAML"):
+    with pytest.raises(ValueError, match=f"{bad}: line 2, column 1: YAML syntax error"):
+        load_api_keys(bad)
+    bad.write_text("keys:\n  - {name: a, key: sk-a}\nkeys: []\n")
+    with pytest.raises(ValueError, match="duplicate key 'keys'"):  # never the last one silently
         load_api_keys(bad)
     good = tmp_path / "keys.yaml"
     good.write_text("keys:\n  - {name: a, key: sk-a, priority: high}\n")

@@ -49,6 +49,7 @@ def _judge(
     busiest_link_flows: int,
     measured: float | None = None,
     dst_prefix_hash_blocks: int = 0,
+    dst_prefill_s_per_token: float = 0.0,
 ) -> Judgement:
     if busiest_link_flows >= 1:  # one migration per link
         return Judgement(False, f"link budget full: {busiest_link_flows} on the busiest link")

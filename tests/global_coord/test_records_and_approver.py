@@ -169,7 +169,13 @@ def test_choose_takes_first_approved_and_reports_last_rejection() -> None:
     seen: list[tuple[str, int]] = []
 
     def judge(
-        move: MoveProposal, dst: str, path: _PathInfo, busiest: int, measured: float | None = None, on_dst: int = 0
+        move: MoveProposal,
+        dst: str,
+        path: _PathInfo,
+        busiest: int,
+        measured: float | None = None,
+        on_dst: int = 0,
+        prefill_s_per_token: float = 0.0,
     ) -> Judgement:
         seen.append((dst, busiest))
         if busiest >= 1:
@@ -210,7 +216,13 @@ def test_choose_prices_each_candidate_with_its_paths_measured_rate_looking_up_on
     priced: list[tuple[str, float | None]] = []
 
     def judge(
-        move: MoveProposal, dst: str, path: _PathInfo, busiest: int, measured: float | None = None, on_dst: int = 0
+        move: MoveProposal,
+        dst: str,
+        path: _PathInfo,
+        busiest: int,
+        measured: float | None = None,
+        on_dst: int = 0,
+        prefill_s_per_token: float = 0.0,
     ) -> Judgement:
         priced.append((dst, measured))
         return Judgement(dst == "c0", "ok" if dst == "c0" else "slow")

@@ -11,7 +11,7 @@ from global_coord.approver import Judgement, MoveProposal, decide, measured_rate
 from global_coord.wiring import load_cluster_model
 from policy.domain import DomainSummary, InstanceBrief
 from topology.bandwidth import MeasuredBandwidthConfig
-from topology.cost import CostConfig
+from topology.cost import CostConfig, MigrationCostInput, plan_migration
 
 pytest.importorskip("topology.cost")  # merged from the topology branch
 pytest.importorskip("global_coord.approval")  # written by the lead
@@ -121,18 +121,59 @@ def test_a_destination_holding_the_prefix_is_priced_with_fewer_blocks_to_copy() 
     assert cold.transfer_s == pytest.approx(model.judge(_move(1600, 500), "node-1-i0", path, 0).transfer_s)
     assert warm.transfer_s < cold.transfer_s * 0.45
     # decide tells the judge how many leading hashes each candidate's brief holds (a gap ends the run).
-    held = InstanceBrief("node-1-i0", 1000, 900, 100.0, 1, 0, False, prefix_hashes=frozenset({7, 8, 42}))
+    held = InstanceBrief(
+        "node-1-i0", 1000, 900, 100.0, 1, 0, False, prefix_hashes=frozenset({7, 8, 42}), prefill_s_per_token=1e-4
+    )
     gap = InstanceBrief("node-1-i1", 1000, 900, 100.0, 1, 0, False, prefix_hashes=frozenset({8, 9}))
     summary = DomainSummary("node-1", 2, 2000, 200.0, 900.0, 900, 1000, 2, 0, False, instances=(held, gap))
-    told: dict[str, int] = {}
+    told: dict[str, tuple[int, float]] = {}
 
     def judge(
-        m: MoveProposal, dst: str, p: object, flows: int, rate: float | None = None, on_dst: int = 0
+        m: MoveProposal,
+        dst: str,
+        p: object,
+        flows: int,
+        rate: float | None = None,
+        on_dst: int = 0,
+        prefill_s_per_token: float = 0.0,
     ) -> Judgement:
-        told[dst] = on_dst
+        told[dst] = (on_dst, prefill_s_per_token)
         return Judgement(False, "just looking")
 
     decide(move, "node-0", [summary], model.path_of, judge, {})
-    assert told == {"node-1-i0": 2, "node-1-i1": 0}
+    # each candidate's own brief: its leading hashes held and its prefill estimate (none offered: 0)
+    assert told == {"node-1-i0": (2, 1e-4), "node-1-i1": (0, 0.0)}
     with pytest.raises(ValueError, match="prefix_block_tokens is 0"):
         dataclasses.replace(move, prefix_block_tokens=0)
+
+
+def test_a_destination_offering_a_prefill_estimate_is_priced_with_re_prefilling_the_prefix() -> None:
+    # 1600 tokens, 96 of its 100 blocks the prompt's 3 hash blocks, none cached on the destination. Over a path
+    # measured at 500 MB/s an 8 MiB block takes 16.8 ms: copying everything takes 1.7 s, not worth 2 s of
+    # decoding left by the 2x rule. Re-prefilling the prefix's 1536 tokens at 20 us a token takes 31 ms, less
+    # than the 4 other blocks' copy (67 ms) it runs beside: 84 ms of transfer, approved.
+    model = load_cluster_model("2x8-a100")
+    path = model.path_of("node-0-i0", "node-1-i0")
+    move = dataclasses.replace(_move(1600, 100), prefix_hashes=(7, 8, 9), prefix_block_tokens=512)
+    copy = model.judge(move, "node-1-i0", path, 0, 500e6)
+    recompute = model.judge(move, "node-1-i0", path, 0, 500e6, 0, 2e-5)
+    assert not copy.approved and copy.reason.startswith("not worth it"), copy.reason
+    assert recompute.approved, recompute.reason
+    plan = plan_migration(
+        MigrationCostInput(
+            kv_tokens=1600,
+            kv_bytes_per_token=524288,  # Llama-2-7B fp16: 2 x 32 layers x 32 heads x 128 x 2 bytes
+            block_size_tokens=16,
+            decode_step_s=0.02,
+            path_bandwidth_bytes_per_s=path.bandwidth_bytes_per_s,
+            measured_bandwidth_bytes_per_s=500e6,
+            prefix_blocks=96,
+            prefix_reprefill_s=1536 * 2e-5,
+        )
+    )
+    assert plan.mode == "pre-copy+recompute-prefix" and plan.recomputed_prefix_blocks == 96
+    assert recompute.transfer_s == pytest.approx(plan.transfer_s)
+    assert recompute.downtime_s == pytest.approx(plan.downtime_s)
+    assert recompute.transfer_s == pytest.approx(5 * 8388608 / 500e6)  # the 4 blocks after the prefix, then 1
+    # a destination whose report offers no estimate (vLLM: 0) is priced with the copy only
+    assert model.judge(move, "node-1-i0", path, 0, 500e6, 0, 0.0) == copy

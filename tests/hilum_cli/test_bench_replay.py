@@ -167,8 +167,8 @@ def test_every_option_and_path_is_checked_before_the_first_request(tmp_path: Pat
         ({"compare_sim": str(tmp_path / "nosuch.yaml")}, "--compare-sim: ", "nosuch.yaml: (file): file not found"),
         ({"compare_sim": str(other_model)}, f"--compare-sim {other_model}: its instances run llama-2-7b, not m", ""),
         ({"out": str(a_file / "results")}, f"--out {a_file / 'results'}: cannot write there", ""),
-        ({"compare_sim": str(served), "config": str(bad_config)}, f"--config: {bad_config}: policy", ""),
-        ({"config": str(bad_config)}, f"--config: {bad_config}: policy", ""),  # without --compare-sim too
+        ({"compare_sim": str(served), "config": str(bad_config)}, f"--config {bad_config}: policy", ""),
+        ({"config": str(bad_config)}, f"--config {bad_config}: policy", ""),  # without --compare-sim too
         ({"trace": str(tmp_path / "nosuch.csv")}, f"--trace {tmp_path / 'nosuch.csv'}: ", ""),
         ({"rate_scale": 0.0}, "--rate-scale: must be a number > 0, got 0", ""),
         ({"timeout": float("nan")}, "--timeout: must be a number > 0, got nan", ""),

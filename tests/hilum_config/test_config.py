@@ -68,11 +68,33 @@ def test_errors_name_the_file_and_the_key_all_at_once(tmp_path: Path) -> None:
         "measured_bandwidth, autoscale, prefix_cache)",
         f"{bad}: policy.no_such_key: Extra inputs are not permitted",
         f"{bad}: cost.cap_fraction: Input should be a valid number",
-        f"{bad}: approval: downtime_budget_s must be > 0, got -1.0",
-        f"{bad}: intervals: cross_interval_s must be > 0, got 0.0",
+        f"{bad}: approval.downtime_budget_s: must be > 0, got -1.0",
+        f"{bad}: intervals.cross_interval_s: must be > 0, got 0.0",
     ]
-    with pytest.raises(ConfigError, match=r"policy: PolicyConfig.tie_tolerance: must be in \[0, 1\), got 2.0"):
+    with pytest.raises(ConfigError, match=r"policy.tie_tolerance: must be in \[0, 1\), got 2.0"):
         parse_config({"policy": {"tie_tolerance": 2.0}}, "f")
+
+
+def test_every_refused_value_of_a_section_is_listed_by_key_and_exponents_are_numbers(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "policy: {tie_tolerance: 1.0e9, prefix_affinity_margin: 3}\n"
+        "cost: {cap_fraction: 2.0, setup_overhead_s: -1e-3}\n"
+        "intervals: {cross_interval_s: 2e-1}\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    assert err.value.errors == [
+        f"{bad}: policy.tie_tolerance: must be in [0, 1), got 1000000000.0",
+        f"{bad}: policy.prefix_affinity_margin: must be in [0, 1), got 3.0",
+        f"{bad}: cost.cap_fraction: must be in (0, 1], got 2.0",
+        f"{bad}: cost.setup_overhead_s: must be a finite number >= 0, got -0.001",
+    ]
+    bad.write_text("intervals: {cross_interval_s: 2e-1}\ncost: {}\ncost: {cap_fraction: 0.5}\n")
+    with pytest.raises(ConfigError, match="line 3, column 1: YAML syntax error: duplicate key 'cost'"):
+        load_config(bad)
+    bad.write_text("intervals: {cross_interval_s: 2e-1}\n")
+    assert load_config(bad).intervals.cross_interval_s == 0.2
     with pytest.raises(ConfigError, match="cannot read the configuration file"):
         load_config(tmp_path / "missing.yaml")
     with pytest.raises(ConfigError, match="expected a mapping of sections"):
@@ -90,7 +112,7 @@ def test_the_fixed_overheads_of_a_move_are_read_and_checked_by_name(tmp_path: Pa
     assert err.value.errors == [f"{bad}: cost.setup_overhead_s: Input should be a valid number"]
     with pytest.raises(ConfigError) as err:
         parse_config({"cost": {"stage_overhead_s": -0.01}}, "f")
-    assert err.value.errors == ["f: cost: stage_overhead_s must be a finite number >= 0, got -0.01"]
+    assert err.value.errors == ["f: cost.stage_overhead_s: must be a finite number >= 0, got -0.01"]
 
 
 def test_the_environment_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -175,7 +197,7 @@ def test_the_autoscale_section_builds_the_rule_and_the_hook(tmp_path: Path) -> N
         parse_config({"autoscale": {"min_instances": 0, "command_attempts": 0}}, "f.yaml")
     assert err.value.errors == [
         "f.yaml: autoscale: AutoscaleConfig: min_instances must be >= 1, got 0",
-        "f.yaml: autoscale: command_attempts must be >= 1, got 0",
+        "f.yaml: autoscale.command_attempts: must be >= 1, got 0",
     ]
 
 
@@ -186,5 +208,5 @@ def test_prefix_cache_section_builds_its_config_and_names_bad_values() -> None:
         32,
         64,
     )
-    with pytest.raises(ConfigError, match=r"f: prefix_cache: blocks_per_hash must be an int >= 1, got 0"):
+    with pytest.raises(ConfigError, match=r"f: prefix_cache.blocks_per_hash: must be an int >= 1, got 0"):
         parse_config({"prefix_cache": {"blocks_per_hash": 0}}, "f")

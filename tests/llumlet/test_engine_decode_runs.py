@@ -252,6 +252,27 @@ def test_a_brief_load_of_a_run_is_the_detailed_one_as_counts() -> None:
     assert e.instance_load("i0", "d0", brief=True).num_running == 2
 
 
+def test_the_steps_within_some_blocks_are_those_whose_load_holds_at_most_that_many_more() -> None:
+    """``decode_run_steps_within(steps, extra)``: the last step of the run (before the finishing one) whose
+    brief load holds at most ``extra`` blocks more than after ``steps``, checked against the loads themselves."""
+    e = make(True, False, "whole-prompt", 40)
+    for i in range(3):
+        e.add_request(EngineRequest(f"r{i}", prompt_tokens=3 + 5 * i, max_tokens=30 + i))
+    e.step()
+    run = e.start_decode_run(100)
+    assert run is not None and run.steps > 16
+    base = run.applied
+    used = [e.instance_load("i0", "d0", steps_ahead=k, brief=True).used_blocks for k in range(run.steps - base)]
+    for start in range(base, run.steps - 1, 3):
+        for extra in range(4):
+            want = max(k for k in range(len(used)) if used[k] <= used[start - base] + extra and k >= start - base)
+            assert e.decode_run_steps_within(start, extra) == base + want, (start, extra)
+    assert e.decode_run_steps_within(base, 0) < run.steps - 1  # the batch does take blocks in the run
+    assert e.decode_run_steps_within(base, 100) == run.steps - 1  # never the last step
+    e.advance_decode_run(run.steps)
+    assert e.decode_run_steps_within(run.steps, 0) == run.steps  # no run with steps left: the steps given
+
+
 def test_load_version_moves_exactly_when_the_load_changes() -> None:
     e = make(True, True, "chunked", 30)
     seen = [(e.load_version, e.load())]

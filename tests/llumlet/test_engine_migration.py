@@ -150,3 +150,23 @@ def test_to_instance_load(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [(r.request_id, r.blocks, r.priority, r.num_tokens, r.migratable) for r in il.running] == [
         ("r", 3, 2, 10, True)
     ]
+
+
+def test_the_model_engine_prices_a_re_prefill_with_its_latency_model_and_writes_nothing() -> None:
+    from llumlet.engine.latency import load_latency_model
+
+    latency = load_latency_model("llama-2-7b", "a100", 1)
+    dst = EngineCore("B", num_blocks=50, block_size_tokens=4, latency_model=latency)
+    assert dst.prefill_time_s(0, 8) == 0.0
+    assert dst.prefill_time_s(12, 8) == latency.step_time_s([(12, 8)], [])
+    assert dst.load().prefill_s_per_token == pytest.approx(latency.step_time_s([(1024, 0)], []) / 1024)
+    assert dst.instance_load("B", "d").prefill_s_per_token == dst.load().prefill_s_per_token
+    assert dst.reserve("m1", 6)
+    # blocks 2..4 after 2 adopted ones: the modelled time of prefilling their 12 tokens after 8, for the caller
+    # (a sim llumlet, the simulator's executor) to wait out
+    assert dst.recompute_prefix("m1", (), 2, 3) == latency.step_time_s([(12, 8)], [])
+    with pytest.raises(IndexError, match="exceed reservation 'm1' of 6 blocks"):
+        dst.recompute_prefix("m1", (), 4, 3)
+    with pytest.raises(KeyError, match="unknown reservation 'nope'"):
+        dst.recompute_prefix("nope", (), 0, 1)
+    assert dst.load().reserved_blocks == 6  # nothing allocated or written

@@ -427,11 +427,13 @@ def test_a_timing_line_reads_back_and_a_bad_one_is_named() -> None:
         presuspend_s=0.008,
         suspend_wait_s=0.0006,
         commit_s=0.0122,
+        plan="pre-copy+recompute-prefix",
+        recomputed_blocks=4,
     )
     line = rep.timing_line()
     assert line == (
         "timing_ms setup=2.000 reserve=3.900 stages=21.500 presuspend=8.000 suspend_wait=0.600 last=6.000 "
-        "commit=12.200 downtime=16.700 total=90.000 blocks=19,1"
+        "commit=12.200 downtime=16.700 total=90.000 blocks=19,1 plan=pre-copy+recompute-prefix recomputed=4"
     )
     got = parse_timing_line(f"2026-12-01 llumlet.migration_out INFO a: migrate r@1 -> x:1: committed  (..) {line}")
     assert got is not None
@@ -439,8 +441,10 @@ def test_a_timing_line_reads_back_and_a_bad_one_is_named() -> None:
     assert got.stage_s == pytest.approx((0.0215,))
     assert (got.suspend_wait_s, got.last_s, got.commit_s) == pytest.approx((0.0006, 0.006, 0.0122))
     assert (got.downtime_s, got.total_s, got.blocks) == (pytest.approx(0.0167), pytest.approx(0.09), (19, 1))
+    assert (got.plan, got.recomputed_blocks) == ("pre-copy+recompute-prefix", 4)
     none = MigrationReport(MigrationOutcome.REFUSED).timing_line()
-    assert "stages=- " in none and none.endswith("blocks=-")
+    assert "stages=- " in none and none.endswith("blocks=- plan=- recomputed=0")
+    assert parse_timing_line(none).plan == ""  # type: ignore[union-attr]
     assert parse_timing_line(none) is not None and parse_timing_line(none).stage_s == ()  # type: ignore[union-attr]
     assert parse_timing_line("a: migrate r@1 -> x:1: refused") is None
     with pytest.raises(ValueError, match=r"bad timing_ms line .*'commit'"):

@@ -25,9 +25,10 @@ pytestmark = pytest.mark.slow
 PARAMS = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
 
 
-async def _pair(
+async def torch_pair(
     body: Callable[[TokenCollector, RunningLlumlet, RunningLlumlet], Awaitable[None]],
 ) -> None:
+    """Run ``body`` with a token collector and torch llumlets ``a``, ``b`` (in-process, real gRPC), stopped after."""
     torch.set_num_threads(1)
     col = TokenCollector()
     await col.start()
@@ -68,7 +69,7 @@ def test_blocks_move_by_peer_copy_from_the_sources_pool() -> None:
         assert rep.precopy_bandwidth_bytes_per_s > 0
         assert rep.cached_blocks == 0  # the torch engine matches no content: every block is sent
 
-    asyncio.run(_pair(body))
+    asyncio.run(torch_pair(body))
 
 
 def test_a_pool_the_destination_cannot_open_falls_back_to_inline_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -81,4 +82,4 @@ def test_a_pool_the_destination_cannot_open_falls_back_to_inline_bytes(monkeypat
         rep = await _move(col, a, b, "r2")
         assert rep.transport == "local-inline"
 
-    asyncio.run(_pair(body))
+    asyncio.run(torch_pair(body))

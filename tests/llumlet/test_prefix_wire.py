@@ -42,6 +42,7 @@ def _load(**more: object) -> EngineLoad:
         prefix_block_tokens=64,
         prefix_hit_tokens=640,
         prefix_query_tokens=1000,
+        prefill_s_per_token=2.5e-5,
     )
     values.update(more)
     return EngineLoad(**values)  # type: ignore[arg-type]
@@ -59,11 +60,16 @@ def test_the_domain_scheduler_sees_the_held_hashes_and_each_requests_prefix() ->
     inst = rack_load_from_pb(load_to_pb(_load(), "i", "d"), "i", "d")
     assert inst.prefix_hashes == HELD and inst.prefix_block_tokens == 64
     assert [r.prefix_hashes for r in inst.running] == [(33, 44), ()]
+    assert inst.prefill_s_per_token == 2.5e-5  # the engine's prefill estimate reaches the rule book's load
     none = rack_load_from_pb(load_to_pb(_load(prefix_hashes=frozenset(), prefix_block_tokens=0), "i", "d"), "i", "d")
     assert none.prefix_hashes == frozenset() and none.prefix_block_tokens == 0
     bad = load_to_pb(_load(), "i", "d")
     bad.prefix_block_tokens = 0
     with pytest.raises(ValueError, match="load report of i: 5 prefix_hashes but prefix_block_tokens is 0"):
+        rack_load_from_pb(bad, "i", "d")
+    bad = load_to_pb(_load(), "i", "d")
+    bad.prefill_s_per_token = float("nan")
+    with pytest.raises(ValueError, match="load report of i: prefill_s_per_token must be a finite number >= 0"):
         rack_load_from_pb(bad, "i", "d")
 
 
@@ -89,6 +95,7 @@ def test_domain_summaries_carry_each_instances_hashes_through_the_coordinator_ap
     assert s.prefix_hashes == HELD | {99}
     back = summary_from_pb(summary(s))
     assert back == s and [b.prefix_hashes for b in back.instances] == [HELD, frozenset({99})]
+    assert [b.prefill_s_per_token for b in back.instances] == [2.5e-5, 2.5e-5]  # the engines' prefill estimates
     bare = DomainSummary("e", 0, 0, 0.0, 0.0, 0, 0, 0, 0, False, prefix_hashes=frozenset({7}))
     assert summary_from_pb(summary(bare)).prefix_hashes == frozenset({7})  # no instances: as published
 

@@ -445,3 +445,41 @@ def test_add_request_validates_token_ids_and_sizes() -> None:
     engine.add_request(request("r", prompt_ids(1, 10), 7))
     with pytest.raises(ValueError, match="already in this engine"):
         engine.add_request(request("r", prompt_ids(1, 10), 7))
+
+
+def test_recomputed_prefix_blocks_hold_the_sources_kv_and_give_the_unmigrated_stream() -> None:
+    # 13 prompt tokens, blocks of 4: blocks 0-2 hold prompt tokens only. The destination re-prefills them from the
+    # prompt's ids instead of receiving them; the rest is copied. The KV matches the source's, the stream too.
+    target = request("m", prompt_ids(77, 13), 24)
+    expected = run_alone(target)
+    src, dst = make_engine("src"), make_engine("dst")
+    assert dst.prefill_time_s(64, 0) is None  # nothing prefilled yet: no estimate, a migration here copies
+    src.add_request(target)
+    streams = Streams()
+    for _ in range(3):
+        streams.add(src.step())
+    _, blocks = src.request_kv("m") or (0, 0)
+    assert dst.reserve("m#1", blocks + 2)
+    with pytest.raises(ValueError, match="need 16 prompt tokens, got 13"):
+        dst.recompute_prefix("m#1", prompt_ids(77, 13), 0, 4)
+    with pytest.raises(ValueError, match="positions before block 1 hold no KV"):
+        dst.recompute_prefix("m#1", prompt_ids(77, 13), 1, 2)
+    with pytest.raises(IndexError, match="exceed the reservation"):
+        dst.recompute_prefix("m#1", prompt_ids(77, 13), 0, blocks + 3)
+    with pytest.raises(KeyError, match="unknown reservation"):
+        dst.recompute_prefix("nope", prompt_ids(77, 13), 0, 1)
+    assert dst.recompute_prefix("m#1", prompt_ids(77, 13), 0, 3) == 0.0  # computed here: nothing left to wait
+    held = dst.blocks.reservation_blocks("m#1") or ()
+    source = src.kv_cache[:, :, list(src.blocks.block_table("m")[:3])]
+    assert torch.allclose(dst.kv_cache[:, :, list(held[:3])], source, atol=1e-5)
+    estimate = dst.prefill_time_s(120, 0)
+    assert estimate is not None and estimate > 0  # measured on that re-prefill: 120 tokens at its rate
+    assert dst.prefill_time_s(240, 0) == pytest.approx(2 * estimate)
+    assert dst.load().prefill_s_per_token == pytest.approx(estimate / 120)
+    state = src.suspend("m")
+    assert state is not None
+    dst.write_blocks("m#1", src.read_blocks("m", 3, blocks - 3))
+    assert dst.commit_incoming("m#1", state)
+    assert src.free_migrated("m") == blocks
+    streams.drain(dst)
+    assert streams.tokens["m"] == expected

@@ -405,6 +405,16 @@ def test_a_reservation_grows_while_there_is_room(make: MakeEngine) -> None:
     assert_baseline(engine)
 
 
+def test_vllm_offers_no_re_prefill_of_a_moved_prefix(make: MakeEngine) -> None:
+    engine = make("b", 8)
+    assert engine.prefill_time_s(64, 0) is None and engine.load().prefill_s_per_token == 0.0  # moves copy it
+    assert engine.reserve("x", 2)
+    with pytest.raises(ValueError, match="cannot re-prefill a migrated prefix"):
+        engine.recompute_prefix("x", list(range(32)), 0, 2)
+    assert engine.release_reservation("x") == 2
+    assert_baseline(engine)
+
+
 def test_write_blocks_bounds(make: MakeEngine) -> None:
     src, dst = make("a", 16), make("c", 16)
     src.add_request(req("r", 80, 5))

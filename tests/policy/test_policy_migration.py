@@ -19,6 +19,8 @@ from policy import (
     potential,
     summarize_domain,
 )
+from policy.migration import source_slack_blocks
+from policy.usage import freeness
 
 
 def plan(*loads: InstanceLoad, cfg: PolicyConfig = CFG, seed: int = 0, **kw: int) -> list[MigrationDecision]:
@@ -266,3 +268,26 @@ def test_a_slot_starved_destination_slot_full_everywhere_plans_nothing() -> None
 def test_max_num_seqs_is_checked() -> None:
     with pytest.raises(ValueError, match="max_num_seqs must be >= 0, got -1"):
         InstanceLoad("a", 10, 0, max_num_seqs=-1)
+
+
+@pytest.mark.parametrize(
+    ("load", "slack"),
+    [
+        (inst("a", 100, [10, 10]), 100 - 20 - 3 * 2),  # M − ΣV − thr·B = 74
+        (inst("a", 100, [10], priorities=[1]), 100 - 30 - 3),  # headroom 20 counts
+        (inst("a", 100, [], num_waiting=1, head_demand_blocks=30, queued_demand_blocks=30), 100 - 30 - 3),
+        (inst("a", 100, [], warming_up=True), 100 + 50 - 3),
+        (inst("a", 100, [40, 40]), 100 - 80 - 6),  # F = 10 >= 3: still 14 blocks to go
+        (inst("a", 100, [50, 49]), 100 - 99 - 6),  # a source now: negative
+        (inst("a", 100, [10], draining=True), -math.inf),
+        (inst("a", 100, [10], preempting=True), -math.inf),
+        (inst("a", 100, [9, 9], max_num_seqs=2, num_waiting=1, head_demand_blocks=1), -math.inf),  # slots
+    ],
+)
+def test_source_slack_is_the_blocks_an_instance_takes_before_it_is_a_source(load: InstanceLoad, slack: float) -> None:
+    assert source_slack_blocks(load, CFG) == slack
+    if math.isfinite(slack):  # u <= slack more blocks: no source; one more: a source (plan_migrations' own rule)
+        for u, is_source in ((math.floor(slack), False), (math.floor(slack) + 1, True)):
+            if 0 <= load.used_blocks + u <= load.capacity_blocks:
+                grown = replace(load, used_blocks=load.used_blocks + u)
+                assert (freeness(grown, CFG) < CFG.migrate_out_freeness_below) is is_source, u

@@ -90,6 +90,31 @@ def test_busy_instances_take_no_second_move_until_they_report_or_settle() -> Non
     assert c.migrations_in_flight == 1
 
 
+def test_settled_while_no_move_is_in_flight_or_settling() -> None:
+    c = core(DomainConfig(settle_s=0.2), a="m", b="m")
+    c.report("a", load("a", 100, 24, 24, 24, 24))
+    c.report("b", load("b", 100))
+    assert c.settled()
+    (move,) = c.plan_rebalance(now_s=0.0)
+    assert not c.settled()  # in flight
+    c.migration_done((move.src_id, move.dst_id), now_s=0.05)
+    assert not c.settled()  # settling
+    c.report("a", load("a", 100, 24, 24, 24))  # the move's effect reported: F = 28 / 3, no source
+    c.report("b", load("b", 100, 24))
+    assert not c.settled()  # until a round sees the reports
+    assert c.plan_rebalance(now_s=0.1) == []
+    assert c.settled()
+
+
+def test_finished_lengths_teach_the_estimate_as_a_report_carrying_them() -> None:
+    cfg = DomainConfig(remaining=RemainingConfig(min_samples=2))
+    by_report, alone = core(cfg, a="m"), core(cfg, a="m")
+    by_report.report("a", load("a", 1000, 300), finished_output_tokens=[110, 150, 5])
+    alone.finished([110, 150, 5])
+    alone.report("a", load("a", 1000, 300))
+    assert by_report.remaining.estimate(10, 500) == alone.remaining.estimate(10, 500) == 120
+
+
 def _summary(domain_id: str, free: int) -> DomainSummary:
     return DomainSummary(domain_id, 1, 1000, 1000.0 - free, float(free), free, 1000, 1, 0, False, model="m")
 

@@ -40,6 +40,7 @@ def _judge(
     busiest_link_flows: int,
     measured: float | None = None,
     dst_prefix_hash_blocks: int = 0,
+    dst_prefill_s_per_token: float = 0.0,
 ) -> Judgement:
     return Judgement(True, "approved: test judge", 0.1, 0.005)
 

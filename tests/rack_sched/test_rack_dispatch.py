@@ -164,6 +164,7 @@ def test_summary_is_published_at_the_rate_limit(etcd: Any, prefix: str) -> None:
                     "decode_step_s": 0.0,
                     "max_num_seqs": 0,
                     "prefix_hashes": [],  # the fakes hold no prefix cache
+                    "prefill_s_per_token": 0.0,  # nor offer a prefill estimate
                 }
                 assert summary["instances"] == [
                     {**brief, "instance_id": "a", "num_running": 50, "free_blocks": 950, "virtual_usage": 50.0},

@@ -134,7 +134,19 @@ class _Cluster:
         self._version += 1
         return self._version
 
-    def load(self, inst: _Inst, *, brief: bool = False, version: int | None = None) -> InstanceLoad:
+    def load_position(self, inst: _Inst) -> tuple[int, int]:
+        return self.load_version(inst), 0
+
+    def growth_mark(self, inst: _Inst, extra_blocks: int, position: tuple[int, int]) -> None:
+        return None
+
+    def within_growth(self, inst: _Inst, mark: None, position: tuple[int, int]) -> bool:
+        """Never: the scripted loads may change between any two rounds, so every round refreshes and plans."""
+        return False
+
+    def load(
+        self, inst: _Inst, *, brief: bool = False, version: int | None = None, started: int | None = None
+    ) -> InstanceLoad:
         load = self.loads[inst.instance_id].to_instance_load(inst.instance_id, inst.domain_id, decode_step_s=STEP_S)
         if not brief:
             return load

@@ -20,6 +20,7 @@ from sim_factories import make_trace, tiny_topology
 
 from llumlet.engine.blocks import BlockManager, PrefixMatch
 from llumlet.engine.latency import load_latency_model
+from rack_sched.core import DomainCore
 from sim.cluster import Cluster, EngineLimits
 from sim.events import EventKind, EventQueue
 from sim.results import SimRun, summarize
@@ -197,3 +198,39 @@ def test_brief_load_reports_decide_as_detailed_ones(spec: SimSpec, monkeypatch: 
     assert_same(fast, ref)
     s = summarize(fast)
     assert s.migrations_intra_domain + s.migrations_cross_domain > 0 or spec.policy == "least-loaded"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dataclasses.replace(AZURE, policy="hilum", options={"priority_fraction": 0.2}),
+        dataclasses.replace(AZURE, options={"drain": ("node-0-i3@10",), "scale_out": ("node-1-i7@5",)}),
+        MOONCAKE,
+    ],
+    ids=["hilum-priorities", "llumnix-drain-scale-out", "hilum-mooncake-prefix"],
+)
+def test_rescheduling_rounds_skipped_for_want_of_a_source_decide_as_planned_ones(
+    spec: SimSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round that ``_Feed.rebalance`` skips (no instance can be a source as its decode run grows it; neither
+    refresh nor plan) leaves every decision as a refreshed and planned round: the runs are equal record for
+    record, and rounds were skipped."""
+    import sim.schedulers
+
+    planned = [0]
+    plan = DomainCore.plan_rebalance
+
+    def counting(self: DomainCore, now_s: float) -> Any:
+        planned[0] += 1
+        return plan(self, now_s)
+
+    monkeypatch.setattr(DomainCore, "plan_rebalance", counting)
+    fast = run_simulation(spec)
+    skipping = planned[0]
+    monkeypatch.setattr(sim.schedulers._Feed, "skip_quiet_rounds", False)
+    planned[0] = 0
+    ref = run_simulation(spec)
+    assert skipping < planned[0]  # some rounds found no source, and were skipped
+    assert_same(fast, ref)
+    s = summarize(fast)
+    assert s.migrations_intra_domain > 0 and s.preemptions > 0

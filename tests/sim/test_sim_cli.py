@@ -82,11 +82,15 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
     ("argv", "message"),
     [
         (["--policy", "fifo"], "unknown policy fifo"),
-        (["--rate-scale", "0"], "--rate-scale must be > 0"),
+        (["--rate-scale", "0"], "hilum sim: error: --rate-scale must be a finite number > 0, got 0"),
+        (["--rate-scale", "inf"], "--rate-scale must be a finite number > 0, got inf"),
+        (["--summary-lag-ms", "-1"], "--summary-lag-ms must be a finite number of milliseconds >= 0, got -1"),
+        (["--config", "/no/such.yaml"], "--config /no/such.yaml: cannot read the configuration file"),
+        (["--topology", "/no/such.yaml"], "invalid topology (--topology /no/such.yaml)"),
         (["--max-requests", "0"], "--max-requests must be >= 1"),
         (["--trace", "no-such-trace"], "no-such-trace"),
         (["--topology", "no-such-topology"], "no-such-topology"),
-        (["--drain", "node-0-i0"], "expected INSTANCE@SECONDS"),
+        (["--drain", "node-0-i0"], "drain (--drain): 'node-0-i0': expected INSTANCE@SECONDS, e.g. node-0-i3@30"),
         (
             ["--priority-fraction", "1.5"],
             "priority_fraction (--priority-fraction): Input should be less than or equal to 1, got 1.5",

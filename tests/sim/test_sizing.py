@@ -67,6 +67,25 @@ def test_sim_size_runs_real_simulations_and_prints_each_size(
     assert json.loads((tmp_path / "sizing.json").read_text())["rows"] == rows
 
 
+def test_sim_size_exits_1_when_even_the_whole_pool_misses_the_target(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["sim", "size", "--target-p99-ttft-ms", "1", "--max-requests", "60", "--policy", "hilum"]
+    assert main([*argv, "--json"]) == 1
+    printed = capsys.readouterr()
+    (row,) = json.loads(printed.out)  # the whole pool first: it misses 1 ms, nothing smaller is tried
+    assert (row["instances"], row["meets"], row["chosen"]) == (16, False, False)
+    assert row["summary"]["ttft_p99_s"] > 0.001
+    assert "target not met by hilum even with all 16 instances" in printed.err
+
+
+def test_sim_size_help_lists_no_option_it_refuses(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["sim", "size", "--help"])
+    shown = capsys.readouterr().out
+    assert "--target-p99-ttft-ms" in shown and "--policy" in shown
+    for refused in ("--autoscale", "--initial-instances N", "--scale-out", "--cold-start-s"):
+        assert refused not in shown
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

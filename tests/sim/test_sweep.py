@@ -77,7 +77,8 @@ def test_defaults(tmp_path: Path) -> None:
         ),
         (GOOD.replace("trace: burstgpt\n", ""), "sweep.yaml: trace: Field required"),
         ("- a\n- b\n", "sweep.yaml: (top level): expected a mapping of keys, got list"),
-        ("trace: [unclosed\n", "sweep.yaml: (top level): not valid YAML"),
+        ("trace: [unclosed\n", "sweep.yaml: line 2, column 1: YAML syntax error"),
+        (GOOD + "trace: sharegpt\n", "sweep.yaml: line"),  # a repeated key: refused, not the last one kept
     ],
 )
 def test_config_errors_name_file_and_key(tmp_path: Path, text: str, expected: str) -> None:
