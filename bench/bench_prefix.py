@@ -11,7 +11,9 @@ default); only ``policy.prefix_aware_dispatch`` changes between the two rows of 
   (``PolicySummary.prefix_hit_rate``);
 - P50, P99 and mean TTFT, ms;
 - ``busiest/fair``: requests dispatch placed on the busiest instance over its fair share (placed requests / 16,
-  ``sim.results.busiest_dispatch_share``); 1.0 is an even spread.
+  ``sim.results.busiest_dispatch_share``); 1.0 is an even spread;
+- ``moves``: committed migrations; ``to a holder``: those whose destination cached part of the request's prefix;
+  ``blocks not copied``: the prefix blocks those destinations held (adopted, not copied).
 
 The figures are simulated, deterministic for a seed (no timing of this machine enters them). Run:
 
@@ -45,7 +47,8 @@ def main() -> None:
     policies = [p for p in args.policies.split(",") if p]
     print(f"{TRACE}, first {args.max_requests} requests, on {TOPOLOGY} ({NUM_INSTANCES} instances), seed {args.seed}")
     header = ("rate", "policy", "prefix-aware", "hit %", "TTFT p50", "TTFT p99", "TTFT mean", "busiest/fair")
-    print("{:>5} {:<9} {:<12} {:>6} {:>9} {:>9} {:>10} {:>13}".format(*header))
+    header += ("moves", "to a holder", "blocks not copied")
+    print("{:>5} {:<9} {:<12} {:>6} {:>9} {:>9} {:>10} {:>13} {:>6} {:>12} {:>18}".format(*header))
     for rate in rates:
         for policy in policies:
             for aware in (True, False):
@@ -64,9 +67,13 @@ def main() -> None:
                 mean = sum(ttft) / len(ttft) if ttft else None
                 share = busiest_dispatch_share(run.requests, NUM_INSTANCES)
                 hit = "-" if s.prefix_hit_rate is None else f"{100 * s.prefix_hit_rate:.1f}"
+                moved = [m for m in run.migrations if m.outcome == "committed"]
+                to_holder = sum(1 for m in moved if m.skipped_prefix_blocks)
+                skipped = sum(m.skipped_prefix_blocks for m in moved)
                 print(
                     f"{rate:>5g} {policy:<9} {'on' if aware else 'off':<12} {hit:>6} {_ms(s.ttft_p50_s):>9} "
-                    f"{_ms(s.ttft_p99_s):>9} {_ms(mean):>10} {'-' if share is None else f'{share:.2f}':>13}"
+                    f"{_ms(s.ttft_p99_s):>9} {_ms(mean):>10} {'-' if share is None else f'{share:.2f}':>13} "
+                    f"{len(moved):>6} {to_holder:>12} {skipped:>18}"
                 )
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from clusterstate.records import ACTIVE_STATES, MigrationRecord
+from policy.dispatch import leading_run
 from policy.domain import DomainSummary
 from topology.bandwidth import (
     BandwidthEstimates,
@@ -244,7 +245,7 @@ def choose_destination(
         # not ``measured or {}``: a lazy view (``BandwidthEstimates.at``) would compute every path's rate for bool()
         rate = None if measured is None else measured.get(path_key(default_transport(path.same_domain), path.links))
         held = prefix_held.get(dst) if prefix_held is not None and move.prefix_hashes else None
-        on_dst = _leading_run(move.prefix_hashes, held) if held else 0
+        on_dst = leading_run(move.prefix_hashes, held) if held else 0
         prefill = prefill_s_per_token.get(dst, 0.0) if prefill_s_per_token is not None else 0.0
         verdict = judge(move, dst, path, busiest_link_flows(path.links, flows), rate, on_dst, prefill)
         if verdict.approved:
@@ -275,13 +276,3 @@ def decide(
     return choose_destination(
         move, candidates, path_of, judge, flows, measured=measured, prefix_held=held, prefill_s_per_token=prefill
     )
-
-
-def _leading_run(hashes: Iterable[int], held: frozenset[int]) -> int:
-    """How many leading ``hashes`` are in ``held`` (a cache is matched from the first block on)."""
-    run = 0
-    for h in hashes:
-        if h not in held:
-            break
-        run += 1
-    return run

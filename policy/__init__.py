@@ -6,7 +6,7 @@ the gateway. Rules and sources: docs/policy.md.
 
 from __future__ import annotations
 
-from policy.dispatch import DispatchDecision, DispatchView, DomainDispatchView, reusable_prefix_hashes
+from policy.dispatch import DispatchDecision, DispatchView, DomainDispatchView, leading_run, reusable_prefix_hashes
 from policy.domain import DomainSummary, InstanceBrief, summarize_domain
 from policy.migration import (
     CandidateOrder,
@@ -41,6 +41,7 @@ __all__ = [
     "freest_first",
     "fullest_first",
     "instance_virtual_usage",
+    "leading_run",
     "move_lowers_potential",
     "pair_domains",
     "plan_migrations",

@@ -62,7 +62,7 @@ from policy.domain import DomainSummary
 from policy.types import InstanceLoad, PolicyConfig
 from policy.usage import dispatch_usage, freeness_of, queued_blocks
 
-__all__ = ["DispatchDecision", "DispatchView", "DomainDispatchView", "reusable_prefix_hashes"]
+__all__ = ["DispatchDecision", "DispatchView", "DomainDispatchView", "leading_run", "reusable_prefix_hashes"]
 
 
 def reusable_prefix_hashes(hashes: Sequence[int], prefix_block_tokens: int, prompt_tokens: int) -> Sequence[int]:
@@ -77,6 +77,17 @@ def reusable_prefix_hashes(hashes: Sequence[int], prefix_block_tokens: int, prom
         raise ValueError(f"prefix hashes given but prefix_block_tokens is {prefix_block_tokens}")
     usable = max(0, prompt_tokens - 1) // prefix_block_tokens
     return hashes if usable >= len(hashes) else hashes[:usable]
+
+
+def leading_run(hashes: Iterable[int], held: Collection[int], also: Collection[int] = ()) -> int:
+    """How many leading ``hashes`` are in ``held`` (or in ``also``): a prefix cache is matched from the first block
+    on, so the first hash it lacks ends the run (vLLM's automatic prefix caching)."""
+    run = 0
+    for h in hashes:
+        if h not in held and h not in also:
+            break
+        run += 1
+    return run
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,12 +138,7 @@ class _Target:
         held, added = self.prefix_hashes, self.added_hashes
         if not held:
             return 0
-        run = 0
-        for h in hashes:
-            if h not in held and (added is None or h not in added):
-                break
-            run += 1
-        return run
+        return leading_run(hashes, held, added or ())
 
     def reserve(
         self, demand_blocks: int, virtual_blocks: int, stamp: float | None = None, hashes: Sequence[int] = ()

@@ -14,6 +14,13 @@ One planning round:
    (true iff V_src − V_dst > v_r; always true from a draining source, and from a source starved of
    slots to a destination that reports a free slot: the move gives the source's queue a slot, which Φ, a
    sum over blocks, cannot see).
+   Prefix caching (``block_size_tokens`` given, ``prefix_aware_dispatch`` on): the leading prefix hash blocks
+   of the request that the destination's cache holds (``InstanceLoad.prefix_hashes``, same hash granularity)
+   are adopted there, not copied nor allocated again, so the request needs ``h`` fewer free blocks there and
+   adds ``v_r − h`` to its usage: the move lowers Φ iff ``2·v_r·V_src − 2·(v_r − h)·V_dst > v_r² + (v_r − h)²``
+   (the change of Φ with the two different steps; ``V_src − V_dst > v_r`` when ``h`` = 0), which a destination
+   holding the prefix passes at a smaller gap. The same blocks are what the coordinator's judge and the
+   migration executor skip.
 Because every move lowers Φ, the reverse move can never be planned next: no ping-pong. A move for slots
 may raise Φ, but its reverse is never planned either: the destination keeps a slot for its own queue
 (not starved, so not a source for slots) and the source, its slot taken by its queue at the next step,
@@ -33,6 +40,7 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from policy.dispatch import leading_run
 from policy.domain import DomainSummary
 from policy.ordering import freest_first, fullest_first
 from policy.types import CANDIDATE_POLICIES, InstanceLoad, PolicyConfig, RequestLoad
@@ -48,6 +56,7 @@ __all__ = [
     "pair_domains",
     "plan_migrations",
     "potential",
+    "prefix_blocks_on",
     "source_slack_blocks",
 ]
 
@@ -107,18 +116,48 @@ def candidate_order(name: str) -> CandidateOrder:
         raise ValueError(f"unknown candidate policy {name!r}; known: {known}") from None
 
 
-def move_lowers_potential(src: InstanceLoad, dst: InstanceLoad, request: RequestLoad, cfg: PolicyConfig) -> bool:
+def move_lowers_potential(
+    src: InstanceLoad, dst: InstanceLoad, request: RequestLoad, cfg: PolicyConfig, dst_held_blocks: int = 0
+) -> bool:
     """True iff moving `request` from src to dst lowers Φ: V_src − V_dst > v_r with v_r > 0.
 
-    Always true from a draining source to a non-draining destination; never true into a draining one.
+    ``dst_held_blocks`` (h, 0 <= h <= request.blocks): blocks of the request the destination's prefix cache holds;
+    the destination's usage then grows by v_r − h only, and the rule is the module docstring's
+    ``2·v_r·V_src − 2·(v_r − h)·V_dst > v_r² + (v_r − h)²``. Always true from a draining source to a non-draining
+    destination; never true into a draining one. Raises ValueError when h is outside [0, request.blocks].
     """
+    if not 0 <= dst_held_blocks <= request.blocks:
+        raise ValueError(f"move_lowers_potential: dst_held_blocks {dst_held_blocks} not in [0, {request.blocks}]")
     if dst.draining:
         return False
     if src.draining:
         return True
     v_r = request_virtual_usage(request, cfg)
-    gap = instance_virtual_usage(src, cfg) - instance_virtual_usage(dst, cfg)
-    return v_r > 0 and gap > v_r
+    v_src, v_dst = instance_virtual_usage(src, cfg), instance_virtual_usage(dst, cfg)
+    if dst_held_blocks == 0:
+        return v_r > 0 and v_src - v_dst > v_r
+    w = v_r - dst_held_blocks
+    return v_r > 0 and 2 * v_r * v_src - 2 * w * v_dst > v_r * v_r + w * w
+
+
+def prefix_blocks_on(dst: InstanceLoad, request: RequestLoad, prefix_block_tokens: int, block_size_tokens: int) -> int:
+    """KV blocks of ``request`` that ``dst``'s prefix cache holds: its leading prefix hash blocks that ``dst``
+    reports (:func:`policy.dispatch.leading_run`), times the KV blocks one hash stands for, at most
+    ``request.blocks``. ``prefix_block_tokens``: tokens per hash of the request's ``prefix_hashes`` (its source's
+    ``InstanceLoad.prefix_block_tokens``); 0 when hashed at another granularity than ``dst``'s, or either
+    size is 0 (no prefix information). Raises ValueError when ``prefix_block_tokens`` is not a multiple of
+    ``block_size_tokens``."""
+    if not request.prefix_hashes or not dst.prefix_hashes or block_size_tokens < 1:
+        return 0
+    if prefix_block_tokens < 1 or dst.prefix_block_tokens != prefix_block_tokens:
+        return 0
+    if prefix_block_tokens % block_size_tokens:
+        raise ValueError(
+            f"prefix_blocks_on: prefix_block_tokens {prefix_block_tokens} is not a multiple of block_size_tokens "
+            f"{block_size_tokens}"
+        )
+    run = leading_run(request.prefix_hashes, dst.prefix_hashes)
+    return min(run * (prefix_block_tokens // block_size_tokens), request.blocks)
 
 
 def plan_migrations(
@@ -127,6 +166,7 @@ def plan_migrations(
     rng: random.Random,
     max_moves: int | None = None,
     details: Callable[[InstanceLoad], InstanceLoad] | None = None,
+    block_size_tokens: int = 0,
 ) -> list[MigrationDecision]:
     """Plan at most `max_moves` (default cfg.max_migrations_per_round) migrations among `loads`.
 
@@ -134,8 +174,10 @@ def plan_migrations(
     is a source), then by instance id. `loads` may be brief
     (``InstanceLoad.detailed`` False): sources and destinations are chosen from the aggregates, and
     `details` turns a brief source into its detailed report (same state, the batch listed) when its
-    requests are looked at. Raises ValueError on repeated instance ids, a negative max_moves, or a brief
-    source without `details`.
+    requests are looked at. ``block_size_tokens``: tokens per KV block of these instances; given (and
+    ``cfg.prefix_aware_dispatch`` on), a destination's cached prefix blocks of a request count as present
+    (module docstring, 3); 0: prefixes take no part. Raises ValueError on repeated instance ids, a negative
+    max_moves, or a brief source without `details`.
     """
     limit = cfg.max_migrations_per_round if max_moves is None else max_moves
     if limit < 0:
@@ -163,7 +205,8 @@ def plan_migrations(
             if details is None:
                 raise ValueError(f"plan_migrations: {src.instance_id!r} is a brief report and no details are given")
             src = details(src)
-        decision = _first_move(src, pool, order, f, cfg)
+        bs = block_size_tokens if cfg.prefix_aware_dispatch else 0
+        decision = _first_move(src, pool, order, f, cfg, bs)
         if decision is not None:
             decisions.append(decision)
             used.update((decision.src_id, decision.dst_id))
@@ -229,22 +272,26 @@ def _first_move(
     order: CandidateOrder,
     f: dict[str, float],
     cfg: PolicyConfig,
+    block_size_tokens: int,
 ) -> MigrationDecision | None:
     """The first (destination, request) pair, destinations freest first, that is allowed."""
     candidates = order([r for r in src.running if r.migratable], src.draining)
     for dst in pool:
         for request in candidates:
+            held = prefix_blocks_on(dst, request, src.prefix_block_tokens, block_size_tokens)
             if (
-                request.blocks <= dst.free_blocks
+                request.blocks - held <= dst.free_blocks
                 and request.max_blocks <= dst.capacity_blocks
-                and (move_lowers_potential(src, dst, request, cfg) or gives_a_slot(src, dst))
+                and (move_lowers_potential(src, dst, request, cfg, held) or gives_a_slot(src, dst))
             ):
-                reason = _reason(src, dst, request, f, cfg)
+                reason = _reason(src, dst, request, f, cfg, held)
                 return MigrationDecision(src.instance_id, dst.instance_id, request.request_id, request.blocks, reason)
     return None
 
 
-def _reason(src: InstanceLoad, dst: InstanceLoad, request: RequestLoad, f: dict[str, float], cfg: PolicyConfig) -> str:
+def _reason(
+    src: InstanceLoad, dst: InstanceLoad, request: RequestLoad, f: dict[str, float], cfg: PolicyConfig, held: int
+) -> str:
     if src.draining:
         why = "source draining"
     elif src.preempting:
@@ -256,8 +303,10 @@ def _reason(src: InstanceLoad, dst: InstanceLoad, request: RequestLoad, f: dict[
     v_src = instance_virtual_usage(src, cfg)
     v_dst = instance_virtual_usage(dst, cfg)
     v_r = request_virtual_usage(request, cfg)
-    if src.draining or move_lowers_potential(src, dst, request, cfg):
+    if src.draining or move_lowers_potential(src, dst, request, cfg, held):
         rule = f"V_src {v_src:.0f} − V_dst {v_dst:.0f} > v_r {v_r}"
+        if held:
+            rule = f"V_src {v_src:.0f}, V_dst {v_dst:.0f}, v_r {v_r}, {held} of its blocks cached there: Φ lowers"
     else:
         rule = f"a batch slot ({dst.num_running} of {dst.max_num_seqs} running there)"
     return f"{why}; destination F={f[dst.instance_id]:.2f}; {rule} ({cfg.candidate_policy})"

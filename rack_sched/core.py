@@ -370,7 +370,7 @@ class DomainCore:
             served = ", ".join(self.models()) or "no model"
             what = f"model {request.model!r}" if request.model else "a request that names no model"
             return DispatchDecision(None, f"domain {self.domain_id} serves {served}, not {what}")
-        block_size = next(m.block_size_tokens for m in self._members.values() if m.model == model)
+        block_size = self._block_size(model)
         if not any(m.reachable for m in self._members.values() if m.model == model):
             return self._spread_evenly(model, request, block_size, excluded)
         return self._view(model).pick(
@@ -458,13 +458,22 @@ class DomainCore:
             and not self.is_busy(m.instance_id, now_s)
         ]
 
+    def _block_size(self, model: str) -> int:
+        """Tokens per KV block of ``model``'s instances here (one model, one block size)."""
+        return next(m.block_size_tokens for m in self._members.values() if m.model == model)
+
     def plan_rebalance(self, now_s: float) -> list[MigrationDecision]:
         """One rescheduling round: moves inside the domain, per model. Each move's instances are marked busy
         (call :meth:`migration_done` when it ended, whatever the outcome)."""
         moves: list[MigrationDecision] = []
         for model in self.models():
+            block_size = self._block_size(model)
             for move in plan_migrations(
-                self.free_loads(now_s, model), self.cfg.policy, self._rng, details=self.detailed
+                self.free_loads(now_s, model),
+                self.cfg.policy,
+                self._rng,
+                details=self.detailed,
+                block_size_tokens=block_size,
             ):
                 self.migration_started((move.src_id, move.dst_id))
                 moves.append(move)

@@ -1,4 +1,5 @@
-"""Prefix-aware dispatch (policy/dispatch.py, docs/policy.md "Prefix-aware dispatch"): every expected value by hand.
+"""Prefix-aware dispatch (policy/dispatch.py, docs/policy.md "Prefix-aware dispatch") and migration pairing
+(policy/migration.py): every expected value by hand.
 
 Units throughout: KV blocks of 16 tokens, hash blocks of 32 tokens, so one hash stands for 2 KV blocks.
 """
@@ -18,9 +19,14 @@ from policy import (
     DomainDispatchView,
     InstanceLoad,
     PolicyConfig,
+    RequestLoad,
+    move_lowers_potential,
+    plan_migrations,
+    potential,
     reusable_prefix_hashes,
     summarize_domain,
 )
+from policy.migration import prefix_blocks_on
 
 H = 32  # tokens per hash block
 BS = 16  # tokens per KV block
@@ -200,3 +206,66 @@ def test_domain_view_prefers_the_domain_holding_the_prefix_and_keeps_it_across_a
     # A draining instance's prefix is not the domain's.
     drained = summarize_domain("d3", [holding(inst("u", 100, draining=True), 1), inst("t", 100)], CFG)
     assert drained.prefix_hashes == frozenset()
+
+
+# Migration pairing (policy/migration.py, docstring 3): the destination's cached prefix blocks count as present.
+
+
+def _src_and_dst(held: tuple[int, ...]) -> tuple[InstanceLoad, InstanceLoad]:
+    """src: 3 requests of 32 blocks (used 96 of 100, F = 4/3 < 3: a source), each prompt hashed 1..8 (16 blocks);
+    dst: 70 of 100 used by 2 requests (F = 15 > 3), its cache holding ``held``."""
+    prompt = tuple(range(1, 9))
+    running = tuple(RequestLoad(f"s-r{i}", 32, prefix_hashes=prompt) for i in range(3))
+    src = InstanceLoad("s", 100, 96, running, prefix_hashes=frozenset(prompt), prefix_block_tokens=H)
+    return src, holding(inst("d", 100, [40, 30]), *held)
+
+
+def test_a_destination_holding_the_prefix_takes_a_move_that_would_otherwise_raise_the_potential() -> None:
+    src, dst = _src_and_dst(held=tuple(range(1, 9)))  # all 8 hashes: 16 of the request's 32 blocks
+    # Without the prefix: V_s − V_d = 26 < v_r = 32, and Φ would rise: 64² + 102² = 14,500 > 96² + 70² = 14,116.
+    assert plan_migrations([src, dst], CFG, random.Random(0)) == []
+    (move,) = plan_migrations([src, dst], CFG, random.Random(0), block_size_tokens=BS)
+    assert (move.src_id, move.dst_id, move.blocks) == ("s", "d", 32)
+    assert "16 of its blocks cached there" in move.reason
+    # With it the destination grows by 16 blocks only: 64² + 86² = 11,492 < 14,116.
+    assert potential([64, 86]) < potential([96, 70]) < potential([64, 102])
+    request = src.running[0]
+    assert prefix_blocks_on(dst, request, H, BS) == 16
+    assert move_lowers_potential(src, dst, request, CFG, dst_held_blocks=16)
+    assert not move_lowers_potential(src, dst, request, CFG)
+    # switched off with prefix-aware dispatch: the load alone decides, as before
+    off = replace(CFG, prefix_aware_dispatch=False)
+    assert plan_migrations([src, dst], off, random.Random(0), block_size_tokens=BS) == []
+
+
+def test_a_gap_in_the_cached_prefix_ends_what_counts() -> None:
+    src, dst = _src_and_dst(held=(1, 2, 4, 5, 6, 7, 8))  # hash 3 missing: only 1, 2 (4 blocks) count
+    assert prefix_blocks_on(dst, src.running[0], H, BS) == 4
+    # 2·32·96 − 2·28·70 = 2,224 > 32² + 28² = 1,808: Φ still lowers (96² + 70² = 14,116 > 64² + 98² = 13,700)
+    (move,) = plan_migrations([src, dst], CFG, random.Random(0), block_size_tokens=BS)
+    assert "4 of its blocks cached there" in move.reason
+    src, dst = _src_and_dst(held=(2, 3, 4, 5, 6, 7, 8))  # the first hash missing: nothing counts
+    assert prefix_blocks_on(dst, src.running[0], H, BS) == 0
+    assert plan_migrations([src, dst], CFG, random.Random(0), block_size_tokens=BS) == []
+
+
+def test_cached_blocks_need_no_free_space_on_the_destination() -> None:
+    # A draining source's only request, 20 blocks, 12 of them cached on dst (6 hashes); dst has 10 free blocks.
+    request = RequestLoad("s-r0", 20, prefix_hashes=(1, 2, 3, 4, 5, 6))
+    src = InstanceLoad("s", 20, 20, (request,), prefix_block_tokens=H, draining=True)
+    dst = holding(inst("d", 100, [90]), 1, 2, 3, 4, 5, 6)
+    assert plan_migrations([src, dst], CFG, random.Random(0)) == []  # 20 > 10 free
+    (move,) = plan_migrations([src, dst], CFG, random.Random(0), block_size_tokens=BS)  # 8 new blocks fit
+    assert (move.request_id, move.dst_id) == ("s-r0", "d")
+
+
+def test_prefix_blocks_on_needs_the_same_granularity_and_refuses_bad_sizes() -> None:
+    src, dst = _src_and_dst(held=tuple(range(1, 9)))
+    request = src.running[0]
+    assert prefix_blocks_on(dst, request, 2 * H, BS) == 0  # hashed at another granularity: no match
+    assert prefix_blocks_on(dst, request, H, 0) == 0  # no block size: no prefix information
+    assert prefix_blocks_on(replace(dst, prefix_hashes=frozenset(), prefix_block_tokens=0), request, H, BS) == 0
+    with pytest.raises(ValueError, match="prefix_block_tokens 32 is not a multiple of block_size_tokens 12"):
+        prefix_blocks_on(dst, request, H, 12)
+    with pytest.raises(ValueError, match="dst_held_blocks 33 not in"):
+        move_lowers_potential(src, dst, request, CFG, dst_held_blocks=33)

@@ -307,3 +307,18 @@ def test_a_queue_behind_full_batch_slots_is_moved_for_over_the_live_load_reports
     for iid, report in reports.items():
         before.report(iid, replace(report, max_num_seqs=0))
     assert before.plan_rebalance(now_s=0.0) == []
+
+
+def test_rebalancing_counts_the_prefix_a_destination_caches() -> None:
+    # a: 3 requests of 32 blocks (96 of 100: F = 4/3 < 3), each prompt's 8 hash blocks of 32 tokens (16 KV blocks);
+    # b: 70 used. V_a − V_b = 26 < 32 moves nothing, unless b caches the prompt: then b grows by 16 blocks only.
+    prompt = tuple(range(1, 9))
+    running = tuple(RequestLoad(f"a-r{k}", 32, num_tokens=512, max_blocks=64, prefix_hashes=prompt) for k in range(3))
+    a = InstanceLoad("a", 100, 96, running, domain_id="d", prefix_block_tokens=32)
+    for cached, moves in (((), 0), (prompt, 1)):
+        c = core(a="m", b="m")
+        c.report("a", a)
+        c.report("b", replace(load("b", 100, 40, 30), prefix_hashes=frozenset(cached), prefix_block_tokens=32))
+        planned = c.plan_rebalance(now_s=0.0)
+        assert len(planned) == moves
+    assert (planned[0].src_id, planned[0].dst_id) == ("a", "b")
