@@ -46,8 +46,10 @@ def main() -> None:
     rates = [float(r) for r in args.rates.split(",") if r]
     policies = [p for p in args.policies.split(",") if p]
     print(f"{TRACE}, first {args.max_requests} requests, on {TOPOLOGY} ({NUM_INSTANCES} instances), seed {args.seed}")
-    header = ("rate", "policy", "prefix-aware", "hit %", "TTFT p50", "TTFT p99", "TTFT mean", "busiest/fair")
-    header += ("moves", "to a holder", "blocks not copied")
+    header = [
+        *("rate", "policy", "prefix-aware", "hit %", "TTFT p50", "TTFT p99", "TTFT mean", "busiest/fair"),
+        *("moves", "to a holder", "blocks not copied"),
+    ]
     print("{:>5} {:<9} {:<12} {:>6} {:>9} {:>9} {:>10} {:>13} {:>6} {:>12} {:>18}".format(*header))
     for rate in rates:
         for policy in policies:
