@@ -267,10 +267,10 @@ class PromptPrefix:
 
     def prompt_blocks(self, kv_tokens: int, block_size_tokens: int) -> int:
         """Leading KV blocks of a request holding ``kv_tokens`` that hold known prompt tokens only: what a
-        destination could re-prefill (``topology.cost.MigrationCostInput.prefix_blocks``). The prompt's tokens
-        when ``token_ids`` are known, else the tokens its hash ids cover (the sim engine's requests have no
-        content); 0 when neither is known."""
-        tokens = len(self.token_ids) or len(self.block_hashes) * self.hash_block_tokens
+        destination could re-prefill (``topology.cost.MigrationCostInput.prefix_blocks``). The tokens its prefix
+        hash ids cover when it has them — the prefix the simulator's executor and the coordinator's judge price
+        (one rule for the three) — else the prompt's tokens when ``token_ids`` are known; 0 when neither is."""
+        tokens = len(self.block_hashes) * self.hash_block_tokens or len(self.token_ids)
         return min(tokens, kv_tokens) // block_size_tokens
 
 

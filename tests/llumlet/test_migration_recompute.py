@@ -125,8 +125,8 @@ def test_a_sim_llumlet_destination_re_prefills_on_a_slow_path_and_waits_its_mode
     rep, estimate_s = asyncio.run(_sim_move(1e9))
     assert rep.plan == "pre-copy+recompute-prefix" and rep.recomputed_blocks == 16
     assert rep.recompute_s == pytest.approx(estimate_s) and 0 < estimate_s < 0.134
-    # stage 0 sent the prompt's 17th block only: the sim engine's request has no content, what it can re-prefill
-    # is what its hash ids cover (PromptPrefix.prompt_blocks)
+    # stage 0 sent the prompt's 17th block only: what a destination may re-prefill is what the prompt's hash ids
+    # cover (PromptPrefix.prompt_blocks)
     assert rep.stage_reports[0].blocks == 1
     assert rep.total_s >= estimate_s  # the Commit waited for the destination's modelled re-prefill
 
@@ -163,3 +163,12 @@ def test_a_failed_re_prefill_fails_the_commit_and_a_second_ask_is_refused() -> N
             await b.stop()
 
     asyncio.run(main())
+
+
+def test_the_re_prefillable_prefix_is_what_the_hash_ids_cover_as_the_simulator_and_the_judge_count_it() -> None:
+    ids = tuple(range(3, 3 + SIM_PROMPT_TOKENS))  # 272 prompt tokens: 17 full blocks of 16
+    hashed = PromptPrefix(token_ids=ids, block_hashes=(5,), hash_block_tokens=256)
+    assert hashed.prompt_blocks(400, 16) == 16  # the hash block's 256 tokens, not all 272 (sim and judge alike)
+    assert PromptPrefix(token_ids=ids).prompt_blocks(400, 16) == 17  # no hash ids: the prompt's known tokens
+    assert PromptPrefix(token_ids=ids).prompt_blocks(100, 16) == 6  # never beyond the KV held
+    assert PromptPrefix().prompt_blocks(400, 16) == 0
