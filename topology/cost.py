@@ -37,7 +37,9 @@ grows from stage to stage, so a converging plan's downtime is at most the blocki
 Shared prefix: prefix blocks already present on the destination (matched by block hash) are never copied.
 When the caller gives the time to re-prefill the missing prefix on the destination, a second plan is priced:
 copy only the non-prefix blocks while the destination recomputes the prefix in parallel; the request resumes
-when both are done. The plan that completes first wins (then the lower downtime).
+when both are done. That plan wins when it completes first (then: the lower downtime) and its downtime is no
+longer than the copy's: a re-prefill that outlasts the copy would keep the suspended request waiting, and the
+downtime a move was approved for (``approval.downtime_budget_s``, judged on this same plan) must hold.
 
 Arithmetic is exact (``fractions.Fraction`` of the decimal values given), so hand-computed cases are
 reproduced exactly, including block boundaries.
@@ -406,7 +408,7 @@ def plan_migration(inp: MigrationCostInput, cfg: CostConfig | None = None) -> Mi
     """Price moving one request (see the module docstring for every formula).
 
     Returns the pre-copy plan, or the pre-copy plan that recomputes the missing prefix on the destination when
-    that one completes sooner (ties: lower downtime), or — when pre-copy cannot converge — a blocking
+    that one completes sooner (ties: lower downtime) without a longer downtime, or — when pre-copy cannot converge — a blocking
     stop-and-copy plan with ``converges=False``. Its ``bandwidth_source`` says whether the measured rate set B.
     """
     cfg = cfg or CostConfig()
@@ -429,7 +431,8 @@ def _plan(inp: MigrationCostInput, cfg: CostConfig, bw: Fraction) -> MigrationPl
     alt = _plan_from_stages(
         inp, cfg, bw, _precopy(inp, cfg, bw, inp.prefix_blocks), "pre-copy+recompute-prefix", missing_prefix
     )
-    if (alt.completion_s, alt.downtime_s) < (plan.completion_s, plan.downtime_s):
+    # never trade downtime (a stall the user sees) for completion: recompute only when it is hidden by the copy
+    if alt.downtime_s <= plan.downtime_s and (alt.completion_s, alt.downtime_s) < (plan.completion_s, plan.downtime_s):
         return alt
     return plan
 
