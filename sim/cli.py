@@ -47,7 +47,10 @@ def register(sub: Any) -> None:
     sweep.add_argument("config", help="sweep YAML file (see docs/sim-results.md)")
     sweep.add_argument("--ray-address", default=None, help="existing Ray cluster (default: a local Ray)")
     sweep.add_argument("--out", default="sweep-results", help="directory for sweep.json and plots")
-    sweep.set_defaults(func=run_sweep_cli)
+    own = {a.dest for a in sweep._actions}
+    run_flags = {a.dest: (a.option_strings[0], a.default) for a in parser._actions if a.option_strings}
+    # a run option before 'sweep' would be silently ignored: run_sweep_cli refuses it by name
+    sweep.set_defaults(func=run_sweep_cli, run_flags={k: v for k, v in run_flags.items() if k not in own})
     size = sims.add_parser(
         "size",
         help="the smallest static fleet meeting a P99 TTFT target, per policy (each size a real simulation)",
@@ -57,6 +60,9 @@ def register(sub: Any) -> None:
     )
     size.add_argument("--target-p99-ttft-ms", type=float, required=True, metavar="MS", help="the P99 TTFT target")
     _add_run_arguments(size, sizing=True)
+    for action in size._actions:  # what is given before 'size' counts too: only what follows it overrides it
+        if action.option_strings and action.dest not in ("help", "target_p99_ttft_ms"):
+            action.default = argparse.SUPPRESS
     size.set_defaults(func=run_size_cli)
 
 
@@ -169,6 +175,8 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         raise ValueError("--arrival gamma needs --arrival-cv (the inter-arrival CV, e.g. 2)")
     if args.arrival_cv is not None and args.arrival != "gamma":
         raise ValueError("--arrival-cv applies only with --arrival gamma")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
     if args.max_requests is not None and args.max_requests < 1:
         raise ValueError(f"--max-requests must be >= 1, got {args.max_requests}")
     options: dict[str, Any] = {
@@ -295,6 +303,8 @@ def run_size_cli(args: argparse.Namespace) -> int:
         refused = "--initial-instances cannot be combined with sim size: it chooses the sizes itself"
     elif args.scale_out:
         refused = "--scale-out cannot be combined with sim size: it sizes static fleets"
+    elif args.cold_start_s is not None:
+        refused = "--cold-start-s cannot be combined with sim size: it sizes static fleets (no instance starts)"
     if refused is not None:
         err.print(f"[red]hilum sim size: error:[/red] {refused}", highlight=False)
         return 2
@@ -412,7 +422,10 @@ def _output_dir(out: str | None) -> Path | None:
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"--out {out}: exists and is not a directory")
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"--out {out}: cannot create the folder: {exc.strerror or exc}") from None
     probe = path / ".hilum-write-test"
     probe.write_text("")
     probe.unlink()
@@ -426,6 +439,14 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
     from .report import render_sweep_table
     from .sweep import SweepPointError, load_sweep_config, run_sweep
 
+    before = [flag for dest, (flag, default) in args.run_flags.items() if getattr(args, dest, default) != default]
+    if before:
+        print(
+            f"hilum sim sweep: error: {', '.join(before)} before 'sweep' would be ignored: a sweep's runs are set in "
+            "its file (docs/sim-results.md)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         config = load_sweep_config(args.config)
         _check_sweep(config.topologies, config.trace, config.policies, config.options)

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import math
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -60,7 +61,7 @@ __all__ = [
 class SimOptions(BaseModel):
     """Optional knobs of one simulation (validated; unknown keys are errors)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     priority_fraction: float = Field(0.0, ge=0.0, le=1.0, description="share of requests marked high priority")
     model: str | None = Field(
@@ -138,8 +139,8 @@ def _parse_event(item: str) -> tuple[str, float]:
         at_s = float(when)
     except ValueError:
         raise ValueError(f"{item!r}: {when!r} is not a number of seconds") from None
-    if at_s < 0:
-        raise ValueError(f"{item!r}: time must be >= 0")
+    if not (math.isfinite(at_s) and at_s >= 0):
+        raise ValueError(f"{item!r}: the time must be a finite number of seconds >= 0, got {when}")
     return instance, at_s
 
 
@@ -497,15 +498,19 @@ def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[s
         )
     drains = [_parse_event(d) for d in options.drain]
     scale_outs = [_parse_event(s) for s in options.scale_out]
-    for instance_id, _ in drains + scale_outs:
-        if instance_id not in known:
-            shown = ", ".join(known[:6]) + (", ..." if len(known) > 6 else "")
-            raise ValueError(
-                f"scripted event names unknown instance {instance_id!r}; {model} instances of {topology.name}: {shown}"
-            )
+    for flag, events in (("--drain", drains), ("--scale-out", scale_outs)):
+        for instance_id, _ in events:
+            if instance_id not in known:
+                shown = ", ".join(known[:6]) + (", ..." if len(known) > 6 else "")
+                raise ValueError(
+                    f"{flag} names unknown instance {instance_id!r}; {model} instances of {topology.name}: {shown}"
+                )
+        repeated = sorted({i for i, _ in events if sum(1 for j, _ in events if j == i) > 1})
+        if repeated:
+            raise ValueError(f"{flag} names {', '.join(repeated)} more than once; give each instance once")
     both = {i for i, _ in drains} & {i for i, _ in scale_outs}
     if both:
-        raise ValueError(f"instance(s) both drained and scaled out: {sorted(both)}")
+        raise ValueError(f"{', '.join(sorted(both))}: both drained and scaled out (--drain and --scale-out name it)")
     return drains, scale_outs
 
 
@@ -535,7 +540,10 @@ def served_model(topology: Topology, requested: str | None) -> str:
         counts[spec.model] = counts.get(spec.model, 0) + 1
     if requested is not None:
         if requested not in counts:
-            raise ValueError(f"model {requested!r} has no instance in {topology.name}; models: {sorted(counts)}")
+            raise ValueError(
+                f"model (--model) {requested!r}: no instance of it in {topology.name}; models there: "
+                f"{', '.join(sorted(counts))}"
+            )
         return requested
     return max(counts, key=lambda m: counts[m])
 

@@ -172,7 +172,7 @@ def test_mixed_model_topology_serves_one_model_and_derives_uncalibrated_gpus() -
     derived = run.config["derived_latency_models"]
     assert isinstance(derived, list) and derived and "scaled from h100" in derived[0]
     assert set(run.kv.usage_fraction) == seventy
-    with pytest.raises(ValueError, match="model 'gpt' has no instance"):
+    with pytest.raises(ValueError, match=r"model \(--model\) 'gpt': no instance of it in nvl72-gb200"):
         run_simulation(dataclasses.replace(spec, options={"model": "gpt"}), trace=trace, topology=topo)
 
 

@@ -101,7 +101,14 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--arrival", "poisson", "--rate", "0"], "--rate must be a number of requests per second > 0, got 0.0"),
         (["--rate", "3"], "rate_per_s (--rate) and arrival_cv (--arrival-cv) apply only to synthetic arrivals"),
         (["--policy", "hilum,llumnix,hilum"], "--policy names hilum more than once"),
-        (["--drain", "nope@10"], "unknown instance 'nope'"),
+        (["--drain", "nope@10"], "--drain names unknown instance 'nope'"),
+        (["--drain", "node-0-i3@nan"], "'node-0-i3@nan': the time must be a finite number of seconds >= 0, got nan"),
+        (["--scale-out", "node-0-i3@inf"], "the time must be a finite number of seconds >= 0, got inf"),
+        (["--drain", "node-0-i3@5", "--drain", "node-0-i3@8"], "--drain names node-0-i3 more than once"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--priority-fraction", "nan"], "priority_fraction (--priority-fraction): Input should be a finite number"),
+        (["--model", "nope"], "model (--model) 'nope': no instance of it in 2x8-a100-40gb; models there: llama-2-13b"),
+        (["--out", "/proc/no/such"], "--out /proc/no/such: cannot create the folder"),
         (["--drain", "node-0-i1@5", "--scale-out", "node-0-i1@9"], "both drained and scaled out"),
         (["--out", "README.md"], "exists and is not a directory"),
         (["--cold-start-s", "5"], "cold_start_s (--cold-start-s) applies only with autoscale (--autoscale)"),
@@ -113,6 +120,12 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
 def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "--max-requests", "5", *argv]) == 2
     assert message in capsys.readouterr().err.replace("\n", "")
+
+
+def test_run_options_before_sweep_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "--max-requests", "5", "--policy", "hilum", "sweep", "examples/sweep.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "hilum sim sweep: error: --policy, --max-requests before 'sweep' would be ignored" in err
 
 
 def test_sweep_runs_real_simulations_as_ray_tasks(

@@ -77,6 +77,15 @@ def test_sim_size_exits_1_when_even_the_whole_pool_misses_the_target(capsys: pyt
     assert "target not met by hilum even with all 16 instances" in printed.err
 
 
+def test_run_options_given_before_size_count_and_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["sim", "--max-requests", "30", "--policy", "hilum", "size", "--target-p99-ttft-ms", "100000", "--json"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["policy"] for r in rows} == {"hilum"} and all(r["summary"]["finished"] == 30 for r in rows)
+    assert main(["sim", "--autoscale", "size", "--target-p99-ttft-ms", "100"]) == 2  # refused there too
+    assert "--autoscale cannot be combined with sim size" in capsys.readouterr().err
+
+
 def test_sim_size_help_lists_no_option_it_refuses(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["sim", "size", "--help"])
@@ -93,6 +102,7 @@ def test_sim_size_help_lists_no_option_it_refuses(capsys: pytest.CaptureFixture[
         (["--target-p99-ttft-ms", "100", "--autoscale"], "--autoscale cannot be combined with sim size"),
         (["--target-p99-ttft-ms", "100", "--initial-instances", "3"], "--initial-instances cannot be combined"),
         (["--target-p99-ttft-ms", "100", "--scale-out", "node-0-i1@3"], "--scale-out cannot be combined"),
+        (["--target-p99-ttft-ms", "100", "--cold-start-s", "3"], "--cold-start-s cannot be combined with sim size"),
     ],
 )
 def test_sim_size_refuses_what_it_cannot_honour(
