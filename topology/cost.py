@@ -409,7 +409,8 @@ def plan_migration(inp: MigrationCostInput, cfg: CostConfig | None = None) -> Mi
 
     Returns the pre-copy plan, or the pre-copy plan that recomputes the missing prefix on the destination when
     that one completes sooner (ties: lower downtime) without a longer downtime, or — when pre-copy cannot
-    converge — a blocking stop-and-copy plan with ``converges=False``. Its ``bandwidth_source`` says whether the measured rate set B.
+    converge — a blocking stop-and-copy plan with ``converges=False``. Its ``bandwidth_source`` says whether
+    the measured rate set B.
     """
     cfg = cfg or CostConfig()
     bw = _effective(inp.path_bandwidth_bytes_per_s, cfg.cap_fraction, inp.existing_flows)
