@@ -185,13 +185,19 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
             errors.append(f"{source}: {name}: expected a mapping of keys, got {type(section).__name__}")
             continue
         more = (_AUTOSCALE_ACTUATOR,) if name == "autoscale" else ()
+        schema = _schema(cls, only, *more)
         try:
-            values = _schema(cls, only, *more).model_validate(dict(section))
+            values = schema.model_validate(dict(section))
         except ValidationError as exc:
             for e in exc.errors():
-                where = ".".join(str(p) for p in (name, *e["loc"]))
-                errors.append(f"{source}: {where}: {e['msg']}")
-            continue
+                errors.append(f"{source}: {_where(name, e['loc'])}: {e['msg']}")
+            # the section's other keys are still checked, so a wrong type never hides a bad value next to it
+            typed = {k: v for k, v in section.items() if k not in {e["loc"][0] for e in exc.errors() if e["loc"]}}
+            try:
+                values = schema.model_validate(typed)
+            except ValidationError:
+                continue
+            section = typed
         kwargs = {k: v for k, v in values.model_dump().items() if v is not None and k in section}
         if name == "domain":
             built[name] = kwargs  # completed below with its policy and remaining
@@ -205,10 +211,7 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
     if errors:
         raise ConfigError(errors)
     policy, remaining = built["policy"], built["remaining"]
-    try:
-        domain = DomainConfig(policy=policy, remaining=remaining, **built["domain"])
-    except ValueError as exc:
-        raise ConfigError([f"{source}: domain: {exc}"]) from None
+    domain = _build(DomainConfig, {"policy": policy, "remaining": remaining, **built["domain"]}, f"{source}: domain")
     return HilumConfig(
         policy,
         remaining,
@@ -252,13 +255,22 @@ def _build(cls: type[Any], values: dict[str, Any], where: str) -> Any:
 def _blamed(message: str, keys: Mapping[str, Any], class_name: str) -> tuple[str | None, str]:
     """The key a dataclass's refusal names at its start (the longest that matches) and the rest of the message;
     (None, message) when it names none."""
-    text = message.removeprefix(f"{class_name}.")
+    text = message.removeprefix(f"{class_name}.").removeprefix(f"{class_name}: ")
     for key in sorted(keys, key=len, reverse=True):
         if text.startswith(f"{key}: "):
             return key, text[len(key) + 2 :]
+        if text.startswith(f"{key} ("):  # "key (value) must be ...": the sentence needs its subject
+            return key, text
         if text.startswith(f"{key} "):
             return key, text[len(key) + 1 :]
-    return None, message
+    return None, text
+
+
+def _where(section: str, loc: tuple[int | str, ...]) -> str:
+    """``policy.tie_tolerance``: the key path of a pydantic error; a mapping's bad key as ``…: key 'x'``."""
+    if loc and loc[-1] == "[key]":
+        return ".".join(str(p) for p in (section, *loc[:-2])) + f": key {loc[-2]!r}"
+    return ".".join(str(p) for p in (section, *loc))
 
 
 def load_config(path: str | Path | None = None) -> HilumConfig:

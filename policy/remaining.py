@@ -33,8 +33,9 @@ class RemainingConfig:
     default_tokens: int = 256  # estimate for a request with no max_tokens while nothing was observed
 
     def __post_init__(self) -> None:
-        if self.window < 1 or self.min_samples < 1 or self.default_tokens < 0:
-            raise ValueError(f"RemainingConfig: need window >= 1, min_samples >= 1, default_tokens >= 0: {self}")
+        for name, least in (("window", 1), ("min_samples", 1), ("default_tokens", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"RemainingConfig.{name}: must be >= {least}, got {getattr(self, name)}")
 
 
 class RemainingEstimator:

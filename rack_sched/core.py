@@ -55,10 +55,11 @@ class DomainConfig:
     default_decode_step_s: float = 0.03  # step time when an instance has not measured one yet
 
     def __post_init__(self) -> None:
-        if self.settle_s < 0 or self.cool_down_s < 0:
-            raise ValueError(f"DomainConfig: settle_s and cool_down_s must be >= 0, got {self}")
+        for name in ("settle_s", "cool_down_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"DomainConfig.{name}: must be >= 0, got {getattr(self, name)}")
         if not self.default_decode_step_s > 0:
-            raise ValueError(f"DomainConfig: default_decode_step_s must be > 0, got {self.default_decode_step_s}")
+            raise ValueError(f"DomainConfig.default_decode_step_s: must be > 0, got {self.default_decode_step_s}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,12 +67,39 @@ def test_errors_name_the_file_and_the_key_all_at_once(tmp_path: Path) -> None:
         f"{bad}: extras: unknown section (known: policy, remaining, domain, cost, approval, intervals, resume, "
         "measured_bandwidth, autoscale, prefix_cache)",
         f"{bad}: policy.no_such_key: Extra inputs are not permitted",
+        f"{bad}: policy.tie_tolerance: must be in [0, 1), got 2.0",  # checked too: an unknown key hides nothing
         f"{bad}: cost.cap_fraction: Input should be a valid number",
         f"{bad}: approval.downtime_budget_s: must be > 0, got -1.0",
         f"{bad}: intervals.cross_interval_s: must be > 0, got 0.0",
     ]
     with pytest.raises(ConfigError, match=r"policy.tie_tolerance: must be in \[0, 1\), got 2.0"):
         parse_config({"policy": {"tie_tolerance": 2.0}}, "f")
+
+
+def test_sections_checked_as_a_whole_name_their_keys_too() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(
+            {
+                "remaining": {"window": 0, "min_samples": -1, "default_tokens": -1},
+                "policy": {"priority_headroom_blocks": {"x": 3}, "candidate_policy": "longest"},
+            },
+            "f",
+        )
+    assert err.value.errors == [
+        "f: policy.priority_headroom_blocks: key 'x': Input should be a valid integer",
+        "f: remaining.window: must be >= 1, got 0",
+        "f: remaining.min_samples: must be >= 1, got -1",
+        "f: remaining.default_tokens: must be >= 0, got -1",
+    ]
+    with pytest.raises(ConfigError) as err:
+        parse_config({"domain": {"settle_s": -1, "cool_down_s": -2}}, "f")
+    assert err.value.errors == [
+        "f: domain.settle_s: must be >= 0, got -1.0",
+        "f: domain.cool_down_s: must be >= 0, got -2.0",
+    ]
+    with pytest.raises(ConfigError) as err:  # a rule between keys names the section, without the class
+        parse_config({"policy": {"migrate_in_freeness_above": -5}}, "f")
+    assert err.value.errors[0].startswith("f: policy: migrate_out_freeness_below (3.0) must be <= ")
 
 
 def test_every_refused_value_of_a_section_is_listed_by_key_and_exponents_are_numbers(tmp_path: Path) -> None:
@@ -109,7 +136,10 @@ def test_the_fixed_overheads_of_a_move_are_read_and_checked_by_name(tmp_path: Pa
     bad.write_text("cost: {stage_overhead_s: -0.01, setup_overhead_s: slow}\n")
     with pytest.raises(ConfigError) as err:
         load_config(bad)
-    assert err.value.errors == [f"{bad}: cost.setup_overhead_s: Input should be a valid number"]
+    assert err.value.errors == [
+        f"{bad}: cost.setup_overhead_s: Input should be a valid number",
+        f"{bad}: cost.stage_overhead_s: must be a finite number >= 0, got -0.01",  # not hidden by the other
+    ]
     with pytest.raises(ConfigError) as err:
         parse_config({"cost": {"stage_overhead_s": -0.01}}, "f")
     assert err.value.errors == ["f: cost.stage_overhead_s: must be a finite number >= 0, got -0.01"]
@@ -189,14 +219,16 @@ def test_the_autoscale_section_builds_the_rule_and_the_hook(tmp_path: Path) -> N
     assert cfg.actuator.command_timeout_s == 120.0  # not set: the default
     with pytest.raises(ConfigError) as err:
         parse_config({"autoscale": {"min_instances": 0, "command": 5, "no_such": 1, "command_attempts": 0}}, "f.yaml")
-    assert err.value.errors == [
+    assert err.value.errors == [  # the wrong types and unknown keys, then the values of the others
         "f.yaml: autoscale.command: Input should be a valid string",
         "f.yaml: autoscale.no_such: Extra inputs are not permitted",
+        "f.yaml: autoscale.min_instances: must be >= 1, got 0",
+        "f.yaml: autoscale.command_attempts: must be >= 1, got 0",
     ]
     with pytest.raises(ConfigError) as err:
         parse_config({"autoscale": {"min_instances": 0, "command_attempts": 0}}, "f.yaml")
     assert err.value.errors == [
-        "f.yaml: autoscale: AutoscaleConfig: min_instances must be >= 1, got 0",
+        "f.yaml: autoscale.min_instances: must be >= 1, got 0",
         "f.yaml: autoscale.command_attempts: must be >= 1, got 0",
     ]
 

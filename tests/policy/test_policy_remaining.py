@@ -31,5 +31,5 @@ def test_the_window_forgets_old_requests() -> None:
 def test_bad_input() -> None:
     with pytest.raises(ValueError, match="output_tokens must be >= 0"):
         RemainingEstimator().observe(-1)
-    with pytest.raises(ValueError, match="window >= 1"):
+    with pytest.raises(ValueError, match=r"RemainingConfig.window: must be >= 1, got 0"):
         RemainingConfig(window=0)
