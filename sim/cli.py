@@ -132,7 +132,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser, sizing: bool = False) ->
         choices=("priority", "fcfs"),
         default="priority",
         help="engine scheduling: priority classes in admission and preemption (default) or fcfs (priorities "
-        "ignored in the engine, as before issue 15)",
+        "ignored in the engine: arrival order only)",
     )
     parser.add_argument(
         "--prefix-caching",
@@ -167,6 +167,10 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         raise ValueError(f"--rate-scale must be a finite number > 0, got {args.rate_scale:g}")
     if args.summary_lag_ms is not None and not (math.isfinite(args.summary_lag_ms) and args.summary_lag_ms >= 0):
         raise ValueError(f"--summary-lag-ms must be a finite number of milliseconds >= 0, got {args.summary_lag_ms:g}")
+    if args.summary_lag_ms is not None and "hilum" not in policies:
+        raise ValueError(
+            "--summary-lag-ms applies to the hilum policy only (the lag of its domain summaries); add it to --policy"
+        )
     if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
         raise ValueError(f"--rate must be a number of requests per second > 0, got {args.rate}")
     if args.arrival_cv is not None and not (math.isfinite(args.arrival_cv) and args.arrival_cv > 0):

@@ -106,6 +106,7 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--scale-out", "node-0-i3@inf"], "the time must be a finite number of seconds >= 0, got inf"),
         (["--drain", "node-0-i3@5", "--drain", "node-0-i3@8"], "--drain names node-0-i3 more than once"),
         (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--policy", "llumnix", "--summary-lag-ms", "100"], "--summary-lag-ms applies to the hilum policy only"),
         (["--priority-fraction", "nan"], "priority_fraction (--priority-fraction): Input should be a finite number"),
         (["--model", "nope"], "model (--model) 'nope': no instance of it in 2x8-a100-40gb; models there: llama-2-13b"),
         (["--out", "/proc/no/such"], "--out /proc/no/such: cannot create the folder"),
