@@ -145,6 +145,10 @@ class MigrationRecord:
     transport: str = ""  # how the bytes went (MigrateOutReply.transport); "" = not carried out / not known
     measured_bandwidth_bytes_per_s: float = 0.0  # pre-copy rate achieved (MigrateOutReply); 0 = none measured
     measured_at_s: float = 0.0  # wall-clock seconds of the measurement (the domain scheduler's clock)
+    # the plan the source carried out (MigrateOutReply.plan: "pre-copy", "pre-copy+recompute-prefix",
+    # "stop-and-copy"; "" = not carried out) and the pause it measured, s (beside expected_downtime_s)
+    plan: str = ""
+    measured_downtime_s: float = 0.0
 
     @staticmethod
     def make_id(request_id: str, attempt: int) -> str:

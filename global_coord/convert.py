@@ -201,6 +201,8 @@ def migration(record: MigrationRecord, mod_revision: int) -> pb.Migration:
         transport=record.transport,
         measured_bandwidth_bytes_per_s=record.measured_bandwidth_bytes_per_s,
         measured_at_s=record.measured_at_s,
+        plan=record.plan,
+        measured_downtime_s=record.measured_downtime_s,
     )
 
 
@@ -226,6 +228,8 @@ def migration_record_from_pb(msg: pb.Migration) -> tuple[MigrationRecord, int]:
         transport=msg.transport,
         measured_bandwidth_bytes_per_s=msg.measured_bandwidth_bytes_per_s,
         measured_at_s=msg.measured_at_s,
+        plan=msg.plan,
+        measured_downtime_s=msg.measured_downtime_s,
     )
     return record, msg.mod_revision
 

@@ -172,6 +172,8 @@ def migration_json(m: pb.Migration) -> Json:
         "mod_revision": m.mod_revision,
         "transport": m.transport or None,
         "measured_bandwidth_bytes_per_s": m.measured_bandwidth_bytes_per_s or None,
+        "plan": m.plan or None,
+        "measured_downtime_s": m.measured_downtime_s if m.plan else None,
     }
 
 
@@ -411,11 +413,13 @@ def render_instances(console: Console, data: Json) -> None:
 def render_migrations(console: Console, data: Json) -> None:
     """``migrations`` as a table."""
     table = _table(
-        "MIGRATION", "STATE", "FROM", "TO", "BLOCKS", "TOKEN", "TRANSFER", "DOWNTIME", "MEASURED", "REASON"
+        "MIGRATION", "STATE", "FROM", "TO", "BLOCKS", "TOKEN", "TRANSFER", "DOWNTIME", "PLAN", "MEASURED", "REASON"
     )  # fmt: skip
     for m in data["migrations"]:
         rate = m["measured_bandwidth_bytes_per_s"]
         measured = f"{rate / 1e6:.1f} MB/s ({m['transport']})" if rate else "-"
+        paused = m["measured_downtime_s"]
+        downtime = f"{m['expected_downtime_s'] * 1e3:.1f} ms" + (f" ({paused * 1e3:.1f} paused)" if paused else "")
         table.add_row(
             m["migration_id"],
             m["state"],
@@ -424,7 +428,8 @@ def render_migrations(console: Console, data: Json) -> None:
             str(m["blocks"]),
             str(m["fencing_token"]),
             f"{m['expected_transfer_s']:.3f} s",
-            f"{m['expected_downtime_s'] * 1e3:.1f} ms",
+            downtime,
+            m["plan"] or "-",
             measured,
             m["reason"],
         )
@@ -440,6 +445,7 @@ def migration_line(event: Json) -> str:
     return (
         f"{m['state']:<10} {m['migration_id']}  {m['src_instance_id']} ({m['src_domain_id']}) -> "
         f"{m['dst_instance_id']} ({m['dst_domain_id']})  {m['blocks']} blocks  token {m['fencing_token']}"
+        + (f"  {m['plan']}, paused {m['measured_downtime_s'] * 1e3:.1f} ms" if m["plan"] else "")
         + (f"  {m['reason']}" if m["reason"] else "")
     )
 

@@ -596,6 +596,8 @@ class DomainScheduler:
                 "measured_bandwidth_bytes_per_s": result.precopy_bandwidth_bytes_per_s,
                 "measured_at_s": self._clock.wall_s(),
             }
+        if committed and result is not None:  # what it ran and what the request paused (hilumctl migrations)
+            measured.update(plan=result.plan, measured_downtime_s=result.downtime_s)
         await self._finish_record(record.migration_id, mod_revision, state, None if committed else why, measured)
         return committed
 

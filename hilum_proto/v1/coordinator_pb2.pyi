@@ -448,6 +448,8 @@ class Migration(_message.Message):
     TRANSPORT_FIELD_NUMBER: _builtins.int
     MEASURED_BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     MEASURED_AT_S_FIELD_NUMBER: _builtins.int
+    PLAN_FIELD_NUMBER: _builtins.int
+    MEASURED_DOWNTIME_S_FIELD_NUMBER: _builtins.int
     migration_id: _builtins.str
     """"<request_id>#<attempt>" """
     request_id: _builtins.str
@@ -475,6 +477,12 @@ class Migration(_message.Message):
     """pre-copy rate achieved; 0 = none measured"""
     measured_at_s: _builtins.float
     """wall-clock seconds of the measurement"""
+    plan: _builtins.str
+    """the plan the source ran ("pre-copy", "pre-copy+recompute-prefix","""
+    measured_downtime_s: _builtins.float
+    """"stop-and-copy"); "" = not carried out
+    the pause the source measured, s (beside expected_downtime_s)
+    """
     @_builtins.property
     def links(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """network links on the path, for link budgets"""
@@ -500,10 +508,12 @@ class Migration(_message.Message):
         transport: _builtins.str = ...,
         measured_bandwidth_bytes_per_s: _builtins.float = ...,
         measured_at_s: _builtins.float = ...,
+        plan: _builtins.str = ...,
+        measured_downtime_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "blocks", b"blocks", "dst_domain_id", b"dst_domain_id", "dst_instance_id", b"dst_instance_id", "expected_downtime_s", b"expected_downtime_s", "expected_transfer_s", b"expected_transfer_s", "fencing_token", b"fencing_token", "links", b"links", "measured_at_s", b"measured_at_s", "measured_bandwidth_bytes_per_s", b"measured_bandwidth_bytes_per_s", "migration_id", b"migration_id", "mod_revision", b"mod_revision", "reason", b"reason", "request_id", b"request_id", "src_domain_id", b"src_domain_id", "src_instance_id", b"src_instance_id", "state", b"state", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "blocks", b"blocks", "dst_domain_id", b"dst_domain_id", "dst_instance_id", b"dst_instance_id", "expected_downtime_s", b"expected_downtime_s", "expected_transfer_s", b"expected_transfer_s", "fencing_token", b"fencing_token", "links", b"links", "measured_at_s", b"measured_at_s", "measured_bandwidth_bytes_per_s", b"measured_bandwidth_bytes_per_s", "measured_downtime_s", b"measured_downtime_s", "migration_id", b"migration_id", "mod_revision", b"mod_revision", "plan", b"plan", "reason", b"reason", "request_id", b"request_id", "src_domain_id", b"src_domain_id", "src_instance_id", b"src_instance_id", "state", b"state", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -382,6 +382,9 @@ def test_migrations_list_and_state_filter(cluster: Cluster, capsys: pytest.Captu
     measured = {"transport": "grpc", "measured_bandwidth_bytes_per_s": 12.5e6, "measured_at_s": 1.7e9}
     b = _migration("list-b", "node-x-i1", "node-y-i1", 8)
     asyncio.run(_record_migration(cluster, b, MigrationState.APPROVED, MigrationState.ABORTED, measured=measured))
+    c = _migration("list-c", "node-x-i2", "node-y-i2", 4)
+    ran = {**measured, "plan": "pre-copy+recompute-prefix", "measured_downtime_s": 0.0062}
+    asyncio.run(_record_migration(cluster, c, MigrationState.APPROVED, MigrationState.COMMITTED, measured=ran))
     address = cluster.standby_address
     # the standby's view follows etcd's watch
     by_id = until(
@@ -389,7 +392,7 @@ def test_migrations_list_and_state_filter(cluster: Cluster, capsys: pytest.Captu
             m["migration_id"]: m
             for m in ctl_json(capsys, "--coordinator", address, "--json", "migrations")["migrations"]
         },
-        lambda ms: {"list-a#0", "list-b#0"} <= set(ms),
+        lambda ms: {"list-a#0", "list-b#0", "list-c#0"} <= set(ms),
     )
     assert by_id["list-a#0"] == {
         "migration_id": "list-a#0", "request_id": "list-a", "attempt": 0, "state": "approved",
@@ -397,7 +400,7 @@ def test_migrations_list_and_state_filter(cluster: Cluster, capsys: pytest.Captu
         "dst_domain_id": "node-y", "blocks": 64, "fencing_token": cluster.token,
         "links": ["nic:node-0", "tor:rack-0"], "expected_transfer_s": 0.25, "expected_downtime_s": 0.004,
         "reason": "test move", "mod_revision": by_id["list-a#0"]["mod_revision"],
-        "transport": None, "measured_bandwidth_bytes_per_s": None,
+        "transport": None, "measured_bandwidth_bytes_per_s": None, "plan": None, "measured_downtime_s": None,
     }  # fmt: skip
     assert by_id["list-b#0"]["state"] == "aborted"
     assert (by_id["list-b#0"]["transport"], by_id["list-b#0"]["measured_bandwidth_bytes_per_s"]) == ("grpc", 12.5e6)
@@ -411,10 +414,18 @@ def test_migrations_list_and_state_filter(cluster: Cluster, capsys: pytest.Captu
     row = next(line.split() for line in out.splitlines() if line.lstrip().startswith("list-a#0"))
     assert row[:10] == ["list-a#0", "approved", "node-x-i0", "(node-x)", "node-y-i0", "(node-y)", "64",
                         str(cluster.token), "0.250", "s"]  # fmt: skip
-    assert row[12] == "-"  # not measured
+    assert row[10:14] == ["4.0", "ms", "-", "-"]  # the approved downtime; not carried out: no plan, not measured
     rc, out, _ = ctl(capsys, "--coordinator", address, "migrations", "--state", "aborted")
     row = next(line.split() for line in out.splitlines() if line.lstrip().startswith("list-b#0"))
-    assert row[12:15] == ["12.5", "MB/s", "(grpc)"]
+    assert row[12:16] == ["-", "12.5", "MB/s", "(grpc)"]
+    # a committed move: the plan the source ran and the pause it measured, beside what was approved
+    assert (by_id["list-c#0"]["plan"], by_id["list-c#0"]["measured_downtime_s"]) == (
+        "pre-copy+recompute-prefix",
+        0.0062,
+    )
+    rc, out, _ = ctl(capsys, "--coordinator", address, "migrations", "--state", "committed")
+    row = next(line.split() for line in out.splitlines() if line.lstrip().startswith("list-c#0"))
+    assert row[10:15] == ["4.0", "ms", "(6.2", "paused)", "pre-copy+recompute-prefix"]
 
 
 def test_follow_prints_a_migration_created_while_it_runs(cluster: Cluster) -> None:

@@ -137,7 +137,7 @@ class FakeLlumlet(pb_grpc.LlumletServicer):
         dst.running[request.request_id] = req
         self.bump()
         dst.bump()
-        return pb.MigrateOutReply(outcome=pb.MIGRATION_COMMITTED, blocks=req.blocks)
+        return pb.MigrateOutReply(outcome=pb.MIGRATION_COMMITTED, blocks=req.blocks, plan="pre-copy", downtime_s=0.004)
 
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseReply:
         return pb.ReleaseReply(status=pb.DEST_OK, committed=request.request_id in self.running)

@@ -101,6 +101,7 @@ def test_drained_domain_moves_out_with_fenced_approvals(etcd: Any, prefix: str) 
                 for cmd in fa["a0"].commands:
                     record = _records(coord)[MigrationRecord.make_id(cmd.request_id, cmd.attempt)]
                     assert (record.src_instance_id, record.dst_instance_id, record.fencing_token) == ("a0", "b0", token)
+                    assert (record.plan, record.measured_downtime_s) == ("pre-copy", 0.004)  # what the source ran
                 state = rack_a.state()
                 assert (state.cross_domain_approved, state.newest_fencing_token) == (2, token)
 
