@@ -77,11 +77,13 @@ def test_a_fast_path_copies_the_prompt_blocks() -> None:
 
 
 # ---- the model engine (sim backend) on a real clock: the destination waits out its modelled re-prefill --------
-SIM_PROMPT_TOKENS = 272  # one hash block of 256 tokens (16 blocks of 16) and one more block
+# one hash block of 256 tokens (16 blocks of 16) and 5 more blocks: copying those 5 (42 ms at 1 GB/s) outlasts the
+# re-prefill of the 16 (24 ms on the A100 latency model), so recompute completes sooner without a longer downtime
+SIM_PROMPT_TOKENS = 336
 
 
 async def _sim_move(rate_cap_bytes_per_s: float) -> tuple[pb.MigrateOutReply, float]:
-    """A 272-token prompt (hash block 5 of 256 tokens) on sim llumlet a, moved to b over gRPC at the rate cap.
+    """A 336-token prompt (hash block 5 of 256 tokens) on sim llumlet a, moved to b over gRPC at the rate cap.
     Returns the reply and b's latency-model estimate of prefilling those 256 tokens alone."""
     col = TokenCollector()
     await col.start()
@@ -125,9 +127,9 @@ def test_a_sim_llumlet_destination_re_prefills_on_a_slow_path_and_waits_its_mode
     rep, estimate_s = asyncio.run(_sim_move(1e9))
     assert rep.plan == "pre-copy+recompute-prefix" and rep.recomputed_blocks == 16
     assert rep.recompute_s == pytest.approx(estimate_s) and 0 < estimate_s < 0.134
-    # stage 0 sent the prompt's 17th block only: what a destination may re-prefill is what the prompt's hash ids
-    # cover (PromptPrefix.prompt_blocks)
-    assert rep.stage_reports[0].blocks == 1
+    # stage 0 sent the prompt's 5 blocks after the hash block only: what a destination may re-prefill is what the
+    # prompt's hash ids cover (PromptPrefix.prompt_blocks)
+    assert rep.stage_reports[0].blocks == 5
     assert rep.total_s >= estimate_s  # the Commit waited for the destination's modelled re-prefill
 
 
@@ -166,9 +168,9 @@ def test_a_failed_re_prefill_fails_the_commit_and_a_second_ask_is_refused() -> N
 
 
 def test_the_re_prefillable_prefix_is_what_the_hash_ids_cover_as_the_simulator_and_the_judge_count_it() -> None:
-    ids = tuple(range(3, 3 + SIM_PROMPT_TOKENS))  # 272 prompt tokens: 17 full blocks of 16
+    ids = tuple(range(3, 3 + SIM_PROMPT_TOKENS))  # 336 prompt tokens: 21 full blocks of 16
     hashed = PromptPrefix(token_ids=ids, block_hashes=(5,), hash_block_tokens=256)
-    assert hashed.prompt_blocks(400, 16) == 16  # the hash block's 256 tokens, not all 272 (sim and judge alike)
-    assert PromptPrefix(token_ids=ids).prompt_blocks(400, 16) == 17  # no hash ids: the prompt's known tokens
+    assert hashed.prompt_blocks(400, 16) == 16  # the hash block's 256 tokens, not all 336 (sim and judge alike)
+    assert PromptPrefix(token_ids=ids).prompt_blocks(400, 16) == 21  # no hash ids: the prompt's known tokens
     assert PromptPrefix(token_ids=ids).prompt_blocks(100, 16) == 6  # never beyond the KV held
     assert PromptPrefix().prompt_blocks(400, 16) == 0
