@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -134,8 +135,8 @@ class AdminClient:
     """
 
     def __init__(self, target: Target, rpc_timeout_s: float) -> None:
-        if rpc_timeout_s <= 0:
-            raise UsageError(f"--rpc-timeout: must be > 0 seconds, got {rpc_timeout_s:g}")
+        if not (math.isfinite(rpc_timeout_s) and rpc_timeout_s > 0):
+            raise UsageError(f"--rpc-timeout: must be a finite number of seconds > 0, got {rpc_timeout_s:g}")
         self.target = target
         self.rpc_timeout_s = rpc_timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}

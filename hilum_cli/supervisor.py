@@ -366,7 +366,7 @@ class Supervisor:
             child.back_s = child.started_s
             if self.on_restart is not None:  # first: once the line is out, cluster.json shows the restart
                 self.on_restart(child)
-            self._say(f"{child.name} serves again (pid {proc.pid}; restarted {child.restarts} times in all)")
+            self._say(f"{child.name} serves again (pid {proc.pid}; restarts in all: {child.restarts})")
         elif now - child.started_s > self.ready_timeout_s:
             self._say(f"{child.name} (pid {proc.pid}) did not serve within {self.ready_timeout_s:g} s of its "
                       "restart; killing it")  # fmt: skip

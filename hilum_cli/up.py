@@ -428,8 +428,8 @@ def _check(cfg: UpConfig) -> _Checked:
     if cfg.coordinators < 1:
         raise UpUsageError(f"--coordinators: need at least 1, got {cfg.coordinators}")
     _check_gateways(cfg)
-    if not cfg.start_timeout_s > 0:
-        raise UpUsageError(f"--start-timeout: must be > 0 seconds, got {cfg.start_timeout_s:g}")
+    if not (math.isfinite(cfg.start_timeout_s) and cfg.start_timeout_s > 0):
+        raise UpUsageError(f"--start-timeout: must be a finite number of seconds > 0, got {cfg.start_timeout_s:g}")
     for flag, value in (("--time-scale", cfg.time_scale), ("--min-step-s", cfg.min_step_s)):
         if not (math.isfinite(value) and value >= 0):
             raise UpUsageError(f"{flag}: must be a finite number >= 0, got {value:g}")

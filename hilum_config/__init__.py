@@ -208,10 +208,15 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
                 built["actuator" if c is _AUTOSCALE_ACTUATOR else name] = _build(c, own, f"{source}: {name}")
             except ConfigError as exc:
                 errors += exc.errors
+    policy, remaining = built.get("policy", PolicyConfig()), built.get("remaining", RemainingConfig())
+    try:  # checked even when other sections failed (with the defaults in their place), so nothing is hidden
+        domain = _build(
+            DomainConfig, {"policy": policy, "remaining": remaining, **built.get("domain", {})}, f"{source}: domain"
+        )
+    except ConfigError as exc:
+        errors += exc.errors
     if errors:
         raise ConfigError(errors)
-    policy, remaining = built["policy"], built["remaining"]
-    domain = _build(DomainConfig, {"policy": policy, "remaining": remaining, **built["domain"]}, f"{source}: domain")
     return HilumConfig(
         policy,
         remaining,
@@ -243,7 +248,7 @@ def _build(cls: type[Any], values: dict[str, Any], where: str) -> Any:
             if key is None:
                 errors.append(f"{where}: {message}")
                 break
-            errors.append(f"{where}.{key}: {message}")
+            errors.append(f"{where}.{key}{message}" if message.startswith("[") else f"{where}.{key}: {message}")
             del left[key]
             continue
         if not errors:
@@ -261,6 +266,8 @@ def _blamed(message: str, keys: Mapping[str, Any], class_name: str) -> tuple[str
             return key, text[len(key) + 2 :]
         if text.startswith(f"{key} ("):  # "key (value) must be ...": the sentence needs its subject
             return key, text
+        if text.startswith(f"{key}["):  # "key[2]: ..." (an entry of a mapping): the entry stays in the path
+            return key, text[len(key) :]
         if text.startswith(f"{key} "):
             return key, text[len(key) + 1 :]
     return None, text

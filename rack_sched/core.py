@@ -56,8 +56,8 @@ class DomainConfig:
 
     def __post_init__(self) -> None:
         for name in ("settle_s", "cool_down_s"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"DomainConfig.{name}: must be >= 0, got {getattr(self, name)}")
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"DomainConfig.{name}: must be a finite number >= 0, got {getattr(self, name)}")
         if not self.default_decode_step_s > 0:
             raise ValueError(f"DomainConfig.default_decode_step_s: must be > 0, got {self.default_decode_step_s}")
 

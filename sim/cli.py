@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from hilum_config import ConfigError, load_config
@@ -56,7 +57,9 @@ def register(sub: Any) -> None:
         help="the smallest static fleet meeting a P99 TTFT target, per policy (each size a real simulation)",
         description="Bisect over static fleet sizes (--initial-instances) for the smallest that meets "
         "--target-p99-ttft-ms, per policy; every size simulated is shown with its GPU-hours (sim/sizing.py). "
-        "The run options go after 'size'.",
+        "The run options may go before or after 'size' (given in both places, the one after wins). The search "
+        "assumes more instances are never slower: on a few requests noise can break that (the table shows "
+        "every size tried).",
     )
     size.add_argument("--target-p99-ttft-ms", type=float, required=True, metavar="MS", help="the P99 TTFT target")
     _add_run_arguments(size, sizing=True)
@@ -226,7 +229,7 @@ def run_cli(args: argparse.Namespace) -> int:
     from .results import summarize, write_results
     from .runner import run_simulation
 
-    err = Console(stderr=True, soft_wrap=True)
+    err = Console(stderr=True, soft_wrap=True, emoji=False)
     loaded = _load(args, err, "hilum sim")
     if isinstance(loaded, int):
         return loaded
@@ -297,7 +300,7 @@ def run_size_cli(args: argparse.Namespace) -> int:
     from .runner import run_simulation, served_model
     from .sizing import size_fleet
 
-    err = Console(stderr=True, soft_wrap=True)
+    err = Console(stderr=True, soft_wrap=True, emoji=False)
     refused = None
     if not args.target_p99_ttft_ms > 0:
         refused = f"--target-p99-ttft-ms must be > 0, got {args.target_p99_ttft_ms:g}"
@@ -406,12 +409,13 @@ def _load(
         )
     except TopologyError as exc:
         err.print(
-            f"[red]{command}: error: invalid topology (--topology {args.topology})[/red]\n" + "\n".join(exc.errors),
+            f"[red]{command}: error: invalid topology (--topology {escape(args.topology)})[/red]\n"
+            + escape("\n".join(exc.errors)),
             highlight=False,
         )
         return 2
     except (ValueError, OSError) as exc:
-        err.print(f"[red]{command}: error:[/red] {exc}", highlight=False)
+        err.print(f"[red]{command}: error:[/red] {escape(str(exc))}", highlight=False)
         return 2
     return specs, topology, trace, out
 
@@ -431,7 +435,10 @@ def _output_dir(out: str | None) -> Path | None:
     except OSError as exc:
         raise OSError(f"--out {out}: cannot create the folder: {exc.strerror or exc}") from None
     probe = path / ".hilum-write-test"
-    probe.write_text("")
+    try:
+        probe.write_text("")
+    except OSError as exc:
+        raise OSError(f"--out {out}: cannot write there: {exc.strerror or exc}") from None
     probe.unlink()
     return path
 

@@ -707,8 +707,9 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     # an option the command checks is a usage error before anything is contacted (nothing listens at h:1)
     rc, out, err = ctl(capsys, "--coordinator", "h:1", "drain", "i0", "--wait", "--interval", "0")
     assert (rc, out) == (2, "") and "--interval > 0, got" in err
-    rc, out, err = ctl(capsys, "--coordinator", "h:1", "--rpc-timeout", "0", "status")
-    assert (rc, out) == (2, "") and "--rpc-timeout: must be > 0 seconds" in err
+    for bad in ("0", "nan", "inf"):
+        rc, out, err = ctl(capsys, "--coordinator", "h:1", "--rpc-timeout", bad, "status")
+        assert (rc, out) == (2, "") and "--rpc-timeout: must be a finite number of seconds > 0" in err
     with pytest.raises(SystemExit) as exc:
         main(["--coordinator", "h:1", "--etcd", "h:2", "status"], env={})
     assert exc.value.code == 2

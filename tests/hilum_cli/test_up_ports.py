@@ -173,6 +173,11 @@ def test_engine_vllm_with_a_model_name_needs_a_tokenizer_directory(tmp_path: Pat
         ({"time_scale": -1.0}, "", "hilum up: error: --time-scale: must be a finite number >= 0, got -1"),
         ({"min_step_s": float("nan")}, "", "hilum up: error: --min-step-s: must be a finite number >= 0, got nan"),
         (
+            {"start_timeout_s": float("inf")},
+            "",
+            "hilum up: error: --start-timeout: must be a finite number of seconds > 0, got inf",
+        ),
+        (
             {},
             "autoscale:\n  enabled: true\n",
             "autoscale.command is empty: the autoscaler has no way to start or stop an instance",

@@ -94,8 +94,17 @@ def test_sections_checked_as_a_whole_name_their_keys_too() -> None:
     with pytest.raises(ConfigError) as err:
         parse_config({"domain": {"settle_s": -1, "cool_down_s": -2}}, "f")
     assert err.value.errors == [
-        "f: domain.settle_s: must be >= 0, got -1.0",
-        "f: domain.cool_down_s: must be >= 0, got -2.0",
+        "f: domain.settle_s: must be a finite number >= 0, got -1.0",
+        "f: domain.cool_down_s: must be a finite number >= 0, got -2.0",
+    ]
+    with pytest.raises(ConfigError) as err:  # the domain section is checked even when another section failed
+        parse_config(
+            {"policy": {"priority_headroom_blocks": {2: -4}, "tie_tolerance": -1}, "domain": {"settle_s": -1}}, "f"
+        )
+    assert err.value.errors == [
+        "f: policy.priority_headroom_blocks[2]: blocks must be an int >= 0, got -4",
+        "f: policy.tie_tolerance: must be in [0, 1), got -1.0",
+        "f: domain.settle_s: must be a finite number >= 0, got -1.0",
     ]
     with pytest.raises(ConfigError) as err:  # a rule between keys names the section, without the class
         parse_config({"policy": {"migrate_in_freeness_above": -5}}, "f")

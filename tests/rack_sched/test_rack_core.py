@@ -218,7 +218,7 @@ def test_bad_requests_are_refused_with_the_field() -> None:
         DomainRequest("r", "m", 10, 0)
     with pytest.raises(ValueError, match="block_size_tokens must be >= 1"):
         core().add_instance("a", "m", 0)
-    with pytest.raises(ValueError, match=r"DomainConfig\.settle_s: must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"DomainConfig\.settle_s: must be a finite number >= 0, got -1"):
         DomainConfig(settle_s=-1)
     assert DomainRequest("r", "m", 16, 17).demand_blocks(16) == 2
     assert DomainRequest("r", "m", 16, 17).need_blocks(16) == 2  # 16 + 17 - 1 = 32 tokens

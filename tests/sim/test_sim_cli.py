@@ -110,6 +110,8 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--priority-fraction", "nan"], "priority_fraction (--priority-fraction): Input should be a finite number"),
         (["--model", "nope"], "model (--model) 'nope': no instance of it in 2x8-a100-40gb; models there: llama-2-13b"),
         (["--out", "/proc/no/such"], "--out /proc/no/such: cannot create the folder"),
+        (["--out", "/proc/self"], "--out /proc/self: cannot write there"),
+        (["--trace", "[red]x[/red]:x:"], "unknown trace '[red]x[/red]:x:'"),  # printed as given: no markup, no emoji
         (["--drain", "node-0-i1@5", "--scale-out", "node-0-i1@9"], "both drained and scaled out"),
         (["--out", "README.md"], "exists and is not a directory"),
         (["--cold-start-s", "5"], "cold_start_s (--cold-start-s) applies only with autoscale (--autoscale)"),
