@@ -14,7 +14,7 @@ from pathlib import Path
 from global_coord.approval import ApprovalConfig, price_and_judge
 from global_coord.approver import Judgement, MoveJudge, MoveProposal, PathLike, PathOf
 from global_coord.coordinator import TopologyLike
-from topology.cost import CostConfig
+from topology.cost import CostConfig, prefix_kv_blocks
 from topology.graph import TopologyGraph
 from topology.load import load_topology
 from topology.spec import Topology
@@ -93,9 +93,9 @@ def _prefix_blocks(move: MoveProposal, block_size_tokens: int, dst_hash_blocks: 
     holds) of the cost model's input, in KV blocks; none when the move's hash blocks are not whole KV blocks."""
     if not move.prefix_hashes or move.prefix_block_tokens % block_size_tokens:
         return {}
-    per = move.prefix_block_tokens // block_size_tokens
-    prefix = min(len(move.prefix_hashes) * per, move.num_tokens // block_size_tokens)
-    return {"prefix_blocks": prefix, "prefix_blocks_on_dst": min(dst_hash_blocks * per, prefix)}
+    h, bs, n = move.prefix_block_tokens, block_size_tokens, move.num_tokens
+    prefix = prefix_kv_blocks(len(move.prefix_hashes), h, n, bs)
+    return {"prefix_blocks": prefix, "prefix_blocks_on_dst": min(prefix_kv_blocks(dst_hash_blocks, h, n, bs), prefix)}
 
 
 def load_cluster_model(

@@ -240,7 +240,7 @@ def _build(cls: type[Any], values: dict[str, Any], where: str) -> Any:
     another. A refusal naming no key (a rule between keys) is reported at ``where`` and ends the search."""
     errors: list[str] = []
     left = dict(values)
-    while True:
+    for _ in range(len(values) + 1):  # each try sets one key aside, or ends
         try:
             built = cls(**left)
         except ValueError as exc:
@@ -250,10 +250,10 @@ def _build(cls: type[Any], values: dict[str, Any], where: str) -> Any:
                 break
             errors.append(f"{where}.{key}{message}" if message.startswith("[") else f"{where}.{key}: {message}")
             del left[key]
-            continue
-        if not errors:
-            return built
-        break
+        else:
+            if not errors:
+                return built
+            break
     raise ConfigError(errors)
 
 

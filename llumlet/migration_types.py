@@ -13,7 +13,7 @@ from typing import Any
 
 from llumlet.engine.types import MigrationState
 from llumlet.transport import TransportName
-from topology.cost import CostConfig, PrecopyRule
+from topology.cost import CostConfig, PrecopyRule, prefix_kv_blocks
 
 __all__ = [
     "TIMING_TAG",
@@ -270,8 +270,9 @@ class PromptPrefix:
         destination could re-prefill (``topology.cost.MigrationCostInput.prefix_blocks``). The tokens its prefix
         hash ids cover when it has them — the prefix the simulator's executor and the coordinator's judge price
         (one rule for the three) — else the prompt's tokens when ``token_ids`` are known; 0 when neither is."""
-        tokens = len(self.block_hashes) * self.hash_block_tokens or len(self.token_ids)
-        return min(tokens, kv_tokens) // block_size_tokens
+        if self.block_hashes and self.hash_block_tokens:
+            return prefix_kv_blocks(len(self.block_hashes), self.hash_block_tokens, kv_tokens, block_size_tokens)
+        return min(len(self.token_ids), kv_tokens) // block_size_tokens
 
 
 #: The prefix of a request whose prompt is not known here (matches nothing).

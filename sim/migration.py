@@ -49,6 +49,7 @@ from topology.cost import (
     MigrationCostInput,
     effective_bandwidth_bytes_per_s,
     plan_migration,
+    prefix_kv_blocks,
 )
 from topology.graph import PathInfo, TopologyGraph
 
@@ -206,7 +207,7 @@ class MigrationExecutor:
         the rest of the prefix too when recomputing it on the destination finishes sooner."""
         model = self.cluster.model_of(move.src.instance_id)
         bs = model.block_size_tokens
-        prefix_blocks = min(min(len(hashes), prompt_tokens // hash_tokens) * (hash_tokens // bs), tokens // bs)
+        prefix_blocks = prefix_kv_blocks(min(len(hashes), prompt_tokens // hash_tokens), hash_tokens, tokens, bs)
         move.skipped_blocks = move.copied_blocks = adopted = min(adopted, prefix_blocks)
         missing = prefix_blocks - adopted
         if missing <= 0:

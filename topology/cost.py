@@ -65,6 +65,7 @@ __all__ = [
     "bytes_per_link",
     "effective_bandwidth_bytes_per_s",
     "plan_migration",
+    "prefix_kv_blocks",
 ]
 
 PlanMode = Literal["pre-copy", "pre-copy+recompute-prefix", "blocking"]
@@ -436,6 +437,21 @@ def _plan(inp: MigrationCostInput, cfg: CostConfig, bw: Fraction) -> MigrationPl
     if alt.downtime_s <= plan.downtime_s and (alt.completion_s, alt.downtime_s) < (plan.completion_s, plan.downtime_s):
         return alt
     return plan
+
+
+def prefix_kv_blocks(num_hash_blocks: int, hash_block_tokens: int, kv_tokens: int, block_size_tokens: int) -> int:
+    """The leading full KV blocks of a request holding ``kv_tokens`` tokens that ``num_hash_blocks`` prefix hash
+    blocks of ``hash_block_tokens`` tokens each cover: ``min(n · ⌊H / bs⌋, ⌊kv_tokens / bs⌋)`` (H is a multiple of
+    bs wherever a prefix cache matches it: ``llumlet.engine.blocks``). ``MigrationCostInput``'s ``prefix_blocks``,
+    and its ``prefix_blocks_on_dst`` with the hash blocks the destination holds: the one count the simulator's
+    executor, the llumlet's source and the coordinator's judge price a prefix with. Raises ValueError when
+    ``block_size_tokens`` < 1 or a count is negative."""
+    if block_size_tokens < 1 or min(num_hash_blocks, hash_block_tokens, kv_tokens) < 0:
+        raise ValueError(
+            f"prefix_kv_blocks: need block_size_tokens >= 1 and counts >= 0, got {num_hash_blocks} hash blocks of "
+            f"{hash_block_tokens} tokens, {kv_tokens} KV tokens, blocks of {block_size_tokens}"
+        )
+    return min(num_hash_blocks * (hash_block_tokens // block_size_tokens), kv_tokens // block_size_tokens)
 
 
 def bytes_per_link(plan: MigrationPlan, path: PathInfo) -> dict[str, int]:

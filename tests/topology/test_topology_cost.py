@@ -17,6 +17,7 @@ from topology.cost import (
     bytes_per_link,
     effective_bandwidth_bytes_per_s,
     plan_migration,
+    prefix_kv_blocks,
 )
 from topology.graph import PathInfo
 
@@ -340,3 +341,11 @@ def test_one_precopy_rule_for_the_cost_model_the_simulator_and_the_llumlet() -> 
     assert PrecopyRule(max_stages=0).next_live_stage(1000, 0, 0, 16) is None  # stop-and-copy
     with pytest.raises(ValueError, match="stop_remaining_blocks must be an int >= 0, got -1"):
         PrecopyRule(stop_remaining_blocks=-1)
+
+
+def test_prefix_kv_blocks_counts_the_full_blocks_the_hash_blocks_cover() -> None:
+    assert prefix_kv_blocks(2, 512, 2000, 16) == 64  # 2 hash blocks of 32 KV blocks each
+    assert prefix_kv_blocks(2, 512, 700, 16) == 43  # never beyond the KV held: 700 // 16
+    assert prefix_kv_blocks(0, 512, 700, 16) == 0
+    with pytest.raises(ValueError, match="block_size_tokens >= 1"):
+        prefix_kv_blocks(1, 512, 700, 0)
