@@ -25,10 +25,11 @@ __all__ = ["path_summary", "register", "topology_summary"]
 _INSTANCE_ROWS = 32  # list instances one by one up to this many unless --instances
 
 
-def register(sub: Any) -> None:
-    """Add ``hilum topology`` to the sub-command set ``sub`` (an argparse sub-parsers action)."""
+def register(sub: Any, summary: str) -> None:
+    """Add ``hilum topology`` to the sub-command set ``sub`` (an argparse sub-parsers action); ``summary``: its
+    one-line help."""
     parser: argparse.ArgumentParser = sub.add_parser(
-        "topology", help="inspect topology files", description="Inspect a topology file or bundled example."
+        "topology", help=summary, description="Inspect a topology file or bundled example."
     )
     cmds = parser.add_subparsers(dest="topology_command", metavar="SUBCOMMAND")
     cmds.required = True
