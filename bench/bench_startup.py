@@ -30,6 +30,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.bench_sim_vs_commit import alternating, trees  # noqa: E402
+
 # ``hilum ARGS``: what the installed ``hilum`` script runs, with the arguments after ``-c CODE``
 _HILUM = "import sys; from hilum_cli.main import main; sys.exit(main(sys.argv[1:]))"
 
@@ -77,21 +82,16 @@ def main() -> None:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.short_requests < 1:
         parser.error(f"--short-requests must be >= 1, got {args.short_requests}")
-    here = Path(__file__).resolve().parent.parent
-    with tempfile.TemporaryDirectory(prefix="hilum-base-") as tmp:
-        archive = subprocess.run(["git", "-C", str(here), "archive", args.base], capture_output=True, check=True)
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
-        trees = {"base": Path(tmp), "this": here}
+    with trees(args.base) as tree:
         print(f"start-up: base {args.base} vs this checkout; CPU s of the whole process, median of {args.rounds}")
         print(f"{'command':<26} {'base CPU s':>11} {'this CPU s':>11} {'base / this':>12}  output")
         for label, (argv, compared) in commands(args.short_requests).items():
             cpu: dict[str, list[float]] = {"base": [], "this": []}
             outputs: dict[str, set[str]] = {"base": set(), "this": set()}
-            for rnd in range(args.rounds):
-                for side in ("base", "this") if rnd % 2 == 0 else ("this", "base"):
-                    spent, stdout = run_once(trees[side], argv)
-                    cpu[side].append(spent)
-                    outputs[side].add(stdout)
+            for side in alternating(args.rounds):
+                spent, stdout = run_once(tree[side], argv)
+                cpu[side].append(spent)
+                outputs[side].add(stdout)
             base_s, this_s = statistics.median(cpu["base"]), statistics.median(cpu["this"])
             same = "-" if not compared else "same" if outputs["base"] == outputs["this"] else "DIFFERS"
             print(f"{label:<26} {base_s:>11.2f} {this_s:>11.2f} {base_s / this_s:>11.2f}x  {same}", flush=True)

@@ -92,13 +92,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """Import the submodule that defines ``name`` on first use (PEP 562); AttributeError for any other name."""
-    module = _EXPORTS.get(name)
-    if module is None:
+    """``name`` from the submodule that defines it, imported on first use (PEP 562); AttributeError for any other."""
+    if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
 
 
 def __dir__() -> list[str]:
