@@ -149,8 +149,9 @@ class SimInstance:
         self._engine = engine
         self._sync = sync
         self.busy = False  # a step (or a decode run) is in flight
+        self.watchers: list[set[str]] = []  # sets this instance's id joins at every change (see touch)
         self.active = active  # False until a scripted scale-out adds it
-        self.draining = False
+        self._draining = False
         self.warm_until_s = -math.inf  # warm-up (negative fake usage) ends at this time
         self._last_step_s = 0.0
         self.at_boundary: list[Callable[[], None]] = []  # hooks to run at the next step boundary
@@ -159,6 +160,28 @@ class SimInstance:
         self._flag_changes = 0  # times _flags changed
         self._load: tuple[int, InstanceLoad] | None = None  # (load version, the detailed report of it)
         self._brief: tuple[int, InstanceLoad] | None = None  # (load version, the brief report of it)
+        engine.on_change = self.touch
+
+    def touch(self) -> None:
+        """Something changed the instance other than the steps of its decode run going on (a request added or
+        aborted, a reservation, a migration hook, a step or run started or ended, a run cut, the draining flag,
+        a start or stop): its id joins every set in :attr:`watchers`. A watcher that empties its set can rely
+        on the instance being as it left it, its decode run's steps aside, until the id shows up again (the
+        warm-up ending is a change of time, not an event: watchers mind ``warm_until_s`` themselves)."""
+        iid = self.instance_id
+        for watcher in self.watchers:
+            watcher.add(iid)
+
+    @property
+    def draining(self) -> bool:
+        """True while the instance is drained (infinite virtual usage: nothing new, everything moves away)."""
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        if value != self._draining:
+            self._draining = value
+            self.touch()
 
     @property
     def engine(self) -> EngineCore:
@@ -285,6 +308,7 @@ class Cluster:
         inst = self.instances[instance_id]
         inst.active = True
         inst.warm_until_s = self.queue.now_s + warmup_s
+        inst.touch()
         self.hold_gpus(instance_id)
 
     def deactivate(self, instance_id: str) -> None:
@@ -301,6 +325,7 @@ class Cluster:
             )
         inst.active = False
         inst.warm_until_s = -math.inf
+        inst.touch()
         self.free_gpus(instance_id)
 
     # ------------------------------------------------------------------ views
@@ -351,6 +376,19 @@ class Cluster:
         flight = inst._run
         last = 0 if flight is None else inst._engine.decode_run_steps_within(started, extra_blocks)
         return GrowthMark(flight, version - started, last)
+
+    def growth_holds_until_s(self, inst: SimInstance, mark: GrowthMark) -> float:
+        """A time before which :meth:`within_growth` holds for ``mark`` (a :meth:`growth_mark` of ``inst`` just
+        made) as long as nothing touches ``inst`` (:meth:`SimInstance.touch`): the end of the last step the mark
+        covers (the next one starts then), or the end of its warm-up; inf when only a touch can end it (no decode
+        run, or the mark covers the run's last step, whose end touches)."""
+        until = math.inf
+        flight = mark.flight
+        if flight is not None and mark.last_step < flight.run.steps:
+            until = flight.end_times_s[mark.last_step - 1]
+        if self.queue.now_s < inst.warm_until_s:
+            until = min(until, inst.warm_until_s)
+        return until
 
     def within_growth(self, inst: SimInstance, mark: GrowthMark, position: tuple[int, int]) -> bool:
         """True while ``mark`` (a :meth:`growth_mark` of ``inst``) holds; ``position``: its :meth:`load_position`
@@ -449,6 +487,7 @@ class Cluster:
         result = engine.step()
         if result.is_idle:  # nothing fits now (space held by reservations): wait for the next event
             return
+        inst.touch()
         self.engine_steps += 1
         inst._last_step_s = result.duration_s
         inst.busy = True
@@ -471,6 +510,7 @@ class Cluster:
     def _step_done(self, inst: SimInstance, result: StepResult) -> None:
         now = self.queue.now_s
         inst.busy = False
+        inst.touch()
         for request_id, count in result.new_tokens.items():
             self._tokens(self._accounts[request_id], count, now)
         for request_id in result.preempted:
@@ -486,6 +526,7 @@ class Cluster:
         """One event at the end of the run (the engine applied its first step)."""
         flight = _Run(run, self.queue.now_s, self.queue.next_seq())
         inst._run = flight
+        inst.touch()
         inst._last_step_s = run.durations_s[0]
         inst.busy = True
         self._schedule_run_end(inst, flight)
@@ -541,6 +582,7 @@ class Cluster:
         flight = inst._run
         if flight is None:
             return
+        inst.touch()
         self._sync(inst)
         run = flight.run
         if run.applied < run.steps:
@@ -557,6 +599,7 @@ class Cluster:
         inst._run = None
         inst._last_step_s = run.durations_s[steps - 1]
         inst.busy = False
+        inst.touch()
         self.engine_steps += steps
         now = self.queue.now_s
         for request_id in run.finished:

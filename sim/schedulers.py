@@ -125,6 +125,14 @@ class _Feed:
         self._deferred: set[str] = set()  # instances whose report a skipped round deferred to the next refresh
         self._drained: list[str] = []  # the drains of the last refresh
         self._quiet: dict[str, GrowthMark] = {}  # instance -> while it holds, the instance is no migration source
+        # The quiet check's own bookkeeping: instances touched since they were last found quiet, and a time before
+        # which every untouched instance's mark holds (Cluster.growth_holds_until_s): a round then costs O(touched).
+        self._touched: set[str] = {inst.instance_id for inst in self._pool}
+        self._holds_until_s: dict[str, float] = {}
+        self._quiet_until_s = -math.inf
+        self._order = {inst.instance_id: k for k, inst in enumerate(self._pool)}
+        for inst in self._pool:
+            inst.watchers.append(self._touched)
 
     def _details_of(self, instance_id: str) -> InstanceLoad:
         return self.cluster.load(self.cluster.instances[instance_id])
@@ -167,37 +175,55 @@ class _Feed:
         would have been reported with anyway), and the output lengths its report would have carried are handed
         to the core now, in the order the refresh would have (the remaining-output estimate keeps its order).
         """
-        if self.skip_quiet_rounds and self._quiet_round():
+        if self.skip_quiet_rounds and self._quiet_round(now_s):
             return []
         self.refresh()
         return self.core.plan_rebalance(now_s)
 
-    def _quiet_round(self) -> bool:
+    def _quiet_round(self, now_s: float) -> bool:
         """True when a rescheduling round now would find no source (see :meth:`rebalance`); then the output
-        lengths of the instances that changed go to the core, and their reports are deferred."""
+        lengths of the instances that changed go to the core, and their reports are deferred.
+
+        Only the instances touched since they were last found quiet are looked at (all of them once the earliest
+        mark may have lapsed): an untouched instance is as it was then, its decode run's steps aside, and its
+        mark holds until ``Cluster.growth_holds_until_s`` (no finished output length waits for it either: a
+        finish touches). Untouched instances' reports are not deferred: their load version moved with their
+        run's steps, so the next refresh reports them anyway, with the same load.
+        """
         if self._drained or not self.core.settled():
             return False
-        cluster, quiet, reported = self.cluster, self._quiet, self._reported
+        touched = self._touched
+        if not touched and now_s < self._quiet_until_s:
+            return True
+        cluster, quiet, reported, holds = self.cluster, self._quiet, self._reported, self._holds_until_s
         policy = self.core.cfg.policy
+        if now_s < self._quiet_until_s:
+            order = self._order
+            pool = [cluster.instances[iid] for iid in sorted(touched, key=order.__getitem__)]
+        else:
+            pool = self._pool
         changed = []
-        for inst in self._pool:
+        for inst in pool:
             iid = inst.instance_id
             if not inst.active:
                 if iid in reported:
                     return False  # it stops: the refresh removes it
+                holds[iid] = math.inf  # until it starts (a touch)
                 continue
             if inst.draining or iid not in reported:
                 return False
             position = cluster.load_position(inst)
             mark = quiet.get(iid)
-            if mark is None or not cluster.within_growth(inst, mark, position):
-                # the report the refresh would send now (built once: Cluster.load keeps it for that refresh)
-                version, started = position
-                load = cluster.load(inst, brief=self.brief, version=version, started=started)
-                slack = source_slack_blocks(load, policy)
-                if slack < 1:
-                    return False
-                quiet[iid] = cluster.growth_mark(inst, math.floor(slack) - 1, position)
+            if mark is None or iid in touched or not cluster.within_growth(inst, mark, position):
+                if mark is None or not cluster.within_growth(inst, mark, position):
+                    # the report the refresh would send now (built once: Cluster.load keeps it for that refresh)
+                    version, started = position
+                    load = cluster.load(inst, brief=self.brief, version=version, started=started)
+                    slack = source_slack_blocks(load, policy)
+                    if slack < 1:
+                        return False
+                    mark = quiet[iid] = cluster.growth_mark(inst, math.floor(slack) - 1, position)
+                holds[iid] = cluster.growth_holds_until_s(inst, mark)
             version = position[0]
             if version != reported[iid]:
                 changed.append((iid, version))
@@ -205,6 +231,8 @@ class _Feed:
             self.core.finished(cluster.take_finished(iid))
             reported[iid] = version
             self._deferred.add(iid)
+        touched.clear()
+        self._quiet_until_s = min(holds.values(), default=math.inf)
         return True
 
 

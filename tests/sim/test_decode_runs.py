@@ -214,7 +214,8 @@ def test_rescheduling_rounds_skipped_for_want_of_a_source_decide_as_planned_ones
 ) -> None:
     """A round that ``_Feed.rebalance`` skips (no instance can be a source as its decode run grows it; neither
     refresh nor plan) leaves every decision as a refreshed and planned round: the runs are equal record for
-    record, and rounds were skipped."""
+    record, and rounds were skipped. The check looks only at instances touched since it last found them quiet:
+    quiet rounds read fewer than half the load positions a look at every instance would."""
     import sim.schedulers
 
     planned = [0]
@@ -224,9 +225,32 @@ def test_rescheduling_rounds_skipped_for_want_of_a_source_decide_as_planned_ones
         planned[0] += 1
         return plan(self, now_s)
 
+    pool_sizes, looked_at, in_round = [0], [0], [False]
+    quiet_round, load_position = sim.schedulers._Feed._quiet_round, Cluster.load_position
+
+    def counting_round(self: Any, now_s: float) -> bool:
+        in_round[0] = True
+        calls = looked_at[0]
+        try:
+            quiet = quiet_round(self, now_s)
+        finally:
+            in_round[0] = False
+        if not quiet:
+            looked_at[0] = calls  # a planned round: not counted
+        else:
+            pool_sizes[0] += sum(inst.active for inst in self._pool)
+        return quiet
+
+    def counting_position(self: Cluster, inst: Any) -> tuple[int, int]:
+        looked_at[0] += in_round[0]
+        return load_position(self, inst)
+
     monkeypatch.setattr(DomainCore, "plan_rebalance", counting)
+    monkeypatch.setattr(sim.schedulers._Feed, "_quiet_round", counting_round)
+    monkeypatch.setattr(Cluster, "load_position", counting_position)
     fast = run_simulation(spec)
     skipping = planned[0]
+    assert 0 < looked_at[0] < pool_sizes[0] / 2  # every active instance at every quiet round before touch sets
     monkeypatch.setattr(sim.schedulers._Feed, "skip_quiet_rounds", False)
     planned[0] = 0
     ref = run_simulation(spec)
