@@ -39,7 +39,7 @@ from .events import EventKind, EventQueue
 from .results import RequestLog, RequestRecord
 from .traces import TraceRequest
 
-__all__ = ["MAX_RUN_STEPS", "Cluster", "EngineLimits", "GrowthMark", "RequestState", "SimInstance"]
+__all__ = ["MAX_RUN_STEPS", "Cluster", "EngineLimits", "GrowthMark", "ReportTicket", "RequestState", "SimInstance"]
 
 #: Steps one decode run plans at most (its step times are computed up front; a run is cut by any change).
 MAX_RUN_STEPS = 4096
@@ -123,6 +123,19 @@ class _Run:
         return self.start_s if step == 0 else self.end_times_s[step - 1]
 
 
+class ReportTicket:
+    """A brief load report taken at some point, built when first read (``Cluster.report_ticket``)."""
+
+    __slots__ = ("flags", "inst", "load", "started", "version")
+
+    def __init__(self, inst: SimInstance, version: int, started: int, flags: tuple[bool, bool]) -> None:
+        self.inst = inst
+        self.version = version  # Cluster.load_version then
+        self.started = started  # started steps of the run in flight then
+        self.flags = flags  # (draining, warming up) then
+        self.load: InstanceLoad | None = None  # the report, once built
+
+
 @dataclass(frozen=True, slots=True)
 class GrowthMark:
     """Where an instance's load stood (``Cluster.growth_mark``): its decode run, its load version less the run's
@@ -160,6 +173,7 @@ class SimInstance:
         self._flag_changes = 0  # times _flags changed
         self._load: tuple[int, InstanceLoad] | None = None  # (load version, the detailed report of it)
         self._brief: tuple[int, InstanceLoad] | None = None  # (load version, the brief report of it)
+        self._ticket: ReportTicket | None = None  # a report taken and not built yet (Cluster.report_ticket)
         engine.on_change = self.touch
 
     def touch(self) -> None:
@@ -412,18 +426,65 @@ class Cluster:
         cache = inst._brief if brief else inst._load
         if cache is not None and cache[0] == version:
             return cache[1]
-        draining, warming_up = inst._flags
-        ahead = self._steps_ahead(inst, started)
-        flight = inst._run  # its latest started step's time, as step-by-step stepping has it now
-        step_s = flight.run.durations_s[flight.run.applied + ahead - 1] if flight is not None else inst._last_step_s
-        load = inst._engine.instance_load(
-            inst.instance_id, inst.domain_id, draining, warming_up, step_s, steps_ahead=ahead, brief=brief
-        )
+        load = self._build_load(inst, brief, started, inst._flags)
         if brief:
             inst._brief = (version, load)
         else:
             inst._load = (version, load)
         return load
+
+    def _build_load(
+        self, inst: SimInstance, brief: bool, started: int | None, flags: tuple[bool, bool]
+    ) -> InstanceLoad:
+        """:meth:`load` of ``inst`` with ``started`` steps of its run started (None: as now) and these
+        (draining, warming up) flags, built from the engine."""
+        ahead = self._steps_ahead(inst, started)
+        flight = inst._run  # its latest started step's time, as step-by-step stepping has it now
+        step_s = flight.run.durations_s[flight.run.applied + ahead - 1] if flight is not None else inst._last_step_s
+        draining, warming_up = flags
+        return inst._engine.instance_load(
+            inst.instance_id, inst.domain_id, draining, warming_up, step_s, steps_ahead=ahead, brief=brief
+        )
+
+    def report_ticket(self, inst: SimInstance, version: int, started: int) -> ReportTicket:
+        """The brief report :meth:`load` would give now (``version``, ``started``: :meth:`load_position` now),
+        built only when read (:meth:`ticket_load`): a reader of many reports of an instance in a decode run,
+        only the latest of which it uses, builds one. The report is as of now whenever it is read: before the
+        instance's engine moves on (its run's steps applied, the run cut or ended) the pending ticket is built.
+        One ticket per instance is pending; taking another drops the older one, which then builds nothing.
+        """
+        ticket = ReportTicket(inst, version, started, inst._flags)
+        flight = inst._run
+        cache = inst._brief
+        if flight is None or started >= flight.run.steps or (cache is not None and cache[0] == version):
+            ticket.load = self.load(inst, brief=True, version=version, started=started)
+        else:
+            inst._ticket = ticket
+        return ticket
+
+    def ticket_load(self, ticket: ReportTicket) -> InstanceLoad:
+        """The brief report ``ticket`` stands for (:meth:`report_ticket`)."""
+        if ticket.load is None:
+            if ticket.inst._ticket is not ticket:
+                raise RuntimeError(f"{ticket.inst.instance_id}: a report ticket read after a newer one was taken")
+            self._build_ticket(ticket.inst)
+        assert ticket.load is not None
+        return ticket.load
+
+    def _build_ticket(self, inst: SimInstance) -> None:
+        """Build ``inst``'s pending report ticket, if any (its engine is still where the ticket was taken, its
+        run's applied steps at most the ticket's started ones)."""
+        ticket = inst._ticket
+        if ticket is None:
+            return
+        inst._ticket = None
+        cache = inst._brief
+        if cache is not None and cache[0] == ticket.version:  # built since (the same report)
+            ticket.load = cache[1]
+            return
+        ticket.load = self._build_load(inst, True, ticket.started, ticket.flags)
+        if cache is None or cache[0] < ticket.version:
+            inst._brief = (ticket.version, ticket.load)
 
     def _steps_ahead(self, inst: SimInstance, started: int | None = None) -> int:
         """Steps of the decode run in flight that have started and are not applied: a reader computes the state
@@ -566,6 +627,8 @@ class Cluster:
             return
         started = self._started_steps(flight)
         if started > flight.run.applied:
+            if inst._ticket is not None:
+                self._build_ticket(inst)
             inst._engine.advance_decode_run(started)
         inst._last_step_s = flight.run.durations_s[started - 1]
 
@@ -583,6 +646,8 @@ class Cluster:
         if flight is None:
             return
         inst.touch()
+        if inst._ticket is not None:  # a change follows
+            self._build_ticket(inst)
         self._sync(inst)
         run = flight.run
         if run.applied < run.steps:
@@ -592,6 +657,8 @@ class Cluster:
     def _run_done(self, inst: SimInstance, flight: _Run, steps: int) -> None:
         if inst._run is not flight or flight.run.steps != steps:
             return  # the run was cut; a later event ends it
+        if inst._ticket is not None:
+            self._build_ticket(inst)
         run = flight.run
         if run.applied < steps:
             inst._engine.advance_decode_run(steps)
