@@ -129,6 +129,13 @@ def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str, caps
     assert message in capsys.readouterr().err.replace("\n", "")
 
 
+def test_a_sweep_file_that_cannot_be_read_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no-sweep.yaml"
+    assert main(["sim", "sweep", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"hilum sim sweep: error: sweep file {missing}: cannot read it: No such file or directory" in err
+
+
 def test_run_options_before_sweep_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "--max-requests", "5", "--policy", "hilum", "sweep", "examples/sweep.yaml"]) == 2
     err = capsys.readouterr().err
