@@ -50,12 +50,13 @@ def _console() -> Console:
     return Console(width=max(shutil.get_terminal_size((120, 24)).columns, 120), highlight=False)
 
 
-def _load(arg: str) -> Topology | None:
+def _load(arg: str, command: str) -> Topology | None:
+    """The topology ``arg`` names, or None after printing each of its errors as ``hilum topology COMMAND: error:``."""
     try:
         return load_topology(arg)
     except TopologyError as exc:
         for line in exc.errors:
-            print(line, file=sys.stderr)
+            print(f"hilum topology {command}: error: {line}", file=sys.stderr)
         return None
 
 
@@ -198,7 +199,7 @@ def _path_classes(topo: Topology, graph: TopologyGraph) -> dict[str, dict[str, A
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    topo = _load(args.topology)
+    topo = _load(args.topology, "show")
     if topo is None:
         return 1
     summary = topology_summary(topo)
@@ -334,14 +335,14 @@ def path_summary(graph: TopologyGraph, src: str, dst: str) -> dict[str, Any]:
 
 
 def _cmd_path(args: argparse.Namespace) -> int:
-    topo = _load(args.topology)
+    topo = _load(args.topology, "path")
     if topo is None:
         return 1
     graph = TopologyGraph(topo)
     try:
         summary = path_summary(graph, args.src, args.dst)
     except (KeyError, ValueError) as exc:
-        print(f"hilum topology path: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        print(f"hilum topology path: error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(summary, indent=2))
