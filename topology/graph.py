@@ -262,7 +262,7 @@ class _GraphBuilder:
         out: list[_Edge] = []
         done: set[str] = set()
         for name, neighbours in self._adj.items():
-            out += [edge for other, edge in neighbours.items() if other not in done and other != name]
+            out += [edge for other, edge in neighbours.items() if other not in done]
             done.add(name)
         return out
 
