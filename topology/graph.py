@@ -18,12 +18,8 @@ link id                between                         capacity
 
 :meth:`TopologyGraph.path` returns the *widest path* (the path whose narrowest link is widest) between two
 instances. Every path of a maximum spanning tree is a widest path of the graph (Hu, "The maximum capacity
-route problem", Operations Research 9(6), 1961), so the tree is built once and each query walks it to the
-lowest common ancestor: O(tree depth) per query, cached per instance pair. The tree is Kruskal's (edges
-widest first, each kept when it joins two components), with ties taken in the graph's edge order as networkx's
-``maximum_spanning_tree(..., algorithm="kruskal")`` takes them, so it is the tree networkx builds (a test
-checks it); networkx itself is imported only for the :attr:`TopologyGraph.graph` and
-:attr:`TopologyGraph.tree` views (tests, tools), not to simulate or serve.
+route problem", Operations Research 9(6), 1961), so the tree is built once with networkx and each query
+walks it to the lowest common ancestor: O(tree depth) per query, cached per instance pair.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from topology.spec import Topology
 
@@ -64,31 +60,22 @@ def _instance_vertex(instance_id: str) -> str:
 class TopologyGraph:
     """Graph and widest-path queries over a :class:`Topology`.
 
-    Build cost: one maximum spanning tree (Kruskal), O(E log E). ``path`` answers from the tree;
+    Build cost: one networkx maximum spanning tree (Kruskal), O(E log E). ``path`` answers from the tree;
     ``cache_max_entries`` bounds the per-pair answer cache (cleared when full).
     """
 
     def __init__(self, topo: Topology, *, cache_max_entries: int = 1_000_000) -> None:
+        import networkx as nx  # here, not at the top: importing PathInfo (the cost model does) needs no graph
+
         self.topology = topo
-        built = _build_graph(topo)
-        self._vertices, self._added, self._edges = built.vertices, built.added, built.edges()
-        self._tree_edges = _maximum_spanning_tree(list(self._vertices), self._edges)
-        self._capacity: dict[str, float] = {e.link: float(e.capacity) for e in self._edges}
+        self.graph: nx.Graph = _build_graph(topo)
+        self.tree: nx.Graph = nx.maximum_spanning_tree(self.graph, weight="capacity", algorithm="kruskal")
+        self._capacity: dict[str, float] = {
+            str(data["link"]): float(data["capacity"]) for _, _, data in self.graph.edges(data=True)
+        }
         self._cache: dict[tuple[str, str], PathInfo] = {}
         self._cache_max = cache_max_entries
         self._index_tree()
-
-    @property
-    def graph(self) -> nx.Graph:
-        """The graph of the module docstring as a networkx graph (vertex ``kind`` and edge ``link``,
-        ``capacity`` attributes), built at each call."""
-        return self._networkx(self._added)
-
-    @property
-    def tree(self) -> nx.Graph:
-        """The maximum spanning tree the paths are read from, as a networkx graph (every vertex), built at each
-        call."""
-        return self._networkx(self._tree_edges)
 
     # ------------------------------------------------------------------------------------------ queries
 
@@ -124,7 +111,7 @@ class TopologyGraph:
 
     def _index_tree(self) -> None:
         """Root every tree component; store parent, depth, the edge to the parent (link id, capacity)."""
-        names = list(self._vertices)
+        names = list(self.tree.nodes)
         self._vid: dict[str, int] = {name: i for i, name in enumerate(names)}
         n = len(names)
         self._names = names
@@ -133,10 +120,7 @@ class TopologyGraph:
         self._up_link = [""] * n
         self._up_cap = [math.inf] * n
         self._component = [-1] * n
-        adj: dict[str, list[tuple[str, _Edge]]] = {name: [] for name in names}
-        for e in self._tree_edges:
-            adj[e.u].append((e.v, e))
-            adj[e.v].append((e.u, e))
+        adj = self.tree.adj
         for comp, root in enumerate(v for v in names if self._component[self._vid[v]] < 0):
             if self._component[self._vid[root]] >= 0:
                 continue
@@ -145,25 +129,16 @@ class TopologyGraph:
             while queue:
                 u = queue.popleft()
                 ui = self._vid[u]
-                for w, edge in adj[u]:
+                for w, data in adj[u].items():
                     wi = self._vid[w]
                     if self._component[wi] >= 0:
                         continue
                     self._component[wi] = comp
                     self._parent[wi] = ui
                     self._depth[wi] = self._depth[ui] + 1
-                    self._up_link[wi] = edge.link
-                    self._up_cap[wi] = float(edge.capacity)
+                    self._up_link[wi] = str(data["link"])
+                    self._up_cap[wi] = float(data["capacity"])
                     queue.append(w)
-
-    def _networkx(self, edges: list[_Edge]) -> nx.Graph:
-        """Every vertex and ``edges`` as a networkx graph named after the topology."""
-        import networkx as nx  # only here: simulating and serving need no networkx
-
-        g = nx.Graph(name=self.topology.name)
-        g.add_nodes_from(self._vertices.items())
-        g.add_edges_from((e.u, e.v, {"link": e.link, "capacity": e.capacity}) for e in edges)
-        return g
 
     def _vertex(self, instance_id: str) -> int:
         self.topology.instance(instance_id)  # KeyError with the file name if unknown
@@ -226,90 +201,46 @@ class TopologyGraph:
         return out
 
 
-@dataclass(frozen=True, slots=True)
-class _Edge:
-    """An undirected edge ``u`` — ``v``: a link and its capacity (bytes/s, one direction)."""
+def _build_graph(topo: Topology) -> nx.Graph:
+    """The networkx graph described in the module docstring."""
+    import networkx as nx
 
-    u: str
-    v: str
-    link: str
-    capacity: float
-
-
-class _GraphBuilder:
-    """Vertices and edges (each added once) in insertion order, as a networkx ``Graph`` keeps them: an edge
-    adds its missing endpoints; :meth:`edges` lists the edges in the order ``nx.Graph.edges()`` does (by the
-    first of its endpoints to be added, then by the order that vertex's neighbours were added)."""
-
-    def __init__(self) -> None:
-        self.vertices: dict[str, dict[str, Any]] = {}  # vertex -> its attributes
-        self.added: list[_Edge] = []  # in the order they were added
-        self._adj: dict[str, dict[str, _Edge]] = {}  # vertex -> neighbour -> the edge between them
-
-    def add_vertex(self, name: str, **attrs: Any) -> None:
-        self.vertices.setdefault(name, {}).update(attrs)
-        self._adj.setdefault(name, {})
-
-    def add_edge(self, u: str, v: str, link: str, capacity: float) -> None:
-        for name in (u, v):
-            self.add_vertex(name)
-        edge = _Edge(u, v, link, capacity)
-        self.added.append(edge)
-        self._adj[u][v] = edge
-        self._adj[v][u] = edge
-
-    def edges(self) -> list[_Edge]:
-        out: list[_Edge] = []
-        done: set[str] = set()
-        for name, neighbours in self._adj.items():
-            out += [edge for other, edge in neighbours.items() if other not in done]
-            done.add(name)
-        return out
-
-
-def _maximum_spanning_tree(vertices: list[str], edges: list[_Edge]) -> list[_Edge]:
-    """Kruskal's maximum spanning forest: ``edges`` widest first (a stable sort, so equal capacities keep
-    their order: networkx's ``maximum_spanning_tree``'s ties), each kept when it joins two components."""
-    root = {v: v for v in vertices}
-
-    def find(v: str) -> str:
-        while root[v] != v:
-            root[v] = root[root[v]]  # path halving
-            v = root[v]
-        return v
-
-    tree: list[_Edge] = []
-    for edge in sorted(edges, key=lambda e: e.capacity, reverse=True):
-        a, b = find(edge.u), find(edge.v)
-        if a != b:
-            root[a] = b
-            tree.append(edge)
-    return tree
-
-
-def _build_graph(topo: Topology) -> _GraphBuilder:
-    """The vertices (with their attributes) and edges described in the module docstring."""
-    g = _GraphBuilder()
+    g = nx.Graph(name=topo.name)
     multi_rack = len(topo.fabric.racks) > 1
     if multi_rack:
-        g.add_vertex("spine", kind="spine")
+        g.add_node("spine", kind="spine")
     for rack in topo.fabric.racks:
-        g.add_vertex(f"rack:{rack.rack_id}", kind="rack")
+        g.add_node(f"rack:{rack.rack_id}", kind="rack")
         if multi_rack:
-            g.add_edge(f"rack:{rack.rack_id}", "spine", f"uplink:{rack.rack_id}", rack.uplink_bandwidth_bytes_per_s)
+            g.add_edge(
+                f"rack:{rack.rack_id}",
+                "spine",
+                link=f"uplink:{rack.rack_id}",
+                capacity=rack.uplink_bandwidth_bytes_per_s,
+            )
     for dom in topo.domains:
         switch = f"nvswitch:{dom.domain_id}"
-        g.add_vertex(switch, kind="nvswitch", domain=dom.domain_id)
+        g.add_node(switch, kind="nvswitch", domain=dom.domain_id)
         nvlink = topo.gpu_types[dom.gpu_type].nvlink_bandwidth_bytes_per_s
         for node in dom.nodes:
             vertex = f"node:{node.node_id}"
-            g.add_vertex(vertex, kind="node", domain=dom.domain_id)
-            g.add_edge(switch, vertex, f"host:{node.node_id}", math.inf)
+            g.add_node(vertex, kind="node", domain=dom.domain_id)
+            g.add_edge(switch, vertex, link=f"host:{node.node_id}", capacity=math.inf)
             rack_id = topo.rack_of(node.node_id)
             if rack_id is not None:
-                g.add_edge(vertex, f"rack:{rack_id}", f"nic:{node.node_id}", node.nic_bandwidth_bytes_per_s)
+                g.add_edge(
+                    vertex,
+                    f"rack:{rack_id}",
+                    link=f"nic:{node.node_id}",
+                    capacity=node.nic_bandwidth_bytes_per_s,
+                )
         for inst in dom.instances:
             vertex = _instance_vertex(inst.instance_id)
-            g.add_vertex(vertex, kind="instance", domain=dom.domain_id, gpus=inst.gpus)
-            g.add_edge(vertex, switch, f"nvlink:{inst.instance_id}", inst.tensor_parallel_size * nvlink)
+            g.add_node(vertex, kind="instance", domain=dom.domain_id, gpus=inst.gpus)
+            g.add_edge(
+                vertex,
+                switch,
+                link=f"nvlink:{inst.instance_id}",
+                capacity=inst.tensor_parallel_size * nvlink,
+            )
     return g

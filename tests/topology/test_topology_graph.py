@@ -10,7 +10,7 @@ import networkx as nx
 import pytest
 
 from topology.graph import TopologyGraph
-from topology.load import BUNDLED_NAMES, load_topology, parse_topology
+from topology.load import load_topology, parse_topology
 from topology.synthetic import synthetic_topology_data
 
 
@@ -148,30 +148,3 @@ def test_bad_queries() -> None:
     with pytest.raises(KeyError, match="unknown link 'nic:x'"):
         g.link_capacity_bytes_per_s("nic:x")
     assert math.isinf(g.link_capacity_bytes_per_s("host:node-0"))
-
-
-def _tie_heavy_topologies() -> list[Any]:
-    """Every bundled fabric and synthetic ones with many equal capacities (ties decide which tree is built)."""
-    topologies = [load_topology(name) for name in BUNDLED_NAMES]
-    rng = random.Random(11)
-    for seed in range(6):
-        data = synthetic_topology_data(6 + seed, gpus_per_node=rng.choice([2, 4, 8]), nodes_per_rack=rng.choice([2, 3]))
-        for dom in data["domains"]:
-            dom["nodes"][0]["nic_gbit_per_s"] = rng.choice([100, 200, 400])
-        for rack in data["fabric"]["racks"]:
-            rack["uplink_gbit_per_s"] = rng.choice([100, 200, 400, 800])
-        topologies.append(parse_topology(data, f"ties-{seed}.yaml"))
-    return topologies
-
-
-@pytest.mark.parametrize("topo", _tie_heavy_topologies(), ids=lambda t: f"{t.name}-{t.num_gpus}")
-def test_the_spanning_tree_is_the_one_networkx_builds(topo: Any) -> None:
-    """The tree (ties included), the vertex order it is rooted in and the link order are networkx's, so every
-    path is the one the tree networkx builds gives."""
-    g = TopologyGraph(topo)
-    graph = g.graph
-    expected = nx.maximum_spanning_tree(graph, weight="capacity", algorithm="kruskal")
-    assert {frozenset(e) for e in g.tree.edges} == {frozenset(e) for e in expected.edges}
-    assert len(expected.edges) == len(graph.nodes) - 1  # one tree: the fabric is connected
-    assert list(g.tree.nodes) == list(graph.nodes) == list(expected.nodes)
-    assert g.link_ids == tuple(d["link"] for _, _, d in graph.edges(data=True))
