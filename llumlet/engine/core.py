@@ -58,11 +58,20 @@ _INSTANCE_LOAD_FIELDS = (
     "prefix_block_tokens",
     "prefill_s_per_token",
 )
-if tuple(f.name for f in dataclasses.fields(InstanceLoad)) != _INSTANCE_LOAD_FIELDS:
-    raise ImportError(
-        "llumlet.engine.core: policy.types.InstanceLoad's fields are not _INSTANCE_LOAD_FIELDS; "
-        "update them and EngineCore._brief_load together"
-    )
+
+
+def _check_fields_in_order(cls: type, names: tuple[str, ...]) -> None:
+    """Raise ImportError unless the dataclass ``cls`` declares exactly the fields ``names``, in that order (the
+    order a constructor called by position assumes)."""
+    declared = tuple(f.name for f in dataclasses.fields(cls))
+    if declared != names:
+        raise ImportError(
+            f"llumlet.engine.core: {cls.__name__}'s fields are {declared}, the engine passes {names} by position; "
+            "update _INSTANCE_LOAD_FIELDS and EngineCore._brief_load together"
+        )
+
+
+_check_fields_in_order(InstanceLoad, _INSTANCE_LOAD_FIELDS)
 
 
 class RequestTooLargeError(ValueError):
