@@ -487,15 +487,14 @@ class DispatchView(_View):
 
         Drops its reservations, or with `as_of` (the report's stamp) only those stamped at or before it.
         """
-        capacity = load.capacity_blocks
         self._set(
             _Target(  # by position (a rebuild per report a dispatch reads): target_id, capacity_blocks, usage, ...
                 load.instance_id,
-                capacity,
+                load.capacity_blocks,
                 dispatch_usage(load, self._cfg),
                 load.num_running + load.num_waiting,  # num_running
-                capacity - load.used_blocks - queued_blocks(load),  # free_blocks: M − used − queued
-                capacity,  # max_request_blocks
+                load.free_blocks - queued_blocks(load),  # free_blocks
+                load.capacity_blocks,  # max_request_blocks
                 load.draining,
                 load.prefix_hashes,
                 load.prefix_block_tokens,
