@@ -503,9 +503,9 @@ class EngineCore(PagedEngine):
         if steps < 1:
             return None
         running = sched.running
-        first_kv = sum(s.num_computed_tokens for s in running) + len(running)
+        first_kv = sum([s.num_computed_tokens for s in running]) + len(running)
         durations = self.latency_model.decode_step_times_s(len(running), first_kv, steps)
-        run = DecodeRun(tuple(s.request_id for s in running), durations, on_interrupt)
+        run = DecodeRun(tuple([s.request_id for s in running]), durations, on_interrupt)
         self._run = run
         self.advance_decode_run(1)
         return run
