@@ -488,16 +488,16 @@ class DispatchView(_View):
         Drops its reservations, or with `as_of` (the report's stamp) only those stamped at or before it.
         """
         self._set(
-            _Target(
-                target_id=load.instance_id,
-                capacity_blocks=load.capacity_blocks,
-                usage=dispatch_usage(load, self._cfg),
-                num_running=load.num_running + load.num_waiting,
-                free_blocks=load.free_blocks - queued_blocks(load),
-                max_request_blocks=load.capacity_blocks,
-                draining=load.draining,
-                prefix_hashes=load.prefix_hashes,
-                prefix_block_tokens=load.prefix_block_tokens,
+            _Target(  # by position (a rebuild per report a dispatch reads): target_id, capacity_blocks, usage, ...
+                load.instance_id,
+                load.capacity_blocks,
+                dispatch_usage(load, self._cfg),
+                load.num_running + load.num_waiting,  # num_running
+                load.free_blocks - queued_blocks(load),  # free_blocks
+                load.capacity_blocks,  # max_request_blocks
+                load.draining,
+                load.prefix_hashes,
+                load.prefix_block_tokens,
             ),
             as_of,
         )

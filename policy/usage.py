@@ -43,7 +43,8 @@ def instance_virtual_usage(load: InstanceLoad, cfg: PolicyConfig) -> float:
     """
     if load.draining:
         return math.inf
-    headroom = sum(cfg.headroom_blocks(p) * n for p, n in load.priority_counts)
+    counts = load.priority_counts  # usually none: no generator then (a dispatch view rebuilds per report)
+    headroom = sum(cfg.headroom_blocks(p) * n for p, n in counts) if counts else 0
     queued = load.head_demand_blocks if load.num_waiting > 0 else 0
     warmup = cfg.warmup_usage_blocks if load.warming_up else 0
     return float(load.used_blocks + headroom + queued + warmup)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -103,24 +104,28 @@ class RequestState:
 class _Run:
     """A decode run in flight on an instance: the engine's run plus its step end times."""
 
-    __slots__ = ("end_times_s", "gaps_s", "recorded", "run", "seq", "start_s")
+    __slots__ = ("end_times_s", "recorded", "run", "seq", "start_s")
 
     def __init__(self, run: DecodeRun, start_s: float, seq: int) -> None:
         self.run = run
         self.start_s = start_s  # when its first step started
-        ends: list[float] = []
-        t = start_s
-        for d in run.durations_s:  # the clock of step-by-step events: each step ends at (previous end) + d
-            t += d
-            ends.append(t)
+        # the clock of step-by-step events: each step ends at (previous end) + d, summed in that order
+        ends = list(itertools.accumulate(run.durations_s, initial=start_s))
+        del ends[0]
         self.end_times_s = ends  # end_times_s[j]: when step j (from 0) ends
-        self.gaps_s = [b - a for a, b in itertools.pairwise(ends)]  # gaps_s[j]: end[j+1] - end[j]
         self.recorded = 0  # steps whose tokens are in the request accounts
         self.seq = seq  # the event queue's seq when the run started (orders ties, see _started_steps)
 
     def scheduled_s(self, step: int) -> float:
         """When the step-by-step event for the end of step ``step`` (from 0) would have been scheduled."""
         return self.start_s if step == 0 else self.end_times_s[step - 1]
+
+    def gaps_s(self, first: int, last: int) -> list[float]:
+        """The gaps between the ends of steps ``first`` .. ``last`` (from 0): ``end[j + 1] - end[j]`` for ``j`` in
+        ``first`` .. ``last - 1``, seconds (computed when recorded: a cut run never needs those of its later
+        steps)."""
+        ends = self.end_times_s
+        return list(map(operator.sub, ends[first + 1 : last + 1], ends[first:last]))
 
 
 class ReportTicket:
@@ -682,7 +687,7 @@ class Cluster:
         flight.recorded = ended
         ends = flight.end_times_s
         t_first, t_last = ends[first], ends[ended - 1]
-        later_gaps = flight.gaps_s[first : ended - 1]
+        later_gaps = flight.gaps_s(first, ended - 1)
         count = ended - first
         accounts = self._accounts
         for request_id in flight.run.request_ids:

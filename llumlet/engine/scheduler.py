@@ -94,10 +94,10 @@ class SchedulerRequest:
     prefix_hit_tokens: int = 0  # prompt tokens reused from the prefix cache (all admissions)
     output_token_ids: list[int] = field(default_factory=list)  # real engines only
     cls: int = 0  # the class it is ranked by: its priority (policy "priority"), 0 for all (policy "fcfs")
+    request_id: str = field(init=False)  # request.request_id, kept as a slot: it is read per request and step
 
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
+    def __post_init__(self) -> None:
+        self.request_id = self.request.request_id
 
     @property
     def num_tokens(self) -> int:

@@ -10,14 +10,16 @@ equal. Small caches and budgets make preemption, eviction and head-of-line block
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llumlet.engine import EngineCore, EngineRequest, MigrationState
+from llumlet.engine import EngineCore, EngineRequest, MigrationState, core
 from llumlet.engine.latency import load_latency_model
+from policy.types import InstanceLoad
 
 LATENCY = load_latency_model("llama-2-7b", "a100", 1)
 
@@ -298,3 +300,37 @@ def test_load_version_moves_exactly_when_the_load_changes() -> None:
     assert e.abort("a")
     check(True)
     assert not e.has_work()
+
+
+def test_a_brief_load_is_the_detailed_one_field_by_field() -> None:
+    """The brief report is built by position (``_INSTANCE_LOAD_FIELDS``): every field but the list of running
+    requests must be the detailed report's, by name, in a state that sets each of them (a reservation, a
+    waiting request, priorities, a cached prefix, flags and a step time), during a run, read ahead or not."""
+    e = EngineCore("i0", 120, 16, LATENCY, max_num_seqs=5, enable_prefix_caching=True)
+    e.add_request(EngineRequest("a", 1100, 40, priority=1, prefix_block_hashes=(1, 2, 3), prefix_hash_block_tokens=512))
+    e.add_request(EngineRequest("b", 40, 30, priority=2))
+    e.add_request(EngineRequest("w", 900, 3, arrival_s=9.0))  # 57 blocks: 46 are left, it waits
+    e.add_request(EngineRequest("x", 200, 3, arrival_s=9.5))  # behind it
+    assert e.reserve("m", 2)
+    e.step()  # a and b prefilled
+    run = e.start_decode_run(50)
+    assert run is not None and run.steps > 3
+    for ahead in (0, 1, 2):
+        flags = {"draining": ahead == 1, "warming_up": ahead == 2, "decode_step_s": 0.02 + ahead}
+        brief = e.instance_load("i1", "d7", steps_ahead=ahead, brief=True, **flags)  # type: ignore[arg-type]
+        detailed = e.instance_load("i1", "d7", steps_ahead=ahead, **flags)  # type: ignore[arg-type]
+        assert brief == dataclasses.replace(detailed, running=(), brief=True), ahead
+        assert brief.num_waiting == 2 and 0 < brief.head_demand_blocks < brief.queued_demand_blocks
+        assert brief.priority_counts == ((1, 1), (2, 1)) and brief.preempting is False
+        assert brief.prefix_hashes == {1, 2} and brief.prefix_block_tokens == 512 and brief.max_num_seqs == 5
+        assert brief.used_blocks == detailed.used_blocks > sum(r.blocks for r in detailed.running) + 1  # + reserved
+
+
+def test_the_brief_constructor_refuses_fields_out_of_order() -> None:
+    """A field added to or moved in ``InstanceLoad`` stops the engine at import instead of shifting values."""
+    core._check_fields_in_order(InstanceLoad, core._INSTANCE_LOAD_FIELDS)  # as declared: fine
+    swapped = ("capacity_blocks", "instance_id", *core._INSTANCE_LOAD_FIELDS[2:])
+    with pytest.raises(ImportError, match="update _INSTANCE_LOAD_FIELDS"):
+        core._check_fields_in_order(InstanceLoad, swapped)
+    with pytest.raises(ImportError, match="fields are"):
+        core._check_fields_in_order(InstanceLoad, core._INSTANCE_LOAD_FIELDS[:-1])

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import random
 from typing import Any
 
 import pytest
 from sim_factories import make_trace, tiny_topology
 
 from llumlet.engine.blocks import BlockManager, PrefixMatch
+from llumlet.engine.core import DecodeRun
 from llumlet.engine.latency import load_latency_model
 from rack_sched.core import DomainCore
-from sim.cluster import Cluster, EngineLimits
+from sim.cluster import Cluster, EngineLimits, _Run
 from sim.events import EventKind, EventQueue
 from sim.results import SimRun, summarize
 from sim.runner import SimSpec, run_simulation
@@ -298,3 +300,22 @@ def test_periodic_reports_built_when_the_core_next_reads_decide_as_reports_built
     if built_at_most == 1.0:  # the equivalence cases: the events that make runs cut and reports built
         s = summarize(later)
         assert s.preemptions > 0 and (s.migrations_intra_domain > 0 or spec.policy == "least-loaded")
+
+
+def test_a_runs_step_ends_and_gaps_are_the_step_by_step_clock() -> None:
+    """``_Run`` sums its step times in order from its start (as one event per step would advance the clock), and
+    its gaps between steps ``first`` .. ``last`` are the differences of those end times, bit for bit."""
+    rng = random.Random(3)
+    for _ in range(50):
+        durations = [rng.uniform(1e-4, 0.2) for _ in range(rng.randint(1, 60))]
+        start = rng.uniform(0.0, 5e4)
+        flight = _Run(DecodeRun(("a", "b"), durations, None), start, seq=7)
+        ends, t = [], start
+        for d in durations:
+            t += d
+            ends.append(t)
+        assert flight.end_times_s == ends
+        assert [flight.scheduled_s(j) for j in range(len(ends))] == [start, *ends[:-1]]
+        for first in range(len(ends)):
+            for last in range(first, len(ends)):
+                assert flight.gaps_s(first, last) == [ends[j + 1] - ends[j] for j in range(first, last)]
