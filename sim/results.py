@@ -6,11 +6,13 @@ unit of comparison between policies); :func:`write_results` stores runs as ``res
 schema is documented field by field in ``docs/sim-results.md``; :func:`load_results` reads it back.
 
 Large runs: the simulator writes each request's record to a :class:`RequestLog` when it becomes final
-(finished, refused, or unfinished at the end). The log spools the records to a temporary file and
-keeps in memory only what a summary needs (:class:`RequestTotals`: a few numbers per request in numpy
-arrays, plus every token gap, 8 bytes each, because percentiles are exact); ``write_results`` copies
-the spooled records into ``results.json`` one at a time. Memory is then about 60 bytes per request
-plus 8 bytes per output token, instead of Python objects for every record and gap.
+(finished, refused, or unfinished at the end). The log spools the records to a temporary file as
+compact binary rows (about 100 bytes a request, no token gaps) and keeps in memory only what a summary
+needs (:class:`RequestTotals`: a few numbers per request in fixed columns, plus every token gap, 8 bytes
+each, because percentiles are exact); ``write_results`` JSON-encodes the spooled records into
+``results.json`` one at a time, and nothing is JSON-encoded while the simulation runs. Memory is then
+about 75 bytes per request plus 8 bytes per output token, instead of Python objects for every record
+and gap.
 
 Percentiles are computed with ``numpy.percentile`` (linear interpolation between closest ranks,
 numpy's default ``method="linear"``). An empty sample gives ``None``, never NaN.
@@ -264,9 +266,9 @@ class RequestTotals:
         if (e2e := rec.e2e_s) is not None:
             self._e2e_s[index] = e2e
         gaps = rec.token_gaps_s
-        if gaps:
+        if gaps:  # packed in one C pass (array.extend goes item by item), then summed while in cache
+            self._gaps.frombytes(struct.pack(f"{len(gaps)}d", *gaps))
             self._decode_mean_s[index] = sum(gaps) / len(gaps)
-            self._gaps.frombytes(struct.pack(f"{len(gaps)}d", *gaps))  # one C pass (array.extend goes item by item)
         self._preempted_s[index] = rec.preempted_s
         self._preemptions[index] = rec.preemptions
         self._high_priority[index] = rec.priority >= HIGH_PRIORITY_MIN
@@ -469,7 +471,8 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     """
     if not 0.0 <= q <= 100.0:
         raise ValueError(f"percentile: q must be in [0, 100], got {q}")
-    arr = np.fromiter(values, dtype=np.float64)
+    # an array (the totals' columns, every token gap) as it is: fromiter would walk it element by element
+    arr = np.asarray(values, dtype=np.float64) if isinstance(values, np.ndarray) else np.fromiter(values, np.float64)
     if arr.size == 0:
         return None
     return float(np.percentile(arr, q, method="linear"))
