@@ -39,7 +39,7 @@ from .events import EventKind, EventQueue
 from .results import RequestLog, RequestRecord
 from .traces import TraceRequest
 
-__all__ = ["MAX_RUN_STEPS", "Cluster", "EngineLimits", "GrowthMark", "RequestState", "SimInstance"]
+__all__ = ["MAX_RUN_STEPS", "Cluster", "EngineLimits", "GrowthMark", "ReportTicket", "RequestState", "SimInstance"]
 
 #: Steps one decode run plans at most (its step times are computed up front; a run is cut by any change).
 MAX_RUN_STEPS = 4096
@@ -123,6 +123,19 @@ class _Run:
         return self.start_s if step == 0 else self.end_times_s[step - 1]
 
 
+class ReportTicket:
+    """A brief load report taken at some point, built when first read (``Cluster.report_ticket``)."""
+
+    __slots__ = ("flags", "inst", "load", "started", "version")
+
+    def __init__(self, inst: SimInstance, version: int, started: int, flags: tuple[bool, bool]) -> None:
+        self.inst = inst
+        self.version = version  # Cluster.load_version then
+        self.started = started  # started steps of the run in flight then
+        self.flags = flags  # (draining, warming up) then
+        self.load: InstanceLoad | None = None  # the report, once built
+
+
 @dataclass(frozen=True, slots=True)
 class GrowthMark:
     """Where an instance's load stood (``Cluster.growth_mark``): its decode run, its load version less the run's
@@ -149,8 +162,9 @@ class SimInstance:
         self._engine = engine
         self._sync = sync
         self.busy = False  # a step (or a decode run) is in flight
+        self.watchers: list[set[str]] = []  # sets this instance's id joins at every change (see touch)
         self.active = active  # False until a scripted scale-out adds it
-        self.draining = False
+        self._draining = False
         self.warm_until_s = -math.inf  # warm-up (negative fake usage) ends at this time
         self._last_step_s = 0.0
         self.at_boundary: list[Callable[[], None]] = []  # hooks to run at the next step boundary
@@ -159,6 +173,29 @@ class SimInstance:
         self._flag_changes = 0  # times _flags changed
         self._load: tuple[int, InstanceLoad] | None = None  # (load version, the detailed report of it)
         self._brief: tuple[int, InstanceLoad] | None = None  # (load version, the brief report of it)
+        self._ticket: ReportTicket | None = None  # a report taken and not built yet (Cluster.report_ticket)
+        engine.on_change = self.touch
+
+    def touch(self) -> None:
+        """Something changed the instance other than the steps of its decode run going on (a request added or
+        aborted, a reservation, a migration hook, a step or run started or ended, a run cut, the draining flag,
+        a start or stop): its id joins every set in :attr:`watchers`. A watcher that empties its set can rely
+        on the instance being as it left it, its decode run's steps aside, until the id shows up again (the
+        warm-up ending is a change of time, not an event: watchers mind ``warm_until_s`` themselves)."""
+        iid = self.instance_id
+        for watcher in self.watchers:
+            watcher.add(iid)
+
+    @property
+    def draining(self) -> bool:
+        """True while the instance is drained (infinite virtual usage: nothing new, everything moves away)."""
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        if value != self._draining:
+            self._draining = value
+            self.touch()
 
     @property
     def engine(self) -> EngineCore:
@@ -285,6 +322,7 @@ class Cluster:
         inst = self.instances[instance_id]
         inst.active = True
         inst.warm_until_s = self.queue.now_s + warmup_s
+        inst.touch()
         self.hold_gpus(instance_id)
 
     def deactivate(self, instance_id: str) -> None:
@@ -301,6 +339,7 @@ class Cluster:
             )
         inst.active = False
         inst.warm_until_s = -math.inf
+        inst.touch()
         self.free_gpus(instance_id)
 
     # ------------------------------------------------------------------ views
@@ -352,6 +391,19 @@ class Cluster:
         last = 0 if flight is None else inst._engine.decode_run_steps_within(started, extra_blocks)
         return GrowthMark(flight, version - started, last)
 
+    def growth_holds_until_s(self, inst: SimInstance, mark: GrowthMark) -> float:
+        """A time before which :meth:`within_growth` holds for ``mark`` (a :meth:`growth_mark` of ``inst`` just
+        made) as long as nothing touches ``inst`` (:meth:`SimInstance.touch`): the end of the last step the mark
+        covers (the next one starts then), or the end of its warm-up; inf when only a touch can end it (no decode
+        run, or the mark covers the run's last step, whose end touches)."""
+        until = math.inf
+        flight = mark.flight
+        if flight is not None and mark.last_step < flight.run.steps:
+            until = flight.end_times_s[mark.last_step - 1]
+        if self.queue.now_s < inst.warm_until_s:
+            until = min(until, inst.warm_until_s)
+        return until
+
     def within_growth(self, inst: SimInstance, mark: GrowthMark, position: tuple[int, int]) -> bool:
         """True while ``mark`` (a :meth:`growth_mark` of ``inst``) holds; ``position``: its :meth:`load_position`
         now."""
@@ -374,18 +426,65 @@ class Cluster:
         cache = inst._brief if brief else inst._load
         if cache is not None and cache[0] == version:
             return cache[1]
-        draining, warming_up = inst._flags
-        ahead = self._steps_ahead(inst, started)
-        flight = inst._run  # its latest started step's time, as step-by-step stepping has it now
-        step_s = flight.run.durations_s[flight.run.applied + ahead - 1] if flight is not None else inst._last_step_s
-        load = inst._engine.instance_load(
-            inst.instance_id, inst.domain_id, draining, warming_up, step_s, steps_ahead=ahead, brief=brief
-        )
+        load = self._build_load(inst, brief, started, inst._flags)
         if brief:
             inst._brief = (version, load)
         else:
             inst._load = (version, load)
         return load
+
+    def _build_load(
+        self, inst: SimInstance, brief: bool, started: int | None, flags: tuple[bool, bool]
+    ) -> InstanceLoad:
+        """:meth:`load` of ``inst`` with ``started`` steps of its run started (None: as now) and these
+        (draining, warming up) flags, built from the engine."""
+        ahead = self._steps_ahead(inst, started)
+        flight = inst._run  # its latest started step's time, as step-by-step stepping has it now
+        step_s = flight.run.durations_s[flight.run.applied + ahead - 1] if flight is not None else inst._last_step_s
+        draining, warming_up = flags
+        return inst._engine.instance_load(
+            inst.instance_id, inst.domain_id, draining, warming_up, step_s, steps_ahead=ahead, brief=brief
+        )
+
+    def report_ticket(self, inst: SimInstance, version: int, started: int) -> ReportTicket:
+        """The brief report :meth:`load` would give now (``version``, ``started``: :meth:`load_position` now),
+        built only when read (:meth:`ticket_load`): a reader of many reports of an instance in a decode run,
+        only the latest of which it uses, builds one. The report is as of now whenever it is read: before the
+        instance's engine moves on (its run's steps applied, the run cut or ended) the pending ticket is built.
+        One ticket per instance is pending; taking another drops the older one, which then builds nothing.
+        """
+        ticket = ReportTicket(inst, version, started, inst._flags)
+        flight = inst._run
+        cache = inst._brief
+        if flight is None or started >= flight.run.steps or (cache is not None and cache[0] == version):
+            ticket.load = self.load(inst, brief=True, version=version, started=started)
+        else:
+            inst._ticket = ticket
+        return ticket
+
+    def ticket_load(self, ticket: ReportTicket) -> InstanceLoad:
+        """The brief report ``ticket`` stands for (:meth:`report_ticket`)."""
+        if ticket.load is None:
+            if ticket.inst._ticket is not ticket:
+                raise RuntimeError(f"{ticket.inst.instance_id}: a report ticket read after a newer one was taken")
+            self._build_ticket(ticket.inst)
+        assert ticket.load is not None
+        return ticket.load
+
+    def _build_ticket(self, inst: SimInstance) -> None:
+        """Build ``inst``'s pending report ticket, if any (its engine is still where the ticket was taken, its
+        run's applied steps at most the ticket's started ones)."""
+        ticket = inst._ticket
+        if ticket is None:
+            return
+        inst._ticket = None
+        cache = inst._brief
+        if cache is not None and cache[0] == ticket.version:  # built since (the same report)
+            ticket.load = cache[1]
+            return
+        ticket.load = self._build_load(inst, True, ticket.started, ticket.flags)
+        if cache is None or cache[0] < ticket.version:
+            inst._brief = (ticket.version, ticket.load)
 
     def _steps_ahead(self, inst: SimInstance, started: int | None = None) -> int:
         """Steps of the decode run in flight that have started and are not applied: a reader computes the state
@@ -449,6 +548,7 @@ class Cluster:
         result = engine.step()
         if result.is_idle:  # nothing fits now (space held by reservations): wait for the next event
             return
+        inst.touch()
         self.engine_steps += 1
         inst._last_step_s = result.duration_s
         inst.busy = True
@@ -471,6 +571,7 @@ class Cluster:
     def _step_done(self, inst: SimInstance, result: StepResult) -> None:
         now = self.queue.now_s
         inst.busy = False
+        inst.touch()
         for request_id, count in result.new_tokens.items():
             self._tokens(self._accounts[request_id], count, now)
         for request_id in result.preempted:
@@ -486,6 +587,7 @@ class Cluster:
         """One event at the end of the run (the engine applied its first step)."""
         flight = _Run(run, self.queue.now_s, self.queue.next_seq())
         inst._run = flight
+        inst.touch()
         inst._last_step_s = run.durations_s[0]
         inst.busy = True
         self._schedule_run_end(inst, flight)
@@ -525,6 +627,8 @@ class Cluster:
             return
         started = self._started_steps(flight)
         if started > flight.run.applied:
+            if inst._ticket is not None:
+                self._build_ticket(inst)
             inst._engine.advance_decode_run(started)
         inst._last_step_s = flight.run.durations_s[started - 1]
 
@@ -541,6 +645,9 @@ class Cluster:
         flight = inst._run
         if flight is None:
             return
+        inst.touch()
+        if inst._ticket is not None:  # a change follows
+            self._build_ticket(inst)
         self._sync(inst)
         run = flight.run
         if run.applied < run.steps:
@@ -550,6 +657,8 @@ class Cluster:
     def _run_done(self, inst: SimInstance, flight: _Run, steps: int) -> None:
         if inst._run is not flight or flight.run.steps != steps:
             return  # the run was cut; a later event ends it
+        if inst._ticket is not None:
+            self._build_ticket(inst)
         run = flight.run
         if run.applied < steps:
             inst._engine.advance_decode_run(steps)
@@ -557,6 +666,7 @@ class Cluster:
         inst._run = None
         inst._last_step_s = run.durations_s[steps - 1]
         inst.busy = False
+        inst.touch()
         self.engine_steps += steps
         now = self.queue.now_s
         for request_id in run.finished:

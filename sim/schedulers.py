@@ -45,7 +45,7 @@ from rack_sched.core import CrossDomainProposal, DomainConfig, DomainCore, Domai
 from topology.bandwidth import BandwidthEstimates, BandwidthSample, MeasuredBandwidthConfig, default_transport
 from topology.graph import TopologyGraph
 
-from .cluster import Cluster, GrowthMark
+from .cluster import Cluster, GrowthMark, ReportTicket
 from .events import EventKind
 from .migration import MigrationExecutor
 from .results import MigrationRecord
@@ -124,21 +124,42 @@ class _Feed:
         self._reported: dict[str, int] = {}  # instance -> load version of its last report (or of a deferred one)
         self._deferred: set[str] = set()  # instances whose report a skipped round deferred to the next refresh
         self._drained: list[str] = []  # the drains of the last refresh
+        self._pending: dict[str, ReportTicket] = {}  # reports taken by refresh(later=True), not yet delivered
         self._quiet: dict[str, GrowthMark] = {}  # instance -> while it holds, the instance is no migration source
+        # The quiet check's own bookkeeping: instances touched since they were last found quiet, and a time before
+        # which every untouched instance's mark holds (Cluster.growth_holds_until_s): a round then costs O(touched).
+        self._touched: set[str] = {inst.instance_id for inst in self._pool}
+        self._holds_until_s: dict[str, float] = {}
+        self._quiet_until_s = -math.inf
+        self._order = {inst.instance_id: k for k, inst in enumerate(self._pool)}
+        for inst in self._pool:
+            inst.watchers.append(self._touched)
 
     def _details_of(self, instance_id: str) -> InstanceLoad:
         return self.cluster.load(self.cluster.instances[instance_id])
 
-    def refresh(self) -> None:
+    def refresh(self, *, later: bool = False) -> None:
         """Hand the core the load of every serving instance that changed since its last report (and the
-        drains)."""
+        drains).
+
+        ``later``: the reports of instances in a decode run are taken now and handed over when the core is next
+        used (:meth:`deliver`, which every use of the core must follow): a periodic refresh between two uses
+        builds only the reports that are not superseded before one (``Cluster.report_ticket``). Everything else
+        reaches the core at once, in the same order: the output lengths each report carries, instances joining
+        and leaving, the drains. The core decides the same: a report only replaces an instance's load (read
+        at the core's next use) and counts as received (read at its next use too: a migration's settle window).
+        """
+        later = later and self.brief
+        if not later:
+            self.deliver()
         cluster, core, reported, brief, deferred = self.cluster, self.core, self._reported, self.brief, self._deferred
-        load_position, load, report = cluster.load_position, cluster.load, core.report
+        load_position, load, report, pending = cluster.load_position, cluster.load, core.report, self._pending
         drained = []
         for inst in self._pool:
             iid = inst.instance_id
             if not inst.active:
                 if reported.pop(iid, None) is not None:  # stopped (an autoscaler's scale-in)
+                    pending.pop(iid, None)
                     core.remove_instance(iid)
                 continue
             last = reported.get(iid)
@@ -147,13 +168,26 @@ class _Feed:
                 last = reported[iid] = -1
             version, started = load_position(inst)
             if version != last or iid in deferred:
-                report(iid, load(inst, brief=brief, version=version, started=started), cluster.take_finished(iid))
+                if later:
+                    core.finished(cluster.take_finished(iid))
+                    pending[iid] = cluster.report_ticket(inst, version, started)
+                else:
+                    report(iid, load(inst, brief=brief, version=version, started=started), cluster.take_finished(iid))
                 reported[iid] = version
             if inst.draining:
                 drained.append(iid)
         deferred.clear()
         self._drained = drained
         core.set_drains(drained, False)
+
+    def deliver(self) -> None:
+        """Hand the core the reports a ``refresh(later=True)`` took (call before any other use of the core)."""
+        pending = self._pending
+        if pending:
+            report, ticket_load = self.core.report, self.cluster.ticket_load
+            for iid, ticket in pending.items():
+                report(iid, ticket_load(ticket))
+            pending.clear()
 
     def rebalance(self, now_s: float) -> list[MigrationDecision]:
         """One rescheduling round: :meth:`refresh`, then the core's ``plan_rebalance``; or, when that round
@@ -167,37 +201,55 @@ class _Feed:
         would have been reported with anyway), and the output lengths its report would have carried are handed
         to the core now, in the order the refresh would have (the remaining-output estimate keeps its order).
         """
-        if self.skip_quiet_rounds and self._quiet_round():
+        if self.skip_quiet_rounds and self._quiet_round(now_s):
             return []
         self.refresh()
         return self.core.plan_rebalance(now_s)
 
-    def _quiet_round(self) -> bool:
+    def _quiet_round(self, now_s: float) -> bool:
         """True when a rescheduling round now would find no source (see :meth:`rebalance`); then the output
-        lengths of the instances that changed go to the core, and their reports are deferred."""
+        lengths of the instances that changed go to the core, and their reports are deferred.
+
+        Only the instances touched since they were last found quiet are looked at (all of them once the earliest
+        mark may have lapsed): an untouched instance is as it was then, its decode run's steps aside, and its
+        mark holds until ``Cluster.growth_holds_until_s`` (no finished output length waits for it either: a
+        finish touches). Untouched instances' reports are not deferred: their load version moved with their
+        run's steps, so the next refresh reports them anyway, with the same load.
+        """
         if self._drained or not self.core.settled():
             return False
-        cluster, quiet, reported = self.cluster, self._quiet, self._reported
+        touched = self._touched
+        if not touched and now_s < self._quiet_until_s:
+            return True
+        cluster, quiet, reported, holds = self.cluster, self._quiet, self._reported, self._holds_until_s
         policy = self.core.cfg.policy
+        if now_s < self._quiet_until_s:
+            order = self._order
+            pool = [cluster.instances[iid] for iid in sorted(touched, key=order.__getitem__)]
+        else:
+            pool = self._pool
         changed = []
-        for inst in self._pool:
+        for inst in pool:
             iid = inst.instance_id
             if not inst.active:
                 if iid in reported:
                     return False  # it stops: the refresh removes it
+                holds[iid] = math.inf  # until it starts (a touch)
                 continue
             if inst.draining or iid not in reported:
                 return False
             position = cluster.load_position(inst)
             mark = quiet.get(iid)
-            if mark is None or not cluster.within_growth(inst, mark, position):
-                # the report the refresh would send now (built once: Cluster.load keeps it for that refresh)
-                version, started = position
-                load = cluster.load(inst, brief=self.brief, version=version, started=started)
-                slack = source_slack_blocks(load, policy)
-                if slack < 1:
-                    return False
-                quiet[iid] = cluster.growth_mark(inst, math.floor(slack) - 1, position)
+            if mark is None or iid in touched or not cluster.within_growth(inst, mark, position):
+                if mark is None or not cluster.within_growth(inst, mark, position):
+                    # the report the refresh would send now (built once: Cluster.load keeps it for that refresh)
+                    version, started = position
+                    load = cluster.load(inst, brief=self.brief, version=version, started=started)
+                    slack = source_slack_blocks(load, policy)
+                    if slack < 1:
+                        return False
+                    mark = quiet[iid] = cluster.growth_mark(inst, math.floor(slack) - 1, position)
+                holds[iid] = cluster.growth_holds_until_s(inst, mark)
             version = position[0]
             if version != reported[iid]:
                 changed.append((iid, version))
@@ -205,6 +257,8 @@ class _Feed:
             self.core.finished(cluster.take_finished(iid))
             reported[iid] = version
             self._deferred.add(iid)
+        touched.clear()
+        self._quiet_until_s = min(holds.values(), default=math.inf)
         return True
 
 
@@ -216,8 +270,8 @@ class ClusterScheduler(ABC):
     def __init__(self, ctx: SchedulerContext) -> None:
         self.ctx = ctx
         self.cluster = ctx.cluster
-        # request -> (its domain core, the instances it keeps busy, the cross-domain proposal or None: inside)
-        self._pending: dict[str, tuple[DomainCore, tuple[str, ...], CrossDomainProposal | None]] = {}
+        # request -> (its domain's feed, the instances it keeps busy, the cross-domain proposal or None: inside)
+        self._pending: dict[str, tuple[_Feed, tuple[str, ...], CrossDomainProposal | None]] = {}
         ctx.executor.on_done.append(self._migration_done)
 
     def start(self) -> None:  # noqa: B027 - optional hook, most policies have no loop
@@ -256,16 +310,19 @@ class ClusterScheduler(ABC):
         """One rescheduling round of ``feed``'s core; each move goes to the executor."""
         for move in feed.rebalance(self._now()):
             ids = (move.src_id, move.dst_id)
-            self._pending[move.request_id] = (feed.core, ids, None)  # before starting: a move may end at once
+            self._pending[move.request_id] = (feed, ids, None)  # before starting: a move may end at once
             started = self.ctx.executor.start(move.request_id, move.src_id, move.dst_id, move.reason)
             if not started and self._pending.pop(move.request_id, None) is not None:
+                feed.deliver()
                 feed.core.migration_done(ids, self._now())
 
     def _migration_done(self, record: MigrationRecord) -> None:
         pending = self._pending.pop(record.request_id, None)
         if pending is None:
             return
-        core, ids, cross = pending
+        feed, ids, cross = pending
+        feed.deliver()  # the reports taken before the move ended reach the core first
+        core = feed.core
         if cross is None:
             core.migration_done(ids, self._now())
             return
@@ -306,6 +363,7 @@ class _Flat(ClusterScheduler):
 
     migrate = False
     domain_cfg: Callable[[DomainConfig], DomainConfig] = staticmethod(lambda cfg: cfg)
+    later_reports = True  # False: the periodic refresh builds every report at once (the reference of the tests)
 
     def __init__(self, ctx: SchedulerContext) -> None:
         super().__init__(ctx)
@@ -313,7 +371,8 @@ class _Flat(ClusterScheduler):
         self.feed.refresh()
 
     def start(self) -> None:
-        self._every(self.ctx.timing.report_interval_s, EventKind.TICK, self.feed.refresh)
+        later = self.later_reports
+        self._every(self.ctx.timing.report_interval_s, EventKind.TICK, lambda: self.feed.refresh(later=later))
         if self.migrate:
             self._every(self.ctx.timing.migrate_interval_s, EventKind.TICK, self._rebalance_all)
 
@@ -322,6 +381,7 @@ class _Flat(ClusterScheduler):
 
     def dispatch(self, req: TraceRequest) -> DispatchDecision:
         model = self.cluster.model_of(next(iter(self.cluster.instances))).name
+        self.feed.deliver()
         return self.feed.core.dispatch(domain_request(req, model))
 
 
@@ -449,7 +509,7 @@ class HilumTwoTier(ClusterScheduler):
             return False
         feed.core.cross_domain_started(move)
         ids = (move.src_instance_id,)
-        self._pending[move.request_id] = (feed.core, ids, move)  # before starting: a move may end at once
+        self._pending[move.request_id] = (feed, ids, move)  # before starting: a move may end at once
         if self._approve_and_start(domain_id, move):
             return True
         if self._pending.pop(move.request_id, None) is not None:

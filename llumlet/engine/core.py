@@ -186,6 +186,9 @@ class EngineCore(PagedEngine):
         self._load_version = 0
         self._load: EngineLoad | None = None  # load() of _load_at_version
         self._load_at_version = -1
+        #: called after every change from outside (:meth:`_changed`: a request added or aborted, a reservation,
+        #: a migration hook), never for the engine's own steps; the simulator watches instances with it
+        self.on_change: Callable[[], None] | None = None
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -352,8 +355,11 @@ class EngineCore(PagedEngine):
         self.cut_decode_run()
 
     def _changed(self) -> None:
-        """The state changed (what :meth:`load` reports may differ): a new load version."""
+        """The state changed from outside (what :meth:`load` reports may differ): a new load version, and
+        :attr:`on_change` told."""
         self._load_version += 1
+        if self.on_change is not None:
+            self.on_change()
 
     # ---- requests -------------------------------------------------------------------------------
     def max_request_tokens(self) -> int:

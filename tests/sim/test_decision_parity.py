@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
@@ -111,6 +112,7 @@ class _Inst:
     spec: Any
     active: bool = True
     draining: bool = False
+    watchers: list[set[str]] = field(default_factory=list)
 
 
 class _Cluster:
@@ -143,6 +145,10 @@ class _Cluster:
     def within_growth(self, inst: _Inst, mark: None, position: tuple[int, int]) -> bool:
         """Never: the scripted loads may change between any two rounds, so every round refreshes and plans."""
         return False
+
+    def growth_holds_until_s(self, inst: _Inst, mark: None) -> float:
+        """Never beyond now: nothing touches a scripted instance when its load changes."""
+        return -math.inf
 
     def load(
         self, inst: _Inst, *, brief: bool = False, version: int | None = None, started: int | None = None

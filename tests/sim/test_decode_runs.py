@@ -181,14 +181,14 @@ def test_brief_load_reports_decide_as_detailed_ones(spec: SimSpec, monkeypatch: 
     import sim.schedulers
 
     briefs = [0]
-    load = Cluster.load
+    build = Cluster._build_load
 
-    def counting(self: Cluster, inst: Any, **kwargs: Any) -> Any:
-        got = load(self, inst, **kwargs)
+    def counting(self: Cluster, inst: Any, *args: Any) -> Any:
+        got = build(self, inst, *args)
         briefs[0] += not got.detailed
         return got
 
-    monkeypatch.setattr(Cluster, "load", counting)
+    monkeypatch.setattr(Cluster, "_build_load", counting)
     fast = run_simulation(spec)
     assert briefs[0] > 1000  # the cores did run on brief reports of busy instances
     monkeypatch.setattr(sim.schedulers._Feed, "brief", False)
@@ -214,7 +214,8 @@ def test_rescheduling_rounds_skipped_for_want_of_a_source_decide_as_planned_ones
 ) -> None:
     """A round that ``_Feed.rebalance`` skips (no instance can be a source as its decode run grows it; neither
     refresh nor plan) leaves every decision as a refreshed and planned round: the runs are equal record for
-    record, and rounds were skipped."""
+    record, and rounds were skipped. The check looks only at instances touched since it last found them quiet:
+    quiet rounds read fewer than half the load positions a look at every instance would."""
     import sim.schedulers
 
     planned = [0]
@@ -224,9 +225,32 @@ def test_rescheduling_rounds_skipped_for_want_of_a_source_decide_as_planned_ones
         planned[0] += 1
         return plan(self, now_s)
 
+    pool_sizes, looked_at, in_round = [0], [0], [False]
+    quiet_round, load_position = sim.schedulers._Feed._quiet_round, Cluster.load_position
+
+    def counting_round(self: Any, now_s: float) -> bool:
+        in_round[0] = True
+        calls = looked_at[0]
+        try:
+            quiet = quiet_round(self, now_s)
+        finally:
+            in_round[0] = False
+        if not quiet:
+            looked_at[0] = calls  # a planned round: not counted
+        else:
+            pool_sizes[0] += sum(inst.active for inst in self._pool)
+        return quiet
+
+    def counting_position(self: Cluster, inst: Any) -> tuple[int, int]:
+        looked_at[0] += in_round[0]
+        return load_position(self, inst)
+
     monkeypatch.setattr(DomainCore, "plan_rebalance", counting)
+    monkeypatch.setattr(sim.schedulers._Feed, "_quiet_round", counting_round)
+    monkeypatch.setattr(Cluster, "load_position", counting_position)
     fast = run_simulation(spec)
     skipping = planned[0]
+    assert 0 < looked_at[0] < pool_sizes[0] / 2  # every active instance at every quiet round before touch sets
     monkeypatch.setattr(sim.schedulers._Feed, "skip_quiet_rounds", False)
     planned[0] = 0
     ref = run_simulation(spec)
@@ -234,3 +258,43 @@ def test_rescheduling_rounds_skipped_for_want_of_a_source_decide_as_planned_ones
     assert_same(fast, ref)
     s = summarize(fast)
     assert s.migrations_intra_domain > 0 and s.preemptions > 0
+
+
+@pytest.mark.parametrize(
+    ("spec", "built_at_most"),
+    [
+        (dataclasses.replace(AZURE, options={"drain": ("node-0-i3@10",), "scale_out": ("node-1-i7@5",)}), 1.0),
+        (dataclasses.replace(AZURE, policy="least-loaded", options={"priority_fraction": 0.2}), 1.0),
+        (dataclasses.replace(AZURE, policy="least-loaded", rate_scale=2.0), 0.6),
+        (dataclasses.replace(MOONCAKE, policy="llumnix"), 1.0),
+    ],
+    ids=["llumnix-drain-scale-out", "least-loaded-priorities", "least-loaded-light", "llumnix-mooncake-prefix"],
+)
+def test_periodic_reports_built_when_the_core_next_reads_decide_as_reports_built_at_once(
+    spec: SimSpec, built_at_most: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The single-tier policies' 50 ms report refresh takes the reports of instances in a decode run and builds
+    them only when the core is next used (``Cluster.report_ticket``): the runs are equal record for record to
+    building every report at once (with preemptions, migrations, drains, a scale-out, priorities, shared
+    prefixes), and under a light load, where several refreshes pass between two dispatches, far fewer reports
+    are built."""
+    import sim.schedulers
+
+    built = [0]
+    build = Cluster._build_load
+
+    def counting(self: Cluster, *args: Any) -> Any:
+        built[0] += 1
+        return build(self, *args)
+
+    monkeypatch.setattr(Cluster, "_build_load", counting)
+    later = run_simulation(spec)
+    built_later = built[0]
+    monkeypatch.setattr(sim.schedulers._Flat, "later_reports", False)
+    built[0] = 0
+    ref = run_simulation(spec)
+    assert_same(later, ref)
+    assert built_later <= built_at_most * built[0]
+    if built_at_most == 1.0:  # the equivalence cases: the events that make runs cut and reports built
+        s = summarize(later)
+        assert s.preemptions > 0 and (s.migrations_intra_domain > 0 or spec.policy == "least-loaded")
