@@ -7,11 +7,11 @@ schema is documented field by field in ``docs/sim-results.md``; :func:`load_resu
 
 Large runs: the simulator writes each request's record to a :class:`RequestLog` when it becomes final
 (finished, refused, or unfinished at the end). The log spools the records to a temporary file as
-compact binary rows (about 100 bytes a request, no token gaps) and keeps in memory only what a summary
+compact binary rows (about 110 bytes a request, no token gaps) and keeps in memory only what a summary
 needs (:class:`RequestTotals`: a few numbers per request in fixed columns, plus every token gap, 8 bytes
 each, because percentiles are exact); ``write_results`` JSON-encodes the spooled records into
 ``results.json`` one at a time, and nothing is JSON-encoded while the simulation runs. Memory is then
-about 75 bytes per request plus 8 bytes per output token, instead of Python objects for every record
+about 70 bytes per request plus 8 bytes per output token, instead of Python objects for every record
 and gap.
 
 Percentiles are computed with ``numpy.percentile`` (linear interpolation between closest ranks,
@@ -214,7 +214,7 @@ class RequestTotals:
     ``array.array`` column that ``add`` stores into (a plain item store, cheaper than a numpy scalar
     store): TTFT, end-to-end latency and mean TBT in seconds (NaN: no value), preemption time in
     seconds, preemption counts, prompt and prefix-hit tokens, and three flags; plus every token gap of
-    every request in the order the requests were added (``gaps_s``). Memory: 67 bytes per request
+    every request in the order the requests were added (``gaps_s``). Memory: 59 bytes per request
     (seven 8-byte columns, three 1-byte flags) and 8 bytes per token gap.
 
     Raises ValueError for a negative ``num_requests``, IndexError for an index out of range.
@@ -309,10 +309,11 @@ class RequestLog(Sequence["RequestRecord"]):
     runs), reads back exactly (same values, same types), and becomes its ``results.json`` object
     (:meth:`json_line`, the same encoding a record outside a log gets) only when someone reads the
     log or writes ``results.json``; so a value with no JSON form (or NaN) is refused then, not by
-    ``add``. Sizes: on disk about 120 bytes per request with ids of ~16 characters (a byte more per
-    character more) and nothing per token (the gaps are kept once, in the totals); in memory 8 bytes
-    per request for the row's offset, plus :class:`RequestTotals`' 67 bytes per request and 8 per
-    token gap, plus the spool's 64 KiB write buffer.
+    ``add``. Sizes: on disk about 110 bytes per request in a run of a bundled trace (its JSON object:
+    about 440; a byte more per character more in its ids) and nothing per token (the gaps are kept once, in the
+    totals); in memory 8 bytes per request for the row's offset, plus :class:`RequestTotals`' 59 bytes
+    per request and 8 per token gap, plus the spool's 64 KiB write buffer: 67 bytes per request and 8
+    per token gap in all.
 
     Raises ValueError for a negative ``num_requests`` or a second record for one index; reading a
     request not recorded yet raises LookupError.
@@ -327,7 +328,8 @@ class RequestLog(Sequence["RequestRecord"]):
         self._offset = array.array("q", [-1]) * num_requests  # where each record's row starts, -1: none yet
 
     def add(self, index: int, rec: RequestRecord) -> None:
-        """Store the final record of the request at arrival position ``index``."""
+        """Store the final record of the request at arrival position ``index`` (IndexError outside the log,
+        ValueError for an index already recorded)."""
         if not 0 <= index < len(self):
             raise IndexError(f"RequestLog.add: index {index} outside 0..{len(self) - 1}")
         if self._offset[index] >= 0:
@@ -360,7 +362,8 @@ class RequestLog(Sequence["RequestRecord"]):
     def json_line(self, index: int) -> str:
         """The JSON object of the request at ``index`` as in ``results.json`` (encoded now, from the spool).
 
-        Raises LookupError if it has no record yet; TypeError or ValueError if a field has no JSON form."""
+        Raises IndexError outside the log, LookupError if it has no record yet, TypeError or ValueError if a
+        field has no JSON form."""
         if not 0 <= index < len(self):
             raise IndexError(f"RequestLog: index {index} outside a log of {len(self)}")
         return _request_json(self._stored(index, gaps=False))

@@ -383,9 +383,9 @@ def test_a_request_log_keeps_a_few_numbers_per_request_in_memory() -> None:
         log.add(i, rec)
     held = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    # per request: 67 bytes of totals + an 8-byte spool offset + 10 gaps of 8 bytes (RequestLog's docstring),
+    # per request: 59 bytes of totals + an 8-byte spool offset + 10 gaps of 8 bytes (RequestLog's docstring),
     # plus the 64 KiB write buffer; records and their tuples are not kept
-    assert held < 20_000 * (67 + 8 + 10 * 8 + 10) + 65_536
+    assert held < 20_000 * (59 + 8 + 10 * 8 + 10) + 65_536
     assert log[19_999] == records[19_999]
 
 
@@ -397,7 +397,7 @@ def test_a_request_log_spools_a_compact_row_per_request_and_no_token_gaps() -> N
             log.add(i, dataclasses.replace(rec, token_gaps_s=(0.04,) * num_gaps, instance_id="node-3-i5"))
         return log.spool_bytes
 
-    # ~100 bytes a row with 16-character ids (its JSON object is ~330); the gaps live in the totals only
+    # ~106 bytes a row with 16-character ids (its JSON object: ~330); the gaps live in the totals only
     assert 90_000 < spooled(0) < 120_000
     # 1,000 gaps a request (8,000 bytes): the row grows by less than one gap (the gaps' place, a few bytes)
     assert spooled(1000) - spooled(0) < 1000 * 8
