@@ -472,19 +472,20 @@ def test_a_value_with_no_json_form_is_refused_when_the_log_is_written(tmp_path: 
         max_size=12,
     )
 )
-def test_request_totals_hold_each_records_figures_by_arrival_position(rows: list[tuple[object, ...]]) -> None:
+def test_request_totals_hold_each_records_figures_by_arrival_position(
+    rows: list[tuple[float, float | None, float | None, list[float], int, int, bool]],
+) -> None:
     records = []
     for i, (arrival, ttft, rest, gaps, priority, preemptions, refused) in enumerate(rows):
-        assert isinstance(arrival, float) and isinstance(gaps, list)
-        first = None if ttft is None else arrival + ttft  # type: ignore[operator]
-        finish = None if first is None or rest is None else first + rest  # type: ignore[operator]
+        first = None if ttft is None else arrival + ttft
+        finish = None if first is None or rest is None else first + rest
         rec = req(f"r{i}", arrival_s=arrival, first_token_s=first, finish_s=finish, gaps=tuple(gaps))
         records.append(
             dataclasses.replace(
                 rec,
                 priority=priority,
                 preemptions=preemptions,
-                preempted_s=0.1 * preemptions,  # type: ignore[operator]
+                preempted_s=0.1 * preemptions,
                 refused="no_capacity" if refused else None,
                 prefix_hit_tokens=i,
             )
