@@ -22,11 +22,13 @@ Run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from sim.schedulers import POLICY_NAMES
@@ -58,6 +60,23 @@ cpu_s = time.process_time() - cpu0
 digest = hashlib.sha256(repr((tuple(run.requests), run.migrations)).encode()).hexdigest()[:16]
 print(json.dumps([cpu_s, run.sim_duration_s, digest]))
 """
+
+
+@contextlib.contextmanager
+def trees(base: str) -> Iterator[dict[str, Path]]:
+    """``{"base": commit base's tree, "this": this checkout}``: the commit is extracted with ``git archive`` into
+    a temporary folder, removed on exit. Raises CalledProcessError when git cannot archive ``base``."""
+    here = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory(prefix="hilum-base-") as tmp:
+        archive = subprocess.run(["git", "-C", str(here), "archive", base], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        yield {"base": Path(tmp), "this": here}
+
+
+def alternating(rounds: int) -> Iterator[str]:
+    """The sides in the order they run: ``rounds`` rounds of both, which one goes first alternating."""
+    for rnd in range(rounds):
+        yield from ("base", "this") if rnd % 2 == 0 else ("this", "base")
 
 
 def run_once(tree: Path, workload: str, policy: str, vidur_topology: str) -> tuple[float, float, str]:
@@ -92,23 +111,18 @@ def main() -> None:
         parser.error(f"unknown workload {args.workload!r}: default, vidur or synthetic-N")
     if args.workload == "vidur" and not Path(args.vidur_topology).is_file():
         parser.error(f"{args.vidur_topology} does not exist: run bench/bench_vs_vidur.py once first")
-    here = Path(__file__).resolve().parent.parent
     policies = [p for p in args.policies.split(",") if p]
-    with tempfile.TemporaryDirectory(prefix="hilum-base-") as tmp:
-        archive = subprocess.run(["git", "-C", str(here), "archive", args.base], capture_output=True, check=True)
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
-        trees = {"base": Path(tmp), "this": here}
+    with trees(args.base) as tree:
         print(f"{args.workload}: base {args.base} vs this checkout; CPU s of run_simulation, {args.rounds} rounds")
         print(f"{'policy':<13} {'sim s':>7} {'base CPU s':>11} {'this CPU s':>11} {'base / this':>12}  records")
         for policy in policies:
             cpu: dict[str, list[float]] = {"base": [], "this": []}
             digests: dict[str, set[str]] = {"base": set(), "this": set()}
             sim_s = 0.0
-            for rnd in range(args.rounds):
-                for side in ("base", "this") if rnd % 2 == 0 else ("this", "base"):
-                    spent, sim_s, digest = run_once(trees[side], args.workload, policy, args.vidur_topology)
-                    cpu[side].append(spent)
-                    digests[side].add(digest)
+            for side in alternating(args.rounds):
+                spent, sim_s, digest = run_once(tree[side], args.workload, policy, args.vidur_topology)
+                cpu[side].append(spent)
+                digests[side].add(digest)
             base_s, this_s = statistics.median(cpu["base"]), statistics.median(cpu["this"])
             same = "identical" if digests["base"] == digests["this"] and len(digests["this"]) == 1 else "DIFFER"
             print(

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from global_coord.approval import ApprovalConfig, price_and_judge
 from global_coord.approver import Judgement, MoveJudge, MoveProposal, PathLike, PathOf
-from global_coord.coordinator import TopologyLike
 from topology.cost import CostConfig, prefix_kv_blocks
 from topology.graph import TopologyGraph
 from topology.load import load_topology
 from topology.spec import Topology
+
+if TYPE_CHECKING:  # the coordinator's service module (etcd, gRPC) is not needed to build the cost model
+    from global_coord.coordinator import TopologyLike
 
 __all__ = ["ClusterModel", "CostModelJudge", "load_cluster_model"]
 

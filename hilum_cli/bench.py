@@ -470,11 +470,11 @@ def run_bench(ns: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sy
     return status
 
 
-def register(sub: Any) -> None:
-    """Add ``hilum bench`` to an argparse sub-parsers action."""
+def register(sub: Any, summary: str) -> None:
+    """Add ``hilum bench`` to an argparse sub-parsers action; ``summary``: its one-line help."""
     p: argparse.ArgumentParser = sub.add_parser(
         "bench",
-        help="replay a trace against a live gateway; the table of `hilum sim`, optionally beside the simulator's",
+        help=summary,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

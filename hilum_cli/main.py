@@ -1,38 +1,86 @@
 """The ``hilum`` command: sub-commands are registered by each package's ``cli`` module.
 
-Each sub-command module exposes ``register(subparsers)`` which adds its parser and sets
-``func`` (a callable taking the parsed namespace and returning an exit status).
+Each sub-command module exposes ``register(subparsers, summary)`` which adds its parser (with ``summary`` as
+its one-line help) and sets ``func`` (a callable taking the parsed namespace and returning an exit status).
+:data:`SUBCOMMANDS` names them; a run imports only the module of the sub-command it runs, so ``hilum sim``
+never imports the cluster's HTTP, gRPC or etcd clients (``hilum up``'s) and ``hilum --help`` imports none.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from typing import NamedTuple
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Build the top-level ``hilum`` parser with every sub-command registered."""
+class SubCommand(NamedTuple):
+    """One ``hilum`` sub-command: its name, the module whose ``register`` adds it, its one-line help."""
+
+    name: str
+    module: str
+    summary: str
+
+
+#: Every sub-command, in the order ``hilum --help`` lists them.
+SUBCOMMANDS: tuple[SubCommand, ...] = (
+    SubCommand("topology", "topology.cli", "inspect topology files"),
+    SubCommand("sim", "sim.cli", "trace-driven cluster simulator: compare scheduling policies on a real trace"),
+    SubCommand(
+        "up",
+        "hilum_cli.up",
+        "start a whole hilum cluster on this machine (etcd, coordinators, schedulers, llumlets, gateway)",
+    ),
+    SubCommand(
+        "bench",
+        "hilum_cli.bench",
+        "replay a trace against a live gateway; the table of `hilum sim`, optionally beside the simulator's",
+    ),
+)
+
+
+def build_parser(full: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """Build the top-level ``hilum`` parser.
+
+    Args:
+        full: the sub-commands to register in full (importing their modules); the others get a parser with
+            their name and one-line help only, which is all ``hilum --help`` and the top level's usage errors
+            show. None: every sub-command in full.
+
+    Raises:
+        ValueError: a name in ``full`` is not a sub-command's.
+    """
+    names = [c.name for c in SUBCOMMANDS]
+    unknown = sorted(set(full or ()) - set(names))
+    if unknown:
+        raise ValueError(f"unknown hilum sub-command {', '.join(unknown)}; choose from {', '.join(names)}")
     parser = argparse.ArgumentParser(
         prog="hilum",
         description="hilum: topology-aware two-tier LLM request scheduler with live KV-cache migration.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    from hilum_cli import bench, up
-    from sim import cli as sim_cli
-    from topology import cli as topology_cli
-
-    topology_cli.register(sub)
-    sim_cli.register(sub)
-    up.register(sub)
-    bench.register(sub)
+    for command in SUBCOMMANDS:
+        if full is None or command.name in full:
+            importlib.import_module(command.module).register(sub, command.summary)
+        else:
+            sub.add_parser(command.name, help=command.summary)
     return parser
+
+
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The sub-command ``argv`` runs: its first word that is not an option (the top level takes only
+    ``-h``), when that names one; else None (top-level help or a usage error)."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return first if first in {c.name for c in SUBCOMMANDS} else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``hilum``; returns the process exit status (0 ok, 1 runtime error, 2 usage error)."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = _command_of(argv)
+    parser = build_parser(full=() if command is None else (command,))
     args = parser.parse_args(argv)
     status: int = args.func(args)
     return status

@@ -1021,11 +1021,11 @@ def _finish_run_dir(run_dir: Path, *, keep: bool, say: Callable[[str], None]) ->
     say(f"removed the run directory {run_dir}")
 
 
-def register(sub: Any) -> None:
-    """Add ``hilum up`` to an argparse sub-parsers action."""
+def register(sub: Any, summary: str) -> None:
+    """Add ``hilum up`` to an argparse sub-parsers action; ``summary``: its one-line help."""
     p: argparse.ArgumentParser = sub.add_parser(
         "up",
-        help="start a whole hilum cluster on this machine (etcd, coordinators, schedulers, llumlets, gateway)",
+        help=summary,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

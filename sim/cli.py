@@ -33,11 +33,11 @@ if TYPE_CHECKING:
     from .traces import Trace
 
 
-def register(sub: Any) -> None:
-    """Add ``hilum sim`` (and ``hilum sim sweep``) to an argparse sub-parsers action."""
+def register(sub: Any, summary: str) -> None:
+    """Add ``hilum sim`` (and ``hilum sim sweep``) to an argparse sub-parsers action; ``summary``: its help."""
     parser: argparse.ArgumentParser = sub.add_parser(
         "sim",
-        help="trace-driven cluster simulator: compare scheduling policies on a real trace",
+        help=summary,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

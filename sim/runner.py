@@ -478,7 +478,8 @@ def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[s
     """Check the options against the topology; returns the parsed drains and scale-outs (instance, time s).
 
     Raises ValueError naming the first problem: an unknown model, a scripted event naming an instance that
-    does not exist or does not serve the simulated model, or an instance both drained and scaled out.
+    does not exist or does not serve the simulated model, an instance both drained and scaled out, or a drain
+    of an instance ``initial_instances`` keeps off.
     """
     model = served_model(topology, options.model)
     known = sorted(i.instance_id for i in topology.instances if i.model == model)
@@ -511,6 +512,15 @@ def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[s
     both = {i for i, _ in drains} & {i for i, _ in scale_outs}
     if both:
         raise ValueError(f"{', '.join(sorted(both))}: both drained and scaled out (--drain and --scale-out name it)")
+    if options.initial_instances is not None and drains:
+        pool = pools_of(i for i in topology.instances if i.model == model)[model]
+        serving = set(initial_fleet(pool, options.initial_instances))
+        off = sorted(i for i, _ in drains if i not in serving)
+        if off:
+            raise ValueError(
+                f"--drain names {', '.join(off)}, which --initial-instances {options.initial_instances} keeps off "
+                "(a drain of an instance that never serves would do nothing); drain a serving instance"
+            )
     return drains, scale_outs
 
 

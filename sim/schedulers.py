@@ -270,6 +270,7 @@ class ClusterScheduler(ABC):
     def __init__(self, ctx: SchedulerContext) -> None:
         self.ctx = ctx
         self.cluster = ctx.cluster
+        self.model = ctx.cluster.model_of(next(iter(ctx.cluster.instances)))  # the model every instance serves
         # request -> (its domain's feed, the instances it keeps busy, the cross-domain proposal or None: inside)
         self._pending: dict[str, tuple[_Feed, tuple[str, ...], CrossDomainProposal | None]] = {}
         ctx.executor.on_done.append(self._migration_done)
@@ -286,7 +287,7 @@ class ClusterScheduler(ABC):
         would publish it now (``policy.summarize_domain`` over their load reports). The two-tier policy gives
         the summaries it has delivered instead (published every ``summary_interval_s``, ``summary_lag_s`` old)."""
         now = self._now()
-        model = self.cluster.model_of(next(iter(self.cluster.instances))).name
+        model = self.model.name
         policy = self.ctx.domain.policy
         cluster = self.cluster
         loads = {d: [cluster.load(i, brief=True) for i in cluster.serving(d)] for d in cluster.domain_ids()}
@@ -380,9 +381,8 @@ class _Flat(ClusterScheduler):
         self._rebalance(self.feed)
 
     def dispatch(self, req: TraceRequest) -> DispatchDecision:
-        model = self.cluster.model_of(next(iter(self.cluster.instances))).name
         self.feed.deliver()
-        return self.feed.core.dispatch(domain_request(req, model))
+        return self.feed.core.dispatch(domain_request(req, self.model.name))
 
 
 class LeastLoaded(_Flat):
@@ -447,9 +447,8 @@ class HilumTwoTier(ClusterScheduler):
 
     # ---- dispatch --------------------------------------------------------------------------------
     def dispatch(self, req: TraceRequest) -> DispatchDecision:
-        model = self.cluster.model_of(next(iter(self.cluster.instances))).name
-        request = domain_request(req, model)
-        bs = self.cluster.model_of(next(iter(self.cluster.instances))).block_size_tokens
+        request = domain_request(req, self.model.name)
+        bs = self.model.block_size_tokens
         attempt = PlacementAttempt(
             self.gateway,
             request.model,

@@ -125,7 +125,10 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
         OSError: if the file cannot be read.
     """
     p = Path(path)
-    text = p.read_text(encoding="utf-8")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise OSError(f"sweep file {p}: cannot read it: {exc.strerror or exc}") from exc
     try:
         data = parse_yaml(text)
     except yaml.YAMLError as exc:

@@ -25,10 +25,11 @@ __all__ = ["path_summary", "register", "topology_summary"]
 _INSTANCE_ROWS = 32  # list instances one by one up to this many unless --instances
 
 
-def register(sub: Any) -> None:
-    """Add ``hilum topology`` to the sub-command set ``sub`` (an argparse sub-parsers action)."""
+def register(sub: Any, summary: str) -> None:
+    """Add ``hilum topology`` to the sub-command set ``sub`` (an argparse sub-parsers action); ``summary``: its
+    one-line help."""
     parser: argparse.ArgumentParser = sub.add_parser(
-        "topology", help="inspect topology files", description="Inspect a topology file or bundled example."
+        "topology", help=summary, description="Inspect a topology file or bundled example."
     )
     cmds = parser.add_subparsers(dest="topology_command", metavar="SUBCOMMAND")
     cmds.required = True
@@ -49,12 +50,13 @@ def _console() -> Console:
     return Console(width=max(shutil.get_terminal_size((120, 24)).columns, 120), highlight=False)
 
 
-def _load(arg: str) -> Topology | None:
+def _load(arg: str, command: str) -> Topology | None:
+    """The topology ``arg`` names, or None after printing each of its errors as ``hilum topology COMMAND: error:``."""
     try:
         return load_topology(arg)
     except TopologyError as exc:
         for line in exc.errors:
-            print(line, file=sys.stderr)
+            print(f"hilum topology {command}: error: {line}", file=sys.stderr)
         return None
 
 
@@ -197,7 +199,7 @@ def _path_classes(topo: Topology, graph: TopologyGraph) -> dict[str, dict[str, A
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    topo = _load(args.topology)
+    topo = _load(args.topology, "show")
     if topo is None:
         return 1
     summary = topology_summary(topo)
@@ -333,14 +335,14 @@ def path_summary(graph: TopologyGraph, src: str, dst: str) -> dict[str, Any]:
 
 
 def _cmd_path(args: argparse.Namespace) -> int:
-    topo = _load(args.topology)
+    topo = _load(args.topology, "path")
     if topo is None:
         return 1
     graph = TopologyGraph(topo)
     try:
         summary = path_summary(graph, args.src, args.dst)
     except (KeyError, ValueError) as exc:
-        print(f"hilum topology path: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        print(f"hilum topology path: error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(summary, indent=2))

@@ -27,10 +27,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-
-import networkx as nx
+from typing import TYPE_CHECKING
 
 from topology.spec import Topology
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 __all__ = ["PathInfo", "TopologyGraph"]
 
@@ -63,6 +65,8 @@ class TopologyGraph:
     """
 
     def __init__(self, topo: Topology, *, cache_max_entries: int = 1_000_000) -> None:
+        import networkx as nx  # here, not at the top: importing PathInfo (the cost model does) needs no graph
+
         self.topology = topo
         self.graph: nx.Graph = _build_graph(topo)
         self.tree: nx.Graph = nx.maximum_spanning_tree(self.graph, weight="capacity", algorithm="kruskal")
@@ -199,6 +203,8 @@ class TopologyGraph:
 
 def _build_graph(topo: Topology) -> nx.Graph:
     """The networkx graph described in the module docstring."""
+    import networkx as nx
+
     g = nx.Graph(name=topo.name)
     multi_rack = len(topo.fabric.racks) > 1
     if multi_rack:

@@ -118,11 +118,22 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--autoscale", "--cold-start-s", "600"], "must be below autoscale.start_timeout_s (600)"),
         (["--autoscale", "--scale-out", "node-0-i1@9"], "cannot be combined with autoscale"),
         (["--initial-instances", "17"], "initial_instances (--initial-instances) 17: 2x8-a100-40gb has only 16"),
+        (
+            ["--initial-instances", "8", "--drain", "node-1-i7@5"],
+            "--drain names node-1-i7, which --initial-instances 8 keeps off",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "--max-requests", "5", *argv]) == 2
     assert message in capsys.readouterr().err.replace("\n", "")
+
+
+def test_a_sweep_file_that_cannot_be_read_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no-sweep.yaml"
+    assert main(["sim", "sweep", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"hilum sim sweep: error: sweep file {missing}: cannot read it: No such file or directory" in err
 
 
 def test_run_options_before_sweep_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:

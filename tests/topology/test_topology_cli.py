@@ -49,7 +49,7 @@ def test_path(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_unknown_instance_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["topology", "path", "2x8-a100", "node-0-i0", "ghost"]) == 1
-    assert "no instance 'ghost'" in capsys.readouterr().err
+    assert "hilum topology path: error: " in (err := capsys.readouterr().err) and "no instance 'ghost'" in err
 
 
 def test_invalid_file_prints_every_error_and_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -61,8 +61,8 @@ def test_invalid_file_prints_every_error_and_exits_1(tmp_path: Path, capsys: pyt
     assert main(["topology", "show", str(bad)]) == 1
     err = capsys.readouterr().err.splitlines()
     assert err == [
-        f"{bad}: domains[0].nodes[0].nic_gbit_per_s: must be > 0, got -200",
-        f"{bad}: domains[1].instances[7].gpus: GPU 9 does not exist on node-1 (8 GPUs)",
+        f"hilum topology show: error: {bad}: domains[0].nodes[0].nic_gbit_per_s: must be > 0, got -200",
+        f"hilum topology show: error: {bad}: domains[1].instances[7].gpus: GPU 9 does not exist on node-1 (8 GPUs)",
     ]
     assert main(["topology", "show", "no-such-topology"]) == 1
-    assert "no-such-topology: (file): file not found" in capsys.readouterr().err
+    assert "hilum topology show: error: no-such-topology: (file): file not found" in capsys.readouterr().err
