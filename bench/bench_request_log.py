@@ -19,10 +19,14 @@ import dataclasses
 import json
 import pickle
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.bench_sim_vs_commit import alternating, child_output, trees  # noqa: E402
 
 # One side in a child process: prints {phase: CPU s, ...} for the records pickled in argv[1].
 _CHILD = r"""
@@ -50,22 +54,6 @@ print(json.dumps({"add": t1 - t0, "read": t2 - t1, "write": t3 - t2, "spool_byte
 """
 
 
-def run_side(tree: Path, records_file: Path, run_file: Path) -> dict[str, float | str]:
-    """One timing of ``tree``'s RequestLog over the saved records."""
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(records_file), str(run_file)],
-        env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
-        cwd=tempfile.gettempdir(),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if out.returncode != 0:
-        raise SystemExit(f"{tree}: failed:\n{out.stderr[-2000:]}")
-    result: dict[str, float | str] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="main", help="the commit to compare with (any git revision)")
@@ -78,20 +66,13 @@ def main() -> None:
     records = list(run.requests)
     finish = [r.finish_s if r.finish_s is not None else float("inf") for r in records]
     order = sorted(range(len(records)), key=lambda i: (finish[i], i))  # as the simulator adds them
-    here = Path(__file__).resolve().parent.parent
-    with tempfile.TemporaryDirectory(prefix="hilum-base-") as tmp:
-        base_tree = Path(tmp) / "base"
-        base_tree.mkdir()
-        archive = subprocess.run(["git", "-C", str(here), "archive", args.base], capture_output=True, check=True)
-        subprocess.run(["tar", "-x", "-C", str(base_tree)], input=archive.stdout, check=True)
+    with tempfile.TemporaryDirectory(prefix="hilum-records-") as tmp, trees(args.base) as tree:
         records_file, run_file = Path(tmp) / "records.pickle", Path(tmp) / "run.pickle"
         records_file.write_bytes(pickle.dumps((order, records)))
         run_file.write_bytes(pickle.dumps(dataclasses.replace(run, requests=())))
-        trees = {"base": base_tree, "this": here}
         got: dict[str, list[dict[str, float | str]]] = {"base": [], "this": []}
-        for rnd in range(args.rounds):
-            for side in ("base", "this") if rnd % 2 == 0 else ("this", "base"):
-                got[side].append(run_side(trees[side], records_file, run_file))
+        for side in alternating(args.rounds):
+            got[side].append(json.loads(child_output(tree[side], _CHILD, str(records_file), str(run_file))))
     n = len(records)
     gaps = sum(len(r.token_gaps_s) for r in records) / n
     print(f"{n} requests of the default run ({gaps:.0f} token gaps each), base {args.base} vs this checkout,")
