@@ -79,10 +79,11 @@ def alternating(rounds: int) -> Iterator[str]:
         yield from ("base", "this") if rnd % 2 == 0 else ("this", "base")
 
 
-def run_once(tree: Path, workload: str, policy: str, vidur_topology: str) -> tuple[float, float, str]:
-    """(CPU s, simulated s, records digest) of one run of ``tree``'s simulator."""
+def child_output(tree: Path, code: str, *args: str) -> str:
+    """The last line ``python -c code args`` prints, run by this interpreter on ``tree``'s sources (PYTHONPATH)
+    in a fresh process; SystemExit with its stderr's tail when it fails."""
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, workload, policy, vidur_topology],
+        [sys.executable, "-c", code, *args],
         env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
         cwd=tempfile.gettempdir(),
         capture_output=True,
@@ -90,8 +91,13 @@ def run_once(tree: Path, workload: str, policy: str, vidur_topology: str) -> tup
         check=False,
     )
     if out.returncode != 0:
-        raise SystemExit(f"{tree}: {workload} {policy} failed:\n{out.stderr[-2000:]}")
-    cpu_s, sim_s, digest = json.loads(out.stdout.strip().splitlines()[-1])
+        raise SystemExit(f"{tree}: {' '.join(args)} failed:\n{out.stderr[-2000:]}")
+    return out.stdout.strip().splitlines()[-1]
+
+
+def run_once(tree: Path, workload: str, policy: str, vidur_topology: str) -> tuple[float, float, str]:
+    """(CPU s, simulated s, records digest) of one run of ``tree``'s simulator."""
+    cpu_s, sim_s, digest = json.loads(child_output(tree, _CHILD, workload, policy, vidur_topology))
     return float(cpu_s), float(sim_s), str(digest)
 
 

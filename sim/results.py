@@ -6,11 +6,13 @@ unit of comparison between policies); :func:`write_results` stores runs as ``res
 schema is documented field by field in ``docs/sim-results.md``; :func:`load_results` reads it back.
 
 Large runs: the simulator writes each request's record to a :class:`RequestLog` when it becomes final
-(finished, refused, or unfinished at the end). The log spools the records to a temporary file and
-keeps in memory only what a summary needs (:class:`RequestTotals`: a few numbers per request in numpy
-arrays, plus every token gap, 8 bytes each, because percentiles are exact); ``write_results`` copies
-the spooled records into ``results.json`` one at a time. Memory is then about 60 bytes per request
-plus 8 bytes per output token, instead of Python objects for every record and gap.
+(finished, refused, or unfinished at the end). The log spools the records to a temporary file as
+compact binary rows (about 110 bytes a request, no token gaps) and keeps in memory only what a summary
+needs (:class:`RequestTotals`: a few numbers per request in fixed columns, plus every token gap, 8 bytes
+each, because percentiles are exact); ``write_results`` JSON-encodes the spooled records into
+``results.json`` one at a time, and nothing is JSON-encoded while the simulation runs. Memory is then
+about 70 bytes per request plus 8 bytes per output token, instead of Python objects for every record
+and gap.
 
 Percentiles are computed with ``numpy.percentile`` (linear interpolation between closest ranks,
 numpy's default ``method="linear"``). An empty sample gives ``None``, never NaN.
@@ -23,6 +25,9 @@ import dataclasses
 import enum
 import json
 import math
+import operator
+import pickle
+import struct
 import tempfile
 import weakref
 from collections import Counter
@@ -205,10 +210,12 @@ def _request_json(rec: RequestRecord) -> str:
 class RequestTotals:
     """The per-request figures :func:`summarize` needs, kept compactly, for ``num_requests`` requests.
 
-    Arrays over requests in arrival order (``add``'s ``index``): TTFT, end-to-end latency and mean TBT
-    in seconds (NaN: no value), preemption time in seconds, preemption counts, and flags; plus every
-    token gap of every request in the order the requests were added (``gaps_s``). About 40 bytes per
-    request and 8 per token gap.
+    Arrays over requests in arrival order (``add``'s ``index``), each a numpy view of a fixed-size
+    ``array.array`` column that ``add`` stores into (a plain item store, cheaper than a numpy scalar
+    store): TTFT, end-to-end latency and mean TBT in seconds (NaN: no value), preemption time in
+    seconds, preemption counts, prompt and prefix-hit tokens, and three flags; plus every token gap of
+    every request in the order the requests were added (``gaps_s``). Memory: 59 bytes per request
+    (seven 8-byte columns, three 1-byte flags) and 8 bytes per token gap.
 
     Raises ValueError for a negative ``num_requests``, IndexError for an index out of range.
     """
@@ -217,16 +224,28 @@ class RequestTotals:
         if num_requests < 0:
             raise ValueError(f"RequestTotals: num_requests = {num_requests}, need >= 0")
         self.num_requests = num_requests
-        self.ttft_s = np.full(num_requests, np.nan)  # first_token_s - arrival_s
-        self.e2e_s = np.full(num_requests, np.nan)  # finish_s - arrival_s
-        self.decode_mean_s = np.full(num_requests, np.nan)  # mean of the request's token gaps
-        self.preempted_s = np.zeros(num_requests)  # time lost to preemption
-        self.preemptions = np.zeros(num_requests, dtype=np.int64)
-        self.high_priority = np.zeros(num_requests, dtype=np.bool_)  # priority >= HIGH_PRIORITY_MIN
-        self.finished = np.zeros(num_requests, dtype=np.bool_)
-        self.refused = np.zeros(num_requests, dtype=np.bool_)
-        self.prompt_tokens = np.zeros(num_requests, dtype=np.int64)
-        self.prefix_hit_tokens = np.zeros(num_requests, dtype=np.int64)  # prompt tokens reused from a prefix cache
+        n = num_requests
+        self._ttft_s = array.array("d", [math.nan]) * n
+        self._e2e_s = array.array("d", [math.nan]) * n
+        self._decode_mean_s = array.array("d", [math.nan]) * n
+        self._preempted_s = array.array("d", [0.0]) * n
+        self._preemptions = array.array("q", [0]) * n
+        self._high_priority = array.array("b", [0]) * n
+        self._finished = array.array("b", [0]) * n
+        self._refused = array.array("b", [0]) * n
+        self._prompt_tokens = array.array("q", [0]) * n
+        self._prefix_hit_tokens = array.array("q", [0]) * n
+        # numpy views of the columns (shape (num_requests,), no copy; the columns are never resized)
+        self.ttft_s = np.frombuffer(self._ttft_s, dtype=np.float64)  # first_token_s - arrival_s
+        self.e2e_s = np.frombuffer(self._e2e_s, dtype=np.float64)  # finish_s - arrival_s
+        self.decode_mean_s = np.frombuffer(self._decode_mean_s, dtype=np.float64)  # mean of the request's gaps
+        self.preempted_s = np.frombuffer(self._preempted_s, dtype=np.float64)  # time lost to preemption
+        self.preemptions = np.frombuffer(self._preemptions, dtype=np.int64)
+        self.high_priority = np.frombuffer(self._high_priority, dtype=np.bool_)  # priority >= HIGH_PRIORITY_MIN
+        self.finished = np.frombuffer(self._finished, dtype=np.bool_)
+        self.refused = np.frombuffer(self._refused, dtype=np.bool_)
+        self.prompt_tokens = np.frombuffer(self._prompt_tokens, dtype=np.int64)
+        self.prefix_hit_tokens = np.frombuffer(self._prefix_hit_tokens, dtype=np.int64)  # reused from a prefix cache
         self._gaps = array.array("d")
         self.max_finish_s = 0.0  # the latest finish_s, 0 before any
 
@@ -243,27 +262,37 @@ class RequestTotals:
         if not 0 <= index < self.num_requests:
             raise IndexError(f"RequestTotals.add: index {index} outside 0..{self.num_requests - 1}")
         if (ttft := rec.ttft_s) is not None:
-            self.ttft_s[index] = ttft
+            self._ttft_s[index] = ttft
         if (e2e := rec.e2e_s) is not None:
-            self.e2e_s[index] = e2e
+            self._e2e_s[index] = e2e
         gaps = rec.token_gaps_s
-        if gaps:
-            self.decode_mean_s[index] = sum(gaps) / len(gaps)
-            self._gaps.extend(gaps)
-        self.preempted_s[index] = rec.preempted_s
-        self.preemptions[index] = rec.preemptions
-        self.high_priority[index] = rec.priority >= HIGH_PRIORITY_MIN
-        self.finished[index] = rec.finish_s is not None
-        self.refused[index] = rec.refused is not None
-        self.prompt_tokens[index] = rec.prompt_tokens
-        self.prefix_hit_tokens[index] = rec.prefix_hit_tokens
+        if gaps:  # packed in one C pass (array.extend goes item by item), then summed while in cache
+            self._gaps.frombytes(struct.pack(f"{len(gaps)}d", *gaps))
+            self._decode_mean_s[index] = sum(gaps) / len(gaps)
+        self._preempted_s[index] = rec.preempted_s
+        self._preemptions[index] = rec.preemptions
+        self._high_priority[index] = rec.priority >= HIGH_PRIORITY_MIN
+        self._finished[index] = rec.finish_s is not None
+        self._refused[index] = rec.refused is not None
+        self._prompt_tokens[index] = rec.prompt_tokens
+        self._prefix_hit_tokens[index] = rec.prefix_hit_tokens
         if rec.finish_s is not None and rec.finish_s > self.max_finish_s:
             self.max_finish_s = rec.finish_s
+
+    @property
+    def num_gaps(self) -> int:
+        """Token gaps added so far (the length of :attr:`gaps_s`)."""
+        return len(self._gaps)
 
     @property
     def gaps_s(self) -> np.ndarray[Any, np.dtype[np.float64]]:
         """Every token gap (TBT sample) of every request added, seconds (a view, no copy)."""
         return np.frombuffer(self._gaps, dtype=np.float64)
+
+
+_request_values = operator.attrgetter(*_REQUEST_FIELDS)  # a record's stored fields, in _REQUEST_FIELDS order
+
+_SPOOL_BUFFER_BYTES = 1 << 16  # the spool's write buffer: one write(2) per ~500 records
 
 
 class RequestLog(Sequence["RequestRecord"]):
@@ -275,48 +304,72 @@ class RequestLog(Sequence["RequestRecord"]):
     anonymous temporary file, removed when the log is closed or collected. Pickling a log gives a tuple
     of its records.
 
+    The spool holds each record as one pickled row: its fields but the token gaps, as given, and where
+    its gaps lie in ``totals.gaps_s``. A row is cheap to write (no JSON encoding while the simulation
+    runs), reads back exactly (same values, same types), and becomes its ``results.json`` object
+    (:meth:`json_line`, the same encoding a record outside a log gets) only when someone reads the
+    log or writes ``results.json``; so a value with no JSON form (or NaN) is refused then, not by
+    ``add``. Sizes: on disk about 110 bytes per request in a run of a bundled trace (its JSON object:
+    about 440; a byte more per character more in its ids) and nothing per token (the gaps are kept once, in the
+    totals); in memory 8 bytes per request for the row's offset, plus :class:`RequestTotals`' 59 bytes
+    per request and 8 per token gap, plus the spool's 64 KiB write buffer: 67 bytes per request and 8
+    per token gap in all.
+
     Raises ValueError for a negative ``num_requests`` or a second record for one index; reading a
     request not recorded yet raises LookupError.
     """
 
     def __init__(self, num_requests: int) -> None:
         self.totals = RequestTotals(num_requests)
-        self._spool = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the log
+        self._spool = tempfile.TemporaryFile(buffering=_SPOOL_BUFFER_BYTES)  # noqa: SIM115 - lives as long as the log
         weakref.finalize(self, self._spool.close)  # the log collected: the spool goes too, quietly
         self._end = 0  # bytes written
         self._read_since_write = False  # the file position is not at the end
-        self._offset = np.full(num_requests, -1, dtype=np.int64)  # where each record's line starts
-        self._length = np.zeros(num_requests, dtype=np.int64)
-        self._gap_start = np.zeros(num_requests, dtype=np.int64)  # its gaps in totals.gaps_s
-        self._gap_count = np.zeros(num_requests, dtype=np.int64)
+        self._offset = array.array("q", [-1]) * num_requests  # where each record's row starts, -1: none yet
 
     def add(self, index: int, rec: RequestRecord) -> None:
-        """Store the final record of the request at arrival position ``index``."""
+        """Store the final record of the request at arrival position ``index`` (IndexError outside the log,
+        ValueError for an index already recorded)."""
         if not 0 <= index < len(self):
             raise IndexError(f"RequestLog.add: index {index} outside 0..{len(self) - 1}")
         if self._offset[index] >= 0:
             raise ValueError(f"RequestLog.add: request {rec.request_id!r} (index {index}) is already recorded")
-        line = _request_json(rec).encode()
+        row = pickle.dumps((self.totals.num_gaps, len(rec.token_gaps_s), _request_values(rec)), pickle.HIGHEST_PROTOCOL)
         if self._read_since_write:  # a seek flushes the write buffer: only after a read moved the position
             self._spool.seek(self._end)
             self._read_since_write = False
-        self._spool.write(line)
-        self._offset[index], self._length[index] = self._end, len(line)
-        self._end += len(line)
-        self._gap_start[index], self._gap_count[index] = len(self.totals.gaps_s), len(rec.token_gaps_s)
+        self._spool.write(row)
+        self._offset[index] = self._end
+        self._end += len(row)
         self.totals.add(index, rec)
 
-    def __len__(self) -> int:
-        return self.totals.num_requests
+    @property
+    def spool_bytes(self) -> int:
+        """Bytes written to the spool file so far."""
+        return self._end
 
-    def json_line(self, index: int) -> bytes:
-        """The stored JSON object of the request at ``index`` (as in ``results.json``)."""
-        offset = int(self._offset[index])
+    def _stored(self, index: int, *, gaps: bool) -> RequestRecord:
+        """The record stored for ``index`` (0 <= index < len), with its token gaps or with ``()``."""
+        offset = self._offset[index]
         if offset < 0:
             raise LookupError(f"RequestLog: request {index} has no record yet")
         self._spool.seek(offset)
         self._read_since_write = True
-        return self._spool.read(int(self._length[index]))
+        gap_start, gap_count, values = pickle.load(self._spool)  # our own spool (written by add); reads one row
+        token_gaps_s = tuple(self.totals.gaps_s[gap_start : gap_start + gap_count].tolist()) if gaps else ()
+        return RequestRecord(**dict(zip(_REQUEST_FIELDS, values, strict=True)), token_gaps_s=token_gaps_s)
+
+    def json_line(self, index: int) -> str:
+        """The JSON object of the request at ``index`` as in ``results.json`` (encoded now, from the spool).
+
+        Raises IndexError outside the log, LookupError if it has no record yet, TypeError or ValueError if a
+        field has no JSON form."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"RequestLog: index {index} outside a log of {len(self)}")
+        return _request_json(self._stored(index, gaps=False))
+
+    def __len__(self) -> int:
+        return self.totals.num_requests
 
     @overload
     def __getitem__(self, index: int) -> RequestRecord: ...
@@ -329,11 +382,7 @@ class RequestLog(Sequence["RequestRecord"]):
             return [self[i] for i in range(*index.indices(len(self)))]
         if not -len(self) <= index < len(self):
             raise IndexError(f"RequestLog: index {index} outside a log of {len(self)}")
-        index %= len(self)
-        data = json.loads(self.json_line(index))
-        start = int(self._gap_start[index])
-        gaps = tuple(self.totals.gaps_s[start : start + int(self._gap_count[index])].tolist())
-        return RequestRecord(**{name: data[name] for name in _REQUEST_FIELDS}, token_gaps_s=gaps)
+        return self._stored(index % len(self), gaps=True)
 
     def __iter__(self) -> Iterator[RequestRecord]:
         for i in range(len(self)):
@@ -425,7 +474,8 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     """
     if not 0.0 <= q <= 100.0:
         raise ValueError(f"percentile: q must be in [0, 100], got {q}")
-    arr = np.fromiter(values, dtype=np.float64)
+    # an array (the totals' columns, every token gap) as it is: fromiter would walk it element by element
+    arr = np.asarray(values, dtype=np.float64) if isinstance(values, np.ndarray) else np.fromiter(values, np.float64)
     if arr.size == 0:
         return None
     return float(np.percentile(arr, q, method="linear"))
@@ -594,7 +644,7 @@ def _request_lines(run: SimRun) -> Iterator[str]:
     requests = run.requests
     if isinstance(requests, RequestLog):
         for i in range(len(requests)):
-            yield requests.json_line(i).decode()
+            yield requests.json_line(i)
     else:
         for rec in requests:
             yield _request_json(rec)

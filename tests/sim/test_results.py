@@ -26,6 +26,7 @@ from sim.results import (
     ResultsError,
     ScaleRecord,
     SimRun,
+    _request_json,
     load_results,
     percentile,
     results_document,
@@ -382,6 +383,134 @@ def test_a_request_log_keeps_a_few_numbers_per_request_in_memory() -> None:
         log.add(i, rec)
     held = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    # per request: ~11 numbers in numpy arrays + 10 gaps of 8 bytes; records and their tuples are not kept
-    assert held < 20_000 * (11 * 8 + 10 * 8 + 40)
+    # per request: 59 bytes of totals + an 8-byte spool offset + 10 gaps of 8 bytes (RequestLog's docstring),
+    # plus the 64 KiB write buffer; records and their tuples are not kept
+    assert held < 20_000 * (59 + 8 + 10 * 8 + 10) + 65_536
     assert log[19_999] == records[19_999]
+
+
+def test_a_request_log_spools_a_compact_row_per_request_and_no_token_gaps() -> None:
+    def spooled(num_gaps: int) -> int:
+        log = RequestLog(1000)
+        for i in range(1000):
+            rec = req(f"azure-conv-{i:05d}", arrival_s=float(i), first_token_s=i + 0.5, finish_s=i + 9.0)
+            log.add(i, dataclasses.replace(rec, token_gaps_s=(0.04,) * num_gaps, instance_id="node-3-i5"))
+        return log.spool_bytes
+
+    # ~106 bytes a row with 16-character ids (its JSON object: ~330); the gaps live in the totals only
+    assert 90_000 < spooled(0) < 120_000
+    # 1,000 gaps a request (8,000 bytes): the row grows by less than one gap (the gaps' place, a few bytes)
+    assert spooled(1000) - spooled(0) < 1000 * 8
+
+
+def varied_records() -> list[RequestRecord]:
+    """Records that exercise every JSON form of a field: None, refusals, priorities, numpy scalars, non-ASCII."""
+    base = list(hand_run().requests)
+    return [
+        *base,
+        dataclasses.replace(base[0], request_id='r-é"\\x\u2028', prompt_tokens=np.int64(7), arrival_s=np.float64(0.1)),  # type: ignore[arg-type]
+        dataclasses.replace(base[1], priority=3, prefix_hit_tokens=64, dispatched_instance_id="node-1-i2"),
+        req("r6", arrival_s=1 / 3, first_token_s=2 / 3, finish_s=1e-300, gaps=(1e300, 5e-324)),
+    ]
+
+
+def test_results_json_from_a_log_is_byte_for_byte_the_reference_encoding(tmp_path: Path) -> None:
+    records = varied_records()
+    run = hand_run(requests=tuple(records))
+    log_run = logged(run, list(reversed(range(len(records)))))
+    from_log = write_results([log_run], tmp_path / "log").read_bytes()
+    assert from_log == write_results([run], tmp_path / "tuple").read_bytes()
+    # each request's line is _request_json of the record as added (no gap is written)
+    text = from_log.decode()
+    lines = text[text.index('"requests": [\n') + 14 : text.index('\n],\n"migrations"')].split(",\n")
+    assert lines == [_request_json(r) for r in records] and "token_gaps" not in text
+    assert log_run.requests == records and summarize(log_run) == summarize(run)
+
+
+def test_a_request_log_encodes_json_only_when_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sim.results as results
+
+    encoded: list[str] = []
+    real = results._request_json
+
+    def counting(rec: RequestRecord) -> str:
+        encoded.append(rec.request_id)
+        return real(rec)
+
+    monkeypatch.setattr(results, "_request_json", counting)
+    run = hand_run()
+    log = logged(run, [2, 0, 3, 1]).requests
+    assert isinstance(log, RequestLog)
+    assert encoded == []  # recording a final request encodes nothing
+    assert list(log) == list(run.requests) and encoded == []  # nor does reading the records back
+    assert log.json_line(1) == real(run.requests[1]) and encoded == ["r1"]
+    with pytest.raises(IndexError, match="index 4 outside a log of 4"):
+        log.json_line(4)
+
+
+def test_a_value_with_no_json_form_is_refused_when_the_log_is_written(tmp_path: Path) -> None:
+    run = hand_run()
+    bad = dataclasses.replace(run.requests[0], instance_id=Path("i0"))  # type: ignore[arg-type]
+    log_run = logged(dataclasses.replace(run, requests=(bad, *run.requests[1:])), [0, 1, 2, 3])
+    assert log_run.requests[0] == bad  # kept as given
+    with pytest.raises(TypeError, match="cannot write a value of type PosixPath to JSON"):
+        write_results([log_run], tmp_path)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(0.0, 1e6),  # arrival_s
+            st.none() | st.floats(0.0, 100.0),  # TTFT
+            st.none() | st.floats(0.0, 100.0),  # time from first token to finish
+            st.lists(st.floats(0.0, 1.0), max_size=6),  # gaps
+            st.integers(0, 3),  # priority
+            st.integers(0, 5),  # preemptions
+            st.booleans(),  # refused
+        ),
+        max_size=12,
+    )
+)
+def test_request_totals_hold_each_records_figures_by_arrival_position(
+    rows: list[tuple[float, float | None, float | None, list[float], int, int, bool]],
+) -> None:
+    records = []
+    for i, (arrival, ttft, rest, gaps, priority, preemptions, refused) in enumerate(rows):
+        first = None if ttft is None else arrival + ttft
+        finish = None if first is None or rest is None else first + rest
+        rec = req(f"r{i}", arrival_s=arrival, first_token_s=first, finish_s=finish, gaps=tuple(gaps))
+        records.append(
+            dataclasses.replace(
+                rec,
+                priority=priority,
+                preemptions=preemptions,
+                preempted_s=0.1 * preemptions,
+                refused="no_capacity" if refused else None,
+                prefix_hit_tokens=i,
+            )
+        )
+    order = list(reversed(range(len(records))))
+    log = RequestLog(len(records))
+    for i in order:
+        log.add(i, records[i])
+    t = log.totals
+
+    def col(values: list[float | None]) -> list[float]:
+        return [math.nan if v is None else v for v in values]
+
+    np.testing.assert_array_equal(t.ttft_s, col([r.ttft_s for r in records]))
+    np.testing.assert_array_equal(t.e2e_s, col([r.e2e_s for r in records]))
+    np.testing.assert_array_equal(
+        t.decode_mean_s, col([sum(r.token_gaps_s) / len(r.token_gaps_s) if r.token_gaps_s else None for r in records])
+    )
+    assert t.preempted_s.tolist() == [r.preempted_s for r in records]
+    assert t.preemptions.tolist() == [r.preemptions for r in records]
+    assert t.high_priority.tolist() == [r.priority >= 1 for r in records]
+    assert t.finished.tolist() == [r.finish_s is not None for r in records]
+    assert t.refused.tolist() == [r.refused is not None for r in records]
+    assert t.prompt_tokens.tolist() == [100] * len(records)
+    assert t.prefix_hit_tokens.tolist() == list(range(len(records)))
+    assert t.gaps_s.tolist() == [g for i in order for g in records[i].token_gaps_s] and t.num_gaps == len(t.gaps_s)
+    assert t.max_finish_s == max([r.finish_s for r in records if r.finish_s is not None], default=0.0)
+    assert list(log) == records
