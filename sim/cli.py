@@ -235,22 +235,28 @@ def run_cli(args: argparse.Namespace) -> int:
         return loaded
     specs, topology, trace, out = loaded
     runs = []
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.percentage:>3.0f}%"),
-        TimeElapsedColumn(),
-        console=err,
-        transient=False,
-    ) as bar:
-        for spec in specs:
-            task = bar.add_task(f"{spec.policy:<13}", total=1.0)
+    try:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.percentage:>3.0f}%"),
+            TimeElapsedColumn(),
+            console=err,
+            transient=False,
+        ) as bar:
+            for spec in specs:
+                task = bar.add_task(f"{spec.policy:<13}", total=1.0)
 
-            def advance(fraction: float, task_id: TaskID = task) -> None:
-                bar.update(task_id, completed=fraction)
+                def advance(fraction: float, task_id: TaskID = task) -> None:
+                    bar.update(task_id, completed=fraction)
 
-            run = run_simulation(spec, trace=trace, topology=topology, progress=advance)
-            runs.append(run)
+                run = run_simulation(spec, trace=trace, topology=topology, progress=advance)
+                runs.append(run)
+    except KeyboardInterrupt:
+        if out is not None and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # made for this run, and nothing written into it yet
+        print("hilum sim: interrupted; no results written", file=sys.stderr)
+        return 130
     summaries = [summarize(r) for r in runs]
     if args.json:
         print(json.dumps([asdict(s) for s in summaries], indent=2, default=str))
@@ -461,6 +467,11 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
     try:
         config = load_sweep_config(args.config)
         _check_sweep(config.topologies, config.trace, config.policies, config.options)
+        if config.config is not None:  # the runs' configuration file: read it here, not in every Ray task
+            try:
+                load_config(config.config)
+            except ConfigError as exc:
+                raise ValueError(exc.for_flag(f"{args.config}: config:")) from None
         out = _output_dir(args.out)
     except (ValueError, OSError, ValidationError) as exc:
         print(f"hilum sim sweep: error: {exc}", file=sys.stderr)

@@ -129,6 +129,36 @@ def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str, caps
     assert message in capsys.readouterr().err.replace("\n", "")
 
 
+def test_ctrl_c_during_a_run_exits_130_and_leaves_no_empty_out_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sim.runner
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sim.runner, "run_simulation", interrupted)
+    out = tmp_path / "runs" / "x"
+    assert main(["sim", "--max-requests", "5", "--out", str(out)]) == 130
+    assert "hilum sim: interrupted; no results written" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_sweeps_configuration_file_is_checked_before_ray_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "c.yaml").write_text("policy:\n  bogus_key: 1\n")
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text(
+        "trace: azure-conv\ntopologies: [2x8-a100-40gb]\npolicies: [hilum]\nrate_scales: [1]\n"
+        f"max_requests: 5\nconfig: {tmp_path / 'c.yaml'}\n"
+    )
+    assert main(["sim", "sweep", str(sweep), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"hilum sim sweep: error: {sweep}: config: {tmp_path / 'c.yaml'}: policy.bogus_key: Extra inputs" in err
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_sweep_file_that_cannot_be_read_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "no-sweep.yaml"
     assert main(["sim", "sweep", str(missing)]) == 2
