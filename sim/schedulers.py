@@ -240,15 +240,16 @@ class _Feed:
                 return False
             position = cluster.load_position(inst)
             mark = quiet.get(iid)
-            if mark is None or iid in touched or not cluster.within_growth(inst, mark, position):
-                if mark is None or not cluster.within_growth(inst, mark, position):
-                    # the report the refresh would send now (built once: Cluster.load keeps it for that refresh)
-                    version, started = position
-                    load = cluster.load(inst, brief=self.brief, version=version, started=started)
-                    slack = source_slack_blocks(load, policy)
-                    if slack < 1:
-                        return False
-                    mark = quiet[iid] = cluster.growth_mark(inst, math.floor(slack) - 1, position)
+            if mark is None or not cluster.within_growth(inst, mark, position):
+                # the report the refresh would send now (built once: Cluster.load keeps it for that refresh)
+                version, started = position
+                load = cluster.load(inst, brief=self.brief, version=version, started=started)
+                slack = source_slack_blocks(load, policy)
+                if slack < 1:
+                    return False
+                mark = quiet[iid] = cluster.growth_mark(inst, math.floor(slack) - 1, position)
+                holds[iid] = cluster.growth_holds_until_s(inst, mark)
+            elif iid in touched:  # touched, and the mark still holds: until when, from now
                 holds[iid] = cluster.growth_holds_until_s(inst, mark)
             version = position[0]
             if version != reported[iid]:
