@@ -428,14 +428,22 @@ class Cluster:
         """
         if version is None:
             version = self.load_version(inst)
+        return self._cached_load(inst, brief, version, started, inst._flags)
+
+    def _cached_load(
+        self, inst: SimInstance, brief: bool, version: int, started: int | None, flags: tuple[bool, bool]
+    ) -> InstanceLoad:
+        """The report of ``version`` (:meth:`_build_load`), from the instance's cache when it holds that version;
+        the cache keeps the newest version built."""
         cache = inst._brief if brief else inst._load
         if cache is not None and cache[0] == version:
             return cache[1]
-        load = self._build_load(inst, brief, started, inst._flags)
-        if brief:
-            inst._brief = (version, load)
-        else:
-            inst._load = (version, load)
+        load = self._build_load(inst, brief, started, flags)
+        if cache is None or cache[0] < version:
+            if brief:
+                inst._brief = (version, load)
+            else:
+                inst._load = (version, load)
         return load
 
     def _build_load(
@@ -483,13 +491,7 @@ class Cluster:
         if ticket is None:
             return
         inst._ticket = None
-        cache = inst._brief
-        if cache is not None and cache[0] == ticket.version:  # built since (the same report)
-            ticket.load = cache[1]
-            return
-        ticket.load = self._build_load(inst, True, ticket.started, ticket.flags)
-        if cache is None or cache[0] < ticket.version:
-            inst._brief = (ticket.version, ticket.load)
+        ticket.load = self._cached_load(inst, True, ticket.version, ticket.started, ticket.flags)
 
     def _steps_ahead(self, inst: SimInstance, started: int | None = None) -> int:
         """Steps of the decode run in flight that have started and are not applied: a reader computes the state
