@@ -476,7 +476,8 @@ class Cluster:
         return ticket
 
     def ticket_load(self, ticket: ReportTicket) -> InstanceLoad:
-        """The brief report ``ticket`` stands for (:meth:`report_ticket`)."""
+        """The brief report ``ticket`` stands for (:meth:`report_ticket`). Raises RuntimeError for a ticket that a
+        newer one of its instance dropped (never built: the reader should have read the newer one)."""
         if ticket.load is None:
             if ticket.inst._ticket is not ticket:
                 raise RuntimeError(f"{ticket.inst.instance_id}: a report ticket read after a newer one was taken")
