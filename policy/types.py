@@ -233,7 +233,8 @@ def _trusted_constructor(cls: type[_T]) -> Callable[..., _T]:
     it leaves out is the validation. Generated once per class, like the dataclass's ``__init__``.
     """
     params, body = [], []
-    env: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
+    # cls.__new__: object.__new__ for a plain class; a class mypyc compiled (hilum_compiled) allocates with its own
+    env: dict[str, Any] = {"_new": cls.__new__, "_cls": cls}
     for i, f in enumerate(dataclasses.fields(cls)):  # type: ignore[arg-type]
         env[f"_set{i}"] = getattr(cls, f.name).__set__  # the slot's descriptor: no frozen __setattr__
         if f.default is not dataclasses.MISSING:

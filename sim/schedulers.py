@@ -34,6 +34,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 from gateway.core import GatewayCore, PlacementAttempt
 from global_coord.approver import MoveJudge, decide
@@ -266,7 +267,7 @@ class _Feed:
 class ClusterScheduler(ABC):
     """A cluster-level policy: dispatch on arrival, optional periodic rescheduling."""
 
-    name: str = ""
+    name: ClassVar[str] = ""
 
     def __init__(self, ctx: SchedulerContext) -> None:
         self.ctx = ctx
@@ -364,8 +365,11 @@ class _Flat(ClusterScheduler):
     """One domain core over every instance, its reports refreshed every ``report_interval_s``."""
 
     migrate = False
-    domain_cfg: Callable[[DomainConfig], DomainConfig] = staticmethod(lambda cfg: cfg)
     later_reports = True  # False: the periodic refresh builds every report at once (the reference of the tests)
+
+    def domain_cfg(self, cfg: DomainConfig) -> DomainConfig:
+        """The domain settings of its core (the rule book's, as given)."""
+        return cfg
 
     def __init__(self, ctx: SchedulerContext) -> None:
         super().__init__(ctx)
@@ -390,9 +394,10 @@ class LeastLoaded(_Flat):
     """Load-aware dispatch on KV usage (no priority headroom), no migration (INFaaS-style baseline)."""
 
     name = "least-loaded"
-    domain_cfg = staticmethod(
-        lambda cfg: replace(cfg, policy=replace(cfg.policy, priority_headroom_blocks={}, max_migrations_per_round=0))
-    )
+
+    def domain_cfg(self, cfg: DomainConfig) -> DomainConfig:
+        """No priority headroom, no migration."""
+        return replace(cfg, policy=replace(cfg.policy, priority_headroom_blocks={}, max_migrations_per_round=0))
 
 
 class LlumnixFlat(_Flat):

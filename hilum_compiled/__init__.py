@@ -1,0 +1,183 @@
+"""The simulator's hot modules compiled with mypyc, used only while they match their sources.
+
+hilum is pure Python, and every module runs as such. For speed, ``make`` (``python -m hilum_compiled build``)
+also compiles the modules the simulator spends its time in (:data:`MODULES`: the engine model, the cluster
+and its event queue, the rule book's dispatch and migration rules, the domain and gateway cores) with mypyc,
+the compiler that ships with mypy, which turns type-annotated Python into a C extension. The project is
+checked with ``mypy --strict``, so its annotations are what mypyc needs. The compiled modules compute exactly
+what the sources do (``make test`` runs the simulator's record-for-record equality tests both ways).
+
+The build goes to ``<sys.prefix>/hilum-compiled/`` (inside the virtual environment, never beside the sources),
+with a manifest of each source's SHA-256, and puts a ``hilum-compiled.pth`` in the environment's
+site-packages, which calls :func:`install` when the interpreter starts. :func:`install` puts a finder in
+front of the import system that loads the compiled modules, and only when
+
+- ``HILUM_PURE_PYTHON`` is unset or empty (set it to run everything as plain Python),
+- the build is for this interpreter (its ``cache_tag``), and
+- every compiled module's source is byte for byte the one it was built from, and is the one this interpreter
+  would import (a module imported from another checkout, e.g. a benchmark's ``PYTHONPATH``, is not served).
+
+Otherwise nothing is compiled in, and :func:`status` says why (``python -m hilum_compiled status``); an edited
+source turns the whole build off at once (the compiled modules call each other directly, so they go together)
+until ``make`` builds again. This module imports nothing but the standard library and never raises at start-up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+__all__ = ["GROUP", "MODULES", "PURE_ENV", "build_dir", "install", "source_root", "stale_sources", "status"]
+
+#: The modules compiled (each ``package.module``, a ``.py`` file under the source root): where the simulator's
+#: time goes (``bench/profile_sim.py``). A module is listed only if mypyc compiles it with no change in what
+#: it computes; value types built with ``policy.types._trusted_constructor`` (``object.__new__``) stay Python.
+MODULES: tuple[str, ...] = (
+    "llumlet.engine.blocks",
+    "llumlet.engine.core",
+    "llumlet.engine.scheduler",
+    "sim.cluster",
+    "sim.events",
+    "policy.usage",
+    "policy.dispatch",
+    "policy.migration",
+    "rack_sched.core",
+    "gateway.core",
+    "sim.schedulers",
+    "policy.domain",
+    "policy.types",
+    "policy.remaining",
+    "llumlet.engine.paged",
+    "rack_sched.plan",
+)
+
+#: mypyc's shared library of the group: every compiled module's code (``GROUP + "__mypyc"``, a top-level module).
+GROUP = "hilum_native"
+
+#: Set to a non-empty value to run every module as plain Python.
+PURE_ENV = "HILUM_PURE_PYTHON"
+
+_MANIFEST = "manifest.json"
+_status = "pure Python: hilum_compiled.install() was not called"
+
+
+def source_root() -> Path:
+    """The folder holding hilum's packages (the one above this package)."""
+    return Path(__file__).resolve().parent.parent
+
+
+def build_dir(prefix: str | None = None) -> Path:
+    """Where the build of the environment at ``prefix`` (default ``sys.prefix``) lives."""
+    return Path(prefix or sys.prefix) / "hilum-compiled"
+
+
+def source_of(module: str, root: Path | None = None) -> Path:
+    """The ``.py`` file of ``module`` under ``root`` (default :func:`source_root`)."""
+    return (root or source_root()).joinpath(*module.split(".")).with_suffix(".py")
+
+
+def sha256_of(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes. Raises OSError when it cannot be read."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def read_manifest(directory: Path) -> dict[str, object]:
+    """The manifest of the build in ``directory``. Raises OSError or ValueError when it is missing or unreadable."""
+    manifest = json.loads((directory / _MANIFEST).read_text())
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("modules"), dict):
+        raise ValueError(f"{directory / _MANIFEST}: not a hilum_compiled manifest")
+    return manifest
+
+
+def stale_sources(directory: Path) -> list[str]:
+    """Why the build in ``directory`` cannot be used as it is: one line per problem (a source changed or missing,
+    another interpreter, another module list), empty when it can. Raises nothing."""
+    try:
+        manifest = read_manifest(directory)
+    except (OSError, ValueError) as err:
+        return [f"no usable build in {directory} ({err.__class__.__name__}: {err})"]
+    problems = []
+    if manifest.get("cache_tag") != sys.implementation.cache_tag:
+        problems.append(f"built for {manifest.get('cache_tag')}, this interpreter is {sys.implementation.cache_tag}")
+    modules = manifest["modules"]
+    assert isinstance(modules, dict)
+    if sorted(modules) != sorted(MODULES):
+        problems.append("built from another module list")
+    for entry in modules.values():
+        source = Path(entry["source"])
+        try:
+            if sha256_of(source) != entry["sha256"]:
+                problems.append(f"{source} changed since the build")
+        except OSError:
+            problems.append(f"{source} is missing")
+        if not (directory / entry["so"]).is_file():
+            problems.append(f"{directory / entry['so']} is missing")
+    return problems
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Serves each compiled module from its extension file, when the module would come from the sources built."""
+
+    def __init__(self, extensions: dict[str, tuple[Path, Path | None]]) -> None:
+        self._extensions = extensions  # module -> (its extension file, the folder its source is in: None for GROUP)
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        entry = self._extensions.get(fullname)
+        if entry is None:
+            return None
+        extension, folder = entry
+        if folder is not None and (path is None or str(folder) not in path):
+            return None  # its package comes from another tree: that tree's own source is imported
+        loader = importlib.machinery.ExtensionFileLoader(fullname, str(extension))
+        return importlib.util.spec_from_file_location(fullname, extension, loader=loader)
+
+
+def install(directory: Path | None = None) -> bool:
+    """Load the compiled modules from now on, if the build in ``directory`` (default :func:`build_dir`) matches
+    its sources (see the module docstring). True when installed; :func:`status` says what happened. Call it
+    before any compiled module is imported (the ``.pth`` file does, at start-up). Never raises."""
+    global _status
+    try:
+        if os.environ.get(PURE_ENV):
+            _status = f"pure Python: {PURE_ENV} is set"
+            return False
+        directory = directory or build_dir()
+        problems = stale_sources(directory)
+        if problems:
+            _status = "pure Python: " + "; ".join(problems)
+            return False
+        manifest = read_manifest(directory)
+        modules = manifest["modules"]
+        assert isinstance(modules, dict)
+        extensions: dict[str, tuple[Path, Path | None]] = {
+            name: (directory / entry["so"], Path(entry["source"]).parent) for name, entry in modules.items()
+        }
+        extensions[f"{GROUP}__mypyc"] = (directory / str(manifest["group_so"]), None)
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Finder)]  # one build at a time
+        sys.meta_path.insert(0, _Finder(extensions))
+        _status = f"compiled: {len(modules)} modules from {directory}"
+        return True
+    except Exception as err:  # start-up must never fail because of an optional build
+        _status = f"pure Python: the build could not be read ({err.__class__.__name__}: {err})"
+        return False
+
+
+def status() -> str:
+    """What :func:`install` found: ``"compiled: ..."`` or ``"pure Python: <why>"``."""
+    return _status
+
+
+def compiled(module: ModuleType) -> bool:
+    """True when ``module`` was loaded from a compiled extension (not from its ``.py`` source)."""
+    spec = getattr(module, "__spec__", None)
+    return spec is not None and isinstance(spec.loader, importlib.machinery.ExtensionFileLoader)

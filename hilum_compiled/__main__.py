@@ -1,0 +1,44 @@
+"""``python -m hilum_compiled build [--if-stale] [-j N] | status | remove`` (see the package docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import hilum_compiled
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit status (``status``: 0 when the compiled modules are in use, 1 if not)."""
+    parser = argparse.ArgumentParser(prog="python -m hilum_compiled", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build", help="compile the hot modules with mypyc into this environment")
+    build.add_argument("--if-stale", action="store_true", help="only when the build does not match its sources")
+    build.add_argument("-j", "--jobs", type=int, default=2, help="C compiler jobs (default 2)")
+    sub.add_parser("status", help="say whether this interpreter runs the compiled modules, and why not")
+    sub.add_parser("remove", help="remove the build: everything runs as plain Python")
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        from hilum_compiled.build import build as run_build
+
+        try:
+            run_build(args.jobs, only_if_stale=args.if_stale)
+        except RuntimeError as err:
+            print(err, file=sys.stderr)
+            return 1
+        # mypy's analysis leaves gigabytes of objects whose teardown takes minutes at exit: skip it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    if args.command == "remove":
+        from hilum_compiled.build import remove
+
+        remove()
+        return 0
+    print(hilum_compiled.status())
+    return 0 if hilum_compiled.status().startswith("compiled") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

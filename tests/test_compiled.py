@@ -1,0 +1,115 @@
+"""hilum_compiled: the mypyc build of the hot modules is used only while it matches its sources, serves only the
+tree it was built from, and simulates exactly as the plain-Python modules do."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hilum_compiled
+from hilum_compiled import MODULES, build_dir, source_of, source_root, stale_sources
+
+BUILT = not stale_sources(build_dir()) and not os.environ.get(hilum_compiled.PURE_ENV)
+needs_build = pytest.mark.skipif(not BUILT, reason="no up-to-date build in this environment (make compiled)")
+
+# A small run that migrates inside and across domains, drains, preempts: its records, hashed.
+RUN = """
+import dataclasses, hashlib, sys
+import hilum_compiled, sim.cluster
+from sim.runner import DEFAULTS, run_simulation
+digest = hashlib.sha256()
+for policy in ("llumnix", "hilum"):
+    spec = dataclasses.replace(DEFAULTS, policy=policy, max_requests=700, options={"drain": ("node-0-i3@8",)})
+    run = run_simulation(spec)
+    digest.update(repr((list(run.requests), run.migrations, run.kv, run.engine_steps)).encode())
+print(hilum_compiled.compiled(sim.cluster), digest.hexdigest())
+"""
+
+
+def child(code: str, cwd: Path, **env: str) -> str:
+    """The last line ``python -c code`` prints in a fresh interpreter of this environment, run in ``cwd`` (first on
+    its ``sys.path``)."""
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        env={**{k: v for k, v in os.environ.items() if k != hilum_compiled.PURE_ENV}, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    return out.stdout.strip().splitlines()[-1]
+
+
+@needs_build
+def test_the_compiled_modules_are_in_use_when_built() -> None:
+    assert hilum_compiled.status().startswith("compiled"), hilum_compiled.status()
+    for name in MODULES:
+        assert hilum_compiled.compiled(importlib.import_module(name)), name
+    assert not hilum_compiled.compiled(importlib.import_module("sim.runner"))  # not in the list: plain Python
+
+
+def fake_build(tmp_path: Path) -> Path:
+    """A build folder whose manifest names copies of the sources (under tmp_path/src) and empty extension files."""
+    out = tmp_path / "build"
+    modules = {}
+    for name in MODULES:
+        copy = source_of(name, tmp_path / "src")
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source_of(name), copy)
+        so = f"{name}.so"
+        (out / so).parent.mkdir(parents=True, exist_ok=True)
+        (out / so).write_bytes(b"")
+        modules[name] = {"source": str(copy), "sha256": hilum_compiled.sha256_of(copy), "so": so}
+    manifest = {"cache_tag": sys.implementation.cache_tag, "group_so": "group.so", "modules": modules}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+def test_an_edited_source_another_interpreter_or_no_build_turn_the_build_off(tmp_path: Path) -> None:
+    out = fake_build(tmp_path)
+    assert stale_sources(out) == []
+    edited = source_of("sim.cluster", tmp_path / "src")
+    edited.write_text(edited.read_text() + "\n# edited\n")
+    assert stale_sources(out) == [f"{edited} changed since the build"]
+    edited.unlink()
+    assert stale_sources(out) == [f"{edited} is missing"]
+
+    out = fake_build(tmp_path / "again")
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["cache_tag"] = "cpython-39"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert stale_sources(out) == [f"built for cpython-39, this interpreter is {sys.implementation.cache_tag}"]
+
+    assert stale_sources(tmp_path / "nowhere")[0].startswith(f"no usable build in {tmp_path / 'nowhere'}")
+    assert not hilum_compiled.install(tmp_path / "nowhere")  # never raises: plain Python
+    assert hilum_compiled.status().startswith("pure Python: no usable build")
+    hilum_compiled.install()  # the state this process started in
+
+
+@needs_build
+def test_a_module_from_another_tree_is_not_served_compiled(tmp_path: Path) -> None:
+    """A benchmark that puts another checkout first on PYTHONPATH imports that checkout's sources."""
+    for package in {name.split(".")[0] for name in MODULES} | {"topology", "hilum_config", "llumlet", "global_coord"}:
+        shutil.copytree(source_root() / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    code = "import hilum_compiled, sim.cluster; print(hilum_compiled.compiled(sim.cluster), sim.cluster.__file__)"
+    assert child(code, source_root()).startswith("True ")
+    other = tmp_path / "other"
+    other.mkdir()
+    assert child(code, other, PYTHONPATH=str(tmp_path)) == f"False {tmp_path / 'sim' / 'cluster.py'}"
+
+
+@needs_build
+@pytest.mark.slow
+def test_compiled_and_plain_python_simulate_alike() -> None:
+    compiled = child(RUN, source_root())
+    pure = child(RUN, source_root(), **{hilum_compiled.PURE_ENV: "1"})
+    assert compiled.split()[0] == "True" and pure.split()[0] == "False"
+    assert compiled.split()[1] == pure.split()[1]
