@@ -18,6 +18,7 @@ import dataclasses
 import statistics
 import time
 
+import hilum_compiled
 from sim.results import SimRun
 from sim.runner import DEFAULTS, run_simulation
 from sim.schedulers import POLICY_NAMES
@@ -38,7 +39,8 @@ def main() -> None:
     args = parser.parse_args()
     policies = [p for p in args.policies.split(",") if p]
     print(f"hilum sim defaults ({DEFAULTS.topology}, {DEFAULTS.trace} x{DEFAULTS.rate_scale:g}, "
-          f"{args.max_requests} requests); CPU = user + system of this process; {args.repeats} rounds")  # fmt: skip
+          f"{args.max_requests} requests); CPU = user + system of this process; {args.repeats} rounds; "
+          f"{hilum_compiled.status()}")  # fmt: skip
     cpu: dict[tuple[str, bool], list[float]] = {}
     sim_s: dict[str, float] = {}
     for rnd in range(args.repeats):

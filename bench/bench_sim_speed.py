@@ -18,6 +18,7 @@ import argparse
 import statistics
 import time
 
+import hilum_compiled
 from sim.results import summarize
 from sim.runner import SimSpec, run_simulation
 from sim.traces import load_trace
@@ -48,7 +49,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="runs of sizes below 1,024 (median shown)")
     args = parser.parse_args()
     print(f"policy {args.policy}, {args.requests_per_instance} ShareGPT requests per instance at "
-          f"{args.per_instance_rate:g} req/s per instance; CPU = user + system of this process")  # fmt: skip
+          f"{args.per_instance_rate:g} req/s per instance; CPU = user + system of this process; "
+          f"{hilum_compiled.status()}")  # fmt: skip
     header = ("instances", "requests", "CPU us/req", "vs first", "CPU s", "wall s", "sim s", "sim s/CPU s", "steps")
     print("{:>9} {:>9} {:>11} {:>9} {:>8} {:>8} {:>7} {:>12} {:>10}".format(*header))
     first: float | None = None

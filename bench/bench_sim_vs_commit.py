@@ -14,9 +14,11 @@ migrations were identical (a digest of them, as ``bench/sim_fingerprint.py``). W
   ``--vidur-topology``; the first 10,000 Azure conversation requests at their recorded rate);
 - ``synthetic-N``: ``bench/bench_sim_speed.py``'s workload at N instances.
 
-Run:
+Both sides run as plain Python (``HILUM_PURE_PYTHON=1``), so the ratio is the code change's own; with
+``--this-compiled`` this checkout runs its compiled modules (``hilum_compiled``, built by ``make``; the header
+says whether they were in use), so ``--base HEAD --this-compiled`` measures what compiling gives. Run:
 
-    .venv/bin/python bench/bench_sim_vs_commit.py [--base main] [--workload default] [--rounds 3]
+    .venv/bin/python bench/bench_sim_vs_commit.py [--base main] [--workload default] [--rounds 3] [--this-compiled]
 """
 
 from __future__ import annotations
@@ -79,12 +81,16 @@ def alternating(rounds: int) -> Iterator[str]:
         yield from ("base", "this") if rnd % 2 == 0 else ("this", "base")
 
 
-def child_output(tree: Path, code: str, *args: str) -> str:
+def child_output(tree: Path, code: str, *args: str, compiled: bool = False) -> str:
     """The last line ``python -c code args`` prints, run by this interpreter on ``tree``'s sources (PYTHONPATH)
-    in a fresh process; SystemExit with its stderr's tail when it fails."""
+    in a fresh process, as plain Python unless ``compiled`` (then ``tree``'s compiled modules serve it, if this
+    environment holds an up-to-date build of that tree); SystemExit with its stderr's tail when it fails."""
+    env = {"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"}
+    if not compiled:
+        env["HILUM_PURE_PYTHON"] = "1"
     out = subprocess.run(
         [sys.executable, "-c", code, *args],
-        env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
+        env=env,
         cwd=tempfile.gettempdir(),
         capture_output=True,
         text=True,
@@ -95,9 +101,12 @@ def child_output(tree: Path, code: str, *args: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def run_once(tree: Path, workload: str, policy: str, vidur_topology: str) -> tuple[float, float, str]:
-    """(CPU s, simulated s, records digest) of one run of ``tree``'s simulator."""
-    cpu_s, sim_s, digest = json.loads(child_output(tree, _CHILD, workload, policy, vidur_topology))
+def run_once(
+    tree: Path, workload: str, policy: str, vidur_topology: str, compiled: bool = False
+) -> tuple[float, float, str]:
+    """(CPU s, simulated s, records digest) of one run of ``tree``'s simulator (``compiled``: see child_output)."""
+    out = child_output(tree, _CHILD, workload, policy, vidur_topology, compiled=compiled)
+    cpu_s, sim_s, digest = json.loads(out)
     return float(cpu_s), float(sim_s), str(digest)
 
 
@@ -112,6 +121,7 @@ def main() -> None:
         default=str(Path.home() / ".cache" / "hilum-bench-vs-vidur" / "hilum-topology.yaml"),
         help="the topology bench/bench_vs_vidur.py wrote (workload vidur)",
     )
+    parser.add_argument("--this-compiled", action="store_true", help="this checkout runs its compiled modules")
     args = parser.parse_args()
     if args.workload not in ("default", "vidur") and not args.workload.startswith("synthetic-"):
         parser.error(f"unknown workload {args.workload!r}: default, vidur or synthetic-N")
@@ -119,14 +129,19 @@ def main() -> None:
         parser.error(f"{args.vidur_topology} does not exist: run bench/bench_vs_vidur.py once first")
     policies = [p for p in args.policies.split(",") if p]
     with trees(args.base) as tree:
-        print(f"{args.workload}: base {args.base} vs this checkout; CPU s of run_simulation, {args.rounds} rounds")
+        this = "plain Python"
+        if args.this_compiled:
+            this = child_output(tree["this"], "import hilum_compiled; print(hilum_compiled.status())", compiled=True)
+        print(f"{args.workload}: base {args.base} (plain Python) vs this checkout ({this}); CPU s of run_simulation, "
+              f"{args.rounds} rounds")  # fmt: skip
         print(f"{'policy':<13} {'sim s':>7} {'base CPU s':>11} {'this CPU s':>11} {'base / this':>12}  records")
         for policy in policies:
             cpu: dict[str, list[float]] = {"base": [], "this": []}
             digests: dict[str, set[str]] = {"base": set(), "this": set()}
             sim_s = 0.0
             for side in alternating(args.rounds):
-                spent, sim_s, digest = run_once(tree[side], args.workload, policy, args.vidur_topology)
+                compiled = args.this_compiled and side == "this"
+                spent, sim_s, digest = run_once(tree[side], args.workload, policy, args.vidur_topology, compiled)
                 cpu[side].append(spent)
                 digests[side].add(digest)
             base_s, this_s = statistics.median(cpu["base"]), statistics.median(cpu["this"])

@@ -67,6 +67,8 @@ from pathlib import Path
 
 import yaml
 
+import hilum_compiled
+
 VIDUR_VERSION = "0.0.26"
 HILUM_POLICIES = ("round-robin", "least-loaded", "llumnix", "hilum")
 VIDUR_POLICY_OF = {"round-robin": "round_robin", "least-loaded": "lor", "llumnix": "lor", "hilum": "lor"}
@@ -306,7 +308,7 @@ def main() -> None:
     print(
         f"{args.requests} Azure conversation requests at the recorded rate, Llama-2-70B TP2 on A100-80GB, "
         f"{NUM_NODES * INSTANCES_PER_NODE} instances ({kv_blocks} KV blocks each); CPU = user + system of the "
-        f"whole process; {args.repeats} alternating rounds",
+        f"whole process; {args.repeats} alternating rounds; hilum: {hilum_compiled.status()}",
         flush=True,
     )
     results: list[Measured] = []

@@ -39,7 +39,9 @@ __all__ = ["GROUP", "MODULES", "PURE_ENV", "build_dir", "install", "source_root"
 
 #: The modules compiled (each ``package.module``, a ``.py`` file under the source root): where the simulator's
 #: time goes (``bench/profile_sim.py``). A module is listed only if mypyc compiles it with no change in what
-#: it computes; value types built with ``policy.types._trusted_constructor`` (``object.__new__``) stay Python.
+#: it computes. Value types that other code introspects (the etcd records' codec and the configuration loader read
+#: their type hints, which a compiled class does not keep whole) are marked ``mypyc_attr(native_class=False)``:
+#: plain Python classes inside a compiled module.
 MODULES: tuple[str, ...] = (
     "llumlet.engine.blocks",
     "llumlet.engine.core",
@@ -57,6 +59,9 @@ MODULES: tuple[str, ...] = (
     "policy.remaining",
     "llumlet.engine.paged",
     "rack_sched.plan",
+    "sim.traces",
+    "sim.results",
+    "sim.migration",
 )
 
 #: mypyc's shared library of the group: every compiled module's code (``GROUP + "__mypyc"``, a top-level module).

@@ -103,7 +103,9 @@ def build(jobs: int = 2, *, only_if_stale: bool = False, out: Path | None = None
 
 
 def _write_pth() -> None:
-    pth_path().write_text("import hilum_compiled; hilum_compiled.install()\n")
+    # one line (site runs a .pth line that starts with "import"); a missing hilum_compiled (uninstalled) is no error
+    code = "try:\n import hilum_compiled\nexcept ImportError:\n pass\nelse:\n hilum_compiled.install()"
+    pth_path().write_text(f"import sys; exec({code!r})\n")
 
 
 def remove() -> None:

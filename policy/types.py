@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+from mypy_extensions import mypyc_attr
+
 __all__ = [
     "CANDIDATE_POLICIES",
     "DEFAULT_CANDIDATE_POLICY",
@@ -272,6 +274,7 @@ def _freeze_headroom(headroom: Mapping[int, int]) -> Mapping[int, int]:
     return MappingProxyType(dict(sorted(headroom.items())))
 
 
+@mypyc_attr(native_class=False)  # a value type others introspect (codecs, configuration): a plain class
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
     """Tuning of the rule book (Llumnix OSDI'24 §4.4). Validated; raises ValueError on bad values.
