@@ -39,9 +39,9 @@ __all__ = ["GROUP", "MODULES", "PURE_ENV", "build_dir", "install", "source_root"
 
 #: The modules compiled (each ``package.module``, a ``.py`` file under the source root): where the simulator's
 #: time goes (``bench/profile_sim.py``). A module is listed only if mypyc compiles it with no change in what
-#: it computes. Value types that other code introspects (the etcd records' codec and the configuration loader read
-#: their type hints, which a compiled class does not keep whole) are marked ``mypyc_attr(native_class=False)``:
-#: plain Python classes inside a compiled module.
+#: it computes. Modules of value types that other code introspects stay Python: the etcd records' codec and the
+#: configuration loader read type hints, and mypyc keeps only their outer class (``tuple[InstanceBrief, ...]``
+#: becomes ``tuple``), so ``policy.types``, ``policy.domain`` and ``policy.remaining`` are not compiled.
 MODULES: tuple[str, ...] = (
     "llumlet.engine.blocks",
     "llumlet.engine.core",
@@ -54,9 +54,6 @@ MODULES: tuple[str, ...] = (
     "rack_sched.core",
     "gateway.core",
     "sim.schedulers",
-    "policy.domain",
-    "policy.types",
-    "policy.remaining",
     "llumlet.engine.paged",
     "rack_sched.plan",
     "sim.traces",

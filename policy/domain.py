@@ -12,15 +12,12 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from mypy_extensions import mypyc_attr
-
 from policy.types import InstanceLoad, PolicyConfig, _trusted_constructor
 from policy.usage import freeness_of, instance_virtual_usage, queued_blocks
 
 __all__ = ["DomainSummary", "InstanceBrief", "summarize_domain"]
 
 
-@mypyc_attr(native_class=False)  # a value type others introspect (codecs, configuration): a plain class
 @dataclass(frozen=True, slots=True)
 class InstanceBrief:
     """One instance inside its domain's summary, as its domain scheduler sees it (exact, fresh).
@@ -91,7 +88,6 @@ class InstanceBrief:
 _trusted_instance_brief: Callable[..., InstanceBrief] = _trusted_constructor(InstanceBrief)
 
 
-@mypyc_attr(native_class=False)  # a value type others introspect (codecs, configuration): a plain class
 @dataclass(frozen=True, slots=True)
 class DomainSummary:
     """Load of one domain as one number plus the two figures a sum would hide.

@@ -21,12 +21,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from mypy_extensions import mypyc_attr
-
 __all__ = ["RemainingConfig", "RemainingEstimator"]
 
 
-@mypyc_attr(native_class=False)  # a value type others introspect (codecs, configuration): a plain class
 @dataclass(frozen=True, slots=True)
 class RemainingConfig:
     """Settings of :class:`RemainingEstimator`. Raises ValueError on a bad value."""

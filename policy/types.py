@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeVar
 
-from mypy_extensions import mypyc_attr
-
 __all__ = [
     "CANDIDATE_POLICIES",
     "DEFAULT_CANDIDATE_POLICY",
@@ -235,8 +233,7 @@ def _trusted_constructor(cls: type[_T]) -> Callable[..., _T]:
     it leaves out is the validation. Generated once per class, like the dataclass's ``__init__``.
     """
     params, body = [], []
-    # cls.__new__: object.__new__ for a plain class; a class mypyc compiled (hilum_compiled) allocates with its own
-    env: dict[str, Any] = {"_new": cls.__new__, "_cls": cls}
+    env: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
     for i, f in enumerate(dataclasses.fields(cls)):  # type: ignore[arg-type]
         env[f"_set{i}"] = getattr(cls, f.name).__set__  # the slot's descriptor: no frozen __setattr__
         if f.default is not dataclasses.MISSING:
@@ -274,7 +271,6 @@ def _freeze_headroom(headroom: Mapping[int, int]) -> Mapping[int, int]:
     return MappingProxyType(dict(sorted(headroom.items())))
 
 
-@mypyc_attr(native_class=False)  # a value type others introspect (codecs, configuration): a plain class
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
     """Tuning of the rule book (Llumnix OSDI'24 §4.4). Validated; raises ValueError on bad values.

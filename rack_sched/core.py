@@ -33,8 +33,6 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from mypy_extensions import mypyc_attr
-
 from global_coord.approver import MoveProposal
 from policy.dispatch import DispatchDecision, DispatchView, reusable_prefix_hashes
 from policy.domain import DomainSummary, summarize_domain
@@ -46,7 +44,6 @@ from rack_sched.plan import plan_cross_domain
 __all__ = ["CrossDomainProposal", "DomainConfig", "DomainCore", "DomainRequest"]
 
 
-@mypyc_attr(native_class=False)  # a value type others introspect (codecs, configuration): a plain class
 @dataclass(frozen=True, slots=True)
 class DomainConfig:
     """How a domain decides. Times in seconds. Raises ValueError on a bad value."""
