@@ -182,27 +182,55 @@ def _summarize(
     there). The figures are those of the formulas in :func:`summarize_domain`, summed in instance-id order
     (ΣV by ``sum`` over the same floats in the same order: the same value to the last bit).
     """
-    in_order, previous = True, ""
-    for load in loads:  # the caller's order, as the error names the first load of another domain
-        if load.domain_id and load.domain_id != domain_id:
-            raise ValueError(
-                f"summarize_domain({domain_id!r}): instance {load.instance_id!r} reports domain {load.domain_id!r}"
-            )
-        in_order = in_order and load.instance_id > previous
-        previous = load.instance_id
-    ordered = loads if in_order else sorted(loads, key=lambda load: load.instance_id)
+    summary = _summary_of_sorted(domain_id, loads, cfg, model, taken_s, briefs, trusted=True)
+    if summary is None:  # not sorted by id without repeats
+        for load in loads:  # the first load of another domain in the caller's order is the one named
+            _check_domain(domain_id, load)
+        ordered = sorted(loads, key=lambda load: load.instance_id)
+        summary = _summary_of_sorted(domain_id, ordered, cfg, model, taken_s, briefs, trusted=False)
+    assert summary is not None
+    return summary
+
+
+def _check_domain(domain_id: str, load: InstanceLoad) -> None:
+    """Raises ValueError when ``load`` names a domain other than ``domain_id``."""
+    if load.domain_id and load.domain_id != domain_id:
+        raise ValueError(
+            f"summarize_domain({domain_id!r}): instance {load.instance_id!r} reports domain {load.domain_id!r}"
+        )
+
+
+def _summary_of_sorted(
+    domain_id: str,
+    loads: Sequence[InstanceLoad],
+    cfg: PolicyConfig,
+    model: str,
+    taken_s: float,
+    briefs: BriefCache | None,
+    *,
+    trusted: bool,
+) -> DomainSummary | None:
+    """The summary of ``loads`` (:func:`_summarize`'s arguments), in their order. ``trusted``: built without checks,
+    and None as soon as two loads are not in increasing id order; else checked by ``DomainSummary``."""
     instances: list[InstanceBrief] = []
     usages: list[float] = []  # ΣV of each non-draining instance, in id order
     held: list[frozenset[int]] = []  # prefix blocks of each non-draining instance holding any
-    num_running = num_waiting = capacity = drained_used = queued = largest_free = largest_capacity = 0
-    for load in ordered:
-        cached = briefs.get(load.instance_id) if briefs is not None else None
+    num_running = num_waiting = capacity = drained_used = queued = 0
+    largest_free = largest_capacity = 0  # max(..., default=0) of non-negative counts
+    previous = ""  # the last instance id (every id is longer)
+    for load in loads:
+        iid = load.instance_id
+        if trusted and iid <= previous:
+            return None
+        previous = iid
+        _check_domain(domain_id, load)
+        cached = briefs.get(iid) if briefs is not None else None
         if cached is not None and cached[0] is load:
             brief = cached[1]
         else:
             brief = InstanceBrief.of(load, cfg)
             if briefs is not None:
-                briefs[load.instance_id] = (load, brief)
+                briefs[iid] = (load, brief)
         instances.append(brief)
         num_running += load.num_running
         num_waiting += load.num_waiting
@@ -212,9 +240,9 @@ def _summarize(
         usages.append(brief.virtual_usage)
         capacity += load.capacity_blocks
         free = load.capacity_blocks - load.used_blocks
-        if free > largest_free or len(usages) == 1:
+        if free > largest_free:
             largest_free = free
-        if load.capacity_blocks > largest_capacity or len(usages) == 1:
+        if load.capacity_blocks > largest_capacity:
             largest_capacity = load.capacity_blocks
         if load.num_waiting:  # the queue's demand behind its head
             queued += queued_blocks(load) - load.head_demand_blocks
@@ -226,8 +254,7 @@ def _summarize(
         prefix_hashes: frozenset[int] = frozenset().union(*held)
     else:
         prefix_hashes = held[0] if held else frozenset()
-    construct = _trusted_domain_summary if in_order else DomainSummary
-    return construct(
+    return (_trusted_domain_summary if trusted else DomainSummary)(
         domain_id=domain_id,
         num_instances=len(instances),
         capacity_blocks=capacity,

@@ -127,6 +127,8 @@ def test_a_summarizer_refuses_what_summarize_domain_refuses() -> None:
     summarizer = DomainSummarizer("d", CFG)
     with pytest.raises(ValueError, match="reports domain 'other'"):
         summarizer.summarize([inst("a", 100, domain_id="other")])
+    with pytest.raises(ValueError, match="instance 'b' reports domain 'x'"):  # the first in the order given
+        summarizer.summarize([inst("c", 100), inst("b", 100, domain_id="x"), inst("a", 100, domain_id="y")])
     with pytest.raises(ValueError, match="sorted by id without repeats"):
         summarizer.summarize([inst("a", 100), inst("a", 50)])
 
