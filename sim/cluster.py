@@ -26,7 +26,7 @@ import bisect
 import itertools
 import math
 import operator
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from llumlet.engine.core import DecodeRun, EngineCore
@@ -374,7 +374,7 @@ class Cluster:
 
     def load_position(self, inst: SimInstance) -> tuple[int, int]:
         """(:meth:`load_version`, the steps of the decode run in flight that have started: 0 without one)."""
-        draining, warming_up = inst.draining, self.queue.now_s < inst.warm_until_s
+        draining, warming_up = inst._draining, self.queue.now_s < inst.warm_until_s  # read at every report loop
         flags = inst._flags
         if draining is not flags[0] or warming_up is not flags[1]:
             inst._flags = (draining, warming_up)
@@ -508,10 +508,10 @@ class Cluster:
         self._sync(inst)
         return 0
 
-    def take_finished(self, instance_id: str) -> list[int]:
+    def take_finished(self, instance_id: str) -> Sequence[int]:
         """Output lengths of the requests that finished on ``instance_id`` since the last call (what its
-        llumlet's next load report would carry)."""
-        return self._finished_lengths.pop(instance_id, [])
+        llumlet's next load report would carry; an empty tuple when none did)."""
+        return self._finished_lengths.pop(instance_id, ())
 
     # ------------------------------------------------------------------ requests
     def admit(self, req: TraceRequest) -> RequestState:
