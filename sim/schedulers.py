@@ -173,7 +173,7 @@ class _Feed:
                     finished = take_finished(iid)
                     if finished:
                         core.finished(finished)
-                    pending[iid] = cluster.report_ticket(inst, version, started)
+                    pending[iid] = cluster.report_ticket(inst, version, started, pending.get(iid))
                 else:
                     report(iid, load(inst, brief=brief, version=version, started=started), take_finished(iid))
                 reported[iid] = version
