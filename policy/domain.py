@@ -315,3 +315,7 @@ class DomainSummarizer:
         summary = _summarize(self.domain_id, loads, self.cfg, model, taken_s, self._briefs)
         self._last[model] = (tuple(loads), summary)
         return summary
+
+    def forget(self, instance_id: str) -> None:
+        """The instance left the domain: its brief is no longer kept (idempotent)."""
+        self._briefs.pop(instance_id, None)

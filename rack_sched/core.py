@@ -211,6 +211,7 @@ class DomainCore:
         if member is not None:
             self._by_id = self._models = None
             self._view(member.model).remove(instance_id)
+            self._summarizer.forget(instance_id)
 
     def instance_ids(self) -> list[str]:
         """Registered instances, sorted."""

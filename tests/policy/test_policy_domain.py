@@ -138,3 +138,13 @@ def test_restamped_changes_the_stamp_alone() -> None:
     again = restamped(summary, 7.5)
     assert again.taken_s == 7.5
     assert replace(again, taken_s=0.0) == summary
+
+
+def test_a_summarizer_forgets_an_instance_that_left() -> None:
+    summarizer = DomainSummarizer("d", CFG)
+    a, b = inst("a", 100, [10]), inst("b", 100, [20])
+    summarizer.summarize([a, b])
+    summarizer.forget("b")
+    summarizer.forget("b")  # idempotent
+    assert summarizer.summarize([a]) == reference_summary("d", [a], CFG)
+    assert summarizer.summarize([a, b]) == reference_summary("d", [a, b], CFG)  # b's brief made again
