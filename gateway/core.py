@@ -67,6 +67,8 @@ class GatewayCore:
         self._choices = cfg.domain_choices
         self._views: dict[str, DomainDispatchView] = {}  # model -> view over the domains serving it
         self._summaries: dict[tuple[str, str], DomainSummary] = {}  # (domain, model) -> latest summary
+        # domain -> the models it has a summary of (the keys of _summaries by domain: an update is O(its models))
+        self._models_of: dict[str, dict[str, None]] = {}
         self._serving: dict[str, int] = {}  # model -> domains with a summary of it (read at every pick)
         # model -> (stamp, domain) of every reservation its picks made, oldest first (a heap; see _expire)
         self._stamps: dict[str, list[tuple[float, str]]] = {}
@@ -93,23 +95,28 @@ class GatewayCore:
         for s in fresh.values():
             if s.domain_id != domain_id:
                 raise ValueError(f"update({domain_id!r}): a summary names domain {s.domain_id!r}")
-        for d, model in [k for k in self._summaries if k[0] == domain_id and k[1] not in fresh]:
-            self._drop(d, model)
+        for model in [m for m in self._models_of.get(domain_id, ()) if m not in fresh]:
+            self._drop(domain_id, model)
         for model, s in fresh.items():
             if self._summaries.get((domain_id, model)) == s:
                 continue  # nothing new: keep the reservations
             if (domain_id, model) not in self._summaries:
                 self._serving[model] = self._serving.get(model, 0) + 1
+                self._models_of.setdefault(domain_id, {})[model] = None
             self._summaries[(domain_id, model)] = s
             self._view(model).update(s, as_of=s.taken_s)
 
     def remove(self, domain_id: str) -> None:
         """A domain deregistered (idempotent)."""
-        for d, model in [k for k in self._summaries if k[0] == domain_id]:
-            self._drop(d, model)
+        for model in list(self._models_of.get(domain_id, ())):
+            self._drop(domain_id, model)
 
     def _drop(self, domain_id: str, model: str) -> None:
         del self._summaries[(domain_id, model)]
+        models = self._models_of[domain_id]
+        del models[model]
+        if not models:
+            del self._models_of[domain_id]
         self._serving[model] -= 1
         if not self._serving[model]:
             del self._serving[model]

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 
 from global_coord.approver import MoveProposal
 from policy.dispatch import DispatchDecision, DispatchView, reusable_prefix_hashes
-from policy.domain import DomainSummary, summarize_domain
+from policy.domain import DomainSummarizer, DomainSummary
 from policy.migration import MigrationDecision, is_source_domain, plan_migrations
 from policy.remaining import RemainingConfig, RemainingEstimator
 from policy.types import InstanceLoad, PolicyConfig
@@ -190,6 +190,8 @@ class DomainCore:
         self._cross_in_flight = 0  # this domain's cross-domain moves proposed and not ended (0 or 1)
         self.remaining = RemainingEstimator(cfg.remaining)
         self.migrations_in_flight = 0
+        # its summaries (published, and its own in a cross-domain round) of reports often unchanged since the last
+        self._summarizer = DomainSummarizer(domain_id, cfg.policy)
 
     # ---- instances -----------------------------------------------------------------------------
     def add_instance(self, instance_id: str, model: str, block_size_tokens: int, capacity_blocks: int = 0) -> None:
@@ -209,6 +211,7 @@ class DomainCore:
         if member is not None:
             self._by_id = self._models = None
             self._view(member.model).remove(instance_id)
+            self._summarizer.forget(instance_id)
 
     def instance_ids(self) -> list[str]:
         """Registered instances, sorted."""
@@ -509,7 +512,7 @@ class DomainCore:
         self._not_approved = {r: t for r, t in self._not_approved.items() if t > now_s}
         by_model: dict[str, list[DomainSummary]] | None = None  # read only when this domain is a source
         for model in self.models():
-            mine = summarize_domain(self.domain_id, self.loads(model), self.cfg.policy, model=model)
+            mine = self._summarizer.summarize(self.loads(model), model=model)
             if not is_source_domain(mine, self.cfg.policy):
                 continue  # plan_cross_domain's first rule: not paired as a source, whatever the others
             if by_model is None:
@@ -569,8 +572,7 @@ class DomainCore:
 
     # ---- summaries ---------------------------------------------------------------------------------
     def summaries(self, taken_s: float) -> tuple[DomainSummary, ...]:
-        """One summary per model served (sorted by model), stamped ``taken_s`` (the publisher's clock)."""
-        return tuple(
-            summarize_domain(self.domain_id, self.loads(model), self.cfg.policy, model=model, taken_s=taken_s)
-            for model in self.models()
-        )
+        """One summary per model served (sorted by model), stamped ``taken_s`` (the publisher's clock):
+        ``policy.summarize_domain`` of its instances' loads (:meth:`loads`)."""
+        summarize = self._summarizer.summarize
+        return tuple(summarize(self.loads(model), model=model, taken_s=taken_s) for model in self.models())

@@ -26,7 +26,7 @@ import bisect
 import itertools
 import math
 import operator
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from llumlet.engine.core import DecodeRun, EngineCore
@@ -374,7 +374,7 @@ class Cluster:
 
     def load_position(self, inst: SimInstance) -> tuple[int, int]:
         """(:meth:`load_version`, the steps of the decode run in flight that have started: 0 without one)."""
-        draining, warming_up = inst.draining, self.queue.now_s < inst.warm_until_s
+        draining, warming_up = inst._draining, self.queue.now_s < inst.warm_until_s  # read at every report loop
         flags = inst._flags
         if draining is not flags[0] or warming_up is not flags[1]:
             inst._flags = (draining, warming_up)
@@ -459,14 +459,25 @@ class Cluster:
             inst.instance_id, inst.domain_id, draining, warming_up, step_s, steps_ahead=ahead, brief=brief
         )
 
-    def report_ticket(self, inst: SimInstance, version: int, started: int) -> ReportTicket:
+    def report_ticket(
+        self, inst: SimInstance, version: int, started: int, again: ReportTicket | None = None
+    ) -> ReportTicket:
         """The brief report :meth:`load` would give now (``version``, ``started``: :meth:`load_position` now),
         built only when read (:meth:`ticket_load`): a reader of many reports of an instance in a decode run,
         only the latest of which it uses, builds one. The report is as of now whenever it is read: before the
         instance's engine moves on (its run's steps applied, the run cut or ended) the pending ticket is built.
         One ticket per instance is pending; taking another drops the older one, which then builds nothing.
+
+        ``again``: the caller's previous ticket of ``inst``, which it will not read: while it is the pending one
+        (not built, no newer one taken) it is taken again in place (the same object returned, as of now), which
+        spares a ticket per instance per report loop to a reader that keeps only the latest.
         """
-        ticket = ReportTicket(inst, version, started, inst._flags)
+        if again is not None and inst._ticket is again:
+            ticket = again
+            ticket.version, ticket.started, ticket.flags = version, started, inst._flags
+            inst._ticket = None  # pending again below, unless built now
+        else:
+            ticket = ReportTicket(inst, version, started, inst._flags)
         flight = inst._run
         cache = inst._brief
         if flight is None or started >= flight.run.steps or (cache is not None and cache[0] == version):
@@ -508,10 +519,10 @@ class Cluster:
         self._sync(inst)
         return 0
 
-    def take_finished(self, instance_id: str) -> list[int]:
+    def take_finished(self, instance_id: str) -> Sequence[int]:
         """Output lengths of the requests that finished on ``instance_id`` since the last call (what its
-        llumlet's next load report would carry)."""
-        return self._finished_lengths.pop(instance_id, [])
+        llumlet's next load report would carry; an empty tuple when none did)."""
+        return self._finished_lengths.pop(instance_id, ())
 
     # ------------------------------------------------------------------ requests
     def admit(self, req: TraceRequest) -> RequestState:

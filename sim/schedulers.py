@@ -155,6 +155,7 @@ class _Feed:
             self.deliver()
         cluster, core, reported, brief, deferred = self.cluster, self.core, self._reported, self.brief, self._deferred
         load_position, load, report, pending = cluster.load_position, cluster.load, core.report, self._pending
+        take_finished = cluster.take_finished
         drained = []
         for inst in self._pool:
             iid = inst.instance_id
@@ -170,16 +171,20 @@ class _Feed:
             version, started = load_position(inst)
             if version != last or iid in deferred:
                 if later:
-                    core.finished(cluster.take_finished(iid))
-                    pending[iid] = cluster.report_ticket(inst, version, started)
+                    finished = take_finished(iid)
+                    if finished:
+                        core.finished(finished)
+                    pending[iid] = cluster.report_ticket(inst, version, started, pending.get(iid))
                 else:
-                    report(iid, load(inst, brief=brief, version=version, started=started), cluster.take_finished(iid))
+                    report(iid, load(inst, brief=brief, version=version, started=started), take_finished(iid))
                 reported[iid] = version
             if inst.draining:
                 drained.append(iid)
-        deferred.clear()
+        if deferred:
+            deferred.clear()
+        if drained != self._drained:  # the core has the drains of the last refresh (none at first): this feed's alone
+            core.set_drains(drained, False)
         self._drained = drained
-        core.set_drains(drained, False)
 
     def deliver(self) -> None:
         """Hand the core the reports a ``refresh(later=True)`` took (call before any other use of the core)."""
@@ -256,7 +261,9 @@ class _Feed:
             if version != reported[iid]:
                 changed.append((iid, version))
         for iid, version in changed:  # what the refresh would have reported now
-            self.core.finished(cluster.take_finished(iid))
+            finished = cluster.take_finished(iid)
+            if finished:
+                self.core.finished(finished)
             reported[iid] = version
             self._deferred.add(iid)
         touched.clear()
@@ -441,15 +448,25 @@ class HilumTwoTier(ClusterScheduler):
         return [s for per_domain in self.delivered.values() for s in per_domain]
 
     def _publish(self) -> None:
+        """Every domain publishes its summaries, delivered ``summary_lag_s`` later in one event, domain by domain
+        in the order they were published.
+
+        One event for all domains delivers as one per domain did: those events shared their time, kind and
+        scheduled time, and nothing else of that key can fall between them (every event of kind SUMMARY
+        is a publication or a delivery, and a publication scheduled at this instant comes after them by its
+        seq); a delivery schedules nothing.
+        """
         now = self._now()
+        published = []
         for domain_id, feed in self.feeds.items():
             feed.refresh()
-            published = feed.core.summaries(taken_s=now)
-            self.cluster.queue.schedule_in(
-                self.ctx.timing.summary_lag_s,
-                EventKind.SUMMARY,
-                lambda d=domain_id, s=published: self._deliver(d, s),  # type: ignore[misc]
-            )
+            published.append((domain_id, feed.core.summaries(taken_s=now)))
+
+        def deliver() -> None:
+            for domain_id, summaries in published:
+                self._deliver(domain_id, summaries)
+
+        self.cluster.queue.schedule_in(self.ctx.timing.summary_lag_s, EventKind.SUMMARY, deliver)
 
     # ---- dispatch --------------------------------------------------------------------------------
     def dispatch(self, req: TraceRequest) -> DispatchDecision:

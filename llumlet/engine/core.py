@@ -222,7 +222,10 @@ class EngineCore(PagedEngine):
         self.stats: dict[str, RequestStats] = {}  # request_id -> counters of requests that left
         self._run: DecodeRun | None = None  # the decode run in progress (applied < steps), if any
         self._run_figures: _RunFigures | None = None  # a brief report's figures of that run
-        self._load_version = 0
+        #: a counter that moves whenever :meth:`load` would report something new, and only when the engine changed:
+        #: calls that change nothing (a refused reservation, an idle step) leave it where it was (a plain attribute:
+        #: the simulator reads it for every instance at every report loop; only the engine moves it)
+        self.load_version = 0
         self._load: EngineLoad | None = None  # load() of _load_at_version
         self._load_at_version = -1
         #: called after every change from outside (:meth:`_changed`: a request added or aborted, a reservation,
@@ -235,17 +238,11 @@ class EngineCore(PagedEngine):
         return self._kv_bytes_per_block
 
     # ---- load -----------------------------------------------------------------------------------
-    @property
-    def load_version(self) -> int:
-        """A counter that moves whenever :meth:`load` would report something new, and only when the engine
-        changed: calls that change nothing (a refused reservation, an idle step) leave it where it was."""
-        return self._load_version
-
     def load(self) -> EngineLoad:
         """Current block usage and queue state (rebuilt only when :attr:`load_version` moved)."""
-        if self._load is None or self._load_at_version != self._load_version:
+        if self._load is None or self._load_at_version != self.load_version:
             self._load = super().load()
-            self._load_at_version = self._load_version
+            self._load_at_version = self.load_version
         return self._load
 
     def instance_load(
@@ -399,7 +396,7 @@ class EngineCore(PagedEngine):
     def _changed(self) -> None:
         """The state changed from outside (what :meth:`load` reports may differ): a new load version, and
         :attr:`on_change` told."""
-        self._load_version += 1
+        self.load_version += 1
         if self.on_change is not None:
             self.on_change()
 
@@ -530,7 +527,7 @@ class EngineCore(PagedEngine):
         if applied <= run.applied:
             return
         finished = self.scheduler.apply_decode_steps(applied - run.applied, run.request_ids)
-        self._load_version += applied - run.applied  # one version per step, as step-by-step stepping
+        self.load_version += applied - run.applied  # one version per step, as step-by-step stepping
         run.applied = applied
         self._last_step_preempted = False
         if finished:
@@ -559,7 +556,7 @@ class EngineCore(PagedEngine):
         for rid in finished:
             self.stats[rid] = RequestStats(departing[rid])
         if batch.num_seqs or batch.preempted or preempted_before:
-            self._load_version += 1
+            self.load_version += 1
         return StepResult(
             duration_s=duration_s,
             new_tokens=new_tokens,

@@ -37,6 +37,11 @@ def test_per_model_views_and_refusal_naming_what_is_served() -> None:
     assert g.models() == ["y"] and g.pick("", 5, now_s=1.0).target_id in ("a", "b")
     g.remove("b")
     assert g.domains() == ["a"]
+    g.remove("b")  # idempotent
+    g.update("b", [summary("b", 10, model="x")])  # back, serving another model
+    assert (g.domains("x"), g.domains("y"), g.models()) == (["b"], ["a"], ["x", "y"])
+    g.update("a", [])  # a serves nothing now: every model of it dropped
+    assert (g.domains(), g.models()) == (["b"], ["x"])
     with pytest.raises(ValueError, match="a summary names domain 'b'"):
         g.update("a", [summary("b", 0)])
 

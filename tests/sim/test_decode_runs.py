@@ -270,19 +270,32 @@ def test_periodic_reports_built_when_the_core_next_reads_decide_as_reports_built
     them only when the core is next used (``Cluster.report_ticket``): the runs are equal record for record to
     building every report at once (with preemptions, migrations, drains, a scale-out, priorities, shared
     prefixes), and under a light load, where several refreshes pass between two dispatches, far fewer reports
-    are built."""
+    are built. A ticket still pending at the next refresh is taken again in place (``again``): fewer tickets
+    are made than taken."""
     import sim.schedulers
+    from sim.cluster import ReportTicket
 
-    built = [0]
-    build = Cluster._build_load
+    built, made, taken = [0], [0], [0]
+    build, make, take = Cluster._build_load, ReportTicket.__init__, Cluster.report_ticket
 
     def counting(self: Cluster, *args: Any) -> Any:
         built[0] += 1
         return build(self, *args)
 
+    def making(self: ReportTicket, *args: Any) -> None:
+        made[0] += 1
+        make(self, *args)
+
+    def taking(self: Cluster, *args: Any) -> Any:
+        taken[0] += 1
+        return take(self, *args)
+
     monkeypatch.setattr(Cluster, "_build_load", counting)
+    monkeypatch.setattr(ReportTicket, "__init__", making)
+    monkeypatch.setattr(Cluster, "report_ticket", taking)
     later = run_simulation(spec)
     built_later = built[0]
+    assert 0 < made[0] < taken[0]
     monkeypatch.setattr(sim.schedulers._Flat, "later_reports", False)
     built[0] = 0
     ref = run_simulation(spec)
