@@ -41,7 +41,9 @@ __all__ = ["GROUP", "MODULES", "PURE_ENV", "build_dir", "install", "source_root"
 #: time goes (``bench/profile_sim.py``). A module is listed only if mypyc compiles it with no change in what
 #: it computes. Modules of value types that other code introspects stay Python: the etcd records' codec and the
 #: configuration loader read type hints, and mypyc keeps only their outer class (``tuple[InstanceBrief, ...]``
-#: becomes ``tuple``), so ``policy.types``, ``policy.domain`` and ``policy.remaining`` are not compiled.
+#: becomes ``tuple``), so ``policy.types``, ``policy.domain`` and ``policy.remaining`` are not compiled; nor is
+#: ``llumlet.engine.paged``, whose ``PagedEngine`` the torch engine subclasses (a Python class cannot inherit from a
+#: compiled one).
 MODULES: tuple[str, ...] = (
     "llumlet.engine.blocks",
     "llumlet.engine.core",
@@ -54,7 +56,6 @@ MODULES: tuple[str, ...] = (
     "rack_sched.core",
     "gateway.core",
     "sim.schedulers",
-    "llumlet.engine.paged",
     "rack_sched.plan",
     "sim.traces",
     "sim.results",
