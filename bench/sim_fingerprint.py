@@ -23,12 +23,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from sim.results import SimRun
-from sim.runner import DEFAULTS, SimSpec, run_simulation
-from sim.schedulers import POLICY_NAMES
-from sim.traces import load_trace
-from topology.load import parse_topology
-from topology.synthetic import synthetic_topology_data
+import hilum_compiled
+
+hilum_compiled.install()  # before the simulator is imported: its compiled modules, when built
+
+from sim.results import SimRun  # noqa: E402
+from sim.runner import DEFAULTS, SimSpec, run_simulation  # noqa: E402
+from sim.schedulers import POLICY_NAMES  # noqa: E402
+from sim.traces import load_trace  # noqa: E402
+from topology.load import parse_topology  # noqa: E402
+from topology.synthetic import synthetic_topology_data  # noqa: E402
 
 
 def _synthetic(n: int, policy: str) -> Callable[[], SimRun]:

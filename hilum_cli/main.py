@@ -80,6 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``hilum``; returns the process exit status (0 ok, 1 runtime error, 2 usage error)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     command = _command_of(argv)
+    if command == "sim":  # the simulator runs its compiled modules when built (hilum_compiled); nothing else does
+        import hilum_compiled
+
+        hilum_compiled.install()
     parser = build_parser(full=() if command is None else (command,))
     args = parser.parse_args(argv)
     status: int = args.func(args)

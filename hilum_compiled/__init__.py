@@ -8,14 +8,16 @@ checked with ``mypy --strict``, so its annotations are what mypyc needs. The com
 what the sources do (``make test`` runs the simulator's record-for-record equality tests both ways).
 
 The build goes to ``<sys.prefix>/hilum-compiled/`` (inside the virtual environment, never beside the sources),
-with a manifest of each source's SHA-256, and puts a ``hilum-compiled.pth`` in the environment's
-site-packages, which calls :func:`install` when the interpreter starts. :func:`install` puts a finder in
-front of the import system that loads the compiled modules, and only when
+with a manifest of each source's SHA-256. The simulator's entry points (``hilum sim``, its ``sweep`` and ``size``,
+and the benchmarks under ``bench/``) call :func:`install` before they import anything it compiles; everything
+else (the live services of ``hilum up``, the test suite in-process) runs as plain Python. :func:`install` puts a
+finder in front of the import system that loads the compiled modules, and only when
 
 - ``HILUM_PURE_PYTHON`` is unset or empty (set it to run everything as plain Python),
 - the build is for this interpreter (its ``cache_tag``), and
 - every compiled module's source is byte for byte the one it was built from, and is the one this interpreter
-  would import (a module imported from another checkout, e.g. a benchmark's ``PYTHONPATH``, is not served).
+  would import (a module imported from another checkout, e.g. a benchmark's ``PYTHONPATH``, is not served), and
+- none of them was imported as plain Python already (the compiled modules call each other directly: no mixing).
 
 Otherwise nothing is compiled in, and :func:`status` says why (``python -m hilum_compiled status``); an edited
 source turns the whole build off at once (the compiled modules call each other directly, so they go together)
@@ -57,9 +59,6 @@ MODULES: tuple[str, ...] = (
     "gateway.core",
     "sim.schedulers",
     "rack_sched.plan",
-    "sim.traces",
-    "sim.results",
-    "sim.migration",
 )
 
 #: mypyc's shared library of the group: every compiled module's code (``GROUP + "__mypyc"``, a top-level module).
@@ -148,11 +147,15 @@ class _Finder(importlib.abc.MetaPathFinder):
 def install(directory: Path | None = None) -> bool:
     """Load the compiled modules from now on, if the build in ``directory`` (default :func:`build_dir`) matches
     its sources (see the module docstring). True when installed; :func:`status` says what happened. Call it
-    before any compiled module is imported (the ``.pth`` file does, at start-up). Never raises."""
+    before any compiled module is imported (the simulator's entry points do). Never raises."""
     global _status
     try:
         if os.environ.get(PURE_ENV):
             _status = f"pure Python: {PURE_ENV} is set"
+            return False
+        imported = sorted(name for name in MODULES if name in sys.modules and not compiled(sys.modules[name]))
+        if imported:
+            _status = f"pure Python: {', '.join(imported)} already imported as plain Python"
             return False
         directory = directory or build_dir()
         problems = stale_sources(directory)

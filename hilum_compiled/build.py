@@ -2,9 +2,8 @@
 
 mypyc type-checks :data:`hilum_compiled.MODULES` with the project's own mypy configuration (``pyproject.toml``:
 ``strict``) and writes C; setuptools' ``build_ext`` compiles it (``-j`` jobs). The result goes to a staging
-folder, then replaces :func:`hilum_compiled.build_dir` in one rename, with a manifest of every source's SHA-256,
-and ``hilum-compiled.pth`` is written into the environment's site-packages (it calls
-:func:`hilum_compiled.install` at start-up). Needs mypy (the ``test`` extra pins it) and a C compiler with
+folder, then replaces :func:`hilum_compiled.build_dir` in one rename, with a manifest of every source's SHA-256.
+Needs mypy (the ``test`` extra pins it) and a C compiler with
 Python's headers; about 8 minutes on a 2-core machine, most of it mypy's analysis and ``gcc -O3``.
 """
 
@@ -20,19 +19,12 @@ from pathlib import Path
 
 from hilum_compiled import GROUP, MODULES, build_dir, sha256_of, source_of, source_root, stale_sources
 
-__all__ = ["PTH_NAME", "build", "pth_path", "remove"]
-
-PTH_NAME = "hilum-compiled.pth"
-
-
-def pth_path() -> Path:
-    """The start-up file in this environment's site-packages that calls :func:`hilum_compiled.install`."""
-    return Path(sysconfig.get_paths()["purelib"]) / PTH_NAME
+__all__ = ["build", "remove"]
 
 
 def build(jobs: int = 2, *, only_if_stale: bool = False, out: Path | None = None) -> Path:
-    """Compile :data:`~hilum_compiled.MODULES` into ``out`` (default :func:`~hilum_compiled.build_dir`) and install
-    the start-up file. ``only_if_stale``: do nothing when the build there matches its sources. Returns ``out``.
+    """Compile :data:`~hilum_compiled.MODULES` into ``out`` (default :func:`~hilum_compiled.build_dir`).
+    ``only_if_stale``: do nothing when the build there matches its sources. Returns ``out``.
 
     Raises RuntimeError when mypyc or the C compiler fails (what they printed is above); ``out`` is then left as
     it was.
@@ -40,7 +32,6 @@ def build(jobs: int = 2, *, only_if_stale: bool = False, out: Path | None = None
     out = out or build_dir()
     if only_if_stale and not stale_sources(out):
         print(f"hilum_compiled: {out} is up to date ({len(MODULES)} modules)")
-        _write_pth()
         return out
     from mypyc.build import mypycify  # only the build needs mypy
     from setuptools import setup
@@ -97,18 +88,10 @@ def build(jobs: int = 2, *, only_if_stale: bool = False, out: Path | None = None
             out.rename(old)
         shutil.move(str(staging), str(out))
         shutil.rmtree(old, ignore_errors=True)
-    _write_pth()
     print(f"hilum_compiled: built {len(MODULES)} modules into {out}")
     return out
 
 
-def _write_pth() -> None:
-    # one line (site runs a .pth line that starts with "import"); a missing hilum_compiled (uninstalled) is no error
-    code = "try:\n import hilum_compiled\nexcept ImportError:\n pass\nelse:\n hilum_compiled.install()"
-    pth_path().write_text(f"import sys; exec({code!r})\n")
-
-
 def remove() -> None:
-    """Remove the build and the start-up file of this environment (everything runs as plain Python again)."""
+    """Remove this environment's build (everything runs as plain Python again)."""
     shutil.rmtree(build_dir(), ignore_errors=True)
-    pth_path().unlink(missing_ok=True)

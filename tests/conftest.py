@@ -69,18 +69,3 @@ def bpe_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small byte-level BPE saved as a Hugging Face tokenizer directory with a chat template (no download)."""
     pytest.importorskip("transformers")
     return build_tokenizer(tmp_path_factory.mktemp("bpe-tokenizer"))
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip the ``pure_python`` tests while the compiled modules are in use (``hilum_compiled``): they patch a method
-    or subclass a class that mypyc compiled, which a compiled caller does not see. ``make test`` runs them in a
-    second pass with ``HILUM_PURE_PYTHON=1``."""
-    import hilum_compiled
-
-    status = hilum_compiled.status()
-    if not status.startswith("compiled"):
-        return
-    skip = pytest.mark.skip(reason=f"patches compiled code ({status}); run with HILUM_PURE_PYTHON=1")
-    for item in items:
-        if "pure_python" in item.keywords:
-            item.add_marker(skip)

@@ -1,9 +1,9 @@
-"""hilum_compiled: the mypyc build of the hot modules is used only while it matches its sources, serves only the
-tree it was built from, and simulates exactly as the plain-Python modules do."""
+"""hilum_compiled: the mypyc build of the simulator's hot modules is used by the simulator's entry points only while
+it matches its sources, serves only the tree it was built from, never mixes with plain modules, and simulates
+exactly as the plain-Python modules do. The compiled side runs in child interpreters (this one is plain Python)."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -22,7 +22,9 @@ needs_build = pytest.mark.skipif(not BUILT, reason="no up-to-date build in this 
 # A small run that migrates inside and across domains, drains, preempts: its records, hashed.
 RUN = """
 import dataclasses, hashlib, sys
-import hilum_compiled, sim.cluster
+import hilum_compiled
+hilum_compiled.install()
+import sim.cluster
 from sim.runner import DEFAULTS, run_simulation
 digest = hashlib.sha256()
 for policy in ("llumnix", "hilum"):
@@ -49,33 +51,48 @@ def child(code: str, cwd: Path, **env: str) -> str:
 
 
 @needs_build
-def test_the_compiled_modules_are_in_use_when_built() -> None:
-    assert hilum_compiled.status().startswith("compiled"), hilum_compiled.status()
-    for name in MODULES:
-        assert hilum_compiled.compiled(importlib.import_module(name)), name
-    assert not hilum_compiled.compiled(importlib.import_module("sim.runner"))  # not in the list: plain Python
+def test_hilum_sim_runs_the_compiled_modules_when_built() -> None:
+    code = (
+        "import contextlib, importlib, io, hilum_compiled\n"
+        "from hilum_cli.main import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['sim', '--max-requests', '40', '--policy', 'hilum', '--json'])\n"
+        f"print(all(hilum_compiled.compiled(importlib.import_module(m)) for m in {MODULES!r}),\n"
+        "      hilum_compiled.compiled(importlib.import_module('sim.runner')), hilum_compiled.status())"
+    )
+    assert child(code, source_root()).startswith("True False compiled: ")
+
+
+@needs_build
+def test_no_mixing_with_modules_already_imported_as_plain_python() -> None:
+    code = "import sim.cluster, hilum_compiled; print(hilum_compiled.install(), hilum_compiled.status())"
+    assert child(code, source_root()) == "False pure Python: sim.cluster already imported as plain Python"
+
+
+EVERY_MODULE = """
+import importlib, pkgutil, hilum_compiled
+assert hilum_compiled.install(), hilum_compiled.status()
+imported = 0
+packages = ("gateway", "global_coord", "hilum_cli", "hilum_config", "llumlet", "policy", "rack_sched", "sim")
+for package in (*packages, "topology"):
+    for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
+        if info.name.endswith("__main__"):
+            continue
+        try:
+            importlib.import_module(info.name)
+        except ImportError as err:  # an optional package (vLLM) not installed here
+            assert "vllm" in str(err).lower(), (info.name, err)
+            continue
+        imported += 1
+print(imported)
+"""
 
 
 @needs_build
 def test_every_module_imports_beside_the_compiled_ones() -> None:
     """A Python class cannot inherit from a compiled one (TypeError at import): every module of the project imports
     while the compiled modules are in use (those needing an optional package that is missing aside)."""
-    import pkgutil
-
-    packages = {name.split(".")[0] for name in MODULES} | {"topology", "hilum_config", "global_coord", "hilum_cli"}
-    imported = 0
-    for package in sorted(packages):
-        root = importlib.import_module(package)
-        for info in pkgutil.walk_packages(root.__path__, f"{package}."):
-            if info.name.endswith("__main__"):
-                continue
-            try:
-                importlib.import_module(info.name)
-            except ImportError as err:  # an optional package (vLLM) not installed here
-                assert "vllm" in str(err).lower(), f"{info.name}: {err}"
-                continue
-            imported += 1
-    assert imported > 80
+    assert int(child(EVERY_MODULE, source_root())) > 80
 
 
 def fake_build(tmp_path: Path) -> Path:
@@ -112,8 +129,7 @@ def test_an_edited_source_another_interpreter_or_no_build_turn_the_build_off(tmp
 
     assert stale_sources(tmp_path / "nowhere")[0].startswith(f"no usable build in {tmp_path / 'nowhere'}")
     assert not hilum_compiled.install(tmp_path / "nowhere")  # never raises: plain Python
-    assert hilum_compiled.status().startswith("pure Python: no usable build")
-    hilum_compiled.install()  # the state this process started in
+    assert hilum_compiled.status().startswith("pure Python: ")
 
 
 @needs_build
@@ -121,7 +137,10 @@ def test_a_module_from_another_tree_is_not_served_compiled(tmp_path: Path) -> No
     """A benchmark that puts another checkout first on PYTHONPATH imports that checkout's sources."""
     for package in {name.split(".")[0] for name in MODULES} | {"topology", "hilum_config", "llumlet", "global_coord"}:
         shutil.copytree(source_root() / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
-    code = "import hilum_compiled, sim.cluster; print(hilum_compiled.compiled(sim.cluster), sim.cluster.__file__)"
+    code = (
+        "import hilum_compiled; hilum_compiled.install(); import sim.cluster; "
+        "print(hilum_compiled.compiled(sim.cluster), sim.cluster.__file__)"
+    )
     assert child(code, source_root()).startswith("True ")
     other = tmp_path / "other"
     other.mkdir()

@@ -87,7 +87,6 @@ class _RebuildingEveryDomain(GatewayCore):
                 view.update(s, as_of=max(s.taken_s, horizon_s))
 
 
-@pytest.mark.pure_python  # its reference subclasses a class hilum_compiled compiles
 def test_expiring_only_the_domains_holding_reservations_picks_as_rebuilding_every_domain() -> None:
     """A long seeded mix of summaries (some taken exactly at a pick's instant, some on a clock ahead of the
     gateway's), picks with exclusions, removals and picks past the TTL: both cores make every pick alike and see

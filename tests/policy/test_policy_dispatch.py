@@ -197,7 +197,6 @@ class _Scanning(DomainDispatchView):
         self._index = None
 
 
-@pytest.mark.pure_python  # its reference subclasses a class hilum_compiled compiles
 def test_a_sampling_view_finds_its_pools_by_index_as_by_going_over_every_domain() -> None:
     """A long seeded mix of summaries (full domains, draining ones, small ones, some holding a prefix), removals
     and picks (with exclusions, demands that only some domains have room for, requests too large for some, prefix

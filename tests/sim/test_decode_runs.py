@@ -156,7 +156,6 @@ def test_the_reference_is_the_step_by_step_engine(monkeypatch: pytest.MonkeyPatc
     assert counts[True] < counts[False] / 3  # runs of decode steps: several times fewer events
 
 
-@pytest.mark.pure_python  # counts calls by patching methods of compiled classes
 @pytest.mark.parametrize(
     "spec",
     [
@@ -191,7 +190,6 @@ def test_brief_load_reports_decide_as_detailed_ones(spec: SimSpec, monkeypatch: 
     assert s.migrations_intra_domain + s.migrations_cross_domain > 0 or spec.policy == "least-loaded"
 
 
-@pytest.mark.pure_python  # counts calls by patching methods of compiled classes
 @pytest.mark.parametrize(
     "spec",
     [
@@ -252,7 +250,6 @@ def test_rescheduling_rounds_skipped_for_want_of_a_source_decide_as_planned_ones
     assert s.migrations_intra_domain > 0 and s.preemptions > 0
 
 
-@pytest.mark.pure_python  # counts calls by patching methods of compiled classes
 @pytest.mark.parametrize(
     ("spec", "built_at_most"),
     [

@@ -427,7 +427,6 @@ def test_results_json_from_a_log_is_byte_for_byte_the_reference_encoding(tmp_pat
     assert log_run.requests == records and summarize(log_run) == summarize(run)
 
 
-@pytest.mark.pure_python  # counts calls by patching a function of a compiled module
 def test_a_request_log_encodes_json_only_when_read(monkeypatch: pytest.MonkeyPatch) -> None:
     import sim.results as results
 
