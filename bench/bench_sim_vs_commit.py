@@ -136,7 +136,8 @@ def main() -> None:
     with trees(args.base) as tree:
         this = "plain Python"
         if args.this_compiled:
-            this = child_output(tree["this"], "import hilum_compiled; print(hilum_compiled.status())", compiled=True)
+            code = "import hilum_compiled; hilum_compiled.install(); print(hilum_compiled.status())"
+            this = child_output(tree["this"], code, compiled=True)
         print(f"{args.workload}: base {args.base} (plain Python) vs this checkout ({this}); CPU s of run_simulation, "
               f"{args.rounds} rounds")  # fmt: skip
         print(f"{'policy':<13} {'sim s':>7} {'base CPU s':>11} {'this CPU s':>11} {'base / this':>12}  records")

@@ -305,10 +305,12 @@ def main() -> None:
     print(f"vidur predictors (trained once, untimed; logs in {logs}) ...", file=sys.stderr, flush=True)
     run_measured(vidur_command(python, vidur_policies[0], cache, trace, out), vidur_env, logs / "vidur-warmup.log")
 
+    hilum_compiled.install()  # what each `hilum sim` child finds (this process imports no simulator module)
+    hilum_status = hilum_compiled.status()
     print(
         f"{args.requests} Azure conversation requests at the recorded rate, Llama-2-70B TP2 on A100-80GB, "
         f"{NUM_NODES * INSTANCES_PER_NODE} instances ({kv_blocks} KV blocks each); CPU = user + system of the "
-        f"whole process; {args.repeats} alternating rounds; hilum: {hilum_compiled.status()}",
+        f"whole process; {args.repeats} alternating rounds; hilum: {hilum_status}",
         flush=True,
     )
     results: list[Measured] = []
