@@ -1,4 +1,4 @@
-"""``python -m hilum_compiled build [--if-stale] [-j N] | status | remove`` (see the package docstring)."""
+"""python -m hilum_compiled build [--if-stale] [-j N] | status | remove: the simulator's compiled modules (mypyc)."""
 
 from __future__ import annotations
 
@@ -36,8 +36,12 @@ def main(argv: list[str] | None = None) -> int:
 
         remove()
         return 0
-    print(hilum_compiled.status())
-    return 0 if hilum_compiled.status().startswith("compiled") else 1
+    hilum_compiled.install()  # what `hilum sim` would find (this process imports no compiled module)
+    status = hilum_compiled.status()
+    if "changed since the build" in status or "is missing" in status or "another module list" in status:
+        status += "; `make` (python -m hilum_compiled build --if-stale) builds it again"
+    print(status)
+    return 0 if status.startswith("compiled") else 1
 
 
 if __name__ == "__main__":
