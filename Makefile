@@ -61,4 +61,4 @@ test-vllm: $(VLLM_STAMP)
 test: lint typecheck pytest test-vllm
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) sim-results build .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) sim-results .pytest_cache .mypy_cache .ruff_cache

@@ -37,7 +37,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["GROUP", "MODULES", "PURE_ENV", "build_dir", "install", "source_root", "stale_sources", "status"]
+__all__ = [
+    "GROUP",
+    "MODULES",
+    "PURE_ENV",
+    "build_dir",
+    "compiled",
+    "install",
+    "read_manifest",
+    "sha256_of",
+    "source_of",
+    "source_root",
+    "stale_sources",
+    "status",
+]
 
 #: The modules compiled (each ``package.module``, a ``.py`` file under the source root): where the simulator's
 #: time goes (``bench/profile_sim.py``). A module is listed only if mypyc compiles it with no change in what
@@ -103,9 +116,13 @@ def stale_sources(directory: Path) -> list[str]:
     """Why the build in ``directory`` cannot be used as it is: one line per problem (a source changed or missing,
     another interpreter, another module list), empty when it can. Raises nothing."""
     try:
-        manifest = read_manifest(directory)
+        return _problems(directory, read_manifest(directory))
     except (OSError, ValueError) as err:
         return [f"no usable build in {directory} ({err.__class__.__name__}: {err})"]
+
+
+def _problems(directory: Path, manifest: dict[str, object]) -> list[str]:
+    """:func:`stale_sources` of the build in ``directory`` whose manifest is ``manifest``."""
     problems = []
     if manifest.get("cache_tag") != sys.implementation.cache_tag:
         problems.append(f"built for {manifest.get('cache_tag')}, this interpreter is {sys.implementation.cache_tag}")
@@ -158,11 +175,14 @@ def install(directory: Path | None = None) -> bool:
             _status = f"pure Python: {', '.join(imported)} already imported as plain Python"
             return False
         directory = directory or build_dir()
-        problems = stale_sources(directory)
+        try:
+            manifest = read_manifest(directory)
+            problems = _problems(directory, manifest)
+        except (OSError, ValueError) as err:
+            problems = [f"no usable build in {directory} ({err.__class__.__name__}: {err})"]
         if problems:
             _status = "pure Python: " + "; ".join(problems)
             return False
-        manifest = read_manifest(directory)
         modules = manifest["modules"]
         assert isinstance(modules, dict)
         extensions: dict[str, tuple[Path, Path | None]] = {

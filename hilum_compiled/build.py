@@ -3,8 +3,8 @@
 mypyc type-checks :data:`hilum_compiled.MODULES` with the project's own mypy configuration (``pyproject.toml``:
 ``strict``) and writes C; setuptools' ``build_ext`` compiles it (``-j`` jobs). The result goes to a staging
 folder, then replaces :func:`hilum_compiled.build_dir` in one rename, with a manifest of every source's SHA-256.
-Needs mypy (the ``test`` extra pins it) and a C compiler with
-Python's headers; about 8 minutes on a 2-core machine, most of it mypy's analysis and ``gcc -O3``.
+Needs mypy (the ``test`` extra pins it) and a C compiler with Python's headers; about 4-7 minutes on a 2-core
+machine (7 with a cold mypy cache), most of it mypy's analysis and ``gcc -O3``.
 """
 
 from __future__ import annotations
