@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable
 
 from policy.dispatch import DispatchView, DomainDispatchView
-from policy.domain import summarize_domain
 from policy.migration import pair_domains, plan_migrations
+from policy.summarize import summarize_domain
 from policy.types import InstanceLoad, PolicyConfig, RequestLoad
 
 DOMAIN_SIZE = 8

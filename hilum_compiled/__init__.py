@@ -56,18 +56,21 @@ __all__ = [
 #: time goes (``bench/profile_sim.py``). A module is listed only if mypyc compiles it with no change in what
 #: it computes. Modules of value types that other code introspects stay Python: the etcd records' codec and the
 #: configuration loader read type hints, and mypyc keeps only their outer class (``tuple[InstanceBrief, ...]``
-#: becomes ``tuple``), so ``policy.types``, ``policy.domain`` and ``policy.remaining`` are not compiled; nor is
-#: ``llumlet.engine.paged``, whose ``PagedEngine`` the torch engine subclasses (a Python class cannot inherit from a
-#: compiled one).
+#: becomes ``tuple``), so ``policy.types``, ``policy.domain`` and ``policy.remaining`` are not compiled (the
+#: summaries are made in ``policy.summarize``, which is). ``PagedEngine``, which the torch engine subclasses in
+#: Python, is compiled with ``mypyc_attr(allow_interpreted_subclasses=True)``.
 MODULES: tuple[str, ...] = (
     "llumlet.engine.blocks",
+    "llumlet.engine.paged",
     "llumlet.engine.core",
     "llumlet.engine.scheduler",
+    "llumlet.engine.latency",
     "sim.cluster",
     "sim.events",
     "policy.usage",
     "policy.dispatch",
     "policy.migration",
+    "policy.summarize",
     "rack_sched.core",
     "gateway.core",
     "sim.schedulers",

@@ -7,7 +7,7 @@ the gateway. Rules and sources: docs/policy.md.
 from __future__ import annotations
 
 from policy.dispatch import DispatchDecision, DispatchView, DomainDispatchView, leading_run, reusable_prefix_hashes
-from policy.domain import DomainSummary, InstanceBrief, summarize_domain
+from policy.domain import DomainSummary, InstanceBrief
 from policy.migration import (
     CandidateOrder,
     MigrationDecision,
@@ -18,6 +18,7 @@ from policy.migration import (
     potential,
 )
 from policy.ordering import freest_first, fullest_first
+from policy.summarize import summarize_domain
 from policy.types import CANDIDATE_POLICIES, DEFAULT_CANDIDATE_POLICY, InstanceLoad, PolicyConfig, RequestLoad
 from policy.usage import batch_size, freeness, freeness_of, instance_virtual_usage, request_virtual_usage
 

@@ -4,18 +4,19 @@ A domain scheduler publishes one `DomainSummary` per model its NVLink domain ser
 coordinator apply dispatch and pairing to these exactly as a domain scheduler does to instances. It is the
 one summary type from the rule book to etcd, to the wire and back (no near-copies): it carries a brief of
 every instance, so the coordinator can choose a destination instance by its real free space.
+
+The summaries are made from load reports by :mod:`policy.summarize` (kept apart: the simulator compiles it,
+while these value types stay plain Python for the codecs that read their type hints).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
-from policy.types import InstanceLoad, PolicyConfig, _trusted_constructor
-from policy.usage import freeness_of, instance_virtual_usage, queued_blocks
+from policy.usage import freeness_of
 
-__all__ = ["DomainSummarizer", "DomainSummary", "InstanceBrief", "restamped", "summarize_domain"]
+__all__ = ["DomainSummary", "InstanceBrief"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,26 +67,6 @@ class InstanceBrief:
     def freeness(self) -> float:
         """Its freeness F = (M − ΣV) / max(1, running) (−inf while draining)."""
         return -math.inf if self.draining else freeness_of(self.capacity_blocks, self.virtual_usage, self.num_running)
-
-    @classmethod
-    def of(cls, load: InstanceLoad, cfg: PolicyConfig) -> InstanceBrief:
-        """The brief of one instance's load report (a valid report makes a valid brief: no checks again)."""
-        return _trusted_instance_brief(
-            instance_id=load.instance_id,
-            capacity_blocks=load.capacity_blocks,
-            free_blocks=load.free_blocks,
-            virtual_usage=instance_virtual_usage(load, cfg),
-            num_running=load.num_running,
-            num_waiting=load.num_waiting,
-            draining=load.draining,
-            decode_step_s=load.decode_step_s,
-            max_num_seqs=load.max_num_seqs,
-            prefix_hashes=load.prefix_hashes,
-            prefill_s_per_token=load.prefill_s_per_token,
-        )
-
-
-_trusted_instance_brief: Callable[..., InstanceBrief] = _trusted_constructor(InstanceBrief)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,184 +119,3 @@ class DomainSummary:
             object.__setattr__(self, "prefix_hashes", union)
         elif not isinstance(self.prefix_hashes, frozenset):
             object.__setattr__(self, "prefix_hashes", frozenset(self.prefix_hashes))
-
-
-def summarize_domain(
-    domain_id: str,
-    loads: Sequence[InstanceLoad],
-    cfg: PolicyConfig,
-    *,
-    model: str = "",
-    taken_s: float = 0.0,
-) -> DomainSummary:
-    """Summarize the instances of one domain (those serving ``model``: the caller groups them).
-
-    F_domain = (Σ_active M − ΣV) / max(1, Σ running) — Llumnix's freeness (OSDI'24 §4.4.2) over the
-    group. Draining instances add no capacity, and their real blocks (not +inf) count as usage,
-    since those requests must find room elsewhere in the domain. A domain whose instances all drain
-    is draining (ΣV = +inf, F = −inf). An empty domain is not draining and has no capacity.
-    Raises ValueError when a load names another domain, or two loads the same instance.
-    """
-    return _summarize(domain_id, loads, cfg, model, taken_s, None)
-
-
-#: A brief remembered per instance id with the report it was made of: (load report, its brief).
-BriefCache = dict[str, tuple[InstanceLoad, InstanceBrief]]
-
-
-def _summarize(
-    domain_id: str,
-    loads: Sequence[InstanceLoad],
-    cfg: PolicyConfig,
-    model: str,
-    taken_s: float,
-    briefs: BriefCache | None,
-) -> DomainSummary:
-    """:func:`summarize_domain` in one pass over the loads; ``briefs``: each instance's brief, kept from an
-    earlier call while its report is the same object (None: every brief made anew).
-
-    The loads are valid reports (``InstanceLoad`` checks its own, an engine's trusted ones are valid by
-    construction), so the briefs are made without checks (``InstanceBrief.of``), and so is the summary when
-    the loads come sorted by instance id without repeats, as a domain core lists them: every count is a sum
-    or a maximum of non-negative counts, ΣV is finite or +inf and never NaN. Loads in another order are
-    sorted, and the summary goes through ``DomainSummary``'s checks (two loads of one instance are refused
-    there). The figures are those of the formulas in :func:`summarize_domain`, summed in instance-id order
-    (ΣV by ``sum`` over the same floats in the same order: the same value to the last bit).
-    """
-    summary = _summary_of_sorted(domain_id, loads, cfg, model, taken_s, briefs, trusted=True)
-    if summary is None:  # not sorted by id without repeats
-        for load in loads:  # the first load of another domain in the caller's order is the one named
-            _check_domain(domain_id, load)
-        ordered = sorted(loads, key=lambda load: load.instance_id)
-        summary = _summary_of_sorted(domain_id, ordered, cfg, model, taken_s, briefs, trusted=False)
-    assert summary is not None
-    return summary
-
-
-def _check_domain(domain_id: str, load: InstanceLoad) -> None:
-    """Raises ValueError when ``load`` names a domain other than ``domain_id``."""
-    if load.domain_id and load.domain_id != domain_id:
-        raise ValueError(
-            f"summarize_domain({domain_id!r}): instance {load.instance_id!r} reports domain {load.domain_id!r}"
-        )
-
-
-def _summary_of_sorted(
-    domain_id: str,
-    loads: Sequence[InstanceLoad],
-    cfg: PolicyConfig,
-    model: str,
-    taken_s: float,
-    briefs: BriefCache | None,
-    *,
-    trusted: bool,
-) -> DomainSummary | None:
-    """The summary of ``loads`` (:func:`_summarize`'s arguments), in their order. ``trusted``: built without checks,
-    and None as soon as two loads are not in increasing id order; else checked by ``DomainSummary``."""
-    instances: list[InstanceBrief] = []
-    usages: list[float] = []  # ΣV of each non-draining instance, in id order
-    held: list[frozenset[int]] = []  # prefix blocks of each non-draining instance holding any
-    num_running = num_waiting = capacity = drained_used = queued = 0
-    largest_free = largest_capacity = 0  # max(..., default=0) of non-negative counts
-    previous = ""  # the last instance id (every id is longer)
-    for load in loads:
-        iid = load.instance_id
-        if trusted and iid <= previous:
-            return None
-        previous = iid
-        _check_domain(domain_id, load)
-        cached = briefs.get(iid) if briefs is not None else None
-        if cached is not None and cached[0] is load:
-            brief = cached[1]
-        else:
-            brief = InstanceBrief.of(load, cfg)
-            if briefs is not None:
-                briefs[iid] = (load, brief)
-        instances.append(brief)
-        num_running += load.num_running
-        num_waiting += load.num_waiting
-        if load.draining:
-            drained_used += load.used_blocks
-            continue
-        usages.append(brief.virtual_usage)
-        capacity += load.capacity_blocks
-        free = load.capacity_blocks - load.used_blocks
-        if free > largest_free:
-            largest_free = free
-        if load.capacity_blocks > largest_capacity:
-            largest_capacity = load.capacity_blocks
-        if load.num_waiting:  # the queue's demand behind its head
-            queued += queued_blocks(load) - load.head_demand_blocks
-        if brief.prefix_hashes:
-            held.append(brief.prefix_hashes)
-    draining = bool(instances) and not usages
-    usage = math.inf if draining else sum(usages) + drained_used
-    if len(held) > 1:  # DomainSummary.__post_init__'s union of the non-draining instances' prefix blocks
-        prefix_hashes: frozenset[int] = frozenset().union(*held)
-    else:
-        prefix_hashes = held[0] if held else frozenset()
-    return (_trusted_domain_summary if trusted else DomainSummary)(
-        domain_id=domain_id,
-        num_instances=len(instances),
-        capacity_blocks=capacity,
-        virtual_usage=usage,
-        freeness=freeness_of(capacity, usage, num_running),
-        largest_free_blocks=largest_free,
-        max_instance_capacity_blocks=largest_capacity,
-        num_running=num_running,
-        num_waiting=num_waiting,
-        draining=draining,
-        queued_blocks=queued,
-        model=model,
-        taken_s=taken_s,
-        instances=tuple(instances),
-        prefix_hashes=prefix_hashes,
-    )
-
-
-_trusted_domain_summary: Callable[..., DomainSummary] = _trusted_constructor(DomainSummary)
-_SUMMARY_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(DomainSummary))
-
-
-def restamped(summary: DomainSummary, taken_s: float) -> DomainSummary:
-    """``summary`` stamped ``taken_s`` instead (``dataclasses.replace`` without checking the valid figures
-    again)."""
-    values = {name: getattr(summary, name) for name in _SUMMARY_FIELDS}
-    values["taken_s"] = taken_s
-    return _trusted_domain_summary(**values)
-
-
-class DomainSummarizer:
-    """:func:`summarize_domain` of one domain, call after call, redoing only what changed.
-
-    A domain scheduler summarizes the same instances again and again (each publication, each cross-domain
-    round), and between two calls many reports are the very same objects (an idle instance sends none; two
-    calls at one instant read the same ones). Reports are frozen, so the same report object has the same
-    brief (kept per instance with the report it came from), and the same report objects in the same order
-    make the same summary (kept per model, with its reports; only the stamp ``taken_s`` is set anew). The
-    figures are :func:`summarize_domain`'s for the same arguments.
-
-    Args:
-        domain_id: the domain summarized.
-        cfg: the rule book (it sets the virtual usages; fixed for the summarizer's life).
-    """
-
-    def __init__(self, domain_id: str, cfg: PolicyConfig) -> None:
-        self.domain_id = domain_id
-        self.cfg = cfg
-        self._briefs: BriefCache = {}  # instance -> (its last report summarized, the brief of it)
-        self._last: dict[str, tuple[tuple[InstanceLoad, ...], DomainSummary]] = {}  # model -> (reports, summary)
-
-    def summarize(self, loads: Sequence[InstanceLoad], *, model: str = "", taken_s: float = 0.0) -> DomainSummary:
-        """``summarize_domain(domain_id, loads, cfg, model=model, taken_s=taken_s)``; raises as it does."""
-        last = self._last.get(model)
-        if last is not None and len(last[0]) == len(loads) and all(a is b for a, b in zip(last[0], loads, strict=True)):
-            summary = last[1]
-            return summary if summary.taken_s == taken_s else restamped(summary, taken_s)
-        summary = _summarize(self.domain_id, loads, self.cfg, model, taken_s, self._briefs)
-        self._last[model] = (tuple(loads), summary)
-        return summary
-
-    def forget(self, instance_id: str) -> None:
-        """The instance left the domain: its brief is no longer kept (idempotent)."""
-        self._briefs.pop(instance_id, None)

@@ -35,9 +35,10 @@ from dataclasses import dataclass, field, replace
 
 from global_coord.approver import MoveProposal
 from policy.dispatch import DispatchDecision, DispatchView, reusable_prefix_hashes
-from policy.domain import DomainSummarizer, DomainSummary
+from policy.domain import DomainSummary
 from policy.migration import MigrationDecision, is_source_domain, plan_migrations
 from policy.remaining import RemainingConfig, RemainingEstimator
+from policy.summarize import DomainSummarizer
 from policy.types import InstanceLoad, PolicyConfig
 from rack_sched.plan import plan_cross_domain
 

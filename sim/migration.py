@@ -131,6 +131,9 @@ class MigrationExecutor:
         self.busy_instances: Counter[str] = Counter()
         self._attempts = 0
         self.on_done: list[Callable[[MigrationRecord], None]] = []
+        # (path bandwidth, flows beside this one) -> the rate one flow gets (the cost model computes it exactly,
+        # in fractions: worth keeping, as a run prices its few paths at a few flow counts again and again)
+        self._rates: dict[tuple[float, int], float] = {}
         cluster.on_finished.append(self._request_finished)
 
     def bandwidth_bytes_per_s(self, path: PathInfo, *, own_flow: bool = False) -> float:
@@ -139,7 +142,11 @@ class MigrationExecutor:
         ``own_flow``: the flow asking is already counted in :attr:`flows` (a running migration).
         """
         others = self.flows.busiest(path.links) - (1 if own_flow else 0)
-        return effective_bandwidth_bytes_per_s(path.bandwidth_bytes_per_s, self.cost.cap_fraction, others)
+        key = (path.bandwidth_bytes_per_s, others)
+        rate = self._rates.get(key)
+        if rate is None:
+            rate = self._rates[key] = effective_bandwidth_bytes_per_s(key[0], self.cost.cap_fraction, others)
+        return rate
 
     def start(self, request_id: str, src_id: str, dst_id: str, why: str = "") -> bool:
         """Begin migrating ``request_id`` from ``src_id`` to ``dst_id``; False if it cannot start.

@@ -39,8 +39,9 @@ from typing import ClassVar
 from gateway.core import GatewayCore, PlacementAttempt
 from global_coord.approver import MoveJudge, decide
 from policy.dispatch import DispatchDecision, reusable_prefix_hashes
-from policy.domain import DomainSummary, summarize_domain
+from policy.domain import DomainSummary
 from policy.migration import MigrationDecision, source_slack_blocks
+from policy.summarize import summarize_domain
 from policy.types import InstanceLoad
 from rack_sched.core import CrossDomainProposal, DomainConfig, DomainCore, DomainRequest
 from topology.bandwidth import BandwidthEstimates, BandwidthSample, MeasuredBandwidthConfig, default_transport
@@ -90,16 +91,18 @@ class SchedulerContext:
     measured_bandwidth: MeasuredBandwidthConfig = field(default_factory=MeasuredBandwidthConfig)
 
 
-def domain_request(req: TraceRequest, model: str) -> DomainRequest:
+def domain_request(req: TraceRequest, model: str, only_if_room: bool = False) -> DomainRequest:
     """The request as a gateway submits it: ``max_tokens`` is the trace's output length (trace replay, as
     ``hilum bench`` and vLLM's benchmark_serving send it; the engines stop there), with the hash ids of its
-    prompt's prefix blocks (a gateway hashes the prompt's tokens; a trace carries them)."""
+    prompt's prefix blocks (a gateway hashes the prompt's tokens; a trace carries them). ``only_if_room``: as
+    ``DomainRequest``'s."""
     return DomainRequest(
         req.request_id,
         model,
         req.prompt_tokens,
         max(1, req.output_tokens),
         req.priority,
+        only_if_room,
         prefix_hashes=req.prefix_block_hashes,
         prefix_block_tokens=req.prefix_block_tokens if req.prefix_block_hashes else 0,
     )
@@ -485,7 +488,7 @@ class HilumTwoTier(ClusterScheduler):
         while (domain_id := attempt.next(self._now())) is not None:
             feed = self.feeds[domain_id]
             feed.refresh()
-            decision = feed.core.dispatch(replace(request, only_if_room=attempt.only_if_room))
+            decision = feed.core.dispatch(domain_request(req, request.model, attempt.only_if_room))
             if decision.target_id is not None:
                 return decision
             if decision.full:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 __all__ = [
     "CALIBRATED_HBM_BYTES_PER_S",
     "COEFFICIENTS_FILE",
@@ -42,6 +44,7 @@ __all__ = [
 COEFFICIENTS_FILE = "latency_coefficients.json"
 
 
+@mypyc_attr(native_class=False)  # mypyc compiles no native subclass of KeyError (the simulator compiles this module)
 class UnsupportedLatencyModelError(KeyError):
     """No coefficients for the requested (model, gpu, tp); the message lists the supported combinations."""
 

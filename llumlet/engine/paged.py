@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from mypy_extensions import mypyc_attr
+
 from llumlet.engine.blocks import BlockManager
 from llumlet.engine.protocol import BlockRun, KVPayload
 from llumlet.engine.scheduler import RequestStatus, Scheduler, SchedulerRequest
@@ -26,6 +28,7 @@ from llumlet.engine.types import (
 __all__ = ["PagedEngine"]
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled for the simulator; the torch engine subclasses it
 class PagedEngine:
     """Base of engines built on hilum's own block accounting and continuous batching.
 

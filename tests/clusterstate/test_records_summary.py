@@ -8,7 +8,8 @@ import math
 import pytest
 
 from clusterstate.records import RecordError, SummaryRecord, decode, encode
-from policy.domain import DomainSummary, InstanceBrief, summarize_domain
+from policy.domain import DomainSummary, InstanceBrief
+from policy.summarize import summarize_domain
 from policy.types import InstanceLoad, PolicyConfig, RequestLoad
 
 

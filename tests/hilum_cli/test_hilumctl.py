@@ -79,7 +79,7 @@ def summary_node0(i1_running: int = 1, i1_draining: bool = False) -> dict[str, A
 
 
 def summary_node1(running: int = 4, draining: bool = False) -> dict[str, Any]:
-    """node-1: 1 instance; while draining, V = +inf and F = -inf (policy.domain.summarize_domain)."""
+    """node-1: 1 instance; while draining, V = +inf and F = -inf (policy.summarize.summarize_domain)."""
     return {
         "domain_id": "node-1", "num_instances": 1, "capacity_blocks": 0 if draining else 2000,
         "virtual_usage": float("inf") if draining else 300.0, "freeness": float("-inf") if draining else 85.0,

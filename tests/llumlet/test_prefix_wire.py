@@ -14,7 +14,8 @@ from hilum_proto.v1 import coordinator_pb2 as cpb
 from hilum_proto.v1 import llumlet_pb2 as pb
 from llumlet.convert import load_from_pb, load_to_pb, reported_prefix
 from llumlet.engine.types import EngineLoad, RunningRequestLoad
-from policy.domain import DomainSummary, InstanceBrief, summarize_domain
+from policy.domain import DomainSummary, InstanceBrief
+from policy.summarize import summarize_domain
 from policy.types import PolicyConfig
 from rack_sched.convert import load_from_pb as rack_load_from_pb
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from policy.dispatch import DomainDispatchView
-from policy.domain import summarize_domain
+from policy.summarize import summarize_domain
 from policy.types import InstanceLoad, PolicyConfig
 
 CFG = PolicyConfig(priority_headroom_blocks={})

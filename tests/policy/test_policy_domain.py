@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from policy_factories import CFG, inst
 
-from policy import DomainSummary, InstanceBrief, InstanceLoad, PolicyConfig, summarize_domain
-from policy.domain import DomainSummarizer, restamped
+from policy import DomainSummary, InstanceLoad, PolicyConfig, summarize_domain
+from policy.summarize import DomainSummarizer, brief_of, restamped
 from policy.usage import freeness_of, queued_blocks
 
 FAST = settings(max_examples=200, deadline=None)
@@ -30,7 +30,7 @@ def reference_summary(
     draining = bool(loads) and not active
     num_running = sum(load.num_running for load in loads)
     capacity = sum(load.capacity_blocks for load in active)
-    briefs = sorted((InstanceBrief.of(load, cfg) for load in loads), key=lambda b: b.instance_id)
+    briefs = sorted((brief_of(load, cfg) for load in loads), key=lambda b: b.instance_id)
     if draining:
         usage = math.inf
     else:
