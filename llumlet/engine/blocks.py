@@ -64,7 +64,12 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size_tokens = block_size_tokens
         self.enable_prefix_caching = enable_prefix_caching
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        # The free list, kept short: blocks given back (the last one given back is handed out first), then
+        # the blocks never handed out yet, _fresh .. num_blocks - 1, in increasing order (a pool of thousands of
+        # blocks per instance costs nothing until its blocks are used: what a list of every free id would cost
+        # a simulated cluster of thousands of instances in memory)
+        self._free: list[int] = []
+        self._fresh = 0
         self._tables: dict[str, _Table] = {}
         self._reservations: dict[str, list[int]] = {}
         self._reserved = 0  # blocks held by all reservations
@@ -83,7 +88,7 @@ class BlockManager:
     @property
     def free_blocks(self) -> int:
         """Blocks on the free list (not counting evictable cached blocks)."""
-        return len(self._free)
+        return len(self._free) + self.num_blocks - self._fresh
 
     @property
     def used_blocks(self) -> int:
@@ -103,7 +108,7 @@ class BlockManager:
     @property
     def available_blocks(self) -> int:
         """Blocks an allocation can get: free plus evictable cached."""
-        return len(self._free) + self._cached
+        return len(self._free) + self.num_blocks - self._fresh + self._cached
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """ceil(num_tokens / block_size_tokens)."""
@@ -139,13 +144,27 @@ class BlockManager:
         """Take n blocks from the free list, evicting LRU cached entries if needed; None if impossible."""
         if n > self.available_blocks:
             return None
-        while len(self._free) < n:
+        while self.free_blocks < n:
             h, _ = self._lru.popitem(last=False)
             entry = self._entries.pop(h)
             self._prefix_hashes = None
             self._cached -= len(entry.blocks)
             self._free.extend(entry.blocks)
-        return [self._free.pop() for _ in range(n)]
+        return self._pop_free(n)
+
+    def _pop_free(self, n: int) -> list[int]:
+        """Take ``n`` blocks off the free list (``n <= free_blocks``), in the order it hands them out: the blocks
+        given back, the last first, then fresh ones in increasing order."""
+        free = self._free
+        given_back = min(n, len(free))
+        out = free[len(free) - given_back :]
+        del free[len(free) - given_back :]
+        out.reverse()
+        if given_back < n:
+            fresh = self._fresh
+            out.extend(range(fresh, fresh + n - given_back))
+            self._fresh = fresh + n - given_back
+        return out
 
     def allocate_slots(self, request_id: str, num_new_tokens: int) -> tuple[int, ...] | None:
         """Extend the request's slots by ``num_new_tokens``; create its table if new.
@@ -193,7 +212,7 @@ class BlockManager:
             return max(0, max_rounds)
         bs = self.block_size_tokens
         firsts = sorted(self._first_new_block_round(self._tables[rid]) for rid in request_ids)
-        free = len(self._free)
+        free = self.free_blocks
 
         def need(rounds: int) -> int:
             return sum((rounds - f) // bs + 1 for f in firsts if f <= rounds)
@@ -256,16 +275,15 @@ class BlockManager:
             first = t.num_blocks * bs - t.num_tokens + 1  # _first_new_block_round, inlined: this is per step
             if first <= rounds:
                 events.extend([(r, i) for r in range(first, rounds + 1, bs)])
-        free = self._free
-        if len(events) > len(free):
-            raise ValueError(f"extend_decode_slots: {len(events)} new blocks needed, {len(free)} free")
+        if len(events) > self.free_blocks:
+            raise ValueError(f"extend_decode_slots: {len(events)} new blocks needed, {self.free_blocks} free")
         for t in tables:
             t.num_tokens += rounds
         if rounds > 1:
             events.sort()  # round by round; with one round they are in request order already
-        for _, i in events:
+        for (_, i), block in zip(events, self._pop_free(len(events)), strict=True):
             t = tables[i]
-            t.private.append(free.pop())
+            t.private.append(block)
             t.num_blocks += 1
         self._used_private += len(events)
         return len(events)
@@ -568,7 +586,7 @@ class BlockManager:
         private = [b for t in self._tables.values() for b in t.private]
         reserved = [b for bl in self._reservations.values() for b in bl]
         shared = [b for e in self._entries.values() for b in e.blocks]
-        every = private + reserved + shared + self._free
+        every = private + reserved + shared + self._free + list(range(self._fresh, self.num_blocks))
         assert len(every) == len(set(every)) == self.num_blocks, "a block is lost or in two places"
         assert self._used_private == len(private), "private count drifted"
         assert self._reserved == len(reserved), "reserved count drifted"

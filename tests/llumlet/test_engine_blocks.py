@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -202,3 +202,50 @@ class BlockMachine(RuleBasedStateMachine):
 
 TestBlockMachine = BlockMachine.TestCase
 TestBlockMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["allocate", "free", "decode"]), st.sampled_from(["r0", "r1", "r2"]), st.integers(0, 9)
+        ),
+        max_size=60,
+    )
+)
+def test_blocks_are_handed_out_as_from_one_list_of_every_free_id(ops: list[tuple[str, str, int]]) -> None:
+    """The short free list (blocks given back, then fresh ids on demand) hands out the very blocks, in the very
+    order, of the list of every free id it replaced: ``pop()`` from ``[N-1, ..., 1, 0]``, blocks given back
+    appended in reverse table order."""
+    bm = BlockManager(num_blocks=12, block_size_tokens=2)
+    ref = list(range(11, -1, -1))  # the reference free list
+    tables: dict[str, list[int]] = {}
+    tokens: dict[str, int] = {}
+    for op, rid, n in ops:
+        if op == "allocate":
+            got = bm.allocate_slots(rid, n)
+            need = -(-(tokens.get(rid, 0) + n) // 2) - len(tables.get(rid, []))
+            if need > len(ref):
+                assert got is None
+                continue
+            expected = tuple(ref.pop() for _ in range(need))
+            assert got == expected
+            tables.setdefault(rid, []).extend(expected)
+            tokens[rid] = tokens.get(rid, 0) + n
+        elif op == "free":
+            bm.free(rid)
+            ref.extend(reversed(tables.pop(rid, [])))
+            tokens.pop(rid, None)
+        else:  # n rounds of one decode slot for every request holding a table, in one call
+            rids = sorted(tables)
+            rounds = min(n, bm.decode_rounds_that_fit(rids, n))
+            bm.extend_decode_slots(rids, rounds)
+            for _ in range(rounds):
+                for r in rids:
+                    tokens[r] += 1
+                    if tokens[r] > 2 * len(tables[r]):
+                        tables[r].append(ref.pop())
+        assert bm.free_blocks == len(ref)
+        for r, table in tables.items():
+            assert bm.block_table(r) == tuple(table)
+    bm.check_invariants()

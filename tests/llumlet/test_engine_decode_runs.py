@@ -63,7 +63,7 @@ def state_of(e: EngineCore) -> tuple[Any, ...]:
         [r.request_id for r in s.waiting],
         [r.request_id for r in s.running],
         sorted(e._suspended),
-        list(b._free),
+        (list(b._free), b._fresh),
         tables,
         dict(b._reservations),
         entries,
