@@ -104,7 +104,7 @@ class RequestState:
 class _Run:
     """A decode run in flight on an instance: the engine's run plus its step end times."""
 
-    __slots__ = ("end_times_s", "recorded", "run", "seq", "start_s")
+    __slots__ = ("end_times_s", "ended", "recorded", "run", "seq", "start_s")
 
     def __init__(self, run: DecodeRun, start_s: float, seq: int) -> None:
         self.run = run
@@ -115,6 +115,9 @@ class _Run:
         self.end_times_s = ends  # end_times_s[j]: when step j (from 0) ends
         self.recorded = 0  # steps whose tokens are in the request accounts
         self.seq = seq  # the event queue's seq when the run started (orders ties, see _started_steps)
+        # steps that had ended before the last time _started_steps looked (bisect_left of end_times_s at that
+        # time): the clock only moves on, so the next look searches from here, in the part of the list in cache
+        self.ended = 0
 
     def scheduled_s(self, step: int) -> float:
         """When the step-by-step event for the end of step ``step`` (from 0) would have been scheduled."""
@@ -629,7 +632,18 @@ class Cluster:
         ends = flight.end_times_s
         last = flight.run.steps - 1
         now = self.queue.now_s
-        n = bisect.bisect_left(ends, now, 0, last)
+        # bisect_left(ends, now, 0, last), galloping from the last answer (a lower bound: ends never decrease, and
+        # neither does now): a look costs O(log of the steps since the last one) and touches only their part
+        n = min(flight.ended, last)
+        if n < last and ends[n] < now:
+            lo, width = n + 1, 1
+            hi = lo + width
+            while hi < last and ends[hi] < now:  # every end up to hi is before now
+                lo = hi + 1
+                width *= 2
+                hi = lo + width
+            n = bisect.bisect_left(ends, now, lo, min(hi, last))
+        flight.ended = n
         if n < last and ends[n] == now:
             key = self.queue.current_key()
             while n < last and ends[n] == now:
