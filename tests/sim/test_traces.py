@@ -268,6 +268,25 @@ def test_user_azure_csv_and_gzip(tmp_path: Path) -> None:
     assert load_trace(packed).requests == trace.requests
 
 
+def test_csv_read_row_by_row_as_in_one_pass(tmp_path: Path) -> None:
+    """A regular CSV is read in one fast pass; one with blank rows and spaces around its cells row by row: the same
+    requests (the timestamps' 7th digit dropped by both)."""
+    header = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+    regular = tmp_path / "regular.csv"
+    regular.write_text(header + "2023-11-16 18:00:00.1234567,5,1\n2023-11-16T18:00:01.5,7,2\n2023-11-16 17:59:59,3,4\n")
+    spaced = tmp_path / "spaced.csv"
+    spaced.write_text(
+        header + " 2023-11-16 18:00:00.1234567 , 5 ,1\n\n2023-11-16T18:00:01.5,7, 2\n,,\n2023-11-16 17:59:59,3,4\n"
+    )
+    want = [(0.0, 3, 4), (pytest.approx(1.123456), 5, 1), (pytest.approx(2.5), 7, 2)]
+    for path in (regular, spaced):
+        assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in load_trace(path).requests] == want
+    assert [r.arrival_s for r in load_trace(regular).requests] == [r.arrival_s for r in load_trace(spaced).requests]
+    sharegpt = tmp_path / "lengths.csv"
+    sharegpt.write_text("num_prefill_tokens,num_decode_tokens\n5,1\n 7 ,2\n")
+    assert sorted((r.prompt_tokens, r.output_tokens) for r in load_trace(sharegpt).requests) == [(5, 1), (7, 2)]
+
+
 def test_user_mooncake_jsonl_spreads_only_quantized_files(tmp_path: Path) -> None:
     quantized = tmp_path / "q.jsonl"
     quantized.write_text(
@@ -326,6 +345,21 @@ def test_user_sharegpt_csv(tmp_path: Path) -> None:
             "x.csv",
             "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00.0,5\n",
             r"x\.csv:2: expected 3 columns",
+        ),
+        (
+            "x.csv",
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00.0,5,1\n2023-11-16 24:00:00.0,5,1\n",
+            r"x\.csv:3: column TIMESTAMP: expected 'YYYY-MM-DD HH:MM:SS.fffffff', got '2023-11-16 24:00:00.0'",
+        ),
+        (
+            "x.csv",
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-02-30 18:00:00.0,5,1\n",
+            r"x\.csv:2: column TIMESTAMP: expected",
+        ),
+        (
+            "x.csv",
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00+00:00,5,1\n",
+            r"x\.csv:2: column TIMESTAMP: expected",
         ),
         (
             "x.csv",
