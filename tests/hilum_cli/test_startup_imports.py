@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,33 @@ def test_a_simulation_run_imports_nothing_of_the_live_cluster() -> None:
         "assert 'round-robin' in out.getvalue()\n"
     )
     assert _imported_after(run, (*CLUSTER_ONLY, "sim.runner", "sim.report")) == ["sim.report", "sim.runner"]
+
+
+def test_a_simulation_starts_no_blas_threads() -> None:
+    """``hilum sim`` runs in one thread: numpy's OpenBLAS starts none of its own (they spin idle after start-up)."""
+    run = (
+        "import contextlib, io, os\n"
+        "from hilum_cli.main import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert main(['sim', '--max-requests', '5', '--policy', 'round-robin']) == 0\n"
+        "import numpy\n"
+        "print(os.environ['OPENBLAS_NUM_THREADS'], len(os.listdir('/proc/self/task')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", run], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "1"]  # the setting, and the process's threads: the main one alone
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    bare = subprocess.run(
+        [sys.executable, "-c", "import numpy, os; print(len(os.listdir('/proc/self/task')))"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env=env,
+    )
+    assert int(bare.stdout) > 1 or (os.cpu_count() or 1) == 1  # numpy alone starts OpenBLAS threads
 
 
 def test_hilum_help_imports_no_sub_command() -> None:
