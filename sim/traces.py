@@ -304,6 +304,10 @@ def _parse(data: bytes, source: str) -> _Table:
     return _parse_csv(text, source)
 
 
+#: The largest token count a trace may give (the int64 the request arrays hold).
+_MAX_TOKEN_COUNT = 2**63 - 1
+
+
 def _parse_int(value: str, source: str, line: int, column: str, minimum: int) -> int:
     try:
         number = int(value.strip())
@@ -311,6 +315,8 @@ def _parse_int(value: str, source: str, line: int, column: str, minimum: int) ->
         raise TraceError(f"{source}:{line}: column {column}: not an integer: {value!r}") from None
     if number < minimum:
         raise TraceError(f"{source}:{line}: column {column}: must be >= {minimum}, got {number}")
+    if number > _MAX_TOKEN_COUNT:
+        raise TraceError(f"{source}:{line}: column {column}: must be <= {_MAX_TOKEN_COUNT}, got {number}")
     return number
 
 
@@ -347,7 +353,8 @@ def _parse_csv_regular(
     Gives what :func:`_parse_csv`'s careful pass gives for such a file (the same microseconds: ``fromisoformat``
     keeps the first six digits of the fraction, as :func:`_parse_azure_timestamp_us` does), in C calls.
 
-    Raises _Irregular (or ValueError from ``int``/``fromisoformat``) at the first row it does not take."""
+    Raises _Irregular (or ValueError from ``int``/``fromisoformat``, csv.Error from the reader) at the first row it
+    does not take."""
     times_us: list[int] = []
     prompts: list[int] = []
     outputs: list[int] = []
@@ -356,12 +363,14 @@ def _parse_csv_regular(
         if len(row) != width:
             raise _Irregular
         p, o = int(row[prompt]), int(row[output])  # int() ignores surrounding whitespace, as .strip() then int()
-        if p < 1 or o < 1:
+        if not (1 <= p <= _MAX_TOKEN_COUNT and 1 <= o <= _MAX_TOKEN_COUNT):
             raise _Irregular
         prompts.append(p)
         outputs.append(o)
         if timestamp is not None:
-            if shape(row[timestamp]) is None:
+            match = shape(row[timestamp])
+            # the clock's ranges checked here: what fromisoformat takes differs between Python versions (24:00)
+            if match is None or match[2] > "23" or match[3] > "59" or match[4] > "59":
                 raise _Irregular
             t = parse(row[timestamp])
             times_us.append(
@@ -370,9 +379,24 @@ def _parse_csv_regular(
     return times_us, prompts, outputs
 
 
+def _blank(row: list[str]) -> bool:
+    return all(not cell.strip() for cell in row)
+
+
+def _header(reader: Iterator[list[str]]) -> list[str]:
+    """The first row that is not blank, its names stripped (blank rows before it are skipped, as after it)."""
+    for row in reader:
+        if not _blank(row):
+            return [name.strip() for name in row]
+    return []
+
+
 def _parse_csv(text: str, source: str) -> _Table:
     reader = csv.reader(io.StringIO(text, newline=""))
-    header = [name.strip() for name in next(reader)]
+    try:
+        header = _header(reader)
+    except csv.Error as exc:
+        raise TraceError(f"{source}:{reader.line_num}: not a valid CSV row: {exc}") from None
     if all(c in header for c in _AZURE_COLUMNS):
         kind: Literal["azure", "sharegpt"] = "azure"
         columns: tuple[str, ...] = _AZURE_COLUMNS
@@ -391,7 +415,7 @@ def _parse_csv(text: str, source: str) -> _Table:
             fast = _parse_csv_regular(
                 reader, len(header), None, index["num_prefill_tokens"], index["num_decode_tokens"]
             )
-    except (_Irregular, ValueError):
+    except (_Irregular, ValueError, csv.Error):
         times_us, prompts, outputs = _parse_csv_rows(text, source, kind, header, index)
     else:
         times_us, prompts, outputs = fast
@@ -416,13 +440,19 @@ def _parse_csv_rows(
     """The careful pass of :func:`_parse_csv` over the body of ``text``: row by row, blank rows skipped, TraceError
     naming the line and the column of the first bad cell."""
     reader = csv.reader(io.StringIO(text, newline=""))
-    next(reader)  # the header
+    _header(reader)
     times_us: list[int] = []
     prompts: list[int] = []
     outputs: list[int] = []
-    for row in reader:
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as exc:  # a field over the csv module's limit, a NUL byte, ...
+            raise TraceError(f"{source}:{reader.line_num}: not a valid CSV row: {exc}") from None
         line = reader.line_num
-        if not row or all(not cell.strip() for cell in row):
+        if _blank(row):
             continue
         if len(row) != len(header):
             raise TraceError(f"{source}:{line}: expected {len(header)} columns ({header}), got {len(row)}")
@@ -442,6 +472,8 @@ def _json_int(record: dict[str, object], key: str, source: str, line: int, minim
         raise TraceError(f"{source}:{line}: key {key}: expected an integer, got {value!r}")
     if value < minimum:
         raise TraceError(f"{source}:{line}: key {key}: must be >= {minimum}, got {value}")
+    if value > _MAX_TOKEN_COUNT:
+        raise TraceError(f"{source}:{line}: key {key}: must be <= {_MAX_TOKEN_COUNT}, got {value}")
     return value
 
 

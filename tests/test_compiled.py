@@ -138,6 +138,28 @@ def test_an_edited_source_another_interpreter_or_no_build_turn_the_build_off(tmp
     assert hilum_compiled.status().startswith("pure Python: ")
 
 
+def test_hilum_sim_says_when_a_build_is_there_but_unusable(tmp_path: Path) -> None:
+    """A stale build is not used, and ``hilum sim`` says so on stderr (the run is about 2x slower); with no build, or
+    with HILUM_PURE_PYTHON set, it says nothing."""
+    out = fake_build(tmp_path)
+    edited = source_of("sim.cluster", tmp_path / "src")
+    edited.write_text(edited.read_text() + "\n# edited\n")
+    code = (
+        "import contextlib, io, pathlib, hilum_compiled\n"
+        "hilum_compiled.build_dir = lambda prefix=None: pathlib.Path({where!r})\n"
+        "from hilum_cli.main import main\n"
+        "err = io.StringIO()\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):\n"
+        "    assert main(['sim', '--max-requests', '5', '--policy', 'round-robin']) == 0\n"
+        "print(repr([line for line in err.getvalue().splitlines() if line.startswith('hilum sim:')]))"
+    )
+    said = child(code.format(where=str(out)), source_root())
+    assert said.startswith("['hilum sim: running as plain Python (pure Python: ")
+    assert f"{edited} changed since the build" in said
+    assert child(code.format(where=str(tmp_path / "nowhere")), source_root()) == "[]"
+    assert child(code.format(where=str(out)), source_root(), **{hilum_compiled.PURE_ENV: "1"}) == "[]"
+
+
 @needs_build
 def test_a_module_from_another_tree_is_not_served_compiled(tmp_path: Path) -> None:
     """A benchmark that puts another checkout first on PYTHONPATH imports that checkout's sources."""

@@ -282,6 +282,9 @@ def test_csv_read_row_by_row_as_in_one_pass(tmp_path: Path) -> None:
     for path in (regular, spaced):
         assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in load_trace(path).requests] == want
     assert [r.arrival_s for r in load_trace(regular).requests] == [r.arrival_s for r in load_trace(spaced).requests]
+    leading = tmp_path / "leading.csv"  # blank rows before the header too
+    leading.write_text("\n \n" + regular.read_text())
+    assert [r.arrival_s for r in load_trace(leading).requests] == [r.arrival_s for r in load_trace(regular).requests]
     sharegpt = tmp_path / "lengths.csv"
     sharegpt.write_text("num_prefill_tokens,num_decode_tokens\n5,1\n 7 ,2\n")
     assert sorted((r.prompt_tokens, r.output_tokens) for r in load_trace(sharegpt).requests) == [(5, 1), (7, 2)]
@@ -360,6 +363,23 @@ def test_user_sharegpt_csv(tmp_path: Path) -> None:
             "x.csv",
             "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00+00:00,5,1\n",
             r"x\.csv:2: column TIMESTAMP: expected",
+        ),
+        (
+            "x.csv",
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00.0," + "9" * 30 + ",1\n",
+            r"x\.csv:2: column ContextTokens: must be <= 9223372036854775807, got 9{30}",
+        ),
+        (
+            "x.csv",
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00.0,5,1\n2023-11-16 18:00:01.0,5,"
+            + "1" * 200_000
+            + "\n",
+            r"x\.csv:3: not a valid CSV row: field larger than field limit",
+        ),
+        (
+            "x.jsonl",
+            '{"timestamp": 0, "input_length": 100000000000000000000000000, "output_length": 1}\n',
+            r"x\.jsonl:1: key input_length: must be <= 9223372036854775807",
         ),
         (
             "x.csv",
