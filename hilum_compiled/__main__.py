@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
+import importlib.util
 import os
 import sys
 
@@ -36,12 +38,22 @@ def main(argv: list[str] | None = None) -> int:
 
         remove()
         return 0
-    hilum_compiled.install()  # what `hilum sim` would find (this process imports no compiled module)
-    status = hilum_compiled.status()
+    status = hilum_compiled.status() if not hilum_compiled.install() else _served()
     if "changed since the build" in status or "is missing" in status or "another module list" in status:
         status += "; `make` (python -m hilum_compiled build --if-stale) builds it again"
     print(status)
     return 0 if status.startswith("compiled") else 1
+
+
+def _served() -> str:
+    """The status of an installed build, unless a compiled module would be imported from another tree (a checkout
+    first on ``sys.path``, served its own sources: the finder passes it by), as ``hilum sim`` would find it."""
+    for name in hilum_compiled.MODULES:
+        spec = importlib.util.find_spec(name)  # imports the parent packages, none of them compiled
+        if spec is None or not isinstance(spec.loader, importlib.machinery.ExtensionFileLoader):
+            origin = spec.origin if spec is not None else "nowhere"
+            return f"pure Python: {name} would be imported from {origin}, not the tree the build was made from"
+    return hilum_compiled.status()
 
 
 if __name__ == "__main__":

@@ -173,6 +173,21 @@ def test_a_module_from_another_tree_is_not_served_compiled(tmp_path: Path) -> No
     other = tmp_path / "other"
     other.mkdir()
     assert child(code, other, PYTHONPATH=str(tmp_path)) == f"False {tmp_path / 'sim' / 'cluster.py'}"
+    status = subprocess.run(
+        [sys.executable, "-m", "hilum_compiled", "status"],
+        cwd=other,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert status.returncode == 1  # says what `hilum sim` run from there would do
+    first = MODULES[0]
+    where = source_of(first, tmp_path)
+    assert status.stdout.strip() == (
+        f"pure Python: {first} would be imported from {where}, not the tree the build was made from"
+    )
 
 
 @needs_build
