@@ -40,8 +40,9 @@ def main() -> None:
     parser.add_argument("--max-requests", type=int, default=DEFAULTS.max_requests)
     args = parser.parse_args()
     policies = [p for p in args.policies.split(",") if p]
+    rounds = f"{args.repeats} round{'s' if args.repeats != 1 else ''}"
     print(f"hilum sim defaults ({DEFAULTS.topology}, {DEFAULTS.trace} x{DEFAULTS.rate_scale:g}, "
-          f"{args.max_requests} requests); CPU = user + system of this process; {args.repeats} rounds; "
+          f"{args.max_requests} requests); CPU = user + system of this process; {rounds}; "
           f"{hilum_compiled.status()}")  # fmt: skip
     cpu: dict[tuple[str, bool], list[float]] = {}
     sim_s: dict[str, float] = {}

@@ -660,9 +660,9 @@ def _resolve(name_or_path: str | os.PathLike[str]) -> tuple[str, str, str, _Tabl
         return name_or_path, f"sim/data/{file_name}", attribution, _bundled_table(name_or_path)
     path = Path(name_or_path)
     if not path.is_file():
+        what = "a directory, not a trace file" if path.is_dir() else "no such file"
         raise TraceError(
-            f"unknown trace {os.fspath(name_or_path)!r}: not a bundled trace ({', '.join(TRACE_NAMES)}) "
-            "and no such file"
+            f"unknown trace {os.fspath(name_or_path)!r}: not a bundled trace ({', '.join(TRACE_NAMES)}) and {what}"
         )
     name = path.name
     for suffix in (".gz", ".csv", ".jsonl", ".json"):

@@ -411,9 +411,11 @@ def test_bad_files_give_clear_errors(tmp_path: Path, file_name: str, content: st
         load_trace(path)
 
 
-def test_bad_arguments() -> None:
+def test_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match=r"not a bundled trace .*azure-conv.* and no such file"):
         load_trace("azure-cod")
+    with pytest.raises(TraceError, match=r"not a bundled trace .* and a directory, not a trace file"):
+        load_trace(tmp_path)
     with pytest.raises(TraceError, match="has no timestamps"):
         load_trace("sharegpt", arrival="trace")
     with pytest.raises(TraceError, match="apply only to llumnix-synthetic"):
