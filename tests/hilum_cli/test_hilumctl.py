@@ -436,9 +436,13 @@ def test_follow_prints_a_migration_created_while_it_runs(cluster: Cluster) -> No
         cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     lines: queue.Queue[str] = queue.Queue()
-    assert proc.stdout is not None
+    assert proc.stdout is not None and proc.stderr is not None
     reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)  # type: ignore[union-attr]
     reader.start()
+    # stderr drained as it comes too: a child blocked writing to a full pipe would never see its Ctrl-C through
+    errors: list[str] = []
+    drainer = threading.Thread(target=lambda: errors.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
+    drainer.start()
 
     def next_event(migration_id: str) -> dict[str, Any]:
         deadline = time.monotonic() + 10
@@ -464,13 +468,20 @@ def test_follow_prints_a_migration_created_while_it_runs(cluster: Cluster) -> No
         assert next_event("follow-1#0")["migration"]["state"] == "committed"
     finally:
         proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=10)
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = None
         reader.join(timeout=5)
-        assert proc.stderr is not None
-        err = proc.stderr.read()
+        drainer.join(timeout=5)
         proc.stderr.close()
         proc.stdout.close()
-    assert rc == 0, err
+    err = "".join(errors)
+    assert rc == 0, (
+        f"hilumctl migrations --follow: exit {rc} after Ctrl-C (None: still running after 30 s); stderr:\n{err[-4000:]}"
+    )
 
 
 async def _commit_via_approved(c: Cluster, migration_id: str) -> None:
