@@ -428,12 +428,22 @@ def test_migrations_list_and_state_filter(cluster: Cluster, capsys: pytest.Captu
     assert row[10:15] == ["4.0", "ms", "(6.2", "paused)", "pre-copy+recompute-prefix"]
 
 
+def _terminal_sigint() -> None:
+    """In the child before exec: SIGINT as a terminal delivers it (default, unblocked). An exec'd process inherits an
+    ignored or blocked signal, and Python then never turns it into KeyboardInterrupt: the Ctrl-C below would go
+    unseen if this test process ignored SIGINT when it started the child (in 3 of 4 full runs the child outlived
+    its Ctrl-C by 30 s, never when the test ran alone)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_follow_prints_a_migration_created_while_it_runs(cluster: Cluster) -> None:
     asyncio.run(_record_migration(cluster, _migration("follow-0", "node-x-i0", "node-y-i0")))
     cmd = [sys.executable, "-m", "hilum_cli.ctl", "--coordinator", cluster.standby_address, "--json"]
     proc = subprocess.Popen(
         [*cmd, "migrations", "--follow", "--state", "proposed", "--state", "committed"],
         cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_terminal_sigint,
     )  # fmt: skip
     lines: queue.Queue[str] = queue.Queue()
     assert proc.stdout is not None and proc.stderr is not None
