@@ -28,9 +28,10 @@ import time
 from collections.abc import Callable
 
 from policy.dispatch import DispatchView, DomainDispatchView
+from policy.load import InstanceLoad, RequestLoad
 from policy.migration import pair_domains, plan_migrations
 from policy.summarize import summarize_domain
-from policy.types import InstanceLoad, PolicyConfig, RequestLoad
+from policy.types import PolicyConfig
 
 DOMAIN_SIZE = 8
 CAPACITY_BLOCKS = 7_000

@@ -67,6 +67,7 @@ MODULES: tuple[str, ...] = (
     "llumlet.engine.latency",
     "sim.cluster",
     "sim.events",
+    "policy.load",
     "policy.usage",
     "policy.dispatch",
     "policy.migration",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from policy.dispatch import DispatchDecision, DispatchView, DomainDispatchView, leading_run, reusable_prefix_hashes
 from policy.domain import DomainSummary, InstanceBrief
+from policy.load import InstanceLoad, RequestLoad
 from policy.migration import (
     CandidateOrder,
     MigrationDecision,
@@ -19,7 +20,7 @@ from policy.migration import (
 )
 from policy.ordering import freest_first, fullest_first
 from policy.summarize import summarize_domain
-from policy.types import CANDIDATE_POLICIES, DEFAULT_CANDIDATE_POLICY, InstanceLoad, PolicyConfig, RequestLoad
+from policy.types import CANDIDATE_POLICIES, DEFAULT_CANDIDATE_POLICY, PolicyConfig
 from policy.usage import batch_size, freeness, freeness_of, instance_virtual_usage, request_virtual_usage
 
 __all__ = [

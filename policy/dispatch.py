@@ -56,10 +56,11 @@ import bisect
 import random
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar, overload
+from typing import Final, TypeVar, overload
 
 from policy.domain import DomainSummary
-from policy.types import InstanceLoad, PolicyConfig
+from policy.load import InstanceLoad
+from policy.types import PolicyConfig
 from policy.usage import dispatch_usage, freeness_of, queued_blocks
 
 __all__ = ["DispatchDecision", "DispatchView", "DomainDispatchView", "leading_run", "reusable_prefix_hashes"]
@@ -90,16 +91,25 @@ def leading_run(hashes: Iterable[int], held: Collection[int], also: Collection[i
     return run
 
 
-@dataclass(frozen=True, slots=True)
+# The classes below write out their __init__ instead of having dataclasses generate it: compiled
+# (hilum_compiled.MODULES), a written-out __init__ is a native call, a generated one is interpreted Python.
+
+
+@dataclass(init=False, slots=True)
 class DispatchDecision:
     """Where a request goes: `target_id` (an instance or domain id), or None with the refusal reason."""
 
-    target_id: str | None
-    reason: str  # one line for logs and for the client on refusal
-    full: bool = False  # refused only because no capable target has room now (``only_if_room``)
+    target_id: Final[str | None]
+    reason: Final[str]  # one line for logs and for the client on refusal
+    full: Final[bool]  # refused only because no capable target has room now (``only_if_room``)
+
+    def __init__(self, target_id: str | None, reason: str, full: bool = False) -> None:
+        self.target_id = target_id
+        self.reason = reason
+        self.full = full
 
 
-@dataclass(slots=True)
+@dataclass(init=False, slots=True)
 class _Target:
     """Mutable per-target state inside a view: the last report plus local reservations."""
 
@@ -110,14 +120,41 @@ class _Target:
     free_blocks: int  # blocks a new request could use now (instance: M − used − queued head)
     max_request_blocks: int  # the largest request one instance of it can ever hold
     draining: bool
-    prefix_hashes: frozenset[int] = frozenset()  # prefix hash blocks it holds, as reported (shared, not copied)
-    prefix_block_tokens: int = 0  # tokens per hash block of those (0: not reported, any size matches)
-    reserved_usage: float = 0.0  # Σ(demand + headroom) dispatched since the report
-    reserved_blocks: int = 0  # Σ demand dispatched since the report
-    reserved_count: int = 0  # requests dispatched since the report
-    added_hashes: set[int] | None = None  # prefix hashes of the requests dispatched since the report
+    prefix_hashes: frozenset[int]  # prefix hash blocks it holds, as reported (shared, not copied)
+    prefix_block_tokens: int  # tokens per hash block of those (0: not reported, any size matches)
+    reserved_usage: float  # Σ(demand + headroom) dispatched since the report
+    reserved_blocks: int  # Σ demand dispatched since the report
+    reserved_count: int  # requests dispatched since the report
+    added_hashes: set[int] | None  # prefix hashes of the requests dispatched since the report
     # (stamp, demand, virtual, prefix hashes) of stamped reservations
-    stamped: tuple[tuple[float, int, int, Sequence[int]], ...] = ()
+    stamped: tuple[tuple[float, int, int, Sequence[int]], ...]
+
+    def __init__(
+        self,
+        target_id: str,
+        capacity_blocks: int,
+        usage: float,
+        num_running: int,
+        free_blocks: int,
+        max_request_blocks: int,
+        draining: bool,
+        prefix_hashes: frozenset[int] = frozenset(),
+        prefix_block_tokens: int = 0,
+    ) -> None:
+        self.target_id = target_id
+        self.capacity_blocks = capacity_blocks
+        self.usage = usage
+        self.num_running = num_running
+        self.free_blocks = free_blocks
+        self.max_request_blocks = max_request_blocks
+        self.draining = draining
+        self.prefix_hashes = prefix_hashes
+        self.prefix_block_tokens = prefix_block_tokens
+        self.reserved_usage = 0.0
+        self.reserved_blocks = 0
+        self.reserved_count = 0
+        self.added_hashes = None
+        self.stamped = ()
 
     def freeness(self, extra_usage: float = 0.0, extra_requests: int = 0) -> float:
         return freeness_of(
@@ -488,16 +525,16 @@ class DispatchView(_View):
         Drops its reservations, or with `as_of` (the report's stamp) only those stamped at or before it.
         """
         self._set(
-            _Target(  # by position (a rebuild per report a dispatch reads): target_id, capacity_blocks, usage, ...
-                load.instance_id,
-                load.capacity_blocks,
-                dispatch_usage(load, self._cfg),
-                load.num_running + load.num_waiting,  # num_running
-                load.free_blocks - queued_blocks(load),  # free_blocks
-                load.capacity_blocks,  # max_request_blocks
-                load.draining,
-                load.prefix_hashes,
-                load.prefix_block_tokens,
+            _Target(
+                target_id=load.instance_id,
+                capacity_blocks=load.capacity_blocks,
+                usage=dispatch_usage(load, self._cfg),
+                num_running=load.num_running + load.num_waiting,
+                free_blocks=load.free_blocks - queued_blocks(load),
+                max_request_blocks=load.capacity_blocks,
+                draining=load.draining,
+                prefix_hashes=load.prefix_hashes,
+                prefix_block_tokens=load.prefix_block_tokens,
             ),
             as_of,
         )

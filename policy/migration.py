@@ -42,8 +42,9 @@ from dataclasses import dataclass
 
 from policy.dispatch import leading_run
 from policy.domain import DomainSummary
+from policy.load import InstanceLoad, RequestLoad
 from policy.ordering import freest_first, fullest_first
-from policy.types import CANDIDATE_POLICIES, InstanceLoad, PolicyConfig, RequestLoad
+from policy.types import CANDIDATE_POLICIES, PolicyConfig
 from policy.usage import batch_size, freeness, instance_virtual_usage, request_virtual_usage
 
 __all__ = [

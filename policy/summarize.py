@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import fields
 
 from policy.domain import DomainSummary, InstanceBrief
-from policy.types import InstanceLoad, PolicyConfig, _trusted_constructor
+from policy.load import InstanceLoad
+from policy.types import PolicyConfig, _trusted_constructor
 from policy.usage import freeness_of, instance_virtual_usage, queued_blocks
 
 __all__ = ["DomainSummarizer", "brief_of", "restamped", "summarize_domain"]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 
-from policy.types import InstanceLoad, PolicyConfig, RequestLoad
+from policy.load import InstanceLoad, RequestLoad
+from policy.types import PolicyConfig
 
 __all__ = [
     "batch_size",

@@ -11,7 +11,7 @@ import math
 from hilum_proto.v1 import llumlet_pb2
 from hilum_proto.v1 import rack_sched_pb2 as pb
 from llumlet.convert import load_from_pb as engine_load_from_pb
-from policy.types import InstanceLoad
+from policy.load import InstanceLoad
 from rack_sched.types import DispatchOutcome, DispatchResult, DomainStateInfo
 
 __all__ = ["dispatch_reply", "domain_state", "load_from_pb", "prompt_length"]

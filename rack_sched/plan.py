@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from clusterstate.records import DrainKind
 from policy.domain import DomainSummary
+from policy.load import InstanceLoad, RequestLoad
 from policy.migration import is_source_domain, pair_domains, plan_migrations
-from policy.types import InstanceLoad, PolicyConfig, RequestLoad
+from policy.types import PolicyConfig
 
 __all__ = ["CrossDomainMove", "drained_instances", "plan_cross_domain"]
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from clusterstate.backoff import BackoffConfig
 from clusterstate.records import InstanceRegistration
-from policy.types import InstanceLoad
+from policy.load import InstanceLoad
 from rack_sched.core import DomainConfig
 
 __all__ = ["DispatchOutcome", "DispatchResult", "DomainStateInfo", "InstanceStateInfo", "RackConfig"]

@@ -40,9 +40,9 @@ from gateway.core import GatewayCore, PlacementAttempt
 from global_coord.approver import MoveJudge, decide
 from policy.dispatch import DispatchDecision, reusable_prefix_hashes
 from policy.domain import DomainSummary
+from policy.load import InstanceLoad
 from policy.migration import MigrationDecision, source_slack_blocks
 from policy.summarize import summarize_domain
-from policy.types import InstanceLoad
 from rack_sched.core import CrossDomainProposal, DomainConfig, DomainCore, DomainRequest
 from topology.bandwidth import BandwidthEstimates, BandwidthSample, MeasuredBandwidthConfig, default_transport
 from topology.graph import TopologyGraph

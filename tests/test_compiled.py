@@ -4,6 +4,9 @@ exactly as the plain-Python modules do. The compiled side runs in child interpre
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import inspect
 import json
 import os
 import shutil
@@ -15,6 +18,9 @@ import pytest
 
 import hilum_compiled
 from hilum_compiled import MODULES, build_dir, source_of, source_root, stale_sources
+from llumlet.engine.types import EngineRequest
+from policy.load import InstanceLoad, RequestLoad
+from sim.traces import TraceRequest
 
 BUILT = not stale_sources(build_dir()) and not os.environ.get(hilum_compiled.PURE_ENV)
 needs_build = pytest.mark.skipif(not BUILT, reason="no up-to-date build in this environment (make compiled)")
@@ -197,3 +203,67 @@ def test_compiled_and_plain_python_simulate_alike() -> None:
     pure = child(RUN, source_root(), **{hilum_compiled.PURE_ENV: "1"})
     assert compiled.split()[0] == "True" and pure.split()[0] == "False"
     assert compiled.split()[1] == pure.split()[1]
+
+
+# The dataclasses of the compiled modules whose __init__ is written out (``init=False``: compiled, a written-out one
+# is a native call, the one dataclasses generates is interpreted), each with the arguments of one value.
+WRITTEN_OUT: dict[str, tuple[object, ...]] = {
+    "llumlet.engine.blocks._Table": (),
+    "llumlet.engine.scheduler.SchedulerRequest": (EngineRequest("r", 4, 2), 0),
+    "llumlet.engine.scheduler.ScheduledBatch": ((("r", 4, 0),), (), ()),
+    "llumlet.engine.scheduler._BatchBuilder": (64,),
+    "sim.cluster.RequestState": (TraceRequest("t-0", 0.0, 4, 2),),
+    "sim.cluster.GrowthMark": (None, 3, 0),
+    "policy.load.RequestLoad": ("r", 2),
+    "policy.load.InstanceLoad": ("i", 10, 2),
+    "policy.dispatch.DispatchDecision": (None, "no room"),
+    "policy.dispatch._Target": ("i", 10, 2.0, 1, 8, 10, False),
+    "rack_sched.core.DomainRequest": ("r", "", 4, 2),
+}
+
+
+def test_written_out_inits_set_every_field_in_order() -> None:
+    """Every such class is listed; its ``__init__`` sets every field (an unset slot raises AttributeError when read),
+    and one that takes every field takes them in the order they are declared (as a generated one would)."""
+    found = set()
+    for name in MODULES:
+        for obj in vars(importlib.import_module(name)).values():
+            ours = isinstance(obj, type) and obj.__module__ == name and dataclasses.is_dataclass(obj)
+            if ours and not obj.__dataclass_params__.init:  # type: ignore[attr-defined]
+                found.add(f"{name}.{obj.__qualname__}")
+    assert found == set(WRITTEN_OUT)
+    for path, args in WRITTEN_OUT.items():
+        module, _, name = path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        value = cls(*args)
+        fields = [f.name for f in dataclasses.fields(cls)]
+        for field in fields:
+            getattr(value, field)  # AttributeError when __init__ left it unset
+        params = list(inspect.signature(cls.__init__).parameters)[1:]
+        if set(params) == set(fields):  # it takes every field: in their order, and dataclasses.replace works
+            assert params == fields, path
+            assert dataclasses.replace(value) == value, path
+        else:  # it sets the others itself
+            assert set(params) < set(fields), (path, params)
+
+
+@needs_build
+def test_compiled_values_are_read_only_and_equal_to_their_plain_python_twins() -> None:
+    code = (
+        "import hilum_compiled\n"
+        "hilum_compiled.install()\n"
+        "import dataclasses, policy.load as m\n"
+        "load = m.InstanceLoad('i', 10, 2, (m.RequestLoad('r', 2, priority=1),), decode_step_s=0.5)\n"
+        "try:\n"
+        "    load.used_blocks = 3\n"
+        "    print(hilum_compiled.compiled(m), 'writable')\n"
+        "except AttributeError:\n"
+        "    print(hilum_compiled.compiled(m), repr(dataclasses.replace(load, draining=True)))\n"
+    )
+    compiled, shown = child(code, source_root()).split(" ", 1)
+    assert compiled == "True"
+    assert shown == repr(
+        dataclasses.replace(
+            InstanceLoad("i", 10, 2, (RequestLoad("r", 2, priority=1),), decode_step_s=0.5), draining=True
+        )
+    )

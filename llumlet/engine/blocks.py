@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["BlockManager", "PrefixMatch"]
 
@@ -42,12 +42,27 @@ class _Entry:
     refs: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(init=False, slots=True)
 class _Table:
-    shared: list[int] = field(default_factory=list)  # hash ids of referenced cache entries, in order
-    private: list[int] = field(default_factory=list)  # block ids owned by the request
-    num_tokens: int = 0  # token slots allocated
-    num_blocks: int = 0  # len(private) + blocks of every shared entry, kept up to date
+    """One request's blocks. Its ``__init__`` is written out: compiled (``hilum_compiled.MODULES``), a table is
+    then built by a native call, not by the interpreted one ``dataclasses`` generates."""
+
+    shared: list[int]  # hash ids of referenced cache entries, in order
+    private: list[int]  # block ids owned by the request
+    num_tokens: int  # token slots allocated
+    num_blocks: int  # len(private) + blocks of every shared entry, kept up to date
+
+    def __init__(
+        self,
+        shared: list[int] | None = None,
+        private: list[int] | None = None,
+        num_tokens: int = 0,
+        num_blocks: int = 0,
+    ) -> None:
+        self.shared = [] if shared is None else shared
+        self.private = [] if private is None else private
+        self.num_tokens = num_tokens
+        self.num_blocks = num_blocks
 
 
 class BlockManager:

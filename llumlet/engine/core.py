@@ -14,7 +14,6 @@ source ``resume``s. A request that finishes during pre-copy is simply finished o
 from __future__ import annotations
 
 import bisect
-import dataclasses
 from collections.abc import Callable, Sequence
 
 from llumlet.engine.blocks import BlockManager
@@ -31,47 +30,9 @@ from llumlet.engine.types import (
     instance_load_of,
     prefill_s_per_token_of,
 )
-from policy.types import InstanceLoad, priority_counts_of, trusted_instance_load
+from policy.load import InstanceLoad, priority_counts_of
 
 __all__ = ["DecodeRun", "EngineCore", "RequestStats", "RequestTooLargeError"]
-
-#: ``InstanceLoad``'s fields in declaration order: ``EngineCore._brief_load`` passes them by position. Checked at
-#: import, so that a field added to or moved in ``policy.types`` fails loudly here instead of shifting values.
-_INSTANCE_LOAD_FIELDS = (
-    "instance_id",
-    "capacity_blocks",
-    "used_blocks",
-    "running",
-    "num_waiting",
-    "head_demand_blocks",
-    "queued_demand_blocks",
-    "preempting",
-    "draining",
-    "warming_up",
-    "domain_id",
-    "decode_step_s",
-    "num_running",
-    "priority_counts",
-    "brief",
-    "max_num_seqs",
-    "prefix_hashes",
-    "prefix_block_tokens",
-    "prefill_s_per_token",
-)
-
-
-def _check_fields_in_order(cls: type, names: tuple[str, ...]) -> None:
-    """Raise ImportError unless the dataclass ``cls`` declares exactly the fields ``names``, in that order (the
-    order a constructor called by position assumes)."""
-    declared = tuple(f.name for f in dataclasses.fields(cls))
-    if declared != names:
-        raise ImportError(
-            f"llumlet.engine.core: {cls.__name__}'s fields are {declared}, the engine passes {names} by position; "
-            "update _INSTANCE_LOAD_FIELDS and EngineCore._brief_load together"
-        )
-
-
-_check_fields_in_order(InstanceLoad, _INSTANCE_LOAD_FIELDS)
 
 
 class RequestTooLargeError(ValueError):
@@ -326,27 +287,25 @@ class EngineCore(PagedEngine):
             used = blocks.used_blocks
             num_running, priority_counts, num_waiting, head_demand, queued_demand, preempting = self._brief_figures()
         held = blocks.prefix_hashes  # the same frozenset until the prefix cache changes
-        # by position, in _INSTANCE_LOAD_FIELDS' order: a report per engine step, keywords would cost twice as much
-        return trusted_instance_load(
+        return InstanceLoad(
             instance_id,
-            blocks.num_blocks,  # capacity_blocks
-            used + blocks.reserved_blocks,  # used_blocks
-            (),  # running
-            num_waiting,
-            head_demand,
-            queued_demand,
-            preempting,
-            draining,
-            warming_up,
-            domain_id,
-            decode_step_s,
-            num_running,
-            priority_counts,
-            True,  # brief
-            self.scheduler.max_num_seqs,
-            held,  # prefix_hashes
-            blocks.prefix_block_tokens if held else 0,
-            self._prefill_s_per_token,
+            capacity_blocks=blocks.num_blocks,
+            used_blocks=used + blocks.reserved_blocks,
+            num_waiting=num_waiting,
+            head_demand_blocks=head_demand,
+            queued_demand_blocks=queued_demand,
+            preempting=preempting,
+            draining=draining,
+            warming_up=warming_up,
+            domain_id=domain_id,
+            decode_step_s=decode_step_s,
+            num_running=num_running,
+            priority_counts=priority_counts,
+            brief=True,
+            max_num_seqs=self.scheduler.max_num_seqs,
+            prefix_hashes=held,
+            prefix_block_tokens=blocks.prefix_block_tokens if held else 0,
+            prefill_s_per_token=self._prefill_s_per_token,
         )
 
     def held_blocks(self, steps_ahead: int = 0) -> int:

@@ -43,8 +43,8 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import Final, Literal
 
 from llumlet.engine.blocks import BlockManager
 from llumlet.engine.types import EngineRequest
@@ -78,26 +78,42 @@ Admission = Literal["chunked", "whole-prompt"]
 ADMISSION_MODES: tuple[str, ...] = ("chunked", "whole-prompt")
 
 
-@dataclass(slots=True)
+# The classes below write out their __init__ instead of having dataclasses generate it: compiled
+# (hilum_compiled.MODULES), a written-out __init__ is a native call, a generated one is interpreted Python.
+
+
+@dataclass(init=False, slots=True)
 class SchedulerRequest:
     """Mutable per-request state inside the scheduler."""
 
     request: EngineRequest
     seq_no: int  # admission order tie-break for equal arrival_s
-    num_output_tokens: int = 0  # output tokens produced so far
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache
-    status: RequestStatus = RequestStatus.WAITING
-    num_preemptions: int = 0
-    recompute_tokens_total: int = 0  # tokens recomputed because of preemptions
-    recompute_time_s: float = 0.0  # share of step time spent on those tokens (by token share)
-    recompute_pending: int = 0  # tokens still to recompute after the last preemption
-    prefix_hit_tokens: int = 0  # prompt tokens reused from the prefix cache (all admissions)
-    output_token_ids: list[int] = field(default_factory=list)  # real engines only
-    cls: int = 0  # the class it is ranked by: its priority (policy "priority"), 0 for all (policy "fcfs")
-    request_id: str = field(init=False)  # request.request_id, kept as a slot: it is read per request and step
+    num_output_tokens: int  # output tokens produced so far
+    num_computed_tokens: int  # tokens whose KV is in the cache
+    status: RequestStatus
+    num_preemptions: int
+    recompute_tokens_total: int  # tokens recomputed because of preemptions
+    recompute_time_s: float  # share of step time spent on those tokens (by token share)
+    recompute_pending: int  # tokens still to recompute after the last preemption
+    prefix_hit_tokens: int  # prompt tokens reused from the prefix cache (all admissions)
+    output_token_ids: list[int]  # real engines only
+    cls: int  # the class it is ranked by: its priority (policy "priority"), 0 for all (policy "fcfs")
+    request_id: str  # request.request_id, kept as a slot: it is read per request and step
 
-    def __post_init__(self) -> None:
-        self.request_id = self.request.request_id
+    def __init__(self, request: EngineRequest, seq_no: int, cls: int = 0) -> None:
+        self.request = request
+        self.seq_no = seq_no
+        self.num_output_tokens = 0
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self.recompute_tokens_total = 0
+        self.recompute_time_s = 0.0
+        self.recompute_pending = 0
+        self.prefix_hit_tokens = 0
+        self.output_token_ids = []
+        self.cls = cls
+        self.request_id = request.request_id
 
     @property
     def num_tokens(self) -> int:
@@ -126,14 +142,26 @@ class SchedulerRequest:
         return (-self.cls, self.request.arrival_s, self.seq_no)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(init=False, slots=True)
 class ScheduledBatch:
     """One step's batch."""
 
-    prefill: tuple[tuple[str, int, int], ...]  # (request_id, chunk_tokens, context_tokens_before)
-    decode: tuple[tuple[str, int], ...]  # (request_id, context_tokens incl. the token being decoded)
-    preempted: tuple[str, ...]  # preempted by recompute while forming this batch
-    prefix_hit_tokens: int = 0  # prefix-cache hits at admission in this step
+    prefill: Final[tuple[tuple[str, int, int], ...]]  # (request_id, chunk_tokens, context_tokens_before)
+    decode: Final[tuple[tuple[str, int], ...]]  # (request_id, context_tokens incl. the token being decoded)
+    preempted: Final[tuple[str, ...]]  # preempted by recompute while forming this batch
+    prefix_hit_tokens: Final[int]  # prefix-cache hits at admission in this step
+
+    def __init__(
+        self,
+        prefill: tuple[tuple[str, int, int], ...],
+        decode: tuple[tuple[str, int], ...],
+        preempted: tuple[str, ...],
+        prefix_hit_tokens: int = 0,
+    ) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.preempted = preempted
+        self.prefix_hit_tokens = prefix_hit_tokens
 
     @property
     def num_seqs(self) -> int:
@@ -144,15 +172,24 @@ class ScheduledBatch:
         return sum(c for _, c, _ in self.prefill)
 
 
-@dataclass(slots=True)
+@dataclass(init=False, slots=True)
 class _BatchBuilder:
     limit: int  # token budget of the step
-    prefill: list[tuple[str, int, int]] = field(default_factory=list)
-    decode: list[tuple[str, int]] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-    scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens scheduled this step
-    used: int = 0  # tokens scheduled
-    hits: int = 0
+    prefill: list[tuple[str, int, int]]
+    decode: list[tuple[str, int]]
+    preempted: list[str]
+    scheduled: dict[str, int]  # request id -> tokens scheduled this step
+    used: int  # tokens scheduled
+    hits: int
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.prefill = []
+        self.decode = []
+        self.preempted = []
+        self.scheduled = {}
+        self.used = 0
+        self.hits = 0
 
     @property
     def budget(self) -> int:

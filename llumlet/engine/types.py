@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from policy.types import InstanceLoad, priority_counts_of, trusted_instance_load, trusted_request_load
+from policy.load import InstanceLoad, RequestLoad
 
 __all__ = [
     "GUIDED_KINDS",
@@ -329,25 +329,20 @@ def instance_load_of(
 
     ``used_blocks`` of the result counts reservations too (they hold capacity); evictable cached prefix
     blocks count as free; suspended requests are not running (they are leaving); a request is migratable
-    once in decode unless the engine names a reason it cannot move. Built without ``InstanceLoad``'s checks:
-    an engine's counts are consistent by construction (a report from outside is checked where it is
-    decoded, ``rack_sched.convert``).
+    once in decode unless the engine names a reason it cannot move. Checked as every ``InstanceLoad`` is (an
+    engine's counts are consistent by construction; a check that fails here is a bug in the engine).
     """
     requests = tuple(
         [
-            trusted_request_load(
-                rid, blocks, prio, tokens, in_decode and not why, out, max_tokens, max_blocks, prefix_hashes=hashes
-            )
+            RequestLoad(rid, blocks, prio, tokens, in_decode and not why, out, max_tokens, max_blocks, hashes)
             for rid, blocks, prio, tokens, in_decode, out, max_tokens, max_blocks, why, hashes in running
         ]
     )
-    return trusted_instance_load(
+    return InstanceLoad(
         instance_id=instance_id,
         capacity_blocks=total_blocks,
         used_blocks=used_blocks + reserved_blocks,
         running=requests,
-        num_running=len(requests),
-        priority_counts=priority_counts_of(r.priority for r in requests),
         num_waiting=num_waiting,
         head_demand_blocks=head_demand_blocks,
         queued_demand_blocks=queued_demand_blocks,

@@ -9,8 +9,9 @@ import pytest
 
 from clusterstate.records import RecordError, SummaryRecord, decode, encode
 from policy.domain import DomainSummary, InstanceBrief
+from policy.load import InstanceLoad, RequestLoad
 from policy.summarize import summarize_domain
-from policy.types import InstanceLoad, PolicyConfig, RequestLoad
+from policy.types import PolicyConfig
 
 
 def _record() -> SummaryRecord:

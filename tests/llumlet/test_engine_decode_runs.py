@@ -17,9 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llumlet.engine import EngineCore, EngineRequest, MigrationState, core
+from llumlet.engine import EngineCore, EngineRequest, MigrationState
 from llumlet.engine.latency import load_latency_model
-from policy.types import InstanceLoad
 
 LATENCY = load_latency_model("llama-2-7b", "a100", 1)
 
@@ -303,8 +302,8 @@ def test_load_version_moves_exactly_when_the_load_changes() -> None:
 
 
 def test_a_brief_load_is_the_detailed_one_field_by_field() -> None:
-    """The brief report is built by position (``_INSTANCE_LOAD_FIELDS``): every field but the list of running
-    requests must be the detailed report's, by name, in a state that sets each of them (a reservation, a
+    """The brief report is built apart from the detailed one (``EngineCore._brief_load``): every field but the list
+    of running requests must be the detailed report's, by name, in a state that sets each of them (a reservation, a
     waiting request, priorities, a cached prefix, flags and a step time), during a run, read ahead or not."""
     e = EngineCore("i0", 120, 16, LATENCY, max_num_seqs=5, enable_prefix_caching=True)
     e.add_request(EngineRequest("a", 1100, 40, priority=1, prefix_block_hashes=(1, 2, 3), prefix_hash_block_tokens=512))
@@ -324,13 +323,3 @@ def test_a_brief_load_is_the_detailed_one_field_by_field() -> None:
         assert brief.priority_counts == ((1, 1), (2, 1)) and brief.preempting is False
         assert brief.prefix_hashes == {1, 2} and brief.prefix_block_tokens == 512 and brief.max_num_seqs == 5
         assert brief.used_blocks == detailed.used_blocks > sum(r.blocks for r in detailed.running) + 1  # + reserved
-
-
-def test_the_brief_constructor_refuses_fields_out_of_order() -> None:
-    """A field added to or moved in ``InstanceLoad`` stops the engine at import instead of shifting values."""
-    core._check_fields_in_order(InstanceLoad, core._INSTANCE_LOAD_FIELDS)  # as declared: fine
-    swapped = ("capacity_blocks", "instance_id", *core._INSTANCE_LOAD_FIELDS[2:])
-    with pytest.raises(ImportError, match="update _INSTANCE_LOAD_FIELDS"):
-        core._check_fields_in_order(InstanceLoad, swapped)
-    with pytest.raises(ImportError, match="fields are"):
-        core._check_fields_in_order(InstanceLoad, core._INSTANCE_LOAD_FIELDS[:-1])

@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 
 from policy.dispatch import DomainDispatchView
+from policy.load import InstanceLoad
 from policy.summarize import summarize_domain
-from policy.types import InstanceLoad, PolicyConfig
+from policy.types import PolicyConfig
 
 CFG = PolicyConfig(priority_headroom_blocks={})
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -106,3 +107,37 @@ def test_candidate_orders() -> None:
     assert candidate_order("priority-then-size")(reqs, True) == [high, small, tie, big]
     assert candidate_order("shortest")(reqs, False) == [high, small, tie, big]
     assert candidate_order("longest")(reqs, False) == [big, small, tie, high]
+
+
+def test_a_replaced_detailed_load_derives_its_aggregates_again() -> None:
+    """``dataclasses.replace`` goes through the written-out ``__init__``: the aggregates follow the new batch."""
+    load = InstanceLoad("i0", 100, 30, (RequestLoad("r1", 10, priority=2), RequestLoad("r2", 20)))
+    assert load.num_running == 2 and load.priority_counts == ((2, 1),)
+    fewer = dataclasses.replace(load, running=(RequestLoad("r2", 20),))
+    assert fewer.num_running == 1 and fewer.priority_counts == () and fewer.used_blocks == 30
+    assert fewer == InstanceLoad("i0", 100, 30, (RequestLoad("r2", 20),))
+    assert fewer != load
+
+
+def test_a_brief_load_checks_its_aggregates_and_takes_any_iterables() -> None:
+    pairs: Any = [[1, 2]]  # lists, as a decoder may give them
+    brief = InstanceLoad("i0", 100, 30, num_running=3, priority_counts=pairs, brief=True)
+    assert brief.priority_counts == ((1, 2),) and not brief.detailed
+    with pytest.raises(ValueError, match=r"InstanceLoad\('i0'\): prefix_hashes lists 1 hash blocks"):
+        InstanceLoad("i0", 100, 30, prefix_hashes=[5])
+    assert InstanceLoad("i0", 100, 30, prefix_hashes=[5], prefix_block_tokens=16).prefix_hashes == {5}
+    with pytest.raises(ValueError, match=r"InstanceLoad\('i0'\): priority_counts \(\(1, 4\),\) count more requests"):
+        InstanceLoad("i0", 100, 30, num_running=3, priority_counts=((1, 4),), brief=True)
+    with pytest.raises(ValueError, match=r"InstanceLoad\('i0'\): priority_counts must be ascending"):
+        InstanceLoad("i0", 100, 30, num_running=3, priority_counts=((2, 1), (1, 1)), brief=True)
+    with pytest.raises(ValueError, match=r"InstanceLoad\('i0'\): priority_counts must be \(priority, count\) pairs"):
+        InstanceLoad("i0", 100, 30, num_running=3, priority_counts=(("x", 1),), brief=True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"InstanceLoad\('i0'\): a brief report lists no running requests"):
+        InstanceLoad("i0", 100, 30, (RequestLoad("r1", 4),), num_running=1, brief=True)
+    with pytest.raises(ValueError, match=r"InstanceLoad\('i0'\): decode_step_s must be a finite number >= 0, got nan"):
+        InstanceLoad("i0", 100, 30, decode_step_s=float("nan"))
+    with pytest.raises(ValueError, match=r"InstanceLoad\('i0'\): queued_demand_blocks 2 is below head_demand_blocks 3"):
+        InstanceLoad("i0", 100, 30, num_waiting=1, head_demand_blocks=3, queued_demand_blocks=2)
+    with pytest.raises(ValueError, match=r"RequestLoad\('r1'\): max_blocks must be >= 0, got -1"):
+        RequestLoad("r1", 4, max_blocks=-1)
+    assert RequestLoad("r1", 4, prefix_hashes=[7, 8]).prefix_hashes == (7, 8)  # type: ignore[arg-type]

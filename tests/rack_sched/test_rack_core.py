@@ -9,8 +9,9 @@ from dataclasses import replace
 import pytest
 
 from policy.domain import DomainSummary
+from policy.load import InstanceLoad, RequestLoad
 from policy.remaining import RemainingConfig
-from policy.types import InstanceLoad, PolicyConfig, RequestLoad
+from policy.types import PolicyConfig
 from rack_sched.core import DomainConfig, DomainCore, DomainRequest
 
 BS = 16

@@ -10,8 +10,9 @@ import pytest
 from clusterstate.records import DrainKind
 from hilum_proto.v1 import llumlet_pb2
 from policy.domain import DomainSummary
+from policy.load import InstanceLoad, RequestLoad
 from policy.summarize import summarize_domain
-from policy.types import InstanceLoad, PolicyConfig, RequestLoad
+from policy.types import PolicyConfig
 from rack_sched.convert import load_from_pb, prompt_length
 from rack_sched.plan import drained_instances, plan_cross_domain
 

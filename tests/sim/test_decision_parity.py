@@ -43,7 +43,8 @@ from hilum_proto.v1 import llumlet_pb2 as pb
 from hilum_proto.v1 import llumlet_pb2_grpc as pb_grpc
 from llumlet.convert import load_to_pb
 from llumlet.engine.types import EngineLoad, RunningRequestLoad
-from policy.types import InstanceLoad, PolicyConfig
+from policy.load import InstanceLoad
+from policy.types import PolicyConfig
 from rack_sched.core import DomainConfig
 from rack_sched.scheduler import DomainScheduler
 from rack_sched.server import start_server as start_rack
