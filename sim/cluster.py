@@ -126,7 +126,7 @@ class RequestState:
 class _Run:
     """A decode run in flight on an instance: the engine's run plus its step end times."""
 
-    __slots__ = ("end_times_s", "ended", "recorded", "run", "seq", "start_s")
+    __slots__ = ("end_times_s", "ended", "next_end_s", "recorded", "run", "seq", "start_s")
 
     def __init__(self, run: DecodeRun, start_s: float, seq: int) -> None:
         self.run = run
@@ -140,6 +140,9 @@ class _Run:
         # steps that had ended before the last time _started_steps looked (bisect_left of end_times_s at that
         # time): the clock only moves on, so the next look searches from here, in the part of the list in cache
         self.ended = 0
+        # end_times_s[ended] when ended < steps - 1, else inf: until then no other step starts, and a look reads
+        # this field alone (on a large cluster the list is mostly out of the CPU's caches)
+        self.next_end_s = ends[0] if len(ends) > 1 else math.inf
 
     def scheduled_s(self, step: int) -> float:
         """When the step-by-step event for the end of step ``step`` (from 0) would have been scheduled."""
@@ -658,12 +661,14 @@ class Cluster:
         Step j + 1 starts when step j ends, at ``end_times_s[j]``; an event at the same instant runs
         after it when of a later kind, or, being another step end, when scheduled later.
         """
-        ends = flight.end_times_s
         last = flight.run.steps - 1
+        n = min(flight.ended, last)
         now = self.queue.now_s
+        if now < flight.next_end_s:  # no step ended since the last look (a cut run: n is its last step then)
+            return n + 1
+        ends = flight.end_times_s
         # bisect_left(ends, now, 0, last), galloping from the last answer (a lower bound: ends never decrease, and
         # neither does now): a look costs O(log of the steps since the last one) and touches only their part
-        n = min(flight.ended, last)
         if n < last and ends[n] < now:
             lo, width = n + 1, 1
             hi = lo + width
@@ -673,6 +678,7 @@ class Cluster:
                 hi = lo + width
             n = bisect.bisect_left(ends, now, lo, min(hi, last))
         flight.ended = n
+        flight.next_end_s = ends[n] if n < last else math.inf
         if n < last and ends[n] == now:
             key = self.queue.current_key()
             while n < last and ends[n] == now:
