@@ -117,7 +117,7 @@ def measure(num_instances: int, repeat: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="16,64,256,1024,4096")
     parser.add_argument("--repeat", type=int, default=200)
     args = parser.parse_args()

@@ -151,7 +151,7 @@ async def _run(src_addresses: list[str], dst_addresses: list[str], flows: Sequen
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; prints the table. Returns 0 when every k is within 30%, else 1."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--flows", type=int, nargs="+", default=[2, 3, 4], help="concurrent moves on the link")
     p.add_argument("--repeats", type=int, default=2, help="rounds per k")
     p.add_argument("--prompt-tokens", type=int, default=600, help="each request's prompt, tokens")

@@ -147,7 +147,7 @@ def _table(samples: list[Sample], contexts: Sequence[int], rate_cap_bytes_per_s:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; prints the table. Returns 0."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096], help="prompt lengths, tokens")
     p.add_argument("--repeats", type=int, default=3, help="runs per context and mode")
     p.add_argument("--rate-cap-mb-s", type=float, default=10.0, help="cross-domain transport cap, MB/s")

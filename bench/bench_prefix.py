@@ -37,7 +37,7 @@ def _ms(value: float | None) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default="6,8", help="rate scales of the trace (1 = as recorded, 3.4 req/s)")
     parser.add_argument("--max-requests", type=int, default=4000)
     parser.add_argument("--policies", default="llumnix,hilum")

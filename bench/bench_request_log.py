@@ -55,7 +55,7 @@ print(json.dumps({"add": t1 - t0, "read": t2 - t1, "write": t3 - t2, "spool_byte
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="main", help="the commit to compare with (any git revision)")
     parser.add_argument("--max-requests", type=int, default=5000, help="requests of the default run")
     parser.add_argument("--rounds", type=int, default=5)

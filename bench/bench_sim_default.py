@@ -34,10 +34,10 @@ def timed(policy: str, decode_runs: bool, max_requests: int | None) -> tuple[flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--policies", default=",".join(POLICY_NAMES))
-    parser.add_argument("--max-requests", type=int, default=DEFAULTS.max_requests)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of every run (the median is shown)")
+    parser.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated policies to run")
+    parser.add_argument("--max-requests", type=int, default=DEFAULTS.max_requests, help="first N trace requests")
     args = parser.parse_args()
     policies = [p for p in args.policies.split(",") if p]
     rounds = f"{args.repeats} round{'s' if args.repeats != 1 else ''}"

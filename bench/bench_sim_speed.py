@@ -43,7 +43,7 @@ def measure(n: int, policy: str, requests_per_instance: int, rate: float) -> tup
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="16,256,1024,4096")
     parser.add_argument("--policy", default="hilum")
     parser.add_argument("--requests-per-instance", type=int, default=8)

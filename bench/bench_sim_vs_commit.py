@@ -116,7 +116,7 @@ def run_once(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="main", help="the commit to compare with (any git revision)")
     parser.add_argument("--workload", default="default", help="default, vidur or synthetic-N")
     parser.add_argument("--policies", default=",".join(POLICY_NAMES))
@@ -139,7 +139,7 @@ def main() -> None:
             code = "import hilum_compiled; hilum_compiled.install(); print(hilum_compiled.status())"
             this = child_output(tree["this"], code, compiled=True)
         print(f"{args.workload}: base {args.base} (plain Python) vs this checkout ({this}); CPU s of run_simulation, "
-              f"{args.rounds} rounds")  # fmt: skip
+              f"{args.rounds} round{'s' if args.rounds != 1 else ''}")  # fmt: skip
         print(f"{'policy':<13} {'sim s':>7} {'base CPU s':>11} {'this CPU s':>11} {'base / this':>12}  records")
         for policy in policies:
             cpu: dict[str, list[float]] = {"base": [], "this": []}

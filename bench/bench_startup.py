@@ -73,7 +73,7 @@ def run_once(tree: Path, args: list[str]) -> tuple[float, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="main", help="the commit to compare with (any git revision)")
     parser.add_argument("--rounds", type=int, default=10, help="runs of each command per side (default 10)")
     parser.add_argument("--short-requests", type=int, default=100, help="requests of the short run (default 100)")

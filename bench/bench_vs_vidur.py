@@ -274,7 +274,7 @@ def hilum_command(policy: str, topology: Path, num_requests: int) -> list[str]:
 
 # ------------------------------------------------------------------------------------------- main
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=10_000, help="first N Azure conversation requests")
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds of every run")
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "hilum-bench-vs-vidur")

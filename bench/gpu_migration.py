@@ -145,7 +145,7 @@ def _table(samples: list[Sample], contexts: Sequence[int], device: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the check; prints the table. Returns 0 when every move committed with an identical stream."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:<i>, or cpu for a dry run")
     p.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096, 8192], help="prompt tokens")
     p.add_argument("--repeats", type=int, default=3, help="runs per context")

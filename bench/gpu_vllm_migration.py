@@ -27,7 +27,7 @@ import time
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="HF model name or local checkpoint directory")
     parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -33,7 +33,7 @@ from topology.synthetic import synthetic_topology_data  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", default="hilum", choices=POLICY_NAMES)
     parser.add_argument("--synthetic", type=int, default=0, help="instances of a synthetic fabric (0: the defaults)")
     parser.add_argument("--top", type=int, default=25, help="functions shown")

@@ -113,7 +113,7 @@ def differences(want: dict[str, object], got: dict[str, object]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--save", type=Path, help="write the fingerprints here")
     mode.add_argument("--compare", type=Path, help="compare with fingerprints saved here")
@@ -129,6 +129,7 @@ def main() -> None:
         parser.error(f"{args.compare} has no fingerprint of {missing}")
     got: dict[str, dict[str, object]] = {}
     failed = False
+    print(hilum_compiled.status())  # compiled or plain Python: the fingerprints must not depend on it
     for name in names:
         cpu0 = time.process_time()
         got[name] = fingerprint(CASES[name]())

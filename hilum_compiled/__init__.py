@@ -2,10 +2,11 @@
 
 hilum is pure Python, and every module runs as such. For speed, ``make`` (``python -m hilum_compiled build``)
 also compiles the modules the simulator spends its time in (:data:`MODULES`: the engine model, the cluster
-and its event queue, the rule book's dispatch and migration rules, the domain and gateway cores) with mypyc,
-the compiler that ships with mypy, which turns type-annotated Python into a C extension. The project is
-checked with ``mypy --strict``, so its annotations are what mypyc needs. The compiled modules compute exactly
-what the sources do (``make test`` runs the simulator's record-for-record equality tests both ways).
+and its event queue, the load reports, the rule book's dispatch and migration rules and summaries, the domain
+and gateway cores) with mypyc, the compiler that ships with mypy, which turns type-annotated Python into a C
+extension. The project is checked with ``mypy --strict``, so its annotations are what mypyc needs. The compiled
+modules compute exactly what the sources do (``make test`` runs the simulator's record-for-record equality tests
+both ways).
 
 The build goes to ``<sys.prefix>/hilum-compiled/`` (inside the virtual environment, never beside the sources),
 with a manifest of each source's SHA-256. The simulator's entry points (``hilum sim``, its ``sweep`` and ``size``,

@@ -75,13 +75,12 @@ def _summarize(
     """:func:`summarize_domain` in one pass over the loads; ``briefs``: each instance's brief, kept from an
     earlier call while its report is the same object (None: every brief made anew).
 
-    The loads are valid reports (``InstanceLoad`` checks its own, an engine's trusted ones are valid by
-    construction), so the briefs are made without checks (:func:`brief_of`), and so is the summary when
-    the loads come sorted by instance id without repeats, as a domain core lists them: every count is a sum
-    or a maximum of non-negative counts, ΣV is finite or +inf and never NaN. Loads in another order are
-    sorted, and the summary goes through ``DomainSummary``'s checks (two loads of one instance are refused
-    there). The figures are those of the formulas in :func:`summarize_domain`, summed in instance-id order
-    (ΣV by ``sum`` over the same floats in the same order: the same value to the last bit).
+    The loads are valid reports (``InstanceLoad`` checks every one when it is built), so the briefs are made without
+    checks (:func:`brief_of`), and so is the summary when the loads come sorted by instance id without repeats, as a
+    domain core lists them: every count is a sum or a maximum of non-negative counts, ΣV is finite or +inf and never
+    NaN. Loads in another order are sorted, and the summary goes through ``DomainSummary``'s checks (two loads of
+    one instance are refused there). The figures are those of the formulas in :func:`summarize_domain`, summed in
+    instance-id order (ΣV by ``sum`` over the same floats in the same order: the same value to the last bit).
     """
     summary = _summary_of_sorted(domain_id, loads, cfg, model, taken_s, briefs, trusted=True)
     if summary is None:  # not sorted by id without repeats

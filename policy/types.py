@@ -14,10 +14,15 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+from policy.load import InstanceLoad, RequestLoad, priority_counts_of  # they lived here: old imports keep working
+
 __all__ = [
     "CANDIDATE_POLICIES",
     "DEFAULT_CANDIDATE_POLICY",
+    "InstanceLoad",
     "PolicyConfig",
+    "RequestLoad",
+    "priority_counts_of",
 ]
 
 #: Names accepted by `PolicyConfig.candidate_policy` (see `policy.migration.candidate_order`).

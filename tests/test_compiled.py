@@ -258,10 +258,12 @@ def test_compiled_values_are_read_only_and_equal_to_their_plain_python_twins() -
         "    load.used_blocks = 3\n"
         "    print(hilum_compiled.compiled(m), 'writable')\n"
         "except AttributeError:\n"
-        "    print(hilum_compiled.compiled(m), repr(dataclasses.replace(load, draining=True)))\n"
+        "    import copy, pickle\n"
+        "    same = pickle.loads(pickle.dumps(load)) == load == copy.deepcopy(load) == copy.copy(load)\n"
+        "    print(hilum_compiled.compiled(m), same, repr(dataclasses.replace(load, draining=True)))\n"
     )
-    compiled, shown = child(code, source_root()).split(" ", 1)
-    assert compiled == "True"
+    compiled, same, shown = child(code, source_root()).split(" ", 2)
+    assert compiled == "True" and same == "True"  # pickled and copied through the constructor
     assert shown == repr(
         dataclasses.replace(
             InstanceLoad("i", 10, 2, (RequestLoad("r", 2, priority=1),), decode_step_s=0.5), draining=True

@@ -1,6 +1,6 @@
 """Value types crossing the engine boundary: requests in, step results and load out.
 
-Plain frozen dataclasses, units in names or comments; conversion to ``policy.types.InstanceLoad`` is the
+Plain frozen dataclasses, units in names or comments; conversion to ``policy.load.InstanceLoad`` is the
 only link to the policy layer.
 """
 
@@ -232,7 +232,7 @@ class RunningRequestLoad:
 
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
-    """Block usage and queue state of one engine; convertible to ``policy.types.InstanceLoad``."""
+    """Block usage and queue state of one engine; convertible to ``policy.load.InstanceLoad``."""
 
     total_blocks: int  # KV cache capacity
     used_blocks: int  # held by requests (running, suspended, referenced prefix blocks)

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import copy
 import dataclasses
+import pickle
 from typing import Any
 
 import pytest
@@ -32,7 +34,7 @@ def test_instance_load_rejects_repeated_request_ids() -> None:
 
 
 def test_instance_load_free_blocks_and_tuple_running() -> None:
-    load = InstanceLoad("i0", 100, 30, [RequestLoad("r1", 30)])  # type: ignore[arg-type]
+    load = InstanceLoad("i0", 100, 30, [RequestLoad("r1", 30)])
     assert load.free_blocks == 70
     assert load.running == (RequestLoad("r1", 30),)
 
@@ -130,8 +132,14 @@ def test_a_brief_load_checks_its_aggregates_and_takes_any_iterables() -> None:
         InstanceLoad("i0", 100, 30, num_running=3, priority_counts=((1, 4),), brief=True)
     with pytest.raises(ValueError, match=r"InstanceLoad\('i0'\): priority_counts must be ascending"):
         InstanceLoad("i0", 100, 30, num_running=3, priority_counts=((2, 1), (1, 1)), brief=True)
-    with pytest.raises(ValueError, match=r"InstanceLoad\('i0'\): priority_counts must be \(priority, count\) pairs"):
-        InstanceLoad("i0", 100, 30, num_running=3, priority_counts=(("x", 1),), brief=True)  # type: ignore[arg-type]
+    bads: list[Any] = [(("x", 1),), ((1.7, 1),), ((1, 1, 1),), (1,)]
+    for bad in bads:  # not int pairs: refused, never truncated
+        with pytest.raises(
+            ValueError, match=r"InstanceLoad\('i0'\): priority_counts must be \(priority, count\) pairs"
+        ):
+            InstanceLoad("i0", 100, 30, num_running=3, priority_counts=bad, brief=True)
+    with pytest.raises(ValueError, match=r"InstanceLoad\('i0'\): queued_demand_blocks must be >= 0, got -3"):
+        InstanceLoad("i0", 100, 30, queued_demand_blocks=-3)
     with pytest.raises(ValueError, match=r"InstanceLoad\('i0'\): a brief report lists no running requests"):
         InstanceLoad("i0", 100, 30, (RequestLoad("r1", 4),), num_running=1, brief=True)
     with pytest.raises(ValueError, match=r"InstanceLoad\('i0'\): decode_step_s must be a finite number >= 0, got nan"):
@@ -140,4 +148,13 @@ def test_a_brief_load_checks_its_aggregates_and_takes_any_iterables() -> None:
         InstanceLoad("i0", 100, 30, num_waiting=1, head_demand_blocks=3, queued_demand_blocks=2)
     with pytest.raises(ValueError, match=r"RequestLoad\('r1'\): max_blocks must be >= 0, got -1"):
         RequestLoad("r1", 4, max_blocks=-1)
-    assert RequestLoad("r1", 4, prefix_hashes=[7, 8]).prefix_hashes == (7, 8)  # type: ignore[arg-type]
+    assert RequestLoad("r1", 4, prefix_hashes=[7, 8]).prefix_hashes == (7, 8)
+
+
+def test_loads_pickle_and_copy_as_equal_values() -> None:
+    load = InstanceLoad("i0", 100, 30, (RequestLoad("r1", 10, priority=2, prefix_hashes=(4,)),), decode_step_s=0.02)
+    brief = InstanceLoad("i1", 100, 30, num_running=2, priority_counts=((1, 2),), brief=True, prefix_hashes=[9],
+                         prefix_block_tokens=16)  # fmt: skip
+    for value in (load, brief, load.running[0]):
+        assert pickle.loads(pickle.dumps(value)) == value
+        assert copy.copy(value) == value and copy.deepcopy(value) == value
