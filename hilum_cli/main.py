@@ -84,13 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "sim":  # the simulator runs its compiled modules when built (hilum_compiled); nothing else does
         import hilum_compiled
 
-        in_process = any(name in sys.modules for name in hilum_compiled.MODULES)  # a caller imported them: theirs
-        if (
-            not hilum_compiled.install()
-            and not in_process
-            and not os.environ.get(hilum_compiled.PURE_ENV)
-            and hilum_compiled.build_dir().exists()
-        ):  # a build is there but cannot be used (stale, another interpreter's): say so, the run is about 2x slower
+        if not hilum_compiled.install() and hilum_compiled.refused_build():
+            # a build is there but cannot be used (stale, another interpreter's): say so, the run is about 2x slower
             print(f"hilum sim: running as plain Python ({hilum_compiled.status()})", file=sys.stderr)
         # One thread, and no BLAS: numpy's OpenBLAS need not start a thread per core, which spins idle for a while
         # after start-up (about 0.1 CPU-s of every `hilum sim` process on 2 cores). A value the user set stays.

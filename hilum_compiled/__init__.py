@@ -46,6 +46,7 @@ __all__ = [
     "compiled",
     "install",
     "read_manifest",
+    "refused_build",
     "sha256_of",
     "source_of",
     "source_root",
@@ -87,6 +88,7 @@ PURE_ENV = "HILUM_PURE_PYTHON"
 
 _MANIFEST = "manifest.json"
 _status = "pure Python: hilum_compiled.install() was not called"
+_refused_build = False  # the last install() found a build directory and could not use it
 
 
 def source_root() -> Path:
@@ -170,7 +172,8 @@ def install(directory: Path | None = None) -> bool:
     """Load the compiled modules from now on, if the build in ``directory`` (default :func:`build_dir`) matches
     its sources (see the module docstring). True when installed; :func:`status` says what happened. Call it
     before any compiled module is imported (the simulator's entry points do). Never raises."""
-    global _status
+    global _status, _refused_build
+    _refused_build = False
     try:
         if os.environ.get(PURE_ENV):
             _status = f"pure Python: {PURE_ENV} is set"
@@ -187,6 +190,7 @@ def install(directory: Path | None = None) -> bool:
             problems = [f"no usable build in {directory} ({err.__class__.__name__}: {err})"]
         if problems:
             _status = "pure Python: " + "; ".join(problems)
+            _refused_build = directory.exists()
             return False
         modules = manifest["modules"]
         assert isinstance(modules, dict)
@@ -200,12 +204,20 @@ def install(directory: Path | None = None) -> bool:
         return True
     except Exception as err:  # start-up must never fail because of an optional build
         _status = f"pure Python: the build could not be read ({err.__class__.__name__}: {err})"
+        _refused_build = True
         return False
 
 
 def status() -> str:
     """What :func:`install` found: ``"compiled: ..."`` or ``"pure Python: <why>"``."""
     return _status
+
+
+def refused_build() -> bool:
+    """True when the last :func:`install` found a build and could not use it (stale, another interpreter's,
+    unreadable); False when it installed one, found none, or was not asked to (``HILUM_PURE_PYTHON``, modules
+    already imported as plain Python). What a user who ran ``make`` should be told."""
+    return _refused_build
 
 
 def compiled(module: ModuleType) -> bool:

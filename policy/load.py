@@ -95,9 +95,11 @@ class InstanceLoad:
     and asks for the detailed report of an instance only when a rule picks a request from it (``detailed``;
     see ``policy.migration.plan_migrations``'s ``details``).
 
-    Raises ValueError when capacity_blocks <= 0, a block count is negative, used_blocks exceeds
-    capacity_blocks, head_demand_blocks is set without a waiting request, two running requests share an id,
-    or, in a brief report, the aggregates disagree with each other.
+    Raises ValueError when capacity_blocks <= 0, a count is negative, used_blocks exceeds capacity_blocks, a
+    queue demand is set without a waiting request (or queued_demand_blocks is below head_demand_blocks), a time
+    is negative or not finite, prefix_hashes come without prefix_block_tokens, two running requests share an
+    id, or, in a brief report, running is listed or priority_counts are not ascending int pairs counting at
+    most num_running requests. Compiled, a field of another type than annotated raises TypeError.
     """
 
     instance_id: Final[str]
