@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 def test_the_gpu_check_runs_on_the_host_with_identical_streams() -> None:
     cmd = [sys.executable, str(REPO / "bench" / "gpu_migration.py"), "--device", "cpu", "--contexts", "48", "200"]
-    cmd += ["--repeats", "1", "--layers", "2", "--hidden", "128", "--num-blocks", "128", "--max-tokens", "24"]
+    cmd += ["--repeats", "1", "--layers", "2", "--hidden", "128", "--num-blocks", "128", "--max-tokens", "96"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, cwd=REPO)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
