@@ -10,6 +10,10 @@ STAMP  := $(VENV)/.installed
 # sim` and the benchmarks use them while they match their sources, so this rebuilds whenever one changed.
 # HILUM_COMPILE=0 skips it (the simulator then runs as plain Python, as everything else always does).
 HILUM_COMPILE ?= 1
+# Their bytecode too, as a wheel's install writes it (an editable install does not; where PYTHONDONTWRITEBYTECODE
+# is set, every start would compile the sources again): quick when up to date.
+PACKAGES := topology policy clusterstate llumlet rack_sched global_coord gateway hilum_config sim hilum_proto \
+            hilum_cli hilum_compiled
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -c 'import sys; sys.exit("hilum needs Python >= 3.11, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
@@ -19,6 +23,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 compiled: $(STAMP)
+	$(BIN)/python -m compileall -q -j0 $(PACKAGES)
 ifeq ($(HILUM_COMPILE),1)
 	$(BIN)/python -m hilum_compiled build --if-stale
 endif
