@@ -38,7 +38,7 @@ from policy.load import InstanceLoad
 from topology.spec import InstanceSpec, ModelSpec, Topology
 
 from .events import EventKind, EventQueue
-from .results import RequestLog, RequestRecord
+from .results import RequestLog, RequestRecord, new_request_record
 from .traces import TraceRequest
 
 __all__ = ["MAX_RUN_STEPS", "Cluster", "EngineLimits", "GrowthMark", "ReportTicket", "RequestState", "SimInstance"]
@@ -103,23 +103,23 @@ class RequestState:
     def record(self) -> RequestRecord:
         """Freeze this account into the report's RequestRecord."""
         t = self.trace
-        return RequestRecord(
-            request_id=t.request_id,
-            priority=t.priority,
-            arrival_s=t.arrival_s,
-            prompt_tokens=t.prompt_tokens,
-            output_tokens=t.output_tokens,
-            generated_tokens=self.generated_tokens,
-            first_token_s=self.first_token_s,
-            finish_s=self.finish_s,
-            token_gaps_s=tuple(self.token_gaps_s),
-            preemptions=self.preemptions,
-            preempted_s=self.preempted_s,
-            migrations=self.migrations,
-            refused=self.refused,
-            instance_id=self.instance_id,
-            prefix_hit_tokens=self.prefix_hit_tokens,
-            dispatched_instance_id=self.dispatched_instance_id,
+        return new_request_record(  # RequestRecord's fields, in order
+            t.request_id,
+            t.priority,
+            t.arrival_s,
+            t.prompt_tokens,
+            t.output_tokens,
+            self.generated_tokens,
+            self.first_token_s,
+            self.finish_s,
+            tuple(self.token_gaps_s),
+            self.preemptions,
+            self.preempted_s,
+            self.migrations,
+            self.refused,
+            self.instance_id,
+            self.prefix_hit_tokens,
+            self.dispatched_instance_id,
         )
 
 

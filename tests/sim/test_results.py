@@ -29,6 +29,7 @@ from sim.results import (
     _request_json,
     load_results,
     percentile,
+    percentiles,
     results_document,
     summarize,
     write_results,
@@ -233,6 +234,9 @@ def test_percentiles_ordered_and_within_range(values: list[float]) -> None:
     assert p50 is not None and p99 is not None
     assert min(values) <= p50 <= p99 <= max(values)
     assert p99 == pytest.approx(float(np.percentile(values, 99)))
+    # one pass for several q gives each figure to the last bit
+    assert percentiles(values, (50, 99)) == (p50, p99)
+    assert percentiles(np.asarray(values), (99, 0, 50)) == (p99, percentile(values, 0), p50)
 
 
 def test_kv_timeline_rejects_series_of_wrong_length() -> None:
@@ -514,3 +518,24 @@ def test_request_totals_hold_each_records_figures_by_arrival_position(
     assert t.gaps_s.tolist() == [g for i in order for g in records[i].token_gaps_s] and t.num_gaps == len(t.gaps_s)
     assert t.max_finish_s == max([r.finish_s for r in records if r.finish_s is not None], default=0.0)
     assert list(log) == records
+
+
+def test_an_account_freezes_into_the_record_field_by_field() -> None:
+    """RequestState.record builds the record positionally (new_request_record): every field lands where its
+    name says, as the keyword constructor puts it."""
+    from sim.cluster import RequestState
+    from sim.traces import TraceRequest
+
+    state = RequestState(TraceRequest("t-7", arrival_s=1.5, prompt_tokens=11, output_tokens=13, priority=1), index=3)
+    values = {
+        "instance_id": "i-2", "first_token_s": 2.5, "finish_s": 4.5, "generated_tokens": 12,
+        "token_gaps_s": [0.25, 0.5], "preemptions": 2, "preempted_s": 0.75, "migrations": 1, "refused": "x",
+        "prefix_hit_tokens": 16, "dispatched_instance_id": "i-1",
+    }  # fmt: skip
+    for name, value in values.items():
+        setattr(state, name, value)
+    expected = RequestRecord(
+        request_id="t-7", priority=1, arrival_s=1.5, prompt_tokens=11, output_tokens=13,
+        **{**values, "token_gaps_s": (0.25, 0.5)},
+    )  # fmt: skip
+    assert state.record() == expected
