@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from policy_factories import CFG, inst
 
-from policy import DomainSummary, InstanceLoad, PolicyConfig, summarize_domain
+from policy import DomainSummary, InstanceBrief, InstanceLoad, PolicyConfig, summarize, summarize_domain
 from policy.summarize import DomainSummarizer, brief_of, restamped
 from policy.usage import freeness_of, queued_blocks
 
@@ -148,3 +148,14 @@ def test_a_summarizer_forgets_an_instance_that_left() -> None:
     summarizer.forget("b")  # idempotent
     assert summarizer.summarize([a]) == reference_summary("d", [a], CFG)
     assert summarizer.summarize([a, b]) == reference_summary("d", [a, b], CFG)  # b's brief made again
+
+
+def test_the_trusted_constructors_are_called_in_field_order() -> None:
+    """brief_of and the summarizer build briefs and summaries positionally: a field added to or moved in the
+    classes must be added or moved in their call too (the figures would go to the wrong fields)."""
+    assert tuple(f.name for f in fields(InstanceBrief)) == summarize._BRIEF_FIELDS
+    assert tuple(f.name for f in fields(DomainSummary)) == summarize._SUMMARY_FIELDS
+    load = inst("a", 100, [10, 20], prefix_hashes={1, 2}, prefix_block_tokens=16)
+    brief = brief_of(load, CFG)
+    assert (brief.instance_id, brief.capacity_blocks, brief.free_blocks, brief.num_running) == ("a", 100, 70, 2)
+    assert brief.prefix_hashes == frozenset({1, 2}) and brief.virtual_usage == 30 + 2 * CFG.headroom_blocks(0)
