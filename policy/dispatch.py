@@ -95,18 +95,68 @@ def leading_run(hashes: Iterable[int], held: Collection[int], also: Collection[i
 # (hilum_compiled.MODULES), a written-out __init__ is a native call, a generated one is interpreted Python.
 
 
-@dataclass(init=False, slots=True)
 class DispatchDecision:
-    """Where a request goes: `target_id` (an instance or domain id), or None with the refusal reason."""
+    """Where a request goes: ``target_id`` (an instance or domain id), or None with the refusal reason.
+
+    ``reason``: one line for logs and for the client on refusal. A placement's reason is written when first read
+    (from the figures of the pick, kept with it): most are never read, and writing one costs about what the pick
+    does. Compared by target, reason and ``full``; read-only.
+    """
 
     target_id: Final[str | None]
-    reason: Final[str]  # one line for logs and for the client on refusal
     full: Final[bool]  # refused only because no capable target has room now (``only_if_room``)
 
     def __init__(self, target_id: str | None, reason: str, full: bool = False) -> None:
         self.target_id = target_id
-        self.reason = reason
         self.full = full
+        self._reason = reason
+        self._placed: _Placed | None = None  # a placement's figures, until its reason is written
+
+    @property
+    def reason(self) -> str:
+        placed = self._placed
+        if placed is not None:
+            self._reason = placed.text()
+            self._placed = None
+        return self._reason
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DispatchDecision):
+            return NotImplemented
+        return (self.target_id, self.reason, self.full) == (other.target_id, other.reason, other.full)
+
+    def __repr__(self) -> str:
+        return f"DispatchDecision(target_id={self.target_id!r}, reason={self.reason!r}, full={self.full!r})"
+
+
+class _Placed:
+    """The figures a placement's reason is written from (:attr:`DispatchDecision.reason`)."""
+
+    def __init__(
+        self, noun: str, freeness: float, num_near: int, demand_blocks: int, has_room: bool, hit_blocks: int
+    ) -> None:
+        self.noun = noun
+        self.freeness = freeness  # the chosen target's, after reserving
+        self.num_near = num_near
+        self.demand_blocks = demand_blocks
+        self.has_room = has_room
+        self.hit_blocks = hit_blocks
+
+    def text(self) -> str:
+        noun = self.noun
+        where = f"freest {noun} (F={self.freeness:.2f} after reserving, {self.num_near} near-tied)"
+        if self.has_room:
+            reason = f"{where} with room for {self.demand_blocks} blocks"
+        else:
+            reason = f"no {noun} has {self.demand_blocks} free blocks now; the request will queue on the {where}"
+        return f"{reason}; prefix hit {self.hit_blocks} blocks" if self.hit_blocks else reason
+
+
+def _placement(target_id: str, placed: _Placed) -> DispatchDecision:
+    """The decision to place on ``target_id``, its reason written from ``placed`` when read."""
+    decision = DispatchDecision(target_id, "")
+    decision._placed = placed
+    return decision
 
 
 @dataclass(init=False, slots=True)
@@ -401,8 +451,8 @@ class _View:
         chosen.reserve(demand_blocks - hit, demand_blocks - hit + headroom, stamp, prefix_hashes if per_hash else ())
         if self._index is not None:
             self._index.put(chosen)
-        reason = self._reason(chosen, demand_blocks, num_near, bool(roomy))
-        return DispatchDecision(chosen.target_id, f"{reason}; prefix hit {hit} blocks" if hit else reason)
+        placed = _Placed(self._noun, chosen.freeness(), num_near, demand_blocks, bool(roomy), hit)
+        return _placement(chosen.target_id, placed)
 
     def _pools(
         self, size: int, demand_blocks: int, exclude: Collection[str]
@@ -476,13 +526,6 @@ class _View:
         if longest == 0:
             return self._freest([(t.freeness(), t.target_id, t) for t in drawn])
         return self._freest([x for x in eligible if hits.get(x[1], 0) == longest])
-
-    def _reason(self, chosen: _Target, demand_blocks: int, num_near: int, has_room: bool) -> str:
-        noun = self._noun
-        where = f"freest {noun} (F={chosen.freeness():.2f} after reserving, {num_near} near-tied)"
-        if has_room:
-            return f"{where} with room for {demand_blocks} blocks"
-        return f"no {noun} has {demand_blocks} free blocks now; the request will queue on the {where}"
 
     def _refusal(self, demand_blocks: int, exclude: Collection[str] = ()) -> str:
         noun = self._noun

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 from policy_factories import CFG, inst
 
-from policy import DispatchView, DomainDispatchView, DomainSummary, PolicyConfig, summarize_domain
+from policy import DispatchDecision, DispatchView, DomainDispatchView, DomainSummary, PolicyConfig, summarize_domain
 
 
 def view(*loads, cfg: PolicyConfig = CFG, seed: int = 0) -> DispatchView:  # type: ignore[no-untyped-def]
@@ -18,7 +18,13 @@ def test_load_balancing_picks_the_freest() -> None:
     v = view(inst("a", 100, [20, 20, 20]), inst("b", 100, [30]), inst("c", 100, [40, 40]))
     d = v.pick(10)
     assert d.target_id == "b"
-    assert "room for 10 blocks" in d.reason
+    # b after reserving 10 + headroom: (100 − 30 − 10 − h) / (1 + 1)
+    f_after = (100 - 30 - 10 - CFG.headroom_blocks(0)) / 2
+    reason = f"freest instance (F={f_after:.2f} after reserving, 1 near-tied) with room for 10 blocks"
+    assert d.reason == reason  # written when read, from the figures of the pick
+    assert d.reason == reason  # and the same text when read again
+    assert d == DispatchDecision("b", reason) and d != DispatchDecision("b", reason, full=True)
+    assert repr(d) == f"DispatchDecision(target_id='b', reason={reason!r}, full=False)"
 
 
 def test_priority_instance_looks_heavier_and_new_work_avoids_it() -> None:
