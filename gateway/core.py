@@ -229,7 +229,7 @@ class PlacementAttempt:
         self.unavailable: set[str] = set()  # again after a backoff (:meth:`retry_unavailable`)
         self.full: set[str] = set()  # had no room in the first pass
         self.reasons: dict[str, str] = {}  # domain -> its last answer, for the error message
-        self.last_reason = ""
+        self._last: DispatchDecision | None = None  # the last pick (its reason is written only when read)
 
     def next(self, now_s: float) -> str | None:
         """The domain to submit to now (with :attr:`only_if_room`), or None when none is left to try."""
@@ -253,8 +253,13 @@ class PlacementAttempt:
             prefix_block_tokens=self.prefix_block_tokens,
             block_size_tokens=self.block_size_tokens,
         )
-        self.last_reason = decision.reason
+        self._last = decision
         return decision
+
+    @property
+    def last_reason(self) -> str:
+        """The reason of the last pick ("" before the first)."""
+        return "" if self._last is None else self._last.reason
 
     def answered_full(self, domain_id: str, reason: str) -> None:
         """The domain has no room now (first pass)."""

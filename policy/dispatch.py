@@ -100,8 +100,10 @@ class DispatchDecision:
 
     ``reason``: one line for logs and for the client on refusal. A placement's reason is written when first read
     (from the figures of the pick, kept with it): most are never read, and writing one costs about what the pick
-    does. Compared by target, reason and ``full``; read-only.
+    does. Compared by target, reason and ``full``; read-only; pickles and copies with its reason written.
     """
+
+    __slots__ = ("_placed", "_reason", "full", "target_id")
 
     target_id: Final[str | None]
     full: Final[bool]  # refused only because no capable target has room now (``only_if_room``)
@@ -127,6 +129,9 @@ class DispatchDecision:
 
     def __repr__(self) -> str:
         return f"DispatchDecision(target_id={self.target_id!r}, reason={self.reason!r}, full={self.full!r})"
+
+    def __reduce__(self) -> tuple[type[DispatchDecision], tuple[str | None, str, bool]]:
+        return (DispatchDecision, (self.target_id, self.reason, self.full))
 
 
 class _Placed:

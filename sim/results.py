@@ -481,21 +481,22 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     return percentiles(values, (q,))[0]
 
 
-def percentiles(values: Iterable[float], qs: Sequence[float]) -> tuple[float | None, ...]:
+def percentiles(values: Iterable[float], qs: Iterable[float]) -> tuple[float | None, ...]:
     """:func:`percentile` of ``values`` at each of ``qs``, in one pass over them (one partial sort for every q:
     the same figures as one call per q, at the cost of one); every figure None when ``values`` is empty.
 
     Raises:
         ValueError: if a q is outside [0, 100].
     """
-    for q in qs:
+    at = tuple(qs)  # read once (a generator would be spent by the check)
+    for q in at:
         if not 0.0 <= q <= 100.0:
             raise ValueError(f"percentile: q must be in [0, 100], got {q}")
     # an array (the totals' columns, every token gap) as it is: fromiter would walk it element by element
     arr = np.asarray(values, dtype=np.float64) if isinstance(values, np.ndarray) else np.fromiter(values, np.float64)
     if arr.size == 0:
-        return (None,) * len(qs)
-    return tuple(float(x) for x in np.percentile(arr, list(qs), method="linear"))
+        return (None,) * len(at)
+    return tuple(float(x) for x in np.percentile(arr, at, method="linear"))
 
 
 def _total_or_none(values: Sequence[int | None]) -> int | None:

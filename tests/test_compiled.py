@@ -9,6 +9,7 @@ import importlib
 import inspect
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,9 @@ import pytest
 import hilum_compiled
 from hilum_compiled import MODULES, build_dir, source_of, source_root, stale_sources
 from llumlet.engine.types import EngineRequest
+from policy.dispatch import DispatchView
 from policy.load import InstanceLoad, RequestLoad
+from policy.types import PolicyConfig
 from sim.traces import TraceRequest
 
 BUILT = not stale_sources(build_dir()) and not os.environ.get(hilum_compiled.PURE_ENV)
@@ -268,3 +271,24 @@ def test_compiled_values_are_read_only_and_equal_to_their_plain_python_twins() -
             InstanceLoad("i", 10, 2, (RequestLoad("r", 2, priority=1),), decode_step_s=0.5), draining=True
         )
     )
+
+
+@needs_build
+def test_a_compiled_decision_pickles_and_copies_with_its_reason() -> None:
+    code = (
+        "import hilum_compiled\n"
+        "hilum_compiled.install()\n"
+        "import copy, pickle, random\n"
+        "import policy.dispatch as m\n"
+        "from policy.load import InstanceLoad\n"
+        "from policy.types import PolicyConfig\n"
+        "view = m.DispatchView([InstanceLoad('a', 100, 30)], PolicyConfig(), random.Random(0))\n"
+        "placed, refused = view.pick(10), m.DispatchDecision(None, 'no room', full=True)\n"
+        "back = [pickle.loads(pickle.dumps(d)) for d in (placed, refused)]\n"
+        "back += [copy.copy(placed), copy.deepcopy(refused)]\n"
+        "print(hilum_compiled.compiled(m), back == [placed, refused, placed, refused], repr(back[0]))\n"
+    )
+    compiled, same, shown = child(code, source_root()).split(" ", 2)
+    assert compiled == "True" and same == "True"
+    view = DispatchView([InstanceLoad("a", 100, 30)], PolicyConfig(), random.Random(0))
+    assert shown == repr(view.pick(10))  # the same reason as plain Python writes

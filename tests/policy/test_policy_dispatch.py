@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import copy
+import pickle
 import random
 from collections import Counter
 
@@ -25,6 +27,9 @@ def test_load_balancing_picks_the_freest() -> None:
     assert d.reason == reason  # and the same text when read again
     assert d == DispatchDecision("b", reason) and d != DispatchDecision("b", reason, full=True)
     assert repr(d) == f"DispatchDecision(target_id='b', reason={reason!r}, full=False)"
+    again = v.pick(10)  # unread: pickled and copied with its reason written
+    assert pickle.loads(pickle.dumps(again)) == copy.copy(again) == again
+    assert "after reserving" in pickle.loads(pickle.dumps(again)).reason
 
 
 def test_priority_instance_looks_heavier_and_new_work_avoids_it() -> None:

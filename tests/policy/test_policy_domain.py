@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from policy_factories import CFG, inst
 
-from policy import DomainSummary, InstanceBrief, InstanceLoad, PolicyConfig, summarize, summarize_domain
+from policy import DomainSummary, InstanceBrief, InstanceLoad, PolicyConfig, RequestLoad, summarize, summarize_domain
 from policy.summarize import DomainSummarizer, brief_of, restamped
-from policy.usage import freeness_of, queued_blocks
+from policy.usage import freeness_of, instance_virtual_usage, queued_blocks
 
 FAST = settings(max_examples=200, deadline=None)
 
@@ -151,11 +151,19 @@ def test_a_summarizer_forgets_an_instance_that_left() -> None:
 
 
 def test_the_trusted_constructors_are_called_in_field_order() -> None:
-    """brief_of and the summarizer build briefs and summaries positionally: a field added to or moved in the
-    classes must be added or moved in their call too (the figures would go to the wrong fields)."""
+    """brief_of and the summarizer build briefs and summaries positionally: every field of a brief lands where its
+    name says (distinct values, same-typed fields included), and the summaries equal the keyword-built reference
+    (the tests above)."""
     assert tuple(f.name for f in fields(InstanceBrief)) == summarize._BRIEF_FIELDS
     assert tuple(f.name for f in fields(DomainSummary)) == summarize._SUMMARY_FIELDS
-    load = inst("a", 100, [10, 20], prefix_hashes={1, 2}, prefix_block_tokens=16)
-    brief = brief_of(load, CFG)
-    assert (brief.instance_id, brief.capacity_blocks, brief.free_blocks, brief.num_running) == ("a", 100, 70, 2)
-    assert brief.prefix_hashes == frozenset({1, 2}) and brief.virtual_usage == 30 + 2 * CFG.headroom_blocks(0)
+    running = (RequestLoad("r1", 10), RequestLoad("r2", 20))
+    load = InstanceLoad(
+        "a", 100, 30, running, num_waiting=3, head_demand_blocks=5, decode_step_s=0.25, max_num_seqs=7,
+        prefix_hashes={1, 2}, prefix_block_tokens=16, prefill_s_per_token=0.125,
+    )  # fmt: skip
+    expected = InstanceBrief(
+        instance_id="a", capacity_blocks=100, free_blocks=70, virtual_usage=instance_virtual_usage(load, CFG),
+        num_running=2, num_waiting=3, draining=False, decode_step_s=0.25, max_num_seqs=7,
+        prefix_hashes=frozenset({1, 2}), prefill_s_per_token=0.125,
+    )  # fmt: skip
+    assert brief_of(load, CFG) == expected

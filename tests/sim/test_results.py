@@ -237,6 +237,7 @@ def test_percentiles_ordered_and_within_range(values: list[float]) -> None:
     # one pass for several q gives each figure to the last bit
     assert percentiles(values, (50, 99)) == (p50, p99)
     assert percentiles(np.asarray(values), (99, 0, 50)) == (p99, percentile(values, 0), p50)
+    assert percentiles(values, (q for q in (50, 99))) == (p50, p99)  # any iterable of q, read once
 
 
 def test_kv_timeline_rejects_series_of_wrong_length() -> None:
