@@ -98,8 +98,11 @@ class GatewayCore:
         for model in [m for m in self._models_of.get(domain_id, ()) if m not in fresh]:
             self._drop(domain_id, model)
         for model, s in fresh.items():
-            if self._summaries.get((domain_id, model)) == s:
-                continue  # nothing new: keep the reservations
+            last = self._summaries.get((domain_id, model))
+            # nothing new: keep the reservations (a summary taken at another time differs by its stamp at least;
+            # compared by stamp first, it is not compared field by field)
+            if last is s or (last is not None and last.taken_s == s.taken_s and last == s):
+                continue
             if (domain_id, model) not in self._summaries:
                 self._serving[model] = self._serving.get(model, 0) + 1
                 self._models_of.setdefault(domain_id, {})[model] = None

@@ -58,6 +58,20 @@ def test_a_summary_taken_before_a_pick_keeps_it_one_taken_after_replaces_it() ->
     assert g.pick("m", 1, now_s=1.2).target_id == "a"
 
 
+def test_a_summary_delivered_again_keeps_the_reservations_a_new_one_drops_them() -> None:
+    g = gw(ttl_s=10.0)
+    first = summary("a", 0, taken_s=1.0)
+    g.update("a", [first])
+    g.update("b", [summary("b", 20, taken_s=1.0)])
+    assert g.pick("m", 30, now_s=2.0).target_id == "a"  # a carries 30 reserved blocks now
+    g.update("a", [first])  # the same summary again (a delivery repeated)
+    g.update("a", [summary("a", 0, taken_s=1.0)])  # an equal one: nothing new either
+    assert g.pick("m", 30, now_s=2.1).target_id == "b"  # a's reservation kept
+    g.update("a", [summary("a", 0, taken_s=2.05)])  # the same figures taken later: it counts the first pick
+    g.update("b", [summary("b", 20, taken_s=2.05)])  # and b's does not count the pick at 2.1
+    assert g.pick("m", 30, now_s=2.2).target_id == "a"
+
+
 def test_reservations_expire_after_the_ttl() -> None:
     g = gw(ttl_s=1.0)
     g.update("a", [summary("a", 0)])
