@@ -12,11 +12,16 @@ their shells pass ``now_s`` in.
 
 from __future__ import annotations
 
-import asyncio
 import heapq
 import itertools
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import asyncio
+
+# asyncio is imported where a clock sleeps, not here: the configuration (``hilum_config``, which ``hilum sim`` reads)
+# imports this module through the autoscaler's actuator and runs no event loop (asyncio and ssl: ~30 ms a start).
 
 __all__ = ["SYSTEM_CLOCK", "Clock", "ManualClock", "SystemClock"]
 
@@ -44,6 +49,8 @@ class SystemClock:
         return time.time()
 
     async def sleep(self, seconds: float) -> None:
+        import asyncio
+
         await asyncio.sleep(max(0.0, seconds))
 
 
@@ -69,6 +76,8 @@ class ManualClock:
         return self._now + self._wall_offset
 
     async def sleep(self, seconds: float) -> None:
+        import asyncio
+
         if seconds <= 0:
             await asyncio.sleep(0)
             return
@@ -86,6 +95,8 @@ class ManualClock:
 
         Raises ValueError on a negative step.
         """
+        import asyncio
+
         if seconds < 0:
             raise ValueError(f"advance: seconds must be >= 0, got {seconds}")
         target = self._now + seconds

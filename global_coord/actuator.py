@@ -18,7 +18,6 @@ example hook for systemd is ``deploy/hilum-autoscale-hook``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import math
@@ -152,6 +151,7 @@ class CommandActuator:
         return result
 
     async def _once(self, action: str, model: str, instance_id: str) -> tuple[int | None, str]:
+        import asyncio  # here: the configuration reads ActuatorConfig and runs no event loop (clusterstate.clock)
         argv = [*self.cfg.argv(), action, model, instance_id]
         env = {**os.environ, "HILUM_AUTOSCALE_ACTION": action, "HILUM_MODEL": model, "HILUM_INSTANCE": instance_id}
         try:
