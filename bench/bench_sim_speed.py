@@ -5,9 +5,15 @@ per GPU, fed ShareGPT lengths with Poisson arrivals at ``--per-instance-rate`` r
 moderate load) for ``--requests-per-instance`` requests per instance, so every size simulates about the same
 span of time with the same load per instance: a flat per-request cost means the cost of a cluster grows
 only with its work. Runs one policy (``--policy``, default hilum, the two-tier design) per size; the
-smaller sizes are repeated (``--repeats``, the median is shown) because they take well under a second.
-Prints CPU time (this process, user + system) per request, its ratio to the first size, wall time,
-simulated time, and simulated seconds per CPU second. Run:
+sizes below 1,024 are repeated (``--repeats``, the median is shown) because they take well under a second. One
+run of the first size comes first, untimed: the first run of a process costs more (a 16-instance run up to 4x).
+
+The first size is the yardstick, and it is measured beside each run of another size: ``--beside`` runs of it just
+before and as many just after (a run of 16 instances takes about 50 ms), and that run's ratio is its cost per
+request over the median of those; "vs first" is the median of a size's ratios. On a shared machine whose speed
+drifts by tens of percent within minutes, a ratio of two figures measured a minute apart says more about the drift
+than about the simulator. Prints CPU time (this process, user + system) per request, its ratio to the first size
+beside it, wall time, simulated time, and simulated seconds per CPU second. Run:
 
     .venv/bin/python bench/bench_sim_speed.py [--sizes 16,256,1024,4096] [--policy hilum]
 """
@@ -49,28 +55,52 @@ def main() -> None:
     parser.add_argument("--requests-per-instance", type=int, default=8)
     parser.add_argument("--per-instance-rate", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=5, help="runs of sizes below 1,024 (median shown)")
+    parser.add_argument("--beside", type=int, default=5, help="runs of the first size before and after each run")
     args = parser.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")]
+    if not sizes or min(sizes) < 1 or args.repeats < 1 or args.beside < 1:
+        parser.error("--sizes: positive instance counts; --repeats and --beside >= 1")
     print(f"policy {args.policy}, {args.requests_per_instance} ShareGPT requests per instance at "
-          f"{args.per_instance_rate:g} req/s per instance; CPU = user + system of this process; "
-          f"{hilum_compiled.status()}")  # fmt: skip
+          f"{args.per_instance_rate:g} req/s per instance; CPU = user + system of this process; each run beside "
+          f"{args.beside} runs of {sizes[0]} instances before and after it; {hilum_compiled.status()}")  # fmt: skip
     header = ("instances", "requests", "CPU us/req", "vs first", "CPU s", "wall s", "sim s", "sim s/CPU s", "steps")
     print("{:>9} {:>9} {:>11} {:>9} {:>8} {:>8} {:>7} {:>12} {:>10}".format(*header))
-    first: float | None = None
-    for n in (int(x) for x in args.sizes.split(",")):
-        runs = [measure(n, args.policy, args.requests_per_instance, args.per_instance_rate)]
-        while n < 1024 and len(runs) < args.repeats:
-            runs.append(measure(n, args.policy, args.requests_per_instance, args.per_instance_rate))
+
+    def run(n: int) -> tuple[float, float, float, int]:
+        return measure(n, args.policy, args.requests_per_instance, args.per_instance_rate)
+
+    requests_per_instance: int = args.requests_per_instance
+
+    def per_request_us(n: int, cpu_s: float) -> float:
+        return cpu_s / (n * requests_per_instance) * 1e6
+
+    first = sizes[0]
+    run(first)  # a warm-up, not counted: the first run of a process pays for what later runs find ready
+    yardstick: list[float] = []  # every run of the first size, CPU us per request
+    for n in sizes:
+        runs, ratios = [], []
+        for _ in range(args.repeats if n < 1024 else 1):
+            before = [per_request_us(first, run(first)[0]) for _ in range(args.beside)] if n != first else []
+            runs.append(run(n))
+            after = [per_request_us(first, run(first)[0]) for _ in range(args.beside)] if n != first else []
+            yardstick += before + after
+            if n == first:
+                yardstick.append(per_request_us(n, runs[-1][0]))
+                ratios.append(1.0)
+            else:
+                ratios.append(per_request_us(n, runs[-1][0]) / statistics.median(before + after))
         cpu = statistics.median(r[0] for r in runs)
         wall = statistics.median(r[1] for r in runs)
         _, _, sim_s, steps = runs[0]
         count = n * args.requests_per_instance
-        per_request_us = cpu / count * 1e6
-        first = first or per_request_us
         print(
-            f"{n:>9} {count:>9} {per_request_us:>11.0f} {per_request_us / first:>8.2f}x {cpu:>8.1f} {wall:>8.1f} "
-            f"{sim_s:>7.1f} {sim_s / cpu:>12.1f} {steps:>10}",
+            f"{n:>9} {count:>9} {per_request_us(n, cpu):>11.0f} {statistics.median(ratios):>8.2f}x {cpu:>8.1f} "
+            f"{wall:>8.1f} {sim_s:>7.1f} {sim_s / cpu:>12.1f} {steps:>10}",
             flush=True,
         )
+    if len(sizes) > 1:
+        low, high, mid = min(yardstick), max(yardstick), statistics.median(yardstick)
+        print(f"{len(yardstick)} runs of {first} instances: {low:.0f} to {high:.0f} CPU us a request, median {mid:.0f}")
 
 
 if __name__ == "__main__":
