@@ -152,6 +152,7 @@ class CommandActuator:
 
     async def _once(self, action: str, model: str, instance_id: str) -> tuple[int | None, str]:
         import asyncio  # here: the configuration reads ActuatorConfig and runs no event loop (clusterstate.clock)
+
         argv = [*self.cfg.argv(), action, model, instance_id]
         env = {**os.environ, "HILUM_AUTOSCALE_ACTION": action, "HILUM_MODEL": model, "HILUM_INSTANCE": instance_id}
         try:
