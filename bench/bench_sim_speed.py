@@ -15,7 +15,7 @@ drifts by tens of percent within minutes, a ratio of two figures measured a minu
 than about the simulator. Prints CPU time (this process, user + system) per request, its ratio to the first size
 beside it, wall time, simulated time, and simulated seconds per CPU second. Run:
 
-    .venv/bin/python bench/bench_sim_speed.py [--sizes 16,256,1024,4096] [--policy hilum]
+    .venv/bin/python bench/bench_sim_speed.py [--sizes 16,256,1024,4096] [--policy hilum]   # sizes: multiples of 8
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from topology.synthetic import synthetic_topology_data  # noqa: E402
 
 def measure(n: int, policy: str, requests_per_instance: int, rate: float) -> tuple[float, float, float, int]:
     """(CPU s, wall s, simulated s, engine steps) of one run at ``n`` instances."""
-    topo = parse_topology(synthetic_topology_data(max(1, n // 8)), source=f"synthetic-{n}")
+    topo = parse_topology(synthetic_topology_data(n // 8), source=f"synthetic-{n}")
     count = n * requests_per_instance
     trace = load_trace("sharegpt", num_requests=count, rate_per_s=n * rate, seed=0)
     cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -57,9 +57,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="runs of sizes below 1,024 (median shown)")
     parser.add_argument("--beside", type=int, default=5, help="runs of the first size before and after each run")
     args = parser.parse_args()
-    sizes = [int(x) for x in args.sizes.split(",")]
-    if not sizes or min(sizes) < 1 or args.repeats < 1 or args.beside < 1:
-        parser.error("--sizes: positive instance counts; --repeats and --beside >= 1")
+    try:
+        sizes = [int(x) for x in args.sizes.split(",")]
+    except ValueError:
+        parser.error(f"--sizes: comma-separated instance counts, got {args.sizes!r}")
+    if any(n < 8 or n % 8 for n in sizes):  # the fabric is whole 8-GPU nodes
+        parser.error(f"--sizes: multiples of 8 instances (whole 8-GPU nodes), got {args.sizes!r}")
+    if args.repeats < 1 or args.beside < 1 or args.requests_per_instance < 1 or not args.per_instance_rate > 0:
+        parser.error("--repeats, --beside and --requests-per-instance must be >= 1, --per-instance-rate > 0")
     print(f"policy {args.policy}, {args.requests_per_instance} ShareGPT requests per instance at "
           f"{args.per_instance_rate:g} req/s per instance; CPU = user + system of this process; each run beside "
           f"{args.beside} runs of {sizes[0]} instances before and after it; {hilum_compiled.status()}")  # fmt: skip
