@@ -84,20 +84,18 @@ def main() -> None:
     yardstick: list[float] = []  # every run of the first size, CPU us per request
     for n in sizes:
         runs, ratios = [], []
+        beside = 0 if n == first else args.beside  # the first size is its own yardstick
         for _ in range(args.repeats if n < 1024 else 1):
-            before = [per_request_us(first, run(first)[0]) for _ in range(args.beside)] if n != first else []
+            before = [per_request_us(first, run(first)[0]) for _ in range(beside)]
             runs.append(run(n))
-            after = [per_request_us(first, run(first)[0]) for _ in range(args.beside)] if n != first else []
-            yardstick += before + after
-            if n == first:
-                yardstick.append(per_request_us(n, runs[-1][0]))
-                ratios.append(1.0)
-            else:
-                ratios.append(per_request_us(n, runs[-1][0]) / statistics.median(before + after))
+            cost = per_request_us(n, runs[-1][0])
+            around = before + [per_request_us(first, run(first)[0]) for _ in range(beside)]
+            yardstick += around or [cost]
+            ratios.append(cost / statistics.median(around or [cost]))
         cpu = statistics.median(r[0] for r in runs)
         wall = statistics.median(r[1] for r in runs)
         _, _, sim_s, steps = runs[0]
-        count = n * args.requests_per_instance
+        count = n * requests_per_instance
         print(
             f"{n:>9} {count:>9} {per_request_us(n, cpu):>11.0f} {statistics.median(ratios):>8.2f}x {cpu:>8.1f} "
             f"{wall:>8.1f} {sim_s:>7.1f} {sim_s / cpu:>12.1f} {steps:>10}",
