@@ -100,7 +100,9 @@ class DispatchDecision:
 
     ``reason``: one line for logs and for the client on refusal. A placement's reason is written when first read
     (from the figures of the pick, kept with it): most are never read, and writing one costs about what the pick
-    does. Compared by target, reason and ``full``; read-only; pickles and copies with its reason written.
+    does. Compared by target, reason and ``full`` (unhashable); ``target_id`` and ``full`` are ``Final`` (compiled,
+    read-only; plain Python, mypy refuses an assignment), ``reason`` has no setter; pickles and copies with its
+    reason written.
     """
 
     __slots__ = ("_placed", "_reason", "full", "target_id")
