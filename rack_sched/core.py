@@ -599,5 +599,5 @@ class DomainCore:
     def summaries(self, taken_s: float) -> tuple[DomainSummary, ...]:
         """One summary per model served (sorted by model), stamped ``taken_s`` (the publisher's clock):
         ``policy.summarize_domain`` of its instances' loads (:meth:`loads`)."""
-        summarize = self._summarizer.summarize
-        return tuple(summarize(self.loads(model), model=model, taken_s=taken_s) for model in self.models())
+        summarizer = self._summarizer  # its method called on it (a native call when compiled), not a bound alias
+        return tuple(summarizer.summarize(self.loads(model), model=model, taken_s=taken_s) for model in self.models())

@@ -156,9 +156,9 @@ class _Feed:
         later = later and self.brief
         if not later:
             self.deliver()
+        # methods called on their objects, never through bound aliases: compiled, a call on the object is native
         cluster, core, reported, brief, deferred = self.cluster, self.core, self._reported, self.brief, self._deferred
-        load_position, load, report, pending = cluster.load_position, cluster.load, core.report, self._pending
-        take_finished = cluster.take_finished
+        pending = self._pending
         drained = []
         for inst in self._pool:
             iid = inst.instance_id
@@ -171,15 +171,16 @@ class _Feed:
             if last is None:
                 core.add_instance(iid, inst.spec.model, cluster.model_of(iid).block_size_tokens)
                 last = reported[iid] = -1
-            version, started = load_position(inst)
+            version, started = cluster.load_position(inst)
             if version != last or iid in deferred:
                 if later:
-                    finished = take_finished(iid)
+                    finished = cluster.take_finished(iid)
                     if finished:
                         core.finished(finished)
                     pending[iid] = cluster.report_ticket(inst, version, started, pending.get(iid))
                 else:
-                    report(iid, load(inst, brief=brief, version=version, started=started), take_finished(iid))
+                    load = cluster.load(inst, brief=brief, version=version, started=started)
+                    core.report(iid, load, cluster.take_finished(iid))
                 reported[iid] = version
             if inst.draining:
                 drained.append(iid)
@@ -193,9 +194,9 @@ class _Feed:
         """Hand the core the reports a ``refresh(later=True)`` took (call before any other use of the core)."""
         pending = self._pending
         if pending:
-            report, ticket_load = self.core.report, self.cluster.ticket_load
+            core, cluster = self.core, self.cluster
             for iid, ticket in pending.items():
-                report(iid, ticket_load(ticket))
+                core.report(iid, cluster.ticket_load(ticket))
             pending.clear()
 
     def rebalance(self, now_s: float) -> list[MigrationDecision]:

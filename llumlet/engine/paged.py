@@ -94,8 +94,8 @@ class PagedEngine:
     def _running_rows(self) -> list[RunningRow]:
         """Each running request as the load report sees it, in rank order (class, then arrival); one pass,
         fields read directly: this runs for every report."""
-        blocks_of = self.blocks.num_blocks_of
-        bs = self.blocks.block_size_tokens
+        blocks = self.blocks
+        bs = blocks.block_size_tokens
         rows: list[RunningRow] = []
         for s in self.scheduler.running:
             req = s.request
@@ -106,7 +106,7 @@ class PagedEngine:
             rows.append(
                 (
                     req.request_id,
-                    blocks_of(req.request_id),
+                    blocks.num_blocks_of(req.request_id),
                     req.priority,
                     num_tokens,
                     in_decode,
