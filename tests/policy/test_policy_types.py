@@ -158,3 +158,52 @@ def test_loads_pickle_and_copy_as_equal_values() -> None:
     for value in (load, brief, load.running[0]):
         assert pickle.loads(pickle.dumps(value)) == value
         assert copy.copy(value) == value and copy.deepcopy(value) == value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Plain:
+    name: str
+    count: int = 3
+    tags: tuple[str, ...] = dataclasses.field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            raise ValueError("count < 0")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, weakref_slot=True)
+class _WithWeakref:  # its slots are not its fields alone: no same-layout twin, each slot set through its descriptor
+    name: str
+    count: int = 3
+
+
+@pytest.mark.parametrize("cls", [_Plain, _WithWeakref])
+def test_the_trusted_constructor_builds_the_class_itself_without_validation(cls: Any) -> None:
+    from policy.types import _trusted_constructor
+
+    make = _trusted_constructor(cls)
+    made = make("a", 5)
+    assert type(made) is cls and made == cls("a", 5) and hash(made) == hash(cls("a", 5))
+    assert make("b") == cls("b")  # the declared default
+    assert make(count=7, name="c") == cls("c", 7)  # by keyword
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.count = 1  # still frozen
+    assert pickle.loads(pickle.dumps(made)) == made and copy.copy(made) == made
+    assert make("d", -1).count == -1  # no __post_init__: the caller vouches for the values
+    uses_twin = "_twin" in make.__globals__
+    assert uses_twin is (cls is _Plain)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _WithList:
+    name: str
+    items: list[int] = dataclasses.field(default_factory=list)
+
+
+def test_the_trusted_constructor_makes_each_default_factory_value_anew() -> None:
+    from policy.types import _trusted_constructor
+
+    make = _trusted_constructor(_WithList)
+    first, second = make("a"), make("b")
+    assert first.items == [] and second.items == [] and first.items is not second.items
+    assert make("c", [1]).items == [1] and type(first) is _WithList
