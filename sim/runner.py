@@ -328,7 +328,7 @@ def run_simulation(
         decode_runs=options.decode_runs,
         log=RequestLog(len(trace.requests)),
     )
-    graph = TopologyGraph(topo)
+    graph = TopologyGraph(topo, lazy=True)  # built at the first path asked for (a run may ask for none)
     executor = MigrationExecutor(cluster, graph, config.cost, LinkFlows())
     timing = SchedulingConfig(
         report_interval_s=options.report_interval_s,

@@ -60,27 +60,53 @@ def _instance_vertex(instance_id: str) -> str:
 class TopologyGraph:
     """Graph and widest-path queries over a :class:`Topology`.
 
-    Build cost: one networkx maximum spanning tree (Kruskal), O(E log E). ``path`` answers from the tree;
-    ``cache_max_entries`` bounds the per-pair answer cache (cleared when full).
+    Build cost: importing networkx (about 85 ms), then one maximum spanning tree (Kruskal), O(E log E). ``path``
+    answers from the tree; ``cache_max_entries`` bounds the per-pair answer cache (cleared when full).
+    ``lazy``: build on the first query (or read of :attr:`graph`, :attr:`tree`) instead of here; the simulator
+    does, since a run with no cross-domain move asks for no path. A topology that loaded always builds.
     """
 
-    def __init__(self, topo: Topology, *, cache_max_entries: int = 1_000_000) -> None:
-        import networkx as nx  # here, not at the top: importing PathInfo (the cost model does) needs no graph
-
+    def __init__(self, topo: Topology, *, cache_max_entries: int = 1_000_000, lazy: bool = False) -> None:
         self.topology = topo
-        self.graph: nx.Graph = _build_graph(topo)
-        self.tree: nx.Graph = nx.maximum_spanning_tree(self.graph, weight="capacity", algorithm="kruskal")
-        self._capacity: dict[str, float] = {
-            str(data["link"]): float(data["capacity"]) for _, _, data in self.graph.edges(data=True)
-        }
+        self._graph: nx.Graph | None = None  # with the tree and the index below, made by _build
         self._cache: dict[tuple[str, str], PathInfo] = {}
         self._cache_max = cache_max_entries
+        if not lazy:
+            self._build()
+
+    def _build(self) -> None:
+        """The graph, its maximum spanning tree, the link capacities and the tree's index."""
+        import networkx as nx  # here, not at the top: importing PathInfo (the cost model does) needs no graph
+
+        graph = _build_graph(self.topology)
+        self._tree: nx.Graph = nx.maximum_spanning_tree(graph, weight="capacity", algorithm="kruskal")
+        self._capacity: dict[str, float] = {
+            str(data["link"]): float(data["capacity"]) for _, _, data in graph.edges(data=True)
+        }
         self._index_tree()
+        self._graph = graph
+
+    @property
+    def graph(self) -> nx.Graph:
+        """The whole graph (module docstring)."""
+        if self._graph is None:
+            self._build()
+        assert self._graph is not None
+        return self._graph
+
+    @property
+    def tree(self) -> nx.Graph:
+        """A maximum spanning tree of :attr:`graph` by link capacity (its paths are widest paths)."""
+        if self._graph is None:
+            self._build()
+        return self._tree
 
     # ------------------------------------------------------------------------------------------ queries
 
     def link_capacity_bytes_per_s(self, link_id: str) -> float:
         """Capacity (bytes/s) of ``link_id``; KeyError naming the link if there is none."""
+        if self._graph is None:
+            self._build()
         try:
             return self._capacity[link_id]
         except KeyError:
@@ -89,6 +115,8 @@ class TopologyGraph:
     @property
     def link_ids(self) -> tuple[str, ...]:
         """Every link id of the graph (including the unbounded ``host:*`` links)."""
+        if self._graph is None:
+            self._build()
         return tuple(self._capacity)
 
     def path(self, src_instance_id: str, dst_instance_id: str) -> PathInfo:
@@ -111,7 +139,7 @@ class TopologyGraph:
 
     def _index_tree(self) -> None:
         """Root every tree component; store parent, depth, the edge to the parent (link id, capacity)."""
-        names = list(self.tree.nodes)
+        names = list(self._tree.nodes)
         self._vid: dict[str, int] = {name: i for i, name in enumerate(names)}
         n = len(names)
         self._names = names
@@ -120,7 +148,7 @@ class TopologyGraph:
         self._up_link = [""] * n
         self._up_cap = [math.inf] * n
         self._component = [-1] * n
-        adj = self.tree.adj
+        adj = self._tree.adj
         for comp, root in enumerate(v for v in names if self._component[self._vid[v]] < 0):
             if self._component[self._vid[root]] >= 0:
                 continue
@@ -145,6 +173,8 @@ class TopologyGraph:
         return self._vid[_instance_vertex(instance_id)]
 
     def _compute_path(self, src_id: str, dst_id: str) -> PathInfo:
+        if self._graph is None:
+            self._build()
         if src_id == dst_id:
             raise ValueError(f"source and destination are the same instance {src_id!r}")
         a, b = self._vertex(src_id), self._vertex(dst_id)

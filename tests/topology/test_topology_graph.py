@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from typing import Any
 
 import networkx as nx
@@ -148,3 +149,23 @@ def test_bad_queries() -> None:
     with pytest.raises(KeyError, match="unknown link 'nic:x'"):
         g.link_capacity_bytes_per_s("nic:x")
     assert math.isinf(g.link_capacity_bytes_per_s("host:node-0"))
+
+
+@pytest.mark.parametrize("first", ["path", "link_capacity", "link_ids", "graph", "tree"])
+def test_a_lazy_graph_builds_at_its_first_use_and_answers_as_an_eager_one(first: str) -> None:
+    topo = load_topology("2x8-a100")
+    eager, lazy = TopologyGraph(topo), TopologyGraph(topo, lazy=True)
+    assert lazy._graph is None  # nothing built yet
+    uses: dict[str, Callable[[TopologyGraph], object]] = {
+        "path": lambda g: g.path("node-0-i0", "node-1-i3"),
+        "link_capacity": lambda g: g.link_capacity_bytes_per_s("nic:node-1"),
+        "link_ids": lambda g: g.link_ids,
+        "graph": lambda g: sorted(g.graph.edges),
+        "tree": lambda g: sorted(g.tree.edges),
+    }
+    assert uses[first](lazy) == uses[first](eager)
+    assert lazy._graph is not None
+    for use in uses.values():  # every other query answers as the eager graph's, from the one build
+        assert use(lazy) == use(eager)
+    with pytest.raises(KeyError, match="nope"):
+        TopologyGraph(topo, lazy=True).path("nope", "node-0-i0")
