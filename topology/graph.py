@@ -60,7 +60,7 @@ def _instance_vertex(instance_id: str) -> str:
 class TopologyGraph:
     """Graph and widest-path queries over a :class:`Topology`.
 
-    Build cost: importing networkx (about 85 ms), then one maximum spanning tree (Kruskal), O(E log E). ``path``
+    Build cost: importing networkx, then one maximum spanning tree (Kruskal), O(E log E). ``path``
     answers from the tree; ``cache_max_entries`` bounds the per-pair answer cache (cleared when full).
     ``lazy``: build on the first query (or read of :attr:`graph`, :attr:`tree`) instead of here; the simulator
     does, since a run with no cross-domain move asks for no path. A topology that loaded always builds.
