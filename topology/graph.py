@@ -86,27 +86,29 @@ class TopologyGraph:
         self._index_tree()
         self._graph = graph
 
+    def _ensure_built(self) -> None:
+        """Build the graph now if it was not yet (a lazy graph's first query)."""
+        if self._graph is None:
+            self._build()
+
     @property
     def graph(self) -> nx.Graph:
         """The whole graph (module docstring)."""
-        if self._graph is None:
-            self._build()
+        self._ensure_built()
         assert self._graph is not None
         return self._graph
 
     @property
     def tree(self) -> nx.Graph:
         """A maximum spanning tree of :attr:`graph` by link capacity (its paths are widest paths)."""
-        if self._graph is None:
-            self._build()
+        self._ensure_built()
         return self._tree
 
     # ------------------------------------------------------------------------------------------ queries
 
     def link_capacity_bytes_per_s(self, link_id: str) -> float:
         """Capacity (bytes/s) of ``link_id``; KeyError naming the link if there is none."""
-        if self._graph is None:
-            self._build()
+        self._ensure_built()
         try:
             return self._capacity[link_id]
         except KeyError:
@@ -115,8 +117,7 @@ class TopologyGraph:
     @property
     def link_ids(self) -> tuple[str, ...]:
         """Every link id of the graph (including the unbounded ``host:*`` links)."""
-        if self._graph is None:
-            self._build()
+        self._ensure_built()
         return tuple(self._capacity)
 
     def path(self, src_instance_id: str, dst_instance_id: str) -> PathInfo:
@@ -173,8 +174,7 @@ class TopologyGraph:
         return self._vid[_instance_vertex(instance_id)]
 
     def _compute_path(self, src_id: str, dst_id: str) -> PathInfo:
-        if self._graph is None:
-            self._build()
+        self._ensure_built()
         if src_id == dst_id:
             raise ValueError(f"source and destination are the same instance {src_id!r}")
         a, b = self._vertex(src_id), self._vertex(dst_id)
