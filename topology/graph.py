@@ -63,7 +63,7 @@ class TopologyGraph:
     Build cost: importing networkx, then one maximum spanning tree (Kruskal), O(E log E). ``path``
     answers from the tree; ``cache_max_entries`` bounds the per-pair answer cache (cleared when full).
     ``lazy``: build on the first query (or read of :attr:`graph`, :attr:`tree`) instead of here; the simulator
-    does, since a run with no cross-domain move asks for no path. A topology that loaded always builds.
+    does, since a run with no cross-domain move asks for no path. Building cannot fail for a topology that loaded.
     """
 
     def __init__(self, topo: Topology, *, cache_max_entries: int = 1_000_000, lazy: bool = False) -> None:
