@@ -37,6 +37,26 @@ def prefix() -> str:
     return f"/t-{uuid.uuid4().hex[:8]}/"
 
 
+def _reap_failed_ray_start(exc: BaseException) -> None:
+    """Stop, and wait for, the processes a ``ray.init`` that raised ``exc`` left running.
+
+    Ray raises from ``ray._private.node.Node.__init__`` when its raylet misses the start-up wait, so no one
+    holds that node afterwards: its GCS, raylet and reaper keep running, and their ``Popen`` objects are
+    collected later in some test as "subprocess ... is still running" ``ResourceWarning`` s, which this
+    suite's ``filterwarnings = error`` turns into a failure there. The node is found in the traceback's
+    frames (its ``__init__``'s ``self``); nothing is done if it is not there.
+    """
+    from ray._private.node import Node
+
+    tb = exc.__traceback__
+    while tb is not None:
+        node = tb.tb_frame.f_locals.get("self")
+        if isinstance(node, Node):
+            node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+            return
+        tb = tb.tb_next
+
+
 @pytest.fixture(scope="session")
 def ray_session() -> Iterator[None]:
     """One local Ray for the whole test session (2 CPUs, no dashboard, no token authentication).
@@ -52,6 +72,7 @@ def ray_session() -> Iterator[None]:
     except Exception as exc:  # Ray's fixed 30 s wait for its raylet (ray/_private/node.py) passed: once more
         if "timed out during startup" not in str(exc):
             raise
+        _reap_failed_ray_start(exc)
         ray.shutdown()
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
