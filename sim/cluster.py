@@ -22,6 +22,7 @@ preemptions, migrations).
 
 from __future__ import annotations
 
+import array
 import bisect
 import itertools
 import math
@@ -72,7 +73,7 @@ class RequestState:
     last_token_s: float | None
     finish_s: float | None
     generated_tokens: int
-    token_gaps_s: list[float]
+    token_gaps_s: array.array[float]  # packed doubles: no float object per token to chase at the finish
     preemptions: int
     preempted_s: float
     preempted_at_s: float | None  # set while the request waits to be recomputed
@@ -90,7 +91,7 @@ class RequestState:
         self.last_token_s = None
         self.finish_s = None
         self.generated_tokens = 0
-        self.token_gaps_s = []
+        self.token_gaps_s = array.array("d")
         self.preemptions = 0
         self.preempted_s = 0.0
         self.preempted_at_s = None
@@ -100,8 +101,9 @@ class RequestState:
         self.prefix_hit_tokens = 0
         self.dispatched_instance_id = ""
 
-    def record(self) -> RequestRecord:
-        """Freeze this account into the report's RequestRecord."""
+    def record(self, with_gaps: bool = True) -> RequestRecord:
+        """Freeze this account into the report's RequestRecord (with ``token_gaps_s=()`` when not ``with_gaps``:
+        a request log takes them packed, :meth:`RequestLog.add`)."""
         t = self.trace
         return new_request_record(  # RequestRecord's fields, in order
             t.request_id,
@@ -112,7 +114,7 @@ class RequestState:
             self.generated_tokens,
             self.first_token_s,
             self.finish_s,
-            tuple(self.token_gaps_s),
+            tuple(self.token_gaps_s) if with_gaps else (),
             self.preemptions,
             self.preempted_s,
             self.migrations,
@@ -132,9 +134,9 @@ class _Run:
         self.run = run
         self.start_s = start_s  # when its first step started
         # the clock of step-by-step events: each step ends at (previous end) + d, summed in that order
-        ends = list(itertools.accumulate(run.durations_s, initial=start_s))
+        ends = array.array("d", itertools.accumulate(run.durations_s, initial=start_s))
         del ends[0]
-        self.end_times_s = ends  # end_times_s[j]: when step j (from 0) ends
+        self.end_times_s = ends  # end_times_s[j]: when step j (from 0) ends (packed doubles, as the durations)
         self.recorded = 0  # steps whose tokens are in the request accounts
         self.seq = seq  # the event queue's seq when the run started (orders ties, see _started_steps)
         # steps that had ended before the last time _started_steps looked (bisect_left of end_times_s at that
@@ -148,12 +150,12 @@ class _Run:
         """When the step-by-step event for the end of step ``step`` (from 0) would have been scheduled."""
         return self.start_s if step == 0 else self.end_times_s[step - 1]
 
-    def gaps_s(self, first: int, last: int) -> list[float]:
+    def gaps_s(self, first: int, last: int) -> array.array[float]:
         """The gaps between the ends of steps ``first`` .. ``last`` (from 0): ``end[j + 1] - end[j]`` for ``j`` in
         ``first`` .. ``last - 1``, seconds (computed when recorded: a cut run never needs those of its later
         steps)."""
         ends = self.end_times_s
-        return list(map(operator.sub, ends[first + 1 : last + 1], ends[first:last]))
+        return array.array("d", map(operator.sub, ends[first + 1 : last + 1], ends[first:last]))
 
 
 class ReportTicket:
@@ -800,7 +802,7 @@ class Cluster:
     def _retire(self, state: RequestState) -> None:
         """A final account goes to the log (with one) and leaves memory."""
         if self.log is not None:
-            self.log.add(state.index, state.record())
+            self.log.add(state.index, state.record(with_gaps=False), state.token_gaps_s)
             del self._accounts[state.trace.request_id]
 
     def refuse(self, req: TraceRequest, reason: str) -> None:

@@ -263,17 +263,23 @@ class RequestTotals:
             totals.add(i, rec)
         return totals
 
-    def add(self, index: int, rec: RequestRecord) -> None:
-        """Count the final record of the request at arrival position ``index`` (each index once)."""
+    def add(self, index: int, rec: RequestRecord, gaps_s: array.array[float] | None = None) -> None:
+        """Count the final record of the request at arrival position ``index`` (each index once); ``gaps_s``, when
+        given, are its token gaps packed (``array('d')``) in place of ``rec.token_gaps_s`` (see
+        :meth:`RequestLog.add`)."""
         if not 0 <= index < self.num_requests:
             raise IndexError(f"RequestTotals.add: index {index} outside 0..{self.num_requests - 1}")
         if (ttft := rec.ttft_s) is not None:
             self._ttft_s[index] = ttft
         if (e2e := rec.e2e_s) is not None:
             self._e2e_s[index] = e2e
-        gaps = rec.token_gaps_s
-        if gaps:  # packed in one C pass (array.extend goes item by item), then summed while in cache
+        gaps: Sequence[float] = rec.token_gaps_s
+        if gaps_s is not None:
+            gaps = gaps_s
+            self._gaps.extend(gaps_s)  # one copy of the doubles
+        elif gaps:  # packed in one C pass (array.extend goes item by item), then summed while in cache
             self._gaps.frombytes(struct.pack(f"{len(gaps)}d", *gaps))
+        if gaps:  # the same sum, in the same order, of the same doubles either way
             self._decode_mean_s[index] = sum(gaps) / len(gaps)
         self._preempted_s[index] = rec.preempted_s
         self._preemptions[index] = rec.preemptions
@@ -333,21 +339,33 @@ class RequestLog(Sequence["RequestRecord"]):
         self._read_since_write = False  # the file position is not at the end
         self._offset = array.array("q", [-1]) * num_requests  # where each record's row starts, -1: none yet
 
-    def add(self, index: int, rec: RequestRecord) -> None:
-        """Store the final record of the request at arrival position ``index`` (IndexError outside the log,
-        ValueError for an index already recorded)."""
+    def add(self, index: int, rec: RequestRecord, gaps_s: array.array[float] | None = None) -> None:
+        """Store the final record of the request at arrival position ``index``.
+
+        ``gaps_s``: its token gaps already packed as ``array('d')``, given in place of ``rec.token_gaps_s``, which
+        must then be empty; the simulator keeps a request's gaps packed while it runs, and so never makes a float
+        object per token (nor reads a run's worth of them back from memory when the request finishes).
+
+        Raises IndexError outside the log, ValueError for an index already recorded or for gaps given both ways.
+        """
         if not 0 <= index < len(self):
             raise IndexError(f"RequestLog.add: index {index} outside 0..{len(self) - 1}")
         if self._offset[index] >= 0:
             raise ValueError(f"RequestLog.add: request {rec.request_id!r} (index {index}) is already recorded")
-        row = pickle.dumps((self.totals.num_gaps, len(rec.token_gaps_s), _request_values(rec)), pickle.HIGHEST_PROTOCOL)
+        if gaps_s is None:
+            num_gaps = len(rec.token_gaps_s)
+        elif rec.token_gaps_s:
+            raise ValueError(f"RequestLog.add: request {rec.request_id!r} has token gaps in its record and in gaps_s")
+        else:
+            num_gaps = len(gaps_s)
+        row = pickle.dumps((self.totals.num_gaps, num_gaps, _request_values(rec)), pickle.HIGHEST_PROTOCOL)
         if self._read_since_write:  # a seek flushes the write buffer: only after a read moved the position
             self._spool.seek(self._end)
             self._read_since_write = False
         self._spool.write(row)
         self._offset[index] = self._end
         self._end += len(row)
-        self.totals.add(index, rec)
+        self.totals.add(index, rec, gaps_s)
 
     @property
     def spool_bytes(self) -> int:

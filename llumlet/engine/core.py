@@ -13,6 +13,7 @@ source ``resume``s. A request that finishes during pre-copy is simply finished o
 
 from __future__ import annotations
 
+import array
 import bisect
 from collections.abc import Callable, Sequence
 
@@ -72,11 +73,11 @@ class DecodeRun:
     def __init__(
         self,
         request_ids: tuple[str, ...],
-        durations_s: list[float],
+        durations_s: array.array[float],
         on_interrupt: Callable[[DecodeRun], None] | None,
     ) -> None:
         self.request_ids = request_ids  # the batch, in schedule order
-        self.durations_s = durations_s  # seconds, one per planned step
+        self.durations_s = durations_s  # seconds, one per planned step (packed doubles)
         self.steps = len(durations_s)  # steps in the run (shrinks when cut)
         self.applied = 0  # steps already in the engine's state, 1..steps once started
         self.finished: tuple[str, ...] = ()  # requests that finished in the last step (once applied)

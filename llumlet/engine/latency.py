@@ -21,6 +21,7 @@ Splitwise (Mutinifni/splitwise-sim, MIT).
 
 from __future__ import annotations
 
+import array
 import bisect
 import dataclasses
 import json
@@ -155,14 +156,16 @@ class LatencyModel:
             ms += self.prefill_overhead_ms
         return ms / 1000.0
 
-    def decode_step_times_s(self, num_seqs: int, first_kv_tokens: int, num_steps: int) -> list[float]:
+    def decode_step_times_s(self, num_seqs: int, first_kv_tokens: int, num_steps: int) -> array.array[float]:
         """Durations (seconds) of ``num_steps`` consecutive pure decode steps of the same ``num_seqs`` requests.
 
         Each request gains one token of context per step, so step ``j`` (from 0) reads
         ``first_kv_tokens + j * num_seqs`` KV tokens in total. Step ``j`` lasts exactly (bit for bit, the
         same floating-point operations in the same order) ``step_time_s([], contexts_j)``:
         ``(k · (token_ms(B) + D0 + D1 · Σkv_j) + a + e · B) / 1000`` — the closed form of the model above
-        for a decode-only batch, with the terms that do not depend on ``j`` computed once.
+        for a decode-only batch, with the terms that do not depend on ``j`` computed once. Packed doubles
+        (``array('d')``): a run plans more steps than it often lives, and a simulated cluster of thousands of
+        instances holds thousands of runs, so no float object per step to allocate, collect and free cold.
 
         Raises ValueError for ``num_seqs < 1``, ``first_kv_tokens < num_seqs`` (a context is >= 1 token) or
         ``num_steps < 0``.
@@ -175,10 +178,13 @@ class LatencyModel:
         token_ms = self.token_time_ms(num_seqs)
         overhead_ms = self.step_overhead_ms + self.per_seq_overhead_ms * num_seqs
         k, d0, d1 = self.gpu_scale, self.decode_attn_fixed_ms, self.decode_attn_ms_per_kv_token
-        return [
-            (k * (token_ms + (d0 + d1 * kv)) + overhead_ms) / 1000.0
-            for kv in range(first_kv_tokens, first_kv_tokens + num_steps * num_seqs, num_seqs)
-        ]
+        return array.array(
+            "d",
+            [
+                (k * (token_ms + (d0 + d1 * kv)) + overhead_ms) / 1000.0
+                for kv in range(first_kv_tokens, first_kv_tokens + num_steps * num_seqs, num_seqs)
+            ],
+        )
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> LatencyModel:

@@ -197,6 +197,7 @@ def test_a_run_ends_at_the_first_finish_and_before_a_block_the_free_list_lacks()
 def test_decode_step_times_equal_step_time_bit_for_bit() -> None:
     for num_seqs, first_kv in ((1, 1), (7, 900), (64, 40_000), (255, 500_000)):
         times = LATENCY.decode_step_times_s(num_seqs, first_kv, 5)
+        assert len(times) == 5 and times.typecode == "d"
         for j, t in enumerate(times):
             contexts = [first_kv // num_seqs + j] * (num_seqs - 1)
             contexts.append(first_kv + j * num_seqs - sum(contexts))

@@ -11,6 +11,7 @@ cached prefix or recompute it), whole-prompt admission, priorities, a drain and 
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import functools
 import random
@@ -308,15 +309,15 @@ def test_a_runs_step_ends_and_gaps_are_the_step_by_step_clock() -> None:
     its gaps between steps ``first`` .. ``last`` are the differences of those end times, bit for bit."""
     rng = random.Random(3)
     for _ in range(50):
-        durations = [rng.uniform(1e-4, 0.2) for _ in range(rng.randint(1, 60))]
+        durations = array.array("d", [rng.uniform(1e-4, 0.2) for _ in range(rng.randint(1, 60))])
         start = rng.uniform(0.0, 5e4)
         flight = _Run(DecodeRun(("a", "b"), durations, None), start, seq=7)
         ends, t = [], start
         for d in durations:
             t += d
             ends.append(t)
-        assert flight.end_times_s == ends
+        assert flight.end_times_s.tolist() == ends
         assert [flight.scheduled_s(j) for j in range(len(ends))] == [start, *ends[:-1]]
         for first in range(len(ends)):
             for last in range(first, len(ends)):
-                assert flight.gaps_s(first, last) == [ends[j + 1] - ends[j] for j in range(first, last)]
+                assert flight.gaps_s(first, last).tolist() == [ends[j + 1] - ends[j] for j in range(first, last)]

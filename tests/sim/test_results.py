@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import enum
 import json
@@ -374,6 +375,26 @@ def test_a_request_log_refuses_a_second_record_and_names_a_missing_one() -> None
         log[0]
     with pytest.raises(IndexError, match="index 4 outside"):
         log.add(4, run.requests[0])
+
+
+def test_a_request_log_takes_token_gaps_packed_as_the_same_record() -> None:
+    """The simulator hands a log each request's gaps as ``array('d')`` beside a record without them: the log then
+    reads back, and totals up, exactly what it does for the whole record."""
+    run = hand_run()
+    whole, packed = RequestLog(4), RequestLog(4)
+    for i in (2, 0, 3, 1):
+        rec = run.requests[i]
+        whole.add(i, rec)
+        packed.add(i, dataclasses.replace(rec, token_gaps_s=()), array.array("d", rec.token_gaps_s))
+    assert list(packed) == list(whole) == list(run.requests)
+    assert packed.totals.gaps_s.tolist() == whole.totals.gaps_s.tolist() == [0.05, 0.01, 0.02, 0.04, 0.03]
+    assert summarize(dataclasses.replace(run, requests=packed)) == summarize(run)
+    log = RequestLog(2)
+    with pytest.raises(ValueError, match="'r1' has token gaps in its record and in gaps_s"):
+        log.add(1, run.requests[1], array.array("d", [0.5]))
+    assert log.totals.num_gaps == 0 and log.spool_bytes == 0  # nothing half-done
+    with pytest.raises(LookupError, match="request 1 has no record yet"):
+        log[1]
 
 
 def test_a_request_log_keeps_a_few_numbers_per_request_in_memory() -> None:
