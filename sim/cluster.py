@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from llumlet.engine.core import DecodeRun, EngineCore
-from llumlet.engine.latency import LatencyModel
+from llumlet.engine.latency import LatencyModel, packed_doubles
 from llumlet.engine.scheduler import Admission, SchedulingPolicy
 from llumlet.engine.types import EngineRequest, StepResult
 from policy.load import InstanceLoad
@@ -134,9 +134,9 @@ class _Run:
         self.run = run
         self.start_s = start_s  # when its first step started
         # the clock of step-by-step events: each step ends at (previous end) + d, summed in that order
-        ends = array.array("d", itertools.accumulate(run.durations_s, initial=start_s))
+        ends = list(itertools.accumulate(run.durations_s, initial=start_s))
         del ends[0]
-        self.end_times_s = ends  # end_times_s[j]: when step j (from 0) ends (packed doubles, as the durations)
+        self.end_times_s = packed_doubles(ends)  # end_times_s[j]: when step j (from 0) ends (packed, as durations_s)
         self.recorded = 0  # steps whose tokens are in the request accounts
         self.seq = seq  # the event queue's seq when the run started (orders ties, see _started_steps)
         # steps that had ended before the last time _started_steps looked (bisect_left of end_times_s at that
@@ -154,8 +154,8 @@ class _Run:
         """The gaps between the ends of steps ``first`` .. ``last`` (from 0): ``end[j + 1] - end[j]`` for ``j`` in
         ``first`` .. ``last - 1``, seconds (computed when recorded: a cut run never needs those of its later
         steps)."""
-        ends = self.end_times_s
-        return array.array("d", map(operator.sub, ends[first + 1 : last + 1], ends[first:last]))
+        ends = self.end_times_s[first : last + 1].tolist()
+        return packed_doubles(list(map(operator.sub, ends[1:], ends[:-1])))
 
 
 class ReportTicket:

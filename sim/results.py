@@ -21,6 +21,7 @@ numpy's default ``method="linear"``). An empty sample gives ``None``, never NaN.
 from __future__ import annotations
 
 import array
+import bisect
 import dataclasses
 import enum
 import json
@@ -192,6 +193,7 @@ new_request_record: Callable[..., RequestRecord] = _trusted_constructor(RequestR
 """``RequestRecord(...)`` at a third of the cost, for the simulator's one record per request: it sets the slots
 directly (a frozen dataclass's ``__init__`` goes through ``object.__setattr__``); positional, in field order."""
 _OPTIONAL_REQUEST = frozenset({"prefix_hit_tokens", "dispatched_instance_id"})  # absent in older files
+_GAP_CHUNK = 1 << 17  # token gaps per chunk of RequestTotals' gaps (1 MiB of doubles)
 
 
 def _request_dict(rec: RequestRecord) -> dict[str, Any]:
@@ -223,6 +225,11 @@ class RequestTotals:
     every request in the order the requests were added (``gaps_s``). Memory: 59 bytes per request
     (seven 8-byte columns, three 1-byte flags) and 8 bytes per token gap.
 
+    The gaps are stored in chunks of about ``_GAP_CHUNK`` doubles (1 MiB; a request's gaps never straddle two), not
+    in one growing array: an array grows by 1/16 at a time, and each growth copies all of it, which for a
+    long run's tens of megabytes of gaps is many times their size in memory traffic, far outside the CPU's
+    caches. ``gaps_s`` joins the chunks once when read.
+
     Raises ValueError for a negative ``num_requests``, IndexError for an index out of range.
     """
 
@@ -252,7 +259,10 @@ class RequestTotals:
         self.refused = np.frombuffer(self._refused, dtype=np.bool_)
         self.prompt_tokens = np.frombuffer(self._prompt_tokens, dtype=np.int64)
         self.prefix_hit_tokens = np.frombuffer(self._prefix_hit_tokens, dtype=np.int64)  # reused from a prefix cache
-        self._gaps = array.array("d")
+        self._gaps = array.array("d")  # the chunk being filled
+        self._full_chunks: list[array.array[float]] = []  # the chunks before it, in order
+        self._chunk_starts: list[int] = [0]  # where each chunk (the full ones, then _gaps) starts in gaps_s
+        self._joined: np.ndarray[Any, np.dtype[np.float64]] | None = None  # gaps_s, joined at its last read
         self.max_finish_s = 0.0  # the latest finish_s, 0 before any
 
     @classmethod
@@ -274,6 +284,10 @@ class RequestTotals:
         if (e2e := rec.e2e_s) is not None:
             self._e2e_s[index] = e2e
         gaps: Sequence[float] = rec.token_gaps_s
+        if len(self._gaps) >= _GAP_CHUNK:  # a new chunk before this request's gaps, so that they are in one
+            self._chunk_starts.append(self._chunk_starts[-1] + len(self._gaps))
+            self._full_chunks.append(self._gaps)
+            self._gaps = array.array("d")
         if gaps_s is not None:
             gaps = gaps_s
             self._gaps.extend(gaps_s)  # one copy of the doubles
@@ -281,6 +295,7 @@ class RequestTotals:
             self._gaps.frombytes(struct.pack(f"{len(gaps)}d", *gaps))
         if gaps:  # the same sum, in the same order, of the same doubles either way
             self._decode_mean_s[index] = sum(gaps) / len(gaps)
+            self._joined = None
         self._preempted_s[index] = rec.preempted_s
         self._preemptions[index] = rec.preemptions
         self._high_priority[index] = rec.priority >= HIGH_PRIORITY_MIN
@@ -294,12 +309,30 @@ class RequestTotals:
     @property
     def num_gaps(self) -> int:
         """Token gaps added so far (the length of :attr:`gaps_s`)."""
-        return len(self._gaps)
+        return self._chunk_starts[-1] + len(self._gaps)
 
     @property
     def gaps_s(self) -> np.ndarray[Any, np.dtype[np.float64]]:
-        """Every token gap (TBT sample) of every request added, seconds (a view, no copy)."""
-        return np.frombuffer(self._gaps, dtype=np.float64)
+        """Every token gap (TBT sample) of every request added, seconds, shape (num_gaps,): a view of the one chunk
+        while there is one, else the chunks joined into one array (a copy, made once and kept until the next add).
+        """
+        if not self._full_chunks:
+            return np.frombuffer(self._gaps, dtype=np.float64)
+        if self._joined is None:
+            self._joined = np.concatenate(
+                [np.frombuffer(c, dtype=np.float64) for c in (*self._full_chunks, self._gaps)]
+            )
+        return self._joined
+
+    def gaps_of(self, start: int, count: int) -> tuple[float, ...]:
+        """The ``count`` gaps from position ``start`` of :attr:`gaps_s` that one request added (they lie in one
+        chunk), without joining the chunks. Raises IndexError outside the gaps added."""
+        if start < 0 or count < 0 or start + count > self.num_gaps:
+            raise IndexError(f"RequestTotals.gaps_of: {count} gaps from {start}, outside 0..{self.num_gaps}")
+        k = bisect.bisect_right(self._chunk_starts, start) - 1
+        chunk = self._gaps if k == len(self._full_chunks) else self._full_chunks[k]
+        offset = start - self._chunk_starts[k]
+        return tuple(chunk[offset : offset + count])
 
 
 _request_values = operator.attrgetter(*_REQUEST_FIELDS)  # a record's stored fields, in _REQUEST_FIELDS order
@@ -380,7 +413,7 @@ class RequestLog(Sequence["RequestRecord"]):
         self._spool.seek(offset)
         self._read_since_write = True
         gap_start, gap_count, values = pickle.load(self._spool)  # our own spool (written by add); reads one row
-        token_gaps_s = tuple(self.totals.gaps_s[gap_start : gap_start + gap_count].tolist()) if gaps else ()
+        token_gaps_s = self.totals.gaps_of(gap_start, gap_count) if gaps else ()
         return RequestRecord(**dict(zip(_REQUEST_FIELDS, values, strict=True)), token_gaps_s=token_gaps_s)
 
     def json_line(self, index: int) -> str:

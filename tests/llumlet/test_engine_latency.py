@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import array
 import json
+import math
+import random
+import struct
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,7 @@ from llumlet.engine.latency import (
     LatencyModel,
     UnsupportedLatencyModelError,
     load_latency_model,
+    packed_doubles,
     supported_latency_models,
 )
 
@@ -137,3 +142,14 @@ def test_calibration_muxserve_mape_within_documented_bound() -> None:
     for key, value in mape.items():
         assert value < MUXSERVE_GROUP_MAPE_BOUND, f"{key}: MAPE {value:.1%}"
     assert sum(mape.values()) / len(mape) < MUXSERVE_OVERALL_MAPE_BOUND
+
+
+def test_packed_doubles_are_the_arrays_own_doubles() -> None:
+    rng = random.Random(5)
+    for n in (0, 1, 7, 200, 5000):  # 5000: past the lengths whose packer is kept
+        values = [rng.uniform(-1e300, 1e300) for _ in range(n)] + [math.inf, -0.0, 5e-324][: min(n, 3)]
+        packed = packed_doubles(values)
+        assert packed.typecode == "d" and packed.tobytes() == array.array("d", values).tobytes()
+    assert packed_doubles((0.25, 1)).tolist() == [0.25, 1.0]  # any sequence; an int is a real number
+    with pytest.raises(struct.error):
+        packed_doubles(["0.5"])  # type: ignore[list-item]

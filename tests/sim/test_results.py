@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import sim.results as results_module
 from sim.results import (
     SCHEMA_VERSION,
     KvTimeline,
@@ -375,6 +376,28 @@ def test_a_request_log_refuses_a_second_record_and_names_a_missing_one() -> None
         log[0]
     with pytest.raises(IndexError, match="index 4 outside"):
         log.add(4, run.requests[0])
+
+
+def test_request_totals_keep_gaps_in_chunks_and_read_them_back_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With chunks of 3 gaps, records of 0-4 gaps: a request's gaps stay in one chunk, ``gaps_s`` is every gap in
+    the order added, and the log reads each record back with its own gaps, before and after more adds."""
+    monkeypatch.setattr(results_module, "_GAP_CHUNK", 3)
+    records = [
+        req(f"r{i}", arrival_s=float(i), gaps=tuple(0.001 * (10 * i + k) for k in range(i % 5))) for i in range(12)
+    ]
+    log = RequestLog(len(records))
+    for i, rec in enumerate(records[:6]):
+        log.add(i, rec)
+    assert log[4] == records[4] and log.totals.gaps_s.tolist() == [g for r in records[:6] for g in r.token_gaps_s]
+    for i, rec in enumerate(records[6:], start=6):
+        log.add(i, dataclasses.replace(rec, token_gaps_s=()), array.array("d", rec.token_gaps_s))
+    totals = log.totals
+    every = [g for r in records for g in r.token_gaps_s]
+    assert len(totals._full_chunks) >= 5 and totals.num_gaps == len(every) == 21
+    assert totals.gaps_s.tolist() == every and totals.gaps_s is totals.gaps_s  # joined once, then kept
+    assert list(log) == records
+    with pytest.raises(IndexError, match=r"2 gaps from 20, outside 0\.\.21"):
+        totals.gaps_of(20, 2)
 
 
 def test_a_request_log_takes_token_gaps_packed_as_the_same_record() -> None:
