@@ -275,10 +275,13 @@ class RequestTotals:
 
     def add(self, index: int, rec: RequestRecord, gaps_s: array.array[float] | None = None) -> None:
         """Count the final record of the request at arrival position ``index`` (each index once); ``gaps_s``, when
-        given, are its token gaps packed (``array('d')``) in place of ``rec.token_gaps_s`` (see
-        :meth:`RequestLog.add`)."""
+        given, are its token gaps packed (``array('d')``) in place of ``rec.token_gaps_s``, which must then be empty
+        (see :meth:`RequestLog.add`). Raises IndexError for an index out of range, ValueError for gaps given both
+        ways (nothing counted then)."""
         if not 0 <= index < self.num_requests:
             raise IndexError(f"RequestTotals.add: index {index} outside 0..{self.num_requests - 1}")
+        if gaps_s is not None and rec.token_gaps_s:
+            raise ValueError(f"RequestTotals.add: request {rec.request_id!r} has token gaps in its record and gaps_s")
         if (ttft := rec.ttft_s) is not None:
             self._ttft_s[index] = ttft
         if (e2e := rec.e2e_s) is not None:

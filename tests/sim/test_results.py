@@ -416,6 +416,9 @@ def test_a_request_log_takes_token_gaps_packed_as_the_same_record() -> None:
     with pytest.raises(ValueError, match="'r1' has token gaps in its record and in gaps_s"):
         log.add(1, run.requests[1], array.array("d", [0.5]))
     assert log.totals.num_gaps == 0 and log.spool_bytes == 0  # nothing half-done
+    with pytest.raises(ValueError, match=r"RequestTotals\.add: request 'r1' has token gaps in its record and gaps_s"):
+        log.totals.add(1, run.requests[1], array.array("d", [0.5]))
+    assert log.totals.num_gaps == 0 and math.isnan(log.totals.ttft_s[1])
     with pytest.raises(LookupError, match="request 1 has no record yet"):
         log[1]
 
