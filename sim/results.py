@@ -223,7 +223,8 @@ class RequestTotals:
     store): TTFT, end-to-end latency and mean TBT in seconds (NaN: no value), preemption time in
     seconds, preemption counts, prompt and prefix-hit tokens, and three flags; plus every token gap of
     every request in the order the requests were added (``gaps_s``). Memory: 59 bytes per request
-    (seven 8-byte columns, three 1-byte flags) and 8 bytes per token gap.
+    (seven 8-byte columns, three 1-byte flags) and 8 bytes per token gap, 16 once ``gaps_s`` has been read (its
+    joined copy is kept until the next add).
 
     The gaps are stored in chunks of about ``_GAP_CHUNK`` doubles (1 MiB; a request's gaps never straddle two), not
     in one growing array: an array grows by 1/16 at a time, and each growth copies all of it, which for a
@@ -276,29 +277,28 @@ class RequestTotals:
     def add(self, index: int, rec: RequestRecord, gaps_s: array.array[float] | None = None) -> None:
         """Count the final record of the request at arrival position ``index`` (each index once); ``gaps_s``, when
         given, are its token gaps packed (``array('d')``) in place of ``rec.token_gaps_s``, which must then be empty
-        (see :meth:`RequestLog.add`). Raises IndexError for an index out of range, ValueError for gaps given both
-        ways (nothing counted then)."""
+        (see :meth:`RequestLog.add`). Raises IndexError for an index out of range, TypeError for ``gaps_s`` not an
+        ``array('d')``, ValueError for gaps given both ways, struct.error for a gap that is not a real number
+        (nothing counted then)."""
         if not 0 <= index < self.num_requests:
             raise IndexError(f"RequestTotals.add: index {index} outside 0..{self.num_requests - 1}")
-        if gaps_s is not None and rec.token_gaps_s:
-            raise ValueError(f"RequestTotals.add: request {rec.request_id!r} has token gaps in its record and gaps_s")
+        _check_packed_gaps("RequestTotals.add", rec, gaps_s)
+        gaps: Sequence[float] = rec.token_gaps_s if gaps_s is None else gaps_s
+        if gaps:  # the gaps first: packing a bad one raises before anything is counted
+            if len(self._gaps) >= _GAP_CHUNK:  # a new chunk before this request's gaps, so that they are in one
+                self._chunk_starts.append(self._chunk_starts[-1] + len(self._gaps))
+                self._full_chunks.append(self._gaps)
+                self._gaps = array.array("d")
+            if gaps_s is not None:
+                self._gaps.extend(gaps_s)  # one copy of the doubles
+            else:  # packed in one C pass (array.extend goes item by item), then summed while in cache
+                self._gaps.frombytes(struct.pack(f"{len(gaps)}d", *gaps))
+            self._decode_mean_s[index] = sum(gaps) / len(gaps)  # the same sum, in the same order, either way
+            self._joined = None
         if (ttft := rec.ttft_s) is not None:
             self._ttft_s[index] = ttft
         if (e2e := rec.e2e_s) is not None:
             self._e2e_s[index] = e2e
-        gaps: Sequence[float] = rec.token_gaps_s
-        if len(self._gaps) >= _GAP_CHUNK:  # a new chunk before this request's gaps, so that they are in one
-            self._chunk_starts.append(self._chunk_starts[-1] + len(self._gaps))
-            self._full_chunks.append(self._gaps)
-            self._gaps = array.array("d")
-        if gaps_s is not None:
-            gaps = gaps_s
-            self._gaps.extend(gaps_s)  # one copy of the doubles
-        elif gaps:  # packed in one C pass (array.extend goes item by item), then summed while in cache
-            self._gaps.frombytes(struct.pack(f"{len(gaps)}d", *gaps))
-        if gaps:  # the same sum, in the same order, of the same doubles either way
-            self._decode_mean_s[index] = sum(gaps) / len(gaps)
-            self._joined = None
         self._preempted_s[index] = rec.preempted_s
         self._preemptions[index] = rec.preemptions
         self._high_priority[index] = rec.priority >= HIGH_PRIORITY_MIN
@@ -316,11 +316,9 @@ class RequestTotals:
 
     @property
     def gaps_s(self) -> np.ndarray[Any, np.dtype[np.float64]]:
-        """Every token gap (TBT sample) of every request added, seconds, shape (num_gaps,): a view of the one chunk
-        while there is one, else the chunks joined into one array (a copy, made once and kept until the next add).
-        """
-        if not self._full_chunks:
-            return np.frombuffer(self._gaps, dtype=np.float64)
+        """Every token gap (TBT sample) of every request added, seconds, shape (num_gaps,): the chunks joined into one
+        array, a copy made at the first read and kept until the next add (never a view of a chunk: an exported
+        buffer would keep the chunk being filled from growing)."""
         if self._joined is None:
             self._joined = np.concatenate(
                 [np.frombuffer(c, dtype=np.float64) for c in (*self._full_chunks, self._gaps)]
@@ -336,6 +334,18 @@ class RequestTotals:
         chunk = self._gaps if k == len(self._full_chunks) else self._full_chunks[k]
         offset = start - self._chunk_starts[k]
         return tuple(chunk[offset : offset + count])
+
+
+def _check_packed_gaps(where: str, rec: RequestRecord, gaps_s: object) -> None:
+    """Refuse packed gaps that are not an ``array('d')`` (TypeError) or that come beside gaps in the record
+    (ValueError); ``None`` (no packed gaps) passes."""
+    if gaps_s is None:
+        return
+    if not isinstance(gaps_s, array.array) or gaps_s.typecode != "d":
+        kind = f"array('{gaps_s.typecode}')" if isinstance(gaps_s, array.array) else type(gaps_s).__name__
+        raise TypeError(f"{where}: gaps_s of request {rec.request_id!r} must be an array('d') of seconds, got {kind}")
+    if rec.token_gaps_s:
+        raise ValueError(f"{where}: request {rec.request_id!r} has token gaps in its record and in gaps_s")
 
 
 _request_values = operator.attrgetter(*_REQUEST_FIELDS)  # a record's stored fields, in _REQUEST_FIELDS order
@@ -382,26 +392,24 @@ class RequestLog(Sequence["RequestRecord"]):
         must then be empty; the simulator keeps a request's gaps packed while it runs, and so never makes a float
         object per token (nor reads a run's worth of them back from memory when the request finishes).
 
-        Raises IndexError outside the log, ValueError for an index already recorded or for gaps given both ways.
+        Raises IndexError outside the log, ValueError for an index already recorded or for gaps given both ways,
+        TypeError for ``gaps_s`` not an ``array('d')``, struct.error for a gap that is not a real number; nothing is
+        stored then.
         """
         if not 0 <= index < len(self):
             raise IndexError(f"RequestLog.add: index {index} outside 0..{len(self) - 1}")
         if self._offset[index] >= 0:
             raise ValueError(f"RequestLog.add: request {rec.request_id!r} (index {index}) is already recorded")
-        if gaps_s is None:
-            num_gaps = len(rec.token_gaps_s)
-        elif rec.token_gaps_s:
-            raise ValueError(f"RequestLog.add: request {rec.request_id!r} has token gaps in its record and in gaps_s")
-        else:
-            num_gaps = len(gaps_s)
+        _check_packed_gaps("RequestLog.add", rec, gaps_s)
+        num_gaps = len(rec.token_gaps_s) if gaps_s is None else len(gaps_s)
         row = pickle.dumps((self.totals.num_gaps, num_gaps, _request_values(rec)), pickle.HIGHEST_PROTOCOL)
+        self.totals.add(index, rec, gaps_s)  # raises (for a gap that is not a number) before it counts anything
         if self._read_since_write:  # a seek flushes the write buffer: only after a read moved the position
             self._spool.seek(self._end)
             self._read_since_write = False
         self._spool.write(row)
         self._offset[index] = self._end
         self._end += len(row)
-        self.totals.add(index, rec, gaps_s)
 
     @property
     def spool_bytes(self) -> int:

@@ -9,6 +9,7 @@ import json
 import math
 import pickle
 import re
+import struct
 import tracemalloc
 from pathlib import Path
 
@@ -416,11 +417,22 @@ def test_a_request_log_takes_token_gaps_packed_as_the_same_record() -> None:
     with pytest.raises(ValueError, match="'r1' has token gaps in its record and in gaps_s"):
         log.add(1, run.requests[1], array.array("d", [0.5]))
     assert log.totals.num_gaps == 0 and log.spool_bytes == 0  # nothing half-done
-    with pytest.raises(ValueError, match=r"RequestTotals\.add: request 'r1' has token gaps in its record and gaps_s"):
+    with pytest.raises(ValueError, match=r"RequestTotals\.add: request 'r1' has token gaps in its record and in"):
         log.totals.add(1, run.requests[1], array.array("d", [0.5]))
-    assert log.totals.num_gaps == 0 and math.isnan(log.totals.ttft_s[1])
-    with pytest.raises(LookupError, match="request 1 has no record yet"):
-        log[1]
+    bare = dataclasses.replace(run.requests[1], token_gaps_s=())
+    for bad, kind in ((array.array("f", [0.5]), r"array\('f'\)"), (np.array([0.5, 0.25]), "ndarray")):
+        with pytest.raises(
+            TypeError, match=rf"RequestLog\.add: gaps_s of request 'r1' must be an array\('d'\).*{kind}"
+        ):
+            log.add(1, bare, bad)  # type: ignore[arg-type]
+    with pytest.raises(struct.error):
+        log.add(1, dataclasses.replace(bare, token_gaps_s=(0.5, "x")))  # type: ignore[arg-type]
+    assert log.totals.num_gaps == 0 and math.isnan(log.totals.ttft_s[1]) and log.spool_bytes == 0  # nothing stored
+    held = log.totals.gaps_s  # holding the gaps read so far never keeps the log from growing
+    log.add(1, bare, array.array("d", [0.5]))
+    assert log[1].token_gaps_s == (0.5,) and held.size == 0 and log.totals.gaps_s.tolist() == [0.5]
+    with pytest.raises(LookupError, match="request 0 has no record yet"):
+        log[0]
 
 
 def test_a_request_log_keeps_a_few_numbers_per_request_in_memory() -> None:
