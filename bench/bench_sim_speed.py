@@ -97,8 +97,8 @@ def main() -> None:
         _, _, sim_s, steps = runs[0]
         count = n * requests_per_instance
         print(
-            f"{n:>9} {count:>9} {per_request_us(n, cpu):>11.0f} {statistics.median(ratios):>8.2f}x {cpu:>8.1f} "
-            f"{wall:>8.1f} {sim_s:>7.1f} {sim_s / cpu:>12.1f} {steps:>10}",
+            f"{n:>9} {count:>9} {per_request_us(n, cpu):>11.0f} {statistics.median(ratios):>8.2f}x {cpu:>8.2f} "
+            f"{wall:>8.2f} {sim_s:>7.1f} {sim_s / cpu:>12.1f} {steps:>10}",
             flush=True,
         )
     if len(sizes) > 1:
