@@ -375,7 +375,10 @@ def run_simulation(
             live=ctx.live,
         )
 
+    arrivals = iter(trace.requests)
+
     def arrive(req: TraceRequest) -> None:
+        schedule_arrival()
         cluster.admit(req)
         decision = scheduler.dispatch(req)
         if decision.target_id is None:
@@ -384,8 +387,16 @@ def run_simulation(
         else:
             cluster.submit(req, decision.target_id)
 
-    for req in trace.requests:
-        queue.schedule(req.arrival_s, EventKind.ARRIVAL, functools.partial(arrive, req))
+    def schedule_arrival() -> None:
+        # One arrival in the queue at a time, the next one scheduled as this one arrives: a trace's whole arrival
+        # list in the heap made it (and the cost of every event) grow with the trace. Arrivals are the only
+        # events of their kind and all count as scheduled at 0 s, so they keep the order they had all scheduled
+        # up front (sim.events: ties go by kind, then scheduled_s).
+        req = next(arrivals, None)
+        if req is not None:
+            queue.schedule(req.arrival_s, EventKind.ARRIVAL, functools.partial(arrive, req), scheduled_s=0.0)
+
+    schedule_arrival()
     for instance_id, at_s in drains:
         queue.schedule(at_s, EventKind.SCRIPTED, functools.partial(_drain, cluster, instance_id))
     for instance_id, at_s in scale_outs:
