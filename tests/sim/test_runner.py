@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import gc
 import re
+from typing import Any
 
 import pytest
 from sim_factories import make_trace, tiny_topology
 
+from sim.events import EventKind, EventQueue
 from sim.results import SimRun, summarize
 from sim.runner import SimSpec, fit_to_context, run_simulation
 from sim.schedulers import POLICY_NAMES
@@ -92,6 +94,30 @@ def test_the_collector_settings_are_restored_after_a_run() -> None:
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_the_queue_holds_one_arrival_at_a_time_in_trace_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Arrivals are fed one at a time (the next scheduled as one arrives), and requests arriving at the same
+    instant are still dispatched in trace order: round-robin gives them the instances it gives requests
+    arriving a nanosecond apart."""
+    arrivals_queued: list[int] = []
+    schedule = EventQueue.schedule
+
+    def counting(self: EventQueue, time_s: float, kind: EventKind, action: Any, *, scheduled_s: Any = None) -> None:
+        schedule(self, time_s, kind, action, scheduled_s=scheduled_s)
+        arrivals_queued.append(sum(1 for entry in self._heap if entry[1] == EventKind.ARRIVAL))
+
+    monkeypatch.setattr(EventQueue, "schedule", counting)
+    rows = [(0.0, 100, 10), (0.0, 50, 5), (0.0, 60, 5), (0.0, 70, 3), (0.5, 80, 4)]
+    apart = [(a + i * 1e-9, p, o) for i, (a, p, o) in enumerate(rows)]
+    placed = []
+    for trace_rows in (rows, apart):
+        spec = SimSpec(topology="tiny", trace="hand", policy="round-robin")
+        run = run_simulation(spec, trace=make_trace(trace_rows), topology=tiny_topology())
+        assert [r.request_id for r in run.requests] == ["r0", "r1", "r2", "r3", "r4"]
+        placed.append([r.dispatched_instance_id for r in run.requests])
+    assert max(arrivals_queued) == 1
+    assert placed[0] == placed[1] and len(set(placed[0][:4])) == 4
 
 
 def test_a_request_no_instance_can_ever_hold_is_refused_with_a_reason() -> None:
