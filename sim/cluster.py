@@ -196,7 +196,13 @@ class SimInstance:
     """
 
     def __init__(
-        self, spec: InstanceSpec, engine: EngineCore, active: bool, sync: Callable[[SimInstance], None]
+        self,
+        spec: InstanceSpec,
+        engine: EngineCore,
+        active: bool,
+        sync: Callable[[SimInstance], None],
+        kv_times_s: list[float],
+        kv_fill: Callable[[SimInstance], None],
     ) -> None:
         self.spec = spec
         self.instance_id = spec.instance_id  # read at every load report: a plain attribute, not a property
@@ -216,7 +222,13 @@ class SimInstance:
         self._load: tuple[int, InstanceLoad] | None = None  # (load version, the detailed report of it)
         self._brief: tuple[int, InstanceLoad] | None = None  # (load version, the brief report of it)
         self._ticket: ReportTicket | None = None  # a report taken and not built yet (Cluster.report_ticket)
+        # the KV usage timeline (Cluster.take_kv_sample): its value at every sample time so far, written by the
+        # instance itself before it changes (kv_fill), at most len(kv_times_s) of them
+        self.kv_usage: array.array[float] = array.array("d")
+        self._kv_times_s = kv_times_s
+        self._kv_fill = kv_fill
         engine.on_change = self.touch
+        engine.on_changing = self.before_change
 
     def touch(self) -> None:
         """Something changed the instance other than the steps of its decode run going on (a request added or
@@ -227,6 +239,12 @@ class SimInstance:
         iid = self.instance_id
         for watcher in self.watchers:
             watcher.add(iid)
+
+    def before_change(self) -> None:
+        """The instance is about to change (other than by its decode run's steps): its KV usage at the sample times
+        it has not written yet is written now, from the state it has had since then."""
+        if len(self.kv_usage) < len(self._kv_times_s):
+            self._kv_fill(self)
 
     @property
     def draining(self) -> bool:
@@ -311,6 +329,7 @@ class Cluster:
         self.on_finished: list[Callable[[str], None]] = []
         self._finished_lengths: dict[str, list[int]] = {}  # instance -> output lengths finished, not yet reported
         inactive_ids = set(inactive)
+        self.kv_times_s: list[float] = []  # the KV usage timeline's sample times (take_kv_sample)
         self.instances: dict[str, SimInstance] = {}
         for spec in topology.instances:
             if model is not None and spec.model != model:
@@ -330,7 +349,9 @@ class Cluster:
                 decode_runs=False,  # the cluster drives runs itself (start_decode_run), step() is one step
             )
             active = spec.instance_id not in inactive_ids
-            self.instances[spec.instance_id] = SimInstance(spec, engine, active, self._sync)
+            self.instances[spec.instance_id] = SimInstance(
+                spec, engine, active, self._sync, self.kv_times_s, self._kv_fill
+            )
         self._by_domain: dict[str, list[SimInstance]] = {}  # domain -> its instances, in topology order
         for inst in self.instances.values():
             self._by_domain.setdefault(inst.domain_id, []).append(inst)
@@ -362,6 +383,7 @@ class Cluster:
         """``instance_id`` starts serving now, with a warm-up of ``warmup_s`` (negative fake usage), holding its
         GPUs from now unless it already does (an autoscaler's start holds them from its decision)."""
         inst = self.instances[instance_id]
+        inst.before_change()
         inst.active = True
         inst.warm_until_s = self.queue.now_s + warmup_s
         inst.touch()
@@ -379,6 +401,7 @@ class Cluster:
                 f"{instance_id}: cannot stop: {load.num_running} running, {load.num_waiting} waiting, "
                 f"{load.used_blocks} KV blocks held{', a step in flight' if inst.busy else ''}"
             )
+        inst.before_change()
         inst.active = False
         inst.warm_until_s = -math.inf
         inst.touch()
@@ -596,6 +619,7 @@ class Cluster:
         engine = inst._engine
         if not engine.has_work():
             return
+        inst.before_change()  # the step (or run) starting applies its first step now
         if self.decode_runs:
             run = engine.start_decode_run(MAX_RUN_STEPS, on_interrupt=lambda _run: self._cut(inst))
             if run is not None:
@@ -697,10 +721,15 @@ class Cluster:
             return
         started = self._started_steps(flight)
         if started > flight.run.applied:
-            if inst._ticket is not None:
-                self._build_ticket(inst)
-            inst._engine.advance_decode_run(started)
+            inst.before_change()
+            self._apply_steps(inst, flight, started)
         inst._last_step_s = flight.run.durations_s[started - 1]
+
+    def _apply_steps(self, inst: SimInstance, flight: _Run, started: int) -> None:
+        """Apply the run's steps up to ``started`` (more than are applied), building a report taken before."""
+        if inst._ticket is not None:
+            self._build_ticket(inst)
+        inst._engine.advance_decode_run(started)
 
     def _sync_accounts(self, inst: SimInstance) -> None:
         """Bring the request accounts of an instance in a decode run to the current time: every token of a
@@ -731,6 +760,7 @@ class Cluster:
             self._build_ticket(inst)
         run = flight.run
         if run.applied < steps:
+            inst.before_change()
             inst._engine.advance_decode_run(steps)
         self._record_run_tokens(flight, steps)
         inst._run = None
@@ -830,16 +860,51 @@ class Cluster:
             self._retire(state)
         return self.log
 
-    def kv_usage_fraction(self) -> dict[str, float]:
-        """Per-instance KV usage (blocks held by requests / total blocks), for the timeline plot.
+    def take_kv_sample(self) -> None:
+        """A point of the per-instance KV usage timeline now (:attr:`kv_times_s`), in O(1): each instance writes
+        its usage at this time itself, before it next changes (:meth:`SimInstance.before_change`), or when
+        :meth:`kv_usage_series` is read. Its usage is what it was at this point of the event order (a sample
+        runs after every other event of its instant, ``EventKind.SAMPLE``)."""
+        self.kv_times_s.append(self.queue.now_s)
 
-        An instance in the middle of a decode run is read ahead of its applied steps
-        (``EngineCore.held_blocks``), without moving its engine."""
-        out: dict[str, float] = {}
+    def kv_usage_series(self) -> dict[str, array.array[float]]:
+        """Per instance, its KV usage (blocks held by requests / total blocks, reservations not counted; 0 while
+        inactive) at every time of :attr:`kv_times_s`, for the timeline plot: each instance's own series
+        (:attr:`SimInstance.kv_usage`), brought up to the last sample first."""
+        out: dict[str, array.array[float]] = {}
         for inst in self.instances.values():
-            if not inst.active:
-                out[inst.instance_id] = 0.0
-                continue
-            engine = inst._engine
-            out[inst.instance_id] = engine.held_blocks(self._steps_ahead(inst)) / engine.blocks.num_blocks
+            inst.before_change()
+            out[inst.instance_id] = inst.kv_usage
         return out
+
+    def _kv_fill(self, inst: SimInstance) -> None:
+        """Write ``inst``'s KV usage at the sample times it has not written yet.
+
+        Every change to it but its decode run's steps calls this first (:meth:`SimInstance.before_change`), so
+        nothing else changed it since the first of those times: its usage at one is its state now, its run read
+        at the steps that had started by then (step ``j + 1`` starts when step ``j`` ends, at ``end_times_s[j]``;
+        an end at the sample's instant comes first). The run's last step (requests finish in it) is applied when
+        a sample finds it started, as a reader would."""
+        times = self.kv_times_s
+        usage = inst.kv_usage
+        k, n = len(usage), len(times)
+        if not inst.active:
+            usage.extend([0.0] * (n - k))
+            return
+        engine = inst._engine
+        num_blocks = engine.blocks.num_blocks
+        flight = inst._run
+        if flight is not None:
+            run = flight.run
+            ends = flight.end_times_s
+            last = run.steps - 1
+            while k < n and run.applied < run.steps:
+                started = bisect.bisect_right(ends, times[k], 0, last) + 1
+                if started == run.steps:
+                    self._apply_steps(inst, flight, started)
+                    inst._last_step_s = run.durations_s[started - 1]
+                    break
+                usage.append(engine.held_blocks(started - run.applied) / num_blocks)
+                k += 1
+        if k < n:
+            usage.extend([engine.held_blocks() / num_blocks] * (n - k))

@@ -6,7 +6,6 @@ keeps no module state, so several simulations can run in one process or as Ray t
 
 from __future__ import annotations
 
-import array
 import contextlib
 import dataclasses
 import functools
@@ -404,15 +403,9 @@ def run_simulation(
 
     trace_end_s = trace.requests[-1].arrival_s if trace.requests else 0.0
     sample_every_s = max(trace_end_s, 1.0) / options.kv_samples
-    times: list[float] = []
-    # packed doubles: a sample appends to every instance's series, and a float object each would be millions of
-    # objects on a large cluster for the collector to go over
-    usage: dict[str, array.array[float]] = {instance_id: array.array("d") for instance_id in cluster.instances}
 
     def sample() -> None:
-        times.append(queue.now_s)
-        for instance_id, fraction in cluster.kv_usage_fraction().items():
-            usage[instance_id].append(fraction)
+        cluster.take_kv_sample()  # each instance writes its usage at this time itself (Cluster.take_kv_sample)
         if done[0] < total:
             queue.schedule_in(sample_every_s, EventKind.SAMPLE, sample)
 
@@ -423,6 +416,7 @@ def run_simulation(
     with _few_collections():
         while queue.run_next():
             pass
+    usage = cluster.kv_usage_series()
     if progress is not None:
         progress(1.0)
     log = cluster.close_log()
@@ -453,7 +447,7 @@ def run_simulation(
         migrations=tuple(executor.records),
         kv=KvTimeline(
             interval_s=sample_every_s,
-            times_s=tuple(times),
+            times_s=tuple(cluster.kv_times_s),
             usage_fraction={k: tuple(v) for k, v in usage.items()},
         ),
         config=run_config,

@@ -193,6 +193,9 @@ class EngineCore(PagedEngine):
         #: called after every change from outside (:meth:`_changed`: a request added or aborted, a reservation,
         #: a migration hook), never for the engine's own steps; the simulator watches instances with it
         self.on_change: Callable[[], None] | None = None
+        #: called before every change from outside (:meth:`_changing`, before the run in progress is interrupted):
+        #: the simulator reads what it still needs of the state as it was (its KV usage timeline)
+        self.on_changing: Callable[[], None] | None = None
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -347,7 +350,9 @@ class EngineCore(PagedEngine):
 
     def _changing(self) -> None:
         """A change from outside is about to happen: the run in progress ends after the steps its driver
-        applies now (``on_interrupt``)."""
+        applies now (``on_interrupt``); :attr:`on_changing` told first."""
+        if self.on_changing is not None:
+            self.on_changing()
         run = self._run
         if run is not None and run.applied < run.steps and run._on_interrupt is not None:
             run._on_interrupt(run)

@@ -117,7 +117,7 @@ def probed_run(decode_runs: bool) -> list[object]:
                 assert (before[0] == version) == (before[1] is load) == (before[1] == load)
             last[inst.instance_id] = (version, load)
             out.append((queue.now_s, load, inst.last_step_s))
-        out.append(cluster.kv_usage_fraction())  # read from the brief reports, engines left where they are
+        cluster.take_kv_sample()  # written by each instance before its next change, compared at the end
         for rid in cluster.requests:
             st = cluster.requests[rid]
             out.append((st.generated_tokens, st.last_token_s, len(st.token_gaps_s), st.preempted_s))
@@ -128,7 +128,57 @@ def probed_run(decode_runs: bool) -> list[object]:
     while queue.run_next():
         pass
     assert all(st.finish_s is not None for st in cluster.requests.values())
+    out.append({i: list(v) for i, v in cluster.kv_usage_series().items()})
     return out
+
+
+def sampled_kv(decode_runs: bool, read_eagerly: bool) -> tuple[list[float], dict[str, list[float]]]:
+    """The KV usage timeline of 24 requests on the tiny topology, sampled every 2 ms: as the cluster keeps it
+    (each instance writes its samples before it changes), and, with ``read_eagerly``, as read from every engine
+    at each sample (``SimInstance.engine`` brings it to the sample's instant, as the timeline once did)."""
+    trace = make_trace([(0.01 * i, 50 + 37 * i % 300, 20 + 53 * i % 200) for i in range(24)])
+    queue = EventQueue()
+    latency = load_latency_model("llama-2-7b", "a100", 1)
+    cluster = Cluster(queue, tiny_topology(kv_capacity_blocks=120), lambda _spec: latency, EngineLimits(),
+                      decode_runs=decode_runs)  # fmt: skip
+    ids = list(cluster.instances)
+
+    def arrive(i: int) -> None:
+        cluster.admit(trace.requests[i])
+        cluster.submit(trace.requests[i], ids[i % len(ids)])
+
+    for i, req in enumerate(trace.requests):
+        queue.schedule(req.arrival_s, EventKind.ARRIVAL, functools.partial(arrive, i))
+    eager: dict[str, list[float]] = {i: [] for i in ids}
+
+    def sample() -> None:
+        cluster.take_kv_sample()
+        if read_eagerly:
+            for inst in cluster.instances.values():
+                engine = inst.engine
+                eager[inst.instance_id].append(engine.held_blocks() / engine.blocks.num_blocks)
+        if len(queue):
+            queue.schedule_in(0.002, EventKind.SAMPLE, sample)
+
+    queue.schedule(0.0, EventKind.SAMPLE, sample)
+    while queue.run_next():
+        pass
+    kept = {i: list(v) for i, v in cluster.kv_usage_series().items()}
+    assert all(len(v) == len(cluster.kv_times_s) for v in kept.values())
+    return cluster.kv_times_s, kept if not read_eagerly else eager
+
+
+@pytest.mark.parametrize("decode_runs", [True, False])
+def test_the_kv_timeline_each_instance_writes_is_what_reading_every_engine_gives(decode_runs: bool) -> None:
+    """Samples cost O(1): each instance writes its usage at the sample times it missed just before it next
+    changes, reading its decode run at the steps started by then. The timeline equals reading every engine at
+    every sample (which brings each engine to that instant), in runs and step by step, and the two agree."""
+    times, kept = sampled_kv(decode_runs, read_eagerly=False)
+    times_eager, eager = sampled_kv(decode_runs, read_eagerly=True)
+    assert times == times_eager and len(times) > 500
+    assert kept == eager
+    assert max(max(v) for v in kept.values()) > 0.5  # the instances filled up: the test saw real usage
+    assert len({round(x, 6) for v in kept.values() for x in v}) > 50  # and it moved (mid-run samples)
 
 
 def test_mid_run_reads_see_the_step_by_step_state() -> None:
