@@ -881,10 +881,10 @@ class Cluster:
         """Write ``inst``'s KV usage at the sample times it has not written yet.
 
         Every change to it but its decode run's steps calls this first (:meth:`SimInstance.before_change`), so
-        nothing else changed it since the first of those times: its usage at one is its state now, its run read
-        at the steps that had started by then (step ``j + 1`` starts when step ``j`` ends, at ``end_times_s[j]``;
-        an end at the sample's instant comes first). The run's last step (requests finish in it) is applied when
-        a sample finds it started, as a reader would."""
+        nothing else changed it since the first of those times, and every such call goes on to apply the run's
+        started steps (a change cuts the run, an advance applies them): its usage at each time is read by applying
+        the steps that had started by then (step ``j + 1`` starts when step ``j`` ends, at ``end_times_s[j]``; an
+        end at the sample's instant comes first), the same steps the engine would apply now in one go."""
         times = self.kv_times_s
         usage = inst.kv_usage
         k, n = len(usage), len(times)
@@ -892,19 +892,18 @@ class Cluster:
             usage.extend([0.0] * (n - k))
             return
         engine = inst._engine
-        num_blocks = engine.blocks.num_blocks
+        blocks = engine.blocks
         flight = inst._run
         if flight is not None:
             run = flight.run
             ends = flight.end_times_s
             last = run.steps - 1
-            while k < n and run.applied < run.steps:
+            while k < n:
                 started = bisect.bisect_right(ends, times[k], 0, last) + 1
-                if started == run.steps:
+                if started > run.applied:
                     self._apply_steps(inst, flight, started)
                     inst._last_step_s = run.durations_s[started - 1]
-                    break
-                usage.append(engine.held_blocks(started - run.applied) / num_blocks)
+                usage.append(blocks.used_blocks / blocks.num_blocks)
                 k += 1
-        if k < n:
-            usage.extend([engine.held_blocks() / num_blocks] * (n - k))
+        elif k < n:
+            usage.extend([blocks.used_blocks / blocks.num_blocks] * (n - k))
