@@ -138,7 +138,7 @@ class _Run:
         del ends[0]
         self.end_times_s = packed_doubles(ends)  # end_times_s[j]: when step j (from 0) ends (packed, as durations_s)
         self.recorded = 0  # steps whose tokens are in the request accounts
-        self.seq = seq  # the event queue's seq when the run started (orders ties, see _started_steps)
+        self.seq = seq  # the event queue's seq when the run started, unique to it (orders ties, see _started_steps)
         # steps that had ended before the last time _started_steps looked (bisect_left of end_times_s at that
         # time): the clock only moves on, so the next look searches from here, in the part of the list in cache
         self.ended = 0
@@ -674,10 +674,11 @@ class Cluster:
 
     def _schedule_run_end(self, inst: SimInstance, flight: _Run) -> None:
         last = flight.run.steps - 1
+        seq = flight.seq  # the event names its run by seq: a stale one (the run was cut) holds no run in memory
         self.queue.schedule(
             flight.end_times_s[last],
             EventKind.STEP_DONE,
-            lambda: self._run_done(inst, flight, last + 1),
+            lambda: self._run_done(inst, seq, last + 1),
             scheduled_s=flight.scheduled_s(last),
         )
 
@@ -753,9 +754,10 @@ class Cluster:
             run.steps = run.applied  # what the engine's cut does too; the old end event goes stale
             self._schedule_run_end(inst, flight)
 
-    def _run_done(self, inst: SimInstance, flight: _Run, steps: int) -> None:
-        if inst._run is not flight or flight.run.steps != steps:
-            return  # the run was cut; a later event ends it
+    def _run_done(self, inst: SimInstance, seq: int, steps: int) -> None:
+        flight = inst._run
+        if flight is None or flight.seq != seq or flight.run.steps != steps:
+            return  # the run was cut: a later event ends it (or ended it)
         if inst._ticket is not None:
             self._build_ticket(inst)
         run = flight.run
