@@ -178,12 +178,14 @@ class GrowthMark:
 
     Its ``__init__`` is written out, as :class:`RequestState`'s."""
 
-    flight: Final[_Run | None]  # the decode run in flight then (None: none, the load holds while the version does)
+    # the decode run in flight then, by its seq (unique to it; -1: none, the load holds while the version does): a
+    # mark kept after its run ended does not keep the run in memory
+    run_seq: Final[int]
     base: Final[int]  # load version − started steps of that run
     last_step: Final[int]  # the mark holds while at most this many steps of the run have started
 
-    def __init__(self, flight: _Run | None, base: int, last_step: int) -> None:
-        self.flight = flight
+    def __init__(self, run_seq: int, base: int, last_step: int) -> None:
+        self.run_seq = run_seq
         self.base = base
         self.last_step = last_step
 
@@ -453,8 +455,9 @@ class Cluster:
         now. O(log steps of the run)."""
         version, started = position
         flight = inst._run
-        last = 0 if flight is None else inst._engine.decode_run_steps_within(started, extra_blocks)
-        return GrowthMark(flight, version - started, last)
+        if flight is None:
+            return GrowthMark(-1, version - started, 0)
+        return GrowthMark(flight.seq, version - started, inst._engine.decode_run_steps_within(started, extra_blocks))
 
     def growth_holds_until_s(self, inst: SimInstance, mark: GrowthMark) -> float:
         """A time before which :meth:`within_growth` holds for ``mark`` (a :meth:`growth_mark` of ``inst`` just
@@ -462,8 +465,8 @@ class Cluster:
         covers (the next one starts then), or the end of its warm-up; inf when only a touch can end it (no decode
         run, or the mark covers the run's last step, whose end touches)."""
         until = math.inf
-        flight = mark.flight
-        if flight is not None and mark.last_step < flight.run.steps:
+        flight = inst._run
+        if flight is not None and flight.seq == mark.run_seq and mark.last_step < flight.run.steps:
             until = flight.end_times_s[mark.last_step - 1]
         if self.queue.now_s < inst.warm_until_s:
             until = min(until, inst.warm_until_s)
@@ -473,7 +476,12 @@ class Cluster:
         """True while ``mark`` (a :meth:`growth_mark` of ``inst``) holds; ``position``: its :meth:`load_position`
         now."""
         version, started = position
-        return inst._run is mark.flight and version - started == mark.base and started <= mark.last_step
+        flight = inst._run
+        return (
+            (-1 if flight is None else flight.seq) == mark.run_seq
+            and version - started == mark.base
+            and started <= mark.last_step
+        )
 
     def load(
         self, inst: SimInstance, *, brief: bool = False, version: int | None = None, started: int | None = None

@@ -216,7 +216,7 @@ WRITTEN_OUT: dict[str, tuple[object, ...]] = {
     "llumlet.engine.scheduler.ScheduledBatch": ((("r", 4, 0),), (), ()),
     "llumlet.engine.scheduler._BatchBuilder": (64,),
     "sim.cluster.RequestState": (TraceRequest("t-0", 0.0, 4, 2),),
-    "sim.cluster.GrowthMark": (None, 3, 0),
+    "sim.cluster.GrowthMark": (-1, 3, 0),
     "policy.load.RequestLoad": ("r", 2),
     "policy.load.InstanceLoad": ("i", 10, 2),
     "policy.dispatch._Target": ("i", 10, 2.0, 1, 8, 10, False),
