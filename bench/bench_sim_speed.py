@@ -14,7 +14,8 @@ request over the median of those; "vs first" is the median of a size's ratios. O
 drifts by tens of percent within minutes, a ratio of two figures measured a minute apart says more about the drift
 than about the simulator. Prints CPU time (this process, user + system) per request, its ratio to the first size
 beside it, wall time, simulated time, simulated seconds per CPU second, and the CPU time the cyclic collector took
-in the run (``gc.callbacks``; `sim.runner._GC_YOUNG_THRESHOLD`). Run:
+in the run (``gc.callbacks``; `sim.runner._GC_YOUNG_THRESHOLD`), and the page faults the run took (memory it touched
+for the first time, which the system must clear: ``getrusage``'s minor faults). Run:
 
     .venv/bin/python bench/bench_sim_speed.py [--sizes 16,256,1024,4096] [--policy hilum]   # sizes: multiples of 8
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import resource
 import statistics
 import time
 
@@ -36,8 +38,11 @@ from topology.load import parse_topology  # noqa: E402
 from topology.synthetic import synthetic_topology_data  # noqa: E402
 
 
-def measure(n: int, policy: str, requests_per_instance: int, rate: float) -> tuple[float, float, float, int, float]:
-    """(CPU s, wall s, simulated s, engine steps, CPU s in the cyclic collector) of one run at ``n`` instances."""
+def measure(
+    n: int, policy: str, requests_per_instance: int, rate: float
+) -> tuple[float, float, float, int, float, int]:
+    """(CPU s, wall s, simulated s, engine steps, CPU s in the cyclic collector, page faults) of one run at ``n``
+    instances."""
     topo = parse_topology(synthetic_topology_data(n // 8), source=f"synthetic-{n}")
     count = n * requests_per_instance
     trace = load_trace("sharegpt", num_requests=count, rate_per_s=n * rate, seed=0)
@@ -51,15 +56,17 @@ def measure(n: int, policy: str, requests_per_instance: int, rate: float) -> tup
 
     gc.callbacks.append(timed)
     try:
+        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         cpu0, wall0 = time.process_time(), time.perf_counter()
         run = run_simulation(SimSpec(topology=topo.name, trace="sharegpt", policy=policy), trace=trace, topology=topo)
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
     finally:
         gc.callbacks.remove(timed)
     s = summarize(run)
     assert s.finished == count, f"{s.finished} of {count} requests finished"
     assert run.engine_steps is not None  # a simulated run counts its steps
-    return cpu, wall, run.sim_duration_s, run.engine_steps, collector[0]
+    return cpu, wall, run.sim_duration_s, run.engine_steps, collector[0], faults
 
 
 def main() -> None:
@@ -93,10 +100,11 @@ def main() -> None:
         "sim s/CPU s",
         "steps",
         "gc s",
+        "faults",
     )
-    print("{:>9} {:>9} {:>11} {:>9} {:>8} {:>8} {:>7} {:>12} {:>10} {:>6}".format(*header))
+    print("{:>9} {:>9} {:>11} {:>9} {:>8} {:>8} {:>7} {:>12} {:>10} {:>6} {:>8}".format(*header))
 
-    def run(n: int) -> tuple[float, float, float, int, float]:
+    def run(n: int) -> tuple[float, float, float, int, float, int]:
         return measure(n, args.policy, args.requests_per_instance, args.per_instance_rate)
 
     requests_per_instance: int = args.requests_per_instance
@@ -119,12 +127,13 @@ def main() -> None:
             ratios.append(cost / statistics.median(around or [cost]))
         cpu = statistics.median(r[0] for r in runs)
         wall = statistics.median(r[1] for r in runs)
-        _, _, sim_s, steps, _ = runs[0]
+        _, _, sim_s, steps, _, _ = runs[0]
         collector = statistics.median(r[4] for r in runs)
+        faults = statistics.median(r[5] for r in runs)
         count = n * requests_per_instance
         print(
             f"{n:>9} {count:>9} {per_request_us(n, cpu):>11.0f} {statistics.median(ratios):>8.2f}x {cpu:>8.2f} "
-            f"{wall:>8.2f} {sim_s:>7.1f} {sim_s / cpu:>12.1f} {steps:>10} {collector:>6.2f}",
+            f"{wall:>8.2f} {sim_s:>7.1f} {sim_s / cpu:>12.1f} {steps:>10} {collector:>6.2f} {faults:>8.0f}",
             flush=True,
         )
     if len(sizes) > 1:
