@@ -312,15 +312,6 @@ class EngineCore(PagedEngine):
             prefill_s_per_token=self._prefill_s_per_token,
         )
 
-    def held_blocks(self, steps_ahead: int = 0) -> int:
-        """KV blocks held by requests (reservations not counted), as ``steps_ahead`` more steps of the decode run
-        in progress will leave them (as :meth:`instance_load`'s ``steps_ahead``; raises ValueError likewise)."""
-        if steps_ahead:
-            self._run_ahead(steps_ahead)
-        figures = self._figures_of_run()
-        held = self.blocks.used_blocks
-        return held if figures is None else held + figures.new_blocks(figures.run.applied, steps_ahead)
-
     def decode_run_steps_within(self, steps: int, extra_blocks: int) -> int:
         """The most steps of the decode run in progress (counted from its start, as ``DecodeRun.applied``), at
         least ``steps``, after which the requests hold at most ``extra_blocks`` KV blocks more than after

@@ -155,8 +155,8 @@ def sampled_kv(decode_runs: bool, read_eagerly: bool) -> tuple[list[float], dict
         cluster.take_kv_sample()
         if read_eagerly:
             for inst in cluster.instances.values():
-                engine = inst.engine
-                eager[inst.instance_id].append(engine.held_blocks() / engine.blocks.num_blocks)
+                blocks = inst.engine.blocks
+                eager[inst.instance_id].append(blocks.used_blocks / blocks.num_blocks)
         if len(queue):
             queue.schedule_in(0.002, EventKind.SAMPLE, sample)
 
