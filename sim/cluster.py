@@ -880,7 +880,7 @@ class Cluster:
     def kv_usage_series(self) -> dict[str, array.array[float]]:
         """Per instance, its KV usage (blocks held by requests / total blocks, reservations not counted; 0 while
         inactive) at every time of :attr:`kv_times_s`, for the timeline plot: each instance's own series
-        (:attr:`SimInstance.kv_usage`), brought up to the last sample first."""
+        (:attr:`SimInstance.kv_usage`, not a copy: later samples extend it), brought up to the last sample first."""
         out: dict[str, array.array[float]] = {}
         for inst in self.instances.values():
             inst.before_change()

@@ -107,7 +107,12 @@ class SimOptions(BaseModel):
         "priority",
         description="engine scheduling: priority classes in admission and preemption, or fcfs (priorities ignored)",
     )
-    kv_samples: int = Field(200, ge=2, description="points in the per-instance KV usage timeline")
+    kv_samples: int = Field(
+        200,
+        ge=2,
+        description="the per-instance KV usage timeline is sampled every (last arrival / kv_samples) seconds "
+        "until every request has finished: about this many points up to the last arrival, more after it",
+    )
     prefix_caching: bool | None = Field(
         None,
         description="engines share prompt prefixes by the trace's prefix hash ids (Mooncake traces carry them), "
@@ -459,9 +464,9 @@ def run_simulation(
 #: Net allocations of container objects between two young-generation collections while a simulation runs (Python's
 #: default is 700). The event loop makes no cyclic garbage (a 4,096-instance run of ``bench/bench_sim_speed.py``
 #: leaves the same unreachable objects behind with the collector off as on), so collections only go over live
-#: objects: at the default, 8-10 % of a 1,024-instance run's CPU; at 10,000, 278 young collections that took
-#: 0.7 of 9 CPU s at 4,096 instances, mostly cache misses on objects long out of the CPU's caches. A million
-#: leaves a few collections a run and still bounds what a cycle made in some rarer path could hold.
+#: objects: at the default, 8-10 % of a 1,024-instance run's CPU; at 10,000, 1.10-1.21 of about 10 CPU s at 4,096
+#: instances (the size benchmark's ``gc s`` column), mostly cache misses on objects long out of the CPU's caches,
+#: against 0.46-0.49 at a million, which still bounds what a cycle made in some rarer path could hold.
 _GC_YOUNG_THRESHOLD = 1_000_000
 
 
