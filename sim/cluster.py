@@ -731,10 +731,10 @@ class Cluster:
         started = self._started_steps(flight)
         if started > flight.run.applied:
             inst.before_change()
-            self._apply_steps(inst, flight, started)
+            self._apply_steps(inst, started)
         inst._last_step_s = flight.run.durations_s[started - 1]
 
-    def _apply_steps(self, inst: SimInstance, flight: _Run, started: int) -> None:
+    def _apply_steps(self, inst: SimInstance, started: int) -> None:
         """Apply the run's steps up to ``started`` (more than are applied), building a report taken before."""
         if inst._ticket is not None:
             self._build_ticket(inst)
@@ -911,7 +911,7 @@ class Cluster:
             while k < n:
                 started = bisect.bisect_right(ends, times[k], 0, last) + 1
                 if started > run.applied:
-                    self._apply_steps(inst, flight, started)
+                    self._apply_steps(inst, started)
                     inst._last_step_s = run.durations_s[started - 1]
                 usage.append(blocks.used_blocks / blocks.num_blocks)
                 k += 1
