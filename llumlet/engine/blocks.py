@@ -20,12 +20,24 @@ and stops at the first miss.
 
 from __future__ import annotations
 
+import array
 import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["BlockManager", "PrefixMatch"]
+__all__ = ["MAX_BLOCKS", "BlockManager", "PrefixMatch"]
+
+#: The most blocks one pool may have: block ids are kept packed as C ints (``array("i")``), not as an ``int``
+#: object each. A simulated cluster of thousands of instances holds millions of block ids; as objects they are
+#: ~40 bytes apiece and every block handed out or given back touches one (its reference count), far apart in
+#: memory; packed they are 4 bytes, side by side.
+MAX_BLOCKS = 2**31 - 1
+
+
+def _ids(values: Sequence[int] = ()) -> array.array[int]:
+    """Block ids, packed (see :data:`MAX_BLOCKS`)."""
+    return array.array("i", values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,19 +60,19 @@ class _Table:
     then built by a native call, not by the interpreted one ``dataclasses`` generates."""
 
     shared: list[int]  # hash ids of referenced cache entries, in order
-    private: list[int]  # block ids owned by the request
+    private: array.array[int]  # block ids owned by the request, packed
     num_tokens: int  # token slots allocated
     num_blocks: int  # len(private) + blocks of every shared entry, kept up to date
 
     def __init__(
         self,
         shared: list[int] | None = None,
-        private: list[int] | None = None,
+        private: array.array[int] | None = None,
         num_tokens: int = 0,
         num_blocks: int = 0,
     ) -> None:
         self.shared = [] if shared is None else shared
-        self.private = [] if private is None else private
+        self.private = _ids() if private is None else private
         self.num_tokens = num_tokens
         self.num_blocks = num_blocks
 
@@ -68,12 +80,14 @@ class _Table:
 class BlockManager:
     """Fixed pool of ``num_blocks`` KV blocks of ``block_size_tokens`` tokens each.
 
-    Raises ValueError for non-positive sizes.
+    Raises ValueError for non-positive sizes and for more than :data:`MAX_BLOCKS` blocks.
     """
 
     def __init__(self, num_blocks: int, block_size_tokens: int, enable_prefix_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"BlockManager: num_blocks = {num_blocks}, need >= 1")
+        if num_blocks > MAX_BLOCKS:
+            raise ValueError(f"BlockManager: num_blocks = {num_blocks}, at most {MAX_BLOCKS} (block ids are C ints)")
         if block_size_tokens < 1:
             raise ValueError(f"BlockManager: block_size_tokens = {block_size_tokens}, need >= 1")
         self.num_blocks = num_blocks
@@ -83,10 +97,10 @@ class BlockManager:
         # the blocks never handed out yet, _fresh .. num_blocks - 1, in increasing order (a pool of thousands of
         # blocks per instance costs nothing until its blocks are used: what a list of every free id would cost
         # a simulated cluster of thousands of instances in memory)
-        self._free: list[int] = []
+        self._free = _ids()
         self._fresh = 0
         self._tables: dict[str, _Table] = {}
-        self._reservations: dict[str, list[int]] = {}
+        self._reservations: dict[str, array.array[int]] = {}
         self._reserved = 0  # blocks held by all reservations
         self._reserved_prefix: dict[str, list[int]] = {}  # reservation -> hash ids of the cached entries it adopted
         self._entries: dict[int, _Entry] = {}
@@ -155,7 +169,7 @@ class BlockManager:
         return tuple(out)
 
     # ---- allocation ---------------------------------------------------------------------------------
-    def _take(self, n: int) -> list[int] | None:
+    def _take(self, n: int) -> array.array[int] | None:
         """Take n blocks from the free list, evicting LRU cached entries if needed; None if impossible."""
         if n > self.available_blocks:
             return None
@@ -167,7 +181,7 @@ class BlockManager:
             self._free.extend(entry.blocks)
         return self._pop_free(n)
 
-    def _pop_free(self, n: int) -> list[int]:
+    def _pop_free(self, n: int) -> array.array[int]:
         """Take ``n`` blocks off the free list (``n <= free_blocks``), in the order it hands them out: the blocks
         given back, the last first, then fresh ones in increasing order."""
         free = self._free
@@ -192,7 +206,7 @@ class BlockManager:
         t = self._tables.get(request_id)
         held_tokens, held_blocks = (0, 0) if t is None else (t.num_tokens, t.num_blocks)
         need = -(-(held_tokens + num_new_tokens) // self.block_size_tokens) - held_blocks
-        new = self._take(need) if need > 0 else []
+        new = self._take(need) if need > 0 else _ids()
         if new is None:
             return None
         if t is None:
@@ -311,9 +325,11 @@ class BlockManager:
         t = self._tables.pop(request_id, None)
         if t is None:
             return 0
-        n = len(t.private)
-        self._free.extend(reversed(t.private))
-        self._used_private -= len(t.private)
+        private = t.private
+        n = len(private)
+        private.reverse()  # the table is gone: its last block is handed out first
+        self._free.extend(private)
+        self._used_private -= n
         return n + self._unref(t.shared)
 
     def _ref(self, hashes: Sequence[int]) -> None:
@@ -436,7 +452,7 @@ class BlockManager:
                 f"commit({reservation_id!r}): {num_tokens} tokens are fewer than the {shared_blocks} prefix blocks "
                 "it adopted hold"
             )
-        extra: list[int] = []
+        extra = _ids()
         if need > len(held):
             got = self._take(need - len(held))
             if got is None:
@@ -448,7 +464,8 @@ class BlockManager:
         blocks = held + extra
         surplus = blocks[need:]
         blocks = blocks[:need]
-        self._free.extend(reversed(surplus))
+        surplus.reverse()
+        self._free.extend(surplus)
         table = _Table(private=blocks, shared=list(adopted), num_tokens=num_tokens, num_blocks=shared_blocks + need)
         self._tables[request_id] = table
         self._used_private += len(blocks)
@@ -461,7 +478,8 @@ class BlockManager:
         if blocks is None:
             return 0
         self._reserved -= len(blocks)
-        self._free.extend(reversed(blocks))
+        blocks.reverse()  # popped: no longer the reservation's
+        self._free.extend(blocks)
         self._unref(self._reserved_prefix.pop(reservation_id, []))
         return len(blocks)
 
@@ -601,7 +619,7 @@ class BlockManager:
         private = [b for t in self._tables.values() for b in t.private]
         reserved = [b for bl in self._reservations.values() for b in bl]
         shared = [b for e in self._entries.values() for b in e.blocks]
-        every = private + reserved + shared + self._free + list(range(self._fresh, self.num_blocks))
+        every = private + reserved + shared + list(self._free) + list(range(self._fresh, self.num_blocks))
         assert len(every) == len(set(every)) == self.num_blocks, "a block is lost or in two places"
         assert self._used_private == len(private), "private count drifted"
         assert self._reserved == len(reserved), "reserved count drifted"

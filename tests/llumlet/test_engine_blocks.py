@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from llumlet.engine.blocks import BlockManager
+from llumlet.engine.blocks import MAX_BLOCKS, BlockManager
 
 
 def test_allocate_append_and_free_counts() -> None:
@@ -25,6 +25,22 @@ def test_allocate_append_and_free_counts() -> None:
     assert bm.free("a") == 3
     assert bm.free("a") == 0  # idempotent
     assert bm.free_blocks == 4
+    bm.check_invariants()
+
+
+def test_a_pool_larger_than_its_packed_ids_can_number_is_refused() -> None:
+    assert BlockManager(num_blocks=MAX_BLOCKS, block_size_tokens=16).allocate_slots("a", 17) == (0, 1)
+    with pytest.raises(ValueError, match=r"num_blocks = 2147483648, at most 2147483647"):
+        BlockManager(num_blocks=MAX_BLOCKS + 1, block_size_tokens=16)
+
+
+def test_freed_blocks_are_handed_out_again_last_given_back_first() -> None:
+    bm = BlockManager(num_blocks=8, block_size_tokens=4)
+    assert bm.allocate_slots("a", 12) == (0, 1, 2)
+    assert bm.reserve("m", 2) and bm.reservation_blocks("m") == (3, 4)
+    assert bm.free("a") == 3 and bm.release("m") == 2
+    # given back: 2, 1, 0 (a's, its last first), then 4, 3 (m's); handed out from the end, then fresh ones
+    assert bm.allocate_slots("b", 28) == (3, 4, 0, 1, 2, 5, 6)
     bm.check_invariants()
 
 
