@@ -521,8 +521,12 @@ class HilumTwoTier(ClusterScheduler):
             )
 
     def _others(self, domain_id: str) -> Iterator[DomainSummary]:
-        """The delivered summaries of the other domains, read only if the domain's core needs them."""
-        return (s for d, summaries in self.delivered.items() if d != domain_id for s in summaries)
+        """The delivered summaries of the other domains, read only if the domain's core needs them (a generator
+        function, not a generator expression: compiled, mypyc builds an expression's whole list at once, which
+        made every domain's proposal O(domains) whether or not its core read them)."""
+        for d, summaries in self.delivered.items():
+            if d != domain_id:
+                yield from summaries
 
     def _propose(self, domain_id: str) -> bool:
         """The domain's core proposes one move; the coordinator's core decides; the executor carries it out.
