@@ -318,12 +318,15 @@ class _PoolIndex:
         if old != key:
             if old is None:
                 bisect.insort(self._ids, tid)
-            else:
-                _discard(self._rooms, (old[0], tid))
-                _discard(self._caps, (old[1], tid))
+            if old is None or old[0] != key[0]:
+                if old is not None:
+                    _discard(self._rooms, (old[0], tid))
+                bisect.insort(self._rooms, (key[0], tid))
+            if old is None or old[1] != key[1]:  # a domain's largest request changes far less often than its room
+                if old is not None:
+                    _discard(self._caps, (old[1], tid))
+                bisect.insort(self._caps, (key[1], tid))
             self._keys[tid] = key
-            bisect.insort(self._rooms, (key[0], tid))
-            bisect.insort(self._caps, (key[1], tid))
         if target.draining:
             self._draining.add(tid)
         else:
