@@ -314,111 +314,115 @@ def run_simulation(
     serving = set(initial_fleet(pool, options.initial_instances or len(pool)))
     off = [p.instance_id for p in pool if p.instance_id not in serving]
 
-    queue = EventQueue()
-    limits = EngineLimits(
-        options.max_num_seqs,
-        options.max_num_batched_tokens,
-        options.admission,
-        config.prefix_cache.enabled if options.prefix_caching is None else options.prefix_caching,
-        options.scheduling,
-    )
-    derived: list[str] = []
-    cluster = Cluster(
-        queue,
-        topo,
-        _latency_for(topo, derived),
-        limits,
-        inactive=[*(i for i, _ in scale_outs), *off],
-        model=model,
-        decode_runs=options.decode_runs,
-        log=RequestLog(len(trace.requests)),
-    )
-    graph = TopologyGraph(topo, lazy=True)  # built at the first path asked for (a run may ask for none)
-    executor = MigrationExecutor(cluster, graph, config.cost, LinkFlows())
-    timing = SchedulingConfig(
-        report_interval_s=options.report_interval_s,
-        migrate_interval_s=config.intervals.rebalance_interval_s,
-        summary_interval_s=config.intervals.summary_interval_s,
-        summary_lag_s=options.summary_lag_s,
-        cross_interval_s=config.intervals.cross_interval_s,
-        reservation_ttl_s=config.intervals.reservation_ttl_s,
-    )
-    total = len(trace.requests)
-    done = [0]
-
-    def count_done(_request_id: str) -> None:
-        done[0] += 1
-        if progress is not None and done[0] % 200 == 0:
-            progress(done[0] / total)
-
-    cluster.on_finished.append(count_done)
-    ctx = SchedulerContext(
-        cluster=cluster,
-        executor=executor,
-        graph=graph,
-        judge=CostModelJudge(topo, config.cost, config.approval),
-        domain=config.domain,
-        timing=timing,
-        rng=random.Random(spec.seed),
-        live=lambda: done[0] < total,
-        measured_bandwidth=config.measured_bandwidth,
-    )
-    scheduler = make_scheduler(spec.policy, ctx)
-    autoscaler = None
-    if options.autoscale:
-        autoscaler = SimAutoscaler(
-            model,
-            replace(config.autoscale, enabled=True),
-            pool,
-            cluster,
-            scheduler,
-            executor,
-            cold_start_s=cold_start_s,
-            warmup_s=timing.warmup_s,
-            drained=[i for i, _ in drains],
-            live=ctx.live,
-        )
-
-    arrivals = iter(trace.requests)
-
-    def arrive(req: TraceRequest) -> None:
-        schedule_arrival()
-        cluster.admit(req)
-        decision = scheduler.dispatch(req)
-        if decision.target_id is None:
-            cluster.refuse(req, decision.reason)
-            count_done(req.request_id)
-        else:
-            cluster.submit(req, decision.target_id)
-
-    def schedule_arrival() -> None:
-        # One arrival in the queue at a time, the next one scheduled as this one arrives: a trace's whole arrival
-        # list in the heap made it (and the cost of every event) grow with the trace. Arrivals are the only
-        # events of their kind and all count as scheduled at 0 s, so they keep the order they had all scheduled
-        # up front (sim.events: ties go by kind, then scheduled_s).
-        req = next(arrivals, None)
-        if req is not None:
-            queue.schedule(req.arrival_s, EventKind.ARRIVAL, functools.partial(arrive, req), scheduled_s=0.0)
-
-    schedule_arrival()
-    for instance_id, at_s in drains:
-        queue.schedule(at_s, EventKind.SCRIPTED, functools.partial(_drain, cluster, instance_id))
-    for instance_id, at_s in scale_outs:
-        queue.schedule(at_s, EventKind.SCRIPTED, functools.partial(_scale_out, cluster, instance_id, timing.warmup_s))
-
-    trace_end_s = trace.requests[-1].arrival_s if trace.requests else 0.0
-    sample_every_s = max(trace_end_s, 1.0) / options.kv_samples
-
-    def sample() -> None:
-        cluster.take_kv_sample()  # each instance writes its usage at this time itself (Cluster.take_kv_sample)
-        if done[0] < total:
-            queue.schedule_in(sample_every_s, EventKind.SAMPLE, sample)
-
-    queue.schedule(0.0, EventKind.SAMPLE, sample)
-    scheduler.start()
-    if autoscaler is not None:
-        autoscaler.start()
+    # Few collections from the first engine built: a fleet of thousands is built without full collections going
+    # over every object (0.1-0.2 CPU-s of a 4,096-instance run, and over a previous run's garbage first).
     with _few_collections():
+        queue = EventQueue()
+        limits = EngineLimits(
+            options.max_num_seqs,
+            options.max_num_batched_tokens,
+            options.admission,
+            config.prefix_cache.enabled if options.prefix_caching is None else options.prefix_caching,
+            options.scheduling,
+        )
+        derived: list[str] = []
+        cluster = Cluster(
+            queue,
+            topo,
+            _latency_for(topo, derived),
+            limits,
+            inactive=[*(i for i, _ in scale_outs), *off],
+            model=model,
+            decode_runs=options.decode_runs,
+            log=RequestLog(len(trace.requests)),
+        )
+        graph = TopologyGraph(topo, lazy=True)  # built at the first path asked for (a run may ask for none)
+        executor = MigrationExecutor(cluster, graph, config.cost, LinkFlows())
+        timing = SchedulingConfig(
+            report_interval_s=options.report_interval_s,
+            migrate_interval_s=config.intervals.rebalance_interval_s,
+            summary_interval_s=config.intervals.summary_interval_s,
+            summary_lag_s=options.summary_lag_s,
+            cross_interval_s=config.intervals.cross_interval_s,
+            reservation_ttl_s=config.intervals.reservation_ttl_s,
+        )
+        total = len(trace.requests)
+        done = [0]
+
+        def count_done(_request_id: str) -> None:
+            done[0] += 1
+            if progress is not None and done[0] % 200 == 0:
+                progress(done[0] / total)
+
+        cluster.on_finished.append(count_done)
+        ctx = SchedulerContext(
+            cluster=cluster,
+            executor=executor,
+            graph=graph,
+            judge=CostModelJudge(topo, config.cost, config.approval),
+            domain=config.domain,
+            timing=timing,
+            rng=random.Random(spec.seed),
+            live=lambda: done[0] < total,
+            measured_bandwidth=config.measured_bandwidth,
+        )
+        scheduler = make_scheduler(spec.policy, ctx)
+        autoscaler = None
+        if options.autoscale:
+            autoscaler = SimAutoscaler(
+                model,
+                replace(config.autoscale, enabled=True),
+                pool,
+                cluster,
+                scheduler,
+                executor,
+                cold_start_s=cold_start_s,
+                warmup_s=timing.warmup_s,
+                drained=[i for i, _ in drains],
+                live=ctx.live,
+            )
+
+        arrivals = iter(trace.requests)
+
+        def arrive(req: TraceRequest) -> None:
+            schedule_arrival()
+            cluster.admit(req)
+            decision = scheduler.dispatch(req)
+            if decision.target_id is None:
+                cluster.refuse(req, decision.reason)
+                count_done(req.request_id)
+            else:
+                cluster.submit(req, decision.target_id)
+
+        def schedule_arrival() -> None:
+            # One arrival in the queue at a time, the next one scheduled as this one arrives: a trace's whole arrival
+            # list in the heap made it (and the cost of every event) grow with the trace. Arrivals are the only
+            # events of their kind and all count as scheduled at 0 s, so they keep the order they had all scheduled
+            # up front (sim.events: ties go by kind, then scheduled_s).
+            req = next(arrivals, None)
+            if req is not None:
+                queue.schedule(req.arrival_s, EventKind.ARRIVAL, functools.partial(arrive, req), scheduled_s=0.0)
+
+        schedule_arrival()
+        for instance_id, at_s in drains:
+            queue.schedule(at_s, EventKind.SCRIPTED, functools.partial(_drain, cluster, instance_id))
+        for instance_id, at_s in scale_outs:
+            queue.schedule(
+                at_s, EventKind.SCRIPTED, functools.partial(_scale_out, cluster, instance_id, timing.warmup_s)
+            )
+
+        trace_end_s = trace.requests[-1].arrival_s if trace.requests else 0.0
+        sample_every_s = max(trace_end_s, 1.0) / options.kv_samples
+
+        def sample() -> None:
+            cluster.take_kv_sample()  # each instance writes its usage at this time itself (Cluster.take_kv_sample)
+            if done[0] < total:
+                queue.schedule_in(sample_every_s, EventKind.SAMPLE, sample)
+
+        queue.schedule(0.0, EventKind.SAMPLE, sample)
+        scheduler.start()
+        if autoscaler is not None:
+            autoscaler.start()
         while queue.run_next():
             pass
     usage = cluster.kv_usage_series()
@@ -472,9 +476,10 @@ _GC_YOUNG_THRESHOLD = 1_000_000
 
 @contextlib.contextmanager
 def _few_collections() -> Iterator[None]:
-    """While the event loop runs: the objects built before it (topology, trace, engines) are frozen out of the
-    cyclic collector (``gc.freeze``: the full collections do not go over them again) and young collections run
-    every ``_GC_YOUNG_THRESHOLD`` allocations; both restored after. Nothing simulated depends on when the
+    """While the cluster is built and its event loop runs: the objects made before (topology, trace) are frozen out
+    of the cyclic collector (``gc.freeze``: the full collections do not go over them again) and young collections
+    run every ``_GC_YOUNG_THRESHOLD`` allocations (building thousands of engines at the default of 700 ran full
+    collections over every object); both restored after. Nothing simulated depends on when the
     collector runs (reference counting frees what it can at once either way). A process that froze objects itself
     keeps them frozen (nothing is frozen or unfrozen then)."""
     thresholds = gc.get_threshold()

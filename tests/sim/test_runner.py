@@ -96,6 +96,44 @@ def test_the_collector_settings_are_restored_after_a_run() -> None:
         gc.set_threshold(*before)
 
 
+def test_a_large_fleet_is_built_without_a_collection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engines of a run are built under the run's collector settings: 512 instances at the default thresholds
+    (700, 10, 10) ran collections of every generation while they were built, full ones going over every object in
+    the process."""
+    import sim.runner
+    from topology.load import parse_topology
+    from topology.synthetic import synthetic_topology_data
+
+    topo = parse_topology(synthetic_topology_data(64), source="synthetic-512")
+    trace = load_trace("sharegpt", num_requests=20, rate_per_s=200.0, seed=0)
+    building: list[bool] = []
+    collections: list[int] = []
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and building:
+            collections.append(info["generation"])
+
+    def built(*args: Any, **kwargs: Any) -> Any:
+        building.append(True)
+        try:
+            return cluster_class(*args, **kwargs)
+        finally:
+            building.clear()
+
+    cluster_class = sim.runner.Cluster
+    monkeypatch.setattr(sim.runner, "Cluster", built)
+    before = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    gc.callbacks.append(seen)
+    try:
+        run = run_simulation(SimSpec(topo.name, "sharegpt", "hilum"), trace=trace, topology=topo)
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*before)
+    assert len(run.requests) == 20 and len(run.kv.usage_fraction) == 512
+    assert collections == []
+
+
 def test_the_queue_holds_one_arrival_at_a_time_in_trace_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """Arrivals are fed one at a time (the next scheduled as one arrives), and requests arriving at the same
     instant are still dispatched in trace order: round-robin gives them the instances it gives requests
