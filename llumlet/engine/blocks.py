@@ -206,13 +206,17 @@ class BlockManager:
         t = self._tables.get(request_id)
         held_tokens, held_blocks = (0, 0) if t is None else (t.num_tokens, t.num_blocks)
         need = -(-(held_tokens + num_new_tokens) // self.block_size_tokens) - held_blocks
-        new = self._take(need) if need > 0 else _ids()
-        if new is None:
-            return None
+        new: array.array[int] | None = None
+        if need > 0:
+            new = self._take(need)
+            if new is None:
+                return None
         if t is None:
             t = self._tables[request_id] = _Table()
-        t.private.extend(new)
         t.num_tokens += num_new_tokens
+        if new is None:  # the last block had room (most decode steps): no array made
+            return ()
+        t.private.extend(new)
         t.num_blocks += len(new)
         self._used_private += len(new)
         return tuple(new)
