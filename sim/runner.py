@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from global_coord.wiring import CostModelJudge
 from hilum_config import HilumConfig, load_config
+from llumlet.engine.blocks import MAX_BLOCKS
 from llumlet.engine.latency import (
     CALIBRATED_HBM_BYTES_PER_S,
     LatencyModel,
@@ -315,7 +316,7 @@ def run_simulation(
     off = [p.instance_id for p in pool if p.instance_id not in serving]
 
     # Few collections from the first engine built: a fleet of thousands is built without full collections going
-    # over every object (0.1-0.2 CPU-s of a 4,096-instance run, and over a previous run's garbage first).
+    # over every object (0.1-0.3 CPU-s of a 4,096-instance run, and over a previous run's garbage first).
     with _few_collections():
         queue = EventQueue()
         limits = EngineLimits(
@@ -498,12 +499,21 @@ def _few_collections() -> Iterator[None]:
 def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
     """Check the options against the topology; returns the parsed drains and scale-outs (instance, time s).
 
-    Raises ValueError naming the first problem: an unknown model, a scripted event naming an instance that
-    does not exist or does not serve the simulated model, an instance both drained and scaled out, or a drain
-    of an instance ``initial_instances`` keeps off.
+    Raises ValueError naming the first problem: an unknown model, an instance with more KV cache blocks than
+    the simulated engine can number (``llumlet.engine.blocks.MAX_BLOCKS``), a scripted event naming an instance
+    that does not exist or does not serve the simulated model, an instance both drained and scaled out, or a
+    drain of an instance ``initial_instances`` keeps off.
     """
     model = served_model(topology, options.model)
     known = sorted(i.instance_id for i in topology.instances if i.model == model)
+    huge = [i for i in topology.instances if i.model == model and i.kv_capacity_blocks > MAX_BLOCKS]
+    if huge:
+        raise ValueError(
+            f"{topology.name}: instance {huge[0].instance_id} has {huge[0].kv_capacity_blocks:,} KV cache blocks "
+            f"({len(huge)} such instance{'s' if len(huge) > 1 else ''}); the simulated engine numbers at most "
+            f"{MAX_BLOCKS:,} (block ids are C ints, as in vLLM's block tables): give kv_capacity_blocks in the "
+            "topology, or a larger block_size_tokens for the model"
+        )
     if options.initial_instances is not None and options.initial_instances > len(known):
         raise ValueError(
             f"initial_instances (--initial-instances) {options.initial_instances}: {topology.name} has only "

@@ -129,6 +129,20 @@ def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str, caps
     assert message in capsys.readouterr().err.replace("\n", "")
 
 
+def test_an_instance_with_more_blocks_than_the_engine_can_number_exits_2_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "topologies" / "1x8-a100.yaml"
+    text = example.read_text()
+    assert "memory_gib: 80\n" in text
+    huge = tmp_path / "huge.yaml"  # 80 PiB a GPU: about 9.2 billion blocks of Llama-2-7B, more than 2**31 - 1
+    huge.write_text(text.replace("memory_gib: 80\n", "memory_gib: 80000000\n"))
+    assert main(["sim", "--max-requests", "5", "--topology", str(huge)]) == 2
+    err = capsys.readouterr().err.replace("\n", "")
+    assert "hilum sim: error: 1x8-a100: instance node-0-i0 has 9,215,998,393 KV cache blocks (8 such" in err
+    assert "at most 2,147,483,647" in err and "Traceback" not in err
+
+
 def test_ctrl_c_during_a_run_exits_130_and_leaves_no_empty_out_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
