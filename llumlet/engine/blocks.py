@@ -21,12 +21,11 @@ and stops at the first miss.
 from __future__ import annotations
 
 import array
-import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["MAX_BLOCKS", "BlockManager", "PrefixMatch"]
+__all__ = ["MAX_BLOCKS", "BlockManager", "PrefixMatch", "decode_blocks_taken", "decode_rounds_within"]
 
 #: The most blocks one pool may have: block ids are kept packed as C ints (``array("i")``), not as an ``int``
 #: object each. A simulated cluster of thousands of instances holds millions of block ids; as objects they are
@@ -38,6 +37,38 @@ MAX_BLOCKS = 2**31 - 1
 def _ids(values: Sequence[int] = ()) -> array.array[int]:
     """Block ids, packed (see :data:`MAX_BLOCKS`)."""
     return array.array("i", values)
+
+
+def decode_blocks_taken(firsts: Sequence[int], block_size_tokens: int, rounds: int) -> int:
+    """New blocks ``rounds`` rounds of one slot per request take, the requests' first new-block rounds being
+    ``firsts`` (sorted, :meth:`BlockManager.decode_first_rounds`): request i takes one in rounds f_i, f_i + B,
+    f_i + 2B, ..., so ``sum_i max(0, (rounds - f_i) // B + 1)``. O(requests), nothing built."""
+    taken = 0
+    for f in firsts:
+        if f > rounds:
+            break
+        taken += (rounds - f) // block_size_tokens + 1
+    return taken
+
+
+def decode_rounds_within(firsts: Sequence[int], block_size_tokens: int, budget_blocks: int, max_rounds: int) -> int:
+    """The most rounds, at most ``max_rounds``, whose new blocks (:func:`decode_blocks_taken`) are at most
+    ``budget_blocks``; -1 when even round 0 takes more (a first round <= 0). ``firsts``: sorted, not empty.
+
+    O(requests) when every f_i <= B (no table holds a spare block: the (k + 1)-th new block is taken in round
+    ``(k // n) * B + f_(k mod n)``), O(requests x log max_rounds) otherwise.
+    """
+    bs = block_size_tokens
+    if decode_blocks_taken(firsts, bs, max_rounds) <= budget_blocks:
+        return max_rounds
+    if firsts[-1] <= bs:
+        full, rem = divmod(budget_blocks, len(firsts))
+        return full * bs + firsts[rem] - 1  # the round before the (budget + 1)-th new block
+    lo, hi = -1, max_rounds  # taken(lo) <= budget < taken(hi), with taken(-1) = 0 <= budget
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if decode_blocks_taken(firsts, bs, mid) <= budget_blocks else (lo, mid)
+    return lo
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,60 +257,28 @@ class BlockManager:
         return self.allocate_slots(request_id, 1) is not None
 
     # ---- decode rounds (many decode steps at once) -------------------------------------------------
-    def _first_new_block_round(self, t: _Table) -> int:
-        """The first round of one slot per round in which the table needs a new block (then every B rounds).
-
-        Round r takes slot ``num_tokens + r``; it needs a block when that exceeds ``num_blocks x B`` slots.
-        """
-        return t.num_blocks * self.block_size_tokens - t.num_tokens + 1
+    def decode_first_rounds(self, request_ids: Sequence[str]) -> list[int]:
+        """Each request's first round of one slot per round in which it needs a new block (then every B rounds),
+        sorted: what :func:`decode_blocks_taken` and :func:`decode_rounds_within` read. Round r takes slot
+        ``num_tokens + r``; it needs a block when that exceeds ``num_blocks x B`` slots. Raises KeyError for a
+        request that holds no table."""
+        bs = self.block_size_tokens
+        tables = self._tables
+        return sorted(tables[rid].num_blocks * bs - tables[rid].num_tokens + 1 for rid in request_ids)
 
     def decode_rounds_that_fit(self, request_ids: Sequence[str], max_rounds: int) -> int:
         """How many rounds of one new slot for every request (``append_slot`` over ``request_ids``, round after
-        round) the free list can supply, at most ``max_rounds``; evictable cached blocks are not counted.
-
-        With ``f_i`` the first round in which request i needs a block (``_first_new_block_round``) and
-        ``B`` the block size, r rounds need ``sum_i max(0, (r - f_i) // B + 1)`` new blocks. Raises KeyError
-        for a request that holds no table.
+        round) the free list can supply, at most ``max_rounds``; evictable cached blocks are not counted
+        (:func:`decode_rounds_within` of the free blocks). Raises KeyError for a request that holds no table.
         """
         if max_rounds <= 0 or not request_ids:
             return max(0, max_rounds)
-        bs = self.block_size_tokens
-        firsts = sorted(self._first_new_block_round(self._tables[rid]) for rid in request_ids)
-        free = self.free_blocks
-
-        def need(rounds: int) -> int:
-            return sum((rounds - f) // bs + 1 for f in firsts if f <= rounds)
-
-        if need(max_rounds) <= free:
-            return max_rounds
-        if firsts[-1] <= bs:  # the usual case (no table holds spare blocks): every B rounds need len(ids) blocks
-            full, rem = divmod(free, len(firsts))
-            return full * bs + firsts[rem] - 1  # the round before the (rem+1)-th request of the next period
-        lo, hi = 0, max_rounds  # need(lo) <= free < need(hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
-        return lo
+        firsts = self.decode_first_rounds(request_ids)
+        return decode_rounds_within(firsts, self.block_size_tokens, self.free_blocks, max_rounds)
 
     def decode_rounds_new_blocks(self, request_ids: Sequence[str], rounds: int) -> int:
         """New blocks that ``rounds`` rounds of ``append_slot`` over ``request_ids`` would take (changes nothing)."""
         return sum(self.decode_new_blocks_each(request_ids, rounds))
-
-    def decode_new_blocks_by_round(self, request_ids: Sequence[str], rounds: int) -> list[int]:
-        """New blocks after each number of rounds of ``append_slot`` over ``request_ids`` (changes nothing):
-        element r, for r = 0..``rounds``, is ``decode_rounds_new_blocks(request_ids, r)``.
-
-        O(requests + rounds + the blocks taken), once for every read of the rounds ahead: request i takes a
-        block in rounds f_i, f_i + B, f_i + 2B, ... (``_first_new_block_round``). Raises KeyError for a request
-        that holds no table.
-        """
-        bs = self.block_size_tokens
-        taken = [0] * (rounds + 1)  # taken[r]: blocks taken in round r
-        for rid in request_ids:
-            t = self._tables[rid]
-            for r in range(t.num_blocks * bs - t.num_tokens + 1, rounds + 1, bs):
-                taken[r] += 1
-        return list(itertools.accumulate(taken))
 
     def decode_new_blocks_each(self, request_ids: Sequence[str], rounds: int) -> list[int]:
         """New blocks each request would take over ``rounds`` rounds of ``append_slot`` (changes nothing)."""
@@ -287,7 +286,7 @@ class BlockManager:
         out = []
         for rid in request_ids:
             t = self._tables[rid]
-            first = t.num_blocks * bs - t.num_tokens + 1  # _first_new_block_round, inlined: this is per report
+            first = t.num_blocks * bs - t.num_tokens + 1  # decode_first_rounds, inlined: this is per report
             out.append((rounds - first) // bs + 1 if first <= rounds else 0)
         return out
 
@@ -305,7 +304,7 @@ class BlockManager:
         tables = [self._tables[rid] for rid in request_ids]
         events: list[tuple[int, int]] = []  # (round, position in request_ids) of each new block
         for i, t in enumerate(tables):
-            first = t.num_blocks * bs - t.num_tokens + 1  # _first_new_block_round, inlined: this is per step
+            first = t.num_blocks * bs - t.num_tokens + 1  # decode_first_rounds, inlined: this is per step
             if first <= rounds:
                 events.extend([(r, i) for r in range(first, rounds + 1, bs)])
         if len(events) > self.free_blocks:

@@ -14,10 +14,9 @@ source ``resume``s. A request that finishes during pre-copy is simply finished o
 from __future__ import annotations
 
 import array
-import bisect
 from collections.abc import Callable, Sequence
 
-from llumlet.engine.blocks import BlockManager
+from llumlet.engine.blocks import BlockManager, decode_blocks_taken, decode_rounds_within
 from llumlet.engine.latency import LatencyModel
 from llumlet.engine.paged import PagedEngine
 from llumlet.engine.protocol import KVPayload
@@ -93,15 +92,16 @@ class DecodeRun:
 
 
 class _RunFigures:
-    """What a brief report reads of a decode run in progress, computed once per run (see ``_brief_load``).
+    """What a brief report reads of a decode run in progress, taken once per run (see ``_brief_load``).
 
     Over the run's steps the batch and the queue stay as they are (a change from outside cuts the run) and the
     first step cleared the preemption flag, so every figure but the blocks held is constant while steps are
-    left; the blocks follow the run's rounds of one slot per request (``BlockManager.decode_new_blocks_by_round``,
-    from the state when the figures were taken).
+    left; the blocks follow the run's rounds of one slot per request, in closed form from each request's first
+    new-block round (``BlockManager.decode_first_rounds``, the state when the figures were taken): O(batch) a
+    read, nothing built per step of the run (most runs are cut long before their planned end).
     """
 
-    __slots__ = ("_base", "_new_blocks", "queue", "run")
+    __slots__ = ("_base", "_block_size", "_firsts", "_rounds", "queue", "run")
 
     def __init__(
         self, run: DecodeRun, queue: tuple[int, tuple[tuple[int, int], ...], int, int, int, bool], blocks: BlockManager
@@ -109,19 +109,24 @@ class _RunFigures:
         self.run = run
         self.queue = queue  # EngineCore._brief_figures() while the run has steps left
         self._base = run.applied  # steps applied when taken
-        self._new_blocks = blocks.decode_new_blocks_by_round(run.request_ids, run.steps - 1 - run.applied)
+        self._rounds = run.steps - 1 - run.applied  # the rounds before the run's last step
+        self._firsts = blocks.decode_first_rounds(run.request_ids)
+        self._block_size = blocks.block_size_tokens
 
     def new_blocks(self, applied: int, steps_ahead: int) -> int:
         """Blocks ``steps_ahead`` more steps take from the state of ``applied`` steps (both before the last)."""
-        cumulative = self._new_blocks
-        return cumulative[applied + steps_ahead - self._base] - cumulative[applied - self._base]
+        firsts, bs, base = self._firsts, self._block_size, self._base
+        return decode_blocks_taken(firsts, bs, applied + steps_ahead - base) - decode_blocks_taken(
+            firsts, bs, applied - base
+        )
 
     def steps_within(self, steps: int, extra_blocks: int) -> int:
         """The most steps (>= ``steps``, before the last) after which the run took <= ``extra_blocks`` more
-        blocks than after ``steps`` (see ``EngineCore.decode_run_steps_within``)."""
-        cumulative, base = self._new_blocks, self._base  # cumulative[k]: blocks taken by base + k steps
-        limit = cumulative[steps - base] + extra_blocks
-        return base + bisect.bisect_right(cumulative, limit, steps - base) - 1
+        blocks than after ``steps`` (see ``EngineCore.decode_run_steps_within``); ``steps - 1`` for a negative
+        ``extra_blocks``."""
+        firsts, bs, base = self._firsts, self._block_size, self._base
+        limit = decode_blocks_taken(firsts, bs, steps - base) + extra_blocks
+        return max(steps - 1, base + decode_rounds_within(firsts, bs, limit, self._rounds))
 
 
 class EngineCore(PagedEngine):

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from llumlet.engine.blocks import MAX_BLOCKS, BlockManager
+from llumlet.engine.blocks import MAX_BLOCKS, BlockManager, decode_blocks_taken, decode_rounds_within
 
 
 def test_allocate_append_and_free_counts() -> None:
@@ -265,3 +265,36 @@ def test_blocks_are_handed_out_as_from_one_list_of_every_free_id(ops: list[tuple
         for r, table in tables.items():
             assert bm.block_table(r) == tuple(table)
     bm.check_invariants()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.integers(1, 70), min_size=1, max_size=6),
+    spare=st.lists(st.integers(0, 3), min_size=6, max_size=6),
+    budget=st.integers(0, 40),
+    max_rounds=st.integers(0, 90),
+)
+def test_decode_rounds_in_closed_form_match_rounds_of_append_slot(
+    tokens: list[int], spare: list[int], budget: int, max_rounds: int
+) -> None:
+    """The closed forms a decode run's figures and ``decode_rounds_that_fit`` read (``decode_blocks_taken``,
+    ``decode_rounds_within``) against ``append_slot`` round after round, with tables holding spare blocks too
+    (a first new-block round past the block size: the search's path)."""
+    bs = 4
+    bm = BlockManager(num_blocks=1000, block_size_tokens=bs)
+    rids = [f"r{i}" for i in range(len(tokens))]
+    for rid, n, extra in zip(rids, tokens, spare, strict=False):
+        assert bm.allocate_slots(rid, n + extra * bs) is not None  # its blocks, and ``extra`` spare ones
+    for rid, n, extra in zip(rids, tokens, spare, strict=False):
+        bm._tables[rid].num_tokens = n  # the spare blocks' slots are free again
+    firsts = bm.decode_first_rounds(rids)
+    assert firsts == sorted(firsts) and len(firsts) == len(rids)
+    used = bm.used_blocks
+    taken = [0]  # taken[r]: blocks taken by r rounds, round after round
+    for _ in range(max_rounds):
+        for rid in rids:
+            assert bm.append_slot(rid)
+        taken.append(bm.used_blocks - used)
+    assert [decode_blocks_taken(firsts, bs, r) for r in range(max_rounds + 1)] == taken
+    want = max((r for r in range(max_rounds + 1) if taken[r] <= budget), default=-1)
+    assert decode_rounds_within(firsts, bs, budget, max_rounds) == want
