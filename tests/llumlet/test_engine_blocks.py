@@ -285,7 +285,7 @@ def test_decode_rounds_in_closed_form_match_rounds_of_append_slot(
     rids = [f"r{i}" for i in range(len(tokens))]
     for rid, n, extra in zip(rids, tokens, spare, strict=False):
         assert bm.allocate_slots(rid, n + extra * bs) is not None  # its blocks, and ``extra`` spare ones
-    for rid, n, extra in zip(rids, tokens, spare, strict=False):
+    for rid, n in zip(rids, tokens, strict=True):
         bm._tables[rid].num_tokens = n  # the spare blocks' slots are free again
     firsts = bm.decode_first_rounds(rids)
     assert firsts == sorted(firsts) and len(firsts) == len(rids)
