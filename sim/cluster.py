@@ -26,13 +26,14 @@ import array
 import bisect
 import itertools
 import math
-import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+import numpy as np
+
 from llumlet.engine.core import DecodeRun, EngineCore
-from llumlet.engine.latency import LatencyModel, packed_doubles
+from llumlet.engine.latency import VECTOR_MIN_STEPS, LatencyModel, packed_doubles
 from llumlet.engine.scheduler import Admission, SchedulingPolicy
 from llumlet.engine.types import EngineRequest, StepResult
 from policy.load import InstanceLoad
@@ -133,10 +134,21 @@ class _Run:
     def __init__(self, run: DecodeRun, start_s: float, seq: int) -> None:
         self.run = run
         self.start_s = start_s  # when its first step started
-        # the clock of step-by-step events: each step ends at (previous end) + d, summed in that order
-        ends = list(itertools.accumulate(run.durations_s, initial=start_s))
-        del ends[0]
-        self.end_times_s = packed_doubles(ends)  # end_times_s[j]: when step j (from 0) ends (packed, as durations_s)
+        # the clock of step-by-step events: each step ends at (previous end) + d, summed in that order (numpy's
+        # cumulative sum adds in that order too, one double at a time: the same sums, without a float per step)
+        durations = run.durations_s
+        if len(durations) >= VECTOR_MIN_STEPS:
+            sums = np.empty(len(durations) + 1)
+            sums[0] = start_s
+            sums[1:] = np.frombuffer(durations, dtype=np.float64)
+            np.cumsum(sums, out=sums)
+            self.end_times_s = array.array("d")
+            self.end_times_s.frombytes(sums[1:].tobytes())
+        else:
+            ends = list(itertools.accumulate(durations, initial=start_s))
+            del ends[0]
+            self.end_times_s = packed_doubles(ends)  # end_times_s[j]: when step j (from 0) ends (packed)
+        ends_s = self.end_times_s
         self.recorded = 0  # steps whose tokens are in the request accounts
         self.seq = seq  # the event queue's seq when the run started, unique to it (orders ties, see _started_steps)
         # steps that had ended before the last time _started_steps looked (bisect_left of end_times_s at that
@@ -144,7 +156,7 @@ class _Run:
         self.ended = 0
         # end_times_s[ended] when ended < steps - 1, else inf: until then no other step starts, and a look reads
         # this field alone (on a large cluster the list is mostly out of the CPU's caches)
-        self.next_end_s = ends[0] if len(ends) > 1 else math.inf
+        self.next_end_s = ends_s[0] if len(ends_s) > 1 else math.inf
 
     def scheduled_s(self, step: int) -> float:
         """When the step-by-step event for the end of step ``step`` (from 0) would have been scheduled."""
@@ -153,9 +165,12 @@ class _Run:
     def gaps_s(self, first: int, last: int) -> array.array[float]:
         """The gaps between the ends of steps ``first`` .. ``last`` (from 0): ``end[j + 1] - end[j]`` for ``j`` in
         ``first`` .. ``last - 1``, seconds (computed when recorded: a cut run never needs those of its later
-        steps)."""
-        ends = self.end_times_s[first : last + 1].tolist()
-        return packed_doubles(list(map(operator.sub, ends[1:], ends[:-1])))
+        steps). Subtracted by numpy over the packed end times, double by double (the same IEEE subtraction as
+        Python's, no float object per gap: a segment is ~140 gaps on average, a few µs as objects, ~1 µs here)."""
+        ends = np.frombuffer(self.end_times_s, dtype=np.float64, count=last + 1 - first, offset=8 * first)
+        gaps = array.array("d")
+        gaps.frombytes((ends[1:] - ends[:-1]).tobytes())
+        return gaps
 
 
 class ReportTicket:

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llumlet.engine import EngineCore, EngineRequest, MigrationState
-from llumlet.engine.latency import load_latency_model
+from llumlet.engine.latency import VECTOR_MIN_STEPS, load_latency_model
 
 LATENCY = load_latency_model("llama-2-7b", "a100", 1)
 
@@ -194,10 +194,12 @@ def test_a_run_ends_at_the_first_finish_and_before_a_block_the_free_list_lacks()
     assert e.step().preempted == ("c",)  # the step-by-step scheduler takes over: c, the latest, is preempted
 
 
-def test_decode_step_times_equal_step_time_bit_for_bit() -> None:
+@pytest.mark.parametrize("num_steps", [5, VECTOR_MIN_STEPS - 1, VECTOR_MIN_STEPS, 700])
+def test_decode_step_times_equal_step_time_bit_for_bit(num_steps: int) -> None:
+    """Short runs one float at a time, long ones by numpy (``VECTOR_MIN_STEPS``): both the per-step formula."""
     for num_seqs, first_kv in ((1, 1), (7, 900), (64, 40_000), (255, 500_000)):
-        times = LATENCY.decode_step_times_s(num_seqs, first_kv, 5)
-        assert len(times) == 5 and times.typecode == "d"
+        times = LATENCY.decode_step_times_s(num_seqs, first_kv, num_steps)
+        assert len(times) == num_steps and times.typecode == "d"
         for j, t in enumerate(times):
             contexts = [first_kv // num_seqs + j] * (num_seqs - 1)
             contexts.append(first_kv + j * num_seqs - sum(contexts))
