@@ -33,7 +33,7 @@ from typing import Final
 import numpy as np
 
 from llumlet.engine.core import DecodeRun, EngineCore
-from llumlet.engine.latency import VECTOR_MIN_STEPS, LatencyModel, packed_doubles
+from llumlet.engine.latency import VECTOR_MIN_STEPS, LatencyModel, packed_doubles, packed_from_numpy
 from llumlet.engine.scheduler import Admission, SchedulingPolicy
 from llumlet.engine.types import EngineRequest, StepResult
 from policy.load import InstanceLoad
@@ -142,13 +142,12 @@ class _Run:
             sums[0] = start_s
             sums[1:] = np.frombuffer(durations, dtype=np.float64)
             np.cumsum(sums, out=sums)
-            self.end_times_s = array.array("d")
-            self.end_times_s.frombytes(sums[1:].tobytes())
+            ends_s = packed_from_numpy(sums[1:])
         else:
             ends = list(itertools.accumulate(durations, initial=start_s))
             del ends[0]
-            self.end_times_s = packed_doubles(ends)  # end_times_s[j]: when step j (from 0) ends (packed)
-        ends_s = self.end_times_s
+            ends_s = packed_doubles(ends)
+        self.end_times_s = ends_s  # end_times_s[j]: when step j (from 0) ends (packed, as durations_s)
         self.recorded = 0  # steps whose tokens are in the request accounts
         self.seq = seq  # the event queue's seq when the run started, unique to it (orders ties, see _started_steps)
         # steps that had ended before the last time _started_steps looked (bisect_left of end_times_s at that
@@ -168,9 +167,7 @@ class _Run:
         steps). Subtracted by numpy over the packed end times, double by double (the same IEEE subtraction as
         Python's, no float object per gap: a segment is ~140 gaps on average, a few µs as objects, ~1 µs here)."""
         ends = np.frombuffer(self.end_times_s, dtype=np.float64, count=last + 1 - first, offset=8 * first)
-        gaps = array.array("d")
-        gaps.frombytes((ends[1:] - ends[:-1]).tobytes())
-        return gaps
+        return packed_from_numpy(ends[1:] - ends[:-1])
 
 
 class ReportTicket:

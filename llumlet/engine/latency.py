@@ -43,6 +43,7 @@ __all__ = [
     "derive_latency_model",
     "load_latency_model",
     "packed_doubles",
+    "packed_from_numpy",
     "supported_latency_models",
 ]
 
@@ -56,6 +57,14 @@ _DOUBLES_PACKERS: dict[int, Callable[..., bytes]] = {}  # n -> struct.Struct(f"{
 #: one float object at a time; below it numpy's fixed cost of a few µs a call is more than it saves. Runs plan
 #: about 270 steps on average (a ShareGPT load at 0.5 requests/s per instance), two in three 128 or more.
 VECTOR_MIN_STEPS: int = 96
+
+
+def packed_from_numpy(values: np.ndarray[Any, np.dtype[np.float64]]) -> array.array[float]:
+    """The doubles of a 1-D float64 numpy array, shape (n,), as an ``array('d')`` of length n (one copy of the
+    bytes): how the vectorized paths (``VECTOR_MIN_STEPS``) hand back what :func:`packed_doubles` would."""
+    packed = array.array("d")
+    packed.frombytes(values.tobytes())
+    return packed
 
 
 def packed_doubles(values: Sequence[float]) -> array.array[float]:
@@ -191,7 +200,8 @@ class LatencyModel:
         ``first_kv_tokens + j * num_seqs`` KV tokens in total. Step ``j`` lasts exactly (bit for bit, the
         same floating-point operations in the same order) ``step_time_s([], contexts_j)``:
         ``(k · (token_ms(B) + D0 + D1 · Σkv_j) + a + e · B) / 1000`` — the closed form of the model above
-        for a decode-only batch, with the terms that do not depend on ``j`` computed once. Packed doubles
+        for a decode-only batch, with the terms that do not depend on ``j`` computed once; from
+        ``VECTOR_MIN_STEPS`` steps on by numpy, operation by operation in that order (the same doubles). Packed doubles
         (``array('d')``): a run plans more steps than it often lives, and a simulated cluster of thousands of
         instances holds thousands of runs, so no float object per step to allocate, collect and free cold.
 
@@ -215,9 +225,7 @@ class LatencyModel:
             t *= k
             t += overhead_ms
             t /= 1000.0
-            times = array.array("d")
-            times.frombytes(t.tobytes())
-            return times
+            return packed_from_numpy(t)
         return packed_doubles(
             [
                 (k * (token_ms + (d0 + d1 * kv)) + overhead_ms) / 1000.0
