@@ -23,7 +23,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from hilum_config import ConfigError, load_config
 from hilum_config import add_argument as add_config_argument
 
-from .runner import DEFAULTS, SimSpec, check_autoscale, check_prefix_cache
+from .runner import DEFAULTS, SimSpec, check_autoscale, check_prefix_cache, served_model
 from .schedulers import POLICY_NAMES
 
 if TYPE_CHECKING:
@@ -273,7 +273,7 @@ def run_cli(args: argparse.Namespace) -> int:
         truncated = runs[0].config.get("truncated_requests", 0)
         rate = len(trace.requests) / trace.duration_s if trace.duration_s > 0 else 0.0
         title = (
-            f"{trace.name} x{args.rate_scale:g} ({len(trace.requests)} requests, {rate:.1f} req/s"
+            f"{trace.name} x{args.rate_scale:g} ({len(trace.requests)} requests, {rate:.3g} req/s"
             f"{f', {truncated} cut to the {model} context' if truncated else ''}) on {topology.name} "
             f"({fleet}, {len(domains)} domains), seed {args.seed}"
         )
@@ -423,7 +423,29 @@ def _load(
     except (ValueError, OSError) as exc:
         err.print(f"[red]{command}: error:[/red] {escape(str(exc))}", highlight=False)
         return 2
+    idle = _too_small(topology, trace, served_model(topology, specs[0].parsed_options().model))
+    if idle:
+        err.print(f"[yellow]{command}: warning:[/yellow] {escape(idle)}", highlight=False)
     return specs, topology, trace, out
+
+
+def _too_small(topology: Topology, trace: Trace, model: str) -> str | None:
+    """Why some instances of ``model`` will stay idle: fewer KV cache blocks than the trace's shortest prompt (plus
+    its first output token) needs to start; None when every instance can hold one."""
+    if not trace.requests:
+        return None
+    block_tokens = topology.models[model].block_size_tokens
+    need_blocks = math.ceil((min(r.prompt_tokens for r in trace.requests) + 1) / block_tokens)
+    small = [i for i in topology.instances if i.model == model and i.kv_capacity_blocks < need_blocks]
+    if not small:
+        return None
+    shown = ", ".join(f"{i.instance_id} ({i.kv_capacity_blocks:,})" for i in small[:4])
+    many = len(small) > 1
+    return (
+        f"{len(small)} {model} instance{'s' if many else ''} of {topology.name} hold{'' if many else 's'} fewer KV "
+        f"cache blocks than the trace's shortest request needs to start ({need_blocks:,} of {block_tokens} tokens): "
+        f"{shown}{', ...' if len(small) > 4 else ''}; no request will run there"
+    )
 
 
 def _output_dir(out: str | None) -> Path | None:

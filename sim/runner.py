@@ -511,8 +511,8 @@ def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[s
         raise ValueError(
             f"{topology.name}: instance {huge[0].instance_id} has {huge[0].kv_capacity_blocks:,} KV cache blocks "
             f"({len(huge)} such instance{'s' if len(huge) > 1 else ''}); the simulated engine numbers at most "
-            f"{MAX_BLOCKS:,} (block ids are C ints, as in vLLM's block tables): give kv_capacity_blocks in the "
-            "topology, or a larger block_size_tokens for the model"
+            f"{MAX_BLOCKS:,} (block ids are C ints, as in vLLM's block tables): set a smaller "
+            "kv_capacity_blocks for the instance in the topology, or a larger block_size_tokens for the model"
         )
     if options.initial_instances is not None and options.initial_instances > len(known):
         raise ValueError(

@@ -44,6 +44,7 @@ __all__ = [
     "DEFAULT_SYNTHETIC_RATE_PER_S",
     "LLUMNIX_DEFAULT_NUM_REQUESTS",
     "LLUMNIX_MAX_TOKENS",
+    "MAX_SPAN_S",
     "MOONCAKE_BLOCK_TOKENS",
     "TRACE_NAMES",
     "Trace",
@@ -71,6 +72,11 @@ LLUMNIX_DEFAULT_NUM_REQUESTS = 10_000
 
 LLUMNIX_MAX_TOKENS = 6144
 """Default length cap of ``llumnix-synthetic`` (Llumnix's ``len_range`` 6144 for its Zipf workloads)."""
+
+MAX_SPAN_S = 30 * 86_400.0
+"""The longest simulated span :func:`load_trace` hands out, first arrival to last: 30 days, four times the
+week-long Azure LLM inference traces. Past it an idle cluster's periodic loops (every 50 ms) cost minutes of CPU
+for nothing, and float timestamps lose the precision latencies need (at 1e16 s a double's step is 2 s)."""
 
 ArrivalKind = Literal["trace", "poisson", "gamma"]
 
@@ -724,7 +730,8 @@ def load_trace(
         TraceError: unknown name or missing file; unknown format (names the file and the expected
             headers/keys); a bad value (names file, line and column/key); an option that does not apply
             to this trace.
-        ValueError: a bad argument value (rate_scale <= 0, negative seed or counts, ...).
+        ValueError: a bad argument value (rate_scale <= 0, negative seed or counts, ...), or arrivals (after
+            ``rate_scale`` and ``max_requests``) that span more than :data:`MAX_SPAN_S`.
     """
     if not (math.isfinite(rate_scale) and rate_scale > 0.0):
         raise ValueError(f"rate_scale must be finite and > 0, got {rate_scale}")
@@ -804,6 +811,9 @@ def load_trace(
 
     arrivals = arrivals / rate_scale
     keep = count if max_requests is None else min(max_requests, count)
+    span_s = float(arrivals[keep - 1] - arrivals[0]) if keep > 1 else 0.0
+    if not span_s <= MAX_SPAN_S:
+        raise ValueError(_span_problem(source, keep, span_s, rate_scale, rate_per_s))
     block_tokens = MOONCAKE_BLOCK_TOKENS if hashes is not None else 0
     requests = tuple(
         TraceRequest(
@@ -817,6 +827,21 @@ def load_trace(
         for i in range(keep)
     )
     return Trace(name=name, source=source, attribution=attribution, requests=requests)
+
+
+def _span_problem(source: str, count: int, span_s: float, rate_scale: float, rate_per_s: float | None) -> str:
+    """The message of a trace whose arrivals span more than :data:`MAX_SPAN_S`: what to change, and by how much
+    (``rate_per_s``: the rate of synthetic arrivals, None for the trace's own timestamps)."""
+    factor = span_s / MAX_SPAN_S
+    fixes = [f"a rate_scale (--rate-scale) of at least {rate_scale * factor:.3g}"]
+    if rate_per_s is not None:
+        fixes.insert(0, f"a rate_per_s (--rate) of at least {rate_per_s * factor:.3g}")
+    return (
+        f"{source}: its first {count:,} requests arrive over {span_s:.3g} s ({span_s / 86_400:.3g} days) of simulated "
+        f"time; hilum simulates at most {MAX_SPAN_S:,.0f} s (30 days: past that an idle cluster's 50 ms loops cost "
+        f"minutes for nothing and timestamps lose precision): use {', '.join(fixes)} or fewer requests "
+        "(max_requests, --max-requests)"
+    )
 
 
 def with_priorities(trace: Trace, high_fraction: float, seed: int) -> Trace:

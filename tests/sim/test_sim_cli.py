@@ -143,6 +143,51 @@ def test_an_instance_with_more_blocks_than_the_engine_can_number_exits_2_naming_
     assert "at most 2,147,483,647" in err and "Traceback" not in err
 
 
+def test_an_instance_too_small_for_any_request_of_the_trace_is_named_in_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "topologies" / "1x8-a100.yaml"
+    text = example.read_text()
+    tiny_line = "{id: node-0-i3, gpus: [3], tensor_parallel_size: 1, model: llama-2-7b, kv_capacity_blocks: 1}"
+    small = tmp_path / "small.yaml"
+    small.write_text(text.replace("{id: node-0-i3, gpus: [3], tensor_parallel_size: 1, model: llama-2-7b}", tiny_line))
+    assert main(["sim", "--max-requests", "40", "--topology", str(small), "--policy", "round-robin", "--json"]) == 0
+    captured = capsys.readouterr()
+    err = captured.err.replace("\n", "")
+    assert "hilum sim: warning: 1 llama-2-7b instance of 1x8-a100 holds fewer KV cache blocks than" in err
+    assert "node-0-i3 (1); no request will run there" in err
+    assert json.loads(captured.out)[0]["finished"] == 40  # the run goes on without it
+    assert main(["sim", "--max-requests", "5", "--topology", str(example), "--policy", "round-robin"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rate-scale", "1e-6"], "use a rate_scale (--rate-scale) of at least 1.65e-05 or fewer requests"),
+        (["--rate-scale", "1e-300"], "its first 100 requests arrive over 4.27e+301 s"),
+        (
+            ["--trace", "sharegpt", "--rate", "1e-9"],
+            "use a rate_per_s (--rate) of at least 2.91e-05, a rate_scale (--rate-scale) of at least 2.91e+04 or",
+        ),
+    ],
+)
+def test_a_simulated_span_past_30_days_is_refused_with_the_scale_that_fits(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["sim", "--max-requests", "100", *argv]) == 2
+    err = capsys.readouterr().err.replace("\n", "")
+    assert "hilum sim: error: " in err and "hilum simulates at most 2,592,000 s (30 days" in err
+    assert message in err
+
+
+def test_the_title_shows_a_huge_or_tiny_rate_in_three_digits(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "--max-requests", "50", "--rate-scale", "1e300", "--policy", "round-robin"]) == 0
+    assert "(50 requests, 1.89e+300 req/s" in capsys.readouterr().out
+    assert main(["sim", "--max-requests", "50", "--rate-scale", "0.01", "--policy", "round-robin"]) == 0
+    assert "(50 requests, 0.0189 req/s" in capsys.readouterr().out
+
+
 def test_ctrl_c_during_a_run_exits_130_and_leaves_no_empty_out_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

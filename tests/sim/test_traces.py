@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.traces import (
+    MAX_SPAN_S,
     TRACE_NAMES,
     Trace,
     TraceError,
@@ -450,3 +451,13 @@ def test_value_types_validate() -> None:
     assert empty.duration_s == 0.0 and empty.mean_rate_per_s == 0.0
     with pytest.raises(ValueError, match="no requests"):
         _ = empty.summary
+
+
+def test_arrivals_spanning_more_than_max_span_are_refused_at_the_scale_that_crosses_it() -> None:
+    span_s = load_trace("azure-code", max_requests=3).duration_s  # as recorded
+    fits = load_trace("azure-code", max_requests=3, rate_scale=span_s / MAX_SPAN_S * 1.0001)
+    assert MAX_SPAN_S * 0.999 < fits.duration_s <= MAX_SPAN_S
+    with pytest.raises(ValueError, match=r"its first 3 requests arrive over 2\.59e\+06 s \(30 days\)") as caught:
+        load_trace("azure-code", max_requests=3, rate_scale=span_s / MAX_SPAN_S * 0.9999)
+    assert f"of at least {span_s / MAX_SPAN_S:.3g}" in str(caught.value)
+    assert load_trace("azure-code", max_requests=1, rate_scale=1e-300).duration_s == 0.0  # one request spans nothing
