@@ -233,8 +233,12 @@ class SimInstance:
         self._run: _Run | None = None  # the decode run in flight
         self._flags = (False, False)  # (draining, warming up) as of the last load_version
         self._flag_changes = 0  # times _flags changed
-        self._load: tuple[int, InstanceLoad] | None = None  # (load version, the detailed report of it)
-        self._brief: tuple[int, InstanceLoad] | None = None  # (load version, the brief report of it)
+        # the newest reports built, detailed and brief, and the load versions they are of (-1: none), as plain
+        # fields: a (version, report) pair would be a tuple made and freed at every report
+        self._load: InstanceLoad | None = None
+        self._load_version = -1
+        self._brief: InstanceLoad | None = None
+        self._brief_version = -1
         self._ticket: ReportTicket | None = None  # a report taken and not built yet (Cluster.report_ticket)
         # the KV usage timeline (Cluster.take_kv_sample): its value at every sample time so far, written by the
         # instance itself before it changes (kv_fill), at most len(kv_times_s) of them
@@ -515,15 +519,18 @@ class Cluster:
     ) -> InstanceLoad:
         """The report of ``version`` (:meth:`_build_load`), from the instance's cache when it holds that version;
         the cache keeps the newest version built."""
-        cache = inst._brief if brief else inst._load
-        if cache is not None and cache[0] == version:
-            return cache[1]
+        if brief:
+            if inst._brief_version == version and inst._brief is not None:
+                return inst._brief
+            load = self._build_load(inst, brief, started, flags)
+            if inst._brief_version < version:
+                inst._brief, inst._brief_version = load, version
+            return load
+        if inst._load_version == version and inst._load is not None:
+            return inst._load
         load = self._build_load(inst, brief, started, flags)
-        if cache is None or cache[0] < version:
-            if brief:
-                inst._brief = (version, load)
-            else:
-                inst._load = (version, load)
+        if inst._load_version < version:
+            inst._load, inst._load_version = load, version
         return load
 
     def _build_load(
@@ -559,8 +566,7 @@ class Cluster:
         else:
             ticket = ReportTicket(inst, version, started, inst._flags)
         flight = inst._run
-        cache = inst._brief
-        if flight is None or started >= flight.run.steps or (cache is not None and cache[0] == version):
+        if flight is None or started >= flight.run.steps or inst._brief_version == version:
             ticket.load = self.load(inst, brief=True, version=version, started=started)
         else:
             inst._ticket = ticket

@@ -47,7 +47,7 @@ from rack_sched.core import CrossDomainProposal, DomainConfig, DomainCore, Domai
 from topology.bandwidth import BandwidthEstimates, BandwidthSample, MeasuredBandwidthConfig, default_transport
 from topology.graph import TopologyGraph
 
-from .cluster import Cluster, GrowthMark, ReportTicket
+from .cluster import Cluster, GrowthMark, ReportTicket, SimInstance
 from .events import EventKind
 from .migration import MigrationExecutor
 from .results import MigrationRecord
@@ -108,6 +108,24 @@ def domain_request(req: TraceRequest, model: str, only_if_room: bool = False) ->
     )
 
 
+_UNREPORTED = -2  # _Slot.reported of an instance the core does not hold (-1: added, no load reported yet)
+
+
+class _Slot:
+    """A feed's bookkeeping of one instance of its pool, read at every report loop: fields of one object, where
+    dicts keyed by instance id cost a lookup each (on a large cluster, a cache miss on the id's hash and one on the
+    value)."""
+
+    __slots__ = ("deferred", "holds_until_s", "inst", "mark", "reported")
+
+    def __init__(self, inst: SimInstance) -> None:
+        self.inst = inst
+        self.reported = _UNREPORTED  # load version of its last report (or of a deferred one)
+        self.deferred = False  # a skipped round deferred its report to the next refresh
+        self.mark: GrowthMark | None = None  # while it holds, the instance is no migration source
+        self.holds_until_s = math.inf  # a time before which its mark holds, while nothing touches it (_quiet_round)
+
+
 class _Feed:
     """A domain core over some instances, fed their load reports as a domain scheduler would receive them.
 
@@ -124,19 +142,17 @@ class _Feed:
     ):
         self.cluster = cluster
         self.core = DomainCore(domain_id, cfg, rng, details_of=self._details_of)
-        self._pool = [cluster.instances[i] for i in instance_ids]  # every instance it may ever hold
-        self._reported: dict[str, int] = {}  # instance -> load version of its last report (or of a deferred one)
-        self._deferred: set[str] = set()  # instances whose report a skipped round deferred to the next refresh
+        pool = [cluster.instances[i] for i in instance_ids]  # every instance it may ever hold
+        self._slots = [_Slot(inst) for inst in pool]  # in the pool's order
+        self._slot_of = {slot.inst.instance_id: slot for slot in self._slots}
         self._drained: list[str] = []  # the drains of the last refresh
         self._pending: dict[str, ReportTicket] = {}  # reports taken by refresh(later=True), not yet delivered
-        self._quiet: dict[str, GrowthMark] = {}  # instance -> while it holds, the instance is no migration source
         # The quiet check's own bookkeeping: instances touched since they were last found quiet, and a time before
         # which every untouched instance's mark holds (Cluster.growth_holds_until_s): a round then costs O(touched).
-        self._touched: set[str] = {inst.instance_id for inst in self._pool}
-        self._holds_until_s: dict[str, float] = {}
+        self._touched: set[str] = {inst.instance_id for inst in pool}
         self._quiet_until_s = -math.inf
-        self._order = {inst.instance_id: k for k, inst in enumerate(self._pool)}
-        for inst in self._pool:
+        self._order = {inst.instance_id: k for k, inst in enumerate(pool)}
+        for inst in pool:
             inst.watchers.append(self._touched)
 
     def _details_of(self, instance_id: str) -> InstanceLoad:
@@ -157,22 +173,24 @@ class _Feed:
         if not later:
             self.deliver()
         # methods called on their objects, never through bound aliases: compiled, a call on the object is native
-        cluster, core, reported, brief, deferred = self.cluster, self.core, self._reported, self.brief, self._deferred
-        pending = self._pending
+        cluster, core, brief, pending = self.cluster, self.core, self.brief, self._pending
         drained = []
-        for inst in self._pool:
-            iid = inst.instance_id
+        for slot in self._slots:
+            inst = slot.inst
             if not inst.active:
-                if reported.pop(iid, None) is not None:  # stopped (an autoscaler's scale-in)
-                    pending.pop(iid, None)
-                    core.remove_instance(iid)
+                slot.deferred = False
+                if slot.reported != _UNREPORTED:  # stopped (an autoscaler's scale-in)
+                    slot.reported = _UNREPORTED
+                    pending.pop(inst.instance_id, None)
+                    core.remove_instance(inst.instance_id)
                 continue
-            last = reported.get(iid)
-            if last is None:
+            if slot.reported == _UNREPORTED:
+                iid = inst.instance_id
                 core.add_instance(iid, inst.spec.model, cluster.model_of(iid).block_size_tokens)
-                last = reported[iid] = -1
+                slot.reported = -1
             version, started = cluster.load_position(inst)
-            if version != last or iid in deferred:
+            if version != slot.reported or slot.deferred:
+                iid = inst.instance_id
                 if later:
                     finished = cluster.take_finished(iid)
                     if finished:
@@ -181,11 +199,10 @@ class _Feed:
                 else:
                     load = cluster.load(inst, brief=brief, version=version, started=started)
                     core.report(iid, load, cluster.take_finished(iid))
-                reported[iid] = version
+                slot.reported = version
+                slot.deferred = False
             if inst.draining:
-                drained.append(iid)
-        if deferred:
-            deferred.clear()
+                drained.append(inst.instance_id)
         if drained != self._drained:  # the core has the drains of the last refresh (none at first): this feed's alone
             core.set_drains(drained, False)
         self._drained = drained
@@ -231,25 +248,23 @@ class _Feed:
         touched = self._touched
         if not touched and now_s < self._quiet_until_s:
             return True
-        cluster, quiet, reported, holds = self.cluster, self._quiet, self._reported, self._holds_until_s
+        cluster, slots = self.cluster, self._slots
         policy = self.core.cfg.policy
         if now_s < self._quiet_until_s:
-            order = self._order
-            pool = [cluster.instances[iid] for iid in sorted(touched, key=order.__getitem__)]
-        else:
-            pool = self._pool
+            order, slot_of = self._order, self._slot_of
+            slots = [slot_of[iid] for iid in sorted(touched, key=order.__getitem__)]
         changed = []
-        for inst in pool:
-            iid = inst.instance_id
+        for slot in slots:
+            inst = slot.inst
             if not inst.active:
-                if iid in reported:
+                if slot.reported != _UNREPORTED:
                     return False  # it stops: the refresh removes it
-                holds[iid] = math.inf  # until it starts (a touch)
+                slot.holds_until_s = math.inf  # until it starts (a touch)
                 continue
-            if inst.draining or iid not in reported:
+            if inst.draining or slot.reported == _UNREPORTED:
                 return False
             position = cluster.load_position(inst)
-            mark = quiet.get(iid)
+            mark = slot.mark
             if mark is None or not cluster.within_growth(inst, mark, position):
                 # the report the refresh would send now (built once: Cluster.load keeps it for that refresh)
                 version, started = position
@@ -257,21 +272,20 @@ class _Feed:
                 slack = source_slack_blocks(load, policy)
                 if slack < 1:
                     return False
-                mark = quiet[iid] = cluster.growth_mark(inst, math.floor(slack) - 1, position)
-                holds[iid] = cluster.growth_holds_until_s(inst, mark)
-            elif iid in touched:  # touched, and the mark still holds: until when, from now
-                holds[iid] = cluster.growth_holds_until_s(inst, mark)
-            version = position[0]
-            if version != reported[iid]:
-                changed.append((iid, version))
-        for iid, version in changed:  # what the refresh would have reported now
-            finished = cluster.take_finished(iid)
+                mark = slot.mark = cluster.growth_mark(inst, math.floor(slack) - 1, position)
+                slot.holds_until_s = cluster.growth_holds_until_s(inst, mark)
+            elif inst.instance_id in touched:  # touched, and the mark still holds: until when, from now
+                slot.holds_until_s = cluster.growth_holds_until_s(inst, mark)
+            if position[0] != slot.reported:
+                changed.append((slot, position[0]))
+        for slot, version in changed:  # what the refresh would have reported now
+            finished = cluster.take_finished(slot.inst.instance_id)
             if finished:
                 self.core.finished(finished)
-            reported[iid] = version
-            self._deferred.add(iid)
+            slot.reported = version
+            slot.deferred = True
         touched.clear()
-        self._quiet_until_s = min(holds.values(), default=math.inf)
+        self._quiet_until_s = min([slot.holds_until_s for slot in self._slots], default=math.inf)
         return True
 
 

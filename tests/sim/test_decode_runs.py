@@ -279,7 +279,7 @@ def test_rescheduling_rounds_skipped_for_want_of_a_source_decide_as_planned_ones
         if not quiet:
             looked_at[0] = calls  # a planned round: not counted
         else:
-            pool_sizes[0] += sum(inst.active for inst in self._pool)
+            pool_sizes[0] += sum(slot.inst.active for slot in self._slots)
         return quiet
 
     def counting_position(self: Cluster, inst: Any) -> tuple[int, int]:
