@@ -157,7 +157,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser, sizing: bool = False) ->
 
 
 def _specs(args: argparse.Namespace) -> list[SimSpec]:
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    policies = [p.strip() for p in args.policy.split(",")]
+    if "" in policies and len(policies) > 1:
+        raise ValueError(f"--policy {args.policy!r} has an empty name; separate policies by single commas")
     unknown = [p for p in policies if p not in POLICY_NAMES]
     if unknown or not policies:
         raise ValueError(f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join(POLICY_NAMES)}")
@@ -273,7 +275,7 @@ def run_cli(args: argparse.Namespace) -> int:
         truncated = runs[0].config.get("truncated_requests", 0)
         rate = len(trace.requests) / trace.duration_s if trace.duration_s > 0 else 0.0
         title = (
-            f"{trace.name} x{args.rate_scale:g} ({len(trace.requests)} requests, {rate:.3g} req/s"
+            f"{trace.name} x{args.rate_scale:g} ({_requests(len(trace.requests))}, {rate:.3g} req/s"
             f"{f', {truncated} cut to the {model} context' if truncated else ''}) on {topology.name} "
             f"({fleet}, {len(domains)} domains), seed {args.seed}"
         )
@@ -362,7 +364,8 @@ def run_size_cli(args: argparse.Namespace) -> int:
     else:
         table = Table(
             title=f"smallest static fleet with P99 TTFT <= {args.target_p99_ttft_ms:g} ms ({trace.name} "
-            f"x{args.rate_scale:g}, {len(trace.requests)} requests, on {topology.name}: {pool_size} {model} instances)",
+            f"x{args.rate_scale:g}, {_requests(len(trace.requests))}, on {topology.name}: "
+            f"{pool_size} {model} instances)",
             title_justify="left",
             box=box.SIMPLE_HEAD,
         )
@@ -427,6 +430,10 @@ def _load(
     if idle:
         err.print(f"[yellow]{command}: warning:[/yellow] {escape(idle)}", highlight=False)
     return specs, topology, trace, out
+
+
+def _requests(count: int) -> str:
+    return f"{count:,} request{'' if count == 1 else 's'}"
 
 
 def _too_small(topology: Topology, trace: Trace, model: str) -> str | None:

@@ -114,6 +114,8 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--trace", "[red]x[/red]:x:"], "unknown trace '[red]x[/red]:x:'"),  # printed as given: no markup, no emoji
         (["--drain", "node-0-i1@5", "--scale-out", "node-0-i1@9"], "both drained and scaled out"),
         (["--out", "README.md"], "exists and is not a directory"),
+        (["--policy", "llumnix,"], "--policy 'llumnix,' has an empty name; separate policies by single commas"),
+        (["--policy", "hilum,,llumnix"], "--policy 'hilum,,llumnix' has an empty name"),
         (["--cold-start-s", "5"], "cold_start_s (--cold-start-s) applies only with autoscale (--autoscale)"),
         (["--autoscale", "--cold-start-s", "600"], "must be below autoscale.start_timeout_s (600)"),
         (["--autoscale", "--scale-out", "node-0-i1@9"], "cannot be combined with autoscale"),
@@ -186,6 +188,8 @@ def test_the_title_shows_a_huge_or_tiny_rate_in_three_digits(capsys: pytest.Capt
     assert "(50 requests, 1.89e+300 req/s" in capsys.readouterr().out
     assert main(["sim", "--max-requests", "50", "--rate-scale", "0.01", "--policy", "round-robin"]) == 0
     assert "(50 requests, 0.0189 req/s" in capsys.readouterr().out
+    assert main(["sim", "--max-requests", "1", "--policy", "round-robin"]) == 0
+    assert "(1 request, 0 req/s" in capsys.readouterr().out
 
 
 def test_ctrl_c_during_a_run_exits_130_and_leaves_no_empty_out_folder(
