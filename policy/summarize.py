@@ -71,8 +71,19 @@ def summarize_domain(
     return _summarize(domain_id, loads, cfg, model, taken_s, None)
 
 
-#: A brief remembered per instance id with the report it was made of: (load report, its brief).
-BriefCache = dict[str, tuple[InstanceLoad, InstanceBrief]]
+class _KeptBrief:
+    """An instance's last report summarized and the brief of it (:class:`DomainSummarizer`), updated in place: a
+    new (report, brief) pair at every changed report was a tuple made, and the one before freed, each time."""
+
+    __slots__ = ("brief", "load")
+
+    def __init__(self, load: InstanceLoad, brief: InstanceBrief) -> None:
+        self.load = load
+        self.brief = brief
+
+
+#: A brief remembered per instance id with the report it was made of.
+BriefCache = dict[str, _KeptBrief]
 
 
 def _summarize(
@@ -136,12 +147,14 @@ def _summary_of_sorted(
         previous = iid
         _check_domain(domain_id, load)
         cached = briefs.get(iid) if briefs is not None else None
-        if cached is not None and cached[0] is load:
-            brief = cached[1]
+        if cached is not None and cached.load is load:
+            brief = cached.brief
         else:
             brief = brief_of(load, cfg)
-            if briefs is not None:
-                briefs[iid] = (load, brief)
+            if cached is not None:
+                cached.load, cached.brief = load, brief
+            elif briefs is not None:
+                briefs[iid] = _KeptBrief(load, brief)
         instances.append(brief)
         num_running += load.num_running
         num_waiting += load.num_waiting
