@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import array
 import bisect
-import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from typing import Final
 import numpy as np
 
 from llumlet.engine.core import DecodeRun, EngineCore
-from llumlet.engine.latency import VECTOR_MIN_STEPS, LatencyModel, packed_doubles, packed_from_numpy
+from llumlet.engine.latency import LatencyModel, packed_from_numpy
 from llumlet.engine.scheduler import Admission, SchedulingPolicy
 from llumlet.engine.types import EngineRequest, StepResult
 from policy.load import InstanceLoad
@@ -134,20 +133,9 @@ class _Run:
     def __init__(self, run: DecodeRun, start_s: float, seq: int) -> None:
         self.run = run
         self.start_s = start_s  # when its first step started
-        # the clock of step-by-step events: each step ends at (previous end) + d, summed in that order (numpy's
-        # cumulative sum adds in that order too, one double at a time: the same sums, without a float per step)
-        durations = run.durations_s
-        if len(durations) >= VECTOR_MIN_STEPS:
-            sums = np.empty(len(durations) + 1)
-            sums[0] = start_s
-            sums[1:] = np.frombuffer(durations, dtype=np.float64)
-            np.cumsum(sums, out=sums)
-            ends_s = packed_from_numpy(sums[1:])
-        else:
-            ends = list(itertools.accumulate(durations, initial=start_s))
-            del ends[0]
-            ends_s = packed_doubles(ends)
-        self.end_times_s = ends_s  # end_times_s[j]: when step j (from 0) ends (packed, as durations_s)
+        # the clock of step-by-step events: each step ends at (previous end) + d, summed in that order
+        ends_s = run.times.end_times_s(start_s, run.steps)
+        self.end_times_s = ends_s  # end_times_s[j]: when step j (from 0) ends (packed doubles)
         self.recorded = 0  # steps whose tokens are in the request accounts
         self.seq = seq  # the event queue's seq when the run started, unique to it (orders ties, see _started_steps)
         # steps that had ended before the last time _started_steps looked (bisect_left of end_times_s at that
@@ -540,7 +528,7 @@ class Cluster:
         (draining, warming up) flags, built from the engine."""
         ahead = self._steps_ahead(inst, started)
         flight = inst._run  # its latest started step's time, as step-by-step stepping has it now
-        step_s = flight.run.durations_s[flight.run.applied + ahead - 1] if flight is not None else inst._last_step_s
+        step_s = flight.run.duration_s(flight.run.applied + ahead - 1) if flight is not None else inst._last_step_s
         draining, warming_up = flags
         return inst._engine.instance_load(
             inst.instance_id, inst.domain_id, draining, warming_up, step_s, steps_ahead=ahead, brief=brief
@@ -694,7 +682,7 @@ class Cluster:
         flight = _Run(run, self.queue.now_s, self.queue.next_seq())
         inst._run = flight
         inst.touch()
-        inst._last_step_s = run.durations_s[0]
+        inst._last_step_s = run.duration_s(0)
         inst.busy = True
         self._schedule_run_end(inst, flight)
 
@@ -750,7 +738,7 @@ class Cluster:
         if started > flight.run.applied:
             inst.before_change()
             self._apply_steps(inst, started)
-        inst._last_step_s = flight.run.durations_s[started - 1]
+        inst._last_step_s = flight.run.duration_s(started - 1)
 
     def _apply_steps(self, inst: SimInstance, started: int) -> None:
         """Apply the run's steps up to ``started`` (more than are applied), building a report taken before."""
@@ -792,7 +780,7 @@ class Cluster:
             inst._engine.advance_decode_run(steps)
         self._record_run_tokens(flight, steps)
         inst._run = None
-        inst._last_step_s = run.durations_s[steps - 1]
+        inst._last_step_s = run.duration_s(steps - 1)
         inst.busy = False
         inst.touch()
         self.engine_steps += steps
@@ -930,7 +918,7 @@ class Cluster:
                 started = bisect.bisect_right(ends, times[k], 0, last) + 1
                 if started > run.applied:
                     self._apply_steps(inst, started)
-                    inst._last_step_s = run.durations_s[started - 1]
+                    inst._last_step_s = run.duration_s(started - 1)
                 usage.append(blocks.used_blocks / blocks.num_blocks)
                 k += 1
         elif k < n:

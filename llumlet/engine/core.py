@@ -13,11 +13,10 @@ source ``resume``s. A request that finishes during pre-copy is simply finished o
 
 from __future__ import annotations
 
-import array
 from collections.abc import Callable, Sequence
 
 from llumlet.engine.blocks import BlockManager, decode_blocks_taken, decode_rounds_within
-from llumlet.engine.latency import LatencyModel
+from llumlet.engine.latency import DecodeStepTimes, LatencyModel
 from llumlet.engine.paged import PagedEngine
 from llumlet.engine.protocol import KVPayload
 from llumlet.engine.scheduler import Admission, RequestStatus, Scheduler, SchedulerRequest, SchedulingPolicy
@@ -61,26 +60,32 @@ class DecodeRun:
     """A run of pure decode steps planned by :meth:`EngineCore.start_decode_run`.
 
     Every step of the run schedules the same batch, ``request_ids``, one token each, and nothing else; step
-    ``j`` (from 0) lasts ``durations_s[j]``. The engine's state holds the first ``applied`` steps (a step is
+    ``j`` (from 0) lasts ``duration_s(j)`` (``times``: the latency model's closed form, nothing kept per step). The
+    engine's state holds the first ``applied`` steps (a step is
     applied when it starts, as :meth:`EngineCore.step` applies a batch when it returns it); ``steps`` is how
     many the run has: fewer than planned once the run is cut. ``finished`` names the requests that finished
     in its last step, once that step is applied (a request can only finish there).
     """
 
-    __slots__ = ("_on_interrupt", "applied", "durations_s", "finished", "request_ids", "steps")
+    __slots__ = ("_on_interrupt", "applied", "finished", "request_ids", "steps", "times")
 
     def __init__(
         self,
         request_ids: tuple[str, ...],
-        durations_s: array.array[float],
+        times: DecodeStepTimes,
+        steps: int,
         on_interrupt: Callable[[DecodeRun], None] | None,
     ) -> None:
         self.request_ids = request_ids  # the batch, in schedule order
-        self.durations_s = durations_s  # seconds, one per planned step (packed doubles)
-        self.steps = len(durations_s)  # steps in the run (shrinks when cut)
+        self.times = times  # of its steps
+        self.steps = steps  # steps in the run, >= 1 (planned; shrinks when cut)
         self.applied = 0  # steps already in the engine's state, 1..steps once started
         self.finished: tuple[str, ...] = ()  # requests that finished in the last step (once applied)
         self._on_interrupt = on_interrupt
+
+    def duration_s(self, j: int) -> float:
+        """Duration of step ``j`` (from 0), seconds."""
+        return self.times.step_s(j)
 
     @property
     def done(self) -> bool:
@@ -438,7 +443,7 @@ class EngineCore(PagedEngine):
     def _run_step_result(self, run: DecodeRun) -> StepResult:
         """The StepResult of the run's latest applied step."""
         return StepResult(
-            duration_s=run.durations_s[run.applied - 1],
+            duration_s=run.duration_s(run.applied - 1),
             new_tokens=dict.fromkeys(run.request_ids, 1),
             finished=run.finished if run.done else (),
             preempted=(),
@@ -468,8 +473,8 @@ class EngineCore(PagedEngine):
             return None
         running = sched.running
         first_kv = sum([s.num_computed_tokens for s in running]) + len(running)
-        durations = self.latency_model.decode_step_times_s(len(running), first_kv, steps)
-        run = DecodeRun(tuple([s.request_id for s in running]), durations, on_interrupt)
+        times = self.latency_model.decode_step_times(len(running), first_kv)
+        run = DecodeRun(tuple([s.request_id for s in running]), times, steps, on_interrupt)
         self._run = run
         self.advance_decode_run(1)
         return run

@@ -24,6 +24,7 @@ from __future__ import annotations
 import array
 import bisect
 import dataclasses
+import itertools
 import json
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -38,6 +39,7 @@ __all__ = [
     "CALIBRATED_HBM_BYTES_PER_S",
     "COEFFICIENTS_FILE",
     "VECTOR_MIN_STEPS",
+    "DecodeStepTimes",
     "LatencyModel",
     "UnsupportedLatencyModelError",
     "derive_latency_model",
@@ -193,45 +195,37 @@ class LatencyModel:
             ms += self.prefill_overhead_ms
         return ms / 1000.0
 
-    def decode_step_times_s(self, num_seqs: int, first_kv_tokens: int, num_steps: int) -> array.array[float]:
-        """Durations (seconds) of ``num_steps`` consecutive pure decode steps of the same ``num_seqs`` requests.
+    def decode_step_times(self, num_seqs: int, first_kv_tokens: int) -> DecodeStepTimes:
+        """The step times of consecutive pure decode steps of the same ``num_seqs`` requests, ``first_kv_tokens``
+        KV tokens read in all at the first (each request gains one token of context per step), in closed form
+        (:class:`DecodeStepTimes`).
 
-        Each request gains one token of context per step, so step ``j`` (from 0) reads
-        ``first_kv_tokens + j * num_seqs`` KV tokens in total. Step ``j`` lasts exactly (bit for bit, the
-        same floating-point operations in the same order) ``step_time_s([], contexts_j)``:
-        ``(k · (token_ms(B) + D0 + D1 · Σkv_j) + a + e · B) / 1000`` — the closed form of the model above
-        for a decode-only batch, with the terms that do not depend on ``j`` computed once; from
-        ``VECTOR_MIN_STEPS`` steps on by numpy, operation by operation in that order (the same doubles). Packed doubles
-        (``array('d')``): a run plans more steps than it often lives, and a simulated cluster of thousands of
-        instances holds thousands of runs, so no float object per step to allocate, collect and free cold.
+        Raises ValueError for ``num_seqs < 1`` or ``first_kv_tokens < num_seqs`` (a context is >= 1 token).
+        """
+        if num_seqs < 1 or first_kv_tokens < num_seqs:
+            raise ValueError(
+                f"decode_step_times({num_seqs}, {first_kv_tokens}): need num_seqs >= 1, first_kv_tokens >= num_seqs"
+            )
+        return DecodeStepTimes(
+            num_seqs,
+            first_kv_tokens,
+            self.token_time_ms(num_seqs),
+            self.step_overhead_ms + self.per_seq_overhead_ms * num_seqs,
+            self.gpu_scale,
+            self.decode_attn_fixed_ms,
+            self.decode_attn_ms_per_kv_token,
+        )
+
+    def decode_step_times_s(self, num_seqs: int, first_kv_tokens: int, num_steps: int) -> array.array[float]:
+        """Durations (seconds) of ``num_steps`` consecutive pure decode steps of the same ``num_seqs`` requests:
+        ``decode_step_times(num_seqs, first_kv_tokens).durations_s(num_steps)``.
 
         Raises ValueError for ``num_seqs < 1``, ``first_kv_tokens < num_seqs`` (a context is >= 1 token) or
         ``num_steps < 0``.
         """
-        if num_seqs < 1 or first_kv_tokens < num_seqs or num_steps < 0:
-            raise ValueError(
-                f"decode_step_times_s({num_seqs}, {first_kv_tokens}, {num_steps}): need num_seqs >= 1, "
-                "first_kv_tokens >= num_seqs, num_steps >= 0"
-            )
-        token_ms = self.token_time_ms(num_seqs)
-        overhead_ms = self.step_overhead_ms + self.per_seq_overhead_ms * num_seqs
-        k, d0, d1 = self.gpu_scale, self.decode_attn_fixed_ms, self.decode_attn_ms_per_kv_token
-        if num_steps >= VECTOR_MIN_STEPS:  # the same operations in the same order, by numpy (in place)
-            last = first_kv_tokens + num_steps * num_seqs
-            t = np.arange(first_kv_tokens, last, num_seqs, dtype=np.float64)  # kv: exact below 2**53
-            t *= d1
-            t += d0
-            t += token_ms
-            t *= k
-            t += overhead_ms
-            t /= 1000.0
-            return packed_from_numpy(t)
-        return packed_doubles(
-            [
-                (k * (token_ms + (d0 + d1 * kv)) + overhead_ms) / 1000.0
-                for kv in range(first_kv_tokens, first_kv_tokens + num_steps * num_seqs, num_seqs)
-            ]
-        )
+        if num_steps < 0:
+            raise ValueError(f"decode_step_times_s({num_seqs}, {first_kv_tokens}, {num_steps}): need num_steps >= 0")
+        return self.decode_step_times(num_seqs, first_kv_tokens).durations_s(num_steps)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> LatencyModel:
@@ -249,6 +243,81 @@ class LatencyModel:
             name: (list(getattr(self, name)) if name in ("token_knots", "token_ms") else getattr(self, name))
             for name in self.__dataclass_fields__
         }
+
+
+class DecodeStepTimes:
+    """The step times of a run of pure decode steps of the same ``num_seqs`` requests
+    (:meth:`LatencyModel.decode_step_times`), in closed form.
+
+    Step ``j`` (from 0) reads ``first_kv_tokens + j · num_seqs`` KV tokens in all and lasts
+    ``(k · (token_ms(B) + D0 + D1 · Σkv_j) + a + e · B) / 1000`` seconds: exactly (bit for bit, the same
+    floating-point operations in the same order) ``LatencyModel.step_time_s([], contexts_j)``, with the terms that
+    do not depend on ``j`` computed once. Nothing per step is kept: a simulated cluster of thousands of instances
+    holds thousands of runs, most cut long before their planned end, and a step's time is read by its index
+    (:meth:`step_s`). The runs' figures over many steps (:meth:`durations_s`, :meth:`end_times_s`) come as packed
+    doubles (``array('d')``), from ``VECTOR_MIN_STEPS`` steps on by numpy, operation by operation in the same order
+    (the same doubles).
+    """
+
+    __slots__ = ("_d0_ms", "_d1_ms", "_k", "_overhead_ms", "_token_ms", "first_kv_tokens", "num_seqs")
+
+    def __init__(
+        self, num_seqs: int, first_kv_tokens: int, token_ms: float, overhead_ms: float, k: float, d0: float, d1: float
+    ) -> None:
+        self.num_seqs = num_seqs  # B, the batch
+        self.first_kv_tokens = first_kv_tokens  # Σkv at the first step
+        self._token_ms = token_ms  # token_ms(B)
+        self._overhead_ms = overhead_ms  # a + e · B
+        self._k = k
+        self._d0_ms = d0  # D0
+        self._d1_ms = d1  # D1, per KV token
+
+    def step_s(self, j: int) -> float:
+        """Duration of step ``j`` (from 0), seconds."""
+        kv = self.first_kv_tokens + j * self.num_seqs
+        return (self._k * (self._token_ms + (self._d0_ms + self._d1_ms * kv)) + self._overhead_ms) / 1000.0
+
+    def durations_s(self, num_steps: int) -> array.array[float]:
+        """Durations of steps 0 .. ``num_steps`` - 1, seconds (packed doubles)."""
+        if num_steps >= VECTOR_MIN_STEPS:
+            return packed_from_numpy(self._vector(num_steps))
+        return packed_doubles(self._floats(num_steps))
+
+    def end_times_s(self, start_s: float, num_steps: int) -> array.array[float]:
+        """When steps 0 .. ``num_steps`` - 1 end when the first starts at ``start_s``: ``start_s`` plus the durations
+        up to each, added one after another in step order, as one event per step advances a clock (numpy's
+        cumulative sum adds in that order too, one double at a time). Packed doubles."""
+        if num_steps >= VECTOR_MIN_STEPS:
+            sums = np.empty(num_steps + 1)
+            sums[0] = start_s
+            sums[1:] = self._vector(num_steps)
+            np.cumsum(sums, out=sums)
+            return packed_from_numpy(sums[1:])
+        ends = list(itertools.accumulate(self._floats(num_steps), initial=start_s))
+        del ends[0]
+        return packed_doubles(ends)
+
+    def _floats(self, num_steps: int) -> list[float]:
+        """:meth:`durations_s` one float at a time (below ``VECTOR_MIN_STEPS``)."""
+        k, token_ms, d0, d1, overhead_ms = self._k, self._token_ms, self._d0_ms, self._d1_ms, self._overhead_ms
+        first, b = self.first_kv_tokens, self.num_seqs
+        last = first + num_steps * b
+        return [(k * (token_ms + (d0 + d1 * kv)) + overhead_ms) / 1000.0 for kv in range(first, last, b)]
+
+    def _vector(self, num_steps: int) -> np.ndarray[Any, np.dtype[np.float64]]:
+        """:meth:`durations_s` by numpy: the formula of :meth:`step_s` applied operation by operation, in place."""
+        first = self.first_kv_tokens
+        t = np.arange(first, first + num_steps * self.num_seqs, self.num_seqs, dtype=np.float64)  # exact below 2**53
+        t *= self._d1_ms
+        t += self._d0_ms
+        t += self._token_ms
+        t *= self._k
+        t += self._overhead_ms
+        t /= 1000.0
+        return t
+
+    def __repr__(self) -> str:
+        return f"DecodeStepTimes(num_seqs={self.num_seqs}, first_kv_tokens={self.first_kv_tokens})"
 
 
 def _model_key(model: str, gpu: str, tp: int) -> str:

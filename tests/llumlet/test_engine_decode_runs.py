@@ -199,13 +199,16 @@ def test_decode_step_times_equal_step_time_bit_for_bit(num_steps: int) -> None:
     """Short runs one float at a time, long ones by numpy (``VECTOR_MIN_STEPS``): both the per-step formula."""
     for num_seqs, first_kv in ((1, 1), (7, 900), (64, 40_000), (255, 500_000)):
         times = LATENCY.decode_step_times_s(num_seqs, first_kv, num_steps)
+        closed_form = LATENCY.decode_step_times(num_seqs, first_kv)
         assert len(times) == num_steps and times.typecode == "d"
         for j, t in enumerate(times):
             contexts = [first_kv // num_seqs + j] * (num_seqs - 1)
             contexts.append(first_kv + j * num_seqs - sum(contexts))
-            assert t == LATENCY.step_time_s([], contexts)
+            assert t == LATENCY.step_time_s([], contexts) == closed_form.step_s(j)
     with pytest.raises(ValueError, match="first_kv_tokens >= num_seqs"):
         LATENCY.decode_step_times_s(4, 3, 1)
+    with pytest.raises(ValueError, match="need num_steps >= 0"):
+        LATENCY.decode_step_times_s(4, 8, -1)
 
 
 def test_a_load_ahead_of_the_applied_steps_is_the_load_once_they_are_applied() -> None:

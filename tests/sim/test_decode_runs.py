@@ -11,7 +11,6 @@ cached prefix or recompute it), whole-prompt admission, priorities, a drain and 
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import functools
 import random
@@ -21,7 +20,7 @@ import pytest
 from sim_factories import make_trace, tiny_topology
 
 from llumlet.engine.core import DecodeRun
-from llumlet.engine.latency import VECTOR_MIN_STEPS, load_latency_model
+from llumlet.engine.latency import VECTOR_MIN_STEPS, DecodeStepTimes, load_latency_model
 from rack_sched.core import DomainCore
 from sim.cluster import Cluster, EngineLimits, _Run
 from sim.events import EventKind, EventQueue
@@ -360,9 +359,14 @@ def test_a_runs_step_ends_and_gaps_are_the_step_by_step_clock() -> None:
     rng = random.Random(3)
     for k in range(50):  # short runs summed one float at a time, long ones by numpy (VECTOR_MIN_STEPS)
         n = rng.randint(1, 60) if k % 2 else rng.randint(VECTOR_MIN_STEPS, VECTOR_MIN_STEPS + 200)
-        durations = array.array("d", [rng.uniform(1e-4, 0.2) for _ in range(n)])
+        num_seqs = rng.randint(1, 64)
+        terms = [rng.uniform(0.5, 40.0), rng.uniform(0.0, 20.0), rng.uniform(0.5, 2.0)]  # token ms, a + e·B ms, k
+        terms += [rng.uniform(0.0, 5.0), rng.uniform(0.0, 1e-3)]  # D0 ms, D1 ms per KV token
+        times = DecodeStepTimes(num_seqs, rng.randint(num_seqs, 400_000), *terms)
+        durations = [times.step_s(j) for j in range(n)]
+        assert times.durations_s(n).tolist() == durations  # one float at a time, or numpy: the same doubles
         start = rng.uniform(0.0, 5e4)
-        flight = _Run(DecodeRun(("a", "b"), durations, None), start, seq=7)
+        flight = _Run(DecodeRun(("a", "b"), times, n, None), start, seq=7)
         ends, t = [], start
         for d in durations:
             t += d
