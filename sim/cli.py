@@ -405,7 +405,7 @@ def _load(
     try:
         specs = _specs(args)
         topology = load_topology(args.topology)
-        check_options(topology, specs[0].parsed_options())
+        drains, scale_outs = check_options(topology, specs[0].parsed_options())
         out = _output_dir(args.out)
         trace = load_trace(
             args.trace,
@@ -427,8 +427,16 @@ def _load(
         err.print(f"[red]{command}: error:[/red] {escape(str(exc))}", highlight=False)
         return 2
     idle = _too_small(topology, trace, served_model(topology, specs[0].parsed_options().model))
-    if idle:
-        err.print(f"[yellow]{command}: warning:[/yellow] {escape(idle)}", highlight=False)
+    last_s = trace.requests[-1].arrival_s if trace.requests else 0.0
+    late = [
+        f"{flag} {iid}@{at_s:g} comes after the trace's last arrival ({last_s:.1f} s): it happens only if requests are "
+        "still running then"
+        for flag, events in (("--drain", drains), ("--scale-out", scale_outs))
+        for iid, at_s in events
+        if at_s > last_s
+    ]
+    for warning in ([idle] if idle else []) + late:
+        err.print(f"[yellow]{command}: warning:[/yellow] {escape(warning)}", highlight=False)
     return specs, topology, trace, out
 
 

@@ -163,6 +163,16 @@ def test_an_instance_too_small_for_any_request_of_the_trace_is_named_in_a_warnin
     assert "warning" not in capsys.readouterr().err
 
 
+def test_a_drain_or_scale_out_after_the_last_arrival_is_warned_about(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["sim", "--max-requests", "50", "--policy", "hilum", "--json"]
+    assert main([*argv, "--drain", "node-0-i1@99999", "--scale-out", "node-1-i2@5"]) == 0
+    err = capsys.readouterr().err.replace("\n", "")
+    assert "hilum sim: warning: --drain node-0-i1@99999 comes after the trace's last arrival (9.6 s)" in err
+    assert "--scale-out node-1-i2" not in err  # at 5 s, before the last arrival
+    assert main([*argv, "--drain", "node-0-i1@9"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
