@@ -22,9 +22,11 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 from hilum_config import ConfigError, load_config
 from hilum_config import add_argument as add_config_argument
+from topology.load import BUNDLED_NAMES
 
 from .runner import DEFAULTS, SimSpec, check_autoscale, check_prefix_cache, served_model
 from .schedulers import POLICY_NAMES
+from .traces import TRACE_NAMES
 
 if TYPE_CHECKING:
     from topology.spec import Topology
@@ -73,8 +75,16 @@ def _add_run_arguments(parser: argparse.ArgumentParser, sizing: bool = False) ->
     """The options of one comparison (``hilum sim`` and ``hilum sim size``). With ``sizing``, the options that
     change the fleet during a run are hidden from the help (``hilum sim size`` refuses them by name)."""
     fleet = argparse.SUPPRESS if sizing else None
-    parser.add_argument("--topology", default=DEFAULTS.topology, help="bundled topology name or YAML file")
-    parser.add_argument("--trace", default=DEFAULTS.trace, help="bundled trace name or trace file")
+    parser.add_argument(
+        "--topology",
+        default=DEFAULTS.topology,
+        help=f"YAML file or bundled topology ({', '.join(BUNDLED_NAMES)}; default {DEFAULTS.topology})",
+    )
+    parser.add_argument(
+        "--trace",
+        default=DEFAULTS.trace,
+        help=f"trace file or bundled trace ({', '.join(TRACE_NAMES)}; default {DEFAULTS.trace})",
+    )
     parser.add_argument(
         "--policy",
         default=",".join(POLICY_NAMES),

@@ -677,8 +677,8 @@ def load_topology(path_or_name: str | Path) -> Topology:
         if bundled is None:
             raise TopologyError(
                 [
-                    f"{shown}: (file): file not found; give a path to a topology YAML file or one of the "
-                    f"bundled names: {', '.join(BUNDLED_NAMES)}"
+                    f"{shown}: (file): {'is a directory' if path.is_dir() else 'file not found'}; give a path to "
+                    f"a topology YAML file or one of the bundled names: {', '.join(BUNDLED_NAMES)}"
                 ]
             )
         path, shown = bundled, bundled.name

@@ -316,6 +316,9 @@ def test_file_errors(tmp_path: Path) -> None:
         "YAML file or one of the "
         "bundled names: 1x8-a100, 2x8-a100, 2x8-a100-40gb, 64x8-h100, nvl72-gb200"
     ]
+    with pytest.raises(TopologyError) as exc:
+        load_topology(tmp_path)
+    assert exc.value.errors[0].startswith(f"{tmp_path}: (file): is a directory; give a path to a topology YAML file")
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nmodels:\n  - name: a\n    layers: [1, 2\n")
     with pytest.raises(TopologyError) as exc:
