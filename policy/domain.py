@@ -109,6 +109,8 @@ class DomainSummary:
                 raise ValueError(f"{where}: {name} must be >= 0, got {getattr(self, name)}")
         if math.isnan(self.virtual_usage) or math.isnan(self.freeness):
             raise ValueError(f"{where}: virtual_usage and freeness must not be NaN")
+        if not math.isfinite(self.taken_s):
+            raise ValueError(f"{where}: taken_s must be a finite time in seconds, got {self.taken_s}")
         object.__setattr__(self, "instances", tuple(self.instances))
         ids = [i.instance_id for i in self.instances]
         if ids != sorted(set(ids)):

@@ -66,9 +66,16 @@ def summarize_domain(
     group. Draining instances add no capacity, and their real blocks (not +inf) count as usage,
     since those requests must find room elsewhere in the domain. A domain whose instances all drain
     is draining (ΣV = +inf, F = −inf). An empty domain is not draining and has no capacity.
-    Raises ValueError when a load names another domain, or two loads the same instance.
+    Raises ValueError when a load names another domain, two loads the same instance, or ``taken_s`` is not finite.
     """
+    _check_taken(domain_id, taken_s)
     return _summarize(domain_id, loads, cfg, model, taken_s, None)
+
+
+def _check_taken(domain_id: str, taken_s: float) -> None:
+    """Raises ValueError unless ``taken_s`` is a finite time (a summary's stamp orders it against reservations)."""
+    if not math.isfinite(taken_s):
+        raise ValueError(f"summarize_domain({domain_id!r}): taken_s must be a finite time in seconds, got {taken_s}")
 
 
 class _KeptBrief:
@@ -173,7 +180,7 @@ def _summary_of_sorted(
         if brief.prefix_hashes:
             held.append(brief.prefix_hashes)
     draining = bool(instances) and not usages
-    usage = math.inf if draining else sum(usages) + drained_used
+    usage = math.inf if draining else float(sum(usages) + drained_used)  # a float when no usage is summed too
     if len(held) > 1:  # DomainSummary.__post_init__'s union of the non-draining instances' prefix blocks
         prefix_hashes: frozenset[int] = frozenset().union(*held)
     else:
@@ -227,6 +234,7 @@ class DomainSummarizer:
 
     def summarize(self, loads: Sequence[InstanceLoad], *, model: str = "", taken_s: float = 0.0) -> DomainSummary:
         """``summarize_domain(domain_id, loads, cfg, model=model, taken_s=taken_s)``; raises as it does."""
+        _check_taken(self.domain_id, taken_s)
         last = self._last.get(model)
         if last is not None and len(last[0]) == len(loads) and all(a is b for a, b in zip(last[0], loads, strict=True)):
             summary = last[1]

@@ -175,9 +175,9 @@ class TopologyGraph:
 
     def _compute_path(self, src_id: str, dst_id: str) -> PathInfo:
         self._ensure_built()
+        a, b = self._vertex(src_id), self._vertex(dst_id)  # an unknown instance is named first (KeyError)
         if src_id == dst_id:
             raise ValueError(f"source and destination are the same instance {src_id!r}")
-        a, b = self._vertex(src_id), self._vertex(dst_id)
         if self._component[a] != self._component[b]:
             raise ValueError(f"no network path between instances {src_id!r} and {dst_id!r}")
         up_a: list[int] = []

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from policy_factories import CFG, inst
@@ -13,6 +14,7 @@ from policy import (
     request_virtual_usage,
     summarize_domain,
 )
+from policy.summarize import DomainSummarizer
 
 
 @pytest.mark.parametrize(
@@ -80,6 +82,18 @@ def test_all_draining_domain_is_draining_and_empty_is_not() -> None:
     empty = summarize_domain("e", [], CFG)
     assert not empty.draining
     assert (empty.capacity_blocks, empty.freeness, empty.num_instances) == (0, 0.0, 0)
+    assert empty.virtual_usage == 0.0 and isinstance(empty.virtual_usage, float)  # a float, as every domain's
+
+
+@pytest.mark.parametrize("taken_s", [math.nan, math.inf, -math.inf])
+def test_a_summary_stamped_at_no_finite_time_is_refused(taken_s: float) -> None:
+    loads = [inst("a", 100, [10])]
+    with pytest.raises(ValueError, match=r"summarize_domain\('d'\): taken_s must be a finite time in seconds"):
+        summarize_domain("d", loads, CFG, taken_s=taken_s)
+    with pytest.raises(ValueError, match=r"summarize_domain\('d'\): taken_s must be a finite time"):
+        DomainSummarizer("d", CFG).summarize(loads, taken_s=taken_s)
+    with pytest.raises(ValueError, match=r"DomainSummary\('d'\): taken_s must be a finite time in seconds"):
+        replace(summarize_domain("d", loads, CFG), taken_s=taken_s)
 
 
 def test_summarize_domain_rejects_a_load_of_another_domain() -> None:

@@ -146,6 +146,8 @@ def test_bad_queries() -> None:
         g.path("node-0-i0", "x")
     with pytest.raises(ValueError, match="same instance"):
         g.path("node-0-i0", "node-0-i0")
+    with pytest.raises(KeyError, match="no instance 'x'"):  # unknown first, even as its own destination
+        g.path("x", "x")
     with pytest.raises(KeyError, match="unknown link 'nic:x'"):
         g.link_capacity_bytes_per_s("nic:x")
     assert math.isinf(g.link_capacity_bytes_per_s("host:node-0"))
