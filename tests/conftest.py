@@ -65,16 +65,18 @@ def ray_session() -> Iterator[None]:
     start-up deadline, so every test that needs Ray shares this one.
     """
     ray = pytest.importorskip("ray")
+    from sim.sweep import ray_runtime_env  # its workers run the compiled simulator when built, as a sweep's do
+
     saved = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
     try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=ray_runtime_env())
     except Exception as exc:  # Ray's fixed 30 s wait for its raylet (ray/_private/node.py) passed: once more
         if "timed out during startup" not in str(exc):
             raise
         _reap_failed_ray_start(exc)
         ray.shutdown()
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=ray_runtime_env())
     try:
         yield
     finally:

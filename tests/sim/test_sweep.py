@@ -23,6 +23,7 @@ from sim.sweep import (
     load_sweep,
     load_sweep_config,
     plot_file_name,
+    ray_runtime_env,
     run_point,
     run_sweep,
 )
@@ -212,7 +213,28 @@ def test_sweep_starts_and_stops_its_own_local_ray(local_ray: None, monkeypatch: 
     cfg = SweepConfig(trace="t", topologies=["a"], policies=["hilum"], rate_scales=[1.0])
     rows = run_sweep(cfg, run_fn=fake_run, progress=False)
     assert [r.summary.ttft_p99_s for r in rows] == pytest.approx([0.1])
-    assert calls == [("init", {"num_cpus": os.cpu_count() or 1, "include_dashboard": False}), ("shutdown", {})]
+    hook = {"worker_process_setup_hook": "hilum_compiled.install"}
+    started = {"num_cpus": os.cpu_count() or 1, "include_dashboard": False, "runtime_env": hook}
+    assert calls == [("init", started), ("shutdown", {})]
+    assert ray_runtime_env() == hook and ray_runtime_env() is not ray_runtime_env()  # ray.init adds to its dict
+
+
+def test_ray_workers_run_the_compiled_simulator_when_it_is_built(local_ray: None) -> None:
+    """The session's Ray has ray_runtime_env(), as the one a sweep starts: its workers install the compiled modules
+    before the first task imports the simulator."""
+    import ray
+
+    import hilum_compiled
+    from hilum_compiled import build_dir, stale_sources
+
+    def probe() -> tuple[bool, str]:
+        import sim.cluster  # as a grid point's run imports it
+
+        return hilum_compiled.compiled(sim.cluster), hilum_compiled.status()
+
+    compiled, status = ray.get(ray.remote(num_cpus=0)(probe).remote())
+    built = not stale_sources(build_dir()) and not os.environ.get(hilum_compiled.PURE_ENV)
+    assert compiled is built, status
 
 
 @pytest.fixture(scope="module")
