@@ -41,6 +41,13 @@ def _s(value: float | None) -> str:
     return MISSING if value is None else f"{value:.1f}"
 
 
+def _wall_s(value: float | None) -> str:
+    """Seconds: two significant digits below 0.1 s, two decimals below 10 s (a short run's wall time is not 0.0)."""
+    if value is None:
+        return MISSING
+    return f"{value:.2g}" if value < 0.1 else f"{value:.2f}" if value < 10 else f"{value:.1f}"
+
+
 def _gb(value_bytes: int | None) -> str:
     return MISSING if value_bytes is None else f"{value_bytes / 1e9:.2f}"
 
@@ -69,7 +76,7 @@ _SUMMARY_COLUMNS: tuple[tuple[str, Callable[[PolicySummary], str]], ...] = (
     ("downtime\np99 ms", lambda s: _ms(s.downtime_p99_s)),
     ("sim s", lambda s: _s(s.sim_duration_s)),
     ("engine\nsteps", lambda s: MISSING if s.engine_steps is None else str(s.engine_steps)),
-    ("wall s", lambda s: _s(s.wall_s)),
+    ("wall s", lambda s: _wall_s(s.wall_s)),
     ("req per\nwall s", lambda s: _s(s.requests_per_wall_s)),
     ("GPU-h", lambda s: _s(s.gpu_hours)),
     ("scale\nout/in", lambda s: f"{s.scale_outs}/{s.scale_ins}"),

@@ -88,6 +88,14 @@ def test_format_table_row_has_the_right_numbers() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("wall_s", "shown"), [(0.004, "0.004"), (0.01234, "0.012"), (0.5, "0.50"), (9.994, "9.99"), (12.34, "12.3")]
+)
+def test_a_short_runs_wall_time_is_not_zero(wall_s: float, shown: str) -> None:
+    cells = body_rows(format_table([dataclasses.replace(SUMMARY, wall_s=wall_s)], title="t"))["hilum"]
+    assert cells[22] == shown  # the column after the engine steps
+
+
 def test_what_a_live_run_does_not_measure_shows_as_missing() -> None:
     live = dataclasses.replace(SUMMARY, policy="live", cross_domain_bytes=None, engine_steps=None)
     row = body_rows(format_table([live], title="t"))["live"]
