@@ -283,11 +283,12 @@ def run_cli(args: argparse.Namespace) -> int:
             else f"{start} of {len(served)} {model} instances at start"
         )
         truncated = runs[0].config.get("truncated_requests", 0)
-        rate = len(trace.requests) / trace.duration_s if trace.duration_s > 0 else 0.0
+        # no rate for requests that arrive at one instant (one request, or a span below a double's resolution)
+        rate = f", {len(trace.requests) / trace.duration_s:.3g} req/s" if trace.duration_s > 0 else ""
         title = (
-            f"{trace.name} x{args.rate_scale:g} ({_requests(len(trace.requests))}, {rate:.3g} req/s"
+            f"{trace.name} x{args.rate_scale:g} ({_requests(len(trace.requests))}{rate}"
             f"{f', {truncated} cut to the {model} context' if truncated else ''}) on {topology.name} "
-            f"({fleet}, {len(domains)} domains), seed {args.seed}"
+            f"({fleet}, {len(domains)} domain{'' if len(domains) == 1 else 's'}), seed {args.seed}"
         )
         baseline = "least-loaded" if "least-loaded" in {s.policy for s in summaries} else None
         console = Console() if sys.stdout.isatty() else Console(width=140)  # files and pipes: no squeezing
@@ -436,7 +437,11 @@ def _load(
     except (ValueError, OSError) as exc:
         err.print(f"[red]{command}: error:[/red] {escape(str(exc))}", highlight=False)
         return 2
-    idle = _too_small(topology, trace, served_model(topology, specs[0].parsed_options().model))
+    try:
+        idle = _too_small(topology, trace, served_model(topology, specs[0].parsed_options().model))
+    except ValueError as exc:
+        err.print(f"[red]{command}: error:[/red] {escape(str(exc))}", highlight=False)
+        return 2
     last_s = trace.requests[-1].arrival_s if trace.requests else 0.0
     late = [
         f"{flag} {iid}@{at_s:g} comes after the trace's last arrival ({last_s:.1f} s): it happens only if requests are "
@@ -455,22 +460,33 @@ def _requests(count: int) -> str:
 
 
 def _too_small(topology: Topology, trace: Trace, model: str) -> str | None:
-    """Why some instances of ``model`` will stay idle: fewer KV cache blocks than the trace's shortest prompt (plus
-    its first output token) needs to start; None when every instance can hold one."""
+    """Why some instances of ``model`` will stay idle: fewer KV cache blocks than the trace's smallest request needs
+    (prompt plus output, ``DomainRequest.need_blocks``: what dispatch and the engine's admission check); None when
+    every instance can hold one.
+
+    Raises ValueError when no instance can: every request would be refused."""
     if not trace.requests:
         return None
     block_tokens = topology.models[model].block_size_tokens
-    need_blocks = math.ceil((min(r.prompt_tokens for r in trace.requests) + 1) / block_tokens)
-    small = [i for i in topology.instances if i.model == model and i.kv_capacity_blocks < need_blocks]
+    need_blocks = min(math.ceil((r.prompt_tokens + r.output_tokens - 1) / block_tokens) for r in trace.requests)
+    served = [i for i in topology.instances if i.model == model]
+    small = [i for i in served if i.kv_capacity_blocks < need_blocks]
     if not small:
         return None
     shown = ", ".join(f"{i.instance_id} ({i.kv_capacity_blocks:,})" for i in small[:4])
-    many = len(small) > 1
-    return (
-        f"{len(small)} {model} instance{'s' if many else ''} of {topology.name} hold{'' if many else 's'} fewer KV "
-        f"cache blocks than the trace's shortest request needs to start ({need_blocks:,} of {block_tokens} tokens): "
-        f"{shown}{', ...' if len(small) > 4 else ''}; no request will run there"
+    shown += ", ..." if len(small) > 4 else ""
+    what = (
+        f"fewer KV cache blocks than the trace's smallest request needs (prompt plus output: {need_blocks:,} of "
+        f"{block_tokens} tokens): {shown}"
     )
+    if len(small) == len(served):
+        raise ValueError(
+            f"every {model} instance of {topology.name} holds {what}; no request could run: give the instances more "
+            "memory (kv_capacity_blocks, the GPU's memory_gib) or use a trace of shorter requests"
+        )
+    many = len(small) > 1
+    count = f"{len(small)} {model} instance{'s' if many else ''}"
+    return f"{count} of {topology.name} hold{'' if many else 's'} {what}; no request will run there"
 
 
 def _output_dir(out: str | None) -> Path | None:

@@ -573,13 +573,17 @@ def synthetic_arrivals_s(
             raise ValueError("arrival_cv applies only to arrival='gamma' (Poisson has CV 1)")
         gaps = rng.exponential(mean_gap_s, count)
     elif arrival == "gamma":
-        if cv is None or not (math.isfinite(cv) and cv > 0.0):
-            raise ValueError(f"arrival='gamma' needs arrival_cv > 0, got {cv}")
+        if cv is None or not (_MIN_CV <= cv <= _MAX_CV):
+            raise ValueError(
+                f"arrival='gamma' needs arrival_cv (the inter-arrival CV) from {_MIN_CV:g} to {_MAX_CV:g}, got {cv}"
+            )
         gaps = rng.gamma(1.0 / cv**2, mean_gap_s * cv**2, count)
     else:
         raise ValueError(f"unknown arrival process {arrival!r}; expected 'poisson' or 'gamma'")
     return np.concatenate([np.zeros(min(num_requests, 1)), np.cumsum(gaps)])
 
+
+_MIN_CV, _MAX_CV = 1e-3, 1e3  # Gamma shape 1/cv² from 1e-6 to 1e6: beyond, its parameters overflow or vanish
 
 _LLUMNIX_ALPHAS = {128: 2.0, 256: 1.5, 512: 1.15, 1024: 1.0005}
 
@@ -809,11 +813,13 @@ def load_trace(
                 rate_per_s = DEFAULT_SYNTHETIC_RATE_PER_S
         arrivals = synthetic_arrivals_s(count, rate_per_s, _rng(seed, _STREAM_ARRIVALS), arrival=arrival, cv=arrival_cv)
 
-    arrivals = arrivals / rate_scale
     keep = count if max_requests is None else min(max_requests, count)
-    span_s = float(arrivals[keep - 1] - arrivals[0]) if keep > 1 else 0.0
+    with np.errstate(over="ignore"):  # a span past a double's range is refused below, by name
+        scaled = arrivals / rate_scale
+    span_s = float(scaled[keep - 1] - scaled[0]) if keep > 1 else 0.0
     if not span_s <= MAX_SPAN_S:
-        raise ValueError(_span_problem(source, keep, span_s, rate_scale, rate_per_s))
+        raise ValueError(_span_problem(source, keep, arrivals[:keep], span_s, rate_scale, rate_per_s))
+    arrivals = scaled
     block_tokens = MOONCAKE_BLOCK_TOKENS if hashes is not None else 0
     requests = tuple(
         TraceRequest(
@@ -829,19 +835,40 @@ def load_trace(
     return Trace(name=name, source=source, attribution=attribution, requests=requests)
 
 
-def _span_problem(source: str, count: int, span_s: float, rate_scale: float, rate_per_s: float | None) -> str:
+def _span_problem(
+    source: str,
+    count: int,
+    unscaled_s: npt.NDArray[np.float64],
+    span_s: float,
+    rate_scale: float,
+    rate_per_s: float | None,
+) -> str:
     """The message of a trace whose arrivals span more than :data:`MAX_SPAN_S`: what to change, and by how much
-    (``rate_per_s``: the rate of synthetic arrivals, None for the trace's own timestamps)."""
-    factor = span_s / MAX_SPAN_S
-    fixes = [f"a rate_scale (--rate-scale) of at least {rate_scale * factor:.3g}"]
+    (``unscaled_s``: the kept arrivals before ``rate_scale``; ``rate_per_s``: the rate of synthetic arrivals, None for
+    the trace's own timestamps). The smallest ``rate_scale`` that fits is rounded up to three significant digits and
+    checked by the same division ``load_trace`` makes."""
+    first, last = float(unscaled_s[0]), float(unscaled_s[-1])
+    least = _round_up_3((last - first) / MAX_SPAN_S)
+    while last / least - first / least > MAX_SPAN_S:  # the span as load_trace computes it
+        least = _round_up_3(least * (1 + 1e-6))
+    fixes = [f"a rate_scale (--rate-scale) of at least {least:.3g}"]
     if rate_per_s is not None:
-        fixes.insert(0, f"a rate_per_s (--rate) of at least {rate_per_s * factor:.3g}")
+        rate = rate_per_s * ((last - first) / rate_scale) / MAX_SPAN_S  # synthetic gaps scale as 1 / rate
+        if math.isfinite(rate):
+            fixes.insert(0, f"a rate_per_s (--rate) of at least {_round_up_3(rate * (1 + 1e-9)):.3g}")
+    over = f"{span_s:.3g} s ({span_s / 86_400:.3g} days)" if math.isfinite(span_s) else "more seconds than a double"
     return (
-        f"{source}: its first {count:,} requests arrive over {span_s:.3g} s ({span_s / 86_400:.3g} days) of simulated "
-        f"time; hilum simulates at most {MAX_SPAN_S:,.0f} s (30 days: past that an idle cluster's 50 ms loops cost "
-        f"minutes for nothing and timestamps lose precision): use {', '.join(fixes)} or fewer requests "
-        "(max_requests, --max-requests)"
+        f"{source}: its first {count:,} requests arrive over {over} of simulated time; hilum simulates at most "
+        f"{MAX_SPAN_S:,.0f} s (30 days: past that an idle cluster's 50 ms loops cost minutes for nothing and "
+        f"timestamps lose precision): use {', '.join(fixes)} or fewer requests (max_requests, --max-requests)"
     )
+
+
+def _round_up_3(value: float) -> float:
+    """``value`` (> 0, finite) rounded up to three significant digits (as ``:.3g`` prints it, never below)."""
+    step = 10.0 ** (math.floor(math.log10(value)) - 2)
+    rounded = float(f"{math.ceil(value / step) * step:.3g}")
+    return rounded if rounded >= value else float(f"{rounded + step:.3g}")
 
 
 def with_priorities(trace: Trace, high_fraction: float, seed: int) -> Trace:

@@ -103,8 +103,10 @@ class _ModelSchema(_Schema):
 
 class _GpuSchema(_Schema):
     name: _Id
-    memory_gib: _PosFloat
-    hbm_gbyte_per_s: _PosFloat
+    # bounded where a value beyond any GPU breaks the model: 1 PiB of memory overflows no count of blocks or bytes,
+    # and an engine below 10 GB/s of HBM (no GPU has under 100) steps so slowly a simulation runs for days of its time
+    memory_gib: Annotated[float, Field(gt=0, le=2**20, allow_inf_nan=False)]
+    hbm_gbyte_per_s: Annotated[float, Field(ge=10, le=1e6, allow_inf_nan=False)]
     nvlink_gbyte_per_s: _PosFloat
 
 

@@ -137,12 +137,15 @@ def test_an_instance_with_more_blocks_than_the_engine_can_number_exits_2_naming_
     example = Path(__file__).resolve().parents[2] / "examples" / "topologies" / "1x8-a100.yaml"
     text = example.read_text()
     assert "memory_gib: 80\n" in text
-    huge = tmp_path / "huge.yaml"  # 80 PiB a GPU: about 9.2 billion blocks of Llama-2-7B, more than 2**31 - 1
-    huge.write_text(text.replace("memory_gib: 80\n", "memory_gib: 80000000\n"))
+    huge = tmp_path / "huge.yaml"  # 3 billion blocks, more than 2**31 - 1
+    huge.write_text(text.replace("model: llama-2-7b}", "model: llama-2-7b, kv_capacity_blocks: 3000000000}"))
     assert main(["sim", "--max-requests", "5", "--topology", str(huge)]) == 2
     err = capsys.readouterr().err.replace("\n", "")
-    assert "hilum sim: error: 1x8-a100: instance node-0-i0 has 9,215,998,393 KV cache blocks (8 such" in err
-    assert "at most 2,147,483,647" in err and "Traceback" not in err
+    assert "hilum sim: error: 1x8-a100: instance node-0-i0 has 3,000,000,000 KV cache blocks (8 such" in err
+    assert "at most 2,147,483,647" in err and "a smaller kv_capacity_blocks" in err and "Traceback" not in err
+    huge.write_text(text.replace("memory_gib: 80\n", "memory_gib: 80000000\n"))  # 80 PiB a GPU: past any GPU
+    assert main(["sim", "--max-requests", "5", "--topology", str(huge)]) == 2
+    assert "gpu_types[0].memory_gib: must be <= 1.04858e+06, got 80000000" in capsys.readouterr().err
 
 
 def test_an_instance_too_small_for_any_request_of_the_trace_is_named_in_a_warning(
@@ -159,6 +162,19 @@ def test_an_instance_too_small_for_any_request_of_the_trace_is_named_in_a_warnin
     assert "hilum sim: warning: 1 llama-2-7b instance of 1x8-a100 holds fewer KV cache blocks than" in err
     assert "node-0-i3 (1); no request will run there" in err
     assert json.loads(captured.out)[0]["finished"] == 40  # the run goes on without it
+    assert main(["sim", "--max-requests", "500", "--topology", str(small), "--policy", "round-robin", "--json"]) == 0
+    assert "node-0-i3 (1); no request will run there" in capsys.readouterr().err  # 2-token prompts, longer requests
+    every = tmp_path / "every.yaml"
+    every.write_text(
+        text.replace(
+            "tensor_parallel_size: 1, model: llama-2-7b}",
+            "tensor_parallel_size: 1, model: llama-2-7b, kv_capacity_blocks: 1}",
+        )
+    )
+    assert main(["sim", "--max-requests", "40", "--topology", str(every)]) == 2
+    err = capsys.readouterr().err.replace("\n", "")
+    assert "hilum sim: error: every llama-2-7b instance of 1x8-a100 holds fewer KV cache blocks than" in err
+    assert "no request could run" in err
     assert main(["sim", "--max-requests", "5", "--topology", str(example), "--policy", "round-robin"]) == 0
     assert "warning" not in capsys.readouterr().err
 
@@ -180,7 +196,7 @@ def test_a_drain_or_scale_out_after_the_last_arrival_is_warned_about(capsys: pyt
         (["--rate-scale", "1e-300"], "its first 100 requests arrive over 4.27e+301 s"),
         (
             ["--trace", "sharegpt", "--rate", "1e-9"],
-            "use a rate_per_s (--rate) of at least 2.91e-05, a rate_scale (--rate-scale) of at least 2.91e+04 or",
+            "use a rate_per_s (--rate) of at least 2.92e-05, a rate_scale (--rate-scale) of at least 2.92e+04 or",
         ),
     ],
 )
@@ -199,7 +215,7 @@ def test_the_title_shows_a_huge_or_tiny_rate_in_three_digits(capsys: pytest.Capt
     assert main(["sim", "--max-requests", "50", "--rate-scale", "0.01", "--policy", "round-robin"]) == 0
     assert "(50 requests, 0.0189 req/s" in capsys.readouterr().out
     assert main(["sim", "--max-requests", "1", "--policy", "round-robin"]) == 0
-    assert "(1 request, 0 req/s" in capsys.readouterr().out
+    assert "(1 request) on 2x8-a100-40gb" in capsys.readouterr().out  # no rate for one request
 
 
 def test_ctrl_c_during_a_run_exits_130_and_leaves_no_empty_out_folder(

@@ -461,3 +461,28 @@ def test_arrivals_spanning_more_than_max_span_are_refused_at_the_scale_that_cros
         load_trace("azure-code", max_requests=3, rate_scale=span_s / MAX_SPAN_S * 0.9999)
     assert f"of at least {span_s / MAX_SPAN_S:.3g}" in str(caught.value)
     assert load_trace("azure-code", max_requests=1, rate_scale=1e-300).duration_s == 0.0  # one request spans nothing
+
+
+@pytest.mark.parametrize(
+    ("name", "max_requests"), [("azure-code", 1000), ("azure-conv", None), ("azure-conv", 100), ("mooncake-conv", 500)]
+)
+def test_the_suggested_rate_scale_fits_and_one_a_little_smaller_does_not(name: str, max_requests: int | None) -> None:
+    """The suggestion is rounded up (to three significant digits), never down to a scale that is refused again."""
+    with pytest.raises(ValueError, match="of at least") as caught:
+        load_trace(name, max_requests=max_requests, rate_scale=1e-9)
+    suggested = float(str(caught.value).split("(--rate-scale) of at least ")[1].split()[0])
+    assert load_trace(name, max_requests=max_requests, rate_scale=suggested).duration_s <= MAX_SPAN_S
+    with pytest.raises(ValueError, match="of at least"):
+        load_trace(name, max_requests=max_requests, rate_scale=suggested * 0.99)
+
+
+def test_a_span_past_a_doubles_range_is_refused_without_inf_in_the_advice() -> None:
+    with pytest.raises(ValueError, match=r"more seconds than a double of simulated time") as caught:
+        load_trace("azure-code", max_requests=3, rate_scale=1e-320)
+    assert "inf" not in str(caught.value)
+
+
+def test_gamma_arrivals_refuse_a_cv_whose_shape_overflows() -> None:
+    for cv in (1e-200, 1e200):
+        with pytest.raises(ValueError, match=r"arrival_cv \(the inter-arrival CV\) from 0.001 to 1000"):
+            load_trace("sharegpt", num_requests=10, arrival="gamma", arrival_cv=cv)
