@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from topology.spec import Topology
 
     from .results import PolicySummary
+    from .sweep import SweepConfig
     from .traces import Trace
 
 
@@ -529,7 +530,7 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
         return 2
     try:
         config = load_sweep_config(args.config)
-        _check_sweep(config.topologies, config.trace, config.policies, config.options)
+        _check_sweep(config)
         if config.config is not None:  # the runs' configuration file: read it here, not in every Ray task
             try:
                 load_config(config.config)
@@ -551,8 +552,9 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_sweep(topologies: list[str], trace: str, policies: list[str], options: dict[str, Any]) -> None:
-    """Fail before starting Ray on a grid that cannot run: unknown topology, trace, policy or option.
+def _check_sweep(config: SweepConfig) -> None:
+    """Fail before starting Ray on a grid that cannot run: unknown topology, trace, policy or option, or a rate
+    scale (with a seed) whose arrivals span more than ``sim.traces.MAX_SPAN_S``.
 
     Raises ValueError (or the loaders' errors, which are ValueErrors) naming the problem.
     """
@@ -561,12 +563,20 @@ def _check_sweep(topologies: list[str], trace: str, policies: list[str], options
     from .runner import SimOptions, check_options
     from .traces import load_trace
 
-    unknown = [p for p in policies if p not in POLICY_NAMES]
+    unknown = [p for p in config.policies if p not in POLICY_NAMES]
     if unknown:
         raise ValueError(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICY_NAMES)}")
-    parsed = SimSpec(topology="", trace=trace, policy=policies[0], options=options).parsed_options()
+    parsed = SimSpec(
+        topology="", trace=config.trace, policy=config.policies[0], options=config.options
+    ).parsed_options()
     assert isinstance(parsed, SimOptions)
-    load_trace(trace, max_requests=1)
+    for i, rate_scale in enumerate(config.rate_scales):
+        for seed in config.seeds:
+            try:
+                load_trace(config.trace, rate_scale=rate_scale, max_requests=config.max_requests, seed=seed)
+            except ValueError as exc:
+                raise ValueError(f"rate_scales[{i}] = {rate_scale:g}, seed {seed}: {exc}") from None
+    topologies = config.topologies
     for name in topologies:
         try:
             check_options(load_topology(name), parsed)

@@ -298,6 +298,11 @@ def test_sweep_runs_real_simulations_as_ray_tasks(
             "foo",
         ),
         ("trace: azure-conv\ntopologies: [nowhere]\npolicies: [hilum]\nrate_scales: [1]\n", "nowhere"),
+        (
+            "trace: azure-conv\ntopologies: [2x8-a100-40gb]\npolicies: [hilum]\nrate_scales: [1, 1e-6]\n"
+            "max_requests: 100\n",
+            "hilum sim sweep: error: rate_scales[1] = 1e-06, seed 0: sim/data/AzureLLMInferenceTrace_conv.csv.gz: its",
+        ),
     ],
 )
 def test_a_sweep_that_cannot_run_fails_before_starting_ray(
@@ -314,7 +319,7 @@ def test_the_bundled_sweep_example_is_valid() -> None:
     from sim.sweep import load_sweep_config
 
     config = load_sweep_config(Path(__file__).resolve().parents[2] / "examples" / "sweep.yaml")
-    _check_sweep(config.topologies, config.trace, config.policies, config.options)
+    _check_sweep(config)
 
 
 def test_the_title_counts_the_instances_serving_at_start(capsys: pytest.CaptureFixture[str]) -> None:
