@@ -292,7 +292,7 @@ def run_cli(args: argparse.Namespace) -> int:
             f"({fleet}, {len(domains)} domain{'' if len(domains) == 1 else 's'}), seed {args.seed}"
         )
         baseline = "least-loaded" if "least-loaded" in {s.policy for s in summaries} else None
-        console = Console() if sys.stdout.isatty() else Console(width=140)  # files and pipes: no squeezing
+        console = Console() if sys.stdout.isatty() else Console(width=200)  # files and pipes: no squeezing
         console.print(render_table(summaries, title=title, baseline=baseline, columns=LATENCY_COLUMNS, compact=True))
         console.print(
             render_table(summaries, title="migrations and simulator cost", columns=MIGRATION_COLUMNS, compact=True)
@@ -377,7 +377,7 @@ def run_size_cli(args: argparse.Namespace) -> int:
         table = Table(
             title=f"smallest static fleet with P99 TTFT <= {args.target_p99_ttft_ms:g} ms ({trace.name} "
             f"x{args.rate_scale:g}, {_requests(len(trace.requests))}, on {topology.name}: "
-            f"{pool_size} {model} instances)",
+            f"{pool_size} {model} instance{'' if pool_size == 1 else 's'})",
             title_justify="left",
             box=box.SIMPLE_HEAD,
         )
@@ -391,7 +391,7 @@ def run_size_cli(args: argparse.Namespace) -> int:
                 table.add_row(s.policy, str(t.instances), gpu_h, p99, "yes" if t.meets else "no", mark)
             if s.chosen is None:
                 table.add_row(s.policy, "-", "-", "-", "-", f"not met even by all {pool_size}")
-        console = Console() if sys.stdout.isatty() else Console(width=140)
+        console = Console() if sys.stdout.isatty() else Console(width=200)  # files and pipes: no squeezing
         console.print(table)
     if out is not None:
         path = out / "sizing.json"
@@ -497,6 +497,8 @@ def _output_dir(out: str | None) -> Path | None:
     """
     if out is None:
         return None
+    if not out.strip():
+        raise ValueError("--out is empty: give a folder for results.json and the plots")
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"--out {out}: exists and is not a directory")

@@ -818,7 +818,8 @@ def load_trace(
         scaled = arrivals / rate_scale
     span_s = float(scaled[keep - 1] - scaled[0]) if keep > 1 else 0.0
     if not span_s <= MAX_SPAN_S:
-        raise ValueError(_span_problem(source, keep, arrivals[:keep], span_s, rate_scale, rate_per_s))
+        shown = f"{name} (generated)" if table is None else source
+        raise ValueError(_span_problem(shown, keep, arrivals[:keep], span_s, rate_scale, rate_per_s))
     arrivals = scaled
     block_tokens = MOONCAKE_BLOCK_TOKENS if hashes is not None else 0
     requests = tuple(

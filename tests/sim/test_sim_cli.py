@@ -114,6 +114,7 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--trace", "[red]x[/red]:x:"], "unknown trace '[red]x[/red]:x:'"),  # printed as given: no markup, no emoji
         (["--drain", "node-0-i1@5", "--scale-out", "node-0-i1@9"], "both drained and scaled out"),
         (["--out", "README.md"], "exists and is not a directory"),
+        (["--out", ""], "--out is empty: give a folder for results.json and the plots"),
         (["--policy", "llumnix,"], "--policy 'llumnix,' has an empty name; separate policies by single commas"),
         (["--policy", "hilum,,llumnix"], "--policy 'hilum,,llumnix' has an empty name"),
         (["--cold-start-s", "5"], "cold_start_s (--cold-start-s) applies only with autoscale (--autoscale)"),
@@ -198,6 +199,7 @@ def test_a_drain_or_scale_out_after_the_last_arrival_is_warned_about(capsys: pyt
             ["--trace", "sharegpt", "--rate", "1e-9"],
             "use a rate_per_s (--rate) of at least 2.92e-05, a rate_scale (--rate-scale) of at least 2.92e+04 or",
         ),
+        (["--trace", "llumnix-synthetic", "--rate", "1e-9"], "error: llumnix-synthetic (generated): its first 100"),
     ],
 )
 def test_a_simulated_span_past_30_days_is_refused_with_the_scale_that_fits(
