@@ -285,7 +285,8 @@ def run_cli(args: argparse.Namespace) -> int:
         )
         truncated = runs[0].config.get("truncated_requests", 0)
         # no rate for requests that arrive at one instant (one request, or a span below a double's resolution)
-        rate = f", {len(trace.requests) / trace.duration_s:.3g} req/s" if trace.duration_s > 0 else ""
+        per_s = len(trace.requests) / trace.duration_s if trace.duration_s > 0 else math.inf
+        rate = f", {per_s:.3g} req/s" if math.isfinite(per_s) else ""
         title = (
             f"{trace.name} x{args.rate_scale:g} ({_requests(len(trace.requests))}{rate}"
             f"{f', {truncated} cut to the {model} context' if truncated else ''}) on {topology.name} "
@@ -416,6 +417,9 @@ def _load(
 
     try:
         specs = _specs(args)
+        for flag, value in (("--topology", args.topology), ("--trace", args.trace)):
+            if not value.strip():
+                raise ValueError(f"{flag} is empty: give a bundled name or a file")
         topology = load_topology(args.topology)
         drains, scale_outs = check_options(topology, specs[0].parsed_options())
         out = _output_dir(args.out)
@@ -445,8 +449,8 @@ def _load(
         return 2
     last_s = trace.requests[-1].arrival_s if trace.requests else 0.0
     late = [
-        f"{flag} {iid}@{at_s:g} comes after the trace's last arrival ({last_s:.1f} s): it happens only if requests are "
-        "still running then"
+        f"{flag} {iid}@{at_s:.10g} comes after the trace's last arrival ({last_s:.1f} s): it happens only if "
+        "requests are still running then"
         for flag, events in (("--drain", drains), ("--scale-out", scale_outs))
         for iid, at_s in events
         if at_s > last_s

@@ -666,8 +666,8 @@ def yaml_error_line(exc: yaml.YAMLError) -> str:
 
 
 def load_topology(path_or_name: str | Path) -> Topology:
-    """Load a topology file, or a bundled example by name (``1x8-a100``, ``2x8-a100``, ``64x8-h100``,
-    ``nvl72-gb200``). An existing file wins over a bundled name.
+    """Load a topology file, or a bundled example by name (:data:`BUNDLED_NAMES`: ``1x8-a100``, ``2x8-a100``,
+    ``2x8-a100-40gb``, ``64x8-h100``, ``nvl72-gb200``). An existing file wins over a bundled name.
 
     Raises :class:`TopologyError` (every problem, ``"<file>: <key.path>: <message>"``) when the file is
     missing, is not valid YAML (line and column given) or describes an invalid topology.

@@ -115,6 +115,8 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--drain", "node-0-i1@5", "--scale-out", "node-0-i1@9"], "both drained and scaled out"),
         (["--out", "README.md"], "exists and is not a directory"),
         (["--out", ""], "--out is empty: give a folder for results.json and the plots"),
+        (["--topology", ""], "--topology is empty: give a bundled name or a file"),
+        (["--trace", " "], "--trace is empty: give a bundled name or a file"),
         (["--policy", "llumnix,"], "--policy 'llumnix,' has an empty name; separate policies by single commas"),
         (["--policy", "hilum,,llumnix"], "--policy 'hilum,,llumnix' has an empty name"),
         (["--cold-start-s", "5"], "cold_start_s (--cold-start-s) applies only with autoscale (--autoscale)"),
@@ -216,6 +218,8 @@ def test_the_title_shows_a_huge_or_tiny_rate_in_three_digits(capsys: pytest.Capt
     assert "(50 requests, 1.89e+300 req/s" in capsys.readouterr().out
     assert main(["sim", "--max-requests", "50", "--rate-scale", "0.01", "--policy", "round-robin"]) == 0
     assert "(50 requests, 0.0189 req/s" in capsys.readouterr().out
+    assert main(["sim", "--max-requests", "50", "--rate-scale", "1e308", "--policy", "round-robin"]) == 0
+    assert "x1e+308 (50 requests, 3 cut to" in capsys.readouterr().out  # a rate past a double's range: none shown
     assert main(["sim", "--max-requests", "1", "--policy", "round-robin"]) == 0
     assert "(1 request) on 2x8-a100-40gb" in capsys.readouterr().out  # no rate for one request
 
