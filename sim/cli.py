@@ -1,4 +1,4 @@
-"""``hilum sim``: replay a trace on a simulated cluster under several policies and compare them.
+"""`hilum sim`: replay a trace on a simulated cluster under several policies and compare them.
 
 A bare `hilum sim` runs the embedded defaults: the bundled 2 x 8 A100-40GB topology (16 Llama-2-13B
 instances, two NVLink domains), the first 5,000 requests of the Azure LLM 2023 conversation trace
