@@ -25,7 +25,7 @@ from hilum_config import add_argument as add_config_argument
 from topology.load import BUNDLED_NAMES
 
 from .runner import DEFAULTS, SimSpec, check_autoscale, check_prefix_cache, served_model
-from .schedulers import POLICY_NAMES
+from .schedulers import POLICY_NAMES, domain_request
 from .traces import TRACE_NAMES
 
 if TYPE_CHECKING:
@@ -473,7 +473,7 @@ def _too_small(topology: Topology, trace: Trace, model: str) -> str | None:
     if not trace.requests:
         return None
     block_tokens = topology.models[model].block_size_tokens
-    need_blocks = min(math.ceil((r.prompt_tokens + r.output_tokens - 1) / block_tokens) for r in trace.requests)
+    need_blocks = min(domain_request(r, model).need_blocks(block_tokens) for r in trace.requests)
     served = [i for i in topology.instances if i.model == model]
     small = [i for i in served if i.kv_capacity_blocks < need_blocks]
     if not small:
