@@ -32,7 +32,7 @@ from typing import Final
 import numpy as np
 
 from llumlet.engine.core import DecodeRun, EngineCore
-from llumlet.engine.latency import LatencyModel, packed_from_numpy
+from llumlet.engine.latency import LatencyModel, packed_from_numpy, steps_ended_guess
 from llumlet.engine.scheduler import Admission, SchedulingPolicy
 from llumlet.engine.types import EngineRequest, StepResult
 from policy.load import InstanceLoad
@@ -128,7 +128,7 @@ class RequestState:
 class _Run:
     """A decode run in flight on an instance: the engine's run plus its step end times."""
 
-    __slots__ = ("end_times_s", "ended", "next_end_s", "recorded", "run", "seq", "start_s")
+    __slots__ = ("_a_s", "_b_s", "end_times_s", "ended", "next_end_s", "recorded", "run", "seq", "start_s")
 
     def __init__(self, run: DecodeRun, start_s: float, seq: int) -> None:
         self.run = run
@@ -144,6 +144,31 @@ class _Run:
         # end_times_s[ended] when ended < steps - 1, else inf: until then no other step starts, and a look reads
         # this field alone (on a large cluster the list is mostly out of the CPU's caches)
         self.next_end_s = ends_s[0] if len(ends_s) > 1 else math.inf
+        self._a_s, self._b_s = run.times.linear_s()  # the step times' closed form, to guess a search's answer
+
+    def search(self, t_s: float, lo: int, last: int, right: bool) -> int:
+        """``bisect.bisect_left(end_times_s, t_s, lo, last)`` (``right``: ``bisect_right``), every end before ``lo``
+        being before ``t_s`` (at or before it, ``right``).
+
+        The answer is guessed from the closed form of the step times (``steps_ended_guess``) and checked against
+        the two end times around it, side by side in memory: on a large cluster the end times are mostly out of
+        the CPU's caches, and a binary search's reads, each waiting for the one before, cost a cache miss each.
+        When the guess is wrong, a search from it (galloping on, or bisecting below it) finds the answer."""
+        ends = self.end_times_s
+        guess = min(max(steps_ended_guess(self._a_s, self._b_s, t_s - self.start_s), lo), last)
+        if guess < last and (ends[guess] <= t_s if right else ends[guess] < t_s):  # short: gallop on from it
+            lo, width = guess + 1, 1
+            hi = lo + width
+            while hi < last and (ends[hi] <= t_s if right else ends[hi] < t_s):  # every end up to hi is before
+                lo = hi + 1
+                width *= 2
+                hi = lo + width
+            hi = min(hi, last)
+        elif guess > lo and (ends[guess - 1] > t_s if right else ends[guess - 1] >= t_s):  # past: below it
+            hi = guess - 1
+        else:
+            return guess
+        return bisect.bisect_right(ends, t_s, lo, hi) if right else bisect.bisect_left(ends, t_s, lo, hi)
 
     def scheduled_s(self, step: int) -> float:
         """When the step-by-step event for the end of step ``step`` (from 0) would have been scheduled."""
@@ -708,16 +733,8 @@ class Cluster:
         if now < flight.next_end_s:  # no step ended since the last look (a cut run: n is its last step then)
             return n + 1
         ends = flight.end_times_s
-        # bisect_left(ends, now, 0, last), galloping from the last answer (a lower bound: ends never decrease, and
-        # neither does now): a look costs O(log of the steps since the last one) and touches only their part
-        if n < last and ends[n] < now:
-            lo, width = n + 1, 1
-            hi = lo + width
-            while hi < last and ends[hi] < now:  # every end up to hi is before now
-                lo = hi + 1
-                width *= 2
-                hi = lo + width
-            n = bisect.bisect_left(ends, now, lo, min(hi, last))
+        # bisect_left(ends, now, 0, last), from the last answer (a lower bound: ends never decrease, nor does now)
+        n = flight.search(now, n, last, False)
         flight.ended = n
         flight.next_end_s = ends[n] if n < last else math.inf
         if n < last and ends[n] == now:
@@ -912,10 +929,10 @@ class Cluster:
         flight = inst._run
         if flight is not None:
             run = flight.run
-            ends = flight.end_times_s
             last = run.steps - 1
+            started = 1
             while k < n:
-                started = bisect.bisect_right(ends, times[k], 0, last) + 1
+                started = flight.search(times[k], started - 1, last, True) + 1  # the sample times never decrease
                 if started > run.applied:
                     self._apply_steps(inst, started)
                     inst._last_step_s = run.duration_s(started - 1)

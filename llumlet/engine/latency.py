@@ -26,6 +26,7 @@ import bisect
 import dataclasses
 import itertools
 import json
+import math
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ __all__ = [
     "load_latency_model",
     "packed_doubles",
     "packed_from_numpy",
+    "steps_ended_guess",
     "supported_latency_models",
 ]
 
@@ -245,6 +247,26 @@ class LatencyModel:
         }
 
 
+def steps_ended_guess(a_s: float, b_s: float, elapsed_s: float) -> int:
+    """About how many steps of a decode run have ended ``elapsed_s`` seconds after its first started, step ``j``
+    lasting ``a_s + b_s · j`` (:meth:`DecodeStepTimes.linear_s`): the least ``n`` with ``t_0 + ... + t_n >=
+    elapsed_s``, the closed form of the sum solved for ``n``. A guess, a step or so off where the rounding of the end
+    times a caller holds (:meth:`DecodeStepTimes.end_times_s`, summed step by step) differs from the formula's: the
+    caller checks it against them. 0 for ``elapsed_s <= 0`` or a model without a sensible root; never negative.
+
+    The root is taken as ``2e / (A + sqrt(A² + 2be))`` (``A = a - b/2``), free of the cancellation of the textbook
+    form when ``b`` is small next to ``a`` (Goldberg, "What every computer scientist should know about
+    floating-point arithmetic", 1991, §1.4).
+    """
+    if not elapsed_s > 0.0 or not a_s > 0.0 or not b_s >= 0.0:
+        return 0
+    half = a_s - b_s / 2.0
+    x = 2.0 * elapsed_s / (half + math.sqrt(half * half + 2.0 * b_s * elapsed_s))  # steps, with the one in flight
+    if not x < 1e15:  # inf from an absurd model, or beyond any run
+        return 0
+    return max(0, math.ceil(x) - 1)
+
+
 class DecodeStepTimes:
     """The step times of a run of pure decode steps of the same ``num_seqs`` requests
     (:meth:`LatencyModel.decode_step_times`), in closed form.
@@ -276,6 +298,11 @@ class DecodeStepTimes:
         """Duration of step ``j`` (from 0), seconds."""
         kv = self.first_kv_tokens + j * self.num_seqs
         return (self._k * (self._token_ms + (self._d0_ms + self._d1_ms * kv)) + self._overhead_ms) / 1000.0
+
+    def linear_s(self) -> tuple[float, float]:
+        """``(a, b)``, seconds: step ``j`` lasts ``a + b · j`` (up to rounding), ``a = step_s(0)`` and
+        ``b = k · D1 · B / 1000`` (the batch's KV grows by ``B`` tokens a step). For :func:`steps_ended_guess`."""
+        return self.step_s(0), self._k * self._d1_ms * self.num_seqs / 1000.0
 
     def durations_s(self, num_steps: int) -> array.array[float]:
         """Durations of steps 0 .. ``num_steps`` - 1, seconds (packed doubles)."""

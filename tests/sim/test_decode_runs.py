@@ -11,6 +11,7 @@ cached prefix or recompute it), whole-prompt admission, priorities, a drain and 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import random
@@ -20,7 +21,7 @@ import pytest
 from sim_factories import make_trace, tiny_topology
 
 from llumlet.engine.core import DecodeRun
-from llumlet.engine.latency import VECTOR_MIN_STEPS, DecodeStepTimes, load_latency_model
+from llumlet.engine.latency import VECTOR_MIN_STEPS, DecodeStepTimes, load_latency_model, steps_ended_guess
 from rack_sched.core import DomainCore
 from sim.cluster import Cluster, EngineLimits, _Run
 from sim.events import EventKind, EventQueue
@@ -377,3 +378,37 @@ def test_a_runs_step_ends_and_gaps_are_the_step_by_step_clock() -> None:
         pairs += [tuple(sorted((rng.randrange(n), rng.randrange(n)))) for _ in range(200 if n > 60 else 0)]
         for first, last in pairs:
             assert flight.gaps_s(first, last).tolist() == [ends[j + 1] - ends[j] for j in range(first, last)]
+
+
+def test_a_runs_search_is_bisect_over_its_end_times_and_its_guess_is_mostly_right() -> None:
+    """``_Run.search`` answers as ``bisect_left``/``bisect_right`` of the end times from ``lo`` (the guess from the
+    closed form checked, and searched from when wrong), at the times the simulator asks (step ends, times
+    between them, before the start and after the end) and at times chosen to make the guess wrong; and the guess
+    (``steps_ended_guess``) is the answer at almost every time between two step ends."""
+    rng = random.Random(11)
+    exact = between = 0
+    for k in range(40):
+        n = rng.randint(1, 60) if k % 2 else rng.randint(VECTOR_MIN_STEPS, VECTOR_MIN_STEPS + 300)
+        num_seqs = rng.randint(1, 64)
+        terms = [rng.uniform(0.5, 40.0), rng.uniform(0.0, 20.0), rng.uniform(0.5, 2.0)]
+        terms += [rng.uniform(0.0, 5.0), rng.uniform(0.0, 1e-3) if k % 3 else 0.0]
+        times = DecodeStepTimes(num_seqs, rng.randint(num_seqs, 400_000), *terms)
+        start = rng.uniform(0.0, 5e4)
+        flight = _Run(DecodeRun(("a",), times, n, None), start, seq=1)
+        ends = flight.end_times_s.tolist()
+        last = max(0, n - 1)
+        asked = [*ends, start - 1.0, start, ends[-1] + 1.0]
+        asked += [rng.uniform(start, ends[-1]) for _ in range(50)]
+        asked += [(a + b) / 2 for a, b in zip([start, *ends], ends, strict=False)]
+        for t in asked:
+            for right, reference in ((False, bisect.bisect_left), (True, bisect.bisect_right)):
+                answer = reference(ends, t, 0, last)
+                for lo in {0, answer // 2, answer}:
+                    assert flight.search(t, lo, last, right) == answer, (k, t, lo, right)
+        for a, b in zip([start, *ends], ends[:last], strict=False):  # inside a step: the guess alone answers
+            t = (a + b) / 2
+            between += 1
+            exact += min(steps_ended_guess(*times.linear_s(), t - start), last) == bisect.bisect_left(ends, t, 0, last)
+    assert exact >= 0.99 * between
+    assert steps_ended_guess(1e-3, 0.0, 0.0) == 0 and steps_ended_guess(1e-3, 0.0, 2.5e-3) == 2
+    assert steps_ended_guess(0.0, 1.0, 5.0) == steps_ended_guess(1e-3, 1e-6, float("inf")) == 0
