@@ -99,30 +99,68 @@ class DecodeRun:
 class _RunFigures:
     """What a brief report reads of a decode run in progress, taken once per run (see ``_brief_load``).
 
-    Over the run's steps the batch and the queue stay as they are (a change from outside cuts the run) and the
-    first step cleared the preemption flag, so every figure but the blocks held is constant while steps are
-    left; the blocks follow the run's rounds of one slot per request, in closed form from each request's first
-    new-block round (``BlockManager.decode_first_rounds``, the state when the figures were taken): O(batch) a
-    read, nothing built per step of the run (most runs are cut long before their planned end).
+    Over the run's steps the batch and the queue stay as they are (a change from outside cuts the run: a request
+    added or aborted, a reservation, a migration hook), the first step cleared the preemption flag, and the new
+    blocks come from the free list (the run ends before a block it lacks: no prefix-cache entry is evicted), so
+    every figure but the blocks held is constant while steps are left. Those are kept here, in one object: a
+    report of an instance in a run reads this and nothing else of the engine's state (on a large cluster each
+    other object read is a cache miss). The blocks follow the run's rounds of one slot per request, in closed
+    form from each request's first new-block round (``BlockManager.decode_first_rounds``, the state when the
+    figures were taken): O(batch) a read, nothing built per step of the run (most runs are cut long before their
+    planned end).
     """
 
-    __slots__ = ("_base", "_block_size", "_firsts", "_rounds", "queue", "run")
+    __slots__ = (
+        "_base", "_block_size", "_capacity", "_firsts", "_held", "_held_tokens", "_max_num_seqs", "_prefill_s",
+        "_rounds", "_used", "queue", "run",
+    )  # fmt: skip
 
     def __init__(
-        self, run: DecodeRun, queue: tuple[int, tuple[tuple[int, int], ...], int, int, int, bool], blocks: BlockManager
+        self,
+        run: DecodeRun,
+        queue: tuple[int, tuple[tuple[int, int], ...], int, int, int, bool],
+        blocks: BlockManager,
+        max_num_seqs: int,
+        prefill_s_per_token: float,
     ) -> None:
         self.run = run
         self.queue = queue  # EngineCore._brief_figures() while the run has steps left
         self._base = run.applied  # steps applied when taken
         self._rounds = run.steps - 1 - run.applied  # the rounds before the run's last step
-        self._firsts = blocks.decode_first_rounds(run.request_ids)
+        self._firsts = blocks.decode_first_rounds(run.request_ids)  # each >= 1: round 0 takes no block
         self._block_size = blocks.block_size_tokens
+        self._used = blocks.used_blocks + blocks.reserved_blocks  # a report's used blocks after _base steps
+        self._capacity = blocks.num_blocks
+        self._held = blocks.prefix_hashes
+        self._held_tokens = blocks.prefix_block_tokens if self._held else 0
+        self._max_num_seqs = max_num_seqs
+        self._prefill_s = prefill_s_per_token
 
-    def new_blocks(self, applied: int, steps_ahead: int) -> int:
-        """Blocks ``steps_ahead`` more steps take from the state of ``applied`` steps (both before the last)."""
-        firsts, bs, base = self._firsts, self._block_size, self._base
-        return decode_blocks_taken(firsts, bs, applied + steps_ahead - base) - decode_blocks_taken(
-            firsts, bs, applied - base
+    def report(
+        self, instance_id: str, domain_id: str, draining: bool, warming_up: bool, decode_step_s: float, steps: int
+    ) -> InstanceLoad:
+        """The brief report once ``steps`` of the run are applied (at least those applied when taken, before
+        the last)."""
+        num_running, priority_counts, num_waiting, head_demand, queued_demand, preempting = self.queue
+        return InstanceLoad(
+            instance_id,
+            capacity_blocks=self._capacity,
+            used_blocks=self._used + decode_blocks_taken(self._firsts, self._block_size, steps - self._base),
+            num_waiting=num_waiting,
+            head_demand_blocks=head_demand,
+            queued_demand_blocks=queued_demand,
+            preempting=preempting,
+            draining=draining,
+            warming_up=warming_up,
+            domain_id=domain_id,
+            decode_step_s=decode_step_s,
+            num_running=num_running,
+            priority_counts=priority_counts,
+            brief=True,
+            max_num_seqs=self._max_num_seqs,
+            prefix_hashes=self._held,
+            prefix_block_tokens=self._held_tokens,
+            prefill_s_per_token=self._prefill_s,
         )
 
     def steps_within(self, steps: int, extra_blocks: int) -> int:
@@ -287,19 +325,19 @@ class EngineCore(PagedEngine):
     def _brief_load(
         self, instance_id: str, domain_id: str, draining: bool, warming_up: bool, decode_step_s: float, steps_ahead: int
     ) -> InstanceLoad:
-        blocks = self.blocks
         run = self._run
         if steps_ahead and (steps_ahead < 0 or run is None or run.applied + steps_ahead >= run.steps):
             self._run_ahead(steps_ahead)  # raises: a read-ahead stays before the run's last step
-        if run is not None and run.applied < run.steps:  # O(1): the run's figures, computed once per run
+        if run is not None and run.applied < run.steps:  # the run's figures, taken once per run: O(batch)
             figures = self._run_figures
             if figures is None or figures.run is not run:
-                figures = self._run_figures = _RunFigures(run, self._brief_figures(), blocks)
-            used = blocks.used_blocks + figures.new_blocks(run.applied, steps_ahead)
-            num_running, priority_counts, num_waiting, head_demand, queued_demand, preempting = figures.queue
-        else:
-            used = blocks.used_blocks
-            num_running, priority_counts, num_waiting, head_demand, queued_demand, preempting = self._brief_figures()
+                figures = self._run_figures = self._new_figures(run)
+            return figures.report(
+                instance_id, domain_id, draining, warming_up, decode_step_s, run.applied + steps_ahead
+            )
+        blocks = self.blocks
+        used = blocks.used_blocks
+        num_running, priority_counts, num_waiting, head_demand, queued_demand, preempting = self._brief_figures()
         held = blocks.prefix_hashes  # the same frozenset until the prefix cache changes
         return InstanceLoad(
             instance_id,
@@ -339,8 +377,14 @@ class EngineCore(PagedEngine):
             return None
         figures = self._run_figures
         if figures is None or figures.run is not run:
-            figures = self._run_figures = _RunFigures(run, self._brief_figures(), self.blocks)
+            figures = self._run_figures = self._new_figures(run)
         return figures
+
+    def _new_figures(self, run: DecodeRun) -> _RunFigures:
+        """The figures of ``run``, the decode run in progress, from the state now."""
+        return _RunFigures(
+            run, self._brief_figures(), self.blocks, self.scheduler.max_num_seqs, self._prefill_s_per_token
+        )
 
     def _brief_figures(self) -> tuple[int, tuple[tuple[int, int], ...], int, int, int, bool]:
         """(num_running, priority_counts, num_waiting, head_demand_blocks, queued_demand_blocks, preempting) of
