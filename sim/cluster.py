@@ -915,9 +915,10 @@ class Cluster:
 
         Every change to it but its decode run's steps calls this first (:meth:`SimInstance.before_change`), so
         nothing else changed it since the first of those times, and every such call goes on to apply the run's
-        started steps (a change cuts the run, an advance applies them): its usage at each time is read by applying
-        the steps that had started by then (step ``j + 1`` starts when step ``j`` ends, at ``end_times_s[j]``; an
-        end at the sample's instant comes first), the same steps the engine would apply now in one go."""
+        started steps (a change cuts the run, an advance applies them): its usage at each time is that of the steps
+        that had started by then (step ``j + 1`` starts when step ``j`` ends, at ``end_times_s[j]``; an end at the
+        sample's instant comes first), read from the run's closed form (``EngineCore.decode_run_used_blocks``) while
+        they are before its last step, which is applied (the same steps the engine would apply now in one go)."""
         times = self.kv_times_s
         usage = inst.kv_usage
         k, n = len(usage), len(times)
@@ -933,10 +934,15 @@ class Cluster:
             started = 1
             while k < n:
                 started = flight.search(times[k], started - 1, last, True) + 1  # the sample times never decrease
-                if started > run.applied:
-                    self._apply_steps(inst, started)
-                    inst._last_step_s = run.duration_s(started - 1)
-                usage.append(blocks.used_blocks / blocks.num_blocks)
+                steps = max(started, run.applied)
+                if steps < run.steps:  # before the run's last step: its blocks then in closed form, nothing applied
+                    used = engine.decode_run_used_blocks(steps)
+                else:  # the last step (its requests finish) applied
+                    if started > run.applied:
+                        self._apply_steps(inst, started)
+                        inst._last_step_s = run.duration_s(started - 1)
+                    used = blocks.used_blocks
+                usage.append(used / blocks.num_blocks)
                 k += 1
         elif k < n:
             usage.extend([blocks.used_blocks / blocks.num_blocks] * (n - k))

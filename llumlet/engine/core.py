@@ -111,8 +111,8 @@ class _RunFigures:
     """
 
     __slots__ = (
-        "_base", "_block_size", "_capacity", "_firsts", "_held", "_held_tokens", "_max_num_seqs", "_prefill_s",
-        "_rounds", "_used", "queue", "run",
+        "_base", "_block_size", "_capacity", "_firsts", "_max_num_seqs", "_prefill_s", "_prefix", "_prefix_tokens",
+        "_reserved", "_rounds", "_used", "queue", "run",
     )  # fmt: skip
 
     def __init__(
@@ -129,12 +129,18 @@ class _RunFigures:
         self._rounds = run.steps - 1 - run.applied  # the rounds before the run's last step
         self._firsts = blocks.decode_first_rounds(run.request_ids)  # each >= 1: round 0 takes no block
         self._block_size = blocks.block_size_tokens
-        self._used = blocks.used_blocks + blocks.reserved_blocks  # a report's used blocks after _base steps
+        self._used = blocks.used_blocks  # held by requests after _base steps
+        self._reserved = blocks.reserved_blocks
         self._capacity = blocks.num_blocks
-        self._held = blocks.prefix_hashes
-        self._held_tokens = blocks.prefix_block_tokens if self._held else 0
+        self._prefix = blocks.prefix_hashes
+        self._prefix_tokens = blocks.prefix_block_tokens if self._prefix else 0
         self._max_num_seqs = max_num_seqs
         self._prefill_s = prefill_s_per_token
+
+    def used_blocks(self, steps: int) -> int:
+        """Blocks held by requests (reservations not counted) once ``steps`` of the run are applied (at least those
+        applied when taken, before the last)."""
+        return self._used + decode_blocks_taken(self._firsts, self._block_size, steps - self._base)
 
     def report(
         self, instance_id: str, domain_id: str, draining: bool, warming_up: bool, decode_step_s: float, steps: int
@@ -145,7 +151,7 @@ class _RunFigures:
         return InstanceLoad(
             instance_id,
             capacity_blocks=self._capacity,
-            used_blocks=self._used + decode_blocks_taken(self._firsts, self._block_size, steps - self._base),
+            used_blocks=self.used_blocks(steps) + self._reserved,
             num_waiting=num_waiting,
             head_demand_blocks=head_demand,
             queued_demand_blocks=queued_demand,
@@ -158,8 +164,8 @@ class _RunFigures:
             priority_counts=priority_counts,
             brief=True,
             max_num_seqs=self._max_num_seqs,
-            prefix_hashes=self._held,
-            prefix_block_tokens=self._held_tokens,
+            prefix_hashes=self._prefix,
+            prefix_block_tokens=self._prefix_tokens,
             prefill_s_per_token=self._prefill_s,
         )
 
@@ -369,6 +375,16 @@ class EngineCore(PagedEngine):
         ``steps_ahead``), before the run's last step."""
         figures = self._figures_of_run()
         return steps if figures is None else figures.steps_within(steps, extra_blocks)
+
+    def decode_run_used_blocks(self, steps: int) -> int:
+        """KV blocks held by requests (reservations not counted: ``blocks.used_blocks``) once ``steps`` steps of the
+        decode run in progress are applied, without applying them: O(batch). ``steps``: at least those applied,
+        before the run's last step (its requests finish in it). Raises ValueError otherwise."""
+        run = self._run
+        figures = self._figures_of_run()
+        if run is None or figures is None or not run.applied <= steps < run.steps:
+            raise ValueError(f"{self.instance_id}: decode_run_used_blocks({steps}) with {run!r}")
+        return figures.used_blocks(steps)
 
     def _figures_of_run(self) -> _RunFigures | None:
         """The figures of the decode run in progress while it has steps left (None otherwise)."""

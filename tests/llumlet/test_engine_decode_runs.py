@@ -221,13 +221,20 @@ def test_a_load_ahead_of_the_applied_steps_is_the_load_once_they_are_applied() -
     assert run is not None and run.steps == 11  # r0 has 11 tokens left
     base = run.applied
     ahead = [e.instance_load("i0", "d0", steps_ahead=k) for k in range(run.steps - base)]
-    applied = []
+    used_ahead = [e.decode_run_used_blocks(base + k) for k in range(run.steps - base)]
+    applied, used_applied = [], []
     for k in range(run.steps - base):
         e.advance_decode_run(base + k)
         applied.append(e.instance_load("i0", "d0"))
+        used_applied.append(e.blocks.used_blocks)
     assert ahead == applied and ahead[3].num_waiting == 1
+    assert used_ahead == used_applied and used_applied[-1] > used_applied[0]  # the runs' blocks grow
     with pytest.raises(ValueError, match="steps_ahead=1"):  # the last step (r0 finishes) must be applied
         e.instance_load("i0", "d0", steps_ahead=1)
+    with pytest.raises(ValueError, match=r"decode_run_used_blocks\(11\)"):  # nor is it read ahead here
+        e.decode_run_used_blocks(run.steps)
+    with pytest.raises(ValueError, match=r"decode_run_used_blocks\(9\)"):  # nor before the applied steps
+        e.decode_run_used_blocks(run.applied - 1)
 
 
 def test_a_brief_load_of_a_run_is_the_detailed_one_as_counts() -> None:
