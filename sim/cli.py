@@ -20,11 +20,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from hilum_config import ConfigError, load_config
+from hilum_config import CONFIG_ENV, ConfigError, load_config
 from hilum_config import add_argument as add_config_argument
 from topology.load import BUNDLED_NAMES
 
-from .runner import DEFAULTS, SimSpec, check_autoscale, check_prefix_cache, served_model
+from .runner import DEFAULTS, SimSpec, check_autoscale, check_prefix_cache, fit_to_context, served_model
 from .schedulers import POLICY_NAMES, domain_request
 from .traces import TRACE_NAMES
 
@@ -224,10 +224,12 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         options=options,
         config=args.config,
     )
+    if args.config is not None and not args.config.strip():
+        raise ValueError("--config is empty: give a configuration file, or leave the flag out for the defaults")
     try:  # fail before any work on a bad configuration file
         config = load_config(args.config)
-    except ConfigError as exc:
-        raise ValueError(exc.for_flag()) from None
+    except ConfigError as exc:  # named as the user gave it: the flag, or the environment variable
+        raise ValueError(exc.for_flag("--config" if args.config is not None else f"${CONFIG_ENV}")) from None
     if config.autoscale.enabled and not args.autoscale:  # the file's switch turns it on here too
         base = replace(base, options={**options, "autoscale": True})
     parsed = base.parsed_options()  # fail before any work on bad options
@@ -289,7 +291,7 @@ def run_cli(args: argparse.Namespace) -> int:
         rate = f", {per_s:.3g} req/s" if math.isfinite(per_s) else ""
         title = (
             f"{trace.name} x{args.rate_scale:g} ({_requests(len(trace.requests))}{rate}"
-            f"{f', {truncated} cut to the {model} context' if truncated else ''}) on {topology.name} "
+            f"{f', {truncated:,} cut to the {model} context' if truncated else ''}) on {topology.name} "
             f"({fleet}, {len(domains)} domain{'' if len(domains) == 1 else 's'}), seed {args.seed}"
         )
         baseline = "least-loaded" if "least-loaded" in {s.policy for s in summaries} else None
@@ -466,14 +468,16 @@ def _requests(count: int) -> str:
 
 def _too_small(topology: Topology, trace: Trace, model: str) -> str | None:
     """Why some instances of ``model`` will stay idle: fewer KV cache blocks than the trace's smallest request needs
-    (prompt plus output, ``DomainRequest.need_blocks``: what dispatch and the engine's admission check); None when
-    every instance can hold one.
+    (prompt plus output, ``DomainRequest.need_blocks``: what dispatch and the engine's admission check), once cut to
+    the model's context as the run cuts it (``fit_to_context``); None when every instance can hold one.
 
     Raises ValueError when no instance can: every request would be refused."""
     if not trace.requests:
         return None
-    block_tokens = topology.models[model].block_size_tokens
-    need_blocks = min(domain_request(r, model).need_blocks(block_tokens) for r in trace.requests)
+    spec = topology.models[model]
+    block_tokens = spec.block_size_tokens
+    cut, _ = fit_to_context(trace, spec.max_context_tokens)
+    need_blocks = min(domain_request(r, model).need_blocks(block_tokens) for r in cut.requests)
     served = [i for i in topology.instances if i.model == model]
     small = [i for i in served if i.kv_capacity_blocks < need_blocks]
     if not small:
@@ -481,8 +485,8 @@ def _too_small(topology: Topology, trace: Trace, model: str) -> str | None:
     shown = ", ".join(f"{i.instance_id} ({i.kv_capacity_blocks:,})" for i in small[:4])
     shown += ", ..." if len(small) > 4 else ""
     what = (
-        f"fewer KV cache blocks than the trace's smallest request needs (prompt plus output: {need_blocks:,} of "
-        f"{block_tokens} tokens): {shown}"
+        f"fewer KV cache blocks than the trace's smallest request needs (prompt plus output, cut to the model's "
+        f"context: {need_blocks:,} blocks of {block_tokens} tokens): {shown}"
     )
     if len(small) == len(served):
         raise ValueError(

@@ -208,8 +208,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
         return 0
     con = _console()
     con.print(
-        f"[bold]{summary['name']}[/bold] ({summary['source']}): {summary['num_gpus']} GPUs, "
-        f"{summary['num_domains']} NVLink domains, {summary['num_instances']} instances, "
+        f"[bold]{summary['name']}[/bold] ({summary['source']}): {_count(summary['num_gpus'], 'GPU')}, "
+        f"{_count(summary['num_domains'], 'NVLink domain')}, {_count(summary['num_instances'], 'instance')}, "
         f"{_count(len(summary['fabric']['racks']), 'rack')}"
     )
     t = Table(title="Models")

@@ -97,7 +97,7 @@ class _ModelSchema(_Schema):
     dtype: Literal["float32", "float16", "bfloat16", "float8", "fp8", "int8"]
     block_size_tokens: _PosInt = 16
     num_params: _PosInt
-    max_context_tokens: _PosInt
+    max_context_tokens: Annotated[int, Field(ge=2)]  # a request holds at least one prompt and one output token
     tokenizer: Annotated[str, Field(min_length=1)] | None = None
 
 

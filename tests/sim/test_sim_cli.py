@@ -86,6 +86,7 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--rate-scale", "inf"], "--rate-scale must be a finite number > 0, got inf"),
         (["--summary-lag-ms", "-1"], "--summary-lag-ms must be a finite number of milliseconds >= 0, got -1"),
         (["--config", "/no/such.yaml"], "--config /no/such.yaml: cannot read the configuration file"),
+        (["--config", ""], "--config is empty: give a configuration file, or leave the flag out for the defaults"),
         (["--topology", "/no/such.yaml"], "invalid topology (--topology /no/such.yaml)"),
         (["--max-requests", "0"], "--max-requests must be >= 1"),
         (["--trace", "no-such-trace"], "no-such-trace"),
@@ -180,6 +181,34 @@ def test_an_instance_too_small_for_any_request_of_the_trace_is_named_in_a_warnin
     assert "no request could run" in err
     assert main(["sim", "--max-requests", "5", "--topology", str(example), "--policy", "round-robin"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_configuration_file_named_by_the_environment_is_named_so_in_its_errors(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("HILUM_CONFIG", "/no/such.yaml")
+    assert main(["sim", "--max-requests", "5"]) == 2
+    err = capsys.readouterr().err.replace("\n", "")
+    assert "hilum sim: error: $HILUM_CONFIG /no/such.yaml: cannot read the configuration file" in err
+
+
+def test_a_request_longer_than_the_context_is_sized_as_the_run_cuts_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The too-small check sizes a request as cut to the model's context (``fit_to_context``), as the run does: a
+    single 100,000-token prompt runs, cut, on instances that hold a 4,096-token request; and a context below two
+    tokens (no room for a prompt token and an output token) is refused where the topology is read."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "topologies" / "1x8-a100.yaml"
+    trace = tmp_path / "long.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,100000,10\n")
+    assert main(["sim", "--topology", str(example), "--trace", str(trace), "--policy", "hilum", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)[0]["finished"] == 1 and "warning" not in captured.err
+    tiny = tmp_path / "ctx1.yaml"
+    tiny.write_text(example.read_text().replace("max_context_tokens: 4096", "max_context_tokens: 1"))
+    assert main(["sim", "--topology", str(tiny), "--max-requests", "5"]) == 2
+    err = capsys.readouterr().err.replace("\n", "")
+    assert "models[0].max_context_tokens" in err and ">= 2" in err and "Traceback" not in err
 
 
 def test_a_drain_or_scale_out_after_the_last_arrival_is_warned_about(capsys: pytest.CaptureFixture[str]) -> None:
