@@ -295,6 +295,8 @@ def load_config(path: str | Path | None = None) -> HilumConfig:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError([f"{p}: cannot read the configuration file: {exc.strerror or exc}"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{p}: not UTF-8 text (byte {exc.start}): a configuration file is YAML"]) from None
     try:
         raw = parse_yaml(text)
     except yaml.YAMLError as exc:

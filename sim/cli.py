@@ -281,7 +281,7 @@ def run_cli(args: argparse.Namespace) -> int:
         domains = {i.domain_id for i in served}
         start = runs[0].config.get("initial_instances", len(served))
         fleet = (
-            f"{len(served)} {model} instances"
+            f"{len(served)} {model} instance{'' if len(served) == 1 else 's'}"
             if start == len(served)
             else f"{start} of {len(served)} {model} instances at start"
         )
@@ -359,7 +359,7 @@ def run_size_cli(args: argparse.Namespace) -> int:
             sized = replace(spec, options={**spec.options, "initial_instances": n})
             summary = summarize(run_simulation(sized, trace=trace, topology=topology))
             p99 = "-" if summary.ttft_p99_s is None else f"{summary.ttft_p99_s * 1e3:.0f} ms"
-            err.print(f"{spec.policy}: {n} instances: P99 TTFT {p99}", highlight=False)
+            err.print(f"{spec.policy}: {n} instance{'' if n == 1 else 's'}: P99 TTFT {p99}", highlight=False)
             return summary
 
         sizings.append(size_fleet(spec.policy, pool_size, target_s, simulate))

@@ -204,6 +204,11 @@ def test_a_request_longer_than_the_context_is_sized_as_the_run_cuts_it(
     assert main(["sim", "--topology", str(example), "--trace", str(trace), "--policy", "hilum", "--json"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)[0]["finished"] == 1 and "warning" not in captured.err
+    one = tmp_path / "one.yaml"  # one instance: "1 ... instance" in the title
+    lines = example.read_text().splitlines()
+    one.write_text("\n".join(line for line in lines if "node-0-i" not in line or "node-0-i0" in line))
+    assert main(["sim", "--topology", str(one), "--max-requests", "3", "--policy", "hilum"]) == 0
+    assert "(1 llama-2-7b instance, 1 domain)" in capsys.readouterr().out.replace("\n", "")
     tiny = tmp_path / "ctx1.yaml"
     tiny.write_text(example.read_text().replace("max_context_tokens: 4096", "max_context_tokens: 1"))
     assert main(["sim", "--topology", str(tiny), "--max-requests", "5"]) == 2
