@@ -281,7 +281,7 @@ def run_cli(args: argparse.Namespace) -> int:
         domains = {i.domain_id for i in served}
         start = runs[0].config.get("initial_instances", len(served))
         fleet = (
-            f"{len(served)} {model} instance{'' if len(served) == 1 else 's'}"
+            f"{len(served)} {model} {_plural('instance', len(served))}"
             if start == len(served)
             else f"{start} of {len(served)} {model} instances at start"
         )
@@ -292,7 +292,7 @@ def run_cli(args: argparse.Namespace) -> int:
         title = (
             f"{trace.name} x{args.rate_scale:g} ({_requests(len(trace.requests))}{rate}"
             f"{f', {truncated:,} cut to the {model} context' if truncated else ''}) on {topology.name} "
-            f"({fleet}, {len(domains)} domain{'' if len(domains) == 1 else 's'}), seed {args.seed}"
+            f"({fleet}, {len(domains)} {_plural('domain', len(domains))}), seed {args.seed}"
         )
         baseline = "least-loaded" if "least-loaded" in {s.policy for s in summaries} else None
         console = Console() if sys.stdout.isatty() else Console(width=200)  # files and pipes: no squeezing
@@ -359,7 +359,7 @@ def run_size_cli(args: argparse.Namespace) -> int:
             sized = replace(spec, options={**spec.options, "initial_instances": n})
             summary = summarize(run_simulation(sized, trace=trace, topology=topology))
             p99 = "-" if summary.ttft_p99_s is None else f"{summary.ttft_p99_s * 1e3:.0f} ms"
-            err.print(f"{spec.policy}: {n} instance{'' if n == 1 else 's'}: P99 TTFT {p99}", highlight=False)
+            err.print(f"{spec.policy}: {n} {_plural('instance', n)}: P99 TTFT {p99}", highlight=False)
             return summary
 
         sizings.append(size_fleet(spec.policy, pool_size, target_s, simulate))
@@ -380,7 +380,7 @@ def run_size_cli(args: argparse.Namespace) -> int:
         table = Table(
             title=f"smallest static fleet with P99 TTFT <= {args.target_p99_ttft_ms:g} ms ({trace.name} "
             f"x{args.rate_scale:g}, {_requests(len(trace.requests))}, on {topology.name}: "
-            f"{pool_size} {model} instance{'' if pool_size == 1 else 's'})",
+            f"{pool_size} {model} {_plural('instance', pool_size)})",
             title_justify="left",
             box=box.SIMPLE_HEAD,
         )
@@ -462,8 +462,13 @@ def _load(
     return specs, topology, trace, out
 
 
+def _plural(noun: str, count: int) -> str:
+    """``noun``, with an s unless ``count`` is 1."""
+    return noun if count == 1 else f"{noun}s"
+
+
 def _requests(count: int) -> str:
-    return f"{count:,} request{'' if count == 1 else 's'}"
+    return f"{count:,} {_plural('request', count)}"
 
 
 def _too_small(topology: Topology, trace: Trace, model: str) -> str | None:
@@ -493,9 +498,8 @@ def _too_small(topology: Topology, trace: Trace, model: str) -> str | None:
             f"every {model} instance of {topology.name} holds {what}; no request could run: give the instances more "
             "memory (kv_capacity_blocks, the GPU's memory_gib) or use a trace of shorter requests"
         )
-    many = len(small) > 1
-    count = f"{len(small)} {model} instance{'s' if many else ''}"
-    return f"{count} of {topology.name} hold{'' if many else 's'} {what}; no request will run there"
+    count = f"{len(small)} {model} {_plural('instance', len(small))}"
+    return f"{count} of {topology.name} hold{'' if len(small) > 1 else 's'} {what}; no request will run there"
 
 
 def _output_dir(out: str | None) -> Path | None:

@@ -96,6 +96,45 @@ class DecodeRun:
         return f"DecodeRun({len(self.request_ids)} requests, applied {self.applied} of {self.steps} steps)"
 
 
+def _brief_report(
+    instance_id: str,
+    domain_id: str,
+    draining: bool,
+    warming_up: bool,
+    decode_step_s: float,
+    capacity_blocks: int,
+    used_blocks: int,
+    queue: tuple[int, tuple[tuple[int, int], ...], int, int, int, bool],
+    max_num_seqs: int,
+    prefix_hashes: frozenset[int],
+    prefix_block_tokens: int,
+    prefill_s_per_token: float,
+) -> InstanceLoad:
+    """A brief ``InstanceLoad`` (``EngineCore.instance_load(..., brief=True)``) of these figures; ``used_blocks``
+    counts reservations, ``queue`` is ``EngineCore._brief_figures()``. Raises ValueError as ``InstanceLoad`` does."""
+    num_running, priority_counts, num_waiting, head_demand, queued_demand, preempting = queue
+    return InstanceLoad(
+        instance_id,
+        capacity_blocks=capacity_blocks,
+        used_blocks=used_blocks,
+        num_waiting=num_waiting,
+        head_demand_blocks=head_demand,
+        queued_demand_blocks=queued_demand,
+        preempting=preempting,
+        draining=draining,
+        warming_up=warming_up,
+        domain_id=domain_id,
+        decode_step_s=decode_step_s,
+        num_running=num_running,
+        priority_counts=priority_counts,
+        brief=True,
+        max_num_seqs=max_num_seqs,
+        prefix_hashes=prefix_hashes,
+        prefix_block_tokens=prefix_block_tokens,
+        prefill_s_per_token=prefill_s_per_token,
+    )
+
+
 class _RunFigures:
     """What a brief report reads of a decode run in progress, taken once per run (see ``_brief_load``).
 
@@ -147,26 +186,19 @@ class _RunFigures:
     ) -> InstanceLoad:
         """The brief report once ``steps`` of the run are applied (at least those applied when taken, before
         the last)."""
-        num_running, priority_counts, num_waiting, head_demand, queued_demand, preempting = self.queue
-        return InstanceLoad(
+        return _brief_report(
             instance_id,
-            capacity_blocks=self._capacity,
-            used_blocks=self.used_blocks(steps) + self._reserved,
-            num_waiting=num_waiting,
-            head_demand_blocks=head_demand,
-            queued_demand_blocks=queued_demand,
-            preempting=preempting,
-            draining=draining,
-            warming_up=warming_up,
-            domain_id=domain_id,
-            decode_step_s=decode_step_s,
-            num_running=num_running,
-            priority_counts=priority_counts,
-            brief=True,
-            max_num_seqs=self._max_num_seqs,
-            prefix_hashes=self._prefix,
-            prefix_block_tokens=self._prefix_tokens,
-            prefill_s_per_token=self._prefill_s,
+            domain_id,
+            draining,
+            warming_up,
+            decode_step_s,
+            self._capacity,
+            self.used_blocks(steps) + self._reserved,
+            self.queue,
+            self._max_num_seqs,
+            self._prefix,
+            self._prefix_tokens,
+            self._prefill_s,
         )
 
     def steps_within(self, steps: int, extra_blocks: int) -> int:
@@ -342,28 +374,20 @@ class EngineCore(PagedEngine):
                 instance_id, domain_id, draining, warming_up, decode_step_s, run.applied + steps_ahead
             )
         blocks = self.blocks
-        used = blocks.used_blocks
-        num_running, priority_counts, num_waiting, head_demand, queued_demand, preempting = self._brief_figures()
         held = blocks.prefix_hashes  # the same frozenset until the prefix cache changes
-        return InstanceLoad(
+        return _brief_report(
             instance_id,
-            capacity_blocks=blocks.num_blocks,
-            used_blocks=used + blocks.reserved_blocks,
-            num_waiting=num_waiting,
-            head_demand_blocks=head_demand,
-            queued_demand_blocks=queued_demand,
-            preempting=preempting,
-            draining=draining,
-            warming_up=warming_up,
-            domain_id=domain_id,
-            decode_step_s=decode_step_s,
-            num_running=num_running,
-            priority_counts=priority_counts,
-            brief=True,
-            max_num_seqs=self.scheduler.max_num_seqs,
-            prefix_hashes=held,
-            prefix_block_tokens=blocks.prefix_block_tokens if held else 0,
-            prefill_s_per_token=self._prefill_s_per_token,
+            domain_id,
+            draining,
+            warming_up,
+            decode_step_s,
+            blocks.num_blocks,
+            blocks.used_blocks + blocks.reserved_blocks,
+            self._brief_figures(),
+            self.scheduler.max_num_seqs,
+            held,
+            blocks.prefix_block_tokens if held else 0,
+            self._prefill_s_per_token,
         )
 
     def decode_run_steps_within(self, steps: int, extra_blocks: int) -> int:
