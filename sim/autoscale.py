@@ -129,15 +129,14 @@ class SimAutoscaler:
 
     def _carry_out(self, d: ScaleDecision) -> None:
         iid = d.instance_id
-        inst = self.cluster.instances[iid]
         ok, note = True, ""
         if d.action is ScaleAction.SCALE_OUT:
             self.cluster.hold_gpus(iid)
             self.cluster.queue.schedule_in(self.cold_start_s, EventKind.SCRIPTED, lambda: self._ready(iid))
         elif d.action is ScaleAction.DRAIN:
-            inst.draining = True
+            self.cluster.set_draining(iid, True)
         elif d.action in (ScaleAction.UNDRAIN, ScaleAction.RELEASE):
-            inst.draining = False
+            self.cluster.set_draining(iid, False)
         else:  # SCALE_IN
             try:
                 self.cluster.deactivate(iid)

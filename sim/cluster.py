@@ -357,6 +357,7 @@ class Cluster:
         self._accounts: dict[str, RequestState] = {}
         self.requests: Mapping[str, RequestState] = _SyncedRequests(self._accounts, self)
         self.engine_steps = 0
+        self.drain_changes = 0  # times set_draining changed an instance's draining flag
         self.on_finished: list[Callable[[str], None]] = []
         self._finished_lengths: dict[str, list[int]] = {}  # instance -> output lengths finished, not yet reported
         inactive_ids = set(inactive)
@@ -409,6 +410,15 @@ class Cluster:
         """
         held = sum(max(0.0, end_s - since) * len(self.instances[i].spec.gpus) for i, since in self._held_since.items())
         return (self._gpu_s + held) / 3600.0
+
+    def set_draining(self, instance_id: str, draining: bool) -> None:
+        """Drain ``instance_id`` (a scripted ``--drain``, an autoscaler's scale-in) or end its drain, counted in
+        :attr:`drain_changes`: a drain is an intent the scheduler holds at once, not a load it learns at the next
+        report (``_Feed.apply_drains``). Raises KeyError for an instance not simulated."""
+        inst = self.instances[instance_id]
+        if inst.draining != draining:
+            inst.draining = draining
+            self.drain_changes += 1
 
     def activate(self, instance_id: str, warmup_s: float) -> None:
         """``instance_id`` starts serving now, with a warm-up of ``warmup_s`` (negative fake usage), holding its

@@ -622,8 +622,7 @@ def fit_to_context(trace: Trace, max_context_tokens: int) -> tuple[Trace, int]:
 
 
 def _drain(cluster: Cluster, instance_id: str) -> None:
-    inst = cluster.instances[instance_id]
-    inst.draining = True
+    cluster.set_draining(instance_id, True)
 
 
 def _scale_out(cluster: Cluster, instance_id: str, warmup_s: float) -> None:

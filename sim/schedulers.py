@@ -145,7 +145,8 @@ class _Feed:
         pool = [cluster.instances[i] for i in instance_ids]  # every instance it may ever hold
         self._slots = [_Slot(inst) for inst in pool]  # in the pool's order
         self._slot_of = {slot.inst.instance_id: slot for slot in self._slots}
-        self._drained: list[str] = []  # the drains of the last refresh
+        self._drained: list[str] = []  # the drains the core has (set by the last refresh or apply_drains)
+        self._drain_changes = cluster.drain_changes  # Cluster.drain_changes when they were set
         self._pending: dict[str, ReportTicket] = {}  # reports taken by refresh(later=True), not yet delivered
         # The quiet check's own bookkeeping: instances touched since they were last found quiet, and a time before
         # which every untouched instance's mark holds (Cluster.growth_holds_until_s): a round then costs O(touched).
@@ -206,6 +207,26 @@ class _Feed:
         if drained != self._drained:  # the core has the drains of the last refresh (none at first): this feed's alone
             core.set_drains(drained, False)
         self._drained = drained
+        self._drain_changes = cluster.drain_changes
+
+    def apply_drains(self) -> None:
+        """Hand the core the drains set since it was last given them (``Cluster.set_draining``), without the
+        reports a refresh would hand it: a drain is the scheduler's own intent (an operator's or the autoscaler's
+        order), held at once; loads still arrive with the report loop. O(1) when no drain changed, else
+        O(instances of the feed)."""
+        cluster = self.cluster
+        if cluster.drain_changes == self._drain_changes:
+            return
+        self._drain_changes = cluster.drain_changes
+        # the instances the last refresh handed over (an active one not reported yet joins, drained, at the next)
+        drained = [
+            slot.inst.instance_id
+            for slot in self._slots
+            if slot.inst.active and slot.reported != _UNREPORTED and slot.inst.draining
+        ]
+        if drained != self._drained:
+            self.core.set_drains(drained, False)
+            self._drained = drained
 
     def deliver(self) -> None:
         """Hand the core the reports a ``refresh(later=True)`` took (call before any other use of the core)."""
@@ -412,6 +433,7 @@ class _Flat(ClusterScheduler):
 
     def dispatch(self, req: TraceRequest) -> DispatchDecision:
         self.feed.deliver()
+        self.feed.apply_drains()
         return self.feed.core.dispatch(domain_request(req, self.model.name))
 
 

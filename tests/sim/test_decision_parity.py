@@ -125,6 +125,7 @@ class _Cluster:
         self.instances = {s.instance_id: _Inst(s.instance_id, s.domain_id, s) for s in topo.instances}
         self.loads: dict[str, EngineLoad] = {}
         self._version = 0
+        self.drain_changes = 0  # no scripted drain
 
     def model_of(self, instance_id: str) -> Any:
         return self.topology.model_of(instance_id)

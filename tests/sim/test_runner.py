@@ -178,6 +178,26 @@ def test_a_drained_instance_gets_nothing_new_and_is_emptied_by_migration() -> No
     assert all(m.dst_instance_id != "n0-i0" for m in run.migrations if m.start_s >= 1.0)
 
 
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_every_policy_dispatches_nothing_to_an_instance_from_the_moment_it_drains(policy: str) -> None:
+    # Drains at 1.01 s, between two of the single-tier policies' 50 ms report loops: a drain is the scheduler's
+    # own intent (Cluster.set_draining), held at once, not a load learnt at the next report.
+    drained = ("n0-i0", "n0-i1", "n1-i0")
+    run = _run(policy, drain=tuple(f"{i}@1.01" for i in drained))
+    late = [r for r in run.requests if r.arrival_s >= 1.01]
+    assert len(late) > 100
+    assert {r.instance_id for r in late} == {"n1-i1"}, policy
+    assert all(r.refused is None for r in run.requests)
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_every_policy_refuses_everything_when_every_instance_drains_at_the_start(policy: str) -> None:
+    run = _run(policy, drain=tuple(f"{i}@0" for i in ("n0-i0", "n0-i1", "n1-i0", "n1-i1")))
+    assert len(run.requests) == 150
+    assert all(r.refused and r.instance_id == "" for r in run.requests), policy
+    assert run.engine_steps == 0
+
+
 def test_a_scaled_out_instance_is_idle_until_it_joins_then_fills() -> None:
     run = _run("llumnix", scale_out=("n1-i1@2.0",))
     on_new = [r for r in run.requests if r.instance_id == "n1-i1"]
