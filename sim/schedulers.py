@@ -586,6 +586,7 @@ class HilumTwoTier(ClusterScheduler):
         proposal = move.proposal(domain_id, attempt=1)
         summaries = [s for per_domain in self.delivered.values() for s in per_domain]
         executor = self.ctx.executor
+        instances = self.cluster.instances
         choice = decide(
             proposal,
             domain_id,
@@ -593,6 +594,8 @@ class HilumTwoTier(ClusterScheduler):
             self.ctx.graph.path,
             self.ctx.judge,
             executor.flows.counts(),
+            # the drain intents, current (the live coordinator reads them from etcd), not as the summaries say
+            drained=lambda instance_id, _domain_id: instances[instance_id].draining,
             measured=self.bandwidth.at(self._now()),
         )
         if choice.dst_instance_id is None:

@@ -198,6 +198,16 @@ def test_every_policy_refuses_everything_when_every_instance_drains_at_the_start
     assert run.engine_steps == 0
 
 
+def test_no_migration_starts_towards_an_instance_that_drains() -> None:
+    # Domain n0 drains at 1.01 s and its requests move to n1; n1-i0 drains at 1.45 s, after the summary the
+    # gateway and coordinator hold (taken at 1.25 s) and before the next cross-domain round (1.5 s). The
+    # coordinator holds the drain intents (as the live one reads them from etcd), so it sends nothing to n1-i0.
+    run = _run("hilum", drain=("n0-i0@1.01", "n0-i1@1.01", "n1-i0@1.45"))
+    later = [(m.src_instance_id, m.dst_instance_id) for m in run.migrations if m.start_s >= 1.45]
+    assert ("n0-i1", "n1-i1") in later or ("n0-i0", "n1-i1") in later  # the drained domain is emptied into n1-i1
+    assert all(dst == "n1-i1" for _, dst in later), later
+
+
 def test_a_scaled_out_instance_is_idle_until_it_joins_then_fills() -> None:
     run = _run("llumnix", scale_out=("n1-i1@2.0",))
     on_new = [r for r in run.requests if r.instance_id == "n1-i1"]
