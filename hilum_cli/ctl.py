@@ -19,8 +19,8 @@ Exit status, the same for the same kind of error in every command (docs/control-
 0 done; 1 runtime error (nothing answers at an address, no leader, an unknown domain, instance or drain
 target, a domain scheduler that did not answer, a drain that did not empty in time), the message on stderr
 says what to check; 2 usage error (caught before anything is contacted); 130 Ctrl-C (0 for ``migrations
---follow``). ``--json`` prints stable keys (see docs/control-plane.md, "hilumctl"); errors are never JSON
-and always go to stderr.
+--follow``, and when stdout's reader has gone: ``hilumctl ... | head -1`` ends quietly). ``--json`` prints
+stable keys (see docs/control-plane.md, "hilumctl"); errors are never JSON and always go to stderr.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from typing import Any, TextIO
 from rich.console import Console
 
 from hilum_cli import ctl_views as views
+from hilum_cli.broken_pipe import quiet_on_broken_pipe
 from hilum_cli.ctl_client import DEFAULT_PREFIX, AdminClient, CtlError, Target, UsageError, parse_addresses
 from hilum_cli.ctl_drain import DrainProgress, domain_progress, instance_progress, resolve_target
 from hilum_cli.ctl_requests import ask_domains
@@ -352,8 +353,10 @@ async def run(ns: argparse.Namespace, target: Target, out: _Out) -> int:
         return await _COMMANDS[ns.command](client, ns, out)
 
 
+@quiet_on_broken_pipe
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
-    """Entry point; returns the exit status (0 ok, 1 runtime error, 2 usage error).
+    """Entry point; returns the exit status (0 ok, 1 runtime error, 2 usage error); 0 and nothing
+    printed when stdout's reader has gone (``hilumctl topology | head -1``, :mod:`hilum_cli.broken_pipe`).
 
     ``env`` defaults to ``os.environ`` as it is when called (HILUM_COORDINATOR, HILUM_ETCD, HILUM_PREFIX).
     """

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
+from hilum_cli.broken_pipe import quiet_on_broken_pipe
+
 
 class SubCommand(NamedTuple):
     """One ``hilum`` sub-command: its name, the module whose ``register`` adds it, its one-line help."""
@@ -77,8 +79,10 @@ def _command_of(argv: Sequence[str]) -> str | None:
     return first if first in {c.name for c in SUBCOMMANDS} else None
 
 
+@quiet_on_broken_pipe
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``hilum``; returns the process exit status (0 ok, 1 runtime error, 2 usage error)."""
+    """Run ``hilum``; returns the process exit status (0 ok, 1 runtime error, 2 usage error); 0 and nothing
+    printed when stdout's reader has gone (``hilum topology show 1x8-a100 | head -1``, :mod:`hilum_cli.broken_pipe`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     command = _command_of(argv)
     if command == "sim":  # the simulator runs its compiled modules when built (hilum_compiled); nothing else does
