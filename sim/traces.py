@@ -126,6 +126,7 @@ _LLUMNIX_ATTRIBUTION = (
     "OSDI 2024 (Zipf length generator of AlibabaPAI/llumnix benchmark/benchmark_serving.py, Apache-2.0)."
 )
 _USER_FILE_ATTRIBUTION = "user-supplied file (origin and licence unknown to hilum)"
+_REINSTALL = "the hilum installation is incomplete: reinstall it (`pip install .` or `make demo` in its checkout)"
 
 
 class TraceError(ValueError):
@@ -532,9 +533,21 @@ def _parse_mooncake(text: str, source: str) -> _Table:
 
 @functools.cache
 def _bundled_table(name: str) -> _Table:
-    file_name = _BUNDLED[name][0]
-    data = resources.files("sim.data").joinpath(file_name).read_bytes()
-    return _parse(data, f"sim/data/{file_name}")
+    """The parsed file of bundled trace ``name``.
+
+    Raises:
+        TraceError: the file is missing or does not parse (a broken installation); the message names the trace
+            by ``name``, then the file where it is installed.
+    """
+    file = resources.files("sim.data").joinpath(_BUNDLED[name][0])
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise TraceError(f"bundled trace {name}: cannot read {file} ({exc.strerror or exc}); {_REINSTALL}") from None
+    try:
+        return _parse(data, str(file))
+    except TraceError as exc:
+        raise TraceError(f"bundled trace {name}: its file is damaged: {exc}; {_REINSTALL}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -661,13 +674,19 @@ def _spread_buckets_s(times_ms: Sequence[float], rng: np.random.Generator) -> np
 # Loading
 
 
-def _resolve(name_or_path: str | os.PathLike[str]) -> tuple[str, str, str, _Table | None]:
-    """-> (name, source, attribution, table or None for llumnix-synthetic)."""
+def _resolve(name_or_path: str | os.PathLike[str]) -> tuple[str, str, str, str, _Table | None]:
+    """-> (name, source, shown, attribution, table or None for llumnix-synthetic).
+
+    ``shown`` names the trace in error messages as the user named it: ``azure-conv (bundled trace)``,
+    ``llumnix-synthetic (generated)``, or a file's path as given (``source`` is the bundled file's place in the
+    package, kept in :attr:`Trace.source` but no help in an error about an option).
+    """
     if isinstance(name_or_path, str) and name_or_path in TRACE_NAMES:
         if name_or_path == "llumnix-synthetic":
-            return name_or_path, "generated", _LLUMNIX_ATTRIBUTION, None
+            return name_or_path, "generated", f"{name_or_path} (generated)", _LLUMNIX_ATTRIBUTION, None
         file_name, attribution = _BUNDLED[name_or_path]
-        return name_or_path, f"sim/data/{file_name}", attribution, _bundled_table(name_or_path)
+        shown = f"{name_or_path} (bundled trace)"
+        return name_or_path, f"sim/data/{file_name}", shown, attribution, _bundled_table(name_or_path)
     path = Path(name_or_path)
     if not path.is_file():
         what = "a directory, not a trace file" if path.is_dir() else "no such file"
@@ -677,7 +696,7 @@ def _resolve(name_or_path: str | os.PathLike[str]) -> tuple[str, str, str, _Tabl
     name = path.name
     for suffix in (".gz", ".csv", ".jsonl", ".json"):
         name = name.removesuffix(suffix)
-    return name, str(path), _USER_FILE_ATTRIBUTION, _parse(path.read_bytes(), str(path))
+    return name, str(path), str(path), _USER_FILE_ATTRIBUTION, _parse(path.read_bytes(), str(path))
 
 
 def load_trace(
@@ -733,7 +752,9 @@ def load_trace(
     Raises:
         TraceError: unknown name or missing file; unknown format (names the file and the expected
             headers/keys); a bad value (names file, line and column/key); an option that does not apply
-            to this trace.
+            to this trace; a bundled file missing or damaged (a broken installation: names the trace, then the
+            file). Errors about a user's file start with its path as given, those about a bundled trace with its
+            name (``azure-conv (bundled trace)``, ``llumnix-synthetic (generated)``), never its file in sim/data.
         ValueError: a bad argument value (rate_scale <= 0, negative seed or counts, ...), or arrivals (after
             ``rate_scale`` and ``max_requests``) that span more than :data:`MAX_SPAN_S`.
     """
@@ -743,26 +764,26 @@ def load_trace(
         raise ValueError(f"max_requests must be >= 0, got {max_requests}")
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
-    name, source, attribution, table = _resolve(name_or_path)
+    name, source, shown, attribution, table = _resolve(name_or_path)
     is_llumnix = table is None
     if not is_llumnix and (mean_prompt_tokens, mean_output_tokens, max_tokens) != (None, None, None):
-        raise TraceError(f"{source}: mean_prompt_tokens/mean_output_tokens/max_tokens apply only to llumnix-synthetic")
+        raise TraceError(f"{shown}: mean_prompt_tokens/mean_output_tokens/max_tokens apply only to llumnix-synthetic")
     if spread_buckets is not None and (table is None or table.kind != "mooncake"):
-        raise TraceError(f"{source}: spread_buckets applies only to Mooncake-format traces")
+        raise TraceError(f"{shown}: spread_buckets applies only to Mooncake-format traces")
     has_times = table is not None and table.kind != "sharegpt"
     if arrival is None:
         arrival = "trace" if has_times else "poisson"
     if arrival not in ("trace", "poisson", "gamma"):
         raise ValueError(f"unknown arrival {arrival!r}; expected 'trace', 'poisson' or 'gamma'")
     if arrival == "trace" and not has_times:
-        raise TraceError(f"{source}: has no timestamps; use arrival='poisson' or 'gamma'")
+        raise TraceError(f"{shown}: has no timestamps; use arrival='poisson' or 'gamma'")
     if arrival == "trace" and (rate_per_s is not None or arrival_cv is not None):
         raise TraceError(
-            f"{source}: rate_per_s (--rate) and arrival_cv (--arrival-cv) apply only to synthetic arrivals "
+            f"{shown}: rate_per_s (--rate) and arrival_cv (--arrival-cv) apply only to synthetic arrivals "
             "(arrival poisson or gamma); to replay the trace's own timestamps faster use rate_scale (--rate-scale)"
         )
     if num_requests is not None and has_times:
-        raise TraceError(f"{source}: num_requests applies only to traces without timestamps; use max_requests")
+        raise TraceError(f"{shown}: num_requests applies only to traces without timestamps; use max_requests")
     if num_requests is not None and num_requests < 0:
         raise ValueError(f"num_requests must be >= 0, got {num_requests}")
 
@@ -818,7 +839,6 @@ def load_trace(
         scaled = arrivals / rate_scale
     span_s = float(scaled[keep - 1] - scaled[0]) if keep > 1 else 0.0
     if not span_s <= MAX_SPAN_S:
-        shown = f"{name} (generated)" if table is None else source
         raise ValueError(_span_problem(shown, keep, arrivals[:keep], span_s, rate_scale, rate_per_s))
     arrivals = scaled
     block_tokens = MOONCAKE_BLOCK_TOKENS if hashes is not None else 0

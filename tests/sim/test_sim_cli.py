@@ -341,7 +341,7 @@ def test_sweep_runs_real_simulations_as_ray_tasks(
         (
             "trace: azure-conv\ntopologies: [2x8-a100-40gb]\npolicies: [hilum]\nrate_scales: [1, 1e-6]\n"
             "max_requests: 100\n",
-            "hilum sim sweep: error: rate_scales[1] = 1e-06, seed 0: sim/data/AzureLLMInferenceTrace_conv.csv.gz: its",
+            "hilum sim sweep: error: rate_scales[1] = 1e-06, seed 0: azure-conv (bundled trace): its",
         ),
     ],
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import sim.traces
 from sim.traces import (
     MAX_SPAN_S,
     TRACE_NAMES,
@@ -433,6 +435,105 @@ def test_bad_arguments(tmp_path: Path) -> None:
         load_trace("azure-code", rate_scale=0.0)
     with pytest.raises(ValueError, match="seed"):
         load_trace("azure-code", seed=-1)
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        (
+            "azure-conv",
+            {"rate_per_s": 5.0},
+            "azure-conv (bundled trace): rate_per_s (--rate) and arrival_cv (--arrival-cv) apply only to synthetic "
+            "arrivals (arrival poisson or gamma); to replay the trace's own timestamps faster use rate_scale "
+            "(--rate-scale)",
+        ),
+        (
+            "sharegpt",
+            {"arrival": "trace"},
+            "sharegpt (bundled trace): has no timestamps; use arrival='poisson' or 'gamma'",
+        ),
+        (
+            "azure-code",
+            {"num_requests": 10},
+            "azure-code (bundled trace): num_requests applies only to traces without timestamps; use max_requests",
+        ),
+        (
+            "azure-conv",
+            {"mean_prompt_tokens": 100},
+            "azure-conv (bundled trace): mean_prompt_tokens/mean_output_tokens/max_tokens apply only to "
+            "llumnix-synthetic",
+        ),
+        (
+            "sharegpt",
+            {"spread_buckets": True},
+            "sharegpt (bundled trace): spread_buckets applies only to Mooncake-format traces",
+        ),
+        (
+            "llumnix-synthetic",
+            {"spread_buckets": True},
+            "llumnix-synthetic (generated): spread_buckets applies only to Mooncake-format traces",
+        ),
+        (
+            "azure-code",
+            {"max_requests": 3, "rate_scale": 1e-9},
+            "azure-code (bundled trace): its first 3 requests arrive",
+        ),
+    ],
+)
+def test_errors_name_a_bundled_trace_as_the_user_named_it(name: str, options: dict[str, object], message: str) -> None:
+    """Not by its file inside the package (sim/data/AzureLLMInferenceTrace_conv.csv.gz), which the user never typed."""
+    with pytest.raises(ValueError) as caught:
+        load_trace(name, **options)  # type: ignore[arg-type]
+    assert str(caught.value).startswith(message), str(caught.value)
+    assert "sim/data" not in str(caught.value) and ".csv" not in str(caught.value)
+
+
+def test_errors_about_a_user_file_name_its_path(tmp_path: Path) -> None:
+    path = tmp_path / "small.csv"
+    path.write_text(AZURE_SMALL)
+    with pytest.raises(TraceError) as caught:
+        load_trace(path, rate_per_s=3.0)
+    assert str(caught.value).startswith(f"{path}: rate_per_s (--rate) and arrival_cv (--arrival-cv) apply only to ")
+    with pytest.raises(ValueError) as caught_span:
+        load_trace(path, rate_scale=1e-12)
+    assert str(caught_span.value).startswith(f"{path}: its first 3 requests arrive over ")
+
+
+@pytest.fixture
+def bundled_files(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Lets a test point a bundled name at another file of sim/data; the parsed-table cache is emptied around it."""
+    monkeypatch.setattr(sim.traces, "_BUNDLED", dict(sim.traces._BUNDLED))
+    sim.traces._bundled_table.cache_clear()
+    yield
+    sim.traces._bundled_table.cache_clear()
+
+
+@pytest.mark.usefixtures("bundled_files")
+def test_a_missing_bundled_file_is_named_by_the_trace_then_the_file() -> None:
+    sim.traces._BUNDLED["azure-conv"] = ("AzureLLMInferenceTrace_gone.csv.gz", "attribution")
+    installed = Path(sim.traces.__file__).parent / "data" / "AzureLLMInferenceTrace_gone.csv.gz"
+    with pytest.raises(TraceError) as caught:
+        load_trace("azure-conv")
+    assert str(caught.value) == (
+        f"bundled trace azure-conv: cannot read {installed} (No such file or directory); the hilum installation is "
+        "incomplete: reinstall it (`pip install .` or `make demo` in its checkout)"
+    )
+
+
+@pytest.mark.usefixtures("bundled_files")
+def test_a_damaged_bundled_file_is_named_by_the_trace_then_the_file() -> None:
+    sim.traces._BUNDLED["azure-conv"] = ("ATTRIBUTION.md", "attribution")  # in sim/data, not a trace
+    installed = Path(sim.traces.__file__).parent / "data" / "ATTRIBUTION.md"
+    with pytest.raises(TraceError) as caught:
+        load_trace("azure-conv")
+    message = str(caught.value)
+    assert message.startswith(
+        f"bundled trace azure-conv: its file is damaged: {installed}: unknown trace format: CSV header "
+        "['# Bundled trace files: origin and licence']; expected a CSV with Azure columns"
+    )
+    assert message.endswith(
+        "; the hilum installation is incomplete: reinstall it (`pip install .` or `make demo` in its checkout)"
+    )
 
 
 def test_value_types_validate() -> None:
