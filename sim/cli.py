@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -29,9 +30,10 @@ from .schedulers import POLICY_NAMES, domain_request
 from .traces import TRACE_NAMES
 
 if TYPE_CHECKING:
-    from topology.spec import Topology
+    from topology.spec import InstanceSpec, Topology
 
     from .results import PolicySummary
+    from .runner import SimOptions
     from .sweep import SweepConfig
     from .traces import Trace
 
@@ -70,6 +72,50 @@ def register(sub: Any, summary: str) -> None:
         if action.option_strings and action.dest not in ("help", "target_p99_ttft_ms"):
             action.default = argparse.SUPPRESS
     size.set_defaults(func=run_size_cli)
+    # A misspelt option (--polcy hilum) would otherwise read as an invalid {sweep,size} choice: its value is taken
+    # for the sub-command. _SimParser names it first, with the closest known option.
+    parser.__class__ = _SimParser
+    assert isinstance(parser, _SimParser)
+    parser.known_options = frozenset(o for p in (parser, sweep, size) for a in p._actions for o in a.option_strings)
+
+
+class _SimParser(argparse.ArgumentParser):
+    """The ``hilum sim`` parser: refuses an option it does not know before argparse parses the words (see
+    :func:`_unknown_options`); ``known_options``: every option string of ``hilum sim``, ``sweep`` and ``size``."""
+
+    known_options: frozenset[str] = frozenset()
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        words = list(sys.argv[1:] if args is None else args)  # read once: an iterator would be spent by the check
+        unknown = _unknown_options(words, self.known_options)
+        if unknown:  # exits 2, with the usage, as argparse does for its own errors
+            self.error(f"unrecognized arguments: {', '.join(unknown)}")
+        return super().parse_known_args(words, namespace)
+
+
+def _unknown_options(words: list[str], known: frozenset[str]) -> list[str]:
+    """The words of ``words`` (up to a ``--``) that look like options (``-x``, ``--name``, ``--name=value``; not
+    ``-`` or a negative number) and are neither in ``known`` nor a prefix of a long option there (argparse's
+    abbreviations, ``--pol``), each with the closest known option when one is close (``--polcy (did you mean
+    --policy?)``)."""
+    longs = sorted(o for o in known if o.startswith("--"))
+    out = []
+    for word in words:
+        if word == "--":
+            break
+        if not word.startswith("-") or word == "-" or _NUMBER.match(word):
+            continue
+        name = word.split("=", 1)[0]
+        if name in known or (name.startswith("--") and any(o.startswith(name) for o in longs)):
+            continue
+        import difflib  # only on an error: not at every start
+
+        close = difflib.get_close_matches(name, longs, n=1)
+        out.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    return out
+
+
+_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")  # what argparse takes for a negative number, not an option
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser, sizing: bool = False) -> None:
@@ -273,8 +319,12 @@ def run_cli(args: argparse.Namespace) -> int:
         print("hilum sim: interrupted; no results written", file=sys.stderr)
         return 130
     summaries = [summarize(r) for r in runs]
-    if args.json:
-        print(json.dumps([asdict(s) for s in summaries], indent=2, default=str))
+    if args.json:  # with the count of requests cut to the model's context (results.json: the run's config)
+        rows = [
+            {**asdict(s), "truncated_requests": r.config.get("truncated_requests", 0)}
+            for s, r in zip(summaries, runs, strict=True)
+        ]
+        print(json.dumps(rows, indent=2, default=str))
     else:
         model = str(runs[0].config["model"])
         served = [i for i in topology.instances if i.model == model]
@@ -359,7 +409,8 @@ def run_size_cli(args: argparse.Namespace) -> int:
             sized = replace(spec, options={**spec.options, "initial_instances": n})
             summary = summarize(run_simulation(sized, trace=trace, topology=topology))
             p99 = "-" if summary.ttft_p99_s is None else f"{summary.ttft_p99_s * 1e3:.0f} ms"
-            err.print(f"{spec.policy}: {n} {_plural('instance', n)}: P99 TTFT {p99}", highlight=False)
+            refused = f", refused {_requests(summary.refused)}" if summary.refused else ""
+            err.print(f"{spec.policy}: {n} {_plural('instance', n)}: P99 TTFT {p99}{refused}", highlight=False)
             return summary
 
         sizings.append(size_fleet(spec.policy, pool_size, target_s, simulate))
@@ -368,6 +419,7 @@ def run_size_cli(args: argparse.Namespace) -> int:
             "policy": s.policy,
             "instances": t.instances,
             "meets": t.meets,
+            "miss": t.miss,
             "chosen": t.instances == s.chosen,
             "summary": summary_to_dict(t.summary),
         }
@@ -384,25 +436,31 @@ def run_size_cli(args: argparse.Namespace) -> int:
             title_justify="left",
             box=box.SIMPLE_HEAD,
         )
-        for header in ("policy", "instances", "GPU-h", "TTFT p99 ms", "meets", ""):
+        for header in ("policy", "instances", "GPU-h", "TTFT p99 ms", "refused", "meets", ""):
             table.add_column(header, justify="left" if header in ("policy", "") else "right")
         for s in sizings:
             for t in s.trials:
                 p99 = "-" if t.summary.ttft_p99_s is None else f"{t.summary.ttft_p99_s * 1e3:.0f}"
                 gpu_h = "-" if t.summary.gpu_hours is None else f"{t.summary.gpu_hours:.2f}"
-                mark = "<- smallest found" if t.instances == s.chosen else ""
-                table.add_row(s.policy, str(t.instances), gpu_h, p99, "yes" if t.meets else "no", mark)
+                mark = "<- smallest found" if t.instances == s.chosen else (t.miss or "")
+                refused = f"{t.summary.refused:,}"
+                table.add_row(s.policy, str(t.instances), gpu_h, p99, refused, "yes" if t.meets else "no", mark)
             if s.chosen is None:
-                table.add_row(s.policy, "-", "-", "-", "-", f"not met even by all {pool_size}")
+                table.add_row(s.policy, "-", "-", "-", "-", "-", f"not met even by all {pool_size}")
         console = Console() if sys.stdout.isatty() else Console(width=200)  # files and pipes: no squeezing
         console.print(table)
     if out is not None:
         path = out / "sizing.json"
         path.write_text(json.dumps({"target_p99_ttft_ms": args.target_p99_ttft_ms, "rows": rows}, indent=1))
         err.print(f"sizing: {path}", highlight=False)
-    unmet = [s.policy for s in sizings if s.chosen is None]
+    unmet = [s for s in sizings if s.chosen is None]
     if unmet:  # a script asking "which fleet meets the target" must not read success here
-        err.print(f"hilum sim size: target not met by {', '.join(unmet)} even with all {pool_size} instances")
+        why = "; ".join(f"{s.policy}: {s.trial(pool_size).miss}" for s in unmet)
+        err.print(
+            f"hilum sim size: target not met by {', '.join(s.policy for s in unmet)} even with all {pool_size} "
+            f"{_plural('instance', pool_size)} ({why})",
+            highlight=False,
+        )
         return 1
     return 0
 
@@ -445,7 +503,7 @@ def _load(
         err.print(f"[red]{command}: error:[/red] {escape(str(exc))}", highlight=False)
         return 2
     try:
-        idle = _too_small(topology, trace, served_model(topology, specs[0].parsed_options().model))
+        fit = _fit_warnings(topology, trace, specs[0].parsed_options(), scale_outs)
     except ValueError as exc:
         err.print(f"[red]{command}: error:[/red] {escape(str(exc))}", highlight=False)
         return 2
@@ -457,7 +515,7 @@ def _load(
         for iid, at_s in events
         if at_s > last_s
     ]
-    for warning in ([idle] if idle else []) + late:
+    for warning in fit + late:
         err.print(f"[yellow]{command}: warning:[/yellow] {escape(warning)}", highlight=False)
     return specs, topology, trace, out
 
@@ -471,35 +529,131 @@ def _requests(count: int) -> str:
     return f"{count:,} {_plural('request', count)}"
 
 
-def _too_small(topology: Topology, trace: Trace, model: str) -> str | None:
-    """Why some instances of ``model`` will stay idle: fewer KV cache blocks than the trace's smallest request needs
-    (prompt plus output, ``DomainRequest.need_blocks``: what dispatch and the engine's admission check), once cut to
-    the model's context as the run cuts it (``fit_to_context``); None when every instance can hold one.
+def _fit_warnings(
+    topology: Topology, trace: Trace, options: SimOptions, scale_outs: list[tuple[str, float]]
+) -> list[str]:
+    """Why requests of ``trace`` will be refused, or instances of the simulated model stay idle, for want of KV cache
+    blocks; empty when every request fits every instance that serves.
 
-    Raises ValueError when no instance can: every request would be refused."""
+    A request is sized as dispatch and the engine's admission check size it (``DomainRequest.need_blocks``: prompt
+    plus output, in blocks of the model's ``block_size_tokens``), once cut to the model's context as the run cuts it
+    (``fit_to_context``). The instances counted are those that serve in the run (:func:`_fleet`): the ones serving
+    at the start, and those that may join later (``--scale-out``, or the autoscaler's pool). The warnings: instances
+    too small for the smallest request (they stay idle); no instance at the start large enough for any request (all
+    are refused until a larger one joins); requests larger than every instance that ever serves (refused), or than
+    every instance at the start (refused until a larger one joins).
+
+    Args:
+        topology, trace: the run's.
+        options: its parsed options (model, ``initial_instances``, ``autoscale``).
+        scale_outs: its scripted scale-outs, (instance, time s), as ``check_options`` parsed them.
+
+    Raises:
+        ValueError: no instance that ever serves can hold even the smallest request: every request would be refused.
+    """
     if not trace.requests:
-        return None
+        return []
+    model = served_model(topology, options.model)
     spec = topology.models[model]
     block_tokens = spec.block_size_tokens
     cut, _ = fit_to_context(trace, spec.max_context_tokens)
-    need_blocks = min(domain_request(r, model).need_blocks(block_tokens) for r in cut.requests)
-    served = [i for i in topology.instances if i.model == model]
-    small = [i for i in served if i.kv_capacity_blocks < need_blocks]
-    if not small:
-        return None
-    shown = ", ".join(f"{i.instance_id} ({i.kv_capacity_blocks:,})" for i in small[:4])
-    shown += ", ..." if len(small) > 4 else ""
+    needs = [domain_request(r, model).need_blocks(block_tokens) for r in cut.requests]
+    smallest, largest = min(needs), max(needs)
+    blocks = f"blocks of {block_tokens} tokens"
+    start, later, kept_off = _fleet(topology, model, options, scale_outs)
+    ever = start + later
+    cap_start = max((i.kv_capacity_blocks for i in start), default=0)
+    cap_ever = max(i.kv_capacity_blocks for i in ever)
+    joins = "joining by --scale-out" if scale_outs else "if the autoscaler starts one"
+    when = {iid: at_s for iid, at_s in scale_outs}
+
+    def shown(instances: list[InstanceSpec]) -> str:
+        def one(i: InstanceSpec) -> str:
+            at = f", at {when[i.instance_id]:g} s" if i.instance_id in when else ""
+            return f"{i.instance_id} ({i.kv_capacity_blocks:,}{at})"
+
+        return ", ".join(one(i) for i in instances[:4]) + (", ..." if len(instances) > 4 else "")
+
+    rank = {i.instance_id: n for n, i in enumerate(topology.instances)}
+    small = sorted((i for i in ever if i.kv_capacity_blocks < smallest), key=lambda i: rank[i.instance_id])
     what = (
         f"fewer KV cache blocks than the trace's smallest request needs (prompt plus output, cut to the model's "
-        f"context: {need_blocks:,} blocks of {block_tokens} tokens): {shown}"
+        f"context: {smallest:,} {blocks}): {shown(small)}"
     )
-    if len(small) == len(served):
+    if len(small) == len(ever):
+        bigger = [i for i in kept_off if i.kv_capacity_blocks >= smallest]
+        if bigger:  # --initial-instances keeps off every instance that could serve a request
+            need = len(start) + 1 + kept_off.index(bigger[0])  # kept_off: in the order more would be taken
+            raise ValueError(
+                f"every {model} instance that --initial-instances {len(start)} puts in service holds {what}; no "
+                f"request could run: --initial-instances {need} would include {shown(bigger[:1])}"
+            )
         raise ValueError(
             f"every {model} instance of {topology.name} holds {what}; no request could run: give the instances more "
             "memory (kv_capacity_blocks, the GPU's memory_gib) or use a trace of shorter requests"
         )
-    count = f"{len(small)} {model} {_plural('instance', len(small))}"
-    return f"{count} of {topology.name} hold{'' if len(small) > 1 else 's'} {what}; no request will run there"
+    warnings = []
+    if small:
+        count = f"{len(small)} {model} {_plural('instance', len(small))}"
+        warnings.append(
+            f"{count} of {topology.name} hold{'' if len(small) > 1 else 's'} {what}; no request will run there"
+        )
+    if cap_start < smallest:  # some instance that joins later holds it (else refused above)
+        at_start = f"the largest there holds {cap_start:,}" if start else "none serves then"
+        holders = [i for i in later if i.kv_capacity_blocks >= smallest]
+        warnings.append(
+            f"no {model} instance serving at the start holds the trace's smallest request ({smallest:,} {blocks}; "
+            f"{at_start}): only {shown(holders)} can ({joins}); every request is refused until one of them serves"
+        )
+    oversized = [n for n in needs if n > cap_ever]
+    if oversized:
+        off = max(kept_off, key=lambda i: i.kv_capacity_blocks, default=None)
+        keeps = (
+            f"; --initial-instances {len(start)} keeps off {shown([off])}"
+            if off is not None and off.kv_capacity_blocks > cap_ever
+            else ""
+        )
+        warnings.append(
+            f"{len(oversized):,} of {_requests(len(needs))} need{'s' if len(oversized) == 1 else ''} more KV cache "
+            f"blocks than the largest {model} instance {'that serves ' if kept_off else ''}holds (prompt plus "
+            f"output, cut to the model's context: up to {largest:,} {blocks}; the largest instance holds "
+            f"{cap_ever:,}){keeps}; they will be refused"
+        )
+    waiting = [n for n in needs if cap_start < n <= cap_ever]
+    if waiting and cap_start >= smallest:  # (else warned above: every request waits for a later instance)
+        holders = [i for i in later if i.kv_capacity_blocks > cap_start]
+        warnings.append(
+            f"{len(waiting):,} of {_requests(len(needs))} need{'s' if len(waiting) == 1 else ''} more KV cache blocks "
+            f"than the largest {model} instance serving at the start holds (up to {max(waiting):,} {blocks}; the "
+            f"largest there holds {cap_start:,}): they are refused until one of {shown(holders)} serves ({joins})"
+        )
+    return warnings
+
+
+def _fleet(
+    topology: Topology, model: str, options: SimOptions, scale_outs: list[tuple[str, float]]
+) -> tuple[list[InstanceSpec], list[InstanceSpec], list[InstanceSpec]]:
+    """The instances of ``model`` as the run puts them in service: (serving at the start, those that may join later,
+    those that never serve), each in the order ``sim.autoscale.initial_fleet`` takes them.
+
+    At the start: the ``initial_instances`` taken in turn from each domain (``initial_fleet``, as the runner takes
+    them; every instance without it), less the scripted scale-outs. Later: the scripted scale-outs, or with the
+    autoscaler every instance not serving at the start (which it starts is its decision). Never: the instances
+    ``initial_instances`` keeps off without the autoscaler (a larger ``initial_instances`` takes them in this order).
+    """
+    from policy.autoscale import pools_of
+
+    from .autoscale import initial_fleet
+
+    by_id = {i.instance_id: i for i in topology.instances if i.model == model}
+    pool = pools_of(by_id.values())[model]
+    order = [by_id[iid] for iid in initial_fleet(pool, len(pool))]
+    count = options.initial_instances or len(pool)
+    joining = {iid for iid, _ in scale_outs}
+    start = [i for i in order[:count] if i.instance_id not in joining]
+    rest = order[count:]
+    later = [i for i in order if i.instance_id in joining] + (rest if options.autoscale else [])
+    return start, later, [] if options.autoscale else rest
 
 
 def _output_dir(out: str | None) -> Path | None:

@@ -393,3 +393,144 @@ def test_prefix_caching_and_prefix_awareness_are_switched_from_the_command_line(
     tuned.write_text("prefix_cache:\n  report_max_hashes: 64\n")
     assert main(["sim", "--max-requests", "5", "--config", str(tuned)]) == 2
     assert "prefix_cache.report_max_hashes: hilum sim cannot honour it" in capsys.readouterr().err
+
+
+def _sized(tmp_path: Path, blocks: dict[str, int], name: str) -> Path:
+    """The bundled 1x8-a100 example with ``kv_capacity_blocks`` given per instance (``blocks``: id -> blocks)."""
+    text = (Path(__file__).resolve().parents[2] / "examples" / "topologies" / "1x8-a100.yaml").read_text()
+    for iid, count in blocks.items():
+        gpu = iid.rsplit("-i", 1)[1]
+        line = f"{{id: {iid}, gpus: [{gpu}], tensor_parallel_size: 1, model: llama-2-7b}}"
+        assert line in text
+        text = text.replace(line, line.replace("}", f", kv_capacity_blocks: {count}}}"))
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# The first 20 requests of the default trace need 7 to 140 KV blocks of 16 tokens (3 of them at most 10).
+ALL = [f"node-0-i{k}" for k in range(8)]
+
+
+def test_requests_larger_than_every_instance_are_counted_in_a_warning_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    small = _sized(tmp_path, dict.fromkeys(ALL, 10), "small.yaml")
+    argv = ["sim", "--topology", str(small), "--max-requests", "20", "--policy", "least-loaded", "--json"]
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    err = printed.err.replace("\n", "")
+    assert (
+        "hilum sim: warning: 17 of 20 requests need more KV cache blocks than the largest llama-2-7b instance holds "
+        "(prompt plus output, cut to the model's context: up to 140 blocks of 16 tokens; the largest instance holds "
+        "10); they will be refused" in err
+    )
+    assert err.index("warning") < err.index("least-loaded")  # before the run's progress bar
+    (summary,) = json.loads(printed.out)
+    assert (summary["finished"], summary["refused"]) == (3, 17)  # as warned
+    one = _sized(tmp_path, {**dict.fromkeys(ALL, 10), "node-0-i5": 100}, "one.yaml")
+    assert main([*argv[:2], str(one), *argv[3:]]) == 0
+    printed = capsys.readouterr()
+    assert "1 of 20 requests needs more KV cache blocks than" in printed.err.replace("\n", "")
+    assert "up to 140 blocks of 16 tokens; the largest instance holds 100)" in printed.err.replace("\n", "")
+    assert json.loads(printed.out)[0]["refused"] == 1
+
+
+def test_the_size_checks_count_the_instances_that_serve_not_the_whole_topology(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With --initial-instances (taken in turn from each domain: here node-0-i0, node-0-i1, ...) only those serve;
+    --scale-out and the autoscaler bring others later: a request only a later instance holds waits for it."""
+    tiny = _sized(tmp_path, {**dict.fromkeys(ALL[:7], 5), "node-0-i7": 1000}, "tiny.yaml")  # below every request
+    argv = ["sim", "--topology", str(tiny), "--max-requests", "20", "--policy", "least-loaded", "--json"]
+    assert main([*argv, "--initial-instances", "2"]) == 2  # node-0-i7, the one that holds any, never serves
+    err = capsys.readouterr().err.replace("\n", "")
+    assert (
+        "hilum sim: error: every llama-2-7b instance that --initial-instances 2 puts in service holds fewer KV cache "
+        "blocks than the trace's smallest request needs (prompt plus output, cut to the model's context: 7 blocks of "
+        "16 tokens): node-0-i0 (5), node-0-i1 (5); no request could run: --initial-instances 8 would include "
+        "node-0-i7 (1,000)" in err
+    )
+    assert main([*argv, "--initial-instances", "2", "--autoscale"]) == 0  # the autoscaler may start node-0-i7
+    printed = capsys.readouterr()
+    assert (
+        "hilum sim: warning: no llama-2-7b instance serving at the start holds the trace's smallest request (7 blocks "
+        "of 16 tokens; the largest there holds 5): only node-0-i7 (1,000) can (if the autoscaler starts one); every "
+        "request is refused until one of them serves" in printed.err.replace("\n", "")
+    )
+    assert json.loads(printed.out)[0]["refused"] == 20  # it did not: refused requests are no load to scale for
+    assert main([*argv, "--scale-out", "node-0-i7@2"]) == 0
+    printed = capsys.readouterr()
+    assert "only node-0-i7 (1,000, at 2 s) can (joining by --scale-out)" in printed.err.replace("\n", "")
+    assert json.loads(printed.out)[0]["refused"] == 4  # the 4 that arrived before 2 s
+    mixed = _sized(tmp_path, {**dict.fromkeys(ALL[:7], 10), "node-0-i7": 1000}, "mixed.yaml")
+    argv[2] = str(mixed)
+    assert main([*argv, "--scale-out", "node-0-i7@2"]) == 0
+    printed = capsys.readouterr()
+    assert (
+        "hilum sim: warning: 17 of 20 requests need more KV cache blocks than the largest llama-2-7b instance serving "
+        "at the start holds (up to 140 blocks of 16 tokens; the largest there holds 10): they are refused until one "
+        "of node-0-i7 (1,000, at 2 s) serves (joining by --scale-out)" in printed.err.replace("\n", "")
+    )
+    assert "they will be refused" not in printed.err and json.loads(printed.out)[0]["refused"] == 3
+    assert main([*argv, "--initial-instances", "3"]) == 0  # node-0-i7 kept off: its requests are refused for good
+    printed = capsys.readouterr()
+    assert (
+        "hilum sim: warning: 17 of 20 requests need more KV cache blocks than the largest llama-2-7b instance that "
+        "serves holds (prompt plus output, cut to the model's context: up to 140 blocks of 16 tokens; the largest "
+        "instance holds 10); --initial-instances 3 keeps off node-0-i7 (1,000); they will be refused"
+        in printed.err.replace("\n", "")
+    )
+    assert json.loads(printed.out)[0]["refused"] == 17
+    assert main([*argv, "--initial-instances", "8"]) == 0  # every instance serves: nothing refused
+    printed = capsys.readouterr()
+    assert "warning" not in printed.err and json.loads(printed.out)[0]["refused"] == 0
+
+
+def test_json_summaries_count_the_requests_cut_to_the_context(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "long.csv"  # one prompt past the 4,096-token context of the example's model, one within it
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,100000,10\n2023-11-16 18:15:47.00,50,10\n"
+    )
+    example = Path(__file__).resolve().parents[2] / "examples" / "topologies" / "1x8-a100.yaml"
+    argv = ["sim", "--topology", str(example), "--trace", str(trace), "--policy", "hilum,round-robin", "--json"]
+    assert main(argv) == 0
+    summaries = json.loads(capsys.readouterr().out)
+    assert [(s["policy"], s["truncated_requests"], s["finished"]) for s in summaries] == [
+        ("hilum", 1, 2),
+        ("round-robin", 1, 2),
+    ]
+    assert main(["sim", "--max-requests", "5", "--policy", "round-robin", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["truncated_requests"] == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--polcy", "hilum"], "hilum sim: error: unrecognized arguments: --polcy (did you mean --policy?)"),
+        (["--polcy=hilum"], "hilum sim: error: unrecognized arguments: --polcy (did you mean --policy?)"),
+        (
+            ["size", "--target-p99-ttft-ms", "5", "--polcy", "hilum"],
+            "hilum sim: error: unrecognized arguments: --polcy (did you mean --policy?)",
+        ),
+        (["--xyzzy", "3", "--sed", "1"], "unrecognized arguments: --xyzzy, --sed (did you mean --seed?)"),
+        (["--p", "hilum"], "ambiguous option: --p could match --policy, --priority-fraction"),  # argparse's own
+    ],
+)
+def test_a_misspelt_option_is_named_not_read_as_a_sub_command(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["sim", "--max-requests", "3", *argv])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.replace("\n", "")
+    assert message in err and "invalid choice" not in err and "Traceback" not in err
+
+
+def test_abbreviated_options_and_negative_numbers_still_parse(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "--max-req", "3", "--pol", "round-robin", "--json"]) == 0  # argparse's abbreviations
+    assert json.loads(capsys.readouterr().out)[0]["requests"] == 3
+    assert main(["sim", "--max-requests", "3", "--seed", "-1"]) == 2  # a value, refused by the run's own check
+    assert "--seed must be >= 0, got -1" in capsys.readouterr().err

@@ -15,10 +15,16 @@ from sim.results import PolicySummary
 from sim.sizing import size_fleet
 
 
-def fake(p99_by_size: dict[int, float | None], calls: list[int]) -> Callable[[int], PolicySummary]:
+def fake(
+    p99_by_size: dict[int, float | None], calls: list[int], refused_by_size: dict[int, int] | None = None
+) -> Callable[[int], PolicySummary]:
+    """A simulation whose summary at n instances has P99 TTFT ``p99_by_size[n]`` (s) and refuses
+    ``refused_by_size[n]`` of its 1,000 requests (none when absent); each n simulated is appended to ``calls``."""
+
     def simulate(n: int) -> PolicySummary:
         calls.append(n)
-        return dataclasses.replace(SUMMARY, ttft_p99_s=p99_by_size[n], gpu_hours=float(n))
+        refused = (refused_by_size or {}).get(n, 0)
+        return dataclasses.replace(SUMMARY, ttft_p99_s=p99_by_size[n], gpu_hours=float(n), refused=refused)
 
     return simulate
 
@@ -48,6 +54,59 @@ def test_a_target_the_whole_pool_misses_stops_after_one_run_and_a_run_without_tt
         size_fleet("hilum", 0, 1.0, fake({}, []))
 
 
+def test_a_fleet_that_refuses_a_request_misses_the_target_whatever_its_p99_and_says_so() -> None:
+    """P99 TTFT covers the served requests only: a fleet that refuses some must not meet the target on it."""
+    p99 = {n: 0.1 for n in range(1, 17)}  # every size far below the 1 s target on what it serves
+    refused = {1: 900, 2: 600, 4: 40, 6: 2}  # fewer than 7 instances lack room for the largest requests
+    calls: list[int] = []
+    sizing = size_fleet("hilum", 16, 1.0, fake(p99, calls, refused))
+    assert calls == [16, 8, 4, 6, 7] and sizing.chosen == 7
+    assert [(t.instances, t.meets, t.miss) for t in sizing.trials] == [
+        (4, False, "refused 40 of 1,000 requests"),
+        (6, False, "refused 2 of 1,000 requests"),
+        (7, True, None),
+        (8, True, None),
+        (16, True, None),
+    ]
+    everywhere = size_fleet("hilum", 4, 1.0, fake(p99, [], {4: 1}))  # even the whole pool refuses one
+    assert everywhere.chosen is None and everywhere.trials[0].miss == "refused 1 of 1,000 requests"
+    slow = size_fleet("hilum", 2, 0.5, fake({2: 0.8123}, []))
+    assert slow.trials[0].miss == "P99 TTFT 812 ms > 500 ms"
+    close = size_fleet("hilum", 2, 0.5, fake({2: 0.5002}, []))  # rounds to the target: more digits
+    assert close.trials[0].miss == "P99 TTFT 500.2 ms > 500 ms"
+    empty = size_fleet("hilum", 2, 0.5, fake({2: None}, []))
+    assert empty.trials[0].miss == "no request got a first token"
+
+
+def test_sim_size_counts_refused_requests_against_the_target(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Instances of 10 KV blocks refuse 17 of the first 20 requests (7 to 140 blocks each): the run warns before it
+    starts, and no fleet meets even a target of 100 s, each size saying why."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "topologies" / "1x8-a100.yaml"
+    small = tmp_path / "small.yaml"
+    small.write_text(example.read_text().replace("model: llama-2-7b}", "model: llama-2-7b, kv_capacity_blocks: 10}"))
+    argv = ["sim", "size", "--topology", str(small), "--target-p99-ttft-ms", "100000", "--max-requests", "20"]
+    assert main([*argv, "--policy", "least-loaded", "--json"]) == 1
+    printed = capsys.readouterr()
+    err = printed.err.replace("\n", "")
+    assert (
+        "hilum sim size: warning: 17 of 20 requests need more KV cache blocks than the largest llama-2-7b instance "
+        "holds (prompt plus output, cut to the model's context: up to 140 blocks of 16 tokens; the largest instance "
+        "holds 10); they will be refused" in err
+    )
+    (row,) = json.loads(printed.out)  # the whole pool misses: nothing smaller is tried
+    assert (row["instances"], row["meets"], row["chosen"]) == (8, False, False)
+    assert row["miss"] == "refused 17 of 20 requests" and row["summary"]["refused"] == 17
+    assert row["summary"]["ttft_p99_s"] < 100  # its P99 alone would have met the target
+    p99_ms = row["summary"]["ttft_p99_s"] * 1e3
+    assert f"least-loaded: 8 instances: P99 TTFT {p99_ms:.0f} ms, refused 17 requests" in err  # the progress line
+    assert "target not met by least-loaded even with all 8 instances (least-loaded: refused 17 of 20 requests)" in err
+    assert main([*argv, "--policy", "least-loaded"]) == 1  # the table says it too
+    table = capsys.readouterr().out
+    assert "refused 17 of 20 requests" in table and "not met even by all 8" in table
+
+
 def test_sim_size_runs_real_simulations_and_prints_each_size(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -63,7 +122,8 @@ def test_sim_size_runs_real_simulations_and_prints_each_size(
     for r in rows:  # a static fleet: GPU-hours = instances x run (1 GPU each), and it meets iff P99 <= target
         s = r["summary"]
         assert s["gpu_hours"] == pytest.approx(r["instances"] * s["sim_duration_s"] / 3600)
-        assert r["meets"] == (s["ttft_p99_s"] <= 1.5) and s["scale_outs"] == 0
+        assert r["meets"] == (s["ttft_p99_s"] <= 1.5 and s["refused"] == 0) and s["scale_outs"] == 0
+        assert (r["miss"] is None) == r["meets"]
     assert json.loads((tmp_path / "sizing.json").read_text())["rows"] == rows
 
 
