@@ -375,8 +375,8 @@ def run_size_cli(args: argparse.Namespace) -> int:
 
     err = Console(stderr=True, soft_wrap=True, emoji=False)
     refused = None
-    if not args.target_p99_ttft_ms > 0:
-        refused = f"--target-p99-ttft-ms must be > 0, got {args.target_p99_ttft_ms:g}"
+    if not 0 < args.target_p99_ttft_ms < math.inf:
+        refused = f"--target-p99-ttft-ms must be a finite number of milliseconds > 0, got {args.target_p99_ttft_ms:g}"
     elif args.autoscale:
         refused = "--autoscale cannot be combined with sim size: it sizes static fleets"
     elif args.initial_instances is not None:

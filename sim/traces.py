@@ -688,7 +688,7 @@ def _resolve(name_or_path: str | os.PathLike[str]) -> tuple[str, str, str, str, 
         shown = f"{name_or_path} (bundled trace)"
         return name_or_path, f"sim/data/{file_name}", shown, attribution, _bundled_table(name_or_path)
     path = Path(name_or_path)
-    if not path.is_file():
+    if path.is_dir() or not path.exists():  # anything else is read: a file, a pipe (--trace <(zcat t.csv.gz))
         what = "a directory, not a trace file" if path.is_dir() else "no such file"
         raise TraceError(
             f"unknown trace {os.fspath(name_or_path)!r}: not a bundled trace ({', '.join(TRACE_NAMES)}) and {what}"

@@ -674,7 +674,7 @@ def load_topology(path_or_name: str | Path) -> Topology:
     """
     path = Path(path_or_name)
     shown = str(path_or_name)
-    if not path.is_file():
+    if path.is_dir() or not path.exists():  # anything else is read: a file, a pipe (--topology <(...))
         bundled = bundled_path(str(path_or_name))
         if bundled is None:
             raise TopologyError(

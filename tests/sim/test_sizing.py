@@ -158,7 +158,8 @@ def test_sim_size_help_lists_no_option_it_refuses(capsys: pytest.CaptureFixture[
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--target-p99-ttft-ms", "0"], "--target-p99-ttft-ms must be > 0"),
+        (["--target-p99-ttft-ms", "0"], "--target-p99-ttft-ms must be a finite number of milliseconds > 0, got 0"),
+        (["--target-p99-ttft-ms", "inf"], "--target-p99-ttft-ms must be a finite number of milliseconds > 0, got inf"),
         (["--target-p99-ttft-ms", "100", "--autoscale"], "--autoscale cannot be combined with sim size"),
         (["--target-p99-ttft-ms", "100", "--initial-instances", "3"], "--initial-instances cannot be combined"),
         (["--target-p99-ttft-ms", "100", "--scale-out", "node-0-i1@3"], "--scale-out cannot be combined"),

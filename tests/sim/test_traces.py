@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import math
+import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -412,6 +414,21 @@ def test_bad_files_give_clear_errors(tmp_path: Path, file_name: str, content: st
     path.write_text(content)
     with pytest.raises(TraceError, match=message):
         load_trace(path)
+
+
+def test_a_trace_is_read_from_a_pipe_and_dev_null_is_an_empty_file(tmp_path: Path) -> None:
+    # --trace <(zcat t.csv.gz): the shell passes a pipe's path (/dev/fd/63), which is no regular file
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_text, args=("num_prefill_tokens,num_decode_tokens\n10,5\n20,7\n",))
+    writer.start()
+    try:
+        trace = load_trace(fifo, rate_per_s=1.0)
+    finally:
+        writer.join(timeout=10)
+    assert [(r.prompt_tokens, r.output_tokens) for r in trace.requests] == [(10, 5), (20, 7)]
+    with pytest.raises(TraceError, match=r"^/dev/null: empty file; expected a CSV with Azure columns"):
+        load_trace("/dev/null")
 
 
 def test_bad_arguments(tmp_path: Path) -> None:

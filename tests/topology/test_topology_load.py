@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -306,6 +308,23 @@ def test_root_errors() -> None:
         "t.yaml: racks: unknown key; expected one of: name, description, gpu_memory_utilization, models, "
         "gpu_types, domains, fabric",
     ]
+
+
+def test_a_topology_is_read_from_a_pipe(tmp_path: Path) -> None:
+    # --topology <(...): the shell passes a pipe's path, which is no regular file
+    fifo = tmp_path / "topology.fifo"
+    os.mkfifo(fifo)
+    text = (Path(__file__).parents[2] / "topology" / "examples" / "1x8-a100.yaml").read_text()
+    writer = threading.Thread(target=fifo.write_text, args=(text,))
+    writer.start()
+    try:
+        topo = load_topology(fifo)
+    finally:
+        writer.join(timeout=10)
+    assert topo.name == "1x8-a100" and len(topo.instances) == 8
+    with pytest.raises(TopologyError) as exc:
+        load_topology("/dev/null")
+    assert exc.value.errors[0].startswith("/dev/null: (root): expected a mapping with keys name, models")
 
 
 def test_file_errors(tmp_path: Path) -> None:
