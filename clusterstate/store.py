@@ -56,6 +56,7 @@ from clusterstate.records import (
     encode,
 )
 from clusterstate.session import Registrar
+from policy.summarize import same_content
 
 __all__ = ["CasResult", "ClusterView", "Entry", "Keys", "Store", "SummaryPublisher"]
 
@@ -329,8 +330,9 @@ class SummaryPublisher:
 
 
 def _same_content(a: SummaryRecord, b: SummaryRecord) -> bool:
-    """Equal but for when each summary was taken (re-writing it would change nothing a reader uses)."""
-    return [replace(s, taken_s=0.0) for s in a.summaries] == [replace(s, taken_s=0.0) for s in b.summaries]
+    """Equal but for when each summary was taken (``policy.summarize.same_content``: not written again, so readers
+    keep the earlier one; the simulator delivers the earlier one too)."""
+    return a.domain_id == b.domain_id and same_content(a.summaries, b.summaries)
 
 
 def _entry(kv: Any) -> Entry:  # kv: mvccpb.KeyValue

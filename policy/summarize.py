@@ -16,7 +16,7 @@ from policy.load import InstanceLoad
 from policy.types import PolicyConfig, _trusted_constructor
 from policy.usage import freeness_of, instance_virtual_usage, queued_blocks
 
-__all__ = ["DomainSummarizer", "brief_of", "restamped", "summarize_domain"]
+__all__ = ["DomainSummarizer", "brief_of", "restamped", "same_content", "summarize_domain"]
 
 _trusted_instance_brief: Callable[..., InstanceBrief] = _trusted_constructor(InstanceBrief)
 _trusted_domain_summary: Callable[..., DomainSummary] = _trusted_constructor(DomainSummary)
@@ -32,6 +32,9 @@ _SUMMARY_FIELDS = (
 )  # fmt: skip
 _TAKEN_AT = _SUMMARY_FIELDS.index("taken_s")
 _summary_values: Callable[[DomainSummary], tuple[object, ...]] = attrgetter(*_SUMMARY_FIELDS)
+_content_values: Callable[[DomainSummary], tuple[object, ...]] = attrgetter(
+    *(f for f in _SUMMARY_FIELDS if f != "taken_s")
+)
 
 
 def brief_of(load: InstanceLoad, cfg: PolicyConfig) -> InstanceBrief:
@@ -209,6 +212,16 @@ def restamped(summary: DomainSummary, taken_s: float) -> DomainSummary:
     again)."""
     values = _summary_values(summary)
     return _trusted_domain_summary(*values[:_TAKEN_AT], taken_s, *values[_TAKEN_AT + 1 :])
+
+
+def same_content(a: Sequence[DomainSummary], b: Sequence[DomainSummary]) -> bool:
+    """Whether two publications of a domain (its summaries, one per model, in the same order) are equal but for
+    when each summary was taken: a domain scheduler does not write such a one again (``SummaryPublisher``), so its
+    readers keep the earlier one, stamp included; the simulator delivers the earlier one too. Compared field by
+    field (the briefs too), without building copies."""
+    return len(a) == len(b) and all(
+        x is y or _content_values(x) == _content_values(y) for x, y in zip(a, b, strict=True)
+    )
 
 
 class DomainSummarizer:

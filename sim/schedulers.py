@@ -42,7 +42,7 @@ from policy.dispatch import DispatchDecision, reusable_prefix_hashes
 from policy.domain import DomainSummary
 from policy.load import InstanceLoad
 from policy.migration import MigrationDecision, source_slack_blocks
-from policy.summarize import summarize_domain
+from policy.summarize import same_content, summarize_domain
 from rack_sched.core import CrossDomainProposal, DomainConfig, DomainCore, DomainRequest
 from topology.bandwidth import BandwidthEstimates, BandwidthSample, MeasuredBandwidthConfig, default_transport
 from topology.graph import TopologyGraph
@@ -468,9 +468,11 @@ class HilumTwoTier(ClusterScheduler):
         self.gateway = GatewayCore(ctx.domain.policy, ctx.rng, reservation_ttl_s=ctx.timing.reservation_ttl_s)
         self.bandwidth = BandwidthEstimates(ctx.measured_bandwidth)  # what the coordinator learns from the records
         self.delivered: dict[str, tuple[DomainSummary, ...]] = {}  # what etcd holds, as the gateway sees it
-        for feed in self.feeds.values():
+        self._published: dict[str, tuple[DomainSummary, ...]] = {}  # each domain's last publication written
+        for domain_id, feed in self.feeds.items():
             feed.refresh()
-            self._deliver(feed.core.domain_id, feed.core.summaries(self._now()))
+            self._published[domain_id] = feed.core.summaries(self._now())
+            self._deliver(domain_id, self._published[domain_id])
 
     def start(self) -> None:
         t = self.ctx.timing
@@ -489,7 +491,9 @@ class HilumTwoTier(ClusterScheduler):
 
     def _publish(self) -> None:
         """Every domain publishes its summaries, delivered ``summary_lag_s`` later in one event, domain by domain
-        in the order they were published.
+        in the order they were published. A domain whose summaries are its last ones but for when they were taken
+        (``policy.summarize.same_content``) publishes those again, stamps included, as the live
+        ``SummaryPublisher`` writes nothing then and its readers keep the earlier ones.
 
         One event for all domains delivers as one per domain did: those events shared their time, kind and
         scheduled time, and nothing else of that key can fall between them (every event of kind SUMMARY
@@ -498,9 +502,16 @@ class HilumTwoTier(ClusterScheduler):
         """
         now = self._now()
         published = []
+        last = self._published
         for domain_id, feed in self.feeds.items():
             feed.refresh()
-            published.append((domain_id, feed.core.summaries(taken_s=now)))
+            summaries = feed.core.summaries(taken_s=now)
+            before = last.get(domain_id)
+            if before is not None and same_content(before, summaries):
+                summaries = before  # not written again (SummaryPublisher): readers keep it, stamp included
+            else:
+                last[domain_id] = summaries
+            published.append((domain_id, summaries))
 
         def deliver() -> None:
             for domain_id, summaries in published:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from policy_factories import CFG, inst
 
 from policy import DomainSummary, InstanceBrief, InstanceLoad, PolicyConfig, RequestLoad, summarize, summarize_domain
-from policy.summarize import DomainSummarizer, brief_of, restamped
+from policy.summarize import DomainSummarizer, brief_of, restamped, same_content
 from policy.usage import freeness_of, instance_virtual_usage, queued_blocks
 
 FAST = settings(max_examples=200, deadline=None)
@@ -138,6 +138,19 @@ def test_restamped_changes_the_stamp_alone() -> None:
     again = restamped(summary, 7.5)
     assert again.taken_s == 7.5
     assert replace(again, taken_s=0.0) == summary
+
+
+def test_same_content_ignores_the_stamps_alone() -> None:
+    loads = [inst("a", 100, [10], prefix_hashes={1}, prefix_block_tokens=16), inst("b", 100, [20])]
+    one = summarize_domain("d", loads, CFG, model="m", taken_s=1.0)
+    other = summarize_domain("d", loads, CFG, model="n", taken_s=1.0)
+    assert same_content([one, other], [restamped(one, 2.0), summarize_domain("d", loads, CFG, model="n", taken_s=3.0)])
+    assert same_content([], [])
+    busier = summarize_domain("d", [loads[0], inst("b", 100, [20, 30])], CFG, model="m", taken_s=1.0)
+    assert not same_content([one], [busier])  # one brief differs
+    assert not same_content([one], [replace(one, domain_id="e")])
+    assert not same_content([one], [one, other])
+    assert not same_content([one, other], [other, one])  # in the same order
 
 
 def test_a_summarizer_forgets_an_instance_that_left() -> None:

@@ -455,3 +455,34 @@ def test_live_shells_and_the_simulator_make_the_same_decisions(etcd: Any, prefix
     assert nominal.after_measured == sim.cross and nominal.refused == []
     got = asyncio.run(live(topo, etcd.endpoint, prefix))
     assert got == sim
+
+
+def test_an_unchanged_summary_is_not_published_again_so_readers_keep_its_stamp() -> None:
+    # As the live SummaryPublisher writes nothing for summaries equal but for their stamps (policy.summarize.
+    # same_content), the simulator's gateway and coordinator keep the earlier ones, stamps included.
+    topo = tiny_topology()
+    cluster = _Cluster(topo)
+    cluster.loads = STEP_DISPATCH
+    ctx = SchedulerContext(
+        cluster=cluster,  # type: ignore[arg-type]
+        executor=_Executor(),  # type: ignore[arg-type]
+        graph=TopologyGraph(topo),
+        judge=CostModelJudge(topo),
+        domain=CFG,
+        timing=SchedulingConfig(),
+        rng=random.Random(0),
+        live=lambda: True,
+    )
+    sched = HilumTwoTier(ctx)
+    cluster.queue.now_s = 1.0
+    sched._publish()  # the loads are rebuilt (a new version at every read), the same figures as at 0 s
+    assert {d: [s.taken_s for s in summaries] for d, summaries in sched.delivered.items()} == {"n0": [0.0], "n1": [0.0]}
+    first = dict(sched.delivered)
+    cluster.queue.now_s = 2.0
+    cluster.loads = {**STEP_DISPATCH, "n1-i1": STEP_REBALANCE["n1-i1"]}  # only n1 changes
+    sched._publish()
+    assert sched.delivered["n0"] is first["n0"]
+    assert [s.taken_s for s in sched.delivered["n1"]] == [2.0]
+    assert [b.free_blocks for b in sched.delivered["n1"][0].instances] != [
+        b.free_blocks for b in first["n1"][0].instances
+    ]
