@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from collections.abc import Collection, Sequence
 from typing import NamedTuple
@@ -67,9 +68,26 @@ def build_parser(full: Collection[str] | None = None) -> argparse.ArgumentParser
     for command in SUBCOMMANDS:
         if full is None or command.name in full:
             importlib.import_module(command.module).register(sub, command.summary)
+            _plain_descriptions(sub.choices[command.name])
         else:
             sub.add_parser(command.name, help=command.summary)
     return parser
+
+
+# reST in the module docstrings that are the sub-commands' --help: :role:`target` and ``literal``
+_RST_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+_RST_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def _plain_descriptions(parser: argparse.ArgumentParser) -> None:
+    """Show ``parser``'s description, and its sub-commands', as text: a module docstring's reST markup
+    (``:mod:`x``` and ````x````) becomes `x`, as the README writes commands."""
+    if parser.description:
+        parser.description = _RST_LITERAL.sub(r"`\1`", _RST_ROLE.sub(r"`\1`", parser.description))
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _plain_descriptions(child)
 
 
 def _command_of(argv: Sequence[str]) -> str | None:

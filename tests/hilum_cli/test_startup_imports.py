@@ -132,6 +132,14 @@ def test_help_is_the_same_whatever_is_registered(argv: list[str], monkeypatch: p
     assert text == _help(argv, full=True)
 
 
+@pytest.mark.parametrize("argv", [["sim"], ["sim", "sweep"], ["sim", "size"], ["topology", "show"], ["up"], ["bench"]])
+def test_help_shows_the_module_docstrings_without_their_rest_markup(argv: list[str]) -> None:
+    text = _help(argv, full=False)
+    assert "``" not in text and ":mod:`" not in text and ":func:`" not in text and ":class:`" not in text, text
+    if argv == ["up"]:  # its ``hilum up`` and :mod:`hilum_cli.supervisor`, shown as the README writes commands
+        assert "`hilum up`: a whole hilum cluster" in text and "(`hilum_cli.supervisor`)" in text
+
+
 def test_top_level_help_lists_every_sub_command_with_its_summary(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "200")
     text = _help([], full=False)
