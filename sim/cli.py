@@ -495,7 +495,7 @@ def _load(
     except TopologyError as exc:
         err.print(
             f"[red]{command}: error: invalid topology (--topology {escape(args.topology)})[/red]\n"
-            + escape("\n".join(exc.errors)),
+            + escape("\n".join(exc.lines())),
             highlight=False,
         )
         return 2
@@ -749,4 +749,4 @@ def _check_sweep(config: SweepConfig) -> None:
         try:
             check_options(load_topology(name), parsed)
         except TopologyError as exc:
-            raise ValueError("invalid topology\n" + "\n".join(exc.errors)) from None
+            raise ValueError("invalid topology\n" + "\n".join(exc.lines())) from None

@@ -55,7 +55,7 @@ def _load(arg: str, command: str) -> Topology | None:
     try:
         return load_topology(arg)
     except TopologyError as exc:
-        for line in exc.errors:
+        for line in exc.lines():
             print(f"hilum topology {command}: error: {line}", file=sys.stderr)
         return None
 

@@ -58,11 +58,38 @@ _GBIT = 1e9 / 8
 
 
 class TopologyError(ValueError):
-    """A topology file is invalid. ``errors`` lists every problem as ``"<file>: <key.path>: <message>"``."""
+    """A topology file is invalid. ``errors`` lists every problem as ``"<file>: <key.path>: <message>"``;
+    :meth:`lines` (and ``str()``) shows each problem once with the places it repeats at."""
 
     def __init__(self, errors: Sequence[str]) -> None:
         self.errors: list[str] = list(errors)
-        super().__init__("\n".join(self.errors))
+        super().__init__("\n".join(self.lines()))
+
+    def lines(self, places_shown: int = 3) -> list[str]:
+        """The errors for a reader: one problem made at many places (the same message at key paths that differ in
+        their list indices only, e.g. every instance naming an unknown model) is one line, the first place's,
+        followed by ``(and N more like it: <the next places_shown places>, ...)``; in the order first met."""
+        groups: dict[str, list[str]] = {}
+        for error in self.errors:
+            groups.setdefault(_INDEX.sub("[*]", error), []).append(error)
+        out = []
+        for same in groups.values():
+            line = same[0]
+            if len(same) > 1:
+                places = [_place_of(e) for e in same[1 : 1 + places_shown]]
+                more = ", ..." if len(same) - 1 > places_shown else ""
+                line += f" (and {len(same) - 1:,} more like it: {', '.join(places)}{more})"
+            out.append(line)
+        return out
+
+
+_INDEX = re.compile(r"\[\d+\]")
+
+
+def _place_of(error: str) -> str:
+    """The key path of ``"<file>: <key.path>: <message>"`` (the error itself when it has no such form)."""
+    parts = error.split(": ", 2)
+    return parts[1] if len(parts) == 3 else error
 
 
 # ---------------------------------------------------------------------------------------------- schema

@@ -310,11 +310,31 @@ def test_root_errors() -> None:
     ]
 
 
+def test_one_problem_at_many_places_is_shown_once_with_its_places() -> None:
+    data = yaml.safe_load((ROOT / "topology" / "examples" / "1x8-a100.yaml").read_text())
+    for domain in data["domains"]:
+        for instance in domain["instances"]:
+            instance["model"] = "llama-2-7x"
+    with pytest.raises(TopologyError) as exc:
+        parse_topology(data, source="t.yaml")
+    count = sum(len(d["instances"]) for d in data["domains"])
+    assert len(exc.value.errors) == count > 4  # every place is kept for a program
+    (line,) = exc.value.lines()
+    assert line.startswith("t.yaml: domains[0].instances[0].model: unknown model 'llama-2-7x'")
+    assert line.endswith(
+        f" (and {count - 1:,} more like it: domains[0].instances[1].model, domains[0].instances[2].model, "
+        "domains[0].instances[3].model, ...)"
+    )
+    assert str(exc.value) == line
+    two = TopologyError(["t.yaml: a[0].b: bad", "t.yaml: a[1].b: bad", "t.yaml: c: other"])
+    assert two.lines() == ["t.yaml: a[0].b: bad (and 1 more like it: a[1].b)", "t.yaml: c: other"]
+
+
 def test_a_topology_is_read_from_a_pipe(tmp_path: Path) -> None:
     # --topology <(...): the shell passes a pipe's path, which is no regular file
     fifo = tmp_path / "topology.fifo"
     os.mkfifo(fifo)
-    text = (Path(__file__).parents[2] / "topology" / "examples" / "1x8-a100.yaml").read_text()
+    text = (ROOT / "topology" / "examples" / "1x8-a100.yaml").read_text()
     writer = threading.Thread(target=fifo.write_text, args=(text,))
     writer.start()
     try:
