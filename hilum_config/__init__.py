@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import typing
 from collections.abc import Mapping
@@ -83,9 +84,15 @@ class ConfigError(ValueError):
         return "\n".join(f"{flag} {e}" for e in self.errors)
 
 
+#: The shortest decision-loop period accepted, seconds: a loop more often than every millisecond is no setting a
+#: scheduler runs at (Llumnix's is 50 ms), and a simulation of one would not end in any useful time.
+MIN_LOOP_INTERVAL_S = 1e-3
+
+
 @dataclass(frozen=True, slots=True)
 class Intervals:
-    """Periods of the decision loops, seconds. Raises ValueError on a non-positive one."""
+    """Periods of the decision loops, seconds. Raises ValueError on a loop period below
+    :data:`MIN_LOOP_INTERVAL_S` or not finite, or on a ``reservation_ttl_s`` not finite and > 0."""
 
     rebalance_interval_s: float = 0.05  # intra-domain rescheduling round (Llumnix: 50 ms)
     summary_interval_s: float = 0.25  # at most one domain summary put per this
@@ -94,8 +101,15 @@ class Intervals:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if not getattr(self, f.name) > 0:
-                raise ValueError(f"{f.name} must be > 0, got {getattr(self, f.name)}")
+            value = getattr(self, f.name)
+            if f.name == "reservation_ttl_s":
+                if not 0 < value < math.inf:
+                    raise ValueError(f"{f.name} must be a finite number of seconds > 0, got {value}")
+            elif not MIN_LOOP_INTERVAL_S <= value < math.inf:
+                raise ValueError(
+                    f"{f.name} must be a finite number of seconds >= {MIN_LOOP_INTERVAL_S:g} (a decision loop more "
+                    f"often than every millisecond), got {value}"
+                )
 
 
 @dataclass(frozen=True, slots=True)

@@ -111,9 +111,10 @@ class AutoscaleConfig:
     def __post_init__(self) -> None:
         for name in ("interval_s", "scale_out_hold_s", "scale_in_hold_s", "cool_down_s", "start_timeout_s"):
             value = getattr(self, name)
-            _require(math.isfinite(value) and value >= 0, f"{name} must be a finite number >= 0, got {value}")
-        _require(self.interval_s > 0, f"interval_s must be > 0, got {self.interval_s}")
-        _require(self.start_timeout_s > 0, f"start_timeout_s must be > 0, got {self.start_timeout_s}")
+            if name in ("interval_s", "start_timeout_s"):
+                _require(math.isfinite(value) and value > 0, f"{name} must be a finite number > 0, got {value}")
+            else:
+                _require(math.isfinite(value) and value >= 0, f"{name} must be a finite number >= 0, got {value}")
         for name in ("scale_out_freeness_below", "scale_in_freeness_above"):
             value = getattr(self, name)
             _require(math.isfinite(value), f"{name} must be finite, got {value}")

@@ -383,6 +383,8 @@ def run_size_cli(args: argparse.Namespace) -> int:
         refused = "--initial-instances cannot be combined with sim size: it chooses the sizes itself"
     elif args.scale_out:
         refused = "--scale-out cannot be combined with sim size: it sizes static fleets"
+    elif args.drain:  # a smaller fleet may leave the drained instance out: its drain would mean nothing there
+        refused = "--drain cannot be combined with sim size: it sizes static fleets, most without the drained instance"
     elif args.cold_start_s is not None:
         refused = "--cold-start-s cannot be combined with sim size: it sizes static fleets (no instance starts)"
     if refused is not None:
@@ -515,9 +517,32 @@ def _load(
         for iid, at_s in events
         if at_s > last_s
     ]
-    for warning in fit + late:
+    drained = _all_drained(topology, specs[0].parsed_options(), drains, scale_outs)
+    for warning in fit + ([drained] if drained else []) + late:
         err.print(f"[yellow]{command}: warning:[/yellow] {escape(warning)}", highlight=False)
     return specs, topology, trace, out
+
+
+def _all_drained(
+    topology: Topology, options: SimOptions, drains: list[tuple[str, float]], scale_outs: list[tuple[str, float]]
+) -> str | None:
+    """A warning when the scripted drains take every instance that serves in the run out of service (no new
+    request can go anywhere after the last of them); None otherwise, or with the autoscaler (it may start
+    others)."""
+    if not drains or options.autoscale:
+        return None
+    from .runner import served_model
+
+    start, later, _ = _fleet(topology, served_model(topology, options.model), options, scale_outs)
+    when = dict(drains)
+    if any(i.instance_id not in when for i in start + later):
+        return None
+    last_s = max(when[i.instance_id] for i in start + later)
+    count = len(start) + len(later)
+    return (
+        f"--drain takes every instance that serves out of service ({count} {_plural('instance', count)}, the "
+        f"last at {last_s:.10g} s): requests arriving from then on are refused"
+    )
 
 
 def _plural(noun: str, count: int) -> str:

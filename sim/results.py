@@ -486,7 +486,7 @@ class SimRun:
     trace: str  # trace name or file
     seed: int  # seed of the run's random sources
     rate_scale: float  # arrival-rate multiplier applied to the trace (1.0 = as recorded)
-    sim_duration_s: float  # simulated time from the first arrival to the last event, s
+    sim_duration_s: float  # simulated time to the run's end, s: its last finish, or a refusal after it
     wall_s: float  # wall-clock time the run took, s
     engine_steps: int | None  # engine steps simulated over all instances; None = not counted (a live run)
     requests: Sequence[RequestRecord]  # one record per trace request, arrival order (a RequestLog from the simulator)

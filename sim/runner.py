@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from global_coord.wiring import CostModelJudge
-from hilum_config import HilumConfig, load_config
+from hilum_config import MIN_LOOP_INTERVAL_S, HilumConfig, load_config
 from llumlet.engine.blocks import MAX_BLOCKS
 from llumlet.engine.latency import (
     CALIBRATED_HBM_BYTES_PER_S,
@@ -90,13 +90,21 @@ class SimOptions(BaseModel):
         "count from the decision",
     )
     report_interval_s: float = Field(
-        0.05, gt=0, description="load reports reaching a central scheduler (llumnix, least-loaded; Llumnix: 50 ms)"
+        0.05,
+        ge=MIN_LOOP_INTERVAL_S,
+        description="load reports reaching a central scheduler (llumnix, least-loaded; Llumnix: 50 ms)",
     )
     summary_lag_s: float = Field(0.05, ge=0, description="delay before a published summary reaches its readers")
     # Overrides of the configuration file's keys (for sweeps); None = the file's value (hilum_config).
-    migrate_interval_s: float | None = Field(None, gt=0, description="overrides intervals.rebalance_interval_s")
-    summary_interval_s: float | None = Field(None, gt=0, description="overrides intervals.summary_interval_s")
-    cross_interval_s: float | None = Field(None, gt=0, description="overrides intervals.cross_interval_s")
+    migrate_interval_s: float | None = Field(
+        None, ge=MIN_LOOP_INTERVAL_S, description="overrides intervals.rebalance_interval_s"
+    )
+    summary_interval_s: float | None = Field(
+        None, ge=MIN_LOOP_INTERVAL_S, description="overrides intervals.summary_interval_s"
+    )
+    cross_interval_s: float | None = Field(
+        None, ge=MIN_LOOP_INTERVAL_S, description="overrides intervals.cross_interval_s"
+    )
     cap_fraction: float | None = Field(None, gt=0, le=1.0, description="overrides cost.cap_fraction")
     downtime_budget_s: float | None = Field(None, gt=0, description="overrides approval.downtime_budget_s")
     max_num_seqs: int = Field(256, ge=1)
@@ -349,9 +357,11 @@ def run_simulation(
         )
         total = len(trace.requests)
         done = [0]
+        last_done_s = [0.0]  # when the last request finished or was refused: the run's end
 
         def count_done(_request_id: str) -> None:
             done[0] += 1
+            last_done_s[0] = queue.now_s
             if progress is not None and done[0] % 200 == 0:
                 progress(done[0] / total)
 
@@ -430,6 +440,8 @@ def run_simulation(
     if progress is not None:
         progress(1.0)
     log = cluster.close_log()
+    # the last finish, or a refusal after it (a run that refuses every request held its GPUs until then too)
+    end_s = max(log.totals.max_finish_s, last_done_s[0])
     run_config: dict[str, object] = {
         "options": options.model_dump(),
         "max_requests": spec.max_requests,
@@ -450,7 +462,7 @@ def run_simulation(
         trace=trace.name,
         seed=spec.seed,
         rate_scale=spec.rate_scale,
-        sim_duration_s=log.totals.max_finish_s,
+        sim_duration_s=end_s,
         wall_s=time.perf_counter() - wall_start,
         engine_steps=cluster.engine_steps,
         requests=log,
@@ -461,7 +473,7 @@ def run_simulation(
             usage_fraction={k: tuple(v) for k, v in usage.items()},
         ),
         config=run_config,
-        gpu_hours=cluster.gpu_hours(log.totals.max_finish_s),
+        gpu_hours=cluster.gpu_hours(end_s),
         scale_events=tuple(autoscaler.records) if autoscaler is not None else (),
     )
 

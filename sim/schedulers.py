@@ -396,7 +396,10 @@ class RoundRobin(ClusterScheduler):
         self._next = 0
 
     def dispatch(self, req: TraceRequest) -> DispatchDecision:
-        candidates = [i for i in self.cluster.serving() if not i.draining]
+        serving = self.cluster.serving()
+        candidates = [i for i in serving if not i.draining]
+        if serving and not candidates:  # as the load-aware policies' views say it
+            return DispatchDecision(None, f"all {len(serving)} instances are draining")
         n = len(candidates)
         for k in range(n):
             inst = candidates[(self._next + k) % n]

@@ -70,10 +70,25 @@ def test_errors_name_the_file_and_the_key_all_at_once(tmp_path: Path) -> None:
         f"{bad}: policy.tie_tolerance: must be in [0, 1), got 2.0",  # checked too: an unknown key hides nothing
         f"{bad}: cost.cap_fraction: Input should be a valid number",
         f"{bad}: approval.downtime_budget_s: must be > 0, got -1.0",
-        f"{bad}: intervals.cross_interval_s: must be > 0, got 0.0",
+        f"{bad}: intervals.cross_interval_s: must be a finite number of seconds >= 0.001 (a decision loop more "
+        "often than every millisecond), got 0.0",
     ]
     with pytest.raises(ConfigError, match=r"policy.tie_tolerance: must be in \[0, 1\), got 2.0"):
         parse_config({"policy": {"tie_tolerance": 2.0}}, "f")
+
+
+@pytest.mark.parametrize(
+    ("intervals", "message"),
+    [
+        ({"rebalance_interval_s": 1e-7}, "intervals.rebalance_interval_s: must be a finite number of seconds >= 0.001"),
+        ({"summary_interval_s": float("inf")}, "intervals.summary_interval_s: must be a finite number of seconds"),
+        ({"reservation_ttl_s": float("inf")}, "intervals.reservation_ttl_s: must be a finite number of seconds > 0"),
+    ],
+)
+def test_decision_loops_run_at_most_every_millisecond(intervals: dict[str, float], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config({"intervals": intervals}, "f")
+    assert parse_config({"intervals": {"rebalance_interval_s": 0.001}}, "f").intervals.rebalance_interval_s == 0.001
 
 
 def test_sections_checked_as_a_whole_name_their_keys_too() -> None:

@@ -226,6 +226,23 @@ def test_a_drain_or_scale_out_after_the_last_arrival_is_warned_about(capsys: pyt
     assert "warning" not in capsys.readouterr().err
 
 
+def test_drains_of_every_instance_that_serves_are_warned_about(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["sim", "--topology", "1x8-a100", "--max-requests", "30", "--policy", "round-robin", "--json"]
+    drains = [a for k in range(8) for a in ("--drain", f"node-0-i{k}@{k / 4:g}")]
+    assert main([*argv, *drains]) == 0
+    out, err = capsys.readouterr()
+    assert (
+        "hilum sim: warning: --drain takes every instance that serves out of service (8 instances, the last at "
+        "1.75 s): requests arriving from then on are refused" in err.replace("\n", "")
+    )
+    (summary,) = json.loads(out)
+    assert 0 < summary["refused"] < 30
+    assert main([*argv, *drains[:-2]]) == 0  # node-0-i7 serves on
+    assert "every instance" not in capsys.readouterr().err
+    assert main([*argv, "--initial-instances", "7", *drains[:-2]]) == 0  # node-0-i7 never serves
+    assert "(7 instances, the last at 1.5 s)" in capsys.readouterr().err.replace("\n", "")
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

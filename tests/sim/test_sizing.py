@@ -163,6 +163,7 @@ def test_sim_size_help_lists_no_option_it_refuses(capsys: pytest.CaptureFixture[
         (["--target-p99-ttft-ms", "100", "--autoscale"], "--autoscale cannot be combined with sim size"),
         (["--target-p99-ttft-ms", "100", "--initial-instances", "3"], "--initial-instances cannot be combined"),
         (["--target-p99-ttft-ms", "100", "--scale-out", "node-0-i1@3"], "--scale-out cannot be combined"),
+        (["--target-p99-ttft-ms", "100", "--drain", "node-0-i7@5"], "--drain cannot be combined with sim size"),
         (["--target-p99-ttft-ms", "100", "--cold-start-s", "3"], "--cold-start-s cannot be combined with sim size"),
     ],
 )
