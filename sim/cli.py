@@ -155,7 +155,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser, sizing: bool = False) ->
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="model the requests are for (default: most instances)")
     parser.add_argument("--priority-fraction", type=float, default=0.0, help="share of high-priority requests")
-    parser.add_argument("--drain", action="append", default=[], metavar="INSTANCE@S", help="drain at time S")
+    parser.add_argument(
+        "--drain", action="append", default=[], metavar="INSTANCE@S", help=fleet or "drain an instance at time S"
+    )
     parser.add_argument(
         "--scale-out", action="append", default=[], metavar="INSTANCE@S", help=fleet or "instance joins at time S"
     )
@@ -208,8 +210,16 @@ def _add_run_arguments(parser: argparse.ArgumentParser, sizing: bool = False) ->
         help="dispatch counts the prefix blocks a target holds (default: the configuration's "
         "policy.prefix_aware_dispatch, on; --no-prefix-aware: load alone, to compare)",
     )
-    parser.add_argument("--out", default=None, help="directory for results.json and plots")
-    parser.add_argument("--json", action="store_true", help="print the summaries as JSON instead of a table")
+    parser.add_argument(
+        "--out", default=None, help="directory for sizing.json" if sizing else "directory for results.json and plots"
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the sizes tried as JSON instead of a table"
+        if sizing
+        else "print the summaries as JSON instead of a table",
+    )
     add_config_argument(parser)
 
 
@@ -357,7 +367,13 @@ def run_cli(args: argparse.Namespace) -> int:
         plot_ttft_cdf(runs, out / "ttft_cdf.png")
         for run in runs:
             plot_kv_usage(run, out / f"kv_usage_{run.policy}.png")
-        err.print(f"results: {path}; plots in {out}/", highlight=False)
+        # results.json is this run's alone: the KV plots an earlier run left of other policies go with its results
+        stale = [out / f"kv_usage_{p}.png" for p in POLICY_NAMES if p not in {r.policy for r in runs}]
+        removed = [p.name for p in stale if p.is_file()]
+        for name in removed:
+            (out / name).unlink()
+        gone = f" (removed an earlier run's {', '.join(removed)})" if removed else ""
+        err.print(f"results: {path}; plots in {out}/{gone}", highlight=False)
     return 0
 
 
@@ -405,11 +421,14 @@ def run_size_cli(args: argparse.Namespace) -> int:
     pool_size = sum(1 for i in topology.instances if i.model == model)
     target_s = args.target_p99_ttft_ms / 1e3
     sizings = []
+    truncated: list[object] = [0]  # requests cut to the model's context: the same trace and model at every size
     for spec in specs:
 
         def simulate(n: int, spec: SimSpec = spec) -> PolicySummary:
             sized = replace(spec, options={**spec.options, "initial_instances": n})
-            summary = summarize(run_simulation(sized, trace=trace, topology=topology))
+            run = run_simulation(sized, trace=trace, topology=topology)
+            truncated[0] = run.config.get("truncated_requests", 0)
+            summary = summarize(run)
             p99 = "-" if summary.ttft_p99_s is None else f"{summary.ttft_p99_s * 1e3:.0f} ms"
             refused = f", refused {_requests(summary.refused)}" if summary.refused else ""
             err.print(f"{spec.policy}: {n} {_plural('instance', n)}: P99 TTFT {p99}{refused}", highlight=False)
@@ -423,7 +442,7 @@ def run_size_cli(args: argparse.Namespace) -> int:
             "meets": t.meets,
             "miss": t.miss,
             "chosen": t.instances == s.chosen,
-            "summary": summary_to_dict(t.summary),
+            "summary": {**summary_to_dict(t.summary), "truncated_requests": truncated[0]},
         }
         for s in sizings
         for t in s.trials

@@ -545,6 +545,12 @@ def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[s
     for flag, events in (("--drain", drains), ("--scale-out", scale_outs)):
         for instance_id, _ in events:
             if instance_id not in known:
+                members = [i for i in known if topology.instance(i).domain_id == instance_id]
+                if members:  # a domain: name its instances, each drained or added by its own flag
+                    raise ValueError(
+                        f"{flag} names NVLink domain {instance_id!r}; it takes instances, one per {flag}: "
+                        f"{', '.join(members)}"
+                    )
                 shown = ", ".join(known[:6]) + (", ..." if len(known) > 6 else "")
                 raise ValueError(
                     f"{flag} names unknown instance {instance_id!r}; {model} instances of {topology.name}: {shown}"

@@ -24,6 +24,11 @@ def test_sim_json_and_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert stored[1].rate_scale == 2.75
     for name in ("ttft_cdf.png", "kv_usage_least-loaded.png", "kv_usage_hilum.png"):
         assert (out / name).stat().st_size > 1000
+    # again into the same folder with one policy: the other policy's KV plot goes with the results it replaced
+    (out / "notes.txt").write_text("mine")
+    assert main(["sim", "--max-requests", "20", "--policy", "hilum", "--json", "--out", str(out)]) == 0
+    assert "(removed an earlier run's kv_usage_least-loaded.png)" in capsys.readouterr().err.replace("\n", "")
+    assert sorted(p.name for p in out.iterdir()) == ["kv_usage_hilum.png", "notes.txt", "results.json", "ttft_cdf.png"]
 
 
 def test_sim_table_names_every_policy(capsys: pytest.CaptureFixture[str]) -> None:

@@ -125,6 +125,11 @@ def test_sim_size_runs_real_simulations_and_prints_each_size(
         assert r["meets"] == (s["ttft_p99_s"] <= 1.5 and s["refused"] == 0) and s["scale_outs"] == 0
         assert (r["miss"] is None) == r["meets"]
     assert json.loads((tmp_path / "sizing.json").read_text())["rows"] == rows
+    # every summary carries the requests cut to the model's context, as `hilum sim --json`'s do
+    assert main(["sim", "--max-requests", "400", "--policy", "hilum", "--json"]) == 0
+    (plain,) = json.loads(capsys.readouterr().out)
+    assert plain["truncated_requests"] > 0
+    assert {r["summary"]["truncated_requests"] for r in rows} == {plain["truncated_requests"]}
 
 
 def test_sim_size_exits_1_when_even_the_whole_pool_misses_the_target(capsys: pytest.CaptureFixture[str]) -> None:
