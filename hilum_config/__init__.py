@@ -50,7 +50,7 @@ from global_coord.approval import ApprovalConfig
 from llumlet.engine.prefix_hash import PrefixCacheConfig
 from policy.autoscale import AutoscaleConfig
 from policy.remaining import RemainingConfig
-from policy.types import PolicyConfig
+from policy.types import MIN_LOOP_INTERVAL_S, PolicyConfig
 from rack_sched.core import DomainConfig
 from topology.bandwidth import MeasuredBandwidthConfig
 from topology.cost import CostConfig
@@ -84,11 +84,6 @@ class ConfigError(ValueError):
         return "\n".join(f"{flag} {e}" for e in self.errors)
 
 
-#: The shortest decision-loop period accepted, seconds: a loop more often than every millisecond is no setting a
-#: scheduler runs at (Llumnix's is 50 ms), and a simulation of one would not end in any useful time.
-MIN_LOOP_INTERVAL_S = 1e-3
-
-
 @dataclass(frozen=True, slots=True)
 class Intervals:
     """Periods of the decision loops, seconds. Raises ValueError on a loop period below
@@ -107,8 +102,8 @@ class Intervals:
                     raise ValueError(f"{f.name} must be a finite number of seconds > 0, got {value}")
             elif not MIN_LOOP_INTERVAL_S <= value < math.inf:
                 raise ValueError(
-                    f"{f.name} must be a finite number of seconds >= {MIN_LOOP_INTERVAL_S:g} (a decision loop more "
-                    f"often than every millisecond), got {value}"
+                    f"{f.name} must be a finite number of seconds, at least {MIN_LOOP_INTERVAL_S:g} (no decision loop "
+                    f"runs more often than every millisecond), got {value}"
                 )
 
 

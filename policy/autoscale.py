@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from policy.domain import DomainSummary, InstanceBrief
+from policy.types import MIN_LOOP_INTERVAL_S
 from policy.usage import freeness_of
 
 __all__ = [
@@ -111,7 +112,13 @@ class AutoscaleConfig:
     def __post_init__(self) -> None:
         for name in ("interval_s", "scale_out_hold_s", "scale_in_hold_s", "cool_down_s", "start_timeout_s"):
             value = getattr(self, name)
-            if name in ("interval_s", "start_timeout_s"):
+            if name == "interval_s":  # a decision loop
+                _require(
+                    MIN_LOOP_INTERVAL_S <= value < math.inf,
+                    f"{name} must be a finite number of seconds, at least {MIN_LOOP_INTERVAL_S:g} (no decision loop "
+                    f"runs more often than every millisecond), got {value}",
+                )
+            elif name == "start_timeout_s":
                 _require(math.isfinite(value) and value > 0, f"{name} must be a finite number > 0, got {value}")
             else:
                 _require(math.isfinite(value) and value >= 0, f"{name} must be a finite number >= 0, got {value}")

@@ -543,7 +543,8 @@ class _View:
             return f"no {noun}s to dispatch to"
         active = [t for t in self._targets.values() if not t.draining]
         if not active:
-            return f"all {len(self._targets)} {noun}s are draining"
+            count = len(self._targets)
+            return f"all {count} {noun}s are draining" if count > 1 else f"the only {noun} is draining"
         left = [t for t in active if t.target_id not in exclude]
         if not left:
             return f"every {noun} that is not draining was tried"

@@ -19,6 +19,7 @@ from policy.load import InstanceLoad, RequestLoad, priority_counts_of  # they li
 __all__ = [
     "CANDIDATE_POLICIES",
     "DEFAULT_CANDIDATE_POLICY",
+    "MIN_LOOP_INTERVAL_S",
     "InstanceLoad",
     "PolicyConfig",
     "RequestLoad",
@@ -30,6 +31,11 @@ __all__ = [
 #: "shortest": fewest blocks first (Llumnix SJF/SR); "longest": most blocks first (Llumnix LJF/LR).
 CANDIDATE_POLICIES: tuple[str, ...] = ("priority-then-size", "shortest", "longest")
 DEFAULT_CANDIDATE_POLICY = "priority-then-size"
+
+#: The shortest period accepted for any decision loop (rescheduling, summaries, cross-domain rounds, the autoscaler),
+#: seconds: no scheduler runs one more often than every millisecond (Llumnix's rounds: 50 ms and 10 s), and a
+#: simulation of one would not end in any useful time.
+MIN_LOOP_INTERVAL_S = 1e-3
 
 
 def _require(ok: bool, where: str, message: str) -> None:

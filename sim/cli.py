@@ -297,7 +297,7 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
 def run_cli(args: argparse.Namespace) -> int:
     """Run every requested policy on the same topology and trace; print and save the comparison."""
     from .report import LATENCY_COLUMNS, MIGRATION_COLUMNS, render_table
-    from .results import summarize, write_results
+    from .results import stored_policies, summarize, write_results
     from .runner import run_simulation
 
     err = Console(stderr=True, soft_wrap=True, emoji=False)
@@ -363,12 +363,13 @@ def run_cli(args: argparse.Namespace) -> int:
     if out is not None:
         from .plots import plot_kv_usage, plot_ttft_cdf  # matplotlib: only when plots are written
 
+        earlier = stored_policies(out / "results.json")  # the run whose results this one replaces
         path = write_results(runs, out)
         plot_ttft_cdf(runs, out / "ttft_cdf.png")
         for run in runs:
             plot_kv_usage(run, out / f"kv_usage_{run.policy}.png")
-        # results.json is this run's alone: the KV plots an earlier run left of other policies go with its results
-        stale = [out / f"kv_usage_{p}.png" for p in POLICY_NAMES if p not in {r.policy for r in runs}]
+        # its KV plots of policies this run did not simulate go with its results (no other file is touched)
+        stale = [out / f"kv_usage_{p}.png" for p in earlier if p in POLICY_NAMES and p not in {r.policy for r in runs}]
         removed = [p.name for p in stale if p.is_file()]
         for name in removed:
             (out / name).unlink()
@@ -472,7 +473,17 @@ def run_size_cli(args: argparse.Namespace) -> int:
         console.print(table)
     if out is not None:
         path = out / "sizing.json"
-        path.write_text(json.dumps({"target_p99_ttft_ms": args.target_p99_ttft_ms, "rows": rows}, indent=1))
+        sized = {  # what was sized, so that the file stands alone
+            "target_p99_ttft_ms": args.target_p99_ttft_ms,
+            "topology": topology.name,
+            "trace": trace.name,
+            "requests": len(trace.requests),
+            "rate_scale": specs[0].rate_scale,
+            "seed": specs[0].seed,
+            "model": model,
+            "rows": rows,
+        }
+        path.write_text(json.dumps(sized, indent=1))
         err.print(f"sizing: {path}", highlight=False)
     unmet = [s for s in sizings if s.chosen is None]
     if unmet:  # a script asking "which fleet meets the target" must not read success here
@@ -536,18 +547,22 @@ def _load(
         for iid, at_s in events
         if at_s > last_s
     ]
-    drained = _all_drained(topology, specs[0].parsed_options(), drains, scale_outs)
+    drained = _all_drained(topology, specs[0].parsed_options(), drains, scale_outs, last_s)
     for warning in fit + ([drained] if drained else []) + late:
         err.print(f"[yellow]{command}: warning:[/yellow] {escape(warning)}", highlight=False)
     return specs, topology, trace, out
 
 
 def _all_drained(
-    topology: Topology, options: SimOptions, drains: list[tuple[str, float]], scale_outs: list[tuple[str, float]]
+    topology: Topology,
+    options: SimOptions,
+    drains: list[tuple[str, float]],
+    scale_outs: list[tuple[str, float]],
+    last_arrival_s: float,
 ) -> str | None:
-    """A warning when the scripted drains take every instance that serves in the run out of service (no new
-    request can go anywhere after the last of them); None otherwise, or with the autoscaler (it may start
-    others)."""
+    """A warning when the scripted drains take every instance that serves in the run out of service by
+    ``last_arrival_s`` (the trace's last arrival: the requests from the last drain on are refused); None otherwise,
+    or with the autoscaler (it may start others)."""
     if not drains or options.autoscale:
         return None
     from .runner import served_model
@@ -557,6 +572,8 @@ def _all_drained(
     if any(i.instance_id not in when for i in start + later):
         return None
     last_s = max(when[i.instance_id] for i in start + later)
+    if last_s > last_arrival_s:  # every request has arrived before: the late-drain warnings say the rest
+        return None
     count = len(start) + len(later)
     return (
         f"--drain takes every instance that serves out of service ({count} {_plural('instance', count)}, the "

@@ -832,6 +832,22 @@ def summary_to_dict(summary: PolicySummary) -> dict[str, Any]:
     return _summary_dict(summary)
 
 
+def stored_policies(path: str | Path) -> list[str]:
+    """The policies of the runs a ``results.json`` written by :func:`write_results` holds, read from their specs
+    alone (one per line, as it writes them: a file of millions of records is not parsed); empty when the file is
+    missing, unreadable or not laid out so (nothing is claimed of a file hilum did not write)."""
+    policies = []
+    try:
+        with Path(path).open(encoding="utf-8") as f:
+            for line in f:
+                if line.startswith('{"spec": {'):
+                    spec = json.loads(line.removeprefix('{"spec": ').rstrip().removesuffix(","))
+                    policies.append(str(spec["policy"]))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return []
+    return policies
+
+
 def load_results(path: str | Path) -> list[StoredRun]:
     """Read a ``results.json`` written by :func:`write_results`.
 

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from global_coord.wiring import CostModelJudge
-from hilum_config import MIN_LOOP_INTERVAL_S, HilumConfig, load_config
+from hilum_config import HilumConfig, load_config
 from llumlet.engine.blocks import MAX_BLOCKS
 from llumlet.engine.latency import (
     CALIBRATED_HBM_BYTES_PER_S,
@@ -30,6 +30,7 @@ from llumlet.engine.latency import (
     load_latency_model,
 )
 from policy.autoscale import pools_of
+from policy.types import MIN_LOOP_INTERVAL_S
 from topology.graph import TopologyGraph
 from topology.load import load_topology
 from topology.spec import InstanceSpec, Topology
@@ -540,11 +541,21 @@ def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[s
             "initial_instances (--initial-instances) cannot be combined with scale_out (--scale-out): "
             "the instances kept off would clash"
         )
+    for flag, raw in (("--drain", options.drain), ("--scale-out", options.scale_out)):
+        for value in raw:
+            if "," in value:
+                raise ValueError(f"{flag} takes one INSTANCE@S; give {flag} once per instance (got {value!r})")
     drains = [_parse_event(d) for d in options.drain]
     scale_outs = [_parse_event(s) for s in options.scale_out]
     for flag, events in (("--drain", drains), ("--scale-out", scale_outs)):
         for instance_id, _ in events:
             if instance_id not in known:
+                other = next((i for i in topology.instances if i.instance_id == instance_id), None)
+                if other is not None:  # an instance the run does not simulate
+                    raise ValueError(
+                        f"{flag} names {instance_id!r}, which serves {other.model}; the run simulates the {model} "
+                        "instances (--model chooses the model)"
+                    )
                 members = [i for i in known if topology.instance(i).domain_id == instance_id]
                 if members:  # a domain: name its instances, each drained or added by its own flag
                     raise ValueError(

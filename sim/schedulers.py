@@ -399,7 +399,9 @@ class RoundRobin(ClusterScheduler):
         serving = self.cluster.serving()
         candidates = [i for i in serving if not i.draining]
         if serving and not candidates:  # as the load-aware policies' views say it
-            return DispatchDecision(None, f"all {len(serving)} instances are draining")
+            count = len(serving)
+            why = f"all {count} instances are draining" if count > 1 else "the only instance is draining"
+            return DispatchDecision(None, why)
         n = len(candidates)
         for k in range(n):
             inst = candidates[(self._next + k) % n]

@@ -197,7 +197,7 @@ def test_domain_view_from_summaries_skips_draining_domain() -> None:
     v = DomainDispatchView([busy, gone], CFG, random.Random(0))
     assert v.pick(5).target_id == "busy"
     v.remove("busy")
-    assert v.pick(5).reason == "all 1 domains are draining"
+    assert v.pick(5).reason == "the only domain is draining"
 
 
 class _Scanning(DomainDispatchView):

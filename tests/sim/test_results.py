@@ -34,6 +34,7 @@ from sim.results import (
     percentile,
     percentiles,
     results_document,
+    stored_policies,
     summarize,
     write_results,
 )
@@ -246,6 +247,16 @@ def test_percentiles_ordered_and_within_range(values: list[float]) -> None:
 def test_kv_timeline_rejects_series_of_wrong_length() -> None:
     with pytest.raises(ValueError, match=r"usage_fraction\['i1'\] has 1 samples, times_s has 2"):
         KvTimeline(interval_s=1.0, times_s=(0.0, 1.0), usage_fraction={"i0": (0.0, 0.1), "i1": (0.2,)})
+
+
+def test_stored_policies_reads_the_specs_of_a_results_file_alone(tmp_path: Path) -> None:
+    path = write_results([hand_run(), hand_run(policy="round_robin", requests=())], tmp_path / "out")
+    assert stored_policies(path) == ["hilum", "round_robin"] == [r.policy for r in load_results(path)]
+    assert stored_policies(tmp_path / "missing.json") == []
+    (tmp_path / "other.json").write_text('{"spec": {"no_policy": 1}}\n')
+    assert stored_policies(tmp_path / "other.json") == []
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe")
+    assert stored_policies(tmp_path / "binary.json") == []
 
 
 def test_write_and_load_round_trip(tmp_path: Path) -> None:

@@ -29,6 +29,11 @@ def test_sim_json_and_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main(["sim", "--max-requests", "20", "--policy", "hilum", "--json", "--out", str(out)]) == 0
     assert "(removed an earlier run's kv_usage_least-loaded.png)" in capsys.readouterr().err.replace("\n", "")
     assert sorted(p.name for p in out.iterdir()) == ["kv_usage_hilum.png", "notes.txt", "results.json", "ttft_cdf.png"]
+    # a plot the earlier results.json does not name is not hilum's to remove
+    (out / "kv_usage_llumnix.png").write_text("mine too")
+    assert main(["sim", "--max-requests", "20", "--policy", "hilum", "--json", "--out", str(out)]) == 0
+    assert "removed" not in capsys.readouterr().err
+    assert (out / "kv_usage_llumnix.png").read_text() == "mine too"
 
 
 def test_sim_table_names_every_policy(capsys: pytest.CaptureFixture[str]) -> None:
@@ -108,6 +113,14 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--rate", "3"], "rate_per_s (--rate) and arrival_cv (--arrival-cv) apply only to synthetic arrivals"),
         (["--policy", "hilum,llumnix,hilum"], "--policy names hilum more than once"),
         (["--drain", "nope@10"], "--drain names unknown instance 'nope'"),
+        (
+            ["--topology", "64x8-h100", "--drain", "node-63-i0@5"],
+            "--drain names 'node-63-i0', which serves llama-2-70b; the run simulates the llama-2-7b instances",
+        ),
+        (
+            ["--drain", "node-0@5"],
+            "--drain names NVLink domain 'node-0'; it takes instances, one per --drain: node-0-i0,",
+        ),
         (["--drain", "node-0-i3@nan"], "'node-0-i3@nan': the time must be a finite number of seconds >= 0, got nan"),
         (["--scale-out", "node-0-i3@inf"], "the time must be a finite number of seconds >= 0, got inf"),
         (["--drain", "node-0-i3@5", "--drain", "node-0-i3@8"], "--drain names node-0-i3 more than once"),

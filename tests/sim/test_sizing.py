@@ -124,7 +124,17 @@ def test_sim_size_runs_real_simulations_and_prints_each_size(
         assert s["gpu_hours"] == pytest.approx(r["instances"] * s["sim_duration_s"] / 3600)
         assert r["meets"] == (s["ttft_p99_s"] <= 1.5 and s["refused"] == 0) and s["scale_outs"] == 0
         assert (r["miss"] is None) == r["meets"]
-    assert json.loads((tmp_path / "sizing.json").read_text())["rows"] == rows
+    stored = json.loads((tmp_path / "sizing.json").read_text())
+    assert stored["rows"] == rows
+    assert {k: v for k, v in stored.items() if k != "rows"} == {
+        "target_p99_ttft_ms": 1500.0,
+        "topology": "2x8-a100-40gb",
+        "trace": "azure-conv",
+        "requests": 400,
+        "rate_scale": 2.75,
+        "seed": 0,
+        "model": "llama-2-13b",
+    }
     # every summary carries the requests cut to the model's context, as `hilum sim --json`'s do
     assert main(["sim", "--max-requests", "400", "--policy", "hilum", "--json"]) == 0
     (plain,) = json.loads(capsys.readouterr().out)
