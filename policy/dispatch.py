@@ -63,7 +63,14 @@ from policy.load import InstanceLoad
 from policy.types import PolicyConfig
 from policy.usage import dispatch_usage, freeness_of, queued_blocks
 
-__all__ = ["DispatchDecision", "DispatchView", "DomainDispatchView", "leading_run", "reusable_prefix_hashes"]
+__all__ = [
+    "DispatchDecision",
+    "DispatchView",
+    "DomainDispatchView",
+    "all_draining",
+    "leading_run",
+    "reusable_prefix_hashes",
+]
 
 
 def reusable_prefix_hashes(hashes: Sequence[int], prefix_block_tokens: int, prompt_tokens: int) -> Sequence[int]:
@@ -360,6 +367,12 @@ class _PoolIndex:
 _K = TypeVar("_K", str, tuple[int, str])
 
 
+def all_draining(count: int, noun: str) -> str:
+    """The refusal of a dispatch whose ``count`` (>= 1) targets all drain: "all 3 instances are draining", "the
+    only domain is draining"."""
+    return f"all {count} {noun}s are draining" if count > 1 else f"the only {noun} is draining"
+
+
 def _discard(items: list[_K], item: _K) -> None:
     """Remove ``item`` from the sorted list ``items`` (absent: nothing)."""
     k = bisect.bisect_left(items, item)
@@ -543,8 +556,7 @@ class _View:
             return f"no {noun}s to dispatch to"
         active = [t for t in self._targets.values() if not t.draining]
         if not active:
-            count = len(self._targets)
-            return f"all {count} {noun}s are draining" if count > 1 else f"the only {noun} is draining"
+            return all_draining(len(self._targets), noun)
         left = [t for t in active if t.target_id not in exclude]
         if not left:
             return f"every {noun} that is not draining was tried"

@@ -38,7 +38,7 @@ from typing import ClassVar
 
 from gateway.core import GatewayCore, PlacementAttempt
 from global_coord.approver import MoveJudge, decide
-from policy.dispatch import DispatchDecision, reusable_prefix_hashes
+from policy.dispatch import DispatchDecision, all_draining, reusable_prefix_hashes
 from policy.domain import DomainSummary
 from policy.load import InstanceLoad
 from policy.migration import MigrationDecision, source_slack_blocks
@@ -399,9 +399,7 @@ class RoundRobin(ClusterScheduler):
         serving = self.cluster.serving()
         candidates = [i for i in serving if not i.draining]
         if serving and not candidates:  # as the load-aware policies' views say it
-            count = len(serving)
-            why = f"all {count} instances are draining" if count > 1 else "the only instance is draining"
-            return DispatchDecision(None, why)
+            return DispatchDecision(None, all_draining(len(serving), "instance"))
         n = len(candidates)
         for k in range(n):
             inst = candidates[(self._next + k) % n]
