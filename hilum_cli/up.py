@@ -395,11 +395,16 @@ def _topology_text(cfg: UpConfig) -> tuple[Topology, str]:
     """The topology the cluster will serve, and the text of its file. Raises UpError."""
     if cfg.topology is None:
         return parse_topology(yaml.safe_load(LOCAL_TOPOLOGY), "local-2x2"), LOCAL_TOPOLOGY
+    path = Path(cfg.topology)
+    if path.exists() and not path.is_dir() and not path.is_file():  # load_topology reads a pipe; it is read once
+        raise UpUsageError(
+            f"--topology {cfg.topology}: not a regular file (a pipe?); hilum up copies the topology into its run "
+            "directory for every process to read: give a file"
+        )
     try:
         topology = load_topology(cfg.topology)
     except TopologyError as exc:
         raise UpUsageError(f"--topology {cfg.topology}: {exc}") from None
-    path = Path(cfg.topology)
     source = path if path.is_file() else bundled_path(cfg.topology)
     assert source is not None  # load_topology found it
     return topology, source.read_text(encoding="utf-8")

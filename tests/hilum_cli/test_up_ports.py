@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import os
 import socket
 import tempfile
 import time
@@ -111,6 +112,16 @@ def test_a_bad_configuration_file_is_refused_before_anything_starts(tmp_path: Pa
     cfg = UpConfig(config=str(bad), port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "run"))
     assert run_up(cfg, out=io.StringIO(), err=err) == 2
     assert err.getvalue().startswith(f"hilum up: error: --config {bad}: policy")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_topology_from_a_pipe_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    fifo = tmp_path / "topology.fifo"  # --topology <(...): hilum up copies the file for its processes to read
+    os.mkfifo(fifo)
+    err = io.StringIO()
+    cfg = UpConfig(topology=str(fifo), port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "run"))
+    assert run_up(cfg, out=io.StringIO(), err=err) == 2
+    assert err.getvalue().startswith(f"hilum up: error: --topology {fifo}: not a regular file (a pipe?); hilum up ")
     assert not (tmp_path / "run").exists()
 
 
