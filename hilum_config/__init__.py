@@ -50,7 +50,7 @@ from global_coord.approval import ApprovalConfig
 from llumlet.engine.prefix_hash import PrefixCacheConfig
 from policy.autoscale import AutoscaleConfig
 from policy.remaining import RemainingConfig
-from policy.types import MIN_LOOP_INTERVAL_S, PolicyConfig
+from policy.types import PolicyConfig, loop_interval_problem
 from rack_sched.core import DomainConfig
 from topology.bandwidth import MeasuredBandwidthConfig
 from topology.cost import CostConfig
@@ -87,7 +87,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Intervals:
     """Periods of the decision loops, seconds. Raises ValueError on a loop period below
-    :data:`MIN_LOOP_INTERVAL_S` or not finite, or on a ``reservation_ttl_s`` not finite and > 0."""
+    ``policy.types.MIN_LOOP_INTERVAL_S`` or not finite, or on a ``reservation_ttl_s`` not finite and > 0."""
 
     rebalance_interval_s: float = 0.05  # intra-domain rescheduling round (Llumnix: 50 ms)
     summary_interval_s: float = 0.25  # at most one domain summary put per this
@@ -95,16 +95,12 @@ class Intervals:
     reservation_ttl_s: float = 1.0  # a gateway's dispatch reservation counts at most this long
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name == "reservation_ttl_s":
-                if not 0 < value < math.inf:
-                    raise ValueError(f"{f.name} must be a finite number of seconds > 0, got {value}")
-            elif not MIN_LOOP_INTERVAL_S <= value < math.inf:
-                raise ValueError(
-                    f"{f.name} must be a finite number of seconds, at least {MIN_LOOP_INTERVAL_S:g} (no decision loop "
-                    f"runs more often than every millisecond), got {value}"
-                )
+        for name in ("rebalance_interval_s", "summary_interval_s", "cross_interval_s"):
+            problem = loop_interval_problem(name, getattr(self, name))
+            if problem is not None:
+                raise ValueError(problem)
+        if not 0 < self.reservation_ttl_s < math.inf:
+            raise ValueError(f"reservation_ttl_s must be a finite number of seconds > 0, got {self.reservation_ttl_s}")
 
 
 @dataclass(frozen=True, slots=True)

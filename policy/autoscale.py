@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from policy.domain import DomainSummary, InstanceBrief
-from policy.types import MIN_LOOP_INTERVAL_S
+from policy.types import loop_interval_problem
 from policy.usage import freeness_of
 
 __all__ = [
@@ -110,18 +110,13 @@ class AutoscaleConfig:
     start_timeout_s: float = 600.0  # a started instance that has not reported by then is given up (back to the pool)
 
     def __post_init__(self) -> None:
-        for name in ("interval_s", "scale_out_hold_s", "scale_in_hold_s", "cool_down_s", "start_timeout_s"):
+        problem = loop_interval_problem("interval_s", self.interval_s)
+        _require(problem is None, problem or "")
+        for name in ("scale_out_hold_s", "scale_in_hold_s", "cool_down_s"):
             value = getattr(self, name)
-            if name == "interval_s":  # a decision loop
-                _require(
-                    MIN_LOOP_INTERVAL_S <= value < math.inf,
-                    f"{name} must be a finite number of seconds, at least {MIN_LOOP_INTERVAL_S:g} (no decision loop "
-                    f"runs more often than every millisecond), got {value}",
-                )
-            elif name == "start_timeout_s":
-                _require(math.isfinite(value) and value > 0, f"{name} must be a finite number > 0, got {value}")
-            else:
-                _require(math.isfinite(value) and value >= 0, f"{name} must be a finite number >= 0, got {value}")
+            _require(math.isfinite(value) and value >= 0, f"{name} must be a finite number >= 0, got {value}")
+        timeout = self.start_timeout_s
+        _require(math.isfinite(timeout) and timeout > 0, f"start_timeout_s must be a finite number > 0, got {timeout}")
         for name in ("scale_out_freeness_below", "scale_in_freeness_above"):
             value = getattr(self, name)
             _require(math.isfinite(value), f"{name} must be finite, got {value}")

@@ -23,6 +23,7 @@ __all__ = [
     "InstanceLoad",
     "PolicyConfig",
     "RequestLoad",
+    "loop_interval_problem",
     "priority_counts_of",
 ]
 
@@ -36,6 +37,17 @@ DEFAULT_CANDIDATE_POLICY = "priority-then-size"
 #: seconds: no scheduler runs one more often than every millisecond (Llumnix's rounds: 50 ms and 10 s), and a
 #: simulation of one would not end in any useful time.
 MIN_LOOP_INTERVAL_S = 1e-3
+
+
+def loop_interval_problem(name: str, value: float) -> str | None:
+    """Why ``value`` (seconds) cannot be the period of the decision loop ``name``: below
+    :data:`MIN_LOOP_INTERVAL_S` or not finite; None when it can."""
+    if MIN_LOOP_INTERVAL_S <= value < math.inf:
+        return None
+    return (
+        f"{name} must be a finite number of seconds, at least {MIN_LOOP_INTERVAL_S:g} (no decision loop runs more "
+        f"often than every millisecond), got {value}"
+    )
 
 
 def _require(ok: bool, where: str, message: str) -> None:

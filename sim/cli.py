@@ -387,7 +387,7 @@ def run_size_cli(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from .results import summarize, summary_to_dict
-    from .runner import run_simulation, served_model
+    from .runner import run_simulation
     from .sizing import size_fleet
 
     err = Console(stderr=True, soft_wrap=True, emoji=False)
@@ -534,8 +534,11 @@ def _load(
     except (ValueError, OSError) as exc:
         err.print(f"[red]{command}: error:[/red] {escape(str(exc))}", highlight=False)
         return 2
+    options = specs[0].parsed_options()
     try:
-        fit = _fit_warnings(topology, trace, specs[0].parsed_options(), scale_outs)
+        model = served_model(topology, options.model)
+        fleet = _fleet(topology, model, options, scale_outs)
+        fit = _fit_warnings(topology, trace, model, fleet, scale_outs)
     except ValueError as exc:
         err.print(f"[red]{command}: error:[/red] {escape(str(exc))}", highlight=False)
         return 2
@@ -547,27 +550,17 @@ def _load(
         for iid, at_s in events
         if at_s > last_s
     ]
-    drained = _all_drained(topology, specs[0].parsed_options(), drains, scale_outs, last_s)
+    drained = None if options.autoscale else _all_drained(fleet, drains, last_s)  # the autoscaler may start others
     for warning in fit + ([drained] if drained else []) + late:
         err.print(f"[yellow]{command}: warning:[/yellow] {escape(warning)}", highlight=False)
     return specs, topology, trace, out
 
 
-def _all_drained(
-    topology: Topology,
-    options: SimOptions,
-    drains: list[tuple[str, float]],
-    scale_outs: list[tuple[str, float]],
-    last_arrival_s: float,
-) -> str | None:
-    """A warning when the scripted drains take every instance that serves in the run out of service by
-    ``last_arrival_s`` (the trace's last arrival: the requests from the last drain on are refused); None otherwise,
-    or with the autoscaler (it may start others)."""
-    if not drains or options.autoscale:
-        return None
-    from .runner import served_model
-
-    start, later, _ = _fleet(topology, served_model(topology, options.model), options, scale_outs)
+def _all_drained(fleet: _Fleet, drains: list[tuple[str, float]], last_arrival_s: float) -> str | None:
+    """A warning when the scripted ``drains`` (instance, time s) take every instance of ``fleet`` (:func:`_fleet`)
+    out of service by ``last_arrival_s`` (the trace's last arrival: the requests from the last drain on are
+    refused); None otherwise."""
+    start, later, _ = fleet
     when = dict(drains)
     if any(i.instance_id not in when for i in start + later):
         return None
@@ -591,7 +584,7 @@ def _requests(count: int) -> str:
 
 
 def _fit_warnings(
-    topology: Topology, trace: Trace, options: SimOptions, scale_outs: list[tuple[str, float]]
+    topology: Topology, trace: Trace, model: str, fleet: _Fleet, scale_outs: list[tuple[str, float]]
 ) -> list[str]:
     """Why requests of ``trace`` will be refused, or instances of the simulated model stay idle, for want of KV cache
     blocks; empty when every request fits every instance that serves.
@@ -606,7 +599,8 @@ def _fit_warnings(
 
     Args:
         topology, trace: the run's.
-        options: its parsed options (model, ``initial_instances``, ``autoscale``).
+        model: the model simulated (``served_model``).
+        fleet: its instances as the run puts them in service (:func:`_fleet`).
         scale_outs: its scripted scale-outs, (instance, time s), as ``check_options`` parsed them.
 
     Raises:
@@ -614,14 +608,13 @@ def _fit_warnings(
     """
     if not trace.requests:
         return []
-    model = served_model(topology, options.model)
     spec = topology.models[model]
     block_tokens = spec.block_size_tokens
     cut, _ = fit_to_context(trace, spec.max_context_tokens)
     needs = [domain_request(r, model).need_blocks(block_tokens) for r in cut.requests]
     smallest, largest = min(needs), max(needs)
     blocks = f"blocks of {block_tokens} tokens"
-    start, later, kept_off = _fleet(topology, model, options, scale_outs)
+    start, later, kept_off = fleet
     ever = start + later
     cap_start = max((i.kv_capacity_blocks for i in start), default=0)
     cap_ever = max(i.kv_capacity_blocks for i in ever)
@@ -691,9 +684,11 @@ def _fit_warnings(
     return warnings
 
 
-def _fleet(
-    topology: Topology, model: str, options: SimOptions, scale_outs: list[tuple[str, float]]
-) -> tuple[list[InstanceSpec], list[InstanceSpec], list[InstanceSpec]]:
+#: (serving at the start, may join later, never serve): :func:`_fleet`
+_Fleet = tuple[list["InstanceSpec"], list["InstanceSpec"], list["InstanceSpec"]]
+
+
+def _fleet(topology: Topology, model: str, options: SimOptions, scale_outs: list[tuple[str, float]]) -> _Fleet:
     """The instances of ``model`` as the run puts them in service: (serving at the start, those that may join later,
     those that never serve), each in the order ``sim.autoscale.initial_fleet`` takes them.
 

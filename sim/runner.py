@@ -417,7 +417,7 @@ def run_simulation(
 
         schedule_arrival()
         for instance_id, at_s in drains:
-            queue.schedule(at_s, EventKind.SCRIPTED, functools.partial(_drain, cluster, instance_id))
+            queue.schedule(at_s, EventKind.SCRIPTED, functools.partial(cluster.set_draining, instance_id, True))
         for instance_id, at_s in scale_outs:
             queue.schedule(
                 at_s, EventKind.SCRIPTED, functools.partial(_scale_out, cluster, instance_id, timing.warmup_s)
@@ -648,10 +648,6 @@ def fit_to_context(trace: Trace, max_context_tokens: int) -> tuple[Trace, int]:
     if not changed:
         return trace, 0
     return dataclasses.replace(trace, requests=tuple(out)), changed
-
-
-def _drain(cluster: Cluster, instance_id: str) -> None:
-    cluster.set_draining(instance_id, True)
 
 
 def _scale_out(cluster: Cluster, instance_id: str, warmup_s: float) -> None:

@@ -204,29 +204,31 @@ class _Feed:
                 slot.deferred = False
             if inst.draining:
                 drained.append(inst.instance_id)
-        if drained != self._drained:  # the core has the drains of the last refresh (none at first): this feed's alone
-            core.set_drains(drained, False)
-        self._drained = drained
-        self._drain_changes = cluster.drain_changes
+        self._hand_drains(drained)
 
     def apply_drains(self) -> None:
         """Hand the core the drains set since it was last given them (``Cluster.set_draining``), without the
         reports a refresh would hand it: a drain is the scheduler's own intent (an operator's or the autoscaler's
         order), held at once; loads still arrive with the report loop. O(1) when no drain changed, else
         O(instances of the feed)."""
-        cluster = self.cluster
-        if cluster.drain_changes == self._drain_changes:
+        if self.cluster.drain_changes == self._drain_changes:
             return
-        self._drain_changes = cluster.drain_changes
         # the instances the last refresh handed over (an active one not reported yet joins, drained, at the next)
-        drained = [
-            slot.inst.instance_id
-            for slot in self._slots
-            if slot.inst.active and slot.reported != _UNREPORTED and slot.inst.draining
-        ]
+        self._hand_drains(
+            [
+                slot.inst.instance_id
+                for slot in self._slots
+                if slot.inst.active and slot.reported != _UNREPORTED and slot.inst.draining
+            ]
+        )
+
+    def _hand_drains(self, drained: list[str]) -> None:
+        """The core's drains are ``drained`` (ids in the feed's order) as of ``Cluster.drain_changes`` now: set when
+        they differ from those it has (none at first; the core has this feed's drains alone)."""
         if drained != self._drained:
             self.core.set_drains(drained, False)
             self._drained = drained
+        self._drain_changes = self.cluster.drain_changes
 
     def deliver(self) -> None:
         """Hand the core the reports a ``refresh(later=True)`` took (call before any other use of the core)."""

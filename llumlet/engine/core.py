@@ -366,13 +366,10 @@ class EngineCore(PagedEngine):
         run = self._run
         if steps_ahead and (steps_ahead < 0 or run is None or run.applied + steps_ahead >= run.steps):
             self._run_ahead(steps_ahead)  # raises: a read-ahead stays before the run's last step
-        if run is not None and run.applied < run.steps:  # the run's figures, taken once per run: O(batch)
-            figures = self._run_figures
-            if figures is None or figures.run is not run:
-                figures = self._run_figures = self._new_figures(run)
-            return figures.report(
-                instance_id, domain_id, draining, warming_up, decode_step_s, run.applied + steps_ahead
-            )
+        figures = self._figures_of_run()  # taken once per run: O(batch)
+        if figures is not None:
+            steps = figures.run.applied + steps_ahead
+            return figures.report(instance_id, domain_id, draining, warming_up, decode_step_s, steps)
         blocks = self.blocks
         held = blocks.prefix_hashes  # the same frozenset until the prefix cache changes
         return _brief_report(
