@@ -328,6 +328,25 @@ def run_cli(args: argparse.Namespace) -> int:
             out.rmdir()  # made for this run, and nothing written into it yet
         print("hilum sim: interrupted; no results written", file=sys.stderr)
         return 130
+    if out is not None:  # first: the results are kept whatever becomes of stdout (| head -1 ends the printing)
+        from .plots import plot_kv_usage, plot_ttft_cdf  # matplotlib: only when plots are written
+
+        try:
+            earlier = stored_policies(out / "results.json")  # the run whose results this one replaces
+            path = write_results(runs, out)
+            plot_ttft_cdf(runs, out / "ttft_cdf.png")
+            for run in runs:
+                plot_kv_usage(run, out / f"kv_usage_{run.policy}.png")
+        except OSError as exc:  # a full disk, a name taken by a folder: said, not a traceback
+            err.print(f"[red]hilum sim: error:[/red] --out {out}: cannot write the results: {exc}", highlight=False)
+            return 1
+        # its KV plots of policies this run did not simulate go with its results (no other file is touched)
+        stale = [out / f"kv_usage_{p}.png" for p in earlier if p in POLICY_NAMES and p not in {r.policy for r in runs}]
+        removed = [p.name for p in stale if p.is_file()]
+        for name in removed:
+            (out / name).unlink()
+        gone = f" (removed an earlier run's {', '.join(removed)})" if removed else ""
+        err.print(f"results: {path}; plots in {out}/{gone}", highlight=False)
     summaries = [summarize(r) for r in runs]
     if args.json:  # with the count of requests cut to the model's context (results.json: the run's config)
         rows = [
@@ -360,21 +379,6 @@ def run_cli(args: argparse.Namespace) -> int:
         console.print(
             render_table(summaries, title="migrations and simulator cost", columns=MIGRATION_COLUMNS, compact=True)
         )
-    if out is not None:
-        from .plots import plot_kv_usage, plot_ttft_cdf  # matplotlib: only when plots are written
-
-        earlier = stored_policies(out / "results.json")  # the run whose results this one replaces
-        path = write_results(runs, out)
-        plot_ttft_cdf(runs, out / "ttft_cdf.png")
-        for run in runs:
-            plot_kv_usage(run, out / f"kv_usage_{run.policy}.png")
-        # its KV plots of policies this run did not simulate go with its results (no other file is touched)
-        stale = [out / f"kv_usage_{p}.png" for p in earlier if p in POLICY_NAMES and p not in {r.policy for r in runs}]
-        removed = [p.name for p in stale if p.is_file()]
-        for name in removed:
-            (out / name).unlink()
-        gone = f" (removed an earlier run's {', '.join(removed)})" if removed else ""
-        err.print(f"results: {path}; plots in {out}/{gone}", highlight=False)
     return 0
 
 
@@ -448,6 +452,24 @@ def run_size_cli(args: argparse.Namespace) -> int:
         for s in sizings
         for t in s.trials
     ]
+    if out is not None:  # first: kept whatever becomes of stdout (| head -1 ends the printing)
+        path = out / "sizing.json"
+        sized = {  # what was sized, so that the file stands alone
+            "target_p99_ttft_ms": args.target_p99_ttft_ms,
+            "topology": topology.name,
+            "trace": trace.name,
+            "requests": len(trace.requests),
+            "rate_scale": specs[0].rate_scale,
+            "seed": specs[0].seed,
+            "model": model,
+            "rows": rows,
+        }
+        try:
+            path.write_text(json.dumps(sized, indent=1))
+        except OSError as exc:
+            err.print(f"[red]hilum sim size: error:[/red] --out {out}: cannot write: {exc}", highlight=False)
+            return 1
+        err.print(f"sizing: {path}", highlight=False)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -471,20 +493,6 @@ def run_size_cli(args: argparse.Namespace) -> int:
                 table.add_row(s.policy, "-", "-", "-", "-", "-", f"not met even by all {pool_size}")
         console = Console() if sys.stdout.isatty() else Console(width=200)  # files and pipes: no squeezing
         console.print(table)
-    if out is not None:
-        path = out / "sizing.json"
-        sized = {  # what was sized, so that the file stands alone
-            "target_p99_ttft_ms": args.target_p99_ttft_ms,
-            "topology": topology.name,
-            "trace": trace.name,
-            "requests": len(trace.requests),
-            "rate_scale": specs[0].rate_scale,
-            "seed": specs[0].seed,
-            "model": model,
-            "rows": rows,
-        }
-        path.write_text(json.dumps(sized, indent=1))
-        err.print(f"sizing: {path}", highlight=False)
     unmet = [s for s in sizings if s.chosen is None]
     if unmet:  # a script asking "which fleet meets the target" must not read success here
         why = "; ".join(f"{s.policy}: {s.trial(pool_size).miss}" for s in unmet)

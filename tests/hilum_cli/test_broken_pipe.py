@@ -61,6 +61,19 @@ def test_hilum_topology_show_into_a_closed_pipe_ends_quietly(extra: list[str]) -
     assert (done.returncode, done.stderr) == (BROKEN_PIPE_STATUS, "")
 
 
+@pytest.mark.parametrize("extra", [[], ["--json"]], ids=["tables", "json"])
+def test_hilum_sim_writes_its_results_before_printing_into_a_closed_pipe(extra: list[str], tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = _into_closed_pipe([HILUM, "sim", "--max-requests", "30", "--policy", "hilum", "--out", str(out), *extra])
+    assert done.returncode == BROKEN_PIPE_STATUS
+    assert sorted(p.name for p in out.iterdir()) == ["kv_usage_hilum.png", "results.json", "ttft_cdf.png"]
+    sized = tmp_path / "sized"
+    argv = [HILUM, "sim", "size", "--target-p99-ttft-ms", "5000", "--max-requests", "30", "--policy", "hilum"]
+    done = _into_closed_pipe([*argv, "--out", str(sized), *extra])
+    assert done.returncode == BROKEN_PIPE_STATUS
+    assert [p.name for p in sized.iterdir()] == ["sizing.json"]
+
+
 def test_hilum_usage_errors_still_print_and_exit_2() -> None:
     """A closed stdout changes nothing for a message on stderr."""
     done = _into_closed_pipe([HILUM, "topology", "show"])

@@ -36,6 +36,15 @@ def test_sim_json_and_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert (out / "kv_usage_llumnix.png").read_text() == "mine too"
 
 
+def test_results_that_cannot_be_written_are_one_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "results.json").mkdir()  # a name taken by a folder, as a full disk would fail a write
+    assert main(["sim", "--max-requests", "20", "--policy", "hilum", "--json", "--out", str(tmp_path)]) == 1
+    printed = capsys.readouterr()
+    assert printed.out == ""  # nothing printed as if the run had gone well
+    assert f"hilum sim: error: --out {tmp_path}: cannot write the results: " in printed.err.replace("\n", "")
+    assert "Traceback" not in printed.err
+
+
 def test_sim_table_names_every_policy(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "--max-requests", "30", "--trace", "sharegpt", "--rate-scale", "2"]) == 0
     text = capsys.readouterr().out
