@@ -89,7 +89,10 @@ def fingerprint(run: SimRun) -> dict[str, object]:
         "requests": [[r.request_id, digest(r)] for r in run.requests],
         "migrations": digest(run.migrations),
         "num_migrations": len(run.migrations),
-        "kv": digest(run.kv),
+        # as tuples: the digest of the timeline's values, whichever sequence type holds them
+        "kv": digest(
+            dataclasses.replace(run.kv, usage_fraction={k: tuple(v) for k, v in run.kv.usage_fraction.items()})
+        ),
         "engine_steps": run.engine_steps,
         "sim_duration_s": run.sim_duration_s,
         "scale_events": digest(run.scale_events),

@@ -172,7 +172,9 @@ class KvTimeline:
 
     interval_s: float  # sampling interval, s
     times_s: tuple[float, ...]  # sample times, s; shape (num_samples,)
-    usage_fraction: Mapping[str, tuple[float, ...]]  # instance_id -> used/capacity blocks, (num_samples,)
+    # instance_id -> used/capacity blocks, shape (num_samples,); the simulator gives each instance's own packed
+    # array('d') (a float object per sample would be tens of MB on a large cluster)
+    usage_fraction: Mapping[str, Sequence[float]]
 
     def __post_init__(self) -> None:
         for instance_id, series in self.usage_fraction.items():

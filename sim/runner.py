@@ -471,7 +471,7 @@ def run_simulation(
         kv=KvTimeline(
             interval_s=sample_every_s,
             times_s=tuple(cluster.kv_times_s),
-            usage_fraction={k: tuple(v) for k, v in usage.items()},
+            usage_fraction=usage,  # the instances' own arrays: the cluster is done with them
         ),
         config=run_config,
         gpu_hours=cluster.gpu_hours(end_s),
