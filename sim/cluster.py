@@ -128,7 +128,9 @@ class RequestState:
 class _Run:
     """A decode run in flight on an instance: the engine's run plus its step end times."""
 
-    __slots__ = ("_a_s", "_b_s", "end_times_s", "ended", "next_end_s", "recorded", "run", "seq", "start_s")
+    __slots__ = (
+        "_a_s", "_b_s", "_slop_s", "end_times_s", "ended", "next_end_s", "recorded", "run", "seq", "start_s",
+    )  # fmt: skip
 
     def __init__(self, run: DecodeRun, start_s: float, seq: int) -> None:
         self.run = run
@@ -141,10 +143,53 @@ class _Run:
         # steps that had ended before the last time _started_steps looked (bisect_left of end_times_s at that
         # time): the clock only moves on, so the next look searches from here, in the part of the list in cache
         self.ended = 0
-        # end_times_s[ended] when ended < steps - 1, else inf: until then no other step starts, and a look reads
-        # this field alone (on a large cluster the list is mostly out of the CPU's caches)
+        # end_times_s[ended] or a time before it (closed_search's bound) when ended < steps - 1, else inf: until then
+        # no other step starts, and a look reads this field alone (on a large cluster the list is mostly out of the
+        # CPU's caches)
         self.next_end_s = ends_s[0] if len(ends_s) > 1 else math.inf
         self._a_s, self._b_s = run.times.linear_s()  # the step times' closed form, to guess a search's answer
+        self._slop_s = run.times.linear_slop_s(run.steps)  # how far a step's time may lie from it (closed_search)
+
+    def closed_search(self, t_s: float, lo: int, last: int) -> tuple[int, float]:
+        """``(bisect.bisect_left(end_times_s, t_s, lo, last), a time after t_s at or before end_times_s[answer]``
+        (inf for the answer ``last``)), every end before ``lo`` being before ``t_s``, from the step times' closed form
+        alone, without reading the end times, when it places ``t_s`` clear of the two ends around its answer:
+        farther from each than the rounding of the end times can have moved it (:meth:`_closed_end`). Then no end is
+        at ``t_s``, and ``bisect_right`` gives the same answer. ``(-1, nan)`` when it cannot tell (the caller reads
+        the end times). On a large cluster the end times are mostly out of the CPU's caches: a look at a time
+        between two steps' ends (most looks: other instances' events, sample times) reads none of them."""
+        n = min(max(steps_ended_guess(self._a_s, self._b_s, t_s - self.start_s), lo), last)
+        if n > lo:
+            end_s, slack_s = self._closed_end(n - 1)
+            if not end_s + slack_s < t_s:
+                return -1, math.nan
+        if n == last:
+            return n, math.inf
+        end_s, slack_s = self._closed_end(n)
+        bound_s = end_s - slack_s
+        return (n, bound_s) if bound_s > t_s else (-1, math.nan)
+
+    def end_bound_s(self, step: int) -> float:
+        """A time at or before ``end_times_s[step]``, by far less than a step's time, from the closed form (none of the
+        end times read: :meth:`_closed_end`)."""
+        end_s, slack_s = self._closed_end(step)
+        return end_s - slack_s
+
+    def _closed_end(self, step: int) -> tuple[float, float]:
+        """(the end of step ``step`` (from 0) by the closed form, a bound on its distance from ``end_times_s[step]``),
+        seconds.
+
+        The closed form is ``start_s + (step + 1)·a + b·step·(step + 1)/2`` (:meth:`DecodeStepTimes.linear_s`). The
+        end time is ``start_s`` plus the step times as computed, summed one after another: it differs from the
+        closed form by at most ``slop`` a step (:meth:`DecodeStepTimes.linear_slop_s`) and half an ulp of the sum at
+        each of the ``step + 1`` additions; the closed form's own four roundings add at most four ulps. Both ulps
+        are taken at twice the sum of the terms' magnitudes (a bound on every partial sum): ``(step + 1)·slop +
+        (step + 6)·ulp(2·magnitude)`` bounds the distance."""
+        count = step + 1
+        linear_s = count * self._a_s
+        growth_s = self._b_s * (step * count // 2)
+        magnitude_s = abs(self.start_s) + abs(linear_s) + abs(growth_s)
+        return self.start_s + linear_s + growth_s, count * self._slop_s + (step + 6) * math.ulp(2.0 * magnitude_s)
 
     def search(self, t_s: float, lo: int, last: int, right: bool) -> int:
         """``bisect.bisect_left(end_times_s, t_s, lo, last)`` (``right``: ``bisect_right``), every end before ``lo``
@@ -506,7 +551,7 @@ class Cluster:
         until = math.inf
         flight = inst._run
         if flight is not None and flight.seq == mark.run_seq and mark.last_step < flight.run.steps:
-            until = flight.end_times_s[mark.last_step - 1]
+            until = flight.end_bound_s(mark.last_step - 1)  # at or before that end (none read)
         if self.queue.now_s < inst.warm_until_s:
             until = min(until, inst.warm_until_s)
         return until
@@ -742,6 +787,10 @@ class Cluster:
         now = self.queue.now_s
         if now < flight.next_end_s:  # no step ended since the last look (a cut run: n is its last step then)
             return n + 1
+        closed, bound_s = flight.closed_search(now, n, last)  # now clear of the end times: none is read
+        if closed >= 0:
+            flight.ended, flight.next_end_s = closed, bound_s
+            return closed + 1
         ends = flight.end_times_s
         # bisect_left(ends, now, 0, last), from the last answer (a lower bound: ends never decrease, nor does now)
         n = flight.search(now, n, last, False)
@@ -943,7 +992,9 @@ class Cluster:
             last = run.steps - 1
             started = 1
             while k < n:
-                started = flight.search(times[k], started - 1, last, True) + 1  # the sample times never decrease
+                at_s = times[k]  # the sample times never decrease
+                closed = flight.closed_search(at_s, started - 1, last)[0]
+                started = (closed if closed >= 0 else flight.search(at_s, started - 1, last, True)) + 1
                 steps = max(started, run.applied)
                 if steps < run.steps:  # before the run's last step: its blocks then in closed form, nothing applied
                     used = engine.decode_run_used_blocks(steps)

@@ -28,6 +28,7 @@ import itertools
 import json
 import math
 import struct
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -303,6 +304,18 @@ class DecodeStepTimes:
         """``(a, b)``, seconds: step ``j`` lasts ``a + b · j`` (up to rounding), ``a = step_s(0)`` and
         ``b = k · D1 · B / 1000`` (the batch's KV grows by ``B`` tokens a step). For :func:`steps_ended_guess`."""
         return self.step_s(0), self._k * self._d1_ms * self.num_seqs / 1000.0
+
+    def linear_slop_s(self, num_steps: int) -> float:
+        """A bound, seconds, on how far each of steps 0 .. ``num_steps`` - 1 as computed (:meth:`step_s`) lies from
+        the line of :meth:`linear_s` (``a + b · j`` for the doubles ``a``, ``b``, in exact arithmetic).
+
+        Exactly, the formula is linear in ``j``; the doubles differ from it by their roundings alone: about ten, each
+        at most half an ulp of a value no larger than the sum of the formula's terms' magnitudes ``M`` (the largest
+        step's, seconds), so ``|step_s(j) - (a + b·j)| <= 10 eps M``. The bound returned is ``64 eps M``. inf (or
+        nan) for a model without finite terms."""
+        kv_max = self.first_kv_tokens + max(num_steps, 1) * self.num_seqs
+        magnitude_ms = abs(self._k) * (abs(self._token_ms) + abs(self._d0_ms) + abs(self._d1_ms) * kv_max)
+        return 64.0 * sys.float_info.epsilon * (magnitude_ms + abs(self._overhead_ms)) / 1000.0
 
     def durations_s(self, num_steps: int) -> array.array[float]:
         """Durations of steps 0 .. ``num_steps`` - 1, seconds (packed doubles)."""

@@ -14,7 +14,9 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import math
 import random
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -412,3 +414,49 @@ def test_a_runs_search_is_bisect_over_its_end_times_and_its_guess_is_mostly_righ
     assert exact >= 0.99 * between
     assert steps_ended_guess(1e-3, 0.0, 0.0) == 0 and steps_ended_guess(1e-3, 0.0, 2.5e-3) == 2
     assert steps_ended_guess(0.0, 1.0, 5.0) == steps_ended_guess(1e-3, 1e-6, float("inf")) == 0
+
+
+def test_a_runs_closed_search_answers_as_bisect_or_declines_and_its_bounds_hold() -> None:
+    """``_Run.closed_search`` (no end time read) answers as ``bisect_left`` and ``bisect_right`` whenever it answers,
+    its bound lying after the time asked and at or before the end of the step it names; it declines (-1) at a
+    step's end and a hair either side of it, and answers at almost every time between two ends.
+    ``_Run.end_bound_s`` is at or before each end, by less than a microsecond; ``DecodeStepTimes.linear_slop_s``
+    bounds every step time's distance from the line of ``linear_s``, measured exactly (``fractions``). Models
+    include terms that nearly cancel (a large token time against a negative fixed attention time)."""
+    rng = random.Random(5)
+    answered = between = 0
+    for k in range(40):
+        n = rng.randint(1, 60) if k % 2 else rng.randint(VECTOR_MIN_STEPS, VECTOR_MIN_STEPS + 300)
+        num_seqs = rng.randint(1, 64)
+        token_ms = rng.uniform(0.5, 40.0) if k % 4 else 1e4
+        d0_ms = rng.uniform(0.0, 5.0) if k % 4 else 12.0 - 1e4  # k % 4 == 0: 1e4 + (12 - 1e4), cancelling
+        terms = [token_ms, rng.uniform(0.0, 20.0), rng.uniform(0.5, 2.0), d0_ms, rng.uniform(0.0, 1e-3)]
+        times = DecodeStepTimes(num_seqs, rng.randint(num_seqs, 400_000), *terms)
+        a_s, b_s = times.linear_s()
+        slop = Fraction(times.linear_slop_s(n))
+        for j in range(n):
+            assert abs(Fraction(times.step_s(j)) - (Fraction(a_s) + Fraction(b_s) * j)) <= slop, (k, j)
+        start = rng.uniform(0.0, 5e4)
+        flight = _Run(DecodeRun(("a",), times, n, None), start, seq=1)
+        ends = flight.end_times_s.tolist()
+        last = max(0, n - 1)
+        for j, end in enumerate(ends):
+            assert end - 1e-6 < flight.end_bound_s(j) <= end, (k, j)
+        for end in ends[:last]:  # an end the answer depends on: too close to tell
+            for t in (math.nextafter(end, -math.inf), end, math.nextafter(end, math.inf)):
+                assert flight.closed_search(t, 0, last)[0] == -1, (k, t)
+                lo = bisect.bisect_left(ends, t, 0, last)  # the ends before lo are known to be before t
+                assert flight.closed_search(t, lo, last)[0] in (-1, lo), (k, t, lo)
+        mids = [(a + b) / 2 for a, b in zip([start, *ends], ends, strict=False)]
+        for t in [start - 1.0, ends[-1] + 1.0, *mids, *(rng.uniform(start, ends[-1]) for _ in range(50))]:
+            answer = bisect.bisect_left(ends, t, 0, last)
+            assert answer == bisect.bisect_right(ends, t, 0, last) or t in ends
+            for lo in {0, answer // 2, answer}:
+                n_at, bound_s = flight.closed_search(t, lo, last)
+                if n_at >= 0:
+                    assert n_at == answer, (k, t, lo)
+                    assert t < bound_s <= (ends[n_at] if n_at < last else math.inf), (k, t, lo)
+        for t in mids[:last]:
+            between += 1
+            answered += flight.closed_search(t, 0, last)[0] >= 0
+    assert answered >= 0.99 * between
