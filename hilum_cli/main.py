@@ -16,6 +16,7 @@ import sys
 from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
+from hilum_cli import VersionAction
 from hilum_cli.broken_pipe import quiet_on_broken_pipe
 
 
@@ -63,6 +64,7 @@ def build_parser(full: Collection[str] | None = None) -> argparse.ArgumentParser
         prog="hilum",
         description="hilum: topology-aware two-tier LLM request scheduler with live KV-cache migration.",
     )
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for command in SUBCOMMANDS:

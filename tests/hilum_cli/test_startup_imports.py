@@ -150,3 +150,30 @@ def test_top_level_help_lists_every_sub_command_with_its_summary(monkeypatch: py
 def test_build_parser_refuses_an_unknown_sub_command() -> None:
     with pytest.raises(ValueError, match="unknown hilum sub-command simulate; choose from topology, sim, up, bench"):
         hilum.build_parser(full=("simulate",))
+
+
+@pytest.mark.parametrize("prog", ["hilum", "hilumctl"])
+def test_version_prints_the_installed_version_and_reads_it_only_when_asked(prog: str) -> None:
+    """``--version`` prints the installed distribution's version (pyproject.toml's) and Python's, exit 0; the
+    version (``importlib.metadata``, 17 ms of imports) is read only then, not at every start."""
+    import importlib.metadata
+
+    module = "hilum_cli.main" if prog == "hilum" else "hilum_cli.ctl"
+    out = subprocess.run(
+        [sys.executable, "-c", f"import sys; from {module} import main; sys.exit(main(['--version']))"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    python = ".".join(str(part) for part in sys.version_info[:3])
+    assert (out.returncode, out.stdout, out.stderr) == (
+        0,
+        f"{prog} {importlib.metadata.version('hilum')} (Python {python})\n",
+        "",
+    )
+    help_run = (
+        f"from {module} import main\ntry:\n    main(['--help'])\nexcept SystemExit as exc:\n    assert exc.code == 0\n"
+    )
+    assert _imported_after(help_run, ("importlib.metadata",)) == []
