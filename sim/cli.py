@@ -15,7 +15,7 @@ import re
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from rich.console import Console
 from rich.markup import escape
@@ -77,20 +77,43 @@ def register(sub: Any, summary: str) -> None:
     parser.__class__ = _SimParser
     assert isinstance(parser, _SimParser)
     parser.known_options = frozenset(o for p in (parser, sweep, size) for a in p._actions for o in a.option_strings)
+    own = {o for a in parser._actions for o in a.option_strings}
+    parser.sub_options = {o: name for name, p in (("sweep", sweep), ("size", size)) for a in p._actions
+                          for o in a.option_strings if o not in own}  # fmt: skip
 
 
 class _SimParser(argparse.ArgumentParser):
     """The ``hilum sim`` parser: refuses an option it does not know before argparse parses the words (see
-    :func:`_unknown_options`); ``known_options``: every option string of ``hilum sim``, ``sweep`` and ``size``."""
+    :func:`_unknown_options`), and an option of ``sweep`` or ``size`` given before (or without) its sub-command (its
+    value would be taken for the sub-command); names the closest sub-command of a misspelt one. ``known_options``:
+    every option string of ``hilum sim``, ``sweep`` and ``size``; ``sub_options``: those of ``sweep`` and ``size``
+    alone, with the sub-command's name."""
 
     known_options: frozenset[str] = frozenset()
+    sub_options: dict[str, str] = {}  # noqa: RUF012 - set once per parser by register()
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         words = list(sys.argv[1:] if args is None else args)  # read once: an iterator would be spent by the check
         unknown = _unknown_options(words, self.known_options)
         if unknown:  # exits 2, with the usage, as argparse does for its own errors
             self.error(f"unrecognized arguments: {', '.join(unknown)}")
+        end = next((k for k, w in enumerate(words) if w in ("sweep", "size", "--")), len(words))
+        for word in words[:end]:
+            owner = self.sub_options.get(word.split("=", 1)[0])
+            if owner is not None:
+                self.error(f"{word.split('=', 1)[0]} is an option of 'hilum sim {owner}': give it after '{owner}'")
         return super().parse_known_args(words, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        """argparse's error, with the closest sub-command named after an invalid one (``sizing``: ``size``)."""
+        wrong = re.search(r"invalid choice: '([^']*)' \(choose from", message)
+        if wrong is not None:
+            import difflib  # only on an error: not at every start
+
+            close = difflib.get_close_matches(wrong.group(1), ["sweep", "size"], n=1)
+            if close:
+                message += f"; did you mean '{close[0]}'?"
+        super().error(message)
 
 
 def _unknown_options(words: list[str], known: frozenset[str]) -> list[str]:

@@ -573,6 +573,37 @@ def test_a_misspelt_option_is_named_not_read_as_a_sub_command(
     assert message in err and "invalid choice" not in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--target-p99-ttft-ms", "500"],
+            "--target-p99-ttft-ms is an option of 'hilum sim size': give it after 'size'",
+        ),
+        (["--target-p99-ttft-ms=500", "size"], "--target-p99-ttft-ms is an option of 'hilum sim size'"),
+        (["--ray-address", "auto", "sweep", "grid.yaml"], "--ray-address is an option of 'hilum sim sweep'"),
+        (["sizing"], "invalid choice: 'sizing' (choose from 'sweep', 'size'); did you mean 'size'?"),
+        (["--policy", "hilum", "swep"], "invalid choice: 'swep' (choose from 'sweep', 'size'); did you mean 'sweep'?"),
+    ],
+)
+def test_a_sub_commands_option_before_it_and_a_misspelt_sub_command_are_named(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An option of ``size`` or ``sweep`` given before its sub-command (its value was read as the sub-command: "invalid
+    choice: '500'") is named with where it goes; a misspelt sub-command gets the closest one."""
+    with pytest.raises(SystemExit) as exited:
+        main(["sim", "--max-requests", "3", *argv])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert f"hilum sim: error: {message}" in err or f"hilum sim: error: argument {{sweep,size}}: {message}" in err, err
+    assert "invalid choice: '500'" not in err and "Traceback" not in err
+
+
+def test_a_sub_commands_option_after_it_still_parses(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "--max-requests", "3", "size", "--target-p99-ttft-ms", "1e9", "--policy", "round-robin"]) == 0
+    assert "round-robin" in capsys.readouterr().out
+
+
 def test_abbreviated_options_and_negative_numbers_still_parse(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "--max-req", "3", "--pol", "round-robin", "--json"]) == 0  # argparse's abbreviations
     assert json.loads(capsys.readouterr().out)[0]["requests"] == 3
