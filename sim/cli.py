@@ -545,7 +545,6 @@ def _load(
                 raise ValueError(f"{flag} is empty: give a bundled name or a file")
         topology = load_topology(args.topology)
         drains, scale_outs = check_options(topology, specs[0].parsed_options())
-        out = _output_dir(args.out)
         trace = load_trace(
             args.trace,
             rate_scale=args.rate_scale,
@@ -582,6 +581,11 @@ def _load(
         if at_s > last_s
     ]
     drained = None if options.autoscale else _all_drained(fleet, drains, last_s)  # the autoscaler may start others
+    try:  # made once everything else is known good (a refused run leaves no empty folder), before any simulation
+        out = _output_dir(args.out)
+    except (ValueError, OSError) as exc:
+        err.print(f"[red]{command}: error:[/red] {escape(str(exc))}", highlight=False)
+        return 2
     for warning in fit + ([drained] if drained else []) + late:
         err.print(f"[yellow]{command}: warning:[/yellow] {escape(warning)}", highlight=False)
     return specs, topology, trace, out
@@ -744,7 +748,8 @@ def _fleet(topology: Topology, model: str, options: SimOptions, scale_outs: list
 
 
 def _output_dir(out: str | None) -> Path | None:
-    """Create ``--out`` (before any work, so results are never lost to a bad path); None without ``--out``.
+    """Create ``--out`` (after the options are checked, before any simulation: results are never lost to a bad
+    path, and a refused run leaves no empty folder behind); None without ``--out``.
 
     Raises OSError (with the path) when it cannot be created or written.
     """

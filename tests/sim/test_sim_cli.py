@@ -317,6 +317,26 @@ def test_ctrl_c_during_a_run_exits_130_and_leaves_no_empty_out_folder(
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--trace", "no-such-trace.csv"],
+        ["--topology", "no-such-topology.yaml"],
+        ["--drain", "no-such-instance@1"],
+        ["size", "--target-p99-ttft-ms", "100", "--trace", "no-such-trace.csv"],
+    ],
+)
+def test_a_refused_run_leaves_no_out_folder(
+    argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--out`` is made once the options, the topology and the trace are known good: a run refused for any of them
+    exits 2 and leaves nothing behind (it left an empty folder when the trace was refused)."""
+    out = tmp_path / "runs" / "x"
+    assert main(["sim", "--max-requests", "5", "--out", str(out), *argv]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_sweeps_configuration_file_is_checked_before_ray_starts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
