@@ -790,7 +790,10 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
         return 2
     try:
         config = load_sweep_config(args.config)
-        _check_sweep(config)
+        try:
+            _check_sweep(config)
+        except ValueError as exc:  # the file's content: named with the file, as load_sweep_config's errors are
+            raise ValueError(f"{args.config}: {exc}") from None
         if config.config is not None:  # the runs' configuration file: read it here, not in every Ray task
             try:
                 load_config(config.config)
