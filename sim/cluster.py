@@ -298,6 +298,9 @@ class SimInstance:
         self._brief: InstanceLoad | None = None
         self._brief_version = -1
         self._ticket: ReportTicket | None = None  # a report taken and not built yet (Cluster.report_ticket)
+        # output lengths of the requests that finished here since the last report took them (Cluster.take_finished):
+        # a field of the instance its reader holds, where a dict keyed by id costs a lookup at every report
+        self._finished_lengths: list[int] = []
         # the KV usage timeline (Cluster.take_kv_sample): its value at every sample time so far, written by the
         # instance itself before it changes (kv_fill), at most len(kv_times_s) of them
         self.kv_usage: array.array[float] = array.array("d")
@@ -404,7 +407,6 @@ class Cluster:
         self.engine_steps = 0
         self.drain_changes = 0  # times set_draining changed an instance's draining flag
         self.on_finished: list[Callable[[str], None]] = []
-        self._finished_lengths: dict[str, list[int]] = {}  # instance -> output lengths finished, not yet reported
         inactive_ids = set(inactive)
         self.kv_times_s: list[float] = []  # the KV usage timeline's sample times (take_kv_sample)
         self.instances: dict[str, SimInstance] = {}
@@ -673,10 +675,14 @@ class Cluster:
         self._sync(inst)
         return 0
 
-    def take_finished(self, instance_id: str) -> Sequence[int]:
-        """Output lengths of the requests that finished on ``instance_id`` since the last call (what its
-        llumlet's next load report would carry; an empty tuple when none did)."""
-        return self._finished_lengths.pop(instance_id, ())
+    def take_finished(self, inst: SimInstance) -> Sequence[int]:
+        """Output lengths of the requests that finished on ``inst`` since the last call (what its llumlet's next
+        load report would carry; an empty tuple when none did)."""
+        lengths = inst._finished_lengths
+        if not lengths:
+            return ()
+        inst._finished_lengths = []
+        return lengths
 
     # ------------------------------------------------------------------ requests
     def admit(self, req: TraceRequest) -> RequestState:
@@ -915,8 +921,9 @@ class Cluster:
     def _finish(self, request_id: str, now: float) -> None:
         state = self._accounts[request_id]
         state.finish_s = now
-        self.count_prefix_hits(state, self.instances[state.instance_id])
-        self._finished_lengths.setdefault(state.instance_id, []).append(state.generated_tokens)
+        inst = self.instances[state.instance_id]
+        self.count_prefix_hits(state, inst)
+        inst._finished_lengths.append(state.generated_tokens)
         for listener in self.on_finished:
             listener(request_id)
         self._retire(state)

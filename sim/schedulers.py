@@ -193,13 +193,13 @@ class _Feed:
             if version != slot.reported or slot.deferred:
                 iid = inst.instance_id
                 if later:
-                    finished = cluster.take_finished(iid)
+                    finished = cluster.take_finished(inst)
                     if finished:
                         core.finished(finished)
                     pending[iid] = cluster.report_ticket(inst, version, started, pending.get(iid))
                 else:
                     load = cluster.load(inst, brief=brief, version=version, started=started)
-                    core.report(iid, load, cluster.take_finished(iid))
+                    core.report(iid, load, cluster.take_finished(inst))
                 slot.reported = version
                 slot.deferred = False
             if inst.draining:
@@ -302,7 +302,7 @@ class _Feed:
             if position[0] != slot.reported:
                 changed.append((slot, position[0]))
         for slot, version in changed:  # what the refresh would have reported now
-            finished = cluster.take_finished(slot.inst.instance_id)
+            finished = cluster.take_finished(slot.inst)
             if finished:
                 self.core.finished(finished)
             slot.reported = version

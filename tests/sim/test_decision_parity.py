@@ -162,7 +162,7 @@ class _Cluster:
             load, running=(), brief=True, num_running=len(load.running), priority_counts=load.priority_counts
         )
 
-    def take_finished(self, instance_id: str) -> list[int]:
+    def take_finished(self, inst: _Inst) -> list[int]:
         return []
 
 
