@@ -53,10 +53,8 @@ def register(sub: Any, summary: str) -> None:
     sweep.add_argument("config", help="sweep YAML file (see docs/sim-results.md)")
     sweep.add_argument("--ray-address", default=None, help="existing Ray cluster (default: a local Ray)")
     sweep.add_argument("--out", default="sweep-results", help="directory for sweep.json and plots")
-    own = {a.dest for a in sweep._actions}
-    run_flags = {a.dest: (a.option_strings[0], a.default) for a in parser._actions if a.option_strings}
-    # a run option before 'sweep' would be silently ignored: run_sweep_cli refuses it by name
-    sweep.set_defaults(func=run_sweep_cli, run_flags={k: v for k, v in run_flags.items() if k not in own})
+    # a run option before 'sweep' would be silently ignored: _SimParser lists them (before_sub), run_sweep_cli refuses
+    sweep.set_defaults(func=run_sweep_cli)
     size = sims.add_parser(
         "size",
         help="the smallest static fleet meeting a P99 TTFT target, per policy (each size a real simulation)",
@@ -77,20 +75,27 @@ def register(sub: Any, summary: str) -> None:
     parser.__class__ = _SimParser
     assert isinstance(parser, _SimParser)
     parser.known_options = frozenset(o for p in (parser, sweep, size) for a in p._actions for o in a.option_strings)
-    own = {o for a in parser._actions for o in a.option_strings}
-    parser.sub_options = {o: name for name, p in (("sweep", sweep), ("size", size)) for a in p._actions
-                          for o in a.option_strings if o not in own}  # fmt: skip
+    parser.own_options = {
+        name: frozenset(o for a in p._actions for o in a.option_strings)
+        for name, p in (("sim", parser), ("sweep", sweep), ("size", size))
+    }
 
 
 class _SimParser(argparse.ArgumentParser):
-    """The ``hilum sim`` parser: refuses an option it does not know before argparse parses the words (see
-    :func:`_unknown_options`), and an option of ``sweep`` or ``size`` given before (or without) its sub-command (its
-    value would be taken for the sub-command); names the closest sub-command of a misspelt one. ``known_options``:
-    every option string of ``hilum sim``, ``sweep`` and ``size``; ``sub_options``: those of ``sweep`` and ``size``
-    alone, with the sub-command's name."""
+    """The ``hilum sim`` parser. Before argparse parses the words it refuses, each by name:
+
+    - an option it does not know (:func:`_unknown_options`, with the closest known one);
+    - an option of ``sweep`` or ``size`` alone given before (or without) its sub-command, abbreviated or not
+      (``--target-p99-ttft-ms 500`` read as the invalid sub-command ``'500'``), naming a misspelt sub-command;
+    - after ``sweep`` or ``size``, an option the sub-command does not take (argparse's error named neither).
+
+    The options given before ``sweep`` are left in the namespace (``before_sub``, as typed): ``run_sweep_cli``
+    refuses them (a sweep's runs are set in its file). A misspelt sub-command gets the closest one. ``known_options``:
+    every option string of ``hilum sim``, ``sweep`` and ``size``; ``own_options``: each one's own (``sim``,
+    ``sweep``, ``size``)."""
 
     known_options: frozenset[str] = frozenset()
-    sub_options: dict[str, str] = {}  # noqa: RUF012 - set once per parser by register()
+    own_options: dict[str, frozenset[str]] = {}  # noqa: RUF012 - set once per parser by register()
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         words = list(sys.argv[1:] if args is None else args)  # read once: an iterator would be spent by the check
@@ -98,22 +103,75 @@ class _SimParser(argparse.ArgumentParser):
         if unknown:  # exits 2, with the usage, as argparse does for its own errors
             self.error(f"unrecognized arguments: {', '.join(unknown)}")
         end = next((k for k, w in enumerate(words) if w in ("sweep", "size", "--")), len(words))
-        for word in words[:end]:
-            owner = self.sub_options.get(word.split("=", 1)[0])
+        sub = words[end] if end < len(words) and words[end] != "--" else None
+        before = [w.split("=", 1)[0] for w in words[:end] if _is_option(w)]
+        for name in before:
+            owner = _owner(name, self.own_options)
             if owner is not None:
-                self.error(f"{word.split('=', 1)[0]} is an option of 'hilum sim {owner}': give it after '{owner}'")
-        return super().parse_known_args(words, namespace)
+                hint = "" if sub is not None else _sub_command_hint(words[:end])
+                self.error(f"{_resolved(name, self.own_options[owner])} is an option of 'hilum sim {owner}': give it "
+                           f"after '{owner}'{hint}")  # fmt: skip
+        if sub is not None:
+            tail = words[end + 1 :]
+            stop = tail.index("--") if "--" in tail else len(tail)
+            alien = [w.split("=", 1)[0] for w in tail[:stop] if _is_option(w)]
+            alien = [n for n in alien if not _matches(n, self.own_options[sub])]
+            if alien:
+                where = "its runs are set in its file" if sub == "sweep" else "it takes a run's options and its target"
+                self.error(f"{', '.join(alien)}: not an option of 'hilum sim {sub}' ({where}; see --help)")
+        parsed, extras = super().parse_known_args(words, namespace)
+        parsed.before_sub = before if sub == "sweep" else []
+        return parsed, extras
 
     def error(self, message: str) -> NoReturn:
         """argparse's error, with the closest sub-command named after an invalid one (``sizing``: ``size``)."""
         wrong = re.search(r"invalid choice: '([^']*)' \(choose from", message)
         if wrong is not None:
-            import difflib  # only on an error: not at every start
-
-            close = difflib.get_close_matches(wrong.group(1), ["sweep", "size"], n=1)
+            close = _closest_sub_command(wrong.group(1))
             if close:
-                message += f"; did you mean '{close[0]}'?"
+                message += f"; did you mean '{close}'?"
         super().error(message)
+
+
+def _is_option(word: str) -> bool:
+    """``word`` looks like an option (``-x``, ``--name``, ``--name=value``), not ``-`` or a negative number."""
+    return word.startswith("-") and word != "-" and word != "--" and not _NUMBER.match(word)
+
+
+def _matches(name: str, options: frozenset[str]) -> bool:
+    """``name`` is one of ``options`` or, long, a prefix of one (argparse's abbreviations)."""
+    return name in options or (name.startswith("--") and any(o.startswith(name) for o in options))
+
+
+def _resolved(name: str, options: frozenset[str]) -> str:
+    """The option of ``options`` that ``name`` stands for (itself, or the one it abbreviates)."""
+    return name if name in options else min(o for o in options if o.startswith(name))
+
+
+def _owner(name: str, own: dict[str, frozenset[str]]) -> str | None:
+    """``sweep`` or ``size`` when ``name`` is (or abbreviates) an option of that sub-command alone, not of
+    ``hilum sim``; else None."""
+    if _matches(name, own["sim"]):
+        return None
+    return next((sub for sub in ("sweep", "size") if _matches(name, own[sub])), None)
+
+
+def _closest_sub_command(word: str) -> str | None:
+    """``sweep`` or ``size`` when ``word`` is close to it (a misspelling), else None."""
+    import difflib  # only on an error: not at every start
+
+    close = difflib.get_close_matches(word.lower(), ["sweep", "size"], n=1)
+    return close[0] if close else None
+
+
+def _sub_command_hint(words: list[str]) -> str:
+    """``" (did you mean 'size' for 'sizing'?)"`` when a word of ``words`` that is not an option is close to a
+    sub-command; else empty."""
+    for word in words:
+        close = None if _is_option(word) else _closest_sub_command(word)
+        if close is not None:
+            return f" (did you mean '{close}' for '{word}'?)"
+    return ""
 
 
 def _unknown_options(words: list[str], known: frozenset[str]) -> list[str]:
@@ -126,10 +184,8 @@ def _unknown_options(words: list[str], known: frozenset[str]) -> list[str]:
     for word in words:
         if word == "--":
             break
-        if not word.startswith("-") or word == "-" or _NUMBER.match(word):
-            continue
         name = word.split("=", 1)[0]
-        if name in known or (name.startswith("--") and any(o.startswith(name) for o in longs)):
+        if not _is_option(word) or _matches(name, known):
             continue
         import difflib  # only on an error: not at every start
 
@@ -780,7 +836,7 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
     from .report import render_sweep_table
     from .sweep import SweepPointError, load_sweep_config, run_sweep
 
-    before = [flag for dest, (flag, default) in args.run_flags.items() if getattr(args, dest, default) != default]
+    before = getattr(args, "before_sub", [])  # what _SimParser found before 'sweep', as typed
     if before:
         print(
             f"hilum sim sweep: error: {', '.join(before)} before 'sweep' would be ignored: a sweep's runs are set in "

@@ -362,7 +362,11 @@ def test_a_sweep_file_that_cannot_be_read_is_named(tmp_path: Path, capsys: pytes
 def test_run_options_before_sweep_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "--max-requests", "5", "--policy", "hilum", "sweep", "examples/sweep.yaml"]) == 2
     err = capsys.readouterr().err
-    assert "hilum sim sweep: error: --policy, --max-requests before 'sweep' would be ignored" in err
+    assert "hilum sim sweep: error: --max-requests, --policy before 'sweep' would be ignored" in err
+    # the options a sweep shares names with, and values equal to the defaults, were let through (and ignored)
+    for before in (["--out", "elsewhere"], ["--config", "no-such.yaml"], ["--seed", "0"], ["--ou", "x"]):
+        assert main(["sim", *before, "sweep", "examples/sweep.yaml"]) == 2
+        assert f"hilum sim sweep: error: {before[0]} before 'sweep' would be ignored" in capsys.readouterr().err
 
 
 def test_sweep_runs_real_simulations_as_ray_tasks(
@@ -603,6 +607,18 @@ def test_a_misspelt_option_is_named_not_read_as_a_sub_command(
         ),
         (["--target-p99-ttft-ms=500", "size"], "--target-p99-ttft-ms is an option of 'hilum sim size'"),
         (["--ray-address", "auto", "sweep", "grid.yaml"], "--ray-address is an option of 'hilum sim sweep'"),
+        (["--target", "500", "size"], "--target-p99-ttft-ms is an option of 'hilum sim size': give it after 'size'"),
+        (["--ray-addr", "x", "sweep", "g.yaml"], "--ray-address is an option of 'hilum sim sweep'"),
+        (
+            ["sizing", "--target-p99-ttft-ms", "5"],
+            "--target-p99-ttft-ms is an option of 'hilum sim size': give it after 'size' (did you mean 'size' for "
+            "'sizing'?)",
+        ),
+        (["sweep", "g.yaml", "--policy", "hilum"], "--policy: not an option of 'hilum sim sweep' (its runs are set in"),
+        (
+            ["size", "--target-p99-ttft-ms", "5", "--ray-address", "x"],
+            "--ray-address: not an option of 'hilum sim size'",
+        ),
         (["sizing"], "invalid choice: 'sizing' (choose from 'sweep', 'size'); did you mean 'size'?"),
         (["--policy", "hilum", "swep"], "invalid choice: 'swep' (choose from 'sweep', 'size'); did you mean 'sweep'?"),
     ],
