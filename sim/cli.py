@@ -855,6 +855,7 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
                 load_config(config.config)
             except ConfigError as exc:
                 raise ValueError(exc.for_flag(f"{args.config}: config:")) from None
+        made = not Path(args.out).exists()
         out = _output_dir(args.out)
     except (ValueError, OSError, ValidationError) as exc:
         print(f"hilum sim sweep: error: {exc}", file=sys.stderr)
@@ -862,9 +863,11 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
     assert out is not None
     try:
         rows = run_sweep(config, ray_address=args.ray_address, out_dir=out)
-    except SweepPointError as exc:
+    except (SweepPointError, ValueError, ConnectionError) as exc:
+        if made and not any(out.iterdir()):
+            out.rmdir()  # made for this sweep, and nothing written into it
         print(f"hilum sim sweep: error: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, ValueError) else 1
     console = Console() if sys.stdout.isatty() else Console(width=200)
     console.print(render_sweep_table(rows))
     print(f"sweep results and plots in {out}/", file=sys.stderr)

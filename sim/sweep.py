@@ -261,6 +261,8 @@ def run_sweep(
 
     Raises:
         ImportError: if Ray is not installed (install the ``sweep`` extra).
+        ValueError: ``ray_address`` is not an address Ray can read.
+        ConnectionError: no Ray cluster answers at ``ray_address``.
         SweepPointError: (as Ray's task error) if a grid point's run fails.
     """
     try:
@@ -274,7 +276,12 @@ def run_sweep(
         if ray_address is None:
             ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, runtime_env=ray_runtime_env())
         else:
-            ray.init(address=ray_address, runtime_env=ray_runtime_env())
+            try:
+                ray.init(address=ray_address, runtime_env=ray_runtime_env())
+            except ValueError as exc:  # Ray's word for an address it cannot parse
+                raise ValueError(f"--ray-address {ray_address}: {exc}") from None
+            except (ConnectionError, RuntimeError) as exc:  # no Ray cluster answers there
+                raise ConnectionError(f"--ray-address {ray_address}: cannot connect to Ray: {exc}") from None
         started = True
     try:
         remote_run: Any = ray.remote(num_cpus=1)(run_point)  # Ray's stubs type only positional calls

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -357,6 +359,20 @@ def test_a_sweep_file_that_cannot_be_read_is_named(tmp_path: Path, capsys: pytes
     assert main(["sim", "sweep", str(missing)]) == 2
     err = capsys.readouterr().err
     assert f"hilum sim sweep: error: sweep file {missing}: cannot read it: No such file or directory" in err
+
+
+def test_a_ray_address_ray_cannot_read_is_an_error_not_a_traceback(tmp_path: Path) -> None:
+    """``--ray-address x``: exit 2 naming the option (it was Ray's traceback), and the ``--out`` folder made for the
+    sweep is taken away again. In a fresh interpreter: a Ray this test session started would be used instead."""
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("trace: azure-conv\ntopologies: [2x8-a100-40gb]\npolicies: [round-robin]\nrate_scales: [1]\n")
+    out = tmp_path / "o"
+    code = "import sys\nfrom hilum_cli.main import main\nsys.exit(main(sys.argv[1:]))"
+    argv = ["sim", "sweep", str(sweep), "--ray-address", "x", "--out", str(out)]
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "hilum sim sweep: error: --ray-address x: " in done.stderr and "Traceback" not in done.stderr
+    assert not out.exists()
 
 
 def test_run_options_before_sweep_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
