@@ -868,8 +868,12 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
             out.rmdir()  # made for this sweep, and nothing written into it
         print(f"hilum sim sweep: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
-    console = Console() if sys.stdout.isatty() else Console(width=200)
-    console.print(render_sweep_table(rows))
+    table = render_sweep_table(rows)
+    # files and pipes: the table at its natural width (about 30 columns: at 200 characters most read as '…')
+    console = (
+        Console() if sys.stdout.isatty() else Console(width=max(200, Console(width=10_000).measure(table).maximum))
+    )
+    console.print(table)
     print(f"sweep results and plots in {out}/", file=sys.stderr)
     return 0
 
