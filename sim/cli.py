@@ -896,6 +896,10 @@ def _check_sweep(config: SweepConfig) -> None:
         topology="", trace=config.trace, policy=config.policies[0], options=config.options
     ).parsed_options()
     assert isinstance(parsed, SimOptions)
+    try:  # the trace itself first: an unknown or broken one is not the fault of a grid point
+        load_trace(config.trace, max_requests=config.max_requests)
+    except ValueError as exc:
+        raise ValueError(f"trace: {exc}") from None
     for i, rate_scale in enumerate(config.rate_scales):
         for seed in config.seeds:
             try:

@@ -416,7 +416,10 @@ def test_sweep_runs_real_simulations_as_ray_tasks(
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ("trace: burstgpt\ntopologies: [2x8-a100]\npolicies: [hilum]\nrate_scales: [1]\n", "burstgpt"),
+        (
+            "trace: burstgpt\ntopologies: [2x8-a100]\npolicies: [hilum]\nrate_scales: [1]\n",
+            "trace: unknown trace 'burstgpt'",
+        ),
         ("trace: azure-conv\ntopologies: [2x8-a100]\npolicies: [round_robin]\nrate_scales: [1]\n", "round_robin"),
         (
             "trace: azure-conv\ntopologies: [2x8-a100]\npolicies: [hilum]\nrate_scales: [1]\noptions: {foo: 1}\n",
