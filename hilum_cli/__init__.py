@@ -1,6 +1,7 @@
 """Command-line entry points: ``hilum`` (simulator, topology tools, cluster) and ``hilumctl`` (admin CLI)."""
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -31,3 +32,18 @@ class VersionAction(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, *_args: object, **_kwargs: object) -> NoReturn:
         print(version_line(parser.prog))
         parser.exit()
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, naming the closest choice after an invalid one (``hilum simm``: did you mean 'sim'?), as
+    Python 3.14's ``suggest_on_error`` does. Sub-parsers made from it (``add_subparsers``) are of its class too."""
+
+    def error(self, message: str) -> NoReturn:
+        wrong = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if wrong is not None:
+            import difflib
+
+            close = difflib.get_close_matches(wrong.group(1).lower(), re.findall(r"'([^']*)'", wrong.group(2)), n=1)
+            if close:
+                message += f"; did you mean '{close[0]}'?"
+        super().error(message)

@@ -36,7 +36,7 @@ from typing import Any, TextIO
 
 from rich.console import Console
 
-from hilum_cli import VersionAction
+from hilum_cli import Parser, VersionAction
 from hilum_cli import ctl_views as views
 from hilum_cli.broken_pipe import quiet_on_broken_pipe
 from hilum_cli.ctl_client import DEFAULT_PREFIX, AdminClient, CtlError, Target, UsageError, parse_addresses
@@ -66,7 +66,7 @@ def _add_common(p: argparse.ArgumentParser, *, suppress: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``hilumctl`` parser (see the module docstring)."""
-    parser = argparse.ArgumentParser(prog="hilumctl", description="Query and steer hilum's global coordinator.")
+    parser = Parser(prog="hilumctl", description="Query and steer hilum's global coordinator.")
     parser.add_argument("--version", action=VersionAction)
     _add_common(parser, suppress=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

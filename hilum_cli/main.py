@@ -16,7 +16,7 @@ import sys
 from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
-from hilum_cli import VersionAction
+from hilum_cli import Parser, VersionAction
 from hilum_cli.broken_pipe import quiet_on_broken_pipe
 
 
@@ -60,7 +60,7 @@ def build_parser(full: Collection[str] | None = None) -> argparse.ArgumentParser
     unknown = sorted(set(full or ()) - set(names))
     if unknown:
         raise ValueError(f"unknown hilum sub-command {', '.join(unknown)}; choose from {', '.join(names)}")
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="hilum",
         description="hilum: topology-aware two-tier LLM request scheduler with live KV-cache migration.",
     )

@@ -15,7 +15,7 @@ import re
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -72,7 +72,8 @@ def register(sub: Any, summary: str) -> None:
     size.set_defaults(func=run_size_cli)
     # A misspelt option (--polcy hilum) would otherwise read as an invalid {sweep,size} choice: its value is taken
     # for the sub-command. _SimParser names it first, with the closest known option.
-    parser.__class__ = _SimParser
+    # its checks before the parser's own class (hilum's names the closest of an invalid sub-command)
+    parser.__class__ = type("SimParser", (_SimParser, type(parser)), {})
     assert isinstance(parser, _SimParser)
     parser.known_options = frozenset(o for p in (parser, sweep, size) for a in p._actions for o in a.option_strings)
     parser.own_options = {
@@ -90,7 +91,8 @@ class _SimParser(argparse.ArgumentParser):
     - after ``sweep`` or ``size``, an option the sub-command does not take (argparse's error named neither).
 
     The options given before ``sweep`` are left in the namespace (``before_sub``, as typed): ``run_sweep_cli``
-    refuses them (a sweep's runs are set in its file). A misspelt sub-command gets the closest one. ``known_options``:
+    refuses them (a sweep's runs are set in its file). Mixed in before the class of the parser ``register`` is given
+    (``hilum``'s names the closest of an invalid sub-command). ``known_options``:
     every option string of ``hilum sim``, ``sweep`` and ``size``; ``own_options``: each one's own (``sim``,
     ``sweep``, ``size``)."""
 
@@ -122,15 +124,6 @@ class _SimParser(argparse.ArgumentParser):
         parsed, extras = super().parse_known_args(words, namespace)
         parsed.before_sub = before if sub == "sweep" else []
         return parsed, extras
-
-    def error(self, message: str) -> NoReturn:
-        """argparse's error, with the closest sub-command named after an invalid one (``sizing``: ``size``)."""
-        wrong = re.search(r"invalid choice: '([^']*)' \(choose from", message)
-        if wrong is not None:
-            close = _closest_sub_command(wrong.group(1))
-            if close:
-                message += f"; did you mean '{close}'?"
-        super().error(message)
 
 
 def _is_option(word: str) -> bool:

@@ -177,3 +177,39 @@ def test_version_prints_the_installed_version_and_reads_it_only_when_asked(prog:
         f"from {module} import main\ntry:\n    main(['--help'])\nexcept SystemExit as exc:\n    assert exc.code == 0\n"
     )
     assert _imported_after(help_run, ("importlib.metadata",)) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["simm"],
+            "hilum: error: argument COMMAND: invalid choice: 'simm' (choose from 'topology', 'sim', 'up', 'bench'); "
+            "did you mean 'sim'?",
+        ),
+        (
+            ["topology", "shw", "1x8-a100"],
+            "hilum topology: error: argument SUBCOMMAND: invalid choice: 'shw' (choose from 'show', 'path'); did you "
+            "mean 'show'?",
+        ),
+        (["sim", "Size"], "did you mean 'size'?"),
+        (["xyzzy"], "invalid choice: 'xyzzy' (choose from 'topology', 'sim', 'up', 'bench')"),
+    ],
+)
+def test_an_invalid_sub_command_is_answered_with_the_closest(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        hilum.main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and ("did you mean" in message or "did you mean" not in err), err
+
+
+def test_hilumctl_names_the_closest_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from hilum_cli import ctl
+
+    with pytest.raises(SystemExit) as exited:
+        ctl.main(["stauts"])
+    assert exited.value.code == 2
+    assert "invalid choice: 'stauts'" in (err := capsys.readouterr().err) and "did you mean 'status'?" in err, err
