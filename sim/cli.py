@@ -71,8 +71,8 @@ def register(sub: Any, summary: str) -> None:
             action.default = argparse.SUPPRESS
     size.set_defaults(func=run_size_cli)
     # A misspelt option (--polcy hilum) would otherwise read as an invalid {sweep,size} choice: its value is taken
-    # for the sub-command. _SimParser names it first, with the closest known option.
-    # its checks before the parser's own class (hilum's names the closest of an invalid sub-command)
+    # for the sub-command. _SimParser's checks name it first; they run before the parser's own class (hilum's, which
+    # names the closest of an invalid sub-command).
     parser.__class__ = type("SimParser", (_SimParser, type(parser)), {})
     assert isinstance(parser, _SimParser)
     parser.known_options = frozenset(o for p in (parser, sweep, size) for a in p._actions for o in a.option_strings)
@@ -889,15 +889,15 @@ def _check_sweep(config: SweepConfig) -> None:
         topology="", trace=config.trace, policy=config.policies[0], options=config.options
     ).parsed_options()
     assert isinstance(parsed, SimOptions)
-    try:  # the trace itself first: an unknown or broken one is not the fault of a grid point
-        load_trace(config.trace, max_requests=config.max_requests)
-    except ValueError as exc:
-        raise ValueError(f"trace: {exc}") from None
     for i, rate_scale in enumerate(config.rate_scales):
         for seed in config.seeds:
             try:
                 load_trace(config.trace, rate_scale=rate_scale, max_requests=config.max_requests, seed=seed)
             except ValueError as exc:
+                try:  # as recorded: an unknown or broken trace is not the fault of a grid point
+                    load_trace(config.trace, max_requests=config.max_requests)
+                except ValueError as plain:
+                    raise ValueError(f"trace: {plain}") from None
                 raise ValueError(f"rate_scales[{i}] = {rate_scale:g}, seed {seed}: {exc}") from None
     topologies = config.topologies
     for name in topologies:

@@ -195,10 +195,14 @@ class _Run:
         """``bisect.bisect_left(end_times_s, t_s, lo, last)`` (``right``: ``bisect_right``), every end before ``lo``
         being before ``t_s`` (at or before it, ``right``).
 
-        The answer is guessed from the closed form of the step times (``steps_ended_guess``) and checked against
-        the two end times around it, side by side in memory: on a large cluster the end times are mostly out of
-        the CPU's caches, and a binary search's reads, each waiting for the one before, cost a cache miss each.
+        The answer is the closed form's when it places ``t_s`` clear of the ends around it (:meth:`closed_search`:
+        none read). Otherwise it is guessed from the closed form of the step times (``steps_ended_guess``) and checked
+        against the two end times around it, side by side in memory: on a large cluster the end times are mostly out
+        of the CPU's caches, and a binary search's reads, each waiting for the one before, cost a cache miss each.
         When the guess is wrong, a search from it (galloping on, or bisecting below it) finds the answer."""
+        closed = self.closed_search(t_s, lo, last)[0]
+        if closed >= 0:
+            return closed
         ends = self.end_times_s
         guess = min(max(steps_ended_guess(self._a_s, self._b_s, t_s - self.start_s), lo), last)
         if guess < last and (ends[guess] <= t_s if right else ends[guess] < t_s):  # short: gallop on from it
@@ -999,9 +1003,7 @@ class Cluster:
             last = run.steps - 1
             started = 1
             while k < n:
-                at_s = times[k]  # the sample times never decrease
-                closed = flight.closed_search(at_s, started - 1, last)[0]
-                started = (closed if closed >= 0 else flight.search(at_s, started - 1, last, True)) + 1
+                started = flight.search(times[k], started - 1, last, True) + 1  # the sample times never decrease
                 steps = max(started, run.applied)
                 if steps < run.steps:  # before the run's last step: its blocks then in closed form, nothing applied
                     used = engine.decode_run_used_blocks(steps)
