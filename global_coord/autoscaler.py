@@ -83,6 +83,7 @@ class AutoscaleLoop:
         self._events: dict[str, list[ScaleEvent]] = {}
         self._evaluations: dict[str, Evaluation] = {}
         self._hooks: set[asyncio.Task[None]] = set()
+        self._writing: dict[str, asyncio.Lock] = {}  # model -> held while its record is written (see _persist)
         self.rounds = 0  # rounds run while leading (tests, logs)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -219,11 +220,15 @@ class AutoscaleLoop:
         self._remember(model, new)
 
     async def _persist(self, model: str) -> None:
-        scaler = self.scalers.get(model)
-        if scaler is None:
-            return
-        record = AutoscaleRecord(model, scaler.state(), self._evaluations.get(model), tuple(self._events[model]))
-        await self.coordinator.put_autoscale(record)
+        """Write ``model``'s record as it stands now. The round and each finished hook write it; one write at a
+        time per model, each made from the state when its turn comes, so an older record never lands last (two
+        puts in flight at once may reach etcd in either order)."""
+        async with self._writing.setdefault(model, asyncio.Lock()):
+            scaler = self.scalers.get(model)
+            if scaler is None:
+                return
+            record = AutoscaleRecord(model, scaler.state(), self._evaluations.get(model), tuple(self._events[model]))
+            await self.coordinator.put_autoscale(record)
 
     async def _cancel_hooks(self) -> None:
         hooks = list(self._hooks)

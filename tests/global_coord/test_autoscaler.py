@@ -15,15 +15,16 @@ import random
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from autoscale_fakes import Fleet, RecordingHook, events, load, until
 from etcd_server import EtcdServer
 
 from clusterstate.clock import ManualClock
-from clusterstate.etcd import connect
-from clusterstate.records import DrainKind
+from clusterstate.etcd import connect, kv_of
+from clusterstate.records import AutoscaleRecord, DrainKind, decode
 from clusterstate.store import Keys
-from global_coord.actuator import ActuatorConfig, CommandActuator
+from global_coord.actuator import ActuatorConfig, CommandActuator, HookResult
 from global_coord.autoscaler import AutoscaleLoop
 from global_coord.coordinator import Coordinator, CoordinatorConfig
 from policy.autoscale import AutoscaleConfig, Phase, PoolInstance
@@ -228,6 +229,54 @@ def test_only_the_leader_acts_and_its_successor_does_not_start_the_same_instance
             stop2.set()
             await asyncio.gather(*tasks2)
             await client2.close()
+        await client.close()
+
+    asyncio.run(main())
+
+
+def test_a_hooks_record_is_not_overwritten_by_the_rounds_slower_write(
+    etcd: EtcdServer, prefix: str, tmp_path: Path
+) -> None:
+    # The round writes the record with the start "running" while the hook runs; when that put is slow and the hook
+    # ends first, the record must still end "done" (two puts in flight may land in either order).
+    hook = RecordingHook(tmp_path / "hook")
+    keys = Keys(prefix)
+
+    async def main() -> None:
+        client = connect([etcd.endpoint])
+        await client.connect()
+        clock = ManualClock()
+        floor = replace(RULE, min_instances=2)  # below the minimum: one start, whatever the load
+        async with Fleet(client, keys, ["A", "B"]) as fleet, leader(etcd, prefix, "c1", hook, clock, floor) as loop:
+            view = loop.coordinator.view
+            hook_ended = asyncio.Event()
+            actuator, put = loop.actuator, loop.coordinator.put_autoscale
+
+            class Telling:
+                async def run(self, *args: Any, **kwargs: Any) -> HookResult:
+                    result = await actuator.run(*args, **kwargs)
+                    hook_ended.set()
+                    return result
+
+            writes = 0
+
+            async def slow_while_running(record: AutoscaleRecord) -> None:
+                nonlocal writes
+                if any(e.status == "running" for e in record.events):
+                    await hook_ended.wait()
+                    await asyncio.sleep(0.05)
+                await put(record)
+                writes += 1
+
+            loop.actuator = Telling()  # type: ignore[assignment]
+            loop.coordinator.put_autoscale = slow_while_running  # type: ignore[method-assign]
+            await fleet.publish([load("a0", "A", [5])])
+            await until("a0", lambda: "A" in view.summaries() and "a0" in view.summaries()["A"].instances())
+            await next_round(loop, clock)
+            await until("the round's and the hook's writes", lambda: writes == 2)
+            key = keys.autoscale("m")
+            stored = decode(AutoscaleRecord, bytes((await kv_of(client).get(key, timeout=5.0)).kvs[0].value), key)
+            assert events({"m": stored}) == [("scale-out", "a1", "done")]
         await client.close()
 
     asyncio.run(main())
