@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from enum import IntEnum
+from typing import final
 
 __all__ = ["EventKey", "EventKind", "EventQueue"]
 
@@ -34,7 +35,31 @@ class EventKind(IntEnum):
 EventKey = tuple[float, int, float, int]
 """The order of an event: (time_s, kind, scheduled_s, seq); smaller runs first."""
 
-_Entry = tuple[float, int, float, int, Callable[[], None]]  # an EventKey, then the action
+
+@final
+class _Entry:
+    """One scheduled event: its key and its action. Ordered as its key, the tuple ``(time_s, kind, scheduled_s,
+    seq)``, would be. A class, not that tuple: compiled, the heap's comparisons read the time and the rest as
+    plain fields of the one object, where a tuple's comparison also reads the float object each element is (at
+    thousands of instances the heap's entries are far apart in memory, and every read is a cache miss)."""
+
+    __slots__ = ("action", "at_s", "kind", "seq", "time_s")
+
+    def __init__(self, time_s: float, kind: int, at_s: float, seq: int, action: Callable[[], None]) -> None:
+        self.time_s = time_s
+        self.kind = kind
+        self.at_s = at_s
+        self.seq = seq
+        self.action = action
+
+    def __lt__(self, other: _Entry) -> bool:
+        if self.time_s != other.time_s:
+            return self.time_s < other.time_s
+        if self.kind != other.kind:
+            return self.kind < other.kind
+        if self.at_s != other.at_s:
+            return self.at_s < other.at_s
+        return self.seq < other.seq
 
 
 class EventQueue:
@@ -66,7 +91,7 @@ class EventQueue:
             raise ValueError(f"event of kind {kind.name} scheduled at {time_s:.6f} s, before now ({self.now_s:.6f} s)")
         self._seq += 1
         at_s = self.now_s if scheduled_s is None else scheduled_s
-        heapq.heappush(self._heap, (time_s, int(kind), at_s, self._seq, action))
+        heapq.heappush(self._heap, _Entry(time_s, int(kind), at_s, self._seq, action))
 
     def schedule_in(self, delay_s: float, kind: EventKind, action: Callable[[], None]) -> None:
         """Run ``action()`` ``delay_s`` seconds (>= 0) from now."""
@@ -79,18 +104,18 @@ class EventQueue:
     def current_key(self) -> EventKey | None:
         """The key of the event being run (None between events)."""
         entry = self._current
-        return None if entry is None else entry[:4]
+        return None if entry is None else (entry.time_s, entry.kind, entry.at_s, entry.seq)
 
     def run_next(self) -> bool:
         """Advance the clock to the next event and run it; False when the queue is empty."""
         if not self._heap:
             return False
         entry = heapq.heappop(self._heap)
-        self.now_s = entry[0]
+        self.now_s = entry.time_s
         self.events_run += 1
         self._current = entry
         try:
-            entry[4]()
+            entry.action()
         finally:
             self._current = None
         return True

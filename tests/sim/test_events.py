@@ -1,3 +1,5 @@
+import random
+
 import pytest
 
 from sim.events import EventKind, EventQueue
@@ -63,3 +65,21 @@ def test_scheduled_at_orders_same_time_events_and_the_running_key_is_visible() -
     assert [name for name, _ in seen] == ["early", "late"]
     assert seen[0][1] == (3.0, int(EventKind.STEP_DONE), 0.5, 3) and seen[1][1] == (3.0, 0, 1.0, 2)
     assert q.current_key() is None
+
+
+def test_the_run_order_is_the_key_order_with_ties_in_every_part_of_the_key() -> None:
+    # Few distinct times, kinds and scheduled times: most events tie on a part of (time_s, kind, scheduled_s, seq),
+    # and the queue must run them in the order of those tuples (the order its entries stand for).
+    rng = random.Random(5)
+    q = EventQueue()
+    q.schedule(0.25, EventKind.TICK, lambda: None)
+    q.run_next()  # now 0.25: a scheduled_s of 0.0 is earlier than the default
+    ran: list[tuple[float, int, float, int]] = []
+    for _ in range(2000):
+        time_s, kind = rng.choice((1.0, 1.5, 2.0)), rng.choice(list(EventKind))
+        scheduled_s = rng.choice((None, 0.0, 0.5))
+        q.schedule(time_s, kind, lambda: ran.append(q.current_key()), scheduled_s=scheduled_s)  # type: ignore[arg-type]
+    while q.run_next():
+        pass
+    assert len(ran) == 2000 and ran == sorted(ran)
+    assert len({k[:3] for k in ran}) == 3 * len(EventKind) * 3  # every combination drawn: ties everywhere

@@ -143,7 +143,7 @@ def test_the_queue_holds_one_arrival_at_a_time_in_trace_order(monkeypatch: pytes
 
     def counting(self: EventQueue, time_s: float, kind: EventKind, action: Any, *, scheduled_s: Any = None) -> None:
         schedule(self, time_s, kind, action, scheduled_s=scheduled_s)
-        arrivals_queued.append(sum(1 for entry in self._heap if entry[1] == EventKind.ARRIVAL))
+        arrivals_queued.append(sum(1 for entry in self._heap if entry.kind == EventKind.ARRIVAL))
 
     monkeypatch.setattr(EventQueue, "schedule", counting)
     rows = [(0.0, 100, 10), (0.0, 50, 5), (0.0, 60, 5), (0.0, 70, 3), (0.5, 80, 4)]
