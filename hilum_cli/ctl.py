@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _target(ns: argparse.Namespace, env: Mapping[str, str]) -> Target:
     coordinator, etcd = getattr(ns, "coordinator", None), getattr(ns, "etcd", None)
+    for flag, value in (("--coordinator", coordinator), ("--etcd", etcd), ("--prefix", getattr(ns, "prefix", None))):
+        if value is not None and not value.strip():  # given, but empty: not the same as not given
+            raise UsageError(f"{flag} is empty: give {'a key prefix' if flag == '--prefix' else 'HOST:PORT'}")
     if not coordinator and not etcd:
         coordinator, etcd = env.get("HILUM_COORDINATOR") or None, env.get("HILUM_ETCD") or None
         if coordinator:

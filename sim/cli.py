@@ -297,11 +297,13 @@ def _add_run_arguments(parser: argparse.ArgumentParser, sizing: bool = False) ->
 
 def _specs(args: argparse.Namespace) -> list[SimSpec]:
     policies = [p.strip() for p in args.policy.split(",")]
+    if policies == [""]:
+        raise ValueError(f"--policy is empty: give one or more of {', '.join(POLICY_NAMES)}, separated by commas")
     if "" in policies and len(policies) > 1:
         raise ValueError(f"--policy {args.policy!r} has an empty name; separate policies by single commas")
     unknown = [p for p in policies if p not in POLICY_NAMES]
-    if unknown or not policies:
-        raise ValueError(f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join(POLICY_NAMES)}")
+    if unknown:
+        raise ValueError(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICY_NAMES)}")
     repeated = sorted({p for p in policies if policies.count(p) > 1})
     if repeated:
         raise ValueError(f"--policy names {', '.join(repeated)} more than once; name each policy once")

@@ -124,6 +124,8 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
             greater than 0``).
         OSError: if the file cannot be read.
     """
+    if not str(path).strip():
+        raise OSError("the sweep file's path is empty: give a sweep YAML file (docs/sim-results.md)")
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")

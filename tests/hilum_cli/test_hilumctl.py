@@ -721,6 +721,9 @@ def test_etcd_without_a_leader(etcd: EtcdServer, capsys: pytest.CaptureFixture[s
 def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = ctl(capsys, "status")
     assert rc == 2 and "pass --coordinator HOST:PORT" in err and "HILUM_COORDINATOR" in err
+    for flag, wanted in (("--coordinator", "HOST:PORT"), ("--etcd", "HOST:PORT"), ("--prefix", "a key prefix")):
+        rc, out, err = ctl(capsys, flag, "", "status")  # given empty: refused, not taken for absent
+        assert (rc, out) == (2, "") and f"{flag} is empty: give {wanted}" in err
     rc, _, err = ctl(capsys, "--coordinator", "localhost", "status")
     assert rc == 2 and "'localhost' is not HOST:PORT" in err
     rc, _, err = ctl(capsys, "--etcd", "h:1", "--prefix", "hilum", "status")

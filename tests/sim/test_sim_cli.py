@@ -147,6 +147,7 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--out", ""], "--out is empty: give a folder for results.json and the plots"),
         (["--topology", ""], "--topology is empty: give a bundled name or a file"),
         (["--trace", " "], "--trace is empty: give a bundled name or a file"),
+        (["--policy", ""], "--policy is empty: give one or more of round-robin, least-loaded, llumnix, hilum"),
         (["--policy", "llumnix,"], "--policy 'llumnix,' has an empty name; separate policies by single commas"),
         (["--policy", "hilum,,llumnix"], "--policy 'hilum,,llumnix' has an empty name"),
         (["--cold-start-s", "5"], "cold_start_s (--cold-start-s) applies only with autoscale (--autoscale)"),
@@ -359,6 +360,8 @@ def test_a_sweep_file_that_cannot_be_read_is_named(tmp_path: Path, capsys: pytes
     assert main(["sim", "sweep", str(missing)]) == 2
     err = capsys.readouterr().err
     assert f"hilum sim sweep: error: sweep file {missing}: cannot read it: No such file or directory" in err
+    assert main(["sim", "sweep", ""]) == 2  # not the folder "."
+    assert "hilum sim sweep: error: the sweep file's path is empty: give a sweep YAML file" in capsys.readouterr().err
 
 
 def test_a_ray_address_ray_cannot_read_is_an_error_not_a_traceback(tmp_path: Path) -> None:

@@ -47,22 +47,22 @@ def test_path(capsys: pytest.CaptureFixture[str]) -> None:
     assert [link["link"] for link in data["links"]] == ["nvlink:node-0-i0", "nvlink:node-0-i1"]
 
 
-def test_unknown_instance_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["topology", "path", "2x8-a100", "node-0-i0", "ghost"]) == 1
+def test_unknown_instance_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["topology", "path", "2x8-a100", "node-0-i0", "ghost"]) == 2
     assert "hilum topology path: error: " in (err := capsys.readouterr().err) and "no instance 'ghost'" in err
 
 
-def test_invalid_file_prints_every_error_and_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_invalid_file_prints_every_error_and_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     text = (ROOT / "topology" / "examples" / "2x8-a100.yaml").read_text()
     text = text.replace("gpus: [7], tensor_parallel_size: 1", "gpus: [9], tensor_parallel_size: 1")
     text = text.replace("nic_gbit_per_s: 200}]", "nic_gbit_per_s: -200}]", 1)
     bad = tmp_path / "2x8.yaml"
     bad.write_text(text)
-    assert main(["topology", "show", str(bad)]) == 1
+    assert main(["topology", "show", str(bad)]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err == [
         f"hilum topology show: error: {bad}: domains[0].nodes[0].nic_gbit_per_s: must be > 0, got -200",
         f"hilum topology show: error: {bad}: domains[1].instances[7].gpus: GPU 9 does not exist on node-1 (8 GPUs)",
     ]
-    assert main(["topology", "show", "no-such-topology"]) == 1
+    assert main(["topology", "show", "no-such-topology"]) == 2
     assert "hilum topology show: error: no-such-topology: (file): file not found" in capsys.readouterr().err
