@@ -201,7 +201,7 @@ def _path_classes(topo: Topology, graph: TopologyGraph) -> dict[str, dict[str, A
 def _cmd_show(args: argparse.Namespace) -> int:
     topo = _load(args.topology, "show")
     if topo is None:
-        return 1
+        return 2  # bad input, as for every hilum command
     summary = topology_summary(topo)
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -337,13 +337,13 @@ def path_summary(graph: TopologyGraph, src: str, dst: str) -> dict[str, Any]:
 def _cmd_path(args: argparse.Namespace) -> int:
     topo = _load(args.topology, "path")
     if topo is None:
-        return 1
+        return 2
     graph = TopologyGraph(topo)
     try:
         summary = path_summary(graph, args.src, args.dst)
     except (KeyError, ValueError) as exc:
         print(f"hilum topology path: error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
-        return 1
+        return 2
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
