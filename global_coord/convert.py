@@ -245,13 +245,13 @@ def drain_intent(intent: DrainIntent) -> pb.DrainIntent:
 
 
 def drain_target_from_pb(msg: pb.DrainRequest | pb.UndrainRequest) -> tuple[DrainKind, str]:
-    """(kind, target id) named by a Drain/Undrain request. Raises ValueError when none is set."""
+    """(kind, target id) named by a Drain/Undrain request. Raises ValueError when none is set, or it is blank."""
     which = msg.WhichOneof("target")
-    if which == "instance_id" and msg.instance_id:
+    if which == "instance_id" and msg.instance_id.strip():
         return DrainKind.INSTANCE, msg.instance_id
-    if which == "domain_id" and msg.domain_id:
+    if which == "domain_id" and msg.domain_id.strip():
         return DrainKind.DOMAIN, msg.domain_id
-    raise ValueError("drain target: set exactly one of instance_id or domain_id (non-empty)")
+    raise ValueError("drain target: set exactly one of instance_id or domain_id (non-empty, not blank)")
 
 
 def move_proposal(move: MoveProposal) -> pb.MigrationProposal:

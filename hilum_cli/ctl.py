@@ -80,10 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     command("status", "who leads, its fencing token, and how much the coordinator's view holds")
     command("domains", "NVLink domains with their domain schedulers and load summaries")
     p = command("instances", "registered instances with their load and drain state")
-    p.add_argument("--domain", metavar="D", default="", help="only the instances of domain D")
+    p.add_argument("--domain", metavar="D", help="only the instances of domain D")
     p = command("requests", "running requests and waiting counts, asked of every domain scheduler")
-    p.add_argument("--domain", metavar="D", default="", help="only domain D")
-    p.add_argument("--instance", metavar="I", default="", help="only instance I")
+    p.add_argument("--domain", metavar="D", help="only domain D")
+    p.add_argument("--instance", metavar="I", help="only instance I")
     p = command("migrations", "cross-domain migrations recorded in etcd")
     p.add_argument("--follow", "-f", action="store_true", help="then print every change until Ctrl-C")
     p.add_argument(
@@ -344,7 +344,18 @@ _COMMANDS = {
 
 
 def _check_options(ns: argparse.Namespace) -> None:
-    """Usage errors a command would otherwise find only after reaching the coordinator. Raises UsageError."""
+    """Usage errors a command would otherwise find only after reaching the coordinator. Raises UsageError.
+
+    An id given empty or blank (``drain " "``, ``--domain ""``) is refused, never taken for no filter or sent on;
+    a filter not given is set to "" (every one) here."""
+    if ns.command in ("drain", "undrain") and not ns.target.strip():
+        raise UsageError("INSTANCE|DOMAIN is empty: give an instance id or a domain id")
+    for name in ("domain", "instance"):  # the filters of instances and requests
+        value = getattr(ns, name, None)
+        if value is not None and not value.strip():
+            raise UsageError(f"--{name} is empty: give {'a domain' if name == 'domain' else 'an instance'} id")
+        if hasattr(ns, name) and value is None:
+            setattr(ns, name, "")
     if ns.command == "drain" and (ns.timeout < 0 or ns.interval <= 0):
         raise UsageError(f"--timeout must be >= 0 and --interval > 0, got {ns.timeout:g} and {ns.interval:g}")
     if ns.command == "autoscale" and ns.events < 0:

@@ -15,6 +15,7 @@ from etcd_server import EtcdServer
 from clusterstate.etcd import connect
 from clusterstate.records import (
     DomainRegistration,
+    DrainKind,
     InstanceRegistration,
     MigrationState,
     SummaryRecord,
@@ -23,6 +24,7 @@ from clusterstate.records import (
 from clusterstate.session import Registrar
 from clusterstate.store import Keys, Store, SummaryPublisher
 from global_coord.approver import Judgement, MoveProposal, PathLike
+from global_coord.convert import drain_target_from_pb
 from global_coord.coordinator import Coordinator, CoordinatorConfig
 from global_coord.server import start_server
 from hilum_proto.tls import bind_server
@@ -264,3 +266,18 @@ def test_admin_api_and_approvals_over_grpc(etcd: EtcdServer, prefix: str) -> Non
         await agents.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        pb.DrainRequest(),
+        pb.DrainRequest(instance_id=""),
+        pb.DrainRequest(domain_id=" "),
+        pb.UndrainRequest(domain_id="\t"),
+    ],
+)
+def test_a_drain_of_no_target_or_a_blank_one_is_refused(msg: pb.DrainRequest | pb.UndrainRequest) -> None:
+    with pytest.raises(ValueError, match="non-empty, not blank"):
+        drain_target_from_pb(msg)
+    assert drain_target_from_pb(pb.DrainRequest(domain_id="d 1")) == (DrainKind.DOMAIN, "d 1")

@@ -724,6 +724,14 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     for flag, wanted in (("--coordinator", "HOST:PORT"), ("--etcd", "HOST:PORT"), ("--prefix", "a key prefix")):
         rc, out, err = ctl(capsys, flag, "", "status")  # given empty: refused, not taken for absent
         assert (rc, out) == (2, "") and f"{flag} is empty: give {wanted}" in err
+    for argv, wanted in (
+        (["drain", " ", "--domain"], "INSTANCE|DOMAIN is empty"),  # it was recorded: a drain of domain " "
+        (["undrain", "", "--instance"], "INSTANCE|DOMAIN is empty"),
+        (["instances", "--domain", ""], "--domain is empty: give a domain id"),  # it listed every domain
+        (["requests", "--instance", " "], "--instance is empty: give an instance id"),
+    ):
+        rc, out, err = ctl(capsys, "--coordinator", "h:1", *argv)  # refused before anything is contacted
+        assert (rc, out) == (2, "") and wanted in err
     rc, _, err = ctl(capsys, "--coordinator", "localhost", "status")
     assert rc == 2 and "'localhost' is not HOST:PORT" in err
     rc, _, err = ctl(capsys, "--etcd", "h:1", "--prefix", "hilum", "status")

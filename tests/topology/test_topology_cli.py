@@ -66,3 +66,6 @@ def test_invalid_file_prints_every_error_and_exits_2(tmp_path: Path, capsys: pyt
     ]
     assert main(["topology", "show", "no-such-topology"]) == 2
     assert "hilum topology show: error: no-such-topology: (file): file not found" in capsys.readouterr().err
+    for blank in ("", " "):  # not read as the folder "."
+        assert main(["topology", "show", blank]) == 2
+        assert "hilum topology show: error: the topology is empty: give a path" in capsys.readouterr().err
