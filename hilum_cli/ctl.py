@@ -113,9 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _target(ns: argparse.Namespace, env: Mapping[str, str]) -> Target:
     coordinator, etcd = getattr(ns, "coordinator", None), getattr(ns, "etcd", None)
-    for flag, value in (("--coordinator", coordinator), ("--etcd", etcd), ("--prefix", getattr(ns, "prefix", None))):
-        if value is not None and not value.strip():  # given, but empty: not the same as not given
-            raise UsageError(f"{flag} is empty: give {'a key prefix' if flag == '--prefix' else 'HOST:PORT'}")
     if not coordinator and not etcd:
         coordinator, etcd = env.get("HILUM_COORDINATOR") or None, env.get("HILUM_ETCD") or None
         if coordinator:
@@ -343,18 +340,28 @@ _COMMANDS = {
 }
 
 
+_WANTED = {  # what each flag that takes a name or an address wants, for the error when it is given empty
+    "coordinator": "HOST:PORT",
+    "etcd": "HOST:PORT",
+    "prefix": "a key prefix",
+    "domain": "a domain id",
+    "instance": "an instance id",
+}
+
+
 def _check_options(ns: argparse.Namespace) -> None:
     """Usage errors a command would otherwise find only after reaching the coordinator. Raises UsageError.
 
-    An id given empty or blank (``drain " "``, ``--domain ""``) is refused, never taken for no filter or sent on;
-    a filter not given is set to "" (every one) here."""
+    A value given empty or blank (``drain " "``, ``--domain ""``, ``--coordinator ""``) is refused, never taken for
+    no filter, for the flag not given, or sent on; a filter not given is set to "" (every one) here."""
     if ns.command in ("drain", "undrain") and not ns.target.strip():
         raise UsageError("INSTANCE|DOMAIN is empty: give an instance id or a domain id")
-    for name in ("domain", "instance"):  # the filters of instances and requests
+    for name, wanted in _WANTED.items():
         value = getattr(ns, name, None)
         if value is not None and not value.strip():
-            raise UsageError(f"--{name} is empty: give {'a domain' if name == 'domain' else 'an instance'} id")
-        if hasattr(ns, name) and value is None:
+            raise UsageError(f"--{name} is empty: give {wanted}")
+    for name in ("domain", "instance"):  # the filters of instances and requests
+        if hasattr(ns, name) and getattr(ns, name) is None:
             setattr(ns, name, "")
     if ns.command == "drain" and (ns.timeout < 0 or ns.interval <= 0):
         raise UsageError(f"--timeout must be >= 0 and --interval > 0, got {ns.timeout:g} and {ns.interval:g}")

@@ -699,22 +699,15 @@ def load_topology(path_or_name: str | Path) -> Topology:
     Raises :class:`TopologyError` (every problem, ``"<file>: <key.path>: <message>"``) when the file is
     missing, is not valid YAML (line and column given) or describes an invalid topology.
     """
+    hint = f"give a path to a topology YAML file or one of the bundled names: {', '.join(BUNDLED_NAMES)}"
     if not str(path_or_name).strip():  # not the folder "." that Path("") is
-        names = ", ".join(BUNDLED_NAMES)
-        raise TopologyError(
-            [f"the topology is empty: give a path to a topology YAML file or one of the bundled names: {names}"]
-        )
+        raise TopologyError([f"the topology is empty: {hint}"])
     path = Path(path_or_name)
     shown = str(path_or_name)
     if path.is_dir() or not path.exists():  # anything else is read: a file, a pipe (--topology <(...))
         bundled = bundled_path(str(path_or_name))
         if bundled is None:
-            raise TopologyError(
-                [
-                    f"{shown}: (file): {'is a directory' if path.is_dir() else 'file not found'}; give a path to "
-                    f"a topology YAML file or one of the bundled names: {', '.join(BUNDLED_NAMES)}"
-                ]
-            )
+            raise TopologyError([f"{shown}: (file): {'is a directory' if path.is_dir() else 'file not found'}; {hint}"])
         path, shown = bundled, bundled.name
     try:
         text = path.read_text(encoding="utf-8")
