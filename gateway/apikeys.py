@@ -154,6 +154,8 @@ def load_api_keys(path: str | Path) -> ApiKeys:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"{path}: cannot read the API key file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}): an API key file is YAML") from None
     try:
         raw = parse_yaml(text)
     except yaml.YAMLError as exc:

@@ -668,11 +668,19 @@ _UniqueKeyLoader.add_implicit_resolver(
 )
 
 
+class _TooDeepError(yaml.YAMLError):
+    """A document nested deeper than PyYAML's recursion can follow (valid YAML, not one hilum can read)."""
+
+
 def parse_yaml(text: str) -> Any:
     """The YAML document ``text`` as hilum reads every file it is given (topology, configuration, sweep, API
     keys): safe, a repeated key refused, ``1e9`` a number. Raises yaml.YAMLError (:func:`yaml_error_line`
-    words it)."""
-    return yaml.load(text, Loader=_UniqueKeyLoader)
+    words it), also for a document nested deeper than the reader's recursion can follow (a couple of hundred
+    levels of lists or mappings, where PyYAML raises RecursionError)."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except RecursionError:
+        raise _TooDeepError("lists and mappings nested too deeply to read (hilum's files need a few levels)") from None
 
 
 def bundled_path(name: str) -> Path | None:
@@ -684,11 +692,14 @@ def bundled_path(name: str) -> Path | None:
 
 def yaml_error_line(exc: yaml.YAMLError) -> str:
     """One line for a YAML syntax error: ``line L, column C: YAML syntax error: PROBLEM`` (1-based, where
-    PyYAML marks it), or ``(file): YAML syntax error: ...`` when it marks no place."""
+    PyYAML marks it), or ``(file): YAML syntax error: ...`` when it marks no place; ``(file): lists and mappings
+    nested too deeply ...`` for a document :func:`parse_yaml` could not follow."""
     if isinstance(exc, yaml.MarkedYAMLError):
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "(file)"
         return f"{where}: YAML syntax error: {exc.problem or exc.context or 'invalid YAML'}"
+    if isinstance(exc, _TooDeepError):
+        return f"(file): {exc}"
     return f"(file): YAML syntax error: {exc}"
 
 

@@ -374,6 +374,21 @@ def test_file_errors(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    "text",
+    ["name: " + "[" * 5000 + "]" * 5000, "name:\n" + "".join("  " * i + "k:\n" for i in range(1, 3000))],
+    ids=["flow", "block"],
+)
+def test_a_document_nested_too_deeply_is_a_topology_error_not_a_crash(tmp_path: Path, text: str) -> None:
+    deep = tmp_path / "deep.yaml"
+    deep.write_text(text)
+    with pytest.raises(TopologyError) as exc:  # PyYAML itself raises RecursionError
+        load_topology(deep)
+    assert exc.value.errors == [
+        f"{deep}: (file): lists and mappings nested too deeply to read (hilum's files need a few levels)"
+    ]
+
+
 def test_file_and_bundled_name_give_the_same_topology(tmp_path: Path) -> None:
     src = (ROOT / "topology" / "examples" / "2x8-a100.yaml").read_text()
     path = tmp_path / "mine.yaml"
