@@ -46,10 +46,12 @@ def register(sub: Any, summary: str) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.register("action", None, _Once)  # an option of one value, given twice, is refused (argparse: the last)
     _add_run_arguments(parser)
     parser.set_defaults(func=run_cli)
     sims = parser.add_subparsers(dest="sim_command", metavar="{sweep,size}")
     sweep = sims.add_parser("sweep", help="run a grid of simulations as Ray tasks")
+    sweep.register("action", None, _Once)
     sweep.add_argument("config", help="sweep YAML file (see docs/sim-results.md)")
     sweep.add_argument("--ray-address", default=None, help="existing Ray cluster (default: a local Ray)")
     sweep.add_argument("--out", default="sweep-results", help="directory for sweep.json and plots")
@@ -64,6 +66,7 @@ def register(sub: Any, summary: str) -> None:
         "assumes more instances are never slower: on a few requests noise can break that (the table shows "
         "every size tried).",
     )
+    size.register("action", None, _Once)
     size.add_argument("--target-p99-ttft-ms", type=float, required=True, metavar="MS", help="the P99 TTFT target")
     _add_run_arguments(size, sizing=True)
     for action in size._actions:  # what is given before 'size' counts too: only what follows it overrides it
@@ -80,6 +83,7 @@ def register(sub: Any, summary: str) -> None:
         name: frozenset(o for a in p._actions for o in a.option_strings)
         for name, p in (("sim", parser), ("sweep", sweep), ("size", size))
     }
+    parser.sub_parsers = {"sweep": sweep, "size": size}
 
 
 class _SimParser(argparse.ArgumentParser):
@@ -90,14 +94,16 @@ class _SimParser(argparse.ArgumentParser):
       (``--target-p99-ttft-ms 500`` read as the invalid sub-command ``'500'``), naming a misspelt sub-command;
     - after ``sweep`` or ``size``, an option the sub-command does not take (argparse's error named neither).
 
-    The options given before ``sweep`` are left in the namespace (``before_sub``, as typed): ``run_sweep_cli``
-    refuses them (a sweep's runs are set in its file). Mixed in before the class of the parser ``register`` is given
-    (``hilum``'s names the closest of an invalid sub-command). ``known_options``:
-    every option string of ``hilum sim``, ``sweep`` and ``size``; ``own_options``: each one's own (``sim``,
-    ``sweep``, ``size``)."""
+    After argparse, words left over (``hilum sim sweep a.yaml extra``) are refused with the usage of the sub-command
+    they were given to (argparse's top-level parser showed ``hilum``'s). The options given before ``sweep`` are left
+    in the namespace (``before_sub``, as typed): ``run_sweep_cli`` refuses them (a sweep's runs are set in its file).
+    Mixed in before the class of the parser ``register`` is given (``hilum``'s names the closest of an invalid
+    sub-command). ``known_options``: every option string of ``hilum sim``, ``sweep`` and ``size``; ``own_options``:
+    each one's own (``sim``, ``sweep``, ``size``); ``sub_parsers``: the parsers of ``sweep`` and ``size``."""
 
     known_options: frozenset[str] = frozenset()
     own_options: dict[str, frozenset[str]] = {}  # noqa: RUF012 - set once per parser by register()
+    sub_parsers: dict[str, argparse.ArgumentParser] = {}  # noqa: RUF012 - set once per parser by register()
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         words = list(sys.argv[1:] if args is None else args)  # read once: an iterator would be spent by the check
@@ -122,8 +128,37 @@ class _SimParser(argparse.ArgumentParser):
                 where = "its runs are set in its file" if sub == "sweep" else "it takes a run's options and its target"
                 self.error(f"{', '.join(alien)}: not an option of 'hilum sim {sub}' ({where}; see --help)")
         parsed, extras = super().parse_known_args(words, namespace)
+        if extras:  # hilum's parser would name them under its own usage
+            (self if sub is None else self.sub_parsers[sub]).error(f"unrecognized arguments: {' '.join(extras)}")
+        if hasattr(parsed, _Once.GIVEN):  # _Once's record, kept while parsing only
+            delattr(parsed, _Once.GIVEN)
         parsed.before_sub = before if sub == "sweep" else []
         return parsed, extras
+
+
+class _Once(argparse._StoreAction):
+    """argparse's ``store`` action, refusing an option given twice to one parser (argparse keeps the last value:
+    ``--seed 1 --seed 2`` ran seed 2 alone, ``--policy llumnix --policy hilum`` hilum alone). The default action of
+    the ``hilum sim``, ``sweep`` and ``size`` parsers: a run option given before ``size`` and again after it is
+    still overridden there (the two are parsed apart). The options given are kept in the namespace under ``GIVEN``
+    while it is parsed."""
+
+    GIVEN = "_given_once"
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: Any = None
+    ) -> None:
+        given: set[str] = vars(namespace).setdefault(self.GIVEN, set())
+        if self.dest in given:
+            before = getattr(namespace, self.dest)
+            hint = (
+                f"give the policies in one --policy, separated by commas (--policy {before},{values})"
+                if self.dest == "policy"
+                else "give it once"
+            )
+            raise argparse.ArgumentError(self, f"given twice ({before!r}, then {values!r}): {hint}")  # names it
+        given.add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
 
 
 def _is_option(word: str) -> bool:
@@ -633,7 +668,7 @@ def _load(
     ]
     drained = None if options.autoscale else _all_drained(fleet, drains, last_s)  # the autoscaler may start others
     try:  # made once everything else is known good (a refused run leaves no empty folder), before any simulation
-        out = _output_dir(args.out)
+        out = _output_dir(args.out, "sizing.json" if command == "hilum sim size" else "results.json and the plots")
     except (ValueError, OSError) as exc:
         err.print(f"[red]{command}: error:[/red] {escape(str(exc))}", highlight=False)
         return 2
@@ -798,16 +833,17 @@ def _fleet(topology: Topology, model: str, options: SimOptions, scale_outs: list
     return start, later, [] if options.autoscale else rest
 
 
-def _output_dir(out: str | None) -> Path | None:
+def _output_dir(out: str | None, files: str) -> Path | None:
     """Create ``--out`` (after the options are checked, before any simulation: results are never lost to a bad
-    path, and a refused run leaves no empty folder behind); None without ``--out``.
+    path, and a refused run leaves no empty folder behind); None without ``--out``. ``files``: what the command
+    writes there (``"sweep.json and the plots"``), for the error on an empty ``--out``.
 
-    Raises OSError (with the path) when it cannot be created or written.
+    Raises ValueError when ``out`` is empty or blank; OSError (with the path) when it cannot be created or written.
     """
     if out is None:
         return None
     if not out.strip():
-        raise ValueError("--out is empty: give a folder for results.json and the plots")
+        raise ValueError(f"--out is empty: give a folder for {files}")
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"--out {out}: exists and is not a directory")
@@ -850,8 +886,10 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
                 load_config(config.config)
             except ConfigError as exc:
                 raise ValueError(exc.for_flag(f"{args.config}: config:")) from None
+        if args.ray_address is not None and not args.ray_address.strip():
+            raise ValueError("--ray-address is empty: give HOST:PORT, or leave the flag out for a local Ray")
         made = not Path(args.out).exists()
-        out = _output_dir(args.out)
+        out = _output_dir(args.out, "sweep.json and the plots")
     except (ValueError, OSError, ValidationError) as exc:
         print(f"hilum sim sweep: error: {exc}", file=sys.stderr)
         return 2
@@ -884,9 +922,9 @@ def _check_sweep(config: SweepConfig) -> None:
     from .runner import SimOptions, check_options
     from .traces import load_trace
 
-    unknown = [p for p in config.policies if p not in POLICY_NAMES]
-    if unknown:
-        raise ValueError(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICY_NAMES)}")
+    unknown = [f"policies[{i}]: unknown policy {p!r}" for i, p in enumerate(config.policies) if p not in POLICY_NAMES]
+    if unknown:  # quoted: a space in a name shows (names are not stripped)
+        raise ValueError(f"{'; '.join(unknown)}; choose from {', '.join(POLICY_NAMES)}")
     parsed = SimSpec(
         topology="", trace=config.trace, policy=config.policies[0], options=config.options
     ).parsed_options()

@@ -85,9 +85,11 @@ _Name = Annotated[str, Field(min_length=1)]
 
 
 class SweepConfig(BaseModel):
-    """The grid of one sweep, as written in its YAML file. Unknown keys are errors."""
+    """The grid of one sweep, as written in its YAML file. Unknown keys are errors. Strict: a value of another type
+    is refused, not converted (``seeds: [true]``, ``rate_scales: ["1.0"]``, ``max_requests: 50.0``); an integer is
+    a number (``rate_scales: [1]``, as YAML writes 1.0)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     trace: _Name  # trace name or file, as accepted by sim.traces.load_trace
     topologies: list[_Name] = Field(min_length=1)  # topology names or files
@@ -114,14 +116,77 @@ def _loc(loc: Sequence[int | str]) -> str:
     return out or "(top level)"
 
 
+#: What a strict type error of :class:`SweepConfig` wanted, in the words of its docs (docs/sim-results.md).
+_WANTED = {
+    "string_type": "a string",
+    "int_type": "an integer",
+    "float_type": "a number",
+    "list_type": "a list",
+    "dict_type": "a mapping of keys",
+}
+
+
+def _shown(value: Any) -> str:
+    """``value`` as the YAML file wrote it, with its kind in YAML's words: ``true (a boolean)``, ``'1.0' (a
+    string)``, ``null (no value)``."""
+    if value is None:
+        return "null (no value)"
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (a boolean)"
+    if isinstance(value, int):
+        return f"{value} (an integer)"
+    if isinstance(value, float):
+        return f"{value!r} (a decimal number)"
+    if isinstance(value, str):
+        text = repr(value) if len(value) <= 40 else repr(value[:37] + "...")
+        return f"{text} (a string)"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    return f"{value} (a {type(value).__name__})"  # a YAML date or timestamp
+
+
+def _message(err: Mapping[str, Any]) -> str:
+    """A pydantic error of :class:`SweepConfig` in hilum's words (not "Value error, ...", "Input should be ...")."""
+    kind, ctx, given = err["type"], err.get("ctx") or {}, err.get("input")
+    if kind in _WANTED:
+        quoted = kind in ("int_type", "float_type") and isinstance(given, str) and _is_number(given)
+        return f"expected {_WANTED[kind]}, got {_shown(given)}" + ("; write it without quotes" if quoted else "")
+    if kind == "value_error":  # a validator's own message
+        return str(ctx.get("error", err["msg"])).removeprefix("Value error, ")
+    if kind == "extra_forbidden":
+        return f"unknown key; expected one of: {', '.join(SweepConfig.model_fields)}"
+    if kind == "missing":
+        return "missing required key"
+    if kind in ("greater_than", "greater_than_equal"):
+        bound = f"> {ctx['gt']:g}" if kind == "greater_than" else f">= {ctx['ge']:g}"
+        return f"must be {bound}, got {given!r}"
+    if kind == "finite_number":
+        return f"must be a finite number, got {given!r}"
+    if kind == "too_short":
+        return "must list at least one entry"
+    if kind == "string_too_short":
+        return "must not be empty"
+    return str(err["msg"])
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def load_sweep_config(path: str | Path) -> SweepConfig:
     """Read and validate a sweep YAML file.
 
     Raises:
-        SweepConfigError: on unreadable YAML, a top level that is not a mapping, unknown keys,
-            wrong types, empty lists, duplicates or non-positive rate scales; each error reads
-            ``"<file>: <key.path>: <message>"`` (e.g. ``sweep.yaml: rate_scales[1]: Input should be
-            greater than 0``).
+        SweepConfigError: on a file that is not UTF-8 text, unreadable YAML, a top level that is not a mapping,
+            unknown keys, wrong types (none converted: ``seeds: [true]`` is refused), empty lists, duplicates or
+            non-positive rate scales; each error reads ``"<file>: <key.path>: <message>"`` (e.g. ``sweep.yaml:
+            rate_scales[1]: must be > 0, got -2.0``), or ``"<file>: <message>"`` for the text and its syntax.
         OSError: if the file cannot be read.
     """
     if not str(path).strip():
@@ -131,6 +196,10 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise OSError(f"sweep file {p}: cannot read it: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise SweepConfigError(
+            [f"{p}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); save it as UTF-8"]
+        ) from None
     try:
         data = parse_yaml(text)
     except yaml.YAMLError as exc:
@@ -140,7 +209,7 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
     try:
         return SweepConfig.model_validate(data)
     except ValidationError as exc:
-        raise SweepConfigError([f"{p}: {_loc(e['loc'])}: {e['msg']}" for e in exc.errors()]) from exc
+        raise SweepConfigError([f"{p}: {_loc(e['loc'])}: {_message(e)}" for e in exc.errors()]) from exc
 
 
 @dataclass(frozen=True, slots=True)

@@ -161,7 +161,8 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["sim", "--max-requests", "5", *argv]) == 2
+    few = [] if "--max-requests" in argv else ["--max-requests", "5"]  # given twice, it would be refused for that
+    assert main(["sim", *few, *argv]) == 2
     assert message in capsys.readouterr().err.replace("\n", "")
 
 
@@ -657,6 +658,101 @@ def test_a_sub_commands_option_before_it_and_a_misspelt_sub_command_are_named(
     err = capsys.readouterr().err.replace("\n", " ")
     assert f"hilum sim: error: {message}" in err or f"hilum sim: error: argument {{sweep,size}}: {message}" in err, err
     assert "invalid choice: '500'" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--policy", "llumnix", "--policy", "hilum"],
+            "hilum sim: error: argument --policy: given twice ('llumnix', then 'hilum'): give the policies in one "
+            "--policy, separated by commas (--policy llumnix,hilum)",
+        ),
+        (["--pol", "llumnix", "--policy=hilum"], "hilum sim: error: argument --policy: given twice ('llumnix', then"),
+        (["--seed", "1", "--seed", "2"], "hilum sim: error: argument --seed: given twice (1, then 2): give it once"),
+        (["--config", "a.yaml", "--config", "b.yaml"], "argument --config: given twice ('a.yaml', then 'b.yaml')"),
+        (
+            ["size", "--target-p99-ttft-ms", "5", "--max-requests", "4", "--max-requests", "6"],
+            "hilum sim size: error: argument --max-requests: given twice (4, then 6): give it once",
+        ),
+        (
+            ["sweep", "g.yaml", "--out", "a", "--out", "b"],
+            "hilum sim sweep: error: argument --out: given twice ('a', then 'b'): give it once",
+        ),
+    ],
+)
+def test_an_option_of_one_value_given_twice_is_refused_not_the_last_kept(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse keeps the last value: ``--policy llumnix --policy hilum`` ran hilum alone."""
+    with pytest.raises(SystemExit) as exited:
+        main(["sim", *argv])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.replace("\n", "")
+    assert message in err, err
+
+
+def test_a_run_option_before_size_is_still_overridden_after_it(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["sim", "--max-requests", "300", "--policy", "hilum", "size", "--max-requests", "3", "--json"]
+    assert main([*argv, "--target-p99-ttft-ms", "1e9"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["summary"]["requests"] == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage", "message"),
+    [
+        (
+            ["sweep", "g.yaml", "extra"],
+            "usage: hilum sim sweep ",
+            "hilum sim sweep: error: unrecognized arguments: extra",
+        ),
+        (
+            ["size", "--target-p99-ttft-ms", "5", "extra", "more"],
+            "usage: hilum sim size ",
+            "hilum sim size: error: unrecognized arguments: extra more",
+        ),
+    ],
+)
+def test_extra_words_get_the_usage_of_the_sub_command_they_were_given_to(
+    argv: list[str], usage: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["sim", *argv])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage) and message in err.replace("\n", ""), err
+    assert "usage: hilum [-h]" not in err
+
+
+def test_an_empty_out_or_ray_address_of_a_sweep_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "sweep", "examples/sweep.yaml", "--out", ""]) == 2
+    err = capsys.readouterr().err
+    assert "hilum sim sweep: error: --out is empty: give a folder for sweep.json and the plots" in err
+    assert "results.json" not in err
+    assert main(["sim", "sweep", "examples/sweep.yaml", "--ray-address", " "]) == 2
+    assert "--ray-address is empty: give HOST:PORT, or leave the flag out for a local Ray" in capsys.readouterr().err
+    assert main(["sim", "size", "--target-p99-ttft-ms", "5", "--out", " "]) == 2
+    assert "hilum sim size: error: --out is empty: give a folder for sizing.json" in capsys.readouterr().err
+
+
+def test_a_sweep_files_policy_with_a_space_is_shown_quoted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "sweep.yaml"
+    config.write_text(
+        'trace: azure-conv\ntopologies: [2x8-a100]\npolicies: [" hilum", llumnix, fifo]\nrate_scales: [1]\n'
+    )
+    assert main(["sim", "sweep", str(config), "--out", str(tmp_path / "o")]) == 2
+    assert (
+        f"hilum sim sweep: error: {config}: policies[0]: unknown policy ' hilum'; policies[2]: unknown policy 'fifo'; "
+        "choose from round-robin, least-loaded, llumnix, hilum" in capsys.readouterr().err.replace("\n", "")
+    )
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_sweep_file_that_is_not_utf8_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "sweep.yaml"
+    config.write_bytes(b"trace: caf\xe9\n")
+    assert main(["sim", "sweep", str(config)]) == 2
+    assert f"{config}: not UTF-8 text (byte 0xe9 at offset 10); save it as UTF-8" in capsys.readouterr().err
 
 
 def test_a_sub_commands_option_after_it_still_parses(capsys: pytest.CaptureFixture[str]) -> None:

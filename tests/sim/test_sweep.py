@@ -62,21 +62,25 @@ def test_defaults(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        (GOOD.replace("policies:", "polices:"), "sweep.yaml: polices: Extra inputs are not permitted"),
         (
-            GOOD.replace("[0.5, 2.0]", "[0.5, -2.0]"),
-            "sweep.yaml: rate_scales[1]: Input should be greater than 0",
+            GOOD.replace("policies:", "polices:"),
+            "sweep.yaml: polices: unknown key; expected one of: trace, topologies, policies, rate_scales, seeds,",
         ),
-        (
-            GOOD.replace("[round_robin, hilum]", "[]"),
-            "sweep.yaml: policies: List should have at least 1 item",
-        ),
-        (GOOD.replace("[3]", "[3, 3]"), "sweep.yaml: seeds: Value error, duplicate entries: 3"),
+        (GOOD.replace("[0.5, 2.0]", "[0.5, -2.0]"), "sweep.yaml: rate_scales[1]: must be > 0, got -2.0"),
+        (GOOD.replace("[0.5, 2.0]", "[.nan]"), "sweep.yaml: rate_scales[0]: must be a finite number, got nan"),
+        (GOOD.replace("[round_robin, hilum]", "[]"), "sweep.yaml: policies: must list at least one entry"),
+        (GOOD.replace("[3]", "[3, 3]"), "sweep.yaml: seeds: duplicate entries: 3"),
+        (GOOD.replace("[3]", "[-1]"), "sweep.yaml: seeds[0]: must be >= 0, got -1"),
         (
             GOOD.replace("max_requests: 100", "max_requests: many"),
-            "sweep.yaml: max_requests: Input should be",
+            "sweep.yaml: max_requests: expected an integer, got 'many' (a string)",
         ),
-        (GOOD.replace("trace: burstgpt\n", ""), "sweep.yaml: trace: Field required"),
+        (GOOD.replace("max_requests: 100", "max_requests: 0"), "sweep.yaml: max_requests: must be > 0, got 0"),
+        (GOOD.replace("trace: burstgpt\n", ""), "sweep.yaml: trace: missing required key"),
+        (GOOD.replace("trace: burstgpt", "trace:"), "sweep.yaml: trace: expected a string, got null (no value)"),
+        (GOOD.replace("trace: burstgpt", "trace: ''"), "sweep.yaml: trace: must not be empty"),
+        (GOOD.replace("[2x8-a100]", "2x8-a100"), "sweep.yaml: topologies: expected a list, got '2x8-a100' (a string)"),
+        (GOOD.replace("{migration_interval_s: 0.05}", "[1]"), "sweep.yaml: options: expected a mapping of keys, got a"),
         ("- a\n- b\n", "sweep.yaml: (top level): expected a mapping of keys, got list"),
         ("trace: [unclosed\n", "sweep.yaml: line 2, column 1: YAML syntax error"),
         (GOOD + "trace: sharegpt\n", "sweep.yaml: line"),  # a repeated key: refused, not the last one kept
@@ -86,6 +90,46 @@ def test_config_errors_name_file_and_key(tmp_path: Path, text: str, expected: st
     with pytest.raises(SweepConfigError) as exc:
         load_sweep_config(write(tmp_path, text))
     assert any(e.startswith(str(tmp_path / expected)) for e in exc.value.errors), exc.value.errors
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        ("[3]", "[true]", "seeds[0]: expected an integer, got true (a boolean)"),
+        ("[0.5, 2.0]", '["1.0"]', "rate_scales[0]: expected a number, got '1.0' (a string); write it without quotes"),
+        ("[0.5, 2.0]", "[false]", "rate_scales[0]: expected a number, got false (a boolean)"),
+        ("max_requests: 100", "max_requests: 50.0", "max_requests: expected an integer, got 50.0 (a decimal number)"),
+        ("max_requests: 100", "max_requests: '50'", "max_requests: expected an integer, got '50' (a string); write it"),
+        ("[round_robin, hilum]", "[hilum, 1]", "policies[1]: expected a string, got 1 (an integer)"),
+    ],
+)
+def test_a_value_of_another_type_is_refused_not_converted(tmp_path: Path, old: str, new: str, expected: str) -> None:
+    """Strict: ``seeds: [true]`` was seed 1, ``rate_scales: ["1.0"]`` 1.0 and ``max_requests: 50.0`` 50, silently; the
+    message says what was wanted and what was given in the file's words (no "Input should be", no NoneType)."""
+    assert old in GOOD
+    with pytest.raises(SweepConfigError) as exc:
+        load_sweep_config(write(tmp_path, GOOD.replace(old, new)))
+    (error,) = exc.value.errors
+    assert error.startswith(f"{tmp_path / 'sweep.yaml'}: {expected}"), error
+
+
+def test_an_integer_is_a_number_and_options_pass_unchanged(tmp_path: Path) -> None:
+    """YAML writes 1.0 as ``1``: a rate scale of 1 stays valid; ``options`` is passed to the runs as written (its
+    values are checked by the runner's options, not converted here)."""
+    text = GOOD.replace("[0.5, 2.0]", "[1, 2.5]").replace(
+        "{migration_interval_s: 0.05}", "{priority_fraction: '0.1', drain: [node-0-i0@5], autoscale: true, x: null}"
+    )
+    cfg = load_sweep_config(write(tmp_path, text))
+    assert cfg.rate_scales == [1.0, 2.5]
+    assert cfg.options == {"priority_fraction": "0.1", "drain": ["node-0-i0@5"], "autoscale": True, "x": None}
+
+
+def test_a_sweep_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "sweep.yaml"
+    path.write_bytes(GOOD.replace("burstgpt", "caf\xe9").encode("latin-1"))
+    with pytest.raises(SweepConfigError) as exc:
+        load_sweep_config(path)
+    assert exc.value.errors == [f"{path}: not UTF-8 text (byte 0xe9 at offset 10); save it as UTF-8"]
 
 
 def test_grid_order_topology_policy_rate_seed() -> None:
