@@ -13,7 +13,11 @@
 Finding the coordinator: ``--coordinator HOST:PORT[,HOST:PORT...]`` (any replica; reads are answered by
 the first that answers, writes follow the leader it names) or ``--etcd HOST:PORT [--prefix P]`` (read the
 leader key from etcd and talk to the leader). Defaults come from ``HILUM_COORDINATOR``, ``HILUM_ETCD``
-and ``HILUM_PREFIX``, read when the command runs. The global options may also follow the command.
+and ``HILUM_PREFIX``, read when the command runs; an error about one of them names the variable.
+``--prefix`` applies only with etcd: with a coordinator address (flag or ``HILUM_COORDINATOR``) it is
+refused, while ``HILUM_PREFIX`` is then ignored. An empty entry in an address list (``a:1,,b:2``, ``a:1,``)
+is refused. ``drain``'s ``--timeout`` and ``--interval`` apply only with ``--wait``. The global options may
+also follow the command.
 
 Exit status, the same for the same kind of error in every command (docs/control-plane.md, "Exit status"):
 0 done; 1 runtime error (nothing answers at an address, no leader, an unknown domain, instance or drain
@@ -55,7 +59,9 @@ def _add_common(p: argparse.ArgumentParser, *, suppress: bool) -> None:
     ex = where.add_mutually_exclusive_group()
     ex.add_argument("--coordinator", metavar="HOST:PORT", default=d, help="any coordinator replica (comma-separated)")
     ex.add_argument("--etcd", metavar="HOST:PORT", default=d, help="etcd endpoint(s); talk to the leader it names")
-    where.add_argument("--prefix", default=d, help=f"etcd key prefix (default $HILUM_PREFIX or {DEFAULT_PREFIX})")
+    where.add_argument(
+        "--prefix", default=d, help=f"etcd key prefix, with etcd only (default $HILUM_PREFIX or {DEFAULT_PREFIX})"
+    )
     out = p.add_argument_group("output")
     json_default: Any = argparse.SUPPRESS if suppress else False
     out.add_argument("--json", action="store_true", default=json_default, help="print JSON (stable keys)")
@@ -103,25 +109,51 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "drain":
             p.add_argument("--reason", default="", help="why (kept in the drain intent)")
             p.add_argument("--wait", action="store_true", help="wait until the target is empty and safe to stop")
-            p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="--wait limit, seconds (300)")
-            p.add_argument("--interval", type=float, default=1.0, metavar="S", help="--wait poll period, seconds (1)")
+            # None = not given: refused without --wait, then filled with the defaults (_DRAIN_WAIT)
+            p.add_argument("--timeout", type=float, metavar="S", help="--wait limit, seconds (300)")
+            p.add_argument("--interval", type=float, metavar="S", help="--wait poll period, seconds (1)")
     command("topology", "the topology file the coordinator was started with")
     p = command("autoscale", "the autoscaler: its rule, each model's fleet freeness, instances in a phase, decisions")
-    p.add_argument("--events", type=int, default=10, metavar="N", help="latest decisions shown per model (10)")
+    p.add_argument(
+        "--events", type=int, metavar="N", help="latest decisions shown per model (table: 10; --json: every one kept)"
+    )
     return parser
 
 
 def _target(ns: argparse.Namespace, env: Mapping[str, str]) -> Target:
+    """Where to find the coordinator: the flags, else HILUM_COORDINATOR, else HILUM_ETCD (with HILUM_PREFIX).
+
+    Raises:
+        UsageError: when none is given, an address or the prefix is malformed (naming the flag or the environment
+            variable it came from), or ``--prefix`` is given while the coordinator is found without etcd.
+    """
     coordinator, etcd = getattr(ns, "coordinator", None), getattr(ns, "etcd", None)
+    source = "--coordinator" if coordinator else "--etcd"
     if not coordinator and not etcd:
         coordinator, etcd = env.get("HILUM_COORDINATOR") or None, env.get("HILUM_ETCD") or None
+        source = "HILUM_COORDINATOR" if coordinator else "HILUM_ETCD"
         if coordinator:
             etcd = None
-    prefix = getattr(ns, "prefix", None) or env.get("HILUM_PREFIX") or DEFAULT_PREFIX
+    prefix_flag = getattr(ns, "prefix", None)
     if coordinator:
-        return Target(coordinators=parse_addresses(coordinator, "--coordinator"), prefix=prefix)
+        if prefix_flag is not None:  # HILUM_PREFIX is ambient: ignored here, not refused
+            how = "given by --coordinator" if source == "--coordinator" else "taken from HILUM_COORDINATOR"
+            raise UsageError(
+                "--prefix applies only with --etcd (it is the key prefix under which etcd holds the leader's "
+                f"address), but the coordinator's address is {how}: drop --prefix, or find the leader with "
+                "--etcd HOST:PORT --prefix P"
+            )
+        return Target(coordinators=parse_addresses(coordinator, source), source=source)
     if etcd:
-        return Target(etcd=parse_addresses(etcd, "--etcd"), prefix=prefix)
+        prefix, prefix_source = prefix_flag, "--prefix"
+        if prefix is None and env.get("HILUM_PREFIX"):
+            prefix, prefix_source = env["HILUM_PREFIX"], "HILUM_PREFIX"
+        return Target(
+            etcd=parse_addresses(etcd, source),
+            prefix=prefix or DEFAULT_PREFIX,
+            source=source,
+            prefix_source=prefix_source,
+        )
     raise UsageError(
         "no coordinator given: pass --coordinator HOST:PORT (any replica) or --etcd HOST:PORT (find the leader), "
         "or set HILUM_COORDINATOR / HILUM_ETCD"
@@ -323,7 +355,13 @@ async def _topology(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
 
 async def _autoscale(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
     data = views.autoscale_json(await c.read("GetAutoscale", pb.GetAutoscaleRequest()), c.address)
-    out.json(data) if out.as_json else views.render_autoscale(out.console, data, events=ns.events)
+    if out.as_json:
+        if ns.events is not None:  # given: the JSON keeps the latest N too (else every decision the record holds)
+            for m in data["models"]:
+                m["events"] = views.latest(m["events"], ns.events)
+        out.json(data)
+    else:
+        views.render_autoscale(out.console, data, events=10 if ns.events is None else ns.events)
     return 0
 
 
@@ -340,6 +378,8 @@ _COMMANDS = {
 }
 
 
+_DRAIN_WAIT = {"timeout": 300.0, "interval": 1.0}  # drain --wait's defaults, seconds
+
 _WANTED = {  # what each flag that takes a name or an address wants, for the error when it is given empty
     "coordinator": "HOST:PORT",
     "etcd": "HOST:PORT",
@@ -353,9 +393,12 @@ def _check_options(ns: argparse.Namespace) -> None:
     """Usage errors a command would otherwise find only after reaching the coordinator. Raises UsageError.
 
     A value given empty or blank (``drain " "``, ``--domain ""``, ``--coordinator ""``) is refused, never taken for
-    no filter, for the flag not given, or sent on; a filter not given is set to "" (every one) here."""
+    no filter, for the flag not given, or sent on; a filter not given is set to "" (every one) here. ``drain``'s
+    ``--timeout`` / ``--interval`` without ``--wait`` are refused (they would be ignored), else default here."""
     if ns.command in ("drain", "undrain") and not ns.target.strip():
-        raise UsageError("INSTANCE|DOMAIN is empty: give an instance id or a domain id")
+        what = {"instance": ("INSTANCE", "an instance id"), "domain": ("DOMAIN", "a domain id")}
+        name, wanted = what.get(ns.kind, ("INSTANCE|DOMAIN", "an instance id or a domain id"))
+        raise UsageError(f"{name} is empty: give {wanted}")
     for name, wanted in _WANTED.items():
         value = getattr(ns, name, None)
         if value is not None and not value.strip():
@@ -363,9 +406,15 @@ def _check_options(ns: argparse.Namespace) -> None:
     for name in ("domain", "instance"):  # the filters of instances and requests
         if hasattr(ns, name) and getattr(ns, name) is None:
             setattr(ns, name, "")
+    if ns.command == "drain":
+        for name, default_s in _DRAIN_WAIT.items():
+            if getattr(ns, name) is None:
+                setattr(ns, name, default_s)
+            elif not ns.wait:
+                raise UsageError(f"--{name} applies only with --wait: add --wait, or drop --{name}")
     if ns.command == "drain" and (ns.timeout < 0 or ns.interval <= 0):
         raise UsageError(f"--timeout must be >= 0 and --interval > 0, got {ns.timeout:g} and {ns.interval:g}")
-    if ns.command == "autoscale" and ns.events < 0:
+    if ns.command == "autoscale" and ns.events is not None and ns.events < 0:
         raise UsageError(f"--events must be >= 0, got {ns.events}")
 
 

@@ -47,15 +47,18 @@ class UsageError(CtlError):
 
 
 def parse_addresses(text: str, what: str) -> tuple[str, ...]:
-    """Split a comma-separated ``host:port`` list.
+    """Split a comma-separated ``host:port`` list (blanks around an entry are dropped).
 
     Raises:
-        UsageError: naming ``what`` (e.g. ``--coordinator``) when the list is empty or an entry is not host:port.
+        UsageError: naming ``what`` (``--coordinator``, or ``HILUM_COORDINATOR`` when the list came from there)
+            when the list is empty, an entry is empty (``a:1,,b:2``, a trailing comma) or is not host:port.
     """
-    out = tuple(a.strip() for a in text.split(",") if a.strip())
-    if not out:
+    out = tuple(a.strip() for a in text.split(","))
+    if not any(out):
         raise UsageError(f"{what}: expected HOST:PORT, got {text!r}")
-    for address in out:
+    for k, address in enumerate(out, 1):
+        if not address:
+            raise UsageError(f"{what}: entry {k} of {text!r} is empty: drop the extra comma")
         host, sep, port = address.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise UsageError(f"{what}: {address!r} is not HOST:PORT (port 1-65535)")
@@ -69,16 +72,27 @@ class Target:
     coordinators: tuple[str, ...] = ()  # host:port of replicas, tried in order
     etcd: tuple[str, ...] = ()  # host:port of etcd; the leader's address is read from ``prefix + "leader"``
     prefix: str = DEFAULT_PREFIX  # the coordinators' --prefix
+    # where the addresses and the prefix came from, named in errors: "--coordinator" or "HILUM_COORDINATOR",
+    # "--etcd" or "HILUM_ETCD", "--prefix" or "HILUM_PREFIX"; "" = the flag
+    source: str = ""
+    prefix_source: str = "--prefix"
 
     def __post_init__(self) -> None:
         if bool(self.coordinators) == bool(self.etcd):
             raise UsageError("give exactly one of --coordinator HOST:PORT or --etcd HOST:PORT")
+        if not self.source:
+            object.__setattr__(self, "source", "--etcd" if self.etcd else "--coordinator")
         if not self.prefix.startswith("/") or not self.prefix.endswith("/"):
-            raise UsageError(f"--prefix: must start and end with '/', got {self.prefix!r}")
+            raise UsageError(f"{self.prefix_source}: must start and end with '/', got {self.prefix!r}")
 
 
-async def leader_from_etcd(endpoints: Sequence[str], prefix: str, timeout_s: float) -> tuple[str, str]:
+async def leader_from_etcd(
+    endpoints: Sequence[str], prefix: str, timeout_s: float, *, source: str = "--etcd", prefix_source: str = "--prefix"
+) -> tuple[str, str]:
     """(leader id, leader address) from the leader key ``prefix + "leader"`` in etcd.
+
+    ``source`` and ``prefix_source`` name where the endpoints and the prefix came from (a flag or an environment
+    variable), for the errors.
 
     Raises:
         CtlError: when etcd does not answer within ``timeout_s`` seconds, or no coordinator leads.
@@ -101,7 +115,7 @@ async def leader_from_etcd(endpoints: Sequence[str], prefix: str, timeout_s: flo
         )
         raise CtlError(
             f"etcd at {where} {why}: check that etcd runs there (`etcdctl --endpoints {where} endpoint health`) "
-            "and that --etcd names its client URL"
+            f"and that {source} names its client URL"
         ) from None
     finally:
         await client.close()
@@ -109,13 +123,15 @@ async def leader_from_etcd(endpoints: Sequence[str], prefix: str, timeout_s: flo
         raise CtlError(
             f"no coordinator leads: etcd at {where} has no key {key}. Start one "
             f"(`python -m global_coord --etcd {where} --listen HOST:PORT ...`), give it a few seconds to win the "
-            f"election, and check that --prefix matches the coordinators' --prefix ({prefix})"
+            f"election, and check that {prefix_source} matches the coordinators' --prefix ({prefix})"
         )
     try:
         raw = json.loads(bytes(resp.kvs[0].value))
         return str(raw["id"]), str(raw["address"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise CtlError(f"etcd key {key} does not hold a coordinator leader ({exc}): is --prefix right?") from None
+        raise CtlError(
+            f"etcd key {key} does not hold a coordinator leader ({exc}): is {prefix_source} right?"
+        ) from None
 
 
 def short_error(exc: BaseException) -> str:
@@ -145,7 +161,10 @@ class AdminClient:
 
     async def __aenter__(self) -> AdminClient:
         if self.target.etcd:
-            _, address = await leader_from_etcd(self.target.etcd, self.target.prefix, self.rpc_timeout_s)
+            t = self.target
+            _, address = await leader_from_etcd(
+                t.etcd, t.prefix, self.rpc_timeout_s, source=t.source, prefix_source=t.prefix_source
+            )
             self._candidates = [address]
         self.address = self._candidates[0]
         return self
@@ -163,7 +182,7 @@ class AdminClient:
 
     def _error(self, address: str, exc: grpc.aio.AioRpcError, method: str) -> CtlError:
         code, details = exc.code(), exc.details() or ""
-        found = "the leader in etcd" if self.target.etcd else "--coordinator"
+        found = "the leader in etcd" if self.target.etcd else self.target.source
         if code == grpc.StatusCode.UNAVAILABLE:
             return CtlError(
                 f"no coordinator answers at {address} ({details}): check that a coordinator "
@@ -202,7 +221,7 @@ class AdminClient:
             return reply
         if len(failed) == 1:
             raise self._error(*failed[0], method)
-        found = "the leader in etcd" if self.target.etcd else "--coordinator"
+        found = "the leader in etcd" if self.target.etcd else self.target.source
         tried = "; ".join(f"{address}: {short_error(exc)}" for address, exc in failed)
         raise CtlError(
             f"no coordinator answers {method} at any of the {len(failed)} addresses ({tried}): check that the "

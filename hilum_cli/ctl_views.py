@@ -459,7 +459,8 @@ def render_topology(console: Console, data: Json) -> None:
     n_instances = sum(len(d["instances"]) for d in domains)
     table = _table(
         "DOMAIN", "KIND", "INSTANCE", "NODE", "GPUS", "TP", "MODEL", "GPU", "CAPACITY",
-        title=f"topology {data['name']} ({data['source']}): {len(domains)} domains, {n_instances} instances",
+        title=f"topology {data['name']} ({data['source']}): {_count(len(domains), 'domain')}, "
+        f"{_count(n_instances, 'instance')}",
     )  # fmt: skip
     for d in domains:
         for k, i in enumerate(d["instances"]):
@@ -499,8 +500,18 @@ def render_requests(console: Console, data: Json) -> None:
     )
 
 
+def _count(n: int, noun: str) -> str:
+    """``n noun``, with an s unless ``n`` is 1."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _clock(t: float | None) -> str:
     return "-" if t is None else time.strftime("%H:%M:%S", time.localtime(t))
+
+
+def latest(items: list[Any], count: int) -> list[Any]:
+    """The last ``count`` (>= 0) of ``items``: none for 0 (where ``items[-0:]`` is every one)."""
+    return items[len(items) - count :] if count < len(items) else list(items)
 
 
 def render_autoscale(console: Console, data: Json, *, events: int = 10) -> None:
@@ -528,7 +539,7 @@ def render_autoscale(console: Console, data: Json, *, events: int = 10) -> None:
         if m["instances"]:
             phases = ", ".join(f"{i['instance_id']} {i['phase']} since {_clock(i['since_s'])}" for i in m["instances"])
             console.print(f"{m['model']}: {phases}")
-        shown = m["events"][-events:]
+        shown = latest(m["events"], events)
         if not shown:
             continue
         table = _table(

@@ -790,8 +790,8 @@ def start_cluster(
     coords = "the coordinator" if n_coord == 1 else f"{n_coord} coordinators (one leads, the others stand by)"
     stages += [
         (coords, _coordinator_specs(lay)),
-        (f"{len(checked.topology.instances)} llumlets ({cfg.engine} engine: {engine})", _llumlet_specs(lay)),
-        (f"{len(checked.topology.domains)} domain schedulers", _rack_specs(lay)),
+        (f"{_count(len(checked.topology.instances), 'llumlet')} ({cfg.engine} engine: {engine})", _llumlet_specs(lay)),
+        (_count(len(checked.topology.domains), "domain scheduler"), _rack_specs(lay)),
         (_gateways_stage(lay), _gateway_specs(lay)),
     ]
     try:
@@ -809,6 +809,11 @@ def start_cluster(
     cluster.write_info()
     sup.on_restart = lambda child: cluster.write_info()
     return cluster
+
+
+def _count(n: int, noun: str) -> str:
+    """``n noun``, with an s unless ``n`` is 1."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _gateways_stage(lay: _Layout) -> str:

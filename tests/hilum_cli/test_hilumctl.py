@@ -11,6 +11,7 @@ port where nothing listens. Commands run in-process (``main(argv, env)``); the
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import queue
@@ -29,16 +30,31 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 from etcd_server import EtcdServer, free_port
+from rich.console import Console
 
 from clusterstate.etcd import connect, kv_of
 from clusterstate.fencing import Fence
-from clusterstate.records import DrainIntent, DrainKind, MigrationRecord, MigrationState, decode
+from clusterstate.records import (
+    AutoscaleRecord,
+    DrainIntent,
+    DrainKind,
+    MigrationRecord,
+    MigrationState,
+    ScaleEvent,
+    decode,
+)
 from clusterstate.store import Keys, Store
-from hilum_cli.ctl import main
+from global_coord.convert import topology_reply
+from hilum_cli import ctl as ctl_module
+from hilum_cli import ctl_views
+from hilum_cli.ctl import build_parser, main
+from hilum_cli.ctl_client import DEFAULT_PREFIX, CtlError, Target
 from hilum_proto.v1 import coordinator_pb2 as pb
 from hilum_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from hilum_proto.v1 import rack_sched_pb2 as rs
 from hilum_proto.v1 import rack_sched_pb2_grpc as rs_grpc
+from policy.autoscale import AutoscaleState, Evaluation
+from topology.load import load_topology
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -375,6 +391,57 @@ def test_topology(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
     assert "topology 2x8-a100" in out and "2 domains, 16 instances" in out
     row = next(line.split() for line in out.splitlines() if "node-1-i3" in line)
     assert row == ["node-1-i3", "node-1", "3", "1", "llama-2-7b", "a100-80gb", "7609"]
+
+
+async def _put_autoscale(c: Cluster, record: AutoscaleRecord) -> None:
+    """Write the autoscaler's record of a model as the leader does (fenced with its token)."""
+    client = connect([c.etcd.endpoint])
+    await client.connect()
+    try:
+        await Store(client, c.keys).put_autoscale(replace(record, fencing_token=c.token), Fence(c.keys.leader, c.token))
+    finally:
+        await client.close()
+
+
+def test_autoscale_shows_the_record_and_events_limits_the_decisions_in_both_forms(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    events = tuple(
+        ScaleEvent("scale-out", f"node-1-i{k}", 1_700_000_000.0 + k, f"freeness below 50 (round {k})", "done", 1, 0)
+        for k in range(12)
+    )
+    evaluation = Evaluation(1_700_000_100.0, 42.5, None, "", 3, 0, 0, 7, 1, 16)
+    asyncio.run(
+        _put_autoscale(cluster, AutoscaleRecord("llama-2-7b", AutoscaleState("llama-2-7b"), evaluation, events))
+    )
+    address = cluster.standby_address  # a standby answers from its view of etcd, a moment behind
+
+    def read(*extra: str) -> Any:
+        return ctl_json(capsys, "--coordinator", address, "autoscale", "--json", *extra)
+
+    data = until(read, lambda d: bool(d["models"]))
+    assert data["rule"]["enabled"] is False  # these coordinators run without autoscale.enabled
+    (model,) = data["models"]
+    assert (model["model"], model["freeness"], model["live"], model["requests"]) == ("llama-2-7b", 42.5, 3, 7)
+    assert model["fencing_token"] == cluster.token
+    assert [e["instance_id"] for e in model["events"]] == [f"node-1-i{k}" for k in range(12)]  # every one kept
+    assert [e["instance_id"] for e in read("--events", "2")["models"][0]["events"]] == ["node-1-i10", "node-1-i11"]
+    assert read("--events", "0")["models"][0]["events"] == []  # none, not every one ([-0:])
+    rc, out, err = ctl(capsys, "--coordinator", address, "autoscale")
+    assert rc == 0, err
+    shown = [line for line in out.splitlines() if "freeness below 50" in line]
+    assert len(shown) == 10 and "(round 2)" in shown[0] and "(round 11)" in shown[-1]  # the latest 10
+    rc, out, err = ctl(capsys, "--coordinator", address, "autoscale", "--events", "0")
+    assert rc == 0, err
+    assert "freeness below 50" not in out and "llama-2-7b" in out
+    assert ctl(capsys, "--coordinator", address, "autoscale", "--events", "-1")[0] == 2
+
+
+def test_the_topology_title_counts_one_domain_in_the_singular() -> None:
+    console = Console(file=io.StringIO(), width=200)
+    ctl_views.render_topology(console, ctl_views.topology_json(topology_reply(load_topology("1x8-a100"))))
+    title = console.file.getvalue().splitlines()[0].strip()
+    assert title.startswith("topology 1x8-a100") and title.endswith(": 1 domain, 8 instances")
 
 
 def test_migrations_list_and_state_filter(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
@@ -716,6 +783,9 @@ def test_etcd_without_a_leader(etcd: EtcdServer, capsys: pytest.CaptureFixture[s
     rc, out, err = ctl(capsys, "--etcd", etcd.endpoint, "--prefix", "/nobody-leads/", "status")
     assert (rc, out) == (1, "")
     assert "no coordinator leads" in err and "/nobody-leads/leader" in err and "--prefix" in err
+    rc, out, err = ctl(capsys, "status", env={"HILUM_ETCD": etcd.endpoint, "HILUM_PREFIX": "/nobody-leads/"})
+    assert (rc, out) == (1, "") and "/nobody-leads/leader" in err
+    assert "check that HILUM_PREFIX matches the coordinators' --prefix (/nobody-leads/)" in err
 
 
 def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
@@ -725,8 +795,9 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
         rc, out, err = ctl(capsys, flag, "", "status")  # given empty: refused, not taken for absent
         assert (rc, out) == (2, "") and f"{flag} is empty: give {wanted}" in err
     for argv, wanted in (
-        (["drain", " ", "--domain"], "INSTANCE|DOMAIN is empty"),  # it was recorded: a drain of domain " "
-        (["undrain", "", "--instance"], "INSTANCE|DOMAIN is empty"),
+        (["drain", " ", "--domain"], "error: DOMAIN is empty: give a domain id"),  # it was recorded: domain " "
+        (["undrain", "", "--instance"], "error: INSTANCE is empty: give an instance id"),
+        (["drain", " "], "error: INSTANCE|DOMAIN is empty: give an instance id or a domain id"),
         (["instances", "--domain", ""], "--domain is empty: give a domain id"),  # it listed every domain
         (["requests", "--instance", " "], "--instance is empty: give an instance id"),
     ):
@@ -749,3 +820,113 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--coordinator", "h:1", "migrations", "--state", "running"], env={})
     assert exc.value.code == 2
     assert "invalid choice: 'running'" in capsys.readouterr().err
+
+
+@pytest.fixture
+def contacted(monkeypatch: pytest.MonkeyPatch) -> list[Target]:
+    """The targets hilumctl went on to contact: AdminClient is replaced by one that records its target and stops
+    with a runtime error (exit 1), so a usage error leaves this empty."""
+    targets: list[Target] = []
+
+    class Recorder:
+        def __init__(self, target: Target, rpc_timeout_s: float) -> None:
+            targets.append(target)
+            raise CtlError("contacted")
+
+    monkeypatch.setattr(ctl_module, "AdminClient", Recorder)
+    return targets
+
+
+def test_prefix_applies_only_with_etcd(capsys: pytest.CaptureFixture[str], contacted: list[Target]) -> None:
+    for argv in (["--prefix", "/p/", "status"], ["status", "--prefix", "/p/"]):  # it was ignored
+        rc, out, err = ctl(capsys, "--coordinator", "h:1", *argv)
+        assert (rc, out) == (2, ""), argv
+        assert "hilumctl: error: --prefix applies only with --etcd" in err
+        assert "the coordinator's address is given by --coordinator: drop --prefix" in err
+    for env in ({"HILUM_COORDINATOR": "h:1"}, {"HILUM_COORDINATOR": "h:1", "HILUM_ETCD": "h:2"}):
+        rc, out, err = ctl(capsys, "--prefix", "/p/", "status", env=env)  # HILUM_COORDINATOR wins over HILUM_ETCD
+        assert (rc, out) == (2, "") and "the coordinator's address is taken from HILUM_COORDINATOR" in err
+    assert contacted == []
+    # HILUM_PREFIX is ambient: ignored beside a coordinator address, even a malformed one
+    for env in ({"HILUM_PREFIX": "/p/"}, {"HILUM_PREFIX": "hilum"}):
+        assert ctl(capsys, "--coordinator", "h:1", "status", env=env)[0] == 1
+        assert ctl(capsys, "status", env={"HILUM_COORDINATOR": "h:1", **env})[0] == 1
+    assert [(t.coordinators, t.prefix) for t in contacted] == [(("h:1",), DEFAULT_PREFIX)] * 4
+    contacted.clear()
+    # with etcd: the flag, else HILUM_PREFIX, else the default
+    assert ctl(capsys, "--etcd", "h:2", "--prefix", "/p/", "status", env={"HILUM_PREFIX": "/q/"})[0] == 1
+    assert ctl(capsys, "--prefix", "/p/", "status", env={"HILUM_ETCD": "h:2", "HILUM_PREFIX": "/q/"})[0] == 1
+    assert ctl(capsys, "status", env={"HILUM_ETCD": "h:2", "HILUM_PREFIX": "/q/"})[0] == 1
+    assert ctl(capsys, "--etcd", "h:2", "status")[0] == 1
+    assert [(t.etcd, t.prefix, t.source, t.prefix_source) for t in contacted] == [
+        (("h:2",), "/p/", "--etcd", "--prefix"),
+        (("h:2",), "/p/", "HILUM_ETCD", "--prefix"),
+        (("h:2",), "/q/", "HILUM_ETCD", "HILUM_PREFIX"),
+        (("h:2",), DEFAULT_PREFIX, "--etcd", "--prefix"),
+    ]
+
+
+def test_drain_timeout_and_interval_need_wait(capsys: pytest.CaptureFixture[str], contacted: list[Target]) -> None:
+    for flag, value in (("--timeout", "600"), ("--interval", "0.5")):  # they were ignored: no wait happened
+        for kind in ([], ["--instance"]):
+            rc, out, err = ctl(capsys, "--coordinator", "h:1", "drain", "i0", *kind, flag, value)
+            assert (rc, out) == (2, ""), (flag, kind)
+            assert f"hilumctl: error: {flag} applies only with --wait: add --wait, or drop {flag}" in err
+    rc, out, err = ctl(capsys, "--coordinator", "h:1", "drain", "i0", "--wait", "--timeout", "-1")
+    assert (rc, out) == (2, "") and "--timeout must be >= 0 and --interval > 0, got -1 and 1" in err
+    assert contacted == []
+    assert ctl(capsys, "--coordinator", "h:1", "drain", "i0", "--wait", "--timeout", "600")[0] == 1  # accepted
+    assert len(contacted) == 1
+    # not given: the defaults, with or without --wait
+    for argv, wanted in (
+        (["drain", "i0"], (300.0, 1.0)),
+        (["drain", "i0", "--wait"], (300.0, 1.0)),
+        (["drain", "i0", "--wait", "--timeout", "600", "--interval", "0.5"], (600.0, 0.5)),
+    ):
+        ns = build_parser().parse_args(argv)
+        ctl_module._check_options(ns)
+        assert (ns.timeout, ns.interval) == wanted, argv
+
+
+def test_errors_about_environment_values_name_the_variable(
+    capsys: pytest.CaptureFixture[str], contacted: list[Target]
+) -> None:
+    for env, wanted in (
+        ({"HILUM_COORDINATOR": "bad"}, "hilumctl: error: HILUM_COORDINATOR: 'bad' is not HOST:PORT"),
+        ({"HILUM_ETCD": "bad"}, "hilumctl: error: HILUM_ETCD: 'bad' is not HOST:PORT"),
+        ({"HILUM_ETCD": "h:1", "HILUM_PREFIX": "hilum"}, "HILUM_PREFIX: must start and end with '/', got 'hilum'"),
+        ({"HILUM_COORDINATOR": "h:1,"}, "hilumctl: error: HILUM_COORDINATOR: entry 2 of 'h:1,' is empty"),
+    ):
+        rc, out, err = ctl(capsys, "status", env=env)
+        assert (rc, out) == (2, "") and wanted in err, env
+        assert "--coordinator:" not in err and "--etcd:" not in err and "--prefix:" not in err
+    rc, out, err = ctl(capsys, "--etcd", "h:1", "status", env={"HILUM_PREFIX": "hilum"})  # the flag's etcd
+    assert (rc, out) == (2, "") and "hilumctl: error: HILUM_PREFIX: must start and end with '/'" in err
+    rc, out, err = ctl(capsys, "--coordinator", "bad", "status", env={"HILUM_COORDINATOR": "h:1"})
+    assert (rc, out) == (2, "") and "hilumctl: error: --coordinator: 'bad' is not HOST:PORT" in err
+    assert contacted == []
+
+
+def test_a_runtime_error_names_the_variable_the_address_came_from(capsys: pytest.CaptureFixture[str]) -> None:
+    port = free_port()
+    rc, out, err = ctl(capsys, "status", env={"HILUM_COORDINATOR": f"127.0.0.1:{port}"})
+    assert (rc, out) == (1, "") and f"no coordinator answers at 127.0.0.1:{port}" in err
+    assert "that HILUM_COORDINATOR names its --listen/--advertise address" in err
+    rc, out, err = ctl(capsys, "--rpc-timeout", "1", "status", env={"HILUM_ETCD": f"127.0.0.1:{port}"})
+    assert (rc, out) == (1, "") and f"etcd at 127.0.0.1:{port}" in err and "that HILUM_ETCD names its client URL" in err
+
+
+def test_an_empty_entry_in_an_address_list_is_refused(
+    capsys: pytest.CaptureFixture[str], contacted: list[Target]
+) -> None:
+    for flag, value, wanted in (
+        ("--coordinator", "a:1,,b:2", "--coordinator: entry 2 of 'a:1,,b:2' is empty: drop the extra comma"),
+        ("--coordinator", "a:1,", "--coordinator: entry 2 of 'a:1,' is empty"),  # a trailing comma
+        ("--etcd", ",a:1", "--etcd: entry 1 of ',a:1' is empty"),
+        ("--etcd", "a:1, ,b:2", "--etcd: entry 2 of 'a:1, ,b:2' is empty"),
+    ):
+        rc, out, err = ctl(capsys, flag, value, "status")
+        assert (rc, out) == (2, "") and f"hilumctl: error: {wanted}" in err, value
+    assert contacted == []
+    assert ctl(capsys, "--coordinator", " a:1 , b:2 ", "status")[0] == 1  # blanks around an entry are fine
+    assert [t.coordinators for t in contacted] == [("a:1", "b:2")]

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
-from hilum_cli.ctl_client import AdminClient, CtlError, Target
+from hilum_cli.ctl_client import AdminClient, CtlError, Target, UsageError, parse_addresses
 from hilum_proto.v1 import coordinator_pb2 as pb
 from hilum_proto.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -94,3 +94,32 @@ def test_replicas_naming_each_other_are_given_up_on() -> None:
         assert (a.drains, b.drains) == (2, 2)  # a, b, a, b: the first try and 3 redirects
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("text", "wanted"),
+    [
+        ("a:1", ("a:1",)),
+        (" a:1 , b:2 ", ("a:1", "b:2")),
+        ("[::1]:2379,b:2", ("[::1]:2379", "b:2")),
+    ],
+)
+def test_parse_addresses(text: str, wanted: tuple[str, ...]) -> None:
+    assert parse_addresses(text, "--coordinator") == wanted
+
+
+@pytest.mark.parametrize(
+    ("text", "wanted"),
+    [
+        ("a:1,,b:2", "HILUM_COORDINATOR: entry 2 of 'a:1,,b:2' is empty: drop the extra comma"),
+        ("a:1,", "HILUM_COORDINATOR: entry 2 of 'a:1,' is empty: drop the extra comma"),
+        (",a:1", "HILUM_COORDINATOR: entry 1 of ',a:1' is empty: drop the extra comma"),
+        (" , ", "HILUM_COORDINATOR: expected HOST:PORT, got ' , '"),
+        ("a:1,b", "HILUM_COORDINATOR: 'b' is not HOST:PORT (port 1-65535)"),
+        ("a:0", "HILUM_COORDINATOR: 'a:0' is not HOST:PORT (port 1-65535)"),
+    ],
+)
+def test_parse_addresses_refuses_naming_the_entry(text: str, wanted: str) -> None:
+    with pytest.raises(UsageError) as exc:
+        parse_addresses(text, "HILUM_COORDINATOR")
+    assert str(exc.value) == wanted
