@@ -1,6 +1,7 @@
 """clusterstate — the shared state library every tier uses (DESIGN.md, "State in etcd").
 
-Modules: ``etcd`` (the one etcd client of a process, retryable errors), ``backoff`` (jittered exponential
+Modules: ``etcd`` (the one etcd client of a process, retryable errors), ``endpoints`` (the ``--etcd HOST:PORT,...``
+lists, parsed by one rule), ``backoff`` (jittered exponential
 backoff), ``session`` (leases kept alive, registrations bound to them), ``election`` (leader election,
 fencing token), ``fencing`` (``FencingGuard`` for domain schedulers and llumlets), ``records`` (the values
 stored in etcd and their JSON encoding) and ``store`` (key layout, compare-and-swap transitions, the watched

@@ -24,6 +24,7 @@ from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
 from etcd3aio.watch import WatchService
 
+from clusterstate.endpoints import is_host_port
 from hilum_proto.tls import etcd_tls_args
 
 __all__ = [
@@ -68,9 +69,8 @@ def connect(endpoints: list[str], *, watch_max_reconnect_backoff_s: float = 1.0)
     if not endpoints:
         raise ValueError("etcd endpoints: need at least one host:port")
     for ep in endpoints:
-        host, sep, port = ep.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"etcd endpoint {ep!r}: expected host:port")
+        if not is_host_port(ep):
+            raise ValueError(f"etcd endpoint {ep!r}: expected host:port (port 1-65535)")
     tls = etcd_tls_args()  # HILUM_ETCD_CA / _CERT / _KEY (hilum_proto.tls); plaintext when unset
     client = Etcd3Client(
         endpoints,

@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from aiohttp import web
 
 import hilum_config
+from clusterstate.endpoints import endpoints_option, parse_endpoints
 from clusterstate.etcd import connect
 from gateway.apikeys import ApiKeys, load_api_keys
 from gateway.app import GatewayApp
@@ -51,7 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line parser."""
     p = argparse.ArgumentParser(prog="python -m gateway", description="hilum gateway (OpenAI-compatible HTTP)")
     p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="HTTP address (port 0 picks one)")
-    p.add_argument("--etcd", required=True, metavar="HOST:PORT", help="etcd endpoint (comma-separated for several)")
+    p.add_argument(
+        "--etcd",
+        required=True,
+        type=endpoints_option,
+        metavar="HOST:PORT",
+        help="etcd endpoint (comma-separated for several)",
+    )
     p.add_argument("--topology", required=True, metavar="FILE", help="topology YAML file or bundled name")
     p.add_argument("--prefix", default="/hilum/v1/", help="etcd key prefix")
     p.add_argument(
@@ -147,7 +154,7 @@ async def _serve(
     sink_listen = ns.sink_listen or f"{host}:0"
     split_host_port(sink_listen, "--sink-listen")
     metrics = GatewayMetrics()
-    etcd = connect([e.strip() for e in ns.etcd.split(",") if e.strip()])
+    etcd = connect(parse_endpoints(ns.etcd))
     await etcd.connect()
     rng = random.Random(ns.seed)
     settings = hilum_config.load_config(ns.config)

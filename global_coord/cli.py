@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 import hilum_config
+from clusterstate.endpoints import endpoints_option, parse_endpoints
 from clusterstate.etcd import connect
 from global_coord.actuator import CommandActuator
 from global_coord.autoscaler import AutoscaleLoop
@@ -35,7 +36,13 @@ _log = logging.getLogger("global_coord")
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the command line (see the module docstring)."""
     p = argparse.ArgumentParser(prog="python -m global_coord", description="hilum global coordinator replica")
-    p.add_argument("--etcd", required=True, metavar="HOST:PORT", help="etcd endpoint (comma-separated for several)")
+    p.add_argument(
+        "--etcd",
+        required=True,
+        type=endpoints_option,
+        metavar="HOST:PORT",
+        help="etcd endpoint (comma-separated for several)",
+    )
     p.add_argument("--listen", required=True, metavar="HOST:PORT", help="gRPC listen address")
     p.add_argument("--topology", metavar="FILE", help="topology YAML file or bundled name")
     p.add_argument("--id", default=socket.gethostname(), help="replica id, unique among coordinators")
@@ -57,7 +64,7 @@ async def serve_replica(
     section prices moves at measured rates, and with ``autoscale.enabled`` (checked by :func:`check_autoscale`)
     the replica runs the autoscaler while it leads. Returns the exit status.
     """
-    endpoints = [e.strip() for e in ns.etcd.split(",") if e.strip()]
+    endpoints = parse_endpoints(ns.etcd)
     client = connect(endpoints)
     await client.connect()
     stop = asyncio.Event()

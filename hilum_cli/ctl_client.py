@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from clusterstate.endpoints import parse_endpoints
 from hilum_proto.tls import open_channel
 from hilum_proto.v1 import coordinator_pb2 as pb
 from hilum_proto.v1 import coordinator_pb2_grpc as pb_grpc
@@ -53,16 +54,10 @@ def parse_addresses(text: str, what: str) -> tuple[str, ...]:
         UsageError: naming ``what`` (``--coordinator``, or ``HILUM_COORDINATOR`` when the list came from there)
             when the list is empty, an entry is empty (``a:1,,b:2``, a trailing comma) or is not host:port.
     """
-    out = tuple(a.strip() for a in text.split(","))
-    if not any(out):
-        raise UsageError(f"{what}: expected HOST:PORT, got {text!r}")
-    for k, address in enumerate(out, 1):
-        if not address:
-            raise UsageError(f"{what}: entry {k} of {text!r} is empty: drop the extra comma")
-        host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise UsageError(f"{what}: {address!r} is not HOST:PORT (port 1-65535)")
-    return out
+    try:
+        return tuple(parse_endpoints(text, what))  # the rule every hilum process's --etcd follows
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 @dataclass(frozen=True, slots=True)

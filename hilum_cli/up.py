@@ -365,11 +365,17 @@ def _probe_etcd(endpoints: str, timeout_s: float) -> None:
     Raises:
         UpError: one line saying what did not answer and what to do (UpUsageError: not HOST:PORT).
     """
+    from clusterstate.endpoints import parse_endpoints
     from clusterstate.etcd import RETRYABLE_ERRORS, connect, kv_of
     from hilum_cli.ctl_client import short_error
 
+    try:
+        parsed = parse_endpoints(endpoints)
+    except ValueError as exc:
+        raise UpUsageError(str(exc)) from None  # malformed: an empty entry, not HOST:PORT (names --etcd)
+
     async def probe() -> None:
-        client = connect([e.strip() for e in endpoints.split(",") if e.strip()])
+        client = connect(parsed)
         try:
             async with asyncio.timeout(timeout_s):
                 await client.connect()
@@ -380,7 +386,7 @@ def _probe_etcd(endpoints: str, timeout_s: float) -> None:
     try:
         asyncio.run(probe())
     except ValueError as exc:
-        raise UpUsageError(f"--etcd {endpoints}: {exc}") from None  # malformed: not HOST:PORT
+        raise UpUsageError(f"--etcd {endpoints}: {exc}") from None  # the TLS variables (HILUM_ETCD_CA, ...)
     except RETRYABLE_ERRORS as exc:
         if isinstance(exc, TimeoutError):
             why = f"did not answer within {timeout_s:g} s"

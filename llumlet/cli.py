@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 import hilum_config
+from clusterstate.endpoints import endpoints_option
 from llumlet.agent import Llumlet, LlumletConfig
 from llumlet.backends import BACKEND_NAMES, Backend, BackendConfig, UnknownBackendError, make_backend
 from llumlet.backends.base import parse_engine_options
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--etcd",
-        default="",
+        type=endpoints_option,
         help="etcd endpoints HOST:PORT[,...]: register this instance under a lease (needs --topology)",
     )
     p.add_argument("--prefix", default="/hilum/v1/", help="etcd key prefix (as the coordinator's)")
@@ -130,6 +131,7 @@ async def _register(
     The record names the engine and the sampling features it honours: the gateway refuses (400) a request
     that needs one no instance of its model has.
     """
+    from clusterstate.endpoints import parse_endpoints
     from clusterstate.etcd import connect
     from clusterstate.records import InstanceRegistration, encode
     from clusterstate.session import Registrar
@@ -146,7 +148,7 @@ async def _register(
         engine=backend.name,
         sampling_features=tuple(sorted(backend.sampling_features)),
     )
-    client = connect([e.strip() for e in ns.etcd.split(",") if e.strip()])
+    client = connect(parse_endpoints(ns.etcd))
     await client.connect()
     registrar = Registrar(client, ns.ttl, rng=random.Random(ns.seed), name=f"llumlet {ns.instance_id}")
     await registrar.set(Keys(ns.prefix).instance(ns.instance_id), encode(record))

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 
 import hilum_config
+from clusterstate.endpoints import endpoints_option, parse_endpoints
 from clusterstate.etcd import Etcd3Client, connect, kv_of
 from clusterstate.records import DomainRegistration, InstanceRegistration, RecordError, decode
 from clusterstate.store import Keys
@@ -40,7 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rack_sched", description="hilum domain scheduler (one per domain)")
     p.add_argument("--domain-id", required=True, help="NVLink domain id (as in the topology file)")
     p.add_argument("--listen", required=True, metavar="HOST:PORT", help="gRPC listen address (port 0 picks one)")
-    p.add_argument("--etcd", required=True, metavar="HOST:PORT", help="etcd endpoint (comma-separated for several)")
+    p.add_argument(
+        "--etcd",
+        required=True,
+        type=endpoints_option,
+        metavar="HOST:PORT",
+        help="etcd endpoint (comma-separated for several)",
+    )
     p.add_argument("--topology", required=True, metavar="FILE", help="topology YAML file or bundled name")
     p.add_argument("--coordinator", default="", metavar="HOST:PORT", help="coordinator, when etcd names no leader")
     p.add_argument("--prefix", default="/hilum/v1/", help="etcd key prefix")
@@ -148,7 +155,7 @@ async def _refuse_a_second_scheduler(
 async def _serve(ns: argparse.Namespace, topology: Topology) -> None:
     server, port = bind_server(ns.listen)
     cfg = config_from_args(ns, topology, advertised_address(ns.listen, port, ns.advertise))
-    client = connect([e.strip() for e in ns.etcd.split(",") if e.strip()])
+    client = connect(parse_endpoints(ns.etcd))
     await client.connect()
     key = Keys(ns.prefix).domain(ns.domain_id)
     await _refuse_a_second_scheduler(client, key, ns.domain_id, cfg.advertise_address, 1.5 * ns.ttl + 1)

@@ -237,8 +237,16 @@ def test_a_port_outside_the_range_is_a_usage_error(tmp_path: Path, kw: dict[str,
     assert not (tmp_path / "r").exists()
 
 
-def test_a_malformed_etcd_address_is_a_usage_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("etcd", "message"),
+    [
+        ("nohost", "--etcd: 'nohost' is not HOST:PORT (port 1-65535)"),
+        ("127.0.0.1:2379,", "--etcd: entry 2 of '127.0.0.1:2379,' is empty: drop the extra comma"),
+    ],
+)
+def test_a_malformed_etcd_address_is_a_usage_error(tmp_path: Path, etcd: str, message: str) -> None:
     err = io.StringIO()
-    cfg = UpConfig(etcd="nohost", port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "r"))
+    cfg = UpConfig(etcd=etcd, port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "r"))
     assert run_up(cfg, out=io.StringIO(), err=err) == 2
-    assert err.getvalue().startswith("hilum up: error: --etcd nohost: etcd endpoint 'nohost': expected host:port")
+    assert err.getvalue().startswith(f"hilum up: error: {message}")
+    assert not (tmp_path / "r").exists()
