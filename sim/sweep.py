@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -313,6 +314,30 @@ def ray_runtime_env() -> dict[str, Any]:
     return {"worker_process_setup_hook": "hilum_compiled.install"}
 
 
+#: How long :func:`_probe_ray` waits for a TCP connection to a Ray address, seconds.
+RAY_PROBE_TIMEOUT_S = 5.0
+
+
+def _probe_ray(address: str, timeout_s: float = RAY_PROBE_TIMEOUT_S) -> None:
+    """Refuse at once a ``HOST:PORT`` (or ``ray://HOST:PORT``) where nothing accepts a TCP connection within
+    ``timeout_s``: ``ray.init`` retries such an address for minutes (Ray 2.60: over two and a half) with nothing
+    but its own log lines. Other forms (``auto``, ``local``, an address Ray cannot read) are left to Ray.
+
+    Raises ConnectionError naming the address and what to do.
+    """
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        why = f"no answer within {timeout_s:g} s" if isinstance(exc, TimeoutError) else exc.strerror or exc
+        raise ConnectionError(
+            f"--ray-address {address}: nothing accepts a connection there ({why}): start Ray on that host "
+            "(`ray start --head`) and give the address it prints, or leave --ray-address out for a local Ray"
+        ) from None
+
+
 def run_sweep(
     config: SweepConfig,
     *,
@@ -333,7 +358,8 @@ def run_sweep(
     Raises:
         ImportError: if Ray is not installed (install the ``sweep`` extra).
         ValueError: ``ray_address`` is not an address Ray can read.
-        ConnectionError: no Ray cluster answers at ``ray_address``.
+        ConnectionError: nothing accepts a connection at ``ray_address`` (within ``RAY_PROBE_TIMEOUT_S``), or no
+            Ray cluster answers there.
         SweepPointError: (as Ray's task error) if a grid point's run fails.
     """
     try:
@@ -347,6 +373,7 @@ def run_sweep(
         if ray_address is None:
             ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, runtime_env=ray_runtime_env())
         else:
+            _probe_ray(ray_address)
             try:
                 ray.init(address=ray_address, runtime_env=ray_runtime_env())
             except ValueError as exc:  # Ray's word for an address it cannot parse

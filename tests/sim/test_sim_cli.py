@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -376,6 +377,29 @@ def test_a_ray_address_ray_cannot_read_is_an_error_not_a_traceback(tmp_path: Pat
     done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     assert "hilum sim sweep: error: --ray-address x: " in done.stderr and "Traceback" not in done.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("scheme", ["", "ray://"])
+def test_a_ray_address_where_nothing_listens_fails_at_once(tmp_path: Path, scheme: str) -> None:
+    """``--ray-address HOST:PORT`` with nothing listening: Ray retried for minutes with only its own log lines; now
+    exit 1 after a TCP probe, naming the address and what to do, the ``--out`` folder taken away. A fresh
+    interpreter, as above."""
+    with socket.socket() as s:  # a port nothing listens on: bound, never listening, closed before the sweep
+        s.bind(("127.0.0.1", 0))
+        address = f"{scheme}127.0.0.1:{s.getsockname()[1]}"
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("trace: azure-conv\ntopologies: [2x8-a100-40gb]\npolicies: [round-robin]\nrate_scales: [1]\n")
+    out = tmp_path / "o"
+    code = "import sys\nfrom hilum_cli.main import main\nsys.exit(main(sys.argv[1:]))"
+    argv = ["sim", "sweep", str(sweep), "--ray-address", address, "--out", str(out)]
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip() == (
+        f"hilum sim sweep: error: --ray-address {address}: nothing accepts a connection there (Connection refused): "
+        "start Ray on that host (`ray start --head`) and give the address it prints, or leave --ray-address out for "
+        "a local Ray"
+    )
     assert not out.exists()
 
 
