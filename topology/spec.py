@@ -6,7 +6,8 @@ Everything here is in base units: bytes, bytes per second, tokens, blocks. The Y
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import difflib
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
@@ -223,25 +224,29 @@ class Topology:
         return sum(d.num_gpus for d in self.domains)
 
     def instance(self, instance_id: str) -> InstanceSpec:
-        """The instance ``instance_id``; KeyError if there is none."""
+        """The instance ``instance_id``; KeyError if there is none (naming the closest ids, or some)."""
         try:
             return self._instances[instance_id]
         except KeyError:
-            raise KeyError(f"{self.source}: no instance {instance_id!r}") from None
+            raise KeyError(
+                f"{self.source}: no instance {instance_id!r}; {_known(instance_id, self._instances, 'instance')}"
+            ) from None
 
     def domain(self, domain_id: str) -> DomainSpec:
-        """The NVLink domain ``domain_id``; KeyError if there is none."""
+        """The NVLink domain ``domain_id``; KeyError if there is none (naming the closest ids, or some)."""
         try:
             return self._domains[domain_id]
         except KeyError:
-            raise KeyError(f"{self.source}: no domain {domain_id!r}") from None
+            raise KeyError(
+                f"{self.source}: no domain {domain_id!r}; {_known(domain_id, self._domains, 'domain')}"
+            ) from None
 
     def node(self, node_id: str) -> NodeSpec:
-        """The node ``node_id``; KeyError if there is none."""
+        """The node ``node_id``; KeyError if there is none (naming the closest ids, or some)."""
         try:
             return self._nodes[node_id]
         except KeyError:
-            raise KeyError(f"{self.source}: no node {node_id!r}") from None
+            raise KeyError(f"{self.source}: no node {node_id!r}; {_known(node_id, self._nodes, 'node')}") from None
 
     def rack_of(self, node_id: str) -> str | None:
         """The rack holding ``node_id``, or None when the file has no racks (a single domain)."""
@@ -270,3 +275,14 @@ class Topology:
             return self.fabric.bisection_bandwidth_bytes_per_s
         nics = sorted(n.nic_bandwidth_bytes_per_s for n in self.nodes)
         return float(sum(nics[: len(nics) // 2]))
+
+
+def _known(wanted: str, ids: Collection[str], noun: str) -> str:
+    """What to say after "no <noun> <wanted>": how many there are, some of them, and the closest (``difflib``)."""
+    listed = list(ids)
+    if not listed:
+        return f"the topology has no {noun}s"
+    shown = ", ".join(listed) if len(listed) <= 6 else f"{', '.join(listed[:3])}, ..., {listed[-1]}"
+    close = difflib.get_close_matches(wanted, listed, n=1)
+    guess = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{len(listed)} {noun}{'s' if len(listed) != 1 else ''}: {shown}{guess}"

@@ -151,12 +151,22 @@ def test_2x8_a100_40gb_is_memory_tight() -> None:
     assert topo.gpu_of("node-1-i7").hbm_bandwidth_bytes_per_s == 1555e9
 
 
-def test_lookup_of_unknown_ids_names_them() -> None:
+def test_lookup_of_unknown_ids_names_them_with_some_known_ids_and_the_closest() -> None:
     topo = load_topology("2x8-a100")
-    with pytest.raises(KeyError, match="no instance 'x'"):
+    with pytest.raises(KeyError) as exc:
         topo.instance("x")
-    with pytest.raises(KeyError, match="no domain 'x'"):
-        topo.domain("x")
+    assert exc.value.args[0] == (
+        "2x8-a100.yaml: no instance 'x'; 16 instances: node-0-i0, node-0-i1, node-0-i2, ..., node-1-i7"
+    )
+    with pytest.raises(KeyError) as exc:
+        topo.instance("node-1-i33")
+    assert exc.value.args[0].endswith("..., node-1-i7; did you mean 'node-1-i3'?")
+    with pytest.raises(KeyError) as exc:
+        topo.domain("nod-1")
+    assert exc.value.args[0] == "2x8-a100.yaml: no domain 'nod-1'; 2 domains: node-0, node-1; did you mean 'node-1'?"
+    with pytest.raises(KeyError) as exc:
+        load_topology("1x8-a100").node("x")
+    assert exc.value.args[0] == "1x8-a100.yaml: no node 'x'; 1 node: node-0"
 
 
 # ------------------------------------------------------------------------------------------- errors
