@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 from gateway.validation import BadRequest, parse_priority
-from topology.load import parse_yaml, yaml_error_line
+from topology.load import not_utf8, parse_yaml, yaml_error_line
 
 __all__ = ["ApiKey", "ApiKeys", "Unauthorized", "load_api_keys", "parse_api_keys"]
 
@@ -155,7 +155,7 @@ def load_api_keys(path: str | Path) -> ApiKeys:
     except OSError as exc:
         raise ValueError(f"{path}: cannot read the API key file: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}): an API key file is YAML") from None
+        raise ValueError(f"{path}: {not_utf8(exc)}") from None
     try:
         raw = parse_yaml(text)
     except yaml.YAMLError as exc:

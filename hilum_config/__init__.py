@@ -54,7 +54,7 @@ from policy.types import PolicyConfig, loop_interval_problem
 from rack_sched.core import DomainConfig
 from topology.bandwidth import MeasuredBandwidthConfig
 from topology.cost import CostConfig
-from topology.load import parse_yaml, yaml_error_line
+from topology.load import not_utf8, parse_yaml, yaml_error_line
 
 __all__ = [
     "CONFIG_ENV",
@@ -301,7 +301,7 @@ def load_config(path: str | Path | None = None) -> HilumConfig:
     except OSError as exc:
         raise ConfigError([f"{p}: cannot read the configuration file: {exc.strerror or exc}"]) from None
     except UnicodeDecodeError as exc:
-        raise ConfigError([f"{p}: not UTF-8 text (byte {exc.start}): a configuration file is YAML"]) from None
+        raise ConfigError([f"{p}: {not_utf8(exc)}"]) from None
     try:
         raw = parse_yaml(text)
     except yaml.YAMLError as exc:

@@ -41,7 +41,7 @@ from sim.results import (
     summary_from_dict,
     summary_to_dict,
 )
-from topology.load import parse_yaml, yaml_error_line
+from topology.load import not_utf8, parse_yaml, yaml_error_line
 
 __all__ = [
     "SWEEP_FILE_NAME",
@@ -198,15 +198,14 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
     except OSError as exc:
         raise OSError(f"sweep file {p}: cannot read it: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:
-        raise SweepConfigError(
-            [f"{p}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); save it as UTF-8"]
-        ) from None
+        raise SweepConfigError([f"{p}: {not_utf8(exc)}"]) from None
     try:
         data = parse_yaml(text)
     except yaml.YAMLError as exc:
         raise SweepConfigError([f"{p}: {yaml_error_line(exc)}"]) from exc
     if not isinstance(data, Mapping):
-        raise SweepConfigError([f"{p}: (top level): expected a mapping of keys, got {type(data).__name__}"])
+        got = "an empty file" if data is None else type(data).__name__
+        raise SweepConfigError([f"{p}: (top level): expected a mapping of keys, got {got}"])
     try:
         return SweepConfig.model_validate(data)
     except ValidationError as exc:

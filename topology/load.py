@@ -271,7 +271,8 @@ def parse_topology(data: Any, source: str, *, base_dir: Path | None = None) -> T
     """
     col = _Collector(source)
     if not isinstance(data, Mapping):
-        col.add("(root)", f"expected a mapping with keys name, models, gpu_types, domains, got {_describe(data)}")
+        got = "an empty file" if data is None else _describe(data)
+        col.add("(root)", f"expected a mapping with keys name, models, gpu_types, domains, got {got}")
         raise TopologyError(col.errors)
     root = col.validate(_RootSchema, data, ())
     if root is None:
@@ -668,6 +669,12 @@ _UniqueKeyLoader.add_implicit_resolver(
 )
 
 
+def not_utf8(exc: UnicodeDecodeError) -> str:
+    """What to say of a file that is not UTF-8 text, every file hilum reads (topology, configuration, sweep, API
+    keys, traces): ``not UTF-8 text (byte 0xe9 at offset 111); save it as UTF-8``."""
+    return f"not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); save it as UTF-8"
+
+
 class _TooDeepError(yaml.YAMLError):
     """A document nested deeper than PyYAML's recursion can follow (valid YAML, not one hilum can read)."""
 
@@ -722,8 +729,10 @@ def load_topology(path_or_name: str | Path) -> Topology:
         path, shown = bundled, bundled.name
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise TopologyError([f"{shown}: (file): cannot read: {exc}"]) from exc
+    except UnicodeDecodeError as exc:
+        raise TopologyError([f"{shown}: (file): {not_utf8(exc)}"]) from None
     try:
         data = parse_yaml(text)
     except yaml.YAMLError as exc:

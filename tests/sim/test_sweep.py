@@ -132,6 +132,14 @@ def test_a_sweep_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
     assert exc.value.errors == [f"{path}: not UTF-8 text (byte 0xe9 at offset 10); save it as UTF-8"]
 
 
+def test_an_empty_sweep_file_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "sweep.yaml"
+    path.write_text("# nothing yet\n")
+    with pytest.raises(SweepConfigError) as exc:
+        load_sweep_config(path)
+    assert exc.value.errors == [f"{path}: (top level): expected a mapping of keys, got an empty file"]
+
+
 def test_grid_order_topology_policy_rate_seed() -> None:
     cfg = SweepConfig(trace="t", topologies=["a", "b"], policies=["p", "q"], rate_scales=[1.0], seeds=[0, 1])
     labels = [p.label() for p in grid_points(cfg)]

@@ -384,6 +384,20 @@ def test_file_errors(tmp_path: Path) -> None:
     ]
 
 
+def test_a_topology_file_that_is_not_utf8_or_empty_says_so(tmp_path: Path) -> None:
+    bad = tmp_path / "t.yaml"
+    bad.write_bytes("name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(TopologyError) as exc:
+        load_topology(bad)
+    assert exc.value.errors == [f"{bad}: (file): not UTF-8 text (byte 0xe9 at offset 9); save it as UTF-8"]
+    bad.write_text("")
+    with pytest.raises(TopologyError) as exc:
+        load_topology(bad)
+    assert exc.value.errors == [
+        f"{bad}: (root): expected a mapping with keys name, models, gpu_types, domains, got an empty file"
+    ]
+
+
 @pytest.mark.parametrize(
     "text",
     ["name: " + "[" * 5000 + "]" * 5000, "name:\n" + "".join("  " * i + "k:\n" for i in range(1, 3000))],
