@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 import time
@@ -145,6 +146,8 @@ def _target(ns: argparse.Namespace, env: Mapping[str, str]) -> Target:
             )
         return Target(coordinators=parse_addresses(coordinator, source), source=source)
     if etcd:
+        if prefix_flag is not None and not prefix_flag.strip():  # never taken for "not given" (the default)
+            raise UsageError("--prefix is empty: give the coordinators' key prefix, or leave it out for the default")
         prefix, prefix_source = prefix_flag, "--prefix"
         if prefix is None and env.get("HILUM_PREFIX"):
             prefix, prefix_source = env["HILUM_PREFIX"], "HILUM_PREFIX"
@@ -383,7 +386,6 @@ _DRAIN_WAIT = {"timeout": 300.0, "interval": 1.0}  # drain --wait's defaults, se
 _WANTED = {  # what each flag that takes a name or an address wants, for the error when it is given empty
     "coordinator": "HOST:PORT",
     "etcd": "HOST:PORT",
-    "prefix": "a key prefix",
     "domain": "a domain id",
     "instance": "an instance id",
 }
@@ -408,12 +410,15 @@ def _check_options(ns: argparse.Namespace) -> None:
             setattr(ns, name, "")
     if ns.command == "drain":
         for name, default_s in _DRAIN_WAIT.items():
-            if getattr(ns, name) is None:
+            value = getattr(ns, name)
+            if value is None:
                 setattr(ns, name, default_s)
-            elif not ns.wait:
+                continue
+            if not ns.wait:
                 raise UsageError(f"--{name} applies only with --wait: add --wait, or drop --{name}")
-    if ns.command == "drain" and (ns.timeout < 0 or ns.interval <= 0):
-        raise UsageError(f"--timeout must be >= 0 and --interval > 0, got {ns.timeout:g} and {ns.interval:g}")
+            if not math.isfinite(value) or value < 0 or (name == "interval" and value == 0):
+                wanted = "> 0" if name == "interval" else ">= 0"
+                raise UsageError(f"--{name}: must be a finite number of seconds {wanted}, got {value:g}")
     if ns.command == "autoscale" and ns.events is not None and ns.events < 0:
         raise UsageError(f"--events must be >= 0, got {ns.events}")
 

@@ -373,7 +373,7 @@ def render_domains(console: Console, data: Json) -> None:
         for summary in d["summaries"]:
             _domain_row(table, d, scheduler, summary)
     console.print(table)
-    console.print(f"{len(data['domains'])} domains (view at revision {data['view_revision']})")
+    console.print(f"{_count(len(data['domains']), 'domain')} (view at revision {data['view_revision']})")
 
 
 def _domain_row(table: Table, d: Json, scheduler: str, s: Json) -> None:
@@ -407,7 +407,9 @@ def render_instances(console: Console, data: Json) -> None:
             drain,
         )  # fmt: skip
     console.print(table)
-    console.print(f"{len(data['instances'])} instances (view at revision {data['view_revision']}); USED in KV blocks")
+    console.print(
+        f"{_count(len(data['instances']), 'instance')} (view at revision {data['view_revision']}); USED in KV blocks"
+    )
 
 
 def render_migrations(console: Console, data: Json) -> None:
@@ -434,7 +436,7 @@ def render_migrations(console: Console, data: Json) -> None:
             m["reason"],
         )
     console.print(table)
-    console.print(f"{len(data['migrations'])} migrations (view at revision {data['view_revision']})")
+    console.print(f"{_count(len(data['migrations']), 'migration')} (view at revision {data['view_revision']})")
 
 
 def migration_line(event: Json) -> str:
@@ -495,8 +497,8 @@ def render_requests(console: Console, data: Json) -> None:
     answered = [d for d in data["domains"] if d["answered"]]
     waiting = sum(i["num_waiting"] or 0 for i in data["instances"])
     console.print(
-        f"{len(data['requests'])} running, {waiting} waiting on {len(data['instances'])} instances "
-        f"({len(answered)} of {len(data['domains'])} domain schedulers answered)"
+        f"{len(data['requests'])} running, {waiting} waiting on {_count(len(data['instances']), 'instance')} "
+        f"({len(answered)} of {_count(len(data['domains']), 'domain scheduler')} answered)"
     )
 
 

@@ -601,7 +601,7 @@ def test_requests_of_one_domain_both_forms(cluster: Cluster, capsys: pytest.Capt
         ["req-a", "node-0", "node-0-i0"], ["req-b", "node-0", "node-0-i0"], ["req-c", "node-0", "node-0-i1"],
     ]  # fmt: skip
     assert [r[:5] for r in rows if r and r[0] == "node-0-i1"] == [["node-0-i1", "node-0", "1", "0", "draining"]]
-    assert "3 running, 1 waiting on 2 instances (1 of 1 domain schedulers answered)" in out
+    assert "3 running, 1 waiting on 2 instances (1 of 1 domain scheduler answered)" in out
 
 
 def test_requests_of_one_instance(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
@@ -791,9 +791,11 @@ def test_etcd_without_a_leader(etcd: EtcdServer, capsys: pytest.CaptureFixture[s
 def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = ctl(capsys, "status")
     assert rc == 2 and "pass --coordinator HOST:PORT" in err and "HILUM_COORDINATOR" in err
-    for flag, wanted in (("--coordinator", "HOST:PORT"), ("--etcd", "HOST:PORT"), ("--prefix", "a key prefix")):
+    for flag, wanted in (("--coordinator", "HOST:PORT"), ("--etcd", "HOST:PORT")):
         rc, out, err = ctl(capsys, flag, "", "status")  # given empty: refused, not taken for absent
         assert (rc, out) == (2, "") and f"{flag} is empty: give {wanted}" in err
+    rc, out, err = ctl(capsys, "--etcd", "h:2", "--prefix", " ", "status")  # it was the default prefix
+    assert (rc, out) == (2, "") and "--prefix is empty: give the coordinators' key prefix, or leave it out" in err
     for argv, wanted in (
         (["drain", " ", "--domain"], "error: DOMAIN is empty: give a domain id"),  # it was recorded: domain " "
         (["undrain", "", "--instance"], "error: INSTANCE is empty: give an instance id"),
@@ -809,7 +811,7 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 2 and "--prefix: must start and end with '/'" in err
     # an option the command checks is a usage error before anything is contacted (nothing listens at h:1)
     rc, out, err = ctl(capsys, "--coordinator", "h:1", "drain", "i0", "--wait", "--interval", "0")
-    assert (rc, out) == (2, "") and "--interval > 0, got" in err
+    assert (rc, out) == (2, "") and "--interval: must be a finite number of seconds > 0, got 0" in err
     for bad in ("0", "nan", "inf"):
         rc, out, err = ctl(capsys, "--coordinator", "h:1", "--rpc-timeout", bad, "status")
         assert (rc, out) == (2, "") and "--rpc-timeout: must be a finite number of seconds > 0" in err
@@ -838,7 +840,7 @@ def contacted(monkeypatch: pytest.MonkeyPatch) -> list[Target]:
 
 
 def test_prefix_applies_only_with_etcd(capsys: pytest.CaptureFixture[str], contacted: list[Target]) -> None:
-    for argv in (["--prefix", "/p/", "status"], ["status", "--prefix", "/p/"]):  # it was ignored
+    for argv in (["--prefix", "/p/", "status"], ["status", "--prefix", "/p/"], ["--prefix", "", "status"]):
         rc, out, err = ctl(capsys, "--coordinator", "h:1", *argv)
         assert (rc, out) == (2, ""), argv
         assert "hilumctl: error: --prefix applies only with --etcd" in err
@@ -872,8 +874,16 @@ def test_drain_timeout_and_interval_need_wait(capsys: pytest.CaptureFixture[str]
             rc, out, err = ctl(capsys, "--coordinator", "h:1", "drain", "i0", *kind, flag, value)
             assert (rc, out) == (2, ""), (flag, kind)
             assert f"hilumctl: error: {flag} applies only with --wait: add --wait, or drop {flag}" in err
-    rc, out, err = ctl(capsys, "--coordinator", "h:1", "drain", "i0", "--wait", "--timeout", "-1")
-    assert (rc, out) == (2, "") and "--timeout must be >= 0 and --interval > 0, got -1 and 1" in err
+    for flag, value, wanted in (
+        ("--timeout", "-1", ">= 0, got -1"),
+        ("--timeout", "nan", ">= 0, got nan"),  # it never timed out
+        ("--timeout", "inf", ">= 0, got inf"),
+        ("--interval", "0", "> 0, got 0"),  # the message named --timeout and its default too
+        ("--interval", "nan", "> 0, got nan"),  # it polled without a pause
+    ):
+        rc, out, err = ctl(capsys, "--coordinator", "h:1", "drain", "i0", "--wait", flag, value)
+        assert (rc, out) == (2, ""), (flag, value)
+        assert err.strip() == f"hilumctl: error: {flag}: must be a finite number of seconds {wanted}"
     assert contacted == []
     assert ctl(capsys, "--coordinator", "h:1", "drain", "i0", "--wait", "--timeout", "600")[0] == 1  # accepted
     assert len(contacted) == 1
