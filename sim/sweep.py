@@ -322,11 +322,14 @@ def _probe_ray(address: str, timeout_s: float = RAY_PROBE_TIMEOUT_S) -> None:
     ``timeout_s``: ``ray.init`` retries such an address for minutes (Ray 2.60: over two and a half) with nothing
     but its own log lines. Other forms (``auto``, ``local``, an address Ray cannot read) are left to Ray.
 
-    Raises ConnectionError naming the address and what to do.
+    Raises ValueError for a port outside 1-65535 (a usage error), ConnectionError naming the address and what to
+    do.
     """
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not host or not port.isdigit():
         return
+    if not 0 < int(port) < 65536:
+        raise ValueError(f"--ray-address {address}: port {port} is outside 1-65535")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as exc:

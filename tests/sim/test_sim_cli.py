@@ -378,6 +378,13 @@ def test_a_ray_address_ray_cannot_read_is_an_error_not_a_traceback(tmp_path: Pat
     assert done.returncode == 2, done.stderr
     assert "hilum sim sweep: error: --ray-address x: " in done.stderr and "Traceback" not in done.stderr
     assert not out.exists()
+    argv[argv.index("x")] = "127.0.0.1:99999"  # refused before a connection is tried (Ray's own check wraps it)
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stderr.strip()) == (
+        2,
+        "hilum sim sweep: error: --ray-address 127.0.0.1:99999: port 99999 is outside 1-65535",
+    )
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("scheme", ["", "ray://"])
