@@ -299,10 +299,11 @@ def _cmd_show(args: argparse.Namespace) -> int:
                 f"{r['oversubscription']:g}:1",
             )
         con.print(t)
-    con.print(
-        f"bisection bandwidth: {_gbit(fab['bisection_bandwidth_bytes_per_s'])} "
-        f"({_gbyte(fab['bisection_bandwidth_bytes_per_s'])})"
-    )
+    if len({n for d in summary["domains"] for n in d["nodes"]}) > 1:
+        bisection = fab["bisection_bandwidth_bytes_per_s"]
+        con.print(f"bisection bandwidth: {_gbit(bisection)} ({_gbyte(bisection)})")
+    else:  # 0 would read as a fault
+        con.print("bisection bandwidth: none to measure (one node: no network path between nodes)")
     t = Table(title="Widest-path bandwidth by pair class (first instances of each domain)")
     for col in ("class", "pairs", "min", "max", "bottleneck of min"):
         t.add_column(col, justify="right" if col in ("pairs", "min", "max") else "left")

@@ -12,6 +12,14 @@ from hilum_cli.main import main
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def test_show_of_one_node_does_not_print_a_bisection_of_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["topology", "show", "1x8-a100"]) == 0
+    out = capsys.readouterr().out
+    assert "1x8-a100 (1x8-a100.yaml): 8 GPUs, 1 NVLink domain, 8 instances, 0 racks" in out
+    assert "bisection bandwidth: none to measure (one node: no network path between nodes)" in out
+    assert "0 Gb/s" not in out
+
+
 def test_show_2x8_prints_the_figures(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["topology", "show", "2x8-a100"]) == 0
     out = capsys.readouterr().out
