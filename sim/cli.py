@@ -865,7 +865,7 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from .report import render_sweep_table
-    from .sweep import SweepPointError, load_sweep_config, run_sweep
+    from .sweep import SweepConfigError, SweepPointError, load_sweep_config, run_sweep
 
     before = getattr(args, "before_sub", [])  # what _SimParser found before 'sweep', as typed
     if before:
@@ -880,7 +880,7 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
         try:
             _check_sweep(config)
         except ValueError as exc:  # the file's content: named with the file, as load_sweep_config's errors are
-            raise ValueError(f"{args.config}: {exc}") from None
+            raise SweepConfigError([f"{args.config}: {exc}"]) from None
         if config.config is not None:  # the runs' configuration file: read it here, not in every Ray task
             try:
                 load_config(config.config)

@@ -475,7 +475,8 @@ def test_a_sweep_that_cannot_run_fails_before_starting_ray(
     config.write_text(body)
     assert main(["sim", "sweep", str(config), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.replace("\n", " ")
-    assert f"hilum sim sweep: error: {config}: " in err and message in err, err  # the file named, then the problem
+    # the file named, then the problem, as load_sweep_config's errors read
+    assert f"hilum sim sweep: error: invalid sweep config:   {config}: " in err and message in err, err
 
 
 def test_the_bundled_sweep_example_is_valid() -> None:
@@ -773,7 +774,8 @@ def test_a_sweep_files_policy_with_a_space_is_shown_quoted(tmp_path: Path, capsy
     )
     assert main(["sim", "sweep", str(config), "--out", str(tmp_path / "o")]) == 2
     assert (
-        f"hilum sim sweep: error: {config}: policies[0]: unknown policy ' hilum'; policies[2]: unknown policy 'fifo'; "
+        f"hilum sim sweep: error: invalid sweep config:  {config}: policies[0]: unknown policy ' hilum'; "
+        "policies[2]: unknown policy 'fifo'; "
         "choose from round-robin, least-loaded, llumnix, hilum" in capsys.readouterr().err.replace("\n", "")
     )
     assert not (tmp_path / "o").exists()
