@@ -1,7 +1,8 @@
 """clusterstate — the shared state library every tier uses (DESIGN.md, "State in etcd").
 
 Modules: ``etcd`` (the one etcd client of a process, retryable errors), ``endpoints`` (the ``--etcd HOST:PORT,...``
-lists, parsed by one rule), ``backoff`` (jittered exponential
+lists and the other addresses of a command line, each checked by one rule), ``options`` (the ``--prefix`` and
+``--log-level`` every daemon takes, one rule each), ``backoff`` (jittered exponential
 backoff), ``session`` (leases kept alive, registrations bound to them), ``election`` (leader election,
 fencing token), ``fencing`` (``FencingGuard`` for domain schedulers and llumlets), ``records`` (the values
 stored in etcd and their JSON encoding) and ``store`` (key layout, compare-and-swap transitions, the watched

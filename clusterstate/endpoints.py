@@ -1,4 +1,6 @@
-"""Address lists as hilum's command lines take them (``--etcd a:2379,b:2379``): parsed by one rule everywhere.
+"""Addresses as hilum's command lines take them, each checked by one rule everywhere: the etcd lists
+(``--etcd a:2379,b:2379``), the addresses a daemon listens on (``--listen``, port 0 picks a free one) and the
+ones others reach (``--advertise``, ``--coordinator``).
 
 Imports nothing heavy: ``hilumctl`` parses its options before it knows whether it will need the etcd client.
 """
@@ -7,7 +9,15 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["endpoints_option", "is_host_port", "parse_endpoints"]
+__all__ = [
+    "address_option",
+    "endpoints_option",
+    "is_host_port",
+    "listen_option",
+    "optional_listen_option",
+    "parse_endpoints",
+    "split_address",
+]
 
 
 def parse_endpoints(text: str, what: str = "--etcd") -> list[str]:
@@ -43,7 +53,59 @@ def endpoints_option(text: str) -> str:
     return text
 
 
-def is_host_port(address: str) -> bool:
-    """``address`` is ``host:port`` with a non-empty host and a port of 1-65535."""
+def split_address(address: str, what: str = "", *, listen: bool = False) -> tuple[str, int]:
+    """(host, port) of one ``host:port`` address: a non-empty host (``[::1]`` for IPv6) and a port of 1-65535,
+    or of 0-65535 when ``listen`` (an address to listen on, where port 0 picks a free one).
+
+    Raises:
+        ValueError: led by ``what`` (the flag it came from; nothing when empty) when ``address`` is a list or not
+            ``host:port`` with a port in range (a port above 65535 is refused, never wrapped round).
+    """
+    lead = f"{what}: " if what else ""
+    if "," in address:
+        raise ValueError(f"{lead}{address!r} is not one HOST:PORT: this option takes a single address")
+    lowest = 0 if listen else 1
     host, sep, port = address.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+    if not (sep and host and port.isascii() and port.isdigit() and lowest <= int(port) <= 65535):
+        raise ValueError(f"{lead}{address!r} is not HOST:PORT (port {lowest}-65535)")
+    return host, int(port)
+
+
+def is_host_port(address: str) -> bool:
+    """``address`` is ``host:port`` with a non-empty host and a port of 1-65535 (:func:`split_address`)."""
+    try:
+        split_address(address)
+    except ValueError:
+        return False
+    return True
+
+
+def listen_option(text: str) -> str:
+    """argparse ``type=`` of a ``--listen HOST:PORT`` option: ``text`` once :func:`split_address` accepts it as an
+    address to listen on (port 0-65535, 0 picks a free one).
+
+    Raises argparse.ArgumentTypeError (argparse names the option)."""
+    try:
+        split_address(text, listen=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def optional_listen_option(text: str) -> str:
+    """:func:`listen_option` of an option whose empty value means "not given" (its default)."""
+    return listen_option(text) if text else text
+
+
+def address_option(text: str) -> str:
+    """argparse ``type=`` of an option naming the one ``HOST:PORT`` others reach (``--advertise``, a process's
+    ``--coordinator``): ``text`` once :func:`split_address` accepts it with a real port (1-65535). Empty means
+    "not given" (its default: the listen host with the bound port, no coordinator).
+
+    Raises argparse.ArgumentTypeError (argparse names the option)."""
+    if text:
+        try:
+            split_address(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return text

@@ -41,6 +41,7 @@ from clusterstate.etcd import (
     watch,
 )
 from clusterstate.fencing import Fence, FencedOut
+from clusterstate.options import DEFAULT_PREFIX, check_prefix
 from clusterstate.records import (
     TRANSITIONS,
     AutoscaleRecord,
@@ -69,11 +70,10 @@ _RPC_TIMEOUT_S = 5.0
 class Keys:
     """The key layout under one prefix (see the module docstring)."""
 
-    prefix: str = "/hilum/v1/"
+    prefix: str = DEFAULT_PREFIX
 
     def __post_init__(self) -> None:
-        if not self.prefix.startswith("/") or not self.prefix.endswith("/"):
-            raise ValueError(f"etcd key prefix must start and end with '/', got {self.prefix!r}")
+        check_prefix(self.prefix)  # the rule every --prefix option applies too
 
     @property
     def leader(self) -> str:

@@ -35,8 +35,16 @@ from collections.abc import Mapping, Sequence
 from aiohttp import web
 
 import hilum_config
-from clusterstate.endpoints import endpoints_option, parse_endpoints
+from clusterstate.endpoints import (
+    address_option,
+    endpoints_option,
+    listen_option,
+    optional_listen_option,
+    parse_endpoints,
+    split_address,
+)
 from clusterstate.etcd import connect
+from clusterstate.options import DEFAULT_PREFIX, LOG_LEVEL_HELP, log_level_option, prefix_option
 from gateway.apikeys import ApiKeys, load_api_keys
 from gateway.app import GatewayApp
 from gateway.cluster import LiveCluster
@@ -45,13 +53,19 @@ from gateway.tokenizer import Tokenizer, load_tokenizers
 from topology.load import TopologyError, load_topology
 from topology.spec import Topology
 
-__all__ = ["build_parser", "main", "split_host_port", "tokenizer_overrides"]
+__all__ = ["build_parser", "main", "tokenizer_overrides"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser."""
     p = argparse.ArgumentParser(prog="python -m gateway", description="hilum gateway (OpenAI-compatible HTTP)")
-    p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="HTTP address (port 0 picks one)")
+    p.add_argument(
+        "--listen",
+        default="127.0.0.1:8000",
+        type=listen_option,
+        metavar="HOST:PORT",
+        help="HTTP address (port 0 picks one)",
+    )
     p.add_argument(
         "--etcd",
         required=True,
@@ -60,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="etcd endpoint (comma-separated for several)",
     )
     p.add_argument("--topology", required=True, metavar="FILE", help="topology YAML file or bundled name")
-    p.add_argument("--prefix", default="/hilum/v1/", help="etcd key prefix")
+    p.add_argument(
+        "--prefix", default=DEFAULT_PREFIX, type=prefix_option, help="etcd key prefix (starts and ends with /)"
+    )
     p.add_argument(
         "--reuse-port",
         action="store_true",
@@ -69,13 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--also-listen",
         default="",
+        type=optional_listen_option,
         metavar="HOST:PORT",
         help="serve the same API on this address too, this gateway's alone (health checks, metrics scrapes)",
     )
     p.add_argument(
-        "--sink-listen", default="", metavar="HOST:PORT", help="token sink gRPC address (default: HTTP host, port 0)"
+        "--sink-listen",
+        default="",
+        type=optional_listen_option,
+        metavar="HOST:PORT",
+        help="token sink gRPC address (default: HTTP host, port 0)",
     )
-    p.add_argument("--sink-advertise", default="", metavar="HOST:PORT", help="address llumlets push tokens to")
+    p.add_argument(
+        "--sink-advertise", default="", type=address_option, metavar="HOST:PORT", help="address llumlets push tokens to"
+    )
     p.add_argument(
         "--tokenizer",
         action="append",
@@ -94,17 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="YAML file of API keys and their priority classes (gateway.apikeys); without it the gateway is open",
     )
-    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", default="WARNING", type=log_level_option, metavar="LEVEL", help=LOG_LEVEL_HELP)
     hilum_config.add_argument(p)
     return p
-
-
-def split_host_port(address: str, what: str) -> tuple[str, int]:
-    """``host:port`` -> (host, port). Raises ValueError naming ``what``."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"{what} {address!r}: expected HOST:PORT")
-    return host, int(port)
 
 
 def tokenizer_overrides(items: Sequence[str]) -> dict[str, str]:
@@ -134,7 +149,7 @@ async def _start_site(runner: web.AppRunner, address: str, what: str, *, reuse_p
 
     Raises RuntimeError naming ``what`` when the address cannot be bound.
     """
-    host, port = split_host_port(address, what)
+    host, port = split_address(address, what, listen=True)
     site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port)
     try:
         await site.start()
@@ -146,13 +161,10 @@ async def _start_site(runner: web.AppRunner, address: str, what: str, *, reuse_p
 async def _serve(
     ns: argparse.Namespace, topology: Topology, tokenizers: Mapping[str, Tokenizer], api_keys: ApiKeys | None
 ) -> None:
-    host = split_host_port(ns.listen, "--listen")[0]
-    if ns.also_listen:
-        split_host_port(ns.also_listen, "--also-listen")
+    host = split_address(ns.listen, "--listen", listen=True)[0]  # the addresses were checked by their options
     if ns.reuse_port:
         _check_reuse_port()
     sink_listen = ns.sink_listen or f"{host}:0"
-    split_host_port(sink_listen, "--sink-listen")
     metrics = GatewayMetrics()
     etcd = connect(parse_endpoints(ns.etcd))
     await etcd.connect()

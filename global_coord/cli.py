@@ -17,8 +17,9 @@ import sys
 from collections.abc import Sequence
 
 import hilum_config
-from clusterstate.endpoints import endpoints_option, parse_endpoints
+from clusterstate.endpoints import address_option, endpoints_option, listen_option, parse_endpoints
 from clusterstate.etcd import connect
+from clusterstate.options import DEFAULT_PREFIX, LOG_LEVEL_HELP, log_level_option, prefix_option
 from global_coord.actuator import CommandActuator
 from global_coord.autoscaler import AutoscaleLoop
 from global_coord.coordinator import Coordinator, CoordinatorConfig
@@ -43,13 +44,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="HOST:PORT",
         help="etcd endpoint (comma-separated for several)",
     )
-    p.add_argument("--listen", required=True, metavar="HOST:PORT", help="gRPC listen address")
+    p.add_argument(
+        "--listen",
+        required=True,
+        type=listen_option,
+        metavar="HOST:PORT",
+        help="gRPC listen address (port 0 picks one)",
+    )
     p.add_argument("--topology", metavar="FILE", help="topology YAML file or bundled name")
     p.add_argument("--id", default=socket.gethostname(), help="replica id, unique among coordinators")
-    p.add_argument("--advertise", metavar="HOST:PORT", help="address others reach this replica at")
+    p.add_argument("--advertise", type=address_option, metavar="HOST:PORT", help="address others reach this replica at")
     p.add_argument("--ttl", type=int, default=10, help="session lease TTL, seconds (failover time)")
-    p.add_argument("--prefix", default="/hilum/v1/", help="etcd key prefix")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--prefix", default=DEFAULT_PREFIX, type=prefix_option, help="etcd key prefix (starts and ends with /)"
+    )
+    p.add_argument("--log-level", default="INFO", type=log_level_option, metavar="LEVEL", help=LOG_LEVEL_HELP)
     hilum_config.add_argument(p)
     return p.parse_args(argv)
 

@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from clusterstate.endpoints import parse_endpoints
+from clusterstate.options import DEFAULT_PREFIX, check_prefix
 from hilum_proto.tls import open_channel
 from hilum_proto.v1 import coordinator_pb2 as pb
 from hilum_proto.v1 import coordinator_pb2_grpc as pb_grpc
@@ -34,7 +35,6 @@ __all__ = [
     "short_error",
 ]
 
-DEFAULT_PREFIX = "/hilum/v1/"
 MAX_REDIRECTS = 3  # standby -> leader hops for one write
 _LEADER_RE = re.compile(r"the leader is (?P<id>\S+) at (?P<address>\S+)$")
 
@@ -77,8 +77,10 @@ class Target:
             raise UsageError("give exactly one of --coordinator HOST:PORT or --etcd HOST:PORT")
         if not self.source:
             object.__setattr__(self, "source", "--etcd" if self.etcd else "--coordinator")
-        if not self.prefix.startswith("/") or not self.prefix.endswith("/"):
-            raise UsageError(f"{self.prefix_source}: must start and end with '/', got {self.prefix!r}")
+        try:
+            check_prefix(self.prefix)  # the rule of every daemon's --prefix
+        except ValueError as exc:
+            raise UsageError(f"{self.prefix_source}: {exc}") from None
 
 
 async def leader_from_etcd(

@@ -16,7 +16,8 @@ import sys
 from collections.abc import Sequence
 
 import hilum_config
-from clusterstate.endpoints import endpoints_option
+from clusterstate.endpoints import address_option, endpoints_option, listen_option
+from clusterstate.options import DEFAULT_PREFIX, LOG_LEVEL_HELP, log_level_option, prefix_option
 from llumlet.agent import Llumlet, LlumletConfig
 from llumlet.backends import BACKEND_NAMES, Backend, BackendConfig, UnknownBackendError, make_backend
 from llumlet.backends.base import parse_engine_options
@@ -33,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m llumlet", description="Run one llumlet (per-instance agent).")
     p.add_argument("--instance-id", required=True, help="instance id (as in the topology file)")
     p.add_argument("--engine", default="sim", help=f"engine backend: {', '.join(BACKEND_NAMES)} (default sim)")
-    p.add_argument("--listen", default="127.0.0.1:0", help="host:port to serve on (port 0 picks one)")
+    p.add_argument(
+        "--listen", default="127.0.0.1:0", type=listen_option, metavar="HOST:PORT", help="serve on (port 0 picks one)"
+    )
     p.add_argument("--topology", help="topology file or bundled name: domain, KV size, transports, rate caps")
     p.add_argument("--domain-id", default="", help="NVLink domain (default: from the topology)")
     p.add_argument("--num-blocks", type=int, help="KV cache capacity in blocks (default: topology / backend)")
@@ -59,12 +62,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--etcd",
         type=endpoints_option,
+        metavar="HOST:PORT",
         help="etcd endpoints HOST:PORT[,...]: register this instance under a lease (needs --topology)",
     )
-    p.add_argument("--prefix", default="/hilum/v1/", help="etcd key prefix (as the coordinator's)")
-    p.add_argument("--advertise", default="", help="host:port others reach this llumlet at (default: listen)")
+    p.add_argument(
+        "--prefix",
+        default=DEFAULT_PREFIX,
+        type=prefix_option,
+        help="etcd key prefix (as the coordinator's; starts and ends with /)",
+    )
+    p.add_argument(
+        "--advertise",
+        default="",
+        type=address_option,
+        metavar="HOST:PORT",
+        help="address others reach this llumlet at (default: the listen host, bound port)",
+    )
     p.add_argument("--ttl", type=int, default=10, help="etcd lease TTL, seconds")
-    p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    p.add_argument("--log-level", default="WARNING", type=log_level_option, metavar="LEVEL", help=LOG_LEVEL_HELP)
     hilum_config.add_argument(p)
     return p
 
@@ -112,15 +127,19 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
         if topology is None:
             raise ValueError("--etcd needs --topology (the registration names the node, model and KV capacity)")
         registration = asyncio.ensure_future(_register(ns, topology, backend, address, stop))
+        # It ends before stop only when it failed: stop then, rather than serve unregistered and unseen.
+        registration.add_done_callback(lambda _: stop.set())
     print(f"llumlet {ns.instance_id} serving at {address}", flush=True)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    if registration is not None:
-        await registration  # revokes the lease: the domain scheduler sees the instance leave
-    await server.stop(grace=1.0)
-    await llumlet.stop()
+    try:
+        if registration is not None:
+            await registration  # revokes the lease: the domain scheduler sees the instance leave; raises a failure
+    finally:
+        await server.stop(grace=1.0)
+        await llumlet.stop()
 
 
 async def _register(
@@ -161,7 +180,7 @@ async def _register(
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 on a configuration error, with the reason on stderr)."""
     ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         topology = load_topology(ns.topology) if ns.topology else None
         if topology is not None:

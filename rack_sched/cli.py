@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import random
 import signal
 import sys
 from collections.abc import Sequence
 
+import grpc
+
 import hilum_config
-from clusterstate.endpoints import endpoints_option, parse_endpoints
-from clusterstate.etcd import Etcd3Client, connect, kv_of
+from clusterstate.backoff import Backoff, BackoffConfig
+from clusterstate.endpoints import address_option, endpoints_option, is_host_port, listen_option, parse_endpoints
+from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, connect, kv_of
+from clusterstate.options import DEFAULT_PREFIX, LOG_LEVEL_HELP, log_level_option, prefix_option
 from clusterstate.records import DomainRegistration, InstanceRegistration, RecordError, decode
 from clusterstate.store import Keys
 from hilum_proto.tls import advertised_address, bind_server
@@ -34,13 +39,21 @@ from topology.spec import Topology
 __all__ = ["build_parser", "config_from_args", "main", "static_instances"]
 
 _log = logging.getLogger("rack_sched")
+_ETCD_TIMEOUT_S = 5.0  # one etcd read before the scheduler starts
+_ETCD_RETRY = BackoffConfig(initial_s=0.5, max_s=5.0)  # while etcd does not answer at start
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser."""
     p = argparse.ArgumentParser(prog="python -m rack_sched", description="hilum domain scheduler (one per domain)")
     p.add_argument("--domain-id", required=True, help="NVLink domain id (as in the topology file)")
-    p.add_argument("--listen", required=True, metavar="HOST:PORT", help="gRPC listen address (port 0 picks one)")
+    p.add_argument(
+        "--listen",
+        required=True,
+        type=listen_option,
+        metavar="HOST:PORT",
+        help="gRPC listen address (port 0 picks one)",
+    )
     p.add_argument(
         "--etcd",
         required=True,
@@ -49,9 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="etcd endpoint (comma-separated for several)",
     )
     p.add_argument("--topology", required=True, metavar="FILE", help="topology YAML file or bundled name")
-    p.add_argument("--coordinator", default="", metavar="HOST:PORT", help="coordinator, when etcd names no leader")
-    p.add_argument("--prefix", default="/hilum/v1/", help="etcd key prefix")
-    p.add_argument("--advertise", metavar="HOST:PORT", help="address others reach this scheduler at")
+    p.add_argument(
+        "--coordinator",
+        default="",
+        type=address_option,
+        metavar="HOST:PORT",
+        help="a coordinator (one address), used while etcd names no leader",
+    )
+    p.add_argument(
+        "--prefix", default=DEFAULT_PREFIX, type=prefix_option, help="etcd key prefix (starts and ends with /)"
+    )
+    p.add_argument(
+        "--advertise", type=address_option, metavar="HOST:PORT", help="address others reach this scheduler at"
+    )
     p.add_argument("--ttl", type=int, default=10, help="lease TTL of the registration and summary, seconds")
     hilum_config.add_argument(p)
     p.add_argument("--ready-timeout", type=float, default=5.0, help="wait for each llumlet's first load, seconds")
@@ -63,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="register this llumlet in etcd on its behalf (for llumlets that do not register themselves)",
     )
     p.add_argument("--seed", type=int, default=None, help="random seed (ties, jitter); default: random")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", default="INFO", type=log_level_option, metavar="LEVEL", help=LOG_LEVEL_HELP)
     return p
 
 
@@ -76,9 +99,8 @@ def static_instances(items: Sequence[str], topology: Topology, domain_id: str) -
     out: dict[str, InstanceRegistration] = {}
     for item in items:
         iid, sep, address = item.partition("=")
-        host, colon, port = address.rpartition(":")
-        if not sep or not iid or not colon or not host or not port.isdigit():
-            raise ValueError(f"--instance {item!r}: expected ID=HOST:PORT")
+        if not sep or not iid or not is_host_port(address):
+            raise ValueError(f"--instance {item!r}: expected ID=HOST:PORT (port 1-65535)")
         if iid in out:
             raise ValueError(f"--instance {iid}: given twice")
         try:
@@ -121,35 +143,78 @@ def config_from_args(ns: argparse.Namespace, topology: Topology, advertise: str)
 
 
 async def _refuse_a_second_scheduler(
-    client: Etcd3Client, key: str, domain_id: str, own_address: str, wait_s: float
-) -> None:
+    client: Etcd3Client,
+    key: str,
+    domain_id: str,
+    own_address: str,
+    wait_s: float,
+    *,
+    etcd: str,
+    stop: asyncio.Event,
+    rng: random.Random,
+) -> bool:
     """One domain scheduler per domain: a live registration (bound to its scheduler's lease) means another one
     runs; taking over its key would hide it, and stopping this one would then unregister the domain.
 
     A registration at ``own_address`` is the previous run of this very scheduler (two live processes cannot
     share an address): it is taken over at once. Any other crashed scheduler's registration disappears with
-    its lease, so this waits up to ``wait_s`` for the key to go, then raises RuntimeError naming the scheduler
-    that still holds it.
+    its lease, so this waits up to ``wait_s`` (from when it first sees the key) for the key to go, then raises
+    RuntimeError naming the scheduler that still holds it.
+
+    While etcd (``etcd``, the ``--etcd`` list) does not answer, it logs a warning naming the address and retries
+    with jittered backoff, like every other etcd client of hilum: a scheduler may start before etcd (systemd
+    starts the units in any order). Returns False when ``stop`` is set before the check is done, else True.
     """
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait_s
-    while True:
-        reply = await kv_of(client).get(key)
+    backoff = Backoff(_ETCD_RETRY, rng)
+    deadline: float | None = None
+    while not stop.is_set():
+        try:
+            reply = await kv_of(client).get(key, timeout=_ETCD_TIMEOUT_S)
+        except RETRYABLE_ERRORS as exc:
+            delay = backoff.next_s()
+            _log.warning(
+                "domain %s: etcd at %s does not answer (%s); retrying in %.1f s: check that etcd runs and that "
+                "--etcd names its client address",
+                domain_id,
+                etcd,
+                _reason(exc),
+                delay,
+            )
+            await _sleep_unless(stop, delay)
+            continue
+        backoff.reset()
         if not reply.kvs:
-            return
+            return True
         try:
             address = decode(DomainRegistration, bytes(reply.kvs[0].value), key).address
         except RecordError:
             address = "?"
         if address == own_address:
             _log.info("domain %s: taking over the registration of this scheduler's previous run", domain_id)
-            return
+            return True
+        if deadline is None:
+            deadline = loop.time() + wait_s
         if loop.time() >= deadline:
             raise RuntimeError(
                 f"domain {domain_id} already has a live domain scheduler at {address}; stop it first "
                 "(a crashed one's registration expires with its lease TTL)"
             )
-        await asyncio.sleep(0.5)
+        await _sleep_unless(stop, 0.5)
+    return False
+
+
+def _reason(exc: BaseException) -> str:
+    """One line saying why an etcd call failed (a gRPC error's code and details, not its multi-line repr)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+async def _sleep_unless(stop: asyncio.Event, delay_s: float) -> None:
+    """Sleep ``delay_s`` seconds, or less when ``stop`` is set meanwhile."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), delay_s)
 
 
 async def _serve(ns: argparse.Namespace, topology: Topology) -> None:
@@ -157,17 +222,22 @@ async def _serve(ns: argparse.Namespace, topology: Topology) -> None:
     cfg = config_from_args(ns, topology, advertised_address(ns.listen, port, ns.advertise))
     client = connect(parse_endpoints(ns.etcd))
     await client.connect()
-    key = Keys(ns.prefix).domain(ns.domain_id)
-    await _refuse_a_second_scheduler(client, key, ns.domain_id, cfg.advertise_address, 1.5 * ns.ttl + 1)
-    ids = [i.instance_id for i in topology.domain(ns.domain_id).instances]
-    scheduler = DomainScheduler(cfg, client, rng=random.Random(ns.seed), topology_instance_ids=ids)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await start_server(scheduler, server)
-    print(f"rack_sched {ns.domain_id} serving at {cfg.advertise_address}", flush=True)
     try:
+        key = Keys(ns.prefix).domain(ns.domain_id)
+        wait_s = 1.5 * ns.ttl + 1
+        rng = random.Random(ns.seed)
+        if not await _refuse_a_second_scheduler(
+            client, key, ns.domain_id, cfg.advertise_address, wait_s, etcd=ns.etcd, stop=stop, rng=rng
+        ):
+            return  # stopped before etcd answered
+        ids = [i.instance_id for i in topology.domain(ns.domain_id).instances]
+        scheduler = DomainScheduler(cfg, client, rng=random.Random(ns.seed), topology_instance_ids=ids)
+        await start_server(scheduler, server)
+        print(f"rack_sched {ns.domain_id} serving at {cfg.advertise_address}", flush=True)
         await scheduler.run(stop)
     finally:
         await server.stop(grace=1.0)

@@ -1,4 +1,5 @@
-"""The ``--etcd HOST:PORT,...`` lists: one rule (``clusterstate.endpoints``) in every process that takes them."""
+"""Addresses on the command line: the ``--etcd HOST:PORT,...`` lists, ``--listen``, ``--advertise`` and the other
+``HOST:PORT`` options, each by one rule (``clusterstate.endpoints``) in every process that takes them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from clusterstate.endpoints import endpoints_option, parse_endpoints
+from clusterstate.endpoints import (
+    address_option,
+    endpoints_option,
+    is_host_port,
+    listen_option,
+    optional_listen_option,
+    parse_endpoints,
+    split_address,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,3 +81,113 @@ def test_every_process_refuses_an_empty_etcd_entry_before_it_starts(module: str,
         f"python -m {module}: error: argument --etcd: entry 2 of '127.0.0.1:2379,,127.0.0.1:2380' is empty: "
         "drop the extra comma"
     )
+
+
+@pytest.mark.parametrize(
+    ("address", "listen", "parsed"),
+    [
+        ("127.0.0.1:7100", False, ("127.0.0.1", 7100)),
+        ("[::1]:65535", False, ("[::1]", 65535)),
+        ("node-3.example:1", False, ("node-3.example", 1)),
+        ("127.0.0.1:0", True, ("127.0.0.1", 0)),  # listen: port 0 picks a free one
+        ("0.0.0.0:65535", True, ("0.0.0.0", 65535)),
+    ],
+)
+def test_split_address(address: str, listen: bool, parsed: tuple[str, int]) -> None:
+    assert split_address(address, listen=listen) == parsed
+
+
+@pytest.mark.parametrize(
+    ("address", "listen", "message"),
+    [
+        ("127.0.0.1:99999", True, "--x: '127.0.0.1:99999' is not HOST:PORT (port 0-65535)"),  # served at 34463 before
+        ("127.0.0.1:65536", True, "--x: '127.0.0.1:65536' is not HOST:PORT (port 0-65535)"),
+        ("127.0.0.1:0", False, "--x: '127.0.0.1:0' is not HOST:PORT (port 1-65535)"),  # others cannot reach port 0
+        (":7100", True, "--x: ':7100' is not HOST:PORT (port 0-65535)"),  # gRPC cannot bind an empty host
+        ("127.0.0.1", True, "--x: '127.0.0.1' is not HOST:PORT (port 0-65535)"),
+        ("h:-1", True, "--x: 'h:-1' is not HOST:PORT (port 0-65535)"),
+        ("h:\N{SUPERSCRIPT TWO}", False, "--x: 'h:\N{SUPERSCRIPT TWO}' is not HOST:PORT (port 1-65535)"),  # isdigit()
+        ("", False, "--x: '' is not HOST:PORT (port 1-65535)"),
+        ("a:1,b:2", False, "--x: 'a:1,b:2' is not one HOST:PORT: this option takes a single address"),
+        ("a:1,,", False, "--x: 'a:1,,' is not one HOST:PORT: this option takes a single address"),
+    ],
+)
+def test_split_address_refuses_naming_the_option(address: str, listen: bool, message: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        split_address(address, "--x", listen=listen)
+    assert str(exc.value) == message
+
+
+def test_is_host_port_is_split_address_without_the_message() -> None:
+    assert is_host_port("a:1") and is_host_port("a:65535")
+    assert not is_host_port("a:0") and not is_host_port("a:65536") and not is_host_port("a:\N{SUPERSCRIPT TWO}")
+
+
+def test_address_options_keep_the_text_and_leave_the_flag_to_argparse() -> None:
+    assert listen_option("127.0.0.1:0") == "127.0.0.1:0"
+    assert optional_listen_option("") == ""  # a default of "": not given
+    assert optional_listen_option("0.0.0.0:7300") == "0.0.0.0:7300"
+    assert address_option("") == ""  # --advertise "" (an empty environment variable): the listen address
+    assert address_option("10.0.1.5:7100") == "10.0.1.5:7100"
+    for option, text, message in [
+        (listen_option, "", "'' is not HOST:PORT (port 0-65535)"),
+        (listen_option, "127.0.0.1:99999", "'127.0.0.1:99999' is not HOST:PORT (port 0-65535)"),
+        (optional_listen_option, "h:70000", "'h:70000' is not HOST:PORT (port 0-65535)"),
+        (address_option, "10.0.1.5:0", "'10.0.1.5:0' is not HOST:PORT (port 1-65535)"),
+        (address_option, "a:1,,", "'a:1,,' is not one HOST:PORT: this option takes a single address"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError) as exc:
+            option(text)
+        assert str(exc.value) == message
+
+
+def _run(module: str, args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+_DAEMONS = {
+    "global_coord": ["--etcd", "127.0.0.1:2379", "--listen", "127.0.0.1:0"],
+    "gateway": ["--etcd", "127.0.0.1:2379", "--topology", "2x8-a100", "--listen", "127.0.0.1:0"],
+    "rack_sched": [
+        "--etcd",
+        "127.0.0.1:2379",
+        "--topology",
+        "2x8-a100",
+        "--listen",
+        "127.0.0.1:0",
+        "--domain-id",
+        "node-0",
+    ],
+    "llumlet": ["--etcd", "127.0.0.1:2379", "--topology", "2x8-a100", "--instance-id", "node-0-i0"],
+}
+
+
+@pytest.mark.parametrize(
+    ("module", "option", "value", "message"),
+    [
+        *[(m, "--listen", "127.0.0.1:99999", "'127.0.0.1:99999' is not HOST:PORT (port 0-65535)") for m in _DAEMONS],
+        *[
+            (m, "--advertise", "10.0.1.5:0", "'10.0.1.5:0' is not HOST:PORT (port 1-65535)")
+            for m in ("global_coord", "rack_sched", "llumlet")
+        ],
+        ("gateway", "--also-listen", "127.0.0.1:65536", "'127.0.0.1:65536' is not HOST:PORT (port 0-65535)"),
+        ("gateway", "--sink-listen", "127.0.0.1:70000", "'127.0.0.1:70000' is not HOST:PORT (port 0-65535)"),
+        ("gateway", "--sink-advertise", "10.0.0.30:99999", "'10.0.0.30:99999' is not HOST:PORT (port 1-65535)"),
+        ("rack_sched", "--coordinator", "a:1,,", "'a:1,,' is not one HOST:PORT: this option takes a single address"),
+        ("rack_sched", "--coordinator", "bad", "'bad' is not HOST:PORT (port 1-65535)"),
+    ],
+)
+def test_every_process_refuses_a_bad_address_before_it_starts(
+    module: str, option: str, value: str, message: str
+) -> None:
+    done = _run(module, [*_DAEMONS[module], option, value])  # the last --listen wins
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    assert done.stderr.splitlines()[-1] == f"python -m {module}: error: argument {option}: {message}"

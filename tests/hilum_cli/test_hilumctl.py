@@ -808,7 +808,7 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = ctl(capsys, "--coordinator", "localhost", "status")
     assert rc == 2 and "'localhost' is not HOST:PORT" in err
     rc, _, err = ctl(capsys, "--etcd", "h:1", "--prefix", "hilum", "status")
-    assert rc == 2 and "--prefix: must start and end with '/'" in err
+    assert rc == 2 and "--prefix: etcd key prefix must start and end with '/', got 'hilum'" in err
     # an option the command checks is a usage error before anything is contacted (nothing listens at h:1)
     rc, out, err = ctl(capsys, "--coordinator", "h:1", "drain", "i0", "--wait", "--interval", "0")
     assert (rc, out) == (2, "") and "--interval: must be a finite number of seconds > 0, got 0" in err
@@ -904,14 +904,17 @@ def test_errors_about_environment_values_name_the_variable(
     for env, wanted in (
         ({"HILUM_COORDINATOR": "bad"}, "hilumctl: error: HILUM_COORDINATOR: 'bad' is not HOST:PORT"),
         ({"HILUM_ETCD": "bad"}, "hilumctl: error: HILUM_ETCD: 'bad' is not HOST:PORT"),
-        ({"HILUM_ETCD": "h:1", "HILUM_PREFIX": "hilum"}, "HILUM_PREFIX: must start and end with '/', got 'hilum'"),
+        (
+            {"HILUM_ETCD": "h:1", "HILUM_PREFIX": "hilum"},
+            "HILUM_PREFIX: etcd key prefix must start and end with '/', got 'hilum'",
+        ),
         ({"HILUM_COORDINATOR": "h:1,"}, "hilumctl: error: HILUM_COORDINATOR: entry 2 of 'h:1,' is empty"),
     ):
         rc, out, err = ctl(capsys, "status", env=env)
         assert (rc, out) == (2, "") and wanted in err, env
         assert "--coordinator:" not in err and "--etcd:" not in err and "--prefix:" not in err
     rc, out, err = ctl(capsys, "--etcd", "h:1", "status", env={"HILUM_PREFIX": "hilum"})  # the flag's etcd
-    assert (rc, out) == (2, "") and "hilumctl: error: HILUM_PREFIX: must start and end with '/'" in err
+    assert (rc, out) == (2, "") and "hilumctl: error: HILUM_PREFIX: etcd key prefix must start and end with '/'" in err
     rc, out, err = ctl(capsys, "--coordinator", "bad", "status", env={"HILUM_COORDINATOR": "h:1"})
     assert (rc, out) == (2, "") and "hilumctl: error: --coordinator: 'bad' is not HOST:PORT" in err
     assert contacted == []

@@ -6,7 +6,8 @@ import asyncio
 import time
 from pathlib import Path
 
-from etcd_server import EtcdServer
+import pytest
+from etcd_server import EtcdServer, free_port
 
 from clusterstate.etcd import connect, kv_of
 from clusterstate.records import InstanceRegistration, decode
@@ -56,3 +57,20 @@ def test_a_second_llumlet_cannot_take_a_port_in_use(tmp_path: Path) -> None:
         assert cli_main(["--instance-id", "node-0-i1", "--topology", "1x8-a100", "--listen", proc.address]) == 2
     finally:
         proc.stop()
+
+
+def test_a_llumlet_whose_registration_fails_stops_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It used to print "serving at" and then serve unregistered, silently, until killed.
+    import llumlet.cli
+
+    async def failing_register(*_: object) -> None:
+        raise RuntimeError("registration failed (test)")
+
+    monkeypatch.setattr(llumlet.cli, "_register", failing_register)
+    args = ["--instance-id", "node-0-i0", "--topology", "1x8-a100", "--etcd", f"127.0.0.1:{free_port()}"]
+    assert llumlet.cli.main(args) == 2
+    out, err = capsys.readouterr()
+    assert out.startswith("llumlet node-0-i0 serving at 127.0.0.1:")
+    assert err.splitlines()[-1] == "llumlet: registration failed (test)"

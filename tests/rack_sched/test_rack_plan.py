@@ -127,6 +127,7 @@ def test_instance_flags_become_registrations() -> None:
     other = topo.domains[1].instances[0].instance_id
     for item, message in [
         ("x", "expected ID=HOST:PORT"),
+        (f"{first.instance_id}=h:70000", r"expected ID=HOST:PORT \(port 1-65535\)"),  # was accepted
         ("nope=h:1", "not in topology"),
         (f"{other}=h:1", f"in domain {topo.domains[1].domain_id}, not {domain.domain_id}"),
     ]:

@@ -1,0 +1,50 @@
+"""The options every hilum daemon shares besides its addresses (those are ``clusterstate.endpoints``): the etcd key
+prefix and the log level, each checked by one rule, as argparse ``type=`` functions so that a bad value is a
+usage error (exit 2, the option named) before the process starts anything.
+
+Imports nothing heavy (see ``clusterstate.endpoints``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["DEFAULT_PREFIX", "LOG_LEVELS", "LOG_LEVEL_HELP", "check_prefix", "log_level_option", "prefix_option"]
+
+DEFAULT_PREFIX = "/hilum/v1/"  # every daemon's --prefix default (clusterstate.store.Keys)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # what --log-level takes (any case)
+LOG_LEVEL_HELP = f"logging level: {', '.join(LOG_LEVELS)} (default %(default)s)"  # argparse fills in the default
+
+
+def check_prefix(prefix: str) -> str:
+    """``prefix`` once it is an etcd key prefix hilum can use: it starts and ends with ``/`` (``/hilum/v1/``).
+
+    The one rule: :class:`clusterstate.store.Keys` and every ``--prefix`` option apply it.
+
+    Raises:
+        ValueError: naming the prefix.
+    """
+    if not prefix.startswith("/") or not prefix.endswith("/"):
+        raise ValueError(f"etcd key prefix must start and end with '/', got {prefix!r}")
+    return prefix
+
+
+def prefix_option(text: str) -> str:
+    """argparse ``type=`` of a ``--prefix`` option: ``text`` once :func:`check_prefix` accepts it.
+
+    Raises argparse.ArgumentTypeError (argparse names the option)."""
+    try:
+        return check_prefix(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def log_level_option(text: str) -> str:
+    """argparse ``type=`` of a ``--log-level`` option: one of :data:`LOG_LEVELS`, in any case; returns it upper-case
+    (as ``logging.basicConfig(level=...)`` takes it).
+
+    Raises argparse.ArgumentTypeError (argparse names the option)."""
+    level = text.upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a log level: choose one of {', '.join(LOG_LEVELS)}")
+    return level

@@ -1,0 +1,89 @@
+"""The etcd key prefix and the log level on the command line: one rule each (``clusterstate.options``), applied
+when every process parses its options, before it starts anything."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clusterstate.options import DEFAULT_PREFIX, LOG_LEVELS, check_prefix, log_level_option, prefix_option
+from clusterstate.store import Keys
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("prefix", [DEFAULT_PREFIX, "/", "/test/a1/"])
+def test_check_prefix_accepts(prefix: str) -> None:
+    assert check_prefix(prefix) == prefix == prefix_option(prefix) == Keys(prefix).prefix
+
+
+@pytest.mark.parametrize("prefix", ["nope", "", "hilum/v1/", "/hilum/v1"])
+def test_keys_and_the_option_refuse_a_prefix_by_the_same_rule(prefix: str) -> None:
+    message = f"etcd key prefix must start and end with '/', got {prefix!r}"
+    with pytest.raises(ValueError) as exc:
+        check_prefix(prefix)
+    assert str(exc.value) == message
+    with pytest.raises(ValueError) as exc:
+        Keys(prefix)
+    assert str(exc.value) == message
+    with pytest.raises(argparse.ArgumentTypeError) as exc_arg:
+        prefix_option(prefix)
+    assert str(exc_arg.value) == message
+
+
+def test_log_level_option_takes_any_case_and_names_the_choices() -> None:
+    assert LOG_LEVELS == ("DEBUG", "INFO", "WARNING", "ERROR")
+    assert [log_level_option(x) for x in ("debug", "Info", "WARNING", "error")] == list(LOG_LEVELS)
+    with pytest.raises(argparse.ArgumentTypeError) as exc:
+        log_level_option("bogus")
+    assert str(exc.value) == "'bogus' is not a log level: choose one of DEBUG, INFO, WARNING, ERROR"
+
+
+_DAEMONS = {
+    "global_coord": ["--etcd", "127.0.0.1:2379", "--listen", "127.0.0.1:0"],
+    "gateway": ["--etcd", "127.0.0.1:2379", "--topology", "2x8-a100", "--listen", "127.0.0.1:0"],
+    "rack_sched": [
+        "--etcd",
+        "127.0.0.1:2379",
+        "--topology",
+        "2x8-a100",
+        "--listen",
+        "127.0.0.1:0",
+        "--domain-id",
+        "node-0",
+    ],
+    "llumlet": ["--etcd", "127.0.0.1:2379", "--topology", "2x8-a100", "--instance-id", "node-0-i0"],
+}
+
+
+@pytest.mark.parametrize(
+    ("module", "option", "value", "message"),
+    [
+        # llumlet used to print "serving at" and hang; global_coord exited 1, after connecting to etcd
+        *[(m, "--prefix", "nope", "etcd key prefix must start and end with '/', got 'nope'") for m in _DAEMONS],
+        # llumlet used to exit 1 with a traceback (ValueError: Unknown level)
+        *[
+            (m, "--log-level", "bogus", "'bogus' is not a log level: choose one of DEBUG, INFO, WARNING, ERROR")
+            for m in _DAEMONS
+        ],
+    ],
+)
+def test_every_process_refuses_a_bad_option_before_it_starts(
+    module: str, option: str, value: str, message: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", module, *_DAEMONS[module], option, value],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    assert done.stderr.splitlines()[-1] == f"python -m {module}: error: argument {option}: {message}"
