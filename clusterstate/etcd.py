@@ -13,7 +13,9 @@ the request on the call itself (grpc.aio's reader/writer style) creates no such 
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -71,14 +73,17 @@ def connect(endpoints: list[str], *, watch_max_reconnect_backoff_s: float = 1.0)
     for ep in endpoints:
         if not is_host_port(ep):
             raise ValueError(f"etcd endpoint {ep!r}: expected host:port (port 1-65535)")
+    targets, names = _ipv4_targets(endpoints)
     tls = etcd_tls_args()  # HILUM_ETCD_CA / _CERT / _KEY (hilum_proto.tls); plaintext when unset
     client = Etcd3Client(
-        endpoints,
+        targets,
         watch_reconnect_backoff_seconds=0.1,
         watch_max_reconnect_backoff_seconds=watch_max_reconnect_backoff_s,
         ca_cert=tls.get("ca_cert"),
         cert_key=tls.get("cert_key"),
         cert_chain=tls.get("cert_chain"),
+        # a name resolved here is still the name the server's certificate holds
+        tls_server_name=names[0] if tls and len(names) == 1 else None,
     )
     # etcd3aio 0.3 has no public way to pass channel options; its ConnectionManager keeps them in a list
     # that get_channel() reads at connect(). Fall back to gRPC's defaults (with a warning) if that changes.
@@ -88,6 +93,44 @@ def connect(endpoints: list[str], *, watch_max_reconnect_backoff_s: float = 1.0)
     else:
         _log.warning("etcd3aio changed: cannot shorten gRPC reconnect backoff; long etcd outages may drop leases")
     return client
+
+
+def _ipv4_targets(endpoints: list[str]) -> tuple[list[str], list[str]]:
+    """(the endpoints as ``IPv4:port``, the distinct host names resolved to get them). etcd3aio dials one ``ipv4:``
+    target list, so a host name (``etcd-0.internal:2379``) is resolved here, once, to its first IPv4 address;
+    ``localhost`` and IPv4 literals pass as they are.
+
+    Raises:
+        ValueError: for an IPv6 address (etcd3aio cannot dial one) or a name that resolves to no IPv4 address,
+            naming the endpoint.
+    """
+    targets: list[str] = []
+    names: list[str] = []
+    for ep in endpoints:
+        host, _, port = ep.rpartition(":")
+        if host == "localhost":
+            targets.append(ep)
+            continue
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            pass
+        else:
+            targets.append(ep)
+            continue
+        if host.startswith("[") or ":" in host:
+            raise ValueError(
+                f"etcd endpoint {ep!r}: an IPv6 address, which the etcd client (etcd3aio) cannot dial; give an IPv4 "
+                "address or a name that resolves to one"
+            )
+        try:
+            infos = socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM)
+        except OSError as exc:
+            raise ValueError(f"etcd endpoint {ep!r}: cannot resolve {host!r} to an IPv4 address ({exc})") from None
+        targets.append(f"{infos[0][4][0]}:{port}")
+        if host not in names:
+            names.append(host)
+    return targets, names
 
 
 _NOT_CONNECTED = "etcd client is not connected: call `await client.connect()` first"

@@ -92,13 +92,17 @@ async def leader_from_etcd(
     variable), for the errors.
 
     Raises:
-        CtlError: when etcd does not answer within ``timeout_s`` seconds, or no coordinator leads.
+        CtlError: when an endpoint cannot be dialled (a name that does not resolve, an IPv6 address) or the TLS
+            variables are wrong, etcd does not answer within ``timeout_s`` seconds, or no coordinator leads.
     """
     from clusterstate.etcd import RETRYABLE_ERRORS, connect, kv_of  # etcd3aio only when --etcd is used
 
     where = ",".join(endpoints)
     key = prefix + "leader"
-    client = connect(list(endpoints))
+    try:
+        client = connect(list(endpoints))
+    except ValueError as exc:  # a name that does not resolve, an IPv6 address, the TLS variables
+        raise CtlError(f"{source}: {exc}") from None
     errors: tuple[type[BaseException], ...] = (TimeoutError, *RETRYABLE_ERRORS)
     try:
         async with asyncio.timeout(timeout_s):

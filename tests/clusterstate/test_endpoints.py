@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from etcd_server import EtcdServer
 
 from clusterstate.endpoints import (
     address_option,
@@ -20,6 +24,7 @@ from clusterstate.endpoints import (
     parse_endpoints,
     split_address,
 )
+from clusterstate.etcd import connect, kv_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -191,3 +196,42 @@ def test_every_process_refuses_a_bad_address_before_it_starts(
     assert done.returncode == 2, done.stderr
     assert done.stdout == ""
     assert done.stderr.splitlines()[-1] == f"python -m {module}: error: argument {option}: {message}"
+
+
+def test_connect_resolves_a_host_name_to_the_ipv4_address_etcd3aio_dials(
+    etcd: EtcdServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """etcd3aio dials an ``ipv4:`` target list: a name (``etcd-0.internal:2379``) failed on every retry with "the
+    target uri is not valid". ``connect`` resolves it; here a name the resolver answers for the test's etcd."""
+    real = socket.getaddrinfo
+    host, port = etcd.endpoint.rsplit(":", 1)
+
+    def resolve(name: str, *args: Any, **kwargs: Any) -> Any:
+        return real(host if name == "etcd-0.hilum.test" else name, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+
+    async def main() -> bytes:
+        client = connect([f"etcd-0.hilum.test:{port}"])
+        await client.connect()
+        try:
+            await kv_of(client).put("/endpoints-test/k", "v")
+            reply = await kv_of(client).get("/endpoints-test/k", timeout=5)
+            return bytes(reply.kvs[0].value)
+        finally:
+            await client.close()
+
+    assert asyncio.run(main()) == b"v"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "message"),
+    [
+        ("[::1]:2379", "an IPv6 address, which the etcd client (etcd3aio) cannot dial"),
+        ("no-such-host.invalid:2379", "cannot resolve 'no-such-host.invalid' to an IPv4 address"),
+    ],
+)
+def test_connect_refuses_what_etcd3aio_cannot_dial_naming_it(endpoint: str, message: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        connect([endpoint])
+    assert str(exc.value).startswith(f"etcd endpoint {endpoint!r}: {message}")

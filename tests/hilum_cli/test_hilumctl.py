@@ -779,6 +779,20 @@ def test_an_unknown_name_is_exit_1_in_every_command(cluster: Cluster, capsys: py
     assert (rc, out) == (1, "") and "'nosuch' is neither a registered instance or domain" in err
 
 
+def test_an_etcd_endpoint_that_cannot_be_dialled_is_an_error_not_a_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rc, out, err = ctl(capsys, "--etcd", "no-such-host.invalid:2379", "status")
+    assert (rc, out) == (1, "")
+    assert err.startswith(
+        "hilumctl: error: --etcd: etcd endpoint 'no-such-host.invalid:2379': cannot resolve 'no-such-host.invalid' "
+        "to an IPv4 address"
+    )
+    rc, out, err = ctl(capsys, "status", env={"HILUM_ETCD": "[::1]:2379"})
+    assert (rc, out) == (1, "")
+    assert err.startswith("hilumctl: error: HILUM_ETCD: etcd endpoint '[::1]:2379': an IPv6 address")
+
+
 def test_etcd_without_a_leader(etcd: EtcdServer, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = ctl(capsys, "--etcd", etcd.endpoint, "--prefix", "/nobody-leads/", "status")
     assert (rc, out) == (1, "")
