@@ -54,8 +54,9 @@ def endpoints_option(text: str) -> str:
 
 
 def split_address(address: str, what: str = "", *, listen: bool = False) -> tuple[str, int]:
-    """(host, port) of one ``host:port`` address: a non-empty host (``[::1]`` for IPv6) and a port of 1-65535,
-    or of 0-65535 when ``listen`` (an address to listen on, where port 0 picks a free one).
+    """(host, port) of one ``host:port`` address: a non-empty host (an IPv6 address in brackets, ``[::1]``, returned
+    with them) and a port of 1-65535, or of 0-65535 when ``listen`` (an address to listen on, where port 0 picks a
+    free one).
 
     Raises:
         ValueError: led by ``what`` (the flag it came from; nothing when empty) when ``address`` is a list or not
@@ -66,7 +67,14 @@ def split_address(address: str, what: str = "", *, listen: bool = False) -> tupl
         raise ValueError(f"{lead}{address!r} is not one HOST:PORT: this option takes a single address")
     lowest = 0 if listen else 1
     host, sep, port = address.rpartition(":")
-    if not (sep and host and port.isascii() and port.isdigit() and lowest <= int(port) <= 65535):
+    if sep and not host and port.isdigit():  # ":7100"
+        every = f" (0.0.0.0:{port} for every interface)" if listen else ""
+        raise ValueError(f"{lead}{address!r}: the host is missing{every}")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):  # "::1:0": gRPC read it as [::0.1.0.0]:443
+        raise ValueError(f"{lead}{address!r}: an IPv6 address goes in brackets ([::1]:{port or 'PORT'})")
+    if not (sep and host and not any(c.isspace() for c in host) and port.isascii() and port.isdigit()) or not (
+        lowest <= int(port) <= 65535
+    ):
         raise ValueError(f"{lead}{address!r} is not HOST:PORT (port {lowest}-65535)")
     return host, int(port)
 

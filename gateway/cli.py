@@ -150,7 +150,7 @@ async def _start_site(runner: web.AppRunner, address: str, what: str, *, reuse_p
     Raises RuntimeError naming ``what`` when the address cannot be bound.
     """
     host, port = split_address(address, what, listen=True)
-    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port)
+    site = web.TCPSite(runner, host.strip("[]"), port, reuse_address=True, reuse_port=reuse_port)  # aiohttp: no []
     try:
         await site.start()
     except OSError as exc:

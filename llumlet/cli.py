@@ -124,8 +124,7 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
     stop = asyncio.Event()
     registration = None
     if ns.etcd:
-        if topology is None:
-            raise ValueError("--etcd needs --topology (the registration names the node, model and KV capacity)")
+        assert topology is not None  # main refuses --etcd without --topology
         registration = asyncio.ensure_future(_register(ns, topology, backend, address, stop))
         # It ends before stop only when it failed: stop then, rather than serve unregistered and unseen.
         registration.add_done_callback(lambda _: stop.set())
@@ -179,7 +178,10 @@ async def _register(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 on a configuration error, with the reason on stderr)."""
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.etcd and not ns.topology:  # before anything starts (the server it made was left to a closed loop)
+        parser.error("--etcd needs --topology (the registration names the node, model and KV capacity)")
     logging.basicConfig(level=ns.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         topology = load_topology(ns.topology) if ns.topology else None

@@ -195,6 +195,13 @@ async def _refuse_a_second_scheduler(
             return True
         if deadline is None:
             deadline = loop.time() + wait_s
+            _log.warning(
+                "domain %s: a domain scheduler at %s holds its registration; waiting up to %.0f s for it to expire "
+                "(a crashed one's goes with its lease)",
+                domain_id,
+                address,
+                wait_s,
+            )
         if loop.time() >= deadline:
             raise RuntimeError(
                 f"domain {domain_id} already has a live domain scheduler at {address}; stop it first "

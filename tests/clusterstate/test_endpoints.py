@@ -108,7 +108,11 @@ def test_split_address(address: str, listen: bool, parsed: tuple[str, int]) -> N
         ("127.0.0.1:99999", True, "--x: '127.0.0.1:99999' is not HOST:PORT (port 0-65535)"),  # served at 34463 before
         ("127.0.0.1:65536", True, "--x: '127.0.0.1:65536' is not HOST:PORT (port 0-65535)"),
         ("127.0.0.1:0", False, "--x: '127.0.0.1:0' is not HOST:PORT (port 1-65535)"),  # others cannot reach port 0
-        (":7100", True, "--x: ':7100' is not HOST:PORT (port 0-65535)"),  # gRPC cannot bind an empty host
+        (":7100", True, "--x: ':7100': the host is missing (0.0.0.0:7100 for every interface)"),  # gRPC cannot bind ""
+        (":7100", False, "--x: ':7100': the host is missing"),
+        ("::1:0", True, "--x: '::1:0': an IPv6 address goes in brackets ([::1]:0)"),  # gRPC bound [::0.1.0.0]:443
+        ("[::1:0", True, "--x: '[::1:0': an IPv6 address goes in brackets ([::1]:0)"),
+        ("no such host:0", True, "--x: 'no such host:0' is not HOST:PORT (port 0-65535)"),
         ("127.0.0.1", True, "--x: '127.0.0.1' is not HOST:PORT (port 0-65535)"),
         ("h:-1", True, "--x: 'h:-1' is not HOST:PORT (port 0-65535)"),
         ("h:\N{SUPERSCRIPT TWO}", False, "--x: 'h:\N{SUPERSCRIPT TWO}' is not HOST:PORT (port 1-65535)"),  # isdigit()
@@ -235,3 +239,27 @@ def test_connect_refuses_what_etcd3aio_cannot_dial_naming_it(endpoint: str, mess
     with pytest.raises(ValueError) as exc:
         connect([endpoint])
     assert str(exc.value).startswith(f"etcd endpoint {endpoint!r}: {message}")
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_the_gateway_listens_on_a_bracketed_ipv6_address(etcd: EtcdServer) -> None:
+    """``--listen [::1]:0`` passed the check, then the gateway looked up the host "[::1]" brackets and all."""
+    cmd = [sys.executable, "-m", "gateway", "--etcd", etcd.endpoint, "--topology", "1x8-a100", "--listen", "[::1]:0"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # printed once it listens
+        assert line.startswith("gateway serving at http://[::1]:"), (line, proc.stderr.read() if proc.stderr else "")
+    finally:
+        proc.terminate()  # at once: its exit status then depends on whether its signal handlers are in place yet
+        proc.communicate(timeout=30)

@@ -59,6 +59,17 @@ def test_a_second_llumlet_cannot_take_a_port_in_use(tmp_path: Path) -> None:
         proc.stop()
 
 
+def test_etcd_without_a_topology_is_refused_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    from llumlet.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exc:  # argparse's usage error: its server was left to a closed event loop
+        cli_main(["--instance-id", "node-0-i0", "--etcd", "127.0.0.1:2379"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "python -m llumlet: error: --etcd needs --topology (the registration names the node, model and KV capacity)"
+    )
+
+
 def test_a_llumlet_whose_registration_fails_stops_and_says_why(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

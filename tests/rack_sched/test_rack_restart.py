@@ -175,5 +175,10 @@ def test_a_second_scheduler_for_a_live_domain_is_refused(etcd: Any, prefix: str,
         second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
         assert second.returncode == 2, second.stderr
         assert f"domain {DOMAIN} already has a live domain scheduler at {first.address}" in second.stderr
+        # and while it waits it says so (it printed nothing for 1.5 x TTL + 1 s)
+        assert (
+            f"domain {DOMAIN}: a domain scheduler at {first.address} holds its registration; waiting up to 4 s for it "
+            "to expire"
+        ) in second.stderr
     finally:
         first.stop()
