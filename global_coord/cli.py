@@ -109,7 +109,7 @@ async def serve_replica(
         settings.autoscale if settings is not None else None,
         settings.actuator if settings is not None else None,
     )
-    print(f"coordinator {ns.id} listening on port {port}", flush=True)
+    print(f"coordinator {ns.id} serving at {cfg.advertise_address}", flush=True)  # as every hilum process says
     try:
         await coordinator.run(stop)
     finally:

@@ -676,7 +676,7 @@ def _coordinator_specs(lay: _Layout) -> list[ChildSpec]:
         ChildSpec(
             f"coordinator-{cid}",
             (py, "-m", "global_coord", *lay.listen(port), "--id", cid, *_common(lay)),
-            ready_marker=" listening on port ",
+            ready_marker=" serving at ",
             waits_for="to listen",
         )
         for cid, port in lay.plan.coordinators.items()

@@ -78,7 +78,9 @@ async def _until_leader(replicas: list[Replica], timeout_s: float, exclude: str 
             await asyncio.sleep(0.05)
 
 
-def test_failover_within_ttl_after_leader_is_killed(etcd: EtcdServer, prefix: str, spawn: object) -> None:
+def test_failover_within_ttl_after_leader_is_killed(
+    etcd: EtcdServer, prefix: str, spawn: object, tmp_path: Path
+) -> None:
     replicas = [spawn(etcd, prefix, f"c{i}", module=["-m", "global_coord"]) for i in (1, 2)]  # type: ignore[operator]
 
     async def main() -> None:
@@ -99,6 +101,8 @@ def test_failover_within_ttl_after_leader_is_killed(etcd: EtcdServer, prefix: st
         assert await asyncio.to_thread(standby.proc.wait, 5) == 0
 
     asyncio.run(main())
+    for r in replicas:  # ready, as every hilum process says it (hilum up waits for " serving at ")
+        assert f"coordinator {r.name} serving at {r.address}\n" in (tmp_path / f"{r.name}.log").read_text()
 
 
 def test_paused_leader_cannot_get_an_approval_accepted(etcd: EtcdServer, prefix: str, spawn: object) -> None:
