@@ -8,9 +8,11 @@ Imports nothing heavy: ``hilumctl`` parses its options before it knows whether i
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 __all__ = [
     "address_option",
+    "checked_option",
     "endpoints_option",
     "is_host_port",
     "listen_option",
@@ -41,16 +43,23 @@ def parse_endpoints(text: str, what: str = "--etcd") -> list[str]:
     return out
 
 
-def endpoints_option(text: str) -> str:
-    """argparse ``type=`` of an ``--etcd`` option: ``text`` as given, once :func:`parse_endpoints` accepts it, so
-    that a malformed list is a usage error (exit 2) before the process starts anything.
+def checked_option(check: Callable[[str], object], text: str) -> str:
+    """``text`` once ``check(text)`` returns: the body of every argparse ``type=`` here and in
+    ``clusterstate.options``, so that a bad value is a usage error (exit 2) before the process starts anything.
 
-    Raises argparse.ArgumentTypeError (argparse names the option)."""
+    Raises argparse.ArgumentTypeError with ``check``'s ValueError message (argparse names the option)."""
     try:
-        parse_endpoints(text, "")
+        check(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def endpoints_option(text: str) -> str:
+    """argparse ``type=`` of an ``--etcd`` option: ``text`` as given, once :func:`parse_endpoints` accepts it.
+
+    Raises argparse.ArgumentTypeError (argparse names the option)."""
+    return checked_option(lambda t: parse_endpoints(t, ""), text)
 
 
 def split_address(address: str, what: str = "", *, listen: bool = False) -> tuple[str, int]:
@@ -93,11 +102,7 @@ def listen_option(text: str) -> str:
     address to listen on (port 0-65535, 0 picks a free one).
 
     Raises argparse.ArgumentTypeError (argparse names the option)."""
-    try:
-        split_address(text, listen=True)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+    return checked_option(lambda t: split_address(t, listen=True), text)
 
 
 def optional_listen_option(text: str) -> str:
@@ -111,9 +116,4 @@ def address_option(text: str) -> str:
     "not given" (its default: the listen host with the bound port, no coordinator).
 
     Raises argparse.ArgumentTypeError (argparse names the option)."""
-    if text:
-        try:
-            split_address(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+    return checked_option(split_address, text) if text else text

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from clusterstate.endpoints import checked_option
+
 __all__ = ["DEFAULT_PREFIX", "LOG_LEVELS", "LOG_LEVEL_HELP", "check_prefix", "log_level_option", "prefix_option"]
 
 DEFAULT_PREFIX = "/hilum/v1/"  # every daemon's --prefix default (clusterstate.store.Keys)
@@ -33,10 +35,7 @@ def prefix_option(text: str) -> str:
     """argparse ``type=`` of a ``--prefix`` option: ``text`` once :func:`check_prefix` accepts it.
 
     Raises argparse.ArgumentTypeError (argparse names the option)."""
-    try:
-        return check_prefix(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return checked_option(check_prefix, text)
 
 
 def log_level_option(text: str) -> str:

@@ -7,6 +7,11 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 
+def counted(n: int, noun: str) -> str:
+    """``n noun``, with an s unless ``n`` is 1 (``1 domain``, ``2 domains``)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def version_line(prog: str) -> str:
     """``"<prog> <version> (Python <x.y.z>)"``, the line ``--version`` prints: the installed ``hilum`` distribution's
     version (``pyproject.toml``), or ``unknown (not installed)`` when the package runs from a source tree that was

@@ -23,6 +23,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from hilum_cli import counted
 from hilum_cli.ctl_requests import DomainAnswer
 from hilum_proto.v1 import coordinator_pb2 as pb
 
@@ -373,7 +374,7 @@ def render_domains(console: Console, data: Json) -> None:
         for summary in d["summaries"]:
             _domain_row(table, d, scheduler, summary)
     console.print(table)
-    console.print(f"{_count(len(data['domains']), 'domain')} (view at revision {data['view_revision']})")
+    console.print(f"{counted(len(data['domains']), 'domain')} (view at revision {data['view_revision']})")
 
 
 def _domain_row(table: Table, d: Json, scheduler: str, s: Json) -> None:
@@ -408,7 +409,7 @@ def render_instances(console: Console, data: Json) -> None:
         )  # fmt: skip
     console.print(table)
     console.print(
-        f"{_count(len(data['instances']), 'instance')} (view at revision {data['view_revision']}); USED in KV blocks"
+        f"{counted(len(data['instances']), 'instance')} (view at revision {data['view_revision']}); USED in KV blocks"
     )
 
 
@@ -436,7 +437,7 @@ def render_migrations(console: Console, data: Json) -> None:
             m["reason"],
         )
     console.print(table)
-    console.print(f"{_count(len(data['migrations']), 'migration')} (view at revision {data['view_revision']})")
+    console.print(f"{counted(len(data['migrations']), 'migration')} (view at revision {data['view_revision']})")
 
 
 def migration_line(event: Json) -> str:
@@ -461,8 +462,8 @@ def render_topology(console: Console, data: Json) -> None:
     n_instances = sum(len(d["instances"]) for d in domains)
     table = _table(
         "DOMAIN", "KIND", "INSTANCE", "NODE", "GPUS", "TP", "MODEL", "GPU", "CAPACITY",
-        title=f"topology {data['name']} ({data['source']}): {_count(len(domains), 'domain')}, "
-        f"{_count(n_instances, 'instance')}",
+        title=f"topology {data['name']} ({data['source']}): {counted(len(domains), 'domain')}, "
+        f"{counted(n_instances, 'instance')}",
     )  # fmt: skip
     for d in domains:
         for k, i in enumerate(d["instances"]):
@@ -497,14 +498,9 @@ def render_requests(console: Console, data: Json) -> None:
     answered = [d for d in data["domains"] if d["answered"]]
     waiting = sum(i["num_waiting"] or 0 for i in data["instances"])
     console.print(
-        f"{len(data['requests'])} running, {waiting} waiting on {_count(len(data['instances']), 'instance')} "
-        f"({len(answered)} of {_count(len(data['domains']), 'domain scheduler')} answered)"
+        f"{len(data['requests'])} running, {waiting} waiting on {counted(len(data['instances']), 'instance')} "
+        f"({len(answered)} of {counted(len(data['domains']), 'domain scheduler')} answered)"
     )
-
-
-def _count(n: int, noun: str) -> str:
-    """``n noun``, with an s unless ``n`` is 1."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _clock(t: float | None) -> str:

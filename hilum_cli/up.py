@@ -105,6 +105,7 @@ import hilum_config
 from clusterstate.options import LOG_LEVEL_HELP, log_level_option
 from gateway.apikeys import load_api_keys
 from global_coord.cli import check_autoscale
+from hilum_cli import counted
 from hilum_cli.supervisor import ChildSpec, RestartPolicy, StartFailed, Supervisor
 from hilum_proto.tls import WILDCARD_HOSTS
 from llumlet.backends.base import parse_engine_options
@@ -797,8 +798,8 @@ def start_cluster(
     coords = "the coordinator" if n_coord == 1 else f"{n_coord} coordinators (one leads, the others stand by)"
     stages += [
         (coords, _coordinator_specs(lay)),
-        (f"{_count(len(checked.topology.instances), 'llumlet')} ({cfg.engine} engine: {engine})", _llumlet_specs(lay)),
-        (_count(len(checked.topology.domains), "domain scheduler"), _rack_specs(lay)),
+        (f"{counted(len(checked.topology.instances), 'llumlet')} ({cfg.engine} engine: {engine})", _llumlet_specs(lay)),
+        (counted(len(checked.topology.domains), "domain scheduler"), _rack_specs(lay)),
         (_gateways_stage(lay), _gateway_specs(lay)),
     ]
     try:
@@ -816,11 +817,6 @@ def start_cluster(
     cluster.write_info()
     sup.on_restart = lambda child: cluster.write_info()
     return cluster
-
-
-def _count(n: int, noun: str) -> str:
-    """``n noun``, with an s unless ``n`` is 1."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _gateways_stage(lay: _Layout) -> str:
