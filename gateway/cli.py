@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import random
 import signal
 import socket
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import Any
 
 from aiohttp import web
 
@@ -185,8 +187,13 @@ async def _serve(
         prefix_cache=settings.prefix_cache,
     )
     runner: web.AppRunner | None = None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before etcd answers too: a stop while waiting for it is clean
+        loop.add_signal_handler(sig, stop.set)
     try:
-        await cluster.start_services()
+        if not await _unless_stopped(cluster.start_services(), stop):
+            return  # stopped before the cluster view was synced (etcd not answering)
         app = GatewayApp(cluster, metrics, tokenizers, api_keys=api_keys).app()
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
@@ -195,10 +202,6 @@ async def _serve(
         if ns.also_listen:
             also = ", also at " + await _start_site(runner, ns.also_listen, "--also-listen", reuse_port=False)
         print(f"gateway serving at {url} (token sink {cluster.origin}){also}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         # End every open request with an error the client sees (an SSE error event, a 502 body) before the
         # connections close; runner.cleanup() below lets the handlers send it.
@@ -208,6 +211,22 @@ async def _serve(
             await runner.cleanup()
         await cluster.close()
         await etcd.close()
+
+
+async def _unless_stopped(starting: Coroutine[Any, Any, None], stop: asyncio.Event) -> bool:
+    """Run ``starting`` until it returns (True) or ``stop`` is set first (False: it is cancelled). Raises what
+    ``starting`` raises."""
+    task = asyncio.ensure_future(starting)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return False
+    task.result()
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
