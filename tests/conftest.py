@@ -67,12 +67,15 @@ def ray_session() -> Iterator[None]:
     ray = pytest.importorskip("ray")
     from sim.sweep import ray_runtime_env  # its workers run the compiled simulator when built, as a sweep's do
 
-    saved = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+    # no token authentication; and 120 s, not 30, for the GCS to write its port file (Ray reads this variable in
+    # the process that starts the head: on a loaded 2-core machine the 30 s passed, failing every Ray test)
+    settings = {"RAY_AUTH_MODE": "disabled", "RAY_gcs_server_port_wait_time_s": "120"}
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     try:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=ray_runtime_env())
-    except Exception as exc:  # Ray's fixed 30 s wait for its raylet (ray/_private/node.py) passed: once more
-        if "timed out during startup" not in str(exc):
+    except Exception as exc:  # Ray's fixed 30 s wait for its raylet, or the GCS's (ray/_private/node.py): once more
+        if not any(words in str(exc) for words in ("timed out during startup", "Timed out waiting for file")):
             raise
         _reap_failed_ray_start(exc)
         ray.shutdown()
@@ -81,10 +84,11 @@ def ray_session() -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
-        if saved is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @pytest.fixture(scope="session")
