@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from hilum_proto.tls import advertised_address
+
 __all__ = [
     "address_option",
     "checked_option",
@@ -18,6 +20,7 @@ __all__ = [
     "listen_option",
     "optional_listen_option",
     "parse_endpoints",
+    "require_reachable",
     "split_address",
 ]
 
@@ -117,3 +120,13 @@ def address_option(text: str) -> str:
 
     Raises argparse.ArgumentTypeError (argparse names the option)."""
     return checked_option(split_address, text) if text else text
+
+
+def require_reachable(parser: argparse.ArgumentParser, listen: str, advertise: str) -> None:
+    """Refuse, as a usage error (``parser.error``: exit 2, before anything starts), a ``--listen`` host that binds
+    every interface without ``--advertise``: the address others reach the process at would be unknown
+    (``hilum_proto.tls.advertised_address``'s rule, its message)."""
+    try:
+        advertised_address(listen, 0, advertise)
+    except ValueError as exc:
+        parser.error(str(exc))

@@ -17,8 +17,8 @@ alone (not shared), so a health check or a Prometheus scrape reaches this one ga
 
 Prints ``gateway serving at http://<host:port> (token sink <host:port>)`` on stdout once it listens (with
 ``, also at http://<host:port>`` for ``--also-listen``), and runs until SIGTERM or SIGINT. Exit status 2 on a
-configuration error (bad topology, an address that is taken, ``--reuse-port`` where it is unsupported), with
-the reason on stderr.
+configuration error (bad topology, ``--reuse-port`` where it is unsupported), 1 when an address cannot be bound
+(in use, not this machine's: its service manager restarts it), with the reason on stderr.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from gateway.app import GatewayApp
 from gateway.cluster import LiveCluster
 from gateway.metrics import GatewayMetrics
 from gateway.tokenizer import Tokenizer, load_tokenizers
+from hilum_proto.tls import ListenError, listen_failure
 from topology.load import TopologyError, load_topology
 from topology.spec import Topology
 
@@ -149,14 +150,14 @@ def _check_reuse_port() -> None:
 async def _start_site(runner: web.AppRunner, address: str, what: str, *, reuse_port: bool) -> str:
     """Listen on ``address`` (``host:port``); the URL served (with the port bound when ``address`` asked for 0).
 
-    Raises RuntimeError naming ``what`` when the address cannot be bound.
+    Raises ListenError naming ``what`` when the address cannot be bound.
     """
     host, port = split_address(address, what, listen=True)
     site = web.TCPSite(runner, host.strip("[]"), port, reuse_address=True, reuse_port=reuse_port)  # aiohttp: no []
     try:
         await site.start()
-    except OSError as exc:
-        raise RuntimeError(f"cannot listen on {address} ({what}): {exc.strerror or exc}") from None
+    except OSError:
+        raise ListenError(listen_failure(address, what)) from None
     return f"http://{host}:{site.port}"
 
 
@@ -230,7 +231,8 @@ async def _unless_stopped(starting: Coroutine[Any, Any, None], stop: asyncio.Eve
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 on a configuration error, with the reason on stderr)."""
+    """Entry point; returns the exit status (2 on a configuration error, 1 on an address that cannot be bound;
+    the reason on stderr)."""
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level, format="%(asctime)s gateway %(name)s %(levelname)s %(message)s")
     try:
@@ -238,6 +240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokenizers = load_tokenizers(topology, tokenizer_overrides(ns.tokenizer), byte_vocab_size=ns.vocab_size)
         api_keys = load_api_keys(ns.api_keys) if ns.api_keys else None
         asyncio.run(_serve(ns, topology, tokenizers, api_keys))
+    except ListenError as exc:  # the machine's, not the configuration's: restarted by its service manager
+        print(f"gateway: error: {exc}", file=sys.stderr)
+        return 1
     except (TopologyError, ValueError, RuntimeError, OSError) as exc:
         print(f"gateway: error: {exc}", file=sys.stderr)
         return 2

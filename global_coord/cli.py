@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 
 import hilum_config
-from clusterstate.endpoints import address_option, endpoints_option, listen_option, parse_endpoints
+from clusterstate.endpoints import address_option, endpoints_option, listen_option, parse_endpoints, require_reachable
 from clusterstate.etcd import connect
 from clusterstate.options import DEFAULT_PREFIX, LOG_LEVEL_HELP, log_level_option, prefix_option
 from global_coord.actuator import CommandActuator
@@ -60,7 +60,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--log-level", default="INFO", type=log_level_option, metavar="LEVEL", help=LOG_LEVEL_HELP)
     hilum_config.add_argument(p)
-    return p.parse_args(argv)
+    ns = p.parse_args(argv)
+    require_reachable(p, ns.listen, ns.advertise)
+    return ns
 
 
 async def serve_replica(

@@ -33,6 +33,7 @@ Certificates must name the host part of the addresses processes use to reach eac
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ import grpc
 __all__ = [
     "WILDCARD_HOSTS",
     "Keepalive",
+    "ListenError",
     "TlsError",
     "TlsFiles",
     "add_port",
@@ -50,6 +52,7 @@ __all__ = [
     "etcd_tls_args",
     "grpc_tls",
     "keepalive",
+    "listen_failure",
     "new_server",
     "open_channel",
 ]
@@ -226,20 +229,47 @@ def new_server(options: Sequence[tuple[str, int | str]] = ()) -> grpc.aio.Server
     return grpc.aio.server(options=[("grpc.so_reuseport", 0), *keepalive().server_options(), *options])
 
 
-def bind_server(listen: str) -> tuple[grpc.aio.Server, int]:
-    """A new server (:func:`new_server`) bound to ``listen`` (``host:port``; port 0 picks one); (server, port).
+class ListenError(RuntimeError):
+    """An address could not be bound: in use, not an address of this machine, or not permitted. A condition of
+    the machine rather than of the configuration, so a daemon exits 1 for it (its service manager restarts it;
+    exit 2, a bad option, is not restarted: ``deploy/systemd``)."""
+
+
+def listen_failure(address: str, what: str = "--listen") -> str:
+    """Why ``address`` (``host:port``, the host bracketed when IPv6) cannot be bound, as the system says it:
+    found by binding a plain TCP socket there and closing it at once (gRPC only reports that binding failed).
+    A generic reason when that socket binds after all (the address was freed meanwhile)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds: TIME_WAIT is no use
+            probe.bind((host, int(port)))
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return f"cannot listen on {address} ({what}): {reason.lower()}"
+    return f"cannot listen on {address} ({what}): the address is in use or not an address of this machine"
+
+
+def bind_server(
+    listen: str, options: Sequence[tuple[str, int | str]] = (), what: str = "--listen"
+) -> tuple[grpc.aio.Server, int]:
+    """A new server (:func:`new_server`, with ``options``) bound to ``listen`` (``host:port``; port 0 picks one);
+    (server, port).
 
     Raises:
-        RuntimeError: when the address cannot be bound (in use, or not a local address).
+        ListenError: when the address cannot be bound (in use, not a local address), naming ``what`` (the option
+            that gave it) and the system's reason.
         TlsError: see :func:`add_port`.
     """
-    server = new_server()
+    server = new_server(options)
     try:
         port = add_port(server, listen)
-    except RuntimeError as exc:
-        raise RuntimeError(f"cannot listen on {listen}: {exc}") from exc
+    except RuntimeError as exc:  # gRPC's "Failed to bind to address ...": the system's reason says more
+        raise ListenError(listen_failure(listen, what)) from exc
     if port == 0:
-        raise RuntimeError(f"cannot listen on {listen}: the address is in use or not local")
+        raise ListenError(listen_failure(listen, what))
     return server, port
 
 

@@ -16,8 +16,9 @@ import sys
 from collections.abc import Sequence
 
 import hilum_config
-from clusterstate.endpoints import address_option, endpoints_option, listen_option
+from clusterstate.endpoints import address_option, endpoints_option, listen_option, require_reachable
 from clusterstate.options import DEFAULT_PREFIX, LOG_LEVEL_HELP, log_level_option, prefix_option
+from hilum_proto.tls import ListenError
 from llumlet.agent import Llumlet, LlumletConfig
 from llumlet.backends import BACKEND_NAMES, Backend, BackendConfig, UnknownBackendError, make_backend
 from llumlet.backends.base import parse_engine_options
@@ -177,9 +178,11 @@ async def _register(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 on a configuration error, with the reason on stderr)."""
+    """Entry point; returns the exit status (2 on a configuration error, 1 on a listen address that cannot be
+    bound; the reason on stderr)."""
     parser = build_parser()
     ns = parser.parse_args(argv)
+    require_reachable(parser, ns.listen, ns.advertise)
     if ns.etcd and not ns.topology:  # before anything starts (the server it made was left to a closed loop)
         parser.error("--etcd needs --topology (the registration names the node, model and KV capacity)")
     logging.basicConfig(level=ns.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -189,7 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             topology.instance(ns.instance_id)
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(_run(ns, topology))
+    except ListenError as exc:  # the machine's state, not the configuration: its service manager restarts it
+        print(f"llumlet: error: {exc}", file=sys.stderr)
+        return 1
     except (TopologyError, UnknownBackendError, KeyError, ValueError, RuntimeError) as exc:
-        print(f"llumlet: {exc}", file=sys.stderr)
+        print(f"llumlet: error: {exc}", file=sys.stderr)  # as every hilum process says it
         return 2
     return 0

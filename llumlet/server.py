@@ -13,7 +13,7 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from hilum_proto.tls import add_port, advertised_address, new_server
+from hilum_proto.tls import advertised_address, bind_server
 from hilum_proto.v1 import llumlet_pb2 as pb
 from hilum_proto.v1 import llumlet_pb2_grpc as pb_grpc
 from llumlet.agent import Llumlet
@@ -228,16 +228,10 @@ async def serve(llumlet: Llumlet, listen: str, advertise: str = "") -> tuple[grp
     port (:func:`hilum_proto.tls.advertised_address`); the llumlet names that address in its token pushes.
 
     Raises:
-        RuntimeError: when the address cannot be bound.
+        hilum_proto.tls.ListenError: when the address cannot be bound.
         ValueError: for a wildcard listen host without ``advertise``.
     """
-    server = new_server([("grpc.max_receive_message_length", 64 << 20)])
-    try:
-        port = add_port(server, listen)
-    except RuntimeError as exc:
-        raise RuntimeError(f"llumlet {llumlet.config.instance_id}: cannot listen on {listen}: {exc}") from exc
-    if port == 0:
-        raise RuntimeError(f"llumlet {llumlet.config.instance_id}: cannot listen on {listen}")
+    server, port = bind_server(listen, [("grpc.max_receive_message_length", 64 << 20)])
     address = advertised_address(listen, port, advertise)
     pb_grpc.add_LlumletServicer_to_server(LlumletService(llumlet), server)
     await llumlet.start(address)

@@ -23,7 +23,7 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from hilum_proto.tls import add_port, new_server, open_channel
+from hilum_proto.tls import bind_server, open_channel
 from hilum_proto.v1 import llumlet_pb2, llumlet_pb2_grpc
 from hilum_proto.v1 import token_sink_pb2 as pb
 from hilum_proto.v1 import token_sink_pb2_grpc as pb_grpc
@@ -144,12 +144,9 @@ class TokenCollector:
         return f"{host}:{self._port}"
 
     async def start(self) -> None:
-        """Bind and serve. Raises RuntimeError when the address cannot be bound."""
-        server = new_server()
+        """Bind and serve. Raises hilum_proto.tls.ListenError when the address cannot be bound."""
+        server, self._port = bind_server(self._listen, what="token sink")
         pb_grpc.add_TokenSinkServicer_to_server(_Servicer(self), server)
-        self._port = add_port(server, self._listen)
-        if self._port == 0:
-            raise RuntimeError(f"TokenCollector: cannot listen on {self._listen}")
         await server.start()
         self._server = server
 

@@ -6,7 +6,8 @@
 Prints ``rack_sched <domain> serving at <host:port>`` on stdout once it serves, then rebuilds its view from
 the llumlets registered in etcd and starts dispatching. Runs until SIGTERM or SIGINT, then revokes its
 lease (its registration and summary vanish) and exits 0; the llumlets keep running. Exit status 2 on a
-configuration error (bad topology, unknown domain), with the reason on stderr.
+configuration error (bad topology, unknown domain); 1 when the listen address cannot be bound or another live
+domain scheduler holds the domain (conditions its service manager's restart can outlast); the reason on stderr.
 """
 
 from __future__ import annotations
@@ -24,15 +25,22 @@ import grpc
 
 import hilum_config
 from clusterstate.backoff import Backoff, BackoffConfig
-from clusterstate.endpoints import address_option, endpoints_option, is_host_port, listen_option, parse_endpoints
+from clusterstate.endpoints import (
+    address_option,
+    endpoints_option,
+    is_host_port,
+    listen_option,
+    parse_endpoints,
+    require_reachable,
+)
 from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, connect, kv_of
 from clusterstate.options import DEFAULT_PREFIX, LOG_LEVEL_HELP, log_level_option, prefix_option
 from clusterstate.records import DomainRegistration, InstanceRegistration, RecordError, decode
 from clusterstate.store import Keys
-from hilum_proto.tls import advertised_address, bind_server
+from hilum_proto.tls import ListenError, advertised_address, bind_server
 from rack_sched.scheduler import DomainScheduler
 from rack_sched.server import start_server
-from rack_sched.types import RackConfig
+from rack_sched.types import DomainTakenError, RackConfig
 from topology.load import TopologyError, load_topology
 from topology.spec import Topology
 
@@ -159,7 +167,7 @@ async def _refuse_a_second_scheduler(
     A registration at ``own_address`` is the previous run of this very scheduler (two live processes cannot
     share an address): it is taken over at once. Any other crashed scheduler's registration disappears with
     its lease, so this waits up to ``wait_s`` (from when it first sees the key) for the key to go, then raises
-    RuntimeError naming the scheduler that still holds it.
+    DomainTakenError naming the scheduler that still holds it.
 
     While etcd (``etcd``, the ``--etcd`` list) does not answer, it logs a warning naming the address and retries
     with jittered backoff, like every other etcd client of hilum: a scheduler may start before etcd (systemd
@@ -203,7 +211,7 @@ async def _refuse_a_second_scheduler(
                 wait_s,
             )
         if loop.time() >= deadline:
-            raise RuntimeError(
+            raise DomainTakenError(
                 f"domain {domain_id} already has a live domain scheduler at {address}; stop it first "
                 "(a crashed one's registration expires with its lease TTL)"
             )
@@ -252,13 +260,19 @@ async def _serve(ns: argparse.Namespace, topology: Topology) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 on a configuration error, with the reason on stderr)."""
-    ns = build_parser().parse_args(argv)
+    """Entry point; returns the exit status (2 on a configuration error; 1 on an address that cannot be bound or
+    a domain another live scheduler holds; the reason on stderr)."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    require_reachable(parser, ns.listen, ns.advertise)
     logging.basicConfig(level=ns.log_level, format=f"%(asctime)s {ns.domain_id} %(name)s %(levelname)s %(message)s")
     try:
         topology = load_topology(ns.topology)
         topology.domain(ns.domain_id)
         asyncio.run(_serve(ns, topology))
+    except (ListenError, DomainTakenError) as exc:  # the machine's state, not the configuration: restart may fix it
+        print(f"rack_sched: error: {exc}", file=sys.stderr)
+        return 1
     except (TopologyError, KeyError, ValueError, RuntimeError, OSError) as exc:
         print(f"rack_sched: error: {exc}", file=sys.stderr)
         return 2

@@ -75,6 +75,7 @@ from rack_sched.types import (
     DispatchOutcome,
     DispatchResult,
     DomainStateInfo,
+    DomainTakenError,
     InstanceStateInfo,
     RackConfig,
 )
@@ -163,7 +164,7 @@ class DomainScheduler:
         On stop the registration and summary are revoked with the lease; the llumlets keep running.
 
         Raises:
-            RuntimeError: another domain scheduler holds this domain's registration.
+            DomainTakenError: another domain scheduler holds this domain's registration.
         """
         view_task = asyncio.create_task(self.view.run(), name="rack-view")
         registrar_task = asyncio.create_task(self.registrar.run(stop), name="rack-registrar")
@@ -174,7 +175,7 @@ class DomainScheduler:
             reg = DomainRegistration(self.cfg.domain_id, self.cfg.advertise_address)
             key = self.keys.domain(self.cfg.domain_id)
             if not await self.registrar.claim(key, encode(reg)):
-                raise RuntimeError(
+                raise DomainTakenError(
                     f"domain {self.cfg.domain_id} already has a live domain scheduler; stop it first "
                     "(a crashed one's registration expires with its lease TTL)"
                 )

@@ -10,7 +10,20 @@ from clusterstate.records import InstanceRegistration
 from policy.load import InstanceLoad
 from rack_sched.core import DomainConfig
 
-__all__ = ["DispatchOutcome", "DispatchResult", "DomainStateInfo", "InstanceStateInfo", "RackConfig"]
+__all__ = [
+    "DispatchOutcome",
+    "DispatchResult",
+    "DomainStateInfo",
+    "DomainTakenError",
+    "InstanceStateInfo",
+    "RackConfig",
+]
+
+
+class DomainTakenError(RuntimeError):
+    """Another live domain scheduler holds the domain's registration. A state of the cluster, not a bad
+    configuration: the daemon exits 1 for it, not 2, so its service manager restarts it (a crashed scheduler's
+    registration goes with its lease)."""
 
 
 @dataclass(frozen=True, slots=True)

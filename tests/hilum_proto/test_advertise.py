@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from hilum_proto.tls import advertised_address
+from hilum_proto.tls import ListenError, advertised_address, bind_server, listen_failure
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,19 +39,62 @@ def test_a_wildcard_listen_host_needs_advertise(listen: str) -> None:
         advertised_address(listen, 7100)
 
 
-@pytest.mark.parametrize(
-    ("module", "args", "status"),
-    [
-        ("rack_sched", ["--domain-id", "node-0", "--topology", "1x8-a100", "--etcd", "127.0.0.1:1"], 2),
-        ("llumlet", ["--instance-id", "node-0-i0", "--engine", "sim", "--topology", "1x8-a100"], 2),
-        ("global_coord", ["--etcd", "127.0.0.1:1", "--id", "c0"], 1),
-    ],
-)
-def test_a_process_listening_on_every_interface_refuses_to_register_it(
-    module: str, args: list[str], status: int
-) -> None:
+DAEMONS = {  # each daemon's arguments but --listen (etcd at port 1 answers nothing; each binds before it asks)
+    "rack_sched": ["--domain-id", "node-0", "--topology", "1x8-a100", "--etcd", "127.0.0.1:1"],
+    "llumlet": ["--instance-id", "node-0-i0", "--engine", "sim", "--topology", "1x8-a100"],
+    "global_coord": ["--etcd", "127.0.0.1:1", "--id", "c0"],
+}
+
+
+def _run_daemon(module: str, args: list[str]) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", module, "--listen", "0.0.0.0:0", *args]
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == status, done.stderr
-    assert "--listen 0.0.0.0:0 binds every interface" in done.stderr and "--advertise" in done.stderr
+    cmd = [sys.executable, "-m", module, *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("module", DAEMONS)
+def test_a_process_listening_on_every_interface_refuses_to_register_it(module: str) -> None:
+    done = _run_daemon(module, ["--listen", "0.0.0.0:0", *DAEMONS[module]])
+    assert done.returncode == 2, done.stderr  # a usage error, found before anything starts: not restarted
+    assert done.stderr.splitlines()[-1] == (
+        f"python -m {module}: error: --listen 0.0.0.0:0 binds every interface, which is no address others can reach: "
+        "pass --advertise HOST:PORT, the address the other processes reach this one at"
+    )
+
+
+@pytest.fixture
+def taken() -> Iterator[str]:
+    """``127.0.0.1:PORT`` of a port a listening socket of this test holds."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("module", DAEMONS)
+def test_a_process_whose_port_is_taken_exits_1_with_the_systems_reason(module: str, taken: str) -> None:
+    done = _run_daemon(module, ["--listen", taken, *DAEMONS[module]])
+    # exit 1, the machine's state: its service manager restarts it (deploy/systemd: exit 2 is not restarted)
+    assert done.returncode == 1, done.stderr
+    want = f"{module}: error: cannot listen on {taken} (--listen): address already in use"
+    assert done.stderr.splitlines()[-1] == want
+
+
+def test_gateway_whose_ports_are_taken_exits_1_naming_which(etcd: Any, taken: str) -> None:
+    base = ["--etcd", etcd.endpoint, "--topology", "1x8-a100"]
+    http = _run_daemon("gateway", [*base, "--listen", taken])
+    sink = _run_daemon("gateway", [*base, "--listen", "127.0.0.1:0", "--sink-listen", taken])
+    for done, what in ((http, "--listen"), (sink, "token sink")):
+        assert done.returncode == 1, done.stderr
+        want = f"gateway: error: cannot listen on {taken} ({what}): address already in use"
+        assert done.stderr.splitlines()[-1] == want
+
+
+def test_listen_failure_gives_the_systems_reason(taken: str) -> None:
+    assert listen_failure(taken) == f"cannot listen on {taken} (--listen): address already in use"
+    # 192.0.2.0/24 is TEST-NET-1 (RFC 5737): never an address of this machine
+    assert listen_failure("192.0.2.1:7100", "--sink-listen") == (
+        "cannot listen on 192.0.2.1:7100 (--sink-listen): cannot assign requested address"
+    )
+    with pytest.raises(ListenError, match=rf"^cannot listen on {taken} \(--listen\): address already in use$"):
+        bind_server(taken)

@@ -48,13 +48,17 @@ def test_llumlet_registers_itself_and_its_key_goes_with_it(etcd: EtcdServer, pre
     assert asyncio.run(_read(etcd.endpoint, key)) is None
 
 
-def test_a_second_llumlet_cannot_take_a_port_in_use(tmp_path: Path) -> None:
+def test_a_second_llumlet_cannot_take_a_port_in_use(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from llumlet.cli import main as cli_main
 
     proc = LlumletProcess("node-0-i0", ["--topology", "1x8-a100"], tmp_path / "first.log").start()
     try:
-        # gRPC would share the port (SO_REUSEPORT) and split connections between the two: it must fail
-        assert cli_main(["--instance-id", "node-0-i1", "--topology", "1x8-a100", "--listen", proc.address]) == 2
+        # gRPC would share the port (SO_REUSEPORT) and split connections between the two: it must fail, with exit
+        # 1 (the machine's state, which a restart may outlast; 2 is a bad option, which systemd does not restart)
+        assert cli_main(["--instance-id", "node-0-i1", "--topology", "1x8-a100", "--listen", proc.address]) == 1
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"llumlet: error: cannot listen on {proc.address} (--listen): address already in use"
+        )
     finally:
         proc.stop()
 
@@ -84,4 +88,4 @@ def test_a_llumlet_whose_registration_fails_stops_and_says_why(
     assert llumlet.cli.main(args) == 2
     out, err = capsys.readouterr()
     assert out.startswith("llumlet node-0-i0 serving at 127.0.0.1:")
-    assert err.splitlines()[-1] == "llumlet: registration failed (test)"
+    assert err.splitlines()[-1] == "llumlet: error: registration failed (test)"

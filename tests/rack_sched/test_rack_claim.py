@@ -12,7 +12,7 @@ from clusterstate.etcd import kv_of
 from clusterstate.records import DomainRegistration, decode
 from clusterstate.store import Keys
 from rack_sched.scheduler import DomainScheduler
-from rack_sched.types import RackConfig
+from rack_sched.types import DomainTakenError, RackConfig
 
 
 def test_two_schedulers_started_together_cannot_both_run(etcd: Any, prefix: str) -> None:
@@ -31,7 +31,7 @@ def test_two_schedulers_started_together_cannot_both_run(etcd: Any, prefix: str)
             done, _ = await asyncio.wait(tasks, timeout=10, return_when=asyncio.FIRST_COMPLETED)
             (loser,) = done  # the other keeps running
             error = loser.exception()
-            assert isinstance(error, RuntimeError) and "already has a live domain scheduler" in str(error)
+            assert isinstance(error, DomainTakenError) and "already has a live domain scheduler" in str(error)
             winner = scheds[1 - tasks.index(loser)]
             await asyncio.wait_for(winner.ready.wait(), 10)
             reply = await kv_of(c1).get(Keys(prefix).domain("d"))

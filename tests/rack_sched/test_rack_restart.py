@@ -173,7 +173,7 @@ def test_a_second_scheduler_for_a_live_domain_is_refused(etcd: Any, prefix: str,
         cmd[cmd.index("--ttl") + 1] = "2"  # waits 1.5 x 2 + 1 s for the key to go, then gives up
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-        assert second.returncode == 2, second.stderr
+        assert second.returncode == 1, second.stderr  # the cluster's state, not a bad option: systemd restarts it
         assert f"domain {DOMAIN} already has a live domain scheduler at {first.address}" in second.stderr
         # and while it waits it says so (it printed nothing for 1.5 x TTL + 1 s)
         assert (
