@@ -280,8 +280,8 @@ class Registrar:
             except RETRYABLE_ERRORS as exc:
                 delay = self._backoff.next_s()
                 _log.warning(
-                    "%s: cannot open an etcd session (%s: %s), attempt %d; retrying in %.2f s "
-                    "(tune BackoffConfig.max_s for the retry cap, the TTL for outage tolerance)",
+                    "%s: cannot open an etcd session (%s: %s), attempt %d; retrying in %.2f s: check that etcd runs "
+                    "and that --etcd names its client address",
                     self._name,
                     type(exc).__name__,
                     exc,

@@ -496,7 +496,8 @@ class ClusterView:
             except RETRYABLE_ERRORS as exc:
                 delay = self._backoff.next_s()
                 _log.warning(
-                    "cluster view: etcd error (%s: %s); re-listing in %.2f s (tune BackoffConfig.max_s)",
+                    "cluster view: etcd error (%s: %s); re-listing in %.2f s: check that etcd runs and that --etcd "
+                    "names its client address",
                     type(exc).__name__,
                     exc,
                     delay,
