@@ -483,12 +483,36 @@ def run_cli(args: argparse.Namespace) -> int:
             f"({fleet}, {len(domains)} {_plural('domain', len(domains))}), seed {args.seed}"
         )
         baseline = "least-loaded" if "least-loaded" in {s.policy for s in summaries} else None
+        idle = _idle_columns(trace, args.priority_fraction, autoscaled="autoscale" in runs[0].config)
+        latency = [c for c in LATENCY_COLUMNS if c not in idle]
+        migration = [c for c in MIGRATION_COLUMNS if c not in idle]
         console = Console() if sys.stdout.isatty() else Console(width=200)  # files and pipes: no squeezing
-        console.print(render_table(summaries, title=title, baseline=baseline, columns=LATENCY_COLUMNS, compact=True))
-        console.print(
-            render_table(summaries, title="migrations and simulator cost", columns=MIGRATION_COLUMNS, compact=True)
-        )
+        console.print(title, highlight=False)  # on its own line: a table's title wraps at the table's width
+        console.print(render_table(summaries, title="", baseline=baseline, columns=latency, compact=True))
+        console.print(render_table(summaries, title="migrations and simulator cost", columns=migration, compact=True))
+        if baseline is not None:
+            console.print(f"TTFT p99 / base: each policy's P99 TTFT over {baseline}'s", style="dim", highlight=False)
+        if idle:
+            notes = ", ".join(f"{header.replace(chr(10), ' ')} ({why})" for header, why in idle.items())
+            console.print(f"not shown, nothing to count: {notes}", style="dim", highlight=False)
     return 0
+
+
+def _idle_columns(trace: Trace, priority_fraction: float, *, autoscaled: bool) -> dict[str, str]:
+    """The columns of ``hilum sim``'s tables that have nothing to count in a run of ``trace`` (header -> why):
+    the prefix hit rate of a trace whose requests carry no prefix hashes, the high-priority TTFT of one without
+    high-priority requests (none in the trace, and ``--priority-fraction`` 0), the scale-outs and -ins of a run
+    without the autoscaler. ``--json`` and results.json keep every figure."""
+    from .results import HIGH_PRIORITY_MIN
+
+    idle = {}
+    if not any(r.prefix_block_hashes for r in trace.requests):
+        idle["prefix\nhit %"] = "the trace has no prefix hashes"
+    if not priority_fraction and not any(r.priority >= HIGH_PRIORITY_MIN for r in trace.requests):
+        idle["hi-pri\nTTFT p99"] = f"no request of priority {HIGH_PRIORITY_MIN}+"
+    if not autoscaled:
+        idle["scale\nout/in"] = "no --autoscale"
+    return idle
 
 
 def run_size_cli(args: argparse.Namespace) -> int:

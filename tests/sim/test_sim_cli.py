@@ -56,6 +56,26 @@ def test_sim_table_names_every_policy(capsys: pytest.CaptureFixture[str]) -> Non
     for policy in ("round-robin", "least-loaded", "llumnix", "hilum"):
         assert text.count(policy) >= 2  # one row in each table
     assert "TTFT" in text and "downtime" in text
+    # columns with nothing to count in this run are left out, and said so; the ratio column is explained
+    tables = "\n".join(text.splitlines()[:-2])
+    assert "hit %" not in tables and "hi-pri" not in tables and "out/in" not in tables
+    assert text.splitlines()[-2:] == [
+        "TTFT p99 / base: each policy's P99 TTFT over least-loaded's",
+        "not shown, nothing to count: prefix hit % (the trace has no prefix hashes), hi-pri TTFT p99 (no request of "
+        "priority 1+), scale out/in (no --autoscale)",
+    ]
+
+
+def test_sim_table_shows_the_prefix_and_scaling_columns_when_they_count(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["sim", "--max-requests", "60", "--trace", "mooncake-conv", "--policy", "hilum", "--autoscale"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any("hit %" in line for line in lines) and any("out/in" in line for line in lines)
+    assert "hi-pri" not in "\n".join(lines[:-1])  # the trace has no priorities
+    assert lines[-1] == "not shown, nothing to count: hi-pri TTFT p99 (no request of priority 1+)"
+    assert main([*argv, "--priority-fraction", "0.2"]) == 0  # the run marks some requests high priority
+    text = capsys.readouterr().out
+    assert "hi-pri" in text and "not shown" not in text
 
 
 def test_sim_autoscale_prints_gpu_hours_and_its_decisions_reach_results_json(
