@@ -6,8 +6,9 @@
 Prints ``rack_sched <domain> serving at <host:port>`` on stdout once it serves, then rebuilds its view from
 the llumlets registered in etcd and starts dispatching. Runs until SIGTERM or SIGINT, then revokes its
 lease (its registration and summary vanish) and exits 0; the llumlets keep running. Exit status 2 on a
-configuration error (bad topology, unknown domain); 1 when the listen address cannot be bound or another live
-domain scheduler holds the domain (conditions its service manager's restart can outlast); the reason on stderr.
+configuration error (bad topology, unknown domain); 1 when the listen address cannot be bound, another live
+domain scheduler holds the domain, or etcd stops answering while the domain is claimed (conditions its service
+manager's restart can outlast); the reason on stderr.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from clusterstate.endpoints import (
     parse_endpoints,
     require_reachable,
 )
-from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, connect, kv_of
+from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, EtcdError, connect, kv_of
 from clusterstate.options import DEFAULT_PREFIX, LOG_LEVEL_HELP, log_level_option, prefix_option
 from clusterstate.records import DomainRegistration, InstanceRegistration, RecordError, decode
 from clusterstate.store import Keys
@@ -272,6 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.run(_serve(ns, topology))
     except (ListenError, DomainTakenError) as exc:  # the machine's state, not the configuration: restart may fix it
         print(f"rack_sched: error: {exc}", file=sys.stderr)
+        return 1
+    except (EtcdError, grpc.aio.AioRpcError, TimeoutError) as exc:  # etcd went away while the domain was claimed
+        why = f"etcd at {ns.etcd} stopped answering while the domain was claimed ({_reason(exc)})"
+        print(f"rack_sched: error: {why}", file=sys.stderr)
         return 1
     except (TopologyError, KeyError, ValueError, RuntimeError, OSError) as exc:
         print(f"rack_sched: error: {exc}", file=sys.stderr)

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from clusterstate.etcd import EtcdError
 from clusterstate.records import DrainKind
 from hilum_proto.v1 import llumlet_pb2
 from policy.domain import DomainSummary
@@ -15,6 +16,7 @@ from policy.summarize import summarize_domain
 from policy.types import PolicyConfig
 from rack_sched.convert import load_from_pb, prompt_length
 from rack_sched.plan import drained_instances, plan_cross_domain
+from rack_sched.types import DomainTakenError
 
 CFG = PolicyConfig()
 
@@ -144,3 +146,28 @@ def test_cli_reports_an_unknown_domain(capsys: pytest.CaptureFixture[str]) -> No
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("rack_sched: error: ") and "no domain 'nope'" in err
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "words"),
+    [
+        (TimeoutError("the etcd session was lost"), 1, "etcd at 127.0.0.1:1 stopped answering while the domain"),
+        (EtcdError("etcd is gone"), 1, "etcd at 127.0.0.1:1 stopped answering while the domain"),
+        (DomainTakenError("domain node-0 already has a live domain scheduler"), 1, "already has a live domain"),
+        (ValueError("--ttl must be >= 1"), 2, "--ttl must be >= 1"),
+    ],
+)
+def test_cli_exit_status_tells_the_clusters_state_from_a_bad_configuration(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], error: Exception, status: int, words: str
+) -> None:
+    # 1: a state a restart may outlast (systemd restarts it); 2: a bad option or file (RestartPreventExitStatus=2)
+    import rack_sched.cli
+
+    async def failing(*_: object) -> None:
+        raise error
+
+    monkeypatch.setattr(rack_sched.cli, "_serve", failing)
+    args = ["--domain-id", "node-0", "--listen", "127.0.0.1:0", "--etcd", "127.0.0.1:1", "--topology", "1x8-a100"]
+    assert rack_sched.cli.main(args) == status
+    err = capsys.readouterr().err
+    assert err.startswith("rack_sched: error: ") and words in err
