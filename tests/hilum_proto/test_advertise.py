@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import socket
@@ -96,5 +97,9 @@ def test_listen_failure_gives_the_systems_reason(taken: str) -> None:
     assert listen_failure("192.0.2.1:7100", "--sink-listen") == (
         "cannot listen on 192.0.2.1:7100 (--sink-listen): cannot assign requested address"
     )
-    with pytest.raises(ListenError, match=rf"^cannot listen on {taken} \(--listen\): address already in use$"):
+
+    async def bind() -> None:  # a grpc.aio server is made inside a running event loop
         bind_server(taken)
+
+    with pytest.raises(ListenError, match=rf"^cannot listen on {taken} \(--listen\): address already in use$"):
+        asyncio.run(bind())
