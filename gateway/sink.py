@@ -119,7 +119,7 @@ class GatewaySink(TokenCollector):
             prog.owner_instance_id = instance_id
         if address:
             self.placed(request_id, address)
-            self.watch(address)
+            self.watch(address, instance_id)
 
     def resume(self, request_id: str, new_request_id: str) -> int:
         """Continue ``request_id`` as ``new_request_id`` (replayed elsewhere): the new stream starts with the
@@ -211,7 +211,7 @@ class GatewaySink(TokenCollector):
             prog.pending_gap_from_s = prog.last_token_s
             prog.pending_move = (src, msg.sender_instance_id)
             if msg.sender_address:
-                self.watch(msg.sender_address)
+                self.watch(msg.sender_address, msg.sender_instance_id)
             if prog.pending_gap_from_s is None:  # no token before it: no gap to measure
                 self._moved(msg.request_id, prog, None)
         elif not prog.owner_instance_id and msg.sender_instance_id:

@@ -136,6 +136,7 @@ class TokenCollector:
         self._port = 0
         self._streams: dict[str, _Stream] = {}
         self._watches: dict[str, asyncio.Task[None]] = {}
+        self._instance_at: dict[str, str] = {}  # address -> the instance its llumlet serves, once known
 
     @property
     def address(self) -> str:
@@ -229,8 +230,12 @@ class TokenCollector:
         return stream.snapshot()
 
     # ---- liveness of llumlets -------------------------------------------------------------------
-    def watch(self, address: str) -> None:
-        """Follow the llumlet at ``address``; when it stops, fail the unfinished requests it owns."""
+    def watch(self, address: str, instance_id: str = "") -> None:
+        """Follow the llumlet at ``address``; when it stops, fail the unfinished requests it owns, naming it by
+        ``instance_id`` (the instance it serves, when the caller knows it), else by its load reports' id, else
+        by its address alone (it stopped before its first report)."""
+        if instance_id:
+            self._instance_at[address] = instance_id
         if address not in self._watches:
             self._watches[address] = asyncio.get_running_loop().create_task(self._watch(address))
 
@@ -238,13 +243,14 @@ class TokenCollector:
         reason = "stream ended"
         async with open_channel(address) as channel:
             stub = llumlet_pb2_grpc.LlumletStub(channel)
-            who = f"the llumlet at {address}"  # until its first load report names its instance
             try:
                 call = stub.WatchLoad(llumlet_pb2.WatchLoadRequest(min_interval_s=1.0), wait_for_ready=True)
                 async for report in call:
-                    who = f"instance {report.instance_id} at {address}"
+                    self._instance_at[address] = report.instance_id
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
+        instance_id = self._instance_at.pop(address, "")
+        who = f"instance {instance_id} at {address}" if instance_id else f"the llumlet at {address}"
         for stream in self._streams.values():
             if stream.owner_address == address and not stream.done.is_set():
                 stream.fail(f"{who} stopped ({reason}): request {stream.request_id} lost", resumable=True)

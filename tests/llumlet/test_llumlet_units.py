@@ -7,6 +7,7 @@ import asyncio
 import re
 from pathlib import Path
 
+import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -451,3 +452,38 @@ def test_a_timing_line_reads_back_and_a_bad_one_is_named() -> None:
         parse_timing_line("timing_ms setup=1 reserve=1 stages=- presuspend=1 suspend_wait=1 last=1 downtime=1")
     with pytest.raises(ValueError, match=r"bad timing_ms line .*fast"):
         parse_timing_line(line.replace("reserve=3.900", "reserve=fast"))
+
+
+def test_a_llumlet_that_stops_before_its_first_load_report_is_named_by_the_instance_it_was_given() -> None:
+    # Its failure message named the instance only once the watch had its first load report: a llumlet killed
+    # before that was "the llumlet at HOST:PORT", so the same failure read two ways depending on timing.
+    from hilum_proto.tls import bind_server
+    from hilum_proto.v1 import llumlet_pb2_grpc
+
+    class Stopping(llumlet_pb2_grpc.LlumletServicer):
+        async def WatchLoad(self, request: object, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
+
+    async def main() -> tuple[str, str]:
+        server, port = bind_server("127.0.0.1:0")
+        llumlet_pb2_grpc.add_LlumletServicer_to_server(Stopping(), server)
+        await server.start()
+        address = f"127.0.0.1:{port}"
+        col = TokenCollector()
+        try:
+            for rid in ("named", "unnamed"):
+                col.expect(rid, address)
+            col.watch(address, "a0")
+            named = await col.wait("named", 10)
+            col.expect("unnamed-2", address)  # the same llumlet watched again, this time with no name given
+            col.watch(address)
+            unnamed = await col.wait("unnamed-2", 10)
+            return named.error, unnamed.error
+        finally:
+            await col.stop()
+            await server.stop(None)
+
+    named, unnamed = asyncio.run(main())
+    stopped = r"127\.0\.0\.1:\d+ stopped \(UNAVAILABLE: going away\)"
+    assert re.fullmatch(rf"instance a0 at {stopped}: request named lost", named)
+    assert re.fullmatch(rf"the llumlet at {stopped}: request unnamed-2 lost", unnamed)

@@ -133,6 +133,19 @@ async def drive(case: Case, col: TokenCollector, clients: dict[str, LlumletClien
             here = there
 
 
+async def _drained(client: LlumletClient, timeout_s: float = 10.0) -> tuple[int, int, int]:
+    """(used blocks, reserved blocks, requests) of the instance, polled until all are 0 or ``timeout_s`` passed:
+    a move that was aborted because its request finished meanwhile releases its destination's reservation
+    when its abort arrives there, which may be just after the last token reached the collector."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        load = await client.get_load()
+        counts = (load.used_blocks, load.reserved_blocks, load.num_requests)
+        if counts == (0, 0, 0) or asyncio.get_running_loop().time() > deadline:
+            return counts
+        await asyncio.sleep(0.05)
+
+
 def test_migrated_streams_equal_unmigrated_ones(llumlets: dict[str, LlumletProcess]) -> None:
     rng = random.Random(20240611)
     cases = make_cases(rng, 12)
@@ -148,7 +161,8 @@ def test_migrated_streams_equal_unmigrated_ones(llumlets: dict[str, LlumletProce
                     col.expect(rid, clients[home].address)
                     reply = await clients[home].submit(rid, col.address, case.sampling, prompt_token_ids=case.prompt)
                     assert reply.accepted, reply.reason
-            await asyncio.wait_for(asyncio.gather(*(drive(c, col, clients, rng) for c in cases)), 60)
+            # 120 s: the torch engines step on CPU, slowly when the machine is loaded (60 s was seen to pass)
+            await asyncio.wait_for(asyncio.gather(*(drive(c, col, clients, rng) for c in cases)), 120)
             for case in cases:
                 got = await col.wait(case.rid, 30)
                 ref = await col.wait(f"ref-{case.rid}", 30)
@@ -160,9 +174,8 @@ def test_migrated_streams_equal_unmigrated_ones(llumlets: dict[str, LlumletProce
                 assert got.finish_reason == ref.finish_reason and got.conflicts == 0
                 committed = [r for r in case.reports if r.outcome == pb.MIGRATION_COMMITTED]
                 assert got.epoch == len(committed)
-            for client in clients.values():
-                load = await client.get_load()
-                assert (load.used_blocks, load.reserved_blocks, load.num_requests) == (0, 0, 0)
+            for client in clients.values():  # every block given back: at once, or as a move that lost its race ends
+                assert await _drained(client) == (0, 0, 0)
         finally:
             for client in clients.values():
                 await client.close()
