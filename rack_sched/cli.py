@@ -261,8 +261,8 @@ async def _serve(ns: argparse.Namespace, topology: Topology) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 on a configuration error; 1 on an address that cannot be bound or
-    a domain another live scheduler holds; the reason on stderr)."""
+    """Entry point; returns the exit status (2 on a configuration error; 1 on an address that cannot be bound, a
+    domain another live scheduler holds or etcd lost while the domain was claimed; the reason on stderr)."""
     parser = build_parser()
     ns = parser.parse_args(argv)
     require_reachable(parser, ns.listen, ns.advertise)
