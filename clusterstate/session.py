@@ -24,7 +24,7 @@ from collections.abc import Callable
 from clusterstate.backoff import Backoff, BackoffConfig
 from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, compare_mod_revision, kv_of, lease_of, renew_lease
 
-__all__ = ["Registrar", "Session", "SessionLost"]
+__all__ = ["KeyTakenError", "Registrar", "Session", "SessionLost"]
 
 _log = logging.getLogger(__name__)
 
@@ -33,6 +33,12 @@ _RENEW_ERRORS: tuple[type[BaseException], ...] = (*RETRYABLE_ERRORS, EOFError)
 
 class SessionLost(Exception):
     """The session's lease expired or was revoked; everything bound to it is gone."""
+
+
+class KeyTakenError(RuntimeError):
+    """Another live lease holds a key this process must hold alone (a second process for the same instance). A
+    state of the cluster, not a bad configuration: a daemon exits 1 for it (a crashed holder's key goes with
+    its lease, so a restart later may succeed)."""
 
 
 class Session:
@@ -237,6 +243,64 @@ class Registrar:
         self._entries.pop(key, None)
         self._claimed.discard(key)
         return False
+
+    async def claim_or_wait(
+        self,
+        key: str,
+        value: bytes,
+        wait_s: float,
+        stop: asyncio.Event,
+        *,
+        holder_of: Callable[[bytes], str],
+        what: str,
+    ) -> bool:
+        """Claim ``key`` for ``value`` (:meth:`claim`; :meth:`run` must be running), waiting up
+        to ``wait_s`` seconds from the first refusal for another holder's key to go: a crashed holder's goes with its
+        lease. A key holding this very ``value`` (this process's previous run, at the same address) is taken over at
+        once. While etcd does not answer, it retries.
+
+        Returns True once claimed, False when ``stop`` is set first. Raises KeyTakenError naming ``what`` and the
+        holder (``holder_of`` its value: an address) when the key is still held after ``wait_s``.
+        """
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                claim = asyncio.ensure_future(self.claim(key, value))
+                await asyncio.wait({claim, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                if not claim.done():  # stopped while the session was not open
+                    claim.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await claim
+                    return False
+                try:
+                    if claim.result():
+                        return True
+                    reply = await kv_of(self._client).get(key, timeout=float(self._ttl_s))
+                except RETRYABLE_ERRORS as exc:
+                    _log.warning("%s: etcd does not answer (%s); retrying the claim of %s", what, exc, key)
+                    await asyncio.wait({stopped}, timeout=1.0)
+                    continue
+                holder = holder_of(bytes(reply.kvs[0].value)) if reply.kvs else "?"
+                if deadline is None:
+                    deadline = loop.time() + wait_s
+                    _log.warning(
+                        "%s: a process at %s holds its registration; waiting up to %.0f s for it to expire (a crashed "
+                        "one's goes with its lease)",
+                        what,
+                        holder,
+                        wait_s,
+                    )
+                if loop.time() >= deadline:
+                    raise KeyTakenError(
+                        f"{what} already has a live process at {holder}; stop it first (a crashed one's registration "
+                        "expires with its lease TTL)"
+                    )
+                await asyncio.wait({stopped}, timeout=0.5)
+            return False
+        finally:
+            stopped.cancel()
 
     async def _put_claimed(self, key: str, value: bytes, lease_id: int) -> bool:
         kv = kv_of(self._client)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import hilum_config
 from clusterstate.endpoints import address_option, endpoints_option, listen_option, require_reachable
 from clusterstate.options import DEFAULT_PREFIX, LOG_LEVEL_HELP, log_level_option, prefix_option
+from clusterstate.session import KeyTakenError
 from hilum_proto.tls import ListenError
 from llumlet.agent import Llumlet, LlumletConfig
 from llumlet.backends import BACKEND_NAMES, Backend, BackendConfig, UnknownBackendError, make_backend
@@ -148,11 +149,14 @@ async def _register(
     """Keep ``<prefix>instances/<id>`` registered under this process's lease until ``stop`` (DESIGN.md, etcd).
 
     The record names the engine and the sampling features it honours: the gateway refuses (400) a request
-    that needs one no instance of its model has.
+    that needs one no instance of its model has. The key is claimed (``Registrar.claim_or_wait``): a second
+    llumlet of the same instance would take it over and, stopping, leave the first unregistered; it waits up
+    to 1.5 x TTL + 1 s for a crashed one's lease, then raises KeyTakenError. Losing the key later (another
+    llumlet claimed it while etcd was away from this one) raises KeyTakenError too.
     """
     from clusterstate.endpoints import parse_endpoints
     from clusterstate.etcd import connect
-    from clusterstate.records import InstanceRegistration, encode
+    from clusterstate.records import InstanceRegistration, RecordError, decode, encode
     from clusterstate.session import Registrar
     from clusterstate.store import Keys
 
@@ -169,17 +173,34 @@ async def _register(
     )
     client = connect(parse_endpoints(ns.etcd))
     await client.connect()
-    registrar = Registrar(client, ns.ttl, rng=random.Random(ns.seed), name=f"llumlet {ns.instance_id}")
-    await registrar.set(Keys(ns.prefix).instance(ns.instance_id), encode(record))
+    name = f"llumlet {ns.instance_id}"
+    registrar = Registrar(client, ns.ttl, rng=random.Random(ns.seed), name=name)
+    running = asyncio.ensure_future(registrar.run(stop))
     try:
-        await registrar.run(stop)
+        key, value = Keys(ns.prefix).instance(ns.instance_id), encode(record)
+
+        def holder(held: bytes) -> str:
+            try:
+                return decode(InstanceRegistration, held, key).address
+            except RecordError:
+                return "?"
+
+        what = f"instance {ns.instance_id}"
+        if await registrar.claim_or_wait(key, value, 1.5 * ns.ttl + 1, stop, holder_of=holder, what=what):
+            lost = asyncio.ensure_future(registrar.lost_claim.wait())
+            await asyncio.wait({running, lost}, return_when=asyncio.FIRST_COMPLETED)
+            lost.cancel()
+            if registrar.lost_claim.is_set():
+                raise KeyTakenError(f"{what}: {registrar.conflict}")
     finally:
+        stop.set()  # the registrar revokes its lease and ends
+        await running
         await client.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 on a configuration error, 1 on a listen address that cannot be
-    bound; the reason on stderr)."""
+    """Entry point; returns the exit status (2 on a configuration error; 1 on a listen address that cannot be
+    bound or an instance another live llumlet holds; the reason on stderr)."""
     parser = build_parser()
     ns = parser.parse_args(argv)
     require_reachable(parser, ns.listen, ns.advertise)
@@ -192,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             topology.instance(ns.instance_id)
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(_run(ns, topology))
-    except ListenError as exc:  # the machine's state, not the configuration: its service manager restarts it
+    except (ListenError, KeyTakenError) as exc:  # the machine's or cluster's state: its service manager restarts it
         print(f"llumlet: error: {exc}", file=sys.stderr)
         return 1
     except (TopologyError, UnknownBackendError, KeyError, ValueError, RuntimeError) as exc:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,6 +16,8 @@ from clusterstate.etcd import connect, kv_of
 from clusterstate.records import InstanceRegistration, decode
 from clusterstate.store import Keys
 from llumlet.procs import LlumletProcess
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 async def _read(endpoint: str, key: str) -> bytes | None:
@@ -89,3 +94,29 @@ def test_a_llumlet_whose_registration_fails_stops_and_says_why(
     out, err = capsys.readouterr()
     assert out.startswith("llumlet node-0-i0 serving at 127.0.0.1:")
     assert err.splitlines()[-1] == "llumlet: error: registration failed (test)"
+
+
+def test_a_second_llumlet_of_a_live_instance_is_refused_and_the_first_stays_registered(
+    etcd: EtcdServer, prefix: str, tmp_path: Path
+) -> None:
+    # It used to overwrite the key; stopping, it left the first llumlet running but registered nowhere.
+    args = ["--topology", "1x8-a100", "--etcd", etcd.endpoint, "--prefix", prefix, "--ttl", "2"]
+    first = LlumletProcess("node-0-i5", args, tmp_path / "first.log").start()
+    key = Keys(prefix).instance("node-0-i5")
+    try:
+        deadline = time.monotonic() + 10.0
+        while asyncio.run(_read(etcd.endpoint, key)) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        cmd = [sys.executable, "-m", "llumlet", "--instance-id", "node-0-i5", "--engine", "sim", *args]
+        second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1, second.stderr  # the cluster's state: systemd restarts it (exit 2 it does not)
+        assert second.stderr.splitlines()[-1] == (
+            f"llumlet: error: instance node-0-i5 already has a live process at {first.address}; stop it first "
+            "(a crashed one's registration expires with its lease TTL)"
+        )
+        assert "waiting up to 4 s for it to expire" in second.stderr  # 1.5 x TTL + 1 s, said while it waits
+        value = asyncio.run(_read(etcd.endpoint, key))
+        assert value is not None and decode(InstanceRegistration, value, key).address == first.address
+    finally:
+        first.stop()
