@@ -52,7 +52,7 @@ from gateway.app import GatewayApp
 from gateway.cluster import LiveCluster
 from gateway.metrics import GatewayMetrics
 from gateway.tokenizer import Tokenizer, load_tokenizers
-from hilum_proto.tls import ListenError, listen_failure
+from hilum_proto.tls import WILDCARD_HOSTS, ListenError, listen_failure
 from topology.load import TopologyError, load_topology
 from topology.spec import Topology
 
@@ -164,10 +164,9 @@ async def _start_site(runner: web.AppRunner, address: str, what: str, *, reuse_p
 async def _serve(
     ns: argparse.Namespace, topology: Topology, tokenizers: Mapping[str, Tokenizer], api_keys: ApiKeys | None
 ) -> None:
-    host = split_address(ns.listen, "--listen", listen=True)[0]  # the addresses were checked by their options
     if ns.reuse_port:
         _check_reuse_port()
-    sink_listen = ns.sink_listen or f"{host}:0"
+    sink_listen = _sink_listen(ns)
     metrics = GatewayMetrics()
     etcd = connect(parse_endpoints(ns.etcd))
     await etcd.connect()
@@ -230,10 +229,36 @@ async def _unless_stopped(starting: Coroutine[Any, Any, None], stop: asyncio.Eve
     return True
 
 
+def _sink_listen(ns: argparse.Namespace) -> str:
+    """The token sink's listen address: ``--sink-listen``, else the ``--listen`` host with port 0."""
+    return ns.sink_listen or f"{split_address(ns.listen, '--listen', listen=True)[0]}:0"  # checked by its option
+
+
+def _check_sink(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """A usage error (exit 2, before anything starts) when the token sink would bind every interface without
+    ``--sink-advertise``: llumlets push every token to the address the sink names, and ``0.0.0.0`` reaches this
+    gateway only from its own host."""
+    host = split_address(_sink_listen(ns), "--sink-listen", listen=True)[0]
+    if ns.sink_advertise or host not in WILDCARD_HOSTS:
+        return
+    if ns.sink_listen:
+        parser.error(
+            f"--sink-listen {ns.sink_listen} binds every interface, which is no address llumlets can push tokens "
+            "to: pass --sink-advertise HOST:PORT, the address they reach this gateway's token sink at"
+        )
+    parser.error(
+        f"the token sink listens on the --listen host ({host}) when --sink-listen is not given, which is no "
+        "address llumlets can push tokens to: pass --sink-listen HOST:PORT with an address they reach, or "
+        "--sink-listen 0.0.0.0:PORT --sink-advertise HOST:PORT"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 on a configuration error, 1 on an address that cannot be bound;
     the reason on stderr)."""
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    _check_sink(parser, ns)
     logging.basicConfig(level=ns.log_level, format="%(asctime)s gateway %(name)s %(levelname)s %(message)s")
     try:
         topology = load_topology(ns.topology)

@@ -103,3 +103,24 @@ def test_listen_failure_gives_the_systems_reason(taken: str) -> None:
 
     with pytest.raises(ListenError, match=rf"^cannot listen on {taken} \(--listen\): address already in use$"):
         asyncio.run(bind())
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        ([], "the token sink listens on the --listen host (0.0.0.0) when --sink-listen is not given, which is no "),
+        (["--sink-listen", "0.0.0.0:7300"], "--sink-listen 0.0.0.0:7300 binds every interface, which is no address "),
+        (["--sink-listen", "[::]:7300", "--sink-advertise", ""], "--sink-listen [::]:7300 binds every interface"),
+    ],
+)
+def test_a_gateway_whose_token_sink_binds_every_interface_needs_sink_advertise(
+    args: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # llumlets push every token to the address the sink names: 0.0.0.0 reached the gateway from its own host only
+    from gateway.cli import main as gateway_main
+
+    with pytest.raises(SystemExit) as exc:  # a usage error, before anything starts
+        gateway_main(["--listen", "0.0.0.0:0", "--etcd", "127.0.0.1:1", "--topology", "1x8-a100", *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"python -m gateway: error: {words}") and "--sink-advertise HOST:PORT" in err
