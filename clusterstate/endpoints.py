@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from hilum_proto.tls import advertised_address
-
 __all__ = [
     "address_option",
     "checked_option",
@@ -126,6 +124,8 @@ def require_reachable(parser: argparse.ArgumentParser, listen: str, advertise: s
     """Refuse, as a usage error (``parser.error``: exit 2, before anything starts), a ``--listen`` host that binds
     every interface without ``--advertise``: the address others reach the process at would be unknown
     (``hilum_proto.tls.advertised_address``'s rule, its message)."""
+    from hilum_proto.tls import advertised_address  # grpc: imported by the daemons, which bind a server next
+
     try:
         advertised_address(listen, 0, advertise)
     except ValueError as exc:

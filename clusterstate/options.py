@@ -11,11 +11,21 @@ import argparse
 
 from clusterstate.endpoints import checked_option
 
-__all__ = ["DEFAULT_PREFIX", "LOG_LEVELS", "LOG_LEVEL_HELP", "check_prefix", "log_level_option", "prefix_option"]
+__all__ = [
+    "DEFAULT_PREFIX",
+    "LOG_LEVELS",
+    "LOG_LEVEL_HELP",
+    "MIN_TTL_S",
+    "check_prefix",
+    "log_level_option",
+    "prefix_option",
+    "ttl_option",
+]
 
 DEFAULT_PREFIX = "/hilum/v1/"  # every daemon's --prefix default (clusterstate.store.Keys)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # what --log-level takes (any case)
 LOG_LEVEL_HELP = f"logging level: {', '.join(LOG_LEVELS)} (default %(default)s)"  # argparse fills in the default
+MIN_TTL_S = 2  # etcd's minimum lease TTL, seconds: the shortest --ttl a daemon's registration lease may have
 
 
 def check_prefix(prefix: str) -> str:
@@ -47,3 +57,15 @@ def log_level_option(text: str) -> str:
     if level not in LOG_LEVELS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a log level: choose one of {', '.join(LOG_LEVELS)}")
     return level
+
+
+def ttl_option(text: str) -> int:
+    """argparse ``type=`` of a daemon's ``--ttl`` (its etcd lease, whole seconds): an integer of at least
+    :data:`MIN_TTL_S`, etcd's minimum. Raises argparse.ArgumentTypeError (argparse names the option)."""
+    try:
+        ttl_s = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole seconds, got {text!r}") from None
+    if ttl_s < MIN_TTL_S:
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_TTL_S} s (etcd's minimum lease TTL), got {ttl_s}")
+    return ttl_s

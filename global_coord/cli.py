@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import hilum_config
 from clusterstate.endpoints import address_option, endpoints_option, listen_option, parse_endpoints, require_reachable
 from clusterstate.etcd import connect
-from clusterstate.options import DEFAULT_PREFIX, LOG_LEVEL_HELP, log_level_option, prefix_option
+from clusterstate.options import DEFAULT_PREFIX, LOG_LEVEL_HELP, log_level_option, prefix_option, ttl_option
 from global_coord.actuator import CommandActuator
 from global_coord.autoscaler import AutoscaleLoop
 from global_coord.coordinator import Coordinator, CoordinatorConfig
@@ -54,7 +54,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--topology", metavar="FILE", help="topology YAML file or bundled name")
     p.add_argument("--id", default=socket.gethostname(), help="replica id, unique among coordinators")
     p.add_argument("--advertise", type=address_option, metavar="HOST:PORT", help="address others reach this replica at")
-    p.add_argument("--ttl", type=int, default=10, help="session lease TTL, seconds (failover time)")
+    p.add_argument("--ttl", type=ttl_option, default=10, help="session lease TTL, seconds (failover time)")
     p.add_argument(
         "--prefix", default=DEFAULT_PREFIX, type=prefix_option, help="etcd key prefix (starts and ends with /)"
     )

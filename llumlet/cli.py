@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import hilum_config
 from clusterstate.endpoints import address_option, endpoints_option, listen_option, require_reachable
-from clusterstate.options import DEFAULT_PREFIX, LOG_LEVEL_HELP, log_level_option, prefix_option
+from clusterstate.options import DEFAULT_PREFIX, LOG_LEVEL_HELP, log_level_option, prefix_option, ttl_option
 from clusterstate.session import KeyTakenError
 from hilum_proto.tls import ListenError
 from llumlet.agent import Llumlet, LlumletConfig
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="address others reach this llumlet at (default: the listen host, bound port)",
     )
-    p.add_argument("--ttl", type=int, default=10, help="etcd lease TTL, seconds")
+    p.add_argument("--ttl", type=ttl_option, default=10, help="etcd lease TTL, seconds")
     p.add_argument("--log-level", default="WARNING", type=log_level_option, metavar="LEVEL", help=LOG_LEVEL_HELP)
     hilum_config.add_argument(p)
     return p

@@ -35,7 +35,7 @@ from clusterstate.endpoints import (
     require_reachable,
 )
 from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, EtcdError, connect, kv_of
-from clusterstate.options import DEFAULT_PREFIX, LOG_LEVEL_HELP, log_level_option, prefix_option
+from clusterstate.options import DEFAULT_PREFIX, LOG_LEVEL_HELP, log_level_option, prefix_option, ttl_option
 from clusterstate.records import DomainRegistration, InstanceRegistration, RecordError, decode
 from clusterstate.store import Keys
 from hilum_proto.tls import ListenError, advertised_address, bind_server
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--advertise", type=address_option, metavar="HOST:PORT", help="address others reach this scheduler at"
     )
-    p.add_argument("--ttl", type=int, default=10, help="lease TTL of the registration and summary, seconds")
+    p.add_argument("--ttl", type=ttl_option, default=10, help="lease TTL of the registration and summary, seconds")
     hilum_config.add_argument(p)
     p.add_argument("--ready-timeout", type=float, default=5.0, help="wait for each llumlet's first load, seconds")
     p.add_argument(

@@ -71,6 +71,18 @@ _DAEMONS = {
             (m, "--log-level", "bogus", "'bogus' is not a log level: choose one of DEBUG, INFO, WARNING, ERROR")
             for m in _DAEMONS
         ],
+        # global_coord exited 1 naming an internal field ("ttl_s must be >= 2"), rack_sched named RackConfig's, and
+        # a llumlet printed "serving at" before its session refused a TTL of 0 (and took 1, which etcd rounds up)
+        *[
+            (m, "--ttl", value, message)
+            for m in _DAEMONS
+            if m != "gateway"  # it holds no lease
+            for value, message in (
+                ("0", "must be at least 2 s (etcd's minimum lease TTL), got 0"),
+                ("1", "must be at least 2 s (etcd's minimum lease TTL), got 1"),
+                ("2.5", "expected whole seconds, got '2.5'"),
+            )
+        ],
     ],
 )
 def test_every_process_refuses_a_bad_option_before_it_starts(
