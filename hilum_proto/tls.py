@@ -235,10 +235,10 @@ class ListenError(RuntimeError):
     exit 2, a bad option, is not restarted: ``deploy/systemd``)."""
 
 
-def listen_failure(address: str, what: str = "--listen") -> str:
-    """Why ``address`` (``host:port``, the host bracketed when IPv6) cannot be bound, as the system says it:
-    found by binding a plain TCP socket there and closing it at once (gRPC only reports that binding failed).
-    A generic reason when that socket binds after all (the address was freed meanwhile)."""
+def _bind_refusal(address: str) -> str:
+    """Why ``address`` (``host:port``, the host bracketed when IPv6) cannot be bound, as the system says it ("" when
+    it can): found by binding a plain TCP socket there and closing it at once (gRPC only reports that binding
+    failed, after logging its own line)."""
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     try:
@@ -247,9 +247,15 @@ def listen_failure(address: str, what: str = "--listen") -> str:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds: TIME_WAIT is no use
             probe.bind((host, int(port)))
     except (OSError, ValueError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        return f"cannot listen on {address} ({what}): {reason.lower()}"
-    return f"cannot listen on {address} ({what}): the address is in use or not an address of this machine"
+        return (exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)).lower()
+    return ""
+
+
+def listen_failure(address: str, what: str = "--listen") -> str:
+    """Why ``address`` cannot be bound (:func:`_bind_refusal`), naming ``what`` (the option that gave it); a generic
+    reason when a probe binds it after all (the address was freed meanwhile)."""
+    reason = _bind_refusal(address) or "the address is in use or not an address of this machine"
+    return f"cannot listen on {address} ({what}): {reason}"
 
 
 def bind_server(
@@ -263,6 +269,8 @@ def bind_server(
             that gave it) and the system's reason.
         TlsError: see :func:`add_port`.
     """
+    if not listen.endswith(":0") and _bind_refusal(listen):  # said before gRPC tries, and logs a line of its own
+        raise ListenError(listen_failure(listen, what))
     server = new_server(options)
     try:
         port = add_port(server, listen)
