@@ -8,6 +8,7 @@ Imports nothing heavy (see ``clusterstate.endpoints``).
 from __future__ import annotations
 
 import argparse
+import math
 
 from clusterstate.endpoints import checked_option
 
@@ -18,6 +19,8 @@ __all__ = [
     "MIN_TTL_S",
     "check_prefix",
     "log_level_option",
+    "non_negative_option",
+    "positive_option",
     "prefix_option",
     "ttl_option",
 ]
@@ -69,3 +72,30 @@ def ttl_option(text: str) -> int:
     if ttl_s < MIN_TTL_S:
         raise argparse.ArgumentTypeError(f"must be at least {MIN_TTL_S} s (etcd's minimum lease TTL), got {ttl_s}")
     return ttl_s
+
+
+def _number(text: str, above: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a number {above}, got {text!r}")
+    return value
+
+
+def non_negative_option(text: str) -> float:
+    """argparse ``type=`` of an option that takes a finite number >= 0 (seconds, a rate where 0 means "none").
+    Raises argparse.ArgumentTypeError (argparse names the option)."""
+    value = _number(text, ">= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def positive_option(text: str) -> float:
+    """argparse ``type=`` of an option that takes a finite number > 0. Raises argparse.ArgumentTypeError."""
+    value = _number(text, "> 0")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value

@@ -46,7 +46,7 @@ from clusterstate.endpoints import (
     split_address,
 )
 from clusterstate.etcd import connect
-from clusterstate.options import DEFAULT_PREFIX, LOG_LEVEL_HELP, log_level_option, prefix_option
+from clusterstate.options import DEFAULT_PREFIX, LOG_LEVEL_HELP, log_level_option, non_negative_option, prefix_option
 from gateway.apikeys import ApiKeys, load_api_keys
 from gateway.app import GatewayApp
 from gateway.cluster import LiveCluster
@@ -112,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--vocab-size", type=int, default=512, help="byte stand-in tokenizer vocabulary (>= 259), models without one"
     )
-    p.add_argument("--unavailable-wait", type=float, default=5.0, help="retry unavailable domains for, seconds")
+    p.add_argument(
+        "--unavailable-wait", type=non_negative_option, default=5.0, help="retry unavailable domains for, seconds"
+    )
     p.add_argument("--seed", type=int, default=None, help="random seed (dispatch ties); default: random")
     p.add_argument(
         "--api-keys",

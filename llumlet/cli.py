@@ -17,7 +17,15 @@ from collections.abc import Sequence
 
 import hilum_config
 from clusterstate.endpoints import address_option, endpoints_option, listen_option, require_reachable
-from clusterstate.options import DEFAULT_PREFIX, LOG_LEVEL_HELP, log_level_option, prefix_option, ttl_option
+from clusterstate.options import (
+    DEFAULT_PREFIX,
+    LOG_LEVEL_HELP,
+    log_level_option,
+    non_negative_option,
+    positive_option,
+    prefix_option,
+    ttl_option,
+)
 from clusterstate.session import KeyTakenError
 from hilum_proto.tls import ListenError
 from llumlet.agent import Llumlet, LlumletConfig
@@ -43,17 +51,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--domain-id", default="", help="NVLink domain (default: from the topology)")
     p.add_argument("--num-blocks", type=int, help="KV cache capacity in blocks (default: topology / backend)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (default: topology / backend)")
-    p.add_argument("--time-scale", type=float, default=1.0, help="sim: wall seconds per modelled second")
-    p.add_argument("--min-step-s", type=float, default=0.0, help="every step lasts at least this long (tests)")
+    p.add_argument("--time-scale", type=positive_option, default=1.0, help="sim: wall seconds per modelled second")
+    p.add_argument(
+        "--min-step-s", type=non_negative_option, default=0.0, help="every step lasts at least this long (tests)"
+    )
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests per batch at most")
     p.add_argument("--seed", type=int, default=0, help="backend seed (torch: model weights)")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE", help="backend option")
     p.add_argument(
         "--tokenizer", metavar="DIR", help="the model's tokenizer directory (default: the topology model's tokenizer)"
     )
-    p.add_argument("--reservation-expiry-s", type=float, default=5.0, help="release an idle reservation after")
-    p.add_argument("--grpc-rate-cap", type=float, default=0.0, help="grpc transport cap, bytes/s (0 = topology)")
-    p.add_argument("--local-rate-cap", type=float, default=0.0, help="local transport cap, bytes/s (0 = none)")
+    p.add_argument(
+        "--reservation-expiry-s", type=positive_option, default=5.0, help="release an idle reservation after"
+    )
+    p.add_argument(
+        "--grpc-rate-cap", type=non_negative_option, default=0.0, help="grpc transport cap, bytes/s (0 = topology)"
+    )
+    p.add_argument(
+        "--local-rate-cap", type=non_negative_option, default=0.0, help="local transport cap, bytes/s (0 = none)"
+    )
     p.add_argument(
         "--link-budget-scope",
         default=None,
@@ -210,7 +226,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         topology = load_topology(ns.topology) if ns.topology else None
         if topology is not None:
-            topology.instance(ns.instance_id)
+            home = topology.instance(ns.instance_id).domain_id
+            if ns.domain_id and ns.domain_id != home:  # its registration names the topology's domain anyway
+                raise ValueError(
+                    f"--domain-id {ns.domain_id}: instance {ns.instance_id} is in domain {home} in {ns.topology}"
+                )
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(_run(ns, topology))
     except (ListenError, KeyTakenError) as exc:  # the machine's or cluster's state: its service manager restarts it

@@ -35,7 +35,14 @@ from clusterstate.endpoints import (
     require_reachable,
 )
 from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, EtcdError, connect, kv_of
-from clusterstate.options import DEFAULT_PREFIX, LOG_LEVEL_HELP, log_level_option, prefix_option, ttl_option
+from clusterstate.options import (
+    DEFAULT_PREFIX,
+    LOG_LEVEL_HELP,
+    log_level_option,
+    non_negative_option,
+    prefix_option,
+    ttl_option,
+)
 from clusterstate.records import DomainRegistration, InstanceRegistration, RecordError, decode
 from clusterstate.store import Keys
 from hilum_proto.tls import ListenError, advertised_address, bind_server
@@ -86,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ttl", type=ttl_option, default=10, help="lease TTL of the registration and summary, seconds")
     hilum_config.add_argument(p)
-    p.add_argument("--ready-timeout", type=float, default=5.0, help="wait for each llumlet's first load, seconds")
+    p.add_argument(
+        "--ready-timeout", type=non_negative_option, default=5.0, help="wait for each llumlet's first load, seconds"
+    )
     p.add_argument(
         "--instance",
         action="append",

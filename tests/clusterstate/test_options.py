@@ -83,6 +83,15 @@ _DAEMONS = {
                 ("2.5", "expected whole seconds, got '2.5'"),
             )
         ],
+        # each of these was accepted, and ignored or used as given
+        ("llumlet", "--grpc-rate-cap", "-1", "expected a number >= 0, got '-1'"),
+        ("llumlet", "--local-rate-cap", "inf", "expected a number >= 0, got 'inf'"),
+        ("llumlet", "--min-step-s", "nan", "expected a number >= 0, got 'nan'"),
+        ("llumlet", "--time-scale", "0", "expected a number > 0, got '0'"),
+        # it printed the whole migration configuration's repr
+        ("llumlet", "--reservation-expiry-s", "-1", "expected a number > 0, got '-1'"),
+        ("gateway", "--unavailable-wait", "-5", "expected a number >= 0, got '-5'"),
+        ("rack_sched", "--ready-timeout", "-1", "expected a number >= 0, got '-1'"),
     ],
 )
 def test_every_process_refuses_a_bad_option_before_it_starts(
@@ -99,3 +108,15 @@ def test_every_process_refuses_a_bad_option_before_it_starts(
     assert done.returncode == 2, done.stderr
     assert done.stdout == ""
     assert done.stderr.splitlines()[-1] == f"python -m {module}: error: argument {option}: {message}"
+
+
+def test_a_llumlet_refuses_a_domain_id_its_topology_does_not_give_its_instance(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from llumlet.cli import main as llumlet_main
+
+    # it was accepted, and its registration named the topology's domain anyway
+    assert llumlet_main(["--instance-id", "node-0-i0", "--topology", "1x8-a100", "--domain-id", "node-7"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "llumlet: error: --domain-id node-7: instance node-0-i0 is in domain node-0 in 1x8-a100"
+    )
