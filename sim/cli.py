@@ -26,13 +26,15 @@ from hilum_config import add_argument as add_config_argument
 from topology.load import BUNDLED_NAMES
 
 from .runner import DEFAULTS, SimSpec, check_autoscale, check_prefix_cache, fit_to_context, served_model
-from .schedulers import POLICY_NAMES, domain_request
+from .schedulers import POLICY_NAMES, domain_request, policy_migrates
 from .traces import TRACE_NAMES
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from topology.spec import InstanceSpec, Topology
 
-    from .results import PolicySummary
+    from .results import PolicySummary, SimRun
     from .runner import SimOptions
     from .sweep import SweepConfig
     from .traces import Trace
@@ -483,34 +485,49 @@ def run_cli(args: argparse.Namespace) -> int:
             f"({fleet}, {len(domains)} {_plural('domain', len(domains))}), seed {args.seed}"
         )
         baseline = "least-loaded" if "least-loaded" in {s.policy for s in summaries} else None
-        idle = _idle_columns(trace, args.priority_fraction, autoscaled="autoscale" in runs[0].config)
+        idle = _idle_columns(runs, summaries, trace, len(domains))
         latency = [c for c in LATENCY_COLUMNS if c not in idle]
         migration = [c for c in MIGRATION_COLUMNS if c not in idle]
         console = Console() if sys.stdout.isatty() else Console(width=200)  # files and pipes: no squeezing
         console.print(title, highlight=False)  # on its own line: a table's title wraps at the table's width
         console.print(render_table(summaries, title="", baseline=baseline, columns=latency, compact=True))
-        console.print(render_table(summaries, title="migrations and simulator cost", columns=migration, compact=True))
+        moves = "migrations and " if any(c in migration for c in _MOVES) else ""
+        console.print(render_table(summaries, title=f"{moves}simulator cost", columns=migration, compact=True))
         if baseline is not None:
             console.print(f"TTFT p99 / base: each policy's P99 TTFT over {baseline}'s", style="dim", highlight=False)
         if idle:
-            notes = ", ".join(f"{header.replace(chr(10), ' ')} ({why})" for header, why in idle.items())
-            console.print(f"not shown, nothing to count: {notes}", style="dim", highlight=False)
+            by_reason: dict[str, list[str]] = {}
+            for header, why in idle.items():
+                by_reason.setdefault(why, []).append(header.replace("\n", " "))
+            notes = ", ".join(f"{', '.join(headers)} ({why})" for why, headers in by_reason.items())
+            console.print(f"not shown, nothing to count: {notes}", style="dim", highlight=False, soft_wrap=True)
     return 0
 
 
-def _idle_columns(trace: Trace, priority_fraction: float, *, autoscaled: bool) -> dict[str, str]:
-    """The columns of ``hilum sim``'s tables that have nothing to count in a run of ``trace`` (header -> why):
-    the prefix hit rate of a trace whose requests carry no prefix hashes, the high-priority TTFT of one without
-    high-priority requests (none in the trace, and ``--priority-fraction`` 0), the scale-outs and -ins of a run
-    without the autoscaler. ``--json`` and results.json keep every figure."""
-    from .results import HIGH_PRIORITY_MIN
+_MOVES = ("mig\nintra", "mig\ncross", "mig\naborted", "cross\nGB", "downtime\nmean ms", "downtime\np99 ms")
 
+
+def _idle_columns(
+    runs: Sequence[SimRun], summaries: Sequence[PolicySummary], trace: Trace, num_domains: int
+) -> dict[str, str]:
+    """The columns of ``hilum sim``'s tables with nothing to count in ``runs`` of ``trace`` (header -> why):
+    - the prefix hit rate when prefix caching was off or no request of the trace carries prefix hashes;
+    - the high-priority TTFT when no high-priority request got a first token (``summaries``: none has the figure);
+    - the migration columns when no policy of the run migrates, the cross-domain ones on one domain;
+    - the scale-outs and -ins without the autoscaler.
+    A count that could have been non-zero is shown, zero or not. ``--json`` and results.json keep every figure."""
     idle = {}
-    if not any(r.prefix_block_hashes for r in trace.requests):
+    if not runs[0].config.get("prefix_caching", True):
+        idle["prefix\nhit %"] = "--no-prefix-caching"
+    elif not any(r.prefix_block_hashes for r in trace.requests):
         idle["prefix\nhit %"] = "the trace has no prefix hashes"
-    if not priority_fraction and not any(r.priority >= HIGH_PRIORITY_MIN for r in trace.requests):
-        idle["hi-pri\nTTFT p99"] = f"no request of priority {HIGH_PRIORITY_MIN}+"
-    if not autoscaled:
+    if all(s.high_priority_ttft_p99_s is None for s in summaries):
+        idle["hi-pri\nTTFT p99"] = "no high-priority request"
+    if not any(policy_migrates(r.policy) for r in runs):
+        idle.update(dict.fromkeys(_MOVES, "no policy of the run migrates"))
+    elif num_domains == 1:
+        idle["mig\ncross"] = idle["cross\nGB"] = "one domain"
+    if "autoscale" not in runs[0].config:
         idle["scale\nout/in"] = "no --autoscale"
     return idle
 

@@ -53,7 +53,14 @@ from .migration import MigrationExecutor
 from .results import MigrationRecord
 from .traces import TraceRequest
 
-__all__ = ["POLICY_NAMES", "ClusterScheduler", "SchedulerContext", "SchedulingConfig", "make_scheduler"]
+__all__ = [
+    "POLICY_NAMES",
+    "ClusterScheduler",
+    "SchedulerContext",
+    "SchedulingConfig",
+    "make_scheduler",
+    "policy_migrates",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +323,7 @@ class ClusterScheduler(ABC):
     """A cluster-level policy: dispatch on arrival, optional periodic rescheduling."""
 
     name: ClassVar[str] = ""
+    migrate: ClassVar[bool] = False  # whether it ever moves a running request (its tables' migration columns)
 
     def __init__(self, ctx: SchedulerContext) -> None:
         self.ctx = ctx
@@ -415,7 +423,6 @@ class RoundRobin(ClusterScheduler):
 class _Flat(ClusterScheduler):
     """One domain core over every instance, its reports refreshed every ``report_interval_s``."""
 
-    migrate = False
     later_reports = True  # False: the periodic refresh builds every report at once (the reference of the tests)
 
     def domain_cfg(self, cfg: DomainConfig) -> DomainConfig:
@@ -463,6 +470,7 @@ class HilumTwoTier(ClusterScheduler):
     """hilum: the gateway core over lagged summaries, a domain core per domain, the coordinator's core."""
 
     name = "hilum"
+    migrate = True
 
     def __init__(self, ctx: SchedulerContext) -> None:
         super().__init__(ctx)
@@ -634,3 +642,8 @@ def make_scheduler(name: str, ctx: SchedulerContext) -> ClusterScheduler:
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}") from None
     return cls(ctx)
+
+
+def policy_migrates(name: str) -> bool:
+    """Whether the policy called ``name`` ever moves a running request. Raises KeyError for an unknown name."""
+    return _POLICIES[name].migrate

@@ -61,8 +61,8 @@ def test_sim_table_names_every_policy(capsys: pytest.CaptureFixture[str]) -> Non
     assert "hit %" not in tables and "hi-pri" not in tables and "out/in" not in tables
     assert text.splitlines()[-2:] == [
         "TTFT p99 / base: each policy's P99 TTFT over least-loaded's",
-        "not shown, nothing to count: prefix hit % (the trace has no prefix hashes), hi-pri TTFT p99 (no request of "
-        "priority 1+), scale out/in (no --autoscale)",
+        "not shown, nothing to count: prefix hit % (the trace has no prefix hashes), hi-pri TTFT p99 (no "
+        "high-priority request), scale out/in (no --autoscale)",
     ]
 
 
@@ -72,10 +72,25 @@ def test_sim_table_shows_the_prefix_and_scaling_columns_when_they_count(capsys: 
     lines = capsys.readouterr().out.splitlines()
     assert any("hit %" in line for line in lines) and any("out/in" in line for line in lines)
     assert "hi-pri" not in "\n".join(lines[:-1])  # the trace has no priorities
-    assert lines[-1] == "not shown, nothing to count: hi-pri TTFT p99 (no request of priority 1+)"
+    assert lines[-1] == "not shown, nothing to count: hi-pri TTFT p99 (no high-priority request)"
     assert main([*argv, "--priority-fraction", "0.2"]) == 0  # the run marks some requests high priority
     text = capsys.readouterr().out
     assert "hi-pri" in text and "not shown" not in text
+    # what no policy of the run can count: moves without a migrating policy, cross-domain ones on one domain, the
+    # prefix hit rate with prefix caching off
+    assert main(["sim", "--max-requests", "60", "--policy", "round-robin,least-loaded"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.strip() == "simulator cost" for line in lines)
+    assert lines[-1].endswith(
+        "mig intra, mig cross, mig aborted, cross GB, downtime mean ms, downtime p99 ms (no policy of the run "
+        "migrates), scale out/in (no --autoscale)"
+    )
+    argv = ["sim", "--max-requests", "60", "--topology", "1x8-a100", "--trace", "mooncake-conv", "--policy", "hilum"]
+    assert main([*argv, "--no-prefix-caching"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "not shown, nothing to count: prefix hit % (--no-prefix-caching), hi-pri TTFT p99 (no high-priority "
+        "request), mig cross, cross GB (one domain), scale out/in (no --autoscale)"
+    )
 
 
 def test_sim_autoscale_prints_gpu_hours_and_its_decisions_reach_results_json(
