@@ -254,10 +254,10 @@ class Registrar:
         holder_of: Callable[[bytes], str],
         what: str,
     ) -> bool:
-        """Claim ``key`` for ``value`` (:meth:`claim`; :meth:`run` must be running), waiting up
-        to ``wait_s`` seconds from the first refusal for another holder's key to go: a crashed holder's goes with its
-        lease. A key holding this very ``value`` (this process's previous run, at the same address) is taken over at
-        once. While etcd does not answer, it retries.
+        """Claim ``key`` for ``value`` (:meth:`claim`; :meth:`run` must be running), waiting up to ``wait_s`` seconds
+        from the first refusal for another holder's key to go: a crashed holder's goes with its lease. A key holding
+        this very ``value`` (this process's previous run, at the same address) is taken over at once. While etcd
+        does not answer, it retries.
 
         Returns True once claimed, False when ``stop`` is set first. Raises KeyTakenError naming ``what`` and the
         holder (``holder_of`` its value: an address) when the key is still held after ``wait_s``.
