@@ -239,7 +239,8 @@ class Coordinator:
             except RETRYABLE_ERRORS as exc:
                 delay = backoff.next_s()
                 _log.warning(
-                    "%s: cannot open an etcd session (%s); retrying in %.2f s (tune --ttl / backoff)",
+                    "%s: cannot open an etcd session (%s); retrying in %.2f s: check that etcd runs and that --etcd "
+                    "names its client address",
                     self.cfg.coordinator_id,
                     exc,
                     delay,

@@ -23,6 +23,7 @@ __all__ = [
     "NodeSpec",
     "RackSpec",
     "Topology",
+    "UnknownIdError",
 ]
 
 #: Bytes per element of each supported KV-cache / weight dtype.
@@ -31,6 +32,14 @@ DTYPE_BYTES: Mapping[str, int] = MappingProxyType(
 )
 
 DomainKind = Literal["node", "nvlink_island"]
+
+
+class UnknownIdError(KeyError):
+    """An id the topology does not have (a KeyError, as a mapping's lookup raises), its message printed as written:
+    ``str()`` of a plain KeyError quotes it, so a command printing the error showed it in quotes."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +237,7 @@ class Topology:
         try:
             return self._instances[instance_id]
         except KeyError:
-            raise KeyError(
+            raise UnknownIdError(
                 f"{self.source}: no instance {instance_id!r}; {_known(instance_id, self._instances, 'instance')}"
             ) from None
 
@@ -237,7 +246,7 @@ class Topology:
         try:
             return self._domains[domain_id]
         except KeyError:
-            raise KeyError(
+            raise UnknownIdError(
                 f"{self.source}: no domain {domain_id!r}; {_known(domain_id, self._domains, 'domain')}"
             ) from None
 
@@ -246,7 +255,8 @@ class Topology:
         try:
             return self._nodes[node_id]
         except KeyError:
-            raise KeyError(f"{self.source}: no node {node_id!r}; {_known(node_id, self._nodes, 'node')}") from None
+            known = _known(node_id, self._nodes, "node")
+            raise UnknownIdError(f"{self.source}: no node {node_id!r}; {known}") from None
 
     def rack_of(self, node_id: str) -> str | None:
         """The rack holding ``node_id``, or None when the file has no racks (a single domain)."""
