@@ -155,8 +155,12 @@ def test_lookup_of_unknown_ids_names_them_with_some_known_ids_and_the_closest() 
     topo = load_topology("2x8-a100")
     with pytest.raises(KeyError) as exc:
         topo.instance("x")
-    assert exc.value.args[0] == str(exc.value) == (  # str() as written, not in quotes (UnknownIdError)
-        "2x8-a100.yaml: no instance 'x'; 16 instances: node-0-i0, node-0-i1, node-0-i2, ..., node-1-i7"
+    assert (
+        exc.value.args[0]
+        == str(exc.value)
+        == (  # str() as written, not in quotes (UnknownIdError)
+            "2x8-a100.yaml: no instance 'x'; 16 instances: node-0-i0, node-0-i1, node-0-i2, ..., node-1-i7"
+        )
     )
     with pytest.raises(KeyError) as exc:
         topo.instance("node-1-i33")
