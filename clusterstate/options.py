@@ -1,6 +1,7 @@
 """The options every hilum daemon shares besides its addresses (those are ``clusterstate.endpoints``): the etcd key
-prefix and the log level, each checked by one rule, as argparse ``type=`` functions so that a bad value is a
-usage error (exit 2, the option named) before the process starts anything.
+prefix, the log level, the lease TTL and the numbers that must be >= 0 or > 0, each checked by one rule, as argparse
+``type=`` functions so that a bad value is a usage error (exit 2, the option named) before the process starts
+anything.
 
 Imports nothing heavy (see ``clusterstate.endpoints``).
 """
