@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 __all__ = [
     "address_option",
+    "check_advertised",
     "checked_option",
     "endpoints_option",
     "is_host_port",
@@ -130,3 +131,25 @@ def require_reachable(parser: argparse.ArgumentParser, listen: str, advertise: s
         advertised_address(listen, 0, advertise)
     except ValueError as exc:
         parser.error(str(exc))
+    check_advertised(parser, listen, advertise)
+
+
+def check_advertised(
+    parser: argparse.ArgumentParser,
+    listen: str,
+    advertise: str,
+    names: tuple[str, str] = ("--listen", "--advertise"),
+) -> None:
+    """Refuse, as a usage error, an advertised address (``advertise``, given) that cannot be the one others reach:
+    a host that binds every interface (``0.0.0.0``, ``::``: no address), or a port named while ``listen`` asks for
+    port 0 (a free one, known only once bound). ``names``: the two options, for the message."""
+    if not advertise:
+        return
+    host, port = split_address(advertise, names[1])
+    if host in ("0.0.0.0", "::", "[::]"):  # hilum_proto.tls.WILDCARD_HOSTS, less the empty host split refuses
+        parser.error(f"{names[1]} {advertise}: {host} is no address others can reach: give the host they reach it at")
+    if split_address(listen, names[0], listen=True)[1] == 0:
+        parser.error(
+            f"{names[1]} {advertise} names port {port}, but {names[0]} {listen} takes a free port when it starts: "
+            f"give {names[0]} {split_address(listen, names[0], listen=True)[0]}:{port}"
+        )

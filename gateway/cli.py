@@ -39,6 +39,7 @@ from aiohttp import web
 import hilum_config
 from clusterstate.endpoints import (
     address_option,
+    check_advertised,
     endpoints_option,
     listen_option,
     optional_listen_option,
@@ -240,6 +241,7 @@ def _check_sink(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None
     """A usage error (exit 2, before anything starts) when the token sink would bind every interface without
     ``--sink-advertise``: llumlets push every token to the address the sink names, and ``0.0.0.0`` reaches this
     gateway only from its own host."""
+    check_advertised(parser, _sink_listen(ns), ns.sink_advertise, ("--sink-listen", "--sink-advertise"))
     host = split_address(_sink_listen(ns), "--sink-listen", listen=True)[0]
     if ns.sink_advertise or host not in WILDCARD_HOSTS:
         return

@@ -124,3 +124,44 @@ def test_a_gateway_whose_token_sink_binds_every_interface_needs_sink_advertise(
     assert exc.value.code == 2
     err = capsys.readouterr().err.splitlines()[-1]
     assert err.startswith(f"python -m gateway: error: {words}") and "--sink-advertise HOST:PORT" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # it registered 0.0.0.0:7120, an address nobody reaches
+        (
+            ["--listen", "127.0.0.1:7120", "--advertise", "0.0.0.0:7120"],
+            "--advertise 0.0.0.0:7120: 0.0.0.0 is no address others can reach: give the host they reach it at",
+        ),
+        # it registered port 7120 and listened on a free one
+        (
+            ["--listen", "127.0.0.1:0", "--advertise", "node-0:7120"],
+            "--advertise node-0:7120 names port 7120, but --listen 127.0.0.1:0 takes a free port when it starts: "
+            "give --listen 127.0.0.1:7120",
+        ),
+    ],
+)
+def test_an_advertised_address_others_cannot_reach_is_refused(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llumlet.cli import main as llumlet_main
+
+    with pytest.raises(SystemExit) as exc:
+        llumlet_main(["--instance-id", "node-0-i0", "--topology", "1x8-a100", *argv])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"python -m llumlet: error: {message}"
+
+
+def test_a_gateway_advertising_a_sink_port_it_does_not_listen_on_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main as gateway_main
+
+    # it printed "token sink 127.0.0.1:7300" and listened on a free port: llumlets pushed tokens to a dead one
+    with pytest.raises(SystemExit) as exc:
+        gateway_main(["--listen", "127.0.0.1:0", "--etcd", "127.0.0.1:1", "--topology", "1x8-a100",
+                      "--sink-advertise", "127.0.0.1:7300"])  # fmt: skip
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "python -m gateway: error: --sink-advertise 127.0.0.1:7300 names port 7300, but --sink-listen 127.0.0.1:0 "
+        "takes a free port when it starts: give --sink-listen 127.0.0.1:7300"
+    )
