@@ -107,7 +107,7 @@ from gateway.apikeys import load_api_keys
 from global_coord.cli import check_autoscale
 from hilum_cli import counted
 from hilum_cli.supervisor import ChildSpec, RestartPolicy, StartFailed, Supervisor
-from hilum_proto.tls import WILDCARD_HOSTS
+from hilum_proto.tls import WILDCARD_HOSTS, bind_refusal
 from llumlet.backends.base import parse_engine_options
 from llumlet.linkbudget import LinkBudgets
 from topology.load import TopologyError, bundled_path, load_topology, parse_topology, tokenizer_errors
@@ -204,14 +204,9 @@ def _free_port(host: str) -> int:
 
 
 def port_free(host: str, port: int) -> bool:
-    """Whether ``host:port`` can be bound now (no SO_REUSEPORT: a listener that has it still blocks)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME-WAIT sockets of a stopped run don't count
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
+    """Whether ``host:port`` can be bound now (``hilum_proto.tls.bind_refusal``'s probe: TIME-WAIT sockets of a
+    stopped run don't count; a listener with SO_REUSEPORT still blocks)."""
+    return not bind_refusal(f"{host}:{port}")
 
 
 def coordinator_ids(n: int) -> list[str]:

@@ -48,6 +48,7 @@ __all__ = [
     "TlsFiles",
     "add_port",
     "advertised_address",
+    "bind_refusal",
     "bind_server",
     "etcd_tls_args",
     "grpc_tls",
@@ -235,7 +236,7 @@ class ListenError(RuntimeError):
     exit 2, a bad option, is not restarted: ``deploy/systemd``)."""
 
 
-def _bind_refusal(address: str) -> str:
+def bind_refusal(address: str) -> str:
     """Why ``address`` (``host:port``, the host bracketed when IPv6) cannot be bound, as the system says it ("" when
     it can): found by binding a plain TCP socket there and closing it at once (gRPC only reports that binding
     failed, after logging its own line)."""
@@ -251,10 +252,11 @@ def _bind_refusal(address: str) -> str:
     return ""
 
 
-def listen_failure(address: str, what: str = "--listen") -> str:
-    """Why ``address`` cannot be bound (:func:`_bind_refusal`), naming ``what`` (the option that gave it); a generic
-    reason when a probe binds it after all (the address was freed meanwhile)."""
-    reason = _bind_refusal(address) or "the address is in use or not an address of this machine"
+def listen_failure(address: str, what: str = "--listen", reason: str = "") -> str:
+    """Why ``address`` cannot be bound, naming ``what`` (the option that gave it): ``reason`` when the caller has
+    it, else :func:`bind_refusal`'s; a generic one when a probe binds it after all (the address was freed
+    meanwhile)."""
+    reason = reason or bind_refusal(address) or "the address is in use or not an address of this machine"
     return f"cannot listen on {address} ({what}): {reason}"
 
 
@@ -269,8 +271,9 @@ def bind_server(
             that gave it) and the system's reason.
         TlsError: see :func:`add_port`.
     """
-    if not listen.endswith(":0") and _bind_refusal(listen):  # said before gRPC tries, and logs a line of its own
-        raise ListenError(listen_failure(listen, what))
+    refusal = "" if listen.endswith(":0") else bind_refusal(listen)  # said before gRPC tries, and logs a line
+    if refusal:
+        raise ListenError(listen_failure(listen, what, refusal))
     server = new_server(options)
     try:
         port = add_port(server, listen)

@@ -407,7 +407,7 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run every requested policy on the same topology and trace; print and save the comparison."""
-    from .report import LATENCY_COLUMNS, MIGRATION_COLUMNS, render_table
+    from .report import LATENCY_COLUMNS, MIGRATION_COLUMNS, MOVE_COLUMNS, render_table
     from .results import stored_policies, summarize, write_results
     from .runner import run_simulation
 
@@ -491,7 +491,7 @@ def run_cli(args: argparse.Namespace) -> int:
         console = Console() if sys.stdout.isatty() else Console(width=200)  # files and pipes: no squeezing
         console.print(title, highlight=False)  # on its own line: a table's title wraps at the table's width
         console.print(render_table(summaries, title="", baseline=baseline, columns=latency, compact=True))
-        moves = "migrations and " if any(c in migration for c in _MOVES) else ""
+        moves = "migrations and " if any(c in migration for c in MOVE_COLUMNS) else ""
         console.print(render_table(summaries, title=f"{moves}simulator cost", columns=migration, compact=True))
         if baseline is not None:
             console.print(f"TTFT p99 / base: each policy's P99 TTFT over {baseline}'s", style="dim", highlight=False)
@@ -504,9 +504,6 @@ def run_cli(args: argparse.Namespace) -> int:
     return 0
 
 
-_MOVES = ("mig\nintra", "mig\ncross", "mig\naborted", "cross\nGB", "downtime\nmean ms", "downtime\np99 ms")
-
-
 def _idle_columns(
     runs: Sequence[SimRun], summaries: Sequence[PolicySummary], trace: Trace, num_domains: int
 ) -> dict[str, str]:
@@ -516,6 +513,8 @@ def _idle_columns(
     - the migration columns when no policy of the run migrates, the cross-domain ones on one domain;
     - the scale-outs and -ins without the autoscaler.
     A count that could have been non-zero is shown, zero or not. ``--json`` and results.json keep every figure."""
+    from .report import MOVE_COLUMNS
+
     idle = {}
     if not runs[0].config.get("prefix_caching", True):
         idle["prefix\nhit %"] = "--no-prefix-caching"
@@ -524,7 +523,7 @@ def _idle_columns(
     if all(s.high_priority_ttft_p99_s is None for s in summaries):
         idle["hi-pri\nTTFT p99"] = "no high-priority request"
     if not any(policy_migrates(r.policy) for r in runs):
-        idle.update(dict.fromkeys(_MOVES, "no policy of the run migrates"))
+        idle.update(dict.fromkeys(MOVE_COLUMNS, "no policy of the run migrates"))
     elif num_domains == 1:
         idle["mig\ncross"] = idle["cross\nGB"] = "one domain"
     if "autoscale" not in runs[0].config:

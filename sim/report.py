@@ -20,6 +20,7 @@ __all__ = [
     "LATENCY_COLUMNS",
     "MIGRATION_COLUMNS",
     "MISSING",
+    "MOVE_COLUMNS",
     "format_sweep_table",
     "format_table",
     "render_sweep_table",
@@ -88,8 +89,11 @@ LATENCY_COLUMNS: tuple[str, ...] = (
     "done", "refused", "TTFT\np50 ms", "TTFT\np99 ms", "TBT\np50 ms", "TBT\np99 ms", "decode\np99 ms",
     "E2E\np99 ms", "hi-pri\nTTFT p99", "preempt", "preempt\nlost s", "prefix\nhit %",
 )  # fmt: skip
-MIGRATION_COLUMNS: tuple[str, ...] = (
+MOVE_COLUMNS: tuple[str, ...] = (
     "mig\nintra", "mig\ncross", "mig\naborted", "cross\nGB", "downtime\nmean ms", "downtime\np99 ms",
+)  # fmt: skip
+MIGRATION_COLUMNS: tuple[str, ...] = (
+    *MOVE_COLUMNS,
     "sim s", "engine\nsteps", "wall s", "req per\nwall s", "GPU-h", "scale\nout/in",
 )  # fmt: skip
 
