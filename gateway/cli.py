@@ -241,6 +241,23 @@ def _check_sink(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None
     """A usage error (exit 2, before anything starts) when the token sink would bind every interface without
     ``--sink-advertise``: llumlets push every token to the address the sink names, and ``0.0.0.0`` reaches this
     gateway only from its own host."""
+    listen_host, listen_port = split_address(ns.listen, "--listen", listen=True)
+    if ns.sink_listen:  # one port for both: the second server to bind found it taken
+        sink_host, sink_port = split_address(ns.sink_listen, "--sink-listen", listen=True)
+        shared = sink_host == listen_host or sink_host in WILDCARD_HOSTS or listen_host in WILDCARD_HOSTS
+        if sink_port and sink_port == listen_port and shared:
+            parser.error(
+                f"--listen {ns.listen} and --sink-listen {ns.sink_listen} take one port: the HTTP API and the token "
+                "sink each need their own"
+            )
+    elif ns.sink_advertise:  # the default --sink-listen, named as such (a wildcard advertised host is refused below)
+        advertised_host, advertised_port = split_address(ns.sink_advertise, "--sink-advertise")
+        if advertised_host not in WILDCARD_HOSTS:
+            parser.error(
+                f"--sink-advertise {ns.sink_advertise} names port {advertised_port}, but without --sink-listen the "
+                f"token sink takes a free port on the --listen host when it starts: give --sink-listen "
+                f"{listen_host}:{advertised_port} too"
+            )
     check_advertised(parser, _sink_listen(ns), ns.sink_advertise, ("--sink-listen", "--sink-advertise"))
     host = split_address(_sink_listen(ns), "--sink-listen", listen=True)[0]
     if ns.sink_advertise or host not in WILDCARD_HOSTS:

@@ -162,6 +162,46 @@ def test_a_gateway_advertising_a_sink_port_it_does_not_listen_on_is_refused(caps
                       "--sink-advertise", "127.0.0.1:7300"])  # fmt: skip
     assert exc.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
+        "python -m gateway: error: --sink-advertise 127.0.0.1:7300 names port 7300, but without --sink-listen the "
+        "token sink takes a free port on the --listen host when it starts: give --sink-listen 127.0.0.1:7300 too"
+    )
+    with pytest.raises(SystemExit) as exc:  # the --sink-listen given is named as given
+        gateway_main(["--listen", "127.0.0.1:0", "--etcd", "127.0.0.1:1", "--topology", "1x8-a100",
+                      "--sink-listen", "127.0.0.1:0", "--sink-advertise", "127.0.0.1:7300"])  # fmt: skip
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
         "python -m gateway: error: --sink-advertise 127.0.0.1:7300 names port 7300, but --sink-listen 127.0.0.1:0 "
         "takes a free port when it starts: give --sink-listen 127.0.0.1:7300"
+    )
+
+
+@pytest.mark.parametrize(
+    ("listen", "sink_listen", "refused"),
+    [
+        ("127.0.0.1:8000", "127.0.0.1:8000", True),
+        ("0.0.0.0:8000", "127.0.0.1:8000", True),  # a wildcard takes the port on every address
+        ("127.0.0.1:8000", "[::]:8000", True),
+        ("127.0.0.1:8000", "127.0.0.2:8000", False),  # two addresses of the host, each with its port
+        ("127.0.0.1:0", "127.0.0.1:0", False),  # each takes a free port
+    ],
+)
+def test_a_gateway_whose_http_api_and_token_sink_share_a_port_is_refused(
+    listen: str, sink_listen: str, refused: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the second server to bind found the port taken: "address already in use (--listen)", naming one option
+    from gateway.cli import _check_sink, build_parser
+
+    parser = build_parser()
+    advertise = [] if sink_listen.endswith(":0") else ["--sink-advertise", f"gw:{sink_listen.rsplit(':', 1)[1]}"]
+    ns = parser.parse_args(["--listen", listen, "--etcd", "127.0.0.1:1", "--topology", "1x8-a100",
+                            "--sink-listen", sink_listen, *advertise])  # fmt: skip
+    if not refused:
+        _check_sink(parser, ns)
+        return
+    with pytest.raises(SystemExit) as exc:
+        _check_sink(parser, ns)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"python -m gateway: error: --listen {listen} and --sink-listen {sink_listen} take one port: the HTTP API "
+        "and the token sink each need their own"
     )
