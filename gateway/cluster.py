@@ -397,10 +397,7 @@ class LiveCluster:
         return sorted(self.router.domains())
 
     def health(self) -> tuple[bool, str]:
-        domains = self.router.domains()
-        if not domains:
-            return False, "no domain scheduler has registered and published a summary yet"
-        return True, f"{len(domains)} domain(s): {', '.join(sorted(domains))}"
+        return self.router.health()
 
     async def start(self, request_id: str, request: GenerationRequest) -> Placement:
         return await self.replayer.start(request_id, request)

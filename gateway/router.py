@@ -153,6 +153,7 @@ class DomainRouter:
         self._backoff_s = backoff_s
         self._clock = clock
         self.retries: dict[str, int] = {}  # reason ("refused" | "unavailable" | "full") -> count
+        self._had_domains = False  # some domain was dispatchable once (health: "none yet" or "none now")
 
     def _retry(self, reason: str) -> None:
         self.retries[reason] = self.retries.get(reason, 0) + 1
@@ -163,6 +164,19 @@ class DomainRouter:
         """Dispatchable domains (registered and summarised): id -> scheduler address."""
         self._refresh()
         return {d: a for d, a in self._addresses.items() if d in self._records}
+
+    def health(self) -> tuple[bool, str]:
+        """(True when some domain is dispatchable, what the gateway's ``/health`` says: the domains, or why none
+        is)."""
+        domains = self.domains()
+        if domains:
+            return True, f"{len(domains)} domain(s): {', '.join(sorted(domains))}"
+        if self._had_domains:
+            return False, (
+                "no domain scheduler is registered with a summary now (those that were have stopped, or lost etcd): "
+                "check the domain schedulers"
+            )
+        return False, "no domain scheduler has registered and published a summary yet"
 
     def models(self) -> list[str]:
         """Models some dispatchable domain serves, sorted."""
@@ -190,6 +204,8 @@ class DomainRouter:
                 _log.warning("ignoring summary of %s: %s", domain_id, exc)
                 continue
             self._records[domain_id] = record
+        if self._records.keys() & self._addresses.keys():
+            self._had_domains = True
 
     async def dispatch(
         self, msg: llumlet_pb2.SubmitRequest, demand_blocks: int, need_blocks: int = 0, block_size_tokens: int = 0

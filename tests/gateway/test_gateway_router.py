@@ -242,3 +242,19 @@ def test_a_domain_holding_the_prompts_prefix_wins_within_the_margin() -> None:
                                                                        virtual_usage=90.0),))}  # fmt: skip
     r, _ = router(far, answers)
     assert asyncio.run(r.dispatch(m, demand_blocks=9, block_size_tokens=16)).domain_id == "idle"  # load wins
+
+
+def test_health_says_whether_no_domain_is_dispatchable_yet_or_any_more() -> None:
+    source = Source({}, {})
+    r = DomainRouter(source, Submitter({}), PolicyConfig(), random.Random(1))
+    assert r.health() == (False, "no domain scheduler has registered and published a summary yet")
+    source.regs, source.sums, source.version = {"a": DomainRegistration("a", "a")}, {}, 2
+    assert r.health() == (False, "no domain scheduler has registered and published a summary yet")  # no summary
+    source.sums, source.version = {"a": record("a", 10)}, 3
+    assert r.health() == (True, "1 domain(s): a")
+    source.regs, source.sums, source.version = {}, {}, 4  # its scheduler stopped: registration and summary gone
+    assert r.health() == (
+        False,
+        "no domain scheduler is registered with a summary now (those that were have stopped, or lost etcd): "
+        "check the domain schedulers",
+    )
