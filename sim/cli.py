@@ -495,6 +495,14 @@ def run_cli(args: argparse.Namespace) -> int:
         console.print(render_table(summaries, title=f"{moves}simulator cost", columns=migration, compact=True))
         if baseline is not None:
             console.print(f"TTFT p99 / base: each policy's P99 TTFT over {baseline}'s", style="dim", highlight=False)
+        if "hi-pri\nTTFT p99" in latency:  # a P99 over a few dozen requests is about their slowest: say how many
+            high = summaries[0].high_priority_requests  # the same requests under every policy
+            few = " (fewer than 100: about the slowest of them)" if high < 100 else ""
+            console.print(
+                f"hi-pri TTFT p99: over the run's {high:,} high-priority {_plural('request', high)}{few}",
+                style="dim",
+                highlight=False,
+            )
         if idle:
             by_reason: dict[str, list[str]] = {}
             for header, why in idle.items():

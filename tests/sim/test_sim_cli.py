@@ -66,16 +66,24 @@ def test_sim_table_names_every_policy(capsys: pytest.CaptureFixture[str]) -> Non
     ]
 
 
-def test_sim_table_shows_the_prefix_and_scaling_columns_when_they_count(capsys: pytest.CaptureFixture[str]) -> None:
+def test_sim_table_shows_the_prefix_and_scaling_columns_when_they_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     argv = ["sim", "--max-requests", "60", "--trace", "mooncake-conv", "--policy", "hilum", "--autoscale"]
     assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     assert any("hit %" in line for line in lines) and any("out/in" in line for line in lines)
     assert "hi-pri" not in "\n".join(lines[:-1])  # the trace has no priorities
     assert lines[-1] == "not shown, nothing to count: hi-pri TTFT p99 (no high-priority request)"
-    assert main([*argv, "--priority-fraction", "0.2"]) == 0  # the run marks some requests high priority
+    assert main([*argv, "--priority-fraction", "0.2", "--out", str(tmp_path)]) == 0  # some requests high priority
     text = capsys.readouterr().out
     assert "hi-pri" in text and "not shown" not in text
+    # how many requests the high-priority P99 is taken over: 60 x 0.2 drawn, a few dozen at most
+    high = json.loads((tmp_path / "results.json").read_text())["runs"][0]["summary"]["high_priority_requests"]
+    assert 0 < high < 60
+    assert text.splitlines()[-1] == (
+        f"hi-pri TTFT p99: over the run's {high} high-priority requests (fewer than 100: about the slowest of them)"
+    )
     # what no policy of the run can count: moves without a migrating policy, cross-domain ones on one domain, the
     # prefix hit rate with prefix caching off
     assert main(["sim", "--max-requests", "60", "--policy", "round-robin,least-loaded"]) == 0
