@@ -1,11 +1,45 @@
-"""Bounded, jittered exponential backoff for every long-lived retry loop in the control plane."""
+"""Bounded, jittered exponential backoff for every long-lived retry loop in the control plane, and the level of
+each retry's log line (:class:`RepeatedFailures`)."""
 
 from __future__ import annotations
 
+import logging
 import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["Backoff", "BackoffConfig"]
+__all__ = ["WARN_EVERY_S", "Backoff", "BackoffConfig", "RepeatedFailures"]
+
+#: While a failure repeats, a retry loop warns at its first and then once every this many seconds; the retries
+#: between are logged at debug level. Every loop retrying every ``max_s`` through an etcd outage wrote a warning a
+#: second or two each (a coordinator: three loops, 2 lines a second).
+WARN_EVERY_S = 30.0
+
+
+class RepeatedFailures:
+    """The log level of each failure of a run of them: WARNING for the first (since :meth:`reset`, a success) and
+    then for one every ``every_s`` seconds (``clock``: seconds), DEBUG for the others. :attr:`failures` counts them.
+    """
+
+    def __init__(self, every_s: float = WARN_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self._every_s = every_s
+        self._clock = clock
+        self._warned_s = -float("inf")
+        self.failures = 0  # failures since the last reset
+
+    def failed(self) -> int:
+        """Count a failure; its log level (``logging.WARNING`` or ``logging.DEBUG``)."""
+        self.failures += 1
+        now = self._clock()
+        if self.failures == 1 or now - self._warned_s >= self._every_s:
+            self._warned_s = now
+            return logging.WARNING
+        return logging.DEBUG
+
+    def reset(self) -> None:
+        """A success: the next failure is the first of a new run."""
+        self.failures = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,16 +74,28 @@ class Backoff:
         self._cfg = cfg
         self._rng = rng
         self._next_s = cfg.initial_s
-        self.failures = 0  # consecutive failures since the last reset
+        self._repeats = RepeatedFailures()
+        self._level = logging.WARNING
+
+    @property
+    def failures(self) -> int:
+        """Consecutive failures (calls of :meth:`next_s`) since the last reset."""
+        return self._repeats.failures
 
     def next_s(self) -> float:
-        """The delay before the next retry, seconds, in ``[(1 - jitter) · d, d]`` with ``d <= max_s``."""
+        """Count a failure; the delay before the next retry, seconds, in ``[(1 - jitter) · d, d]`` with
+        ``d <= max_s``."""
         base = self._next_s
         self._next_s = min(self._cfg.max_s, base * self._cfg.multiplier)
-        self.failures += 1
+        self._level = self._repeats.failed()
         return base * (1.0 - self._cfg.jitter * self._rng.random())
+
+    def level(self) -> int:
+        """The log level of the failure :meth:`next_s` counted last (:class:`RepeatedFailures`): a warning for the
+        first since the last reset and for one every :data:`WARN_EVERY_S` seconds after it, debug between them."""
+        return self._level
 
     def reset(self) -> None:
         """Start again from ``initial_s``."""
         self._next_s = self._cfg.initial_s
-        self.failures = 0
+        self._repeats.reset()

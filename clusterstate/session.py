@@ -21,7 +21,7 @@ import random
 import time
 from collections.abc import Callable
 
-from clusterstate.backoff import Backoff, BackoffConfig
+from clusterstate.backoff import Backoff, BackoffConfig, RepeatedFailures
 from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, compare_mod_revision, kv_of, lease_of, renew_lease
 
 __all__ = ["KeyTakenError", "Registrar", "Session", "SessionLost"]
@@ -264,6 +264,7 @@ class Registrar:
         """
         loop = asyncio.get_running_loop()
         deadline: float | None = None
+        unanswered = RepeatedFailures()
         stopped = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
@@ -279,9 +280,11 @@ class Registrar:
                         return True
                     reply = await kv_of(self._client).get(key, timeout=float(self._ttl_s))
                 except RETRYABLE_ERRORS as exc:
-                    _log.warning("%s: etcd does not answer (%s); retrying the claim of %s", what, exc, key)
+                    level = unanswered.failed()
+                    _log.log(level, "%s: etcd does not answer (%s); retrying the claim of %s", what, exc, key)
                     await asyncio.wait({stopped}, timeout=1.0)
                     continue
+                unanswered.reset()
                 holder = holder_of(bytes(reply.kvs[0].value)) if reply.kvs else "?"
                 if deadline is None:
                     deadline = loop.time() + wait_s
@@ -343,7 +346,8 @@ class Registrar:
                 return session
             except RETRYABLE_ERRORS as exc:
                 delay = self._backoff.next_s()
-                _log.warning(
+                _log.log(
+                    self._backoff.level(),
                     "%s: cannot open an etcd session (%s: %s), attempt %d; retrying in %.2f s: check that etcd runs "
                     "and that --etcd names its client address",
                     self._name,
@@ -382,10 +386,19 @@ class Registrar:
             try:
                 await self._register_all(session)
             except RETRYABLE_ERRORS as exc:
-                _log.warning("%s: registering under lease %x failed (%s); retrying", self._name, session.lease_id, exc)
+                delay = self._backoff.next_s()
+                _log.log(
+                    self._backoff.level(),
+                    "%s: registering under lease %x failed (%s), attempt %d; retrying in %.2f s",
+                    self._name,
+                    session.lease_id,
+                    exc,
+                    self._backoff.failures,
+                    delay,
+                )
                 old_lease = session.lease_id
                 await session.close(revoke=False)
-                await asyncio.sleep(self._backoff.next_s())
+                await asyncio.sleep(delay)
                 continue
             self.session = session
             self.registered.set()

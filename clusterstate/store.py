@@ -495,11 +495,13 @@ class ClusterView:
                 raise
             except RETRYABLE_ERRORS as exc:
                 delay = self._backoff.next_s()
-                _log.warning(
-                    "cluster view: etcd error (%s: %s); re-listing in %.2f s: check that etcd runs and that --etcd "
-                    "names its client address",
+                _log.log(
+                    self._backoff.level(),
+                    "cluster view: etcd error (%s: %s), attempt %d; re-listing in %.2f s: check that etcd runs and "
+                    "that --etcd names its client address",
                     type(exc).__name__,
                     exc,
+                    self._backoff.failures,
                     delay,
                 )
                 cause = "error"

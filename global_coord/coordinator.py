@@ -218,7 +218,13 @@ class Coordinator:
                     backoff.reset()
             except RETRYABLE_ERRORS as exc:
                 delay = backoff.next_s()
-                _log.warning("observing the leader failed (%s); retrying in %.2f s", exc, delay)
+                _log.log(
+                    backoff.level(),
+                    "observing the leader failed (%s), attempt %d; retrying in %.2f s",
+                    exc,
+                    backoff.failures,
+                    delay,
+                )
                 await asyncio.sleep(delay)
 
     async def _first(self, aw: asyncio.Future[Any], *events: asyncio.Event) -> bool:
@@ -238,11 +244,13 @@ class Coordinator:
                 session = await Session.open(self._client, self.cfg.ttl_s, clock=self._clock)
             except RETRYABLE_ERRORS as exc:
                 delay = backoff.next_s()
-                _log.warning(
-                    "%s: cannot open an etcd session (%s); retrying in %.2f s: check that etcd runs and that --etcd "
-                    "names its client address",
+                _log.log(
+                    backoff.level(),
+                    "%s: cannot open an etcd session (%s), attempt %d; retrying in %.2f s: check that etcd runs and "
+                    "that --etcd names its client address",
                     self.cfg.coordinator_id,
                     exc,
+                    backoff.failures,
                     delay,
                 )
                 with contextlib.suppress(TimeoutError):
@@ -268,7 +276,14 @@ class Coordinator:
                 _log.warning("%s: lost leadership or session: %s", self.cfg.coordinator_id, exc)
             except RETRYABLE_ERRORS as exc:
                 delay = backoff.next_s()
-                _log.warning("%s: campaign failed (%s); retrying in %.2f s", self.cfg.coordinator_id, exc, delay)
+                _log.log(
+                    backoff.level(),
+                    "%s: campaign failed (%s), attempt %d; retrying in %.2f s",
+                    self.cfg.coordinator_id,
+                    exc,
+                    backoff.failures,
+                    delay,
+                )
                 await asyncio.sleep(delay)
             finally:
                 campaign.cancel()

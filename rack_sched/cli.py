@@ -191,12 +191,14 @@ async def _refuse_a_second_scheduler(
             reply = await kv_of(client).get(key, timeout=_ETCD_TIMEOUT_S)
         except RETRYABLE_ERRORS as exc:
             delay = backoff.next_s()
-            _log.warning(
-                "domain %s: etcd at %s does not answer (%s); retrying in %.1f s: check that etcd runs and that "
-                "--etcd names its client address",
+            _log.log(
+                backoff.level(),
+                "domain %s: etcd at %s does not answer (%s), attempt %d; retrying in %.1f s: check that etcd runs "
+                "and that --etcd names its client address",
                 domain_id,
                 etcd,
                 _reason(exc),
+                backoff.failures,
                 delay,
             )
             await _sleep_unless(stop, delay)

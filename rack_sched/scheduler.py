@@ -335,11 +335,13 @@ class DomainScheduler:
             self.core.stream_lost(inst.instance_id)
             inst.settled.set()
             delay = backoff.next_s()
-            _log.warning(
-                "domain %s: load stream of %s lost (%s); reconnecting in %.2f s",
+            _log.log(
+                backoff.level(),
+                "domain %s: load stream of %s lost (%s), attempt %d; reconnecting in %.2f s",
                 self.cfg.domain_id,
                 inst.instance_id,
                 why,
+                backoff.failures,
                 delay,
             )
             await self._clock.sleep(delay)

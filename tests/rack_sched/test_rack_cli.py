@@ -16,7 +16,7 @@ from etcd_server import EtcdServer, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WARNING = re.compile(
-    r"node-0 rack_sched WARNING domain node-0: etcd at (?P<etcd>\S+) does not answer \((?P<why>.+)\); "
+    r"node-0 rack_sched WARNING domain node-0: etcd at (?P<etcd>\S+) does not answer \((?P<why>.+)\), attempt 1; "
     r"retrying in \d+\.\d s: check that etcd runs and that --etcd names its client address"
 )
 

@@ -1,0 +1,72 @@
+"""Backoff: bounded jittered delays; a retry loop's log lines warn at the first failure of a run and then once
+every WARN_EVERY_S seconds (an etcd outage wrote a warning every second or two per loop), debug between."""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+import subprocess
+import sys
+import time
+
+from clusterstate.backoff import WARN_EVERY_S, Backoff, BackoffConfig, RepeatedFailures
+
+
+def test_delays_grow_to_the_cap_with_jitter_and_start_again_after_a_reset() -> None:
+    backoff = Backoff(BackoffConfig(initial_s=0.1, max_s=0.4, multiplier=2.0, jitter=0.5), random.Random(3))
+    delays = [backoff.next_s() for _ in range(5)]
+    for delay, ceiling in zip(delays, [0.1, 0.2, 0.4, 0.4, 0.4], strict=True):
+        assert ceiling / 2 <= delay <= ceiling
+    assert backoff.failures == 5
+    backoff.reset()
+    assert backoff.failures == 0 and 0.05 <= backoff.next_s() <= 0.1
+
+
+def test_a_run_of_failures_warns_at_its_first_then_once_every_period() -> None:
+    now = [100.0]
+    repeats = RepeatedFailures(every_s=30.0, clock=lambda: now[0])
+    levels = []
+    for _ in range(40):  # a failure a second for 40 s
+        levels.append(repeats.failed())
+        now[0] += 1.0
+    warned = [k for k, level in enumerate(levels) if level == logging.WARNING]
+    assert warned == [0, 30] and set(levels) == {logging.WARNING, logging.DEBUG}
+    assert repeats.failures == 40
+    repeats.reset()  # a success: the next failure starts a new run, and says so
+    assert repeats.failed() == logging.WARNING and repeats.failures == 1
+
+
+def test_backoff_gives_the_level_of_the_failure_it_counted() -> None:
+    backoff = Backoff(BackoffConfig(), random.Random(1))
+    backoff.next_s()
+    assert backoff.level() == logging.WARNING
+    backoff.next_s()
+    assert backoff.level() == logging.DEBUG  # the second within WARN_EVERY_S
+    backoff.reset()
+    backoff.next_s()
+    assert backoff.level() == logging.WARNING
+    assert WARN_EVERY_S == 30.0
+
+
+def test_a_coordinator_without_etcd_warns_once_per_retry_loop() -> None:
+    # three loops (the leader watch, the etcd session, the cluster view) each retried every 0.1-2 s: two warnings a
+    # second for the whole outage; now each warns at its first failure and then every WARN_EVERY_S seconds
+    cmd = [sys.executable, "-m", "global_coord", "--listen", "127.0.0.1:0", "--etcd", "127.0.0.1:1",
+           "--topology", "1x8-a100", "--id", "c1"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        time.sleep(6.0)  # past the backoff's 2-s cap: a few retries of each loop
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    warnings = [line for line in out.splitlines() if " WARNING " in line]
+    assert len(warnings) == 3, out
+    assert sum("observing the leader failed" in w and "attempt 1;" in w for w in warnings) == 1
+    assert sum("cannot open an etcd session" in w and "attempt 1;" in w for w in warnings) == 1
+    assert sum("cluster view: etcd error" in w and "attempt 1;" in w for w in warnings) == 1
