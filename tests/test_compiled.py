@@ -319,3 +319,47 @@ def test_the_other_domains_summaries_are_read_only_when_a_proposal_reads_them(mo
     compiled, before, after = child(OTHERS.replace("MODE", repr(mode)), source_root()).split()
     assert (compiled, after) == (str(mode == "compiled"), "0")
     assert int(before) >= 1  # the other domain's summaries, read when they are read
+
+
+def test_the_compilers_output_goes_to_the_builds_log_and_to_stderr_on_a_failure(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What mypyc and gcc print (a page of notes such as "Treating generator comprehension as list") went to `make
+    demo`'s output; it goes to build.log beside the build, and is printed only when the build fails, which leaves
+    the previous build as it was. Here the compile step is a stand-in that prints as they do, through the file
+    descriptors (gcc runs as a child process), then makes the files or fails."""
+    import sysconfig
+
+    import hilum_compiled.build as build
+
+    def compiles(paths: list[str], staging: Path, work: Path, jobs: int) -> None:
+        print("policy/load.py:237: warning: Treating generator comprehension as list", flush=True)
+        os.write(2, b"gcc: note: a compiler warning\n")
+        suffix = sysconfig.get_config_var("EXT_SUFFIX")
+        for name in MODULES:
+            so = staging / Path(*name.split(".")).with_name(name.rsplit(".", 1)[-1] + suffix)
+            so.parent.mkdir(parents=True, exist_ok=True)
+            so.write_bytes(b"")
+        (staging / f"{hilum_compiled.GROUP}__mypyc{suffix}").write_bytes(b"")
+
+    def fails(paths: list[str], staging: Path, work: Path, jobs: int) -> None:
+        os.write(2, b"x.c:1: error: broken\n")
+        raise SystemExit("error: command 'gcc' failed with exit code 1")
+
+    out = tmp_path / "built"
+    monkeypatch.setattr(build, "_compile", compiles)
+    assert build.build(out=out) == out
+    printed = capfd.readouterr()
+    notes = f"(the compilers' notes: {out}/build.log)"
+    assert printed.out == f"hilum_compiled: built {len(MODULES)} modules into {out} {notes}\n"
+    assert printed.err == ""
+    assert (out / "build.log").read_text() == (
+        "policy/load.py:237: warning: Treating generator comprehension as list\ngcc: note: a compiler warning\n"
+    )
+    assert json.loads((out / "manifest.json").read_text())["modules"].keys() == set(MODULES)
+
+    monkeypatch.setattr(build, "_compile", fails)
+    with pytest.raises(RuntimeError, match=r"the build failed \(error: command 'gcc' failed with exit code 1\)"):
+        build.build(out=out)
+    assert capfd.readouterr().err == "x.c:1: error: broken\n"
+    assert (out / "build.log").read_text().startswith("policy/load.py:237")  # the build before is left
