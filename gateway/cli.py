@@ -238,9 +238,11 @@ def _sink_listen(ns: argparse.Namespace) -> str:
 
 
 def _check_sink(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
-    """A usage error (exit 2, before anything starts) when the token sink would bind every interface without
-    ``--sink-advertise``: llumlets push every token to the address the sink names, and ``0.0.0.0`` reaches this
-    gateway only from its own host."""
+    """A usage error (exit 2, before anything starts) when the token sink cannot work as given: it takes the port of
+    ``--listen`` (one host, or a wildcard on either); ``--sink-advertise`` names a port the sink will not listen on
+    (:func:`check_advertised`; without ``--sink-listen`` it takes a free one); or it binds every interface without
+    ``--sink-advertise`` (llumlets push every token to the address the sink names, and ``0.0.0.0`` reaches this
+    gateway only from its own host)."""
     listen_host, listen_port = split_address(ns.listen, "--listen", listen=True)
     if ns.sink_listen:  # one port for both: the second server to bind found it taken
         sink_host, sink_port = split_address(ns.sink_listen, "--sink-listen", listen=True)
