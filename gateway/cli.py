@@ -183,6 +183,8 @@ async def _serve(
         prefix=ns.prefix,
         sink_listen=sink_listen,
         sink_advertise=ns.sink_advertise,
+        # the default is the --listen host: a host that cannot be bound is --listen's, found first by the sink
+        sink_what="--sink-listen" if ns.sink_listen else "--listen host, for the token sink",
         policy=settings.policy,
         reservation_ttl_s=settings.intervals.reservation_ttl_s,
         unavailable_wait_s=ns.unavailable_wait,
@@ -237,28 +239,56 @@ def _sink_listen(ns: argparse.Namespace) -> str:
     return ns.sink_listen or f"{split_address(ns.listen, '--listen', listen=True)[0]}:0"  # checked by its option
 
 
+def _take_one_port(a: str, b: str) -> bool:
+    """Whether two listen addresses (``host:port``) take one port: the same port (not 0) on the same address, or on
+    a wildcard and an address it covers (``0.0.0.0`` every IPv4 one; ``::`` every one, bound dual-stack as Linux
+    does). Host names are resolved; one that does not resolve takes nothing here (binding it says why)."""
+    (host_a, port_a), (host_b, port_b) = (
+        split_address(a, "--listen", listen=True),
+        split_address(b, "--listen", listen=True),
+    )
+    if port_a == 0 or port_a != port_b:
+        return False
+    return any(_covers(x, y) or _covers(y, x) for x in _addresses(host_a) for y in _addresses(host_b))
+
+
+def _addresses(host: str) -> set[str]:
+    """The IP addresses a listen host binds (a wildcard as itself; none for a name that does not resolve)."""
+    host = host.strip("[]")
+    if host in ("0.0.0.0", "::"):
+        return {host}
+    try:
+        return {str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):
+        return set()
+
+
+def _covers(a: str, b: str) -> bool:
+    """Whether binding address ``a`` takes the port of address ``b`` too."""
+    return a == b or a == "::" or (a == "0.0.0.0" and ":" not in b)
+
+
 def _check_sink(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     """A usage error (exit 2, before anything starts) when the token sink cannot work as given: it takes the port of
     ``--listen`` (one host, or a wildcard on either); ``--sink-advertise`` names a port the sink will not listen on
     (:func:`check_advertised`; without ``--sink-listen`` it takes a free one); or it binds every interface without
     ``--sink-advertise`` (llumlets push every token to the address the sink names, and ``0.0.0.0`` reaches this
     gateway only from its own host)."""
-    listen_host, listen_port = split_address(ns.listen, "--listen", listen=True)
-    if ns.sink_listen:  # one port for both: the second server to bind found it taken
-        sink_host, sink_port = split_address(ns.sink_listen, "--sink-listen", listen=True)
-        shared = sink_host == listen_host or sink_host in WILDCARD_HOSTS or listen_host in WILDCARD_HOSTS
-        if sink_port and sink_port == listen_port and shared:
-            parser.error(
-                f"--listen {ns.listen} and --sink-listen {ns.sink_listen} take one port: the HTTP API and the token "
-                "sink each need their own"
-            )
-    elif ns.sink_advertise:  # the default --sink-listen, named as such (a wildcard advertised host is refused below)
+    listen_host = split_address(ns.listen, "--listen", listen=True)[0]
+    given = [(name, value) for name, value in (("--listen", ns.listen), ("--sink-listen", ns.sink_listen),
+                                              ("--also-listen", ns.also_listen)) if value]  # fmt: skip
+    for k, (name_a, a) in enumerate(given):  # one port for two servers: the second to bind found it taken
+        for name_b, b in given[k + 1 :]:
+            if _take_one_port(a, b):
+                parser.error(f"{name_a} {a} and {name_b} {b} take one port: each server needs its own")
+    if ns.sink_advertise and not ns.sink_listen:  # the default --sink-listen, named as such
         advertised_host, advertised_port = split_address(ns.sink_advertise, "--sink-advertise")
-        if advertised_host not in WILDCARD_HOSTS:
+        if advertised_host not in WILDCARD_HOSTS:  # refused below, by check_advertised
+            host = listen_host if advertised_host == listen_host else "0.0.0.0"
             parser.error(
                 f"--sink-advertise {ns.sink_advertise} names port {advertised_port}, but without --sink-listen the "
                 f"token sink takes a free port on the --listen host when it starts: give --sink-listen "
-                f"{listen_host}:{advertised_port} too"
+                f"{host}:{advertised_port} too"
             )
     check_advertised(parser, _sink_listen(ns), ns.sink_advertise, ("--sink-listen", "--sink-advertise"))
     host = split_address(_sink_listen(ns), "--sink-listen", listen=True)[0]

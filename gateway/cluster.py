@@ -303,7 +303,8 @@ class LiveCluster:
         rng: dispatch near-ties and backoff jitter.
         prefix: etcd key prefix.
         sink_listen: ``host:port`` of the token sink (port 0 picks one); ``sink_advertise`` the address
-            llumlets push to (default: the bound one).
+            llumlets push to (default: the bound one); ``sink_what``: the option that gave ``sink_listen`` (the
+            error when it cannot be bound names it).
         policy: the rule book's configuration.
         reservation_ttl_s: how long a dispatch reservation counts at most (``intervals.reservation_ttl_s``).
         max_replays: replays of a request whose instance failed (``resume.max_replays``; :class:`Replayer`).
@@ -319,6 +320,7 @@ class LiveCluster:
         prefix: str = "/hilum/v1/",
         sink_listen: str = "127.0.0.1:0",
         sink_advertise: str = "",
+        sink_what: str = "token sink",
         policy: PolicyConfig | None = None,
         reservation_ttl_s: float = 1.0,
         unavailable_wait_s: float = 5.0,
@@ -333,7 +335,7 @@ class LiveCluster:
         self._capacity = {i.instance_id: i.kv_capacity_blocks for i in topology.instances}
         self.metrics = metrics
         self.view = ClusterView(etcd, Keys(prefix), rng=rng)
-        self.sink = GatewaySink(sink_listen, observer=MetricsObserver(metrics, self._domain_of))
+        self.sink = GatewaySink(sink_listen, what=sink_what, observer=MetricsObserver(metrics, self._domain_of))
         self._sink_advertise = sink_advertise
         self._submitter = GrpcSubmitter()
         self.router = DomainRouter(

@@ -159,7 +159,9 @@ class GatewayCore:
         """
         resolved = self.resolve_model(model)
         if resolved is None:
-            served = ", ".join(self.models()) or "nothing yet"
+            served = ", ".join(self.models())
+            if not served:  # at start, or once every domain's scheduler has gone
+                return DispatchDecision(None, f"model {model!r} is not served: no domain scheduler has a summary now")
             return DispatchDecision(None, f"model {model!r} is not served (served: {served})")
         view = self._view(resolved)
         self._expire(resolved, view, now_s - self.reservation_ttl_s)

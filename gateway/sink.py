@@ -88,6 +88,7 @@ class GatewaySink(TokenCollector):
 
     Args:
         listen: ``host:port`` (port 0 picks one).
+        what: the option that gave ``listen``, for the error when it cannot be bound.
         observer: told about tokens and migrations.
         clock: monotonic clock, seconds.
         poll_s: how often :meth:`updates` re-checks a request without pushes (a failed owner).
@@ -97,11 +98,12 @@ class GatewaySink(TokenCollector):
         self,
         listen: str = "127.0.0.1:0",
         *,
+        what: str = "token sink",
         observer: SinkObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         poll_s: float = 0.25,
     ) -> None:
-        super().__init__(listen)
+        super().__init__(listen, what)
         self._observer = observer
         self._clock = clock
         self._poll_s = poll_s

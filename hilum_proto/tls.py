@@ -271,7 +271,7 @@ def bind_server(
             that gave it) and the system's reason.
         TlsError: see :func:`add_port`.
     """
-    refusal = "" if listen.endswith(":0") else bind_refusal(listen)  # said before gRPC tries, and logs a line
+    refusal = bind_refusal(listen)  # said before gRPC tries, and logs a line (port 0 too: a host not of this machine)
     if refusal:
         raise ListenError(listen_failure(listen, what, refusal))
     server = new_server(options)

@@ -124,14 +124,16 @@ class _Servicer(pb_grpc.TokenSinkServicer):
 
 
 class TokenCollector:
-    """A TokenSink gRPC server on ``listen`` (``host:port``, port 0 picks one) that collects streams.
+    """A TokenSink gRPC server on ``listen`` (``host:port``, port 0 picks one) that collects streams. ``what``: the
+    option that gave ``listen``, for the error when it cannot be bound.
 
     Call :meth:`expect` before submitting a request (pushes for unknown requests are answered ``unknown``, and
     the llumlet stops the request). Not thread-safe; runs on one asyncio loop.
     """
 
-    def __init__(self, listen: str = "127.0.0.1:0") -> None:
+    def __init__(self, listen: str = "127.0.0.1:0", what: str = "token sink") -> None:
         self._listen = listen
+        self._what = what
         self._server: grpc.aio.Server | None = None
         self._port = 0
         self._streams: dict[str, _Stream] = {}
@@ -146,7 +148,7 @@ class TokenCollector:
 
     async def start(self) -> None:
         """Bind and serve. Raises hilum_proto.tls.ListenError when the address cannot be bound."""
-        server, self._port = bind_server(self._listen, what="token sink")
+        server, self._port = bind_server(self._listen, what=self._what)
         pb_grpc.add_TokenSinkServicer_to_server(_Servicer(self), server)
         await server.start()
         self._server = server

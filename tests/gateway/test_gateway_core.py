@@ -23,6 +23,15 @@ def gw(ttl_s: float = 1.0) -> GatewayCore:
     return GatewayCore(PolicyConfig(tie_tolerance=0.0), random.Random(0), reservation_ttl_s=ttl_s)
 
 
+def test_with_no_domain_a_refusal_says_none_has_a_summary_now() -> None:
+    g = gw()
+    assert g.pick("y", 5, now_s=1.0).reason == "model 'y' is not served: no domain scheduler has a summary now"
+    g.update("a", [summary("a", 0, model="y")])
+    assert g.pick("y", 5, now_s=1.0).target_id == "a"
+    g.remove("a")  # every domain gone: it said "served: nothing yet", as before any had a summary
+    assert g.pick("y", 5, now_s=2.0).reason == "model 'y' is not served: no domain scheduler has a summary now"
+
+
 def test_per_model_views_and_refusal_naming_what_is_served() -> None:
     g = gw()
     g.update("a", [summary("a", 0, model="x"), summary("a", 50, model="y")])

@@ -85,7 +85,7 @@ def test_gateway_whose_ports_are_taken_exits_1_naming_which(etcd: Any, taken: st
     base = ["--etcd", etcd.endpoint, "--topology", "1x8-a100"]
     http = _run_daemon("gateway", [*base, "--listen", taken])
     sink = _run_daemon("gateway", [*base, "--listen", "127.0.0.1:0", "--sink-listen", taken])
-    for done, what in ((http, "--listen"), (sink, "token sink")):
+    for done, what in ((http, "--listen"), (sink, "--sink-listen")):
         assert done.returncode == 1, done.stderr
         want = f"gateway: error: cannot listen on {taken} ({what}): address already in use"
         assert done.stderr.splitlines()[-1] == want
@@ -176,25 +176,30 @@ def test_a_gateway_advertising_a_sink_port_it_does_not_listen_on_is_refused(caps
 
 
 @pytest.mark.parametrize(
-    ("listen", "sink_listen", "refused"),
+    ("listen", "other", "refused"),
     [
-        ("127.0.0.1:8000", "127.0.0.1:8000", True),
-        ("0.0.0.0:8000", "127.0.0.1:8000", True),  # a wildcard takes the port on every address
-        ("127.0.0.1:8000", "[::]:8000", True),
-        ("127.0.0.1:8000", "127.0.0.2:8000", False),  # two addresses of the host, each with its port
-        ("127.0.0.1:0", "127.0.0.1:0", False),  # each takes a free port
+        ("127.0.0.1:8000", ["--sink-listen", "127.0.0.1:8000"], True),
+        ("127.0.0.1:8000", ["--sink-listen", "localhost:8000"], True),  # the name resolves to the same address
+        ("0.0.0.0:8000", ["--sink-listen", "127.0.0.1:8000"], True),  # a wildcard takes the port on every address
+        ("127.0.0.1:8000", ["--sink-listen", "[::]:8000"], True),  # dual-stack: IPv4 addresses too
+        ("127.0.0.1:8000", ["--also-listen", "0.0.0.0:8000"], True),
+        ("0.0.0.0:8000", ["--sink-listen", "[::1]:8000"], False),  # an IPv4 wildcard leaves IPv6 addresses
+        ("127.0.0.1:8000", ["--sink-listen", "127.0.0.2:8000"], False),  # two addresses of the host
+        ("127.0.0.1:0", ["--sink-listen", "127.0.0.1:0"], False),  # each takes a free port
+        ("127.0.0.1:8000", ["--sink-listen", "nosuchhost.invalid:8000"], False),  # its bind says why, by name
     ],
 )
-def test_a_gateway_whose_http_api_and_token_sink_share_a_port_is_refused(
-    listen: str, sink_listen: str, refused: bool, capsys: pytest.CaptureFixture[str]
+def test_two_servers_of_a_gateway_on_one_port_are_refused(
+    listen: str, other: list[str], refused: bool, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # the second server to bind found the port taken: "address already in use (--listen)", naming one option
     from gateway.cli import _check_sink, build_parser
 
     parser = build_parser()
-    advertise = [] if sink_listen.endswith(":0") else ["--sink-advertise", f"gw:{sink_listen.rsplit(':', 1)[1]}"]
-    ns = parser.parse_args(["--listen", listen, "--etcd", "127.0.0.1:1", "--topology", "1x8-a100",
-                            "--sink-listen", sink_listen, *advertise])  # fmt: skip
+    advertise = ["--sink-advertise", "gw:7300"] if "--sink-listen" in other and not other[1].endswith(":0") else []
+    if advertise:
+        advertise[1] = f"gw:{other[1].rsplit(':', 1)[1]}"
+    ns = parser.parse_args(["--listen", listen, "--etcd", "127.0.0.1:1", "--topology", "1x8-a100", *other, *advertise])
     if not refused:
         _check_sink(parser, ns)
         return
@@ -202,6 +207,18 @@ def test_a_gateway_whose_http_api_and_token_sink_share_a_port_is_refused(
         _check_sink(parser, ns)
     assert exc.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
-        f"python -m gateway: error: --listen {listen} and --sink-listen {sink_listen} take one port: the HTTP API "
-        "and the token sink each need their own"
+        f"python -m gateway: error: --listen {listen} and {other[0]} {other[1]} take one port: each server needs "
+        "its own"
     )
+
+
+def test_a_sink_advertised_at_another_host_is_told_to_listen_on_every_interface(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from gateway.cli import main as gateway_main
+
+    with pytest.raises(SystemExit) as exc:  # 127.0.0.1:7300 would be no address llumlets reach at 10.0.0.5
+        gateway_main(["--listen", "127.0.0.1:8000", "--etcd", "127.0.0.1:1", "--topology", "1x8-a100",
+                      "--sink-advertise", "10.0.0.5:7300"])  # fmt: skip
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("give --sink-listen 0.0.0.0:7300 too")
