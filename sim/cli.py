@@ -496,13 +496,15 @@ def run_cli(args: argparse.Namespace) -> int:
         if baseline is not None:
             console.print(f"TTFT p99 / base: each policy's P99 TTFT over {baseline}'s", style="dim", highlight=False)
         if "hi-pri\nTTFT p99" in latency:  # a P99 over a few dozen requests is about their slowest: say how many
-            high = summaries[0].high_priority_requests  # the same requests under every policy
-            few = " (fewer than 100: about the slowest of them)" if high < 100 else ""
-            console.print(
-                f"hi-pri TTFT p99: over the run's {high:,} high-priority {_plural('request', high)}{few}",
-                style="dim",
-                highlight=False,
-            )
+            counts = {s.policy: s.high_priority_ttft_count for s in summaries}  # refusals differ by policy
+            if len(set(counts.values())) == 1:
+                n = next(iter(counts.values()))
+                over = f"the {n:,} high-priority {_plural('request', n)} that got a first token"
+            else:
+                each = ", ".join(f"{n:,} ({policy})" for policy, n in counts.items())
+                over = f"the high-priority requests that got a first token, {each}"
+            few = "; fewer than 100: about the slowest of them" if min(counts.values()) < 100 else ""
+            console.print(f"hi-pri TTFT p99: over {over}{few}", style="dim", highlight=False)
         if idle:
             by_reason: dict[str, list[str]] = {}
             for header, why in idle.items():

@@ -534,7 +534,7 @@ class PolicySummary:
     scale_outs: int = 0  # instances the autoscaler started
     scale_ins: int = 0  # instances the autoscaler stopped
     prefix_hit_rate: float | None = None  # Σ prompt tokens reused from prefix caches / Σ prompt tokens (admitted)
-    high_priority_requests: int = 0  # requests with priority >= HIGH_PRIORITY_MIN (what the hi-pri figures cover)
+    high_priority_ttft_count: int = 0  # high-priority requests with a first token: what the two figures above are over
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -620,7 +620,7 @@ def summarize(run: SimRun) -> PolicySummary:
         scale_outs=sum(1 for e in run.scale_events if e.action == "scale-out" and e.ok),
         scale_ins=sum(1 for e in run.scale_events if e.action == "scale-in" and e.ok),
         prefix_hit_rate=_hit_rate(t),
-        high_priority_requests=int(t.high_priority.sum()),
+        high_priority_ttft_count=int((has_ttft & t.high_priority).sum()),
     )
 
 
@@ -669,7 +669,7 @@ _MIGRATION_FIELDS = tuple(f.name for f in dataclasses.fields(MigrationRecord))
 _OPTIONAL_MIGRATION = frozenset({"skipped_prefix_blocks", "recomputed_prefix_blocks"})  # absent in older files
 _SUMMARY_FIELDS = tuple(f.name for f in dataclasses.fields(PolicySummary))
 #: Summary fields a results.json written before them lacks (read as their default).
-_OPTIONAL_SUMMARY = frozenset({"gpu_hours", "scale_outs", "scale_ins", "prefix_hit_rate", "high_priority_requests"})
+_OPTIONAL_SUMMARY = frozenset({"gpu_hours", "scale_outs", "scale_ins", "prefix_hit_rate", "high_priority_ttft_count"})
 
 
 def _to_json_value(value: object, where: str) -> Any:

@@ -78,12 +78,21 @@ def test_sim_table_shows_the_prefix_and_scaling_columns_when_they_count(
     assert main([*argv, "--priority-fraction", "0.2", "--out", str(tmp_path)]) == 0  # some requests high priority
     text = capsys.readouterr().out
     assert "hi-pri" in text and "not shown" not in text
-    # how many requests the high-priority P99 is taken over: 60 x 0.2 drawn, a few dozen at most
-    high = json.loads((tmp_path / "results.json").read_text())["runs"][0]["summary"]["high_priority_requests"]
-    assert 0 < high < 60
+    # how many requests the high-priority P99 is taken over: those of 60 x 0.2 drawn that got a first token
+    run = json.loads((tmp_path / "results.json").read_text())["runs"][0]
+    high = run["summary"]["high_priority_ttft_count"]
+    assert high == sum(r["priority"] >= 1 and r["ttft_s"] is not None for r in run["requests"]) and 0 < high < 60
     assert text.splitlines()[-1] == (
-        f"hi-pri TTFT p99: over the run's {high} high-priority requests (fewer than 100: about the slowest of them)"
+        f"hi-pri TTFT p99: over the {high} high-priority requests that got a first token; fewer than 100: about the "
+        "slowest of them"
     )
+    # a drain of the whole fleet refuses most: the figure is over fewer than were sent, and differs by policy
+    drains = [w for i in range(8) for w in ("--drain", f"node-0-i{i}@10")]
+    argv = ["sim", "--max-requests", "200", "--topology", "1x8-a100", "--priority-fraction", "0.2", *drains]
+    assert main([*argv, "--policy", "hilum,round-robin", "--json", "--out", str(tmp_path)]) == 0
+    summaries = json.loads(capsys.readouterr().out)
+    counts = [s["high_priority_ttft_count"] for s in summaries]
+    assert min(counts) > 0 and max(counts) < 40  # 200 x 0.2 were high priority, most refused
     # what no policy of the run can count: moves without a migrating policy, cross-domain ones on one domain, the
     # prefix hit rate with prefix caching off
     assert main(["sim", "--max-requests", "60", "--policy", "round-robin,least-loaded"]) == 0
