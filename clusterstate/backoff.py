@@ -95,7 +95,9 @@ class Backoff:
         first since the last reset and for one every :data:`WARN_EVERY_S` seconds after it, debug between them."""
         return self._level
 
-    def reset(self) -> None:
-        """Start again from ``initial_s``."""
+    def reset(self) -> int:
+        """Start again from ``initial_s``; the failures counted before (a loop that had any says it recovered)."""
+        failures = self.failures
         self._next_s = self._cfg.initial_s
         self._repeats.reset()
+        return failures

@@ -342,7 +342,8 @@ class Registrar:
         while not stop.is_set():
             try:
                 session = await Session.open(self._client, self._ttl_s, clock=self._clock)
-                self._backoff.reset()
+                if failures := self._backoff.reset():
+                    _log.info("%s: etcd answers again after %d failed attempts", self._name, failures)
                 return session
             except RETRYABLE_ERRORS as exc:
                 delay = self._backoff.next_s()

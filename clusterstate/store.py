@@ -486,7 +486,8 @@ class ClusterView:
         while True:
             try:
                 revision = await self._list(cause)
-                self._backoff.reset()
+                if failures := self._backoff.reset():
+                    _log.info("cluster view: etcd answers again after %d failed attempts", failures)
                 if self._on_listed is not None:
                     await self._on_listed(revision)
                 cause = await self._watch(revision + 1)

@@ -220,7 +220,8 @@ class Coordinator:
                 delay = backoff.next_s()
                 _log.log(
                     backoff.level(),
-                    "observing the leader failed (%s), attempt %d; retrying in %.2f s",
+                    "observing the leader failed (%s), attempt %d; retrying in %.2f s: check that etcd runs and that "
+                    "--etcd names its client address",
                     exc,
                     backoff.failures,
                     delay,
@@ -239,10 +240,15 @@ class Coordinator:
 
     async def _campaign_loop(self, stop: asyncio.Event) -> None:
         backoff = Backoff(self.cfg.backoff, self._rng)
+        unanswered = 0  # sessions etcd did not open since the last it did
         while not stop.is_set():
             try:
                 session = await Session.open(self._client, self.cfg.ttl_s, clock=self._clock)
+                if unanswered:  # the backoff is reset once this replica leads, as before
+                    _log.info("%s: etcd answers again after %d failed attempts", self.cfg.coordinator_id, unanswered)
+                    unanswered = 0
             except RETRYABLE_ERRORS as exc:
+                unanswered += 1
                 delay = backoff.next_s()
                 _log.log(
                     backoff.level(),

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+from etcd_server import EtcdServer
 
 from clusterstate.backoff import WARN_EVERY_S, Backoff, BackoffConfig, RepeatedFailures
 
@@ -19,7 +23,7 @@ def test_delays_grow_to_the_cap_with_jitter_and_start_again_after_a_reset() -> N
     for delay, ceiling in zip(delays, [0.1, 0.2, 0.4, 0.4, 0.4], strict=True):
         assert ceiling / 2 <= delay <= ceiling
     assert backoff.failures == 5
-    backoff.reset()
+    assert backoff.reset() == 5  # what it cleared: a loop that had failures says it recovered
     assert backoff.failures == 0 and 0.05 <= backoff.next_s() <= 0.1
 
 
@@ -49,24 +53,30 @@ def test_backoff_gives_the_level_of_the_failure_it_counted() -> None:
     assert WARN_EVERY_S == 30.0
 
 
-def test_a_coordinator_without_etcd_warns_once_per_retry_loop() -> None:
+def test_a_coordinator_without_etcd_warns_once_per_retry_loop_then_says_when_it_answers(tmp_path: Path) -> None:
     # three loops (the leader watch, the etcd session, the cluster view) each retried every 0.1-2 s: two warnings a
     # second for the whole outage; now each warns at its first failure and then every WARN_EVERY_S seconds
-    cmd = [sys.executable, "-m", "global_coord", "--listen", "127.0.0.1:0", "--etcd", "127.0.0.1:1",
+    etcd = EtcdServer(tmp_path / "etcd")  # its port is chosen; nothing listens there until start()
+    log = tmp_path / "coordinator.log"
+    cmd = [sys.executable, "-m", "global_coord", "--listen", "127.0.0.1:0", "--etcd", etcd.endpoint,
            "--topology", "1x8-a100", "--id", "c1"]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         time.sleep(6.0)  # past the backoff's 2-s cap: a few retries of each loop
+        warnings = [line for line in log.read_text().splitlines() if " WARNING " in line]
+        assert len(warnings) == 3, log.read_text()
+        for words in ("observing the leader failed", "cannot open an etcd session", "cluster view: etcd error"):
+            assert sum(words in w and "attempt 1;" in w and "check that etcd runs" in w for w in warnings) == 1
+        etcd.start()
+        deadline = time.monotonic() + 30
+        while " leads with fencing token " not in log.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.1)
+        text = log.read_text()
+        assert re.search(r" INFO c1: etcd answers again after \d+ failed attempts", text), text
+        assert re.search(r" INFO cluster view: etcd answers again after \d+ failed attempts", text), text
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
-    warnings = [line for line in out.splitlines() if " WARNING " in line]
-    assert len(warnings) == 3, out
-    assert sum("observing the leader failed" in w and "attempt 1;" in w for w in warnings) == 1
-    assert sum("cannot open an etcd session" in w and "attempt 1;" in w for w in warnings) == 1
-    assert sum("cluster view: etcd error" in w and "attempt 1;" in w for w in warnings) == 1
+        proc.wait(timeout=30)
+        etcd.stop()
