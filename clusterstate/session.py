@@ -403,7 +403,10 @@ class Registrar:
                 continue
             self.session = session
             self.registered.set()
-            _log.info("%s: %d keys registered under lease %x", self._name, len(self._entries), session.lease_id)
+            if self._entries:
+                _log.info("%s: %d keys registered under lease %x", self._name, len(self._entries), session.lease_id)
+            else:  # a claim (claim_or_wait) registers its key next
+                _log.info("%s: etcd session open under lease %x, no key registered yet", self._name, session.lease_id)
             stop_task = asyncio.ensure_future(stop.wait())
             done_task = asyncio.ensure_future(session.done.wait())
             try:

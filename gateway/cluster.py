@@ -399,7 +399,7 @@ class LiveCluster:
         return sorted(self.router.domains())
 
     def health(self) -> tuple[bool, str]:
-        return self.router.health()
+        return self.router.health(expected=[d.domain_id for d in self.topology.domains])
 
     async def start(self, request_id: str, request: GenerationRequest) -> Placement:
         return await self.replayer.start(request_id, request)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -165,12 +165,14 @@ class DomainRouter:
         self._refresh()
         return {d: a for d, a in self._addresses.items() if d in self._records}
 
-    def health(self) -> tuple[bool, str]:
+    def health(self, expected: Collection[str] = ()) -> tuple[bool, str]:
         """(True when some domain is dispatchable, what the gateway's ``/health`` says: the domains, or why none
-        is)."""
+        is). ``expected``: the domains the topology names; those not dispatchable are named too (still True)."""
         domains = self.domains()
         if domains:
-            return True, f"{len(domains)} domain(s): {', '.join(sorted(domains))}"
+            missing = sorted(set(expected) - domains.keys())
+            gone = f"; not registered: {', '.join(missing)}" if missing else ""
+            return True, f"{len(domains)} domain(s): {', '.join(sorted(domains))}{gone}"
         if self._had_domains:
             return False, (
                 "no domain scheduler is registered with a summary now (those that were have stopped, or lost etcd): "

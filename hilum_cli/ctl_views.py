@@ -333,6 +333,13 @@ def _table(*columns: str, title: str | None = None) -> Table:
     return table
 
 
+def _print_rows(console: Console, table: Table) -> None:
+    """Print ``table`` if it has rows: with none, the count line after it says so (a header alone read as a blank
+    row)."""
+    if table.row_count:
+        console.print(table)
+
+
 def render_status(console: Console, st: Json) -> None:
     """``status`` as a two-column grid."""
     grid = Table.grid(padding=(0, 2))
@@ -373,7 +380,7 @@ def render_domains(console: Console, data: Json) -> None:
             continue
         for summary in d["summaries"]:
             _domain_row(table, d, scheduler, summary)
-    console.print(table)
+    _print_rows(console, table)
     console.print(f"{counted(len(data['domains']), 'domain')} (view at revision {data['view_revision']})")
 
 
@@ -407,7 +414,7 @@ def render_instances(console: Console, data: Json) -> None:
             i["instance_id"], i["domain_id"], i["node_id"], i["address"], i["model"], str(i["capacity_blocks"]), *cells,
             drain,
         )  # fmt: skip
-    console.print(table)
+    _print_rows(console, table)
     console.print(
         f"{counted(len(data['instances']), 'instance')} (view at revision {data['view_revision']}); USED in KV blocks"
     )
@@ -436,7 +443,7 @@ def render_migrations(console: Console, data: Json) -> None:
             measured,
             m["reason"],
         )
-    console.print(table)
+    _print_rows(console, table)
     console.print(f"{counted(len(data['migrations']), 'migration')} (view at revision {data['view_revision']})")
 
 

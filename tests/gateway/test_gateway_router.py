@@ -252,6 +252,8 @@ def test_health_says_whether_no_domain_is_dispatchable_yet_or_any_more() -> None
     assert r.health() == (False, "no domain scheduler has registered and published a summary yet")  # no summary
     source.sums, source.version = {"a": record("a", 10)}, 3
     assert r.health() == (True, "1 domain(s): a")
+    # a domain of the topology without a scheduler: still serving, and named
+    assert r.health(expected=["a", "b", "c"]) == (True, "1 domain(s): a; not registered: b, c")
     source.regs, source.sums, source.version = {}, {}, 4  # its scheduler stopped: registration and summary gone
     assert r.health() == (
         False,

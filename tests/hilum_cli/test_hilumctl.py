@@ -444,6 +444,21 @@ def test_the_topology_title_counts_one_domain_in_the_singular() -> None:
     assert title.startswith("topology 1x8-a100") and title.endswith(": 1 domain, 8 instances")
 
 
+@pytest.mark.parametrize(
+    ("render", "key", "line"),
+    [
+        (ctl_views.render_domains, "domains", "0 domains (view at revision 7)"),
+        (ctl_views.render_instances, "instances", "0 instances (view at revision 7); USED in KV blocks"),
+        (ctl_views.render_migrations, "migrations", "0 migrations (view at revision 7)"),
+    ],
+)
+def test_an_empty_list_prints_its_count_alone(render: Callable[[Console, Any], None], key: str, line: str) -> None:
+    # the table's header alone read as a blank row
+    console = Console(file=io.StringIO(), width=200)
+    render(console, {key: [], "view_revision": 7})
+    assert console.file.getvalue() == line + "\n"
+
+
 def test_migrations_list_and_state_filter(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
     asyncio.run(_record_migration(cluster, _migration("list-a", "node-x-i0", "node-y-i0"), MigrationState.APPROVED))
     measured = {"transport": "grpc", "measured_bandwidth_bytes_per_s": 12.5e6, "measured_at_s": 1.7e9}
