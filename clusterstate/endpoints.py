@@ -77,6 +77,9 @@ def split_address(address: str, what: str = "", *, listen: bool = False) -> tupl
     if "," in address:
         raise ValueError(f"{lead}{address!r} is not one HOST:PORT: this option takes a single address")
     lowest = 0 if listen else 1
+    if "://" in address:  # "http://10.0.0.5:8000": read as an unbracketed IPv6 address below
+        bare = address.split("://", 1)[1].rstrip("/")
+        raise ValueError(f"{lead}{address!r} is a URL: give HOST:PORT ({bare})")
     host, sep, port = address.rpartition(":")
     if sep and not host and port.isdigit():  # ":7100"
         every = f" (0.0.0.0:{port} for every interface)" if listen else ""

@@ -36,6 +36,7 @@ __all__ = [
     "compare_exists",
     "compare_mod_revision",
     "connect",
+    "error_line",
     "kv_of",
     "lease_of",
     "prefix_range_end",
@@ -48,6 +49,16 @@ _log = logging.getLogger(__name__)
 
 # Errors a retry loop treats as "etcd is (temporarily) unreachable or slow".
 RETRYABLE_ERRORS: tuple[type[BaseException], ...] = (EtcdError, grpc.aio.AioRpcError, TimeoutError, OSError)
+
+
+def error_line(exc: BaseException) -> str:
+    """An etcd client's error in one line, for a log: its type and, for a gRPC error, its status and details (its
+    repr spans lines)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{type(exc).__name__}: {exc.code().name}: {exc.details()}"
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
 
 # gRPC's default reconnect backoff grows to 120 s: after an etcd outage longer than a few seconds the
 # channel would stay in TRANSIENT_FAILURE long after etcd is back, and every lease would expire. Keep

@@ -22,11 +22,20 @@ import time
 from collections.abc import Callable
 
 from clusterstate.backoff import Backoff, BackoffConfig, RepeatedFailures
-from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, compare_mod_revision, kv_of, lease_of, renew_lease
+from clusterstate.etcd import (
+    RETRYABLE_ERRORS,
+    Etcd3Client,
+    compare_mod_revision,
+    error_line,
+    kv_of,
+    lease_of,
+    renew_lease,
+)
 
 __all__ = ["KeyTakenError", "Registrar", "Session", "SessionLost"]
 
 _log = logging.getLogger(__name__)
+
 
 _RENEW_ERRORS: tuple[type[BaseException], ...] = (*RETRYABLE_ERRORS, EOFError)
 
@@ -69,6 +78,7 @@ class Session:
         self._expires_at = expires_at
         self._clock = clock
         self._retry_s = retry_s
+        self._renewals_failed = RepeatedFailures()  # a warning at the first failed renewal of a run, then every 30 s
         self.done = asyncio.Event()
         self.lost_reason = ""
         self.renewals = 0  # confirmed renewals so far
@@ -147,10 +157,13 @@ class Session:
                 except asyncio.CancelledError:
                     raise
                 except _RENEW_ERRORS as exc:
-                    _log.warning(
-                        "lease %x: renewal failed (%s); retrying in %.2f s, %.2f s before expiry",
+                    _log.log(
+                        self._renewals_failed.failed(),
+                        "lease %x: renewal failed (%s), attempt %d; retrying in %.2f s, %.2f s before expiry: check "
+                        "that etcd runs",
                         self.lease_id,
-                        type(exc).__name__,
+                        error_line(exc),
+                        self._renewals_failed.failures,
                         self._retry_s,
                         remaining,
                     )
@@ -161,6 +174,7 @@ class Session:
                     return
                 self._expires_at = sent + ttl
                 self.renewals += 1
+                self._renewals_failed.reset()
                 break
 
     async def close(self, *, revoke: bool = True) -> None:

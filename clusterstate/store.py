@@ -36,6 +36,7 @@ from clusterstate.etcd import (
     Etcd3Client,
     compare_exists,
     compare_mod_revision,
+    error_line,
     kv_of,
     prefix_range_end,
     watch,
@@ -498,10 +499,9 @@ class ClusterView:
                 delay = self._backoff.next_s()
                 _log.log(
                     self._backoff.level(),
-                    "cluster view: etcd error (%s: %s), attempt %d; re-listing in %.2f s: check that etcd runs and "
+                    "cluster view: etcd error (%s), attempt %d; re-listing in %.2f s: check that etcd runs and "
                     "that --etcd names its client address",
-                    type(exc).__name__,
-                    exc,
+                    error_line(exc),
                     self._backoff.failures,
                     delay,
                 )

@@ -239,17 +239,18 @@ def _sink_listen(ns: argparse.Namespace) -> str:
     return ns.sink_listen or f"{split_address(ns.listen, '--listen', listen=True)[0]}:0"  # checked by its option
 
 
-def _take_one_port(a: str, b: str) -> bool:
+def _take_one_port(a: str, b: str, dual_a: bool, dual_b: bool) -> bool:
     """Whether two listen addresses (``host:port``) take one port: the same port (not 0) on the same address, or on
-    a wildcard and an address it covers (``0.0.0.0`` every IPv4 one; ``::`` every one, bound dual-stack as Linux
-    does). Host names are resolved; one that does not resolve takes nothing here (binding it says why)."""
+    a wildcard and an address it covers (``0.0.0.0`` every IPv4 one; ``::`` every IPv6 one, and every IPv4 one too
+    when bound dual-stack, ``dual_a``/``dual_b``: gRPC's servers are, asyncio's IPv6-only). Host names are resolved;
+    one that does not resolve takes nothing here (binding it says why)."""
     (host_a, port_a), (host_b, port_b) = (
         split_address(a, "--listen", listen=True),
         split_address(b, "--listen", listen=True),
     )
     if port_a == 0 or port_a != port_b:
         return False
-    return any(_covers(x, y) or _covers(y, x) for x in _addresses(host_a) for y in _addresses(host_b))
+    return any(_covers(x, y, dual_a) or _covers(y, x, dual_b) for x in _addresses(host_a) for y in _addresses(host_b))
 
 
 def _addresses(host: str) -> set[str]:
@@ -263,9 +264,11 @@ def _addresses(host: str) -> set[str]:
         return set()
 
 
-def _covers(a: str, b: str) -> bool:
-    """Whether binding address ``a`` takes the port of address ``b`` too."""
-    return a == b or a == "::" or (a == "0.0.0.0" and ":" not in b)
+def _covers(a: str, b: str, dual_stack: bool) -> bool:
+    """Whether binding address ``a`` (``dual_stack``: an IPv6 socket that takes IPv4 too) takes the port of address
+    ``b`` too."""
+    ipv4 = ":" not in b
+    return a == b or (a == "::" and (dual_stack or not ipv4)) or (a == "0.0.0.0" and ipv4)
 
 
 def _check_sink(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
@@ -275,11 +278,12 @@ def _check_sink(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None
     ``--sink-advertise`` (llumlets push every token to the address the sink names, and ``0.0.0.0`` reaches this
     gateway only from its own host)."""
     listen_host = split_address(ns.listen, "--listen", listen=True)[0]
-    given = [(name, value) for name, value in (("--listen", ns.listen), ("--sink-listen", ns.sink_listen),
-                                              ("--also-listen", ns.also_listen)) if value]  # fmt: skip
-    for k, (name_a, a) in enumerate(given):  # one port for two servers: the second to bind found it taken
-        for name_b, b in given[k + 1 :]:
-            if _take_one_port(a, b):
+    # (option, address, bound dual-stack): the HTTP sites are asyncio's (IPv6-only), the sink gRPC's (dual-stack)
+    given = [(name, value, dual) for name, value, dual in (("--listen", ns.listen, False),
+             ("--sink-listen", ns.sink_listen, True), ("--also-listen", ns.also_listen, False)) if value]  # fmt: skip
+    for k, (name_a, a, dual_a) in enumerate(given):  # one port for two servers: the second to bind found it taken
+        for name_b, b, dual_b in given[k + 1 :]:
+            if _take_one_port(a, b, dual_a, dual_b):
                 parser.error(f"{name_a} {a} and {name_b} {b} take one port: each server needs its own")
     if ns.sink_advertise and not ns.sink_listen:  # the default --sink-listen, named as such
         advertised_host, advertised_port = split_address(ns.sink_advertise, "--sink-advertise")

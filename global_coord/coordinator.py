@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from clusterstate.backoff import Backoff, BackoffConfig
 from clusterstate.election import Election, Leader
-from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client
+from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, error_line
 from clusterstate.fencing import Fence, FencedOut
 from clusterstate.records import (
     ACTIVE_STATES,
@@ -215,14 +215,15 @@ class Coordinator:
             try:
                 async for leader in self.election.observe():
                     self.observed_leader = leader
-                    backoff.reset()
+                    if failures := backoff.reset():
+                        _log.info("observing the leader again after %d failed attempts", failures)
             except RETRYABLE_ERRORS as exc:
                 delay = backoff.next_s()
                 _log.log(
                     backoff.level(),
                     "observing the leader failed (%s), attempt %d; retrying in %.2f s: check that etcd runs and that "
                     "--etcd names its client address",
-                    exc,
+                    error_line(exc),
                     backoff.failures,
                     delay,
                 )

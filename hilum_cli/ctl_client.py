@@ -195,7 +195,10 @@ class AdminClient:
                 "paused or overloaded; try another replica or raise --rpc-timeout"
             )
         if code == grpc.StatusCode.UNIMPLEMENTED:
-            return CtlError(f"the coordinator at {address} does not implement {method}: it is older than hilumctl")
+            return CtlError(
+                f"{address} does not implement {method}: a coordinator older than hilumctl, or no coordinator (check "
+                "that --coordinator names a coordinator's address)"
+            )
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return CtlError(f"the coordinator at {address} rejected {method}: {details}")
         return CtlError(f"{method} at {address} failed: {code.name}: {details}")

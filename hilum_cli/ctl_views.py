@@ -415,9 +415,8 @@ def render_instances(console: Console, data: Json) -> None:
             drain,
         )  # fmt: skip
     _print_rows(console, table)
-    console.print(
-        f"{counted(len(data['instances']), 'instance')} (view at revision {data['view_revision']}); USED in KV blocks"
-    )
+    unit = "; USED in KV blocks" if data["instances"] else ""
+    console.print(f"{counted(len(data['instances']), 'instance')} (view at revision {data['view_revision']}){unit}")
 
 
 def render_migrations(console: Console, data: Json) -> None:

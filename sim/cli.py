@@ -531,7 +531,7 @@ def _idle_columns(
     elif not any(r.prefix_block_hashes for r in trace.requests):
         idle["prefix\nhit %"] = "the trace has no prefix hashes"
     if all(s.high_priority_ttft_p99_s is None for s in summaries):
-        idle["hi-pri\nTTFT p99"] = "no high-priority request"
+        idle["hi-pri\nTTFT p99"] = "no high-priority request got a first token"
     if not any(policy_migrates(r.policy) for r in runs):
         idle.update(dict.fromkeys(MOVE_COLUMNS, "no policy of the run migrates"))
     elif num_domains == 1:

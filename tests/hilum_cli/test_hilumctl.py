@@ -448,7 +448,7 @@ def test_the_topology_title_counts_one_domain_in_the_singular() -> None:
     ("render", "key", "line"),
     [
         (ctl_views.render_domains, "domains", "0 domains (view at revision 7)"),
-        (ctl_views.render_instances, "instances", "0 instances (view at revision 7); USED in KV blocks"),
+        (ctl_views.render_instances, "instances", "0 instances (view at revision 7)"),
         (ctl_views.render_migrations, "migrations", "0 migrations (view at revision 7)"),
     ],
 )

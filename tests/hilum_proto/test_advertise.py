@@ -181,7 +181,9 @@ def test_a_gateway_advertising_a_sink_port_it_does_not_listen_on_is_refused(caps
         ("127.0.0.1:8000", ["--sink-listen", "127.0.0.1:8000"], True),
         ("127.0.0.1:8000", ["--sink-listen", "localhost:8000"], True),  # the name resolves to the same address
         ("0.0.0.0:8000", ["--sink-listen", "127.0.0.1:8000"], True),  # a wildcard takes the port on every address
-        ("127.0.0.1:8000", ["--sink-listen", "[::]:8000"], True),  # dual-stack: IPv4 addresses too
+        ("127.0.0.1:8000", ["--sink-listen", "[::]:8000"], True),  # the sink's gRPC binds :: dual-stack: IPv4 too
+        ("[::]:8000", ["--also-listen", "0.0.0.0:8000"], False),  # asyncio binds :: IPv6-only
+        ("[::]:8000", ["--also-listen", "[::1]:8000"], True),
         ("127.0.0.1:8000", ["--also-listen", "0.0.0.0:8000"], True),
         ("0.0.0.0:8000", ["--sink-listen", "[::1]:8000"], False),  # an IPv4 wildcard leaves IPv6 addresses
         ("127.0.0.1:8000", ["--sink-listen", "127.0.0.2:8000"], False),  # two addresses of the host
@@ -199,6 +201,8 @@ def test_two_servers_of_a_gateway_on_one_port_are_refused(
     advertise = ["--sink-advertise", "gw:7300"] if "--sink-listen" in other and not other[1].endswith(":0") else []
     if advertise:
         advertise[1] = f"gw:{other[1].rsplit(':', 1)[1]}"
+    if other[0] == "--also-listen":  # the sink on its own (a wildcard --listen alone is refused for the sink)
+        advertise = ["--sink-listen", "127.0.0.1:0"]
     ns = parser.parse_args(["--listen", listen, "--etcd", "127.0.0.1:1", "--topology", "1x8-a100", *other, *advertise])
     if not refused:
         _check_sink(parser, ns)

@@ -62,7 +62,7 @@ def test_sim_table_names_every_policy(capsys: pytest.CaptureFixture[str]) -> Non
     assert text.splitlines()[-2:] == [
         "TTFT p99 / base: each policy's P99 TTFT over least-loaded's",
         "not shown, nothing to count: prefix hit % (the trace has no prefix hashes), hi-pri TTFT p99 (no "
-        "high-priority request), scale out/in (no --autoscale)",
+        "high-priority request got a first token), scale out/in (no --autoscale)",
     ]
 
 
@@ -74,7 +74,7 @@ def test_sim_table_shows_the_prefix_and_scaling_columns_when_they_count(
     lines = capsys.readouterr().out.splitlines()
     assert any("hit %" in line for line in lines) and any("out/in" in line for line in lines)
     assert "hi-pri" not in "\n".join(lines[:-1])  # the trace has no priorities
-    assert lines[-1] == "not shown, nothing to count: hi-pri TTFT p99 (no high-priority request)"
+    assert lines[-1] == "not shown, nothing to count: hi-pri TTFT p99 (no high-priority request got a first token)"
     assert main([*argv, "--priority-fraction", "0.2", "--out", str(tmp_path)]) == 0  # some requests high priority
     text = capsys.readouterr().out
     assert "hi-pri" in text and "not shown" not in text
@@ -106,7 +106,7 @@ def test_sim_table_shows_the_prefix_and_scaling_columns_when_they_count(
     assert main([*argv, "--no-prefix-caching"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (
         "not shown, nothing to count: prefix hit % (--no-prefix-caching), hi-pri TTFT p99 (no high-priority "
-        "request), mig cross, cross GB (one domain), scale out/in (no --autoscale)"
+        "request got a first token), mig cross, cross GB (one domain), scale out/in (no --autoscale)"
     )
 
 
