@@ -112,6 +112,8 @@ def test_split_address(address: str, listen: bool, parsed: tuple[str, int]) -> N
         (":7100", False, "--x: ':7100': the host is missing"),
         ("::1:0", True, "--x: '::1:0': an IPv6 address goes in brackets ([::1]:0)"),  # gRPC bound [::0.1.0.0]:443
         ("[::1:0", True, "--x: '[::1:0': an IPv6 address goes in brackets ([::1]:0)"),
+        # a URL was read as an IPv6 address without brackets
+        ("http://10.0.0.5:8000/", False, "--x: 'http://10.0.0.5:8000/' is a URL: give HOST:PORT (10.0.0.5:8000)"),
         ("no such host:0", True, "--x: 'no such host:0' is not HOST:PORT (port 0-65535)"),
         ("127.0.0.1", True, "--x: '127.0.0.1' is not HOST:PORT (port 0-65535)"),
         ("h:-1", True, "--x: 'h:-1' is not HOST:PORT (port 0-65535)"),
