@@ -52,10 +52,10 @@ RETRYABLE_ERRORS: tuple[type[BaseException], ...] = (EtcdError, grpc.aio.AioRpcE
 
 
 def error_line(exc: BaseException) -> str:
-    """An etcd client's error in one line, for a log: its type and, for a gRPC error, its status and details (its
-    repr spans lines)."""
+    """An etcd client's error in one line, for a log or an error message: a gRPC error's status and details (its
+    repr spans lines), else its type and message."""
     if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{type(exc).__name__}: {exc.code().name}: {exc.details()}"
+        return f"{exc.code().name}: {exc.details()}"
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

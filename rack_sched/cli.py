@@ -34,7 +34,7 @@ from clusterstate.endpoints import (
     parse_endpoints,
     require_reachable,
 )
-from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, EtcdError, connect, kv_of
+from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, EtcdError, connect, error_line, kv_of
 from clusterstate.options import (
     DEFAULT_PREFIX,
     LOG_LEVEL_HELP,
@@ -197,7 +197,7 @@ async def _refuse_a_second_scheduler(
                 "and that --etcd names its client address",
                 domain_id,
                 etcd,
-                _reason(exc),
+                error_line(exc),
                 backoff.failures,
                 delay,
             )
@@ -229,13 +229,6 @@ async def _refuse_a_second_scheduler(
             )
         await _sleep_unless(stop, 0.5)
     return False
-
-
-def _reason(exc: BaseException) -> str:
-    """One line saying why an etcd call failed (a gRPC error's code and details, not its multi-line repr)."""
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return f"{type(exc).__name__}: {exc}"
 
 
 async def _sleep_unless(stop: asyncio.Event, delay_s: float) -> None:
@@ -286,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rack_sched: error: {exc}", file=sys.stderr)
         return 1
     except (EtcdError, grpc.aio.AioRpcError, TimeoutError) as exc:  # etcd went away while the domain was claimed
-        why = f"etcd at {ns.etcd} stopped answering while the domain was claimed ({_reason(exc)})"
+        why = f"etcd at {ns.etcd} stopped answering while the domain was claimed ({error_line(exc)})"
         print(f"rack_sched: error: {why}", file=sys.stderr)
         return 1
     except (TopologyError, KeyError, ValueError, RuntimeError, OSError) as exc:
