@@ -185,18 +185,22 @@ class GatewayCore:
     def _expire(self, model: str, view: DomainDispatchView, horizon_s: float) -> None:
         """Before a pick: every domain of ``model`` counts only the reservations stamped after ``horizon_s``
         (``reservation_ttl_s``) and after its summary was taken, as if each were rebuilt from its summary with
-        ``as_of = max(taken_s, horizon_s)``. Only the domains holding a reservation that rule drops are rebuilt
-        (the others would not change): those whose oldest stamps fell behind the horizon (popped from the heap of
-        stamps) and those picked at or before their summary was taken (a summary replaced since dropped them
-        already). O(reservations expired), not O(domains), per pick."""
+        ``as_of = max(taken_s, horizon_s)``. Only the domains that may hold a reservation that rule drops are looked
+        at (the others would not change): those whose oldest stamps fell behind the horizon (popped from the heap of
+        stamps) and those picked at or before their summary was taken; and of those only the ones that still hold
+        one are rebuilt (most often a newer summary dropped it already). O(reservations expired), not O(domains),
+        per pick."""
         due = self._early.pop(model, set())
         stamps = self._stamps.get(model, [])
         while stamps and stamps[0][0] <= horizon_s:
             due.add(heapq.heappop(stamps)[1])
         for domain_id in sorted(due):
             summary = self._summaries.get((domain_id, model))
-            if summary is not None:  # else dropped since, with its reservations
-                view.update(summary, as_of=max(summary.taken_s, horizon_s))
+            if summary is None:  # dropped since, with its reservations
+                continue
+            as_of = max(summary.taken_s, horizon_s)
+            if view.drops_reservations(domain_id, as_of):
+                view.update(summary, as_of=as_of)
 
 
 class PlacementAttempt:

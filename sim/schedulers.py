@@ -505,8 +505,9 @@ class HilumTwoTier(ClusterScheduler):
     def _publish(self) -> None:
         """Every domain publishes its summaries, delivered ``summary_lag_s`` later in one event, domain by domain
         in the order they were published. A domain whose summaries are its last ones but for when they were taken
-        (``policy.summarize.same_content``) publishes those again, stamps included, as the live
-        ``SummaryPublisher`` writes nothing then and its readers keep the earlier ones.
+        (``policy.summarize.same_content``) publishes nothing, as the live ``SummaryPublisher`` writes nothing
+        then: its readers keep the earlier ones, stamps included (delivered by an earlier event, or by one due
+        before this one's).
 
         One event for all domains delivers as one per domain did: those events shared their time, kind and
         scheduled time, and nothing else of that key can fall between them (every event of kind SUMMARY
@@ -521,9 +522,8 @@ class HilumTwoTier(ClusterScheduler):
             summaries = feed.core.summaries(taken_s=now)
             before = last.get(domain_id)
             if before is not None and same_content(before, summaries):
-                summaries = before  # not written again (SummaryPublisher): readers keep it, stamp included
-            else:
-                last[domain_id] = summaries
+                continue  # not written again (SummaryPublisher): readers keep the last one, stamp included
+            last[domain_id] = summaries
             published.append((domain_id, summaries))
 
         def deliver() -> None:
