@@ -36,6 +36,7 @@ from __future__ import annotations
 import enum
 import heapq
 import random
+from collections import deque
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -70,8 +71,7 @@ class GatewayCore:
         # domain -> the models it has a summary of (the keys of _summaries by domain: an update is O(its models))
         self._models_of: dict[str, dict[str, None]] = {}
         self._serving: dict[str, int] = {}  # model -> domains with a summary of it (read at every pick)
-        # model -> (stamp, domain) of every reservation its picks made, oldest first (a heap; see _expire)
-        self._stamps: dict[str, list[tuple[float, str]]] = {}
+        self._stamps: dict[str, _Stamps] = {}  # model -> the stamps of every reservation its picks made (_expire)
         self._early: dict[str, set[str]] = {}  # model -> domains picked at or before their summary was taken
 
     def models(self) -> list[str]:
@@ -177,7 +177,10 @@ class GatewayCore:
         )
         chosen = decision.target_id
         if chosen is not None:
-            heapq.heappush(self._stamps.setdefault(resolved, []), (now_s, chosen))
+            stamps = self._stamps.get(resolved)
+            if stamps is None:
+                stamps = self._stamps[resolved] = _Stamps()
+            stamps.push(now_s, chosen)
             if now_s <= self._summaries[(chosen, resolved)].taken_s:  # its summary's clock is ahead of ours
                 self._early.setdefault(resolved, set()).add(chosen)
         return decision
@@ -191,9 +194,9 @@ class GatewayCore:
         one are rebuilt (most often a newer summary dropped it already). O(reservations expired), not O(domains),
         per pick."""
         due = self._early.pop(model, set())
-        stamps = self._stamps.get(model, [])
-        while stamps and stamps[0][0] <= horizon_s:
-            due.add(heapq.heappop(stamps)[1])
+        stamps = self._stamps.get(model)
+        if stamps is not None:
+            stamps.pop_through(horizon_s, due)
         for domain_id in sorted(due):
             summary = self._summaries.get((domain_id, model))
             if summary is None:  # dropped since, with its reservations
@@ -201,6 +204,43 @@ class GatewayCore:
             as_of = max(summary.taken_s, horizon_s)
             if view.drops_reservations(domain_id, as_of):
                 view.update(summary, as_of=as_of)
+
+
+class _Stamps:
+    """(stamp, domain) of every reservation of a model's picks not expired yet, to pop the oldest: kept in the order
+    they were pushed while their stamps never decrease (a simulated clock; a wall clock that does not step back),
+    each push and pop O(1), else in a heap (O(log reservations) each) until it empties. Either way a pop takes every
+    stamp at or before a horizon."""
+
+    __slots__ = ("_heap", "_queue")
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[float, str]] = deque()  # in push order, stamps not decreasing
+        self._heap: list[tuple[float, str]] | None = None  # once a stamp came before the last one pushed
+
+    def push(self, stamp_s: float, domain_id: str) -> None:
+        """A reservation on ``domain_id`` stamped ``stamp_s``."""
+        heap, queue = self._heap, self._queue
+        if heap is None and queue and stamp_s < queue[-1][0]:
+            heap = self._heap = list(queue)  # sorted: a heap already
+            queue.clear()
+        if heap is None:
+            queue.append((stamp_s, domain_id))
+        else:
+            heapq.heappush(heap, (stamp_s, domain_id))
+
+    def pop_through(self, horizon_s: float, into: set[str]) -> None:
+        """Remove every reservation stamped at or before ``horizon_s``; add their domains to ``into``."""
+        heap = self._heap
+        if heap is None:
+            queue = self._queue
+            while queue and queue[0][0] <= horizon_s:
+                into.add(queue.popleft()[1])
+            return
+        while heap and heap[0][0] <= horizon_s:
+            into.add(heapq.heappop(heap)[1])
+        if not heap:
+            self._heap = None
 
 
 class PlacementAttempt:

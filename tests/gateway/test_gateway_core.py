@@ -110,10 +110,14 @@ class _RebuildingEveryDomain(GatewayCore):
                 view.update(s, as_of=max(s.taken_s, horizon_s))
 
 
-def test_expiring_only_the_domains_holding_reservations_picks_as_rebuilding_every_domain() -> None:
+@pytest.mark.parametrize("clock_steps_back", [False, True])
+def test_expiring_only_the_domains_holding_reservations_picks_as_rebuilding_every_domain(
+    clock_steps_back: bool,
+) -> None:
     """A long seeded mix of summaries (some taken exactly at a pick's instant, some on a clock ahead of the
     gateway's), picks with exclusions, removals and picks past the TTL: both cores make every pick alike and see
-    every domain alike after it."""
+    every domain alike after it. ``clock_steps_back``: the gateway's clock now and then steps back (a wall clock
+    set back), so that the stamps are pushed out of order too."""
     cfg = PolicyConfig(domain_choices=2)
     cores = [GatewayCore(cfg, random.Random(7), reservation_ttl_s=0.3), _RebuildingEveryDomain(cfg, random.Random(7),
              reservation_ttl_s=0.3)]  # fmt: skip
@@ -122,6 +126,8 @@ def test_expiring_only_the_domains_holding_reservations_picks_as_rebuilding_ever
     now, picks, held_after = 0.0, [], 0
     for _ in range(3000):
         now += events.choice((0.0, 0.01, 0.05, 0.4))
+        if clock_steps_back and events.random() < 0.03:
+            now -= events.choice((0.02, 0.5))
         roll = events.random()
         if roll < 0.3:
             d = events.choice(domains)
