@@ -67,9 +67,9 @@ class GatewayCore:
         self.reservation_ttl_s = reservation_ttl_s
         self._choices = cfg.domain_choices
         self._views: dict[str, DomainDispatchView] = {}  # model -> view over the domains serving it
-        self._summaries: dict[tuple[str, str], DomainSummary] = {}  # (domain, model) -> latest summary
-        # domain -> the models it has a summary of (the keys of _summaries by domain: an update is O(its models))
-        self._models_of: dict[str, dict[str, None]] = {}
+        # domain -> model -> its latest summary (a dict per domain, no (domain, model) tuple made and hashed at every
+        # look-up: an update is O(the domain's models))
+        self._summaries: dict[str, dict[str, DomainSummary]] = {}
         self._serving: dict[str, int] = {}  # model -> domains with a summary of it (read at every pick)
         self._stamps: dict[str, _Stamps] = {}  # model -> the stamps of every reservation its picks made (_expire)
         self._early: dict[str, set[str]] = {}  # model -> domains picked at or before their summary was taken
@@ -80,11 +80,12 @@ class GatewayCore:
 
     def domains(self, model: str | None = None) -> list[str]:
         """Domains with a summary (for ``model``, or any), sorted."""
-        return sorted({d for d, m in self._summaries if model is None or m == model})
+        return sorted(d for d, held in self._summaries.items() if model is None or model in held)
 
     def summary(self, domain_id: str, model: str) -> DomainSummary | None:
         """The latest summary of ``domain_id`` for ``model``."""
-        return self._summaries.get((domain_id, model))
+        held = self._summaries.get(domain_id)
+        return held.get(model) if held is not None else None
 
     def update(self, domain_id: str, summaries: Iterable[DomainSummary]) -> None:
         """A domain published ``summaries`` (one per model it serves); models it no longer serves are dropped.
@@ -95,31 +96,34 @@ class GatewayCore:
         for s in fresh.values():
             if s.domain_id != domain_id:
                 raise ValueError(f"update({domain_id!r}): a summary names domain {s.domain_id!r}")
-        for model in [m for m in self._models_of.get(domain_id, ()) if m not in fresh]:
-            self._drop(domain_id, model)
+        held = self._summaries.get(domain_id)
+        if held is not None:
+            for model in [m for m in held if m not in fresh]:
+                self._drop(domain_id, model)
         for model, s in fresh.items():
-            last = self._summaries.get((domain_id, model))
+            held = self._summaries.get(domain_id)  # (none left once every model it had was dropped)
+            last = held.get(model) if held is not None else None
             # nothing new: keep the reservations (a summary taken at another time differs by its stamp at least;
             # compared by stamp first, it is not compared field by field)
             if last is s or (last is not None and last.taken_s == s.taken_s and last == s):
                 continue
-            if (domain_id, model) not in self._summaries:
+            if held is None:
+                held = self._summaries[domain_id] = {}
+            if last is None:
                 self._serving[model] = self._serving.get(model, 0) + 1
-                self._models_of.setdefault(domain_id, {})[model] = None
-            self._summaries[(domain_id, model)] = s
+            held[model] = s
             self._view(model).update(s, as_of=s.taken_s)
 
     def remove(self, domain_id: str) -> None:
         """A domain deregistered (idempotent)."""
-        for model in list(self._models_of.get(domain_id, ())):
+        for model in list(self._summaries.get(domain_id, ())):
             self._drop(domain_id, model)
 
     def _drop(self, domain_id: str, model: str) -> None:
-        del self._summaries[(domain_id, model)]
-        models = self._models_of[domain_id]
-        del models[model]
-        if not models:
-            del self._models_of[domain_id]
+        held = self._summaries[domain_id]
+        del held[model]
+        if not held:
+            del self._summaries[domain_id]
         self._serving[model] -= 1
         if not self._serving[model]:
             del self._serving[model]
@@ -181,7 +185,7 @@ class GatewayCore:
             if stamps is None:
                 stamps = self._stamps[resolved] = _Stamps()
             stamps.push(now_s, chosen)
-            if now_s <= self._summaries[(chosen, resolved)].taken_s:  # its summary's clock is ahead of ours
+            if now_s <= self._summaries[chosen][resolved].taken_s:  # its summary's clock is ahead of ours
                 self._early.setdefault(resolved, set()).add(chosen)
         return decision
 
@@ -198,7 +202,8 @@ class GatewayCore:
         if stamps is not None:
             stamps.pop_through(horizon_s, due)
         for domain_id in sorted(due):
-            summary = self._summaries.get((domain_id, model))
+            held = self._summaries.get(domain_id)
+            summary = held.get(model) if held is not None else None
             if summary is None:  # dropped since, with its reservations
                 continue
             as_of = max(summary.taken_s, horizon_s)

@@ -431,7 +431,8 @@ def _sample_positions(rng: random.Random, n: int, k: int) -> list[int]:
 
 
 def _below(rng: random.Random, n: int) -> int:
-    """A draw in [0, n) (n > 0) as ``Random._randbelow`` makes it with ``getrandbits``."""
+    """A draw in [0, n) (n > 0) as ``Random._randbelow`` makes it with ``getrandbits``: ``seq[_below(rng, len(seq))]``
+    is ``rng.choice(seq)``."""
     bits = n.bit_length()
     r = rng.getrandbits(bits)
     while r >= n:
@@ -602,11 +603,12 @@ class _View:
         return pool
 
     def _freest(self, scored: list[tuple[float, str, _Target]]) -> tuple[_Target, int]:
-        """The highest-scored of (freeness, id, target); near-ties (within tie_tolerance of the best) drawn."""
+        """The highest-scored of (freeness, id, target); near-ties (within tie_tolerance of the best) drawn as
+        ``rng.choice`` draws (:func:`_below`, compiled)."""
         best = max(f for f, _, _ in scored)
         floor = best - self._cfg.tie_tolerance * abs(best)
         near = sorted((tid, t) for f, tid, t in scored if f >= floor)
-        return self._rng.choice(near)[1], len(near)
+        return near[_below(self._rng, len(near))][1], len(near)
 
     def _choose(self, pool: Sequence[_Target]) -> tuple[_Target, int]:
         """The freest of `pool` (of `choices` targets drawn from it, when set); near-ties (within

@@ -9,7 +9,7 @@ import pytest
 from policy_factories import CFG, inst
 
 from policy import DispatchDecision, DispatchView, DomainDispatchView, DomainSummary, PolicyConfig, summarize_domain
-from policy.dispatch import _sample_positions
+from policy.dispatch import _below, _sample_positions
 
 
 def view(*loads, cfg: PolicyConfig = CFG, seed: int = 0) -> DispatchView:  # type: ignore[no-untyped-def]
@@ -269,13 +269,18 @@ def test_a_sampling_view_finds_its_pools_by_index_as_by_going_over_every_domain(
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 21, 22, 37, 38, 60, 512, 4096])
-def test_a_sampling_view_draws_as_random_sample(n: int) -> None:
+def test_a_view_draws_as_random_sample_and_random_choice(n: int) -> None:
     """A sampling view draws its ``choices`` domains with ``_sample_positions``, a compiled copy of CPython's
     ``Random.sample`` (a pool of positions up to its small-set size, else redraws until a new one): the same
     positions in the same order, and the generator left in the same state, for every size around the two methods'
-    boundary (21 for up to 5 draws, 21 + 4**ceil(log4(3k)) beyond) and both sides of it."""
+    boundary (21 for up to 5 draws, 21 + 4**ceil(log4(3k)) beyond) and both sides of it. Near-ties are drawn with
+    ``_below`` as ``Random.choice`` draws."""
     for k in sorted({1, 2, 3, 5, 6, 7, 12, n} & set(range(1, n + 1))):
         for seed in range(40):
             reference, ours = random.Random(seed), random.Random(seed)
             assert _sample_positions(ours, n, k) == reference.sample(range(n), k), (n, k, seed)
             assert ours.getstate() == reference.getstate(), (n, k, seed)
+    for seed in range(40):  # a near-tie's draw, as Random.choice
+        reference, ours = random.Random(seed), random.Random(seed)
+        assert [_below(ours, n) for _ in range(5)] == [reference.choice(range(n)) for _ in range(5)], (n, seed)
+        assert ours.getstate() == reference.getstate(), (n, seed)
