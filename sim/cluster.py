@@ -141,7 +141,9 @@ class _Run:
         self.recorded = 0  # steps whose tokens are in the request accounts
         self.seq = seq  # the event queue's seq when the run started, unique to it (orders ties, see _started_steps)
         # steps that had ended before the last time _started_steps looked (bisect_left of end_times_s at that
-        # time): the clock only moves on, so the next look searches from here, in the part of the list in cache
+        # time): the clock only moves on, so the next look searches from here, in the part of the list in cache.
+        # Never beyond the run's last step: a cut (Cluster._cut) brings the run to now first, so that the step in
+        # flight, the one this names, becomes its last
         self.ended = 0
         # end_times_s[ended] or a time before it (closed_search's bound) when ended < steps - 1, else inf: until then
         # no other step starts, and a look reads this field alone (on a large cluster the list is mostly out of the
@@ -792,11 +794,11 @@ class Cluster:
         Step j + 1 starts when step j ends, at ``end_times_s[j]``; an event at the same instant runs
         after it when of a later kind, or, being another step end, when scheduled later.
         """
+        now = self.queue.now_s
+        if now < flight.next_end_s:  # no step ended since the last look (a cut run: that is its last step then)
+            return flight.ended + 1  # (the run's steps not read: on a large cluster, one cache miss less a look)
         last = flight.run.steps - 1
         n = min(flight.ended, last)
-        now = self.queue.now_s
-        if now < flight.next_end_s:  # no step ended since the last look (a cut run: n is its last step then)
-            return n + 1
         closed, bound_s = flight.closed_search(now, n, last)  # now clear of the end times: none is read
         if closed >= 0:
             flight.ended, flight.next_end_s = closed, bound_s
