@@ -264,8 +264,8 @@ class _Target:
 
 class _InIdOrder(Sequence[_Target]):
     """The targets of a view in id order, less those at ``gaps`` (sorted positions in ``ids``): the pool a pick
-    draws from, as a sequence ``random.sample`` indexes (it reads ``len`` and ``k`` items, or copies a pool of
-    at most 21) without the pool being listed. Item ``j``: O(len(gaps))."""
+    draws from, as a sequence a pick reads ``len`` and the ``k`` items it draws of (:func:`_sample_positions`)
+    without the pool being listed. Item ``j``: O(len(gaps))."""
 
     __slots__ = ("_gaps", "_ids", "_targets")
 
