@@ -193,10 +193,10 @@ class GatewayCore:
         """Before a pick: every domain of ``model`` counts only the reservations stamped after ``horizon_s``
         (``reservation_ttl_s``) and after its summary was taken, as if each were rebuilt from its summary with
         ``as_of = max(taken_s, horizon_s)``. Only the domains that may hold a reservation that rule drops are looked
-        at (the others would not change): those whose oldest stamps fell behind the horizon (popped from the heap of
-        stamps) and those picked at or before their summary was taken; and of those only the ones that still hold
-        one are rebuilt (most often a newer summary dropped it already). O(reservations expired), not O(domains),
-        per pick."""
+        at (the others would not change): those whose oldest stamps fell behind the horizon (popped from the model's
+        :class:`_Stamps`) and those picked at or before their summary was taken; and of those only the ones that
+        still hold one are rebuilt (most often a newer summary dropped it already). O(reservations expired), not
+        O(domains), per pick."""
         due = self._early.pop(model, set())
         stamps = self._stamps.get(model)
         if stamps is not None:
