@@ -88,7 +88,8 @@ def main() -> None:
         parser.error("--repeats, --beside and --requests-per-instance must be >= 1, --per-instance-rate > 0")
     print(f"policy {args.policy}, {args.requests_per_instance} ShareGPT requests per instance at "
           f"{args.per_instance_rate:g} req/s per instance; CPU = user + system of this process; each run beside "
-          f"{args.beside} runs of {sizes[0]} instances before and after it; {hilum_compiled.status()}")  # fmt: skip
+          f"{args.beside} run{'s' if args.beside > 1 else ''} of {sizes[0]} instances before and after it; "
+          f"{hilum_compiled.status()}")  # fmt: skip
     header = (
         "instances",
         "requests",

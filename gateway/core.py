@@ -56,11 +56,11 @@ class GatewayCore:
         rng: near-tie draws.
         reservation_ttl_s: how long a reservation counts at most, seconds.
 
-    Raises ValueError on a negative ``reservation_ttl_s``.
+    Raises ValueError on a negative or NaN ``reservation_ttl_s`` (inf: reservations count until a summary drops them).
     """
 
     def __init__(self, cfg: PolicyConfig, rng: random.Random, *, reservation_ttl_s: float = 1.0) -> None:
-        if reservation_ttl_s < 0:
+        if not reservation_ttl_s >= 0:  # NaN too: no reservation would ever expire
             raise ValueError(f"reservation_ttl_s must be >= 0, got {reservation_ttl_s}")
         self._cfg = cfg
         self._rng = rng

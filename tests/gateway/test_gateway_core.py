@@ -89,6 +89,12 @@ def test_reservations_expire_after_the_ttl() -> None:
     assert g.pick("m", 20, now_s=5.0).target_id == "a"  # both picks expired
 
 
+@pytest.mark.parametrize("ttl_s", [-1.0, float("nan")])
+def test_a_negative_or_nan_ttl_is_refused(ttl_s: float) -> None:
+    with pytest.raises(ValueError, match=f"reservation_ttl_s must be >= 0, got {ttl_s}"):
+        gw(ttl_s=ttl_s)
+
+
 def test_tried_domains_are_excluded_without_losing_their_reservations() -> None:
     g = gw(ttl_s=10.0)
     g.update("a", [summary("a", 0)])
