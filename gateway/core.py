@@ -100,8 +100,8 @@ class GatewayCore:
         if held is not None:
             for model in [m for m in held if m not in fresh]:
                 self._drop(domain_id, model)
-        for model, s in fresh.items():
             held = self._summaries.get(domain_id)  # (none left once every model it had was dropped)
+        for model, s in fresh.items():
             last = held.get(model) if held is not None else None
             # nothing new: keep the reservations (a summary taken at another time differs by its stamp at least;
             # compared by stamp first, it is not compared field by field)

@@ -331,7 +331,9 @@ class _PoolIndex:
         """``target`` was added, replaced or reserved on."""
         tid = target.target_id
         old = self._keys.get(tid)
-        if old is None:
+        if old is not None:
+            slot = old[2]
+        else:
             if self._free_slots:
                 slot = self._free_slots.pop()
                 self._slot_ids[slot] = tid
@@ -340,23 +342,17 @@ class _PoolIndex:
                 self._slot_ids.append(tid)
             bisect.insort(self._ids, tid)
             self._positions = None
-            room = ((target.free_blocks - target.reserved_blocks) << _SLOT_BITS) | slot
-            cap = (target.max_request_blocks << _SLOT_BITS) | slot
+        room = ((target.free_blocks - target.reserved_blocks) << _SLOT_BITS) | slot
+        cap = (target.max_request_blocks << _SLOT_BITS) | slot
+        if old is None or room != old[0]:
+            if old is not None:
+                _discard(self._rooms, old[0])
             bisect.insort(self._rooms, room)
+        if old is None or cap != old[1]:  # a domain's largest request changes far less often than its room
+            if old is not None:
+                _discard(self._caps, old[1])
             bisect.insort(self._caps, cap)
-            self._keys[tid] = (room, cap, slot)
-        else:
-            slot = old[2]
-            room = ((target.free_blocks - target.reserved_blocks) << _SLOT_BITS) | slot
-            cap = (target.max_request_blocks << _SLOT_BITS) | slot
-            if room != old[0] or cap != old[1]:
-                if room != old[0]:
-                    _discard(self._rooms, old[0])
-                    bisect.insort(self._rooms, room)
-                if cap != old[1]:  # a domain's largest request changes far less often than its room
-                    _discard(self._caps, old[1])
-                    bisect.insort(self._caps, cap)
-                self._keys[tid] = (room, cap, slot)
+        self._keys[tid] = (room, cap, slot)
         if target.draining:
             self._draining.add(tid)
         else:
