@@ -27,6 +27,7 @@ from global_coord.server import start_server
 from global_coord.wiring import ClusterModel, load_cluster_model
 from hilum_proto.tls import advertised_address, bind_server
 from policy.autoscale import pools_of
+from topology.load import TopologyError
 from topology.spec import Topology
 
 __all__ = ["main", "parse_args", "serve_replica"]
@@ -61,6 +62,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="INFO", type=log_level_option, metavar="LEVEL", help=LOG_LEVEL_HELP)
     hilum_config.add_argument(p)
     ns = p.parse_args(argv)
+    if not ns.id:
+        p.error("--id: must not be empty (the replica's name among coordinators)")
     require_reachable(p, ns.listen, ns.advertise)
     return ns
 
@@ -134,7 +137,8 @@ def check_autoscale(settings: hilum_config.HilumConfig, has_topology: bool) -> N
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 on bad arguments, 1 on a startup error)."""
+    """Entry point; returns the exit status (2 on bad arguments, a bad configuration or topology file; 1 on a startup
+    error)."""
     ns = parse_args(argv)
     logging.basicConfig(level=ns.log_level, format=f"%(asctime)s {ns.id} %(name)s %(levelname)s %(message)s")
     try:
@@ -149,6 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         model = load_cluster_model(ns.topology, settings.cost, settings.approval) if ns.topology else None
+    except TopologyError as exc:
+        print(f"global_coord: error: {exc}", file=sys.stderr)
+        return 2  # as a bad configuration file: restarting cannot fix it
+    try:
         return asyncio.run(serve_replica(ns, model, settings))
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"global_coord: error: {exc}", file=sys.stderr)

@@ -214,17 +214,30 @@ def test_a_domain_scheduler_and_the_simulator_read_the_same_settings(tmp_path: P
     assert sim.cost.precopy.max_stages == 3
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["-m", "rack_sched", "--domain-id", "node-0", "--listen", "127.0.0.1:0", "--etcd", "127.0.0.1:1",
-         "--topology", "2x8-a100"],
-        ["-m", "global_coord", "--etcd", "127.0.0.1:1", "--listen", "127.0.0.1:0", "--topology", "2x8-a100"],
-        ["-m", "llumlet", "--instance-id", "node-0-i0", "--topology", "2x8-a100"],
-        ["-m", "gateway", "--etcd", "127.0.0.1:1", "--topology", "2x8-a100", "--listen", "127.0.0.1:0"],
-    ],
-    ids=["rack_sched", "global_coord", "llumlet", "gateway"],
-)  # fmt: skip
+_PROCESSES = [  # each daemon's command line, etcd unreachable: a refused file must stop it before it is ever asked
+    ["-m", "rack_sched", "--domain-id", "node-0", "--listen", "127.0.0.1:0", "--etcd", "127.0.0.1:1",
+     "--topology", "2x8-a100"],
+    ["-m", "global_coord", "--etcd", "127.0.0.1:1", "--listen", "127.0.0.1:0", "--topology", "2x8-a100"],
+    ["-m", "llumlet", "--instance-id", "node-0-i0", "--topology", "2x8-a100"],
+    ["-m", "gateway", "--etcd", "127.0.0.1:1", "--topology", "2x8-a100", "--listen", "127.0.0.1:0"],
+]  # fmt: skip
+_PROCESS_IDS = ["rack_sched", "global_coord", "llumlet", "gateway"]
+
+
+@pytest.mark.parametrize("argv", _PROCESSES, ids=_PROCESS_IDS)
+def test_every_process_refuses_a_missing_topology_file(argv: list[str], tmp_path: Path) -> None:
+    """Exit status 2 (a configuration error: a restart cannot fix it), naming the file, from every daemon."""
+    import subprocess
+    import sys
+
+    missing = tmp_path / "nope.yaml"
+    argv = [str(missing) if a == "2x8-a100" else a for a in argv]
+    proc = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{missing}: (file): file not found" in proc.stderr
+
+
+@pytest.mark.parametrize("argv", _PROCESSES, ids=_PROCESS_IDS)
 def test_every_process_refuses_a_bad_file_naming_the_key(argv: list[str], tmp_path: Path) -> None:
     import subprocess
     import sys
