@@ -18,6 +18,9 @@ in the run (``gc.callbacks``; `sim.runner._GC_YOUNG_THRESHOLD`), and the page fa
 for the first time, which the system must clear: ``getrusage``'s minor faults). Run:
 
     .venv/bin/python bench/bench_sim_speed.py [--sizes 16,256,1024,4096] [--policy hilum]   # sizes: multiples of 8
+
+``--loop-interval-s 1`` runs the periodic loops once a second at every size (a policy's decisions then differ): what
+remains of the gap between the sizes is the cost of the requests' own events, not of the loops over every instance.
 """
 
 from __future__ import annotations
@@ -31,18 +34,22 @@ import time
 import hilum_compiled
 
 hilum_compiled.install()  # before the simulator is imported: its compiled modules, when built
+from policy.types import MIN_LOOP_INTERVAL_S  # noqa: E402
 from sim.results import summarize  # noqa: E402
 from sim.runner import SimSpec, run_simulation  # noqa: E402
 from sim.traces import load_trace  # noqa: E402
 from topology.load import parse_topology  # noqa: E402
 from topology.synthetic import synthetic_topology_data  # noqa: E402
 
+_LOOPS = ("migrate_interval_s", "summary_interval_s", "cross_interval_s")  # SimOptions' periods of the loops
+
 
 def measure(
-    n: int, policy: str, requests_per_instance: int, rate: float
+    n: int, policy: str, requests_per_instance: int, rate: float, loop_interval_s: float | None = None
 ) -> tuple[float, float, float, int, float, int]:
     """(CPU s, wall s, simulated s, engine steps, CPU s in the cyclic collector, page faults) of one run at ``n``
-    instances."""
+    instances; ``loop_interval_s``: the period of the periodic loops (rescheduling, summaries, cross-domain rounds),
+    None for the configuration's."""
     topo = parse_topology(synthetic_topology_data(n // 8), source=f"synthetic-{n}")
     count = n * requests_per_instance
     trace = load_trace("sharegpt", num_requests=count, rate_per_s=n * rate, seed=0)
@@ -58,7 +65,9 @@ def measure(
     try:
         faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        run = run_simulation(SimSpec(topology=topo.name, trace="sharegpt", policy=policy), trace=trace, topology=topo)
+        loops = {} if loop_interval_s is None else dict.fromkeys(_LOOPS, loop_interval_s)
+        spec = SimSpec(topology=topo.name, trace="sharegpt", policy=policy, options=loops)
+        run = run_simulation(spec, trace=trace, topology=topo)
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
     finally:
@@ -77,6 +86,14 @@ def main() -> None:
     parser.add_argument("--per-instance-rate", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=5, help="runs of sizes below 1,024 (median shown)")
     parser.add_argument("--beside", type=int, default=5, help="runs of the first size before and after each run")
+    parser.add_argument(
+        "--loop-interval-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="period of the periodic loops (rescheduling, summaries, cross-domain rounds), every size (default: the "
+        "configuration's, 0.05 / 0.1 / 0.5 s): a long one shows what the cost is without them",
+    )
     args = parser.parse_args()
     try:
         sizes = [int(x) for x in args.sizes.split(",")]
@@ -86,8 +103,11 @@ def main() -> None:
         parser.error(f"--sizes: multiples of 8 instances (whole 8-GPU nodes), got {args.sizes!r}")
     if args.repeats < 1 or args.beside < 1 or args.requests_per_instance < 1 or not args.per_instance_rate > 0:
         parser.error("--repeats, --beside and --requests-per-instance must be >= 1, --per-instance-rate > 0")
+    if args.loop_interval_s is not None and not args.loop_interval_s >= MIN_LOOP_INTERVAL_S:
+        parser.error(f"--loop-interval-s: at least {MIN_LOOP_INTERVAL_S:g} s, got {args.loop_interval_s:g}")
+    loops = "" if args.loop_interval_s is None else f"; every loop every {args.loop_interval_s:g} s"
     print(f"policy {args.policy}, {args.requests_per_instance} ShareGPT requests per instance at "
-          f"{args.per_instance_rate:g} req/s per instance; CPU = user + system of this process; each run beside "
+          f"{args.per_instance_rate:g} req/s per instance{loops}; CPU = user + system of this process; each run beside "
           f"{args.beside} run{'s' if args.beside > 1 else ''} of {sizes[0]} instances before and after it; "
           f"{hilum_compiled.status()}")  # fmt: skip
     header = (
@@ -106,7 +126,7 @@ def main() -> None:
     print("{:>9} {:>9} {:>11} {:>9} {:>8} {:>8} {:>7} {:>12} {:>10} {:>6} {:>8}".format(*header))
 
     def run(n: int) -> tuple[float, float, float, int, float, int]:
-        return measure(n, args.policy, args.requests_per_instance, args.per_instance_rate)
+        return measure(n, args.policy, args.requests_per_instance, args.per_instance_rate, args.loop_interval_s)
 
     requests_per_instance: int = args.requests_per_instance
 
