@@ -52,7 +52,7 @@ from gateway.apikeys import ApiKeys, load_api_keys
 from gateway.app import GatewayApp
 from gateway.cluster import LiveCluster
 from gateway.metrics import GatewayMetrics
-from gateway.tokenizer import Tokenizer, load_tokenizers
+from gateway.tokenizer import BYTE_OFFSET, Tokenizer, load_tokenizers
 from hilum_proto.tls import WILDCARD_HOSTS, ListenError, listen_failure
 from topology.load import TopologyError, load_topology
 from topology.spec import Topology
@@ -315,6 +315,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     the reason on stderr)."""
     parser = build_parser()
     ns = parser.parse_args(argv)
+    if ns.vocab_size < BYTE_OFFSET + 256:
+        parser.error(
+            f"--vocab-size: at least {BYTE_OFFSET + 256} (the byte stand-in's {BYTE_OFFSET} reserved ids and 256 "
+            f"bytes), got {ns.vocab_size}"
+        )
     _check_sink(parser, ns)
     logging.basicConfig(level=ns.log_level, format="%(asctime)s gateway %(name)s %(levelname)s %(message)s")
     try:

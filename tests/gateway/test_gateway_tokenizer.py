@@ -161,3 +161,16 @@ def test_load_tokenizers_refuses_a_missing_directory_naming_the_key(tmp_path: Pa
     (tmp_path / "tok").mkdir()  # there, but empty
     with pytest.raises(TokenizerLoadError, match=re.escape(f"tokenizer '{tmp_path / 'tok'}' cannot be loaded")):
         load_tokenizers(topo)
+
+
+def test_a_gateway_refuses_a_byte_vocabulary_too_small_by_its_option(capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main as gateway_main
+
+    with pytest.raises(SystemExit) as exit_:
+        gateway_main(
+            ["--listen", "127.0.0.1:0", "--etcd", "127.0.0.1:1", "--topology", "1x8-a100", "--vocab-size", "258"]
+        )
+    assert exit_.value.code == 2
+    assert "error: --vocab-size: at least 259 (the byte stand-in's 3 reserved ids and 256 bytes), got 258" in (
+        capsys.readouterr().err
+    )
