@@ -155,4 +155,4 @@ async def start_server(
     ``actuator``: the settings GetAutoscale shows)."""
     pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(coordinator, autoscale, actuator), server)
     await server.start()
-    _log.info("coordinator %s serving at %s", coordinator.cfg.coordinator_id, coordinator.cfg.advertise_address)
+    _log.debug("coordinator %s serving at %s", coordinator.cfg.coordinator_id, coordinator.cfg.advertise_address)

@@ -68,4 +68,4 @@ async def start_server(scheduler: DomainScheduler, server: grpc.aio.Server) -> N
     """Add the RackScheduler service for ``scheduler`` to a bound ``server`` and start it."""
     pb_grpc.add_RackSchedulerServicer_to_server(RackSchedulerService(scheduler), server)
     await server.start()
-    _log.info("domain scheduler %s serving at %s", scheduler.cfg.domain_id, scheduler.cfg.advertise_address)
+    _log.debug("domain scheduler %s serving at %s", scheduler.cfg.domain_id, scheduler.cfg.advertise_address)

@@ -48,6 +48,7 @@ def test_a_scheduler_started_before_etcd_waits_for_it_then_serves(tmp_path: Path
         etcd.start()
         _wait_for("'serving at' line", lambda: " serving at " in out.read_text())
         assert out.read_text().startswith("rack_sched node-0 serving at 127.0.0.1:")
+        assert " serving at " not in err.read_text()  # said once, on stdout: under a service manager both are logged
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, err.read_text()
     finally:
