@@ -139,16 +139,18 @@ class Session:
             self._task.cancel()
 
     async def _keep_alive(self) -> None:
+        failed = ""  # the last renewal's error, while renewals fail ("" once one succeeds)
         while not self.done.is_set():
             due = self._expires_at - self.ttl_s * 2.0 / 3.0
             await asyncio.sleep(max(0.0, due - self._clock()))
             while True:
                 remaining = self._expires_at - self._clock()
                 if remaining <= 0:
-                    self._lose(
-                        f"lease {self.lease_id:x} expired: no renewal confirmed for {self.ttl_s} s "
-                        "(etcd unreachable or this process paused; raise the TTL if etcd is just slow)"
-                    )
+                    if failed:  # etcd down or unreachable: a longer TTL would only have waited longer
+                        why = f"etcd did not answer its renewals ({failed}); check that etcd runs"
+                    else:
+                        why = "this process was paused, or etcd answered too slowly; raise the TTL if etcd is just slow"
+                    self._lose(f"lease {self.lease_id:x} expired: no renewal confirmed for {self.ttl_s} s ({why})")
                     return
                 sent = self._clock()
                 try:
@@ -157,12 +159,13 @@ class Session:
                 except asyncio.CancelledError:
                     raise
                 except _RENEW_ERRORS as exc:
+                    failed = error_line(exc)
                     _log.log(
                         self._renewals_failed.failed(),
                         "lease %x: renewal failed (%s), attempt %d; retrying in %.2f s, %.2f s before expiry: check "
                         "that etcd runs",
                         self.lease_id,
-                        error_line(exc),
+                        failed,
                         self._renewals_failed.failures,
                         self._retry_s,
                         remaining,
@@ -175,6 +178,7 @@ class Session:
                 self._expires_at = sent + ttl
                 self.renewals += 1
                 self._renewals_failed.reset()
+                failed = ""
                 break
 
     async def close(self, *, revoke: bool = True) -> None:
@@ -434,7 +438,7 @@ class Registrar:
                 await session.close(revoke=True)
                 break
             _log.warning(
-                "%s: session lost (%s); re-registering under a new lease (if this repeats, raise the TTL)",
+                "%s: session lost (%s); re-registering under a new lease",
                 self._name,
                 session.lost_reason,
             )
