@@ -407,7 +407,7 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run every requested policy on the same topology and trace; print and save the comparison."""
-    from .report import LATENCY_COLUMNS, MIGRATION_COLUMNS, MOVE_COLUMNS, render_table
+    from .report import LATENCY_COLUMNS, MIGRATION_COLUMNS, MOVE_COLUMNS, render_table, ttft_p99_ratios
     from .results import stored_policies, summarize, write_results
     from .runner import run_simulation
 
@@ -485,6 +485,8 @@ def run_cli(args: argparse.Namespace) -> int:
             f"({fleet}, {len(domains)} {_plural('domain', len(domains))}), seed {args.seed}"
         )
         baseline = "least-loaded" if "least-loaded" in {s.policy for s in summaries} else None
+        if baseline is not None and all(r is None for r in ttft_p99_ratios(summaries, baseline).values()):
+            baseline = None  # no P99 TTFT to divide by (no request got a first token under it): no ratio column
         idle = _idle_columns(runs, summaries, trace, len(domains))
         latency = [c for c in LATENCY_COLUMNS if c not in idle]
         migration = [c for c in MIGRATION_COLUMNS if c not in idle]

@@ -636,6 +636,10 @@ def test_the_size_checks_count_the_instances_that_serve_not_the_whole_topology(
         "request is refused until one of them serves" in printed.err.replace("\n", "")
     )
     assert json.loads(printed.out)[0]["refused"] == 20  # it did not: refused requests are no load to scale for
+    # in the tables: no P99 TTFT under least-loaded to divide by, so no ratio column and no line explaining it
+    assert main([*argv[:-3], "--policy", "least-loaded,hilum", "--initial-instances", "2", "--autoscale"]) == 0
+    text = capsys.readouterr().out
+    assert "least-loaded" in text and "/ base" not in text and "TTFT p99 / base" not in text
     assert main([*argv, "--scale-out", "node-0-i7@2"]) == 0
     printed = capsys.readouterr()
     assert "only node-0-i7 (1,000, at 2 s) can (joining by --scale-out)" in printed.err.replace("\n", "")
