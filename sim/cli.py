@@ -648,10 +648,10 @@ def run_size_cli(args: argparse.Namespace) -> int:
                 p99 = "-" if t.summary.ttft_p99_s is None else f"{t.summary.ttft_p99_s * 1e3:.0f}"
                 gpu_h = "-" if t.summary.gpu_hours is None else f"{t.summary.gpu_hours:.2f}"
                 mark = "<- smallest found" if t.instances == s.chosen else (t.miss or "")
+                if s.chosen is None and t.instances == pool_size:  # said on that row, not on one of dashes below
+                    mark = f"{mark}: not met even by all {pool_size}"
                 refused = f"{t.summary.refused:,}"
                 table.add_row(s.policy, str(t.instances), gpu_h, p99, refused, "yes" if t.meets else "no", mark)
-            if s.chosen is None:
-                table.add_row(s.policy, "-", "-", "-", "-", "-", f"not met even by all {pool_size}")
         console = Console() if sys.stdout.isatty() else Console(width=200)  # files and pipes: no squeezing
         console.print(table)
     unmet = [s for s in sizings if s.chosen is None]

@@ -104,7 +104,9 @@ def test_sim_size_counts_refused_requests_against_the_target(
     assert "target not met by least-loaded even with all 8 instances (least-loaded: refused 17 of 20 requests)" in err
     assert main([*argv, "--policy", "least-loaded"]) == 1  # the table says it too
     table = capsys.readouterr().out
-    assert "refused 17 of 20 requests" in table and "not met even by all 8" in table
+    rows = [line.split() for line in table.splitlines() if line.lstrip().startswith("least-loaded")]
+    assert len(rows) == 1 and rows[0][1] == "8"  # the one size tried, and no row of dashes under it
+    assert table.count("refused 17 of 20 requests: not met even by all 8") == 1
 
 
 def test_sim_size_runs_real_simulations_and_prints_each_size(
