@@ -239,9 +239,15 @@ def plan_ports(
 
     Raises:
         UpError: a port is in use, naming it and the option that moves it; UpUsageError: a port repeated or
-            outside 1..65535.
+            outside 1..65535, or an IPv6 ``host``.
     """
 
+    if ":" in host:  # an IPv6 literal, bracketed or not: every address below is written host:port
+        bare = host.strip("[]")
+        raise UpUsageError(
+            f"--host {host}: an IPv6 address; hilum up runs its cluster on an IPv4 address or a host name (default "
+            f"127.0.0.1). A process started on its own listens there: --listen [{bare}]:PORT"
+        )
     try:  # the host itself first: an address of another machine, or a name that does not resolve
         _free_port(host)
     except OSError as exc:

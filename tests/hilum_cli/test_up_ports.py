@@ -15,7 +15,7 @@ import yaml
 from up_harness import TOPOLOGY
 
 import hilum_cli.up as up_module
-from hilum_cli.up import UpConfig, UpError, plan_ports, run_up
+from hilum_cli.up import UpConfig, UpError, UpUsageError, plan_ports, run_up
 from topology.load import parse_topology
 
 
@@ -35,6 +35,16 @@ def test_a_host_this_machine_cannot_listen_on_is_named_not_called_a_taken_port(h
     with pytest.raises(UpError) as err:
         plan_ports(_topology(), host, 18300, 0, 17070, etcd_embedded=True)  # type: ignore[arg-type]
     assert str(err.value).startswith(f"--host {host}: cannot listen there (") and "in use" not in str(err.value)
+
+
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_an_ipv6_host_is_refused_as_such(host: str) -> None:
+    with pytest.raises(UpUsageError) as err:
+        plan_ports(_topology(), host, 18300, 0, 17070, etcd_embedded=True)  # type: ignore[arg-type]
+    assert str(err.value) == (
+        f"--host {host}: an IPv6 address; hilum up runs its cluster on an IPv4 address or a host name (default "
+        "127.0.0.1). A process started on its own listens there: --listen [::1]:PORT"
+    )
 
 
 def test_an_ephemeral_port_handed_out_twice_is_not_planned_twice(monkeypatch: pytest.MonkeyPatch) -> None:
