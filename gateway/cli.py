@@ -53,7 +53,7 @@ from gateway.app import GatewayApp
 from gateway.cluster import LiveCluster
 from gateway.metrics import GatewayMetrics
 from gateway.tokenizer import BYTE_OFFSET, Tokenizer, load_tokenizers
-from hilum_proto.tls import WILDCARD_HOSTS, ListenError, listen_failure
+from hilum_proto.tls import WILDCARD_HOSTS, ListenError, bind_refusal, listen_failure
 from topology.load import TopologyError, load_topology
 from topology.spec import Topology
 
@@ -169,6 +169,11 @@ async def _serve(
 ) -> None:
     if ns.reuse_port:
         _check_reuse_port()
+    # a port another process holds is said at once, not once etcd answers (the HTTP site starts after the cluster
+    # view is synced); the site's own bind still reports one taken meanwhile. --reuse-port shares --listen's port
+    for address, what in ((None if ns.reuse_port else ns.listen, "--listen"), (ns.also_listen, "--also-listen")):
+        if address and (reason := bind_refusal(address)):
+            raise ListenError(listen_failure(address, what, reason))
     sink_listen = _sink_listen(ns)
     metrics = GatewayMetrics()
     etcd = connect(parse_endpoints(ns.etcd))

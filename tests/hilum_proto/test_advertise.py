@@ -91,6 +91,19 @@ def test_gateway_whose_ports_are_taken_exits_1_naming_which(etcd: Any, taken: st
         assert done.stderr.splitlines()[-1] == want
 
 
+def test_a_gateway_whose_port_is_taken_says_so_before_etcd_answers(taken: str) -> None:
+    base = ["--etcd", "127.0.0.1:1", "--topology", "1x8-a100"]  # nothing answers there
+    for args, what in (
+        (["--listen", taken], "--listen"),
+        (["--listen", "127.0.0.1:0", "--also-listen", taken], "--also-listen"),
+    ):
+        done = _run_daemon("gateway", [*base, *args])
+        assert done.returncode == 1, done.stderr
+        assert (
+            done.stderr.splitlines()[-1] == f"gateway: error: cannot listen on {taken} ({what}): address already in use"
+        )
+
+
 def test_listen_failure_gives_the_systems_reason(taken: str) -> None:
     assert listen_failure(taken) == f"cannot listen on {taken} (--listen): address already in use"
     # 192.0.2.0/24 is TEST-NET-1 (RFC 5737): never an address of this machine
