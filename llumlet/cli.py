@@ -1,7 +1,7 @@
 """``python -m llumlet``: run one llumlet process (docs/migration.md, "Running a llumlet by hand").
 
-Prints ``llumlet <instance_id> serving at <host:port>`` on stdout once it serves (spawners wait for it),
-and stops cleanly on SIGTERM / SIGINT.
+Prints ``llumlet <instance_id> serving at <host:port>`` on stdout once it serves (spawners wait for it; with
+``--etcd``, once its instance's registration is its own), and stops cleanly on SIGTERM / SIGINT.
 """
 
 from __future__ import annotations
@@ -140,16 +140,26 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
     )
     server, address = await serve(llumlet, ns.listen, ns.advertise)
     stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before the claim too: a stop while it waits is clean
+        loop.add_signal_handler(sig, stop.set)
     registration = None
+    claimed = asyncio.Event()  # the instance's key is this llumlet's (at once without etcd)
     if ns.etcd:
         assert topology is not None  # main refuses --etcd without --topology
-        registration = asyncio.ensure_future(_register(ns, topology, backend, address, stop))
+        registration = asyncio.ensure_future(_register(ns, topology, backend, address, stop, claimed))
         # It ends before stop only when it failed: stop then, rather than serve unregistered and unseen.
         registration.add_done_callback(lambda _: stop.set())
-    print(f"llumlet {ns.instance_id} serving at {address}", flush=True)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    else:
+        claimed.set()
+    # "serving at" once claimed: a spawner waiting for the line must not take a llumlet whose instance another live
+    # one holds (it exits 1 after its wait) for one that serves
+    waits = [asyncio.ensure_future(event.wait()) for event in (claimed, stop)]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for wait in waits:
+        wait.cancel()
+    if not stop.is_set():
+        print(f"llumlet {ns.instance_id} serving at {address}", flush=True)
     await stop.wait()
     try:
         if registration is not None:
@@ -160,7 +170,12 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
 
 
 async def _register(
-    ns: argparse.Namespace, topology: Topology, backend: Backend, address: str, stop: asyncio.Event
+    ns: argparse.Namespace,
+    topology: Topology,
+    backend: Backend,
+    address: str,
+    stop: asyncio.Event,
+    claimed: asyncio.Event,
 ) -> None:
     """Keep ``<prefix>instances/<id>`` registered under this process's lease until ``stop`` (DESIGN.md, etcd).
 
@@ -203,6 +218,7 @@ async def _register(
 
         what = f"instance {ns.instance_id}"
         if await registrar.claim_or_wait(key, value, 1.5 * ns.ttl + 1, stop, holder_of=holder, what=what):
+            claimed.set()
             lost = asyncio.ensure_future(registrar.lost_claim.wait())
             await asyncio.wait({running, lost}, return_when=asyncio.FIRST_COMPLETED)
             lost.cancel()

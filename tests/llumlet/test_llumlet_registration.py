@@ -82,7 +82,8 @@ def test_etcd_without_a_topology_is_refused_before_anything_starts(capsys: pytes
 def test_a_llumlet_whose_registration_fails_stops_and_says_why(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # It used to print "serving at" and then serve unregistered, silently, until killed.
+    # It used to print "serving at" and then serve unregistered, silently, until killed. It says it serves once its
+    # instance's key is claimed, which this one never was.
     import llumlet.cli
 
     async def failing_register(*_: object) -> None:
@@ -92,7 +93,7 @@ def test_a_llumlet_whose_registration_fails_stops_and_says_why(
     args = ["--instance-id", "node-0-i0", "--topology", "1x8-a100", "--etcd", f"127.0.0.1:{free_port()}"]
     assert llumlet.cli.main(args) == 2
     out, err = capsys.readouterr()
-    assert out.startswith("llumlet node-0-i0 serving at 127.0.0.1:")
+    assert out == ""
     assert err.splitlines()[-1] == "llumlet: error: registration failed (test)"
 
 
@@ -116,6 +117,7 @@ def test_a_second_llumlet_of_a_live_instance_is_refused_and_the_first_stays_regi
             "(a crashed one's registration expires with its lease TTL)"
         )
         assert "waiting up to 4 s for it to expire" in second.stderr  # 1.5 x TTL + 1 s, said while it waits
+        assert second.stdout == ""  # never "serving at": a spawner waiting for it must not take this one as up
         value = asyncio.run(_read(etcd.endpoint, key))
         assert value is not None and decode(InstanceRegistration, value, key).address == first.address
     finally:
