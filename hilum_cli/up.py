@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import math
 import os
@@ -203,6 +204,14 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+def _is_ipv6(host: str) -> bool:
+    """Whether ``host`` (no brackets) is an IPv6 address, a zone (``%lo``) allowed."""
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).version == 6
+    except ValueError:
+        return False
+
+
 def port_free(host: str, port: int) -> bool:
     """Whether ``host:port`` can be bound now (``hilum_proto.tls.bind_refusal``'s probe: TIME-WAIT sockets of a
     stopped run don't count; a listener with SO_REUSEPORT still blocks)."""
@@ -239,14 +248,21 @@ def plan_ports(
 
     Raises:
         UpError: a port is in use, naming it and the option that moves it; UpUsageError: a port repeated or
-            outside 1..65535, or an IPv6 ``host``.
+            outside 1..65535, or a ``host`` that is empty, IPv6, or not a host alone (``HOST:PORT``, a URL).
     """
 
-    if ":" in host:  # an IPv6 literal, bracketed or not: every address below is written host:port
+    if not host:
+        raise UpUsageError("--host: empty; give a host name or an IPv4 address of this machine (default 127.0.0.1)")
+    if ":" in host or "/" in host:  # every address below is written host:port
         bare = host.strip("[]")
+        if _is_ipv6(bare):
+            raise UpUsageError(
+                f"--host {host}: an IPv6 address; hilum up runs its cluster on an IPv4 address or a host name "
+                f"(default 127.0.0.1). A process started on its own listens there: --listen [{bare}]:PORT"
+            )
         raise UpUsageError(
-            f"--host {host}: an IPv6 address; hilum up runs its cluster on an IPv4 address or a host name (default "
-            f"127.0.0.1). A process started on its own listens there: --listen [{bare}]:PORT"
+            f"--host {host}: a host name or an IPv4 address alone, not HOST:PORT or a URL (the gateway's port is "
+            "--port, the others' --grpc-base-port and --etcd-port)"
         )
     try:  # the host itself first: an address of another machine, or a name that does not resolve
         _free_port(host)
@@ -892,7 +908,8 @@ def _gateway_lines(info: dict[str, Any]) -> list[str]:
 
 
 def describe(info: dict[str, Any], *, temporary_run_dir: bool = False) -> str:
-    """The lines ``hilum up`` prints once the cluster serves."""
+    """The lines ``hilum up`` prints once the cluster serves; ``temporary_run_dir``: its run directory is removed at
+    exit (else it is kept: given by ``--run-dir``, or ``--keep-run-dir``)."""
     model = info["models"][0]
     coordinators = info["coordinators"]
     standby = " (one leads, the others stand by)" if len(coordinators) > 1 else ""
@@ -1004,7 +1021,7 @@ def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) ->
                 ready_timeout_s=cfg.start_timeout_s,
             )
             cluster = start_cluster(cfg, checked, run_dir, sup, say)
-            print(describe(cluster.info, temporary_run_dir=temporary), file=out, flush=True)
+            print(describe(cluster.info, temporary_run_dir=temporary and not cfg.keep_run_dir), file=out, flush=True)
             while (why := sup.tick()) is None:
                 time.sleep(0.1)
             say(why)

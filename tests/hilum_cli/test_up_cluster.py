@@ -187,3 +187,16 @@ def test_ctrl_c_ends_open_streams_removes_the_run_dir_and_leaves_no_process(tmp_
     assert said[-3:] == ["stopping ...", "stopped; no process left", f"removed the run directory {run_dir}"]
     assert [p for p in pids if alive(p)] == []
     assert list(tmp.iterdir()) == []  # no hilum-up-* directory left behind
+
+
+def test_keep_run_dir_keeps_the_temporary_run_dir_and_says_so(tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    cluster = start_up(tmp_path, "sim", ["--keep-run-dir"], own_run_dir=False, env={"TMPDIR": str(tmp)})
+    run_dir = cluster.run_dir
+    assert run_dir.parent == tmp and run_dir.name.startswith("hilum-up-")
+    said = next(line for line in cluster.printed.splitlines() if line.startswith("  run dir "))
+    assert said == f"  run dir       {run_dir}   (logs, topology.yaml, cluster.json; kept)"  # not "removed at exit"
+    err = cluster.stop()
+    assert cluster.proc.returncode == 0, err
+    assert (run_dir / "topology.yaml").read_text() == TOPOLOGY and (run_dir / "cluster.json").exists()

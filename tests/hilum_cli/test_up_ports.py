@@ -47,6 +47,18 @@ def test_an_ipv6_host_is_refused_as_such(host: str) -> None:
     )
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1:8000", "localhost:8000", "http://127.0.0.1"])
+def test_a_host_with_a_port_or_a_scheme_is_refused_as_such(host: str) -> None:
+    with pytest.raises(UpUsageError) as err:
+        plan_ports(_topology(), host, 18300, 0, 17070, etcd_embedded=True)  # type: ignore[arg-type]
+    assert str(err.value) == (
+        f"--host {host}: a host name or an IPv4 address alone, not HOST:PORT or a URL (the gateway's port is --port, "
+        "the others' --grpc-base-port and --etcd-port)"
+    )
+    with pytest.raises(UpUsageError, match=r"^--host: empty; give a host name or an IPv4 address of this machine"):
+        plan_ports(_topology(), "", 18300, 0, 17070, etcd_embedded=True)  # type: ignore[arg-type]
+
+
 def test_an_ephemeral_port_handed_out_twice_is_not_planned_twice(monkeypatch: pytest.MonkeyPatch) -> None:
     # The OS may give a just-closed ephemeral port again (it did under load: the coordinator and a token sink
     # got the same one); the plan asks again rather than refuse its own choice.

@@ -58,8 +58,9 @@ fabric:
 class UpProcess:
     """A running ``hilum up``; its stderr is collected as it comes (:meth:`stderr`, :meth:`wait_stderr`)."""
 
-    def __init__(self, proc: subprocess.Popen[str], run_dir: Path, info: dict[str, Any]) -> None:
+    def __init__(self, proc: subprocess.Popen[str], run_dir: Path, info: dict[str, Any], printed: str = "") -> None:
         self.proc, self.run_dir, self.info = proc, run_dir, info
+        self.printed = printed  # its stdout up to "Ctrl-C stops everything": what it says once the cluster serves
         self._err: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -159,7 +160,8 @@ def start_up(
         lines.append(line)
         if "Ctrl-C stops everything" in line:
             where = next(w.split()[2] for w in lines if w.startswith("  run dir "))
-            return UpProcess(proc, Path(where), json.loads((Path(where) / "cluster.json").read_text()))
+            info = json.loads((Path(where) / "cluster.json").read_text())
+            return UpProcess(proc, Path(where), info, "".join(lines))
     proc.kill()
     _, err = proc.communicate()
     raise AssertionError(f"hilum up did not come up: {''.join(lines)}\n{err}")
