@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import resource
 import statistics
 import time
@@ -92,7 +93,7 @@ def main() -> None:
         default=None,
         metavar="S",
         help="period of the periodic loops (rescheduling, summaries, cross-domain rounds), every size (default: the "
-        "configuration's, 0.05 / 0.1 / 0.5 s): a long one shows what the cost is without them",
+        "configuration's, 0.05 / 0.25 / 0.5 s): a long one shows what the cost is without them",
     )
     args = parser.parse_args()
     try:
@@ -101,10 +102,12 @@ def main() -> None:
         parser.error(f"--sizes: comma-separated instance counts, got {args.sizes!r}")
     if any(n < 8 or n % 8 for n in sizes):  # the fabric is whole 8-GPU nodes
         parser.error(f"--sizes: multiples of 8 instances (whole 8-GPU nodes), got {args.sizes!r}")
-    if args.repeats < 1 or args.beside < 1 or args.requests_per_instance < 1 or not args.per_instance_rate > 0:
-        parser.error("--repeats, --beside and --requests-per-instance must be >= 1, --per-instance-rate > 0")
-    if args.loop_interval_s is not None and not args.loop_interval_s >= MIN_LOOP_INTERVAL_S:
-        parser.error(f"--loop-interval-s: at least {MIN_LOOP_INTERVAL_S:g} s, got {args.loop_interval_s:g}")
+    if args.repeats < 1 or args.beside < 1 or args.requests_per_instance < 1:
+        parser.error("--repeats, --beside and --requests-per-instance must be >= 1")
+    if not 0 < args.per_instance_rate < math.inf:
+        parser.error(f"--per-instance-rate: a finite number > 0 of requests/s, got {args.per_instance_rate:g}")
+    if args.loop_interval_s is not None and not MIN_LOOP_INTERVAL_S <= args.loop_interval_s < math.inf:
+        parser.error(f"--loop-interval-s: a finite number >= {MIN_LOOP_INTERVAL_S:g} s, got {args.loop_interval_s:g}")
     loops = "" if args.loop_interval_s is None else f"; every loop every {args.loop_interval_s:g} s"
     print(f"policy {args.policy}, {args.requests_per_instance} ShareGPT requests per instance at "
           f"{args.per_instance_rate:g} req/s per instance{loops}; CPU = user + system of this process; each run beside "
