@@ -140,17 +140,26 @@ class Session:
 
     async def _keep_alive(self) -> None:
         failed = ""  # the last renewal's error, while renewals fail ("" once one succeeds)
+        timed_out = False  # that error was the renewal's timeout: etcd may be slow rather than gone
         while not self.done.is_set():
             due = self._expires_at - self.ttl_s * 2.0 / 3.0
             await asyncio.sleep(max(0.0, due - self._clock()))
             while True:
                 remaining = self._expires_at - self._clock()
                 if remaining <= 0:
-                    if failed:  # etcd down or unreachable: a longer TTL would only have waited longer
-                        why = f"etcd did not answer its renewals ({failed}); check that etcd runs"
-                    else:
-                        why = "this process was paused, or etcd answered too slowly; raise the TTL if etcd is just slow"
-                    self._lose(f"lease {self.lease_id:x} expired: no renewal confirmed for {self.ttl_s} s ({why})")
+                    if timed_out:  # no answer in time: etcd gone, or too slow for this TTL
+                        why = (
+                            f"etcd answered no renewal in time ({failed}): check that etcd runs; raise the TTL if it "
+                            "is slow"
+                        )
+                    elif failed:  # etcd down or unreachable: a longer TTL would only have waited longer
+                        why = f"etcd did not answer its renewals ({failed}): check that etcd runs"
+                    else:  # none failed, none tried in time: the process did not run
+                        why = (
+                            "this process did not run in time to renew it (paused, or its event loop blocked): raise "
+                            "the TTL if that is expected"
+                        )
+                    self._lose(f"lease {self.lease_id:x} expired: no renewal confirmed for {self.ttl_s} s; {why}")
                     return
                 sent = self._clock()
                 try:
@@ -159,7 +168,7 @@ class Session:
                 except asyncio.CancelledError:
                     raise
                 except _RENEW_ERRORS as exc:
-                    failed = error_line(exc)
+                    failed, timed_out = error_line(exc), isinstance(exc, TimeoutError)
                     _log.log(
                         self._renewals_failed.failed(),
                         "lease %x: renewal failed (%s), attempt %d; retrying in %.2f s, %.2f s before expiry: check "
@@ -178,7 +187,7 @@ class Session:
                 self._expires_at = sent + ttl
                 self.renewals += 1
                 self._renewals_failed.reset()
-                failed = ""
+                failed, timed_out = "", False
                 break
 
     async def close(self, *, revoke: bool = True) -> None:
@@ -367,11 +376,10 @@ class Registrar:
                 delay = self._backoff.next_s()
                 _log.log(
                     self._backoff.level(),
-                    "%s: cannot open an etcd session (%s: %s), attempt %d; retrying in %.2f s: check that etcd runs "
+                    "%s: cannot open an etcd session (%s), attempt %d; retrying in %.2f s: check that etcd runs "
                     "and that --etcd names its client address",
                     self._name,
-                    type(exc).__name__,
-                    exc,
+                    error_line(exc),
                     self._backoff.failures,
                     delay,
                 )

@@ -6,6 +6,7 @@ Import it as ``from etcd_server import EtcdServer, free_port`` (``tests/`` is on
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import time
@@ -77,9 +78,20 @@ class EtcdServer:
         except OSError:
             return False
 
+    def pause(self) -> None:
+        """Freeze etcd (SIGSTOP): its port still accepts connections, and nothing is answered until :meth:`resume`."""
+        assert self._proc is not None, "etcd is not running"
+        self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Let a paused etcd run on (SIGCONT)."""
+        assert self._proc is not None, "etcd is not running"
+        self._proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self._proc is None:
             return
+        self.resume()  # a frozen process does not act on SIGTERM until it runs again
         self._proc.terminate()
         try:
             self._proc.wait(timeout=10)
