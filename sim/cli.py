@@ -485,9 +485,10 @@ def run_cli(args: argparse.Namespace) -> int:
             f"({fleet}, {len(domains)} {_plural('domain', len(domains))}), seed {args.seed}"
         )
         baseline = "least-loaded" if "least-loaded" in {s.policy for s in summaries} else None
-        if baseline is not None and all(r is None for r in ttft_p99_ratios(summaries, baseline).values()):
-            baseline = None  # no P99 TTFT to divide by (no request got a first token under it): no ratio column
         idle = _idle_columns(runs, summaries, trace, len(domains))
+        if baseline is not None and all(r is None for r in ttft_p99_ratios(summaries, baseline).values()):
+            idle["TTFT p99\n/ base"] = f"{baseline} has no P99 TTFT to divide by"  # no request got a first token
+            baseline = None  # no ratio column
         latency = [c for c in LATENCY_COLUMNS if c not in idle]
         migration = [c for c in MIGRATION_COLUMNS if c not in idle]
         console = Console() if sys.stdout.isatty() else Console(width=200)  # files and pipes: no squeezing
