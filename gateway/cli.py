@@ -170,9 +170,10 @@ async def _serve(
     if ns.reuse_port:
         _check_reuse_port()
     # a port another process holds is said at once, not once etcd answers (the HTTP site starts after the cluster
-    # view is synced); the site's own bind still reports one taken meanwhile. --reuse-port shares --listen's port
-    for address, what in ((None if ns.reuse_port else ns.listen, "--listen"), (ns.also_listen, "--also-listen")):
-        if address and (reason := bind_refusal(address)):
+    # view is synced); the site's own bind still reports one taken meanwhile. With --reuse-port, --listen's port is
+    # probed as it is bound: other gateways sharing it do not count
+    for address, what, shared in ((ns.listen, "--listen", ns.reuse_port), (ns.also_listen, "--also-listen", False)):
+        if address and (reason := bind_refusal(address, reuse_port=shared)):
             raise ListenError(listen_failure(address, what, reason))
     sink_listen = _sink_listen(ns)
     metrics = GatewayMetrics()

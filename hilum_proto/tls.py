@@ -236,16 +236,19 @@ class ListenError(RuntimeError):
     exit 2, a bad option, is not restarted: ``deploy/systemd``)."""
 
 
-def bind_refusal(address: str) -> str:
+def bind_refusal(address: str, *, reuse_port: bool = False) -> str:
     """Why ``address`` (``host:port``, the host bracketed when IPv6) cannot be bound, as the system says it ("" when
     it can): found by binding a plain TCP socket there and closing it at once (gRPC only reports that binding
-    failed, after logging its own line)."""
+    failed, after logging its own line). ``reuse_port``: as a server sharing the port binds (``SO_REUSEPORT``):
+    other such listeners of this user do not count, a plain one does."""
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds: TIME_WAIT is no use
+            if reuse_port:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             probe.bind((host, int(port)))
     except (OSError, ValueError) as exc:
         return (exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)).lower()

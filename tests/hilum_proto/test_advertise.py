@@ -96,6 +96,7 @@ def test_a_gateway_whose_port_is_taken_says_so_before_etcd_answers(taken: str) -
     for args, what in (
         (["--listen", taken], "--listen"),
         (["--listen", "127.0.0.1:0", "--also-listen", taken], "--also-listen"),
+        (["--listen", taken, "--reuse-port"], "--listen"),  # shared with other gateways, not with this plain socket
     ):
         done = _run_daemon("gateway", [*base, *args])
         assert done.returncode == 1, done.stderr
