@@ -62,8 +62,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="INFO", type=log_level_option, metavar="LEVEL", help=LOG_LEVEL_HELP)
     hilum_config.add_argument(p)
     ns = p.parse_args(argv)
-    if not ns.id:
-        p.error("--id: must not be empty (the replica's name among coordinators)")
+    if not ns.id or any(c.isspace() for c in ns.id):  # it names the replica in etcd, in logs and in hilumctl
+        p.error(f"--id {ns.id!r}: the replica's name among coordinators, not empty and without spaces")
     require_reachable(p, ns.listen, ns.advertise)
     return ns
 
