@@ -662,8 +662,19 @@ class _Layout:
         return [self.own_url(g) for g in self.plan.gateways]
 
 
+def etcd_bind_host(host: str) -> str:
+    """The address etcd listens on for ``--host``: etcd binds an IP address or ``localhost`` only (a URL naming any
+    other host is refused: "expected IP in URL for binding"), so a host name is resolved to its IPv4 address, as
+    the other processes' sockets resolve it. Raises OSError for a name that does not resolve."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        return host if host == "localhost" else socket.gethostbyname(host)
+
+
 def _etcd_spec(lay: _Layout, binary: Path) -> ChildSpec:
-    host, plan = lay.cfg.host, lay.plan
+    host, plan = etcd_bind_host(lay.cfg.host), lay.plan
     peer, client = f"http://{host}:{plan.etcd_peer}", f"http://{host}:{plan.etcd_client}"
     advertised = f"http://{lay.address(plan.etcd_client)}"
     cmd = (
@@ -675,7 +686,7 @@ def _etcd_spec(lay: _Layout, binary: Path) -> ChildSpec:
         f"--listen-peer-urls={peer}",
         f"--initial-advertise-peer-urls=http://{lay.address(plan.etcd_peer)}",
         f"--initial-cluster=hilum-up=http://{lay.address(plan.etcd_peer)}",
-        "--log-level=error",
+        "--log-level=warn",  # its log is read when it fails to start: etcd says why at warn (a bad flag, a URL)
     )
     endpoint = lay.etcd_endpoint
     return ChildSpec("etcd", cmd, ready_check=lambda: _etcd_healthy(endpoint), waits_for="to answer /health")
@@ -924,7 +935,7 @@ def describe(info: dict[str, Any], *, temporary_run_dir: bool = False) -> str:
         by_domain.setdefault(dom, []).append(f"{iid} {info['llumlets'][iid]}")
     for dom, addr in info["domain_schedulers"].items():
         lines.append(f"  domain {dom}: scheduler {addr}; llumlets {', '.join(by_domain.get(dom, []))}")
-    fate = "a temporary directory, removed at exit (--keep-run-dir keeps it)" if temporary_run_dir else "kept"
+    fate = "a temporary directory, removed at exit: --keep-run-dir keeps it" if temporary_run_dir else "kept"
     lines += [
         f"  run dir       {info['run_dir']}   (logs, topology.yaml, cluster.json; {fate})",
         "",
