@@ -139,21 +139,20 @@ class Session:
             self._task.cancel()
 
     async def _keep_alive(self) -> None:
-        failed = ""  # the last renewal's error, while renewals fail ("" once one succeeds)
-        timed_out = False  # that error was the renewal's timeout: etcd may be slow rather than gone
+        failed: BaseException | None = None  # the last renewal's error, while renewals fail (None once one succeeds)
         while not self.done.is_set():
             due = self._expires_at - self.ttl_s * 2.0 / 3.0
             await asyncio.sleep(max(0.0, due - self._clock()))
             while True:
                 remaining = self._expires_at - self._clock()
                 if remaining <= 0:
-                    if timed_out:  # no answer in time: etcd gone, or too slow for this TTL
+                    if isinstance(failed, TimeoutError):  # no answer in time: etcd gone, or too slow for this TTL
                         why = (
-                            f"etcd answered no renewal in time ({failed}): check that etcd runs; raise the TTL if it "
-                            "is slow"
+                            f"etcd answered no renewal in time ({error_line(failed)}): check that etcd runs; raise the "
+                            "TTL if it is slow"
                         )
-                    elif failed:  # etcd down or unreachable: a longer TTL would only have waited longer
-                        why = f"etcd did not answer its renewals ({failed}): check that etcd runs"
+                    elif failed is not None:  # etcd down or unreachable: a longer TTL would only have waited longer
+                        why = f"etcd did not answer its renewals ({error_line(failed)}): check that etcd runs"
                     else:  # none failed, none tried in time: the process did not run
                         why = (
                             "this process did not run in time to renew it (paused, or its event loop blocked): raise "
@@ -168,13 +167,13 @@ class Session:
                 except asyncio.CancelledError:
                     raise
                 except _RENEW_ERRORS as exc:
-                    failed, timed_out = error_line(exc), isinstance(exc, TimeoutError)
+                    failed = exc
                     _log.log(
                         self._renewals_failed.failed(),
                         "lease %x: renewal failed (%s), attempt %d; retrying in %.2f s, %.2f s before expiry: check "
                         "that etcd runs",
                         self.lease_id,
-                        failed,
+                        error_line(exc),
                         self._renewals_failed.failures,
                         self._retry_s,
                         remaining,
@@ -187,7 +186,7 @@ class Session:
                 self._expires_at = sent + ttl
                 self.renewals += 1
                 self._renewals_failed.reset()
-                failed, timed_out = "", False
+                failed = None
                 break
 
     async def close(self, *, revoke: bool = True) -> None:

@@ -13,7 +13,7 @@ import logging
 import random
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import hilum_config
 from clusterstate.endpoints import address_option, endpoints_option, listen_option, require_reachable
@@ -143,23 +143,19 @@ async def _run(ns: argparse.Namespace, topology: Topology | None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before the claim too: a stop while it waits is clean
         loop.add_signal_handler(sig, stop.set)
+
+    def serving() -> None:  # with --etcd once the instance's key is claimed: a spawner waiting for the line must not
+        # take a llumlet whose instance another live one holds (it exits 1 after its wait) for one that serves
+        print(f"llumlet {ns.instance_id} serving at {address}", flush=True)
+
     registration = None
-    claimed = asyncio.Event()  # the instance's key is this llumlet's (at once without etcd)
     if ns.etcd:
         assert topology is not None  # main refuses --etcd without --topology
-        registration = asyncio.ensure_future(_register(ns, topology, backend, address, stop, claimed))
+        registration = asyncio.ensure_future(_register(ns, topology, backend, address, stop, serving))
         # It ends before stop only when it failed: stop then, rather than serve unregistered and unseen.
         registration.add_done_callback(lambda _: stop.set())
     else:
-        claimed.set()
-    # "serving at" once claimed: a spawner waiting for the line must not take a llumlet whose instance another live
-    # one holds (it exits 1 after its wait) for one that serves
-    waits = [asyncio.ensure_future(event.wait()) for event in (claimed, stop)]
-    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    for wait in waits:
-        wait.cancel()
-    if not stop.is_set():
-        print(f"llumlet {ns.instance_id} serving at {address}", flush=True)
+        serving()
     await stop.wait()
     try:
         if registration is not None:
@@ -175,9 +171,10 @@ async def _register(
     backend: Backend,
     address: str,
     stop: asyncio.Event,
-    claimed: asyncio.Event,
+    claimed: Callable[[], None],
 ) -> None:
-    """Keep ``<prefix>instances/<id>`` registered under this process's lease until ``stop`` (DESIGN.md, etcd).
+    """Keep ``<prefix>instances/<id>`` registered under this process's lease until ``stop`` (DESIGN.md, etcd);
+    ``claimed`` is called once the key is this llumlet's.
 
     The record names the engine and the sampling features it honours: the gateway refuses (400) a request
     that needs one no instance of its model has. The key is claimed (``Registrar.claim_or_wait``): a second
@@ -218,7 +215,7 @@ async def _register(
 
         what = f"instance {ns.instance_id}"
         if await registrar.claim_or_wait(key, value, 1.5 * ns.ttl + 1, stop, holder_of=holder, what=what):
-            claimed.set()
+            claimed()
             lost = asyncio.ensure_future(registrar.lost_claim.wait())
             await asyncio.wait({running, lost}, return_when=asyncio.FIRST_COMPLETED)
             lost.cancel()
