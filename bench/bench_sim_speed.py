@@ -4,12 +4,14 @@ Each size is a synthetic fabric of 8-GPU H100 nodes (``topology.synthetic``), on
 per GPU, fed ShareGPT lengths with Poisson arrivals at ``--per-instance-rate`` requests/s per instance (a
 moderate load) for ``--requests-per-instance`` requests per instance, so every size simulates about the same
 span of time with the same load per instance: a flat per-request cost means the cost of a cluster grows
-only with its work. Runs one policy (``--policy``, default hilum, the two-tier design) per size; the
-sizes below 1,024 are repeated (``--repeats``, the median is shown) because they take well under a second. One
+only with its work. Runs one policy (``--policy``, default hilum, the two-tier design) per size; every size is
+run several times and the median shown: ``--repeats`` (5) runs of the sizes below 1,024, which take well under a
+second, ``--large-repeats`` (3) of the larger ones (about 2 and 10 CPU-s at 1,024 and 4,096 instances), whose single
+runs move by a third from one to the next on a shared machine (``range`` shows the lowest and highest ratio). One
 run of the first size comes first, untimed: the first run of a process costs more (a 16-instance run up to 4x).
 
 The first size is the yardstick, and it is measured beside each run of another size: ``--beside`` runs of it just
-before and as many just after (a run of 16 instances takes about 50 ms), and that run's ratio is its cost per
+before and as many just after (a run of 16 instances takes 20-40 ms), and that run's ratio is its cost per
 request over the median of those; "vs first" is the median of a size's ratios. On a shared machine whose speed
 drifts by tens of percent within minutes, a ratio of two figures measured a minute apart says more about the drift
 than about the simulator. Prints CPU time (this process, user + system) per request, its ratio to the first size
@@ -86,6 +88,7 @@ def main() -> None:
     parser.add_argument("--requests-per-instance", type=int, default=8)
     parser.add_argument("--per-instance-rate", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=5, help="runs of sizes below 1,024 (median shown)")
+    parser.add_argument("--large-repeats", type=int, default=3, help="runs of sizes of 1,024 and more (median shown)")
     parser.add_argument("--beside", type=int, default=5, help="runs of the first size before and after each run")
     parser.add_argument(
         "--loop-interval-s",
@@ -102,8 +105,8 @@ def main() -> None:
         parser.error(f"--sizes: comma-separated instance counts, got {args.sizes!r}")
     if any(n < 8 or n % 8 for n in sizes):  # the fabric is whole 8-GPU nodes
         parser.error(f"--sizes: multiples of 8 instances (whole 8-GPU nodes), got {args.sizes!r}")
-    if args.repeats < 1 or args.beside < 1 or args.requests_per_instance < 1:
-        parser.error("--repeats, --beside and --requests-per-instance must be >= 1")
+    if min(args.repeats, args.large_repeats, args.beside, args.requests_per_instance) < 1:
+        parser.error("--repeats, --large-repeats, --beside and --requests-per-instance must be >= 1")
     if not 0 < args.per_instance_rate < math.inf:
         parser.error(f"--per-instance-rate: a finite number > 0 of requests/s, got {args.per_instance_rate:g}")
     if args.loop_interval_s is not None and not MIN_LOOP_INTERVAL_S <= args.loop_interval_s < math.inf:
@@ -118,6 +121,7 @@ def main() -> None:
         "requests",
         "CPU us/req",
         "vs first",
+        "range",
         "CPU s",
         "wall s",
         "sim s",
@@ -126,7 +130,7 @@ def main() -> None:
         "gc s",
         "faults",
     )
-    print("{:>9} {:>9} {:>11} {:>9} {:>8} {:>8} {:>7} {:>12} {:>10} {:>6} {:>8}".format(*header))
+    print("{:>9} {:>9} {:>11} {:>9} {:>12} {:>8} {:>8} {:>7} {:>12} {:>10} {:>6} {:>8}".format(*header))
 
     def run(n: int) -> tuple[float, float, float, int, float, int]:
         return measure(n, args.policy, args.requests_per_instance, args.per_instance_rate, args.loop_interval_s)
@@ -142,7 +146,7 @@ def main() -> None:
     for n in sizes:
         runs, ratios = [], []
         beside = 0 if n == first else args.beside  # the first size is its own yardstick
-        for _ in range(args.repeats if n < 1024 else 1):
+        for _ in range(args.repeats if n < 1024 else args.large_repeats):
             before = [per_request_us(first, run(first)[0]) for _ in range(beside)]
             runs.append(run(n))
             cost = per_request_us(n, runs[-1][0])
@@ -155,9 +159,10 @@ def main() -> None:
         collector = statistics.median(r[4] for r in runs)
         faults = statistics.median(r[5] for r in runs)
         count = n * requests_per_instance
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}x" if len(ratios) > 1 and n != first else "-"
         print(
-            f"{n:>9} {count:>9} {per_request_us(n, cpu):>11.0f} {statistics.median(ratios):>8.2f}x {cpu:>8.2f} "
-            f"{wall:>8.2f} {sim_s:>7.1f} {sim_s / cpu:>12.1f} {steps:>10} {collector:>6.2f} {faults:>8.0f}",
+            f"{n:>9} {count:>9} {per_request_us(n, cpu):>11.0f} {statistics.median(ratios):>8.2f}x {spread:>12} "
+            f"{cpu:>8.2f} {wall:>8.2f} {sim_s:>7.1f} {sim_s / cpu:>12.1f} {steps:>10} {collector:>6.2f} {faults:>8.0f}",
             flush=True,
         )
     if len(sizes) > 1:
