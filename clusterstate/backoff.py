@@ -9,12 +9,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["WARN_EVERY_S", "Backoff", "BackoffConfig", "RepeatedFailures"]
+__all__ = ["RECOVERED_LEVEL", "WARN_EVERY_S", "Backoff", "BackoffConfig", "RepeatedFailures"]
 
 #: While a failure repeats, a retry loop warns at its first and then once every this many seconds; the retries
 #: between are logged at debug level. Every loop retrying every ``max_s`` through an etcd outage wrote a warning a
 #: second or two each (a coordinator: three loops, 2 lines a second).
 WARN_EVERY_S = 30.0
+
+#: The level of the line a retry loop writes when it succeeds after failures: that of the warning it ends, so a log
+#: kept at WARNING (a llumlet's and a gateway's default) says that etcd answers again, not only that it did not.
+RECOVERED_LEVEL = logging.WARNING
 
 
 class RepeatedFailures:

@@ -21,7 +21,7 @@ import random
 import time
 from collections.abc import Callable
 
-from clusterstate.backoff import Backoff, BackoffConfig, RepeatedFailures
+from clusterstate.backoff import RECOVERED_LEVEL, Backoff, BackoffConfig, RepeatedFailures
 from clusterstate.etcd import (
     RETRYABLE_ERRORS,
     Etcd3Client,
@@ -369,7 +369,7 @@ class Registrar:
             try:
                 session = await Session.open(self._client, self._ttl_s, clock=self._clock)
                 if failures := self._backoff.reset():
-                    _log.info("%s: etcd answers again after %d failed attempts", self._name, failures)
+                    _log.log(RECOVERED_LEVEL, "%s: etcd answers again after %d failed attempts", self._name, failures)
                 return session
             except RETRYABLE_ERRORS as exc:
                 delay = self._backoff.next_s()
@@ -428,7 +428,15 @@ class Registrar:
                 continue
             self.session = session
             self.registered.set()
-            if self._entries:
+            if self._entries and old_lease is not None:  # after a warning: said at its level (RECOVERED_LEVEL)
+                _log.log(
+                    RECOVERED_LEVEL,
+                    "%s: %d keys registered again under lease %x",
+                    self._name,
+                    len(self._entries),
+                    session.lease_id,
+                )
+            elif self._entries:
                 _log.info("%s: %d keys registered under lease %x", self._name, len(self._entries), session.lease_id)
             else:  # a claim (claim_or_wait) registers its key next
                 _log.info("%s: etcd session open under lease %x, no key registered yet", self._name, session.lease_id)

@@ -73,11 +73,11 @@ def test_a_coordinator_without_etcd_warns_once_per_retry_loop_then_says_when_it_
         for words in ("observing the leader failed", "cannot open an etcd session", "cluster view: etcd error"):
             assert sum(words in w and "attempt 1;" in w and "check that etcd runs" in w for w in warnings) == 1
         etcd.start()
-        recovered = [  # each loop says it recovered, at its next retry (up to 2 s apart)
+        recovered = [  # each loop says it recovered, at its next retry (up to 2 s apart), at its warnings' level
             r" INFO c1 leads with fencing token ",
-            r" INFO c1: etcd answers again after \d+ failed attempts",
-            r" INFO cluster view: etcd answers again after \d+ failed attempts",
-            r" INFO observing the leader again after \d+ failed attempts",
+            r" WARNING c1: etcd answers again after \d+ failed attempts",
+            r" WARNING cluster view: etcd answers again after \d+ failed attempts",
+            r" WARNING observing the leader again after \d+ failed attempts",
         ]
         deadline = time.monotonic() + 30
         while not all(re.search(line, log.read_text()) for line in recovered):

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
+
+import pytest
 
 from etcd_server import EtcdServer
 
@@ -102,7 +105,11 @@ def test_a_session_whose_renewals_get_no_answer_in_time_names_etcd_and_the_ttl(e
     asyncio.run(main())
 
 
-def test_registrar_reregisters_after_long_etcd_stop(etcd_private: EtcdServer, prefix: str) -> None:
+def test_registrar_reregisters_after_long_etcd_stop(
+    etcd_private: EtcdServer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="clusterstate.session")
+
     async def main() -> None:
         client = connect([etcd_private.endpoint])
         await client.connect()
@@ -130,6 +137,12 @@ def test_registrar_reregisters_after_long_etcd_stop(etcd_private: EtcdServer, pr
             ((prefix + "instances/i0").encode(), b"i0", second.lease_id)
         ]
         assert await _lease_ttl(etcd_private.endpoint, first.lease_id) == -1  # the old lease was revoked
+        # the loss was a warning, and so is the recovery: a log kept at WARNING (a llumlet's default) says both
+        lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "clusterstate.session"]
+        lost = [k for k, (level, text) in enumerate(lines) if level == logging.WARNING and "session lost (" in text]
+        again = (logging.WARNING, f"test: 1 keys registered again under lease {second.lease_id:x}")
+        assert lost and again in lines[lost[0] :], lines
+        assert (logging.INFO, f"test: 1 keys registered under lease {first.lease_id:x}") in lines  # the first: INFO
         stop.set()
         await asyncio.wait_for(task, 5)
         assert len((await kv_of(client).get(prefix + "instances/i0")).kvs) == 0
