@@ -212,6 +212,33 @@ def _is_ipv6(host: str) -> bool:
         return False
 
 
+def _check_host(host: str) -> None:
+    """Raise UpUsageError unless ``host`` is written as a host alone, as every address hilum up writes is
+    ``host:port``: not empty, no spaces, no brackets, no port or URL, not an IPv6 address (an IPv4-mapped one is
+    pointed to its IPv4 address)."""
+    if not host.strip():
+        raise UpUsageError("--host: empty; give a host name or an IPv4 address of this machine (default 127.0.0.1)")
+    if any(c.isspace() for c in host):
+        raise UpUsageError(f"--host {host!r}: a host name or an IPv4 address has no spaces")
+    bare = host.strip("[]")
+    if _is_ipv6(bare):
+        mapped = ipaddress.IPv6Address(bare.split("%", 1)[0]).ipv4_mapped
+        if mapped is not None:
+            raise UpUsageError(f"--host {host}: an IPv4-mapped IPv6 address; give the IPv4 address: --host {mapped}")
+        raise UpUsageError(
+            f"--host {host} is an IPv6 address; hilum up runs its cluster on an IPv4 address or a host name "
+            f"(default 127.0.0.1). A process started on its own listens there: --listen [{bare}]:PORT"
+        )
+    if ":" in host or "/" in host:
+        raise UpUsageError(
+            f"--host {host}: a host name or an IPv4 address alone, not HOST:PORT or a URL (the gateway's port is "
+            "--port, the others' --grpc-base-port and --etcd-port)"
+        )
+    if bare != host:
+        raise UpUsageError(f"--host {host}: brackets enclose an IPv6 address before a port; give the host alone: "
+                           f"--host {bare}")  # fmt: skip
+
+
 def port_free(host: str, port: int) -> bool:
     """Whether ``host:port`` can be bound now (``hilum_proto.tls.bind_refusal``'s probe: TIME-WAIT sockets of a
     stopped run don't count; a listener with SO_REUSEPORT still blocks)."""
@@ -251,19 +278,7 @@ def plan_ports(
             outside 1..65535, or a ``host`` that is empty, IPv6, or not a host alone (``HOST:PORT``, a URL).
     """
 
-    if not host:
-        raise UpUsageError("--host: empty; give a host name or an IPv4 address of this machine (default 127.0.0.1)")
-    if ":" in host or "/" in host:  # every address below is written host:port
-        bare = host.strip("[]")
-        if _is_ipv6(bare):
-            raise UpUsageError(
-                f"--host {host}: an IPv6 address; hilum up runs its cluster on an IPv4 address or a host name "
-                f"(default 127.0.0.1). A process started on its own listens there: --listen [{bare}]:PORT"
-            )
-        raise UpUsageError(
-            f"--host {host}: a host name or an IPv4 address alone, not HOST:PORT or a URL (the gateway's port is "
-            "--port, the others' --grpc-base-port and --etcd-port)"
-        )
+    _check_host(host)
     try:  # the host itself first: an address of another machine, or a name that does not resolve
         _free_port(host)
     except OSError as exc:

@@ -38,11 +38,11 @@ def test_a_host_this_machine_cannot_listen_on_is_named_not_called_a_taken_port(h
 
 
 _IPV6 = (
-    "an IPv6 address; hilum up runs its cluster on an IPv4 address or a host name (default 127.0.0.1). A process "
+    " is an IPv6 address; hilum up runs its cluster on an IPv4 address or a host name (default 127.0.0.1). A process "
     "started on its own listens there: --listen [::1]:PORT"
 )
 _NOT_A_HOST = (
-    "a host name or an IPv4 address alone, not HOST:PORT or a URL (the gateway's port is --port, the others' "
+    ": a host name or an IPv4 address alone, not HOST:PORT or a URL (the gateway's port is --port, the others' "
     "--grpc-base-port and --etcd-port)"
 )
 
@@ -50,17 +50,22 @@ _NOT_A_HOST = (
 @pytest.mark.parametrize(
     ("host", "why"),
     [("::1", _IPV6), ("[::1]", _IPV6), ("127.0.0.1:8000", _NOT_A_HOST), ("localhost:8000", _NOT_A_HOST),
-     ("http://127.0.0.1", _NOT_A_HOST), ("", None)],
+     ("http://127.0.0.1", _NOT_A_HOST), ("", None), (" ", None),
+     ("[127.0.0.1]", ": brackets enclose an IPv6 address before a port; give the host alone: --host 127.0.0.1"),
+     ("::ffff:127.0.0.1", ": an IPv4-mapped IPv6 address; give the IPv4 address: --host 127.0.0.1"),
+     ("local host", None)],
 )  # fmt: skip
 def test_a_host_that_is_not_one_to_listen_on_alone_is_refused_saying_what_it_is(host: str, why: str | None) -> None:
     with pytest.raises(UpUsageError) as err:
         plan_ports(_topology(), host, 18300, 0, 17070, etcd_embedded=True)  # type: ignore[arg-type]
-    if why is None:
+    if why is not None:
+        assert str(err.value) == f"--host {host}{why}"
+    elif host.strip():
+        assert str(err.value) == f"--host {host!r}: a host name or an IPv4 address has no spaces"
+    else:
         assert (
             str(err.value) == "--host: empty; give a host name or an IPv4 address of this machine (default 127.0.0.1)"
         )
-    else:
-        assert str(err.value) == f"--host {host}: {why}"
 
 
 def test_etcd_binds_an_address_a_host_name_resolves_to(monkeypatch: pytest.MonkeyPatch) -> None:
