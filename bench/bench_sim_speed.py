@@ -40,7 +40,7 @@ hilum_compiled.install()  # before the simulator is imported: its compiled modul
 from policy.types import MIN_LOOP_INTERVAL_S  # noqa: E402
 from sim.results import summarize  # noqa: E402
 from sim.runner import SimSpec, run_simulation  # noqa: E402
-from sim.traces import load_trace  # noqa: E402
+from sim.traces import MAX_SPAN_S, load_trace  # noqa: E402
 from topology.load import parse_topology  # noqa: E402
 from topology.synthetic import synthetic_topology_data  # noqa: E402
 
@@ -109,6 +109,13 @@ def main() -> None:
         parser.error("--repeats, --large-repeats, --beside and --requests-per-instance must be >= 1")
     if not 0 < args.per_instance_rate < math.inf:
         parser.error(f"--per-instance-rate: a finite number > 0 of requests/s, got {args.per_instance_rate:g}")
+    lowest = 2 * args.requests_per_instance / MAX_SPAN_S  # the arrivals' span, about requests / rate, with room
+    if args.per_instance_rate < lowest:
+        parser.error(
+            f"--per-instance-rate {args.per_instance_rate:g}: {args.requests_per_instance} requests per instance would "
+            f"arrive over about {args.requests_per_instance / args.per_instance_rate:.3g} s, and a simulation spans at "
+            f"most {MAX_SPAN_S:,.0f} s (30 days): at least {lowest:.3g} requests/s"
+        )
     if args.loop_interval_s is not None and not MIN_LOOP_INTERVAL_S <= args.loop_interval_s < math.inf:
         parser.error(f"--loop-interval-s: a finite number >= {MIN_LOOP_INTERVAL_S:g} s, got {args.loop_interval_s:g}")
     loops = "" if args.loop_interval_s is None else f"; every loop every {args.loop_interval_s:g} s"
