@@ -8,7 +8,6 @@ import random
 import time
 
 import pytest
-
 from etcd_server import EtcdServer
 
 from clusterstate.etcd import connect, kv_of, lease_of
