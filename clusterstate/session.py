@@ -185,6 +185,13 @@ class Session:
                     return
                 self._expires_at = sent + ttl
                 self.renewals += 1
+                if self._renewals_failed.failures:  # said at the level of the warning it ends
+                    _log.log(
+                        RECOVERED_LEVEL,
+                        "lease %x: renewal confirmed again after %d failed attempts",
+                        self.lease_id,
+                        self._renewals_failed.failures,
+                    )
                 self._renewals_failed.reset()
                 failed = None
                 break
@@ -431,13 +438,17 @@ class Registrar:
             if self._entries and old_lease is not None:  # after a warning: said at its level (RECOVERED_LEVEL)
                 _log.log(
                     RECOVERED_LEVEL,
-                    "%s: %d keys registered again under lease %x",
+                    "%s: %d key%s registered again under lease %x",
                     self._name,
                     len(self._entries),
+                    "" if len(self._entries) == 1 else "s",
                     session.lease_id,
                 )
             elif self._entries:
-                _log.info("%s: %d keys registered under lease %x", self._name, len(self._entries), session.lease_id)
+                n = len(self._entries)
+                _log.info(
+                    "%s: %d key%s registered under lease %x", self._name, n, "" if n == 1 else "s", session.lease_id
+                )
             else:  # a claim (claim_or_wait) registers its key next
                 _log.info("%s: etcd session open under lease %x, no key registered yet", self._name, session.lease_id)
             stop_task = asyncio.ensure_future(stop.wait())

@@ -242,6 +242,7 @@ class Coordinator:
     async def _campaign_loop(self, stop: asyncio.Event) -> None:
         backoff = Backoff(self.cfg.backoff, self._rng)
         unanswered = 0  # sessions etcd did not open since the last it did
+        lost_lead = False  # it stepped down other than to stop, and does not lead again yet
         while not stop.is_set():
             try:
                 session = await Session.open(self._client, self.cfg.ttl_s, clock=self._clock)
@@ -261,7 +262,7 @@ class Coordinator:
                     "%s: cannot open an etcd session (%s), attempt %d; retrying in %.2f s: check that etcd runs and "
                     "that --etcd names its client address",
                     self.cfg.coordinator_id,
-                    exc,
+                    error_line(exc),
                     backoff.failures,
                     delay,
                 )
@@ -280,6 +281,11 @@ class Coordinator:
                 backoff.reset()
                 self.leading = leader
                 self.elected.set()
+                if lost_lead:  # at the level of the step-down's warning: a log kept at WARNING says both
+                    _log.log(
+                        RECOVERED_LEVEL, "%s: leads again, fencing token %d", self.cfg.coordinator_id, leader.token
+                    )
+                    lost_lead = False
                 await self._on_elected(leader)
                 done = asyncio.ensure_future(session.done.wait())
                 await self._first(done, stop)
@@ -292,7 +298,7 @@ class Coordinator:
                     backoff.level(),
                     "%s: campaign failed (%s), attempt %d; retrying in %.2f s",
                     self.cfg.coordinator_id,
-                    exc,
+                    error_line(exc),
                     backoff.failures,
                     delay,
                 )
@@ -303,8 +309,10 @@ class Coordinator:
                     await campaign
                 was_leading, self.leading = self.leading, None
                 self.elected.clear()
-                if was_leading is not None:
-                    _log.info(
+                if was_leading is not None:  # a loss is a warning (a log kept at WARNING says it); a stop is not
+                    lost_lead = not stop.is_set()
+                    _log.log(
+                        logging.INFO if stop.is_set() else logging.WARNING,
                         "%s: stepped down (token %d): %s",
                         self.cfg.coordinator_id,
                         was_leading.token,

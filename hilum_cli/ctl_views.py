@@ -355,7 +355,8 @@ def render_status(console: Console, st: Json) -> None:
     grid.add_row("domains", f"{st['num_domains']} registered")
     grid.add_row("instances", f"{st['num_instances']} registered")
     grid.add_row("migrations", f"{st['num_active_migrations']} active (proposed or approved)")
-    grid.add_row("drains", f"{st['num_drains']} intents")
+    drains = st["num_drains"]
+    grid.add_row("drains", f"{drains} intent{'' if drains == 1 else 's'}")
     console.print(grid)
 
 

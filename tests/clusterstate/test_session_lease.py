@@ -41,7 +41,12 @@ def test_session_renews_and_close_revokes(etcd: EtcdServer, prefix: str) -> None
     asyncio.run(main())
 
 
-def test_session_survives_short_etcd_stop(etcd_private: EtcdServer, prefix: str) -> None:
+def test_session_survives_short_etcd_stop(
+    etcd_private: EtcdServer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    def said(words: str) -> list[int]:
+        return [r.levelno for r in caplog.records if r.name == "clusterstate.session" and words in r.getMessage()]
+
     async def main() -> None:
         client = connect([etcd_private.endpoint])
         await client.connect()
@@ -49,13 +54,19 @@ def test_session_survives_short_etcd_stop(etcd_private: EtcdServer, prefix: str)
         await kv_of(client).put(prefix + "k", b"v", lease=session.lease_id)
         await asyncio.sleep(0.2)
         await asyncio.to_thread(etcd_private.stop)
-        await asyncio.sleep(1.0)
+        deadline = time.monotonic() + 2.5  # a renewal is due every second
+        while not said(f"lease {session.lease_id:x}: renewal failed ("):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
         await asyncio.to_thread(etcd_private.start)
         await asyncio.sleep(2.5)  # the old expiry has passed: only a renewal after the restart saves it
         assert not session.done.is_set(), session.lost_reason
         assert session.remaining_s() > 0
         resp = await kv_of(client).get(prefix + "k")
         assert [int(kv.lease) for kv in resp.kvs] == [session.lease_id]
+        # the failed renewal was a warning, and so is the one that ends the run: a log at WARNING says both
+        assert said(f"lease {session.lease_id:x}: renewal failed (")[0] == logging.WARNING
+        assert said(f"lease {session.lease_id:x}: renewal confirmed again after ") == [logging.WARNING]
         await session.close()
         await client.close()
 
@@ -139,9 +150,9 @@ def test_registrar_reregisters_after_long_etcd_stop(
         # the loss was a warning, and so is the recovery: a log kept at WARNING (a llumlet's default) says both
         lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "clusterstate.session"]
         lost = [k for k, (level, text) in enumerate(lines) if level == logging.WARNING and "session lost (" in text]
-        again = (logging.WARNING, f"test: 1 keys registered again under lease {second.lease_id:x}")
+        again = (logging.WARNING, f"test: 1 key registered again under lease {second.lease_id:x}")
         assert lost and again in lines[lost[0] :], lines
-        assert (logging.INFO, f"test: 1 keys registered under lease {first.lease_id:x}") in lines  # the first: INFO
+        assert (logging.INFO, f"test: 1 key registered under lease {first.lease_id:x}") in lines  # the first: INFO
         stop.set()
         await asyncio.wait_for(task, 5)
         assert len((await kv_of(client).get(prefix + "instances/i0")).kvs) == 0

@@ -48,7 +48,7 @@ def test_a_leader_within_one_ttl_after_etcd_answers_again(
     caplog.set_level(logging.INFO)
     loop_errors: list[str] = []
 
-    async def main() -> str:
+    async def main() -> tuple[str, str, int]:
         asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: loop_errors.append(str(ctx["message"])))
         clients = [connect([etcd_private.endpoint]) for _ in range(2)]
         for client in clients:
@@ -88,7 +88,7 @@ def test_a_leader_within_one_ttl_after_etcd_answers_again(
         assert took < TTL_S, f"nobody led for {took:.2f} s after etcd answered again (TTL {TTL_S} s)"
         # the old leader deleted the key of its lost session (see took_over below); either replica may win
         assert leader.leading is not None and leader.leading.token > first_token
-        new = leader.cfg.coordinator_id
+        new, leader_token = leader.cfg.coordinator_id, leader.leading.token
 
         # every replica names the same leader, and a write at the standby says who it is
         async with asyncio.timeout(10):
@@ -106,11 +106,19 @@ def test_a_leader_within_one_ttl_after_etcd_answers_again(
             await client.close()
         gc.collect()  # a task leaked by a failed stream is reported when it is collected
         await asyncio.sleep(0.1)
-        return first
+        return first, new, leader_token
 
-    first = asyncio.run(main())
+    first, new, leader_token = asyncio.run(main())
     assert loop_errors == []
     asyncio_errors = [r.getMessage() for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
     assert asyncio_errors == []
     took_over = [r.getMessage() for r in caplog.records if "taking it over" in r.getMessage()]
     assert len(took_over) == 1 and took_over[0].startswith(f"{first}: the leader key still holds an earlier session")
+    # losing the lead is a warning, and so is leading again (a log kept at WARNING says both); stopping is not
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "global_coord.coordinator"]
+    down = [level for level, text in lines if text.startswith(f"{first}: stepped down (token ")]
+    assert down[0] == logging.WARNING, lines
+    again = [(level, text) for level, text in lines if ": leads again, fencing token " in text]
+    # only a replica that lost the lead says it leads again (the other one leads for the first time)
+    assert again == ([(logging.WARNING, f"{first}: leads again, fencing token {leader_token}")] if new == first else [])
+    assert [level for level, text in lines if text.endswith("): stopping")] == [logging.INFO], lines

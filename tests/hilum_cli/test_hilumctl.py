@@ -444,6 +444,16 @@ def test_the_topology_title_counts_one_domain_in_the_singular() -> None:
     assert title.startswith("topology 1x8-a100") and title.endswith(": 1 domain, 8 instances")
 
 
+@pytest.mark.parametrize(("drains", "row"), [(0, "drains       0 intents"), (1, "drains       1 intent")])
+def test_the_status_counts_one_drain_intent_in_the_singular(drains: int, row: str) -> None:
+    console = Console(file=io.StringIO(), width=200)
+    status = {"is_leader": True, "coordinator_id": "c", "address": "a:1", "leader_id": "c", "leader_address": "a:1",
+              "fencing_token": 3, "etcd_endpoint": "e:2", "view_revision": 7, "num_domains": 1, "num_instances": 8,
+              "num_active_migrations": 0, "num_drains": drains}  # fmt: skip
+    ctl_views.render_status(console, status)
+    assert console.file.getvalue().splitlines()[-1].rstrip() == row
+
+
 @pytest.mark.parametrize(
     ("render", "key", "line"),
     [
