@@ -17,6 +17,7 @@ __all__ = [
     "DEFAULT_PREFIX",
     "LOG_LEVELS",
     "LOG_LEVEL_HELP",
+    "MAX_TTL_S",
     "MIN_TTL_S",
     "check_prefix",
     "log_level_option",
@@ -30,6 +31,7 @@ DEFAULT_PREFIX = "/hilum/v1/"  # every daemon's --prefix default (clusterstate.s
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # what --log-level takes (any case)
 LOG_LEVEL_HELP = f"logging level: {', '.join(LOG_LEVELS)} (default %(default)s)"  # argparse fills in the default
 MIN_TTL_S = 2  # etcd's minimum lease TTL, seconds: the shortest --ttl a daemon's registration lease may have
+MAX_TTL_S = 9_000_000_000  # etcd's maximum lease TTL, seconds (``MaxLeaseTTL``): it refuses to grant a longer one
 
 
 def check_prefix(prefix: str) -> str:
@@ -65,13 +67,16 @@ def log_level_option(text: str) -> str:
 
 def ttl_option(text: str) -> int:
     """argparse ``type=`` of a daemon's ``--ttl`` (its etcd lease, whole seconds): an integer of at least
-    :data:`MIN_TTL_S`, etcd's minimum. Raises argparse.ArgumentTypeError (argparse names the option)."""
+    :data:`MIN_TTL_S`, etcd's minimum, and at most :data:`MAX_TTL_S`, its maximum. Raises argparse.ArgumentTypeError
+    (argparse names the option)."""
     try:
         ttl_s = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected whole seconds, got {text!r}") from None
     if ttl_s < MIN_TTL_S:
         raise argparse.ArgumentTypeError(f"must be at least {MIN_TTL_S} s (etcd's minimum lease TTL), got {ttl_s}")
+    if ttl_s > MAX_TTL_S:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_TTL_S:,} s (etcd's maximum lease TTL), got {ttl_s:,}")
     return ttl_s
 
 

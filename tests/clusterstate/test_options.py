@@ -81,6 +81,8 @@ _DAEMONS = {
                 ("0", "must be at least 2 s (etcd's minimum lease TTL), got 0"),
                 ("1", "must be at least 2 s (etcd's minimum lease TTL), got 1"),
                 ("2.5", "expected whole seconds, got '2.5'"),
+                # etcd refused the lease: rack_sched then waited for a session, past SIGTERM
+                ("9000000001", "must be at most 9,000,000,000 s (etcd's maximum lease TTL), got 9,000,000,001"),
             )
         ],
         # each of these was accepted, and ignored or used as given

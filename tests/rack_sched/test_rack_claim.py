@@ -42,3 +42,32 @@ def test_two_schedulers_started_together_cannot_both_run(etcd: Any, prefix: str)
             await asyncio.wait_for(tasks[1 - tasks.index(loser)], 10)
 
     asyncio.run(main())
+
+
+def test_a_scheduler_stops_while_its_claim_waits_for_an_etcd_session(etcd: Any, prefix: str) -> None:
+    # the claim waits for the registrar's session; when etcd grants none (it refused a TTL above its maximum) the
+    # scheduler ignored SIGTERM until it was killed
+    async def main() -> None:
+        async with etcd_client(etcd.endpoint) as client:
+            sched = DomainScheduler(
+                RackConfig("d", "127.0.0.1:1", BLOCK, prefix=prefix, ttl_s=3, ready_timeout_s=1.0),
+                client,
+                rng=random.Random(1),
+            )
+            waiting = asyncio.Event()
+
+            async def no_session(_key: str, _value: bytes) -> bool:
+                waiting.set()
+                await asyncio.Event().wait()  # as Registrar.claim waits for a session that never opens
+                return True
+
+            sched.registrar.claim = no_session  # type: ignore[method-assign]
+            stop = asyncio.Event()
+            task = asyncio.create_task(sched.run(stop))
+            await asyncio.wait_for(waiting.wait(), 10)
+            stop.set()
+            await asyncio.wait_for(task, 5)  # returns, having claimed nothing
+            assert not sched.ready.is_set()
+            assert (await kv_of(client).get(Keys(prefix).domain("d"))).kvs == []
+
+    asyncio.run(main())
