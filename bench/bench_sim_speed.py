@@ -40,6 +40,7 @@ hilum_compiled.install()  # before the simulator is imported: its compiled modul
 from policy.types import MIN_LOOP_INTERVAL_S  # noqa: E402
 from sim.results import summarize  # noqa: E402
 from sim.runner import SimSpec, run_simulation  # noqa: E402
+from sim.schedulers import POLICY_NAMES  # noqa: E402
 from sim.traces import MAX_SPAN_S, load_trace  # noqa: E402
 from topology.load import parse_topology  # noqa: E402
 from topology.synthetic import synthetic_topology_data  # noqa: E402
@@ -84,7 +85,7 @@ def measure(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="16,256,1024,4096")
-    parser.add_argument("--policy", default="hilum")
+    parser.add_argument("--policy", default="hilum", choices=POLICY_NAMES)
     parser.add_argument("--requests-per-instance", type=int, default=8)
     parser.add_argument("--per-instance-rate", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=5, help="runs of sizes below 1,024 (median shown)")
@@ -105,8 +106,9 @@ def main() -> None:
         parser.error(f"--sizes: comma-separated instance counts, got {args.sizes!r}")
     if any(n < 8 or n % 8 for n in sizes):  # the fabric is whole 8-GPU nodes
         parser.error(f"--sizes: multiples of 8 instances (whole 8-GPU nodes), got {args.sizes!r}")
-    if min(args.repeats, args.large_repeats, args.beside, args.requests_per_instance) < 1:
-        parser.error("--repeats, --large-repeats, --beside and --requests-per-instance must be >= 1")
+    for option in ("repeats", "large_repeats", "beside", "requests_per_instance"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')}: must be >= 1, got {getattr(args, option)}")
     if not 0 < args.per_instance_rate < math.inf:
         parser.error(f"--per-instance-rate: a finite number > 0 of requests/s, got {args.per_instance_rate:g}")
     lowest = 2 * args.requests_per_instance / MAX_SPAN_S  # the arrivals' span, about requests / rate, with room
