@@ -109,6 +109,7 @@ from global_coord.cli import check_autoscale
 from hilum_cli import counted
 from hilum_cli.supervisor import ChildSpec, RestartPolicy, StartFailed, Supervisor
 from hilum_proto.tls import WILDCARD_HOSTS, bind_refusal
+from llumlet.backends import torch_backend, vllm_backend
 from llumlet.backends.base import parse_engine_options
 from llumlet.linkbudget import LinkBudgets
 from topology.load import TopologyError, bundled_path, load_topology, parse_topology, tokenizer_errors
@@ -475,9 +476,11 @@ def _check(cfg: UpConfig) -> _Checked:
     _check_gateways(cfg)
     if not (math.isfinite(cfg.start_timeout_s) and cfg.start_timeout_s > 0):
         raise UpUsageError(f"--start-timeout: must be a finite number of seconds > 0, got {cfg.start_timeout_s:g}")
-    for flag, value in (("--time-scale", cfg.time_scale), ("--min-step-s", cfg.min_step_s)):
-        if not (math.isfinite(value) and value >= 0):
-            raise UpUsageError(f"{flag}: must be a finite number >= 0, got {value:g}")
+    if not (math.isfinite(cfg.time_scale) and cfg.time_scale > 0):  # as a llumlet's --time-scale takes it
+        raise UpUsageError(f"--time-scale: must be a finite number > 0, got {cfg.time_scale:g}")
+    if not (math.isfinite(cfg.min_step_s) and cfg.min_step_s >= 0):
+        raise UpUsageError(f"--min-step-s: must be a finite number >= 0, got {cfg.min_step_s:g}")
+    _check_llumlet_python(cfg)
     config_text = _config_text(cfg)
     if cfg.api_keys:
         try:
@@ -494,6 +497,12 @@ def _check(cfg: UpConfig) -> _Checked:
         raise UpUsageError(str(exc)) from None
     if cfg.engine == "sim" and options:
         raise UpUsageError(f"--engine-option {', '.join(sorted(options))}: the sim engine takes no option")
+    if cfg.engine in ("torch", "vllm"):
+        backend = torch_backend if cfg.engine == "torch" else vllm_backend
+        if unknown := backend.unknown_options(options):
+            known = ", ".join(backend.KNOWN_OPTIONS) + (", model.<LlamaConfig field>" if cfg.engine == "torch" else "")
+            raise UpUsageError(f"--engine-option {', '.join(unknown)}: the {cfg.engine} engine has no such option "
+                               f"(known: {known})")  # fmt: skip
     tokenizer = cfg.tokenizer
     if cfg.engine == "vllm":
         tokenizer = _vllm_tokenizer(cfg, topology, options)
@@ -541,6 +550,29 @@ def _vllm_tokenizer(cfg: UpConfig, topology: Topology, options: dict[str, str]) 
 
 def _llumlet_python(cfg: UpConfig) -> str:
     return cfg.llumlet_python or sys.executable
+
+
+def _check_llumlet_python(cfg: UpConfig) -> None:
+    """Refuse a ``--llumlet-python`` that is not an executable file, or whose Python cannot import hilum's llumlet
+    (run from this checkout, as the llumlets are). Raises UpUsageError naming it."""
+    if not cfg.llumlet_python:
+        return
+    py = shutil.which(cfg.llumlet_python)
+    if py is None:
+        raise UpUsageError(f"--llumlet-python {cfg.llumlet_python}: no such executable file")
+    try:
+        proc = subprocess.run(
+            [py, "-c", "import llumlet.cli"], env=_child_env(cfg), cwd=_REPO, capture_output=True, text=True,
+            timeout=_VLLM_CHECK_S,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise UpUsageError(f"--llumlet-python {cfg.llumlet_python}: cannot run it ({exc})") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise UpUsageError(
+            f"--llumlet-python {cfg.llumlet_python}: cannot import hilum's llumlet ({last}): give a Python with "
+            "hilum's dependencies installed"
+        )
 
 
 def _check_vllm_importable(cfg: UpConfig, options: dict[str, str]) -> None:
@@ -1036,7 +1068,11 @@ def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) ->
         sup: Supervisor | None = None
         status, crashed = 0, False
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                say(f"error: --run-dir {run_dir}: cannot create the folder ({exc.strerror or exc})")
+                return 2
             say(f"run directory {run_dir}")
             sup = Supervisor(
                 run_dir,

@@ -22,11 +22,21 @@ stand-in). Explicit ``model.*`` / ``eos_token_id`` options win over the tokenize
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from typing import Any
 
 from llumlet.backends.base import Backend, BackendConfig
 
-__all__ = ["DEFAULT_NUM_BLOCKS", "make_torch_backend"]
+__all__ = ["DEFAULT_NUM_BLOCKS", "KNOWN_OPTIONS", "make_torch_backend", "unknown_options"]
+
+#: The torch backend's ``--engine-option`` names, besides ``model.<LlamaConfig field>``.
+KNOWN_OPTIONS = ("eos_token_id", "threads", "device")
+
+
+def unknown_options(names: Iterable[str]) -> list[str]:
+    """The option names of ``names`` the torch backend does not take, sorted (none: an empty list)."""
+    return sorted(n for n in names if n not in KNOWN_OPTIONS and not n.startswith("model."))
+
 
 DEFAULT_NUM_BLOCKS = 1024  # KV pool of the tiny model, blocks
 
@@ -76,8 +86,7 @@ def make_torch_backend(config: BackendConfig) -> Backend:
             overrides[key.removeprefix("model.")] = _number(key, value)
         else:
             raise ValueError(
-                f"torch backend: unknown option {key!r} "
-                "(known: eos_token_id, threads, device, model.<LlamaConfig field>)"
+                f"torch backend: unknown option {key!r} (known: {', '.join(KNOWN_OPTIONS)}, model.<LlamaConfig field>)"
             )
     tokenizer = config.tokenizer_path()
     if tokenizer is not None:

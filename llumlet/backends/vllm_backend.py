@@ -21,6 +21,7 @@ build runs it too). Requests with frequency / presence penalties or guided decod
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from typing import Any
 
 from llumlet.backends.base import Backend, BackendConfig
@@ -29,9 +30,10 @@ from llumlet.engine.types import SamplingFeature
 #: What ``VllmEngine`` honours: every optional sampling feature (docs/gateway.md, "Request fields").
 VLLM_SAMPLING_FEATURES = frozenset(SamplingFeature)
 
-__all__ = ["VLLM_SAMPLING_FEATURES", "make_vllm_backend"]
+__all__ = ["KNOWN_OPTIONS", "VLLM_SAMPLING_FEATURES", "make_vllm_backend", "unknown_options"]
 
-_KNOWN = (
+#: The vllm backend's ``--engine-option`` names.
+KNOWN_OPTIONS = (
     "model",
     "kv_cache_memory_bytes",
     "gpu_memory_utilization",
@@ -41,6 +43,11 @@ _KNOWN = (
     "enable_prefix_caching",
     "allow_untested_vllm",
 )
+
+
+def unknown_options(names: Iterable[str]) -> list[str]:
+    """The option names of ``names`` the vllm backend does not take, sorted (none: an empty list)."""
+    return sorted(set(names) - set(KNOWN_OPTIONS))
 
 
 def _parse(opts: dict[str, str], key: str, kind: type[int] | type[float], what: str) -> int | float:
@@ -65,9 +72,9 @@ def make_vllm_backend(config: BackendConfig) -> Backend:
             and ``num_blocks``.
     """
     opts = dict(config.options)
-    unknown = sorted(set(opts) - set(_KNOWN))
+    unknown = unknown_options(opts)
     if unknown:
-        raise ValueError(f"vllm backend: unknown option(s) {unknown} (known: {', '.join(_KNOWN)})")
+        raise ValueError(f"vllm backend: unknown option(s) {unknown} (known: {', '.join(KNOWN_OPTIONS)})")
     if "model" not in opts:
         raise ValueError("vllm backend: --engine-option model=PATH_OR_NAME is required")
     try:

@@ -222,7 +222,20 @@ def test_engine_vllm_with_a_model_name_needs_a_tokenizer_directory(tmp_path: Pat
 @pytest.mark.parametrize(
     ("kw", "config", "message"),
     [
-        ({"time_scale": -1.0}, "", "hilum up: error: --time-scale: must be a finite number >= 0, got -1"),
+        ({"time_scale": -1.0}, "", "hilum up: error: --time-scale: must be a finite number > 0, got -1"),
+        ({"time_scale": 0.0}, "", "hilum up: error: --time-scale: must be a finite number > 0, got 0"),  # as a llumlet
+        (
+            {"llumlet_python": "/nonexistent/python"},
+            "",
+            "--llumlet-python /nonexistent/python: no such executable file",
+        ),
+        ({"llumlet_python": "false"}, "", "--llumlet-python false: cannot import hilum's llumlet (exit status 1)"),
+        (
+            {"engine": "torch", "engine_options": ("foo=1",)},
+            "",
+            "--engine-option foo: the torch engine has no such option (known: eos_token_id, threads, device, "
+            "model.<LlamaConfig field>)",
+        ),
         ({"min_step_s": float("nan")}, "", "hilum up: error: --min-step-s: must be a finite number >= 0, got nan"),
         (
             {"start_timeout_s": float("inf")},
@@ -247,6 +260,14 @@ def test_values_a_child_would_refuse_are_refused_before_anything_starts(
     assert run_up(cfg, out=io.StringIO(), err=err) == 2
     assert message in err.getvalue()
     assert not (tmp_path / "r").exists()  # nothing started, not even the run directory
+
+
+def test_a_run_dir_that_cannot_be_made_is_a_usage_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    err = io.StringIO()
+    cfg = UpConfig(port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "file" / "r"))
+    assert run_up(cfg, out=io.StringIO(), err=err) == 2  # it was a traceback
+    assert err.getvalue().endswith(f"--run-dir {tmp_path}/file/r: cannot create the folder (Not a directory)\n")
 
 
 def test_a_bad_api_key_file_is_refused_before_anything_starts(tmp_path: Path) -> None:
