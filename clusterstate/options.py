@@ -22,6 +22,7 @@ __all__ = [
     "check_prefix",
     "log_level_option",
     "non_negative_option",
+    "positive_int_option",
     "positive_option",
     "prefix_option",
     "ttl_option",
@@ -96,6 +97,18 @@ def non_negative_option(text: str) -> float:
     value = _number(text, ">= 0")
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def positive_int_option(text: str) -> int:
+    """argparse ``type=`` of an option that takes a whole number >= 1 (a count or a size). Raises
+    argparse.ArgumentTypeError (argparse names the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
     return value
 
 

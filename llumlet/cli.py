@@ -22,6 +22,7 @@ from clusterstate.options import (
     LOG_LEVEL_HELP,
     log_level_option,
     non_negative_option,
+    positive_int_option,
     positive_option,
     prefix_option,
     ttl_option,
@@ -49,13 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--topology", help="topology file or bundled name: domain, KV size, transports, rate caps")
     p.add_argument("--domain-id", default="", help="NVLink domain (default: from the topology)")
-    p.add_argument("--num-blocks", type=int, help="KV cache capacity in blocks (default: topology / backend)")
-    p.add_argument("--block-size", type=int, help="tokens per KV block (default: topology / backend)")
+    p.add_argument(
+        "--num-blocks", type=positive_int_option, help="KV cache capacity in blocks (default: topology / backend)"
+    )
+    p.add_argument(
+        "--block-size", type=positive_int_option, help="tokens per KV block (default: the topology's, which it must be)"
+    )
     p.add_argument("--time-scale", type=positive_option, default=1.0, help="sim: wall seconds per modelled second")
     p.add_argument(
         "--min-step-s", type=non_negative_option, default=0.0, help="every step lasts at least this long (tests)"
     )
-    p.add_argument("--max-num-seqs", type=int, default=256, help="requests per batch at most")
+    p.add_argument("--max-num-seqs", type=positive_int_option, default=256, help="requests per batch at most")
     p.add_argument("--seed", type=int, default=0, help="backend seed (torch: model weights)")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE", help="backend option")
     p.add_argument(
@@ -235,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     require_reachable(parser, ns.listen, ns.advertise)
     if ns.etcd and not ns.topology:  # before anything starts (the server it made was left to a closed loop)
         parser.error("--etcd needs --topology (the registration names the node, model and KV capacity)")
-    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=ns.log_level, format=f"%(asctime)s {ns.instance_id} %(name)s %(levelname)s %(message)s")
     try:
         topology = load_topology(ns.topology) if ns.topology else None
         if topology is not None:
@@ -243,6 +248,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if ns.domain_id and ns.domain_id != home:  # its registration names the topology's domain anyway
                 raise ValueError(
                     f"--domain-id {ns.domain_id}: instance {ns.instance_id} is in domain {home} in {ns.topology}"
+                )
+            model = topology.model_of(ns.instance_id)
+            if ns.block_size is not None and ns.block_size != model.block_size_tokens:  # schedulers count in these
+                raise ValueError(
+                    f"--block-size {ns.block_size}: model {model.name} has {model.block_size_tokens}-token KV blocks "
+                    f"in {ns.topology}, and the schedulers count this instance's blocks in those"
                 )
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(_run(ns, topology))

@@ -94,6 +94,11 @@ _DAEMONS = {
         ("llumlet", "--reservation-expiry-s", "-1", "expected a number > 0, got '-1'"),
         ("gateway", "--unavailable-wait", "-5", "expected a number >= 0, got '-5'"),
         ("rack_sched", "--ready-timeout", "-1", "expected a number >= 0, got '-1'"),
+        # each named an internal field (BackendConfig.num_blocks, the Scheduler's max_num_seqs), not the option
+        ("llumlet", "--num-blocks", "0", "expected a whole number >= 1, got '0'"),
+        ("llumlet", "--block-size", "0", "expected a whole number >= 1, got '0'"),
+        ("llumlet", "--max-num-seqs", "0", "expected a whole number >= 1, got '0'"),
+        ("llumlet", "--max-num-seqs", "2.5", "expected a whole number >= 1, got '2.5'"),
     ],
 )
 def test_every_process_refuses_a_bad_option_before_it_starts(
@@ -121,4 +126,17 @@ def test_a_llumlet_refuses_a_domain_id_its_topology_does_not_give_its_instance(
     assert llumlet_main(["--instance-id", "node-0-i0", "--topology", "1x8-a100", "--domain-id", "node-7"]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
         "llumlet: error: --domain-id node-7: instance node-0-i0 is in domain node-0 in 1x8-a100"
+    )
+
+
+def test_a_llumlet_refuses_a_block_size_its_topology_does_not_give_its_model(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from llumlet.cli import main as llumlet_main
+
+    # it was accepted: the engine cut its KV cache in 7-token blocks while every scheduler counted 16-token ones
+    assert llumlet_main(["--instance-id", "node-0-i0", "--topology", "1x8-a100", "--block-size", "7"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "llumlet: error: --block-size 7: model llama-2-7b has 16-token KV blocks in 1x8-a100, and the schedulers "
+        "count this instance's blocks in those"
     )
