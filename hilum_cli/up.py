@@ -112,7 +112,14 @@ from hilum_proto.tls import WILDCARD_HOSTS, bind_refusal
 from llumlet.backends import torch_backend, vllm_backend
 from llumlet.backends.base import parse_engine_options
 from llumlet.linkbudget import LinkBudgets
-from topology.load import TopologyError, bundled_path, load_topology, parse_topology, tokenizer_errors
+from topology.load import (
+    TopologyError,
+    bundled_path,
+    load_topology,
+    parse_topology,
+    tokenizer_dir_problem,
+    tokenizer_errors,
+)
 from topology.spec import Topology
 
 __all__ = ["LOCAL_TOPOLOGY", "PortPlan", "UpConfig", "UpError", "describe", "plan_ports", "register", "run_up"]
@@ -620,10 +627,8 @@ def _check_gateways(cfg: UpConfig) -> None:
 def _check_tokenizers(cfg: UpConfig, topology: Topology) -> None:
     """Refuse to start on a tokenizer directory that is not there (``--tokenizer``, or the topology's)."""
     if cfg.tokenizer:
-        if not Path(cfg.tokenizer).is_dir():
-            raise UpUsageError(
-                f"--tokenizer {cfg.tokenizer}: no such directory (need a Hugging Face tokenizer directory)"
-            )
+        if (what := tokenizer_dir_problem(cfg.tokenizer)) is not None:
+            raise UpUsageError(f"--tokenizer {cfg.tokenizer}: {what} (need a Hugging Face tokenizer directory)")
         return
     errors = tokenizer_errors(topology, sorted({i.model for i in topology.instances}))
     if errors:
@@ -777,7 +782,7 @@ def _llumlet_specs(lay: _Layout) -> list[ChildSpec]:
             cmd += ["--engine-option", f"model.max_position_embeddings={model.max_context_tokens}"]
         if cfg.min_step_s:
             cmd += ["--min-step-s", str(cfg.min_step_s)]
-        if cfg.tokenizer:
+        if cfg.tokenizer and cfg.engine != "sim":  # the sim engine reads none (the gateway does)
             cmd += ["--tokenizer", cfg.tokenizer]
         for option in cfg.engine_options:
             cmd += ["--engine-option", option]

@@ -41,6 +41,7 @@ __all__ = [
     "load_topology",
     "parse_topology",
     "parse_yaml",
+    "tokenizer_dir_problem",
     "tokenizer_errors",
     "yaml_error_line",
 ]
@@ -347,9 +348,26 @@ def _resolve(path: str | None, base_dir: Path | None) -> str | None:
     return str(p)
 
 
+#: The files a Hugging Face tokenizer directory (``save_pretrained``) holds at least one of.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def tokenizer_dir_problem(path: str | Path) -> str | None:
+    """What keeps ``path`` from being a tokenizer directory, as words after it ("does not exist", "is not a
+    directory", "holds no tokenizer file (...)"); None when it is a directory holding one of
+    :data:`TOKENIZER_FILES`. Only the file system is read (loading one takes transformers and seconds)."""
+    where = Path(path)
+    if not where.is_dir():
+        return "is not a directory" if where.exists() else "does not exist"
+    if not any((where / name).is_file() for name in TOKENIZER_FILES):
+        return f"holds no tokenizer file ({', '.join(TOKENIZER_FILES)})"
+    return None
+
+
 def tokenizer_errors(topology: Topology, models: Sequence[str] | None = None) -> list[str]:
-    """Every ``models[].tokenizer`` of ``models`` (default: all) that is not a directory on this machine, as
-    ``"<file>: models[i].tokenizer: <path> does not exist"``; empty when all are there.
+    """Every ``models[].tokenizer`` of ``models`` (default: all) that is not a tokenizer directory on this machine
+    (:func:`tokenizer_dir_problem`), as ``"<file>: models[i].tokenizer: <path> does not exist"``; empty when all
+    are there.
 
     The loader does not check this (the coordinator and the simulator never read a tokenizer, and need not
     run where it is): the processes that load one — the gateway and the llumlets — call this at start.
@@ -358,9 +376,8 @@ def tokenizer_errors(topology: Topology, models: Sequence[str] | None = None) ->
     for i, (name, model) in enumerate(topology.models.items()):
         if model.tokenizer is None or (models is not None and name not in models):
             continue
-        where = Path(model.tokenizer)
-        if not where.is_dir():
-            what = "is not a directory" if where.exists() else "does not exist"
+        what = tokenizer_dir_problem(model.tokenizer)
+        if what is not None:
             errors.append(
                 f"{topology.source}: models[{i}].tokenizer: {model.tokenizer} {what} "
                 f"(model {name}: need the directory of its Hugging Face tokenizer)"

@@ -36,10 +36,16 @@ def make_sim_backend(config: BackendConfig) -> Backend:
     Raises:
         KeyError: the instance is not in ``config.topology``.
         UnsupportedLatencyModelError: no latency model for the instance's (model, GPU, TP).
-        ValueError: ``config.options`` is not empty (the sim backend takes no ``--engine-option``).
+        ValueError: ``config.options`` is not empty (the sim backend takes no ``--engine-option``), or
+            ``config.tokenizer`` is set (it reads none).
     """
     if config.options:
         raise ValueError(f"sim backend: unknown option(s) {', '.join(sorted(config.options))} (it takes none)")
+    if config.tokenizer is not None:  # accepted and ignored before
+        raise ValueError(
+            f"--tokenizer {config.tokenizer}: the sim engine reads no tokenizer (its tokens are the ids the gateway's "
+            "tokenizer made): give it to the gateway"
+        )
     topo = config.topology
     if topo is not None:
         spec = topo.instance(config.instance_id)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from topology.load import tokenizer_dir_problem
+
 __all__ = ["TokenizerInfo", "TokenizerLoadError", "load_hf_tokenizer", "tokenizer_info"]
 
 
@@ -38,12 +40,13 @@ def load_hf_tokenizer(path: str | Path) -> Any:
     """``transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)``.
 
     Raises:
-        TokenizerLoadError: ``path`` is not a directory, holds no tokenizer transformers can load, or
+        TokenizerLoadError: ``path`` is not a directory, holds no tokenizer file
+            (``topology.load.tokenizer_dir_problem``) or none transformers can load, or
             transformers is not installed; the message names ``path``.
     """
     where = Path(path)
-    if not where.is_dir():
-        what = "is not a directory" if where.exists() else "does not exist"
+    what = tokenizer_dir_problem(where)
+    if what is not None:  # before transformers, whose message for a folder without one blames missing packages
         raise TokenizerLoadError(f"tokenizer {str(path)!r} {what} (need a directory saved by save_pretrained)")
     try:
         from transformers import AutoTokenizer

@@ -159,6 +159,9 @@ def test_load_tokenizers_refuses_a_missing_directory_naming_the_key(tmp_path: Pa
     with pytest.raises(TokenizerLoadError, match=r"--tokenizer for gpt: not a model served by t\.yaml"):
         load_tokenizers(topo, {"gpt": "/x"})
     (tmp_path / "tok").mkdir()  # there, but empty
+    with pytest.raises(TokenizerLoadError, match=re.escape(f"{tmp_path / 'tok'} holds no tokenizer file (")):
+        load_tokenizers(topo)
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")  # one, but not a tokenizer
     with pytest.raises(TokenizerLoadError, match=re.escape(f"tokenizer '{tmp_path / 'tok'}' cannot be loaded")):
         load_tokenizers(topo)
 

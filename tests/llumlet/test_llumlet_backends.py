@@ -72,6 +72,12 @@ def test_torch_options() -> None:
 def test_the_sim_backend_refuses_any_option_by_name() -> None:
     with pytest.raises(ValueError, match=r"sim backend: unknown option\(s\) colour, nosuch \(it takes none\)"):
         make_backend("sim", BackendConfig(instance_id="x", options={"nosuch": "1", "colour": "red"}))
+    with pytest.raises(ValueError) as err:  # accepted and ignored before
+        make_backend("sim", BackendConfig(instance_id="x", tokenizer="/tok"))
+    assert str(err.value) == (
+        "--tokenizer /tok: the sim engine reads no tokenizer (its tokens are the ids the gateway's tokenizer made): "
+        "give it to the gateway"
+    )
 
 
 def test_torch_takes_vocabulary_and_eos_from_the_tokenizer(bpe_tokenizer_dir: Path, tmp_path: Path) -> None:

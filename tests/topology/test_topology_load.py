@@ -436,6 +436,12 @@ def test_tokenizer_key_paths_and_errors(tmp_path: Path) -> None:
         "(model llama-2-7b: need the directory of its Hugging Face tokenizer)"
     ]
     (tmp_path / "models" / "llama-tok").mkdir(parents=True)
+    assert tokenizer_errors(topo) == [  # transformers then blamed packages not installed (sentencepiece, tiktoken)
+        f"{tmp_path / 'cluster.yaml'}: models[0].tokenizer: {tmp_path / 'models' / 'llama-tok'} holds no tokenizer "
+        "file (tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json, spiece.model) (model llama-2-7b: "
+        "need the directory of its Hugging Face tokenizer)"
+    ]
+    (tmp_path / "models" / "llama-tok" / "tokenizer.json").write_text("{}")
     assert tokenizer_errors(topo) == []
     assert load_topology("1x8-a100").models["llama-2-7b"].tokenizer is None
     data["models"][0]["tokenizer"] = "/abs/tok"
