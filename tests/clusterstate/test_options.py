@@ -117,26 +117,24 @@ def test_every_process_refuses_a_bad_option_before_it_starts(
     assert done.stderr.splitlines()[-1] == f"python -m {module}: error: argument {option}: {message}"
 
 
-def test_a_llumlet_refuses_a_domain_id_its_topology_does_not_give_its_instance(
-    capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        # it was accepted, and its registration named the topology's domain anyway
+        ("--domain-id", "node-7", "--domain-id node-7: instance node-0-i0 is in domain node-0 in 1x8-a100"),
+        # it was accepted: the engine cut its KV cache in 7-token blocks while every scheduler counted 16-token ones
+        (
+            "--block-size",
+            "7",
+            "--block-size 7: model llama-2-7b has 16-token KV blocks in 1x8-a100, and the schedulers count this "
+            "instance's blocks in those",
+        ),
+    ],
+)
+def test_a_llumlet_refuses_what_its_topology_says_otherwise(
+    option: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from llumlet.cli import main as llumlet_main
 
-    # it was accepted, and its registration named the topology's domain anyway
-    assert llumlet_main(["--instance-id", "node-0-i0", "--topology", "1x8-a100", "--domain-id", "node-7"]) == 2
-    assert capsys.readouterr().err.splitlines()[-1] == (
-        "llumlet: error: --domain-id node-7: instance node-0-i0 is in domain node-0 in 1x8-a100"
-    )
-
-
-def test_a_llumlet_refuses_a_block_size_its_topology_does_not_give_its_model(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    from llumlet.cli import main as llumlet_main
-
-    # it was accepted: the engine cut its KV cache in 7-token blocks while every scheduler counted 16-token ones
-    assert llumlet_main(["--instance-id", "node-0-i0", "--topology", "1x8-a100", "--block-size", "7"]) == 2
-    assert capsys.readouterr().err.splitlines()[-1] == (
-        "llumlet: error: --block-size 7: model llama-2-7b has 16-token KV blocks in 1x8-a100, and the schedulers "
-        "count this instance's blocks in those"
-    )
+    assert llumlet_main(["--instance-id", "node-0-i0", "--topology", "1x8-a100", option, value]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"llumlet: error: {message}"
