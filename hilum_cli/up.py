@@ -158,6 +158,7 @@ fabric:
 """
 
 ENGINES = ("sim", "torch", "vllm")
+_PYTHON_CHECK_S = 60.0  # how long importing hilum's llumlet in --llumlet-python may take (seconds)
 _VLLM_CHECK_S = 300.0  # how long importing vLLM in the llumlets' python may take (seconds; a loaded CPU is slow)
 _ETCD_PROBE_S = 3.0  # how long an --etcd endpoint has to answer before anything starts
 
@@ -570,7 +571,7 @@ def _check_llumlet_python(cfg: UpConfig) -> None:
     try:
         proc = subprocess.run(
             [py, "-c", "import llumlet.cli"], env=_child_env(cfg), cwd=_REPO, capture_output=True, text=True,
-            timeout=_VLLM_CHECK_S,
+            timeout=_PYTHON_CHECK_S,
         )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise UpUsageError(f"--llumlet-python {cfg.llumlet_python}: cannot run it ({exc})") from None
