@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["RECOVERED_LEVEL", "WARN_EVERY_S", "Backoff", "BackoffConfig", "RepeatedFailures"]
+__all__ = ["RECOVERED_LEVEL", "WARN_EVERY_S", "Backoff", "BackoffConfig", "RepeatedFailures", "failed_attempts"]
 
 #: While a failure repeats, a retry loop warns at its first and then once every this many seconds; the retries
 #: between are logged at debug level. Every loop retrying every ``max_s`` through an etcd outage wrote a warning a
@@ -19,6 +19,11 @@ WARN_EVERY_S = 30.0
 #: The level of the line a retry loop writes when it succeeds after failures: that of the warning it ends, so a log
 #: kept at WARNING (a llumlet's and a gateway's default) says that etcd answers again, not only that it did not.
 RECOVERED_LEVEL = logging.WARNING
+
+
+def failed_attempts(count: int) -> str:
+    """``count`` failed attempts in words, for a recovery line: "1 failed attempt", "3 failed attempts"."""
+    return f"{count} failed attempt{'' if count == 1 else 's'}"
 
 
 class RepeatedFailures:

@@ -21,7 +21,7 @@ import random
 import time
 from collections.abc import Callable
 
-from clusterstate.backoff import RECOVERED_LEVEL, Backoff, BackoffConfig, RepeatedFailures
+from clusterstate.backoff import RECOVERED_LEVEL, Backoff, BackoffConfig, RepeatedFailures, failed_attempts
 from clusterstate.etcd import (
     RETRYABLE_ERRORS,
     Etcd3Client,
@@ -188,9 +188,9 @@ class Session:
                 if self._renewals_failed.failures:  # said at the level of the warning it ends
                     _log.log(
                         RECOVERED_LEVEL,
-                        "lease %x: renewal confirmed again after %d failed attempts",
+                        "lease %x: renewal confirmed again after %s",
                         self.lease_id,
-                        self._renewals_failed.failures,
+                        failed_attempts(self._renewals_failed.failures),
                     )
                 self._renewals_failed.reset()
                 failed = None
@@ -376,7 +376,7 @@ class Registrar:
             try:
                 session = await Session.open(self._client, self._ttl_s, clock=self._clock)
                 if failures := self._backoff.reset():
-                    _log.log(RECOVERED_LEVEL, "%s: etcd answers again after %d failed attempts", self._name, failures)
+                    _log.log(RECOVERED_LEVEL, "%s: etcd answers again after %s", self._name, failed_attempts(failures))
                 return session
             except RETRYABLE_ERRORS as exc:
                 delay = self._backoff.next_s()

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from clusterstate.backoff import RECOVERED_LEVEL, Backoff, BackoffConfig
+from clusterstate.backoff import RECOVERED_LEVEL, Backoff, BackoffConfig, failed_attempts
 from clusterstate.etcd import (
     RETRYABLE_ERRORS,
     Etcd3Client,
@@ -488,7 +488,7 @@ class ClusterView:
             try:
                 revision = await self._list(cause)
                 if failures := self._backoff.reset():
-                    _log.log(RECOVERED_LEVEL, "cluster view: etcd answers again after %d failed attempts", failures)
+                    _log.log(RECOVERED_LEVEL, "cluster view: etcd answers again after %s", failed_attempts(failures))
                 if self._on_listed is not None:
                     await self._on_listed(revision)
                 cause = await self._watch(revision + 1)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from clusterstate.backoff import RECOVERED_LEVEL, Backoff, BackoffConfig
+from clusterstate.backoff import RECOVERED_LEVEL, Backoff, BackoffConfig, failed_attempts
 from clusterstate.election import Election, Leader
 from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, error_line
 from clusterstate.fencing import Fence, FencedOut
@@ -216,7 +216,7 @@ class Coordinator:
                 async for leader in self.election.observe():
                     self.observed_leader = leader
                     if failures := backoff.reset():
-                        _log.log(RECOVERED_LEVEL, "observing the leader again after %d failed attempts", failures)
+                        _log.log(RECOVERED_LEVEL, "observing the leader again after %s", failed_attempts(failures))
             except RETRYABLE_ERRORS as exc:
                 delay = backoff.next_s()
                 _log.log(
@@ -246,14 +246,15 @@ class Coordinator:
         while not stop.is_set():
             try:
                 session = await Session.open(self._client, self.cfg.ttl_s, clock=self._clock)
-                if unanswered:  # the backoff is reset once this replica leads, as before
+                if unanswered:  # etcd answers: the next failure is the first of a new run (a standby never leads)
                     _log.log(
                         RECOVERED_LEVEL,
-                        "%s: etcd answers again after %d failed attempts",
+                        "%s: etcd answers again after %s",
                         self.cfg.coordinator_id,
-                        unanswered,
+                        failed_attempts(unanswered),
                     )
                     unanswered = 0
+                    backoff.reset()
             except RETRYABLE_ERRORS as exc:
                 unanswered += 1
                 delay = backoff.next_s()

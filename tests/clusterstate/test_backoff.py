@@ -14,7 +14,7 @@ from pathlib import Path
 
 from etcd_server import EtcdServer
 
-from clusterstate.backoff import WARN_EVERY_S, Backoff, BackoffConfig, RepeatedFailures
+from clusterstate.backoff import WARN_EVERY_S, Backoff, BackoffConfig, RepeatedFailures, failed_attempts
 
 
 def test_delays_grow_to_the_cap_with_jitter_and_start_again_after_a_reset() -> None:
@@ -39,6 +39,10 @@ def test_a_run_of_failures_warns_at_its_first_then_once_every_period() -> None:
     assert repeats.failures == 40
     repeats.reset()  # a success: the next failure starts a new run, and says so
     assert repeats.failed() == logging.WARNING and repeats.failures == 1
+
+
+def test_a_recovery_line_counts_one_failed_attempt_in_the_singular() -> None:
+    assert [failed_attempts(n) for n in (1, 2, 21)] == ["1 failed attempt", "2 failed attempts", "21 failed attempts"]
 
 
 def test_backoff_gives_the_level_of_the_failure_it_counted() -> None:
@@ -75,9 +79,9 @@ def test_a_coordinator_without_etcd_warns_once_per_retry_loop_then_says_when_it_
         etcd.start()
         recovered = [  # each loop says it recovered, at its next retry (up to 2 s apart), at its warnings' level
             r" INFO c1 leads with fencing token ",
-            r" WARNING c1: etcd answers again after \d+ failed attempts",
-            r" WARNING cluster view: etcd answers again after \d+ failed attempts",
-            r" WARNING observing the leader again after \d+ failed attempts",
+            r" WARNING c1: etcd answers again after \d+ failed attempts?",
+            r" WARNING cluster view: etcd answers again after \d+ failed attempts?",
+            r" WARNING observing the leader again after \d+ failed attempts?",
         ]
         deadline = time.monotonic() + 30
         while not all(re.search(line, log.read_text()) for line in recovered):

@@ -122,3 +122,52 @@ def test_a_leader_within_one_ttl_after_etcd_answers_again(
     # only a replica that lost the lead says it leads again (the other one leads for the first time)
     assert again == ([(logging.WARNING, f"{first}: leads again, fencing token {leader_token}")] if new == first else [])
     assert [level for level, text in lines if text.endswith("): stopping")] == [logging.INFO], lines
+
+
+def test_a_standby_counts_its_failures_from_one_in_each_outage(
+    etcd_private: EtcdServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    # its retry count and delay were reset only when it led: a standby's second outage began at the first one's
+    # count ("attempt 17; retrying in 1.85 s") and its recovery line counted one failure
+    caplog.set_level(logging.INFO)
+
+    async def main() -> None:
+        clients = [connect([etcd_private.endpoint]) for _ in range(2)]
+        for client in clients:
+            await client.connect()
+        replicas = [_replica(n, c, etcd_private) for n, c in zip(("coord-a", "coord-b"), clients, strict=True)]
+        stop = asyncio.Event()
+        runs = [asyncio.create_task(c.run(stop)) for c in replicas]
+
+        def failures_of(name: str) -> list[str]:
+            said = (r.getMessage() for r in caplog.records)
+            return [m for m in said if m.startswith(f"{name}: cannot open an etcd session")]
+
+        async def outage() -> None:
+            await asyncio.to_thread(etcd_private.stop)
+            async with asyncio.timeout(TTL_S + 10):
+                while _leaders(replicas) or not all(failures_of(c.cfg.coordinator_id) for c in replicas):
+                    await asyncio.sleep(0.05)
+            await asyncio.to_thread(etcd_private.start)
+            async with asyncio.timeout(TTL_S + 10):
+                while not _leaders(replicas):
+                    await asyncio.sleep(0.02)
+
+        async with asyncio.timeout(20):
+            while not _leaders(replicas):
+                await asyncio.sleep(0.02)
+        await outage()
+        standby = next(c.cfg.coordinator_id for c in replicas if not c.is_leader())
+        before = len(failures_of(standby))
+        await asyncio.to_thread(etcd_private.stop)
+        async with asyncio.timeout(TTL_S + 10):
+            while len(failures_of(standby)) == before:
+                await asyncio.sleep(0.05)
+        assert ", attempt 1; " in failures_of(standby)[before], failures_of(standby)
+        await asyncio.to_thread(etcd_private.start)
+        stop.set()
+        await asyncio.gather(*runs)
+        for client in clients:
+            await client.close()
+
+    asyncio.run(main())
