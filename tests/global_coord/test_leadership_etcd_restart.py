@@ -158,6 +158,9 @@ def test_a_standby_counts_its_failures_from_one_in_each_outage(
                 await asyncio.sleep(0.02)
         await outage()
         standby = next(c.cfg.coordinator_id for c in replicas if not c.is_leader())
+        async with asyncio.timeout(TTL_S + 10):  # its session open again (the run of failures ended)
+            while not any(r.getMessage().startswith(f"{standby}: etcd answers again after ") for r in caplog.records):
+                await asyncio.sleep(0.05)
         before = len(failures_of(standby))
         await asyncio.to_thread(etcd_private.stop)
         async with asyncio.timeout(TTL_S + 10):
