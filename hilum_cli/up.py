@@ -1076,8 +1076,9 @@ def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) ->
         try:
             try:
                 run_dir.mkdir(parents=True, exist_ok=True)
+                tempfile.TemporaryFile(dir=run_dir).close()  # it writes every process's files there
             except OSError as exc:
-                say(f"error: --run-dir {run_dir}: cannot create the folder ({exc.strerror or exc})")
+                say(f"error: --run-dir {run_dir}: cannot write there ({exc.strerror or exc})")
                 return 2
             say(f"run directory {run_dir}")
             sup = Supervisor(

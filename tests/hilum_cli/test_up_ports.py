@@ -8,6 +8,7 @@ import os
 import socket
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -267,7 +268,11 @@ def test_a_run_dir_that_cannot_be_made_is_a_usage_error(tmp_path: Path) -> None:
     err = io.StringIO()
     cfg = UpConfig(port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "file" / "r"))
     assert run_up(cfg, out=io.StringIO(), err=err) == 2  # it was a traceback
-    assert err.getvalue().endswith(f"--run-dir {tmp_path}/file/r: cannot create the folder (Not a directory)\n")
+    assert err.getvalue().endswith(f"--run-dir {tmp_path}/file/r: cannot write there (Not a directory)\n")
+    err = io.StringIO()
+    cfg = replace(cfg, run_dir="/proc")  # there, but nothing can be written in it: a traceback after the check
+    assert run_up(cfg, out=io.StringIO(), err=err) == 2
+    assert err.getvalue().endswith("--run-dir /proc: cannot write there (No such file or directory)\n")
 
 
 def test_a_bad_api_key_file_is_refused_before_anything_starts(tmp_path: Path) -> None:
