@@ -38,6 +38,14 @@ def _replica(name: str, client: Any, etcd: EtcdServer) -> Coordinator:
     return Coordinator(cfg, client, rng=random.Random(name))
 
 
+async def _two_replicas(etcd: EtcdServer) -> tuple[list[Any], list[Coordinator]]:
+    """Two replicas, ``coord-a`` and ``coord-b``, each with its own connected etcd client (not running yet)."""
+    clients = [connect([etcd.endpoint]) for _ in range(2)]
+    for client in clients:
+        await client.connect()
+    return clients, [_replica(n, c, etcd) for n, c in zip(("coord-a", "coord-b"), clients, strict=True)]
+
+
 def _leaders(replicas: list[Coordinator]) -> list[str]:
     return [c.cfg.coordinator_id for c in replicas if c.is_leader()]
 
@@ -50,10 +58,7 @@ def test_a_leader_within_one_ttl_after_etcd_answers_again(
 
     async def main() -> tuple[str, str, int]:
         asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: loop_errors.append(str(ctx["message"])))
-        clients = [connect([etcd_private.endpoint]) for _ in range(2)]
-        for client in clients:
-            await client.connect()
-        replicas = [_replica(n, c, etcd_private) for n, c in zip(("coord-a", "coord-b"), clients, strict=True)]
+        clients, replicas = await _two_replicas(etcd_private)
         stop = asyncio.Event()
         runs = [asyncio.create_task(c.run(stop)) for c in replicas]
         self_named: list[str] = []  # "X is not the leader: the leader is X" would be a lie
@@ -132,10 +137,7 @@ def test_a_standby_counts_its_failures_from_one_in_each_outage(
     caplog.set_level(logging.INFO)
 
     async def main() -> None:
-        clients = [connect([etcd_private.endpoint]) for _ in range(2)]
-        for client in clients:
-            await client.connect()
-        replicas = [_replica(n, c, etcd_private) for n, c in zip(("coord-a", "coord-b"), clients, strict=True)]
+        clients, replicas = await _two_replicas(etcd_private)
         stop = asyncio.Event()
         runs = [asyncio.create_task(c.run(stop)) for c in replicas]
 
