@@ -435,20 +435,12 @@ class Registrar:
                 continue
             self.session = session
             self.registered.set()
-            if self._entries and old_lease is not None:  # after a warning: said at its level (RECOVERED_LEVEL)
-                _log.log(
-                    RECOVERED_LEVEL,
-                    "%s: %d key%s registered again under lease %x",
-                    self._name,
-                    len(self._entries),
-                    "" if len(self._entries) == 1 else "s",
-                    session.lease_id,
-                )
-            elif self._entries:
-                n = len(self._entries)
-                _log.info(
-                    "%s: %d key%s registered under lease %x", self._name, n, "" if n == 1 else "s", session.lease_id
-                )
+            n = len(self._entries)
+            keys = f"{n} key{'' if n == 1 else 's'}"
+            if n and old_lease is not None:  # after a warning: said at its level (RECOVERED_LEVEL)
+                _log.log(RECOVERED_LEVEL, "%s: %s registered again under lease %x", self._name, keys, session.lease_id)
+            elif n:
+                _log.info("%s: %s registered under lease %x", self._name, keys, session.lease_id)
             else:  # a claim (claim_or_wait) registers its key next
                 _log.info("%s: etcd session open under lease %x, no key registered yet", self._name, session.lease_id)
             stop_task = asyncio.ensure_future(stop.wait())

@@ -28,10 +28,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
 
+from clusterstate.aio import until_stopped
 from clusterstate.clock import SYSTEM_CLOCK, Clock
 from clusterstate.records import ACTIVE_STATES, AutoscaleRecord, DrainKind, ScaleEvent
 from global_coord.actuator import CommandActuator, HookResult
@@ -89,7 +89,7 @@ class AutoscaleLoop:
     async def run(self, stop: asyncio.Event) -> None:
         """Until ``stop``: wait to lead, then run rounds while leading."""
         while not stop.is_set():
-            if not await _first(self.coordinator.elected.wait(), stop):
+            if not await until_stopped(self.coordinator.elected.wait(), stop):
                 return
             try:
                 await self._lead(stop)
@@ -117,7 +117,7 @@ class AutoscaleLoop:
         )
         while not stop.is_set() and self.coordinator.is_leader():
             await self.round()
-            if not await _first(self.clock.sleep(self.rule.interval_s), stop):
+            if not await until_stopped(self.clock.sleep(self.rule.interval_s), stop):
                 return
 
     async def round(self) -> None:
@@ -237,18 +237,3 @@ class AutoscaleLoop:
         for task in hooks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-
-
-async def _first(aw: Coroutine[Any, Any, Any], stop: asyncio.Event) -> bool:
-    """Wait for ``aw`` or ``stop``; True unless ``stop`` is set."""
-    task = asyncio.ensure_future(aw)
-    stopper = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (task, stopper):
-            t.cancel()
-        for t in (task, stopper):
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-    return not stop.is_set()

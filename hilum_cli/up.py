@@ -109,8 +109,7 @@ from global_coord.cli import check_autoscale
 from hilum_cli import counted
 from hilum_cli.supervisor import ChildSpec, RestartPolicy, StartFailed, Supervisor
 from hilum_proto.tls import WILDCARD_HOSTS, bind_refusal
-from llumlet.backends import torch_backend, vllm_backend
-from llumlet.backends.base import parse_engine_options
+from llumlet.backends.base import engine_option_refusal, parse_engine_options
 from llumlet.linkbudget import LinkBudgets
 from topology.load import (
     TopologyError,
@@ -213,12 +212,13 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def _is_ipv6(host: str) -> bool:
-    """Whether ``host`` (no brackets) is an IPv6 address, a zone (``%lo``) allowed."""
+def _ipv6(host: str) -> ipaddress.IPv6Address | None:
+    """``host`` (no brackets) as an IPv6 address, a zone (``%lo``) allowed; None when it is not one."""
     try:
-        return ipaddress.ip_address(host.split("%", 1)[0]).version == 6
+        address = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
-        return False
+        return None
+    return address if isinstance(address, ipaddress.IPv6Address) else None
 
 
 def _check_host(host: str) -> None:
@@ -230,9 +230,8 @@ def _check_host(host: str) -> None:
     if any(c.isspace() for c in host):
         raise UpUsageError(f"--host {host!r}: a host name or an IPv4 address has no spaces")
     bare = host.strip("[]")
-    if _is_ipv6(bare):
-        mapped = ipaddress.IPv6Address(bare.split("%", 1)[0]).ipv4_mapped
-        if mapped is not None:
+    if (v6 := _ipv6(bare)) is not None:
+        if (mapped := v6.ipv4_mapped) is not None:
             raise UpUsageError(f"--host {host}: an IPv4-mapped IPv6 address; give the IPv4 address: --host {mapped}")
         raise UpUsageError(
             f"--host {host} is an IPv6 address; hilum up runs its cluster on an IPv4 address or a host name "
@@ -503,14 +502,8 @@ def _check(cfg: UpConfig) -> _Checked:
         options = parse_engine_options(cfg.engine_options)
     except ValueError as exc:
         raise UpUsageError(str(exc)) from None
-    if cfg.engine == "sim" and options:
-        raise UpUsageError(f"--engine-option {', '.join(sorted(options))}: the sim engine takes no option")
-    if cfg.engine in ("torch", "vllm"):
-        backend = torch_backend if cfg.engine == "torch" else vllm_backend
-        if unknown := backend.unknown_options(options):
-            known = ", ".join(backend.KNOWN_OPTIONS) + (", model.<LlamaConfig field>" if cfg.engine == "torch" else "")
-            raise UpUsageError(f"--engine-option {', '.join(unknown)}: the {cfg.engine} engine has no such option "
-                               f"(known: {known})")  # fmt: skip
+    if (refusal := engine_option_refusal(cfg.engine, options)) is not None:
+        raise UpUsageError(f"--engine-option {refusal}")
     tokenizer = cfg.tokenizer
     if cfg.engine == "vllm":
         tokenizer = _vllm_tokenizer(cfg, topology, options)

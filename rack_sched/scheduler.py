@@ -40,12 +40,13 @@ import json
 import logging
 import math
 import random
-from collections.abc import Awaitable, Callable, Collection, Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from clusterstate.aio import until_stopped
 from clusterstate.backoff import Backoff
 from clusterstate.clock import SYSTEM_CLOCK, Clock
 from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client
@@ -115,24 +116,6 @@ class _Counters:
     approved: int = 0
 
 
-async def _unless_stopped(aw: Awaitable[Any], stop: asyncio.Event) -> bool:
-    """Await ``aw`` unless ``stop`` is set first (then ``aw`` is cancelled): True when ``aw`` finished (its
-    exception, if any, raised here)."""
-    task = asyncio.ensure_future(aw)
-    stopped = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopped.cancel()
-    if task.done():
-        task.result()
-        return True
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return False
-
-
 class DomainScheduler:
     """The scheduler of one NVLink domain. ``await run(stop)`` until ``stop`` is set.
 
@@ -188,13 +171,13 @@ class DomainScheduler:
         registrar_task = asyncio.create_task(self.registrar.run(stop), name="rack-registrar")
         loops: list[asyncio.Task[None]] = []
         try:
-            if not await _unless_stopped(self.view.synced.wait(), stop):
+            if not await until_stopped(self.view.synced.wait(), stop):
                 return  # stopped before etcd answered
             self._attempt_base = self.view.revision
             reg = DomainRegistration(self.cfg.domain_id, self.cfg.advertise_address)
             key = self.keys.domain(self.cfg.domain_id)
             claim = asyncio.ensure_future(self.registrar.claim(key, encode(reg)))
-            if not await _unless_stopped(claim, stop):
+            if not await until_stopped(claim, stop):
                 return  # stopped before a session was open (etcd refusing leases: a TTL above its maximum)
             if not claim.result():
                 raise DomainTakenError(

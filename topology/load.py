@@ -36,6 +36,7 @@ __all__ = [
     "BUNDLED_DIR",
     "BUNDLED_NAMES",
     "DEFAULT_GPU_MEMORY_UTILIZATION",
+    "TOKENIZER_FILES",
     "TopologyError",
     "bundled_path",
     "load_topology",

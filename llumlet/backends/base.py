@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from llumlet.engine.prefix_hash import PrefixCacheConfig
@@ -11,7 +11,15 @@ from llumlet.engine.types import SamplingFeature, SamplingParams, StepResult
 from topology.load import tokenizer_errors
 from topology.spec import Topology
 
-__all__ = ["BACKEND_NAMES", "Backend", "BackendConfig", "UnknownBackendError", "make_backend", "parse_engine_options"]
+__all__ = [
+    "BACKEND_NAMES",
+    "Backend",
+    "BackendConfig",
+    "UnknownBackendError",
+    "engine_option_refusal",
+    "make_backend",
+    "parse_engine_options",
+]
 
 #: Backends ``make_backend`` knows, in the order the CLI lists them.
 BACKEND_NAMES: tuple[str, ...] = ("sim", "torch", "vllm")
@@ -120,6 +128,27 @@ def parse_engine_options(items: Sequence[str]) -> dict[str, str]:
             raise ValueError(f"--engine-option {item!r}: need KEY=VALUE")
         out[key] = value
     return out
+
+
+def engine_option_refusal(name: str, options: Iterable[str]) -> str | None:
+    """Why backend ``name`` would refuse the ``--engine-option`` names ``options``, before it is built (a launcher
+    checks before starting anything): "NAMES: the sim engine takes no option", "NAMES: the torch engine has no such
+    option (known: ...)"; None when it takes them all (their values are the backend's to check). Raises
+    UnknownBackendError for an unknown ``name``."""
+    if name == "sim":
+        given = sorted(options)
+        return f"{', '.join(given)}: the sim engine takes no option" if given else None
+    if name not in ("torch", "vllm"):
+        raise UnknownBackendError(f"unknown engine backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
+    from llumlet.backends import torch_backend, vllm_backend  # no torch or vLLM imported: their names only
+
+    backend = torch_backend if name == "torch" else vllm_backend
+    unknown = backend.unknown_options(options)
+    return (
+        f"{', '.join(unknown)}: the {name} engine has no such option (known: {backend.OPTIONS_HELP})"
+        if unknown
+        else None
+    )
 
 
 def make_backend(name: str, config: BackendConfig) -> Backend:

@@ -27,10 +27,11 @@ from typing import Any
 
 from llumlet.backends.base import Backend, BackendConfig
 
-__all__ = ["DEFAULT_NUM_BLOCKS", "KNOWN_OPTIONS", "make_torch_backend", "unknown_options"]
+__all__ = ["DEFAULT_NUM_BLOCKS", "KNOWN_OPTIONS", "OPTIONS_HELP", "make_torch_backend", "unknown_options"]
 
 #: The torch backend's ``--engine-option`` names, besides ``model.<LlamaConfig field>``.
 KNOWN_OPTIONS = ("eos_token_id", "threads", "device")
+OPTIONS_HELP = f"{', '.join(KNOWN_OPTIONS)}, model.<LlamaConfig field>"  # what its errors list as known
 
 
 def unknown_options(names: Iterable[str]) -> list[str]:
@@ -85,9 +86,7 @@ def make_torch_backend(config: BackendConfig) -> Backend:
         elif key.startswith("model."):
             overrides[key.removeprefix("model.")] = _number(key, value)
         else:
-            raise ValueError(
-                f"torch backend: unknown option {key!r} (known: {', '.join(KNOWN_OPTIONS)}, model.<LlamaConfig field>)"
-            )
+            raise ValueError(f"torch backend: unknown option {key!r} (known: {OPTIONS_HELP})")
     tokenizer = config.tokenizer_path()
     if tokenizer is not None:
         from llumlet.engine.hf_tokenizer import tokenizer_info

@@ -30,7 +30,7 @@ from llumlet.engine.types import SamplingFeature
 #: What ``VllmEngine`` honours: every optional sampling feature (docs/gateway.md, "Request fields").
 VLLM_SAMPLING_FEATURES = frozenset(SamplingFeature)
 
-__all__ = ["KNOWN_OPTIONS", "VLLM_SAMPLING_FEATURES", "make_vllm_backend", "unknown_options"]
+__all__ = ["KNOWN_OPTIONS", "OPTIONS_HELP", "VLLM_SAMPLING_FEATURES", "make_vllm_backend", "unknown_options"]
 
 #: The vllm backend's ``--engine-option`` names.
 KNOWN_OPTIONS = (
@@ -43,6 +43,7 @@ KNOWN_OPTIONS = (
     "enable_prefix_caching",
     "allow_untested_vllm",
 )
+OPTIONS_HELP = ", ".join(KNOWN_OPTIONS)  # what its errors list as known
 
 
 def unknown_options(names: Iterable[str]) -> list[str]:
@@ -74,7 +75,7 @@ def make_vllm_backend(config: BackendConfig) -> Backend:
     opts = dict(config.options)
     unknown = unknown_options(opts)
     if unknown:
-        raise ValueError(f"vllm backend: unknown option(s) {unknown} (known: {', '.join(KNOWN_OPTIONS)})")
+        raise ValueError(f"vllm backend: unknown option(s) {unknown} (known: {OPTIONS_HELP})")
     if "model" not in opts:
         raise ValueError("vllm backend: --engine-option model=PATH_OR_NAME is required")
     try:
