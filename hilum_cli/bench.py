@@ -348,6 +348,8 @@ def _check(ns: argparse.Namespace) -> _Checked:
         raise BenchUsageError(f"--max-requests: must be >= 1, got {ns.max_requests}")
     if not 0.0 <= ns.priority_fraction <= 1.0:
         raise BenchUsageError(f"--priority-fraction: must be within 0..1, got {ns.priority_fraction:g}")
+    if ns.seed < 0:  # as hilum sim says it (the trace's synthetic parts are drawn from it)
+        raise BenchUsageError(f"--seed: must be >= 0, got {ns.seed}")
     try:
         trace = load_trace(ns.trace, rate_scale=ns.rate_scale, max_requests=ns.max_requests, seed=ns.seed)
     except (ValueError, OSError) as exc:

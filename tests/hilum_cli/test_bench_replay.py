@@ -174,6 +174,7 @@ def test_every_option_and_path_is_checked_before_the_first_request(tmp_path: Pat
         ({"timeout": float("nan")}, "--timeout: must be a number > 0, got nan", ""),
         ({"max_requests": 0}, "--max-requests: must be >= 1, got 0", ""),
         ({"priority_fraction": 1.5}, "--priority-fraction: must be within 0..1, got 1.5", ""),
+        ({"seed": -1}, "--seed: must be >= 0, got -1", ""),  # it named --trace, whose loader checks it
         ({"url": "127.0.0.1:8000"}, "--url '127.0.0.1:8000': expected http://HOST:PORT", ""),
     ]
     with echo_gateway() as (url, backend):
