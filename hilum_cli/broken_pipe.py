@@ -6,16 +6,20 @@ flush of ``sys.stdout`` adds "Exception ignored ... BrokenPipeError". rich's :cl
 catches it itself and raises ``SystemExit(1)`` (``Console.on_broken_pipe``), which exits 1 with no message.
 :func:`quiet_on_broken_pipe` applies the remedy of the Python docs (library/signal, "Note on SIGPIPE") to both:
 it catches the error at the entry point, points the gone stream's descriptor at ``/dev/null`` with
-``os.dup2`` so the final flush has somewhere to write, and returns :data:`BROKEN_PIPE_STATUS`.
+``os.dup2`` so the final flush has somewhere to write, and returns :data:`BROKEN_PIPE_STATUS`. A write that fails
+for the device's sake (a full disk, ``> /dev/full``) ends the same way, but with one line on stderr and exit 1.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import os
 import select
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import ParamSpec, TextIO
 
 __all__ = ["BROKEN_PIPE_STATUS", "quiet_on_broken_pipe"]
@@ -28,6 +32,8 @@ __all__ = ["BROKEN_PIPE_STATUS", "quiet_on_broken_pipe"]
 #: fail. Not 1 either (the Python docs' example), which is hilum's status for a runtime error.
 BROKEN_PIPE_STATUS = 0
 
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})  # writes that fail for the device's sake
+
 P = ParamSpec("P")
 
 
@@ -38,7 +44,8 @@ def quiet_on_broken_pipe(main: Callable[P, int]) -> Callable[P, int]:
     The wrapper flushes ``sys.stdout`` before returning, so a broken pipe is met here and not in the
     interpreter's shutdown. A :class:`BrokenPipeError` from anything else (a socket, a child's stdin) is
     re-raised: only one raised while stdout or stderr has lost its reader (``poll`` reports POLLERR/POLLHUP on
-    it) is taken for this case; where ``poll`` is missing, every one is.
+    it) is taken for this case; where ``poll`` is missing, every one is. An OSError of a full or failing device
+    (ENOSPC, EDQUOT, EFBIG, EIO), from whatever write, is said in one line on stderr, and the status is 1.
     """
 
     @functools.wraps(main)
@@ -56,6 +63,13 @@ def quiet_on_broken_pipe(main: Callable[P, int]) -> Callable[P, int]:
             if not isinstance(exc.__context__, BrokenPipeError):
                 raise
             gone = [s for s in (sys.stdout, sys.stderr) if _reader_gone(s)]
+        except OSError as exc:  # a full disk or a failing device (`> /dev/full`): one line, not a traceback
+            if exc.errno not in _NO_ROOM:
+                raise
+            with contextlib.suppress(OSError):  # stderr may be on the full disk too
+                print(f"{Path(sys.argv[0]).name or 'hilum'}: error: cannot write: {exc}", file=sys.stderr, flush=True)
+            _to_devnull(sys.stdout)  # what is still buffered goes nowhere, not into a second error at exit
+            return 1
         for stream in gone or [sys.stdout]:
             _to_devnull(stream)
         return BROKEN_PIPE_STATUS

@@ -12,6 +12,7 @@ import argparse
 import importlib
 import os
 import re
+import signal
 import sys
 from collections.abc import Collection, Sequence
 from typing import NamedTuple
@@ -114,9 +115,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         # One thread, and no BLAS: numpy's OpenBLAS need not start a thread per core, which spins idle for a while
         # after start-up (about 0.1 CPU-s of every `hilum sim` process on 2 cores). A value the user set stays.
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+        # SIGTERM (a service manager's stop, `timeout`) ends a run as Ctrl-C does: "interrupted", exit 130, and no
+        # results file half-written (sim.cli); Python's default would end the process where it stands
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
     parser = build_parser(full=() if command is None else (command,))
     args = parser.parse_args(argv)
-    status: int = args.func(args)
+    try:
+        status: int = args.func(args)
+    except KeyboardInterrupt:  # where a command has not said more itself (hilum sim: whether results were written)
+        print(f"hilum {command}: interrupted" if command else "hilum: interrupted", file=sys.stderr)
+        return 130
     return status
 
 

@@ -11,10 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
+import shutil
+import signal
 import sys
+import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -25,13 +31,12 @@ from hilum_config import CONFIG_ENV, ConfigError, load_config
 from hilum_config import add_argument as add_config_argument
 from topology.load import BUNDLED_NAMES
 
+from .results import RESULTS_FILE_NAME, atomic_file
 from .runner import DEFAULTS, SimSpec, check_autoscale, check_prefix_cache, fit_to_context, served_model
 from .schedulers import POLICY_NAMES, domain_request, policy_migrates
 from .traces import TRACE_NAMES
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     from topology.spec import InstanceSpec, Topology
 
     from .results import PolicySummary, SimRun
@@ -222,6 +227,50 @@ def _unknown_options(words: list[str], known: frozenset[str]) -> list[str]:
         close = difflib.get_close_matches(name, longs, n=1)
         out.append(f"{name} (did you mean {close[0]}?)" if close else name)
     return out
+
+
+TTFT_PLOT_NAME = "ttft_cdf.png"  # hilum sim --out: the TTFT CDF of every policy
+SIZING_FILE_NAME = "sizing.json"  # hilum sim size --out
+
+
+def _interrupted(command: str, out: Path | None) -> int:
+    """Say that ``command`` was interrupted (Ctrl-C, or SIGTERM: ``hilum_cli.main``) before it wrote its results, and
+    remove ``out`` if it is an empty folder (made for the run: nothing was written into it); exit status 130."""
+    if out is not None and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    print(f"{command}: interrupted; no results written", file=sys.stderr)
+    return 130
+
+
+class _Staged:
+    """A hidden folder inside ``out`` (``.hilum-sim-XXXX``) to write one run's files into: when the ``with`` block
+    ends cleanly they are moved into ``out`` together (``os.replace`` each, SIGINT and SIGTERM held back meanwhile),
+    when it raises (an interrupt included) they are removed with the folder. So ``out`` holds all of this run's files
+    or none of them, never some beside an earlier run's others. ``moved``: True once they are in ``out`` (an
+    interrupt held back during the move is raised just after it)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.path = out
+        self.moved = False
+
+    def __enter__(self) -> _Staged:
+        self.path = Path(tempfile.mkdtemp(prefix=".hilum-sim-", dir=self.out))
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        try:
+            if kind is None:
+                files = sorted(self.path.iterdir())
+                held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+                try:
+                    for f in files:
+                        os.replace(f, self.out / f.name)
+                    self.moved = True
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        finally:
+            shutil.rmtree(self.path, ignore_errors=True)
 
 
 _NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")  # what argparse takes for a negative number, not an option
@@ -435,22 +484,27 @@ def run_cli(args: argparse.Namespace) -> int:
                 run = run_simulation(spec, trace=trace, topology=topology, progress=advance)
                 runs.append(run)
     except KeyboardInterrupt:
-        if out is not None and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()  # made for this run, and nothing written into it yet
-        print("hilum sim: interrupted; no results written", file=sys.stderr)
-        return 130
+        return _interrupted("hilum sim", out)
     if out is not None:  # first: the results are kept whatever becomes of stdout (| head -1 ends the printing)
-        from .plots import plot_kv_usage, plot_ttft_cdf  # matplotlib: only when plots are written
-
+        staged = _Staged(out)
         try:
-            earlier = stored_policies(out / "results.json")  # the run whose results this one replaces
-            path = write_results(runs, out)
-            plot_ttft_cdf(runs, out / "ttft_cdf.png")
-            for run in runs:
-                plot_kv_usage(run, out / f"kv_usage_{run.policy}.png")
-        except OSError as exc:  # a full disk, a name taken by a folder: said, not a traceback
+            from .plots import plot_kv_usage, plot_ttft_cdf  # matplotlib: only when plots are written
+
+            earlier = stored_policies(out / RESULTS_FILE_NAME)  # the run whose results this one replaces
+            with staged:  # all of this run's files, or none: an earlier run's are never mixed with some of them
+                write_results(runs, staged.path)
+                plot_ttft_cdf(runs, staged.path / TTFT_PLOT_NAME)
+                for run in runs:
+                    plot_kv_usage(run, staged.path / f"kv_usage_{run.policy}.png")
+        except OSError as exc:  # a full disk: said, not a traceback
             err.print(f"[red]hilum sim: error:[/red] --out {out}: cannot write the results: {exc}", highlight=False)
             return 1
+        except KeyboardInterrupt:
+            if not staged.moved:
+                return _interrupted("hilum sim", out)
+            print(f"hilum sim: interrupted; the results were written: {out / RESULTS_FILE_NAME}", file=sys.stderr)
+            return 130
+        path = out / RESULTS_FILE_NAME
         # its KV plots of policies this run did not simulate go with its results (no other file is touched)
         stale = [out / f"kv_usage_{p}.png" for p in earlier if p in POLICY_NAMES and p not in {r.policy for r in runs}]
         removed = [p.name for p in stale if p.is_file()]
@@ -601,7 +655,10 @@ def run_size_cli(args: argparse.Namespace) -> int:
             err.print(f"{spec.policy}: {n} {_plural('instance', n)}: P99 TTFT {p99}{refused}", highlight=False)
             return summary
 
-        sizings.append(size_fleet(spec.policy, pool_size, target_s, simulate))
+        try:
+            sizings.append(size_fleet(spec.policy, pool_size, target_s, simulate))
+        except KeyboardInterrupt:
+            return _interrupted("hilum sim size", out)
     rows = [
         {
             "policy": s.policy,
@@ -615,7 +672,7 @@ def run_size_cli(args: argparse.Namespace) -> int:
         for t in s.trials
     ]
     if out is not None:  # first: kept whatever becomes of stdout (| head -1 ends the printing)
-        path = out / "sizing.json"
+        path = out / SIZING_FILE_NAME
         sized = {  # what was sized, so that the file stands alone
             "target_p99_ttft_ms": args.target_p99_ttft_ms,
             "topology": topology.name,
@@ -627,7 +684,8 @@ def run_size_cli(args: argparse.Namespace) -> int:
             "rows": rows,
         }
         try:
-            path.write_text(json.dumps(sized, indent=1))
+            with atomic_file(path) as f:  # whole or not at all
+                f.write(json.dumps(sized, indent=1))
         except OSError as exc:
             err.print(f"[red]hilum sim size: error:[/red] --out {out}: cannot write: {exc}", highlight=False)
             return 1
@@ -721,7 +779,11 @@ def _load(
     ]
     drained = None if options.autoscale else _all_drained(fleet, drains, last_s)  # the autoscaler may start others
     try:  # made once everything else is known good (a refused run leaves no empty folder), before any simulation
-        out = _output_dir(args.out, "sizing.json" if command == "hilum sim size" else "results.json and the plots")
+        if command == "hilum sim size":
+            out = _output_dir(args.out, "sizing.json", [SIZING_FILE_NAME])
+        else:
+            names = [RESULTS_FILE_NAME, TTFT_PLOT_NAME, *(f"kv_usage_{spec.policy}.png" for spec in specs)]
+            out = _output_dir(args.out, "results.json and the plots", names)
     except (ValueError, OSError) as exc:
         err.print(f"[red]{command}: error:[/red] {escape(str(exc))}", highlight=False)
         return 2
@@ -886,12 +948,14 @@ def _fleet(topology: Topology, model: str, options: SimOptions, scale_outs: list
     return start, later, [] if options.autoscale else rest
 
 
-def _output_dir(out: str | None, files: str) -> Path | None:
+def _output_dir(out: str | None, files: str, names: Sequence[str] = ()) -> Path | None:
     """Create ``--out`` (after the options are checked, before any simulation: results are never lost to a bad
     path, and a refused run leaves no empty folder behind); None without ``--out``. ``files``: what the command
-    writes there (``"sweep.json and the plots"``), for the error on an empty ``--out``.
+    writes there (``"sweep.json and the plots"``), for the error on an empty ``--out``; ``names``: files it will
+    write, none of which may be there as something other than a file (a folder).
 
-    Raises ValueError when ``out`` is empty or blank; OSError (with the path) when it cannot be created or written.
+    Raises ValueError when ``out`` is empty or blank; OSError (with the path) when it cannot be created or written,
+    or one of ``names`` is there and is not a file.
     """
     if out is None:
         return None
@@ -910,6 +974,12 @@ def _output_dir(out: str | None, files: str) -> Path | None:
     except OSError as exc:
         raise OSError(f"--out {out}: cannot write there: {exc.strerror or exc}") from None
     probe.unlink()
+    taken = [name for name in names if (path / name).exists() and not (path / name).is_file()]
+    if taken:
+        raise IsADirectoryError(
+            f"--out {out}: {', '.join(taken)} there {'is' if len(taken) == 1 else 'are'} not a file but a folder (the "
+            "results would be written there): move it away, or choose another --out"
+        )
     return path
 
 
@@ -918,7 +988,7 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from .report import render_sweep_table
-    from .sweep import SweepConfigError, SweepPointError, load_sweep_config, run_sweep
+    from .sweep import SWEEP_FILE_NAME, SweepConfigError, SweepPointError, load_sweep_config, run_sweep
 
     before = getattr(args, "before_sub", [])  # what _SimParser found before 'sweep', as typed
     if before:
@@ -942,13 +1012,15 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
         if args.ray_address is not None and not args.ray_address.strip():
             raise ValueError("--ray-address is empty: give HOST:PORT, or leave the flag out for a local Ray")
         made = not Path(args.out).exists()
-        out = _output_dir(args.out, "sweep.json and the plots")
+        out = _output_dir(args.out, "sweep.json and the plots", [SWEEP_FILE_NAME])
     except (ValueError, OSError, ValidationError) as exc:
         print(f"hilum sim sweep: error: {exc}", file=sys.stderr)
         return 2
     assert out is not None
     try:
         rows = run_sweep(config, ray_address=args.ray_address, out_dir=out)
+    except KeyboardInterrupt:
+        return _interrupted("hilum sim sweep", out if made else None)
     except (SweepPointError, ValueError, ConnectionError) as exc:
         if made and not any(out.iterdir()):
             out.rmdir()  # made for this sweep, and nothing written into it

@@ -16,7 +16,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from sim.results import SimRun, StoredRun, SweepRow, request_totals
+from sim.results import SimRun, StoredRun, SweepRow, atomic_file, request_totals
 
 __all__ = ["KV_HEATMAP_MIN_INSTANCES", "plot_kv_usage", "plot_p99_vs_load", "plot_ttft_cdf"]
 
@@ -37,7 +37,8 @@ def _new_figure(width_in: float = 7.0, height_in: float = 4.5) -> tuple[Figure, 
 def _save(fig: Figure, path: str | Path) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png")
+    with atomic_file(out, binary=True) as f:  # a plot cut short by an interrupt never replaces the last one
+        fig.savefig(f, format="png")
     return out
 
 

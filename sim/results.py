@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import array
 import bisect
+import contextlib
 import dataclasses
 import enum
 import json
 import math
 import operator
+import os
 import pickle
+import secrets
 import struct
 import tempfile
 import weakref
@@ -35,7 +38,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import IO, Any, Literal, overload
 
 import numpy as np
 
@@ -57,6 +60,7 @@ __all__ = [
     "SimRun",
     "StoredRun",
     "SweepRow",
+    "atomic_file",
     "busiest_dispatch_share",
     "json_default",
     "load_results",
@@ -752,13 +756,34 @@ def results_document(runs: Sequence[SimRun]) -> dict[str, Any]:
     return {"schema_version": SCHEMA_VERSION, "runs": doc_runs}
 
 
+@contextlib.contextmanager
+def atomic_file(path: Path, *, binary: bool = False) -> Iterator[IO[Any]]:
+    """Write ``path`` whole or not at all: a temporary file beside it (``.NAME.PID.XXXX.tmp``, UTF-8 text unless
+    ``binary``) that replaces it when the block ends cleanly (``os.replace``: a reader sees the old file or the new
+    one, complete), and is removed when the block raises, an interrupt (Ctrl-C) included, leaving ``path`` as it
+    was. Raises OSError when the folder cannot be written or ``path`` is a folder (before anything is written)."""
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder")
+    # opened by name, not by tempfile.mkstemp: the file gets the permissions the umask gives (mkstemp's are 0600)
+    name = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        with open(name, "xb" if binary else "x", encoding=None if binary else "utf-8") as f:
+            yield f
+        os.replace(name, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+        raise
+
+
 def write_results(runs: Sequence[SimRun], out_dir: str | Path) -> Path:
     """Write ``results.json`` for ``runs`` into ``out_dir`` (created if missing); return its path.
 
     The layout is documented in docs/sim-results.md; the document is :func:`results_document`'s, written
     one record per line without building it in memory (a :class:`RequestLog`'s records are copied from
     its spool). Token gaps and KV timelines are not stored (they are summarised and plotted instead).
-    The JSON is strict: no NaN or Infinity.
+    The JSON is strict: no NaN or Infinity. Written whole or not at all (:func:`atomic_file`): an error or an
+    interrupt while it is written leaves an earlier ``results.json`` as it was.
 
     Raises:
         TypeError: if a run's config holds a value with no JSON form.
@@ -772,7 +797,7 @@ def write_results(runs: Sequence[SimRun], out_dir: str | Path) -> Path:
     def dumps(value: object) -> str:
         return json.dumps(value, allow_nan=False, default=json_default)
 
-    with path.open("w", encoding="utf-8") as f:
+    with atomic_file(path) as f:
         f.write(f'{{"schema_version": {SCHEMA_VERSION}, "runs": [')
         for i, (run, head) in enumerate(zip(runs, heads, strict=True)):
             f.write(",\n" if i else "\n")

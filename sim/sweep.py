@@ -36,6 +36,7 @@ from sim.results import (
     ResultsError,
     SimRun,
     SweepRow,
+    atomic_file,
     json_default,
     summarize,
     summary_from_dict,
@@ -450,7 +451,9 @@ def write_sweep(rows: Sequence[SweepRow], out_dir: str | Path, *, config: SweepC
         "rows": [_row_dict(r) for r in rows],
     }
     json_path = out / SWEEP_FILE_NAME
-    json_path.write_text(json.dumps(doc, indent=1, allow_nan=False, default=json_default) + "\n", encoding="utf-8")
+    text = json.dumps(doc, indent=1, allow_nan=False, default=json_default) + "\n"
+    with atomic_file(json_path) as f:  # whole or not at all
+        f.write(text)
     plots: dict[str, Path] = {}
     used: set[str] = set()
     for topology in dict.fromkeys(r.topology for r in rows):

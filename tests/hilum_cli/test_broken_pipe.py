@@ -170,3 +170,19 @@ def test_a_broken_pipe_elsewhere_is_not_hidden(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(SystemExit) as exited:
         exits_3()
     assert exited.value.code == 3
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
+def test_output_to_a_full_device_is_one_error_line() -> None:
+    """``hilum sim > /dev/full``: every write fails with ENOSPC; it printed a traceback."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [HILUM, "sim", "--max-requests", "5", "--policy", "round-robin"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 1
+    assert "hilum: error: cannot write: [Errno 28] No space left on device" in done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr

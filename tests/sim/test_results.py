@@ -7,6 +7,7 @@ import dataclasses
 import enum
 import json
 import math
+import os
 import pickle
 import re
 import struct
@@ -30,6 +31,7 @@ from sim.results import (
     ScaleRecord,
     SimRun,
     _request_json,
+    atomic_file,
     load_results,
     percentile,
     percentiles,
@@ -610,3 +612,27 @@ def test_an_account_freezes_into_the_record_field_by_field() -> None:
         **{**values, "token_gaps_s": (0.25, 0.5)},
     )  # fmt: skip
     assert state.record() == expected
+
+
+def test_a_file_written_atomically_is_whole_or_as_it_was(tmp_path: Path) -> None:
+    path = tmp_path / "results.json"
+    path.write_text("earlier")
+    with pytest.raises(KeyboardInterrupt), atomic_file(path) as f:
+        f.write("half of a new one")
+        raise KeyboardInterrupt  # Ctrl-C while it is written
+    assert path.read_text() == "earlier" and sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+    with atomic_file(path) as f:
+        f.write("new")
+        assert path.read_text() == "earlier"  # replaced only when the block ends
+    assert path.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+    old_umask = os.umask(0o022)
+    try:
+        with atomic_file(tmp_path / "plot.png", binary=True) as b:
+            b.write(b"\x89PNG")
+    finally:
+        os.umask(old_umask)
+    assert (tmp_path / "plot.png").read_bytes() == b"\x89PNG"
+    assert (tmp_path / "plot.png").stat().st_mode & 0o777 == 0o644  # as any file the umask shapes, not 0600
+    (tmp_path / "a-folder").mkdir()
+    with pytest.raises(IsADirectoryError, match="a-folder is a folder"), atomic_file(tmp_path / "a-folder"):
+        pass

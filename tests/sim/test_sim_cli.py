@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,13 +41,59 @@ def test_sim_json_and_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert (out / "kv_usage_llumnix.png").read_text() == "mine too"
 
 
-def test_results_that_cannot_be_written_are_one_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "results.json").mkdir()  # a name taken by a folder, as a full disk would fail a write
-    assert main(["sim", "--max-requests", "20", "--policy", "hilum", "--json", "--out", str(tmp_path)]) == 1
+def test_results_that_cannot_be_written_are_one_error_and_leave_the_earlier_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sim.plots
+
+    assert main(["sim", "--max-requests", "20", "--policy", "hilum", "--json", "--out", str(tmp_path)]) == 0
+    earlier = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    capsys.readouterr()
+
+    def full_disk(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sim.plots, "plot_kv_usage", full_disk)  # results.json and the TTFT plot are written by then
+    assert main(["sim", "--max-requests", "10", "--policy", "hilum", "--json", "--out", str(tmp_path)]) == 1
     printed = capsys.readouterr()
     assert printed.out == ""  # nothing printed as if the run had gone well
     assert f"hilum sim: error: --out {tmp_path}: cannot write the results: " in printed.err.replace("\n", "")
     assert "Traceback" not in printed.err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == earlier  # none of this run's files, no leftovers
+
+
+def test_an_output_name_taken_by_a_folder_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "ttft_cdf.png").mkdir()  # results.json would be written, then the plot would fail
+    assert main(["sim", "--max-requests", "20", "--policy", "hilum", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.replace("\n", "")
+    assert f"hilum sim: error: --out {tmp_path}: ttft_cdf.png there is not a file but a folder" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ttft_cdf.png"]  # nothing written, no run made
+
+
+def test_an_interrupt_while_the_results_are_written_leaves_the_earlier_ones_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # results.json was opened for writing in place: Ctrl-C or SIGTERM then left a truncated, invalid file beside
+    # the earlier run's plots
+    import sim.plots
+
+    assert main(["sim", "--max-requests", "20", "--policy", "hilum,round-robin", "--out", str(tmp_path)]) == 0
+    earlier = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    capsys.readouterr()
+    plot = sim.plots.plot_kv_usage
+
+    def interrupted_after_one(run: object, path: Path) -> Path:
+        if any(p.name.startswith("kv_usage_") for p in path.parent.iterdir()):
+            raise KeyboardInterrupt
+        return plot(run, path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sim.plots, "plot_kv_usage", interrupted_after_one)
+    assert main(["sim", "--max-requests", "10", "--policy", "hilum,round-robin", "--out", str(tmp_path)]) == 130
+    assert "hilum sim: interrupted; no results written" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == earlier
+    assert len(load_results(tmp_path / "results.json")) == 2
 
 
 def test_sim_table_names_every_policy(capsys: pytest.CaptureFixture[str]) -> None:
@@ -371,6 +419,57 @@ def test_ctrl_c_during_a_run_exits_130_and_leaves_no_empty_out_folder(
     out = tmp_path / "runs" / "x"
     assert main(["sim", "--max-requests", "5", "--out", str(out)]) == 130
     assert "hilum sim: interrupted; no results written" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_ctrl_c_in_a_sizing_or_a_sweep_exits_130_and_leaves_no_empty_out_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # both printed a KeyboardInterrupt traceback and left the folder made for them
+    import sim.sizing
+    import sim.sweep
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sim.sizing, "size_fleet", interrupted)
+    monkeypatch.setattr(sim.sweep, "run_sweep", interrupted)
+    out = tmp_path / "size"
+    assert main(["sim", "size", "--target-p99-ttft-ms", "2000", "--max-requests", "5", "--out", str(out)]) == 130
+    assert "hilum sim size: interrupted; no results written" in capsys.readouterr().err
+    assert not out.exists()
+    out = tmp_path / "sweep"
+    assert (
+        main(["sim", "sweep", str(Path(__file__).resolve().parents[2] / "examples" / "sweep.yaml"), "--out", str(out)])
+        == 130
+    )
+    assert "hilum sim sweep: interrupted; no results written" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_sigterm_ends_a_run_as_ctrl_c_does(tmp_path: Path) -> None:
+    # Python's default ended the process where it stood: while results.json was written, half of one was left
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "hilum"), "sim", "--max-requests", "100000", "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not out.exists():  # made once the trace is loaded, just before the run (19,366 requests)
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert "hilum sim: interrupted; no results written" in err and "Traceback" not in err
     assert not out.exists()
 
 
