@@ -50,7 +50,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def ListDomains(self, request: pb.ListDomainsRequest, context: _Ctx) -> pb.ListDomainsReply:
         view = self._c.view
         regs, summaries, drains = view.domains(), view.summaries(), view.drains()
-        ids = sorted(set(regs) | set(summaries) | {t for k, t in drains if k is DrainKind.DOMAIN})
+        # every domain the cluster has, not only those with a scheduler now: the topology's, and any a registered
+        # llumlet names (a scheduler that has been away past its lease, or was never started, shows as registered
+        # False, and hilumctl says so, instead of the domain vanishing from `domains` and `requests`)
+        topology = self._c.topology
+        listed = {d.domain_id for d in topology.domains} if topology is not None else set()
+        served = {r.domain_id for r in view.instances().values()}
+        ids = sorted(set(regs) | set(summaries) | {t for k, t in drains if k is DrainKind.DOMAIN} | listed | served)
         domains = [convert.domain_info(d, regs.get(d), summaries.get(d), (DrainKind.DOMAIN, d) in drains) for d in ids]
         return pb.ListDomainsReply(domains=domains, view_revision=view.revision)
 

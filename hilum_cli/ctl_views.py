@@ -429,7 +429,7 @@ def render_migrations(console: Console, data: Json) -> None:
         rate = m["measured_bandwidth_bytes_per_s"]
         measured = f"{rate / 1e6:.1f} MB/s ({m['transport']})" if rate else "-"
         paused = m["measured_downtime_s"]
-        downtime = f"{m['expected_downtime_s'] * 1e3:.1f} ms" + (f" ({paused * 1e3:.1f} paused)" if paused else "")
+        downtime = f"{m['expected_downtime_s'] * 1e3:.1f} ms" + (f" (paused {paused * 1e3:.1f} ms)" if paused else "")
         table.add_row(
             m["migration_id"],
             m["state"],

@@ -285,3 +285,37 @@ def test_a_drain_of_no_target_or_a_blank_one_is_refused(msg: pb.DrainRequest | p
     with pytest.raises(ValueError, match="non-empty, not blank"):
         drain_target_from_pb(msg)
     assert drain_target_from_pb(pb.DrainRequest(domain_id="d 1")) == (DrainKind.DOMAIN, "d 1")
+
+
+def test_a_domain_without_a_registered_scheduler_is_listed_unregistered(etcd: EtcdServer, prefix: str) -> None:
+    """ListDomains names every domain the topology lists or a llumlet names, registered or not: a domain whose
+    scheduler had been away past its lease vanished from `hilumctl domains` and `requests` (exit 0, "1 of 1 domain
+    scheduler answered") while its llumlets still ran requests."""
+
+    async def main() -> None:
+        agents = connect([etcd.endpoint])
+        await agents.connect()
+        keys = Keys(prefix)
+        stop_agents = asyncio.Event()
+        reg = Registrar(agents, 3, rng=random.Random(2), name="agents")
+        await reg.set(keys.domain("a"), encode(DomainRegistration("a", "127.0.0.1:9001")))
+        for iid, dom in (("a0", "a"), ("b0", "b"), ("c0", "c")):  # c: a llumlet of a domain the topology lacks
+            await reg.set(keys.instance(iid), encode(InstanceRegistration(iid, dom, "n-" + dom, "h:1", "m", 1000)))
+        reg_task = asyncio.create_task(reg.run(stop_agents))
+        await reg.registered.wait()
+        async with _replica(etcd, prefix, "c1") as (_, address), grpc.aio.insecure_channel(address) as ch:
+            stub = pb_grpc.CoordinatorStub(ch)
+            async with asyncio.timeout(5):
+                while (await stub.Status(pb.StatusRequest())).num_instances < 3:
+                    await asyncio.sleep(0.05)
+            listed = (await stub.ListDomains(pb.ListDomainsRequest())).domains
+            assert [(d.domain_id, d.registered, d.scheduler_address) for d in listed] == [
+                ("a", True, "127.0.0.1:9001"),
+                ("b", False, ""),  # the topology's, its scheduler gone
+                ("c", False, ""),  # a llumlet's
+            ]
+        stop_agents.set()
+        await reg_task
+        await agents.close()
+
+    asyncio.run(main())

@@ -517,7 +517,7 @@ def test_migrations_list_and_state_filter(cluster: Cluster, capsys: pytest.Captu
     )
     rc, out, _ = ctl(capsys, "--coordinator", address, "migrations", "--state", "committed")
     row = next(line.split() for line in out.splitlines() if line.lstrip().startswith("list-c#0"))
-    assert row[10:15] == ["4.0", "ms", "(6.2", "paused)", "pre-copy+recompute-prefix"]
+    assert row[10:16] == ["4.0", "ms", "(paused", "6.2", "ms)", "pre-copy+recompute-prefix"]  # the unit was missing
 
 
 def _terminal_sigint() -> None:
