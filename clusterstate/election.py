@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, kv_of, watch
+from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, error_line, kv_of, watch
 from clusterstate.fencing import Fence
 from clusterstate.session import Session, SessionLost
 
@@ -119,7 +119,9 @@ class Election:
             try:
                 leader, revision = await self._try(session, leader_id, address)
             except RETRYABLE_ERRORS as exc:
-                _log.debug("%s: campaign transaction failed (%s); retrying in %.2f s", leader_id, exc, retry_s)
+                _log.debug(
+                    "%s: campaign transaction failed (%s); retrying in %.2f s", leader_id, error_line(exc), retry_s
+                )
                 await self._until(asyncio.sleep(retry_s), session)
                 continue
             if leader is not None:

@@ -257,7 +257,9 @@ class Registrar:
             try:
                 await kv_of(self._client).put(key, value, lease=session.lease_id, timeout=float(self._ttl_s))
             except RETRYABLE_ERRORS as exc:
-                _log.warning("%s: put %s failed (%s); it is written again on re-registration", self._name, key, exc)
+                _log.warning(
+                    "%s: put %s failed (%s); it is written again on re-registration", self._name, key, error_line(exc)
+                )
 
     async def claim(self, key: str, value: bytes) -> bool:
         """Register ``key`` with ``value`` only if no other lease holds it, now and on re-registration.
@@ -314,7 +316,9 @@ class Registrar:
                     reply = await kv_of(self._client).get(key, timeout=float(self._ttl_s))
                 except RETRYABLE_ERRORS as exc:
                     level = unanswered.failed()
-                    _log.log(level, "%s: etcd does not answer (%s); retrying the claim of %s", what, exc, key)
+                    _log.log(
+                        level, "%s: etcd does not answer (%s); retrying the claim of %s", what, error_line(exc), key
+                    )
                     await asyncio.wait({stopped}, timeout=1.0)
                     continue
                 unanswered.reset()

@@ -49,7 +49,7 @@ import grpc
 from clusterstate.aio import until_stopped
 from clusterstate.backoff import Backoff
 from clusterstate.clock import SYSTEM_CLOCK, Clock
-from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client
+from clusterstate.etcd import RETRYABLE_ERRORS, Etcd3Client, error_line
 from clusterstate.fencing import FencingGuard
 from clusterstate.records import (
     DomainRegistration,
@@ -626,7 +626,9 @@ class DomainScheduler:
                 _log.warning("domain %s: cannot record %s as %s: %s", self.cfg.domain_id, migration_id, state, exc)
                 return
             except RETRYABLE_ERRORS as exc:
-                _log.warning("domain %s: recording %s failed (%s); retrying", self.cfg.domain_id, migration_id, exc)
+                _log.warning(
+                    "domain %s: recording %s failed (%s); retrying", self.cfg.domain_id, migration_id, error_line(exc)
+                )
                 await self._clock.sleep(0.1)
                 continue
             if (

@@ -188,3 +188,34 @@ def test_a_claim_takes_over_only_its_own_previous_registration(etcd: EtcdServer,
         await client.close()
 
     asyncio.run(main())
+
+
+def test_a_put_that_gets_no_answer_is_logged_with_its_reason(
+    etcd: EtcdServer, prefix: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a TimeoutError has no message: the line read "put /hilum/v1/summaries/node-a failed ()"
+    import clusterstate.session as session_module
+
+    class NoAnswer:
+        async def put(self, *args: object, **kwargs: object) -> None:
+            raise TimeoutError
+
+    async def main() -> None:
+        client = connect([etcd.endpoint])
+        await client.connect()
+        reg = Registrar(client, 5, rng=random.Random(1), name="rack node-a")
+        stop = asyncio.Event()
+        task = asyncio.create_task(reg.run(stop))
+        await asyncio.wait_for(reg.registered.wait(), 5)
+        monkeypatch.setattr(session_module, "kv_of", lambda _client: NoAnswer())
+        with caplog.at_level(logging.WARNING, logger="clusterstate.session"):
+            await reg.set(prefix + "summaries/node-a", b"s")
+        monkeypatch.undo()
+        stop.set()
+        await task
+        await client.close()
+
+    asyncio.run(main())
+    assert (
+        f"rack node-a: put {prefix}summaries/node-a failed (TimeoutError); it is written again on re-registration"
+    ) in caplog.text
