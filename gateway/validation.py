@@ -232,9 +232,25 @@ class GenerationRequest:
 # ---- field parsers --------------------------------------------------------------------------------------
 
 
+def _json_type(value: Any) -> str:
+    """What ``value``, parsed from JSON, was in the request: ``null``, a boolean, a number, a string, an array or an
+    object (errors name JSON's types, not Python's ``NoneType`` or ``list``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return (
+        "an array" if isinstance(value, list) else "an object" if isinstance(value, Mapping) else type(value).__name__
+    )
+
+
 def _require_object(body: Any) -> Mapping[str, Any]:
     if not isinstance(body, Mapping):
-        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+        raise BadRequest(f"the request body must be a JSON object, got {_json_type(body)}", code="invalid_json")
     return body
 
 
@@ -279,7 +295,9 @@ def _model(body: Mapping[str, Any], limits: Mapping[str, ModelLimits]) -> ModelL
     name = body.get("model")
     if name is None:
         raise BadRequest(f"model is required; served: {', '.join(sorted(limits))}", param="model")
-    if not isinstance(name, str) or name not in limits:
+    if not isinstance(name, str):  # a 400 for the type, not a 404 for a model named 5
+        raise BadRequest(f"model must be a string (a model's name), got {_json_type(name)}", param="model")
+    if name not in limits:
         served = ", ".join(sorted(limits)) or "none"
         raise ModelNotFound(
             f"the model {name!r} does not exist here; served: {served}", param="model", code="model_not_found"
@@ -327,7 +345,7 @@ def _completion_prompt(body: Mapping[str, Any], tokenizer: Tokenizer) -> tuple[i
         if any(isinstance(p, str | list) for p in prompt):
             raise BadRequest("batched prompts are not supported: send one prompt per request", param="prompt")
         return _token_ids("prompt", prompt, tokenizer.vocab_size)
-    raise BadRequest(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", param="prompt")
+    raise BadRequest(f"prompt must be a string or a list of token ids, got {_json_type(prompt)}", param="prompt")
 
 
 def _encode(fn: Callable[[Any], tuple[int, ...]], arg: Any) -> tuple[int, ...]:
@@ -360,8 +378,10 @@ def _chat_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
                     raise BadRequest(f"{where}.content[{j}] must be a text part", param=where, code="unsupported")
                 parts.append(part["text"])
             content = "".join(parts)
+        if content is None:
+            raise BadRequest(f"{where}.content is missing (a string, or a list of text parts)", param=where)
         if not isinstance(content, str):
-            raise BadRequest(f"{where}.content must be a string, got {type(content).__name__}", param=where)
+            raise BadRequest(f"{where}.content must be a string, got {_json_type(content)}", param=where)
         name = msg.get("name")
         if name is not None and not isinstance(name, str):
             raise BadRequest(f"{where}.name must be a string, got {name!r}", param=where)

@@ -316,7 +316,7 @@ class EngineDriver:
         rec = self.owned.pop(request_id, None)
         if rec is None:
             return
-        error = f"instance {self.instance_id} failed ({self.failure}): request {request_id} lost"
+        error = f"instance {self.instance_id} failed ({self.failure}): the request is lost"  # whose: the chunk says
         chunk = TokenChunkOut(request_id, rec.next_seq, [], rec.epoch, True, "error", error, resumable=True)
         self.pusher.push(rec.origin, chunk)
 

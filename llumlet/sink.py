@@ -255,7 +255,7 @@ class TokenCollector:
         who = f"instance {instance_id} at {address}" if instance_id else f"the llumlet at {address}"
         for stream in self._streams.values():
             if stream.owner_address == address and not stream.done.is_set():
-                stream.fail(f"{who} stopped ({reason}): request {stream.request_id} lost", resumable=True)
+                stream.fail(f"{who} stopped ({reason}): the request is lost", resumable=True)  # its id: the caller's
         self._watches.pop(address, None)
 
     # ---- the service --------------------------------------------------------------------------

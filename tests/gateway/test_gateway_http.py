@@ -328,6 +328,15 @@ def test_error_paths_answer_the_openai_error_object() -> None:
         ("GET", "/v1/models/gpt-9", {}, 404, "model_not_found", "'gpt-9' does not exist here"),
         ("POST", "/v1/completions", {"json": {"model": "gpt-9", "prompt": "x"}},
          404, "model_not_found", "'gpt-9' does not exist here; served: tiny"),
+        ("POST", "/v1/completions", {"json": {"model": 5, "prompt": "x"}},  # it was a 404: "the model 5 does not exist"
+         400, "invalid_value", "model must be a string (a model's name), got a number"),
+        ("POST", "/v1/completions", {"data": b"null", "headers": json_type},
+         400, "invalid_json", "must be a JSON object, got null"),  # it named Python's NoneType
+        ("POST", "/v1/completions", {"json": ["x"]}, 400, "invalid_json", "must be a JSON object, got an array"),
+        ("POST", "/v1/chat/completions", {"json": {"model": "tiny", "messages": [{"role": "user"}]}},
+         400, "invalid_value", "messages[0].content is missing (a string, or a list of text parts)"),
+        ("POST", "/v1/completions", {"json": {"model": "tiny", "prompt": 3}},
+         400, "invalid_value", "prompt must be a string or a list of token ids, got a number"),
         ("DELETE", "/v1/chat/completions", {}, 405, "method_not_allowed", "DELETE is not allowed"),
         ("POST", "/v1/completions", {"data": io.BytesIO(b"x" * (17 * 1024 * 1024)), "headers": json_type},
          413, "request_too_large", "larger than 16777216 bytes"),

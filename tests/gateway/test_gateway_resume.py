@@ -150,7 +150,7 @@ def test_a_request_whose_instance_died_is_replayed_and_its_stream_continues() ->
         reader = asyncio.create_task(_consume(replayer, "c", got))
         push(sink, "c", 0, [0, 1, 2], "a0")
         await asyncio.sleep(0.05)
-        sink.fail("c", "instance a0 at a0:1 stopped (UNAVAILABLE: Socket closed): request c lost", resumable=True)
+        sink.fail("c", "instance a0 at a0:1 stopped (UNAVAILABLE: Socket closed): the request is lost", resumable=True)
         while len(dispatch.sent) < 2:
             await asyncio.sleep(0.005)
         replay = dispatch.sent[1]

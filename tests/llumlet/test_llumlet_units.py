@@ -485,5 +485,5 @@ def test_a_llumlet_that_stops_before_its_first_load_report_is_named_by_the_insta
 
     named, unnamed = asyncio.run(main())
     stopped = r"127\.0\.0\.1:\d+ stopped \(UNAVAILABLE: going away\)"
-    assert re.fullmatch(rf"instance a0 at {stopped}: request named lost", named)
-    assert re.fullmatch(rf"the llumlet at {stopped}: request unnamed-2 lost", unnamed)
+    assert re.fullmatch(rf"instance a0 at {stopped}: the request is lost", named)
+    assert re.fullmatch(rf"the llumlet at {stopped}: the request is lost", unnamed)

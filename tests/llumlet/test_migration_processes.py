@@ -92,7 +92,7 @@ def test_source_dies_during_pre_copy(pair: tuple[LlumletProcess, LlumletProcess]
         assert err.value.code() is grpc.StatusCode.UNAVAILABLE
         got = await col.wait("r", 5)
         assert got.finish_reason == "error" and f"instance a at {a.address} stopped" in got.error
-        assert "request r lost" in got.error
+        assert "the request is lost" in got.error
         assert got.token_ids == tuple(range(len(got.token_ids)))  # nothing lost or repeated before the end
 
         async def released() -> bool:
