@@ -171,6 +171,13 @@ class Child:
         """Whether its current process is alive."""
         return self.proc is not None and self.proc.poll() is None
 
+    def state(self) -> str:
+        """``running``, ``restarting`` (exited, a restart is due) or ``down`` (it stopped cleanly or on a
+        configuration error, and stays down)."""
+        if self.down:
+            return "down"
+        return "running" if self.running() else "restarting"
+
     def is_ready(self) -> bool:
         """Whether it says it serves now (its ready line was printed, or its check passes)."""
         if self.spec.ready_check is not None:
@@ -217,7 +224,8 @@ class Supervisor:
         self._clock = clock
         self.stages: list[list[Child]] = []
         self._pgids: list[int] = []  # the process group, and any other one a restart had to start
-        self.on_restart: Callable[[Child], None] | None = None  # called when a restarted child serves again
+        # called when a child's state changes after the start: a restarted one serves again, or one stays down
+        self.on_change: Callable[[Child], None] | None = None
 
     # ---- starting ----------------------------------------------------------------------------------
     def _start(self, child: Child) -> None:
@@ -346,6 +354,8 @@ class Supervisor:
             what = f"{child.name} (pid {proc.pid}) {describe_exit(proc.returncode)}"
             if decision.action == "stay_down":
                 child.down = True
+                if self.on_change is not None:  # first: once the line is out, cluster.json says it is down
+                    self.on_change(child)
                 self._say(f"{what}: {decision.reason}; its log: {child.log_path}")
             elif decision.action == "give_up":
                 return (
@@ -364,8 +374,8 @@ class Supervisor:
         """A restarted child: say when it serves again; kill it (a crash) if it does not within the limit."""
         if child.is_ready():
             child.back_s = child.started_s
-            if self.on_restart is not None:  # first: once the line is out, cluster.json shows the restart
-                self.on_restart(child)
+            if self.on_change is not None:  # first: once the line is out, cluster.json shows the restart
+                self.on_change(child)
             self._say(f"{child.name} serves again (pid {proc.pid}; restarts in all: {child.restarts})")
         elif now - child.started_s > self.ready_timeout_s:
             self._say(f"{child.name} (pid {proc.pid}) did not serve within {self.ready_timeout_s:g} s of its "

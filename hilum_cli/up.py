@@ -830,10 +830,10 @@ class RunningCluster:
     info: dict[str, Any] = field(default_factory=dict)
 
     def write_info(self) -> None:
-        """(Re)write ``<run dir>/cluster.json`` with the current pids and restart counts."""
+        """(Re)write ``<run dir>/cluster.json`` with the current pids, restart counts and states (``Child.state``)."""
         children = self.supervisor.children()
         self.info["pids"] = self.supervisor.pids()
-        self.info["processes"] = {c.name: {"pid": c.pid, "restarts": c.restarts} for c in children}
+        self.info["processes"] = {c.name: {"pid": c.pid, "restarts": c.restarts, "state": c.state()} for c in children}
         path = self.layout.run_dir / "cluster.json"
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.info, indent=2) + "\n")
@@ -889,7 +889,7 @@ def start_cluster(
         raise UpError(str(exc)) from None
     cluster.info = _info(lay)
     cluster.write_info()
-    sup.on_restart = lambda child: cluster.write_info()
+    sup.on_change = lambda child: cluster.write_info()
     return cluster
 
 

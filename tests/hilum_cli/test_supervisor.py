@@ -80,6 +80,8 @@ def test_a_crashing_child_is_restarted_with_backoff_then_given_up_on(tmp_path: P
 def test_a_clean_exit_and_a_configuration_error_stay_down(tmp_path: Path) -> None:
     lines: list[str] = []
     sup = _supervisor(tmp_path, lines, POLICY)
+    changed: list[tuple[str, str]] = []  # what cluster.json is rewritten with (hilum up: RunningCluster.write_info)
+    sup.on_change = lambda child: changed.append((child.name, child.state()))
     clean = sup.spawn(ChildSpec("clean", _script("print('ready', flush=True)"), ready_marker="ready"))
     config = sup.spawn(ChildSpec("config", _script("import sys; print('ready', flush=True); sys.exit(2)"),
                                  ready_marker="ready"))  # fmt: skip
@@ -90,6 +92,8 @@ def test_a_clean_exit_and_a_configuration_error_stay_down(tmp_path: Path) -> Non
         time.sleep(0.02)
     sup.stop_all(5)
     assert (clean.restarts, config.restarts) == (0, 0)
+    # cluster.json listed a stopped process as it was when it ran: now it is rewritten, saying "down"
+    assert sorted(changed) == [("clean", "down"), ("config", "down")]
     assert any(line.startswith("clean (pid ") and "exited with status 0: it stopped cleanly" in line for line in lines)
     assert any("exited with status 2: status 2 is a configuration error" in line for line in lines)
 

@@ -143,6 +143,7 @@ def test_a_killed_gateway_is_restarted_and_the_shared_port_serves_meanwhile(up: 
     up.wait_stderr("gateway-1 serves again", timeout_s=120)
     after = up.read_info()["processes"]["gateway-1"]
     assert after["restarts"] == victim["restarts"] + 1 and after["pid"] != victim["pid"]
+    assert (victim["state"], after["state"]) == ("running", "running")
 
     async def health() -> Any:
         url = info["gateways"]["gateway-1"]["url"]
