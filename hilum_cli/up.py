@@ -887,10 +887,40 @@ def start_cluster(
         _wait_for_every_domain(cluster, cfg.start_timeout_s, say)
     except StartFailed as exc:
         raise UpError(str(exc)) from None
+    held = _drains_held(lay)
+    if held:  # a reused --run-dir's etcd-data (or an --etcd) keeps the drains of an earlier run: they still apply
+        coordinators = ",".join(lay.address(p) for p in lay.plan.coordinators.values())
+        say(f"warning: etcd holds drain intents from before this start: {', '.join(held)} take(s) no new requests; "
+            f"`hilumctl --coordinator {coordinators} undrain NAME` lifts one")  # fmt: skip
     cluster.info = _info(lay)
     cluster.write_info()
     sup.on_change = lambda child: cluster.write_info()
     return cluster
+
+
+def _drains_held(lay: _Layout) -> list[str]:
+    """The domains and instances a drain intent names, as the coordinator's view has them once the cluster serves
+    (an instance of a drained domain is named by its domain alone); [] when the coordinator does not answer (a
+    warning only: nothing is refused for it)."""
+    import grpc
+
+    from hilum_proto.tls import open_channel
+    from hilum_proto.v1 import coordinator_pb2 as pb
+    from hilum_proto.v1 import coordinator_pb2_grpc as pb_grpc
+
+    async def ask(address: str) -> tuple[list[pb.DomainInfo], list[pb.InstanceInfo]]:
+        async with open_channel(address) as channel:  # TLS as every process of the cluster uses it
+            stub = pb_grpc.CoordinatorStub(channel)
+            domains = (await stub.ListDomains(pb.ListDomainsRequest(), timeout=5.0)).domains
+            instances = (await stub.ListInstances(pb.ListInstancesRequest(), timeout=5.0)).instances
+            return list(domains), list(instances)
+
+    try:
+        domains, instances = asyncio.run(ask(lay.address(next(iter(lay.plan.coordinators.values())))))
+    except grpc.aio.AioRpcError:
+        return []
+    drained = [d.domain_id for d in domains if d.draining]
+    return drained + [i.instance_id for i in instances if i.draining and i.domain_id not in drained]
 
 
 def _gateways_stage(lay: _Layout) -> str:
