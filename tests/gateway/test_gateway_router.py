@@ -200,6 +200,34 @@ def test_unavailable_domains_are_retried_then_fail_with_every_reason() -> None:
     assert sub.calls[:2] == ["a", "b"] and len(sub.calls) > 2  # tried again after a backoff
 
 
+def test_a_scheduler_that_did_not_answer_is_tried_after_the_others_until_it_shows_life() -> None:
+    # a frozen scheduler (SIGSTOP) cost every request picked for it the whole Submit deadline before the next
+    # domain was tried: on two domains, half of the new requests waited 7.7 s while the other domain was idle
+    clock = ManualClock(wall_offset_s=0.0)
+    source = Source({d: DomainRegistration(d, d) for d in ("a", "b")}, {"a": record("a", 0), "b": record("b", 50)})
+    sub = Submitter({"a": grpc.StatusCode.DEADLINE_EXCEEDED, "b": rpb.DISPATCH_ACCEPTED})
+    r = DomainRouter(
+        source, sub, PolicyConfig(tie_tolerance=0.0), random.Random(1), clock=clock, unavailable_wait_s=5.0
+    )
+
+    async def main() -> list[tuple[str, int]]:
+        placed = [await r.dispatch(msg(), demand_blocks=5)]  # a is the freer: tried, silent, then b
+        placed.append(await r.dispatch(msg(), demand_blocks=5))  # a is tried after b: b takes it at once
+        source.sums = {**source.sums, "a": record("a", 0, taken_s=1.0)}  # a publishes again: it runs
+        source.version += 1
+        sub.answers["a"] = rpb.DISPATCH_ACCEPTED
+        placed.append(await r.dispatch(msg(), demand_blocks=5))
+        sub.answers["a"] = grpc.StatusCode.UNAVAILABLE  # silent again, with no new summary: held for 5 s
+        placed.append(await r.dispatch(msg(), demand_blocks=5))
+        placed.append(await r.dispatch(msg(), demand_blocks=5))
+        await clock.advance(5.0)
+        placed.append(await r.dispatch(msg(), demand_blocks=5))  # the hold has lapsed: a is asked first again
+        return [(p.domain_id, p.tries) for p in placed]
+
+    assert asyncio.run(main()) == [("b", 2), ("b", 1), ("a", 1), ("b", 2), ("b", 1), ("b", 2)]
+    assert sub.calls == ["a", "b", "b", "a", "a", "b", "b", "a", "b"]
+
+
 def test_draining_everywhere_is_refused_at_once() -> None:
     r, sub = router({"a": record("a", 0, draining=True)}, {"a": rpb.DISPATCH_ACCEPTED})
     with pytest.raises(DispatchFailed, match="the only domain is draining"):
