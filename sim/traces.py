@@ -306,7 +306,8 @@ def _parse(data: bytes, source: str) -> _Table:
     first = next((line.strip() for line in text.splitlines() if line.strip()), None)
     if first is None:
         raise TraceError(f"{source}: empty file; {_EXPECTED_FORMATS}")
-    if first.startswith("{"):
+    # JSON Lines by content, or by name: a .jsonl file whose first line is broken gets JSON's error, not a CSV one
+    if first.startswith("{") or source.removesuffix(".gz").endswith((".jsonl", ".json")):
         return _parse_mooncake(text, source)
     return _parse_csv(text, source)
 

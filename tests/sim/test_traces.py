@@ -407,6 +407,8 @@ def test_user_sharegpt_csv(tmp_path: Path) -> None:
             '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1, 2]}\n',
             r"x\.jsonl:1: key hash_ids: 2 blocks of 512 tokens exceed input_length 5",
         ),
+        # a .jsonl file is read as JSON Lines whatever its first line: it was "unknown trace format: CSV header"
+        ("x.jsonl", "not json\n", r"x\.jsonl:1: invalid JSON: Expecting value"),
     ],
 )
 def test_bad_files_give_clear_errors(tmp_path: Path, file_name: str, content: str, message: str) -> None:
