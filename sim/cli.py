@@ -34,7 +34,7 @@ from topology.load import BUNDLED_NAMES
 from .results import RESULTS_FILE_NAME, atomic_file
 from .runner import DEFAULTS, SimSpec, check_autoscale, check_prefix_cache, fit_to_context, served_model
 from .schedulers import POLICY_NAMES, domain_request, policy_migrates
-from .traces import TRACE_NAMES
+from .traces import MAX_ARRIVAL_CV, MIN_ARRIVAL_CV, TRACE_NAMES
 
 if TYPE_CHECKING:
     from topology.spec import InstanceSpec, Topology
@@ -407,6 +407,11 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         raise ValueError(f"--rate must be a number of requests per second > 0, got {args.rate}")
     if args.arrival_cv is not None and not (math.isfinite(args.arrival_cv) and args.arrival_cv > 0):
         raise ValueError(f"--arrival-cv must be > 0 (the Gamma inter-arrival CV; 1 is Poisson), got {args.arrival_cv}")
+    if args.arrival_cv is not None and not MIN_ARRIVAL_CV <= args.arrival_cv <= MAX_ARRIVAL_CV:
+        raise ValueError(
+            f"--arrival-cv must be from {MIN_ARRIVAL_CV:g} to {MAX_ARRIVAL_CV:g} (the Gamma inter-arrival CV; 1 is "
+            f"Poisson), got {args.arrival_cv:g}"
+        )
     if args.arrival == "gamma" and args.arrival_cv is None:
         raise ValueError("--arrival gamma needs --arrival-cv (the inter-arrival CV, e.g. 2)")
     if args.arrival_cv is not None and args.arrival != "gamma":

@@ -44,7 +44,9 @@ __all__ = [
     "DEFAULT_SYNTHETIC_RATE_PER_S",
     "LLUMNIX_DEFAULT_NUM_REQUESTS",
     "LLUMNIX_MAX_TOKENS",
+    "MAX_ARRIVAL_CV",
     "MAX_SPAN_S",
+    "MIN_ARRIVAL_CV",
     "MOONCAKE_BLOCK_TOKENS",
     "TRACE_NAMES",
     "Trace",
@@ -587,9 +589,10 @@ def synthetic_arrivals_s(
             raise ValueError("arrival_cv applies only to arrival='gamma' (Poisson has CV 1)")
         gaps = rng.exponential(mean_gap_s, count)
     elif arrival == "gamma":
-        if cv is None or not (_MIN_CV <= cv <= _MAX_CV):
+        if cv is None or not (MIN_ARRIVAL_CV <= cv <= MAX_ARRIVAL_CV):
             raise ValueError(
-                f"arrival='gamma' needs arrival_cv (the inter-arrival CV) from {_MIN_CV:g} to {_MAX_CV:g}, got {cv}"
+                f"arrival='gamma' needs arrival_cv (the inter-arrival CV) from {MIN_ARRIVAL_CV:g} to "
+                f"{MAX_ARRIVAL_CV:g}, got {cv}"
             )
         gaps = rng.gamma(1.0 / cv**2, mean_gap_s * cv**2, count)
     else:
@@ -597,7 +600,8 @@ def synthetic_arrivals_s(
     return np.concatenate([np.zeros(min(num_requests, 1)), np.cumsum(gaps)])
 
 
-_MIN_CV, _MAX_CV = 1e-3, 1e3  # Gamma shape 1/cv² from 1e-6 to 1e6: beyond, its parameters overflow or vanish
+# the Gamma inter-arrival CVs taken: its shape 1/cv² from 1e-6 to 1e6 (beyond, its parameters overflow or vanish)
+MIN_ARRIVAL_CV, MAX_ARRIVAL_CV = 1e-3, 1e3
 
 _LLUMNIX_ALPHAS = {128: 2.0, 256: 1.5, 512: 1.15, 1024: 1.0005}
 
