@@ -405,6 +405,11 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         )
     if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
         raise ValueError(f"--rate must be a number of requests per second > 0, got {args.rate}")
+    if args.prefix_aware and args.prefix_caching is False:  # nothing cached: no target holds a prefix to count
+        raise ValueError(
+            "--prefix-aware needs prefix caching (with --no-prefix-caching no engine holds a prefix for dispatch to "
+            "count): leave one of the two out"
+        )
     if args.arrival_cv is not None and not (math.isfinite(args.arrival_cv) and args.arrival_cv > 0):
         raise ValueError(f"--arrival-cv must be > 0 (the Gamma inter-arrival CV; 1 is Poisson), got {args.arrival_cv}")
     if args.arrival_cv is not None and not MIN_ARRIVAL_CV <= args.arrival_cv <= MAX_ARRIVAL_CV:
