@@ -12,7 +12,7 @@ import grpc
 import pytest
 from etcd_server import EtcdServer
 
-from clusterstate.etcd import connect
+from clusterstate.etcd import Etcd3Client, connect
 from clusterstate.records import (
     DomainRegistration,
     DrainKind,
@@ -113,6 +113,20 @@ async def _replica(etcd: EtcdServer, prefix: str, name: str) -> AsyncIterator[tu
         await client.close()
 
 
+async def _register(
+    agents: Etcd3Client, prefix: str, schedulers: dict[str, str], instances: dict[str, str], stop: asyncio.Event
+) -> tuple[Registrar, asyncio.Task[None]]:
+    """What a cluster's agents register under one lease: ``schedulers`` (domain -> address) and ``instances``
+    (instance -> domain); returns the registrar and its task (it runs until ``stop``)."""
+    keys = Keys(prefix)
+    reg = Registrar(agents, 3, rng=random.Random(2), name="agents")
+    for domain_id, address in schedulers.items():
+        await reg.set(keys.domain(domain_id), encode(DomainRegistration(domain_id, address)))
+    for iid, dom in instances.items():
+        await reg.set(keys.instance(iid), encode(InstanceRegistration(iid, dom, "n-" + dom, "h:1", "m", 1000)))
+    return reg, asyncio.create_task(reg.run(stop))
+
+
 def _move(request_id: str, src: str = "a0", dst: str = "", attempt: int = 0) -> pb.MigrationProposal:
     return pb.MigrationProposal(
         proposer_domain_id=src[0],
@@ -133,12 +147,8 @@ def test_admin_api_and_approvals_over_grpc(etcd: EtcdServer, prefix: str) -> Non
         await agents.connect()
         keys = Keys(prefix)
         stop_agents = asyncio.Event()
-        reg = Registrar(agents, 3, rng=random.Random(2), name="agents")
-        await reg.set(keys.domain("a"), encode(DomainRegistration("a", "127.0.0.1:9001")))
-        await reg.set(keys.domain("b"), encode(DomainRegistration("b", "127.0.0.1:9002")))
-        for iid, dom in (("a0", "a"), ("b0", "b"), ("b1", "b")):
-            await reg.set(keys.instance(iid), encode(InstanceRegistration(iid, dom, "n-" + dom, "h:1", "m", 1000)))
-        reg_task = asyncio.create_task(reg.run(stop_agents))
+        schedulers = {"a": "127.0.0.1:9001", "b": "127.0.0.1:9002"}
+        reg, reg_task = await _register(agents, prefix, schedulers, {"a0": "a", "b0": "b", "b1": "b"}, stop_agents)
         publisher = SummaryPublisher(reg, keys, "b", min_interval_s=0.05)
         pub_task = asyncio.create_task(publisher.run(stop_agents))
         await reg.registered.wait()
@@ -295,13 +305,11 @@ def test_a_domain_without_a_registered_scheduler_is_listed_unregistered(etcd: Et
     async def main() -> None:
         agents = connect([etcd.endpoint])
         await agents.connect()
-        keys = Keys(prefix)
         stop_agents = asyncio.Event()
-        reg = Registrar(agents, 3, rng=random.Random(2), name="agents")
-        await reg.set(keys.domain("a"), encode(DomainRegistration("a", "127.0.0.1:9001")))
-        for iid, dom in (("a0", "a"), ("b0", "b"), ("c0", "c")):  # c: a llumlet of a domain the topology lacks
-            await reg.set(keys.instance(iid), encode(InstanceRegistration(iid, dom, "n-" + dom, "h:1", "m", 1000)))
-        reg_task = asyncio.create_task(reg.run(stop_agents))
+        # c0: a llumlet of a domain the topology lacks; b has no scheduler registered
+        reg, reg_task = await _register(
+            agents, prefix, {"a": "127.0.0.1:9001"}, {"a0": "a", "b0": "b", "c0": "c"}, stop_agents
+        )
         await reg.registered.wait()
         async with _replica(etcd, prefix, "c1") as (_, address), grpc.aio.insecure_channel(address) as ch:
             stub = pb_grpc.CoordinatorStub(ch)
