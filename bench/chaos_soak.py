@@ -68,6 +68,7 @@ import collections
 import contextlib
 import ctypes
 import enum
+import functools
 import json
 import os
 import random
@@ -98,6 +99,8 @@ from hilum_proto.v1 import coordinator_pb2 as cpb  # noqa: E402
 from hilum_proto.v1 import coordinator_pb2_grpc as cpb_grpc  # noqa: E402
 from hilum_proto.v1 import llumlet_pb2 as lpb  # noqa: E402
 from llumlet.client import LlumletClient  # noqa: E402
+from topology.load import parse_topology, parse_yaml  # noqa: E402
+from topology.spec import Topology  # noqa: E402
 
 TOPOLOGY_NAME = "chaos-two-models"
 TOPOLOGY = """\
@@ -749,10 +752,18 @@ async def sample_running(
 
 
 class _ViewOf:
-    """A coordinator as CoordinatorService's read methods use it: just a view (here, etcd at one revision)."""
+    """A coordinator as CoordinatorService's read methods use it: a view (here, etcd at one revision) and the
+    topology it serves (ListDomains names every domain it lists, registered or not)."""
 
     def __init__(self, view: ClusterView) -> None:
         self.view = view
+        self.topology = _soak_topology()
+
+
+@functools.cache
+def _soak_topology() -> Topology:
+    """:data:`TOPOLOGY`, parsed (once)."""
+    return parse_topology(parse_yaml(TOPOLOGY), "chaos soak topology")
 
 
 _LISTS: tuple[tuple[str, Any], ...] = (
