@@ -106,6 +106,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     printed when stdout's reader has gone (``hilum topology show 1x8-a100 | head -1``, :mod:`hilum_cli.broken_pipe`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     command = _command_of(argv)
+    try:
+        return _run(argv, command)
+    except KeyboardInterrupt:  # where a command has not said more itself (hilum sim: whether results were written)
+        print(f"hilum {command}: interrupted" if command else "hilum: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(argv: list[str], command: str | None) -> int:
+    """:func:`main` once ``argv`` is read: the sub-command's set-up (its imports included), then the command."""
     if command == "sim":  # the simulator runs its compiled modules when built (hilum_compiled); nothing else does
         import hilum_compiled
 
@@ -121,11 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, signal.default_int_handler)
     parser = build_parser(full=() if command is None else (command,))
     args = parser.parse_args(argv)
-    try:
-        status: int = args.func(args)
-    except KeyboardInterrupt:  # where a command has not said more itself (hilum sim: whether results were written)
-        print(f"hilum {command}: interrupted" if command else "hilum: interrupted", file=sys.stderr)
-        return 130
+    status: int = args.func(args)
     return status
 
 

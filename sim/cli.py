@@ -9,6 +9,7 @@ compressed 2.75x (a load where the baselines preempt), and all four policies.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -233,26 +234,33 @@ TTFT_PLOT_NAME = "ttft_cdf.png"  # hilum sim --out: the TTFT CDF of every policy
 SIZING_FILE_NAME = "sizing.json"  # hilum sim size --out
 
 
-def _interrupted(command: str, out: Path | None) -> int:
+def _interrupted(command: str, made: Path | None) -> int:
     """Say that ``command`` was interrupted (Ctrl-C, or SIGTERM: ``hilum_cli.main``) before it wrote its results, and
-    remove ``out`` if it is an empty folder (made for the run: nothing was written into it); exit status 130."""
-    if out is not None and out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
+    remove ``made``, the ``--out`` folder the run made (None: it was there before, or none), if nothing was written
+    into it; exit status 130."""
+    if made is not None and made.is_dir() and not any(made.iterdir()):
+        with contextlib.suppress(OSError):
+            made.rmdir()
     print(f"{command}: interrupted; no results written", file=sys.stderr)
     return 130
 
 
 class _Staged:
     """A hidden folder inside ``out`` (``.hilum-sim-XXXX``) to write one run's files into: when the ``with`` block
-    ends cleanly they are moved into ``out`` together (``os.replace`` each, SIGINT and SIGTERM held back meanwhile),
-    when it raises (an interrupt included) they are removed with the folder. So ``out`` holds all of this run's files
-    or none of them, never some beside an earlier run's others. ``moved``: True once they are in ``out`` (an
-    interrupt held back during the move is raised just after it)."""
+    ends cleanly they are moved into ``out`` together (``os.replace`` each) and the files of ``stale`` that exist
+    are removed, SIGINT and SIGTERM held back meanwhile (their handlers swapped for ones that only note them: a
+    signal mask would hold them back from this thread alone, and Python runs its handlers in the main thread
+    whichever thread the signal reached); when it raises (an interrupt included) they are removed with the folder.
+    So ``out`` holds all of this run's files or none of them, never some beside an earlier run's others. ``moved``:
+    True once they are in ``out`` (an interrupt held back meanwhile is raised as KeyboardInterrupt just after);
+    ``removed``: the names of ``stale`` removed then."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, stale: Sequence[str] = ()) -> None:
         self.out = out
         self.path = out
+        self.stale = stale
         self.moved = False
+        self.removed: list[str] = []
 
     def __enter__(self) -> _Staged:
         self.path = Path(tempfile.mkdtemp(prefix=".hilum-sim-", dir=self.out))
@@ -262,15 +270,25 @@ class _Staged:
         try:
             if kind is None:
                 files = sorted(self.path.iterdir())
-                held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+                held: list[int] = []
+                previous = {s: signal.signal(s, lambda signum, _frame: held.append(signum)) for s in _STOPS}
                 try:
                     for f in files:
                         os.replace(f, self.out / f.name)
+                    self.removed = [name for name in self.stale if (self.out / name).is_file()]
+                    for name in self.removed:
+                        (self.out / name).unlink()
                     self.moved = True
                 finally:
-                    signal.pthread_sigmask(signal.SIG_SETMASK, held)
+                    for s, handler in previous.items():
+                        signal.signal(s, handler)
+                if held:
+                    raise KeyboardInterrupt
         finally:
             shutil.rmtree(self.path, ignore_errors=True)
+
+
+_STOPS = (signal.SIGINT, signal.SIGTERM)
 
 
 _NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")  # what argparse takes for a negative number, not an option
@@ -410,9 +428,7 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
             "--prefix-aware needs prefix caching (with --no-prefix-caching no engine holds a prefix for dispatch to "
             "count): leave one of the two out"
         )
-    if args.arrival_cv is not None and not (math.isfinite(args.arrival_cv) and args.arrival_cv > 0):
-        raise ValueError(f"--arrival-cv must be > 0 (the Gamma inter-arrival CV; 1 is Poisson), got {args.arrival_cv}")
-    if args.arrival_cv is not None and not MIN_ARRIVAL_CV <= args.arrival_cv <= MAX_ARRIVAL_CV:
+    if args.arrival_cv is not None and not MIN_ARRIVAL_CV <= args.arrival_cv <= MAX_ARRIVAL_CV:  # nan too
         raise ValueError(
             f"--arrival-cv must be from {MIN_ARRIVAL_CV:g} to {MAX_ARRIVAL_CV:g} (the Gamma inter-arrival CV; 1 is "
             f"Poisson), got {args.arrival_cv:g}"
@@ -461,6 +477,12 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
     parsed = base.parsed_options()  # fail before any work on bad options
     check_autoscale(parsed, config)  # and on a configuration that clashes with them
     check_prefix_cache(config)
+    if args.prefix_aware and args.prefix_caching is None and not config.prefix_cache.enabled:
+        where = "--config" if args.config is not None else f"${CONFIG_ENV}"
+        raise ValueError(
+            f"--prefix-aware needs prefix caching, and the configuration ({where}) has prefix_cache.enabled false: "
+            "no engine holds a prefix for dispatch to count"
+        )
     return [replace(base, policy=p) for p in policies]
 
 
@@ -474,7 +496,7 @@ def run_cli(args: argparse.Namespace) -> int:
     loaded = _load(args, err, "hilum sim")
     if isinstance(loaded, int):
         return loaded
-    specs, topology, trace, out = loaded
+    specs, topology, trace, out, made = loaded
     runs = []
     try:
         with Progress(
@@ -494,13 +516,15 @@ def run_cli(args: argparse.Namespace) -> int:
                 run = run_simulation(spec, trace=trace, topology=topology, progress=advance)
                 runs.append(run)
     except KeyboardInterrupt:
-        return _interrupted("hilum sim", out)
+        return _interrupted("hilum sim", made)
     if out is not None:  # first: the results are kept whatever becomes of stdout (| head -1 ends the printing)
-        staged = _Staged(out)
+        # its KV plots of policies this run did not simulate go with the results they belong to (no other file)
+        earlier = stored_policies(out / RESULTS_FILE_NAME)  # the run whose results this one replaces
+        simulated = {r.policy for r in runs}
+        staged = _Staged(out, [f"kv_usage_{p}.png" for p in earlier if p in POLICY_NAMES and p not in simulated])
         try:
             from .plots import plot_kv_usage, plot_ttft_cdf  # matplotlib: only when plots are written
 
-            earlier = stored_policies(out / RESULTS_FILE_NAME)  # the run whose results this one replaces
             with staged:  # all of this run's files, or none: an earlier run's are never mixed with some of them
                 write_results(runs, staged.path)
                 plot_ttft_cdf(runs, staged.path / TTFT_PLOT_NAME)
@@ -511,16 +535,11 @@ def run_cli(args: argparse.Namespace) -> int:
             return 1
         except KeyboardInterrupt:
             if not staged.moved:
-                return _interrupted("hilum sim", out)
+                return _interrupted("hilum sim", made)
             print(f"hilum sim: interrupted; the results were written: {out / RESULTS_FILE_NAME}", file=sys.stderr)
             return 130
         path = out / RESULTS_FILE_NAME
-        # its KV plots of policies this run did not simulate go with its results (no other file is touched)
-        stale = [out / f"kv_usage_{p}.png" for p in earlier if p in POLICY_NAMES and p not in {r.policy for r in runs}]
-        removed = [p.name for p in stale if p.is_file()]
-        for name in removed:
-            (out / name).unlink()
-        gone = f" (removed an earlier run's {', '.join(removed)})" if removed else ""
+        gone = f" (removed an earlier run's {', '.join(staged.removed)})" if staged.removed else ""
         err.print(f"results: {path}; plots in {out}/{gone}", highlight=False)
     summaries = [summarize(r) for r in runs]
     if args.json:  # with the count of requests cut to the model's context (results.json: the run's config)
@@ -594,7 +613,7 @@ def _idle_columns(
 
     idle = {}
     if not runs[0].config.get("prefix_caching", True):
-        idle["prefix\nhit %"] = "--no-prefix-caching"
+        idle["prefix\nhit %"] = "prefix caching off"
     elif not any(r.prefix_block_hashes for r in trace.requests):
         idle["prefix\nhit %"] = "the trace has no prefix hashes"
     if all(s.high_priority_ttft_p99_s is None for s in summaries):
@@ -640,7 +659,7 @@ def run_size_cli(args: argparse.Namespace) -> int:
     loaded = _load(args, err, "hilum sim size")
     if isinstance(loaded, int):
         return loaded
-    specs, topology, trace, out = loaded
+    specs, topology, trace, out, made = loaded
     if specs[0].parsed_options().autoscale:  # not from the command line (refused above): the file's switch
         err.print(
             "[red]hilum sim size: error:[/red] the configuration's autoscale.enabled is true: sim size sizes static "
@@ -668,7 +687,7 @@ def run_size_cli(args: argparse.Namespace) -> int:
         try:
             sizings.append(size_fleet(spec.policy, pool_size, target_s, simulate))
         except KeyboardInterrupt:
-            return _interrupted("hilum sim size", out)
+            return _interrupted("hilum sim size", made)
     rows = [
         {
             "policy": s.policy,
@@ -737,9 +756,10 @@ def run_size_cli(args: argparse.Namespace) -> int:
 
 def _load(
     args: argparse.Namespace, err: Console, command: str
-) -> tuple[list[SimSpec], Topology, Trace, Path | None] | int:
-    """The runs' specs, the topology, the trace and the output folder of ``args``; or, after printing why on
-    ``err``, exit status 2 (bad options, topology, trace, configuration or output folder)."""
+) -> tuple[list[SimSpec], Topology, Trace, Path | None, Path | None] | int:
+    """The runs' specs, the topology, the trace, the output folder of ``args`` and that folder again if this run made
+    it (None if it was there before); or, after printing why on ``err``, exit status 2 (bad options, topology, trace,
+    configuration or output folder)."""
     from topology.load import TopologyError, load_topology
 
     from .runner import check_options
@@ -788,6 +808,7 @@ def _load(
         if at_s > last_s
     ]
     drained = None if options.autoscale else _all_drained(fleet, drains, last_s)  # the autoscaler may start others
+    made = args.out is not None and not Path(args.out).exists()
     try:  # made once everything else is known good (a refused run leaves no empty folder), before any simulation
         if command == "hilum sim size":
             out = _output_dir(args.out, "sizing.json", [SIZING_FILE_NAME])
@@ -799,7 +820,7 @@ def _load(
         return 2
     for warning in fit + ([drained] if drained else []) + late:
         err.print(f"[yellow]{command}: warning:[/yellow] {escape(warning)}", highlight=False)
-    return specs, topology, trace, out
+    return specs, topology, trace, out, out if made else None
 
 
 def _all_drained(fleet: _Fleet, drains: list[tuple[str, float]], last_arrival_s: float) -> str | None:

@@ -21,7 +21,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -372,6 +374,7 @@ def run_sweep(
 
     points = grid_points(config)
     started = False
+    on_sigterm = signal.getsignal(signal.SIGTERM)  # Ray's init replaces it; the caller's (hilum sim: Ctrl-C's) stays
     if not ray.is_initialized():
         if ray_address is None:
             ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, runtime_env=ray_runtime_env())
@@ -384,6 +387,8 @@ def run_sweep(
             except (ConnectionError, RuntimeError) as exc:  # no Ray cluster answers there
                 raise ConnectionError(f"--ray-address {ray_address}: cannot connect to Ray: {exc}") from None
         started = True
+        if on_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, on_sigterm)
     try:
         remote_run: Any = ray.remote(num_cpus=1)(run_point)  # Ray's stubs type only positional calls
         index_of = {remote_run.remote(p, run_fn): i for i, p in enumerate(points)}

@@ -153,7 +153,7 @@ def test_sim_table_shows_the_prefix_and_scaling_columns_when_they_count(
     argv = ["sim", "--max-requests", "60", "--topology", "1x8-a100", "--trace", "mooncake-conv", "--policy", "hilum"]
     assert main([*argv, "--no-prefix-caching"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (
-        "not shown, nothing to count: prefix hit % (--no-prefix-caching), hi-pri TTFT p99 (no high-priority "
+        "not shown, nothing to count: prefix hit % (prefix caching off), hi-pri TTFT p99 (no high-priority "
         "request got a first token), mig cross, cross GB (one domain), scale out/in (no --autoscale)"
     )
 
@@ -220,7 +220,8 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         ),
         (["--trace", "sharegpt", "--arrival", "gamma"], "--arrival gamma needs --arrival-cv"),
         (["--arrival-cv", "2"], "--arrival-cv applies only with --arrival gamma"),
-        (["--arrival", "gamma", "--arrival-cv", "-1"], "--arrival-cv must be > 0"),
+        (["--arrival", "gamma", "--arrival-cv", "-1"], "--arrival-cv must be from 0.001 to 1000"),
+        (["--arrival", "gamma", "--arrival-cv", "inf"], "--arrival-cv must be from 0.001 to 1000"),  # said "> 0"
         (["--arrival", "gamma", "--arrival-cv", "1e6"], "--arrival-cv must be from 0.001 to 1000 (the Gamma"),
         (["--no-prefix-caching", "--prefix-aware"], "--prefix-aware needs prefix caching"),  # accepted, meant nothing
         (["--arrival", "poisson", "--rate", "0"], "--rate must be a number of requests per second > 0, got 0.0"),
@@ -422,6 +423,57 @@ def test_ctrl_c_during_a_run_exits_130_and_leaves_no_empty_out_folder(
     assert main(["sim", "--max-requests", "5", "--out", str(out)]) == 130
     assert "hilum sim: interrupted; no results written" in capsys.readouterr().err
     assert not out.exists()
+    # a folder that was there before stays, empty or not (the user's own; `--out .` was a traceback)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    assert main(["sim", "--max-requests", "5", "--out", str(mine)]) == 130
+    assert mine.is_dir() and "interrupted; no results written" in capsys.readouterr().err
+    monkeypatch.chdir(mine)
+    assert main(["sim", "--max-requests", "5", "--out", "."]) == 130
+    assert mine.is_dir() and "Traceback" not in capsys.readouterr().err
+
+
+def test_an_interrupt_while_the_files_are_moved_in_is_held_until_all_are(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the move was guarded by a signal mask, which holds a signal back from one thread only: an interrupt then
+    # left some of this run's files beside an earlier run's others
+    import os
+
+    import sim.cli
+
+    assert main(["sim", "--max-requests", "20", "--policy", "hilum,round-robin,llumnix", "--out", str(tmp_path)]) == 0
+    earlier = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    capsys.readouterr()
+    replace = os.replace
+    sent: list[str] = []
+
+    def interrupted_replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        if not sent and Path(dst).parent == tmp_path:  # the first file moved into --out (not a write in staging)
+            sent.append(str(dst))
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C, in the middle of the move
+        replace(src, dst)
+
+    monkeypatch.setattr(sim.cli.os, "replace", interrupted_replace)
+    assert main(["sim", "--max-requests", "10", "--policy", "hilum,round-robin", "--out", str(tmp_path)]) == 130
+    assert f"hilum sim: interrupted; the results were written: {tmp_path / 'results.json'}" in capsys.readouterr().err
+    now = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    # every file of this run is new, and the earlier run's llumnix plot went with its results
+    assert sorted(now) == ["kv_usage_hilum.png", "kv_usage_round-robin.png", "results.json", "ttft_cdf.png"]
+    assert all(now[name] != earlier[name] for name in now)
+    assert [r.policy for r in load_results(tmp_path / "results.json")] == ["hilum", "round-robin"]
+
+
+def test_prefix_aware_dispatch_without_a_prefix_cache_is_refused_by_the_configuration_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "hilum.yaml"
+    config.write_text("prefix_cache: {enabled: false}\n")
+    assert main(["sim", "--config", str(config), "--prefix-aware", "--max-requests", "5"]) == 2
+    err = capsys.readouterr().err.replace("\n", "")
+    assert (
+        "--prefix-aware needs prefix caching, and the configuration (--config) has prefix_cache.enabled false" in err
+    )
 
 
 def test_ctrl_c_in_a_sizing_or_a_sweep_exits_130_and_leaves_no_empty_out_folder(
