@@ -471,9 +471,7 @@ def test_prefix_aware_dispatch_without_a_prefix_cache_is_refused_by_the_configur
     config.write_text("prefix_cache: {enabled: false}\n")
     assert main(["sim", "--config", str(config), "--prefix-aware", "--max-requests", "5"]) == 2
     err = capsys.readouterr().err.replace("\n", "")
-    assert (
-        "--prefix-aware needs prefix caching, and the configuration (--config) has prefix_cache.enabled false" in err
-    )
+    assert "--prefix-aware needs prefix caching, and the configuration (--config) has prefix_cache.enabled false" in err
 
 
 def test_ctrl_c_in_a_sizing_or_a_sweep_exits_130_and_leaves_no_empty_out_folder(
