@@ -902,22 +902,19 @@ def _drains_held(lay: _Layout) -> list[str]:
     """The domains and instances a drain intent names, as the coordinator's view has them once the cluster serves
     (an instance of a drained domain is named by its domain alone); [] when the coordinator does not answer (a
     warning only: nothing is refused for it)."""
-    import grpc
-
-    from hilum_proto.tls import open_channel
+    from hilum_cli.ctl_client import AdminClient, CtlError, Target
     from hilum_proto.v1 import coordinator_pb2 as pb
-    from hilum_proto.v1 import coordinator_pb2_grpc as pb_grpc
 
-    async def ask(address: str) -> tuple[list[pb.DomainInfo], list[pb.InstanceInfo]]:
-        async with open_channel(address) as channel:  # TLS as every process of the cluster uses it
-            stub = pb_grpc.CoordinatorStub(channel)
-            domains = (await stub.ListDomains(pb.ListDomainsRequest(), timeout=5.0)).domains
-            instances = (await stub.ListInstances(pb.ListInstancesRequest(), timeout=5.0)).instances
+    async def ask() -> tuple[list[pb.DomainInfo], list[pb.InstanceInfo]]:
+        replicas = tuple(lay.address(p) for p in lay.plan.coordinators.values())
+        async with AdminClient(Target(coordinators=replicas), 5.0) as c:  # hilumctl's client: any replica answers
+            domains = (await c.read("ListDomains", pb.ListDomainsRequest())).domains
+            instances = (await c.read("ListInstances", pb.ListInstancesRequest())).instances
             return list(domains), list(instances)
 
     try:
-        domains, instances = asyncio.run(ask(lay.address(next(iter(lay.plan.coordinators.values())))))
-    except grpc.aio.AioRpcError:
+        domains, instances = asyncio.run(ask())
+    except CtlError:
         return []
     drained = [d.domain_id for d in domains if d.draining]
     return drained + [i.instance_id for i in instances if i.draining and i.domain_id not in drained]
