@@ -52,6 +52,17 @@ def test_warming_up_instance_attracts_dispatch_until_it_looks_like_the_others() 
     assert v.freeness("c") == pytest.approx(80 / 7)
 
 
+def test_of_two_overloaded_instances_the_one_holding_fewer_requests_back_gets_the_next() -> None:
+    # Both 40 blocks short for dispatch (ΣV = 100 running + 40 queued); a holds 20 queued requests, b 2. After
+    # reserving 10 more blocks and one request: a (−50)·23, b (−50)·5. Llumnix's quotient, −50/23 against −50/5,
+    # picked a: the longer the queue, the more it got (docs/policy.md, "Freeness").
+    a = inst("a", 100, [50, 50], num_waiting=20, head_demand_blocks=20, queued_demand_blocks=40)
+    b = inst("b", 100, [50, 50], num_waiting=2, head_demand_blocks=20, queued_demand_blocks=40)
+    v = view(a, b)
+    assert (v.freeness("a"), v.freeness("b")) == (-40 * 22, -40 * 4)
+    assert [view(a, b, seed=s).pick(10).target_id for s in range(5)] == ["b"] * 5
+
+
 def test_draining_instance_gets_nothing() -> None:
     v = view(inst("a", 100, draining=True), inst("b", 100, [90, 5]))
     assert {v.pick(5).target_id for _ in range(5)} == {"b"}

@@ -286,8 +286,27 @@ def test_max_num_seqs_is_checked() -> None:
 )
 def test_source_slack_is_the_blocks_an_instance_takes_before_it_is_a_source(load: InstanceLoad, slack: float) -> None:
     assert source_slack_blocks(load, CFG) == slack
+    _check_slack(load, slack, CFG)
+
+
+def _check_slack(load: InstanceLoad, slack: float, cfg: PolicyConfig) -> None:
     if math.isfinite(slack):  # u <= slack more blocks: no source; one more: a source (plan_migrations' own rule)
         for u, is_source in ((math.floor(slack), False), (math.floor(slack) + 1, True)):
             if 0 <= load.used_blocks + u <= load.capacity_blocks:
                 grown = replace(load, used_blocks=load.used_blocks + u)
-                assert (freeness(grown, CFG) < CFG.migrate_out_freeness_below) is is_source, u
+                assert (freeness(grown, cfg) < cfg.migrate_out_freeness_below) is is_source, u
+
+
+@pytest.mark.parametrize(
+    ("load", "slack"),
+    [
+        # ΣV = 20 + 2 · headroom 20 = 60: F >= −6 while the deficit is at most 3 blocks (−3 · 2)
+        (inst("a", 100, [10, 10], priorities=[1, 1]), 100 - 60 + 6 / 2),
+        (inst("a", 100, [40, 40], priorities=[1, 1]), 100 - 120 + 6 / 2),  # 20 short: F = −40, a source now
+        (inst("a", 100, []), 100 + 6 / 1),
+    ],
+)
+def test_source_slack_below_a_negative_threshold_is_a_deficit_times_the_batch(load: InstanceLoad, slack: float) -> None:
+    cfg = replace(CFG, migrate_out_freeness_below=-6)  # CFG: headroom 20 a high-priority request
+    assert source_slack_blocks(load, cfg) == pytest.approx(slack)
+    _check_slack(load, slack, cfg)
