@@ -248,7 +248,7 @@ class GatewayApp:
         name = request.match_info["model"]
         if name not in self.backend.limits:
             served = ", ".join(sorted(self.backend.limits)) or "none"
-            message = f"the model {name!r} does not exist here; served: {served}"
+            message = f"the model {json.dumps(name, ensure_ascii=False)} does not exist here; served: {served}"
             return _json(404, error_body(message, param="model", code="model_not_found"))
         return _json(200, self._model_object(name))
 

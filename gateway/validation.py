@@ -232,6 +232,16 @@ class GenerationRequest:
 # ---- field parsers --------------------------------------------------------------------------------------
 
 
+def _json_text(value: Any) -> str:
+    """``value``, parsed from JSON, as JSON writes it (``true``, ``null``, ``"abc"``, ``[1, 2]``: not Python's
+    ``True``, ``None`` or ``'abc'``), cut to 80 characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):  # not from JSON (a caller's own value): Python's words
+        text = repr(value)
+    return text if len(text) <= 80 else text[:79] + "…"
+
+
 def _json_type(value: Any) -> str:
     """What ``value``, parsed from JSON, was in the request: ``null``, a boolean, a number, a string, an array or an
     object (errors name JSON's types, not Python's ``NoneType`` or ``list``)."""
@@ -263,7 +273,7 @@ def _int(body: Mapping[str, Any], name: str, default: int, lo: int, hi: int) -> 
     if value is None:
         return default
     if not _is_int(value):
-        raise BadRequest(f"{name} must be an integer, got {value!r}", param=name)
+        raise BadRequest(f"{name} must be an integer, got {_json_text(value)}", param=name)
     if not lo <= value <= hi:
         raise BadRequest(f"{name} must be in [{lo}, {hi}], got {value}", param=name)
     return int(value)
@@ -274,11 +284,11 @@ def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: f
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise BadRequest(f"{name} must be a number, got {value!r}", param=name)
+        raise BadRequest(f"{name} must be a number, got {_json_text(value)}", param=name)
     ok = (lo < value if lo_open else lo <= value) and value <= hi
     if not ok:
         interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-        raise BadRequest(f"{name} must be in {interval}, got {value!r}", param=name)
+        raise BadRequest(f"{name} must be in {interval}, got {_json_text(value)}", param=name)
     return float(value)
 
 
@@ -287,7 +297,7 @@ def _bool(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise BadRequest(f"{name} must be true or false, got {value!r}", param=name)
+        raise BadRequest(f"{name} must be true or false, got {_json_text(value)}", param=name)
     return value
 
 
@@ -300,7 +310,7 @@ def _model(body: Mapping[str, Any], limits: Mapping[str, ModelLimits]) -> ModelL
     if name not in limits:
         served = ", ".join(sorted(limits)) or "none"
         raise ModelNotFound(
-            f"the model {name!r} does not exist here; served: {served}", param="model", code="model_not_found"
+            f"the model {_json_text(name)} does not exist here; served: {served}", param="model", code="model_not_found"
         )
     return limits[name]
 
@@ -313,7 +323,7 @@ def _check_fields(body: Mapping[str, Any], honoured: frozenset[str], refusable: 
         if name in _OFF and (refusable is None or name in refusable):
             if not _OFF[name](value):
                 raise BadRequest(
-                    f"{name} is not supported by hilum (got {json.dumps(value)[:80]}); docs/gateway.md lists "
+                    f"{name} is not supported by hilum (got {_json_text(value)}); docs/gateway.md lists "
                     "every request field",
                     param=name,
                     code="unsupported",
@@ -325,7 +335,7 @@ def _check_fields(body: Mapping[str, Any], honoured: frozenset[str], refusable: 
 def _token_ids(name: str, value: Sequence[Any], vocab_size: int) -> tuple[int, ...]:
     for i, t in enumerate(value):
         if not _is_int(t) or not 0 <= t < vocab_size:
-            raise BadRequest(f"{name}[{i}] = {t!r} is not a token id in [0, {vocab_size})", param=name)
+            raise BadRequest(f"{name}[{i}] = {_json_text(t)} is not a token id in [0, {vocab_size})", param=name)
     return tuple(int(t) for t in value)
 
 
@@ -366,7 +376,8 @@ def _chat_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
             raise BadRequest(f"{where} must be an object with role and content", param=where)
         role = msg.get("role")
         if role not in ("system", "user", "assistant", "developer"):
-            raise BadRequest(f"{where}.role must be system, developer, user or assistant, got {role!r}", param=where)
+            got = _json_text(role)
+            raise BadRequest(f"{where}.role must be system, developer, user or assistant, got {got}", param=where)
         extra = sorted(k for k, v in msg.items() if k not in ("role", "content", "name") and v not in (None, [], ""))
         if extra:
             raise BadRequest(f"{where}: {', '.join(extra)} is not supported by hilum", param=where, code="unsupported")
@@ -384,7 +395,7 @@ def _chat_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
             raise BadRequest(f"{where}.content must be a string, got {_json_type(content)}", param=where)
         name = msg.get("name")
         if name is not None and not isinstance(name, str):
-            raise BadRequest(f"{where}.name must be a string, got {name!r}", param=where)
+            raise BadRequest(f"{where}.name must be a string, got {_json_text(name)}", param=where)
         out.append({"role": str(role), "content": content, **({"name": name} if name else {})})
     if not any(m["content"] for m in out):
         raise BadRequest("prompt is empty: every message's content is empty", param="messages")
@@ -404,7 +415,8 @@ def parse_priority(value: Any, where: str) -> int:
             value = int(text)
     if not _is_int(value) or not 0 <= value <= MAX_PRIORITY:
         names = ", ".join(PRIORITY_NAMES)
-        raise BadRequest(f"{where} must be an integer 0..{MAX_PRIORITY} or one of {names}, got {value!r}", param=where)
+        got = _json_text(value)
+        raise BadRequest(f"{where} must be an integer 0..{MAX_PRIORITY} or one of {names}, got {got}", param=where)
     return int(value)
 
 
@@ -427,7 +439,8 @@ def _priority(body: Mapping[str, Any], header: str | None, grant: PriorityGrant)
         return grant.default
     asked = parse_priority(raw, where)
     if asked > grant.ceiling:
-        named = f"{raw!r} (class {asked})" if isinstance(raw, str) and not raw.strip().isdigit() else str(asked)
+        by_name = isinstance(raw, str) and not raw.strip().isdigit()
+        named = f"{_json_text(raw)} (class {asked})" if by_name else str(asked)
         raise PriorityNotAllowed(
             f"{where} {named} is above {grant.ceiling}, the highest the API key {grant.caller!r} may ask for",
             param=where,
@@ -447,7 +460,7 @@ def _max_tokens(
         room = min(ctx - prompt_tokens, limits.max_request_kv_tokens - prompt_tokens + 1)
         value = max(1, room if kind == "chat" else min(DEFAULT_MAX_TOKENS, ctx - prompt_tokens))
     if not _is_int(value):
-        raise BadRequest(f"{name} must be an integer, got {value!r}", param=name)
+        raise BadRequest(f"{name} must be an integer, got {_json_text(value)}", param=name)
     if value < 1:
         raise BadRequest(f"{name} must be >= 1, got {value}", param=name)
     if value > ctx:
@@ -493,7 +506,7 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
         return ()
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise BadRequest(f"stop must be a string or a list of strings, got {value!r}", param="stop")
+        raise BadRequest(f"stop must be a string or a list of strings, got {_json_text(value)}", param="stop")
     for i, s in enumerate(items):
         if not s:
             raise BadRequest(f"stop[{i}] is empty (it would match everywhere)", param="stop")
@@ -505,7 +518,7 @@ def _seed(body: Mapping[str, Any], n: int) -> int | None:
     if seed is None:
         return None
     if not _is_int(seed):
-        raise BadRequest(f"seed must be an integer, got {seed!r}", param="seed")
+        raise BadRequest(f"seed must be an integer, got {_json_text(seed)}", param="seed")
     if not -(2**63) <= seed <= 2**63 - n:
         raise BadRequest(
             f"seed must fit in a signed 64-bit integer (with n = {n}: seed + n - 1), got {seed}", param="seed"
@@ -533,7 +546,8 @@ def _guided(body: Mapping[str, Any]) -> tuple[GuidedDecoding | None, str]:
                 raise BadRequest(message, param="response_format")
             return GuidedDecoding("json_schema", json.dumps(schema)), "response_format"
         raise BadRequest(
-            f"response_format.type must be text, json_object or json_schema, got {kind!r}", param="response_format"
+            f"response_format.type must be text, json_object or json_schema, got {_json_text(kind)}",
+            param="response_format",
         )
     if len(given) > 1:
         raise BadRequest(f"give one structured-output field, not {', '.join(given)}", param=given[1])

@@ -148,7 +148,7 @@ def test_the_openai_client_with_and_without_a_key(tok: HFTokenizer) -> None:
     assert seen["401"][0].body["code"] == "invalid_api_key" and "not valid here" in seen["401"][0].body["message"]
     assert seen["403"].status_code == 403 and seen["403"].body["code"] == "priority_not_allowed"
     assert (
-        "priority 'high' (class 1) is above 0, the highest the API key 'batch' may ask for"
+        "priority \"high\" (class 1) is above 0, the highest the API key 'batch' may ask for"
         in seen["403"].body["message"]
     )
     assert seen["models"] == [MODEL] and (seen["/health"], seen["/metrics"]) == (200, 200)

@@ -25,8 +25,8 @@ BAD_BODIES: list[tuple[str, Any, str, str]] = [
     ("max_tokens zero", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, "max_tokens", "must be >= 1, got 0"),
     ("max_tokens negative", {"model": "tiny", "prompt": "hi", "max_tokens": -3}, "max_tokens", "must be >= 1, got -3"),
     ("max_tokens float", {**_P, "max_tokens": 2.5}, "max_tokens", "must be an integer, got 2.5"),
-    ("max_tokens string", {**_P, "max_tokens": "8"}, "max_tokens", "must be an integer, got '8'"),
-    ("max_tokens bool", {**_P, "max_tokens": True}, "max_tokens", "must be an integer, got True"),
+    ("max_tokens string", {**_P, "max_tokens": "8"}, "max_tokens", 'must be an integer, got "8"'),
+    ("max_tokens bool", {**_P, "max_tokens": True}, "max_tokens", "must be an integer, got true"),
     (
         "max_tokens absurd",
         {"model": "tiny", "prompt": "hi", "max_tokens": 10**9},
@@ -76,7 +76,17 @@ BAD_BODIES: list[tuple[str, Any, str, str]] = [
 BAD_CHAT: list[tuple[str, Any, str]] = [
     ("no messages", {"model": "tiny", "messages": []}, "messages must be a non-empty list"),
     ("empty content", {"model": "tiny", "messages": [{"role": "user", "content": ""}]}, "prompt is empty"),
-    ("bad role", {"model": "tiny", "messages": [{"role": "bot", "content": "x"}]}, "messages[0].role must be"),
+    ("bad role", {"model": "tiny", "messages": [{"role": "bot", "content": "x"}]}, 'user or assistant, got "bot"'),
+    (
+        "no role",
+        {"model": "tiny", "messages": [{"content": "x"}]},
+        "messages[0].role must be system, developer, user or assistant, got null",
+    ),
+    (
+        "name not a string",
+        {"model": "tiny", "messages": [{"role": "user", "content": "x", "name": [1, 2]}]},
+        "messages[0].name must be a string, got [1, 2]",
+    ),
     (
         "chat max_tokens",
         {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
@@ -325,9 +335,9 @@ def test_error_paths_answer_the_openai_error_object() -> None:
         ("POST", "/v1/completions", {"data": b"\x1f\x8bnot really gzip", "headers": bad_gzip},
          400, "invalid_body", "the request body cannot be read"),
         ("GET", "/v2/completions", {}, 404, "not_found", "no route GET /v2/completions"),
-        ("GET", "/v1/models/gpt-9", {}, 404, "model_not_found", "'gpt-9' does not exist here"),
+        ("GET", "/v1/models/gpt-9", {}, 404, "model_not_found", '"gpt-9" does not exist here'),
         ("POST", "/v1/completions", {"json": {"model": "gpt-9", "prompt": "x"}},
-         404, "model_not_found", "'gpt-9' does not exist here; served: tiny"),
+         404, "model_not_found", '"gpt-9" does not exist here; served: tiny'),
         ("POST", "/v1/completions", {"json": {"model": 5, "prompt": "x"}},  # it was a 404: "the model 5 does not exist"
          400, "invalid_value", "model must be a string (a model's name), got a number"),
         ("POST", "/v1/completions", {"data": b"null", "headers": json_type},

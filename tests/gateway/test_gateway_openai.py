@@ -89,7 +89,7 @@ def test_models_list_and_retrieve(tok: HFTokenizer) -> None:
         assert model.id == MODEL and model.model_extra["max_model_len"] == 512
         with pytest.raises(openai.NotFoundError) as err:
             await client.models.retrieve("gpt-9")
-        assert err.value.code == "model_not_found" and "'gpt-9' does not exist here" in err.value.message
+        assert err.value.code == "model_not_found" and '"gpt-9" does not exist here' in err.value.message
 
     run(tok, body)
 
