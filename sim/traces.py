@@ -85,6 +85,7 @@ ArrivalKind = Literal["trace", "poisson", "gamma"]
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _SHAREGPT_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
 _MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
+_MOONCAKE_FORMAT = f"expected JSON Lines with Mooncake keys {', '.join(_MOONCAKE_KEYS)} (hash_ids optional)"
 _EXPECTED_FORMATS = (
     f"expected a CSV with Azure columns {', '.join(_AZURE_COLUMNS)}, a CSV with ShareGPT columns "
     f"{', '.join(_SHAREGPT_COLUMNS)}, or JSON Lines with Mooncake keys {', '.join(_MOONCAKE_KEYS)} "
@@ -306,10 +307,11 @@ def _read_text(data: bytes, source: str) -> str:
 def _parse(data: bytes, source: str) -> _Table:
     text = _read_text(data, source)
     first = next((line.strip() for line in text.splitlines() if line.strip()), None)
-    if first is None:
-        raise TraceError(f"{source}: empty file; {_EXPECTED_FORMATS}")
     # JSON Lines by content, or by name: a .jsonl file whose first line is broken gets JSON's error, not a CSV one
-    if first.startswith("{") or source.removesuffix(".gz").endswith((".jsonl", ".json")):
+    json_lines = source.removesuffix(".gz").endswith((".jsonl", ".json"))
+    if first is None:
+        raise TraceError(f"{source}: empty file; {_MOONCAKE_FORMAT if json_lines else _EXPECTED_FORMATS}")
+    if first.startswith("{") or json_lines:
         return _parse_mooncake(text, source)
     return _parse_csv(text, source)
 
@@ -479,12 +481,19 @@ def _parse_csv_rows(
 def _json_int(record: dict[str, object], key: str, source: str, line: int, minimum: int) -> int:
     value = record[key]
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TraceError(f"{source}:{line}: key {key}: expected an integer, got {value!r}")
+        raise TraceError(f"{source}:{line}: key {key}: expected an integer, got {_json_text(value)}")
     if value < minimum:
         raise TraceError(f"{source}:{line}: key {key}: must be >= {minimum}, got {value}")
     if value > _MAX_TOKEN_COUNT:
         raise TraceError(f"{source}:{line}: key {key}: must be <= {_MAX_TOKEN_COUNT}, got {value}")
     return value
+
+
+def _json_text(value: object) -> str:
+    """A value read from a JSON line as JSON writes it (``[1, 2]``, ``true``, ``"7"``; not Python's ``list``,
+    ``True``, ``'7'``), cut to 60 characters."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:59] + "…"
 
 
 def _parse_mooncake(text: str, source: str) -> _Table:
@@ -500,7 +509,7 @@ def _parse_mooncake(text: str, source: str) -> _Table:
         except json.JSONDecodeError as exc:
             raise TraceError(f"{source}:{line}: invalid JSON: {exc.msg} (column {exc.colno})") from None
         if not isinstance(record, dict):
-            raise TraceError(f"{source}:{line}: expected a JSON object, got {type(record).__name__}")
+            raise TraceError(f"{source}:{line}: expected a JSON object, got {_json_text(record)}")
         missing = [k for k in _MOONCAKE_KEYS if k not in record]
         if missing:
             raise TraceError(
@@ -508,7 +517,7 @@ def _parse_mooncake(text: str, source: str) -> _Table:
             )
         stamp = record["timestamp"]
         if isinstance(stamp, bool) or not isinstance(stamp, int | float) or not math.isfinite(stamp):
-            raise TraceError(f"{source}:{line}: key timestamp: expected a number of ms, got {stamp!r}")
+            raise TraceError(f"{source}:{line}: key timestamp: expected a number of ms, got {_json_text(stamp)}")
         prompt = _json_int(record, "input_length", source, line, 1)
         block_ids = record.get("hash_ids", [])
         if not isinstance(block_ids, list) or not all(
@@ -783,8 +792,13 @@ def load_trace(
     if arrival == "trace" and not has_times:
         raise TraceError(f"{shown}: has no timestamps; use arrival='poisson' or 'gamma'")
     if arrival == "trace" and (rate_per_s is not None or arrival_cv is not None):
+        given = [
+            name
+            for name, v in (("rate_per_s (--rate)", rate_per_s), ("arrival_cv (--arrival-cv)", arrival_cv))
+            if v is not None
+        ]
         raise TraceError(
-            f"{shown}: rate_per_s (--rate) and arrival_cv (--arrival-cv) apply only to synthetic arrivals "
+            f"{shown}: {' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} only to synthetic arrivals "
             "(arrival poisson or gamma); to replay the trace's own timestamps faster use rate_scale (--rate-scale)"
         )
     if num_requests is not None and has_times:

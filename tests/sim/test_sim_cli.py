@@ -225,7 +225,7 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--arrival", "gamma", "--arrival-cv", "1e6"], "--arrival-cv must be from 0.001 to 1000 (the Gamma"),
         (["--no-prefix-caching", "--prefix-aware"], "--prefix-aware needs prefix caching"),  # accepted, meant nothing
         (["--arrival", "poisson", "--rate", "0"], "--rate must be a number of requests per second > 0, got 0.0"),
-        (["--rate", "3"], "rate_per_s (--rate) and arrival_cv (--arrival-cv) apply only to synthetic arrivals"),
+        (["--rate", "3"], "azure-conv (bundled trace): rate_per_s (--rate) applies only to synthetic arrivals"),
         (["--policy", "hilum,llumnix,hilum"], "--policy names hilum more than once"),
         (["--drain", "nope@10"], "--drain names unknown instance 'nope'"),
         (

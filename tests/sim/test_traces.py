@@ -400,7 +400,7 @@ def test_user_sharegpt_csv(tmp_path: Path) -> None:
         (
             "x.jsonl",
             '{"timestamp": 0, "input_length": 5, "output_length": "7"}\n',
-            r"x\.jsonl:1: key output_length: expected an integer, got '7'",
+            r'x\.jsonl:1: key output_length: expected an integer, got "7"',
         ),
         (
             "x.jsonl",
@@ -409,6 +409,8 @@ def test_user_sharegpt_csv(tmp_path: Path) -> None:
         ),
         # a .jsonl file is read as JSON Lines whatever its first line: it was "unknown trace format: CSV header"
         ("x.jsonl", "not json\n", r"x\.jsonl:1: invalid JSON: Expecting value"),
+        ("x.jsonl", "[1, 2]\n", r"x\.jsonl:1: expected a JSON object, got \[1, 2\]$"),
+        ("x.jsonl", "\n\n", r"x\.jsonl: empty file; expected JSON Lines with Mooncake keys timestamp, "),
     ],
 )
 def test_bad_files_give_clear_errors(tmp_path: Path, file_name: str, content: str, message: str) -> None:
@@ -462,6 +464,13 @@ def test_bad_arguments(tmp_path: Path) -> None:
         (
             "azure-conv",
             {"rate_per_s": 5.0},
+            "azure-conv (bundled trace): rate_per_s (--rate) applies only to synthetic "
+            "arrivals (arrival poisson or gamma); to replay the trace's own timestamps faster use rate_scale "
+            "(--rate-scale)",
+        ),
+        (
+            "azure-conv",
+            {"rate_per_s": 5.0, "arrival_cv": 2.0},
             "azure-conv (bundled trace): rate_per_s (--rate) and arrival_cv (--arrival-cv) apply only to synthetic "
             "arrivals (arrival poisson or gamma); to replay the trace's own timestamps faster use rate_scale "
             "(--rate-scale)",
@@ -512,7 +521,7 @@ def test_errors_about_a_user_file_name_its_path(tmp_path: Path) -> None:
     path.write_text(AZURE_SMALL)
     with pytest.raises(TraceError) as caught:
         load_trace(path, rate_per_s=3.0)
-    assert str(caught.value).startswith(f"{path}: rate_per_s (--rate) and arrival_cv (--arrival-cv) apply only to ")
+    assert str(caught.value).startswith(f"{path}: rate_per_s (--rate) applies only to synthetic arrivals")
     with pytest.raises(ValueError) as caught_span:
         load_trace(path, rate_scale=1e-12)
     assert str(caught_span.value).startswith(f"{path}: its first 3 requests arrive over ")
