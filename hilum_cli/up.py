@@ -834,6 +834,13 @@ class RunningCluster:
         children = self.supervisor.children()
         self.info["pids"] = self.supervisor.pids()
         self.info["processes"] = {c.name: {"pid": c.pid, "restarts": c.restarts, "state": c.state()} for c in children}
+        # "coordinator" (what a script passes to hilumctl --coordinator): a replica that runs, the first one while
+        # none does (a standby forwards to the leader)
+        states = {name: process["state"] for name, process in self.info["processes"].items()}
+        coordinators: dict[str, str] = self.info.get("coordinators", {})
+        running = [address for cid, address in coordinators.items() if states.get(f"coordinator-{cid}") == "running"]
+        if coordinators:
+            self.info["coordinator"] = running[0] if running else next(iter(coordinators.values()))
         path = self.layout.run_dir / "cluster.json"
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.info, indent=2) + "\n")

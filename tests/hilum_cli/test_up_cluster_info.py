@@ -1,0 +1,54 @@
+"""cluster.json as ``hilum up`` rewrites it when a process changes state (RunningCluster.write_info)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from hilum_cli.up import RunningCluster
+
+
+@dataclass
+class _Child:
+    name: str
+    pid: int
+    restarts: int
+    now: str
+
+    def state(self) -> str:
+        return self.now
+
+
+class _Supervisor:
+    def __init__(self, children: list[_Child]) -> None:
+        self._children = children
+
+    def children(self) -> list[_Child]:
+        return self._children
+
+    def pids(self) -> dict[str, int]:
+        return {c.name: c.pid for c in self._children}
+
+
+def test_the_coordinator_named_at_the_top_is_one_that_runs(tmp_path: Path) -> None:
+    # it named the first replica whatever its state: a script's `hilumctl --coordinator` then reached a down one
+    children = [_Child("etcd", 10, 0, "running"), _Child("coordinator-coord-0", 11, 5, "down")]
+    children.append(_Child("coordinator-coord-1", 12, 0, "running"))
+    info: dict[str, Any] = {"coordinators": {"coord-0": "127.0.0.1:7070", "coord-1": "127.0.0.1:7071"}}
+    cluster = RunningCluster(SimpleNamespace(run_dir=tmp_path), _Supervisor(children), info)  # type: ignore[arg-type]
+
+    def written() -> dict[str, Any]:
+        cluster.write_info()
+        data: dict[str, Any] = json.loads((tmp_path / "cluster.json").read_text())
+        return data
+
+    data = written()
+    assert data["coordinator"] == "127.0.0.1:7071"
+    assert data["processes"]["coordinator-coord-0"] == {"pid": 11, "restarts": 5, "state": "down"}
+    children[1].now = "running"  # back: the first replica again
+    assert written()["coordinator"] == "127.0.0.1:7070"
+    children[1].now = children[2].now = "restarting"  # none runs: the first, as before
+    assert written()["coordinator"] == "127.0.0.1:7070"
