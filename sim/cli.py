@@ -1085,10 +1085,28 @@ def _check_sweep(config: SweepConfig) -> None:
         topology="", trace=config.trace, policy=config.policies[0], options=config.options
     ).parsed_options()
     assert isinstance(parsed, SimOptions)
+    arrivals = {"arrival": config.arrival, "rate_per_s": config.rate, "arrival_cv": config.arrival_cv}
+    if config.arrival is not None:
+        try:
+            load_trace(config.trace, max_requests=config.max_requests, **arrivals)  # type: ignore[arg-type]
+        except ValueError as exc:
+            try:  # an unknown or broken trace is named as such
+                load_trace(config.trace, max_requests=config.max_requests)
+            except ValueError as plain:
+                raise ValueError(f"trace: {plain}") from None
+            raise ValueError(f"arrival: {exc}") from None
     for i, rate_scale in enumerate(config.rate_scales):
         for seed in config.seeds:
             try:
-                load_trace(config.trace, rate_scale=rate_scale, max_requests=config.max_requests, seed=seed)
+                load_trace(
+                    config.trace,
+                    rate_scale=rate_scale,
+                    max_requests=config.max_requests,
+                    seed=seed,
+                    arrival=config.arrival,
+                    rate_per_s=config.rate,
+                    arrival_cv=config.arrival_cv,
+                )
             except ValueError as exc:
                 try:  # as recorded: an unknown or broken trace is not the fault of a grid point
                     load_trace(config.trace, max_requests=config.max_requests)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -44,6 +44,7 @@ from sim.results import (
     summary_from_dict,
     summary_to_dict,
 )
+from sim.traces import MAX_ARRIVAL_CV, MIN_ARRIVAL_CV, ArrivalKind
 from topology.load import not_utf8, parse_yaml, yaml_error_line
 
 __all__ = [
@@ -103,6 +104,11 @@ class SweepConfig(BaseModel):
     max_requests: Annotated[int, Field(gt=0)] | None = None  # first N requests of the trace; None = all
     options: dict[str, Any] = Field(default_factory=dict)  # passed unchanged to every run (SimSpec.options)
     config: _Name | None = None  # the hilum configuration file of every run (hilum_config); None = defaults
+    # The arrival process, as hilum sim's --arrival, --rate and --arrival-cv: None = the trace's timestamps where it
+    # has them, else Poisson. Synthetic arrivals are drawn per seed, so a sweep over seeds samples the process.
+    arrival: ArrivalKind | None = None
+    rate: _PositiveFloat | None = None  # synthetic arrivals per second, before each rate scale
+    arrival_cv: Annotated[float, Field(ge=MIN_ARRIVAL_CV, le=MAX_ARRIVAL_CV)] | None = None  # Gamma inter-arrival CV
 
     @field_validator("topologies", "policies", "rate_scales", "seeds")
     @classmethod
@@ -111,6 +117,17 @@ class SweepConfig(BaseModel):
         if duplicates:
             raise ValueError(f"duplicate entries: {', '.join(duplicates)}")
         return values
+
+    @model_validator(mode="after")
+    def _arrival_keys(self) -> SweepConfig:
+        synthetic = self.arrival in ("poisson", "gamma")
+        if self.rate is not None and not synthetic:
+            raise ValueError("rate needs arrival: poisson or gamma (the trace's timestamps have their own rate)")
+        if self.arrival == "gamma" and self.arrival_cv is None:
+            raise ValueError("arrival: gamma needs arrival_cv (the inter-arrival CV, e.g. 2)")
+        if self.arrival_cv is not None and self.arrival != "gamma":
+            raise ValueError("arrival_cv applies only with arrival: gamma")
+        return self
 
 
 def _loc(loc: Sequence[int | str]) -> str:
@@ -172,6 +189,11 @@ def _message(err: Mapping[str, Any]) -> str:
         return "must list at least one entry"
     if kind == "string_too_short":
         return "must not be empty"
+    if kind in ("less_than", "less_than_equal"):
+        bound = f"< {ctx['lt']:g}" if kind == "less_than" else f"<= {ctx['le']:g}"
+        return f"must be {bound}, got {given!r}"
+    if kind == "literal_error":  # ctx["expected"]: "'trace', 'poisson' or 'gamma'"
+        return f"must be one of {ctx['expected']}, got {_shown(given)}"
     return str(err["msg"])
 
 
@@ -227,6 +249,9 @@ class GridPoint:
     seed: int  # seed of the run's random sources
     options: Mapping[str, object] = field(default_factory=dict)  # extra runner options
     config: str | None = None  # the hilum configuration file (hilum_config); None = defaults
+    arrival: ArrivalKind | None = None  # arrival process (SweepConfig.arrival); None = the trace's own, or Poisson
+    rate_per_s: float | None = None  # synthetic arrivals per second, before the rate scale
+    arrival_cv: float | None = None  # Gamma inter-arrival CV
 
     def label(self) -> str:
         """A short human-readable name, e.g. ``2x8-a100/hilum/x1.5/seed0``."""
@@ -257,6 +282,9 @@ def grid_points(config: SweepConfig) -> list[GridPoint]:
             seed=seed,
             options=dict(config.options),
             config=config.config,
+            arrival=config.arrival,
+            rate_per_s=config.rate,
+            arrival_cv=config.arrival_cv,
         )
         for topology in config.topologies
         for policy in config.policies
@@ -266,8 +294,10 @@ def grid_points(config: SweepConfig) -> list[GridPoint]:
 
 
 def _run_with_simulator(point: GridPoint) -> SimRun:
-    """Default :data:`RunFn`: ``sim.runner.run_simulation`` on the point's ``SimSpec``."""
+    """Default :data:`RunFn`: ``sim.runner.run_simulation`` on the point's ``SimSpec`` (and its trace loaded with the
+    point's arrival process, as ``hilum sim`` loads it)."""
     from sim.runner import SimSpec, run_simulation  # lazy: the simulator core is not needed to plan a sweep
+    from sim.traces import load_trace
 
     spec = SimSpec(
         topology=point.topology,
@@ -279,7 +309,18 @@ def _run_with_simulator(point: GridPoint) -> SimRun:
         options=dict(point.options),
         config=point.config,
     )
-    run: SimRun = run_simulation(spec)
+    trace = None
+    if point.arrival is not None:
+        trace = load_trace(
+            point.trace,
+            rate_scale=point.rate_scale,
+            max_requests=point.max_requests,
+            seed=point.seed,
+            arrival=point.arrival,
+            rate_per_s=point.rate_per_s,
+            arrival_cv=point.arrival_cv,
+        )
+    run: SimRun = run_simulation(spec, trace=trace)
     return run
 
 

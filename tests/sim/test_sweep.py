@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sim.report import format_sweep_table
-from sim.results import KvTimeline, RequestRecord, SimRun
+from sim.results import KvTimeline, RequestRecord, SimRun, summarize
 from sim.sweep import (
     GridPoint,
     SweepConfig,
@@ -84,6 +84,14 @@ def test_defaults(tmp_path: Path) -> None:
         ("- a\n- b\n", "sweep.yaml: (top level): expected a mapping of keys, got list"),
         ("trace: [unclosed\n", "sweep.yaml: line 2, column 1: YAML syntax error"),
         (GOOD + "trace: sharegpt\n", "sweep.yaml: line"),  # a repeated key: refused, not the last one kept
+        (GOOD + "arrival: gamma\n", "sweep.yaml: (top level): arrival: gamma needs arrival_cv (the inter-arrival CV"),
+        (GOOD + "rate: 8\n", "sweep.yaml: (top level): rate needs arrival: poisson or gamma"),
+        (GOOD + "arrival: trace\nrate: 8\n", "sweep.yaml: (top level): rate needs arrival: poisson or gamma"),
+        (GOOD + "arrival: poisson\narrival_cv: 2\n", "sweep.yaml: (top level): arrival_cv applies only with arrival:"),
+        (GOOD + "arrival: gamma\narrival_cv: 0\n", "sweep.yaml: arrival_cv: must be >= 0.001, got 0"),
+        (GOOD + "arrival: burst\n", "sweep.yaml: arrival: must be one of 'trace', 'poisson' or 'gamma', got 'burst'"),
+        (GOOD + "arrival: gamma\narrival_cv: 2000\n", "sweep.yaml: arrival_cv: must be <= 1000, got 2000"),
+        (GOOD + "arrival: poisson\nrate: -1\n", "sweep.yaml: rate: must be > 0, got -1"),
     ],
 )
 def test_config_errors_name_file_and_key(tmp_path: Path, text: str, expected: str) -> None:
@@ -223,8 +231,8 @@ def test_default_run_fn_builds_the_runner_spec(monkeypatch: pytest.MonkeyPatch) 
         def __init__(self, **fields: object) -> None:
             self.fields = fields
 
-    def run_simulation(spec: SimSpec) -> SimRun:
-        seen.append(spec.fields)
+    def run_simulation(spec: SimSpec, trace: object = None) -> SimRun:
+        seen.append({**spec.fields, "trace given": trace is not None})
         return fake_run(GridPoint("a", "t", "hilum", 1.0, 5, 2, {}))
 
     stand_in = types.ModuleType("sim.runner")
@@ -242,9 +250,40 @@ def test_default_run_fn_builds_the_runner_spec(monkeypatch: pytest.MonkeyPatch) 
             "seed": 2,
             "options": {"k": 1},
             "config": None,
+            "trace given": False,  # the runner loads it from the spec
         }
     ]
     assert row.summary.requests == 10
+
+
+def test_a_sweep_with_synthetic_arrivals_runs_what_hilum_sim_runs(tmp_path: Path) -> None:
+    """``arrival``, ``rate`` and ``arrival_cv`` draw the arrivals per seed, as ``hilum sim --arrival gamma --rate R
+    --arrival-cv C --seed S`` does: each grid point's figures are that command's (it could not sweep them before)."""
+    from sim.runner import SimSpec, run_simulation
+    from sim.traces import load_trace
+
+    text = "trace: sharegpt\ntopologies: [2x8-a100-40gb]\npolicies: [least-loaded]\nrate_scales: [1, 2]\n"
+    text += "seeds: [0, 1]\nmax_requests: 60\narrival: gamma\nrate: 4\narrival_cv: 3\n"
+    config = load_sweep_config(write(tmp_path, text))
+    points = grid_points(config)
+    assert [(p.arrival, p.rate_per_s, p.arrival_cv) for p in points] == [("gamma", 4.0, 3.0)] * 4
+    rows = [run_point(p) for p in points]
+    for point, row in zip(points, rows, strict=True):
+        trace = load_trace(
+            "sharegpt",
+            rate_scale=point.rate_scale,
+            max_requests=60,
+            seed=point.seed,
+            arrival="gamma",
+            rate_per_s=4.0,
+            arrival_cv=3.0,
+        )
+        spec = SimSpec("2x8-a100-40gb", "sharegpt", "least-loaded", point.rate_scale, 60, point.seed)
+        alone = summarize(run_simulation(spec, trace=trace))
+        assert (row.summary.ttft_p99_s, row.summary.sim_duration_s) == (alone.ttft_p99_s, alone.sim_duration_s)
+    durations = {(p.rate_scale, p.seed): r.summary.sim_duration_s for p, r in zip(points, rows, strict=True)}
+    assert durations[(1.0, 0)] != durations[(1.0, 1)]  # the seed draws other arrivals
+    assert durations[(2.0, 0)] < durations[(1.0, 0)]  # twice the rate: the same requests sooner
 
 
 # ------------------------------------------------------------------------------------------ on Ray
