@@ -284,7 +284,8 @@ def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: f
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise BadRequest(f"{name} must be a number, got {_json_text(value)}", param=name)
+        finite = "" if isinstance(value, bool) or not isinstance(value, int | float) else "finite "
+        raise BadRequest(f"{name} must be a {finite}number, got {_json_text(value)}", param=name)
     ok = (lo < value if lo_open else lo <= value) and value <= hi
     if not ok:
         interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
@@ -376,8 +377,8 @@ def _chat_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
             raise BadRequest(f"{where} must be an object with role and content", param=where)
         role = msg.get("role")
         if role not in ("system", "user", "assistant", "developer"):
-            got = _json_text(role)
-            raise BadRequest(f"{where}.role must be system, developer, user or assistant, got {got}", param=where)
+            got = "it is missing" if "role" not in msg else f"got {_json_text(role)}"
+            raise BadRequest(f"{where}.role must be system, developer, user or assistant; {got}", param=where)
         extra = sorted(k for k, v in msg.items() if k not in ("role", "content", "name") and v not in (None, [], ""))
         if extra:
             raise BadRequest(f"{where}: {', '.join(extra)} is not supported by hilum", param=where, code="unsupported")

@@ -9,7 +9,6 @@ every instance), carries out the :class:`ScaleDecision` s it returns and reports
 **The signal: the fleet's freeness.** Over the model's instances that are not draining,
 
     F = (ΣM − ΣV) / max(1, Σ (running + waiting))                                   (fleet_freeness)
-    F = (ΣM − ΣV) · max(1, Σ (running + waiting))   below zero                      (policy.usage.freeness_of)
 
 where ΣM is their KV capacity and ΣV their virtual usage (real blocks, the priority headroom of every running
 request, the head-of-line demand) plus the demand queued behind each head (``DomainSummary.queued_blocks``)
@@ -239,8 +238,7 @@ class FleetLoad:
     draining: tuple[InstanceBrief, ...]  # draining instances (by an operator or the autoscaler), by id
 
     def freeness(self, extra_capacity_blocks: float = 0.0) -> float:
-        """F = ``freeness_of(ΣM + extra, ΣV, requests)``: (ΣM + extra − ΣV) / max(1, requests), decode steps, at or
-        above zero (module docstring)."""
+        """F = (ΣM + extra − ΣV) / max(1, requests), decode steps (module docstring)."""
         return freeness_of(self.capacity_blocks + extra_capacity_blocks, self.usage_blocks, self.requests)
 
     def freeness_without(self, brief: InstanceBrief) -> float:
@@ -593,20 +591,19 @@ class Autoscaler:
         if not chosen:
             return []
         before = fleet.freeness(extra_blocks)
-        then = _shown(fleet, fleet.freeness(extra_blocks + added), extra_blocks + added)
+        after = fleet.freeness(extra_blocks + added)
         if below_min:
             why = f"{count} instances serving or starting, below min_instances {cfg.min_instances}"
         else:
-            shown = _shown(fleet, before, extra_blocks)
-            why = f"fleet freeness {shown} below {cfg.scale_out_freeness_below:g} for {held_s:.0f} s"
+            why = f"fleet freeness {before:.1f} below {cfg.scale_out_freeness_below:g} for {held_s:.0f} s"
         decisions = []
         for action, iid, _ in chosen:
             if action is ScaleAction.UNDRAIN:
                 self._tracked.pop(iid)
-                text = f"{why}: cancel its scale-in (freeness {then} with {len(chosen)} more)"
+                text = f"{why}: cancel its scale-in (freeness {after:.1f} with {len(chosen)} more)"
             else:
                 self._tracked[iid] = _Instance(Phase.STARTING, now_s)
-                text = f"{why}: start it (freeness {then} with {len(chosen)} more once started)"
+                text = f"{why}: start it (freeness {after:.1f} with {len(chosen)} more once started)"
             decisions.append(ScaleDecision(action, self.model, iid, now_s, text))
         return decisions
 
@@ -628,15 +625,6 @@ class Autoscaler:
             f"{candidate.num_running + candidate.num_waiting} requests"
         )
         return [ScaleDecision(ScaleAction.DRAIN, self.model, candidate.instance_id, now_s, text)]
-
-
-def _shown(fleet: FleetLoad, freeness: float, extra_blocks: float) -> str:
-    """``freeness`` for a decision's reason: below zero (a deficit times the requests, ``freeness_of``) with the
-    deficit and the request count, which a reader can check against the summaries."""
-    if freeness >= 0:
-        return f"{freeness:.1f}"
-    short = fleet.usage_blocks - fleet.capacity_blocks - extra_blocks
-    return f"{freeness:,.0f} ({short:,.0f} KV blocks short for {fleet.requests:,} requests)"
 
 
 def _since(since_s: float | None, holds: bool, now_s: float) -> float | None:

@@ -65,7 +65,7 @@ class InstanceBrief:
 
     @property
     def freeness(self) -> float:
-        """Its freeness F = ``freeness_of(M, ΣV, running)`` (−inf while draining)."""
+        """Its freeness F = (M − ΣV) / max(1, running) (−inf while draining)."""
         return -math.inf if self.draining else freeness_of(self.capacity_blocks, self.virtual_usage, self.num_running)
 
 
@@ -80,7 +80,7 @@ class DomainSummary:
     num_instances: int  # all instances, draining ones included
     capacity_blocks: int  # Σ M over non-draining instances
     virtual_usage: float  # ΣV over non-draining instances + real blocks on draining ones; inf if draining
-    freeness: float  # freeness_of(capacity_blocks, virtual_usage, num_running); −inf if draining
+    freeness: float  # (capacity_blocks − virtual_usage) / max(1, num_running); −inf if draining
     largest_free_blocks: int  # max real free blocks (M − used) of one non-draining instance
     max_instance_capacity_blocks: int  # max M of one non-draining instance: the largest request it can hold
     num_running: int  # running requests in the domain, draining instances included

@@ -66,9 +66,8 @@ def summarize_domain(
     """Summarize the instances of one domain (those serving ``model``: the caller groups them).
 
     F_domain = (Σ_active M − ΣV) / max(1, Σ running) — Llumnix's freeness (OSDI'24 §4.4.2) over the
-    group; below zero the deficit times Σ running (``policy.usage.freeness_of``). Draining instances add no
-    capacity, and their real blocks (not +inf) count as usage, since those requests must find room elsewhere in
-    the domain. A domain whose instances all drain
+    group. Draining instances add no capacity, and their real blocks (not +inf) count as usage,
+    since those requests must find room elsewhere in the domain. A domain whose instances all drain
     is draining (ΣV = +inf, F = −inf). An empty domain is not draining and has no capacity.
     Raises ValueError when a load names another domain, two loads the same instance, or ``taken_s`` is not finite.
     """

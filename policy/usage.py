@@ -57,23 +57,16 @@ def batch_size(load: InstanceLoad) -> int:
 
 
 def freeness_of(capacity_blocks: float, virtual_usage_blocks: float, num_running: int) -> float:
-    """F = (M − ΣV) / B when M >= ΣV, (M − ΣV) · B below zero, with B = max(1, num_running); −inf when ΣV is +inf.
+    """F = (M − ΣV) / B with B = max(1, num_running); −inf when ΣV is +inf.
 
-    Units: at or above zero, blocks per running request — roughly the decode steps the batch can still run
-    before memory runs out (Llumnix OSDI'24 §4.4.2, CalcFreeness). Below zero, a deficit in blocks times the
-    requests that share it: Llumnix's quotient there ranks a deficit shared by *more* requests as freer (−100
-    blocks over 50 requests, −2, above −100 over 5, −20), so dispatch kept feeding the instance with the longest
-    queue; the product ranks it less free the larger the deficit and the more requests it holds back
-    (docs/policy.md, "Freeness"). F stays decreasing in ΣV and continuous at zero, and every F >= 0 ranks
-    above every F < 0, as before.
+    Units: blocks per running request — roughly the decode steps the batch can still run before
+    memory runs out (Llumnix OSDI'24 §4.4.2, CalcFreeness).
     """
-    free = capacity_blocks - virtual_usage_blocks
-    batch = max(1, num_running)
-    return free / batch if free >= 0 else free * batch
+    return (capacity_blocks - virtual_usage_blocks) / max(1, num_running)
 
 
 def freeness(load: InstanceLoad, cfg: PolicyConfig) -> float:
-    """Freeness F of one instance (:func:`freeness_of` of M, ΣV and B). Never NaN; −inf when draining."""
+    """Freeness F of one instance: (M − ΣV) / B. Never NaN; −inf when draining."""
     return freeness_of(load.capacity_blocks, instance_virtual_usage(load, cfg), load.num_running)
 
 
@@ -100,5 +93,5 @@ def dispatch_usage(load: InstanceLoad, cfg: PolicyConfig) -> float:
 
 
 def dispatch_freeness(load: InstanceLoad, cfg: PolicyConfig) -> float:
-    """F for dispatch: :func:`freeness_of` of M, the dispatch ΣV and running + waiting requests."""
+    """F for dispatch: (M − dispatch ΣV) / max(1, running + waiting)."""
     return freeness_of(load.capacity_blocks, dispatch_usage(load, cfg), load.num_running + load.num_waiting)

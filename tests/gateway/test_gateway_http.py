@@ -52,6 +52,12 @@ BAD_BODIES: list[tuple[str, Any, str, str]] = [
         "prompt (40 tokens) + max_tokens (10) needs 49 KV tokens, more than any instance of tiny can ever hold (48",
     ),
     ("temperature", {"model": "tiny", "prompt": "hi", "temperature": 3}, "temperature", "must be in [0, 2], got 3"),
+    (
+        "temperature infinite",
+        {"model": "tiny", "prompt": "hi", "temperature": float("inf")},
+        "temperature",
+        "temperature must be a finite number, got Infinity",
+    ),
     ("top_p", {"model": "tiny", "prompt": "hi", "top_p": 0}, "top_p", "must be in (0, 1], got 0"),
     ("n zero", {"model": "tiny", "prompt": "hi", "n": 0}, "n", "n must be in [1, 128], got 0"),
     ("n huge", {"model": "tiny", "prompt": "hi", "n": 129}, "n", "n must be in [1, 128], got 129"),
@@ -76,11 +82,16 @@ BAD_BODIES: list[tuple[str, Any, str, str]] = [
 BAD_CHAT: list[tuple[str, Any, str]] = [
     ("no messages", {"model": "tiny", "messages": []}, "messages must be a non-empty list"),
     ("empty content", {"model": "tiny", "messages": [{"role": "user", "content": ""}]}, "prompt is empty"),
-    ("bad role", {"model": "tiny", "messages": [{"role": "bot", "content": "x"}]}, 'user or assistant, got "bot"'),
+    ("bad role", {"model": "tiny", "messages": [{"role": "bot", "content": "x"}]}, 'user or assistant; got "bot"'),
     (
         "no role",
         {"model": "tiny", "messages": [{"content": "x"}]},
-        "messages[0].role must be system, developer, user or assistant, got null",
+        "messages[0].role must be system, developer, user or assistant; it is missing",
+    ),
+    (
+        "null role",
+        {"model": "tiny", "messages": [{"role": None, "content": "x"}]},
+        "messages[0].role must be system, developer, user or assistant; got null",
     ),
     (
         "name not a string",

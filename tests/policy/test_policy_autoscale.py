@@ -95,21 +95,6 @@ def heavy() -> list[DomainSummary]:
     return fleet(inst("a0", 100, [10] * 9), inst("b0", 100, [15] + [10] * 8))
 
 
-def test_a_fleet_short_of_memory_is_told_by_its_deficit_and_requests() -> None:
-    # a0: 100 real + head 20 + 40 queued behind it = 160; b0: 90. 250 of 200 blocks: 50 short for 2 + 3 + 9 requests.
-    short = fleet(
-        inst("a0", 100, [50, 50], num_waiting=3, head_demand_blocks=20, queued_demand_blocks=60),
-        inst("b0", 100, [10] * 9),
-    )
-    result = run(Autoscaler("m", RULE, POOL), short, [0.0, 5.0, 10.0])
-    assert result.evaluation.freeness == -50 * 14  # a deficit times the requests holding it (policy.usage)
-    # The fuller domain (A, short of memory) first. +a1 (100 blocks): 50 free over 14 requests, 3.6; +b1: 150 / 14
-    assert actions(result) == [("scale-out", "a1"), ("scale-out", "b1")]
-    reason = result.decisions[0].reason
-    assert reason.startswith("fleet freeness -700 (50 KV blocks short for 14 requests) below 10 for 10 s: start it")
-    assert reason.endswith("(freeness 10.7 with 2 more once started)")
-
-
 def test_scale_out_after_the_hold_with_the_count_that_restores_the_threshold() -> None:
     scaler = Autoscaler("m", RULE, POOL)
     result = run(scaler, heavy(), [0.0, 5.0, 10.0])
