@@ -20,7 +20,7 @@ max_tokens, what it may grow to; 0 = only the demand is known):
    is drawn with the seeded rng. With `choices` = d > 0 (power of d choices, Mitzenmacher 2001), d
    targets of the pool are drawn first and the freest of those taken: several dispatchers sharing the
    same lagged view (a fleet of gateways) then spread a burst instead of all picking the same target;
-4. reserve: add demand + priority headroom to its usage and one request to its batch.
+4. reserve: add demand + priority headroom to its usage and one request to its queue.
 
 Prefix-aware dispatch (``PolicyConfig.prefix_aware_dispatch``), for a request that gives the hash ids of its
 reusable prompt prefix (``prefix_hashes``, each covering ``prefix_block_tokens`` tokens, ``h`` = that over the
@@ -62,7 +62,7 @@ from typing import Final, TypeVar, overload
 from policy.domain import DomainSummary
 from policy.load import InstanceLoad
 from policy.types import PolicyConfig
-from policy.usage import dispatch_usage, freeness_of, queued_blocks
+from policy.usage import dispatch_freeness_of, dispatch_usage, queued_blocks
 
 __all__ = [
     "DispatchDecision",
@@ -181,7 +181,8 @@ class _Target:
     target_id: str
     capacity_blocks: int  # M
     usage: float  # ΣV as reported
-    num_running: int  # B as reported (before max(1, ·))
+    num_running: int  # running requests as reported
+    num_waiting: int  # queued requests as reported (the requests dispatched since go to reserved_count)
     free_blocks: int  # blocks a new request could use now (instance: M − used − queued head)
     max_request_blocks: int  # the largest request one instance of it can ever hold
     draining: bool
@@ -200,6 +201,7 @@ class _Target:
         capacity_blocks: int,
         usage: float,
         num_running: int,
+        num_waiting: int,
         free_blocks: int,
         max_request_blocks: int,
         draining: bool,
@@ -210,6 +212,7 @@ class _Target:
         self.capacity_blocks = capacity_blocks
         self.usage = usage
         self.num_running = num_running
+        self.num_waiting = num_waiting
         self.free_blocks = free_blocks
         self.max_request_blocks = max_request_blocks
         self.draining = draining
@@ -222,10 +225,11 @@ class _Target:
         self.stamped = ()
 
     def freeness(self, extra_usage: float = 0.0, extra_requests: int = 0) -> float:
-        return freeness_of(
+        return dispatch_freeness_of(
             self.capacity_blocks,
             self.usage + self.reserved_usage + extra_usage,
-            self.num_running + self.reserved_count + extra_requests,
+            self.num_running,
+            self.num_waiting + self.reserved_count + extra_requests,  # they join the queue
         )
 
     def has_room(self, demand_blocks: int) -> bool:
@@ -676,7 +680,8 @@ class DispatchView(_View):
                 target_id=load.instance_id,
                 capacity_blocks=load.capacity_blocks,
                 usage=dispatch_usage(load, self._cfg),
-                num_running=load.num_running + load.num_waiting,
+                num_running=load.num_running,
+                num_waiting=load.num_waiting,
                 free_blocks=load.free_blocks - queued_blocks(load),
                 max_request_blocks=load.capacity_blocks,
                 draining=load.draining,
@@ -717,7 +722,8 @@ class DomainDispatchView(_View):
                 target_id=summary.domain_id,
                 capacity_blocks=summary.capacity_blocks,
                 usage=summary.virtual_usage + summary.queued_blocks,
-                num_running=summary.num_running + summary.num_waiting,
+                num_running=summary.num_running,
+                num_waiting=summary.num_waiting,
                 free_blocks=summary.largest_free_blocks,
                 max_request_blocks=summary.max_instance_capacity_blocks,
                 draining=summary.draining,

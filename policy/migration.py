@@ -229,15 +229,13 @@ def _is_source(load: InstanceLoad, f: float, cfg: PolicyConfig) -> bool:
 
 def source_slack_blocks(load: InstanceLoad, cfg: PolicyConfig) -> float:
     """KV blocks the instance may still take, its batch and queue as they are, before `plan_migrations` takes it
-    as a source: the largest u with F(used_blocks + u) >= migrate_out_freeness_below, i.e. M − ΣV − thr·B, or
-    M − ΣV − thr/B for a threshold below zero, where F is a deficit times B (``policy.usage.freeness_of``)
+    as a source: the largest u with F(used_blocks + u) >= migrate_out_freeness_below, i.e. M − ΣV − thr·B
     (blocks; fractional when the threshold is). Negative when it is a source now; −inf when it is one whatever
     its blocks (draining, preempting, starved of slots). A caller that knows how the blocks held grow (an
     engine's decode run) can tell from it how long a rescheduling round would find no source there."""
     if load.draining or load.preempting or load.slots_starved:
         return -math.inf
-    thr, batch = cfg.migrate_out_freeness_below, batch_size(load)
-    return load.capacity_blocks - instance_virtual_usage(load, cfg) - (thr * batch if thr >= 0 else thr / batch)
+    return load.capacity_blocks - instance_virtual_usage(load, cfg) - cfg.migrate_out_freeness_below * batch_size(load)
 
 
 def gives_a_slot(src: InstanceLoad, dst: InstanceLoad) -> bool:

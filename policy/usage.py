@@ -15,6 +15,7 @@ from policy.types import PolicyConfig
 __all__ = [
     "batch_size",
     "dispatch_freeness",
+    "dispatch_freeness_of",
     "dispatch_usage",
     "freeness",
     "freeness_of",
@@ -92,6 +93,25 @@ def dispatch_usage(load: InstanceLoad, cfg: PolicyConfig) -> float:
     return instance_virtual_usage(load, cfg) + (queued_blocks(load) - head)
 
 
+def dispatch_freeness_of(capacity_blocks: float, usage_blocks: float, num_running: int, num_waiting: int) -> float:
+    """F for dispatch: (M − ΣV) / max(1, running + waiting) when M >= ΣV, (M − ΣV) / max(1, M) below zero; −inf
+    when ΣV is +inf. ΣV is the dispatch ΣV (:func:`dispatch_usage`: every queued request's demand counts).
+
+    At or above zero this is Llumnix's dispatch load (``llumnix/instance_info.py``): the room per request, running
+    or queued, blocks per request. Below zero it is the share of its KV capacity the target is short (−0.1: a
+    deficit of a tenth of M), whatever the number of requests. Llumnix divides the deficit by running + waiting
+    there too, which ranks a target freer the more requests queue on it (40 blocks short behind 20 queued requests
+    is −1.3, behind 2 of them −3.3), so under a long overload dispatch kept feeding the longest queue
+    (docs/policy.md, "Freeness"). A count in either direction misleads below zero: dividing rewards a long queue
+    or a long batch, multiplying holds a larger instance's longer batch against it; the queue's demand is in the
+    deficit already. F stays decreasing in ΣV and continuous at zero, and every F >= 0 ranks above every F < 0.
+    """
+    free = capacity_blocks - usage_blocks
+    if free >= 0:
+        return free / max(1, num_running + num_waiting)
+    return free / max(1.0, capacity_blocks)
+
+
 def dispatch_freeness(load: InstanceLoad, cfg: PolicyConfig) -> float:
-    """F for dispatch: (M − dispatch ΣV) / max(1, running + waiting)."""
-    return freeness_of(load.capacity_blocks, dispatch_usage(load, cfg), load.num_running + load.num_waiting)
+    """F for dispatch (:func:`dispatch_freeness_of`) of one instance."""
+    return dispatch_freeness_of(load.capacity_blocks, dispatch_usage(load, cfg), load.num_running, load.num_waiting)

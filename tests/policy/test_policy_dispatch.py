@@ -52,15 +52,26 @@ def test_warming_up_instance_attracts_dispatch_until_it_looks_like_the_others() 
     assert v.freeness("c") == pytest.approx(80 / 7)
 
 
-def test_of_two_overloaded_instances_the_one_holding_fewer_requests_back_gets_the_next() -> None:
-    # Both 40 blocks short for dispatch (ΣV = 100 running + 40 queued); a holds 20 queued requests, b 2. After
-    # reserving 10 more blocks and one request: a (−50)·23, b (−50)·5. Llumnix's quotient, −50/23 against −50/5,
-    # picked a: the longer the queue, the more it got (docs/policy.md, "Freeness").
-    a = inst("a", 100, [50, 50], num_waiting=20, head_demand_blocks=20, queued_demand_blocks=40)
+def test_of_two_overloaded_instances_the_longer_queue_does_not_look_freer() -> None:
+    # Dispatch's ΣV counts every queued request's demand: a is 120 blocks short behind 20 queued requests, b 40
+    # short behind 2; both run 2. Below zero F is the share of capacity short: a −1.2, b −0.4. Llumnix's quotient
+    # divided by running + waiting, −120/22 against −40/4, and picked a: the longer the queue, the more it got
+    # (docs/policy.md, "Freeness").
+    a = inst("a", 100, [50, 50], num_waiting=20, head_demand_blocks=20, queued_demand_blocks=120)
     b = inst("b", 100, [50, 50], num_waiting=2, head_demand_blocks=20, queued_demand_blocks=40)
     v = view(a, b)
-    assert (v.freeness("a"), v.freeness("b")) == (-40 * 22, -40 * 4)
+    assert (v.freeness("a"), v.freeness("b")) == (-1.2, -0.4)
     assert [view(a, b, seed=s).pick(10).target_id for s in range(5)] == ["b"] * 5
+
+
+def test_a_larger_overloaded_instance_is_not_held_back_by_its_longer_batch() -> None:
+    # big: 400 blocks, 40 short (10 %) with 16 running; small: 100 blocks, 20 short (20 %) with 4 running. The
+    # big one gets the request; a deficit times the requests (−640 against −80) would have sent it to the small one.
+    big = inst("big", 400, [25] * 16, num_waiting=1, head_demand_blocks=40, queued_demand_blocks=40)
+    small = inst("small", 100, [25] * 4, num_waiting=1, head_demand_blocks=20, queued_demand_blocks=20)
+    v = view(big, small)
+    assert (v.freeness("big"), v.freeness("small")) == (-0.1, -0.2)
+    assert [view(big, small, seed=s).pick(5).target_id for s in range(5)] == ["big"] * 5
 
 
 def test_draining_instance_gets_nothing() -> None:

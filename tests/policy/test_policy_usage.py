@@ -4,6 +4,8 @@ import math
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from policy_factories import CFG, inst
 
 from policy import (
@@ -15,6 +17,7 @@ from policy import (
     summarize_domain,
 )
 from policy.summarize import DomainSummarizer
+from policy.usage import dispatch_freeness_of
 
 
 @pytest.mark.parametrize(
@@ -37,6 +40,36 @@ from policy.summarize import DomainSummarizer
 def test_instance_virtual_usage_and_freeness(load: InstanceLoad, usage: float, free: float) -> None:
     assert instance_virtual_usage(load, CFG) == usage
     assert freeness(load, CFG) == pytest.approx(free)
+
+
+def test_dispatch_freeness_below_zero_is_the_share_of_capacity_short() -> None:
+    assert dispatch_freeness_of(100, 60, 2, 2) == 10.0  # room: over every request, running and queued (Llumnix)
+    assert dispatch_freeness_of(100, 140, 10, 2) == -0.4  # 40 of 100 blocks short
+    # the count does not matter below zero: 20 queued requests do not make the deficit look smaller (Llumnix's
+    # −40 / 30 ranked that instance above one with −40 / 12), nor a longer batch larger
+    assert dispatch_freeness_of(100, 140, 10, 20) == dispatch_freeness_of(100, 140, 50, 0) == -0.4
+    assert dispatch_freeness_of(400, 440, 40, 0) > dispatch_freeness_of(100, 140, 10, 0)  # 10 % short above 40 %
+    assert dispatch_freeness_of(100, 100, 10, 20) == 0.0 and dispatch_freeness_of(0, 5, 0, 1) == -5.0
+    assert dispatch_freeness_of(100, math.inf, 5, 0) == -math.inf
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    capacity=st.integers(0, 10_000),
+    usage=st.floats(-1_000, 20_000, allow_nan=False),
+    more_usage=st.floats(0, 1_000, allow_nan=False),
+    running=st.integers(0, 500),
+    waiting=st.integers(0, 500),
+    more=st.integers(0, 500),
+)
+def test_dispatch_freeness_falls_with_usage_and_never_rises_with_more_requests(
+    capacity: int, usage: float, more_usage: float, running: int, waiting: int, more: int
+) -> None:
+    f = dispatch_freeness_of(capacity, usage, running, waiting)
+    assert dispatch_freeness_of(capacity, usage + more_usage, running, waiting) <= f
+    assert dispatch_freeness_of(capacity, usage, running + more, waiting) <= f
+    assert dispatch_freeness_of(capacity, usage, running, waiting + more) <= f
+    assert (f >= 0) == (capacity >= usage)  # every F >= 0 ranks above every F < 0
 
 
 def test_used_blocks_not_the_request_sum_is_the_real_usage() -> None:
