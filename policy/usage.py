@@ -100,8 +100,8 @@ def dispatch_freeness_of(capacity_blocks: float, usage_blocks: float, num_runnin
     At or above zero this is Llumnix's dispatch load (``llumnix/instance_info.py``): the room per request, running
     or queued, blocks per request. Below zero it is the share of its KV capacity the target is short (−0.1: a
     deficit of a tenth of M), whatever the number of requests. Llumnix divides the deficit by running + waiting
-    there too, which ranks a target freer the more requests queue on it (40 blocks short behind 20 queued requests
-    is −1.3, behind 2 of them −3.3), so under a long overload dispatch kept feeding the longest queue
+    there too, which ranks a target freer the more requests queue on it (40 blocks short with 10 running is −1.3
+    behind 20 queued requests, −3.3 behind 2), so under a long overload dispatch kept feeding the longest queue
     (docs/policy.md, "Freeness"). A count in either direction misleads below zero: dividing rewards a long queue
     or a long batch, multiplying holds a larger instance's longer batch against it; the queue's demand is in the
     deficit already. F stays decreasing in ΣV and continuous at zero, and every F >= 0 ranks above every F < 0.
