@@ -122,7 +122,7 @@ class SweepConfig(BaseModel):
     def _arrival_keys(self) -> SweepConfig:
         synthetic = self.arrival in ("poisson", "gamma")
         if self.rate is not None and not synthetic:
-            raise ValueError("rate needs arrival: poisson or gamma (the trace's timestamps have their own rate)")
+            raise ValueError("rate needs arrival: poisson or gamma (a sweep names its synthetic process)")
         if self.arrival == "gamma" and self.arrival_cv is None:
             raise ValueError("arrival: gamma needs arrival_cv (the inter-arrival CV, e.g. 2)")
         if self.arrival_cv is not None and self.arrival != "gamma":
