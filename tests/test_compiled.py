@@ -219,7 +219,7 @@ WRITTEN_OUT: dict[str, tuple[object, ...]] = {
     "sim.cluster.GrowthMark": (-1, 3, 0),
     "policy.load.RequestLoad": ("r", 2),
     "policy.load.InstanceLoad": ("i", 10, 2),
-    "policy.dispatch._Target": ("i", 10, 2.0, 1, 8, 10, False),
+    "policy.dispatch._Target": ("i", 10, 2.0, 1, 0, 8, 10, False),
     "rack_sched.core.DomainRequest": ("r", "", 4, 2),
 }
 
