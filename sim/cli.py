@@ -1085,34 +1085,30 @@ def _check_sweep(config: SweepConfig) -> None:
         topology="", trace=config.trace, policy=config.policies[0], options=config.options
     ).parsed_options()
     assert isinstance(parsed, SimOptions)
-    arrivals = {"arrival": config.arrival, "rate_per_s": config.rate, "arrival_cv": config.arrival_cv}
-    if config.arrival is not None:
+
+    def check(where: str, rate_scale: float = 1.0, seed: int = 0) -> None:
         try:
-            load_trace(config.trace, max_requests=config.max_requests, **arrivals)  # type: ignore[arg-type]
+            load_trace(
+                config.trace,
+                rate_scale=rate_scale,
+                max_requests=config.max_requests,
+                seed=seed,
+                arrival=config.arrival,
+                rate_per_s=config.rate,
+                arrival_cv=config.arrival_cv,
+            )
         except ValueError as exc:
-            try:  # an unknown or broken trace is named as such
+            try:  # an unknown or broken trace is named as such, not as the fault of a key or a grid point
                 load_trace(config.trace, max_requests=config.max_requests)
             except ValueError as plain:
                 raise ValueError(f"trace: {plain}") from None
-            raise ValueError(f"arrival: {exc}") from None
+            raise ValueError(f"{where}: {exc}") from None
+
+    if config.arrival is not None:
+        check("arrival")
     for i, rate_scale in enumerate(config.rate_scales):
         for seed in config.seeds:
-            try:
-                load_trace(
-                    config.trace,
-                    rate_scale=rate_scale,
-                    max_requests=config.max_requests,
-                    seed=seed,
-                    arrival=config.arrival,
-                    rate_per_s=config.rate,
-                    arrival_cv=config.arrival_cv,
-                )
-            except ValueError as exc:
-                try:  # as recorded: an unknown or broken trace is not the fault of a grid point
-                    load_trace(config.trace, max_requests=config.max_requests)
-                except ValueError as plain:
-                    raise ValueError(f"trace: {plain}") from None
-                raise ValueError(f"rate_scales[{i}] = {rate_scale:g}, seed {seed}: {exc}") from None
+            check(f"rate_scales[{i}] = {rate_scale:g}, seed {seed}", rate_scale=rate_scale, seed=seed)
     topologies = config.topologies
     for name in topologies:
         try:
