@@ -8,7 +8,7 @@ Routes:
 | ``POST /v1/chat/completions`` | chat completion (the model's chat template, ``gateway.tokenizer``) |
 | ``GET /v1/models`` | served models (``max_model_len`` = the topology's context) |
 | ``GET /v1/models/{model}`` | one of them; 404 ``model_not_found`` for any other name |
-| ``GET /health`` | 200 when some domain can take requests, else 503 with the reason; ``domains`` lists them |
+| ``GET /health`` | 200 when some domain takes requests (not all drained), else 503 and why; ``domains``: all |
 | ``GET /metrics`` | Prometheus text format (``gateway.metrics``) |
 
 Every request gets the gateway's own id (``cmpl-<hex>`` / ``chatcmpl-<hex>``; the llumlets see ``<hex>``, or

@@ -173,19 +173,34 @@ class DomainRouter:
         return {d: a for d, a in self._addresses.items() if d in self._records}
 
     def health(self, expected: Collection[str] = ()) -> tuple[bool, str]:
-        """(True when some domain is dispatchable, what the gateway's ``/health`` says: the domains, or why none
-        is). ``expected``: the domains the topology names; those not dispatchable are named too (still True)."""
+        """(True when some domain is dispatchable and not draining, what the gateway's ``/health`` says: the
+        domains, or why none takes requests). ``expected``: the domains the topology names; those not dispatchable
+        are named too (still True). A domain drains when every summary it published says so (every instance
+        drained: it refuses every Submit); while every dispatchable domain drains, the gateway can place nothing
+        and is not healthy."""
         domains = self.domains()
         if domains:
+            draining = sorted(d for d in domains if self._draining(d))
+            if len(draining) == len(domains):
+                return False, (
+                    f"every domain drains ({', '.join(draining)}): no instance takes new requests until a drain "
+                    "is undone (hilumctl undrain) or an instance joins"
+                )
             missing = sorted(set(expected) - domains.keys())
             gone = f"; not registered: {', '.join(missing)}" if missing else ""
-            return True, f"{len(domains)} domain(s): {', '.join(sorted(domains))}{gone}"
+            drains = f"; draining: {', '.join(draining)}" if draining else ""
+            return True, f"{len(domains)} domain(s): {', '.join(sorted(domains))}{drains}{gone}"
         if self._had_domains:
             return False, (
                 "no domain scheduler is registered with a summary now (those that were have stopped, or lost etcd): "
                 "check the domain schedulers"
             )
         return False, "no domain scheduler has registered and published a summary yet"
+
+    def _draining(self, domain_id: str) -> bool:
+        """True when ``domain_id``'s latest summaries (one per model) all say every instance drains."""
+        summaries = self._records[domain_id].summaries
+        return bool(summaries) and all(s.draining for s in summaries)
 
     def models(self) -> list[str]:
         """Models some dispatchable domain serves, sorted."""

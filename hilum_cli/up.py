@@ -639,13 +639,19 @@ def _etcd_healthy(endpoint: str) -> bool:
 
 
 def _gateway_domains(url: str) -> set[str] | None:
-    """The domains the gateway's ``/health`` lists as ready (None: it does not answer)."""
+    """The domains the gateway's ``/health`` lists as ready (None: it does not answer). Read from a 503 too: a
+    gateway whose every domain drains (a reused ``--run-dir``'s drain intents) lists them and is not healthy."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=1.0) as resp:
             body = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            body = json.loads(exc.read())
+        except (OSError, ValueError):
+            return None
     except (OSError, urllib.error.URLError, ValueError):
         return None
-    return set(body.get("domains", ()))
+    return set(body.get("domains", ())) if isinstance(body, dict) else None
 
 
 def _child_env(cfg: UpConfig) -> dict[str, str]:

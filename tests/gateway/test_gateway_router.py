@@ -282,6 +282,19 @@ def test_health_says_whether_no_domain_is_dispatchable_yet_or_any_more() -> None
     assert r.health() == (True, "1 domain(s): a")
     # a domain of the topology without a scheduler: still serving, and named
     assert r.health(expected=["a", "b", "c"]) == (True, "1 domain(s): a; not registered: b, c")
+    # every instance of a drained: it refuses every Submit, so the gateway can place nothing
+    source.regs["b"] = DomainRegistration("b", "b")
+    source.sums, source.version = {"a": record("a", 10, draining=True), "b": record("b", 10)}, 5
+    assert r.health() == (True, "2 domain(s): a, b; draining: a")
+    source.sums, source.version = {"a": record("a", 10, draining=True), "b": record("b", 10, draining=True)}, 6
+    assert r.health() == (
+        False,
+        "every domain drains (a, b): no instance takes new requests until a drain is undone (hilumctl undrain) or "
+        "an instance joins",
+    )
+    source.sums, source.version = {"a": record("a", 10)}, 7
+    assert r.health() == (True, "1 domain(s): a")
+    del source.regs["b"]
     source.regs, source.sums, source.version = {}, {}, 4  # its scheduler stopped: registration and summary gone
     assert r.health() == (
         False,
