@@ -173,13 +173,22 @@ class PolicyConfig:
         for name in ("migrate_out_freeness_below", "migrate_in_freeness_above"):
             value = getattr(self, name)
             _require(math.isfinite(value), f"PolicyConfig.{name}", f"must be finite, got {value}")
-        _require(
-            self.migrate_out_freeness_below <= self.migrate_in_freeness_above,
-            "PolicyConfig",
-            f"migrate_out_freeness_below ({self.migrate_out_freeness_below}) must be <= "
-            f"migrate_in_freeness_above ({self.migrate_in_freeness_above}), "
-            "or an instance could be both source and destination",
-        )
+        if not self.migrate_out_freeness_below <= self.migrate_in_freeness_above:
+            # a value the user did not write is named as such
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+
+            def shown(name: str) -> str:
+                value = getattr(self, name)
+                return f"{name} ({value}{', the default' if value == defaults[name] else ''})"
+
+            _require(
+                False,
+                "PolicyConfig",
+                # a rule between keys: its message starts with neither (a configuration file's loader blames a key
+                # named first, sets it aside and tries again, which would report the rule twice)
+                f"the migration thresholds cross: {shown('migrate_out_freeness_below')} must be <= "
+                f"{shown('migrate_in_freeness_above')}, or an instance could be both source and destination",
+            )
         _require(
             self.candidate_policy in CANDIDATE_POLICIES,
             "PolicyConfig.candidate_policy",

@@ -126,7 +126,16 @@ def test_sections_checked_as_a_whole_name_their_keys_too() -> None:
     ]
     with pytest.raises(ConfigError) as err:  # a rule between keys names the section, without the class
         parse_config({"policy": {"migrate_in_freeness_above": -5}}, "f")
-    assert err.value.errors[0].startswith("f: policy: migrate_out_freeness_below (3.0) must be <= ")
+    assert err.value.errors == [
+        "f: policy: the migration thresholds cross: migrate_out_freeness_below (3.0, the default) must be <= "
+        "migrate_in_freeness_above (-5.0), or an instance could be both source and destination"
+    ]
+    with pytest.raises(ConfigError) as err:  # reported once (it was twice: the second time with the default)
+        parse_config({"policy": {"migrate_in_freeness_above": -5, "migrate_out_freeness_below": 1}}, "f")
+    assert err.value.errors == [
+        "f: policy: the migration thresholds cross: migrate_out_freeness_below (1.0) must be <= "
+        "migrate_in_freeness_above (-5.0), or an instance could be both source and destination"
+    ]
 
 
 def test_every_refused_value_of_a_section_is_listed_by_key_and_exponents_are_numbers(tmp_path: Path) -> None:
