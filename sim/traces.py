@@ -513,7 +513,7 @@ def _parse_mooncake(text: str, source: str) -> _Table:
         missing = [k for k in _MOONCAKE_KEYS if k not in record]
         if missing:
             raise TraceError(
-                f"{source}:{line}: missing key(s) {', '.join(missing)}; found {sorted(record)}; {_EXPECTED_FORMATS}"
+                f"{source}:{line}: missing key(s) {', '.join(missing)}; found {sorted(record)}; {_MOONCAKE_FORMAT}"
             )
         stamp = record["timestamp"]
         if isinstance(stamp, bool) or not isinstance(stamp, int | float) or not math.isfinite(stamp):
@@ -790,7 +790,9 @@ def load_trace(
     if arrival not in ("trace", "poisson", "gamma"):
         raise ValueError(f"unknown arrival {arrival!r}; expected 'trace', 'poisson' or 'gamma'")
     if arrival == "trace" and not has_times:
-        raise TraceError(f"{shown}: has no timestamps; use arrival='poisson' or 'gamma'")
+        raise TraceError(
+            f"{shown}: has no timestamps: its arrivals must be drawn, with arrival (--arrival) poisson or gamma"
+        )
     if arrival == "trace" and (rate_per_s is not None or arrival_cv is not None):
         given = [
             name

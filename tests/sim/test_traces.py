@@ -391,7 +391,12 @@ def test_user_sharegpt_csv(tmp_path: Path) -> None:
             "num_prefill_tokens,num_decode_tokens\n5,1\n-3,1\n",
             r"x\.csv:3: column num_prefill_tokens: must be >= 1, got -3",
         ),
-        ("x.jsonl", '{"timestamp": 0, "input_length": 5}\n', r"x\.jsonl:1: missing key\(s\) output_length"),
+        (  # the JSON Lines format alone (it listed the CSV formats too)
+            "x.jsonl",
+            '{"timestamp": 0, "input_length": 5}\n',
+            r"x\.jsonl:1: missing key\(s\) output_length; found \['input_length', 'timestamp'\]; expected JSON "
+            r"Lines with Mooncake keys timestamp, input_length, output_length \(hash_ids optional\)$",
+        ),
         (
             "x.jsonl",
             '{"timestamp": 0, "input_length": 5, "output_length": 1}\n{"timestamp": 1, \n',
@@ -478,7 +483,8 @@ def test_bad_arguments(tmp_path: Path) -> None:
         (
             "sharegpt",
             {"arrival": "trace"},
-            "sharegpt (bundled trace): has no timestamps; use arrival='poisson' or 'gamma'",
+            "sharegpt (bundled trace): has no timestamps: its arrivals must be drawn, with arrival (--arrival) "
+            "poisson or gamma",
         ),
         (
             "azure-code",
