@@ -174,7 +174,7 @@ def render_table(
 def render_sweep_table(rows: Sequence[SweepRow], *, title: str = "hilum sim sweep") -> Table:
     """A rich table with one row per sweep grid point: topology, policy, rate scale, seed + summary."""
     labelled = [((r.topology, r.policy, f"{r.rate_scale:g}", str(r.seed)), r.summary) for r in rows]
-    return _build(title, ("topology", "policy", "rate", "seed"), labelled, None, None)
+    return _build(title, ("topology", "policy", "rate scale", "seed"), labelled, None, None)
 
 
 def _to_text(table: Table, width: int) -> str:

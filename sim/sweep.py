@@ -24,10 +24,10 @@ import re
 import signal
 import socket
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -143,7 +143,9 @@ _WANTED = {
     "int_type": "an integer",
     "float_type": "a number",
     "list_type": "a list",
+    "tuple_type": "a list",
     "dict_type": "a mapping of keys",
+    "bool_type": "true or false",
 }
 
 
@@ -168,8 +170,9 @@ def _shown(value: Any) -> str:
     return f"{value} (a {type(value).__name__})"  # a YAML date or timestamp
 
 
-def _message(err: Mapping[str, Any]) -> str:
-    """A pydantic error of :class:`SweepConfig` in hilum's words (not "Value error, ...", "Input should be ...")."""
+def _message(err: Mapping[str, Any], keys: Iterable[str] = SweepConfig.model_fields) -> str:
+    """A pydantic error of :class:`SweepConfig` (or of its ``options``, whose known ``keys`` an unknown one is told)
+    in hilum's words (not "Value error, ...", "Input should be ...")."""
     kind, ctx, given = err["type"], err.get("ctx") or {}, err.get("input")
     if kind in _WANTED:
         quoted = kind in ("int_type", "float_type") and isinstance(given, str) and _is_number(given)
@@ -177,7 +180,7 @@ def _message(err: Mapping[str, Any]) -> str:
     if kind == "value_error":  # a validator's own message
         return str(ctx.get("error", err["msg"])).removeprefix("Value error, ")
     if kind == "extra_forbidden":
-        return f"unknown key; expected one of: {', '.join(SweepConfig.model_fields)}"
+        return f"unknown key; expected one of: {', '.join(keys)}"
     if kind == "missing":
         return "missing required key"
     if kind in ("greater_than", "greater_than_equal"):
@@ -231,10 +234,32 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
     if not isinstance(data, Mapping):
         got = "an empty file" if data is None else type(data).__name__
         raise SweepConfigError([f"{p}: (top level): expected a mapping of keys, got {got}"])
+    errors: list[str] = []
     try:
-        return SweepConfig.model_validate(data)
+        config = SweepConfig.model_validate(data)
     except ValidationError as exc:
-        raise SweepConfigError([f"{p}: {_loc(e['loc'])}: {_message(e)}" for e in exc.errors()]) from exc
+        errors = [f"{p}: {_loc(e['loc'])}: {_message(e)}" for e in exc.errors()]
+    options = data.get("options")
+    if isinstance(options, Mapping):
+        errors += [f"{p}: {line}" for line in _option_errors(options)]
+    if errors:
+        raise SweepConfigError(errors)
+    return config
+
+
+def _option_errors(options: Mapping[Any, Any]) -> list[str]:
+    """The errors of a sweep file's ``options`` against ``sim.runner.SimOptions``, each ``options.<key>: <message>``,
+    as strict as the file's other keys (``summary_lag_s: "0.2"`` is refused, not converted)."""
+    from sim.runner import SimOptions  # lazy: the simulator core is not needed to plan a sweep
+
+    # a YAML list is what a tuple option takes (strict, pydantic would refuse it)
+    lists = {name for name, f in SimOptions.model_fields.items() if get_origin(f.annotation) is tuple}
+    given = {k: tuple(v) if k in lists and isinstance(v, list) else v for k, v in options.items()}
+    try:
+        SimOptions.model_validate(given, strict=True)
+    except ValidationError as exc:
+        return [f"{_loc(('options', *e['loc']))}: {_message(e, SimOptions.model_fields)}" for e in exc.errors()]
+    return []
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from sim.report import format_sweep_table
+from sim.runner import SimOptions
 from sim.results import KvTimeline, RequestRecord, SimRun, summarize
 from sim.sweep import (
     GridPoint,
@@ -37,7 +38,7 @@ policies: [round_robin, hilum]
 rate_scales: [0.5, 2.0]
 seeds: [3]
 max_requests: 100
-options: {migration_interval_s: 0.05}
+options: {migrate_interval_s: 0.05}
 """
 
 
@@ -51,7 +52,7 @@ def test_load_good_config(tmp_path: Path) -> None:
     cfg = load_sweep_config(write(tmp_path, GOOD))
     assert cfg.policies == ["round_robin", "hilum"]
     assert cfg.rate_scales == [0.5, 2.0]
-    assert (cfg.seeds, cfg.max_requests, cfg.options) == ([3], 100, {"migration_interval_s": 0.05})
+    assert (cfg.seeds, cfg.max_requests, cfg.options) == ([3], 100, {"migrate_interval_s": 0.05})
 
 
 def test_defaults(tmp_path: Path) -> None:
@@ -80,7 +81,7 @@ def test_defaults(tmp_path: Path) -> None:
         (GOOD.replace("trace: burstgpt", "trace:"), "sweep.yaml: trace: expected a string, got null (no value)"),
         (GOOD.replace("trace: burstgpt", "trace: ''"), "sweep.yaml: trace: must not be empty"),
         (GOOD.replace("[2x8-a100]", "2x8-a100"), "sweep.yaml: topologies: expected a list, got '2x8-a100' (a string)"),
-        (GOOD.replace("{migration_interval_s: 0.05}", "[1]"), "sweep.yaml: options: expected a mapping of keys, got a"),
+        (GOOD.replace("{migrate_interval_s: 0.05}", "[1]"), "sweep.yaml: options: expected a mapping of keys, got a"),
         ("- a\n- b\n", "sweep.yaml: (top level): expected a mapping of keys, got list"),
         ("trace: [unclosed\n", "sweep.yaml: line 2, column 1: YAML syntax error"),
         (GOOD + "trace: sharegpt\n", "sweep.yaml: line"),  # a repeated key: refused, not the last one kept
@@ -122,14 +123,41 @@ def test_a_value_of_another_type_is_refused_not_converted(tmp_path: Path, old: s
 
 
 def test_an_integer_is_a_number_and_options_pass_unchanged(tmp_path: Path) -> None:
-    """YAML writes 1.0 as ``1``: a rate scale of 1 stays valid; ``options`` is passed to the runs as written (its
-    values are checked by the runner's options, not converted here)."""
+    """YAML writes 1.0 as ``1``: a rate scale of 1 stays valid, and so does an option's; ``options`` is passed to
+    the runs as written, once it is valid."""
     text = GOOD.replace("[0.5, 2.0]", "[1, 2.5]").replace(
-        "{migration_interval_s: 0.05}", "{priority_fraction: '0.1', drain: [node-0-i0@5], autoscale: true, x: null}"
+        "{migrate_interval_s: 0.05}", "{priority_fraction: 1, drain: [node-0-i0@5], autoscale: true, model: null}"
     )
     cfg = load_sweep_config(write(tmp_path, text))
     assert cfg.rate_scales == [1.0, 2.5]
-    assert cfg.options == {"priority_fraction": "0.1", "drain": ["node-0-i0@5"], "autoscale": True, "x": None}
+    assert cfg.options == {"priority_fraction": 1, "drain": ["node-0-i0@5"], "autoscale": True, "model": None}
+
+
+def test_options_are_checked_as_strictly_as_the_other_keys(tmp_path: Path) -> None:
+    """``options`` were converted (``summary_lag_s: "0.2"`` ran at 0.2 s) and refused in pydantic's words ("Extra
+    inputs are not permitted") without their ``options.`` path; every bad one is listed, with the other keys'."""
+    text = GOOD.replace("seeds: [3]", "seeds: [-1]").replace(
+        "{migrate_interval_s: 0.05}",
+        "{summary_lag_s: '0.2', bogus: 1, priority_fraction: 3, drain: [nope], scale_out: a@1, autoscale: 1, "
+        "initial_instances: 2.0, admission: foo}",
+    )
+    with pytest.raises(SweepConfigError) as exc:
+        load_sweep_config(write(tmp_path, text))
+    path = tmp_path / "sweep.yaml"
+    assert exc.value.errors == [
+        f"{path}: {line}"
+        for line in (
+            "seeds[0]: must be >= 0, got -1",
+            "options.priority_fraction: must be <= 1, got 3",
+            "options.drain: 'nope': expected INSTANCE@SECONDS, e.g. node-0-i3@30",
+            "options.scale_out: expected a list, got 'a@1' (a string)",
+            "options.autoscale: expected true or false, got 1 (an integer)",
+            "options.initial_instances: expected an integer, got 2.0 (a decimal number)",
+            "options.summary_lag_s: expected a number, got '0.2' (a string); write it without quotes",
+            "options.admission: must be one of 'chunked' or 'whole-prompt', got 'foo' (a string)",
+            "options.bogus: unknown key; expected one of: " + ", ".join(SimOptions.model_fields),
+        )
+    ]
 
 
 def test_a_sweep_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
@@ -354,7 +382,7 @@ def test_sweep_on_ray_merges_table_json_and_plot(local_ray: None, tmp_path: Path
     doc = json.loads((tmp_path / "out" / "sweep.json").read_text())
     documented = set(re.findall(r"^\| `([a-z_0-9]+)`", DOC.read_text(), flags=re.MULTILINE))
     assert (set(doc) | set(doc["rows"][0]) | set(doc["config"])) - documented == set()
-    assert doc["config"]["options"] == {"migration_interval_s": 0.05}
+    assert doc["config"]["options"] == {"migrate_interval_s": 0.05}
     plot = tmp_path / "out" / "p99_ttft_vs_load_2x8-a100.png"
     assert plot.read_bytes()[:4] == b"\x89PNG" and plot.stat().st_size > 5000
     table = format_sweep_table(rows)
