@@ -35,7 +35,7 @@ from topology.load import BUNDLED_NAMES
 from .results import RESULTS_FILE_NAME, atomic_file
 from .runner import DEFAULTS, SimSpec, check_autoscale, check_prefix_cache, fit_to_context, served_model
 from .schedulers import POLICY_NAMES, domain_request, policy_migrates
-from .traces import MAX_ARRIVAL_CV, MIN_ARRIVAL_CV, TRACE_NAMES
+from .traces import DEFAULT_SYNTHETIC_RATE_PER_S, MAX_ARRIVAL_CV, MIN_ARRIVAL_CV, TRACE_NAMES
 
 if TYPE_CHECKING:
     from topology.spec import InstanceSpec, Topology
@@ -62,7 +62,9 @@ def register(sub: Any, summary: str) -> None:
     sweep.register("action", None, _Once)
     sweep.add_argument("config", help="sweep YAML file (see docs/sim-results.md)")
     sweep.add_argument("--ray-address", default=None, help="existing Ray cluster (default: a local Ray)")
-    sweep.add_argument("--out", default="sweep-results", help="directory for sweep.json and plots")
+    sweep.add_argument(
+        "--out", default="sweep-results", help="directory for sweep.json and plots (default sweep-results)"
+    )
     # a run option before 'sweep' would be silently ignored: _SimParser lists them (before_sub), run_sweep_cli refuses
     sweep.set_defaults(func=run_sweep_cli)
     size = sims.add_parser(
@@ -165,6 +167,20 @@ class _Once(argparse._StoreAction):
                 else "give it once"
             )
             raise argparse.ArgumentError(self, f"given twice ({before!r}, then {values!r}): {hint}")  # names it
+        given.add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _OnceSwitch(argparse.BooleanOptionalAction):
+    """argparse's on/off pair (``--prefix-caching`` / ``--no-prefix-caching``), refusing the pair given twice in
+    one parser, either way round (argparse keeps the last: ``--prefix-caching --no-prefix-caching`` ran without)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: Any = None
+    ) -> None:
+        given: set[str] = vars(namespace).setdefault(_Once.GIVEN, set())
+        if self.dest in given:
+            raise argparse.ArgumentError(self, f"given twice (then {option_string}): give one of the two, once")
         given.add(self.dest)
         super().__call__(parser, namespace, values, option_string)
 
@@ -311,7 +327,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser, sizing: bool = False) ->
     parser.add_argument(
         "--policy",
         default=",".join(POLICY_NAMES),
-        help=f"comma-separated policies to compare (from {', '.join(POLICY_NAMES)})",
+        help=f"comma-separated policies to compare (from {', '.join(POLICY_NAMES)}; default all of them)",
     )
     parser.add_argument(
         "--rate-scale",
@@ -325,10 +341,28 @@ def _add_run_arguments(parser: argparse.ArgumentParser, sizing: bool = False) ->
         default=None,
         help="arrival process: the trace's timestamps (default where it has them) or synthetic Poisson/Gamma",
     )
-    parser.add_argument("--rate", type=float, default=None, help="synthetic arrival rate, req/s (before scaling)")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="synthetic arrival rate, req/s, before --rate-scale (default: the trace's own mean rate where it has "
+        f"timestamps, else {DEFAULT_SYNTHETIC_RATE_PER_S:g})",
+    )
     parser.add_argument("--arrival-cv", type=float, default=None, help="Gamma inter-arrival CV (--arrival gamma)")
-    parser.add_argument("--max-requests", type=int, default=DEFAULTS.max_requests, help="first N requests only")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-requests",
+        type=int,
+        default=DEFAULTS.max_requests,
+        help=f"first N requests only (default {DEFAULTS.max_requests}; a sweep file's max_requests defaults to the "
+        "whole trace)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of every random draw: synthetic arrivals, ShareGPT's order, priorities, the policies' choices "
+        "(default 0)",
+    )
     parser.add_argument("--model", default=None, help="model the requests are for (default: most instances)")
     parser.add_argument("--priority-fraction", type=float, default=0.0, help="share of high-priority requests")
     parser.add_argument(
@@ -358,7 +392,13 @@ def _add_run_arguments(parser: argparse.ArgumentParser, sizing: bool = False) ->
         metavar="S",
         help=fleet or "with --autoscale: seconds before a started instance serves (default 60)",
     )
-    parser.add_argument("--summary-lag-ms", type=float, default=None, help="domain summary information lag")
+    parser.add_argument(
+        "--summary-lag-ms",
+        type=float,
+        default=None,
+        help="delay before a domain's published summary reaches the gateways and the coordinator, hilum's policy "
+        "(default 50)",
+    )
     parser.add_argument(
         "--admission",
         choices=("chunked", "whole-prompt"),
@@ -374,20 +414,24 @@ def _add_run_arguments(parser: argparse.ArgumentParser, sizing: bool = False) ->
     )
     parser.add_argument(
         "--prefix-caching",
-        action=argparse.BooleanOptionalAction,
+        action=_OnceSwitch,
         default=None,
         help="engines reuse cached prompt prefixes by the trace's hash ids (default: the configuration's "
         "prefix_cache.enabled, true as in vLLM V1; --no-prefix-caching: every prompt is computed in full)",
     )
     parser.add_argument(
         "--prefix-aware",
-        action=argparse.BooleanOptionalAction,
+        action=_OnceSwitch,
         default=None,
         help="dispatch counts the prefix blocks a target holds (default: the configuration's "
         "policy.prefix_aware_dispatch, on; --no-prefix-aware: load alone, to compare)",
     )
     parser.add_argument(
-        "--out", default=None, help="directory for sizing.json" if sizing else "directory for results.json and plots"
+        "--out",
+        default=None,
+        help="directory for sizing.json (default: none written)"
+        if sizing
+        else "directory for results.json and plots (default: none written, the tables only)",
     )
     parser.add_argument(
         "--json",
@@ -1109,9 +1153,8 @@ def _check_sweep(config: SweepConfig) -> None:
     for i, rate_scale in enumerate(config.rate_scales):
         for seed in config.seeds:
             check(f"rate_scales[{i}] = {rate_scale:g}, seed {seed}", rate_scale=rate_scale, seed=seed)
-    topologies = config.topologies
-    for name in topologies:
+    for i, name in enumerate(config.topologies):
         try:
             check_options(load_topology(name), parsed)
         except TopologyError as exc:
-            raise ValueError("invalid topology\n" + "\n".join(exc.lines())) from None
+            raise ValueError(f"topologies[{i}]: invalid topology\n" + "\n".join(exc.lines())) from None

@@ -661,9 +661,12 @@ def test_sweep_runs_real_simulations_as_ray_tasks(
         ("trace: azure-conv\ntopologies: [2x8-a100]\npolicies: [round_robin]\nrate_scales: [1]\n", "round_robin"),
         (
             "trace: azure-conv\ntopologies: [2x8-a100]\npolicies: [hilum]\nrate_scales: [1]\noptions: {foo: 1}\n",
-            "foo",
+            "options.foo: unknown key; expected one of: priority_fraction, model,",
         ),
-        ("trace: azure-conv\ntopologies: [nowhere]\npolicies: [hilum]\nrate_scales: [1]\n", "nowhere"),
+        (  # the list's entry named (it said "invalid topology" alone)
+            "trace: azure-conv\ntopologies: [2x8-a100, nowhere]\npolicies: [hilum]\nrate_scales: [1]\n",
+            "topologies[1]: invalid topology nowhere: (file): file not found",
+        ),
         (
             "trace: azure-conv\ntopologies: [2x8-a100-40gb]\npolicies: [hilum]\nrate_scales: [1, 1e-6]\n"
             "max_requests: 100\n",
@@ -918,6 +921,15 @@ def test_a_sub_commands_option_before_it_and_a_misspelt_sub_command_are_named(
         (
             ["sweep", "g.yaml", "--out", "a", "--out", "b"],
             "hilum sim sweep: error: argument --out: given twice ('a', then 'b'): give it once",
+        ),
+        (  # an on/off pair, either way round: argparse kept the last (the run was without prefix caching)
+            ["--prefix-caching", "--no-prefix-caching"],
+            "hilum sim: error: argument --prefix-caching/--no-prefix-caching: given twice (then --no-prefix-caching): "
+            "give one of the two, once",
+        ),
+        (
+            ["size", "--target-p99-ttft-ms", "5", "--no-prefix-aware", "--prefix-aware"],
+            "hilum sim size: error: argument --prefix-aware/--no-prefix-aware: given twice (then --prefix-aware):",
         ),
     ],
 )
