@@ -388,6 +388,31 @@ def _check_model(compare: Topology, path: str, model: ModelInfo) -> None:
         )
 
 
+def time_scale_warning(compare_sim: str, url: str) -> str | None:
+    """A warning when the ``--compare-sim`` topology is a ``hilum up`` run directory's (``cluster.json`` beside it)
+    whose cluster, the one at ``url``, runs sim engines at a time scale other than 1: its steps last ``time_scale``
+    wall seconds per modelled second, so what the client measures is that many times what the simulation, in
+    modelled seconds, gives. None otherwise (no such file, another cluster's, real engines, a time scale of 1)."""
+    try:
+        info = json.loads((Path(compare_sim).parent / "cluster.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or info.get("engine") != "sim":
+        return None
+    gateways = [info.get("gateway_url"), *(info.get("gateway_urls") or [])]
+    gateways += [g.get("url") for g in (info.get("gateways") or {}).values() if isinstance(g, dict)]
+    scale = info.get("time_scale")
+    if url.rstrip("/") not in {str(g).rstrip("/") for g in gateways if g} or not isinstance(scale, (int, float)):
+        return None
+    if scale == 1:
+        return None
+    return (
+        f"--compare-sim {compare_sim}: its cluster ({info.get('run_dir', 'that run directory')}) runs sim engines "
+        f"at --time-scale {scale:g} (wall seconds per modelled second): the measured latencies are {scale:g} times "
+        "the simulated ones, which are modelled seconds; for a comparison start it with --time-scale 1"
+    )
+
+
 def run_bench(ns: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """``hilum bench``; returns the exit status (module docstring: 0 ok, 1 runtime error, 2 bad option)."""
     from sim.report import format_table
@@ -397,6 +422,9 @@ def run_bench(ns: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sy
     except BenchUsageError as exc:
         print(f"hilum bench: error: {exc}", file=err)
         return 2
+    scaled = time_scale_warning(ns.compare_sim, checked.url) if ns.compare_sim else None
+    if scaled is not None:
+        print(f"hilum bench: warning: {scaled}", file=err)
     trace = checked.trace
 
     async def main() -> tuple[ModelInfo, ClippedTrace, list[Measured], float]:

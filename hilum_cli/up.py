@@ -973,6 +973,8 @@ def _info(lay: _Layout) -> dict[str, Any]:
         "config_file": str(lay.config_path) if lay.config_path is not None else None,
         "api_keys_file": str(Path(lay.cfg.api_keys).resolve()) if lay.cfg.api_keys else None,
         "engine": lay.cfg.engine,
+        # sim engines: wall seconds per modelled second (hilum bench --compare-sim warns unless 1); None otherwise
+        "time_scale": lay.cfg.time_scale if lay.cfg.engine == "sim" else None,
         "gateway_url": lay.gateway_url,
         "gateway_urls": lay.client_urls,
         "gateway_port_shared": plan.shared_gateway_port,

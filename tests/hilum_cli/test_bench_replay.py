@@ -24,7 +24,16 @@ from gateway.router import Placement
 from gateway.sink import Move, TokenUpdate
 from gateway.validation import GenerationRequest, ModelLimits
 from hilum_cli import bench
-from hilum_cli.bench import ClippedTrace, Measured, ModelInfo, clip_trace, records_of, replay, run_bench
+from hilum_cli.bench import (
+    ClippedTrace,
+    Measured,
+    ModelInfo,
+    clip_trace,
+    records_of,
+    replay,
+    run_bench,
+    time_scale_warning,
+)
 from hilum_cli.up import LOCAL_TOPOLOGY
 from sim.traces import Trace, TraceRequest, load_trace, with_priorities
 
@@ -248,3 +257,30 @@ def table_rows(table: str) -> list[list[str]]:
 
 def test_clipped_trace_type() -> None:
     assert ClippedTrace(trace(), 0, 10).clipped == 0
+
+
+def test_a_time_scaled_sim_cluster_is_warned_of_beside_its_simulation(tmp_path: Path) -> None:
+    """``hilum up --engine sim --time-scale 0.25``: its steps last a quarter of their modelled time, so what the
+    client measures is a quarter of what the simulation beside it gives, and nothing said so."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    topo = run_dir / "topology.yaml"
+    info = {
+        "engine": "sim", "time_scale": 0.25, "run_dir": str(run_dir), "gateway_url": "http://127.0.0.1:8000",
+        "gateway_urls": ["http://127.0.0.1:8000"], "gateways": {"gw-0": {"url": "http://127.0.0.1:8001"}},
+    }  # fmt: skip
+    (run_dir / "cluster.json").write_text(json.dumps(info))
+    warning = time_scale_warning(str(topo), "http://127.0.0.1:8000/")
+    assert warning == (
+        f"--compare-sim {topo}: its cluster ({run_dir}) runs sim engines at --time-scale 0.25 (wall seconds per "
+        "modelled second): the measured latencies are 0.25 times the simulated ones, which are modelled seconds; "
+        "for a comparison start it with --time-scale 1"
+    )
+    assert time_scale_warning(str(topo), "http://127.0.0.1:8001") == warning  # a gateway's own URL
+    assert time_scale_warning(str(topo), "http://10.0.0.9:8000") is None  # another cluster's gateway
+    assert time_scale_warning(str(tmp_path / "topology.yaml"), "http://127.0.0.1:8000") is None  # no cluster.json
+    for changed in ({"time_scale": 1.0}, {"engine": "torch", "time_scale": None}):
+        (run_dir / "cluster.json").write_text(json.dumps({**info, **changed}))
+        assert time_scale_warning(str(topo), "http://127.0.0.1:8000") is None
+    (run_dir / "cluster.json").write_text("{not json")
+    assert time_scale_warning(str(topo), "http://127.0.0.1:8000") is None

@@ -129,8 +129,8 @@ def test_client_gone_while_waiting_for_a_whole_response_frees_the_blocks(up: UpP
 
 
 def test_bench_replays_a_trace_against_the_cluster(up: UpProcess, tmp_path: Path) -> None:
-    topo = tmp_path / "topology.yaml"
-    topo.write_text(TOPOLOGY)
+    topo = up.run_dir / "topology.yaml"  # the run dir's, as hilum up prints it: its cluster.json is beside it
+    assert topo.read_text() == TOPOLOGY and up.info["engine"] == "sim" and up.info["time_scale"] == 1.0
     argv = ["bench", "--url", up.url, "--rate-scale", "8", "--max-requests", "12", "--compare-sim", str(topo)]
     ns = build_parser().parse_args([*argv, "--timeout", "60", "--out", str(tmp_path / "out")])  # the real options
     out, err = io.StringIO(), io.StringIO()
@@ -139,6 +139,7 @@ def test_bench_replays_a_trace_against_the_cluster(up: UpProcess, tmp_path: Path
     rows = {c[0]: c for c in cells if len(c) > 4}
     assert rows["live"][1:4] == ["12", "12", "0"]  # requests, done, refused
     assert "12 requests of azure-conv" in err.getvalue() and "0 clipped" in err.getvalue()
+    assert "warning" not in err.getvalue()  # a time scale of 1: the latencies compare
     assert rows["sim: hilum"][1:4] == ["12", "12", "0"]
     assert (tmp_path / "out" / "results.json").exists()
 
