@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from sim.report import format_sweep_table
-from sim.runner import SimOptions
 from sim.results import KvTimeline, RequestRecord, SimRun, summarize
+from sim.runner import SimOptions
 from sim.sweep import (
     GridPoint,
     SweepConfig,
