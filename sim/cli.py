@@ -33,7 +33,7 @@ from hilum_config import add_argument as add_config_argument
 from topology.load import BUNDLED_NAMES
 
 from .results import RESULTS_FILE_NAME, atomic_file
-from .runner import DEFAULTS, SimSpec, check_autoscale, check_prefix_cache, fit_to_context, served_model
+from .runner import DEFAULTS, SimOptions, SimSpec, check_autoscale, check_prefix_cache, fit_to_context, served_model
 from .schedulers import POLICY_NAMES, domain_request, policy_migrates
 from .traces import DEFAULT_SYNTHETIC_RATE_PER_S, MAX_ARRIVAL_CV, MIN_ARRIVAL_CV, TRACE_NAMES
 
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
     from topology.spec import InstanceSpec, Topology
 
     from .results import PolicySummary, SimRun
-    from .runner import SimOptions
     from .sweep import SweepConfig
     from .traces import Trace
 
@@ -397,7 +396,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser, sizing: bool = False) ->
         type=float,
         default=None,
         help="delay before a domain's published summary reaches the gateways and the coordinator, hilum's policy "
-        "(default 50)",
+        f"(default {SimOptions.model_fields['summary_lag_s'].default * 1e3:g})",
     )
     parser.add_argument(
         "--admission",
@@ -1119,7 +1118,7 @@ def _check_sweep(config: SweepConfig) -> None:
     """
     from topology.load import TopologyError, load_topology
 
-    from .runner import SimOptions, check_options
+    from .runner import check_options
     from .traces import load_trace
 
     unknown = [f"policies[{i}]: unknown policy {p!r}" for i, p in enumerate(config.policies) if p not in POLICY_NAMES]
