@@ -358,9 +358,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser, sizing: bool = False) ->
     parser.add_argument(
         "--seed",
         type=int,
-        default=0,
+        default=DEFAULTS.seed,
         help="seed of every random draw: synthetic arrivals, ShareGPT's order, priorities, the policies' choices "
-        "(default 0)",
+        f"(default {DEFAULTS.seed})",
     )
     parser.add_argument("--model", default=None, help="model the requests are for (default: most instances)")
     parser.add_argument("--priority-fraction", type=float, default=0.0, help="share of high-priority requests")
