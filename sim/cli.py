@@ -1062,7 +1062,14 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from .report import render_sweep_table
-    from .sweep import SWEEP_FILE_NAME, SweepConfigError, SweepPointError, load_sweep_config, run_sweep
+    from .sweep import (
+        SWEEP_FILE_NAME,
+        SweepConfigError,
+        SweepPointError,
+        load_sweep_config,
+        plot_file_names,
+        run_sweep,
+    )
 
     before = getattr(args, "before_sub", [])  # what _SimParser found before 'sweep', as typed
     if before:
@@ -1086,7 +1093,8 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
         if args.ray_address is not None and not args.ray_address.strip():
             raise ValueError("--ray-address is empty: give HOST:PORT, or leave the flag out for a local Ray")
         made = not Path(args.out).exists()
-        out = _output_dir(args.out, "sweep.json and the plots", [SWEEP_FILE_NAME])
+        names = [SWEEP_FILE_NAME, *plot_file_names(config.topologies).values()]
+        out = _output_dir(args.out, "sweep.json and the plots", names)
     except (ValueError, OSError, ValidationError) as exc:
         print(f"hilum sim sweep: error: {exc}", file=sys.stderr)
         return 2

@@ -526,16 +526,23 @@ def write_sweep(rows: Sequence[SweepRow], out_dir: str | Path, *, config: SweepC
     with atomic_file(json_path) as f:  # whole or not at all
         f.write(text)
     plots: dict[str, Path] = {}
-    used: set[str] = set()
-    for topology in dict.fromkeys(r.topology for r in rows):
-        name = plot_file_name(topology)
-        if name in used:  # two topology files with the same stem
-            name = name.removesuffix(".png") + f"_{len(used)}.png"
-        used.add(name)
+    for topology, name in plot_file_names(r.topology for r in rows).items():
         plots[topology] = plot_p99_vs_load(
             [r for r in rows if r.topology == topology], out / name, title=f"P99 TTFT vs load: {topology}"
         )
     return SweepOutput(json_path=json_path, plot_paths=plots)
+
+
+def plot_file_names(topologies: Iterable[str]) -> dict[str, str]:
+    """The plot file name of each topology (in first-seen order), as :func:`write_sweep` writes them:
+    :func:`plot_file_name`, with ``_<k>`` before ``.png`` where two topology files share a stem."""
+    names: dict[str, str] = {}
+    for topology in dict.fromkeys(topologies):
+        name = plot_file_name(topology)
+        if name in names.values():
+            name = name.removesuffix(".png") + f"_{len(names)}.png"
+        names[topology] = name
+    return names
 
 
 def load_sweep(path: str | Path) -> list[SweepRow]:

@@ -685,6 +685,17 @@ def test_a_sweep_that_cannot_run_fails_before_starting_ray(
     assert f"hilum sim sweep: error: invalid sweep config:   {config}: " in err and message in err, err
 
 
+def test_a_sweeps_plot_name_taken_by_a_folder_is_refused_before_ray_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "sweep.yaml"
+    config.write_text("trace: sharegpt\ntopologies: [2x8-a100]\npolicies: [hilum]\nrate_scales: [1]\n")
+    (tmp_path / "o" / "p99_ttft_vs_load_2x8-a100.png").mkdir(parents=True)  # found after the sweep, it was
+    assert main(["sim", "sweep", str(config), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path / 'o'}: p99_ttft_vs_load_2x8-a100.png there is not a file but a folder" in err, err
+
+
 def test_the_bundled_sweep_example_is_valid() -> None:
     from sim.cli import _check_sweep
     from sim.sweep import load_sweep_config

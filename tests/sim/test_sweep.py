@@ -24,6 +24,7 @@ from sim.sweep import (
     load_sweep,
     load_sweep_config,
     plot_file_name,
+    plot_file_names,
     ray_runtime_env,
     run_point,
     run_sweep,
@@ -189,6 +190,16 @@ def test_grid_order_topology_policy_rate_seed() -> None:
         "b/q/x1/seed0",
         "b/q/x1/seed1",
     ]
+
+
+def test_plot_file_names_are_unique_per_topology() -> None:
+    topologies = ["2x8-a100", "a/x.yaml", "b/x.yaml", "a/x.yaml", "c/x.yml"]
+    assert plot_file_names(topologies) == {
+        "2x8-a100": "p99_ttft_vs_load_2x8-a100.png",
+        "a/x.yaml": "p99_ttft_vs_load_x.png",
+        "b/x.yaml": "p99_ttft_vs_load_x_2.png",
+        "c/x.yml": "p99_ttft_vs_load_x_3.png",
+    }
 
 
 def test_plot_file_name() -> None:
