@@ -1061,7 +1061,7 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
     """``hilum sim sweep CONFIG``: run the grid as Ray tasks and merge the results."""
     from pydantic import ValidationError
 
-    from .report import render_sweep_table
+    from .report import LATENCY_COLUMNS, MIGRATION_COLUMNS, render_sweep_table
     from .sweep import (
         SWEEP_FILE_NAME,
         SweepConfigError,
@@ -1108,12 +1108,16 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
             out.rmdir()  # made for this sweep, and nothing written into it
         print(f"hilum sim sweep: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
-    table = render_sweep_table(rows)
-    # files and pipes: the table at its natural width (about 30 columns: at 200 characters most read as '…')
-    console = (
-        Console() if sys.stdout.isatty() else Console(width=max(200, Console(width=10_000).measure(table).maximum))
-    )
-    console.print(table)
+    # two tables, as hilum sim prints (all 30 columns in one were 278 characters wide); every figure is in sweep.json
+    tables = [
+        render_sweep_table(rows, columns=LATENCY_COLUMNS, compact=True),
+        render_sweep_table(rows, title="migrations and simulator cost", columns=MIGRATION_COLUMNS, compact=True),
+    ]
+    # files and pipes: the tables at their natural width, none cut to '…'
+    widest = max(Console(width=10_000).measure(t).maximum for t in tables)
+    console = Console() if sys.stdout.isatty() else Console(width=max(200, widest))
+    for table in tables:
+        console.print(table)
     print(f"sweep results and plots in {out}/", file=sys.stderr)
     return 0
 

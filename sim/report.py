@@ -171,10 +171,17 @@ def render_table(
     return _build(title, ("policy",), rows, ratios, baseline, columns, compact)
 
 
-def render_sweep_table(rows: Sequence[SweepRow], *, title: str = "hilum sim sweep") -> Table:
-    """A rich table with one row per sweep grid point: topology, policy, rate scale, seed + summary."""
+def render_sweep_table(
+    rows: Sequence[SweepRow],
+    *,
+    title: str = "hilum sim sweep",
+    columns: Sequence[str] | None = None,
+    compact: bool = False,
+) -> Table:
+    """A rich table with one row per sweep grid point: topology, policy, rate scale, seed + summary. ``columns``
+    and ``compact`` as :func:`render_table`'s (``hilum sim sweep`` prints its two tables)."""
     labelled = [((r.topology, r.policy, f"{r.rate_scale:g}", str(r.seed)), r.summary) for r in rows]
-    return _build(title, ("topology", "policy", "rate scale", "seed"), labelled, None, None)
+    return _build(title, ("topology", "policy", "rate\nscale", "seed"), labelled, None, None, columns, compact)
 
 
 def _to_text(table: Table, width: int) -> str:

@@ -649,6 +649,10 @@ def test_sweep_runs_real_simulations_as_ray_tasks(
     assert (out / "p99_ttft_vs_load_2x8-a100-40gb.png").stat().st_size > 1000
     table = capsys.readouterr().out  # not a terminal: every column at its natural width, none cut to '…'
     assert "hilum" in table and "least-loaded" in table and "…" not in table
+    # two tables, as hilum sim prints (one of every column was 278 characters wide): latency, then the rest
+    latency, rest = table.split("migrations and simulator cost")
+    assert "TTFT" in latency and "engine" not in latency and "engine" in rest and "TTFT" not in rest
+    assert max(len(line) for line in table.splitlines()) < 200
 
 
 @pytest.mark.parametrize(
