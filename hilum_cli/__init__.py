@@ -4,7 +4,7 @@ import argparse
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import IO, Any, NoReturn
 
 
 def counted(n: int, noun: str) -> str:
@@ -52,3 +52,11 @@ class Parser(argparse.ArgumentParser):
             if close:
                 message += f"; did you mean '{close[0]}'?"
         super().error(message)
+
+    def _print_message(self, message: str, file: IO[str] | None = None) -> None:
+        """argparse's, without dropping a failed write's error (argparse's ignores OSError: ``hilum --help >
+        /dev/full`` wrote nothing and exited 0); the entry point's wrapper (``hilum_cli.broken_pipe``) says it."""
+        if message:
+            out = file or sys.stderr
+            out.write(message)
+            out.flush()

@@ -66,15 +66,21 @@ def quiet_on_broken_pipe(main: Callable[P, int]) -> Callable[P, int]:
         except OSError as exc:  # a full disk or a failing device (`> /dev/full`): one line, not a traceback
             if exc.errno not in _NO_ROOM:
                 raise
-            with contextlib.suppress(OSError):  # stderr may be on the full disk too
-                print(f"{Path(sys.argv[0]).name or 'hilum'}: error: cannot write: {exc}", file=sys.stderr, flush=True)
-            _to_devnull(sys.stdout)  # what is still buffered goes nowhere, not into a second error at exit
-            return 1
+            return _no_room(exc)
         for stream in gone or [sys.stdout]:
             _to_devnull(stream)
         return BROKEN_PIPE_STATUS
 
     return run
+
+
+def _no_room(exc: OSError) -> int:
+    """Say that a write failed for the device's sake (one line on stderr, which may be on the full disk too), send
+    what is still buffered in stdout nowhere (not into a second error at exit), and return 1."""
+    with contextlib.suppress(OSError):
+        print(f"{Path(sys.argv[0]).name or 'hilum'}: error: cannot write: {exc}", file=sys.stderr, flush=True)
+    _to_devnull(sys.stdout)
+    return 1
 
 
 def _fd(stream: TextIO) -> int | None:

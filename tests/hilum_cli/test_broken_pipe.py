@@ -186,3 +186,21 @@ def test_output_to_a_full_device_is_one_error_line() -> None:
     assert done.returncode == 1
     assert "hilum: error: cannot write: [Errno 28] No space left on device" in done.stderr
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
+@pytest.mark.parametrize("argv", [["hilum", "--help"], ["hilum", "sim", "size", "--help"], ["hilumctl", "--help"]])
+def test_help_to_a_full_device_is_an_error_not_a_silent_success(argv: list[str]) -> None:
+    """argparse drops a failed write's error: ``hilum --help > /dev/full`` wrote nothing and exited 0."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [HILUM if argv[0] == "hilum" else HILUMCTL, *argv[1:]],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    assert (done.returncode, done.stderr) == (
+        1,
+        f"{argv[0]}: error: cannot write: [Errno 28] No space left on device\n",
+    )
