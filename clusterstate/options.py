@@ -25,6 +25,7 @@ __all__ = [
     "positive_int_option",
     "positive_option",
     "prefix_option",
+    "seed_option",
     "ttl_option",
 ]
 
@@ -109,6 +110,19 @@ def positive_int_option(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def seed_option(text: str) -> int:
+    """argparse ``type=`` of a ``--seed``: a whole number >= 0, as ``hilum sim`` and ``hilum bench`` take it (a
+    negative one ran; ``random.Random`` hashes away its sign, so -1 and 1 drew the same). Raises
+    argparse.ArgumentTypeError (argparse names the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
     return value
 
 

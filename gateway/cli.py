@@ -47,7 +47,14 @@ from clusterstate.endpoints import (
     split_address,
 )
 from clusterstate.etcd import connect
-from clusterstate.options import DEFAULT_PREFIX, LOG_LEVEL_HELP, log_level_option, non_negative_option, prefix_option
+from clusterstate.options import (
+    DEFAULT_PREFIX,
+    LOG_LEVEL_HELP,
+    log_level_option,
+    non_negative_option,
+    prefix_option,
+    seed_option,
+)
 from gateway.apikeys import ApiKeys, load_api_keys
 from gateway.app import GatewayApp
 from gateway.cluster import LiveCluster
@@ -116,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--unavailable-wait", type=non_negative_option, default=5.0, help="retry unavailable domains for, seconds"
     )
-    p.add_argument("--seed", type=int, default=None, help="random seed (dispatch ties); default: random")
+    p.add_argument("--seed", type=seed_option, default=None, help="random seed (dispatch ties); default: random")
     p.add_argument(
         "--api-keys",
         default="",

@@ -103,7 +103,7 @@ from typing import Any, TextIO
 import yaml
 
 import hilum_config
-from clusterstate.options import LOG_LEVEL_HELP, log_level_option
+from clusterstate.options import LOG_LEVEL_HELP, log_level_option, seed_option
 from gateway.apikeys import load_api_keys
 from global_coord.cli import check_autoscale
 from hilum_cli import counted
@@ -1200,7 +1200,7 @@ def register(sub: Any, summary: str) -> None:
     )
     p.add_argument("--time-scale", type=float, default=1.0, help="sim engine: wall seconds per modelled second")
     p.add_argument("--min-step-s", type=float, default=0.0, help="every engine step lasts at least this long")
-    p.add_argument("--seed", type=int, default=0, help="seed of every process (torch: model weights)")
+    p.add_argument("--seed", type=seed_option, default=0, help="seed of every process (torch: model weights)")
     p.add_argument("--start-timeout", type=float, default=120.0, help="seconds each stage may take to start")
     p.add_argument("--log-level", default="WARNING", type=log_level_option, metavar="LEVEL", help=LOG_LEVEL_HELP)
     p.add_argument(

@@ -25,6 +25,7 @@ from clusterstate.options import (
     positive_int_option,
     positive_option,
     prefix_option,
+    seed_option,
     ttl_option,
 )
 from clusterstate.session import KeyTakenError
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--min-step-s", type=non_negative_option, default=0.0, help="every step lasts at least this long (tests)"
     )
     p.add_argument("--max-num-seqs", type=positive_int_option, default=256, help="requests per batch at most")
-    p.add_argument("--seed", type=int, default=0, help="backend seed (torch: model weights)")
+    p.add_argument("--seed", type=seed_option, default=0, help="backend seed (torch: model weights)")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE", help="backend option")
     p.add_argument(
         "--tokenizer", metavar="DIR", help="the model's tokenizer directory (default: the topology model's tokenizer)"

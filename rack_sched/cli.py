@@ -41,6 +41,7 @@ from clusterstate.options import (
     log_level_option,
     non_negative_option,
     prefix_option,
+    seed_option,
     ttl_option,
 )
 from clusterstate.records import DomainRegistration, InstanceRegistration, RecordError, decode
@@ -103,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ID=HOST:PORT",
         help="register this llumlet in etcd on its behalf (for llumlets that do not register themselves)",
     )
-    p.add_argument("--seed", type=int, default=None, help="random seed (ties, jitter); default: random")
+    p.add_argument("--seed", type=seed_option, default=None, help="random seed (ties, jitter); default: random")
     p.add_argument("--log-level", default="INFO", type=log_level_option, metavar="LEVEL", help=LOG_LEVEL_HELP)
     return p
 

@@ -99,6 +99,8 @@ _DAEMONS = {
         ("llumlet", "--block-size", "0", "expected a whole number >= 1, got '0'"),
         ("llumlet", "--max-num-seqs", "0", "expected a whole number >= 1, got '0'"),
         ("llumlet", "--max-num-seqs", "2.5", "expected a whole number >= 1, got '2.5'"),
+        # a negative seed ran, and drew what its positive counterpart draws (random.Random drops the sign)
+        *[(m, "--seed", "-1", "expected a whole number >= 0, got '-1'") for m in ("llumlet", "rack_sched", "gateway")],
     ],
 )
 def test_every_process_refuses_a_bad_option_before_it_starts(

@@ -317,3 +317,19 @@ def test_a_malformed_etcd_address_is_a_usage_error(tmp_path: Path, etcd: str, me
     assert run_up(cfg, out=io.StringIO(), err=err) == 2
     assert err.getvalue().startswith(f"hilum up: error: {message}")
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("seed", ["-1", "2.5"])
+def test_a_seed_that_is_not_a_whole_number_from_0_is_refused_before_anything_starts(
+    seed: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--seed -1`` started the cluster, whose processes drew what ``--seed 1`` draws (random.Random drops the
+    sign); ``hilum sim`` and ``hilum bench`` refuse it."""
+    from hilum_cli.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["up", "--seed", seed])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"hilum up: error: argument --seed: expected a whole number >= 0, got '{seed}'"
+    )
