@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--link-budget-scope",
         default=None,
         metavar="NAME",
-        help="llumlets on this host with the same NAME share each link's migration budget (default: the etcd "
-        "prefix with --etcd, else this llumlet alone)",
+        help="llumlets on this host with the same NAME share each link's migration budget; '' shares it with no "
+        "other llumlet (default: the etcd prefix with --etcd, else '')",
     )
     p.add_argument(
         "--etcd",
