@@ -386,9 +386,19 @@ def _chat_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             parts = []
             for j, part in enumerate(content):
-                if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise BadRequest(f"{where}.content[{j}] must be a text part", param=where, code="unsupported")
-                parts.append(part["text"])
+                at = f"{where}.content[{j}]"
+                if not isinstance(part, Mapping):
+                    raise BadRequest(f"{at} must be an object with type and text, got {_json_text(part)}", param=where)
+                if part.get("type") != "text":  # an image, audio or file part: a model of text alone here
+                    got = "it is missing" if "type" not in part else f"got {_json_text(part.get('type'))}"
+                    raise BadRequest(
+                        f"{at}.type must be text (hilum serves text parts only); {got}", param=where, code="unsupported"
+                    )
+                text = part.get("text")
+                if not isinstance(text, str):
+                    got = "it is missing" if "text" not in part else f"got {_json_text(text)}"
+                    raise BadRequest(f"{at}.text must be a string; {got}", param=where)
+                parts.append(text)
             content = "".join(parts)
         if content is None:
             raise BadRequest(f"{where}.content is missing (a string, or a list of text parts)", param=where)

@@ -138,6 +138,37 @@ def test_bad_chat_is_400_and_nothing_dispatched(name: str, body: Any, words: str
     assert backend.started == []
 
 
+@pytest.mark.parametrize(
+    ("part", "words", "code"),
+    [
+        # a text part without its text was "must be a text part", code unsupported: a malformed request, not a feature
+        ({"type": "text"}, "messages[0].content[1].text must be a string; it is missing", "invalid_value"),
+        ({"type": "text", "text": 5}, "messages[0].content[1].text must be a string; got 5", "invalid_value"),
+        ("hi", 'messages[0].content[1] must be an object with type and text, got "hi"', "invalid_value"),
+        (
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+            'messages[0].content[1].type must be text (hilum serves text parts only); got "image_url"',
+            "unsupported",
+        ),
+        ({"text": "hi"}, "messages[0].content[1].type must be text (hilum serves text parts only); it is missing",
+         "unsupported"),
+    ],
+)  # fmt: skip
+def test_a_bad_content_part_says_what_is_wrong_with_it(part: Any, words: str, code: str) -> None:
+    backend = FakeBackend()
+    body = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, part]}]}
+
+    async def main() -> None:
+        async with serve(backend) as (client, _):
+            resp = await client.post("/v1/chat/completions", json=body)
+            assert resp.status == 400
+            err = (await resp.json())["error"]
+            assert (err["message"], err["param"], err["code"]) == (words, "messages[0]", code)
+
+    run(main)
+    assert backend.started == []
+
+
 def test_malformed_json_and_bad_priority_header_are_400() -> None:
     backend = FakeBackend()
 
