@@ -189,7 +189,8 @@ async def _status(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
 
 
 async def _domains(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
-    data = views.domains_json(await c.read("ListDomains", pb.ListDomainsRequest()))
+    domains = await c.read("ListDomains", pb.ListDomainsRequest())
+    data = views.domains_json(domains, await c.read("ListInstances", pb.ListInstancesRequest()))
     out.json(data) if out.as_json else views.render_domains(out.console, data)
     return 0
 
@@ -275,7 +276,7 @@ async def _kind(c: AdminClient, ns: argparse.Namespace) -> str:
         raise UsageError(f"{ns.target!r} names both an instance and a domain: add --instance or --domain")
     if kind == "unknown":
         raise CtlError(
-            f"{ns.target!r} is neither a registered instance or domain nor in the coordinator's topology "
+            f"{ns.target!r} is not a registered instance or domain, nor in the coordinator's topology "
             f"(see `hilumctl instances` and `hilumctl domains`); add --instance or --domain to {ns.command} it anyway"
         )
     return kind

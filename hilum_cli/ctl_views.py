@@ -9,7 +9,8 @@ largest free space, which describe capacity it no longer offers.
 Drain state (``drain_state`` in JSON, the DRAIN column): ``none``; ``requested`` (a drain intent names the
 target, its domain scheduler has not applied it yet); ``draining`` (the scheduler applies it: nothing new is
 dispatched there and its requests move away); ``undraining`` (the scheduler still applies a drain whose
-intent was removed: it has not seen the undrain yet).
+intent was removed: it has not seen the undrain yet). A domain whose every instance has a drain intent of its own
+drains whole, with no intent of the domain: ``draining``.
 """
 
 from __future__ import annotations
@@ -93,8 +94,10 @@ def status_json(reply: pb.StatusReply, address: str) -> Json:
     }
 
 
-def domain_json(info: pb.DomainInfo) -> Json:
-    """One domain; ``summaries`` (one per model it serves) is empty until its domain scheduler publishes."""
+def domain_json(info: pb.DomainInfo, instances_drained: bool = False) -> Json:
+    """One domain; ``summaries`` (one per model it serves) is empty until its domain scheduler publishes.
+    ``instances_drained``: every instance of it has a drain intent of its own, so its scheduler drains the whole
+    domain with no domain intent (``draining``, not ``undraining``)."""
     summaries: list[Json] = []
     for s in info.summaries:
         summaries.append({
@@ -114,14 +117,25 @@ def domain_json(info: pb.DomainInfo) -> Json:
         "registered": info.registered,
         "scheduler_address": info.scheduler_address or None,
         "draining": info.draining,
-        "drain_state": drain_state(info.draining, bool(summaries) and all(x["draining"] for x in summaries)),
+        "instances_drained": instances_drained,
+        "drain_state": drain_state(
+            info.draining or instances_drained, bool(summaries) and all(x["draining"] for x in summaries)
+        ),
         "summaries": summaries,
     }
 
 
-def domains_json(reply: pb.ListDomainsReply) -> Json:
-    """``domains``."""
-    return {"view_revision": reply.view_revision, "domains": [domain_json(d) for d in reply.domains]}
+def domains_json(reply: pb.ListDomainsReply, instances: pb.ListInstancesReply | None = None) -> Json:
+    """``domains``; ``instances`` (ListInstances, every domain's): their drain intents, for the state of a domain
+    whose every instance is drained one by one."""
+    intents: dict[str, list[bool]] = {}
+    for i in instances.instances if instances is not None else ():
+        intents.setdefault(i.domain_id, []).append(i.draining)
+    drained = {d: bool(flags) and all(flags) for d, flags in intents.items()}
+    return {
+        "view_revision": reply.view_revision,
+        "domains": [domain_json(d, drained.get(d.domain_id, False)) for d in reply.domains],
+    }
 
 
 def instance_json(info: pb.InstanceInfo) -> Json:
@@ -396,8 +410,9 @@ def _domain_row(table: Table, d: Json, scheduler: str, s: Json) -> None:
             _blocks(s["freeness"]),
             str(s["largest_free_blocks"]),
         ]
+    state = drain_state(d["draining"] or d["instances_drained"], s["draining"])
     table.add_row(
-        d["domain_id"], scheduler, _cell(drain_state(d["draining"], s["draining"])), s["model"] or "-",
+        d["domain_id"], scheduler, _cell(state), s["model"] or "-",
         str(s["num_instances"]), *capacity, str(s["num_running"]), str(s["num_waiting"]),
     )  # fmt: skip
 

@@ -328,7 +328,7 @@ def test_domains(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
     node0, node1 = data["domains"]
     assert node0 == {
         "domain_id": "node-0", "registered": True, "scheduler_address": cluster.node0_scheduler, "draining": False,
-        "drain_state": "none",
+        "instances_drained": False, "drain_state": "none",
         "summaries": [{
             "model": "llama-2-7b", "num_instances": 2, "capacity_blocks": 4000, "virtual_usage_blocks": 1500.0,
             "freeness": 125.0, "largest_free_blocks": 1200, "max_instance_capacity_blocks": 2000, "num_running": 3,
@@ -751,12 +751,41 @@ def test_drain_wait_on_a_domain_waits_for_its_migrations(cluster: Cluster, capsy
     agents.send("summary", record=summary_node1())
 
 
+def test_a_domain_whose_every_instance_is_drained_is_draining_not_undraining(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every instance of node-1 drained one by one: its scheduler drains the domain with no domain intent, which
+    ``domains`` showed as ``undraining`` (a drain whose intent was removed)."""
+    leader = ["--coordinator", cluster.leader_address]
+
+    def node1_until(summary_draining: bool) -> dict[str, Any]:
+        deadline = time.monotonic() + 10
+        while True:
+            node1 = ctl_json(capsys, *leader, "--json", "domains")["domains"][1]
+            if node1["summaries"][0]["draining"] is summary_draining or time.monotonic() > deadline:
+                return dict(node1)
+            time.sleep(0.05)
+
+    assert ctl(capsys, *leader, "drain", "node-1-i0")[0] == 0  # node-1's one registered instance
+    cluster.agents.send("summary", record=summary_node1(running=0, draining=True))
+    node1 = node1_until(True)
+    assert (node1["draining"], node1["instances_drained"], node1["drain_state"]) == (False, True, "draining")
+    rc, out, _ = ctl(capsys, *leader, "domains")
+    assert rc == 0
+    assert next(line.split() for line in out.splitlines() if line.lstrip().startswith("node-1"))[2] == "draining"
+    assert ctl(capsys, *leader, "undrain", "node-1-i0")[0] == 0  # its scheduler has not published since
+    node1 = ctl_json(capsys, *leader, "--json", "domains")["domains"][1]
+    assert (node1["draining"], node1["instances_drained"], node1["drain_state"]) == (False, False, "undraining")
+    cluster.agents.send("summary", record=summary_node1())
+    assert node1_until(False)["drain_state"] == "none"
+
+
 def test_drain_target_must_be_known_unless_its_kind_is_given(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
     leader = ["--coordinator", cluster.leader_address]
     rc, _, err = ctl(capsys, *leader, "drain", "node-9-i0")
-    assert rc == 1 and "'node-9-i0' is neither a registered instance or domain" in err and "--instance" in err
+    assert rc == 1 and "'node-9-i0' is not a registered instance or domain, nor" in err and "--instance" in err
     # an instance listed only in the topology (not registered) is known; an explicit kind skips the check
     data = ctl_json(capsys, *leader, "--json", "drain", "node-1-i7", "--wait", "--timeout", "1")
     assert data["kind"] == "instance" and data["wait"]["empty"] is True  # not registered: nothing runs there
@@ -801,7 +830,7 @@ def test_an_unknown_name_is_exit_1_in_every_command(cluster: Cluster, capsys: py
     rc, out, err = ctl(capsys, *coord, "requests", "--domain", "node-0", "--instance", "node-9-i9")
     assert (rc, out) == (1, "") and "instance 'node-9-i9' is not known to domain node-0" in err
     rc, out, err = ctl(capsys, *coord, "drain", "nosuch")
-    assert (rc, out) == (1, "") and "'nosuch' is neither a registered instance or domain" in err
+    assert (rc, out) == (1, "") and "'nosuch' is not a registered instance or domain, nor" in err
 
 
 def test_an_etcd_endpoint_that_cannot_be_dialled_is_an_error_not_a_traceback(
