@@ -485,6 +485,10 @@ def _check(cfg: UpConfig) -> _Checked:
         raise UpUsageError(f"--start-timeout: must be a finite number of seconds > 0, got {cfg.start_timeout_s:g}")
     if not (math.isfinite(cfg.time_scale) and cfg.time_scale > 0):  # as a llumlet's --time-scale takes it
         raise UpUsageError(f"--time-scale: must be a finite number > 0, got {cfg.time_scale:g}")
+    if cfg.time_scale != 1.0 and cfg.engine != "sim":  # accepted and ignored, it was
+        raise UpUsageError(
+            f"--time-scale paces the sim engine only: --engine {cfg.engine}'s steps take the time they compute"
+        )
     if not (math.isfinite(cfg.min_step_s) and cfg.min_step_s >= 0):
         raise UpUsageError(f"--min-step-s: must be a finite number >= 0, got {cfg.min_step_s:g}")
     _check_llumlet_python(cfg)

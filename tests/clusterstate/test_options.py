@@ -61,6 +61,23 @@ _DAEMONS = {
 }
 
 
+def test_a_llumlet_refuses_a_time_scale_its_engine_does_not_honour() -> None:
+    """``--engine torch --time-scale 0.5`` was accepted and ignored: only the sim engine is paced."""
+    done = subprocess.run(
+        [sys.executable, "-m", "llumlet", *_DAEMONS["llumlet"], "--engine", "torch", "--time-scale", "0.5"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.splitlines()[-1] == (
+        "python -m llumlet: error: --time-scale paces the sim engine only: --engine torch's steps take the time they "
+        "compute"
+    )
+
+
 @pytest.mark.parametrize(
     ("module", "option", "value", "message"),
     [

@@ -333,3 +333,14 @@ def test_a_seed_that_is_not_a_whole_number_from_0_is_refused_before_anything_sta
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"hilum up: error: argument --seed: expected a whole number >= 0, got '{seed}'"
     )
+
+
+def test_a_time_scale_for_an_engine_that_is_not_paced_is_refused(tmp_path: Path) -> None:
+    """``--time-scale`` paces the sim engine; ``--engine torch --time-scale 0.5`` was accepted and ignored."""
+    err = io.StringIO()
+    cfg = UpConfig(engine="torch", time_scale=0.5, port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "r"))
+    assert run_up(cfg, out=io.StringIO(), err=err) == 2
+    assert err.getvalue() == (
+        "hilum up: error: --time-scale paces the sim engine only: --engine torch's steps take the time they compute\n"
+    )
+    assert not (tmp_path / "r").exists()
