@@ -344,8 +344,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser, sizing: bool = False) ->
         "--rate",
         type=float,
         default=None,
-        help="synthetic arrival rate, req/s, before --rate-scale (default: the trace's own mean rate where it has "
-        f"timestamps, else {DEFAULT_SYNTHETIC_RATE_PER_S:g})",
+        help="synthetic arrival rate, req/s, before --rate-scale (default: the whole trace's mean rate where it has "
+        f"timestamps, before --max-requests keeps its first N, else {DEFAULT_SYNTHETIC_RATE_PER_S:g})",
     )
     parser.add_argument("--arrival-cv", type=float, default=None, help="Gamma inter-arrival CV (--arrival gamma)")
     parser.add_argument(
@@ -1166,6 +1166,10 @@ def _check_sweep(config: SweepConfig) -> None:
             check(f"rate_scales[{i}] = {rate_scale:g}, seed {seed}", rate_scale=rate_scale, seed=seed)
     for i, name in enumerate(config.topologies):
         try:
-            check_options(load_topology(name), parsed)
-        except TopologyError as exc:
-            raise ValueError(f"topologies[{i}]: invalid topology\n" + "\n".join(exc.lines())) from None
+            topology = load_topology(name)
+        except TopologyError as exc:  # on one line, led by the file's name as every sweep-file error is
+            raise ValueError(f"topologies[{i}]: invalid topology: " + "; ".join(exc.lines())) from None
+        try:
+            check_options(topology, parsed)
+        except ValueError as exc:
+            raise ValueError(f"options, on topologies[{i}] ({name}): {exc}") from None

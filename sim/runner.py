@@ -541,10 +541,12 @@ def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[s
             "initial_instances (--initial-instances) cannot be combined with scale_out (--scale-out): "
             "the instances kept off would clash"
         )
+    # each named as a sweep file's key and hilum sim's flag (as the messages above): a sweep's options come here too
+    label = {"--drain": "drain (--drain)", "--scale-out": "scale_out (--scale-out)"}
     for flag, raw in (("--drain", options.drain), ("--scale-out", options.scale_out)):
         for value in raw:
             if "," in value:
-                raise ValueError(f"{flag} takes one INSTANCE@S; give {flag} once per instance (got {value!r})")
+                raise ValueError(f"{label[flag]} takes one INSTANCE@S; give {flag} once per instance (got {value!r})")
     drains = [_parse_event(d) for d in options.drain]
     scale_outs = [_parse_event(s) for s in options.scale_out]
     for flag, events in (("--drain", drains), ("--scale-out", scale_outs)):
@@ -553,33 +555,38 @@ def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[s
                 other = next((i for i in topology.instances if i.instance_id == instance_id), None)
                 if other is not None:  # an instance the run does not simulate
                     raise ValueError(
-                        f"{flag} names {instance_id!r}, which serves {other.model}; the run simulates the {model} "
-                        "instances (--model chooses the model)"
+                        f"{label[flag]} names {instance_id!r}, which serves {other.model}; the run simulates the "
+                        f"{model} instances (model, --model, chooses the model)"
                     )
                 members = [i for i in known if topology.instance(i).domain_id == instance_id]
                 if members:  # a domain: name its instances, each drained or added by its own flag
                     raise ValueError(
-                        f"{flag} names NVLink domain {instance_id!r}; it takes instances, one per {flag}: "
+                        f"{label[flag]} names NVLink domain {instance_id!r}; it takes instances, one per {flag}: "
                         f"{', '.join(members)}"
                     )
                 shown = ", ".join(known[:6]) + (", ..." if len(known) > 6 else "")
                 raise ValueError(
-                    f"{flag} names unknown instance {instance_id!r}; {model} instances of {topology.name}: {shown}"
+                    f"{label[flag]} names unknown instance {instance_id!r}; {model} instances of {topology.name}: "
+                    f"{shown}"
                 )
         repeated = sorted({i for i, _ in events if sum(1 for j, _ in events if j == i) > 1})
         if repeated:
-            raise ValueError(f"{flag} names {', '.join(repeated)} more than once; give each instance once")
+            raise ValueError(f"{label[flag]} names {', '.join(repeated)} more than once; give each instance once")
     both = {i for i, _ in drains} & {i for i, _ in scale_outs}
     if both:
-        raise ValueError(f"{', '.join(sorted(both))}: both drained and scaled out (--drain and --scale-out name it)")
+        raise ValueError(
+            f"{', '.join(sorted(both))}: both drained and scaled out (drain and scale_out, --drain and --scale-out, "
+            "name it)"
+        )
     if options.initial_instances is not None and drains:
         pool = pools_of(i for i in topology.instances if i.model == model)[model]
         serving = set(initial_fleet(pool, options.initial_instances))
         off = sorted(i for i, _ in drains if i not in serving)
         if off:
             raise ValueError(
-                f"--drain names {', '.join(off)}, which --initial-instances {options.initial_instances} keeps off "
-                "(a drain of an instance that never serves would do nothing); drain a serving instance"
+                f"drain (--drain) names {', '.join(off)}, which initial_instances (--initial-instances) "
+                f"{options.initial_instances} keeps off (a drain of an instance that never serves would do nothing); "
+                "drain a serving instance"
             )
     return drains, scale_outs
 

@@ -232,7 +232,7 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
     except yaml.YAMLError as exc:
         raise SweepConfigError([f"{p}: {yaml_error_line(exc)}"]) from exc
     if not isinstance(data, Mapping):
-        got = "an empty file" if data is None else type(data).__name__
+        got = "an empty file" if data is None else _shown(data)
         raise SweepConfigError([f"{p}: (top level): expected a mapping of keys, got {got}"])
     errors: list[str] = []
     try:

@@ -247,11 +247,13 @@ def test_bad_options_and_unknown_instances_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="unknown instance 'nope'"):
         _run("hilum", drain=("nope@1",))
     with pytest.raises(
-        ValueError, match=r"--drain names NVLink domain 'n0'; it takes instances, one per --drain: n0-i0, n0-i1$"
+        ValueError,
+        match=r"drain \(--drain\) names NVLink domain 'n0'; it takes instances, one per --drain: n0-i0, n0-i1$",
     ):
         _run("hilum", drain=("n0@1",))
     with pytest.raises(
-        ValueError, match=r"--drain takes one INSTANCE@S; give --drain once per instance \(got 'n0-i0@1,n0-i1@2'\)"
+        ValueError,
+        match=r"drain \(--drain\) takes one INSTANCE@S; give --drain once per instance \(got 'n0-i0@1,n0-i1@2'\)",
     ):
         _run("hilum", drain=("n0-i0@1,n0-i1@2",))
     with pytest.raises(ValueError, match="colour"):

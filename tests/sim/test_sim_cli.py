@@ -227,18 +227,18 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--arrival", "poisson", "--rate", "0"], "--rate must be a number of requests per second > 0, got 0.0"),
         (["--rate", "3"], "azure-conv (bundled trace): rate_per_s (--rate) applies only to synthetic arrivals"),
         (["--policy", "hilum,llumnix,hilum"], "--policy names hilum more than once"),
-        (["--drain", "nope@10"], "--drain names unknown instance 'nope'"),
+        (["--drain", "nope@10"], "drain (--drain) names unknown instance 'nope'"),
         (
             ["--topology", "64x8-h100", "--drain", "node-63-i0@5"],
-            "--drain names 'node-63-i0', which serves llama-2-70b; the run simulates the llama-2-7b instances",
+            "drain (--drain) names 'node-63-i0', which serves llama-2-70b; the run simulates the llama-2-7b instances",
         ),
         (
             ["--drain", "node-0@5"],
-            "--drain names NVLink domain 'node-0'; it takes instances, one per --drain: node-0-i0,",
+            "drain (--drain) names NVLink domain 'node-0'; it takes instances, one per --drain: node-0-i0,",
         ),
         (["--drain", "node-0-i3@nan"], "'node-0-i3@nan': the time must be a finite number of seconds >= 0, got nan"),
         (["--scale-out", "node-0-i3@inf"], "the time must be a finite number of seconds >= 0, got inf"),
-        (["--drain", "node-0-i3@5", "--drain", "node-0-i3@8"], "--drain names node-0-i3 more than once"),
+        (["--drain", "node-0-i3@5", "--drain", "node-0-i3@8"], "drain (--drain) names node-0-i3 more than once"),
         (["--seed", "-1"], "--seed must be >= 0, got -1"),
         (["--policy", "llumnix", "--summary-lag-ms", "100"], "--summary-lag-ms applies to the hilum policy only"),
         (["--priority-fraction", "nan"], "priority_fraction (--priority-fraction): Input should be a finite number"),
@@ -260,7 +260,7 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--initial-instances", "17"], "initial_instances (--initial-instances) 17: 2x8-a100-40gb has only 16"),
         (
             ["--initial-instances", "8", "--drain", "node-1-i7@5"],
-            "--drain names node-1-i7, which --initial-instances 8 keeps off",
+            "drain (--drain) names node-1-i7, which initial_instances (--initial-instances) 8 keeps off",
         ),
     ],
 )
@@ -667,9 +667,14 @@ def test_sweep_runs_real_simulations_as_ray_tasks(
             "trace: azure-conv\ntopologies: [2x8-a100]\npolicies: [hilum]\nrate_scales: [1]\noptions: {foo: 1}\n",
             "options.foo: unknown key; expected one of: priority_fraction, model,",
         ),
+        (  # an option the topology cannot run, named with the topology
+            "trace: azure-conv\ntopologies: [1x8-a100]\npolicies: [hilum]\nrate_scales: [1]\n"
+            "options: {drain: [node-1-i0@5]}\n",
+            "options, on topologies[0] (1x8-a100): drain (--drain) names unknown instance 'node-1-i0'",
+        ),
         (  # the list's entry named (it said "invalid topology" alone)
             "trace: azure-conv\ntopologies: [2x8-a100, nowhere]\npolicies: [hilum]\nrate_scales: [1]\n",
-            "topologies[1]: invalid topology nowhere: (file): file not found",
+            "topologies[1]: invalid topology: nowhere: (file): file not found",
         ),
         (
             "trace: azure-conv\ntopologies: [2x8-a100-40gb]\npolicies: [hilum]\nrate_scales: [1, 1e-6]\n"

@@ -83,7 +83,8 @@ def test_defaults(tmp_path: Path) -> None:
         (GOOD.replace("trace: burstgpt", "trace: ''"), "sweep.yaml: trace: must not be empty"),
         (GOOD.replace("[2x8-a100]", "2x8-a100"), "sweep.yaml: topologies: expected a list, got '2x8-a100' (a string)"),
         (GOOD.replace("{migrate_interval_s: 0.05}", "[1]"), "sweep.yaml: options: expected a mapping of keys, got a"),
-        ("- a\n- b\n", "sweep.yaml: (top level): expected a mapping of keys, got list"),
+        ("- a\n- b\n", "sweep.yaml: (top level): expected a mapping of keys, got a list"),
+        ("7\n", "sweep.yaml: (top level): expected a mapping of keys, got 7 (an integer)"),
         ("trace: [unclosed\n", "sweep.yaml: line 2, column 1: YAML syntax error"),
         (GOOD + "trace: sharegpt\n", "sweep.yaml: line"),  # a repeated key: refused, not the last one kept
         (GOOD + "arrival: gamma\n", "sweep.yaml: (top level): arrival: gamma needs arrival_cv (the inter-arrival CV"),
