@@ -904,21 +904,22 @@ def start_cluster(
         _wait_for_every_domain(cluster, cfg.start_timeout_s, say)
     except StartFailed as exc:
         raise UpError(str(exc)) from None
-    held = _drains_held(lay)
+    held, everything = _drains_held(lay)
     if held:  # a reused --run-dir's etcd-data (or an --etcd) keeps the drains of an earlier run: they still apply
         coordinators = ",".join(lay.address(p) for p in lay.plan.coordinators.values())
-        say(f"warning: etcd holds drain intents from before this start: {', '.join(held)} take(s) no new requests; "
-            f"`hilumctl --coordinator {coordinators} undrain NAME` lifts one")  # fmt: skip
+        whole = "; that is every instance: the cluster refuses every request until one is lifted" if everything else ""
+        say(f"warning: etcd holds drain intents from before this start: {', '.join(held)} (no new requests go "
+            f"there){whole}; `hilumctl --coordinator {coordinators} undrain NAME` lifts one")  # fmt: skip
     cluster.info = _info(lay)
     cluster.write_info()
     sup.on_change = lambda child: cluster.write_info()
     return cluster
 
 
-def _drains_held(lay: _Layout) -> list[str]:
-    """The domains and instances a drain intent names, as the coordinator's view has them once the cluster serves
-    (an instance of a drained domain is named by its domain alone); [] when the coordinator does not answer (a
-    warning only: nothing is refused for it)."""
+def _drains_held(lay: _Layout) -> tuple[list[str], bool]:
+    """(The domains and instances a drain intent names, as the coordinator's view has them once the cluster serves
+    (an instance of a drained domain is named by its domain alone), whether they cover every instance of the
+    topology); ([], False) when the coordinator does not answer (a warning only: nothing is refused for it)."""
     from hilum_cli.ctl_client import AdminClient, CtlError, Target
     from hilum_proto.v1 import coordinator_pb2 as pb
 
@@ -932,9 +933,11 @@ def _drains_held(lay: _Layout) -> list[str]:
     try:
         domains, instances = asyncio.run(ask())
     except CtlError:
-        return []
+        return [], False
     drained = [d.domain_id for d in domains if d.draining]
-    return drained + [i.instance_id for i in instances if i.draining and i.domain_id not in drained]
+    alone = [i.instance_id for i in instances if i.draining and i.domain_id not in drained]
+    everything = all(i.domain_id in drained or i.instance_id in alone for i in lay.topology.instances)
+    return drained + alone, everything
 
 
 def _gateways_stage(lay: _Layout) -> str:

@@ -67,7 +67,10 @@ def test_drains_kept_in_a_reused_run_dir_are_said_at_start(tmp_path: Path) -> No
     again = start_up(tmp_path, "sim", ports)  # the same --run-dir (tmp_path/run): it starts though nothing serves
     try:
         err = again.wait_stderr("hilum up: warning: etcd holds drain intents from before this start", 30)
-        assert "before this start: dom-a, b0, b1 take(s) no new requests;" in err
+        assert (
+            "before this start: dom-a, b0, b1 (no new requests go there); that is every instance: the cluster refuses "
+            "every request until one is lifted;" in err
+        )
         assert f"`hilumctl --coordinator {again.info['coordinator']} undrain NAME` lifts one" in err
         assert _health_until(again, 503)["domains"] == ["dom-a", "dom-b"]
         _ctl(again, "undrain", "b1")
