@@ -1195,20 +1195,45 @@ def register(sub: Any, summary: str) -> None:
         help="several gateways: all on --port (SO_REUSEPORT; each also alone on --port+1+k), or gateway k on "
         "--port+k (default shared)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address every process listens on")
-    p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: a free one)")
+    p.add_argument("--host", default="127.0.0.1", help="address every process listens on (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: a free one; default %(default)s)")
     p.add_argument("--etcd", default="", metavar="HOST:PORT", help="use this etcd instead of starting one")
-    p.add_argument("--etcd-port", type=int, default=2379, help="embedded etcd client port; peer = next (0: free)")
-    p.add_argument("--grpc-base-port", type=int, default=7070, help="first gRPC port (0: free ones)")
+    p.add_argument(
+        "--etcd-port",
+        type=int,
+        default=2379,
+        help="embedded etcd client port; peer = next (0: free; default %(default)s)",
+    )
+    p.add_argument(
+        "--grpc-base-port", type=int, default=7070, help="first gRPC port (0: free ones; default %(default)s)"
+    )
     p.add_argument("--run-dir", default="", help="logs, etcd data, topology, cluster.json (default: a temporary one)")
     p.add_argument("--keep-run-dir", action="store_true", help="keep the temporary run directory at exit")
     p.add_argument(
-        "--max-restarts", type=int, default=5, metavar="N", help="restarts of a crashed process within 60 s (0: none)"
+        "--max-restarts",
+        type=int,
+        default=5,
+        metavar="N",
+        help="restarts of a crashed process within 60 s (0: none; default %(default)s)",
     )
-    p.add_argument("--time-scale", type=float, default=1.0, help="sim engine: wall seconds per modelled second")
-    p.add_argument("--min-step-s", type=float, default=0.0, help="every engine step lasts at least this long")
-    p.add_argument("--seed", type=seed_option, default=0, help="seed of every process (torch: model weights)")
-    p.add_argument("--start-timeout", type=float, default=120.0, help="seconds each stage may take to start")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="sim engine: wall seconds per modelled second (default %(default)s)",
+    )
+    p.add_argument(
+        "--min-step-s",
+        type=float,
+        default=0.0,
+        help="every engine step lasts at least this long, s (default %(default)s)",
+    )
+    p.add_argument(
+        "--seed", type=seed_option, default=0, help="seed of every process (torch: model weights; default %(default)s)"
+    )
+    p.add_argument(
+        "--start-timeout", type=float, default=120.0, help="seconds each stage may take to start (default %(default)s)"
+    )
     p.add_argument("--log-level", default="WARNING", type=log_level_option, metavar="LEVEL", help=LOG_LEVEL_HELP)
     p.add_argument(
         "--tokenizer",
