@@ -415,7 +415,7 @@ def time_scale_warning(compare_sim: str, url: str) -> str | None:
 
 def run_bench(ns: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """``hilum bench``; returns the exit status (module docstring: 0 ok, 1 runtime error, 2 bad option)."""
-    from sim.report import format_table
+    from sim.report import LATENCY_COLUMNS, MIGRATION_COLUMNS, format_table
 
     try:
         checked = _check(ns)
@@ -487,7 +487,10 @@ def run_bench(ns: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sy
             runs.append(simulated)
             summaries.append(replace(summarize(simulated), policy="sim: hilum"))
     failed = [m for m in measured if m.error is not None]
-    print(format_table(summaries, title=f"hilum bench: {trace.name} against {ns.url}"), file=out, end="")
+    # two tables, as hilum sim prints (one of every column was 26 columns wide)
+    title = f"hilum bench: {trace.name} against {ns.url}"
+    print(format_table(summaries, title=title, columns=("reqs", *LATENCY_COLUMNS)), file=out, end="")
+    print(format_table(summaries, title="migrations and cost", columns=MIGRATION_COLUMNS), file=out, end="")
     if failed:
         print(f"hilum bench: {len(failed)} request(s) failed; first: {failed[0].error}", file=err)
     if checked.out is not None:

@@ -196,9 +196,10 @@ def format_table(
     title: str = "hilum sim",
     baseline: str | None = None,
     width: int = _DEFAULT_WIDTH,
+    columns: Sequence[str] | None = None,
 ) -> str:
-    """:func:`render_table` as plain text (no colour), ``width`` characters wide."""
-    return _to_text(render_table(summaries, title=title, baseline=baseline), width)
+    """:func:`render_table` as plain text (no colour), ``width`` characters wide; ``columns`` as there."""
+    return _to_text(render_table(summaries, title=title, baseline=baseline, columns=columns), width)
 
 
 def format_sweep_table(rows: Sequence[SweepRow], *, title: str = "hilum sim sweep", width: int = _DEFAULT_WIDTH) -> str:
