@@ -56,6 +56,8 @@ from topology.bandwidth import MeasuredBandwidthConfig
 from topology.cost import CostConfig
 from topology.load import not_utf8, parse_yaml, yaml_error_line
 
+from .messages import pydantic_message
+
 __all__ = [
     "CONFIG_ENV",
     "ConfigError",
@@ -194,8 +196,8 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
         try:
             values = schema.model_validate(dict(section))
         except ValidationError as exc:
-            for e in exc.errors():
-                errors.append(f"{source}: {_where(name, e['loc'])}: {e['msg']}")
+            for e in exc.errors():  # in hilum's words, as a sweep file's (not "Input should be a valid number")
+                errors.append(f"{source}: {_where(name, e['loc'])}: {pydantic_message(e, schema.model_fields)}")
             # the section's other keys are still checked, so a wrong type never hides a bad value next to it
             typed = {k: v for k, v in section.items() if k not in {e["loc"][0] for e in exc.errors() if e["loc"]}}
             try:

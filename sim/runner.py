@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from global_coord.wiring import CostModelJudge
 from hilum_config import HilumConfig, load_config
+from hilum_config.messages import pydantic_message
 from llumlet.engine.blocks import MAX_BLOCKS
 from llumlet.engine.latency import (
     CALIBRATED_HBM_BYTES_PER_S,
@@ -177,11 +178,8 @@ class SimSpec:
         try:
             return SimOptions(**dict(self.options))
         except ValidationError as exc:
-            problems = "; ".join(
-                # a validator's own message names the bad value already
-                f"{_option_name(e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
-                + ("" if e["type"] == "value_error" else f", got {e.get('input')!r}")
-                for e in exc.errors()
+            problems = "; ".join(  # in hilum's words, as a sweep file's options
+                f"{_option_name(e['loc'])}: {pydantic_message(e, SimOptions.model_fields)}" for e in exc.errors()
             )
             raise ValueError(f"invalid simulation options: {problems}") from None
 

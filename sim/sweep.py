@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from hilum_config.messages import pydantic_message, shown_value
 from sim.results import (
     ResultsError,
     SimRun,
@@ -137,77 +138,6 @@ def _loc(loc: Sequence[int | str]) -> str:
     return out or "(top level)"
 
 
-#: What a strict type error of :class:`SweepConfig` wanted, in the words of its docs (docs/sim-results.md).
-_WANTED = {
-    "string_type": "a string",
-    "int_type": "an integer",
-    "float_type": "a number",
-    "list_type": "a list",
-    "tuple_type": "a list",
-    "dict_type": "a mapping of keys",
-    "bool_type": "true or false",
-}
-
-
-def _shown(value: Any) -> str:
-    """``value`` as the YAML file wrote it, with its kind in YAML's words: ``true (a boolean)``, ``'1.0' (a
-    string)``, ``null (no value)``."""
-    if value is None:
-        return "null (no value)"
-    if isinstance(value, bool):
-        return f"{str(value).lower()} (a boolean)"
-    if isinstance(value, int):
-        return f"{value} (an integer)"
-    if isinstance(value, float):
-        return f"{value!r} (a decimal number)"
-    if isinstance(value, str):
-        text = repr(value) if len(value) <= 40 else repr(value[:37] + "...")
-        return f"{text} (a string)"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, Mapping):
-        return "a mapping"
-    return f"{value} (a {type(value).__name__})"  # a YAML date or timestamp
-
-
-def _message(err: Mapping[str, Any], keys: Iterable[str] = SweepConfig.model_fields) -> str:
-    """A pydantic error of :class:`SweepConfig` (or of its ``options``, whose known ``keys`` an unknown one is told)
-    in hilum's words (not "Value error, ...", "Input should be ...")."""
-    kind, ctx, given = err["type"], err.get("ctx") or {}, err.get("input")
-    if kind in _WANTED:
-        quoted = kind in ("int_type", "float_type") and isinstance(given, str) and _is_number(given)
-        return f"expected {_WANTED[kind]}, got {_shown(given)}" + ("; write it without quotes" if quoted else "")
-    if kind == "value_error":  # a validator's own message
-        return str(ctx.get("error", err["msg"])).removeprefix("Value error, ")
-    if kind == "extra_forbidden":
-        return f"unknown key; expected one of: {', '.join(keys)}"
-    if kind == "missing":
-        return "missing required key"
-    if kind in ("greater_than", "greater_than_equal"):
-        bound = f"> {ctx['gt']:g}" if kind == "greater_than" else f">= {ctx['ge']:g}"
-        return f"must be {bound}, got {given!r}"
-    if kind == "finite_number":
-        return f"must be a finite number, got {given!r}"
-    if kind == "too_short":
-        return "must list at least one entry"
-    if kind == "string_too_short":
-        return "must not be empty"
-    if kind in ("less_than", "less_than_equal"):
-        bound = f"< {ctx['lt']:g}" if kind == "less_than" else f"<= {ctx['le']:g}"
-        return f"must be {bound}, got {given!r}"
-    if kind == "literal_error":  # ctx["expected"]: "'trace', 'poisson' or 'gamma'"
-        return f"must be one of {ctx['expected']}, got {_shown(given)}"
-    return str(err["msg"])
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
 def load_sweep_config(path: str | Path) -> SweepConfig:
     """Read and validate a sweep YAML file.
 
@@ -232,13 +162,13 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
     except yaml.YAMLError as exc:
         raise SweepConfigError([f"{p}: {yaml_error_line(exc)}"]) from exc
     if not isinstance(data, Mapping):
-        got = "an empty file" if data is None else _shown(data)
+        got = "an empty file" if data is None else shown_value(data)
         raise SweepConfigError([f"{p}: (top level): expected a mapping of keys, got {got}"])
     errors: list[str] = []
     try:
         config = SweepConfig.model_validate(data)
     except ValidationError as exc:
-        errors = [f"{p}: {_loc(e['loc'])}: {_message(e)}" for e in exc.errors()]
+        errors = [f"{p}: {_loc(e['loc'])}: {pydantic_message(e, SweepConfig.model_fields)}" for e in exc.errors()]
     options = data.get("options")
     if isinstance(options, Mapping):
         errors += [f"{p}: {line}" for line in _option_errors(options)]
@@ -258,7 +188,7 @@ def _option_errors(options: Mapping[Any, Any]) -> list[str]:
     try:
         SimOptions.model_validate(given, strict=True)
     except ValidationError as exc:
-        return [f"{_loc(('options', *e['loc']))}: {_message(e, SimOptions.model_fields)}" for e in exc.errors()]
+        return [f"{_loc(('options', *e['loc']))}: {pydantic_message(e, SimOptions.model_fields)}" for e in exc.errors()]
     return []
 
 
