@@ -4,7 +4,7 @@ import argparse
 import re
 import sys
 from collections.abc import Sequence
-from typing import IO, Any, NoReturn
+from typing import Any, NoReturn
 
 
 def counted(n: int, noun: str) -> str:
@@ -53,7 +53,7 @@ class Parser(argparse.ArgumentParser):
                 message += f"; did you mean '{close[0]}'?"
         super().error(message)
 
-    def _print_message(self, message: str, file: IO[str] | None = None) -> None:
+    def _print_message(self, message: str, file: Any = None) -> None:  # argparse: SupportsWrite[str] | None
         """argparse's, without dropping a failed write's error (argparse's ignores OSError: ``hilum --help >
         /dev/full`` wrote nothing and exited 0); the entry point's wrapper (``hilum_cli.broken_pipe``) says it."""
         if message:

@@ -54,9 +54,7 @@ from policy.types import PolicyConfig, loop_interval_problem
 from rack_sched.core import DomainConfig
 from topology.bandwidth import MeasuredBandwidthConfig
 from topology.cost import CostConfig
-from topology.load import not_utf8, parse_yaml, yaml_error_line
-
-from .messages import pydantic_message
+from topology.load import not_utf8, parse_yaml, pydantic_message, yaml_error_line
 
 __all__ = [
     "CONFIG_ENV",

@@ -21,7 +21,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from global_coord.wiring import CostModelJudge
 from hilum_config import HilumConfig, load_config
-from hilum_config.messages import pydantic_message
 from llumlet.engine.blocks import MAX_BLOCKS
 from llumlet.engine.latency import (
     CALIBRATED_HBM_BYTES_PER_S,
@@ -33,7 +32,7 @@ from llumlet.engine.latency import (
 from policy.autoscale import pools_of
 from policy.types import MIN_LOOP_INTERVAL_S
 from topology.graph import TopologyGraph
-from topology.load import load_topology
+from topology.load import load_topology, pydantic_message
 from topology.spec import InstanceSpec, Topology
 
 from .autoscale import SimAutoscaler, initial_fleet

@@ -34,7 +34,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hilum_config.messages import pydantic_message, shown_value
 from sim.results import (
     ResultsError,
     SimRun,
@@ -46,7 +45,7 @@ from sim.results import (
     summary_to_dict,
 )
 from sim.traces import MAX_ARRIVAL_CV, MIN_ARRIVAL_CV, ArrivalKind
-from topology.load import not_utf8, parse_yaml, yaml_error_line
+from topology.load import not_utf8, parse_yaml, pydantic_message, shown_value, yaml_error_line
 
 __all__ = [
     "SWEEP_FILE_NAME",

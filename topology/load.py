@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -42,6 +42,8 @@ __all__ = [
     "load_topology",
     "parse_topology",
     "parse_yaml",
+    "pydantic_message",
+    "shown_value",
     "tokenizer_dir_problem",
     "tokenizer_errors",
     "yaml_error_line",
@@ -186,48 +188,87 @@ def _key_path(loc: Sequence[str | int]) -> str:
     return out or "(root)"
 
 
-def _describe(value: Any) -> str:
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{text} ({type(value).__name__})"
+#: What a type error wanted, in the words of the docs (docs/topology.md, docs/configuration.md, docs/sim-results.md).
+_WANTED = {
+    "string_type": "a string",
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "list_type": "a list",
+    "tuple_type": "a list",
+    "dict_type": "a mapping of keys",
+    "model_type": "a mapping of keys",
+    "bool_type": "true or false",
+}
+
+
+def shown_value(value: Any) -> str:
+    """``value`` as a YAML file wrote it, with its kind in YAML's words: ``true (a boolean)``, ``'1.0' (a string)``,
+    ``null (no value)``, ``a list``."""
+    if value is None:
+        return "null (no value)"
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (a boolean)"
+    if isinstance(value, int):
+        return f"{value} (an integer)"
+    if isinstance(value, float):
+        return f"{value!r} (a decimal number)"
+    if isinstance(value, str):
+        text = repr(value) if len(value) <= 40 else repr(value[:37] + "...")
+        return f"{text} (a string)"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    return f"{value} (a {type(value).__name__})"  # a YAML date or timestamp
+
+
+def pydantic_message(err: Mapping[str, Any], keys: Iterable[str]) -> str:
+    """One error of pydantic's ``ValidationError.errors()`` in hilum's words, for every YAML file hilum reads (a
+    topology, the configuration file, a sweep file and its run options): what was wanted and what the file wrote,
+    in YAML's terms (``expected an integer, got 2.5 (a decimal number)``), not pydantic's ("Input should be a valid
+    integer", "Extra inputs are not permitted", "Value error, ..."). ``keys``: the keys the mapping knows, which an
+    unknown one is told. Its place (the key path) is the caller's to write."""
+    kind, ctx, given = err["type"], err.get("ctx") or {}, err.get("input")
+    if kind in _WANTED:
+        quoted = kind in ("int_type", "float_type") and isinstance(given, str) and _is_number(given)
+        return f"expected {_WANTED[kind]}, got {shown_value(given)}" + ("; write it without quotes" if quoted else "")
+    if kind == "value_error":  # a validator's own message
+        return str(ctx.get("error", err["msg"])).removeprefix("Value error, ")
+    if kind == "extra_forbidden":
+        return f"unknown key; expected one of: {', '.join(keys)}"
+    if kind == "missing":
+        return "missing required key"
+    if kind in ("greater_than", "greater_than_equal"):
+        bound = f"> {ctx['gt']:g}" if kind == "greater_than" else f">= {ctx['ge']:g}"
+        return f"must be {bound}, got {given!r}"
+    if kind in ("less_than", "less_than_equal"):
+        bound = f"< {ctx['lt']:g}" if kind == "less_than" else f"<= {ctx['le']:g}"
+        return f"must be {bound}, got {given!r}"
+    if kind == "finite_number":
+        return f"must be a finite number, got {given!r}"
+    if kind == "too_short":
+        least = ctx.get("min_length", 1)
+        return "must list at least one entry" if least == 1 else f"must list at least {least} entries"
+    if kind == "string_too_short":
+        return "must not be empty"
+    if kind == "literal_error":  # ctx["expected"]: "'trace', 'poisson' or 'gamma'"
+        return f"must be one of {ctx['expected']}, got {shown_value(given)}"
+    return f"{err['msg']}, got {shown_value(given)}"
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _pydantic_message(err: Mapping[str, Any], schema: type[_Schema]) -> str:
-    kind = err["type"]
-    ctx = err.get("ctx") or {}
-    given = err.get("input")
-    if kind == "extra_forbidden":
-        return f"unknown key; expected one of: {', '.join(schema.model_fields)}"
-    if kind == "missing":
-        return "missing required key"
-    if kind == "greater_than":
-        return f"must be > {ctx.get('gt'):g}, got {given!r}"
-    if kind == "greater_than_equal":
-        return f"must be >= {ctx.get('ge'):g}, got {given!r}"
-    if kind == "less_than_equal":
-        return f"must be <= {ctx.get('le'):g}, got {given!r}"
-    if kind in ("int_type", "int_from_float"):
-        return f"expected an integer, got {_describe(given)}"
-    if kind == "float_type":
-        return f"expected a number, got {_describe(given)}"
-    if kind in ("finite_number",):
-        return f"expected a finite number, got {given!r}"
-    if kind == "string_type":
-        return f"expected a string, got {_describe(given)}"
-    if kind == "string_pattern_mismatch":
-        return f"expected an id of letters, digits, '.', '_', '-' (not starting with a sign), got {given!r}"
-    if kind == "string_too_short":
-        return "must not be empty"
-    if kind == "list_type":
-        return f"expected a list, got {_describe(given)}"
-    if kind == "too_short":
-        return f"expected at least {ctx.get('min_length')} item(s), got none"
-    if kind == "model_type":
-        return f"expected a mapping of keys, got {_describe(given)}"
-    if kind == "literal_error":
-        return f"expected one of {ctx.get('expected')}, got {given!r}"
-    return f"{err['msg']}, got {_describe(given)}"
+    if err["type"] == "string_pattern_mismatch":  # the one pattern of the schemas: an id (_ID)
+        return f"expected an id of letters, digits, '.', '_', '-' (not starting with a sign), got {err.get('input')!r}"
+    return pydantic_message(err, schema.model_fields)
 
 
 class _Collector:
@@ -273,7 +314,7 @@ def parse_topology(data: Any, source: str, *, base_dir: Path | None = None) -> T
     """
     col = _Collector(source)
     if not isinstance(data, Mapping):
-        got = "an empty file" if data is None else _describe(data)
+        got = "an empty file" if data is None else shown_value(data)
         col.add("(root)", f"expected a mapping with keys name, models, gpu_types, domains, got {got}")
         raise TopologyError(col.errors)
     root = col.validate(_RootSchema, data, ())
