@@ -101,29 +101,27 @@ def non_negative_option(text: str) -> float:
     return value
 
 
-def positive_int_option(text: str) -> int:
-    """argparse ``type=`` of an option that takes a whole number >= 1 (a count or a size). Raises
-    argparse.ArgumentTypeError (argparse names the option)."""
+def _whole_number(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}")
     return value
+
+
+def positive_int_option(text: str) -> int:
+    """argparse ``type=`` of an option that takes a whole number >= 1 (a count or a size). Raises
+    argparse.ArgumentTypeError (argparse names the option)."""
+    return _whole_number(text, 1)
 
 
 def seed_option(text: str) -> int:
     """argparse ``type=`` of a ``--seed``: a whole number >= 0, as ``hilum sim`` and ``hilum bench`` take it (a
     negative one ran; ``random.Random`` hashes away its sign, so -1 and 1 drew the same). Raises
     argparse.ArgumentTypeError (argparse names the option)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return value
+    return _whole_number(text, 0)
 
 
 def positive_option(text: str) -> float:
