@@ -766,7 +766,7 @@ def run_size_cli(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
     else:
         table = Table(
-            title=f"smallest static fleet with P99 TTFT <= {args.target_p99_ttft_ms:g} ms ({trace.name} "
+            title=f"smallest static fleet with P99 TTFT <= {args.target_p99_ttft_ms:,.10g} ms ({trace.name} "
             f"x{args.rate_scale:g}, {_requests(len(trace.requests))}, on {topology.name}: "
             f"{pool_size} {model} {_plural('instance', pool_size)})",
             title_justify="left",

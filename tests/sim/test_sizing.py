@@ -189,3 +189,9 @@ def test_sim_size_refuses_what_it_cannot_honour(
 ) -> None:
     assert main(["sim", "size", "--max-requests", "5", *argv]) == 2
     assert message in capsys.readouterr().err.replace("\n", "")
+
+
+def test_the_title_writes_the_target_as_typed_not_in_exponent_form(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["sim", "size", "--max-requests", "10", "--policy", "round-robin", "--target-p99-ttft-ms", "1e9"]
+    assert main(argv) == 0
+    assert "smallest static fleet with P99 TTFT <= 1,000,000,000 ms (" in capsys.readouterr().out  # it read 1e+09
