@@ -1169,6 +1169,8 @@ def _check_sweep(config: SweepConfig) -> None:
             topology = load_topology(name)
         except TopologyError as exc:  # on one line, led by the file's name as every sweep-file error is
             raise ValueError(f"topologies[{i}]: invalid topology: " + "; ".join(exc.lines())) from None
+        if not topology.instances:  # not the options' fault
+            raise ValueError(f"topologies[{i}]: {name} has no instances: there is nothing to simulate")
         try:
             check_options(topology, parsed)
         except ValueError as exc:

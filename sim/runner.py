@@ -607,11 +607,14 @@ def check_autoscale(options: SimOptions, config: HilumConfig) -> float:
 def served_model(topology: Topology, requested: str | None) -> str:
     """The model a simulation serves: ``requested``, or the one with the most instances (first in file on ties).
 
-    Raises ValueError naming the topology's models when ``requested`` is not one of them.
+    Raises ValueError naming the topology's models when ``requested`` is not one of them, or when the topology has
+    no instance at all (there is nothing to simulate).
     """
     counts: dict[str, int] = {}
     for spec in topology.instances:
         counts[spec.model] = counts.get(spec.model, 0) + 1
+    if not counts:
+        raise ValueError(f"topology {topology.name} ({topology.source}) has no instances: there is nothing to simulate")
     if requested is not None:
         if requested not in counts:
             raise ValueError(
