@@ -191,9 +191,11 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
             continue
         more = (_AUTOSCALE_ACTUATOR,) if name == "autoscale" else ()
         schema = _schema(cls, only, *more)
+        partial = False  # a key of it refused for its type: the others are checked with its default in its place
         try:
             values = schema.model_validate(dict(section))
         except ValidationError as exc:
+            partial = True
             for e in exc.errors():  # in hilum's words, as a sweep file's (not "Input should be a valid number")
                 errors.append(f"{source}: {_where(name, e['loc'])}: {pydantic_message(e, schema.model_fields)}")
             # the section's other keys are still checked, so a wrong type never hides a bad value next to it
@@ -210,7 +212,9 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
         for c in (cls, *more):
             own = {k: v for k, v in kwargs.items() if k in {f.name for f in _keys(c, None)}}
             try:
-                built["actuator" if c is _AUTOSCALE_ACTUATOR else name] = _build(c, own, f"{source}: {name}")
+                built["actuator" if c is _AUTOSCALE_ACTUATOR else name] = _build(
+                    c, own, f"{source}: {name}", partial=partial
+                )
             except ConfigError as exc:
                 errors += exc.errors
     policy, remaining = built.get("policy", PolicyConfig()), built.get("remaining", RemainingConfig())
@@ -238,11 +242,13 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
     )
 
 
-def _build(cls: type[Any], values: dict[str, Any], where: str) -> Any:
+def _build(cls: type[Any], values: dict[str, Any], where: str, *, partial: bool = False) -> Any:
     """``cls(**values)``, or ConfigError with every value it refuses: each refusal names its key when the
     dataclass's message does (``"cap_fraction must be ..."``, ``"PolicyConfig.tie_tolerance: must be ..."``) as
     ``"<where>.<key>: <message>"``; that key is set aside and the rest tried again, so one bad value never hides
-    another. A refusal naming no key (a rule between keys) is reported at ``where`` and ends the search."""
+    another. A refusal naming no key (a rule between keys) is reported at ``where`` and ends the search, unless
+    ``partial`` (a key of the section was already refused for its type, and the rule would weigh its default,
+    which the file did not choose): then it only ends the search."""
     errors: list[str] = []
     left = dict(values)
     for _ in range(len(values) + 1):  # each try sets one key aside, or ends
@@ -251,7 +257,8 @@ def _build(cls: type[Any], values: dict[str, Any], where: str) -> Any:
         except ValueError as exc:
             key, message = _blamed(str(exc), left, cls.__name__)
             if key is None:
-                errors.append(f"{where}: {message}")
+                if not partial:
+                    errors.append(f"{where}: {message}")
                 break
             errors.append(f"{where}.{key}{message}" if message.startswith("[") else f"{where}.{key}: {message}")
             del left[key]
