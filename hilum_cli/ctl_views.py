@@ -96,8 +96,9 @@ def status_json(reply: pb.StatusReply, address: str) -> Json:
 
 def domain_json(info: pb.DomainInfo, instances_drained: bool = False) -> Json:
     """One domain; ``summaries`` (one per model it serves) is empty until its domain scheduler publishes.
-    ``instances_drained``: every instance of it has a drain intent of its own, so its scheduler drains the whole
-    domain with no domain intent (``draining``, not ``undraining``)."""
+    ``instances_drained``: a drain intent names every instance of it, its own or the domain's (``InstanceInfo.
+    draining``): with instance intents alone its scheduler drains the whole domain (``draining``, not
+    ``undraining``)."""
     summaries: list[Json] = []
     for s in info.summaries:
         summaries.append({
