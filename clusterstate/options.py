@@ -17,6 +17,7 @@ __all__ = [
     "DEFAULT_PREFIX",
     "LOG_LEVELS",
     "LOG_LEVEL_HELP",
+    "MAX_SEED",
     "MAX_TTL_S",
     "MIN_TTL_S",
     "check_prefix",
@@ -33,6 +34,7 @@ DEFAULT_PREFIX = "/hilum/v1/"  # every daemon's --prefix default (clusterstate.s
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # what --log-level takes (any case)
 LOG_LEVEL_HELP = f"logging level: {', '.join(LOG_LEVELS)} (default %(default)s)"  # argparse fills in the default
 MIN_TTL_S = 2  # etcd's minimum lease TTL, seconds: the shortest --ttl a daemon's registration lease may have
+MAX_SEED = 2**64 - 1  # the largest --seed: torch.manual_seed takes an unsigned 64-bit integer
 MAX_TTL_S = 9_000_000_000  # etcd's maximum lease TTL, seconds (``MaxLeaseTTL``): it refuses to grant a longer one
 
 
@@ -101,13 +103,15 @@ def non_negative_option(text: str) -> float:
     return value
 
 
-def _whole_number(text: str, least: int) -> int:
+def _whole_number(text: str, least: int, most: int | None = None) -> int:
     try:
         value = int(text)
     except ValueError:
         value = least - 1
     if value < least:
         raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}")
+    if most is not None and value > most:
+        raise argparse.ArgumentTypeError(f"expected a whole number <= {most}, got {text!r}")
     return value
 
 
@@ -118,10 +122,11 @@ def positive_int_option(text: str) -> int:
 
 
 def seed_option(text: str) -> int:
-    """argparse ``type=`` of a ``--seed``: a whole number >= 0, as ``hilum sim`` and ``hilum bench`` take it (a
-    negative one ran; ``random.Random`` hashes away its sign, so -1 and 1 drew the same). Raises
+    """argparse ``type=`` of a ``--seed``: a whole number from 0 to :data:`MAX_SEED`, as ``hilum sim`` and ``hilum
+    bench`` take it (a negative one ran; ``random.Random`` hashes away its sign, so -1 and 1 drew the same; one
+    beyond torch's 64-bit seed stopped a torch llumlet after the cluster had started). Raises
     argparse.ArgumentTypeError (argparse names the option)."""
-    return _whole_number(text, 0)
+    return _whole_number(text, 0, MAX_SEED)
 
 
 def positive_option(text: str) -> float:

@@ -118,6 +118,8 @@ def test_a_llumlet_refuses_a_time_scale_its_engine_does_not_honour() -> None:
         ("llumlet", "--max-num-seqs", "2.5", "expected a whole number >= 1, got '2.5'"),
         # a negative seed ran, and drew what its positive counterpart draws (random.Random drops the sign)
         *[(m, "--seed", "-1", "expected a whole number >= 0, got '-1'") for m in ("llumlet", "rack_sched", "gateway")],
+        # beyond torch's unsigned 64-bit seed: a torch llumlet stopped with "Overflow when unpacking long long"
+        ("llumlet", "--seed", str(2**64), f"expected a whole number <= {2**64 - 1}, got '{2**64}'"),
     ],
 )
 def test_every_process_refuses_a_bad_option_before_it_starts(
