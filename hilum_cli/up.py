@@ -103,7 +103,7 @@ from typing import Any, TextIO
 import yaml
 
 import hilum_config
-from clusterstate.options import LOG_LEVEL_HELP, log_level_option, seed_option
+from clusterstate.options import LOG_LEVEL_HELP, MAX_SEED, log_level_option, seed_option
 from gateway.apikeys import load_api_keys
 from global_coord.cli import check_autoscale
 from hilum_cli import counted
@@ -820,7 +820,8 @@ def _gateway_specs(lay: _Layout) -> list[ChildSpec]:
         cmd = [sys.executable, "-m", "gateway", "--listen", f"{cfg.host}:{listen}", *_common(lay)]
         if plan.shared_gateway_port:
             cmd += ["--reuse-port", "--also-listen", f"{cfg.host}:{own}"]
-        cmd += ["--sink-listen", f"{cfg.host}:{sink}", "--seed", str(cfg.seed + len(specs))]
+        seed = (cfg.seed + len(specs)) % (MAX_SEED + 1)  # each gateway its own, within what --seed takes
+        cmd += ["--sink-listen", f"{cfg.host}:{sink}", "--seed", str(seed)]
         if cfg.host in WILDCARD_HOSTS:
             cmd += ["--sink-advertise", lay.address(sink)]
         if lay.tokenizer:
