@@ -389,10 +389,13 @@ def _chat_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
                 at = f"{where}.content[{j}]"
                 if not isinstance(part, Mapping):
                     raise BadRequest(f"{at} must be an object with type and text, got {_json_text(part)}", param=where)
-                if part.get("type") != "text":  # an image, audio or file part: a model of text alone here
-                    got = "it is missing" if "type" not in part else f"got {_json_text(part.get('type'))}"
+                if "type" not in part:
+                    raise BadRequest(f"{at}.type must be text; it is missing", param=where)
+                if part["type"] != "text":  # an image, audio or file part: a model of text alone here
                     raise BadRequest(
-                        f"{at}.type must be text (hilum serves text parts only); {got}", param=where, code="unsupported"
+                        f"{at}.type must be text (hilum serves text parts only); got {_json_text(part['type'])}",
+                        param=where,
+                        code="unsupported",
                     )
                 text = part.get("text")
                 if not isinstance(text, str):
@@ -403,7 +406,9 @@ def _chat_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
         if content is None:
             raise BadRequest(f"{where}.content is missing (a string, or a list of text parts)", param=where)
         if not isinstance(content, str):
-            raise BadRequest(f"{where}.content must be a string, got {_json_type(content)}", param=where)
+            raise BadRequest(
+                f"{where}.content must be a string or a list of text parts, got {_json_type(content)}", param=where
+            )
         name = msg.get("name")
         if name is not None and not isinstance(name, str):
             raise BadRequest(f"{where}.name must be a string, got {_json_text(name)}", param=where)

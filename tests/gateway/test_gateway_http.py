@@ -99,6 +99,11 @@ BAD_CHAT: list[tuple[str, Any, str]] = [
         "messages[0].name must be a string, got [1, 2]",
     ),
     (
+        "content neither a string nor parts",
+        {"model": "tiny", "messages": [{"role": "user", "content": 5}]},
+        "messages[0].content must be a string or a list of text parts, got a number",
+    ),
+    (
         "chat max_tokens",
         {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
         "max_tokens must be >= 1, got 0",
@@ -150,8 +155,7 @@ def test_bad_chat_is_400_and_nothing_dispatched(name: str, body: Any, words: str
             'messages[0].content[1].type must be text (hilum serves text parts only); got "image_url"',
             "unsupported",
         ),
-        ({"text": "hi"}, "messages[0].content[1].type must be text (hilum serves text parts only); it is missing",
-         "unsupported"),
+        ({"text": "hi"}, "messages[0].content[1].type must be text; it is missing", "invalid_value"),
     ],
 )  # fmt: skip
 def test_a_bad_content_part_says_what_is_wrong_with_it(part: Any, words: str, code: str) -> None:
