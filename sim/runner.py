@@ -572,8 +572,8 @@ def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[s
     both = {i for i, _ in drains} & {i for i, _ in scale_outs}
     if both:
         raise ValueError(
-            f"{', '.join(sorted(both))}: both drained and scaled out (drain and scale_out, --drain and --scale-out, "
-            "name it)"
+            f"{', '.join(sorted(both))}: named by both drain (--drain) and scale_out (--scale-out); an instance is "
+            "drained or added during a run, not both"
         )
     if options.initial_instances is not None and drains:
         pool = pools_of(i for i in topology.instances if i.model == model)[model]

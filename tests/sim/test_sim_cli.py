@@ -246,7 +246,10 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--out", "/proc/no/such"], "--out /proc/no/such: cannot create the folder"),
         (["--out", "/proc/self"], "--out /proc/self: cannot write there"),
         (["--trace", "[red]x[/red]:x:"], "unknown trace '[red]x[/red]:x:'"),  # printed as given: no markup, no emoji
-        (["--drain", "node-0-i1@5", "--scale-out", "node-0-i1@9"], "both drained and scaled out"),
+        (
+            ["--drain", "node-0-i1@5", "--scale-out", "node-0-i1@9"],
+            "node-0-i1: named by both drain (--drain) and scale_out (--scale-out); an instance is drained or added",
+        ),
         (["--out", "README.md"], "exists and is not a directory"),
         (["--out", ""], "--out is empty: give a folder for results.json and the plots"),
         (["--topology", ""], "--topology is empty: give a bundled name or a file"),
