@@ -470,7 +470,7 @@ def _parse_domains(
             continue
         _check_unique(col, "domain", seen.domains, d.id, f"{loc}.id")
         gpu = gpu_types.get(d.gpu_type)
-        if gpu is None and d.gpu_type not in declared_gpus:
+        if gpu is None and d.gpu_type not in declared_gpus and declared_gpus:  # none declared: said once already
             col.add(
                 f"{loc}.gpu_type",
                 f"unknown GPU type {d.gpu_type!r}; GPU types in this file: " + ", ".join(sorted(declared_gpus)),
@@ -576,7 +576,7 @@ def _parse_instances(
             ok = False
         model = models.get(inst.model)
         if model is None:
-            if inst.model not in declared_models:
+            if inst.model not in declared_models and declared_models:  # none declared: said once already
                 col.add(
                     f"{iloc}.model",
                     f"unknown model {inst.model!r}; models in this file: " + ", ".join(sorted(declared_models)),

@@ -324,6 +324,14 @@ def test_root_errors() -> None:
     ]
 
 
+def test_an_empty_list_of_models_or_gpu_types_is_said_once() -> None:
+    """Every instance then named an "unknown model; models in this file: " (an empty list), against the docs."""
+    for key in ("models", "gpu_types"):
+        data = yaml.safe_load((ROOT / "topology" / "examples" / "2x8-a100.yaml").read_text())
+        data[key] = []
+        assert errors_of(data) == [f"t.yaml: {key}: must list at least one entry"]
+
+
 def test_one_problem_at_many_places_is_shown_once_with_its_places() -> None:
     data = yaml.safe_load((ROOT / "topology" / "examples" / "1x8-a100.yaml").read_text())
     for domain in data["domains"]:
