@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hilum_cli.main import main
 from sim.results import load_results
@@ -659,24 +660,20 @@ def test_sweep_runs_real_simulations_as_ray_tasks(
     assert max(len(line) for line in table.splitlines()) < 200
 
 
-_NO_INSTANCES = """\
-name: empty
-models:
-  - {name: llama-2-7b, num_layers: 32, num_attention_heads: 32, num_kv_heads: 32, head_dim: 128,
-     hidden_size: 4096, dtype: float16, block_size_tokens: 16, num_params: 6738415616, max_context_tokens: 4096}
-gpu_types:
-  - {name: a100-80gb, memory_gib: 80, hbm_gbyte_per_s: 2039, nvlink_gbyte_per_s: 600}
-domains:
-  - {id: dom-a, kind: node, gpu_type: a100-80gb, nodes: [{id: node-a, num_gpus: 2, nic_gbit_per_s: 100}], instances: []}
-"""
+def _no_instances(path: Path) -> Path:
+    """A bundled topology (2x8-a100) with every domain's instances removed, written to ``path``."""
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "topology" / "examples" / "2x8-a100.yaml").read_text())
+    for domain in data["domains"]:
+        domain["instances"] = []
+    path.write_text(yaml.safe_dump(data))
+    return path
 
 
 def test_a_topology_without_instances_is_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    empty = tmp_path / "empty.yaml"
-    empty.write_text(_NO_INSTANCES)
+    empty = _no_instances(tmp_path / "empty.yaml")
     assert main(["sim", "--topology", str(empty), "--max-requests", "5"]) == 2
     err = capsys.readouterr().err
-    assert f"hilum sim: error: topology empty ({empty}) has no instances: there is nothing to simulate" in err, err
+    assert f"hilum sim: error: topology 2x8-a100 ({empty}) has no instances: there is nothing to simulate" in err, err
 
 
 @pytest.mark.parametrize(
@@ -715,8 +712,7 @@ def test_a_sweep_that_cannot_run_fails_before_starting_ray(
     body: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = tmp_path / "sweep.yaml"
-    empty = tmp_path / "empty.yaml"  # a topology whose one domain has no instance
-    empty.write_text(_NO_INSTANCES)
+    empty = _no_instances(tmp_path / "empty.yaml")
     body, message = body.replace("EMPTY", str(empty)), message.replace("EMPTY", str(empty))
     config.write_text(body)
     assert main(["sim", "sweep", str(config), "--out", str(tmp_path / "o")]) == 2
