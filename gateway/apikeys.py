@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 from gateway.validation import BadRequest, parse_priority
-from topology.load import not_utf8, parse_yaml, yaml_error_line
+from topology.load import not_utf8, parse_yaml, shown_value, yaml_error_line
 
 __all__ = ["ApiKey", "ApiKeys", "Unauthorized", "load_api_keys", "parse_api_keys"]
 
@@ -90,8 +90,17 @@ def parse_api_keys(raw: Any, source: str = "<api keys>") -> ApiKeys:
     ``keys`` list, an unknown field, neither or both of ``key`` / ``key_sha256``, a digest that is not 64 hex
     digits, a bad priority, ``max_priority`` below ``priority``, a name or key given twice.
     """
-    if not isinstance(raw, Mapping) or set(raw) != {"keys"} or not isinstance(raw["keys"], Sequence):
-        raise ValueError(f"{source}: expected a mapping with one entry, 'keys', a list of keys")
+    # in the words of every YAML file hilum reads (topology.load.pydantic_message)
+    if not isinstance(raw, Mapping):
+        got = "an empty file" if raw is None else shown_value(raw)
+        raise ValueError(f"{source}: (top level): expected a mapping with one key, keys (a list of keys), got {got}")
+    top = [f"{source}: {k}: unknown key; expected one of: keys" for k in raw if k != "keys"]
+    if "keys" not in raw:
+        top.append(f"{source}: keys: missing required key (a list of keys)")
+    elif isinstance(raw["keys"], str) or not isinstance(raw["keys"], Sequence):
+        top.append(f"{source}: keys: expected a list, got {shown_value(raw['keys'])}")
+    if top:
+        raise ValueError("\n".join(top))
     errors: list[str] = []
     keys: list[ApiKey] = []
     for i, entry in enumerate(raw["keys"]):
@@ -106,7 +115,7 @@ def parse_api_keys(raw: Any, source: str = "<api keys>") -> ApiKeys:
         where = f"{where} ({name})"
         unknown = sorted(str(k) for k in entry if k not in _FIELDS)
         if unknown:
-            errors.append(f"{where}: unknown field {', '.join(unknown)} (fields: {', '.join(_FIELDS)})")
+            errors.append(f"{where}: {', '.join(unknown)}: unknown key; expected one of: {', '.join(_FIELDS)}")
             continue
         digest = _digest(entry, where, errors)
         try:

@@ -497,7 +497,7 @@ def _check(cfg: UpConfig) -> _Checked:
         try:
             load_api_keys(cfg.api_keys)
         except ValueError as exc:
-            raise UpUsageError(f"--api-keys {exc}") from None
+            raise UpUsageError("\n".join(f"--api-keys {line}" for line in str(exc).splitlines())) from None
     topology, text = _topology_text(cfg)
     if not topology.instances:
         raise UpUsageError(f"topology {topology.source} has no instances")

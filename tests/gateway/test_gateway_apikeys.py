@@ -55,14 +55,16 @@ def test_keys_authenticate_by_digest_and_carry_their_classes() -> None:
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ([], "expected a mapping with one entry, 'keys'"),
+        ([], r"^keys\.yaml: \(top level\): expected a mapping with one key, keys \(a list of keys\), got a list$"),
+        ({"kees": []}, r"^keys\.yaml: kees: unknown key; expected one of: keys\nkeys\.yaml: keys: missing required"),
+        ({"keys": "k"}, r"^keys\.yaml: keys: expected a list, got 'k' \(a string\)$"),
         ({"keys": []}, "keys is empty"),
         ({"keys": [{"key": "k"}]}, r"keys\[0\]: name: a non-empty string is required"),
         ({"keys": [{"name": "a"}]}, r"keys\[0\] \(a\): give exactly one of key and key_sha256"),
         ({"keys": [{"name": "a", "key": "k", "key_sha256": "0" * 64}]}, "give exactly one of key and key_sha256"),
         ({"keys": [{"name": "a", "key_sha256": "abc"}]}, "key_sha256 must be 64 hexadecimal digits"),
         ({"keys": [{"name": "a", "key": " k"}]}, "key must be a non-empty string without surrounding spaces"),
-        ({"keys": [{"name": "a", "key": "k", "prio": 1}]}, r"\(a\): unknown field prio"),
+        ({"keys": [{"name": "a", "key": "k", "prio": 1}]}, r"\(a\): prio: unknown key; expected one of: name, key,"),
         ({"keys": [{"name": "a", "key": "k", "priority": 11}]}, "priority must be an integer 0..9"),
         ({"keys": [{"name": "a", "key": "k", "priority": 1, "max_priority": 0}]}, "max_priority 0 is below priority 1"),
         ({"keys": [{"name": "a", "key": "k"}, {"name": "a", "key": "j"}]}, "name given to more than one entry: a"),

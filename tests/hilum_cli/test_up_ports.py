@@ -277,12 +277,15 @@ def test_a_run_dir_that_cannot_be_made_is_a_usage_error(tmp_path: Path) -> None:
 
 def test_a_bad_api_key_file_is_refused_before_anything_starts(tmp_path: Path) -> None:
     keys = tmp_path / "keys.yaml"
-    keys.write_text("keys:\n  - {name: a, key_sha256: nothex}\n")
+    keys.write_text("keys:\n  - {name: a, key_sha256: nothex}\n  - {name: b, key: k, prio: 1}\n")
     err = io.StringIO()
     cfg = UpConfig(api_keys=str(keys), port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "r"))
     assert run_up(cfg, out=io.StringIO(), err=err) == 2
-    assert (
-        f"hilum up: error: --api-keys {keys}: keys[0] (a): key_sha256 must be 64 hexadecimal digits" in err.getvalue()
+    assert err.getvalue() == (  # every problem, each line naming the option (the second lacked it)
+        f"hilum up: error: --api-keys {keys}: keys[0] (a): key_sha256 must be 64 hexadecimal digits (sha256sum of "
+        "the key)\n"
+        f"--api-keys {keys}: keys[1] (b): prio: unknown key; expected one of: name, key, key_sha256, priority, "
+        "max_priority\n"
     )
     assert not (tmp_path / "r").exists()
 
