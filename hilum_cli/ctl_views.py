@@ -9,8 +9,8 @@ largest free space, which describe capacity it no longer offers.
 Drain state (``drain_state`` in JSON, the DRAIN column): ``none``; ``requested`` (a drain intent names the
 target, its domain scheduler has not applied it yet); ``draining`` (the scheduler applies it: nothing new is
 dispatched there and its requests move away); ``undraining`` (the scheduler still applies a drain whose
-intent was removed: it has not seen the undrain yet). A domain whose every instance has a drain intent of its own
-drains whole, with no intent of the domain: ``draining``.
+intent was removed: it has not seen the undrain yet). A domain whose every instance is named by a drain intent
+drains whole, with no intent of the domain too: ``draining`` (JSON ``instances_drained``).
 """
 
 from __future__ import annotations

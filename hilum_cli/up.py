@@ -109,7 +109,7 @@ from global_coord.cli import check_autoscale
 from hilum_cli import counted
 from hilum_cli.supervisor import ChildSpec, RestartPolicy, StartFailed, Supervisor
 from hilum_proto.tls import WILDCARD_HOSTS, bind_refusal
-from llumlet.backends.base import engine_option_refusal, parse_engine_options
+from llumlet.backends.base import engine_option_refusal, parse_engine_options, time_scale_refusal
 from llumlet.linkbudget import LinkBudgets
 from topology.load import (
     TopologyError,
@@ -485,10 +485,8 @@ def _check(cfg: UpConfig) -> _Checked:
         raise UpUsageError(f"--start-timeout: must be a finite number of seconds > 0, got {cfg.start_timeout_s:g}")
     if not (math.isfinite(cfg.time_scale) and cfg.time_scale > 0):  # as a llumlet's --time-scale takes it
         raise UpUsageError(f"--time-scale: must be a finite number > 0, got {cfg.time_scale:g}")
-    if cfg.time_scale != 1.0 and cfg.engine != "sim":  # accepted and ignored, it was
-        raise UpUsageError(
-            f"--time-scale paces the sim engine only: --engine {cfg.engine}'s steps take the time they compute"
-        )
+    if (refusal := time_scale_refusal(cfg.engine, cfg.time_scale)) is not None:  # accepted and ignored, it was
+        raise UpUsageError(refusal)
     if not (math.isfinite(cfg.min_step_s) and cfg.min_step_s >= 0):
         raise UpUsageError(f"--min-step-s: must be a finite number >= 0, got {cfg.min_step_s:g}")
     _check_llumlet_python(cfg)

@@ -32,7 +32,7 @@ from clusterstate.session import KeyTakenError
 from hilum_proto.tls import ListenError
 from llumlet.agent import Llumlet, LlumletConfig
 from llumlet.backends import BACKEND_NAMES, Backend, BackendConfig, UnknownBackendError, make_backend
-from llumlet.backends.base import parse_engine_options
+from llumlet.backends.base import parse_engine_options, time_scale_refusal
 from llumlet.migration_types import MigrationConfig
 from llumlet.server import serve
 from topology.load import TopologyError, load_topology
@@ -241,8 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     require_reachable(parser, ns.listen, ns.advertise)
     if ns.etcd and not ns.topology:  # before anything starts (the server it made was left to a closed loop)
         parser.error("--etcd needs --topology (the registration names the node, model and KV capacity)")
-    if ns.time_scale != 1.0 and ns.engine != "sim":  # accepted and ignored, it was
-        parser.error(f"--time-scale paces the sim engine only: --engine {ns.engine}'s steps take the time they compute")
+    if (refusal := time_scale_refusal(ns.engine, ns.time_scale)) is not None:  # accepted and ignored, it was
+        parser.error(refusal)
     logging.basicConfig(level=ns.log_level, format=f"%(asctime)s {ns.instance_id} %(name)s %(levelname)s %(message)s")
     try:
         topology = load_topology(ns.topology) if ns.topology else None

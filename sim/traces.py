@@ -85,11 +85,11 @@ ArrivalKind = Literal["trace", "poisson", "gamma"]
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _SHAREGPT_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
 _MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
-_MOONCAKE_FORMAT = f"expected JSON Lines with Mooncake keys {', '.join(_MOONCAKE_KEYS)} (hash_ids optional)"
+_MOONCAKE_LINES = f"JSON Lines with Mooncake keys {', '.join(_MOONCAKE_KEYS)} (hash_ids optional)"
+_MOONCAKE_FORMAT = f"expected {_MOONCAKE_LINES}"
 _EXPECTED_FORMATS = (
     f"expected a CSV with Azure columns {', '.join(_AZURE_COLUMNS)}, a CSV with ShareGPT columns "
-    f"{', '.join(_SHAREGPT_COLUMNS)}, or JSON Lines with Mooncake keys {', '.join(_MOONCAKE_KEYS)} "
-    "(hash_ids optional)"
+    f"{', '.join(_SHAREGPT_COLUMNS)}, or {_MOONCAKE_LINES}"
 )
 
 # Independent random streams per purpose, so that e.g. changing the arrival process keeps the lengths.

@@ -151,6 +151,15 @@ def engine_option_refusal(name: str, options: Iterable[str]) -> str | None:
     )
 
 
+def time_scale_refusal(name: str, time_scale: float) -> str | None:
+    """Why backend ``name`` would refuse ``--time-scale time_scale`` (a launcher checks before starting anything):
+    only the sim engine is paced (``BackendConfig.time_scale``); the others' steps take the time they compute, and a
+    value other than 1 would be ignored. None when it is honoured."""
+    if time_scale == 1.0 or name == "sim":
+        return None
+    return f"--time-scale paces the sim engine only: --engine {name}'s steps take the time they compute"
+
+
 def make_backend(name: str, config: BackendConfig) -> Backend:
     """Build the backend called ``name`` for ``config``.
 
