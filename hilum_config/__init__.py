@@ -37,7 +37,7 @@ import dataclasses
 import math
 import os
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,11 +191,11 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
             continue
         more = (_AUTOSCALE_ACTUATOR,) if name == "autoscale" else ()
         schema = _schema(cls, only, *more)
-        partial = False  # a key of it refused for its type: the others are checked with its default in its place
+        refused: set[str] = set()  # keys refused for their type (or unknown): the rest checked with defaults for them
         try:
             values = schema.model_validate(dict(section))
         except ValidationError as exc:
-            partial = True
+            refused = {str(e["loc"][0]) for e in exc.errors() if e["loc"]}
             for e in exc.errors():  # in hilum's words, as a sweep file's (not "Input should be a valid number")
                 errors.append(f"{source}: {_where(name, e['loc'])}: {pydantic_message(e, schema.model_fields)}")
             # the section's other keys are still checked, so a wrong type never hides a bad value next to it
@@ -213,7 +213,7 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
             own = {k: v for k, v in kwargs.items() if k in {f.name for f in _keys(c, None)}}
             try:
                 built["actuator" if c is _AUTOSCALE_ACTUATOR else name] = _build(
-                    c, own, f"{source}: {name}", partial=partial
+                    c, own, f"{source}: {name}", refused=refused
                 )
             except ConfigError as exc:
                 errors += exc.errors
@@ -242,13 +242,13 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
     )
 
 
-def _build(cls: type[Any], values: dict[str, Any], where: str, *, partial: bool = False) -> Any:
+def _build(cls: type[Any], values: dict[str, Any], where: str, *, refused: Collection[str] = ()) -> Any:
     """``cls(**values)``, or ConfigError with every value it refuses: each refusal names its key when the
     dataclass's message does (``"cap_fraction must be ..."``, ``"PolicyConfig.tie_tolerance: must be ..."``) as
     ``"<where>.<key>: <message>"``; that key is set aside and the rest tried again, so one bad value never hides
-    another. A refusal naming no key (a rule between keys) is reported at ``where`` and ends the search, unless
-    ``partial`` (a key of the section was already refused for its type, and the rule would weigh its default,
-    which the file did not choose): then it only ends the search."""
+    another. A refusal naming no key (a rule between keys) is reported at ``where`` and ends the search, unless it
+    names a key of ``refused`` (already refused for its type: the rule would weigh its default, which the file did
+    not choose); then it only ends the search."""
     errors: list[str] = []
     left = dict(values)
     for _ in range(len(values) + 1):  # each try sets one key aside, or ends
@@ -257,7 +257,7 @@ def _build(cls: type[Any], values: dict[str, Any], where: str, *, partial: bool 
         except ValueError as exc:
             key, message = _blamed(str(exc), left, cls.__name__)
             if key is None:
-                if not partial:
+                if not any(key in message for key in refused):
                     errors.append(f"{where}: {message}")
                 break
             errors.append(f"{where}.{key}{message}" if message.startswith("[") else f"{where}.{key}: {message}")

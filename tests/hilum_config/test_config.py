@@ -135,6 +135,14 @@ def test_sections_checked_as_a_whole_name_their_keys_too() -> None:
     with pytest.raises(ConfigError) as err:  # a threshold of the wrong type: its default is not weighed against
         parse_config({"policy": {"migrate_in_freeness_above": "x", "migrate_out_freeness_below": 50}}, "f")
     assert err.value.errors == ["f: policy.migrate_in_freeness_above: expected a number, got 'x' (a string)"]
+    with pytest.raises(ConfigError) as err:  # another key's mistake hides the crossing no more
+        crossed = {"migrate_out_freeness_below": 10, "migrate_in_freeness_above": 2}
+        parse_config({"policy": {"tie_tolerance": "x", **crossed}}, "f")
+    assert err.value.errors == [
+        "f: policy.tie_tolerance: expected a number, got 'x' (a string)",
+        "f: policy: the migration thresholds cross: migrate_out_freeness_below (10.0) must be <= "
+        "migrate_in_freeness_above (2.0), or an instance could be both source and destination",
+    ]
     with pytest.raises(ConfigError) as err:  # reported once (it was twice: the second time with the default)
         parse_config({"policy": {"migrate_in_freeness_above": -5, "migrate_out_freeness_below": 1}}, "f")
     assert err.value.errors == [
