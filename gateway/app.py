@@ -70,11 +70,15 @@ from gateway.validation import (
 )
 from llumlet.engine.types import TokenLogprobs
 
-__all__ = ["MAX_BODY_BYTES", "GatewayApp", "build_app", "error_body"]
+__all__ = ["MAX_BODY_BYTES", "RETRY_AFTER_S", "GatewayApp", "build_app", "error_body"]
 
 _log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a request body larger than this is a 413
+#: ``Retry-After`` (seconds) of a 503 ``no_capacity``: the domains' summaries are republished well within it
+#: (``summary_interval_s``, 0.25 s by default), so a retry then sees the room that has freed up since. Clients that
+#: honour the header (the ``openai`` client retries a 503 twice by default) wait this long, not their own backoff.
+RETRY_AFTER_S = 1
 # Content-Types a JSON body may come with: JSON itself, and the generic bytes type many HTTP clients send
 # by default; anything else (a form, multipart, text) is a 415 that says what to send.
 _BODY_TYPES = ("application/json", "application/octet-stream")
@@ -359,7 +363,8 @@ class GatewayApp:
         exc = errors[0]
         if isinstance(exc, DispatchFailed):
             self.metrics.count_request(req.endpoint, "unavailable" if exc.unavailable else "refused")
-            return _json(503, error_body(exc.message, kind="service_unavailable", code="no_capacity"), headers)
+            retry = {**headers, "Retry-After": str(RETRY_AFTER_S)}
+            return _json(503, error_body(exc.message, kind="service_unavailable", code="no_capacity"), retry)
         self.metrics.count_request(req.endpoint, "error")
         _log.error("dispatch of %s failed: %r", req.request_id, exc)
         return _json(500, error_body(f"dispatch failed: {exc}", kind="server_error"), headers)

@@ -345,8 +345,12 @@ def test_no_domain_is_503_models_and_health() -> None:
 
     async def main() -> None:
         async with serve(backend) as (client, _):
-            resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
+            resp = await client.post(
+                "/v1/completions", json={"model": "tiny", "prompt": "hi"}, headers={"X-Request-Id": "r-7"}
+            )
             assert resp.status == 503
+            assert resp.headers["Retry-After"] == "1"  # clients that honour it retry once summaries are newer
+            assert resp.headers["X-Request-Id"] == "r-7"  # the caller's id kept beside it
             assert "all 2 instances are draining" in (await resp.json())["error"]["message"]
             models = await (await client.get("/v1/models")).json()
             tiny = {

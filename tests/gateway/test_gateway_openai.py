@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -324,5 +325,35 @@ def test_5xx_are_error_objects_too(tok: HFTokenizer) -> None:
         finally:
             await client.close()
             await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_503_is_retried_after_its_retry_after(tok: HFTokenizer) -> None:
+    """The client's own retry of a 503 waits the gateway's ``Retry-After`` (1 s), not its shorter default backoff
+    (0.5 s at most for the first retry), and the retry is served."""
+
+    refusals = [DispatchFailed("no domain accepted the request: dom-a: no room now", unavailable=True)]
+
+    class FullOnce(ScriptedBackend):
+        async def start(self, request_id: str, request: Any) -> Any:
+            if refusals:
+                raise refusals.pop()
+            return await super().start(request_id, request)
+
+    async def main() -> None:
+        backend = FullOnce(limits={MODEL: LIMITS}, tokenizer=tok, answers=ANSWERS)
+        server = TestServer(GatewayApp(backend, GatewayMetrics(), {MODEL: tok}).app())
+        await server.start_server()
+        client = openai.AsyncOpenAI(api_key="none", base_url=str(server.make_url("/v1")), max_retries=1)
+        try:
+            t0 = time.monotonic()
+            out = await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+            waited_s = time.monotonic() - t0
+        finally:
+            await client.close()
+            await server.close()
+        assert out.choices[0].text and len(backend.started) == 1  # the second try was served
+        assert 0.95 <= waited_s < 5, waited_s
 
     asyncio.run(main())
