@@ -240,8 +240,9 @@ def _unknown_options(words: list[str], known: frozenset[str]) -> list[str]:
             continue
         import difflib  # only on an error: not at every start
 
-        close = difflib.get_close_matches(name, longs, n=1)
-        out.append(f"{name} (did you mean {close[0]}?)" if close else name)
+        # without the dashes, which every name shares (with them, --bogus is "close" to --out)
+        close = difflib.get_close_matches(name.lstrip("-"), [o[2:] for o in longs], n=1)
+        out.append(f"{name} (did you mean --{close[0]}?)" if close else name)
     return out
 
 

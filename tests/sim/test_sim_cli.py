@@ -899,6 +899,7 @@ def test_json_summaries_count_the_requests_cut_to_the_context(
             "hilum sim: error: unrecognized arguments: --polcy (did you mean --policy?)",
         ),
         (["--xyzzy", "3", "--sed", "1"], "unrecognized arguments: --xyzzy, --sed (did you mean --seed?)"),
+        (["--bogus"], "unrecognized arguments: --bogus"),  # nothing close (the dashes alone made --out close)
         (["--p", "hilum"], "ambiguous option: --p could match --policy, --priority-fraction"),  # argparse's own
     ],
 )
@@ -910,6 +911,7 @@ def test_a_misspelt_option_is_named_not_read_as_a_sub_command(
     assert exited.value.code == 2
     err = capsys.readouterr().err.replace("\n", "")
     assert message in err and "invalid choice" not in err and "Traceback" not in err
+    assert err.count("did you mean") == message.count("did you mean")
 
 
 @pytest.mark.parametrize(
