@@ -460,17 +460,18 @@ def _topology_text(cfg: UpConfig) -> tuple[Topology, str]:
 
 def _config_text(cfg: UpConfig) -> str | None:
     """The text of the configuration file (``--config``, else ``$HILUM_CONFIG``), checked. Raises UpError."""
-    path = cfg.config or os.environ.get(hilum_config.CONFIG_ENV) or None
+    path = cfg.config if cfg.config is not None else os.environ.get(hilum_config.CONFIG_ENV) or None
     if path is None:
         return None
     try:
-        settings = hilum_config.load_config(path)
+        settings = hilum_config.load_config(cfg.config)  # None: $HILUM_CONFIG's file, named so in errors
     except hilum_config.ConfigError as exc:
         raise UpUsageError(exc.for_flag()) from None
     try:  # the coordinators would refuse it after etcd started: refuse it first
         check_autoscale(settings, has_topology=True)
     except ValueError as exc:
-        raise UpUsageError(f"--config {path}: {exc}") from None
+        named_by = "--config" if cfg.config else f"${hilum_config.CONFIG_ENV}"
+        raise UpUsageError(f"{named_by} {path}: {exc}") from None
     return Path(path).read_text(encoding="utf-8")
 
 

@@ -72,16 +72,23 @@ CONFIG_ENV = "HILUM_CONFIG"
 
 
 class ConfigError(ValueError):
-    """A configuration file is invalid. ``errors`` lists every problem as ``"<file>: <key.path>: <message>"``."""
+    """A configuration file is invalid. ``errors`` lists every problem as ``"<file>: <key.path>: <message>"``;
+    ``named_by``: how the file was named, ``--config`` or ``$HILUM_CONFIG`` (:func:`load_config` sets it, and the
+    error's text then starts each line with it, so a service that prints the error names where the file came from);
+    None for :func:`parse_config`'s."""
 
-    def __init__(self, errors: list[str]) -> None:
+    def __init__(self, errors: list[str], named_by: str | None = None) -> None:
         self.errors = errors
+        self.named_by = named_by
         super().__init__("\n".join(errors))
 
-    def for_flag(self, flag: str = "--config") -> str:
-        """The problems for a command line that named the file with ``flag``: one line each,
-        ``"--config <file>: <key.path>: <message>"``."""
-        return "\n".join(f"{flag} {e}" for e in self.errors)
+    def for_flag(self, flag: str | None = None) -> str:
+        """The problems for a command line that named the file with ``flag`` (None: :attr:`named_by`, else
+        ``--config``): one line each, ``"--config <file>: <key.path>: <message>"``."""
+        return "\n".join(f"{flag or self.named_by or '--config'} {e}" for e in self.errors)
+
+    def __str__(self) -> str:
+        return self.for_flag() if self.named_by else "\n".join(self.errors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,24 +303,32 @@ def load_config(path: str | Path | None = None) -> HilumConfig:
     """Read the configuration file at ``path``, else the one ``HILUM_CONFIG`` names, else the defaults.
 
     Raises:
-        ConfigError: the file cannot be read, is not YAML, or is invalid (every problem listed).
+        ConfigError: the path is empty, or the file cannot be read, is not YAML, or is invalid (every problem
+            listed).
     """
+    named_by = "--config"
     if path is None:
-        path = os.environ.get(CONFIG_ENV) or None
+        path, named_by = os.environ.get(CONFIG_ENV) or None, f"${CONFIG_ENV}"
     if path is None:
         return HilumConfig()
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError([f"{p}: cannot read the configuration file: {exc.strerror or exc}"]) from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError([f"{p}: {not_utf8(exc)}"]) from None
-    try:
-        raw = parse_yaml(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError([f"{p}: {yaml_error_line(exc)}"]) from None
-    return parse_config(raw, str(p))
+        if not str(path).strip():  # Path("") is the current directory
+            raise ConfigError(["is empty: give a configuration file, or leave the flag out for the defaults"])
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError([f"{p}: cannot read the configuration file: {exc.strerror or exc}"]) from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError([f"{p}: {not_utf8(exc)}"]) from None
+        try:
+            raw = parse_yaml(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError([f"{p}: {yaml_error_line(exc)}"]) from None
+        return parse_config(raw, str(p))
+    except ConfigError as exc:
+        exc.named_by = named_by
+        raise
 
 
 def add_argument(parser: argparse.ArgumentParser) -> None:

@@ -510,12 +510,10 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         options=options,
         config=args.config,
     )
-    if args.config is not None and not args.config.strip():
-        raise ValueError("--config is empty: give a configuration file, or leave the flag out for the defaults")
     try:  # fail before any work on a bad configuration file
         config = load_config(args.config)
     except ConfigError as exc:  # named as the user gave it: the flag, or the environment variable
-        raise ValueError(exc.for_flag("--config" if args.config is not None else f"${CONFIG_ENV}")) from None
+        raise ValueError(exc.for_flag()) from None
     if config.autoscale.enabled and not args.autoscale:  # the file's switch turns it on here too
         base = replace(base, options={**options, "autoscale": True})
     parsed = base.parsed_options()  # fail before any work on bad options

@@ -157,6 +157,28 @@ def test_a_bad_configuration_file_is_refused_before_anything_starts(tmp_path: Pa
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    ("config", "env", "said"),
+    [
+        (None, "bad", "hilum up: error: $HILUM_CONFIG {bad}: policy.no_such_key: unknown key"),  # as the user named it
+        ("bad", "", "hilum up: error: --config {bad}: policy.no_such_key: unknown key"),
+        ("", "bad", "hilum up: error: --config is empty: give a configuration file, or leave the flag out"),
+    ],
+)
+def test_a_configuration_file_is_named_as_it_was_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: str | None, env: str, said: str
+) -> None:
+    bad = tmp_path / "hilum.yaml"
+    bad.write_text("policy:\n  no_such_key: 1\n")
+    monkeypatch.setenv("HILUM_CONFIG", str(bad) if env else "")
+    err = io.StringIO()
+    given = str(bad) if config else config  # "" is an empty --config, refused (it was read as no file)
+    cfg = UpConfig(config=given, port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "run"))
+    assert run_up(cfg, out=io.StringIO(), err=err) == 2
+    assert err.getvalue().startswith(said.format(bad=bad)), err.getvalue()
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_topology_from_a_pipe_is_refused_before_anything_starts(tmp_path: Path) -> None:
     fifo = tmp_path / "topology.fifo"  # --topology <(...): hilum up copies the file for its processes to read
     os.mkfifo(fifo)

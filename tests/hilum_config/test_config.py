@@ -209,6 +209,24 @@ def test_the_environment_names_the_file(tmp_path: Path, monkeypatch: pytest.Monk
     assert load_config().policy == PolicyConfig()
 
 
+def test_an_error_names_how_the_file_was_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a service prints (the error's text) names the flag or the variable that named the file."""
+    f = tmp_path / "h.yaml"
+    f.write_text("policy: {tie_tolerance: 2.0}\n")
+    monkeypatch.setenv(CONFIG_ENV, str(f))
+    with pytest.raises(ConfigError) as from_env:
+        load_config()
+    assert str(from_env.value) == f"$HILUM_CONFIG {f}: policy.tie_tolerance: must be in [0, 1), got 2.0"
+    with pytest.raises(ConfigError) as from_flag:
+        load_config(f)
+    assert str(from_flag.value) == f"--config {f}: policy.tie_tolerance: must be in [0, 1), got 2.0"
+    assert from_flag.value.errors == [f"{f}: policy.tie_tolerance: must be in [0, 1), got 2.0"]
+    with pytest.raises(ConfigError, match="^--config is empty: give a configuration file, or leave the flag out"):
+        load_config(" ")  # not the current directory
+    monkeypatch.setenv(CONFIG_ENV, "")  # an empty variable is an unset one
+    assert load_config() == HilumConfig()
+
+
 def test_a_domain_scheduler_and_the_simulator_read_the_same_settings(tmp_path: Path) -> None:
     from sim.runner import SimSpec, configured
 
