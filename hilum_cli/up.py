@@ -1100,8 +1100,18 @@ def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) ->
     started), 1 when the cluster did not start or a process crashed more often than ``cfg.restart`` allows.
     """
 
+    err_gone: list[OSError] = []  # the first failed write to err (its reader gone: `hilum up 2>&1 | head -2`)
+
     def say(text: str) -> None:
-        print(f"hilum up: {text}", file=err, flush=True)
+        """A progress line on ``err``. The first failed write raises (a start stops there, as with a broken stdout);
+        later lines are dropped, so that stopping every process and removing the run directory still happen."""
+        if err_gone:
+            return
+        try:
+            print(f"hilum up: {text}", file=err, flush=True)
+        except OSError as exc:
+            err_gone.append(exc)
+            raise
 
     with _stop_signals():
         try:

@@ -369,3 +369,47 @@ def test_a_time_scale_for_an_engine_that_is_not_paced_is_refused(tmp_path: Path)
         "hilum up: error: --time-scale paces the sim engine only: --engine torch's steps take the time they compute\n"
     )
     assert not (tmp_path / "r").exists()
+
+
+class _ReaderGone(io.StringIO):
+    """stderr whose reader leaves after ``lines`` lines (``hilum up 2>&1 | head -2``): later writes raise."""
+
+    def __init__(self, lines: int) -> None:
+        super().__init__()
+        self.left = lines
+
+    def write(self, text: str) -> int:
+        if self.left <= 0:
+            raise BrokenPipeError(32, "Broken pipe")
+        self.left -= text.count("\n")
+        return super().write(text)
+
+
+def _processes_under(folder: Path) -> list[str]:
+    """Command lines of the live processes that name ``folder`` (etcd's data directory is in the run directory)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").replace("\0", " ")
+        except OSError:
+            continue
+        if str(folder) in argv:
+            found.append(argv)
+    return found
+
+
+def test_a_closed_stderr_mid_start_stops_everything_and_removes_the_run_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start stops at the first line that cannot be written, and the stop still happens in full (it stopped at
+    its own first line, leaving the temporary run directory)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    err = _ReaderGone(lines=2)  # "run directory ...", "starting etcd ...": then etcd's "ready" line fails
+    with pytest.raises(BrokenPipeError):  # the entry point's wrapper ends quietly on it
+        run_up(UpConfig(port=0, etcd_port=0, grpc_base_port=0), out=io.StringIO(), err=err)
+    said = err.getvalue().splitlines()
+    assert said[0].startswith(f"hilum up: run directory {tmp_path}/hilum-up-")
+    assert said[1].startswith("hilum up: starting etcd on 127.0.0.1:")
+    assert len(said) == 2
+    assert list(tmp_path.iterdir()) == []  # no hilum-up-* directory
+    assert _processes_under(tmp_path) == []  # etcd stopped
