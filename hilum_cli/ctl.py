@@ -266,12 +266,22 @@ async def _migrations(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
 
 
 async def _kind(c: AdminClient, ns: argparse.Namespace) -> str:
-    if ns.kind:
+    """What the drain target is: ``--instance`` / ``--domain``, else what the coordinator knows it as. Raises
+    UsageError for a name of both kinds, or for ``drain --instance`` of a name known only as a domain (or the
+    reverse: its intent would name nothing, and nothing would show it); CtlError for a name of neither kind."""
+    if ns.kind and ns.command == "undrain":  # also an intent of the wrong kind, recorded before this was refused
         return str(ns.kind)
     instances = await c.read("ListInstances", pb.ListInstancesRequest())
     domains = await c.read("ListDomains", pb.ListDomainsRequest())
     topology = await c.read("GetTopology", pb.GetTopologyRequest())
     kind = resolve_target(ns.target, instances.instances, domains.domains, topology)
+    if ns.kind:
+        if kind in ("instance", "domain") and kind != ns.kind:
+            raise UsageError(
+                f"{ns.target!r} is {'an instance' if kind == 'instance' else 'a domain'}, not "
+                f"{'an instance' if ns.kind == 'instance' else 'a domain'}: drop --{ns.kind}"
+            )
+        return str(ns.kind)  # ambiguous, unknown (not started yet) or as known
     if kind == "ambiguous":
         raise UsageError(f"{ns.target!r} names both an instance and a domain: add --instance or --domain")
     if kind == "unknown":

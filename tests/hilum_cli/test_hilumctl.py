@@ -794,6 +794,16 @@ def test_drain_target_must_be_known_unless_its_kind_is_given(
     assert (data["kind"], data["target_id"], data["changed"]) == ("domain", "future-rack", True)
     for argv in (["node-1-i7"], ["--domain", "future-rack"]):
         assert ctl(capsys, *leader, "undrain", *argv)[0] == 0
+    # a kind that contradicts what the name is known as: its intent would name nothing (nothing recorded)
+    for argv, said in (
+        (["node-1", "--instance"], "'node-1' is a domain, not an instance: drop --instance"),
+        (["node-1-i7", "--domain"], "'node-1-i7' is an instance, not a domain: drop --domain"),
+    ):
+        rc, out, err = ctl(capsys, *leader, "drain", *argv)
+        assert (rc, out) == (2, "") and said in err, err
+    assert ctl_json(capsys, *leader, "--json", "status")["num_drains"] == 0
+    rc, out, err = ctl(capsys, *leader, "undrain", "node-1", "--instance")  # not checked: an old intent can go
+    assert rc == 0 and "instance node-1 was not draining" in out, (out, err)
 
 
 # ---- errors --------------------------------------------------------------------------------------
