@@ -530,7 +530,7 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run every requested policy on the same topology and trace; print and save the comparison."""
-    from .report import LATENCY_COLUMNS, MIGRATION_COLUMNS, MOVE_COLUMNS, render_table, ttft_p99_ratios
+    from .report import LATENCY_COLUMNS, MIGRATION_COLUMNS, MOVE_COLUMNS, summary_tables, ttft_p99_ratios
     from .results import stored_policies, summarize, write_results
     from .runner import run_simulation
 
@@ -618,9 +618,16 @@ def run_cli(args: argparse.Namespace) -> int:
         migration = [c for c in MIGRATION_COLUMNS if c not in idle]
         console = Console() if sys.stdout.isatty() else Console(width=200)  # files and pipes: no squeezing
         console.print(title, highlight=False)  # on its own line: a table's title wraps at the table's width
-        console.print(render_table(summaries, title="", baseline=baseline, columns=latency, compact=True))
         moves = "migrations and " if any(c in migration for c in MOVE_COLUMNS) else ""
-        console.print(render_table(summaries, title=f"{moves}simulator cost", columns=migration, compact=True))
+        for table in summary_tables(
+            summaries,
+            console.width,
+            baseline=baseline,
+            latency=latency,
+            migration=migration,
+            migration_title=f"{moves}simulator cost",
+        ):
+            console.print(table)
         if baseline is not None:
             console.print(f"TTFT p99 / base: each policy's P99 TTFT over {baseline}'s", style="dim", highlight=False)
         if "hi-pri\nTTFT p99" in latency:  # a P99 over a few dozen requests is about their slowest: say how many

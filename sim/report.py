@@ -23,8 +23,10 @@ __all__ = [
     "MOVE_COLUMNS",
     "format_sweep_table",
     "format_table",
+    "render_by_metric",
     "render_sweep_table",
     "render_table",
+    "summary_tables",
     "ttft_p99_ratios",
 ]
 
@@ -169,6 +171,58 @@ def render_table(
     ratios = ttft_p99_ratios(summaries, baseline) if baseline is not None else None
     rows = [((s.policy,), s) for s in summaries]
     return _build(title, ("policy",), rows, ratios, baseline, columns, compact)
+
+
+def render_by_metric(
+    summaries: Sequence[PolicySummary],
+    *,
+    title: str = "hilum sim",
+    baseline: str | None = None,
+    columns: Sequence[str] | None = None,
+) -> Table:
+    """:func:`render_table` turned a quarter: one row per metric (``columns`` as there), one column per policy, so
+    that a dozen metrics of a few policies fit an 80-column terminal (the table by policy is about 120 wide).
+
+    Raises:
+        ValueError: if ``baseline`` names no policy among ``summaries``.
+    """
+    ratios = ttft_p99_ratios(summaries, baseline) if baseline is not None else None
+    table = Table(title=title or None, title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("", no_wrap=True)
+    for s in summaries:
+        table.add_column(s.policy, justify="right", no_wrap=True)
+    for header, cell in _SUMMARY_COLUMNS:
+        if columns is None or header in columns:
+            table.add_row(header.replace("\n", " "), *(cell(s) for s in summaries))
+    if ratios is not None:
+        cells = [MISSING if (r := ratios.get(s.policy)) is None else f"{r:.2f}x" for s in summaries]
+        table.add_row("TTFT p99 / base", *cells)
+    return table
+
+
+def summary_tables(
+    summaries: Sequence[PolicySummary],
+    width: int,
+    *,
+    baseline: str | None,
+    latency: Sequence[str],
+    migration: Sequence[str],
+    migration_title: str,
+) -> list[Table]:
+    """``hilum sim``'s two tables (``latency`` and ``migration`` columns, the first with the P99 TTFT ratio to
+    ``baseline``), one row per policy when both fit ``width`` characters, else one row per metric
+    (:func:`render_by_metric`): rich would cut every cell to ``…`` to squeeze a table into a narrow terminal."""
+    by_policy = [
+        render_table(summaries, title="", baseline=baseline, columns=latency, compact=True),
+        render_table(summaries, title=migration_title, columns=migration, compact=True),
+    ]
+    measure = Console(width=10_000).measure
+    if all(measure(t).maximum <= width for t in by_policy):
+        return by_policy
+    return [
+        render_by_metric(summaries, title="", baseline=baseline, columns=latency),
+        render_by_metric(summaries, title=migration_title, columns=migration),
+    ]
 
 
 def render_sweep_table(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,17 @@ import pytest
 from matplotlib.image import imread
 
 from sim.plots import plot_kv_usage, plot_p99_vs_load, plot_ttft_cdf
-from sim.report import format_sweep_table, format_table, render_table, ttft_p99_ratios
+from rich.console import Console
+
+from sim.report import (
+    LATENCY_COLUMNS,
+    MIGRATION_COLUMNS,
+    format_sweep_table,
+    format_table,
+    render_table,
+    summary_tables,
+    ttft_p99_ratios,
+)
 from sim.results import KvTimeline, PolicySummary, RequestRecord, SimRun, SweepRow, summarize
 
 SUMMARY = PolicySummary(
@@ -122,6 +133,40 @@ def test_baseline_ratio_column() -> None:
     assert rows["idle"][-1] == "-"
     with pytest.raises(ValueError, match="baseline policy 'llumnix' not among"):
         render_table([SUMMARY], baseline="llumnix")
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_the_two_tables_fit_the_terminal_whole(width: int) -> None:
+    """By policy where they fit; one row per metric in an 80-column terminal, where rich cut every cell to "…"."""
+    policies = ["round-robin", "least-loaded", "llumnix", "hilum"]
+    summaries = [dataclasses.replace(SUMMARY, policy=p, e2e_p99_s=1234.5678) for p in policies]
+    tables = summary_tables(
+        summaries,
+        width,
+        baseline="least-loaded",
+        latency=LATENCY_COLUMNS,
+        migration=MIGRATION_COLUMNS,
+        migration_title="migrations and simulator cost",
+    )
+    console = Console(width=width, record=True, color_system=None, file=io.StringIO())
+    for table in tables:
+        console.print(table)
+    text = console.export_text()
+    assert "…" not in text and max(len(line.rstrip()) for line in text.splitlines()) <= width
+    lines = text.splitlines()
+    if width == 80:
+        assert all(t.row_count == len(c) + (i == 0) for i, (t, c) in enumerate(zip(tables, (LATENCY_COLUMNS,
+                   MIGRATION_COLUMNS), strict=True)))  # fmt: skip
+        assert [len(t.columns) for t in tables] == [5, 5]  # the metric, then a column per policy
+        header = next(line for line in lines if "round-robin" in line).split()
+        assert header == policies
+        row = next(line for line in lines if line.strip().startswith("E2E p99 ms")).split()
+        assert row[3:] == ["1234567.8"] * 4
+        assert next(line for line in lines if "TTFT p99 / base" in line).split()[-4:] == ["1.00x"] * 4
+        assert "migrations and simulator cost" in text
+    else:
+        assert [t.row_count for t in tables] == [4, 4]  # a row per policy
+        assert any(line.strip().startswith("least-loaded") for line in lines)
 
 
 def test_sweep_table_has_grid_columns() -> None:
