@@ -9,10 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from matplotlib.image import imread
-
-from sim.plots import plot_kv_usage, plot_p99_vs_load, plot_ttft_cdf
 from rich.console import Console
 
+from sim.plots import plot_kv_usage, plot_p99_vs_load, plot_ttft_cdf
 from sim.report import (
     LATENCY_COLUMNS,
     MIGRATION_COLUMNS,
