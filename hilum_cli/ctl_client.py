@@ -237,18 +237,28 @@ class AdminClient:
         """Call a leader-only unary method (``"Drain"``, ``"Undrain"``); (reply, address of the leader).
 
         A standby's ``FAILED_PRECONDITION`` names the leader; the call is retried there (at most
-        :data:`MAX_REDIRECTS` hops; when the message names no address, the replica's Status is asked).
+        :data:`MAX_REDIRECTS` hops; when the message names no address, the replica's Status is asked). A first
+        address that does not answer (with several ``--coordinator`` addresses) is passed over as :meth:`read`
+        does: the write goes to the first replica that answers Status, and on to the leader it names. A write
+        retried after a deadline is harmless: a drain intent is put, an undrain deletes it, either way once.
 
         Raises:
             CtlError: when nobody leads, no replica answers, or the call fails.
         """
         address = self.address
+        failed_over = len(self._candidates) < 2
         for _ in range(MAX_REDIRECTS + 1):
             try:
                 reply = await getattr(self.stub(address), method)(request, timeout=self.rpc_timeout_s)
                 self.address = address
                 return reply, address
             except grpc.aio.AioRpcError as exc:
+                silent = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if silent and not failed_over:
+                    failed_over = True
+                    status = await self.read("Status", pb.StatusRequest())  # every address; raises when none answers
+                    address = status.leader_address or self.address
+                    continue
                 if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                     raise self._error(address, exc, method) from None
                 leader = await self._leader_named(address, exc.details() or "")

@@ -96,6 +96,32 @@ def test_replicas_naming_each_other_are_given_up_on() -> None:
     asyncio.run(main())
 
 
+def test_a_write_passes_over_a_replica_that_does_not_answer() -> None:
+    """``--coordinator DEAD,STANDBY``: the write reaches the leader the standby names (it failed at the first
+    address, while reads went on to the next)."""
+
+    async def main() -> None:
+        leader = Replica("l", leads=True)
+        lserver, laddress = await _serve(leader)
+        standby = Replica("s", leads=False, leader=laddress)
+        sserver, saddress = await _serve(standby)
+        dead, dead_address = await _serve(Replica("d", leads=False))
+        await dead.stop(None)  # nothing listens there any more
+        try:
+            async with AdminClient(Target(coordinators=(dead_address, saddress)), 2.0) as client:
+                reply, at = await client.write("Drain", pb.DrainRequest(instance_id="i0"))
+                assert (reply.changed, at, client.address) == (True, laddress, laddress)
+            async with AdminClient(Target(coordinators=(dead_address,)), 2.0) as client:  # nowhere else to go
+                with pytest.raises(CtlError, match=f"no coordinator answers at {dead_address}"):
+                    await client.write("Drain", pb.DrainRequest(instance_id="i0"))
+        finally:
+            await sserver.stop(None)
+            await lserver.stop(None)
+        assert (standby.drains, leader.drains) == (0, 1)  # the leader named by the standby's Status
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize(
     ("text", "wanted"),
     [
