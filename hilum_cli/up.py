@@ -51,7 +51,9 @@ behind. On Linux each child also gets SIGTERM if ``hilum up`` itself dies (``PR_
 
 The run directory: ``--run-dir DIR`` is kept. Without it a temporary ``hilum-up-*`` directory is used and
 removed at exit, and the exit says so; it is kept, with its path printed, when the start failed after a
-process had started, or after a crash (for the logs), or with ``--keep-run-dir``.
+process had started, or after a crash (for the logs), or with ``--keep-run-dir``. One ``hilum up`` at a time
+uses a run directory: it holds a lock on ``<run dir>/hilum-up.lock`` (with its pid) until everything has
+stopped, and a second one is refused at once, naming the first one's pid (status 2).
 
 Ports: the gateways' HTTP from ``--port`` (above); etcd ``--etcd-port`` (client) and the next one (peer); gRPC
 from ``--grpc-base-port``: the coordinators, then one per domain scheduler, one per llumlet, and one token
@@ -1124,6 +1126,7 @@ def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) ->
         temporary = not cfg.run_dir
         run_dir = Path(tempfile.mkdtemp(prefix="hilum-up-")) if temporary else Path(cfg.run_dir)
         sup: Supervisor | None = None
+        lock: TextIO | None = None
         status, crashed = 0, False
         try:
             try:
@@ -1131,6 +1134,11 @@ def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) ->
                 tempfile.TemporaryFile(dir=run_dir).close()  # it writes every process's files there
             except OSError as exc:
                 say(f"error: --run-dir {run_dir}: cannot write there ({exc.strerror or exc})")
+                return 2
+            try:
+                lock = _lock_run_dir(run_dir)  # held until everything has stopped
+            except UpUsageError as exc:
+                say(f"error: {exc}")
                 return 2
             say(f"run directory {run_dir}")
             sup = Supervisor(
@@ -1159,9 +1167,38 @@ def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) ->
                     sup.stop_all(cfg.stop_timeout_s)
                     say("stopped; no process left")
                 LinkBudgets.remove_scope(link_budget_scope(run_dir))
+                if lock is not None:
+                    lock.close()  # another hilum up may use the run directory now
                 if temporary:
                     _finish_run_dir(run_dir, keep=cfg.keep_run_dir or (crashed and started), say=say)
     return status
+
+
+RUN_DIR_LOCK = "hilum-up.lock"  # in the run directory: a lock while a hilum up uses it, and that hilum up's pid
+
+
+def _lock_run_dir(run_dir: Path) -> TextIO:
+    """Hold ``run_dir``'s lock (``flock``) and write this process's pid in it; the open file holds the lock, and the
+    kernel releases it when the process exits, however it exits. Raises UpUsageError when another ``hilum up``
+    holds it: two clusters would start a second etcd on the same data directory (it waited for that etcd until the
+    start timeout, then quoted the first one's log) and write the same logs and ``cluster.json``."""
+    import fcntl
+
+    lock = (run_dir / RUN_DIR_LOCK).open("a+", encoding="utf-8")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip()
+        lock.close()
+        pid = f" (pid {holder})" if holder.isdigit() else ""
+        raise UpUsageError(
+            f"--run-dir {run_dir}: another hilum up{pid} uses it; stop that one first, or give another --run-dir"
+        ) from None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
 
 
 def _finish_run_dir(run_dir: Path, *, keep: bool, say: Callable[[str], None]) -> None:

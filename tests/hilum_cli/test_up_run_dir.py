@@ -1,10 +1,11 @@
 """``hilum up --run-dir`` used again: its etcd data keeps the earlier run's drain intents, and the new cluster
 says so as it starts (it said nothing, and three of four instances took no requests). A gateway whose every domain
 drains answers ``/health`` 503 (it answered 200 while it could place nothing), and ``hilum up`` still starts on
-such a run directory."""
+such a run directory. A second ``hilum up`` on a run directory in use is refused."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -15,6 +16,8 @@ from pathlib import Path
 
 from etcd_server import free_port
 from up_harness import REPO, UpProcess, start_up
+
+from hilum_cli.up import UpConfig, run_up
 
 
 def _ctl(up: UpProcess, *args: str) -> None:
@@ -51,6 +54,17 @@ def test_drains_kept_in_a_reused_run_dir_are_said_at_start(tmp_path: Path) -> No
     ports = ["--etcd-port", str(free_port())]  # the same etcd as before, on its data
     first = start_up(tmp_path, "sim", ports)
     try:
+        # a second hilum up on the run directory in use is refused at once, naming the first (it waited for a
+        # second etcd on the same data until its start timeout, then quoted the first etcd's log)
+        err = io.StringIO()
+        t0 = time.monotonic()
+        second = UpConfig(run_dir=str(first.run_dir), port=0, etcd_port=0, grpc_base_port=0, start_timeout_s=60)
+        assert run_up(second, out=io.StringIO(), err=err) == 2
+        assert time.monotonic() - t0 < 5
+        assert err.getvalue() == (
+            f"hilum up: error: --run-dir {first.run_dir}: another hilum up (pid {first.proc.pid}) uses it; stop that "
+            "one first, or give another --run-dir\n"
+        )
         for target in ("dom-a", "b0"):
             _ctl(first, "drain", target)
         deadline = time.monotonic() + 20
