@@ -1061,7 +1061,11 @@ def describe(info: dict[str, Any], *, temporary_run_dir: bool = False) -> str:
 
 # ---- running -------------------------------------------------------------------------------------------
 class _Stop(Exception):
-    pass
+    """A stop signal arrived (``signum``)."""
+
+    def __init__(self, signum: int = signal.SIGINT) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 @contextmanager
@@ -1070,7 +1074,7 @@ def _stop_signals() -> Iterator[None]:
     ignored, as under ``nohup``); the previous handlers come back at the end."""
 
     def on_signal(signum: int, frame: object) -> None:
-        raise _Stop
+        raise _Stop(signum)
 
     signals = [signal.SIGINT, signal.SIGTERM]
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
@@ -1098,8 +1102,9 @@ def _signals_ignored() -> Iterator[None]:
 def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """Check, start the cluster, print its addresses, supervise it until Ctrl-C/SIGTERM/SIGHUP, stop everything.
 
-    Returns the exit status: 0 after Ctrl-C/SIGTERM/SIGHUP, 2 on a bad option, value or file (nothing
-    started), 1 when the cluster did not start or a process crashed more often than ``cfg.restart`` allows.
+    Returns the exit status: 0 after Ctrl-C/SIGTERM/SIGHUP once the cluster was up, 128 + the signal's number when
+    one stopped the start (130 for Ctrl-C), 2 on a bad option, value or file (nothing started), 1 when the cluster
+    did not start or a process crashed more often than ``cfg.restart`` allows.
     """
 
     err_gone: list[OSError] = []  # the first failed write to err (its reader gone: `hilum up 2>&1 | head -2`)
@@ -1110,7 +1115,8 @@ def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) ->
         if err_gone:
             return
         try:
-            print(f"hilum up: {text}", file=err, flush=True)
+            err.write(f"hilum up: {text}\n")  # one write: a signal handled mid-line cannot split it
+            err.flush()
         except OSError as exc:
             err_gone.append(exc)
             raise
@@ -1121,13 +1127,13 @@ def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) ->
         except UpError as exc:
             say(f"error: {exc}")
             return 2 if isinstance(exc, UpUsageError) else 1
-        except _Stop:
-            return 0
+        except _Stop as stop:  # during the checks: nothing started
+            return 128 + stop.signum
         temporary = not cfg.run_dir
         run_dir = Path(tempfile.mkdtemp(prefix="hilum-up-")) if temporary else Path(cfg.run_dir)
         sup: Supervisor | None = None
         lock: TextIO | None = None
-        status, crashed = 0, False
+        status, crashed, up = 0, False, False
         try:
             try:
                 run_dir.mkdir(parents=True, exist_ok=True)
@@ -1150,6 +1156,7 @@ def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) ->
                 ready_timeout_s=cfg.start_timeout_s,
             )
             cluster = start_cluster(cfg, checked, run_dir, sup, say)
+            up = True
             print(describe(cluster.info, temporary_run_dir=temporary and not cfg.keep_run_dir), file=out, flush=True)
             while (why := sup.tick()) is None:
                 time.sleep(0.1)
@@ -1158,8 +1165,10 @@ def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) ->
         except UpError as exc:
             say(f"error: {exc}")
             status, crashed = 1, True
-        except _Stop:
-            say("stopping ...")
+        except _Stop as stop:
+            say("stopping ..." if up else "stopping before the cluster was up ...")
+            if not up:  # a script must not read an interrupted start as success: 128 + the signal, as a shell says
+                status = 128 + stop.signum
         finally:
             with _signals_ignored():
                 started = sup is not None and bool(sup.children())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -413,3 +414,35 @@ def test_a_closed_stderr_mid_start_stops_everything_and_removes_the_run_dir(
     assert len(said) == 2
     assert list(tmp_path.iterdir()) == []  # no hilum-up-* directory
     assert _processes_under(tmp_path) == []  # etcd stopped
+
+
+class _CtrlCAt(io.StringIO):
+    """stderr that sends this process SIGINT (Ctrl-C) once a line containing ``words`` is written."""
+
+    def __init__(self, words: str) -> None:
+        super().__init__()
+        self.words = words
+
+    def write(self, text: str) -> int:
+        n = super().write(text)
+        if self.words in text:
+            os.kill(os.getpid(), signal.SIGINT)
+        return n
+
+
+def test_ctrl_c_during_the_start_stops_everything_and_exits_130(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A script must not read an interrupted start as success (it exited 0, as after stopping a cluster that was
+    up)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    err = _CtrlCAt("starting the coordinator")
+    assert run_up(UpConfig(port=0, etcd_port=0, grpc_base_port=0), out=io.StringIO(), err=err) == 130
+    said = [line.removeprefix("hilum up: ") for line in err.getvalue().splitlines()]
+    assert said[-3:] == [
+        "stopping before the cluster was up ...",
+        "stopped; no process left",
+        f"removed the run directory {next(line for line in said if line.startswith('run directory '))[14:]}",
+    ]
+    assert list(tmp_path.iterdir()) == []
+    assert _processes_under(tmp_path) == []
