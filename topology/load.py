@@ -699,7 +699,17 @@ def _known(ids: Mapping[str, Any]) -> str:
 class _UniqueKeyLoader(yaml.SafeLoader):
     """A safe YAML loader that rejects a key repeated in one mapping (PyYAML keeps the last silently) and reads
     ``1.0e9`` and ``1e-3`` as numbers, as YAML 1.2 does (PyYAML's YAML 1.1 wants a dot and a sign, ``1.0e+9``;
-    without them they were strings)."""
+    without them they were strings), and only ``true`` and ``false`` as booleans, as YAML 1.2 does (YAML 1.1's
+    ``yes``, ``no``, ``on``, ``off``, ``y`` and ``n`` are strings, which a boolean key refuses by name: PyYAML
+    read them as booleans, so ``prefix_aware_dispatch: yes`` passed where ``"false"`` and ``0`` are refused)."""
+
+
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_UniqueKeyLoader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
 def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:

@@ -181,6 +181,20 @@ def test_every_refused_value_of_a_section_is_listed_by_key_and_exponents_are_num
         parse_config([1, 2], "f")
 
 
+@pytest.mark.parametrize("word", ["yes", "no", "on", "off", "y", "N", "Yes"])
+def test_only_true_and_false_are_booleans_as_in_yaml_1_2(tmp_path: Path, word: str) -> None:
+    """YAML 1.1's other booleans are strings, refused by a boolean key (PyYAML read ``yes`` as true, and it passed
+    where ``"false"`` and ``0`` were refused)."""
+    f = tmp_path / "h.yaml"
+    f.write_text(f"policy: {{prefix_aware_dispatch: {word}}}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(f)
+    assert err.value.errors == [f"{f}: policy.prefix_aware_dispatch: expected true or false, got '{word}' (a string)"]
+    for given, value in (("true", True), ("False", False), ("TRUE", True)):
+        f.write_text(f"policy: {{prefix_aware_dispatch: {given}}}\n")
+        assert load_config(f).policy.prefix_aware_dispatch is value
+
+
 def test_the_fixed_overheads_of_a_move_are_read_and_checked_by_name(tmp_path: Path) -> None:
     cfg = parse_config({"cost": {"stage_overhead_s": 0.02, "setup_overhead_s": 0.05}}, "f")
     assert cfg.cost.stage_overhead_s == 0.02 and cfg.cost.setup_overhead_s == 0.05
