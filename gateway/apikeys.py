@@ -103,6 +103,7 @@ def parse_api_keys(raw: Any, source: str = "<api keys>") -> ApiKeys:
         raise ValueError("\n".join(top))
     errors: list[str] = []
     keys: list[ApiKey] = []
+    places: list[str] = []  # keys[i] (name) of each of keys
     for i, entry in enumerate(raw["keys"]):
         where = f"{source}: keys[{i}]"
         if not isinstance(entry, Mapping):
@@ -129,11 +130,14 @@ def parse_api_keys(raw: Any, source: str = "<api keys>") -> ApiKeys:
             continue
         if digest is not None:
             keys.append(ApiKey(name, digest, priority, ceiling))
+            places.append(f"keys[{i}] ({name})")
     for label, values in (("name", [k.name for k in keys]), ("key", [k.key_sha256 for k in keys])):
-        repeated = sorted({v for v in values if values.count(v) > 1})
-        if repeated:
-            shown = ", ".join(repeated) if label == "name" else f"{len(repeated)} key(s)"
-            errors.append(f"{source}: {label} given to more than one entry: {shown}")
+        entries: dict[str, list[str]] = {}
+        for value, place in zip(values, places, strict=True):
+            entries.setdefault(value, []).append(place)
+        for same in entries.values():
+            if len(same) > 1:  # a key's value is a secret: the entries are named, not it
+                errors.append(f"{source}: {', '.join(same)}: the same {label} in {len(same)} entries")
     if not keys and not errors:
         errors.append(f"{source}: keys is empty: a key file with no key would refuse every request")
     if errors:

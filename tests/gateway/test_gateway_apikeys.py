@@ -67,8 +67,14 @@ def test_keys_authenticate_by_digest_and_carry_their_classes() -> None:
         ({"keys": [{"name": "a", "key": "k", "prio": 1}]}, r"\(a\): prio: unknown key; expected one of: name, key,"),
         ({"keys": [{"name": "a", "key": "k", "priority": 11}]}, "priority must be an integer 0..9"),
         ({"keys": [{"name": "a", "key": "k", "priority": 1, "max_priority": 0}]}, "max_priority 0 is below priority 1"),
-        ({"keys": [{"name": "a", "key": "k"}, {"name": "a", "key": "j"}]}, "name given to more than one entry: a"),
-        ({"keys": [{"name": "a", "key": "k"}, {"name": "b", "key": "k"}]}, r"key given to more than one entry: 1 key"),
+        (
+            {"keys": [{"name": "a", "key": "k"}, {"name": "a", "key": "j"}]},
+            r"keys\[0\] \(a\), keys\[1\] \(a\): the same name in 2",
+        ),
+        (
+            {"keys": [{"name": "a", "key": "k"}, {"name": "b", "key": "k"}]},
+            r"keys\[0\] \(a\), keys\[1\] \(b\): the same key in 2",
+        ),
     ],
 )
 def test_a_bad_key_file_names_the_entry_and_what_is_wrong(raw: Any, message: str) -> None:
