@@ -314,7 +314,7 @@ def load_config(path: str | Path | None = None) -> HilumConfig:
     p = Path(path)
     try:
         if not str(path).strip():  # Path("") is the current directory
-            raise ConfigError(["is empty: give a configuration file, or leave the flag out for the defaults"])
+            raise ConfigError(["is empty: give a configuration file, or leave it out for the defaults"])
         try:
             text = p.read_text(encoding="utf-8")
         except OSError as exc:

@@ -163,7 +163,7 @@ def test_a_bad_configuration_file_is_refused_before_anything_starts(tmp_path: Pa
     [
         (None, "bad", "hilum up: error: $HILUM_CONFIG {bad}: policy.no_such_key: unknown key"),  # as the user named it
         ("bad", "", "hilum up: error: --config {bad}: policy.no_such_key: unknown key"),
-        ("", "bad", "hilum up: error: --config is empty: give a configuration file, or leave the flag out"),
+        ("", "bad", "hilum up: error: --config is empty: give a configuration file, or leave it out"),
     ],
 )
 def test_a_configuration_file_is_named_as_it_was_given(

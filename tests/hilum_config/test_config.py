@@ -235,7 +235,7 @@ def test_an_error_names_how_the_file_was_given(tmp_path: Path, monkeypatch: pyte
         load_config(f)
     assert str(from_flag.value) == f"--config {f}: policy.tie_tolerance: must be in [0, 1), got 2.0"
     assert from_flag.value.errors == [f"{f}: policy.tie_tolerance: must be in [0, 1), got 2.0"]
-    with pytest.raises(ConfigError, match=r"^--config is empty: give a configuration file, or leave the flag out"):
+    with pytest.raises(ConfigError, match=r"^--config is empty: give a configuration file, or leave it out"):
         load_config(" ")  # not the current directory
     monkeypatch.setenv(CONFIG_ENV, "")  # an empty variable is an unset one
     assert load_config() == HilumConfig()

@@ -209,7 +209,7 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--rate-scale", "inf"], "--rate-scale must be a finite number > 0, got inf"),
         (["--summary-lag-ms", "-1"], "--summary-lag-ms must be a finite number of milliseconds >= 0, got -1"),
         (["--config", "/no/such.yaml"], "--config /no/such.yaml: cannot read the configuration file"),
-        (["--config", ""], "--config is empty: give a configuration file, or leave the flag out for the defaults"),
+        (["--config", ""], "--config is empty: give a configuration file, or leave it out for the defaults"),
         (["--topology", "/no/such.yaml"], "invalid topology (--topology /no/such.yaml)"),
         (["--max-requests", "0"], "--max-requests must be >= 1"),
         (["--trace", "no-such-trace"], "no-such-trace"),
