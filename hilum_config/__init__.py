@@ -58,6 +58,7 @@ from topology.load import not_utf8, parse_yaml, pydantic_message, yaml_error_lin
 
 __all__ = [
     "CONFIG_ENV",
+    "DEFAULTS_SOURCE",
     "ConfigError",
     "HilumConfig",
     "Intervals",
@@ -69,6 +70,8 @@ __all__ = [
 
 #: Environment variable naming the configuration file when no ``--config`` is given.
 CONFIG_ENV = "HILUM_CONFIG"
+#: :attr:`HilumConfig.source` of the built-in defaults (no file).
+DEFAULTS_SOURCE = "<defaults>"
 
 
 class ConfigError(ValueError):
@@ -142,7 +145,18 @@ class HilumConfig:
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # the rule keys of the autoscale section
     actuator: ActuatorConfig = field(default_factory=ActuatorConfig)  # its command keys (autoscale.command ...)
     prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
-    source: str = "<defaults>"  # where it was read from
+    source: str = DEFAULTS_SOURCE  # where it was read from
+
+    def sections(self) -> dict[str, dict[str, Any]]:
+        """Every setting in the file's layout, ``{section: {key: value}}`` (every key, defaults included): what a
+        run used, for its record (``results.json``'s ``spec.config.settings``). :func:`parse_config` of it gives
+        back these settings."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, (cls, only) in _SECTIONS.items():
+            section = self.domain if name == "domain" else getattr(self, name)
+            out[name] = {f.name: getattr(section, f.name) for f in _keys(cls, only)}
+        out["autoscale"].update({f.name: getattr(self.actuator, f.name) for f in _keys(_AUTOSCALE_ACTUATOR, None)})
+        return out
 
 
 # The sections: name -> (dataclass, keys of it that the file sets; None = every init field).

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from global_coord.wiring import CostModelJudge
-from hilum_config import HilumConfig, load_config
+from hilum_config import DEFAULTS_SOURCE, HilumConfig, load_config
 from llumlet.engine.blocks import MAX_BLOCKS
 from llumlet.engine.latency import (
     CALIBRATED_HBM_BYTES_PER_S,
@@ -450,6 +450,10 @@ def run_simulation(
         "initial_instances": len(serving),
         "prefix_aware_dispatch": config.policy.prefix_aware_dispatch,  # the file's, or the option's override
         "prefix_caching": limits.prefix_caching,  # the option, else the file's prefix_cache.enabled
+        # every setting the run used, in the configuration file's layout (the file's, or the defaults, with the
+        # options' overrides applied), and the file it came from: a results file says what made it
+        "config_file": None if config.source == DEFAULTS_SOURCE else config.source,
+        "settings": config.sections(),
     }
     if autoscaler is not None:
         run_config["autoscale"] = dataclasses.asdict(autoscaler.rule)

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 from sim_factories import make_trace, tiny_topology
 
+from hilum_config import HilumConfig, load_config, parse_config
 from sim.events import EventKind, EventQueue
-from sim.results import SimRun, summarize
-from sim.runner import SimSpec, fit_to_context, run_simulation
+from sim.results import SimRun, load_results, summarize, write_results
+from sim.runner import SimOptions, SimSpec, fit_to_context, run_simulation
 from sim.schedulers import POLICY_NAMES
 from sim.traces import load_trace
 
@@ -311,3 +314,39 @@ def test_engine_priority_and_migration_for_slots_in_the_simulator() -> None:
     assert (len(slot_moves), sum(m.src_domain_id == m.dst_domain_id for m in slot_moves)) == (6, 5)
     overfull = [m.reason for m in with_priority.migrations if re.search(r"\(([3-9]|\d\d+) of 2 running", m.reason)]
     assert overfull == []
+
+
+def test_a_run_records_every_setting_it_used_and_the_file(tmp_path: Path) -> None:
+    """``spec.config.settings``: the configuration file's settings with the run's overrides, in the file's layout, and
+    ``config_file``; ``results.json`` did not say which thresholds or cost model a run had."""
+    config = tmp_path / "h.yaml"
+    config.write_text("policy: {tie_tolerance: 0.3}\ncost: {cap_fraction: 0.5, max_stages: 3}\n")
+    spec = SimSpec("tiny", "sharegpt", "hilum", options={"cap_fraction": 0.25}, config=str(config))
+    trace = load_trace("sharegpt", max_requests=10, seed=0, rate_per_s=5.0)
+    run = run_simulation(spec, trace=trace, topology=tiny_topology())
+    settings = run.config["settings"]
+    assert run.config["config_file"] == str(config)
+    assert settings["policy"]["tie_tolerance"] == 0.3 and settings["cost"]["max_stages"] == 3  # the file's
+    assert settings["cost"]["cap_fraction"] == 0.25  # the option's override, not the file's 0.5
+    assert settings["intervals"]["rebalance_interval_s"] == 0.05  # a default, recorded too
+    wanted = load_config(config)
+    wanted = dataclasses.replace(wanted, cost=dataclasses.replace(wanted.cost, cap_fraction=0.25))
+    assert parse_config(settings, str(config)) == wanted  # every setting, in the file's layout
+    (stored,) = load_results(write_results([run], tmp_path))
+    assert stored.config["settings"]["cost"] == {**settings["cost"]}
+    assert stored.config["settings"]["policy"]["priority_headroom_blocks"] == {"1": 128}  # JSON keys are strings
+    default = run_simulation(dataclasses.replace(spec, config=None, options={}), trace=trace, topology=tiny_topology())
+    assert default.config["config_file"] is None
+    assert parse_config(default.config["settings"], HilumConfig().source) == HilumConfig()
+
+
+def test_every_run_option_is_documented_with_its_default() -> None:
+    """docs/sim-results.md's run-options table lists every ``SimOptions`` key with its default (a sweep's options
+    were documented nowhere but in an error message)."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "sim-results.md").read_text()
+    for name, info in SimOptions.model_fields.items():
+        row = re.search(rf"^\| `{name}` \| `([^`]*)` \|", doc, flags=re.MULTILINE)
+        assert row is not None, f"docs/sim-results.md lacks the run option {name}"
+        default = info.default
+        shown = json.dumps(list(default) if isinstance(default, tuple) else default)
+        assert row.group(1) in (shown, str(default)), (name, row.group(1), shown)
