@@ -518,9 +518,12 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         base = replace(base, options={**options, "autoscale": True})
     parsed = base.parsed_options()  # fail before any work on bad options
     check_autoscale(parsed, config)  # and on a configuration that clashes with them
-    check_prefix_cache(config)
+    where = "--config" if args.config is not None else f"${CONFIG_ENV}"
+    try:
+        check_prefix_cache(config)
+    except ValueError as exc:  # "<file>: prefix_cache.<key>: ...", named as the file's other errors are
+        raise ValueError(f"{where} {exc}") from None
     if args.prefix_aware and args.prefix_caching is None and not config.prefix_cache.enabled:
-        where = "--config" if args.config is not None else f"${CONFIG_ENV}"
         raise ValueError(
             f"--prefix-aware needs prefix caching, and the configuration ({where}) has prefix_cache.enabled false: "
             "no engine holds a prefix for dispatch to count"

@@ -770,7 +770,7 @@ def test_prefix_caching_and_prefix_awareness_are_switched_from_the_command_line(
     tuned = tmp_path / "tuned.yaml"
     tuned.write_text("prefix_cache:\n  report_max_hashes: 64\n")
     assert main(["sim", "--max-requests", "5", "--config", str(tuned)]) == 2
-    assert "prefix_cache.report_max_hashes: hilum sim cannot honour it" in capsys.readouterr().err
+    assert f"--config {tuned}: prefix_cache.report_max_hashes: hilum sim cannot honour it" in capsys.readouterr().err
 
 
 def _sized(tmp_path: Path, blocks: dict[str, int], name: str) -> Path:
