@@ -342,3 +342,14 @@ def test_prefix_cache_section_builds_its_config_and_names_bad_values() -> None:
     )
     with pytest.raises(ConfigError, match=r"f: prefix_cache.blocks_per_hash: must be an int >= 1, got 0"):
         parse_config({"prefix_cache": {"blocks_per_hash": 0}}, "f")
+
+
+def test_the_rule_books_fields_are_in_docs_policy_md() -> None:
+    """docs/policy.md's PolicyConfig table lists every field with its default (domain_choices was missing)."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "policy.md").read_text()
+    for f in dataclasses.fields(PolicyConfig):
+        row = re.search(rf"^\| `{f.name}` \| `([^`]*)` \|", doc, flags=re.MULTILINE)
+        assert row is not None, f"docs/policy.md lacks PolicyConfig.{f.name}"
+        default = getattr(PolicyConfig(), f.name)
+        assert row.group(1) in (repr(default), str(default), f'"{default}"', str(dict(default)) if f.name ==
+                                "priority_headroom_blocks" else ""), (f.name, row.group(1), default)  # fmt: skip
