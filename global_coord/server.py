@@ -74,6 +74,23 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             out.append(convert.instance_info(reg, draining, load))
         return pb.ListInstancesReply(instances=out, view_revision=view.revision)
 
+    async def ListDrains(self, request: pb.ListDrainsRequest, context: _Ctx) -> pb.ListDrainsReply:
+        view = self._c.view
+        topology = self._c.topology
+        instances = set(view.instances())
+        domains = set(view.domains()) | set(view.summaries()) | {r.domain_id for r in view.instances().values()}
+        if topology is not None:
+            instances |= {i.instance_id for d in topology.domains for i in d.instances}
+            domains |= {d.domain_id for d in topology.domains}
+        out = [
+            pb.DrainEntry(
+                intent=convert.drain_intent(intent),
+                target_known=target in (instances if kind is DrainKind.INSTANCE else domains),
+            )
+            for (kind, target), intent in sorted(view.drains().items(), key=lambda kv: (kv[0][0].value, kv[0][1]))
+        ]
+        return pb.ListDrainsReply(drains=out, view_revision=view.revision)
+
     async def ListMigrations(self, request: pb.ListMigrationsRequest, context: _Ctx) -> pb.ListMigrationsReply:
         view = self._c.view
         out = [

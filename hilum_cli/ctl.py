@@ -7,6 +7,7 @@
     hilumctl migrations --follow --state active
     hilumctl drain node-3-i2 --wait --timeout 600
     hilumctl undrain node-3-i2
+    hilumctl drains
     hilumctl topology
     hilumctl autoscale --events 20
 
@@ -113,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
             # None = not given: refused without --wait, then filled with the defaults (_DRAIN_WAIT)
             p.add_argument("--timeout", type=float, metavar="S", help="--wait limit, seconds (300)")
             p.add_argument("--interval", type=float, metavar="S", help="--wait poll period, seconds (1)")
+    command("drains", "every drain intent recorded in etcd, and whether the target it names is known")
     command("topology", "the topology file the coordinator was started with")
     p = command("autoscale", "the autoscaler: its rule, each model's fleet freeness, instances in a phase, decisions")
     p.add_argument(
@@ -211,6 +213,12 @@ async def _known_domain(c: AdminClient, domain_id: str, domains: Sequence[pb.Dom
         f"domain {domain_id!r} is not known to the coordinator at {c.address}: no domain scheduler, summary or "
         "drain names it and its topology does not list it (see `hilumctl domains`)"
     )
+
+
+async def _drains(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
+    data = views.drains_json(await c.read("ListDrains", pb.ListDrainsRequest()))
+    out.json(data) if out.as_json else views.render_drains(out.console, data)
+    return 0
 
 
 async def _instances(c: AdminClient, ns: argparse.Namespace, out: _Out) -> int:
@@ -387,6 +395,7 @@ _COMMANDS = {
     "migrations": _migrations,
     "drain": _drain,
     "undrain": _drain,
+    "drains": _drains,
     "topology": _topology,
     "autoscale": _autoscale,
 }

@@ -168,6 +168,23 @@ def instances_json(reply: pb.ListInstancesReply) -> Json:
     return {"view_revision": reply.view_revision, "instances": [instance_json(i) for i in reply.instances]}
 
 
+def drains_json(reply: pb.ListDrainsReply) -> Json:
+    """``drains``: every drain intent recorded in etcd."""
+    return {
+        "view_revision": reply.view_revision,
+        "drains": [
+            {
+                "kind": e.intent.kind,
+                "target_id": e.intent.target_id,
+                "reason": e.intent.reason,
+                "fencing_token": e.intent.fencing_token,
+                "target_known": e.target_known,
+            }
+            for e in reply.drains
+        ],
+    }
+
+
 def migration_json(m: pb.Migration) -> Json:
     """One cross-domain migration record."""
     return {
@@ -434,6 +451,20 @@ def render_instances(console: Console, data: Json) -> None:
     _print_rows(console, table)
     unit = "; USED in KV blocks" if data["instances"] else ""
     console.print(f"{counted(len(data['instances']), 'instance')} (view at revision {data['view_revision']}){unit}")
+
+
+def render_drains(console: Console, data: Json) -> None:
+    """``drains`` as a table; a target the coordinator does not know is marked (and counted below it)."""
+    table = _table("KIND", "TARGET", "TOKEN", "TARGET KNOWN", "REASON")
+    for d in data["drains"]:
+        known = "yes" if d["target_known"] else "no: not registered, not in the topology"
+        table.add_row(d["kind"], d["target_id"], str(d["fencing_token"]), known, d["reason"] or "-")
+    _print_rows(console, table)
+    unknown = sum(1 for d in data["drains"] if not d["target_known"])
+    note = ""
+    if unknown:
+        note = f"; {unknown} name nothing known (`hilumctl undrain --instance|--domain NAME` removes one)"
+    console.print(f"{counted(len(data['drains']), 'drain intent')} (view at revision {data['view_revision']}){note}")
 
 
 def render_migrations(console: Console, data: Json) -> None:

@@ -685,6 +685,72 @@ class DrainIntent(_message.Message):
 Global___DrainIntent: _TypeAlias = DrainIntent  # noqa: Y015
 
 @_typing.final
+class ListDrainsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListDrainsRequest: _TypeAlias = ListDrainsRequest  # noqa: Y015
+
+@_typing.final
+class DrainEntry(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INTENT_FIELD_NUMBER: _builtins.int
+    TARGET_KNOWN_FIELD_NUMBER: _builtins.int
+    target_known: _builtins.bool
+    """an instance (domain) of that id is registered, or the coordinator's topology lists it; false for an intent
+    recorded ahead of its target (`hilumctl drain --instance` before the instance starts) or for a mistyped one
+    """
+    @_builtins.property
+    def intent(self) -> Global___DrainIntent: ...
+    def __init__(
+        self,
+        *,
+        intent: Global___DrainIntent | None = ...,
+        target_known: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["intent", b"intent"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["intent", b"intent", "target_known", b"target_known"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainEntry: _TypeAlias = DrainEntry  # noqa: Y015
+
+@_typing.final
+class ListDrainsReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DRAINS_FIELD_NUMBER: _builtins.int
+    VIEW_REVISION_FIELD_NUMBER: _builtins.int
+    view_revision: _builtins.int
+    @_builtins.property
+    def drains(self) -> _containers.RepeatedCompositeFieldContainer[Global___DrainEntry]:
+        """sorted by (kind, target_id)"""
+
+    def __init__(
+        self,
+        *,
+        drains: _abc.Iterable[Global___DrainEntry] | None = ...,
+        view_revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drains", b"drains", "view_revision", b"view_revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListDrainsReply: _TypeAlias = ListDrainsReply  # noqa: Y015
+
+@_typing.final
 class DrainReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -69,6 +69,11 @@ class CoordinatorStub:
                 request_serializer=hilum_dot_v1_dot_coordinator__pb2.UndrainRequest.SerializeToString,
                 response_deserializer=hilum_dot_v1_dot_coordinator__pb2.DrainReply.FromString,
                 _registered_method=True)
+        self.ListDrains = channel.unary_unary(
+                '/hilum.v1.Coordinator/ListDrains',
+                request_serializer=hilum_dot_v1_dot_coordinator__pb2.ListDrainsRequest.SerializeToString,
+                response_deserializer=hilum_dot_v1_dot_coordinator__pb2.ListDrainsReply.FromString,
+                _registered_method=True)
         self.GetTopology = channel.unary_unary(
                 '/hilum.v1.Coordinator/GetTopology',
                 request_serializer=hilum_dot_v1_dot_coordinator__pb2.GetTopologyRequest.SerializeToString,
@@ -138,6 +143,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListDrains(self, request, context):
+        """Every drain intent recorded in etcd, each with whether the instance or domain it names is known.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetTopology(self, request, context):
         """The topology the coordinator was started with.
         """
@@ -197,6 +209,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Undrain,
                     request_deserializer=hilum_dot_v1_dot_coordinator__pb2.UndrainRequest.FromString,
                     response_serializer=hilum_dot_v1_dot_coordinator__pb2.DrainReply.SerializeToString,
+            ),
+            'ListDrains': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDrains,
+                    request_deserializer=hilum_dot_v1_dot_coordinator__pb2.ListDrainsRequest.FromString,
+                    response_serializer=hilum_dot_v1_dot_coordinator__pb2.ListDrainsReply.SerializeToString,
             ),
             'GetTopology': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTopology,
@@ -403,6 +420,33 @@ class Coordinator:
             '/hilum.v1.Coordinator/Undrain',
             hilum_dot_v1_dot_coordinator__pb2.UndrainRequest.SerializeToString,
             hilum_dot_v1_dot_coordinator__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDrains(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hilum.v1.Coordinator/ListDrains',
+            hilum_dot_v1_dot_coordinator__pb2.ListDrainsRequest.SerializeToString,
+            hilum_dot_v1_dot_coordinator__pb2.ListDrainsReply.FromString,
             options,
             channel_credentials,
             insecure,

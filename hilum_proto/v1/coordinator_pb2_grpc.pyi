@@ -50,6 +50,8 @@ class CoordinatorStub:
     """Record a drain intent for an instance or a whole domain (leader only)."""
     Undrain: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.UndrainRequest, _coordinator_pb2.DrainReply]
     """Remove a drain intent (leader only)."""
+    ListDrains: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListDrainsRequest, _coordinator_pb2.ListDrainsReply]
+    """Every drain intent recorded in etcd, each with whether the instance or domain it names is known."""
     GetTopology: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetTopologyRequest, _coordinator_pb2.TopologyReply]
     """The topology the coordinator was started with."""
     ProposeMigration: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.MigrationProposal, _coordinator_pb2.Approval]
@@ -76,6 +78,8 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """Record a drain intent for an instance or a whole domain (leader only)."""
     Undrain: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.UndrainRequest, _coordinator_pb2.DrainReply]  # type: ignore[assignment]
     """Remove a drain intent (leader only)."""
+    ListDrains: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListDrainsRequest, _coordinator_pb2.ListDrainsReply]  # type: ignore[assignment]
+    """Every drain intent recorded in etcd, each with whether the instance or domain it names is known."""
     GetTopology: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetTopologyRequest, _coordinator_pb2.TopologyReply]  # type: ignore[assignment]
     """The topology the coordinator was started with."""
     ProposeMigration: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.MigrationProposal, _coordinator_pb2.Approval]  # type: ignore[assignment]
@@ -141,6 +145,14 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.DrainReply, _abc.Awaitable[_coordinator_pb2.DrainReply]]:
         """Remove a drain intent (leader only)."""
+
+    @_abc_1.abstractmethod
+    def ListDrains(
+        self,
+        request: _coordinator_pb2.ListDrainsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ListDrainsReply, _abc.Awaitable[_coordinator_pb2.ListDrainsReply]]:
+        """Every drain intent recorded in etcd, each with whether the instance or domain it names is known."""
 
     @_abc_1.abstractmethod
     def GetTopology(

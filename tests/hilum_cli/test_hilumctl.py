@@ -792,8 +792,24 @@ def test_drain_target_must_be_known_unless_its_kind_is_given(
     assert "not registered" in data["wait"]["detail"]
     data = ctl_json(capsys, *leader, "--json", "drain", "--domain", "future-rack")
     assert (data["kind"], data["target_id"], data["changed"]) == ("domain", "future-rack", True)
+    # every intent is listed, each saying whether its target is known (a mistyped one shows up here)
+    listed = until(lambda: ctl_json(capsys, *leader, "--json", "drains"), lambda data: len(data["drains"]) == 2)
+    assert listed["drains"] == [
+        {"kind": "domain", "target_id": "future-rack", "reason": "", "fencing_token": cluster.token,
+         "target_known": False},
+        {"kind": "instance", "target_id": "node-1-i7", "reason": "", "fencing_token": cluster.token,
+         "target_known": True},
+    ]  # fmt: skip
+    rc, out, _ = ctl(capsys, "--coordinator", cluster.standby_address, "drains")  # a read: any replica answers
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["domain"], ["instance"])]
+    assert rc == 0 and ["domain", "future-rack", str(cluster.token), "no:"] == rows[0][:4], out
+    assert ["instance", "node-1-i7", str(cluster.token), "yes", "-"] == rows[1], out
+    assert out.splitlines()[-1].startswith("2 drain intents (view at revision ") and "; 1 name nothing known" in out
     for argv in (["node-1-i7"], ["--domain", "future-rack"]):
         assert ctl(capsys, *leader, "undrain", *argv)[0] == 0
+    assert until(lambda: ctl_json(capsys, *leader, "--json", "drains"), lambda data: not data["drains"])
+    rc, out, _ = ctl(capsys, *leader, "drains")
+    assert rc == 0 and out.startswith("0 drain intents (view at revision "), out
     # a kind that contradicts what the name is known as: its intent would name nothing (nothing recorded)
     for argv, said in (
         (["node-1", "--instance"], "'node-1' is a domain, not an instance: drop --instance"),
