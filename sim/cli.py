@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from hilum_config import CONFIG_ENV, ConfigError, load_config
+from hilum_config import CONFIG_ENV, ConfigError, HilumConfig, load_config
 from hilum_config import add_argument as add_config_argument
 from topology.load import BUNDLED_NAMES
 
@@ -1089,16 +1089,11 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        config = load_sweep_config(args.config)
+        config, settings = _with_config_file(load_sweep_config(args.config), args.config)
         try:
-            _check_sweep(config)
+            _check_sweep(config, settings)
         except ValueError as exc:  # the file's content: named with the file, as load_sweep_config's errors are
             raise SweepConfigError([f"{args.config}: {exc}"]) from None
-        if config.config is not None:  # the runs' configuration file: read it here, not in every Ray task
-            try:
-                load_config(config.config)
-            except ConfigError as exc:
-                raise ValueError(exc.for_flag(f"{args.config}: config:")) from None
         if args.ray_address is not None and not args.ray_address.strip():
             raise ValueError("--ray-address is empty: give HOST:PORT, or leave the flag out for a local Ray")
         made = not Path(args.out).exists()
@@ -1131,9 +1126,31 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_sweep(config: SweepConfig) -> None:
-    """Fail before starting Ray on a grid that cannot run: unknown topology, trace, policy or option, or a rate
-    scale (with a seed) whose arrivals span more than ``sim.traces.MAX_SPAN_S``.
+def _with_config_file(config: SweepConfig, path: str) -> tuple[SweepConfig, HilumConfig]:
+    """The sweep with its configuration file as its runs take it, and that file's settings, as ``hilum sim`` takes
+    ``--config``: the file is ``config``, else ``$HILUM_CONFIG``'s (named in the runs, so that every Ray worker reads
+    the same file whatever its environment), read and checked here rather than in every task; its
+    ``autoscale.enabled`` turns the autoscaler on unless ``options.autoscale`` is given (a sweep ignored it).
+    ``path``: the sweep file, for errors. Raises ValueError."""
+    resolved = config.config if config.config is not None else os.environ.get(CONFIG_ENV) or None
+    named = f"{path}: config:" if config.config is not None else f"${CONFIG_ENV}"
+    try:
+        settings = load_config(resolved)
+        check_prefix_cache(settings)  # each run would refuse it in its Ray task
+    except ConfigError as exc:
+        raise ValueError(exc.for_flag(named)) from None
+    except ValueError as exc:
+        raise ValueError(f"{named} {exc}") from None
+    options = dict(config.options)
+    if settings.autoscale.enabled and "autoscale" not in options:
+        options["autoscale"] = True
+    return config.model_copy(update={"config": resolved, "options": options}), settings
+
+
+def _check_sweep(config: SweepConfig, settings: HilumConfig | None = None) -> None:
+    """Fail before starting Ray on a grid that cannot run: unknown topology, trace, policy or option, a rate
+    scale (with a seed) whose arrivals span more than ``sim.traces.MAX_SPAN_S``, or options that clash with the
+    configuration's ``settings`` (``sim.runner.check_autoscale``; None: not checked).
 
     Raises ValueError (or the loaders' errors, which are ValueErrors) naming the problem.
     """
@@ -1149,6 +1166,11 @@ def _check_sweep(config: SweepConfig) -> None:
         topology="", trace=config.trace, policy=config.policies[0], options=config.options
     ).parsed_options()
     assert isinstance(parsed, SimOptions)
+    if settings is not None:
+        try:
+            check_autoscale(parsed, settings)
+        except ValueError as exc:
+            raise ValueError(f"options: {exc}") from None
 
     def check(where: str, rate_scale: float = 1.0, seed: int = 0) -> None:
         try:

@@ -740,6 +740,42 @@ def test_the_bundled_sweep_example_is_valid() -> None:
     _check_sweep(config)
 
 
+def test_a_sweep_reads_its_configuration_file_as_hilum_sim_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``config: null`` is $HILUM_CONFIG's file, named in every run (a remote Ray worker's environment differs), and
+    the file's autoscale.enabled turns the autoscaler on unless the options say (the sweep ignored it)."""
+    from sim.cli import _check_sweep, _with_config_file
+    from sim.sweep import SweepConfig
+
+    on = tmp_path / "on.yaml"
+    on.write_text("autoscale: {enabled: true, start_timeout_s: 30}\n")
+    grid = {"trace": "sharegpt", "topologies": ["2x8-a100"], "policies": ["hilum"], "rate_scales": [1.0]}
+    monkeypatch.delenv("HILUM_CONFIG", raising=False)
+    config, settings = _with_config_file(SweepConfig(**grid), "s.yaml")
+    assert (config.config, config.options, settings.autoscale.enabled) == (None, {}, False)
+    config, settings = _with_config_file(SweepConfig(**grid, config=str(on)), "s.yaml")
+    assert (config.config, config.options, settings.autoscale.enabled) == (str(on), {"autoscale": True}, True)
+    off = SweepConfig(**grid, config=str(on), options={"autoscale": False})  # said in the options: kept
+    assert _with_config_file(off, "s.yaml")[0].options == {"autoscale": False}
+    monkeypatch.setenv("HILUM_CONFIG", str(on))
+    config, _ = _with_config_file(SweepConfig(**grid), "s.yaml")
+    assert (config.config, config.options) == (str(on), {"autoscale": True})
+    # a cold start the file's start timeout gives up on: refused before Ray starts, naming the option
+    late = SweepConfig(**grid, options={"cold_start_s": 45.0})
+    with pytest.raises(
+        ValueError, match=r"^options: cold_start_s \(45\) must be below autoscale.start_timeout_s \(30\)"
+    ):
+        _check_sweep(*_with_config_file(late, "s.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("policy: {tie_tolerance: 2.0}\n")
+    monkeypatch.setenv("HILUM_CONFIG", str(bad))
+    with pytest.raises(ValueError, match=rf"^\$HILUM_CONFIG {bad}: policy.tie_tolerance: must be in"):
+        _with_config_file(SweepConfig(**grid), "s.yaml")
+    with pytest.raises(ValueError, match=rf"^s.yaml: config: {bad}: policy.tie_tolerance: must be in"):
+        _with_config_file(SweepConfig(**grid, config=str(bad)), "s.yaml")
+
+
 def test_the_title_counts_the_instances_serving_at_start(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["sim", "--max-requests", "5", "--policy", "round-robin", "--initial-instances", "4"]
     assert main(argv) == 0
