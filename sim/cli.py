@@ -18,7 +18,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from types import TracebackType
@@ -40,7 +40,7 @@ from .traces import DEFAULT_SYNTHETIC_RATE_PER_S, MAX_ARRIVAL_CV, MIN_ARRIVAL_CV
 if TYPE_CHECKING:
     from topology.spec import InstanceSpec, Topology
 
-    from .results import PolicySummary, SimRun
+    from .results import PolicySummary
     from .sweep import SweepConfig
     from .traces import Trace
 
@@ -613,7 +613,14 @@ def run_cli(args: argparse.Namespace) -> int:
             f"({fleet}, {len(domains)} {_plural('domain', len(domains))}), seed {args.seed}"
         )
         baseline = "least-loaded" if "least-loaded" in {s.policy for s in summaries} else None
-        idle = _idle_columns(runs, summaries, trace, len(domains))
+        idle = _idle_columns(
+            [r.policy for r in runs],
+            summaries,
+            prefix_caching=bool(runs[0].config.get("prefix_caching", True)),
+            prefix_hashes=any(r.prefix_block_hashes for r in trace.requests),
+            one_domain=len(domains) == 1,
+            autoscaled="autoscale" in runs[0].config,
+        )
         if baseline is not None and all(r is None for r in ttft_p99_ratios(summaries, baseline).values()):
             idle["TTFT p99\n/ base"] = f"{baseline} has no P99 TTFT to divide by"  # no request got a first token
             baseline = None  # no ratio column
@@ -643,39 +650,53 @@ def run_cli(args: argparse.Namespace) -> int:
                 over = f"the high-priority requests that got a first token, {each}"
             few = "; fewer than 100: about the slowest of them" if min(counts.values()) < 100 else ""
             console.print(f"hi-pri TTFT p99: over {over}{few}", style="dim", highlight=False)
-        if idle:
-            by_reason: dict[str, list[str]] = {}
-            for header, why in idle.items():
-                by_reason.setdefault(why, []).append(header.replace("\n", " "))
-            notes = ", ".join(f"{', '.join(headers)} ({why})" for why, headers in by_reason.items())
-            console.print(f"not shown, nothing to count: {notes}", style="dim", highlight=False, soft_wrap=True)
+        _print_idle(console, idle)
     return 0
 
 
+def _print_idle(console: Console, idle: Mapping[str, str]) -> None:
+    """The footnote naming the columns :func:`_idle_columns` left out, and why (nothing when none was)."""
+    if idle:
+        by_reason: dict[str, list[str]] = {}
+        for header, why in idle.items():
+            by_reason.setdefault(why, []).append(header.replace("\n", " "))
+        notes = ", ".join(f"{', '.join(headers)} ({why})" for why, headers in by_reason.items())
+        console.print(f"not shown, nothing to count: {notes}", style="dim", highlight=False, soft_wrap=True)
+
+
 def _idle_columns(
-    runs: Sequence[SimRun], summaries: Sequence[PolicySummary], trace: Trace, num_domains: int
+    policies: Sequence[str],
+    summaries: Sequence[PolicySummary],
+    *,
+    prefix_caching: bool,
+    prefix_hashes: bool,
+    one_domain: bool,
+    autoscaled: bool,
+    autoscale_off: str = "no --autoscale",
 ) -> dict[str, str]:
-    """The columns of ``hilum sim``'s tables with nothing to count in ``runs`` of ``trace`` (header -> why):
+    """The columns of ``hilum sim``'s (or a sweep's) tables with nothing to count in runs of ``policies`` (header ->
+    why):
     - the prefix hit rate when prefix caching was off or no request of the trace carries prefix hashes;
     - the high-priority TTFT when no high-priority request got a first token (``summaries``: none has the figure);
-    - the migration columns when no policy of the run migrates, the cross-domain ones on one domain;
-    - the scale-outs and -ins without the autoscaler.
-    A count that could have been non-zero is shown, zero or not. ``--json`` and results.json keep every figure."""
+    - the migration columns when no policy of the runs migrates, the cross-domain ones on one domain;
+    - the scale-outs and -ins without the autoscaler (``autoscale_off`` says how it was left off).
+    A count that could have been non-zero is shown, zero or not. ``--json``, results.json and sweep.json keep every
+    figure."""
     from .report import MOVE_COLUMNS
 
     idle = {}
-    if not runs[0].config.get("prefix_caching", True):
+    if not prefix_caching:
         idle["prefix\nhit %"] = "prefix caching off"
-    elif not any(r.prefix_block_hashes for r in trace.requests):
+    elif not prefix_hashes:
         idle["prefix\nhit %"] = "the trace has no prefix hashes"
     if all(s.high_priority_ttft_p99_s is None for s in summaries):
         idle["hi-pri\nTTFT p99"] = "no high-priority request got a first token"
-    if not any(policy_migrates(r.policy) for r in runs):
+    if not any(policy_migrates(p) for p in policies):
         idle.update(dict.fromkeys(MOVE_COLUMNS, "no policy of the run migrates"))
-    elif num_domains == 1:
+    elif one_domain:
         idle["mig\ncross"] = idle["cross\nGB"] = "one domain"
-    if "autoscale" not in runs[0].config:
-        idle["scale\nout/in"] = "no --autoscale"
+    if not autoscaled:
+        idle["scale\nout/in"] = autoscale_off
     return idle
 
 
@@ -1070,7 +1091,7 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
     """``hilum sim sweep CONFIG``: run the grid as Ray tasks and merge the results."""
     from pydantic import ValidationError
 
-    from .report import LATENCY_COLUMNS, MIGRATION_COLUMNS, render_sweep_table
+    from .report import LATENCY_COLUMNS, MIGRATION_COLUMNS, MOVE_COLUMNS, render_sweep_table
     from .sweep import (
         SWEEP_FILE_NAME,
         SweepConfigError,
@@ -1112,18 +1133,47 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
             out.rmdir()  # made for this sweep, and nothing written into it
         print(f"hilum sim sweep: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
-    # two tables, as hilum sim prints (all 30 columns in one were 278 characters wide); every figure is in sweep.json
+    # two tables, as hilum sim prints (all 30 columns in one were 278 characters wide), without the columns with
+    # nothing to count (as hilum sim's); every figure is in sweep.json
+    idle = _sweep_idle_columns(config, settings, [r.summary for r in rows])
+    moves = "migrations and " if any(c not in idle for c in MOVE_COLUMNS) else ""
     tables = [
-        render_sweep_table(rows, columns=LATENCY_COLUMNS, compact=True),
-        render_sweep_table(rows, title="migrations and simulator cost", columns=MIGRATION_COLUMNS, compact=True),
+        render_sweep_table(rows, columns=[c for c in LATENCY_COLUMNS if c not in idle], compact=True),
+        render_sweep_table(
+            rows, title=f"{moves}simulator cost", columns=[c for c in MIGRATION_COLUMNS if c not in idle], compact=True
+        ),
     ]
     # files and pipes: the tables at their natural width, none cut to '…'
     widest = max(Console(width=10_000).measure(t).maximum for t in tables)
     console = Console() if sys.stdout.isatty() else Console(width=max(200, widest))
     for table in tables:
         console.print(table)
+    _print_idle(console, idle)
     print(f"sweep results and plots in {out}/", file=sys.stderr)
     return 0
+
+
+def _sweep_idle_columns(
+    config: SweepConfig, settings: HilumConfig, summaries: Sequence[PolicySummary]
+) -> dict[str, str]:
+    """:func:`_idle_columns` of a sweep's runs (its trace read again for its prefix hashes; the one-domain rule
+    when every topology has one domain)."""
+    from topology.load import load_topology
+
+    from .traces import load_trace
+
+    options = SimSpec(topology="", trace=config.trace, policy=config.policies[0], options=config.options)
+    parsed = options.parsed_options()
+    trace = load_trace(config.trace, max_requests=config.max_requests)
+    return _idle_columns(
+        config.policies,
+        summaries,
+        prefix_caching=settings.prefix_cache.enabled if parsed.prefix_caching is None else parsed.prefix_caching,
+        prefix_hashes=any(r.prefix_block_hashes for r in trace.requests),
+        one_domain=all(len(load_topology(t).domains) == 1 for t in config.topologies),
+        autoscaled=parsed.autoscale,
+        autoscale_off="no options.autoscale",
+    )
 
 
 def _with_config_file(config: SweepConfig, path: str) -> tuple[SweepConfig, HilumConfig]:

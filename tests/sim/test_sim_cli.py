@@ -655,9 +655,18 @@ def test_sweep_runs_real_simulations_as_ray_tasks(
     table = capsys.readouterr().out  # not a terminal: every column at its natural width, none cut to '…'
     assert "hilum" in table and "least-loaded" in table and "…" not in table
     # two tables, as hilum sim prints (one of every column was 278 characters wide): latency, then the rest
-    latency, rest = table.split("migrations and simulator cost")
+    tables, _ = table.split("not shown, nothing to count: ")
+    latency, rest = tables.split("migrations and simulator cost")
     assert "TTFT" in latency and "engine" not in latency and "engine" in rest and "TTFT" not in rest
-    assert max(len(line) for line in table.splitlines()) < 200
+    assert max(len(line) for line in tables.splitlines()) < 200
+    # the columns with nothing to count are left out, and said, as hilum sim does (every figure is in sweep.json)
+    assert "hi-pri" not in tables and "prefix" not in tables and "out/in" not in tables
+    assert table.splitlines()[-1] == (
+        "not shown, nothing to count: prefix hit % (the trace has no prefix hashes), hi-pri TTFT p99 (no "
+        "high-priority request got a first token), scale out/in (no options.autoscale)"
+    )
+    assert "intra" in rest and "aborted" in rest  # hilum migrates: its columns stay
+    assert {"prefix_hit_rate", "high_priority_ttft_p99_s", "scale_outs"} <= rows[0]["summary"].keys()
 
 
 def _no_instances(path: Path) -> Path:
