@@ -14,7 +14,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -267,7 +267,21 @@ def configured(path: str | None, options: SimOptions) -> HilumConfig:
         policy = dataclasses.replace(policy, prefix_aware_dispatch=options.prefix_aware_dispatch)
         domain = dataclasses.replace(domain, policy=policy)
     check_prefix_cache(cfg)
-    return dataclasses.replace(cfg, policy=policy, domain=domain, intervals=intervals, cost=cost, approval=approval)
+    prefix_cache = cfg.prefix_cache
+    if options.prefix_caching is not None:
+        prefix_cache = dataclasses.replace(prefix_cache, enabled=options.prefix_caching)
+    # the autoscaler runs exactly when the option says (hilum sim and a sweep set it from the file's switch)
+    autoscale = dataclasses.replace(cfg.autoscale, enabled=options.autoscale)
+    return dataclasses.replace(
+        cfg,
+        policy=policy,
+        domain=domain,
+        intervals=intervals,
+        cost=cost,
+        approval=approval,
+        prefix_cache=prefix_cache,
+        autoscale=autoscale,
+    )
 
 
 def check_prefix_cache(cfg: HilumConfig) -> None:
@@ -329,7 +343,7 @@ def run_simulation(
             options.max_num_seqs,
             options.max_num_batched_tokens,
             options.admission,
-            config.prefix_cache.enabled if options.prefix_caching is None else options.prefix_caching,
+            config.prefix_cache.enabled,  # the option's override, else the file's
             options.scheduling,
         )
         derived: list[str] = []
@@ -380,7 +394,7 @@ def run_simulation(
         if options.autoscale:
             autoscaler = SimAutoscaler(
                 model,
-                replace(config.autoscale, enabled=True),
+                config.autoscale,
                 pool,
                 cluster,
                 scheduler,
@@ -592,18 +606,23 @@ def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[s
     return drains, scale_outs
 
 
-def check_autoscale(options: SimOptions, config: HilumConfig) -> float:
+def check_autoscale(
+    options: SimOptions, config: HilumConfig, *, cold_start: str = "cold_start_s", source: str = "the configuration"
+) -> float:
     """The cold start an autoscaled run uses (``options.cold_start_s`` or :data:`DEFAULT_COLD_START_S`), s.
 
     Raises ValueError when it is not below the configuration's ``autoscale.start_timeout_s`` (every start
-    would be given up before it serves); only checked with ``options.autoscale``.
+    would be given up before it serves); only checked with ``options.autoscale``. ``cold_start`` and ``source``
+    name the option and the configuration in the message, as the caller's user gave them (``--cold-start-s``,
+    ``--config FILE``).
     """
     cold_start_s = DEFAULT_COLD_START_S if options.cold_start_s is None else options.cold_start_s
     timeout_s = config.autoscale.start_timeout_s
     if options.autoscale and not cold_start_s < timeout_s:
+        default = ", the default" if options.cold_start_s is None else ""
         raise ValueError(
-            f"cold_start_s ({cold_start_s:g}) must be below autoscale.start_timeout_s ({timeout_s:g}) of the "
-            "configuration, or every start would be given up before it serves"
+            f"{cold_start} ({cold_start_s:g}{default}) must be below autoscale.start_timeout_s ({timeout_s:g}) of "
+            f"{source}, or every start would be given up before it serves"
         )
     return cold_start_s
 

@@ -338,6 +338,14 @@ def test_a_run_records_every_setting_it_used_and_the_file(tmp_path: Path) -> Non
     default = run_simulation(dataclasses.replace(spec, config=None, options={}), trace=trace, topology=tiny_topology())
     assert default.config["config_file"] is None
     assert parse_config(default.config["settings"], HilumConfig().source) == HilumConfig()
+    # the switches the options set are recorded as the run had them (the file's prefix caching off, the autoscaler on)
+    config.write_text("prefix_cache: {enabled: false}\n")
+    switched = dataclasses.replace(spec, options={"prefix_caching": True, "autoscale": True, "initial_instances": 1})
+    settings = run_simulation(switched, trace=trace, topology=tiny_topology()).config["settings"]
+    assert (settings["prefix_cache"]["enabled"], settings["autoscale"]["enabled"]) == (True, True)
+    off = dataclasses.replace(spec, options={"prefix_caching": False})
+    settings = run_simulation(off, trace=trace, topology=tiny_topology()).config["settings"]
+    assert (settings["prefix_cache"]["enabled"], settings["autoscale"]["enabled"]) == (False, False)
 
 
 def test_every_run_option_is_documented_with_its_default() -> None:
