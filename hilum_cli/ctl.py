@@ -283,6 +283,10 @@ async def _kind(c: AdminClient, ns: argparse.Namespace) -> str:
     domains = await c.read("ListDomains", pb.ListDomainsRequest())
     topology = await c.read("GetTopology", pb.GetTopologyRequest())
     kind = resolve_target(ns.target, instances.instances, domains.domains, topology)
+    if kind == "unknown" and ns.command == "undrain":  # an intent of a name nothing else knows: its kind
+        intents = (await c.read("ListDrains", pb.ListDrainsRequest())).drains
+        kinds = {d.intent.kind for d in intents if d.intent.target_id == ns.target}
+        kind = kinds.pop() if len(kinds) == 1 else kind
     if ns.kind:
         if kind in ("instance", "domain") and kind != ns.kind:
             raise UsageError(

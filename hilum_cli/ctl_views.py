@@ -463,7 +463,8 @@ def render_drains(console: Console, data: Json) -> None:
     unknown = sum(1 for d in data["drains"] if not d["target_known"])
     note = ""
     if unknown:
-        note = f"; {unknown} name nothing known (`hilumctl undrain --instance|--domain NAME` removes one)"
+        verb = "names" if unknown == 1 else "name"
+        note = f"; {unknown} {verb} nothing known (`hilumctl undrain --instance|--domain NAME` removes one)"
     console.print(f"{counted(len(data['drains']), 'drain intent')} (view at revision {data['view_revision']}){note}")
 
 

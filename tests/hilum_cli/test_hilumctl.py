@@ -804,7 +804,11 @@ def test_drain_target_must_be_known_unless_its_kind_is_given(
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["domain"], ["instance"])]
     assert rc == 0 and ["domain", "future-rack", str(cluster.token), "no:"] == rows[0][:4], out
     assert ["instance", "node-1-i7", str(cluster.token), "yes", "-"] == rows[1], out
-    assert out.splitlines()[-1].startswith("2 drain intents (view at revision ") and "; 1 name nothing known" in out
+    assert out.splitlines()[-1].startswith("2 drain intents (view at revision ") and "; 1 names nothing known" in out
+    assert ctl(capsys, *leader, "--json", "drain", "--instance", "node-1-i77")[0] == 0  # a typo, recorded
+    until(lambda: ctl_json(capsys, *leader, "--json", "drains"), lambda data: len(data["drains"]) == 3)
+    rc, out, err = ctl(capsys, *leader, "undrain", "node-1-i77")  # found by its intent, without --instance
+    assert (rc, out.strip()) == (0, "instance node-1-i77 is no longer draining"), err
     for argv in (["node-1-i7"], ["--domain", "future-rack"]):
         assert ctl(capsys, *leader, "undrain", *argv)[0] == 0
     assert until(lambda: ctl_json(capsys, *leader, "--json", "drains"), lambda data: not data["drains"])
