@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from hilum_config import CONFIG_ENV, ConfigError, HilumConfig, load_config
+from hilum_config import CONFIG_ENV, DEFAULTS_SOURCE, ConfigError, HilumConfig, load_config
 from hilum_config import add_argument as add_config_argument
 from topology.load import BUNDLED_NAMES
 
@@ -517,8 +517,10 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
     if config.autoscale.enabled and not args.autoscale:  # the file's switch turns it on here too
         base = replace(base, options={**options, "autoscale": True})
     parsed = base.parsed_options()  # fail before any work on bad options
-    check_autoscale(parsed, config)  # and on a configuration that clashes with them
     where = "--config" if args.config is not None else f"${CONFIG_ENV}"
+    # and on a configuration that clashes with them
+    source = "the built-in defaults" if config.source == DEFAULTS_SOURCE else f"{where} {config.source}"
+    check_autoscale(parsed, config, cold_start="--cold-start-s", source=source)
     try:
         check_prefix_cache(config)
     except ValueError as exc:  # "<file>: prefix_cache.<key>: ...", named as the file's other errors are
@@ -1172,7 +1174,7 @@ def _sweep_idle_columns(
         prefix_hashes=any(r.prefix_block_hashes for r in trace.requests),
         one_domain=all(len(load_topology(t).domains) == 1 for t in config.topologies),
         autoscaled=parsed.autoscale,
-        autoscale_off="no options.autoscale",
+        autoscale_off="the autoscaler off",
     )
 
 
@@ -1217,10 +1219,10 @@ def _check_sweep(config: SweepConfig, settings: HilumConfig | None = None) -> No
     ).parsed_options()
     assert isinstance(parsed, SimOptions)
     if settings is not None:
-        try:
-            check_autoscale(parsed, settings)
-        except ValueError as exc:
-            raise ValueError(f"options: {exc}") from None
+        source = (
+            "the built-in defaults" if settings.source == DEFAULTS_SOURCE else f"the configuration {settings.source}"
+        )
+        check_autoscale(parsed, settings, cold_start="options.cold_start_s", source=source)
 
     def check(where: str, rate_scale: float = 1.0, seed: int = 0) -> None:
         try:

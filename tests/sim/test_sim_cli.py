@@ -259,7 +259,10 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--policy", "llumnix,"], "--policy 'llumnix,' has an empty name; separate policies by single commas"),
         (["--policy", "hilum,,llumnix"], "--policy 'hilum,,llumnix' has an empty name"),
         (["--cold-start-s", "5"], "cold_start_s (--cold-start-s) applies only with autoscale (--autoscale)"),
-        (["--autoscale", "--cold-start-s", "600"], "must be below autoscale.start_timeout_s (600)"),
+        (
+            ["--autoscale", "--cold-start-s", "600"],
+            "--cold-start-s (600) must be below autoscale.start_timeout_s (600) of the built-in defaults",
+        ),
         (["--autoscale", "--scale-out", "node-0-i1@9"], "cannot be combined with autoscale"),
         (["--initial-instances", "17"], "initial_instances (--initial-instances) 17: 2x8-a100-40gb has only 16"),
         (
@@ -663,7 +666,7 @@ def test_sweep_runs_real_simulations_as_ray_tasks(
     assert "hi-pri" not in tables and "prefix" not in tables and "out/in" not in tables
     assert table.splitlines()[-1] == (
         "not shown, nothing to count: prefix hit % (the trace has no prefix hashes), hi-pri TTFT p99 (no "
-        "high-priority request got a first token), scale out/in (no options.autoscale)"
+        "high-priority request got a first token), scale out/in (the autoscaler off)"
     )
     assert "intra" in rest and "aborted" in rest  # hilum migrates: its columns stay
     assert {"prefix_hit_rate", "high_priority_ttft_p99_s", "scale_outs"} <= rows[0]["summary"].keys()
@@ -773,7 +776,8 @@ def test_a_sweep_reads_its_configuration_file_as_hilum_sim_does(
     # a cold start the file's start timeout gives up on: refused before Ray starts, naming the option
     late = SweepConfig(**grid, options={"cold_start_s": 45.0})
     with pytest.raises(
-        ValueError, match=r"^options: cold_start_s \(45\) must be below autoscale.start_timeout_s \(30\)"
+        ValueError,
+        match=rf"^options.cold_start_s \(45\) must be below autoscale.start_timeout_s \(30\) of the configuration {on}",
     ):
         _check_sweep(*_with_config_file(late, "s.yaml"))
     bad = tmp_path / "bad.yaml"
