@@ -1092,8 +1092,9 @@ def _output_dir(out: str | None, files: str, names: Sequence[str] = ()) -> Path 
 def run_sweep_cli(args: argparse.Namespace) -> int:
     """``hilum sim sweep CONFIG``: run the grid as Ray tasks and merge the results."""
     from pydantic import ValidationError
+    from rich.table import Table
 
-    from .report import LATENCY_COLUMNS, MIGRATION_COLUMNS, MOVE_COLUMNS, render_sweep_table
+    from .report import LATENCY_COLUMNS, MIGRATION_COLUMNS, MOVE_COLUMNS, render_sweep_table, split_to_fit
     from .sweep import (
         SWEEP_FILE_NAME,
         SweepConfigError,
@@ -1139,15 +1140,21 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
     # nothing to count (as hilum sim's); every figure is in sweep.json
     idle = _sweep_idle_columns(config, settings, [r.summary for r in rows])
     moves = "migrations and " if any(c not in idle for c in MOVE_COLUMNS) else ""
-    tables = [
-        render_sweep_table(rows, columns=[c for c in LATENCY_COLUMNS if c not in idle], compact=True),
-        render_sweep_table(
-            rows, title=f"{moves}simulator cost", columns=[c for c in MIGRATION_COLUMNS if c not in idle], compact=True
-        ),
-    ]
-    # files and pipes: the tables at their natural width, none cut to '…'
-    widest = max(Console(width=10_000).measure(t).maximum for t in tables)
-    console = Console() if sys.stdout.isatty() else Console(width=max(200, widest))
+
+    def build(columns: Sequence[str], title: str) -> Table:
+        return render_sweep_table(rows, title=title, columns=columns, compact=True)
+
+    latency = [c for c in LATENCY_COLUMNS if c not in idle]
+    migration = [c for c in MIGRATION_COLUMNS if c not in idle]
+    console = Console()
+    if sys.stdout.isatty():  # a terminal too narrow for a table: its columns over several tables, none cut to '…'
+        tables = [
+            *split_to_fit(build, latency, "hilum sim sweep", console.width),
+            *split_to_fit(build, migration, f"{moves}simulator cost", console.width),
+        ]
+    else:  # files and pipes: the two tables at their natural width
+        tables = [build(latency, "hilum sim sweep"), build(migration, f"{moves}simulator cost")]
+        console = Console(width=max(200, *(Console(width=10_000).measure(t).maximum for t in tables)))
     for table in tables:
         console.print(table)
     _print_idle(console, idle)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import io
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 from matplotlib.image import imread
 from rich.console import Console
+from rich.table import Table
 
 from sim.plots import plot_kv_usage, plot_p99_vs_load, plot_ttft_cdf
 from sim.report import (
@@ -166,6 +168,32 @@ def test_the_two_tables_fit_the_terminal_whole(width: int) -> None:
     else:
         assert [t.row_count for t in tables] == [4, 4]  # a row per policy
         assert any(line.strip().startswith("least-loaded") for line in lines)
+
+
+@pytest.mark.parametrize("width", [60, 80, 120, 400])
+def test_a_sweeps_columns_are_split_over_tables_that_fit(width: int) -> None:
+    """A terminal too narrow for a sweep's table gets its columns over several tables, each whole, none cut to '…'
+    (a sweep has a row per grid point: it cannot turn a quarter as hilum sim's tables do)."""
+    from sim.report import render_sweep_table, split_to_fit
+
+    rows = [SweepRow("2x8-a100-40gb", "burstgpt", p, r, 0, 100, dataclasses.replace(SUMMARY, policy=p))
+            for p in ("least-loaded", "hilum") for r in (1.0, 2.5)]  # fmt: skip
+
+    def build(columns: Sequence[str], title: str) -> Table:
+        return render_sweep_table(rows, title=title, columns=columns, compact=True)
+
+    tables = split_to_fit(build, LATENCY_COLUMNS, "hilum sim sweep", width)
+    shown = [
+        c.header for t in tables for c in t.columns if c.header not in ("topology", "policy", "rate\nscale", "seed")
+    ]
+    assert shown == list(LATENCY_COLUMNS)  # each once, in order
+    console = Console(width=width, record=True, color_system=None, file=io.StringIO())
+    for table in tables:
+        console.print(table)
+    text = console.export_text()
+    assert "…" not in text and max(len(line.rstrip()) for line in text.splitlines()) <= width
+    assert [t.title for t in tables] == ["hilum sim sweep"] + ["hilum sim sweep (continued)"] * (len(tables) - 1)
+    assert (len(tables) == 1) == (width == 400)
 
 
 def test_sweep_table_has_grid_columns() -> None:
