@@ -128,6 +128,9 @@ def _run(argv: list[str], command: str | None) -> int:
         # results file half-written (sim.cli); Python's default would end the process where it stands
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, signal.default_int_handler)
+    if command == "up":  # Ctrl-C even while its modules load, also when inherited ignored (a script's `hilum up &`):
+        # hilum up's own handlers take over before it starts anything (hilum_cli.up)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = build_parser(full=() if command is None else (command,))
     args = parser.parse_args(argv)
     status: int = args.func(args)
