@@ -47,16 +47,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def Status(self, request: pb.StatusRequest, context: _Ctx) -> pb.StatusReply:
         return convert.status_reply(self._c.status())
 
+    def _known(self) -> tuple[set[str], set[str]]:
+        """(instance ids, domain ids) the cluster has, drain intents aside: registered, or in the coordinator's
+        topology; a domain also when it has a summary or a registered llumlet names it."""
+        view, topology = self._c.view, self._c.topology
+        instances = set(view.instances())
+        domains = set(view.domains()) | set(view.summaries()) | {r.domain_id for r in view.instances().values()}
+        if topology is not None:
+            instances |= {i.instance_id for d in topology.domains for i in d.instances}
+            domains |= {d.domain_id for d in topology.domains}
+        return instances, domains
+
     async def ListDomains(self, request: pb.ListDomainsRequest, context: _Ctx) -> pb.ListDomainsReply:
         view = self._c.view
         regs, summaries, drains = view.domains(), view.summaries(), view.drains()
         # every domain the cluster has, not only those with a scheduler now: the topology's, and any a registered
         # llumlet names (a scheduler that has been away past its lease, or was never started, shows as registered
         # False, and hilumctl says so, instead of the domain vanishing from `domains` and `requests`)
-        topology = self._c.topology
-        listed = {d.domain_id for d in topology.domains} if topology is not None else set()
-        served = {r.domain_id for r in view.instances().values()}
-        ids = sorted(set(regs) | set(summaries) | {t for k, t in drains if k is DrainKind.DOMAIN} | listed | served)
+        ids = sorted(self._known()[1] | {t for k, t in drains if k is DrainKind.DOMAIN})
         domains = [convert.domain_info(d, regs.get(d), summaries.get(d), (DrainKind.DOMAIN, d) in drains) for d in ids]
         return pb.ListDomainsReply(domains=domains, view_revision=view.revision)
 
@@ -76,12 +84,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def ListDrains(self, request: pb.ListDrainsRequest, context: _Ctx) -> pb.ListDrainsReply:
         view = self._c.view
-        topology = self._c.topology
-        instances = set(view.instances())
-        domains = set(view.domains()) | set(view.summaries()) | {r.domain_id for r in view.instances().values()}
-        if topology is not None:
-            instances |= {i.instance_id for d in topology.domains for i in d.instances}
-            domains |= {d.domain_id for d in topology.domains}
+        instances, domains = self._known()
         out = [
             pb.DrainEntry(
                 intent=convert.drain_intent(intent),

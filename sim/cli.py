@@ -19,7 +19,7 @@ import signal
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -443,6 +443,26 @@ def _add_run_arguments(parser: argparse.ArgumentParser, sizing: bool = False) ->
     add_config_argument(parser)
 
 
+def _configuration(path: str | None, named: str) -> HilumConfig:
+    """The configuration file at ``path`` (None: ``$HILUM_CONFIG``'s, else the built-in defaults), read, and checked
+    for the ``prefix_cache`` keys the simulator cannot honour. ``named``: how the user named it (``--config``,
+    ``$HILUM_CONFIG``, ``sweep.yaml: config:``), which leads each line of an error. Raises ValueError."""
+    try:
+        settings = load_config(path)
+        check_prefix_cache(settings)
+    except ConfigError as exc:
+        raise ValueError(exc.for_flag(named)) from None
+    except ValueError as exc:  # "<file>: prefix_cache.<key>: ...", named as the file's other errors are
+        raise ValueError(f"{named} {exc}") from None
+    return settings
+
+
+def _described(settings: HilumConfig, named: str) -> str:
+    """The configuration ``settings`` came from, in words for a message: ``named`` and its file, or the built-in
+    defaults."""
+    return "the built-in defaults" if settings.source == DEFAULTS_SOURCE else f"{named} {settings.source}"
+
+
 def _specs(args: argparse.Namespace) -> list[SimSpec]:
     policies = [p.strip() for p in args.policy.split(",")]
     if policies == [""]:
@@ -510,21 +530,13 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         options=options,
         config=args.config,
     )
-    try:  # fail before any work on a bad configuration file
-        config = load_config(args.config)
-    except ConfigError as exc:  # named as the user gave it: the flag, or the environment variable
-        raise ValueError(exc.for_flag()) from None
+    where = "--config" if args.config is not None else f"${CONFIG_ENV}"  # as the user gave it
+    config = _configuration(args.config, where)  # fail before any work on a bad configuration file
     if config.autoscale.enabled and not args.autoscale:  # the file's switch turns it on here too
         base = replace(base, options={**options, "autoscale": True})
     parsed = base.parsed_options()  # fail before any work on bad options
-    where = "--config" if args.config is not None else f"${CONFIG_ENV}"
     # and on a configuration that clashes with them
-    source = "the built-in defaults" if config.source == DEFAULTS_SOURCE else f"{where} {config.source}"
-    check_autoscale(parsed, config, cold_start="--cold-start-s", source=source)
-    try:
-        check_prefix_cache(config)
-    except ValueError as exc:  # "<file>: prefix_cache.<key>: ...", named as the file's other errors are
-        raise ValueError(f"{where} {exc}") from None
+    check_autoscale(parsed, config, cold_start="--cold-start-s", source=_described(config, where))
     if args.prefix_aware and args.prefix_caching is None and not config.prefix_cache.enabled:
         raise ValueError(
             f"--prefix-aware needs prefix caching, and the configuration ({where}) has prefix_cache.enabled false: "
@@ -1115,7 +1127,7 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
     try:
         config, settings = _with_config_file(load_sweep_config(args.config), args.config)
         try:
-            _check_sweep(config, settings)
+            facts = _check_sweep(config, settings)
         except ValueError as exc:  # the file's content: named with the file, as load_sweep_config's errors are
             raise SweepConfigError([f"{args.config}: {exc}"]) from None
         if args.ray_address is not None and not args.ray_address.strip():
@@ -1138,7 +1150,7 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
         return 2 if isinstance(exc, ValueError) else 1
     # two tables, as hilum sim prints (all 30 columns in one were 278 characters wide), without the columns with
     # nothing to count (as hilum sim's); every figure is in sweep.json
-    idle = _sweep_idle_columns(config, settings, [r.summary for r in rows])
+    idle = _sweep_idle_columns(config, settings, facts, [r.summary for r in rows])
     moves = "migrations and " if any(c not in idle for c in MOVE_COLUMNS) else ""
 
     def build(columns: Sequence[str], title: str) -> Table:
@@ -1163,24 +1175,18 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
 
 
 def _sweep_idle_columns(
-    config: SweepConfig, settings: HilumConfig, summaries: Sequence[PolicySummary]
+    config: SweepConfig, settings: HilumConfig, facts: _SweepFacts, summaries: Sequence[PolicySummary]
 ) -> dict[str, str]:
-    """:func:`_idle_columns` of a sweep's runs (its trace read again for its prefix hashes; the one-domain rule
-    when every topology has one domain)."""
-    from topology.load import load_topology
-
-    from .traces import load_trace
-
-    options = SimSpec(topology="", trace=config.trace, policy=config.policies[0], options=config.options)
-    parsed = options.parsed_options()
-    trace = load_trace(config.trace, max_requests=config.max_requests)
+    """:func:`_idle_columns` of a sweep's runs (``facts``: what :func:`_check_sweep` read; the one-domain rule when
+    every topology has one domain)."""
+    caching = facts.options.prefix_caching
     return _idle_columns(
         config.policies,
         summaries,
-        prefix_caching=settings.prefix_cache.enabled if parsed.prefix_caching is None else parsed.prefix_caching,
-        prefix_hashes=any(r.prefix_block_hashes for r in trace.requests),
-        one_domain=all(len(load_topology(t).domains) == 1 for t in config.topologies),
-        autoscaled=parsed.autoscale,
+        prefix_caching=settings.prefix_cache.enabled if caching is None else caching,
+        prefix_hashes=facts.prefix_hashes,
+        one_domain=facts.one_domain,
+        autoscaled=facts.options.autoscale,
         autoscale_off="the autoscaler off",
     )
 
@@ -1192,24 +1198,27 @@ def _with_config_file(config: SweepConfig, path: str) -> tuple[SweepConfig, Hilu
     ``autoscale.enabled`` turns the autoscaler on unless ``options.autoscale`` is given (a sweep ignored it).
     ``path``: the sweep file, for errors. Raises ValueError."""
     resolved = config.config if config.config is not None else os.environ.get(CONFIG_ENV) or None
-    named = f"{path}: config:" if config.config is not None else f"${CONFIG_ENV}"
-    try:
-        settings = load_config(resolved)
-        check_prefix_cache(settings)  # each run would refuse it in its Ray task
-    except ConfigError as exc:
-        raise ValueError(exc.for_flag(named)) from None
-    except ValueError as exc:
-        raise ValueError(f"{named} {exc}") from None
+    settings = _configuration(resolved, f"{path}: config:" if config.config is not None else f"${CONFIG_ENV}")
     options = dict(config.options)
     if settings.autoscale.enabled and "autoscale" not in options:
         options["autoscale"] = True
     return config.model_copy(update={"config": resolved, "options": options}), settings
 
 
-def _check_sweep(config: SweepConfig, settings: HilumConfig | None = None) -> None:
+@dataclass(frozen=True, slots=True)
+class _SweepFacts:
+    """What :func:`_check_sweep` found that the sweep's tables need (:func:`_sweep_idle_columns`)."""
+
+    options: SimOptions  # the runs' options, parsed
+    prefix_hashes: bool  # some request of the trace carries prefix hashes
+    one_domain: bool  # every topology has one domain
+
+
+def _check_sweep(config: SweepConfig, settings: HilumConfig | None = None) -> _SweepFacts:
     """Fail before starting Ray on a grid that cannot run: unknown topology, trace, policy or option, a rate
     scale (with a seed) whose arrivals span more than ``sim.traces.MAX_SPAN_S``, or options that clash with the
-    configuration's ``settings`` (``sim.runner.check_autoscale``; None: not checked).
+    configuration's ``settings`` (``sim.runner.check_autoscale``; None: not checked). Returns what it read that the
+    tables need.
 
     Raises ValueError (or the loaders' errors, which are ValueErrors) naming the problem.
     """
@@ -1226,14 +1235,13 @@ def _check_sweep(config: SweepConfig, settings: HilumConfig | None = None) -> No
     ).parsed_options()
     assert isinstance(parsed, SimOptions)
     if settings is not None:
-        source = (
-            "the built-in defaults" if settings.source == DEFAULTS_SOURCE else f"the configuration {settings.source}"
-        )
+        source = _described(settings, "the configuration")
         check_autoscale(parsed, settings, cold_start="options.cold_start_s", source=source)
+    prefix_hashes: list[bool] = []  # of the first trace loaded (the same requests in each: only arrivals differ)
 
     def check(where: str, rate_scale: float = 1.0, seed: int = 0) -> None:
         try:
-            load_trace(
+            trace = load_trace(
                 config.trace,
                 rate_scale=rate_scale,
                 max_requests=config.max_requests,
@@ -1248,12 +1256,15 @@ def _check_sweep(config: SweepConfig, settings: HilumConfig | None = None) -> No
             except ValueError as plain:
                 raise ValueError(f"trace: {plain}") from None
             raise ValueError(f"{where}: {exc}") from None
+        if not prefix_hashes:
+            prefix_hashes.append(any(r.prefix_block_hashes for r in trace.requests))
 
     if config.arrival is not None:
         check("arrival")
     for i, rate_scale in enumerate(config.rate_scales):
         for seed in config.seeds:
             check(f"rate_scales[{i}] = {rate_scale:g}, seed {seed}", rate_scale=rate_scale, seed=seed)
+    domains = []
     for i, name in enumerate(config.topologies):
         try:
             topology = load_topology(name)
@@ -1265,3 +1276,5 @@ def _check_sweep(config: SweepConfig, settings: HilumConfig | None = None) -> No
             check_options(topology, parsed)
         except ValueError as exc:
             raise ValueError(f"options, on topologies[{i}] ({name}): {exc}") from None
+        domains.append(len(topology.domains))
+    return _SweepFacts(parsed, prefix_hashes[0], all(n == 1 for n in domains))
