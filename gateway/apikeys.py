@@ -103,7 +103,7 @@ def parse_api_keys(raw: Any, source: str = "<api keys>") -> ApiKeys:
         raise ValueError("\n".join(top))
     errors: list[str] = []
     keys: list[ApiKey] = []
-    places: list[str] = []  # keys[i] (name) of each of keys
+    entries: dict[str, dict[str, list[str]]] = {"name": {}, "key": {}}  # each name's and digest's keys[i] (name)
     for i, entry in enumerate(raw["keys"]):
         where = f"{source}: keys[{i}]"
         if not isinstance(entry, Mapping):
@@ -130,12 +130,10 @@ def parse_api_keys(raw: Any, source: str = "<api keys>") -> ApiKeys:
             continue
         if digest is not None:
             keys.append(ApiKey(name, digest, priority, ceiling))
-            places.append(f"keys[{i}] ({name})")
-    for label, values in (("name", [k.name for k in keys]), ("key", [k.key_sha256 for k in keys])):
-        entries: dict[str, list[str]] = {}
-        for value, place in zip(values, places, strict=True):
-            entries.setdefault(value, []).append(place)
-        for same in entries.values():
+            for label, value in (("name", name), ("key", digest)):
+                entries[label].setdefault(value, []).append(f"keys[{i}] ({name})")
+    for label, places in entries.items():
+        for same in places.values():
             if len(same) > 1:  # a key's value is a secret: the entries are named, not it
                 errors.append(f"{source}: {', '.join(same)}: the same {label} in {len(same)} entries")
     if not keys and not errors:

@@ -212,15 +212,15 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
             continue
         more = (_AUTOSCALE_ACTUATOR,) if name == "autoscale" else ()
         schema = _schema(cls, only, *more)
-        refused: set[str] = set()  # keys refused for their type (or unknown): the rest checked with defaults for them
+        refused: set[int | str] = set()  # keys refused for their type (or unknown); the rest checked without them
         try:
             values = schema.model_validate(dict(section))
         except ValidationError as exc:
-            refused = {str(e["loc"][0]) for e in exc.errors() if e["loc"]}
+            refused = {e["loc"][0] for e in exc.errors() if e["loc"]}
             for e in exc.errors():  # in hilum's words, as a sweep file's (not "Input should be a valid number")
                 errors.append(f"{source}: {_where(name, e['loc'])}: {pydantic_message(e, schema.model_fields)}")
             # the section's other keys are still checked, so a wrong type never hides a bad value next to it
-            typed = {k: v for k, v in section.items() if k not in {e["loc"][0] for e in exc.errors() if e["loc"]}}
+            typed = {k: v for k, v in section.items() if k not in refused}
             try:
                 values = schema.model_validate(typed)
             except ValidationError:
@@ -263,7 +263,7 @@ def parse_config(raw: Any, source: str = "<config>") -> HilumConfig:
     )
 
 
-def _build(cls: type[Any], values: dict[str, Any], where: str, *, refused: Collection[str] = ()) -> Any:
+def _build(cls: type[Any], values: dict[str, Any], where: str, *, refused: Collection[int | str] = ()) -> Any:
     """``cls(**values)``, or ConfigError with every value it refuses: each refusal names its key when the
     dataclass's message does (``"cap_fraction must be ..."``, ``"PolicyConfig.tie_tolerance: must be ..."``) as
     ``"<where>.<key>: <message>"``; that key is set aside and the rest tried again, so one bad value never hides
@@ -278,7 +278,7 @@ def _build(cls: type[Any], values: dict[str, Any], where: str, *, refused: Colle
         except ValueError as exc:
             key, message = _blamed(str(exc), left, cls.__name__)
             if key is None:
-                if not any(key in message for key in refused):
+                if not any(str(key) in message for key in refused):
                     errors.append(f"{where}: {message}")
                 break
             errors.append(f"{where}.{key}{message}" if message.startswith("[") else f"{where}.{key}: {message}")
