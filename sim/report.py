@@ -212,7 +212,11 @@ def summary_tables(
 ) -> list[Table]:
     """``hilum sim``'s two tables (``latency`` and ``migration`` columns, the first with the P99 TTFT ratio to
     ``baseline``), one row per policy when both fit ``width`` characters, else one row per metric
-    (:func:`render_by_metric`): rich would cut every cell to ``…`` to squeeze a table into a narrow terminal."""
+    (:func:`render_by_metric`): rich would cut every cell to ``…`` to squeeze a table into a narrow terminal.
+
+    Raises:
+        ValueError: if ``baseline`` names no policy among ``summaries``.
+    """
     by_policy = [
         render_table(summaries, title="", baseline=baseline, columns=latency, compact=True),
         render_table(summaries, title=migration_title, columns=migration, compact=True),
