@@ -1238,7 +1238,7 @@ def register(sub: Any, summary: str) -> None:
     )
     p.add_argument(
         "--llumlet-python",
-        default="",
+        default=None,
         metavar="PATH",
         help="the python that runs the llumlets (default: this one); e.g. .venv-vllm/bin/python for --engine vllm",
     )
@@ -1253,7 +1253,7 @@ def register(sub: Any, summary: str) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address every process listens on (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: a free one; default %(default)s)")
-    p.add_argument("--etcd", default="", metavar="HOST:PORT", help="use this etcd instead of starting one")
+    p.add_argument("--etcd", default=None, metavar="HOST:PORT", help="use this etcd instead of starting one")
     p.add_argument(
         "--etcd-port",
         type=int,
@@ -1263,7 +1263,7 @@ def register(sub: Any, summary: str) -> None:
     p.add_argument(
         "--grpc-base-port", type=int, default=7070, help="first gRPC port (0: free ones; default %(default)s)"
     )
-    p.add_argument("--run-dir", default="", help="logs, etcd data, topology, cluster.json (default: a temporary one)")
+    p.add_argument("--run-dir", default=None, help="logs, etcd data, topology, cluster.json (default: a temporary one)")
     p.add_argument("--keep-run-dir", action="store_true", help="keep the temporary run directory at exit")
     p.add_argument(
         "--max-restarts",
@@ -1293,14 +1293,14 @@ def register(sub: Any, summary: str) -> None:
     p.add_argument("--log-level", default="WARNING", type=log_level_option, metavar="LEVEL", help=LOG_LEVEL_HELP)
     p.add_argument(
         "--tokenizer",
-        default="",
+        default=None,
         metavar="DIR",
         help="Hugging Face tokenizer directory of the served models (overrides the topology's models[].tokenizer; "
         "torch engines take its vocabulary, the gateway its chat template)",
     )
     p.add_argument(
         "--api-keys",
-        default="",
+        default=None,
         metavar="FILE",
         help="the gateways' API keys and each one's priority class (YAML, docs/gateway.md); default: open",
     )
@@ -1308,11 +1308,29 @@ def register(sub: Any, summary: str) -> None:
     p.set_defaults(func=_main)
 
 
+#: What each path option of hilum up takes, and what leaving it out means: given empty, it is refused (an unset
+#: variable in a script's ``--api-keys "$KEYS"`` would have started open gateways).
+_LEFT_OUT = {
+    "etcd": ("--etcd", "HOST:PORT", "an embedded etcd"),
+    "run_dir": ("--run-dir", "a folder", "a temporary one"),
+    "tokenizer": ("--tokenizer", "a tokenizer directory", "each model's own"),
+    "llumlet_python": ("--llumlet-python", "a python", "this one"),
+    "api_keys": ("--api-keys", "an API key file", "gateways open to every caller"),
+}
+
+
 def _main(ns: argparse.Namespace) -> int:
+    for dest, (flag, what, default) in _LEFT_OUT.items():
+        given = getattr(ns, dest)
+        if given is not None and not given.strip():
+            refusal = f"{flag} is empty: give {what}, or leave the flag out for {default}"
+            print(f"hilum up: error: {refusal}", file=sys.stderr)
+            return 2
+        setattr(ns, dest, given or "")  # UpConfig's "not given"
     try:
         restart = RestartPolicy(max_restarts=ns.max_restarts)
     except ValueError as exc:
-        print(f"hilum up: error: --max-restarts: {exc}", file=sys.stderr)
+        print(f"hilum up: error: --max-restarts: {str(exc).removeprefix('max_restarts ')}", file=sys.stderr)
         return 2
     cfg = UpConfig(
         topology=ns.topology,

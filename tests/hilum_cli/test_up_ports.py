@@ -446,3 +446,26 @@ def test_ctrl_c_during_the_start_stops_everything_and_exits_130(
     ]
     assert list(tmp_path.iterdir()) == []
     assert _processes_under(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("flag", "said"),
+    [
+        ("--api-keys", "--api-keys is empty: give an API key file, or leave the flag out for gateways open to every"),
+        ("--etcd", "--etcd is empty: give HOST:PORT, or leave the flag out for an embedded etcd"),
+        ("--run-dir", "--run-dir is empty: give a folder, or leave the flag out for a temporary one"),
+        ("--tokenizer", "--tokenizer is empty: give a tokenizer directory, or leave the flag out for each model's own"),
+        ("--llumlet-python", "--llumlet-python is empty: give a python, or leave the flag out for this one"),
+    ],
+)
+def test_an_empty_path_option_is_refused_not_read_as_left_out(
+    flag: str, said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A script's ``--api-keys "$KEYS"`` with the variable unset started gateways open to every caller."""
+    from hilum_cli.main import main
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert main(["up", "--port", "0", "--etcd-port", "0", "--grpc-base-port", "0", flag, " "]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hilum up: error: {said}") and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []  # nothing started
