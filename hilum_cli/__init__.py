@@ -53,6 +53,24 @@ class Parser(argparse.ArgumentParser):
                 message += f"; did you mean '{close[0]}'?"
         super().error(message)
 
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # argparse's signature
+        """argparse's, with an option no parser took named by the sub-command it followed (``hilum up --bogus``:
+        ``hilum up``'s usage and ``hilum up: error: unrecognized arguments: --bogus``; argparse gave the top level's,
+        as if ``hilum`` itself had been given the option)."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self._innermost(parsed).error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+    def _innermost(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        """The (sub-)parser of the deepest sub-command ``parsed`` ran (itself when none)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(parsed, action.dest, None) or "")
+                if chosen is not None:
+                    return chosen._innermost(parsed) if isinstance(chosen, Parser) else chosen
+        return self
+
     def _print_message(self, message: str, file: Any = None) -> None:  # argparse: SupportsWrite[str] | None
         """argparse's, without dropping a failed write's error (argparse's ignores OSError: ``hilum --help >
         /dev/full`` wrote nothing and exited 0); the entry point's wrapper (``hilum_cli.broken_pipe``) says it."""

@@ -47,3 +47,31 @@ def test_ctrl_c_while_hilum_up_loads_ends_it_even_when_inherited_ignored(
     finally:
         signal.signal(signal.SIGINT, previous)
     assert capsys.readouterr().err == "hilum up: interrupted\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "prog", "extra"),
+    [
+        (["up", "--port", "0", "--bogus"], "hilum up", "--bogus"),
+        (["topology", "show", "1x8-a100", "2x8-a100"], "hilum topology show", "2x8-a100"),
+        (["bench", "--url", "http://127.0.0.1:1", "--bogus"], "hilum bench", "--bogus"),
+    ],
+)
+def test_an_option_no_parser_takes_is_named_by_its_sub_command(
+    argv: list[str], prog: str, extra: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse reported it at the top level (``usage: hilum [-h] ...``, ``hilum: error: ...``)."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: {prog} ") and err.endswith(f"{prog}: error: unrecognized arguments: {extra}\n"), err
+
+
+def test_hilumctl_names_the_command_an_unknown_option_followed(capsys: pytest.CaptureFixture[str]) -> None:
+    from hilum_cli.ctl import main as ctl_main
+
+    with pytest.raises(SystemExit) as exited:
+        ctl_main(["--coordinator", "127.0.0.1:1", "status", "--bogus"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.endswith("hilumctl status: error: unrecognized arguments: --bogus\n")
