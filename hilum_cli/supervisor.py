@@ -185,11 +185,13 @@ class Child:
         return self.ready.is_set()
 
     def log_tail(self, n_chars: int = 2000) -> str:
-        """The last ``n_chars`` characters of its log ("" when the log cannot be read)."""
+        """The last ``n_chars`` characters of its log, or ``(nothing: the log is empty)`` / ``(the log cannot be
+        read: ...)``, so that a message quoting it never ends on an empty line (a child that said nothing yet)."""
         try:
-            return self.log_path.read_text(errors="replace")[-n_chars:]
-        except OSError:
-            return ""
+            tail = self.log_path.read_text(errors="replace")[-n_chars:]
+        except OSError as exc:
+            return f"(the log cannot be read: {exc.strerror or exc})"
+        return tail if tail.strip() else "(nothing: the log is empty)"
 
 
 class Supervisor:

@@ -1139,7 +1139,8 @@ def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) ->
                 run_dir.mkdir(parents=True, exist_ok=True)
                 tempfile.TemporaryFile(dir=run_dir).close()  # it writes every process's files there
             except OSError as exc:
-                say(f"error: --run-dir {run_dir}: cannot write there ({exc.strerror or exc})")
+                why = "it exists and is not a directory" if run_dir.exists() and not run_dir.is_dir() else None
+                say(f"error: --run-dir {run_dir}: cannot write there ({why or exc.strerror or exc})")
                 return 2
             try:
                 lock = _lock_run_dir(run_dir)  # held until everything has stopped

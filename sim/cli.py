@@ -675,7 +675,10 @@ def _print_idle(console: Console, idle: Mapping[str, str]) -> None:
         for header, why in idle.items():
             by_reason.setdefault(why, []).append(header.replace("\n", " "))
         notes = ", ".join(f"{', '.join(headers)} ({why})" for why, headers in by_reason.items())
-        console.print(f"not shown, nothing to count: {notes}", style="dim", highlight=False, soft_wrap=True)
+        # a terminal's width at words (it broke the line mid-word); a pipe's one line
+        console.print(
+            f"not shown, nothing to count: {notes}", style="dim", highlight=False, soft_wrap=not console.is_terminal
+        )
 
 
 def _idle_columns(

@@ -108,6 +108,17 @@ def test_a_child_that_exits_while_starting_fails_the_start_with_its_log(tmp_path
     sup.stop_all(5)
 
 
+def test_a_child_that_said_nothing_before_the_start_timeout_is_said_so(tmp_path: Path) -> None:
+    """Its empty log was quoted as nothing at all: the message ended on "ends with:"."""
+    sup = _supervisor(tmp_path, [], POLICY)
+    child = sup.spawn(ChildSpec("mute", _script("import time; time.sleep(60)"), ready_marker="ready"))
+    sup.add_stage([child])
+    with pytest.raises(StartFailed) as failed:
+        sup.wait_ready([child], 0.5)
+    sup.stop_all(5)
+    assert str(failed.value).endswith("ends with:\n(nothing: the log is empty)"), str(failed.value)
+
+
 def test_stop_all_leaves_no_process(tmp_path: Path) -> None:
     sup = _supervisor(tmp_path, [], POLICY)
     stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); " \

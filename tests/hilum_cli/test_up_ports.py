@@ -296,6 +296,12 @@ def test_a_run_dir_that_cannot_be_made_is_a_usage_error(tmp_path: Path) -> None:
     cfg = replace(cfg, run_dir="/proc")  # there, but nothing can be written in it: a traceback after the check
     assert run_up(cfg, out=io.StringIO(), err=err) == 2
     assert err.getvalue().endswith("--run-dir /proc: cannot write there (No such file or directory)\n")
+    err = io.StringIO()
+    cfg = replace(cfg, run_dir=str(tmp_path / "file"))  # a file: "File exists" said nothing of what was wrong
+    assert run_up(cfg, out=io.StringIO(), err=err) == 2
+    assert err.getvalue().endswith(
+        f"--run-dir {tmp_path}/file: cannot write there (it exists and is not a directory)\n"
+    )
 
 
 def test_a_bad_api_key_file_is_refused_before_anything_starts(tmp_path: Path) -> None:
