@@ -70,4 +70,4 @@ test-vllm: $(VLLM_STAMP)
 test: lint typecheck pytest test-vllm
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) sim-results .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) sim-results sweep-results .pytest_cache .mypy_cache .ruff_cache
