@@ -1109,7 +1109,9 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
     from rich.table import Table
 
-    from .report import LATENCY_COLUMNS, MIGRATION_COLUMNS, MOVE_COLUMNS, render_sweep_table, split_to_fit
+    from topology.tables import split_to_fit
+
+    from .report import LATENCY_COLUMNS, MIGRATION_COLUMNS, MOVE_COLUMNS, render_sweep_table
     from .sweep import (
         SWEEP_FILE_NAME,
         SweepConfigError,

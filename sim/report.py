@@ -26,7 +26,6 @@ __all__ = [
     "render_by_metric",
     "render_sweep_table",
     "render_table",
-    "split_to_fit",
     "summary_tables",
     "ttft_p99_ratios",
 ]
@@ -228,25 +227,6 @@ def summary_tables(
         render_by_metric(summaries, title="", baseline=baseline, columns=latency),
         render_by_metric(summaries, title=migration_title, columns=migration),
     ]
-
-
-def split_to_fit(
-    build: Callable[[Sequence[str], str], Table], columns: Sequence[str], title: str, width: int
-) -> list[Table]:
-    """``build(columns, title)`` as one table when it fits ``width`` characters, else as several, each with as many of
-    ``columns`` (in order) as fit beside the label columns, the later ones titled ``(continued)``: rich would cut
-    every cell to ``…`` to squeeze one table into a narrow terminal. A column too wide alone gets a table alone."""
-    measure = Console(width=10_000).measure
-    tables: list[Table] = []
-    chunk: list[str] = []
-    for column in columns:
-        if chunk and measure(build([*chunk, column], "")).maximum > width:
-            tables.append(build(chunk, title if not tables else f"{title} (continued)".strip()))
-            chunk = []
-        chunk.append(column)
-    if chunk or not tables:
-        tables.append(build(chunk, title if not tables else f"{title} (continued)".strip()))
-    return tables
 
 
 def render_sweep_table(

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from itertools import combinations
 from typing import Any
 
@@ -19,6 +19,7 @@ from rich.table import Table
 from topology.graph import TopologyGraph
 from topology.load import BUNDLED_NAMES, TopologyError, load_topology
 from topology.spec import Topology
+from topology.tables import split_to_fit
 
 __all__ = ["path_summary", "register", "topology_summary"]
 
@@ -46,8 +47,18 @@ def register(sub: Any, summary: str) -> None:
     path.set_defaults(func=_cmd_path)
 
 
-def _console() -> Console:
-    return Console(width=max(shutil.get_terminal_size((120, 24)).columns, 120), highlight=False)
+def _terminal_width() -> int | None:
+    """The terminal's width in characters when stdout is one (tables are split to fit it), else None (a pipe or a
+    file gets every table whole)."""
+    return Console().width if sys.stdout.isatty() else None
+
+
+def _console(width: int | None, tables: Sequence[Table | str] = ()) -> Console:
+    """A console ``width`` characters wide; None: as wide as the widest of ``tables`` needs, at least 120."""
+    if width is None:
+        measure = Console(width=10_000).measure
+        width = max([120, *(measure(t).maximum for t in tables if isinstance(t, Table))])
+    return Console(width=width, highlight=False)
 
 
 def _load(arg: str, command: str) -> Topology | None:
@@ -206,117 +217,171 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    con = _console()
+    width = _terminal_width()
+    tables = _show_tables(summary, width, args.instances)
+    con = _console(width, tables)
     con.print(
         f"[bold]{summary['name']}[/bold] ({summary['source']}): {_count(summary['num_gpus'], 'GPU')}, "
         f"{_count(summary['num_domains'], 'NVLink domain')}, {_count(summary['num_instances'], 'instance')}, "
         f"{_count(len(summary['fabric']['racks']), 'rack')}"
     )
-    t = Table(title="Models")
-    for col in (
-        "model",
-        "layers",
-        "heads / kv",
-        "head dim",
-        "dtype",
-        "block",
-        "KV B/token",
-        "KV/block",
-        "weights GB",
-        "max ctx",
-    ):
-        t.add_column(col, justify="left" if col in ("model", "dtype") else "right", no_wrap=col == "model")
-    for name, m in summary["models"].items():
-        t.add_row(
-            name,
-            str(m["num_layers"]),
-            f"{m['num_attention_heads']} / {m['num_kv_heads']}",
-            str(m["head_dim"]),
-            m["dtype"],
-            str(m["block_size_tokens"]),
-            f"{m['kv_bytes_per_token']:,}",
-            f"{m['kv_bytes_per_block'] / 2**20:g} MiB",
-            f"{m['weight_bytes'] / 1e9:.1f}",
-            f"{m['max_context_tokens']:,}",
+    for table in tables:
+        con.print(table)
+    return 0
+
+
+def _show_tables(summary: dict[str, Any], width: int | None, instances: bool) -> list[Table | str]:
+    """What ``hilum topology show`` prints below its first line, in order: tables (each split over several when
+    wider than ``width`` characters; None: whole) and lines; ``instances``: list every instance."""
+    out: list[Table | str] = []
+
+    def table(title: str, columns: Sequence[str], rows: list[list[str]], *, left: Sequence[str] = ()) -> None:
+        out.extend(_fitted(title, columns, rows, width, left=left))
+
+    table(
+        "Models",
+        (
+            "model",
+            "layers",
+            "heads / kv",
+            "head dim",
+            "dtype",
+            "block",
+            "KV B/token",
+            "KV/block",
+            "weights GB",
+            "max ctx",
+        ),
+        [
+            [
+                name,
+                str(m["num_layers"]),
+                f"{m['num_attention_heads']} / {m['num_kv_heads']}",
+                str(m["head_dim"]),
+                m["dtype"],
+                str(m["block_size_tokens"]),
+                f"{m['kv_bytes_per_token']:,}",
+                f"{m['kv_bytes_per_block'] / 2**20:g} MiB",
+                f"{m['weight_bytes'] / 1e9:.1f}",
+                f"{m['max_context_tokens']:,}",
+            ]
+            for name, m in summary["models"].items()
+        ],
+        left=("dtype",),
+    )
+    table(
+        "GPU types",
+        ("GPU", "memory GiB", "HBM", "NVLink per GPU"),
+        [
+            [
+                name,
+                f"{g['memory_bytes'] / 2**30:g}",
+                _gbyte(g["hbm_bandwidth_bytes_per_s"]),
+                _gbyte(g["nvlink_bandwidth_bytes_per_s"]),
+            ]
+            for name, g in summary["gpu_types"].items()
+        ],
+    )
+    table(
+        "NVLink domains",
+        ("domain", "kind", "GPU", "nodes", "GPUs", "instances", "KV blocks", "KV tokens", "rack"),
+        [
+            [
+                d["domain_id"],
+                d["kind"],
+                d["gpu_type"],
+                str(len(d["nodes"])),
+                str(d["num_gpus"]),
+                d["instance_mix"],
+                f"{d['kv_capacity_blocks']:,}",
+                f"{d['kv_capacity_tokens']:,}",
+                d["rack"] or "-",
+            ]
+            for d in summary["domains"]
+        ],
+        left=("kind", "GPU", "instances", "rack"),
+    )
+    if instances or summary["num_instances"] <= _INSTANCE_ROWS:
+        table(
+            "Instances",
+            ("instance", "domain", "node", "GPUs", "TP", "model", "KV blocks", "KV tokens"),
+            [
+                [
+                    i["instance_id"],
+                    i["domain_id"],
+                    i["node_id"],
+                    ",".join(map(str, i["gpus"])),
+                    str(i["tensor_parallel_size"]),
+                    i["model"],
+                    f"{i['kv_capacity_blocks']:,}",
+                    f"{i['kv_capacity_tokens']:,}",
+                ]
+                for i in summary["instances"]
+            ],
+            left=("domain", "node", "GPUs", "model"),
         )
-    con.print(t)
-    t = Table(title="GPU types")
-    for col in ("GPU", "memory GiB", "HBM", "NVLink per GPU"):
-        t.add_column(col, justify="left" if col == "GPU" else "right")
-    for name, g in summary["gpu_types"].items():
-        t.add_row(
-            name,
-            f"{g['memory_bytes'] / 2**30:g}",
-            _gbyte(g["hbm_bandwidth_bytes_per_s"]),
-            _gbyte(g["nvlink_bandwidth_bytes_per_s"]),
-        )
-    con.print(t)
-    t = Table(title="NVLink domains")
-    for col in ("domain", "kind", "GPU", "nodes", "GPUs", "instances", "KV blocks", "KV tokens", "rack"):
-        t.add_column(col, justify="right" if col in ("nodes", "GPUs", "KV blocks", "KV tokens") else "left")
-    for d in summary["domains"]:
-        t.add_row(
-            d["domain_id"],
-            d["kind"],
-            d["gpu_type"],
-            str(len(d["nodes"])),
-            str(d["num_gpus"]),
-            d["instance_mix"],
-            f"{d['kv_capacity_blocks']:,}",
-            f"{d['kv_capacity_tokens']:,}",
-            d["rack"] or "-",
-        )
-    con.print(t)
-    if args.instances or summary["num_instances"] <= _INSTANCE_ROWS:
-        t = Table(title="Instances")
-        for col in ("instance", "domain", "node", "GPUs", "TP", "model", "KV blocks", "KV tokens"):
-            t.add_column(col, justify="right" if col in ("TP", "KV blocks", "KV tokens") else "left")
-        for i in summary["instances"]:
-            t.add_row(
-                i["instance_id"],
-                i["domain_id"],
-                i["node_id"],
-                ",".join(map(str, i["gpus"])),
-                str(i["tensor_parallel_size"]),
-                i["model"],
-                f"{i['kv_capacity_blocks']:,}",
-                f"{i['kv_capacity_tokens']:,}",
-            )
-        con.print(t)
     else:
-        con.print(f"({summary['num_instances']} instances; --instances lists them)")
+        out.append(f"({summary['num_instances']} instances; --instances lists them)")
     fab = summary["fabric"]
     if fab["racks"]:
-        t = Table(title="Racks")
-        for col in ("rack", "nodes", "NIC total", "uplink", "oversubscription"):
-            t.add_column(col, justify="left" if col == "rack" else "right")
-        for r in fab["racks"]:
-            t.add_row(
-                r["rack_id"],
-                str(r["num_nodes"]),
-                _gbit(r["nic_bandwidth_bytes_per_s"]),
-                _gbit(r["uplink_bandwidth_bytes_per_s"]) + ("" if fab["spine"] else " (no spine)"),
-                f"{r['oversubscription']:g}:1",
-            )
-        con.print(t)
+        table(
+            "Racks",
+            ("rack", "nodes", "NIC total", "uplink", "oversubscription"),
+            [
+                [
+                    r["rack_id"],
+                    str(r["num_nodes"]),
+                    _gbit(r["nic_bandwidth_bytes_per_s"]),
+                    _gbit(r["uplink_bandwidth_bytes_per_s"]) + ("" if fab["spine"] else " (no spine)"),
+                    f"{r['oversubscription']:g}:1",
+                ]
+                for r in fab["racks"]
+            ],
+        )
     if len({n for d in summary["domains"] for n in d["nodes"]}) > 1:
         bisection = fab["bisection_bandwidth_bytes_per_s"]
-        con.print(f"bisection bandwidth: {_gbit(bisection)} ({_gbyte(bisection)})")
+        out.append(f"bisection bandwidth: {_gbit(bisection)} ({_gbyte(bisection)})")
     else:  # 0 would read as a fault
-        con.print("bisection bandwidth: none to measure (one node: no network path between nodes)")
-    t = Table(title="Widest-path bandwidth by pair class (first instances of each domain)")
-    for col in ("class", "pairs", "min", "max", "bottleneck of min"):
-        t.add_column(col, justify="right" if col in ("pairs", "min", "max") else "left")
-    for name, c in summary["paths"].items():
-        t.add_row(
-            name.replace("_", " "),
-            str(c["pairs"]),
-            _gbyte(c["min_bandwidth_bytes_per_s"]),
-            _gbyte(c["max_bandwidth_bytes_per_s"]),
-            c["min_bottleneck_link"],
-        )
-    con.print(t)
-    return 0
+        out.append("bisection bandwidth: none to measure (one node: no network path between nodes)")
+    table(
+        "Widest-path bandwidth by pair class (first instances of each domain)",
+        ("class", "pairs", "min", "max", "bottleneck of min"),
+        [
+            [
+                name.replace("_", " "),
+                str(c["pairs"]),
+                _gbyte(c["min_bandwidth_bytes_per_s"]),
+                _gbyte(c["max_bandwidth_bytes_per_s"]),
+                c["min_bottleneck_link"],
+            ]
+            for name, c in summary["paths"].items()
+        ],
+        left=("bottleneck of min",),
+    )
+    return out
+
+
+def _fitted(
+    title: str, columns: Sequence[str], rows: list[list[str]], width: int | None, *, left: Sequence[str] = ()
+) -> list[Table]:
+    """``rows`` under ``columns`` as a table titled ``title``, or, wider than ``width`` characters, as several
+    (:func:`topology.tables.split_to_fit`), each with the first column (the row's name) and as many of the others as
+    fit. The first column and those in ``left`` are left-aligned, the others (figures) right-aligned."""
+    label = columns[0]
+    where = {column: k for k, column in enumerate(columns)}
+
+    def build(shown: Sequence[str], caption: str) -> Table:
+        t = Table(title=caption or None)
+        for column in (label, *shown):
+            t.add_column(column, justify="left" if column == label or column in left else "right", no_wrap=True)
+        picks = [0, *(where[column] for column in shown)]
+        for row in rows:
+            t.add_row(*(row[k] for k in picks))
+        return t
+
+    if width is None:
+        return [build(columns[1:], title)]
+    return split_to_fit(build, columns[1:], title, width)
 
 
 # ------------------------------------------------------------------------------------------------ path
@@ -348,12 +413,8 @@ def _cmd_path(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    con = _console()
     bw = summary["bandwidth_bytes_per_s"]
     where = "same NVLink domain" if summary["same_domain"] else "across domains"
-    con.print(
-        f"{args.src} -> {args.dst} ({where}): {_gbyte(bw)} = {_gbit(bw)}, bottleneck {summary['bottleneck_link']}"
-    )
     t = Table()
     t.add_column("#", justify="right")
     t.add_column("link")
@@ -362,6 +423,10 @@ def _cmd_path(args: argparse.Namespace) -> int:
     for k, link in enumerate(summary["links"]):
         cap = link["capacity_bytes_per_s"]
         t.add_row(str(k), link["link"], f"{_gbyte(cap)} ({_gbit(cap)})", "bottleneck" if cap == bw else "")
+    con = _console(_terminal_width(), [t])
+    con.print(
+        f"{args.src} -> {args.dst} ({where}): {_gbyte(bw)} = {_gbit(bw)}, bottleneck {summary['bottleneck_link']}"
+    )
     con.print(t)
     return 0
 

@@ -174,7 +174,8 @@ def test_the_two_tables_fit_the_terminal_whole(width: int) -> None:
 def test_a_sweeps_columns_are_split_over_tables_that_fit(width: int) -> None:
     """A terminal too narrow for a sweep's table gets its columns over several tables, each whole, none cut to '…'
     (a sweep has a row per grid point: it cannot turn a quarter as hilum sim's tables do)."""
-    from sim.report import render_sweep_table, split_to_fit
+    from sim.report import render_sweep_table
+    from topology.tables import split_to_fit
 
     rows = [SweepRow("2x8-a100-40gb", "burstgpt", p, r, 0, 100, dataclasses.replace(SUMMARY, policy=p))
             for p in ("least-loaded", "hilum") for r in (1.0, 2.5)]  # fmt: skip

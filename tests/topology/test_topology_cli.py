@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,52 @@ def test_invalid_file_prints_every_error_and_exits_2(tmp_path: Path, capsys: pyt
     for blank in ("", " "):  # not read as the folder "."
         assert main(["topology", "show", blank]) == 2
         assert "hilum topology show: error: the topology is empty: give a path" in capsys.readouterr().err
+
+
+def _plain(text: str) -> str:
+    """``text`` without the terminal's styles (rich writes them to what says it is a terminal)."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+@pytest.mark.parametrize("columns", [60, 80, 100])
+def test_show_in_a_narrow_terminal_splits_its_tables_to_fit(
+    columns: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In a terminal narrower than a table, the table's columns go over several tables that fit, each led by the
+    row's name: the Models table (113 characters) used to be drawn 120 wide whatever the terminal, so an 80-column
+    one wrapped every line of it."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    assert main(["topology", "show", "2x8-a100-40gb"]) == 0
+    out = _plain(capsys.readouterr().out)
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= columns and "…" not in out
+    for header in ("KV B/token", "max ctx", "NVLink per GPU", "head dim", "oversubscription", "bottleneck of min"):
+        assert sum(header in line for line in lines) == 1, header  # each column once
+    for figure in ("819,200", "12.5 MiB", "4,096", "123,264", "15,408", "rack-0", "8 x llama-2-13b TP1"):
+        assert figure in out
+    assert "Models (continued)" in out  # 113 characters whole
+    assert ("NVLink domains (continued)" in out) == (columns < 99)  # 99 whole
+    assert sum(line.startswith("│ llama-2-13b ") for line in lines) == out.count("Models (continued)") + 1
+
+
+def test_show_into_a_pipe_draws_each_table_whole(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")  # a terminal's width says nothing of where a pipe's lines go
+    assert main(["topology", "show", "2x8-a100-40gb"]) == 0
+    out = capsys.readouterr().out
+    assert "(continued)" not in out and "…" not in out
+    models = next(line for line in out.splitlines() if line.startswith("│ llama-2-13b "))
+    assert models.split("│")[1:-1] == [
+        " llama-2-13b ", "     40 ", "    40 / 40 ", "      128 ", " float16 ", "    16 ", "    819,200 ",
+        " 12.5 MiB ", "       26.0 ", "   4,096 ",
+    ]  # fmt: skip
+
+
+def test_path_in_a_narrow_terminal(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("COLUMNS", "60")
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    assert main(["topology", "path", "2x8-a100", "node-0-i0", "node-1-i3"]) == 0
+    out = _plain(capsys.readouterr().out)
+    assert "nvlink:node-1-i3" in out and "…" not in out and max(map(len, out.splitlines())) <= 60
