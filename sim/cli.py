@@ -116,11 +116,16 @@ class _SimParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         words = list(sys.argv[1:] if args is None else args)  # read once: an iterator would be spent by the check
-        unknown = _unknown_options(words, self.known_options)
-        if unknown:  # exits 2, with the usage, as argparse does for its own errors
-            self.error(f"unrecognized arguments: {', '.join(unknown)}")
         end = next((k for k, w in enumerate(words) if w in ("sweep", "size", "--")), len(words))
         sub = words[end] if end < len(words) and words[end] != "--" else None
+        # the sub-command's usage when every unknown option follows it
+        unknown, after = _unknown_options(words[:end], self.known_options), []
+        if sub is not None:
+            after = _unknown_options(words[end + 1 :], self.known_options)
+        if unknown or after:  # exits 2, with the usage, as argparse does for its own errors
+            (self if unknown or sub is None else self.sub_parsers[sub]).error(
+                f"unrecognized arguments: {', '.join(unknown + after)}"
+            )
         before = [w.split("=", 1)[0] for w in words[:end] if _is_option(w)]
         for name in before:
             owner = _owner(name, self.own_options)
@@ -135,7 +140,9 @@ class _SimParser(argparse.ArgumentParser):
             alien = [n for n in alien if not _matches(n, self.own_options[sub])]
             if alien:
                 where = "its runs are set in its file" if sub == "sweep" else "it takes a run's options and its target"
-                self.error(f"{', '.join(alien)}: not an option of 'hilum sim {sub}' ({where}; see --help)")
+                self.sub_parsers[sub].error(
+                    f"{', '.join(alien)}: not an option of 'hilum sim {sub}' ({where}; see --help)"
+                )
         parsed, extras = super().parse_known_args(words, namespace)
         if extras:  # hilum's parser would name them under its own usage
             (self if sub is None else self.sub_parsers[sub]).error(f"unrecognized arguments: {' '.join(extras)}")
