@@ -1140,8 +1140,8 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
         config, settings = _with_config_file(load_sweep_config(args.config), args.config)
         try:
             facts = _check_sweep(config, settings)
-        except ValueError as exc:  # the file's content: named with the file, as load_sweep_config's errors are
-            raise SweepConfigError([f"{args.config}: {exc}"]) from None
+        except SweepConfigError as exc:  # the file's content: named with the file, as load_sweep_config's errors are
+            raise SweepConfigError([f"{args.config}: {error}" for error in exc.errors]) from None
         if args.ray_address is not None and not args.ray_address.strip():
             raise ValueError("--ray-address is empty: give HOST:PORT, or leave the flag out for a local Ray")
         made = not Path(args.out).exists()
@@ -1232,26 +1232,33 @@ def _check_sweep(config: SweepConfig, settings: HilumConfig | None = None) -> _S
     configuration's ``settings`` (``sim.runner.check_autoscale``; None: not checked). Returns what it read that the
     tables need.
 
-    Raises ValueError (or the loaders' errors, which are ValueErrors) naming the problem.
+    Raises :class:`sim.sweep.SweepConfigError` with every problem found (``"<key>: <message>"``; a check that needs
+    what an earlier one refused is skipped: the options on each topology when the options are invalid, the rate
+    scales when the trace is).
     """
     from topology.load import TopologyError, load_topology
 
     from .runner import check_options
+    from .sweep import SweepConfigError
     from .traces import load_trace
 
+    problems: list[str] = []
     unknown = [f"policies[{i}]: unknown policy {p!r}" for i, p in enumerate(config.policies) if p not in POLICY_NAMES]
     if unknown:  # quoted: a space in a name shows (names are not stripped)
-        raise ValueError(f"{'; '.join(unknown)}; choose from {', '.join(POLICY_NAMES)}")
-    parsed = SimSpec(
-        topology="", trace=config.trace, policy=config.policies[0], options=config.options
-    ).parsed_options()
-    assert isinstance(parsed, SimOptions)
-    if settings is not None:
-        source = _described(settings, "the configuration")
-        check_autoscale(parsed, settings, cold_start="options.cold_start_s", source=source)
+        problems.append(f"{'; '.join(unknown)}; choose from {', '.join(POLICY_NAMES)}")
+    parsed: SimOptions | None = None
+    try:
+        parsed = SimSpec(topology="", trace=config.trace, policy="hilum", options=config.options).parsed_options()
+        if settings is not None:
+            check_autoscale(
+                parsed, settings, cold_start="options.cold_start_s", source=_described(settings, "the configuration")
+            )
+    except ValueError as exc:
+        problems.append(str(exc))
     prefix_hashes: list[bool] = []  # of the first trace loaded (the same requests in each: only arrivals differ)
 
-    def check(where: str, rate_scale: float = 1.0, seed: int = 0) -> None:
+    def check(where: str, rate_scale: float = 1.0, seed: int = 0) -> bool:
+        """False when the trace itself cannot be read (said once, as ``trace: ...``)."""
         try:
             trace = load_trace(
                 config.trace,
@@ -1266,27 +1273,36 @@ def _check_sweep(config: SweepConfig, settings: HilumConfig | None = None) -> _S
             try:  # an unknown or broken trace is named as such, not as the fault of a key or a grid point
                 load_trace(config.trace, max_requests=config.max_requests)
             except ValueError as plain:
-                raise ValueError(f"trace: {plain}") from None
-            raise ValueError(f"{where}: {exc}") from None
+                problems.append(f"trace: {plain}")
+                return False
+            problems.append(f"{where}: {exc}")
+            return True
         if not prefix_hashes:
             prefix_hashes.append(any(r.prefix_block_hashes for r in trace.requests))
+        return True
 
-    if config.arrival is not None:
-        check("arrival")
-    for i, rate_scale in enumerate(config.rate_scales):
-        for seed in config.seeds:
-            check(f"rate_scales[{i}] = {rate_scale:g}, seed {seed}", rate_scale=rate_scale, seed=seed)
+    readable = check("arrival") if config.arrival is not None else True
+    points = [(i, rate_scale, seed) for i, rate_scale in enumerate(config.rate_scales) for seed in config.seeds]
+    for i, rate_scale, seed in points:
+        if not (readable and check(f"rate_scales[{i}] = {rate_scale:g}, seed {seed}", rate_scale, seed)):
+            break
     domains = []
     for i, name in enumerate(config.topologies):
         try:
             topology = load_topology(name)
         except TopologyError as exc:  # on one line, led by the file's name as every sweep-file error is
-            raise ValueError(f"topologies[{i}]: invalid topology: " + "; ".join(exc.lines())) from None
+            problems.append(f"topologies[{i}]: invalid topology: " + "; ".join(exc.lines()))
+            continue
         if not topology.instances:  # not the options' fault
-            raise ValueError(f"topologies[{i}]: {name} has no instances: there is nothing to simulate")
-        try:
-            check_options(topology, parsed)
-        except ValueError as exc:
-            raise ValueError(f"options, on topologies[{i}] ({name}): {exc}") from None
+            problems.append(f"topologies[{i}]: {name} has no instances: there is nothing to simulate")
+            continue
+        if parsed is not None:
+            try:
+                check_options(topology, parsed)
+            except ValueError as exc:
+                problems.append(f"options, on topologies[{i}] ({name}): {exc}")
         domains.append(len(topology.domains))
+    if problems:
+        raise SweepConfigError(problems)
+    assert parsed is not None and prefix_hashes
     return _SweepFacts(parsed, prefix_hashes[0], all(n == 1 for n in domains))

@@ -73,11 +73,12 @@ SWEEP_FILE_NAME = "sweep.json"
 
 
 class SweepConfigError(ValueError):
-    """A sweep file is invalid. ``errors`` holds one ``"<file>: <key.path>: <message>"`` per problem."""
+    """A sweep file is invalid. ``errors`` holds one ``"<file>: <key.path>: <message>"`` per problem; the message is
+    one per line, as a configuration file's errors are (:class:`hilum_config.ConfigError`)."""
 
     def __init__(self, errors: Sequence[str]) -> None:
         self.errors = list(errors)
-        super().__init__("invalid sweep config:\n  " + "\n  ".join(self.errors))
+        super().__init__("\n".join(self.errors))
 
 
 class SweepPointError(RuntimeError):

@@ -730,7 +730,7 @@ def test_a_sweep_that_cannot_run_fails_before_starting_ray(
     assert main(["sim", "sweep", str(config), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.replace("\n", " ")
     # the file named, then the problem, as load_sweep_config's errors read
-    assert f"hilum sim sweep: error: invalid sweep config:   {config}: " in err and message in err, err
+    assert f"hilum sim sweep: error: {config}: " in err and message in err, err
 
 
 def test_a_sweeps_plot_name_taken_by_a_folder_is_refused_before_ray_starts(
@@ -1102,7 +1102,7 @@ def test_a_sweep_files_policy_with_a_space_is_shown_quoted(tmp_path: Path, capsy
     )
     assert main(["sim", "sweep", str(config), "--out", str(tmp_path / "o")]) == 2
     assert (
-        f"hilum sim sweep: error: invalid sweep config:  {config}: policies[0]: unknown policy ' hilum'; "
+        f"hilum sim sweep: error: {config}: policies[0]: unknown policy ' hilum'; "
         "policies[2]: unknown policy 'fifo'; "
         "choose from round-robin, least-loaded, llumnix, hilum" in capsys.readouterr().err.replace("\n", "")
     )
@@ -1126,3 +1126,26 @@ def test_abbreviated_options_and_negative_numbers_still_parse(capsys: pytest.Cap
     assert json.loads(capsys.readouterr().out)[0]["requests"] == 3
     assert main(["sim", "--max-requests", "3", "--seed", "-1"]) == 2  # a value, refused by the run's own check
     assert "--seed must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_a_sweep_file_gets_every_problem_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each on its own line led by the file's name, as a configuration file's errors are; it stopped at the first
+    (a bad policy hid a bad topology, which showed only once the policy was mended)."""
+    config = tmp_path / "sweep.yaml"
+    config.write_text(
+        "trace: azure-conv\ntopologies: [1x8-a100, nowhere, 2x8-a100]\npolicies: [hilum, fifo]\n"
+        "rate_scales: [1, 1e-6, 2e-6]\nmax_requests: 100\noptions: {drain: [node-1-i0@5]}\n"
+    )
+    assert main(["sim", "sweep", str(config), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    lines = err.removeprefix("hilum sim sweep: error: ").splitlines()
+    assert [line.split(": ")[1] for line in lines] == [
+        "policies[1]",
+        "rate_scales[1] = 1e-06, seed 0",
+        "rate_scales[2] = 2e-06, seed 0",
+        "options, on topologies[0] (1x8-a100)",  # node-1-i0 is not in it; 2x8-a100 has it
+        "topologies[1]",
+    ], err
+    assert all(line.startswith(f"{config}: ") for line in lines)
+    assert "drain (--drain) names unknown instance 'node-1-i0'" in lines[3] and "file not found" in lines[4]
+    assert not (tmp_path / "o").exists()
