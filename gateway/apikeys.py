@@ -32,10 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from gateway.validation import BadRequest, parse_priority
-from topology.load import not_utf8, parse_yaml, shown_value, yaml_error_line
+from topology.load import YamlFileError, read_yaml_file, shown_value
 
 __all__ = ["ApiKey", "ApiKeys", "Unauthorized", "load_api_keys", "parse_api_keys"]
 
@@ -162,13 +160,7 @@ def _digest(entry: Mapping[str, Any], where: str, errors: list[str]) -> str | No
 def load_api_keys(path: str | Path) -> ApiKeys:
     """Read and check a key file. Raises ValueError naming the file (unreadable, not YAML, or a bad entry)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read the API key file: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: {not_utf8(exc)}") from None
-    try:
-        raw = parse_yaml(text)
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: {yaml_error_line(exc)}") from None
+        raw = read_yaml_file(Path(path), "the API key file")
+    except YamlFileError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     return parse_api_keys(raw, str(path))

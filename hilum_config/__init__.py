@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from global_coord.actuator import ActuatorConfig
@@ -54,7 +53,7 @@ from policy.types import PolicyConfig, loop_interval_problem
 from rack_sched.core import DomainConfig
 from topology.bandwidth import MeasuredBandwidthConfig
 from topology.cost import CostConfig
-from topology.load import not_utf8, parse_yaml, pydantic_message, yaml_error_line
+from topology.load import YamlFileError, pydantic_message, read_yaml_file
 
 __all__ = [
     "CONFIG_ENV",
@@ -330,15 +329,9 @@ def load_config(path: str | Path | None = None) -> HilumConfig:
         if not str(path).strip():  # Path("") is the current directory
             raise ConfigError(["is empty: give a configuration file, or leave it out for the defaults"])
         try:
-            text = p.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError([f"{p}: cannot read the configuration file: {exc.strerror or exc}"]) from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError([f"{p}: {not_utf8(exc)}"]) from None
-        try:
-            raw = parse_yaml(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError([f"{p}: {yaml_error_line(exc)}"]) from None
+            raw = read_yaml_file(p, "the configuration file")
+        except YamlFileError as exc:
+            raise ConfigError([f"{p}: {exc}"]) from None
         return parse_config(raw, str(p))
     except ConfigError as exc:
         exc.named_by = named_by

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, get_origin
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -45,7 +44,7 @@ from sim.results import (
     summary_to_dict,
 )
 from sim.traces import MAX_ARRIVAL_CV, MIN_ARRIVAL_CV, ArrivalKind
-from topology.load import not_utf8, parse_yaml, pydantic_message, shown_value, yaml_error_line
+from topology.load import YamlFileError, pydantic_message, read_yaml_file, shown_value
 
 __all__ = [
     "SWEEP_FILE_NAME",
@@ -145,22 +144,17 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
         SweepConfigError: on a file that is not UTF-8 text, unreadable YAML, a top level that is not a mapping,
             unknown keys, wrong types (none converted: ``seeds: [true]`` is refused), empty lists, duplicates or
             non-positive rate scales; each error reads ``"<file>: <key.path>: <message>"`` (e.g. ``sweep.yaml:
-            rate_scales[1]: must be > 0, got -2.0``), or ``"<file>: <message>"`` for the text and its syntax.
-        OSError: if the file cannot be read.
+            rate_scales[1]: must be > 0, got -2.0``); the file unreadable, not UTF-8 or not YAML too
+            (:func:`topology.load.read_yaml_file`).
+        OSError: if the path is empty.
     """
     if not str(path).strip():
         raise OSError("the sweep file's path is empty: give a sweep YAML file (docs/sim-results.md)")
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise OSError(f"sweep file {p}: cannot read it: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise SweepConfigError([f"{p}: {not_utf8(exc)}"]) from None
-    try:
-        data = parse_yaml(text)
-    except yaml.YAMLError as exc:
-        raise SweepConfigError([f"{p}: {yaml_error_line(exc)}"]) from exc
+        data = read_yaml_file(p, "the sweep file")
+    except YamlFileError as exc:
+        raise SweepConfigError([f"{p}: {exc}"]) from None
     if not isinstance(data, Mapping):
         got = "an empty file" if data is None else shown_value(data)
         raise SweepConfigError([f"{p}: (top level): expected a mapping of keys, got {got}"])

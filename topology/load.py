@@ -38,11 +38,13 @@ __all__ = [
     "DEFAULT_GPU_MEMORY_UTILIZATION",
     "TOKENIZER_FILES",
     "TopologyError",
+    "YamlFileError",
     "bundled_path",
     "load_topology",
     "parse_topology",
     "parse_yaml",
     "pydantic_message",
+    "read_yaml_file",
     "shown_value",
     "tokenizer_dir_problem",
     "tokenizer_errors",
@@ -759,6 +761,37 @@ def parse_yaml(text: str) -> Any:
         raise _TooDeepError("lists and mappings nested too deeply to read (hilum's files need a few levels)") from None
 
 
+class YamlFileError(ValueError):
+    """A file hilum was given could not be read as a YAML document (:func:`read_yaml_file`). ``place``: where, as
+    every file error of hilum names it (``(file)``, or ``line L, column C``); ``problem``: what. Its text is
+    ``"<place>: <problem>"``, which the caller leads with the file's name."""
+
+    def __init__(self, place: str, problem: str) -> None:
+        self.place, self.problem = place, problem
+        super().__init__(f"{place}: {problem}")
+
+
+def read_yaml_file(path: Path, what: str) -> Any:
+    """The YAML document (:func:`parse_yaml`) in the file at ``path``, as hilum reads every file it is given
+    (topology, configuration, sweep, API keys); None for an empty file. ``what``: the kind of file, for the
+    message (``"the configuration file"``).
+
+    Raises :class:`YamlFileError`: the file cannot be read (``(file): cannot read the configuration file: No such
+    file or directory``), is not UTF-8 text (:func:`not_utf8`), or is not YAML (:func:`yaml_error_line`).
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise YamlFileError("(file)", f"cannot read {what}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise YamlFileError("(file)", not_utf8(exc)) from None
+    try:
+        return parse_yaml(text)
+    except yaml.YAMLError as exc:
+        place, problem = yaml_error_line(exc).split(": ", 1)
+        raise YamlFileError(place, problem) from None
+
+
 def bundled_path(name: str) -> Path | None:
     """Path of the bundled example ``name`` (with or without ``.yaml``), or None if there is none."""
     stem = name.removesuffix(".yaml")
@@ -797,13 +830,7 @@ def load_topology(path_or_name: str | Path) -> Topology:
             raise TopologyError([f"{shown}: (file): {'is a directory' if path.is_dir() else 'file not found'}; {hint}"])
         path, shown = bundled, bundled.name
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise TopologyError([f"{shown}: (file): cannot read: {exc}"]) from exc
-    except UnicodeDecodeError as exc:
-        raise TopologyError([f"{shown}: (file): {not_utf8(exc)}"]) from None
-    try:
-        data = parse_yaml(text)
-    except yaml.YAMLError as exc:
-        raise TopologyError([f"{shown}: {yaml_error_line(exc)}"]) from exc
+        data = read_yaml_file(path, "the topology file")
+    except YamlFileError as exc:
+        raise TopologyError([f"{shown}: {exc}"]) from None
     return parse_topology(data, shown, base_dir=path.resolve().parent)

@@ -176,7 +176,7 @@ def test_every_refused_value_of_a_section_is_listed_by_key_and_exponents_are_num
     bad.write_bytes(b"\xff\xfe\x00intervals: {}\n")  # UTF-16 bytes, say
     with pytest.raises(ConfigError) as exc:
         load_config(bad)
-    assert exc.value.errors == [f"{bad}: not UTF-8 text (byte 0xff at offset 0); save it as UTF-8"]
+    assert exc.value.errors == [f"{bad}: (file): not UTF-8 text (byte 0xff at offset 0); save it as UTF-8"]
     with pytest.raises(ConfigError, match="expected a mapping of sections"):
         parse_config([1, 2], "f")
 

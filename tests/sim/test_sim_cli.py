@@ -208,7 +208,7 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--rate-scale", "0"], "hilum sim: error: --rate-scale must be a finite number > 0, got 0"),
         (["--rate-scale", "inf"], "--rate-scale must be a finite number > 0, got inf"),
         (["--summary-lag-ms", "-1"], "--summary-lag-ms must be a finite number of milliseconds >= 0, got -1"),
-        (["--config", "/no/such.yaml"], "--config /no/such.yaml: cannot read the configuration file"),
+        (["--config", "/no/such.yaml"], "--config /no/such.yaml: (file): cannot read the configuration file"),
         (["--config", ""], "--config is empty: give a configuration file, or leave it out for the defaults"),
         (["--topology", "/no/such.yaml"], "invalid topology (--topology /no/such.yaml)"),
         (["--max-requests", "0"], "--max-requests must be >= 1"),
@@ -331,7 +331,7 @@ def test_a_configuration_file_named_by_the_environment_is_named_so_in_its_errors
     monkeypatch.setenv("HILUM_CONFIG", "/no/such.yaml")
     assert main(["sim", "--max-requests", "5"]) == 2
     err = capsys.readouterr().err.replace("\n", "")
-    assert "hilum sim: error: $HILUM_CONFIG /no/such.yaml: cannot read the configuration file" in err
+    assert "hilum sim: error: $HILUM_CONFIG /no/such.yaml: (file): cannot read the configuration file" in err
 
 
 def test_a_request_longer_than_the_context_is_sized_as_the_run_cuts_it(
@@ -572,7 +572,7 @@ def test_a_sweep_file_that_cannot_be_read_is_named(tmp_path: Path, capsys: pytes
     missing = tmp_path / "no-sweep.yaml"
     assert main(["sim", "sweep", str(missing)]) == 2
     err = capsys.readouterr().err
-    assert f"hilum sim sweep: error: sweep file {missing}: cannot read it: No such file or directory" in err
+    assert f"hilum sim sweep: error: {missing}: (file): cannot read the sweep file: No such file or directory" in err
     assert main(["sim", "sweep", ""]) == 2  # not the folder "."
     assert "hilum sim sweep: error: the sweep file's path is empty: give a sweep YAML file" in capsys.readouterr().err
 
@@ -1113,7 +1113,7 @@ def test_a_sweep_file_that_is_not_utf8_is_named(tmp_path: Path, capsys: pytest.C
     config = tmp_path / "sweep.yaml"
     config.write_bytes(b"trace: caf\xe9\n")
     assert main(["sim", "sweep", str(config)]) == 2
-    assert f"{config}: not UTF-8 text (byte 0xe9 at offset 10); save it as UTF-8" in capsys.readouterr().err
+    assert f"{config}: (file): not UTF-8 text (byte 0xe9 at offset 10); save it as UTF-8" in capsys.readouterr().err
 
 
 def test_a_sub_commands_option_after_it_still_parses(capsys: pytest.CaptureFixture[str]) -> None:

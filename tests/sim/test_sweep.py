@@ -167,7 +167,7 @@ def test_a_sweep_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
     path.write_bytes(GOOD.replace("burstgpt", "caf\xe9").encode("latin-1"))
     with pytest.raises(SweepConfigError) as exc:
         load_sweep_config(path)
-    assert exc.value.errors == [f"{path}: not UTF-8 text (byte 0xe9 at offset 10); save it as UTF-8"]
+    assert exc.value.errors == [f"{path}: (file): not UTF-8 text (byte 0xe9 at offset 10); save it as UTF-8"]
 
 
 def test_an_empty_sweep_file_says_so(tmp_path: Path) -> None:
