@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sim.results import PolicySummary, SweepRow
+from topology.tables import split_to_fit
 
 __all__ = [
     "LATENCY_COLUMNS",
@@ -179,23 +180,26 @@ def render_by_metric(
     title: str = "hilum sim",
     baseline: str | None = None,
     columns: Sequence[str] | None = None,
+    policies: Sequence[str] | None = None,
 ) -> Table:
     """:func:`render_table` turned a quarter: one row per metric (``columns`` as there), one column per policy, so
     that a dozen metrics of a few policies fit an 80-column terminal (the table by policy is about 120 wide).
+    ``policies``: the policies shown (None: all; the P99 TTFT ratio is to ``baseline`` whether shown or not).
 
     Raises:
         ValueError: if ``baseline`` names no policy among ``summaries``.
     """
     ratios = ttft_p99_ratios(summaries, baseline) if baseline is not None else None
+    shown = [s for s in summaries if policies is None or s.policy in policies]
     table = Table(title=title or None, title_justify="left", box=box.SIMPLE_HEAD)
     table.add_column("", no_wrap=True)
-    for s in summaries:
+    for s in shown:
         table.add_column(s.policy, justify="right", no_wrap=True)
     for header, cell in _SUMMARY_COLUMNS:
         if columns is None or header in columns:
-            table.add_row(header.replace("\n", " "), *(cell(s) for s in summaries))
+            table.add_row(header.replace("\n", " "), *(cell(s) for s in shown))
     if ratios is not None:
-        cells = [MISSING if (r := ratios.get(s.policy)) is None else f"{r:.2f}x" for s in summaries]
+        cells = [MISSING if (r := ratios.get(s.policy)) is None else f"{r:.2f}x" for s in shown]
         table.add_row("TTFT p99 / base", *cells)
     return table
 
@@ -211,7 +215,9 @@ def summary_tables(
 ) -> list[Table]:
     """``hilum sim``'s two tables (``latency`` and ``migration`` columns, the first with the P99 TTFT ratio to
     ``baseline``), one row per policy when both fit ``width`` characters, else one row per metric
-    (:func:`render_by_metric`): rich would cut every cell to ``…`` to squeeze a table into a narrow terminal.
+    (:func:`render_by_metric`): rich would cut every cell to ``…`` to squeeze a table into a narrow terminal. A
+    table by metric still too wide (many policies, or under 80 columns) has its policies over several tables that
+    fit (:func:`topology.tables.split_to_fit`).
 
     Raises:
         ValueError: if ``baseline`` names no policy among ``summaries``.
@@ -223,10 +229,17 @@ def summary_tables(
     measure = Console(width=10_000).measure
     if all(measure(t).maximum <= width for t in by_policy):
         return by_policy
-    return [
-        render_by_metric(summaries, title="", baseline=baseline, columns=latency),
-        render_by_metric(summaries, title=migration_title, columns=migration),
-    ]
+    names = [s.policy for s in summaries]
+    tables: list[Table] = []
+    for title, columns, base in (("", latency, baseline), (migration_title, migration, None)):
+
+        def build(
+            policies: Sequence[str], caption: str, columns: Sequence[str] = columns, base: str | None = base
+        ) -> Table:
+            return render_by_metric(summaries, title=caption, baseline=base, columns=columns, policies=policies)
+
+        tables += split_to_fit(build, names, title, width)
+    return tables
 
 
 def render_sweep_table(

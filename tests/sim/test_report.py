@@ -136,9 +136,10 @@ def test_baseline_ratio_column() -> None:
         render_table([SUMMARY], baseline="llumnix")
 
 
-@pytest.mark.parametrize("width", [80, 200])
+@pytest.mark.parametrize("width", [50, 80, 200])
 def test_the_two_tables_fit_the_terminal_whole(width: int) -> None:
-    """By policy where they fit; one row per metric in an 80-column terminal, where rich cut every cell to "…"."""
+    """By policy where they fit; one row per metric in an 80-column terminal, where rich cut every cell to "…"; below
+    that, the policies over several tables by metric (their numbers were cut)."""
     policies = ["round-robin", "least-loaded", "llumnix", "hilum"]
     summaries = [dataclasses.replace(SUMMARY, policy=p, e2e_p99_s=1234.5678) for p in policies]
     tables = summary_tables(
@@ -165,6 +166,17 @@ def test_the_two_tables_fit_the_terminal_whole(width: int) -> None:
         assert row[3:] == ["1234567.8"] * 4
         assert next(line for line in lines if "TTFT p99 / base" in line).split()[-4:] == ["1.00x"] * 4
         assert "migrations and simulator cost" in text
+    elif width == 50:  # each table by metric split over its policies, each part with every metric
+        parts = [[c.header for c in t.columns[1:]] for t in tables]
+        assert len(parts) > 2 and [p for part in parts for p in part] == policies * 2
+        latency_parts = len(tables) // 2
+        assert all(t.row_count == len(LATENCY_COLUMNS) + 1 for t in tables[:latency_parts])
+        assert all(t.row_count == len(MIGRATION_COLUMNS) for t in tables[latency_parts:])
+        ratios = [line.split()[4:] for line in lines if "TTFT p99 / base" in line]
+        assert [r for row in ratios for r in row] == ["1.00x"] * 4  # to least-loaded, in every part
+        assert [t.title for t in tables] == [None] + ["(continued)"] * (latency_parts - 1) + [
+            "migrations and simulator cost"
+        ] + ["migrations and simulator cost (continued)"] * (len(tables) - latency_parts - 1)
     else:
         assert [t.row_count for t in tables] == [4, 4]  # a row per policy
         assert any(line.strip().startswith("least-loaded") for line in lines)
