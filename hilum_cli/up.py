@@ -503,6 +503,8 @@ def _check(cfg: UpConfig) -> _Checked:
     if not topology.instances:
         raise UpUsageError(f"topology {topology.source} has no instances")
     _check_tokenizers(cfg, topology)
+    if cfg.engine == "sim":
+        _check_sim_latency(topology)
     try:
         options = parse_engine_options(cfg.engine_options)
     except ValueError as exc:
@@ -530,6 +532,24 @@ def _check(cfg: UpConfig) -> _Checked:
         gateway_ports=cfg.gateway_ports,
     )
     return _Checked(topology, text, plan, binary, config_text, tokenizer)
+
+
+def _check_sim_latency(topology: Topology) -> None:
+    """Raise UpUsageError, naming each, when an instance's model, GPU type and TP degree have no step-time model for
+    the sim engine (``llumlet.engine.latency.gpu_latency_model``, the simulator's rule): its llumlet would refuse
+    to start, after etcd and every other process had."""
+    from llumlet.engine.latency import UnsupportedLatencyModelError, instance_latency_model
+
+    problems, seen = [], set()
+    for spec in topology.instances:  # the first instance of each (model, GPU type, TP): the others are alike
+        if (key := (spec.model, spec.gpu_type, spec.tensor_parallel_size)) not in seen:
+            seen.add(key)
+            try:
+                instance_latency_model(topology, spec.instance_id)
+            except UnsupportedLatencyModelError as exc:
+                problems.append(f"--engine sim: topology {topology.source}: {exc}")
+    if problems:
+        raise UpUsageError("\n".join(problems))
 
 
 def _vllm_tokenizer(cfg: UpConfig, topology: Topology, options: dict[str, str]) -> str:

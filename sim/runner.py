@@ -23,11 +23,10 @@ from global_coord.wiring import CostModelJudge
 from hilum_config import DEFAULTS_SOURCE, HilumConfig, load_config
 from llumlet.engine.blocks import MAX_BLOCKS
 from llumlet.engine.latency import (
-    CALIBRATED_HBM_BYTES_PER_S,
     LatencyModel,
     UnsupportedLatencyModelError,
-    derive_latency_model,
-    load_latency_model,
+    gpu_latency_model,
+    instance_latency_model,
 )
 from policy.autoscale import pools_of
 from policy.types import MIN_LOOP_INTERVAL_S
@@ -206,12 +205,9 @@ DEFAULTS = SimSpec(topology="2x8-a100-40gb", trace="azure-conv", policy="hilum",
 
 
 def _latency_for(topology: Topology, derived: list[str]) -> Callable[[InstanceSpec], LatencyModel]:
-    """Step-time models per (model, GPU, TP), from ``llumlet.engine.latency``.
-
-    A GPU type without measured data gets the H100 model scaled by HBM bandwidth; one whose HBM bandwidth
-    differs by more than 5 % from the measured GPU of its family (an A100-40GB at 1.56 TB/s against the
-    measured A100-80GB at 2.04 TB/s) gets that GPU's model scaled the same way
-    (:func:`llumlet.engine.latency.derive_latency_model`).
+    """Step-time models per (model, GPU, TP): ``llumlet.engine.latency.gpu_latency_model``, the live sim engine's
+    rule (a GPU without measured data, or whose HBM bandwidth is more than 5 % off the measured GPU of its family,
+    gets a measured model scaled by HBM bandwidth).
 
     Every derived combination is appended to ``derived`` (reported in the run's config).
     """
@@ -221,20 +217,9 @@ def _latency_for(topology: Topology, derived: list[str]) -> Callable[[InstanceSp
         key = (spec.model, spec.gpu_type, spec.tensor_parallel_size)
         if key not in cache:
             hbm = topology.gpu_types[spec.gpu_type].hbm_bandwidth_bytes_per_s
-            try:
-                model = load_latency_model(*key)
-            except UnsupportedLatencyModelError:
-                cache[key] = derive_latency_model(*key, hbm)
-                derived.append(f"{spec.model}/{spec.gpu_type}/tp{spec.tensor_parallel_size} scaled from h100 by HBM")
-            else:
-                calibrated = CALIBRATED_HBM_BYTES_PER_S[model.gpu]
-                if abs(hbm / calibrated - 1.0) > 0.05:  # e.g. an A100-40GB (1.56 TB/s) vs the measured 80GB
-                    cache[key] = derive_latency_model(*key, hbm, reference_gpu=model.gpu)
-                    derived.append(
-                        f"{spec.model}/{spec.gpu_type}/tp{spec.tensor_parallel_size} scaled from {model.gpu} by HBM"
-                    )
-                else:
-                    cache[key] = model
+            cache[key], how = gpu_latency_model(*key, hbm)
+            if how is not None:
+                derived.append(f"{spec.model}/{spec.gpu_type}/tp{spec.tensor_parallel_size} {how}")
         return cache[key]
 
     return get
@@ -528,7 +513,8 @@ def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[s
     """Check the options against the topology; returns the parsed drains and scale-outs (instance, time s).
 
     Raises ValueError naming the first problem: an unknown model, an instance with more KV cache blocks than
-    the simulated engine can number (``llumlet.engine.blocks.MAX_BLOCKS``), a scripted event naming an instance
+    the simulated engine can number (``llumlet.engine.blocks.MAX_BLOCKS``), an instance whose model, GPU and TP
+    degree have no step-time model (``llumlet.engine.latency.gpu_latency_model``), a scripted event naming an instance
     that does not exist or does not serve the simulated model, an instance both drained and scaled out, or a
     drain of an instance ``initial_instances`` keeps off.
     """
@@ -542,6 +528,14 @@ def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[s
             f"{MAX_BLOCKS:,} (block ids are C ints, as in vLLM's block tables): set a smaller "
             "kv_capacity_blocks for the instance in the topology, or a larger block_size_tokens for the model"
         )
+    modelled: set[tuple[str, int]] = set()
+    for spec in topology.instances:  # the first instance of each GPU type and TP degree that serves the model
+        if spec.model == model and (spec.gpu_type, spec.tensor_parallel_size) not in modelled:
+            modelled.add((spec.gpu_type, spec.tensor_parallel_size))
+            try:
+                instance_latency_model(topology, spec.instance_id)
+            except UnsupportedLatencyModelError as exc:  # a KeyError: its message is its first argument
+                raise ValueError(f"{topology.name}: {exc}") from None
     if options.initial_instances is not None and options.initial_instances > len(known):
         raise ValueError(
             f"initial_instances (--initial-instances) {options.initial_instances}: {topology.name} has only "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from llumlet.backends.base import Backend, BackendConfig
 from llumlet.engine.core import EngineCore
-from llumlet.engine.latency import load_latency_model
+from llumlet.engine.latency import instance_latency_model, load_latency_model
 from llumlet.engine.types import SamplingFeature
 
 __all__ = ["DEFAULT_KV_BYTES_PER_TOKEN", "DEFAULT_NUM_BLOCKS", "SIM_SAMPLING_FEATURES", "make_sim_backend"]
@@ -35,7 +35,8 @@ def make_sim_backend(config: BackendConfig) -> Backend:
 
     Raises:
         KeyError: the instance is not in ``config.topology``.
-        UnsupportedLatencyModelError: no latency model for the instance's (model, GPU, TP).
+        UnsupportedLatencyModelError: no latency model for the instance's (model, GPU, TP)
+            (``llumlet.engine.latency.gpu_latency_model``: a GPU without measured data is scaled by HBM bandwidth).
         ValueError: ``config.options`` is not empty (the sim backend takes no ``--engine-option``), or
             ``config.tokenizer`` is set (it reads none).
     """
@@ -50,7 +51,7 @@ def make_sim_backend(config: BackendConfig) -> Backend:
     if topo is not None:
         spec = topo.instance(config.instance_id)
         model = topo.model_of(config.instance_id)
-        latency = load_latency_model(spec.model, spec.gpu_type, spec.tensor_parallel_size)
+        latency, _ = instance_latency_model(topo, config.instance_id)  # as the simulator's (hilum bench --compare-sim)
         num_blocks = spec.kv_capacity_blocks
         block_size = model.block_size_tokens
         kv_bytes_per_token = model.kv_bytes_per_token

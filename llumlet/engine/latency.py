@@ -32,10 +32,13 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from mypy_extensions import mypyc_attr
+
+if TYPE_CHECKING:
+    from topology.spec import Topology
 
 __all__ = [
     "CALIBRATED_HBM_BYTES_PER_S",
@@ -45,6 +48,8 @@ __all__ = [
     "LatencyModel",
     "UnsupportedLatencyModelError",
     "derive_latency_model",
+    "gpu_latency_model",
+    "instance_latency_model",
     "load_latency_model",
     "packed_doubles",
     "packed_from_numpy",
@@ -442,3 +447,61 @@ def derive_latency_model(
     base = load_latency_model(model, reference_gpu, tp)
     factor = CALIBRATED_HBM_BYTES_PER_S[reference_gpu] / hbm_bytes_per_s
     return dataclasses.replace(base, gpu=gpu, gpu_scale=base.gpu_scale * factor)
+
+
+def gpu_latency_model(model: str, gpu: str, tp: int, hbm_bytes_per_s: float) -> tuple[LatencyModel, str | None]:
+    """The step-time model of ``model`` at tensor-parallel degree ``tp`` on the GPU type ``gpu``, whose HBM bandwidth
+    is ``hbm_bytes_per_s`` (bytes/s): the one rule the simulator and the live sim engine (``llumlet.backends.sim``)
+    both use, so that ``hilum bench --compare-sim`` compares the same modelled GPU.
+
+    - A GPU of a measured family (``a100*``, ``h100*``) within 5 % of the measured GPU's HBM bandwidth: the measured
+      model (:func:`load_latency_model`).
+    - Of a measured family but further off (an A100-40GB, 1.56 TB/s, against the measured A100-80GB, 2.04 TB/s):
+      the family's model scaled by HBM bandwidth (:func:`derive_latency_model`).
+    - Of no measured family (an L4, a GB200): the H100's model scaled the same way.
+
+    Returns the model and how it was derived (``"scaled from a100 by HBM"``), None when measured.
+
+    Raises:
+        UnsupportedLatencyModelError: no measured model for ``model`` at ``tp`` on the GPU it would be taken from.
+    """
+    try:
+        measured = load_latency_model(model, gpu, tp)
+    except UnsupportedLatencyModelError:
+        reference = "h100"
+    else:
+        reference = measured.gpu
+        if abs(hbm_bytes_per_s / CALIBRATED_HBM_BYTES_PER_S[reference] - 1.0) <= 0.05:
+            return measured, None
+    try:
+        return derive_latency_model(
+            model, gpu, tp, hbm_bytes_per_s, reference_gpu=reference
+        ), f"scaled from {reference} by HBM"
+    except UnsupportedLatencyModelError:
+        family = _normalize_gpu(gpu)
+        if family == "h100":
+            why = f"none is measured for it on {family}"
+        elif family in CALIBRATED_HBM_BYTES_PER_S:
+            why = f"none is measured for it on {family} (the family of {gpu}), nor on h100 (scaled by HBM bandwidth)"
+        else:
+            why = f"{gpu} is not measured, and h100 (scaled to it by HBM bandwidth) has none for it"
+        combos = ", ".join(f"{m}/{g}/tp{t}" for m, g, t in supported_latency_models())
+        raise UnsupportedLatencyModelError(
+            f"no step-time model for {model} at TP{tp} on {gpu}: {why}; measured: {combos}"
+        ) from None
+
+
+def instance_latency_model(topology: Topology, instance_id: str) -> tuple[LatencyModel, str | None]:
+    """:func:`gpu_latency_model` of the instance ``instance_id`` of ``topology`` (its model, GPU type and
+    tensor-parallel degree, and that GPU type's HBM bandwidth).
+
+    Raises:
+        KeyError: no such instance.
+        UnsupportedLatencyModelError: as :func:`gpu_latency_model`, the instance named first.
+    """
+    spec = topology.instance(instance_id)
+    hbm = topology.gpu_types[spec.gpu_type].hbm_bandwidth_bytes_per_s
+    try:
+        return gpu_latency_model(spec.model, spec.gpu_type, spec.tensor_parallel_size, hbm)
+    except UnsupportedLatencyModelError as exc:
+        raise UnsupportedLatencyModelError(f"instance {instance_id}: {exc}") from None

@@ -90,7 +90,8 @@ def test_load_api_keys_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=f"{bad}: line 2, column 1: YAML syntax error"):
         load_api_keys(bad)
     bad.write_bytes(b"keys:\n  - {name: \xff, key: sk-a}\n")  # never a UnicodeDecodeError's traceback
-    with pytest.raises(ValueError, match=f"^{bad}: \\(file\\): not UTF-8 text \\(byte 0xff at offset 17\\); save it as UTF-8$"):
+    refused = f"^{bad}: \\(file\\): not UTF-8 text \\(byte 0xff at offset 17\\); save it as UTF-8$"
+    with pytest.raises(ValueError, match=refused):
         load_api_keys(bad)
     bad.write_text("keys: " + "[" * 5000 + "]" * 5000)  # nor a RecursionError's
     with pytest.raises(ValueError, match=f"^{bad}: \\(file\\): lists and mappings nested too deeply to read"):

@@ -475,3 +475,35 @@ def test_an_empty_path_option_is_refused_not_read_as_left_out(
     err = capsys.readouterr().err
     assert err.startswith(f"hilum up: error: {said}") and err.count("\n") == 1, err
     assert list(tmp_path.iterdir()) == []  # nothing started
+
+
+_TP4_7B = """name: tp4
+models:
+  - {name: llama-2-7b, num_layers: 32, num_attention_heads: 32, num_kv_heads: 32, head_dim: 128,
+     hidden_size: 4096, dtype: bfloat16, num_params: 7241732096, max_context_tokens: 4096}
+gpu_types:
+  - {name: a100-80gb, memory_gib: 80, hbm_gbyte_per_s: 2039, nvlink_gbyte_per_s: 600}
+domains:
+  - id: n0
+    kind: node
+    gpu_type: a100-80gb
+    nodes: [{id: n0, num_gpus: 8, nic_gbit_per_s: 100}]
+    instances:
+      - {id: n0-i0, gpus: [0], tensor_parallel_size: 1, model: llama-2-7b}
+      - {id: n0-i1, gpus: [4, 5, 6, 7], tensor_parallel_size: 4, model: llama-2-7b}
+"""
+
+
+def test_an_instance_the_sim_engine_cannot_time_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """Its llumlet refused to start once etcd, the coordinator and every other llumlet had (exit 1, the run directory
+    kept): Llama-2-7B is measured at TP1 and TP2 only."""
+    topology = tmp_path / "tp4.yaml"
+    topology.write_text(_TP4_7B)
+    err = io.StringIO()
+    cfg = UpConfig(topology=str(topology), port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "r"))
+    assert run_up(cfg, out=io.StringIO(), err=err) == 2
+    assert err.getvalue().startswith(
+        f"hilum up: error: --engine sim: topology {topology}: instance n0-i1: no step-time model for llama-2-7b at "
+        "TP4 on a100-80gb: none is measured for it on a100"
+    )
+    assert not (tmp_path / "r").exists()

@@ -153,3 +153,50 @@ def test_packed_doubles_are_the_arrays_own_doubles() -> None:
     assert packed_doubles((0.25, 1)).tolist() == [0.25, 1.0]  # any sequence; an int is a real number
     with pytest.raises(struct.error):
         packed_doubles(["0.5"])  # type: ignore[list-item]
+
+
+def test_gpu_latency_model_takes_the_measured_model_or_scales_one_by_hbm() -> None:
+    from llumlet.engine.latency import (
+        CALIBRATED_HBM_BYTES_PER_S,
+        UnsupportedLatencyModelError,
+        gpu_latency_model,
+        load_latency_model,
+    )
+
+    measured = load_latency_model("llama-2-13b", "a100", 1)
+    assert gpu_latency_model("llama-2-13b", "a100-80gb", 1, 2.0e12) == (measured, None)  # within 5 % of 2.039
+    forty, how = gpu_latency_model("llama-2-13b", "a100-40gb", 1, 1.555e12)
+    assert how == "scaled from a100 by HBM" and forty.gpu == "a100-40gb"
+    assert forty.gpu_scale == pytest.approx(measured.gpu_scale * CALIBRATED_HBM_BYTES_PER_S["a100"] / 1.555e12)
+    l4, how = gpu_latency_model("llama-2-7b", "l4", 1, 0.3e12)
+    assert how == "scaled from h100 by HBM"
+    assert l4.gpu_scale == pytest.approx(load_latency_model("llama-2-7b", "h100", 1).gpu_scale * 3.35e12 / 0.3e12)
+    with pytest.raises(UnsupportedLatencyModelError) as exc:
+        gpu_latency_model("llama-2-7b", "a100-80gb", 4, 2.039e12)  # neither A100 nor H100 measured at TP4
+    assert str(exc.value).startswith(
+        "no step-time model for llama-2-7b at TP4 on a100-80gb: none is measured for it on a100 (the family of "
+        "a100-80gb), nor on h100 (scaled by HBM bandwidth); measured: llama-2-13b/a100/tp1, "
+    )
+    with pytest.raises(UnsupportedLatencyModelError, match=r"^no step-time model for mistral-7b at TP1 on l4: l4 is"):
+        gpu_latency_model("mistral-7b", "l4", 1, 0.3e12)
+
+
+def test_the_live_sim_engine_models_the_gpu_the_simulator_does() -> None:
+    """hilum bench --compare-sim sets the two side by side: on the simulator's default topology (A100-40GB) the
+    llumlet took the measured A100-80GB model (29.4 ms a step where the simulator said 37.9 ms)."""
+    from llumlet.backends.base import BackendConfig
+    from llumlet.backends.sim import make_sim_backend
+    from sim.runner import _latency_for
+    from topology.load import load_topology
+
+    for name in ("2x8-a100-40gb", "2x8-a100", "nvl72-gb200"):
+        topology = load_topology(name)
+        derived: list[str] = []
+        simulated = _latency_for(topology, derived)
+        for spec in topology.instances[:2]:
+            live = make_sim_backend(BackendConfig(instance_id=spec.instance_id, topology=topology))
+            assert live.engine.latency_model == simulated(spec), (name, spec.instance_id)
+        assert bool(derived) == (name != "2x8-a100"), derived  # the A100-80GB of 2x8-a100 is the measured one
+    forty = load_topology("2x8-a100-40gb")
+    live = make_sim_backend(BackendConfig(instance_id=forty.instances[0].instance_id, topology=forty))
+    assert live.engine.latency_model.step_time_s([], [1000] * 16) == pytest.approx(0.0379, abs=5e-4)

@@ -688,6 +688,25 @@ def test_a_topology_without_instances_is_refused_by_name(tmp_path: Path, capsys:
     assert f"hilum sim: error: topology 2x8-a100 ({empty}) has no instances: there is nothing to simulate" in err, err
 
 
+def test_an_instance_with_no_step_time_model_is_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Llama-2-7B is measured at TP1 and TP2 only: a TP4 one ended the run with a traceback, naming an H100 the
+    file does not have (the GPU its model would have been scaled from)."""
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "topology" / "examples" / "2x8-a100.yaml").read_text())
+    data["domains"][1]["instances"][4:] = [{"id": "node-1-tp4", "gpus": [4, 5, 6, 7], "tensor_parallel_size": 4,
+                                            "model": "llama-2-7b"}]  # fmt: skip
+    path = tmp_path / "tp4.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["sim", "--topology", str(path), "--max-requests", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "hilum sim: error: 2x8-a100: instance node-1-tp4: no step-time model for llama-2-7b at TP4 on a100-80gb: none "
+        "is measured for it on a100 (the family of a100-80gb), nor on h100 (scaled by HBM bandwidth); measured: "
+    ), err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [
