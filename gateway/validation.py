@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 from gateway.tokenizer import ChatTemplateError, Tokenizer
 from llumlet.engine.types import MAX_TOP_LOGPROBS, GuidedDecoding, SamplingFeature, SamplingParams
+from policy.dispatch import request_kv_blocks
 from topology.spec import Topology
 
 __all__ = [
@@ -198,13 +199,13 @@ class GenerationRequest:
 
     @property
     def demand_blocks(self) -> int:
-        """KV blocks the request needs to start: ceil((prompt + 1) / block size) (rack_sched's count)."""
-        return -(-(self.prompt_tokens + 1) // self.block_size_tokens)
+        """KV blocks the request needs to start (``policy.dispatch.request_kv_blocks``, the domain schedulers' rule)."""
+        return request_kv_blocks(self.prompt_tokens, self.max_tokens, self.block_size_tokens)[0]
 
     @property
     def need_blocks(self) -> int:
-        """KV blocks it may grow to: ceil((prompt + max_tokens - 1) / block size) (what an engine admits)."""
-        return -(-(self.prompt_tokens + self.max_tokens - 1) // self.block_size_tokens)
+        """KV blocks it may grow to: ceil((prompt + max_tokens - 1) / block size) (``request_kv_blocks``)."""
+        return request_kv_blocks(self.prompt_tokens, self.max_tokens, self.block_size_tokens)[1]
 
     @property
     def max_tokens(self) -> int:

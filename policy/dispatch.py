@@ -70,8 +70,28 @@ __all__ = [
     "DomainDispatchView",
     "all_draining",
     "leading_run",
+    "request_kv_blocks",
     "reusable_prefix_hashes",
 ]
+
+
+def request_kv_blocks(prompt_tokens: int, max_tokens: int, block_size_tokens: int) -> tuple[int, int]:
+    """(demand, need): the KV blocks of ``block_size_tokens`` tokens a request of ``prompt_tokens`` prompt tokens and
+    at most ``max_tokens`` output tokens needs to start, and may grow to. The gateway, the domain schedulers and the
+    simulator all size a request by this one rule.
+
+    - need: ``ceil((prompt + max_tokens − 1) / b)``: the last output token is sampled, never stored (no step runs
+      after it), as vLLM's admission counts;
+    - demand: the prompt and the slot of the first output token, which the first decode step stores,
+      ``ceil((prompt + 1) / b)``; a request of one output token has no decode step, so its demand is its prompt's
+      blocks (its need: a prompt that fills an instance exactly fits it).
+
+    Raises ValueError if ``max_tokens`` < 1 or ``block_size_tokens`` < 1.
+    """
+    if max_tokens < 1 or block_size_tokens < 1:
+        raise ValueError(f"need max_tokens >= 1 and block_size_tokens >= 1, got {max_tokens}, {block_size_tokens}")
+    need = -(-(prompt_tokens + max_tokens - 1) // block_size_tokens)
+    return min(-(-(prompt_tokens + 1) // block_size_tokens), need), need
 
 
 def reusable_prefix_hashes(hashes: Sequence[int], prefix_block_tokens: int, prompt_tokens: int) -> Sequence[int]:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from typing import Final
 
 from global_coord.approver import MoveProposal
-from policy.dispatch import DispatchDecision, DispatchView, reusable_prefix_hashes
+from policy.dispatch import DispatchDecision, DispatchView, request_kv_blocks, reusable_prefix_hashes
 from policy.domain import DomainSummary
 from policy.load import InstanceLoad
 from policy.migration import MigrationDecision, is_source_domain, plan_migrations
@@ -112,12 +112,13 @@ class DomainRequest:
             )
 
     def demand_blocks(self, block_size_tokens: int) -> int:
-        """KV blocks it needs to start: prompt plus the first output token, ``ceil((p + 1) / b)``."""
-        return math.ceil((self.prompt_tokens + 1) / block_size_tokens)
+        """KV blocks it needs to start: its prompt and the first output token's slot
+        (``policy.dispatch.request_kv_blocks``)."""
+        return request_kv_blocks(self.prompt_tokens, self.max_tokens, block_size_tokens)[0]
 
     def need_blocks(self, block_size_tokens: int) -> int:
-        """KV blocks it may grow to: ``ceil((p + max_tokens − 1) / b)`` (what an engine checks at admission)."""
-        return math.ceil((self.prompt_tokens + self.max_tokens - 1) / block_size_tokens)
+        """KV blocks it may grow to: ``ceil((p + max_tokens − 1) / b)`` (``policy.dispatch.request_kv_blocks``)."""
+        return request_kv_blocks(self.prompt_tokens, self.max_tokens, block_size_tokens)[1]
 
 
 @dataclass(frozen=True, slots=True)

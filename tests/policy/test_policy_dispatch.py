@@ -306,3 +306,19 @@ def test_a_view_draws_as_random_sample_and_random_choice(n: int) -> None:
         reference, ours = random.Random(seed), random.Random(seed)
         assert [_below(ours, n) for _ in range(5)] == [reference.choice(range(n)) for _ in range(5)], (n, seed)
         assert ours.getstate() == reference.getstate(), (n, seed)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "blocks"),
+    [
+        (2048, 1, (128, 128)),  # no decode step: the one token is never stored
+        (2048, 2, (129, 129)),
+        (2047, 2, (128, 128)),
+        (100, 500, (7, 38)),  # ceil(101 / 16) to start, ceil(599 / 16) at most
+        (1, 1, (1, 1)),
+    ],
+)
+def test_request_kv_blocks(prompt: int, max_tokens: int, blocks: tuple[int, int]) -> None:
+    from policy.dispatch import request_kv_blocks
+
+    assert request_kv_blocks(prompt, max_tokens, 16) == blocks

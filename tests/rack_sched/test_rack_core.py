@@ -59,6 +59,22 @@ def test_dispatch_uses_the_instance_that_can_hold_what_the_request_grows_to() ->
     assert refused.target_id is None and "can hold 1000 blocks" in refused.reason
 
 
+def test_a_prompt_that_fills_an_instance_exactly_fits_it_with_one_output_token() -> None:
+    """Its one token is sampled from the prefill, never stored: the engine serves 2,048 + 1 tokens in 128 blocks. The
+    domain counted a slot for it (129 blocks) and refused it as one no instance could ever hold, after the gateway,
+    which counts as the engine does, had let it through (a 503 where a 400 or a reply was due)."""
+    c = core(a="m")
+    c.report("a", load("a", 128))
+    assert c.dispatch(DomainRequest("one", "m", 128 * BS, 1)).target_id == "a"
+    c.report("a", load("a", 128))
+    refused = c.dispatch(DomainRequest("two", "m", 128 * BS, 2))  # its second token is stored: 2,049 tokens
+    assert refused.target_id is None
+    assert refused.reason == (
+        "request needs 129 blocks but the largest non-draining instance can hold 128 blocks; no instance can ever "
+        "hold it"
+    )
+
+
 def test_an_unanswered_instance_takes_nothing_until_its_next_report() -> None:
     c = core(a="m", b="m")
     c.report("a", load("a", 1000))
