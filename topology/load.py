@@ -530,7 +530,7 @@ def _parse_nodes(col: _Collector, d: _DomainSchema, d_idx: int, seen: _Seen) -> 
 def _where(d: _DomainSchema, nodes: Sequence[NodeSpec]) -> str:
     total = sum(n.num_gpus for n in nodes)
     if d.kind == "node":
-        return f"on {nodes[0].node_id} ({total} GPUs)"
+        return f"on {nodes[0].node_id} ({total} GPU{'' if total == 1 else 's'})"
     return f"in NVLink island {d.id} ({total} GPUs on {len(nodes)} nodes)"
 
 
@@ -669,12 +669,18 @@ def _parse_fabric(col: _Collector, root: _RootSchema, domains: Sequence[DomainSp
                 col.add(path, f"node {node_id!r} is already in rack {rack_of[node_id]!r}; a node sits in one rack")
             rack_of.setdefault(node_id, r.id)
         node_ids = tuple(dict.fromkeys(n for n, _ in members if rack_of.get(n) == r.id))
-        over = r.oversubscription or fab.oversubscription
-        uplink = (
-            r.uplink_gbit_per_s * _GBIT
-            if r.uplink_gbit_per_s is not None
-            else sum(nodes[n].nic_bandwidth_bytes_per_s for n in node_ids) / over
-        )
+        nic_total = sum(nodes[n].nic_bandwidth_bytes_per_s for n in node_ids)
+        if r.uplink_gbit_per_s is not None:
+            if r.oversubscription is not None:
+                col.add(
+                    f"{rloc}.oversubscription",
+                    "give uplink_gbit_per_s or oversubscription, not both (the uplink sets the ratio to the NICs)",
+                )
+            uplink = r.uplink_gbit_per_s * _GBIT
+            over = nic_total / uplink  # what the rack has, not the file's default ratio
+        else:
+            over = r.oversubscription or fab.oversubscription
+            uplink = nic_total / over
         racks.append(
             RackSpec(rack_id=r.id, node_ids=node_ids, uplink_bandwidth_bytes_per_s=uplink, oversubscription=over)
         )

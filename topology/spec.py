@@ -164,7 +164,8 @@ class RackSpec:
     """A rack (top-of-rack / leaf) switch: the nodes cabled to it and its uplink to the spine.
 
     ``uplink_bandwidth_bytes_per_s`` is given in the file or derived as
-    ``Σ NIC bandwidth of the rack's nodes / oversubscription``.
+    ``Σ NIC bandwidth of the rack's nodes / oversubscription``; ``oversubscription`` is that ratio, the rack's own
+    when the file gives the uplink (``Σ NIC / uplink``).
     """
 
     rack_id: str

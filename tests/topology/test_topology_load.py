@@ -289,6 +289,22 @@ def test_invalid_model_does_not_cascade_into_unknown_model_errors() -> None:
     ]
 
 
+def test_a_racks_given_uplink_sets_its_oversubscription() -> None:
+    """``hilum topology show`` printed the file's default ratio (2:1) beside a given uplink of another (2.5:1)."""
+    data = base()
+    data["fabric"]["racks"][0]["uplink_gbit_per_s"] = 160  # the two NICs: 400 Gb/s
+    rack = parse_topology(data, "t.yaml").fabric.racks[0]
+    assert (rack.uplink_bandwidth_bytes_per_s, rack.oversubscription) == (20e9, 2.5)
+    del data["fabric"]["racks"][0]["uplink_gbit_per_s"]
+    rack = parse_topology(data, "t.yaml").fabric.racks[0]
+    assert (rack.uplink_bandwidth_bytes_per_s, rack.oversubscription) == (25e9, 2.0)  # 400 Gb/s / the default 2
+    data["fabric"]["racks"][0].update(uplink_gbit_per_s=100, oversubscription=4.0)  # the same ratio, said twice
+    assert errors_of(data) == [
+        "t.yaml: fabric.racks[0].oversubscription: give uplink_gbit_per_s or oversubscription, not both (the uplink "
+        "sets the ratio to the NICs)"
+    ]
+
+
 def test_rack_errors() -> None:
     data = base()
     data["fabric"]["racks"] = [
