@@ -1062,6 +1062,7 @@ def describe(info: dict[str, Any], *, temporary_run_dir: bool = False) -> str:
         + f"""-d '{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}'""",
         f"bench it:  hilum bench --url {info['gateway_url']} --trace azure-conv --max-requests 50 "
         f"--compare-sim {info['topology_file']}"
+        + (f" --model {model}" if len(info["models"]) > 1 else "")  # one model a run (bench refuses to guess)
         + (f" --config {info['config_file']}" if info["config_file"] else "")
         + (" --api-key KEY" if info.get("api_keys_file") else ""),
         *(

@@ -671,6 +671,14 @@ def run_cli(args: argparse.Namespace) -> int:
                 over = f"the high-priority requests that got a first token, {each}"
             few = "; fewer than 100: about the slowest of them" if min(counts.values()) < 100 else ""
             console.print(f"hi-pri TTFT p99: over {over}{few}", style="dim", highlight=False)
+        derived = runs[0].config.get("derived_latency_models") or []
+        if derived:  # said in results.json only: a GPU without measured data is an approximation (prefill)
+            console.print(
+                f"step times: {', '.join(derived)} (no measured data for that GPU: docs/simulator.md)",
+                style="dim",
+                highlight=False,
+                soft_wrap=not console.is_terminal,
+            )
         _print_idle(console, idle)
     return 0
 

@@ -141,3 +141,9 @@ def test_requests_reach_only_instances_serving_their_model(up: UpProcess) -> Non
     ran_on = {model: {i for rid, on in seen.items() if model_of[rid] == model for i in on} for model in SERVES.values()}
     assert ran_on["llama-2-7b"] & {"b0"} and ran_on["llama-2-7b"] & {"a0", "a1"}
     assert ran_on["llama-2-13b"] & {"b1"} and ran_on["llama-2-13b"] & {"c0", "c1"}
+
+
+def test_the_printed_bench_line_names_a_model(up: UpProcess) -> None:
+    """hilum bench refuses to guess among several models: the line hilum up prints ended in that refusal."""
+    line = next(line for line in up.printed.splitlines() if line.startswith("bench it:"))
+    assert f" --model {min(SERVES.values())} " in f"{line} ", line

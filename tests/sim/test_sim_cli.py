@@ -1168,3 +1168,14 @@ def test_a_sweep_file_gets_every_problem_at_once(tmp_path: Path, capsys: pytest.
     assert all(line.startswith(f"{config}: ") for line in lines)
     assert "drain (--drain) names unknown instance 'node-1-i0'" in lines[3] and "file not found" in lines[4]
     assert not (tmp_path / "o").exists()
+
+
+def test_step_times_of_a_gpu_without_measured_data_are_said_below_the_tables(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """results.json alone said so: the default topology's A100-40GB runs the A100-80GB model scaled by HBM."""
+    assert main(["sim", "--max-requests", "20", "--policy", "round-robin"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "step times: llama-2-13b/a100-40gb/tp1 scaled from a100 by HBM (no measured data for that GPU" in out
+    assert main(["sim", "--topology", "2x8-a100", "--max-requests", "20", "--policy", "round-robin"]) == 0
+    assert "step times:" not in capsys.readouterr().out  # the A100-80GB is measured
