@@ -104,6 +104,9 @@ _Id = Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 _PosInt = Annotated[int, Field(gt=0)]
 _PosFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 _Fraction = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+# A network or NVLink rate: 0.1 (100 Mb/s, under any data-centre link) to 10^6 (a petabit); outside, a unit slip
+# (bytes for gigabits, b/s for Gb/s) rather than a link, which the cost model would have taken as given.
+_LinkRate = Annotated[float, Field(ge=0.1, le=1e6, allow_inf_nan=False)]
 
 
 class _Schema(BaseModel):
@@ -140,13 +143,13 @@ class _GpuSchema(_Schema):
     # and an engine below 10 GB/s of HBM (no GPU has under 100) steps so slowly a simulation runs for days of its time
     memory_gib: Annotated[float, Field(gt=0, le=2**20, allow_inf_nan=False)]
     hbm_gbyte_per_s: Annotated[float, Field(ge=10, le=1e6, allow_inf_nan=False)]
-    nvlink_gbyte_per_s: _PosFloat
+    nvlink_gbyte_per_s: _LinkRate
 
 
 class _NodeSchema(_Schema):
     id: _Id
     num_gpus: _PosInt
-    nic_gbit_per_s: _PosFloat
+    nic_gbit_per_s: _LinkRate
 
 
 class _InstanceSchema(_Schema):
@@ -175,7 +178,7 @@ class _RackSchema(_Schema):
     id: _Id
     domains: list[_Id] = []
     nodes: list[_Id] = []
-    uplink_gbit_per_s: _PosFloat | None = None
+    uplink_gbit_per_s: _LinkRate | None = None
     oversubscription: _PosFloat | None = None
 
 
@@ -484,7 +487,9 @@ def _parse_domains(
                 f"a domain of kind 'node' has exactly one node, got {len(d.nodes)}; "
                 "use kind 'nvlink_island' for an NVLink domain over several nodes",
             )
-        if nodes is None:
+        if nodes is None:  # its instances' GPUs cannot be checked, their own keys still are (report everything)
+            for k, sub in enumerate(d.instances):
+                col.validate(_InstanceSchema, sub, ("domains", d_idx, "instances", k))
             continue
         instances = _parse_instances(col, root, d, d_idx, nodes, gpu, models, declared_models, seen)
         kind: DomainKind = d.kind

@@ -70,7 +70,7 @@ def test_invalid_file_prints_every_error_and_exits_2(tmp_path: Path, capsys: pyt
     assert main(["topology", "show", str(bad)]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err == [
-        f"hilum topology show: error: {bad}: domains[0].nodes[0].nic_gbit_per_s: must be > 0, got -200",
+        f"hilum topology show: error: {bad}: domains[0].nodes[0].nic_gbit_per_s: must be >= 0.1, got -200",
         f"hilum topology show: error: {bad}: domains[1].instances[7].gpus: GPU 9 does not exist on node-1 (8 GPUs)",
     ]
     assert main(["topology", "show", "no-such-topology"]) == 2

@@ -185,11 +185,24 @@ def test_unknown_key_missing_key_and_bad_values_all_reported() -> None:
     data["domains"][1]["kind"] = "rack"
     assert errors_of(data) == [
         "t.yaml: models[0].num_layers: missing required key",
-        "t.yaml: gpu_types[0].nvlink_gbyte_per_s: must be > 0, got -600",
+        "t.yaml: gpu_types[0].nvlink_gbyte_per_s: must be >= 0.1, got -600",
         "t.yaml: domains[0].instances[1].tp: unknown key; expected one of: id, gpus, tensor_parallel_size, "
         "model, kv_capacity_blocks, gpu_memory_utilization",
         "t.yaml: domains[1].kind: must be one of 'node' or 'nvlink_island', got 'rack' (a string)",
-        "t.yaml: domains[1].nodes[0].nic_gbit_per_s: must be > 0, got 0",
+        "t.yaml: domains[1].nodes[0].nic_gbit_per_s: must be >= 0.1, got 0",
+    ]
+
+
+def test_a_link_rate_in_the_wrong_unit_is_refused() -> None:
+    """1e-9 Gb/s showed as 0 Gb/s in hilum topology show, and the cost model took it as given."""
+    data = base()
+    data["domains"][0]["nodes"][0]["nic_gbit_per_s"] = 1e-9
+    data["domains"][1]["nodes"][0]["nic_gbit_per_s"] = 2e11  # 200 Gb/s in bits per second
+    data["fabric"]["racks"][0]["uplink_gbit_per_s"] = 0.05
+    assert errors_of(data) == [
+        "t.yaml: domains[0].nodes[0].nic_gbit_per_s: must be >= 0.1, got 1e-09",
+        "t.yaml: domains[1].nodes[0].nic_gbit_per_s: must be <= 1e+06, got 200000000000.0",
+        "t.yaml: fabric.racks[0].uplink_gbit_per_s: must be >= 0.1, got 0.05",
     ]
 
 
@@ -302,6 +315,21 @@ def test_a_racks_given_uplink_sets_its_oversubscription() -> None:
     assert errors_of(data) == [
         "t.yaml: fabric.racks[0].oversubscription: give uplink_gbit_per_s or oversubscription, not both (the uplink "
         "sets the ratio to the NICs)"
+    ]
+
+
+def test_the_instances_of_a_domain_whose_node_is_invalid_are_still_schema_checked() -> None:
+    """A misspelt instance key showed only once the node's was mended."""
+    data = base()
+    data["domains"][1]["nodes"][0]["nic_gbps"] = data["domains"][1]["nodes"][0].pop("nic_gbit_per_s")
+    data["domains"][1]["instances"][0]["tensor_paralel_size"] = data["domains"][1]["instances"][0].pop(
+        "tensor_parallel_size"
+    )
+    assert [e.split(": ")[1] for e in errors_of(data)] == [
+        "domains[1].nodes[0].nic_gbit_per_s",
+        "domains[1].nodes[0].nic_gbps",
+        "domains[1].instances[0].tensor_parallel_size",
+        "domains[1].instances[0].tensor_paralel_size",
     ]
 
 
