@@ -27,6 +27,7 @@ from rich.table import Table
 from hilum_cli import counted
 from hilum_cli.ctl_requests import DomainAnswer
 from hilum_proto.v1 import coordinator_pb2 as pb
+from topology.tables import split_to_fit
 
 __all__ = [
     "STATE_NAMES",
@@ -469,29 +470,42 @@ def render_drains(console: Console, data: Json) -> None:
 
 
 def render_migrations(console: Console, data: Json) -> None:
-    """``migrations`` as a table."""
-    table = _table(
-        "MIGRATION", "STATE", "FROM", "TO", "BLOCKS", "TOKEN", "TRANSFER", "DOWNTIME", "PLAN", "MEASURED", "REASON"
-    )  # fmt: skip
+    """``migrations`` as a table; when it is wider than the console, its columns over several tables that fit, each
+    led by the migration's id (``topology.tables.split_to_fit``): the reason (a rule's and the coordinator's words,
+    a hundred characters or more) then has a table of its own, wrapped (squeezed beside ten columns, it took a
+    dozen characters a line)."""
+    columns = ("STATE", "FROM", "TO", "BLOCKS", "TOKEN", "TRANSFER", "DOWNTIME", "PLAN", "MEASURED", "REASON")
+    rows = []
     for m in data["migrations"]:
         rate = m["measured_bandwidth_bytes_per_s"]
         measured = f"{rate / 1e6:.1f} MB/s ({m['transport']})" if rate else "-"
         paused = m["measured_downtime_s"]
         downtime = f"{m['expected_downtime_s'] * 1e3:.1f} ms" + (f" (paused {paused * 1e3:.1f} ms)" if paused else "")
-        table.add_row(
-            m["migration_id"],
-            m["state"],
-            f"{m['src_instance_id']} ({m['src_domain_id']})",
-            f"{m['dst_instance_id']} ({m['dst_domain_id']})",
-            str(m["blocks"]),
-            str(m["fencing_token"]),
-            f"{m['expected_transfer_s']:.3f} s",
-            downtime,
-            m["plan"] or "-",
-            measured,
-            m["reason"],
+        rows.append(
+            {
+                "MIGRATION": m["migration_id"],
+                "STATE": m["state"],
+                "FROM": f"{m['src_instance_id']} ({m['src_domain_id']})",
+                "TO": f"{m['dst_instance_id']} ({m['dst_domain_id']})",
+                "BLOCKS": str(m["blocks"]),
+                "TOKEN": str(m["fencing_token"]),
+                "TRANSFER": f"{m['expected_transfer_s']:.3f} s",
+                "DOWNTIME": downtime,
+                "PLAN": m["plan"] or "-",
+                "MEASURED": measured,
+                "REASON": m["reason"] or "-",
+            }
         )
-    _print_rows(console, table)
+
+    def build(shown: Sequence[str], title: str) -> Table:
+        table = _table("MIGRATION", *shown, title=title or None)
+        for row in rows:
+            table.add_row(*(row[c] for c in ("MIGRATION", *shown)))
+        return table
+
+    if rows:
+        for table in split_to_fit(build, columns, "", console.width):
+            console.print(table)
     console.print(f"{counted(len(data['migrations']), 'migration')} (view at revision {data['view_revision']})")
 
 

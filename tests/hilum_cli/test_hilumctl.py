@@ -1041,3 +1041,31 @@ def test_an_empty_entry_in_an_address_list_is_refused(
     assert contacted == []
     assert ctl(capsys, "--coordinator", " a:1 , b:2 ", "status")[0] == 1  # blanks around an entry are fine
     assert [t.coordinators for t in contacted] == [("a:1", "b:2")]
+
+
+@pytest.mark.parametrize("width", [120, 200, 400])
+def test_a_migrations_table_too_wide_for_the_console_is_split_and_its_long_reason_wrapped(width: int) -> None:
+    """Squeezed beside ten columns, a reason took about 14 characters a line (each row 7 lines at 200 columns)."""
+    reason = ("freeness -3.2 below -1.0: node-0-i3 holds 410 of 420 blocks, 12 requests waiting; coordinator approved: "
+              "downtime 4.1 ms within 50 ms, 1.1 GB over nic:node-0")  # fmt: skip
+    move = {"migration_id": "req-7#0", "state": "committed", "src_instance_id": "node-0-i3", "src_domain_id": "node-0",
+            "dst_instance_id": "node-1-i5", "dst_domain_id": "node-1", "blocks": 64, "fencing_token": 12,
+            "expected_transfer_s": 0.25, "expected_downtime_s": 0.0041, "measured_downtime_s": 0.0052,
+            "plan": "pre-copy", "measured_bandwidth_bytes_per_s": 4.4e9, "transport": "grpc",
+            "reason": reason}  # fmt: skip
+    console = Console(file=io.StringIO(), width=width)
+    ctl_views.render_migrations(console, {"migrations": [move], "view_revision": 9})
+    text = console.file.getvalue()
+    lines = [line.strip() for line in text.splitlines()]
+    assert max(len(line) for line in text.splitlines()) <= width and "…" not in text
+    headers = [line.split() for line in lines if line.startswith("MIGRATION")]
+    assert all(h[0] == "MIGRATION" for h in headers)  # each part led by the id
+    assert [c for h in headers for c in h[1:]] == ["STATE", "FROM", "TO", "BLOCKS", "TOKEN", "TRANSFER", "DOWNTIME",
+                                                  "PLAN", "MEASURED", "REASON"]  # fmt: skip
+    assert len(headers) == {120: 3, 200: 2, 400: 1}[width]  # at 200 the reason alone in the second
+    if width == 400:  # one table: the reason last
+        assert next(line for line in lines if line.startswith("req-7#0")).endswith(reason)
+    else:  # the reason table's rows: its text, wrapped at 120, after the id
+        start = next(k for k, line in enumerate(lines) if line.split() == ["MIGRATION", "REASON"]) + 2
+        assert " ".join(" ".join(lines[start : lines.index("", start)]).removeprefix("req-7#0").split()) == reason
+    assert lines[-1] == "1 migration (view at revision 9)"
