@@ -536,20 +536,13 @@ def _check(cfg: UpConfig) -> _Checked:
 
 def _check_sim_latency(topology: Topology) -> None:
     """Raise UpUsageError, naming each, when an instance's model, GPU type and TP degree have no step-time model for
-    the sim engine (``llumlet.engine.latency.gpu_latency_model``, the simulator's rule): its llumlet would refuse
-    to start, after etcd and every other process had."""
-    from llumlet.engine.latency import UnsupportedLatencyModelError, instance_latency_model
+    the sim engine (``llumlet.engine.latency.latency_model_problems``, as ``hilum sim`` checks): its llumlet would
+    refuse to start, after etcd and every other process had."""
+    from llumlet.engine.latency import latency_model_problems
 
-    problems, seen = [], set()
-    for spec in topology.instances:  # the first instance of each (model, GPU type, TP): the others are alike
-        if (key := (spec.model, spec.gpu_type, spec.tensor_parallel_size)) not in seen:
-            seen.add(key)
-            try:
-                instance_latency_model(topology, spec.instance_id)
-            except UnsupportedLatencyModelError as exc:
-                problems.append(f"--engine sim: topology {topology.source}: {exc}")
+    problems = latency_model_problems(topology)
     if problems:
-        raise UpUsageError("\n".join(problems))
+        raise UpUsageError("\n".join(f"--engine sim: topology {topology.source}: {p}" for p in problems))
 
 
 def _vllm_tokenizer(cfg: UpConfig, topology: Topology, options: dict[str, str]) -> str:

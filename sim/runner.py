@@ -22,12 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from global_coord.wiring import CostModelJudge
 from hilum_config import DEFAULTS_SOURCE, HilumConfig, load_config
 from llumlet.engine.blocks import MAX_BLOCKS
-from llumlet.engine.latency import (
-    LatencyModel,
-    UnsupportedLatencyModelError,
-    gpu_latency_model,
-    instance_latency_model,
-)
+from llumlet.engine.latency import LatencyModel, gpu_latency_model, latency_model_problems
 from policy.autoscale import pools_of
 from policy.types import MIN_LOOP_INTERVAL_S
 from topology.graph import TopologyGraph
@@ -528,14 +523,9 @@ def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[s
             f"{MAX_BLOCKS:,} (block ids are C ints, as in vLLM's block tables): set a smaller "
             "kv_capacity_blocks for the instance in the topology, or a larger block_size_tokens for the model"
         )
-    modelled: set[tuple[str, int]] = set()
-    for spec in topology.instances:  # the first instance of each GPU type and TP degree that serves the model
-        if spec.model == model and (spec.gpu_type, spec.tensor_parallel_size) not in modelled:
-            modelled.add((spec.gpu_type, spec.tensor_parallel_size))
-            try:
-                instance_latency_model(topology, spec.instance_id)
-            except UnsupportedLatencyModelError as exc:  # a KeyError: its message is its first argument
-                raise ValueError(f"{topology.name}: {exc}") from None
+    untimed = latency_model_problems(topology, model)
+    if untimed:
+        raise ValueError(f"{topology.name}: {untimed[0]}")
     if options.initial_instances is not None and options.initial_instances > len(known):
         raise ValueError(
             f"initial_instances (--initial-instances) {options.initial_instances}: {topology.name} has only "

@@ -50,6 +50,7 @@ __all__ = [
     "derive_latency_model",
     "gpu_latency_model",
     "instance_latency_model",
+    "latency_model_problems",
     "load_latency_model",
     "packed_doubles",
     "packed_from_numpy",
@@ -474,9 +475,7 @@ def gpu_latency_model(model: str, gpu: str, tp: int, hbm_bytes_per_s: float) -> 
         if abs(hbm_bytes_per_s / CALIBRATED_HBM_BYTES_PER_S[reference] - 1.0) <= 0.05:
             return measured, None
     try:
-        return derive_latency_model(
-            model, gpu, tp, hbm_bytes_per_s, reference_gpu=reference
-        ), f"scaled from {reference} by HBM"
+        derived = derive_latency_model(model, gpu, tp, hbm_bytes_per_s, reference_gpu=reference)
     except UnsupportedLatencyModelError:
         family = _normalize_gpu(gpu)
         if family == "h100":
@@ -489,6 +488,7 @@ def gpu_latency_model(model: str, gpu: str, tp: int, hbm_bytes_per_s: float) -> 
         raise UnsupportedLatencyModelError(
             f"no step-time model for {model} at TP{tp} on {gpu}: {why}; measured: {combos}"
         ) from None
+    return derived, f"scaled from {reference} by HBM"
 
 
 def instance_latency_model(topology: Topology, instance_id: str) -> tuple[LatencyModel, str | None]:
@@ -505,3 +505,20 @@ def instance_latency_model(topology: Topology, instance_id: str) -> tuple[Latenc
         return gpu_latency_model(spec.model, spec.gpu_type, spec.tensor_parallel_size, hbm)
     except UnsupportedLatencyModelError as exc:
         raise UnsupportedLatencyModelError(f"instance {instance_id}: {exc}") from None
+
+
+def latency_model_problems(topology: Topology, model: str | None = None) -> list[str]:
+    """Why the instances of ``topology`` (those serving ``model``; None: all) cannot be timed: one
+    :func:`instance_latency_model` error per model, GPU type and TP degree without a step-time model, naming its
+    first instance; none when every one can. What ``hilum sim`` and ``hilum up --engine sim`` refuse before
+    anything runs."""
+    problems, seen = [], set()
+    for spec in topology.instances:
+        key = (spec.model, spec.gpu_type, spec.tensor_parallel_size)
+        if (model is None or spec.model == model) and key not in seen:
+            seen.add(key)
+            try:
+                instance_latency_model(topology, spec.instance_id)
+            except UnsupportedLatencyModelError as exc:
+                problems.append(str(exc))
+    return problems
