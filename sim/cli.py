@@ -671,8 +671,8 @@ def run_cli(args: argparse.Namespace) -> int:
                 over = f"the high-priority requests that got a first token, {each}"
             few = "; fewer than 100: about the slowest of them" if min(counts.values()) < 100 else ""
             console.print(f"hi-pri TTFT p99: over {over}{few}", style="dim", highlight=False)
-        derived = runs[0].config.get("derived_latency_models") or []
-        if derived:  # said in results.json only: a GPU without measured data is an approximation (prefill)
+        derived = runs[0].config.get("derived_latency_models")
+        if isinstance(derived, list) and derived:  # said in results.json alone: a GPU without measured data (prefill)
             console.print(
                 f"step times: {', '.join(derived)} (no measured data for that GPU: docs/simulator.md)",
                 style="dim",
