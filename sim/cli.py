@@ -659,6 +659,14 @@ def run_cli(args: argparse.Namespace) -> int:
             migration_title=f"{moves}simulator cost",
         ):
             console.print(table)
+        derived = runs[0].config.get("derived_latency_models")
+        if isinstance(derived, list) and derived:  # said in results.json alone: a GPU without measured data (prefill)
+            console.print(
+                f"step times: {', '.join(derived)} (no measured data for that GPU: docs/simulator.md)",
+                style="dim",
+                highlight=False,
+                soft_wrap=not console.is_terminal,
+            )
         if baseline is not None:
             console.print(f"TTFT p99 / base: each policy's P99 TTFT over {baseline}'s", style="dim", highlight=False)
         if "hi-pri\nTTFT p99" in latency:  # a P99 over a few dozen requests is about their slowest: say how many
@@ -671,14 +679,6 @@ def run_cli(args: argparse.Namespace) -> int:
                 over = f"the high-priority requests that got a first token, {each}"
             few = "; fewer than 100: about the slowest of them" if min(counts.values()) < 100 else ""
             console.print(f"hi-pri TTFT p99: over {over}{few}", style="dim", highlight=False)
-        derived = runs[0].config.get("derived_latency_models")
-        if isinstance(derived, list) and derived:  # said in results.json alone: a GPU without measured data (prefill)
-            console.print(
-                f"step times: {', '.join(derived)} (no measured data for that GPU: docs/simulator.md)",
-                style="dim",
-                highlight=False,
-                soft_wrap=not console.is_terminal,
-            )
         _print_idle(console, idle)
     return 0
 
