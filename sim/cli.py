@@ -740,6 +740,8 @@ def run_size_cli(args: argparse.Namespace) -> int:
     from rich import box
     from rich.table import Table
 
+    from topology.tables import split_to_fit
+
     from .results import summarize, summary_to_dict
     from .runner import run_simulation
     from .sizing import size_fleet
@@ -827,15 +829,13 @@ def run_size_cli(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        table = Table(
-            title=f"smallest static fleet with P99 TTFT <= {args.target_p99_ttft_ms:,.10g} ms ({trace.name} "
+        title = (
+            f"smallest static fleet with P99 TTFT <= {args.target_p99_ttft_ms:,.10g} ms ({trace.name} "
             f"x{args.rate_scale:g}, {_requests(len(trace.requests))}, on {topology.name}: "
-            f"{pool_size} {model} {_plural('instance', pool_size)})",
-            title_justify="left",
-            box=box.SIMPLE_HEAD,
+            f"{pool_size} {model} {_plural('instance', pool_size)})"
         )
-        for header in ("policy", "instances", "GPU-h", "TTFT p99 ms", "refused", "meets", ""):
-            table.add_column(header, justify="left" if header in ("policy", "") else "right")
+        headers = ("policy", "instances", "GPU-h", "TTFT p99 ms", "refused", "meets", "")
+        cells: list[dict[str, str]] = []  # a row per fleet size tried, by header
         for s in sizings:
             for t in s.trials:
                 p99 = "-" if t.summary.ttft_p99_s is None else f"{t.summary.ttft_p99_s * 1e3:.0f}"
@@ -843,10 +843,25 @@ def run_size_cli(args: argparse.Namespace) -> int:
                 mark = "<- smallest found" if t.instances == s.chosen else (t.miss or "")
                 if s.chosen is None and t.instances == pool_size:  # said on that row, not on one of dashes below
                     mark = f"{mark}: not met even by all {pool_size}"
-                refused = f"{t.summary.refused:,}"
-                table.add_row(s.policy, str(t.instances), gpu_h, p99, refused, "yes" if t.meets else "no", mark)
-        console = Console() if sys.stdout.isatty() else Console(width=200)  # files and pipes: no squeezing
-        console.print(table)
+                meets = "yes" if t.meets else "no"
+                row = (s.policy, str(t.instances), gpu_h, p99, f"{t.summary.refused:,}", meets, mark)
+                cells.append(dict(zip(headers, row, strict=True)))
+
+        def build(shown: Sequence[str], caption: str) -> Table:  # each row named by its policy and fleet size
+            table = Table(title=caption or None, title_justify="left", box=box.SIMPLE_HEAD)
+            for header in (*headers[:2], *shown):
+                table.add_column(header, justify="left" if header in ("policy", "") else "right", no_wrap=True)
+            for named in cells:
+                table.add_row(*(named[h] for h in (*headers[:2], *shown)))
+            return table
+
+        if sys.stdout.isatty():  # a terminal too narrow for the table: its columns over several, none cut to '…'
+            console = Console()
+            tables = split_to_fit(build, headers[2:], title, console.width)
+        else:  # files and pipes: no squeezing
+            console, tables = Console(width=200), [build(headers[2:], title)]
+        for table in tables:
+            console.print(table)
     unmet = [s for s in sizings if s.chosen is None]
     if unmet:  # a script asking "which fleet meets the target" must not read success here
         why = "; ".join(f"{s.policy}: {s.trial(pool_size).miss}" for s in unmet)

@@ -415,19 +415,18 @@ def _cmd_path(args: argparse.Namespace) -> int:
         return 0
     bw = summary["bandwidth_bytes_per_s"]
     where = "same NVLink domain" if summary["same_domain"] else "across domains"
-    t = Table()
-    t.add_column("#", justify="right")
-    t.add_column("link")
-    t.add_column("capacity", justify="right")
-    t.add_column("", justify="left")
-    for k, link in enumerate(summary["links"]):
+    rows = []
+    for link in summary["links"]:  # in the path's order
         cap = link["capacity_bytes_per_s"]
-        t.add_row(str(k), link["link"], f"{_gbyte(cap)} ({_gbit(cap)})", "bottleneck" if cap == bw else "")
-    con = _console(_terminal_width(), [t])
+        rows.append([link["link"], f"{_gbyte(cap)} ({_gbit(cap)})", "bottleneck" if cap == bw else ""])
+    width = _terminal_width()
+    tables = _fitted("", ("link", "capacity", ""), rows, width, left=("",))
+    con = _console(width, tables)
     con.print(
         f"{args.src} -> {args.dst} ({where}): {_gbyte(bw)} = {_gbit(bw)}, bottleneck {summary['bottleneck_link']}"
     )
-    con.print(t)
+    for table in tables:
+        con.print(table)
     return 0
 
 

@@ -16,7 +16,8 @@ def split_to_fit(
 ) -> list[Table]:
     """``build(columns, title)`` as one table when it fits ``width`` characters, else as several, each with as many of
     ``columns`` (in order) as fit beside the label columns, the later ones titled ``(continued)``: rich would cut
-    every cell to ``…`` to squeeze one table into a narrow terminal. A column too wide alone gets a table alone."""
+    every cell to ``…`` to squeeze one table into a narrow terminal. A column too wide alone gets a table alone; a table
+    still wider than ``width`` has its cells wrapped (folded) but the first column's (the row's name)."""
     measure = Console(width=10_000).measure
     tables: list[Table] = []
     chunk: list[str] = []
@@ -27,4 +28,8 @@ def split_to_fit(
         chunk.append(column)
     if chunk or not tables:
         tables.append(build(chunk, title if not tables else f"{title} (continued)".strip()))
+    for table in tables:  # still too wide (a column wider than the width beside the labels): wrapped, not cut
+        if measure(table).maximum > width:
+            for col in table.columns[1:]:  # the first, the row's name, whole while it fits
+                col.no_wrap, col.overflow = False, "fold"
     return tables

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -1179,3 +1180,21 @@ def test_step_times_of_a_gpu_without_measured_data_are_said_below_the_tables(
     assert "step times: llama-2-13b/a100-40gb/tp1 scaled from a100 by HBM (no measured data for that GPU" in out
     assert main(["sim", "--topology", "2x8-a100", "--max-requests", "20", "--policy", "round-robin"]) == 0
     assert "step times:" not in capsys.readouterr().out  # the A100-80GB is measured
+
+
+def test_sim_sizes_table_fits_a_narrow_terminal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its columns over several tables, each row named by policy and fleet size (it was cut even at 80 columns)."""
+    monkeypatch.setenv("COLUMNS", "60")
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    argv = ["sim", "size", "--target-p99-ttft-ms", "60000", "--max-requests", "30", "--policy", "hilum,least-loaded"]
+    assert main(argv) == 0
+    out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)  # the terminal's styles
+    lines = out.splitlines()
+    assert "…" not in out and max(map(len, lines)) <= 60
+    headers = [line.split() for line in lines if line.split()[:2] == ["policy", "instances"]]
+    assert len(headers) == 2 and [h for part in headers for h in part[2:]] == [
+        "GPU-h", "TTFT", "p99", "ms", "refused", "meets"
+    ]  # fmt: skip
+    assert sum("<- smallest found" in line for line in lines) == 2  # one per policy, in the second part

@@ -121,9 +121,26 @@ def test_show_into_a_pipe_draws_each_table_whole(
     ]  # fmt: skip
 
 
-def test_path_in_a_narrow_terminal(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setenv("COLUMNS", "60")
+@pytest.mark.parametrize("columns", [40, 50, 60])
+def test_path_in_a_narrow_terminal(
+    columns: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its table was squeezed, link names cut (``nvlink:nvl72…``: which tray is the bottleneck?)."""
+    monkeypatch.setenv("COLUMNS", str(columns))
     monkeypatch.setattr("sys.stdout.isatty", lambda: True)
-    assert main(["topology", "path", "2x8-a100", "node-0-i0", "node-1-i3"]) == 0
+    assert main(["topology", "path", "nvl72-gb200", "nvl72-0-i0", "nvl72-1-i15"]) == 0
     out = _plain(capsys.readouterr().out)
-    assert "nvlink:node-1-i3" in out and "…" not in out and max(map(len, out.splitlines())) <= 60
+    assert "…" not in out and max(map(len, out.splitlines())) <= columns
+    links = [line.split()[1] for line in out.splitlines() if line.startswith("│ ") and ":" in line.split()[1]]
+    assert links[0] == "nvlink:nvl72-0-i0" and links[-1] == "nvlink:nvl72-1-i15"
+
+
+def test_show_never_cuts_a_cell_even_where_a_column_alone_is_too_wide(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A column wider than the terminal beside the row's name gets its table alone, wrapped (it was cut to '…')."""
+    monkeypatch.setenv("COLUMNS", "40")
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    assert main(["topology", "show", "nvl72-gb200"]) == 0
+    out = _plain(capsys.readouterr().out)
+    assert "…" not in out and max(map(len, out.splitlines())) <= 40
