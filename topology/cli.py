@@ -72,11 +72,15 @@ def _load(arg: str, command: str) -> Topology | None:
 
 
 def _gbyte(bw: float) -> str:
-    return f"{bw / 1e9:,.1f} GB/s"
+    """``1,555.0 GB/s``; three significant figures under 1 GB/s (``0.0125 GB/s``: it read 0.0)."""
+    gbyte = bw / 1e9
+    return f"{gbyte:,.1f} GB/s" if gbyte >= 1 else f"{gbyte:.3g} GB/s"
 
 
 def _gbit(bw: float) -> str:
-    return f"{bw * 8 / 1e9:,.0f} Gb/s"
+    """``400 Gb/s``; three significant figures under 10 Gb/s (``0.1 Gb/s``: it read 0)."""
+    gbit = bw * 8 / 1e9
+    return f"{gbit:,.0f} Gb/s" if gbit >= 10 else f"{gbit:.3g} Gb/s"
 
 
 # ------------------------------------------------------------------------------------------------ show
@@ -138,7 +142,8 @@ def topology_summary(topo: Topology, graph: TopologyGraph | None = None) -> dict
             "instance_mix": _mix(topo, d.domain_id),
             "kv_capacity_blocks": d.kv_capacity_blocks,
             "kv_capacity_tokens": sum(topo.kv_capacity_tokens(i.instance_id) for i in d.instances),
-            "rack": topo.rack_of(d.nodes[0].node_id),
+            "rack": topo.rack_of(d.nodes[0].node_id),  # its first node's
+            "racks": list(dict.fromkeys(r for n in d.nodes if (r := topo.rack_of(n.node_id)) is not None)),
         }
         for d in topo.domains
     ]
@@ -295,7 +300,7 @@ def _show_tables(summary: dict[str, Any], width: int | None, instances: bool) ->
                 d["instance_mix"],
                 f"{d['kv_capacity_blocks']:,}",
                 f"{d['kv_capacity_tokens']:,}",
-                d["rack"] or "-",
+                ", ".join(d["racks"]) or "-",  # an island may span racks
             ]
             for d in summary["domains"]
         ],

@@ -640,7 +640,10 @@ def _derive_kv_blocks(
 
 def _parse_fabric(col: _Collector, root: _RootSchema, domains: Sequence[DomainSpec]) -> FabricSpec:
     fab = col.validate(_FabricSchema, root.fabric if root.fabric is not None else {}, ("fabric",))
-    if fab is None:
+    if fab is None:  # its racks cannot be placed, their own keys still are checked (report everything)
+        raw_racks = root.fabric.get("racks") if isinstance(root.fabric, Mapping) else None
+        for k, sub in enumerate(raw_racks if isinstance(raw_racks, list) else []):
+            col.validate(_RackSchema, sub, ("fabric", "racks", k))
         return FabricSpec(racks=())
     nodes = {n.node_id: n for d in domains for n in d.nodes}
     by_domain = {d.domain_id: d for d in domains}
@@ -686,6 +689,13 @@ def _parse_fabric(col: _Collector, root: _RootSchema, domains: Sequence[DomainSp
         else:
             over = r.oversubscription or fab.oversubscription
             uplink = nic_total / over
+            if node_ids and not 0.1 <= uplink / _GBIT <= 1e6:  # as a given uplink_gbit_per_s is bounded
+                where = f"{rloc}.oversubscription" if r.oversubscription else "fabric.oversubscription"
+                col.add(
+                    where,
+                    f"{over:g} gives rack {r.id!r} an uplink of {uplink / _GBIT:.3g} Gb/s ({nic_total / _GBIT:g} Gb/s "
+                    "of NICs over it), outside 0.1 to 10^6: a slip of units? (give uplink_gbit_per_s instead)",
+                )
         racks.append(
             RackSpec(rack_id=r.id, node_ids=node_ids, uplink_bandwidth_bytes_per_s=uplink, oversubscription=over)
         )

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hilum_cli.main import main
 
@@ -144,3 +145,27 @@ def test_show_never_cuts_a_cell_even_where_a_column_alone_is_too_wide(
     assert main(["topology", "show", "nvl72-gb200"]) == 0
     out = _plain(capsys.readouterr().out)
     assert "…" not in out and max(map(len, out.splitlines())) <= 40
+
+
+def test_show_prints_slow_links_and_an_island_over_two_racks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """0.1 Gb/s read '0 Gb/s' (bisection 0.0 GB/s); an island with nodes in two racks showed the first alone."""
+    data = yaml.safe_load((ROOT / "topology" / "examples" / "2x8-a100.yaml").read_text())
+    for domain in data["domains"]:
+        domain["nodes"][0]["nic_gbit_per_s"] = 0.1
+    data["fabric"]["racks"] = [{"id": "ra", "nodes": ["node-0"]}, {"id": "rb", "nodes": ["node-1"]}]
+    path = tmp_path / "slow.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["topology", "show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "bisection bandwidth: 0.1 Gb/s (0.0125 GB/s)" in out
+    island = yaml.safe_load((ROOT / "topology" / "examples" / "nvl72-gb200.yaml").read_text())
+    island["fabric"]["racks"] = [
+        {"id": "ra", "nodes": [n["id"] for n in island["domains"][0]["nodes"][:9]]},
+        {"id": "rb", "nodes": [n["id"] for d in island["domains"] for n in d["nodes"]][9:]},
+    ]
+    path.write_text(yaml.safe_dump(island))
+    assert main(["topology", "show", str(path), "--json"]) == 0
+    domains = json.loads(capsys.readouterr().out)["domains"]
+    assert (domains[0]["rack"], domains[0]["racks"], domains[1]["racks"]) == ("ra", ["ra", "rb"], ["rb"])

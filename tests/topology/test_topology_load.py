@@ -333,6 +333,27 @@ def test_the_instances_of_a_domain_whose_node_is_invalid_are_still_schema_checke
     ]
 
 
+def test_a_bad_fabric_key_hides_no_rack_error() -> None:
+    """A misspelt key under fabric hid every error of its racks until it was mended."""
+    data = base()
+    data["fabric"]["oversubscripton"] = 2
+    data["fabric"]["racks"][0]["uplink_gbps"] = 100
+    assert [e.split(": ")[1] for e in errors_of(data)] == ["fabric.oversubscripton", "fabric.racks[0].uplink_gbps"]
+
+
+def test_an_oversubscription_that_makes_an_uplink_no_link_has_is_refused() -> None:
+    """The bounds of a given uplink_gbit_per_s, for one derived from the NICs: 1e9 gave an uplink of 25 bytes/s."""
+    data = base()
+    data["fabric"]["oversubscription"] = 1e9
+    assert errors_of(data) == [
+        "t.yaml: fabric.oversubscription: 1e+09 gives rack 'r0' an uplink of 4e-07 Gb/s (400 Gb/s of NICs over it), "
+        "outside 0.1 to 10^6: a slip of units? (give uplink_gbit_per_s instead)"
+    ]
+    data["fabric"]["oversubscription"] = 2.0
+    data["fabric"]["racks"][0]["oversubscription"] = 1e-4
+    assert [e.split(": ")[1] for e in errors_of(data)] == ["fabric.racks[0].oversubscription"]  # 4,000,000 Gb/s
+
+
 def test_rack_errors() -> None:
     data = base()
     data["fabric"]["racks"] = [
