@@ -379,13 +379,19 @@ def _check(ns: argparse.Namespace) -> _Checked:
 
 
 def _check_model(compare: Topology, path: str, model: ModelInfo) -> None:
-    """The --compare-sim topology must run the served model. Raises BenchUsageError."""
+    """The --compare-sim topology must run the served model, on instances the simulator can time
+    (``llumlet.engine.latency.latency_model_problems``). Raises BenchUsageError."""
     served = {i.model for i in compare.instances}
     if model.name not in served:
         raise BenchUsageError(
             f"--compare-sim {path}: its instances run {', '.join(sorted(served))}, not {model.name} (the model "
             "the gateway serves); compare against the topology the cluster serves (hilum up: <run dir>/topology.yaml)"
         )
+    from llumlet.engine.latency import latency_model_problems
+
+    untimed = latency_model_problems(compare, model.name)
+    if untimed:  # refused before the load, not after it (the simulation came last)
+        raise BenchUsageError(f"--compare-sim {path}: the simulator cannot time it: {untimed[0]}")
 
 
 def time_scale_warning(compare_sim: str, url: str) -> str | None:

@@ -534,13 +534,19 @@ def _check(cfg: UpConfig) -> _Checked:
     return _Checked(topology, text, plan, binary, config_text, tokenizer)
 
 
+def _untimed(topology: Topology) -> list[str]:
+    """``llumlet.engine.latency.latency_model_problems`` of ``topology``: why the simulator cannot time some of its
+    instances (none: it can time them all)."""
+    from llumlet.engine.latency import latency_model_problems
+
+    return latency_model_problems(topology)
+
+
 def _check_sim_latency(topology: Topology) -> None:
     """Raise UpUsageError, naming each, when an instance's model, GPU type and TP degree have no step-time model for
     the sim engine (``llumlet.engine.latency.latency_model_problems``, as ``hilum sim`` checks): its llumlet would
     refuse to start, after etcd and every other process had."""
-    from llumlet.engine.latency import latency_model_problems
-
-    problems = latency_model_problems(topology)
+    problems = _untimed(topology)
     if problems:
         raise UpUsageError("\n".join(f"--engine sim: topology {topology.source}: {p}" for p in problems))
 
@@ -1028,9 +1034,10 @@ def _gateway_lines(info: dict[str, Any]) -> list[str]:
     return [f"  gateways      {', '.join(info['gateway_urls'])}   {api}"]
 
 
-def describe(info: dict[str, Any], *, temporary_run_dir: bool = False) -> str:
+def describe(info: dict[str, Any], *, temporary_run_dir: bool = False, simulable: bool = True) -> str:
     """The lines ``hilum up`` prints once the cluster serves; ``temporary_run_dir``: its run directory is removed at
-    exit (else it is kept: given by ``--run-dir``, or ``--keep-run-dir``)."""
+    exit (else it is kept: given by ``--run-dir``, or ``--keep-run-dir``); ``simulable``: the simulator can time the
+    topology's instances, so the printed ``hilum bench`` line compares with it (``--compare-sim``)."""
     model = info["models"][0]
     coordinators = info["coordinators"]
     standby = " (one leads, the others stand by)" if len(coordinators) > 1 else ""
@@ -1053,8 +1060,8 @@ def describe(info: dict[str, Any], *, temporary_run_dir: bool = False) -> str:
         f"try it:    curl {info['gateway_url']}/v1/completions -H 'Content-Type: application/json' "
         + ("-H 'Authorization: Bearer KEY' " if info.get("api_keys_file") else "")
         + f"""-d '{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}'""",
-        f"bench it:  hilum bench --url {info['gateway_url']} --trace azure-conv --max-requests 50 "
-        f"--compare-sim {info['topology_file']}"
+        f"bench it:  hilum bench --url {info['gateway_url']} --trace azure-conv --max-requests 50"
+        + (f" --compare-sim {info['topology_file']}" if simulable else "")
         + (f" --model {model}" if len(info["models"]) > 1 else "")  # one model a run (bench refuses to guess)
         + (f" --config {info['config_file']}" if info["config_file"] else "")
         + (" --api-key KEY" if info.get("api_keys_file") else ""),
@@ -1172,7 +1179,9 @@ def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) ->
             )
             cluster = start_cluster(cfg, checked, run_dir, sup, say)
             up = True
-            print(describe(cluster.info, temporary_run_dir=temporary and not cfg.keep_run_dir), file=out, flush=True)
+            removed = temporary and not cfg.keep_run_dir
+            simulable = cfg.engine == "sim" or not _untimed(checked.topology)  # sim engines: checked before the start
+            print(describe(cluster.info, temporary_run_dir=removed, simulable=simulable), file=out, flush=True)
             while (why := sup.tick()) is None:
                 time.sleep(0.1)
             say(why)

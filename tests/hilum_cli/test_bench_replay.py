@@ -175,6 +175,11 @@ def test_every_option_and_path_is_checked_before_the_first_request(tmp_path: Pat
     cases = [
         ({"compare_sim": str(tmp_path / "nosuch.yaml")}, "--compare-sim: ", "nosuch.yaml: (file): file not found"),
         ({"compare_sim": str(other_model)}, f"--compare-sim {other_model}: its instances run llama-2-7b, not m", ""),
+        (  # refused before the load (it ran, then the simulation failed)
+            {"compare_sim": str(served)},
+            f"--compare-sim {served}: the simulator cannot time it: instance a0: ",
+            "no step-time model for m at TP1",
+        ),
         ({"out": str(a_file / "results")}, f"--out {a_file / 'results'}: cannot write there", ""),
         ({"compare_sim": str(served), "config": str(bad_config)}, f"--config {bad_config}: policy", ""),
         ({"config": str(bad_config)}, f"--config {bad_config}: policy", ""),  # without --compare-sim too
@@ -206,6 +211,8 @@ def test_a_failed_comparison_keeps_the_live_results(tmp_path: Path, monkeypatch:
         raise ValueError("the simulator broke")
 
     monkeypatch.setattr(bench, "simulate", fail)
+    # the echo gateway's model "m" stands in for one the simulator can time (else refused before the load)
+    monkeypatch.setattr("llumlet.engine.latency.latency_model_problems", lambda *args: [])
     out, err = io.StringIO(), io.StringIO()
     with echo_gateway() as (url, backend):
         args = bench_args(url, compare_sim=str(topo), out=str(tmp_path / "out"))

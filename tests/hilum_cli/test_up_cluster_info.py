@@ -1,4 +1,5 @@
-"""cluster.json as ``hilum up`` rewrites it when a process changes state (RunningCluster.write_info)."""
+"""cluster.json as ``hilum up`` rewrites it when a process changes state (RunningCluster.write_info), and the lines
+it prints from it once the cluster serves (``describe``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from hilum_cli.up import RunningCluster
+import pytest
+
+from hilum_cli.up import RunningCluster, describe
 
 
 @dataclass
@@ -52,3 +55,20 @@ def test_the_coordinator_named_at_the_top_is_one_that_runs(tmp_path: Path) -> No
     assert written()["coordinator"] == "127.0.0.1:7070"
     children[1].now = children[2].now = "restarting"  # none runs: the first, as before
     assert written()["coordinator"] == "127.0.0.1:7070"
+
+
+@pytest.mark.parametrize("simulable", [True, False])
+def test_the_printed_bench_line_compares_with_the_simulator_only_where_it_can_time_the_topology(
+    simulable: bool,
+) -> None:
+    """A torch cluster of a model the simulator has no step times for printed a line whose comparison failed after
+    the whole live load had run."""
+    info = {
+        "topology": "t", "engine": "torch", "gateway_url": "http://127.0.0.1:8000", "gateway_urls": [],
+        "gateways": {"gateway-0": {}}, "gateway_port_shared": False, "etcd": "127.0.0.1:2379", "etcd_embedded": True,
+        "coordinators": {"c0": "127.0.0.1:1"}, "instance_domains": {}, "llumlets": {}, "domain_schedulers": {},
+        "run_dir": "/r", "models": ["mistral-7b"], "topology_file": "/r/topology.yaml", "config_file": None,
+        "api_keys_file": None, "max_restarts": 5,
+    }  # fmt: skip
+    line = next(line for line in describe(info, simulable=simulable).splitlines() if line.startswith("bench it:"))
+    assert ("--compare-sim /r/topology.yaml" in line) == simulable and "--max-requests 50" in line
