@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CALIBRATED_HBM_BYTES_PER_S",
     "COEFFICIENTS_FILE",
+    "MEASURED_SHAPES",
     "VECTOR_MIN_STEPS",
     "DecodeStepTimes",
     "LatencyModel",
@@ -375,7 +376,7 @@ def _normalize_model(model: str) -> str:
     for prefix in ("meta-llama/", "llama2-", "llama-2-"):
         if m.startswith(prefix):
             m = m[len(prefix) :]
-    m = m.removesuffix("-hf").removeprefix("llama-2-").removeprefix("llama-")
+    m = m.removesuffix("-hf").removesuffix("-chat").removeprefix("llama-2-").removeprefix("llama-")  # chat: same shape
     return f"llama-2-{m}"
 
 
@@ -419,6 +420,14 @@ def load_latency_model(model: str, gpu: str, tp: int) -> LatencyModel:
         )
     return LatencyModel.from_mapping(table[key])
 
+
+#: The shapes of the measured models (layers, attention heads, KV heads, head dim; Meta's Llama 2 model cards): a
+#: topology's model of one of these names must have its shape, or it would be timed as another model.
+MEASURED_SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "llama-2-7b": (32, 32, 32, 128),
+    "llama-2-13b": (40, 40, 40, 128),
+    "llama-2-70b": (80, 64, 8, 128),
+}
 
 #: HBM bandwidth of the calibrated GPUs (datasheets: A100 80GB SXM, H100 SXM), bytes/s.
 CALIBRATED_HBM_BYTES_PER_S: dict[str, float] = {"a100": 2.039e12, "h100": 3.35e12}
@@ -497,9 +506,20 @@ def instance_latency_model(topology: Topology, instance_id: str) -> tuple[Latenc
 
     Raises:
         KeyError: no such instance.
-        UnsupportedLatencyModelError: as :func:`gpu_latency_model`, the instance named first.
+        UnsupportedLatencyModelError: as :func:`gpu_latency_model`, the instance named first; or its model bears the
+            name of a measured one (:data:`MEASURED_SHAPES`) without its shape.
     """
     spec = topology.instance(instance_id)
+    model = topology.model_of(instance_id)
+    shape = (model.num_layers, model.num_attention_heads, model.num_kv_heads, model.head_dim)
+    measured = MEASURED_SHAPES.get(_normalize_model(spec.model))
+    if measured is not None and shape != measured:
+        layers, heads, kv_heads, head_dim = measured
+        raise UnsupportedLatencyModelError(
+            f"instance {instance_id}: model {spec.model} has {shape[0]} layers, {shape[1]} attention heads, {shape[2]} "
+            f"KV heads of {shape[3]}, not the shape of the measured {_normalize_model(spec.model)} ({layers}, "
+            f"{heads}, {kv_heads} of {head_dim}): it would be timed as another model"
+        )
     hbm = topology.gpu_types[spec.gpu_type].hbm_bandwidth_bytes_per_s
     try:
         return gpu_latency_model(spec.model, spec.gpu_type, spec.tensor_parallel_size, hbm)

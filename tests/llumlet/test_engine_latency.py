@@ -200,3 +200,31 @@ def test_the_live_sim_engine_models_the_gpu_the_simulator_does() -> None:
     forty = load_topology("2x8-a100-40gb")
     live = make_sim_backend(BackendConfig(instance_id=forty.instances[0].instance_id, topology=forty))
     assert live.engine.latency_model.step_time_s([], [1000] * 16) == pytest.approx(0.0379, abs=5e-4)
+
+
+def test_a_model_is_timed_only_if_it_has_the_measured_shape_of_its_name() -> None:
+    """A model named llama-2-7b with 80 layers ran, silently, on the 7B's step times; Llama-2-7b-chat-hf (the 7B's
+    shape) was refused."""
+    import copy
+
+    from llumlet.engine.latency import UnsupportedLatencyModelError, instance_latency_model, load_latency_model
+    from topology.load import parse_topology
+    from topology.synthetic import synthetic_topology_data
+
+    data = synthetic_topology_data(1)  # one 8-GPU H100 node of TP1 Llama-2-7B instances
+    chat = copy.deepcopy(data)
+    chat["models"][0]["name"] = "Llama-2-7b-chat-hf"
+    for domain in chat["domains"]:
+        for instance in domain["instances"]:
+            instance["model"] = "Llama-2-7b-chat-hf"
+    topology = parse_topology(chat, "chat.yaml")
+    first = topology.instances[0].instance_id
+    assert instance_latency_model(topology, first) == (load_latency_model("llama-2-7b", "h100", 1), None)
+    data["models"][0]["num_layers"] = 80
+    topology = parse_topology(data, "fake.yaml")
+    with pytest.raises(UnsupportedLatencyModelError) as exc:
+        instance_latency_model(topology, first)
+    assert str(exc.value) == (
+        f"instance {first}: model llama-2-7b has 80 layers, 32 attention heads, 32 KV heads of 128, not the shape of "
+        "the measured llama-2-7b (32, 32, 32 of 128): it would be timed as another model"
+    )
