@@ -1153,9 +1153,12 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
 
     before = getattr(args, "before_sub", [])  # what _SimParser found before 'sweep', as typed
     if before:
+        # --out is hilum sim's before 'sweep', the sweep's own after it
+        out_first = any("--out".startswith(w.split("=", 1)[0]) and len(w) > 3 for w in before)  # --ou: argparse's too
+        hint = "; give --out after 'sweep' for the sweep's folder" if out_first else ""
         print(
             f"hilum sim sweep: error: {', '.join(before)} before 'sweep' would be ignored: a sweep's runs are set in "
-            "its file (docs/sim-results.md)",
+            f"its file (docs/sim-results.md){hint}",
             file=sys.stderr,
         )
         return 2
@@ -1267,8 +1270,8 @@ def _check_sweep(config: SweepConfig, settings: HilumConfig | None = None) -> _S
 
     problems: list[str] = []
     unknown = [f"policies[{i}]: unknown policy {p!r}" for i, p in enumerate(config.policies) if p not in POLICY_NAMES]
-    if unknown:  # quoted: a space in a name shows (names are not stripped)
-        problems.append(f"{'; '.join(unknown)}; choose from {', '.join(POLICY_NAMES)}")
+    # one line per problem, as every other (quoted: a space in a name shows; names are not stripped)
+    problems += [f"{problem}; choose from {', '.join(POLICY_NAMES)}" for problem in unknown]
     parsed: SimOptions | None = None
     try:
         parsed = SimSpec(topology="", trace=config.trace, policy="hilum", options=config.options).parsed_options()
@@ -1313,8 +1316,8 @@ def _check_sweep(config: SweepConfig, settings: HilumConfig | None = None) -> _S
     for i, name in enumerate(config.topologies):
         try:
             topology = load_topology(name)
-        except TopologyError as exc:  # on one line, led by the file's name as every sweep-file error is
-            problems.append(f"topologies[{i}]: invalid topology: " + "; ".join(exc.lines()))
+        except TopologyError as exc:  # a line per error, led by the file's name as every sweep-file error is
+            problems += [f"topologies[{i}]: invalid topology: {line}" for line in exc.lines()]
             continue
         if not topology.instances:  # not the options' fault
             problems.append(f"topologies[{i}]: {name} has no instances: there is nothing to simulate")

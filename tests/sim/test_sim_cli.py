@@ -629,7 +629,9 @@ def test_run_options_before_sweep_are_refused_by_name(capsys: pytest.CaptureFixt
     # the options a sweep shares names with, and values equal to the defaults, were let through (and ignored)
     for before in (["--out", "elsewhere"], ["--config", "no-such.yaml"], ["--seed", "0"], ["--ou", "x"]):
         assert main(["sim", *before, "sweep", "examples/sweep.yaml"]) == 2
-        assert f"hilum sim sweep: error: {before[0]} before 'sweep' would be ignored" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert f"hilum sim sweep: error: {before[0]} before 'sweep' would be ignored" in err
+        assert ("give --out after 'sweep' for the sweep's folder" in err) == (before[0] in ("--out", "--ou"))
 
 
 def test_sweep_runs_real_simulations_as_ray_tasks(
@@ -1121,11 +1123,11 @@ def test_a_sweep_files_policy_with_a_space_is_shown_quoted(tmp_path: Path, capsy
         'trace: azure-conv\ntopologies: [2x8-a100]\npolicies: [" hilum", llumnix, fifo]\nrate_scales: [1]\n'
     )
     assert main(["sim", "sweep", str(config), "--out", str(tmp_path / "o")]) == 2
-    assert (
-        f"hilum sim sweep: error: {config}: policies[0]: unknown policy ' hilum'; "
-        "policies[2]: unknown policy 'fifo'; "
-        "choose from round-robin, least-loaded, llumnix, hilum" in capsys.readouterr().err.replace("\n", "")
-    )
+    choose = "choose from round-robin, least-loaded, llumnix, hilum"
+    assert capsys.readouterr().err.splitlines() == [
+        f"hilum sim sweep: error: {config}: policies[0]: unknown policy ' hilum'; {choose}",
+        f"{config}: policies[2]: unknown policy 'fifo'; {choose}",
+    ]
     assert not (tmp_path / "o").exists()
 
 
