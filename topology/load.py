@@ -640,11 +640,15 @@ def _derive_kv_blocks(
 
 def _parse_fabric(col: _Collector, root: _RootSchema, domains: Sequence[DomainSpec]) -> FabricSpec:
     fab = col.validate(_FabricSchema, root.fabric if root.fabric is not None else {}, ("fabric",))
-    if fab is None:  # its racks cannot be placed, their own keys still are checked (report everything)
-        raw_racks = root.fabric.get("racks") if isinstance(root.fabric, Mapping) else None
-        for k, sub in enumerate(raw_racks if isinstance(raw_racks, list) else []):
-            col.validate(_RackSchema, sub, ("fabric", "racks", k))
-        return FabricSpec(racks=())
+    schema_ok = default_ok = fab is not None  # default_ok: the default oversubscription is the file's (else 1)
+    if fab is None:  # a bad key beside the racks: they are still checked, to report everything at once
+        raw = root.fabric if isinstance(root.fabric, Mapping) else {}
+        over = raw.get("oversubscription", 1.0)
+        default_ok = type(over) in (int, float) and math.isfinite(over) and over > 0
+        raw_racks = raw.get("racks")
+        fab = _FabricSchema.model_construct(
+            oversubscription=float(over) if default_ok else 1.0, racks=raw_racks if isinstance(raw_racks, list) else []
+        )
     nodes = {n.node_id: n for d in domains for n in d.nodes}
     by_domain = {d.domain_id: d for d in domains}
     declared_domains = _raw_names(root.domains, "id")
@@ -689,7 +693,7 @@ def _parse_fabric(col: _Collector, root: _RootSchema, domains: Sequence[DomainSp
         else:
             over = r.oversubscription or fab.oversubscription
             uplink = nic_total / over
-            if node_ids and not 0.1 <= uplink / _GBIT <= 1e6:  # as a given uplink_gbit_per_s is bounded
+            if node_ids and (r.oversubscription or default_ok) and not 0.1 <= uplink / _GBIT <= 1e6:  # as a given one
                 where = f"{rloc}.oversubscription" if r.oversubscription else "fabric.oversubscription"
                 col.add(
                     where,
@@ -699,7 +703,7 @@ def _parse_fabric(col: _Collector, root: _RootSchema, domains: Sequence[DomainSp
         racks.append(
             RackSpec(rack_id=r.id, node_ids=node_ids, uplink_bandwidth_bytes_per_s=uplink, oversubscription=over)
         )
-    if (len(root.domains) > 1 or fab.racks) and all_racks_valid:
+    if (len(root.domains) > 1 or fab.racks) and all_racks_valid and schema_ok:  # else a guess at what was meant
         missing = [n for n in nodes if n not in rack_of]
         for node_id in missing:
             col.add(

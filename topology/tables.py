@@ -17,7 +17,8 @@ def split_to_fit(
     """``build(columns, title)`` as one table when it fits ``width`` characters, else as several, each with as many of
     ``columns`` (in order) as fit beside the label columns, the later ones titled ``(continued)``: rich would cut
     every cell to ``…`` to squeeze one table into a narrow terminal. A column too wide alone gets a table alone; a table
-    still wider than ``width`` has its cells wrapped (folded) but the first column's (the row's name)."""
+    still wider than ``width`` has the cells of its ``columns`` wrapped (folded), and the label columns' but the first
+    (the row's name) only when they alone are too wide."""
     measure = Console(width=10_000).measure
     tables: list[Table] = []
     chunk: list[str] = []
@@ -28,8 +29,12 @@ def split_to_fit(
         chunk.append(column)
     if chunk or not tables:
         tables.append(build(chunk, title if not tables else f"{title} (continued)".strip()))
+    labels = len(build([], "").columns)  # what build adds before the columns it is given
     for table in tables:  # still too wide (a column wider than the width beside the labels): wrapped, not cut
         if measure(table).maximum > width:
-            for col in table.columns[1:]:  # the first, the row's name, whole while it fits
+            for col in table.columns[labels:]:
                 col.no_wrap, col.overflow = False, "fold"
+            if measure(table).minimum > width:  # the labels alone too wide: them too, but the row's name
+                for col in table.columns[1:labels]:
+                    col.no_wrap, col.overflow = False, "fold"
     return tables

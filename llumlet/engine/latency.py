@@ -507,7 +507,7 @@ def instance_latency_model(topology: Topology, instance_id: str) -> tuple[Latenc
     Raises:
         KeyError: no such instance.
         UnsupportedLatencyModelError: as :func:`gpu_latency_model`, the instance named first; or its model bears the
-            name of a measured one (:data:`MEASURED_SHAPES`) without its shape.
+            name of a measured one (:data:`MEASURED_SHAPES`) without its shape, or in a precision other than 16-bit.
     """
     spec = topology.instance(instance_id)
     model = topology.model_of(instance_id)
@@ -519,6 +519,11 @@ def instance_latency_model(topology: Topology, instance_id: str) -> tuple[Latenc
             f"instance {instance_id}: model {spec.model} has {shape[0]} layers, {shape[1]} attention heads, {shape[2]} "
             f"KV heads of {shape[3]}, not the shape of the measured {_normalize_model(spec.model)} ({layers}, "
             f"{heads}, {kv_heads} of {head_dim}): it would be timed as another model"
+        )
+    if measured is not None and model.dtype not in ("float16", "bfloat16"):  # the profiles' (and Llama 2's) precision
+        raise UnsupportedLatencyModelError(
+            f"instance {instance_id}: model {spec.model} is {model.dtype}: the measured {_normalize_model(spec.model)} "
+            "ran in 16-bit (float16 or bfloat16), so it would be timed at another precision"
         )
     hbm = topology.gpu_types[spec.gpu_type].hbm_bandwidth_bytes_per_s
     try:

@@ -220,6 +220,10 @@ def test_a_model_is_timed_only_if_it_has_the_measured_shape_of_its_name() -> Non
     topology = parse_topology(chat, "chat.yaml")
     first = topology.instances[0].instance_id
     assert instance_latency_model(topology, first) == (load_latency_model("llama-2-7b", "h100", 1), None)
+    fp8 = copy.deepcopy(data)
+    fp8["models"][0]["dtype"] = "float8"  # timed as fp16 (the same TTFT and TBT), silently
+    with pytest.raises(UnsupportedLatencyModelError, match=r"is float8: the measured llama-2-7b ran in 16-bit"):
+        instance_latency_model(parse_topology(fp8, "fp8.yaml"), first)
     data["models"][0]["num_layers"] = 80
     topology = parse_topology(data, "fake.yaml")
     with pytest.raises(UnsupportedLatencyModelError) as exc:

@@ -339,6 +339,19 @@ def test_a_bad_fabric_key_hides_no_rack_error() -> None:
     data["fabric"]["oversubscripton"] = 2
     data["fabric"]["racks"][0]["uplink_gbps"] = 100
     assert [e.split(": ")[1] for e in errors_of(data)] == ["fabric.oversubscripton", "fabric.racks[0].uplink_gbps"]
+    del data["fabric"]["racks"][0]["uplink_gbps"]  # the racks' own checks too, with the file's default ratio
+    data["fabric"]["racks"] = [
+        {"id": "r0", "domains": ["node-0", "node-9"], "oversubscription": 1e9},
+        {"id": "r1", "domains": ["node-1"], "uplink_gbit_per_s": 100, "oversubscription": 2},
+    ]
+    assert [e.split(": ")[1] for e in errors_of(data)] == [
+        "fabric.oversubscripton",
+        "fabric.racks[0].domains[1]",
+        "fabric.racks[0].oversubscription",
+        "fabric.racks[1].oversubscription",
+    ]
+    data["fabric"] = {"oversubscription": -1, "racks": [{"id": "r0", "domains": ["node-0", "node-1"]}]}
+    assert [e.split(": ")[1] for e in errors_of(data)] == ["fabric.oversubscription"]  # its uplink not judged
 
 
 def test_an_oversubscription_that_makes_an_uplink_no_link_has_is_refused() -> None:
