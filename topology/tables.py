@@ -34,7 +34,9 @@ def split_to_fit(
         if measure(table).maximum > width:
             for col in table.columns[labels:]:
                 col.no_wrap, col.overflow = False, "fold"
-            if measure(table).minimum > width:  # the labels alone too wide: them too, but the row's name
+            for col in table.columns[:labels]:  # whole (rich would wrap one that may: least-/loaded) ...
+                col.no_wrap = True
+            if measure(table).minimum > width:  # ... unless they alone are too wide: them too, but the row's name
                 for col in table.columns[1:labels]:
                     col.no_wrap, col.overflow = False, "fold"
     return tables
