@@ -882,7 +882,7 @@ def _load(
     configuration or output folder)."""
     from topology.load import TopologyError, load_topology
 
-    from .runner import check_options
+    from .runner import SimCheckError, check_options
     from .traces import load_trace
 
     try:
@@ -907,6 +907,10 @@ def _load(
             + escape("\n".join(exc.lines())),
             highlight=False,
         )
+        return 2
+    except SimCheckError as exc:  # every problem of the options and the topology, one a line
+        for line in exc.lines():
+            err.print(f"[red]{command}: error:[/red] {escape(line)}", highlight=False)
         return 2
     except (ValueError, OSError) as exc:
         err.print(f"[red]{command}: error:[/red] {escape(str(exc))}", highlight=False)
@@ -1253,18 +1257,20 @@ class _SweepFacts:
 
 
 def _check_sweep(config: SweepConfig, settings: HilumConfig | None = None) -> _SweepFacts:
-    """Fail before starting Ray on a grid that cannot run: unknown topology, trace, policy or option, a rate
-    scale (with a seed) whose arrivals span more than ``sim.traces.MAX_SPAN_S``, or options that clash with the
-    configuration's ``settings`` (``sim.runner.check_autoscale``; None: not checked). Returns what it read that the
-    tables need.
+    """Fail before starting Ray on a grid that cannot run: unknown topology, trace, policy or option, a topology the
+    simulator cannot run (``sim.runner.simulable_problems``), a rate scale (with a seed) whose arrivals span more than
+    ``sim.traces.MAX_SPAN_S``, options that do not fit a topology (``sim.runner.check_options``), or options that
+    clash with the configuration's ``settings`` (``sim.runner.check_autoscale``; None: not checked). Returns what it
+    read that the tables need.
 
-    Raises :class:`sim.sweep.SweepConfigError` with every problem found (``"<key>: <message>"``; a check that needs
-    what an earlier one refused is skipped: the options on each topology when the options are invalid, the rate
-    scales when the trace is).
+    Raises :class:`sim.sweep.SweepConfigError` with every problem found (``"<key>: <message>"``: a topology's own
+    problems under ``topologies[i]``, the options' on it under ``options, on topologies[i] (name)``; a check that
+    needs what an earlier one refused is skipped: the options on each topology when the options are invalid, the
+    rate scales when the trace is).
     """
     from topology.load import TopologyError, load_topology
 
-    from .runner import check_options
+    from .runner import SimCheckError, check_options
     from .sweep import SweepConfigError
     from .traces import load_trace
 
@@ -1325,6 +1331,9 @@ def _check_sweep(config: SweepConfig, settings: HilumConfig | None = None) -> _S
         if parsed is not None:
             try:
                 check_options(topology, parsed)
+            except SimCheckError as exc:  # the topology's own problems under its key, the options' under theirs
+                problems += [f"topologies[{i}]: {line}" for line in exc.topology_problems]
+                problems += [f"options, on topologies[{i}] ({name}): {line}" for line in exc.option_problems]
             except ValueError as exc:
                 problems.append(f"options, on topologies[{i}] ({name}): {exc}")
         domains.append(len(topology.domains))

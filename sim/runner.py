@@ -13,7 +13,7 @@ import gc
 import math
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -44,6 +44,7 @@ DEFAULT_COLD_START_S = 60.0
 __all__ = [
     "DEFAULTS",
     "DEFAULT_COLD_START_S",
+    "SimCheckError",
     "SimOptions",
     "SimSpec",
     "check_autoscale",
@@ -51,6 +52,7 @@ __all__ = [
     "fit_to_context",
     "run_simulation",
     "served_model",
+    "simulable_problems",
 ]
 
 
@@ -504,89 +506,122 @@ def _few_collections() -> Iterator[None]:
             gc.unfreeze()
 
 
-def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
-    """Check the options against the topology; returns the parsed drains and scale-outs (instance, time s).
+class SimCheckError(ValueError):
+    """The problems :func:`check_options` found, every one of them: ``topology_problems`` are the topology's own
+    (the simulator cannot run it whatever the options), ``option_problems`` the options' against it. ``str()`` is
+    one line per problem, the topology's first."""
 
-    Raises ValueError naming the first problem: an unknown model, an instance with more KV cache blocks than
-    the simulated engine can number (``llumlet.engine.blocks.MAX_BLOCKS``), an instance whose model, GPU and TP
-    degree have no step-time model (``llumlet.engine.latency.gpu_latency_model``), a scripted event naming an instance
-    that does not exist or does not serve the simulated model, an instance both drained and scaled out, or a
-    drain of an instance ``initial_instances`` keeps off.
-    """
-    model = served_model(topology, options.model)
-    known = sorted(i.instance_id for i in topology.instances if i.model == model)
+    def __init__(self, topology_problems: Sequence[str], option_problems: Sequence[str]) -> None:
+        self.topology_problems = list(topology_problems)
+        self.option_problems = list(option_problems)
+        super().__init__("\n".join([*self.topology_problems, *self.option_problems]))
+
+    def lines(self) -> list[str]:
+        """Every problem, one a line: the topology's, then the options'."""
+        return [*self.topology_problems, *self.option_problems]
+
+
+def simulable_problems(topology: Topology, model: str) -> list[str]:
+    """Why the simulator cannot run ``topology``'s ``model`` instances, whatever the options: instances with more
+    KV cache blocks than the simulated engine can number (``llumlet.engine.blocks.MAX_BLOCKS``), and those whose
+    model, GPU and TP degree have no step-time model (``llumlet.engine.latency.latency_model_problems``), each
+    led by the topology's name. Empty when it can."""
+    problems: list[str] = []
     huge = [i for i in topology.instances if i.model == model and i.kv_capacity_blocks > MAX_BLOCKS]
     if huge:
-        raise ValueError(
+        problems.append(
             f"{topology.name}: instance {huge[0].instance_id} has {huge[0].kv_capacity_blocks:,} KV cache blocks "
             f"({len(huge)} such instance{'s' if len(huge) > 1 else ''}); the simulated engine numbers at most "
             f"{MAX_BLOCKS:,} (block ids are C ints, as in vLLM's block tables): set a smaller "
             "kv_capacity_blocks for the instance in the topology, or a larger block_size_tokens for the model"
         )
-    untimed = latency_model_problems(topology, model)
-    if untimed:
-        raise ValueError(f"{topology.name}: {untimed[0]}")
+    problems += [f"{topology.name}: {line}" for line in latency_model_problems(topology, model)]
+    return problems
+
+
+def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+    """Check the options against the topology; returns the parsed drains and scale-outs (instance, time s).
+
+    Raises:
+        ValueError: for an unknown model (:func:`served_model`; nothing else is checked then).
+        SimCheckError: with every other problem found: the topology's own (:func:`simulable_problems`), and the
+            options': ``initial_instances`` above the model's instances, options that clash (autoscale with
+            scale_out, cold_start_s without autoscale, initial_instances with scale_out), a scripted event that
+            holds several instances or names an instance that does not exist or does not serve the simulated model, an
+            instance named twice or both drained and scaled out, a drain of an instance ``initial_instances``
+            keeps off. Each problem names the option as a sweep file's key and ``hilum sim``'s flag.
+    """
+    model = served_model(topology, options.model)
+    known = sorted(i.instance_id for i in topology.instances if i.model == model)
+    problems: list[str] = []
     if options.initial_instances is not None and options.initial_instances > len(known):
-        raise ValueError(
+        problems.append(
             f"initial_instances (--initial-instances) {options.initial_instances}: {topology.name} has only "
             f"{len(known)} {model} instances"
         )
     if options.autoscale and options.scale_out:
-        raise ValueError("scale_out (--scale-out) cannot be combined with autoscale: the autoscaler starts instances")
+        problems.append("scale_out (--scale-out) cannot be combined with autoscale: the autoscaler starts instances")
     if options.cold_start_s is not None and not options.autoscale:
-        raise ValueError("cold_start_s (--cold-start-s) applies only with autoscale (--autoscale)")
+        problems.append("cold_start_s (--cold-start-s) applies only with autoscale (--autoscale)")
     if options.initial_instances is not None and options.scale_out:
-        raise ValueError(
+        problems.append(
             "initial_instances (--initial-instances) cannot be combined with scale_out (--scale-out): "
             "the instances kept off would clash"
         )
     # each named as a sweep file's key and hilum sim's flag (as the messages above): a sweep's options come here too
     label = {"--drain": "drain (--drain)", "--scale-out": "scale_out (--scale-out)"}
+    parsed: dict[str, list[tuple[str, float]]] = {"--drain": [], "--scale-out": []}
     for flag, raw in (("--drain", options.drain), ("--scale-out", options.scale_out)):
         for value in raw:
             if "," in value:
-                raise ValueError(f"{label[flag]} takes one INSTANCE@S; give {flag} once per instance (got {value!r})")
-    drains = [_parse_event(d) for d in options.drain]
-    scale_outs = [_parse_event(s) for s in options.scale_out]
-    for flag, events in (("--drain", drains), ("--scale-out", scale_outs)):
+                problems.append(f"{label[flag]} takes one INSTANCE@S; give {flag} once per instance (got {value!r})")
+                continue
+            parsed[flag].append(_parse_event(value))  # well-formed: SimOptions checked each
+    drains, scale_outs = parsed["--drain"], parsed["--scale-out"]
+    for flag, events in parsed.items():
         for instance_id, _ in events:
-            if instance_id not in known:
-                other = next((i for i in topology.instances if i.instance_id == instance_id), None)
-                if other is not None:  # an instance the run does not simulate
-                    raise ValueError(
-                        f"{label[flag]} names {instance_id!r}, which serves {other.model}; the run simulates the "
-                        f"{model} instances (model, --model, chooses the model)"
-                    )
-                members = [i for i in known if topology.instance(i).domain_id == instance_id]
-                if members:  # a domain: name its instances, each drained or added by its own flag
-                    raise ValueError(
-                        f"{label[flag]} names NVLink domain {instance_id!r}; it takes instances, one per {flag}: "
-                        f"{', '.join(members)}"
-                    )
+            if instance_id in known:
+                continue
+            other = next((i for i in topology.instances if i.instance_id == instance_id), None)
+            members = [i for i in known if topology.instance(i).domain_id == instance_id]
+            if other is not None:  # an instance the run does not simulate
+                problems.append(
+                    f"{label[flag]} names {instance_id!r}, which serves {other.model}; the run simulates the "
+                    f"{model} instances (model, --model, chooses the model)"
+                )
+            elif members:  # a domain: name its instances, each drained or added by its own flag
+                problems.append(
+                    f"{label[flag]} names NVLink domain {instance_id!r}; it takes instances, one per {flag}: "
+                    f"{', '.join(members)}"
+                )
+            else:
                 shown = ", ".join(known[:6]) + (", ..." if len(known) > 6 else "")
-                raise ValueError(
+                problems.append(
                     f"{label[flag]} names unknown instance {instance_id!r}; {model} instances of {topology.name}: "
                     f"{shown}"
                 )
         repeated = sorted({i for i, _ in events if sum(1 for j, _ in events if j == i) > 1})
         if repeated:
-            raise ValueError(f"{label[flag]} names {', '.join(repeated)} more than once; give each instance once")
+            problems.append(f"{label[flag]} names {', '.join(repeated)} more than once; give each instance once")
     both = {i for i, _ in drains} & {i for i, _ in scale_outs}
     if both:
-        raise ValueError(
+        problems.append(
             f"{', '.join(sorted(both))}: named by both drain (--drain) and scale_out (--scale-out); an instance is "
             "drained or added during a run, not both"
         )
-    if options.initial_instances is not None and drains:
+    if options.initial_instances is not None and drains and options.initial_instances <= len(known):
         pool = pools_of(i for i in topology.instances if i.model == model)[model]
         serving = set(initial_fleet(pool, options.initial_instances))
-        off = sorted(i for i, _ in drains if i not in serving)
+        off = sorted(i for i, _ in drains if i in known and i not in serving)
         if off:
-            raise ValueError(
+            problems.append(
                 f"drain (--drain) names {', '.join(off)}, which initial_instances (--initial-instances) "
                 f"{options.initial_instances} keeps off (a drain of an instance that never serves would do nothing); "
                 "drain a serving instance"
             )
+    simulable = simulable_problems(topology, model)
+    if simulable or problems:
+        raise SimCheckError(simulable, problems)
     return drains, scale_outs
 
 

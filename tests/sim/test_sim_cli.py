@@ -696,18 +696,67 @@ def test_an_instance_with_no_step_time_model_is_refused_by_name(
 ) -> None:
     """Llama-2-7B is measured at TP1 and TP2 only: a TP4 one ended the run with a traceback, naming an H100 the
     file does not have (the GPU its model would have been scaled from)."""
-    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "topology" / "examples" / "2x8-a100.yaml").read_text())
-    data["domains"][1]["instances"][4:] = [{"id": "node-1-tp4", "gpus": [4, 5, 6, 7], "tensor_parallel_size": 4,
-                                            "model": "llama-2-7b"}]  # fmt: skip
-    path = tmp_path / "tp4.yaml"
-    path.write_text(yaml.safe_dump(data))
-    assert main(["sim", "--topology", str(path), "--max-requests", "5"]) == 2
+    assert main(["sim", "--topology", str(_tp4_topology(tmp_path)), "--max-requests", "5"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(
         "hilum sim: error: 2x8-a100: instance node-1-tp4: no step-time model for llama-2-7b at TP4 on a100-80gb: none "
         "is measured for it on a100 (the family of a100-80gb), nor on h100 (scaled by HBM bandwidth); measured: "
     ), err
     assert "Traceback" not in err
+
+
+def _tp4_topology(tmp_path: Path) -> Path:
+    """2x8-a100 with a TP4 Llama-2-7B instance in its second domain, which the simulator cannot time."""
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "topology" / "examples" / "2x8-a100.yaml").read_text())
+    data["domains"][1]["instances"][4:] = [{"id": "node-1-tp4", "gpus": [4, 5, 6, 7], "tensor_parallel_size": 4,
+                                            "model": "llama-2-7b"}]  # fmt: skip
+    path = tmp_path / "tp4.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_every_problem_of_the_options_is_reported_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """hilum sim stopped at the first problem of its options against the topology; each one hid the next."""
+    argv = ["sim", "--topology", str(_tp4_topology(tmp_path)), "--max-requests", "5", "--cold-start-s", "10"]
+    argv += ["--drain", "nowhere@5", "--drain", "node-0-i0@5,node-0-i2@6", "--scale-out", "node-0-i1@5"]
+    argv += ["--scale-out", "node-0-i1@9"]
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.splitlines()
+    starts = [
+        "2x8-a100: instance node-1-tp4: no step-time model for llama-2-7b at TP4",  # the topology's own problem first
+        "cold_start_s (--cold-start-s) applies only with autoscale (--autoscale)",
+        "drain (--drain) takes one INSTANCE@S; give --drain once per instance (got 'node-0-i0@5,node-0-i2@6')",
+        "drain (--drain) names unknown instance 'nowhere'; llama-2-7b instances of 2x8-a100: node-0-i0, node-0-i1,",
+        "scale_out (--scale-out) names node-0-i1 more than once; give each instance once",
+    ]
+    assert len(lines) == len(starts), lines
+    for line, start in zip(lines, starts, strict=True):
+        assert line.startswith(f"hilum sim: error: {start}"), (line, start)
+
+
+def test_a_sweep_names_a_topology_it_cannot_time_under_its_entry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A topology the simulator cannot time was reported as the options' fault ("options, on topologies[1]"); the
+    options' own problems on each topology keep that key, every one of them."""
+    tp4 = _tp4_topology(tmp_path)
+    config = tmp_path / "sweep.yaml"
+    config.write_text(
+        f"trace: azure-conv\ntopologies: [2x8-a100, {tp4}]\npolicies: [hilum]\nrate_scales: [1]\n"
+        "options: {drain: [node-0-i0@5, node-0-i0@6, nowhere@1]}\n"
+    )
+    assert main(["sim", "sweep", str(config), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.removeprefix("hilum sim sweep: error: ")
+    lines = [line.removeprefix(f"{config}: ") for line in err.splitlines()]  # each line led by the file
+    assert [line.split(": ", 1)[0] for line in lines] == [
+        "options, on topologies[0] (2x8-a100)",
+        "options, on topologies[0] (2x8-a100)",
+        "topologies[1]",
+        f"options, on topologies[1] ({tp4})",
+        f"options, on topologies[1] ({tp4})",
+    ], lines
+    assert lines[2].startswith("topologies[1]: 2x8-a100: instance node-1-tp4: no step-time model for llama-2-7b"), lines
+    assert "names unknown instance 'nowhere'" in lines[3] and "node-0-i0 more than once" in lines[4], lines
 
 
 @pytest.mark.parametrize(
