@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -85,6 +85,7 @@ class SweepPointError(RuntimeError):
 
 
 _PositiveFloat = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+_ArrivalCV = Annotated[float, Field(ge=MIN_ARRIVAL_CV, le=MAX_ARRIVAL_CV)]
 _NonNegativeInt = Annotated[int, Field(ge=0)]
 _Name = Annotated[str, Field(min_length=1)]
 
@@ -108,7 +109,8 @@ class SweepConfig(BaseModel):
     # has them, else Poisson. Synthetic arrivals are drawn per seed, so a sweep over seeds samples the process.
     arrival: ArrivalKind | None = None
     rate: _PositiveFloat | None = None  # synthetic arrivals per second, before each rate scale
-    arrival_cv: Annotated[float, Field(ge=MIN_ARRIVAL_CV, le=MAX_ARRIVAL_CV)] | None = None  # Gamma inter-arrival CV
+    # the Gamma inter-arrival CV; checked when absent too (arrival: gamma needs it)
+    arrival_cv: _ArrivalCV | None = Field(default=None, validate_default=True)
 
     @field_validator("topologies", "policies", "rate_scales", "seeds")
     @classmethod
@@ -118,16 +120,25 @@ class SweepConfig(BaseModel):
             raise ValueError(f"duplicate entries: {', '.join(duplicates)}")
         return values
 
-    @model_validator(mode="after")
-    def _arrival_keys(self) -> SweepConfig:
-        synthetic = self.arrival in ("poisson", "gamma")
-        if self.rate is not None and not synthetic:
-            raise ValueError("rate needs arrival: poisson or gamma (a sweep names its synthetic process)")
-        if self.arrival == "gamma" and self.arrival_cv is None:
-            raise ValueError("arrival: gamma needs arrival_cv (the inter-arrival CV, e.g. 2)")
-        if self.arrival_cv is not None and self.arrival != "gamma":
-            raise ValueError("arrival_cv applies only with arrival: gamma")
-        return self
+    # The arrival keys that depend on ``arrival`` are checked on themselves, so that an error names its key (fields
+    # are validated in order: ``arrival`` before them; a wrong ``arrival`` is reported on its own).
+    @field_validator("rate")
+    @classmethod
+    def _rate_needs_synthetic(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is not None and "arrival" in info.data and info.data["arrival"] not in ("poisson", "gamma"):
+            raise ValueError("needs arrival: poisson or gamma (a sweep names its synthetic process)")
+        return value
+
+    @field_validator("arrival_cv")
+    @classmethod
+    def _cv_with_gamma(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if "arrival" not in info.data:
+            return value
+        if value is None and info.data["arrival"] == "gamma":
+            raise ValueError("missing: arrival: gamma needs the inter-arrival CV (e.g. 2)")
+        if value is not None and info.data["arrival"] != "gamma":
+            raise ValueError("applies only with arrival: gamma")
+        return value
 
 
 def _loc(loc: Sequence[int | str]) -> str:

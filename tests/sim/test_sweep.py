@@ -87,10 +87,10 @@ def test_defaults(tmp_path: Path) -> None:
         ("7\n", "sweep.yaml: (top level): expected a mapping of keys, got 7 (an integer)"),
         ("trace: [unclosed\n", "sweep.yaml: line 2, column 1: YAML syntax error"),
         (GOOD + "trace: sharegpt\n", "sweep.yaml: line"),  # a repeated key: refused, not the last one kept
-        (GOOD + "arrival: gamma\n", "sweep.yaml: (top level): arrival: gamma needs arrival_cv (the inter-arrival CV"),
-        (GOOD + "rate: 8\n", "sweep.yaml: (top level): rate needs arrival: poisson or gamma"),
-        (GOOD + "arrival: trace\nrate: 8\n", "sweep.yaml: (top level): rate needs arrival: poisson or gamma"),
-        (GOOD + "arrival: poisson\narrival_cv: 2\n", "sweep.yaml: (top level): arrival_cv applies only with arrival:"),
+        (GOOD + "arrival: gamma\n", "sweep.yaml: arrival_cv: missing: arrival: gamma needs the inter-arrival CV"),
+        (GOOD + "rate: 8\n", "sweep.yaml: rate: needs arrival: poisson or gamma"),
+        (GOOD + "arrival: trace\nrate: 8\n", "sweep.yaml: rate: needs arrival: poisson or gamma"),
+        (GOOD + "arrival: poisson\narrival_cv: 2\n", "sweep.yaml: arrival_cv: applies only with arrival: gamma"),
         (GOOD + "arrival: gamma\narrival_cv: 0\n", "sweep.yaml: arrival_cv: must be >= 0.001, got 0"),
         (GOOD + "arrival: burst\n", "sweep.yaml: arrival: must be one of 'trace', 'poisson' or 'gamma', got 'burst'"),
         (GOOD + "arrival: gamma\narrival_cv: 2000\n", "sweep.yaml: arrival_cv: must be <= 1000, got 2000"),
@@ -101,6 +101,17 @@ def test_config_errors_name_file_and_key(tmp_path: Path, text: str, expected: st
     with pytest.raises(SweepConfigError) as exc:
         load_sweep_config(write(tmp_path, text))
     assert any(e.startswith(str(tmp_path / expected)) for e in exc.value.errors), exc.value.errors
+
+
+def test_an_arrival_key_that_arrival_rules_out_is_reported_with_the_other_errors(tmp_path: Path) -> None:
+    """The arrival keys' rules ran after every key was valid, under "(top level)": a missing arrival_cv was said only
+    once the seeds were mended, and not as arrival_cv's fault."""
+    with pytest.raises(SweepConfigError) as exc:
+        load_sweep_config(write(tmp_path, GOOD.replace("[3]", "[-3]") + "arrival: gamma\n"))
+    assert [e.removeprefix(f"{tmp_path / 'sweep.yaml'}: ") for e in exc.value.errors] == [
+        "seeds[0]: must be >= 0, got -3",
+        "arrival_cv: missing: arrival: gamma needs the inter-arrival CV (e.g. 2)",
+    ]
 
 
 @pytest.mark.parametrize(
