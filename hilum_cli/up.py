@@ -96,7 +96,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -540,6 +540,14 @@ def _untimed(topology: Topology) -> list[str]:
     from llumlet.engine.latency import latency_model_problems
 
     return latency_model_problems(topology)
+
+
+def _scaled(topology: Topology) -> list[str]:
+    """``llumlet.engine.latency.scaled_latency_models`` of ``topology``: its sim engines' step times that are another
+    GPU's scaled by HBM bandwidth."""
+    from llumlet.engine.latency import scaled_latency_models
+
+    return scaled_latency_models(topology)
 
 
 def _check_sim_latency(topology: Topology) -> None:
@@ -1034,10 +1042,14 @@ def _gateway_lines(info: dict[str, Any]) -> list[str]:
     return [f"  gateways      {', '.join(info['gateway_urls'])}   {api}"]
 
 
-def describe(info: dict[str, Any], *, temporary_run_dir: bool = False, simulable: bool = True) -> str:
+def describe(
+    info: dict[str, Any], *, temporary_run_dir: bool = False, simulable: bool = True, scaled: Sequence[str] = ()
+) -> str:
     """The lines ``hilum up`` prints once the cluster serves; ``temporary_run_dir``: its run directory is removed at
     exit (else it is kept: given by ``--run-dir``, or ``--keep-run-dir``); ``simulable``: the simulator can time the
-    topology's instances, so the printed ``hilum bench`` line compares with it (``--compare-sim``)."""
+    topology's instances, so the printed ``hilum bench`` line compares with it (``--compare-sim``); ``scaled``: the
+    sim engines' step times that are another GPU's scaled by HBM bandwidth
+    (``llumlet.engine.latency.scaled_latency_models``), said as ``hilum sim`` says them."""
     model = info["models"][0]
     coordinators = info["coordinators"]
     standby = " (one leads, the others stand by)" if len(coordinators) > 1 else ""
@@ -1055,6 +1067,11 @@ def describe(info: dict[str, Any], *, temporary_run_dir: bool = False, simulable
     fate = "a temporary directory, removed at exit: --keep-run-dir keeps it" if temporary_run_dir else "kept"
     lines += [
         f"  run dir       {info['run_dir']}   (logs, topology.yaml, cluster.json; {fate})",
+        *(
+            [f'  step times    {", ".join(scaled)} (not measured on that GPU: docs/simulator.md, "Engine")']
+            if scaled
+            else []
+        ),
         "",
         f"query it:  hilumctl --coordinator {','.join(coordinators.values())} status",
         f"try it:    curl {info['gateway_url']}/v1/completions -H 'Content-Type: application/json' "
@@ -1181,7 +1198,12 @@ def run_up(cfg: UpConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) ->
             up = True
             removed = temporary and not cfg.keep_run_dir
             simulable = cfg.engine == "sim" or not _untimed(checked.topology)  # sim engines: checked before the start
-            print(describe(cluster.info, temporary_run_dir=removed, simulable=simulable), file=out, flush=True)
+            scaled = _scaled(checked.topology) if cfg.engine == "sim" else []
+            print(
+                describe(cluster.info, temporary_run_dir=removed, simulable=simulable, scaled=scaled),
+                file=out,
+                flush=True,
+            )
             while (why := sup.tick()) is None:
                 time.sleep(0.1)
             say(why)

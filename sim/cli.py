@@ -30,6 +30,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 from hilum_config import CONFIG_ENV, DEFAULTS_SOURCE, ConfigError, HilumConfig, load_config
 from hilum_config import add_argument as add_config_argument
+from llumlet.engine.latency import scaled_latency_models
 from topology.load import BUNDLED_NAMES
 
 from .results import RESULTS_FILE_NAME, atomic_file
@@ -660,13 +661,7 @@ def run_cli(args: argparse.Namespace) -> int:
         ):
             console.print(table)
         derived = runs[0].config.get("derived_latency_models")
-        if isinstance(derived, list) and derived:  # said in results.json alone: a GPU without measured data (prefill)
-            console.print(
-                f"step times: {', '.join(derived)} (no measured data for that GPU: docs/simulator.md)",
-                style="dim",
-                highlight=False,
-                soft_wrap=not console.is_terminal,
-            )
+        _print_scaled(console, derived if isinstance(derived, list) else [])
         if baseline is not None:
             console.print(f"TTFT p99 / base: each policy's P99 TTFT over {baseline}'s", style="dim", highlight=False)
         if "hi-pri\nTTFT p99" in latency:  # a P99 over a few dozen requests is about their slowest: say how many
@@ -681,6 +676,19 @@ def run_cli(args: argparse.Namespace) -> int:
             console.print(f"hi-pri TTFT p99: over {over}{few}", style="dim", highlight=False)
         _print_idle(console, idle)
     return 0
+
+
+def _print_scaled(console: Console, scaled: Sequence[str], where: str = "") -> None:
+    """Say below a table which step times are another GPU's scaled by HBM bandwidth (``scaled``:
+    ``llumlet.engine.latency.scaled_latency_models``; ``where``: `` on TOPOLOGY`` when a table covers several): an
+    approximation (prefill is compute-bound), which results files also record (``derived_latency_models``)."""
+    if scaled:
+        console.print(
+            f'step times{where}: {", ".join(scaled)} (not measured on that GPU: docs/simulator.md, "Engine")',
+            style="dim",
+            highlight=False,
+            soft_wrap=not console.is_terminal,
+        )
 
 
 def _print_idle(console: Console, idle: Mapping[str, str]) -> None:
@@ -776,6 +784,7 @@ def run_size_cli(args: argparse.Namespace) -> int:
         return 2
     model = served_model(topology, specs[0].parsed_options().model)
     pool_size = sum(1 for i in topology.instances if i.model == model)
+    scaled = scaled_latency_models(topology, model)  # as each run's derived_latency_models
     target_s = args.target_p99_ttft_ms / 1e3
     sizings = []
     truncated: list[object] = [0]  # requests cut to the model's context: the same trace and model at every size
@@ -817,6 +826,7 @@ def run_size_cli(args: argparse.Namespace) -> int:
             "rate_scale": specs[0].rate_scale,
             "seed": specs[0].seed,
             "model": model,
+            "derived_latency_models": scaled,
             "rows": rows,
         }
         try:
@@ -862,6 +872,7 @@ def run_size_cli(args: argparse.Namespace) -> int:
             console, tables = Console(width=200), [build(headers[2:], title)]
         for table in tables:
             console.print(table)
+        _print_scaled(console, scaled)
     unmet = [s for s in sizings if s.chosen is None]
     if unmet:  # a script asking "which fleet meets the target" must not read success here
         why = "; ".join(f"{s.policy}: {s.trial(pool_size).miss}" for s in unmet)
@@ -1211,6 +1222,12 @@ def run_sweep_cli(args: argparse.Namespace) -> int:
         console = Console(width=max(200, *(Console(width=10_000).measure(t).maximum for t in tables)))
     for table in tables:
         console.print(table)
+    scaled: dict[str, list[str]] = {}  # by topology, in grid order (each run records its own)
+    for row in rows:
+        known = scaled.setdefault(row.topology, [])
+        known += [m for m in row.derived_latency_models if m not in known]
+    for topology, models in scaled.items():
+        _print_scaled(console, models, f" on {topology}" if len(scaled) > 1 else "")
     _print_idle(console, idle)
     print(f"sweep results and plots in {out}/", file=sys.stderr)
     return 0

@@ -951,3 +951,5 @@ class SweepRow:
     seed: int
     max_requests: int | None
     summary: PolicySummary
+    # the run's step-time models scaled from another GPU's (its config's derived_latency_models); () when measured
+    derived_latency_models: tuple[str, ...] = ()

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from global_coord.wiring import CostModelJudge
 from hilum_config import DEFAULTS_SOURCE, HilumConfig, load_config
 from llumlet.engine.blocks import MAX_BLOCKS
-from llumlet.engine.latency import LatencyModel, gpu_latency_model, latency_model_problems
+from llumlet.engine.latency import LatencyModel, gpu_latency_model, latency_model_problems, scaled_latency_models
 from policy.autoscale import pools_of
 from policy.types import MIN_LOOP_INTERVAL_S
 from topology.graph import TopologyGraph
@@ -201,12 +201,10 @@ def _option_name(loc: tuple[int | str, ...]) -> str:
 DEFAULTS = SimSpec(topology="2x8-a100-40gb", trace="azure-conv", policy="hilum", rate_scale=2.75, max_requests=5000)
 
 
-def _latency_for(topology: Topology, derived: list[str]) -> Callable[[InstanceSpec], LatencyModel]:
+def _latency_for(topology: Topology) -> Callable[[InstanceSpec], LatencyModel]:
     """Step-time models per (model, GPU, TP): ``llumlet.engine.latency.gpu_latency_model``, the live sim engine's
     rule (a GPU without measured data, or whose HBM bandwidth is more than 5 % off the measured GPU of its family,
-    gets a measured model scaled by HBM bandwidth).
-
-    Every derived combination is appended to ``derived`` (reported in the run's config).
+    gets a measured model scaled by HBM bandwidth: ``scaled_latency_models`` lists those, for the run's config).
     """
     cache: dict[tuple[str, str, int], LatencyModel] = {}
 
@@ -214,9 +212,7 @@ def _latency_for(topology: Topology, derived: list[str]) -> Callable[[InstanceSp
         key = (spec.model, spec.gpu_type, spec.tensor_parallel_size)
         if key not in cache:
             hbm = topology.gpu_types[spec.gpu_type].hbm_bandwidth_bytes_per_s
-            cache[key], how = gpu_latency_model(*key, hbm)
-            if how is not None:
-                derived.append(f"{spec.model}/{spec.gpu_type}/tp{spec.tensor_parallel_size} {how}")
+            cache[key] = gpu_latency_model(*key, hbm)[0]
         return cache[key]
 
     return get
@@ -328,11 +324,10 @@ def run_simulation(
             config.prefix_cache.enabled,  # the option's override, else the file's
             options.scheduling,
         )
-        derived: list[str] = []
         cluster = Cluster(
             queue,
             topo,
-            _latency_for(topo, derived),
+            _latency_for(topo),
             limits,
             inactive=[*(i for i, _ in scale_outs), *off],
             model=model,
@@ -442,7 +437,7 @@ def run_simulation(
         "model": model,
         "max_context_tokens": max_context,
         "truncated_requests": truncated,
-        "derived_latency_models": derived,
+        "derived_latency_models": scaled_latency_models(topo, model),
         "initial_instances": len(serving),
         "prefix_aware_dispatch": config.policy.prefix_aware_dispatch,  # the file's, or the option's override
         "prefix_caching": limits.prefix_caching,  # the option, else the file's prefix_cache.enabled

@@ -297,6 +297,7 @@ def run_point(point: GridPoint, run_fn: RunFn | None = None) -> SweepRow:
         run = fn(point)
     except Exception as exc:
         raise SweepPointError(f"grid point {point.label()}: {type(exc).__name__}: {exc}") from exc
+    scaled = run.config.get("derived_latency_models")  # the run's step times scaled from another GPU's
     return SweepRow(
         topology=point.topology,
         trace=point.trace,
@@ -305,6 +306,7 @@ def run_point(point: GridPoint, run_fn: RunFn | None = None) -> SweepRow:
         seed=point.seed,
         max_requests=point.max_requests,
         summary=summarize(run),
+        derived_latency_models=tuple(map(str, scaled)) if isinstance(scaled, list) else (),
     )
 
 
@@ -437,6 +439,7 @@ def _row_dict(row: SweepRow) -> dict[str, Any]:
         "rate_scale": row.rate_scale,
         "seed": row.seed,
         "max_requests": row.max_requests,
+        "derived_latency_models": list(row.derived_latency_models),
         "summary": summary_to_dict(row.summary),
     }
 
@@ -511,6 +514,7 @@ def load_sweep(path: str | Path) -> list[SweepRow]:
                     seed=obj["seed"],
                     max_requests=obj["max_requests"],
                     summary=summary_from_dict(obj["summary"], f"{where}.summary"),
+                    derived_latency_models=tuple(obj.get("derived_latency_models", ())),
                 )
             )
         except KeyError as exc:

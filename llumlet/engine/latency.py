@@ -29,7 +29,7 @@ import json
 import math
 import struct
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -55,6 +55,7 @@ __all__ = [
     "load_latency_model",
     "packed_doubles",
     "packed_from_numpy",
+    "scaled_latency_models",
     "steps_ended_guess",
     "supported_latency_models",
 ]
@@ -532,18 +533,34 @@ def instance_latency_model(topology: Topology, instance_id: str) -> tuple[Latenc
         raise UnsupportedLatencyModelError(f"instance {instance_id}: {exc}") from None
 
 
-def latency_model_problems(topology: Topology, model: str | None = None) -> list[str]:
-    """Why the instances of ``topology`` (those serving ``model``; None: all) cannot be timed: one
-    :func:`instance_latency_model` error per model, GPU type and TP degree without a step-time model, naming its
-    first instance; none when every one can. What ``hilum sim`` and ``hilum up --engine sim`` refuse before
-    anything runs."""
-    problems, seen = [], set()
+def _timings(topology: Topology, model: str | None) -> Iterator[tuple[str, tuple[LatencyModel, str | None] | str]]:
+    """Per model, GPU type and TP degree of ``topology``'s instances (those serving ``model``; None: all), in the
+    file's order: ``"model/gpu/tpN"`` and :func:`instance_latency_model`'s answer for its first instance, or its
+    error's text."""
+    seen: set[tuple[str, str, int]] = set()
     for spec in topology.instances:
         key = (spec.model, spec.gpu_type, spec.tensor_parallel_size)
         if (model is None or spec.model == model) and key not in seen:
             seen.add(key)
             try:
-                instance_latency_model(topology, spec.instance_id)
+                timed: tuple[LatencyModel, str | None] | str = instance_latency_model(topology, spec.instance_id)
             except UnsupportedLatencyModelError as exc:
-                problems.append(str(exc))
-    return problems
+                timed = str(exc)
+            yield f"{spec.model}/{spec.gpu_type}/tp{spec.tensor_parallel_size}", timed
+
+
+def latency_model_problems(topology: Topology, model: str | None = None) -> list[str]:
+    """Why the instances of ``topology`` (those serving ``model``; None: all) cannot be timed: one
+    :func:`instance_latency_model` error per model, GPU type and TP degree without a step-time model, naming its
+    first instance; none when every one can. What ``hilum sim`` and ``hilum up --engine sim`` refuse before
+    anything runs."""
+    return [timed for _, timed in _timings(topology, model) if isinstance(timed, str)]
+
+
+def scaled_latency_models(topology: Topology, model: str | None = None) -> list[str]:
+    """The step-time models of ``topology``'s instances (those serving ``model``; None: all) that are another GPU's
+    scaled by HBM bandwidth, not measured (:func:`gpu_latency_model`): one per model, GPU type and TP degree, in the
+    file's order, as ``"llama-2-13b/a100-40gb/tp1 scaled from a100 by HBM"``. Those without a step-time model are
+    left out (:func:`latency_model_problems` names them). What the simulator's results (``derived_latency_models``),
+    ``hilum sim``, its sweeps and sizings, and ``hilum up --engine sim`` report."""
+    return [f"{key} {timed[1]}" for key, timed in _timings(topology, model) if not isinstance(timed, str) and timed[1]]

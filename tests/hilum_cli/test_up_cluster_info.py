@@ -72,3 +72,24 @@ def test_the_printed_bench_line_compares_with_the_simulator_only_where_it_can_ti
     }  # fmt: skip
     line = next(line for line in describe(info, simulable=simulable).splitlines() if line.startswith("bench it:"))
     assert ("--compare-sim /r/topology.yaml" in line) == simulable and "--max-requests 50" in line
+
+
+def test_the_sim_engines_scaled_step_times_are_said_as_hilum_sim_says_them() -> None:
+    """hilum sim said which step times are another GPU's scaled by HBM; hilum up --engine sim on the same topology
+    did not."""
+    from hilum_cli.up import _scaled
+    from topology.load import load_topology
+
+    info = {
+        "topology": "t", "engine": "sim", "gateway_url": "http://127.0.0.1:8000", "gateway_urls": [],
+        "gateways": {"gateway-0": {}}, "gateway_port_shared": False, "etcd": "127.0.0.1:2379", "etcd_embedded": True,
+        "coordinators": {"c0": "127.0.0.1:1"}, "instance_domains": {}, "llumlets": {}, "domain_schedulers": {},
+        "run_dir": "/r", "models": ["llama-2-13b"], "topology_file": "/r/topology.yaml", "config_file": None,
+        "api_keys_file": None, "max_restarts": 5,
+    }  # fmt: skip
+    scaled = _scaled(load_topology("2x8-a100-40gb"))
+    assert scaled == ["llama-2-13b/a100-40gb/tp1 scaled from a100 by HBM"]
+    lines = [line for line in describe(info, scaled=scaled).splitlines() if "step times" in line]
+    assert lines == [f'  step times    {scaled[0]} (not measured on that GPU: docs/simulator.md, "Engine")']
+    assert _scaled(load_topology("2x8-a100")) == []
+    assert "step times" not in describe(info)

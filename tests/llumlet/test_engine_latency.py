@@ -155,6 +155,22 @@ def test_packed_doubles_are_the_arrays_own_doubles() -> None:
         packed_doubles(["0.5"])  # type: ignore[list-item]
 
 
+def test_scaled_latency_models_lists_each_scaled_combination_once_in_the_files_order() -> None:
+    from llumlet.engine.latency import scaled_latency_models
+    from topology.load import load_topology
+
+    assert scaled_latency_models(load_topology("2x8-a100-40gb")) == [
+        "llama-2-13b/a100-40gb/tp1 scaled from a100 by HBM"
+    ]
+    assert scaled_latency_models(load_topology("2x8-a100")) == []  # the measured A100-80GB
+    gb200 = load_topology("nvl72-gb200")
+    every = scaled_latency_models(gb200)
+    assert every and all(m.endswith(" scaled from h100 by HBM") for m in every)  # a GPU of no measured family
+    assert len(every) == len({(i.model, i.gpu_type, i.tensor_parallel_size) for i in gb200.instances})
+    seventy = scaled_latency_models(gb200, "llama-2-70b")
+    assert seventy and seventy == [m for m in every if m.startswith("llama-2-70b/")]
+
+
 def test_gpu_latency_model_takes_the_measured_model_or_scales_one_by_hbm() -> None:
     from llumlet.engine.latency import (
         CALIBRATED_HBM_BYTES_PER_S,
@@ -186,17 +202,18 @@ def test_the_live_sim_engine_models_the_gpu_the_simulator_does() -> None:
     llumlet took the measured A100-80GB model (29.4 ms a step where the simulator said 37.9 ms)."""
     from llumlet.backends.base import BackendConfig
     from llumlet.backends.sim import make_sim_backend
+    from llumlet.engine.latency import scaled_latency_models
     from sim.runner import _latency_for
     from topology.load import load_topology
 
     for name in ("2x8-a100-40gb", "2x8-a100", "nvl72-gb200"):
         topology = load_topology(name)
-        derived: list[str] = []
-        simulated = _latency_for(topology, derived)
+        simulated = _latency_for(topology)
         for spec in topology.instances[:2]:
             live = make_sim_backend(BackendConfig(instance_id=spec.instance_id, topology=topology))
             assert live.engine.latency_model == simulated(spec), (name, spec.instance_id)
-        assert bool(derived) == (name != "2x8-a100"), derived  # the A100-80GB of 2x8-a100 is the measured one
+        scaled = scaled_latency_models(topology)
+        assert bool(scaled) == (name != "2x8-a100"), scaled  # the A100-80GB of 2x8-a100 is the measured one
     forty = load_topology("2x8-a100-40gb")
     live = make_sim_backend(BackendConfig(instance_id=forty.instances[0].instance_id, topology=forty))
     assert live.engine.latency_model.step_time_s([], [1000] * 16) == pytest.approx(0.0379, abs=5e-4)

@@ -1228,9 +1228,37 @@ def test_step_times_of_a_gpu_without_measured_data_are_said_below_the_tables(
     """results.json alone said so: the default topology's A100-40GB runs the A100-80GB model scaled by HBM."""
     assert main(["sim", "--max-requests", "20", "--policy", "round-robin"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "step times: llama-2-13b/a100-40gb/tp1 scaled from a100 by HBM (no measured data for that GPU" in out
+    assert (
+        "step times: llama-2-13b/a100-40gb/tp1 scaled from a100 by HBM (not measured on that GPU: docs/simulator" in out
+    )
     assert main(["sim", "--topology", "2x8-a100", "--max-requests", "20", "--policy", "round-robin"]) == 0
     assert "step times:" not in capsys.readouterr().out  # the A100-80GB is measured
+
+
+def test_a_sizing_and_a_sweep_say_which_step_times_are_scaled_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """hilum sim alone said it; sim size and a sweep printed their figures of an A100-40GB as if measured, and their
+    JSON files did not record it (results.json did)."""
+    scaled = "llama-2-13b/a100-40gb/tp1 scaled from a100 by HBM"
+    argv = ["sim", "size", "--target-p99-ttft-ms", "60000", "--max-requests", "30", "--policy", "round-robin"]
+    assert main([*argv, "--out", str(tmp_path / "size")]) == 0
+    assert f"step times: {scaled} (not measured" in " ".join(capsys.readouterr().out.split())
+    sized = json.loads((tmp_path / "size" / "sizing.json").read_text())
+    assert sized["derived_latency_models"] == [scaled]
+    config = tmp_path / "sweep.yaml"
+    config.write_text(
+        "trace: azure-conv\ntopologies: [2x8-a100-40gb, 2x8-a100]\npolicies: [round-robin]\nrate_scales: [1]\n"
+        "max_requests: 20\n"
+    )
+    assert main(["sim", "sweep", str(config), "--out", str(tmp_path / "sweep")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"step times on 2x8-a100-40gb: {scaled} (not measured" in out and "on 2x8-a100:" not in out
+    rows = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["rows"]
+    assert [(r["topology"], r["derived_latency_models"]) for r in rows] == [
+        ("2x8-a100-40gb", [scaled]),
+        ("2x8-a100", []),
+    ]
 
 
 def test_sim_sizes_table_fits_a_narrow_terminal(

@@ -136,6 +136,7 @@ def test_sim_size_runs_real_simulations_and_prints_each_size(
         "rate_scale": 2.75,
         "seed": 0,
         "model": "llama-2-13b",
+        "derived_latency_models": ["llama-2-13b/a100-40gb/tp1 scaled from a100 by HBM"],
     }
     # every summary carries the requests cut to the model's context, as `hilum sim --json`'s do
     assert main(["sim", "--max-requests", "400", "--policy", "hilum", "--json"]) == 0
