@@ -87,6 +87,19 @@ def test_bundled_examples_load_with_expected_counts(name: str) -> None:
     assert load_topology(ROOT / "examples" / "topologies" / f"{name}.yaml").instances == topo.instances
 
 
+@pytest.mark.parametrize("name", ["mixed-tp", "two-and-eight", "mixed-gpu"])
+def test_the_example_fleets_load_and_the_simulator_can_time_them(name: str) -> None:
+    """examples/*.yaml besides the bundled topologies: the fleets docs/policy.md measures."""
+    from llumlet.engine.latency import latency_model_problems
+
+    topo = load_topology(ROOT / "examples" / f"{name}.yaml")
+    assert topo.name == name and len(topo.instances) >= 10 and latency_model_problems(topo) == []
+    if name == "mixed-gpu":  # the L40S: more KV blocks than the A100-40GB, less HBM bandwidth
+        a100, l40s = topo.instance("node-0-i0"), topo.instance("node-1-i0")
+        assert (a100.kv_capacity_blocks, l40s.kv_capacity_blocks) == (963, 1552)
+        assert topo.gpu_of("node-1-i0").hbm_bandwidth_bytes_per_s < topo.gpu_of("node-0-i0").hbm_bandwidth_bytes_per_s
+
+
 def test_2x8_a100_figures() -> None:
     topo = load_topology("2x8-a100")
     model = topo.model_of("node-1-i7")
