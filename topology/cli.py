@@ -354,7 +354,7 @@ def _show_tables(summary: dict[str, Any], width: int | None, instances: bool) ->
         [
             [
                 name.replace("_", " "),
-                str(c["pairs"]),
+                f"{c['pairs']:,}",
                 _gbyte(c["min_bandwidth_bytes_per_s"]),
                 _gbyte(c["max_bandwidth_bytes_per_s"]),
                 c["min_bottleneck_link"],
@@ -423,9 +423,9 @@ def _cmd_path(args: argparse.Namespace) -> int:
     rows = []
     for link in summary["links"]:  # in the path's order
         cap = link["capacity_bytes_per_s"]
-        rows.append([link["link"], f"{_gbyte(cap)} ({_gbit(cap)})", "bottleneck" if cap == bw else ""])
+        rows.append([link["link"], f"{_gbyte(cap)} ({_gbit(cap)})", "yes" if cap == bw else ""])
     width = _terminal_width()
-    tables = _fitted("", ("link", "capacity", ""), rows, width, left=("",))
+    tables = _fitted("", ("link", "capacity", "bottleneck"), rows, width, left=("bottleneck",))
     con = _console(width, tables)
     con.print(
         f"{args.src} -> {args.dst} ({where}): {_gbyte(bw)} = {_gbit(bw)}, bottleneck {summary['bottleneck_link']}"

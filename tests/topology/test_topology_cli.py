@@ -51,6 +51,13 @@ def test_path(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "node-0-i0 -> node-1-i3 (across domains): 25.0 GB/s = 200 Gb/s, bottleneck nic:node-0" in out
     assert "nvlink:node-1-i3" in out
+    cells = [[cell.strip() for cell in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│")]
+    assert {row[0]: row[2] for row in cells}["nic:node-0"] == "yes" and [
+        "nvlink:node-0-i0",
+        "600.0 GB/s (4,800 Gb/s)",
+        "",
+    ] in cells
+    assert "┃ bottleneck ┃" in out  # the column is named (it had no header)
     assert main(["topology", "path", "2x8-a100", "node-0-i0", "node-0-i1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["bandwidth_bytes_per_s"] == 600e9 and data["same_domain"] is True
