@@ -795,7 +795,7 @@ def run_size_cli(args: argparse.Namespace) -> int:
             run = run_simulation(sized, trace=trace, topology=topology)
             truncated[0] = run.config.get("truncated_requests", 0)
             summary = summarize(run)
-            p99 = "-" if summary.ttft_p99_s is None else f"{summary.ttft_p99_s * 1e3:.0f} ms"
+            p99 = "-" if summary.ttft_p99_s is None else f"{summary.ttft_p99_s * 1e3:,.0f} ms"
             refused = f", refused {_requests(summary.refused)}" if summary.refused else ""
             err.print(f"{spec.policy}: {n} {_plural('instance', n)}: P99 TTFT {p99}{refused}", highlight=False)
             return summary
@@ -848,7 +848,7 @@ def run_size_cli(args: argparse.Namespace) -> int:
         cells: list[dict[str, str]] = []  # a row per fleet size tried, by header
         for s in sizings:
             for t in s.trials:
-                p99 = "-" if t.summary.ttft_p99_s is None else f"{t.summary.ttft_p99_s * 1e3:.0f}"
+                p99 = "-" if t.summary.ttft_p99_s is None else f"{t.summary.ttft_p99_s * 1e3:,.0f}"
                 gpu_h = "-" if t.summary.gpu_hours is None else f"{t.summary.gpu_hours:.2f}"
                 mark = "<- smallest found" if t.instances == s.chosen else (t.miss or "")
                 if s.chosen is None and t.instances == pool_size:  # said on that row, not on one of dashes below

@@ -101,6 +101,6 @@ def _miss(summary: PolicySummary, target_p99_ttft_s: float) -> str | None:
         return "no request got a first token"
     if p99 > target_p99_ttft_s:
         p99_ms, target_ms = p99 * 1e3, target_p99_ttft_s * 1e3
-        shown = f"{p99_ms:.0f}" if round(p99_ms) > target_ms else f"{p99_ms:.9g}"  # never "500 ms > 500 ms"
-        return f"P99 TTFT {shown} ms > {target_ms:g} ms"
+        shown = f"{p99_ms:,.0f}" if round(p99_ms) > target_ms else f"{p99_ms:,.9g}"  # never "500 ms > 500 ms"
+        return f"P99 TTFT {shown} ms > {target_ms:,.10g} ms"
     return None

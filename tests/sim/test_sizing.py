@@ -74,6 +74,8 @@ def test_a_fleet_that_refuses_a_request_misses_the_target_whatever_its_p99_and_s
     assert slow.trials[0].miss == "P99 TTFT 812 ms > 500 ms"
     close = size_fleet("hilum", 2, 0.5, fake({2: 0.5002}, []))  # rounds to the target: more digits
     assert close.trials[0].miss == "P99 TTFT 500.2 ms > 500 ms"
+    slower = size_fleet("hilum", 2, 1.5, fake({2: 12.3456}, []))
+    assert slower.trials[0].miss == "P99 TTFT 12,346 ms > 1,500 ms"  # counted as the title counts its target
     empty = size_fleet("hilum", 2, 0.5, fake({2: None}, []))
     assert empty.trials[0].miss == "no request got a first token"
 
