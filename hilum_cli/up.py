@@ -453,8 +453,8 @@ def _topology_text(cfg: UpConfig) -> tuple[Topology, str]:
         )
     try:
         topology = load_topology(cfg.topology)
-    except TopologyError as exc:
-        raise UpUsageError(f"--topology {cfg.topology}: {exc}") from None
+    except TopologyError as exc:  # as hilum sim says it: each line of the file's errors names the file itself
+        raise UpUsageError(f"invalid topology (--topology {cfg.topology})\n" + "\n".join(exc.lines())) from None
     source = path if path.is_file() else bundled_path(cfg.topology)
     assert source is not None  # load_topology found it
     return topology, source.read_text(encoding="utf-8")

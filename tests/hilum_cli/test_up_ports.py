@@ -190,6 +190,22 @@ def test_a_topology_from_a_pipe_is_refused_before_anything_starts(tmp_path: Path
     assert not (tmp_path / "run").exists()
 
 
+def test_an_invalid_topology_is_named_once_then_every_error_of_it(tmp_path: Path) -> None:
+    """It read "--topology F: F: models: ...": the file named twice on the first line, once on the others."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmodels: []\n")
+    err = io.StringIO()
+    cfg = UpConfig(topology=str(bad), port=0, etcd_port=0, grpc_base_port=0, run_dir=str(tmp_path / "run"))
+    assert run_up(cfg, out=io.StringIO(), err=err) == 2
+    assert err.getvalue().splitlines() == [
+        f"hilum up: error: invalid topology (--topology {bad})",
+        f"{bad}: models: must list at least one entry",
+        f"{bad}: gpu_types: missing required key",
+        f"{bad}: domains: missing required key",
+    ]
+    assert not (tmp_path / "run").exists()
+
+
 def _up_vllm(tmp_path: Path, *options: str, **kw: object) -> tuple[int, str]:
     topo = tmp_path / "t.yaml"
     topo.write_text(TOPOLOGY)
