@@ -34,7 +34,16 @@ from llumlet.engine.latency import scaled_latency_models
 from topology.load import BUNDLED_NAMES
 
 from .results import RESULTS_FILE_NAME, atomic_file
-from .runner import DEFAULTS, SimOptions, SimSpec, check_autoscale, check_prefix_cache, fit_to_context, served_model
+from .runner import (
+    DEFAULTS,
+    SimOptions,
+    SimSpec,
+    check_autoscale,
+    check_prefix_aware,
+    check_prefix_cache,
+    fit_to_context,
+    served_model,
+)
 from .schedulers import POLICY_NAMES, domain_request, policy_migrates
 from .traces import DEFAULT_SYNTHETIC_RATE_PER_S, MAX_ARRIVAL_CV, MIN_ARRIVAL_CV, TRACE_NAMES
 
@@ -495,11 +504,6 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
         )
     if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
         raise ValueError(f"--rate must be a number of requests per second > 0, got {args.rate}")
-    if args.prefix_aware and args.prefix_caching is False:  # nothing cached: no target holds a prefix to count
-        raise ValueError(
-            "--prefix-aware needs prefix caching (with --no-prefix-caching no engine holds a prefix for dispatch to "
-            "count): leave one of the two out"
-        )
     if args.arrival_cv is not None and not MIN_ARRIVAL_CV <= args.arrival_cv <= MAX_ARRIVAL_CV:  # nan too
         raise ValueError(
             f"--arrival-cv must be from {MIN_ARRIVAL_CV:g} to {MAX_ARRIVAL_CV:g} (the Gamma inter-arrival CV; 1 is "
@@ -545,11 +549,7 @@ def _specs(args: argparse.Namespace) -> list[SimSpec]:
     parsed = base.parsed_options()  # fail before any work on bad options
     # and on a configuration that clashes with them
     check_autoscale(parsed, config, cold_start="--cold-start-s", source=_described(config, where))
-    if args.prefix_aware and args.prefix_caching is None and not config.prefix_cache.enabled:
-        raise ValueError(
-            f"--prefix-aware needs prefix caching, and the configuration ({where}) has prefix_cache.enabled false: "
-            "no engine holds a prefix for dispatch to count"
-        )
+    check_prefix_aware(parsed, config, source=_described(config, where))
     return [replace(base, policy=p) for p in policies]
 
 
@@ -1298,12 +1298,19 @@ def _check_sweep(config: SweepConfig, settings: HilumConfig | None = None) -> _S
     parsed: SimOptions | None = None
     try:
         parsed = SimSpec(topology="", trace=config.trace, policy="hilum", options=config.options).parsed_options()
+    except SimCheckError as exc:  # load_sweep_config checked the keys: a rule across them
+        problems += [f"options.{line}" for line in exc.lines()]
+    if parsed is not None:  # the options against the configuration, as hilum sim checks its flags
+        source = _described(settings, "the configuration") if settings is not None else "the configuration"
         if settings is not None:
-            check_autoscale(
-                parsed, settings, cold_start="options.cold_start_s", source=_described(settings, "the configuration")
-            )
-    except ValueError as exc:
-        problems.append(str(exc))
+            try:
+                check_autoscale(parsed, settings, cold_start="options.cold_start_s", source=source)
+            except ValueError as exc:
+                problems.append(str(exc))
+        try:
+            check_prefix_aware(parsed, settings if settings is not None else HilumConfig(), source=source)
+        except ValueError as exc:  # "prefix_aware_dispatch (--prefix-aware) needs ...": the key in the file
+            problems.append(f"options.{exc}")
     prefix_hashes: list[bool] = []  # of the first trace loaded (the same requests in each: only arrivals differ)
 
     def check(where: str, rate_scale: float = 1.0, seed: int = 0) -> bool:
@@ -1330,12 +1337,14 @@ def _check_sweep(config: SweepConfig, settings: HilumConfig | None = None) -> _S
             prefix_hashes.append(any(r.prefix_block_hashes for r in trace.requests))
         return True
 
-    readable = check("arrival") if config.arrival is not None else True
+    said = len(problems)
+    readable = check("arrival") and len(problems) == said if config.arrival is not None else True  # said once
     points = [(i, rate_scale, seed) for i, rate_scale in enumerate(config.rate_scales) for seed in config.seeds]
     for i, rate_scale, seed in points:
         if not (readable and check(f"rate_scales[{i}] = {rate_scale:g}, seed {seed}", rate_scale, seed)):
             break
     domains = []
+    on: dict[str, list[int]] = {}  # a problem of the options -> the topologies it was found on
     for i, name in enumerate(config.topologies):
         try:
             topology = load_topology(name)
@@ -1345,16 +1354,22 @@ def _check_sweep(config: SweepConfig, settings: HilumConfig | None = None) -> _S
         if not topology.instances:  # not the options' fault
             problems.append(f"topologies[{i}]: {name} has no instances: there is nothing to simulate")
             continue
+        domains.append(len(topology.domains))
         if parsed is not None:
             try:
                 check_options(topology, parsed)
             except SimCheckError as exc:  # the topology's own problems under its key, the options' under theirs
                 problems += [f"topologies[{i}]: {line}" for line in exc.topology_problems]
-                problems += [f"options, on topologies[{i}] ({name}): {line}" for line in exc.option_problems]
-            except ValueError as exc:
-                problems.append(f"options, on topologies[{i}] ({name}): {exc}")
-        domains.append(len(topology.domains))
-    if problems:
-        raise SweepConfigError(problems)
+                for line in exc.option_problems:
+                    on.setdefault(line, []).append(i)
+            except ValueError as exc:  # the options' model is not one of the topology's
+                on.setdefault(str(exc), []).append(i)
+    for line, indices in on.items():
+        if len(domains) > 1 and len(indices) == len(domains):  # whatever the topology: said once
+            problems.append(f"options: {line}")
+        else:
+            problems += [f"options, on topologies[{i}] ({config.topologies[i]}): {line}" for i in indices]
+    if problems:  # a sweep takes no hilum sim flags: its messages name the file's keys alone
+        raise SweepConfigError([re.sub(r" \(--[a-z][a-z-]*(, in ms there)?\)", "", line) for line in problems])
     assert parsed is not None and prefix_hashes
     return _SweepFacts(parsed, prefix_hashes[0], all(n == 1 for n in domains))

@@ -49,6 +49,7 @@ __all__ = [
     "SimSpec",
     "check_autoscale",
     "check_options",
+    "check_prefix_aware",
     "fit_to_context",
     "run_simulation",
     "served_model",
@@ -169,14 +170,15 @@ class SimSpec:
     config: str | None = None  # the configuration file every tier reads (hilum_config); None: HILUM_CONFIG or defaults
 
     def parsed_options(self) -> SimOptions:
-        """The options, validated; ValueError lists every bad key."""
+        """The options, validated. Raises :class:`SimCheckError` with one problem per bad key, each led by the key
+        and its ``hilum sim`` flag (``drain (--drain): ...``)."""
         try:
             return SimOptions(**dict(self.options))
         except ValidationError as exc:
-            problems = "; ".join(  # in hilum's words, as a sweep file's options
+            problems = [  # in hilum's words, as a sweep file's options
                 f"{_option_name(e['loc'])}: {pydantic_message(e, SimOptions.model_fields)}" for e in exc.errors()
-            )
-            raise ValueError(f"invalid simulation options: {problems}") from None
+            ]
+            raise SimCheckError([], problems) from None
 
 
 #: The ``hilum sim`` flag of each option that has one (the others are set in a sweep file's ``options`` only).
@@ -520,17 +522,18 @@ def simulable_problems(topology: Topology, model: str) -> list[str]:
     """Why the simulator cannot run ``topology``'s ``model`` instances, whatever the options: instances with more
     KV cache blocks than the simulated engine can number (``llumlet.engine.blocks.MAX_BLOCKS``), and those whose
     model, GPU and TP degree have no step-time model (``llumlet.engine.latency.latency_model_problems``), each
-    led by the topology's name. Empty when it can."""
+    led by the topology's name and file (a copy of a bundled file keeps its name). Empty when it can."""
     problems: list[str] = []
+    named = f"{topology.name} ({topology.source})"
     huge = [i for i in topology.instances if i.model == model and i.kv_capacity_blocks > MAX_BLOCKS]
     if huge:
         problems.append(
-            f"{topology.name}: instance {huge[0].instance_id} has {huge[0].kv_capacity_blocks:,} KV cache blocks "
+            f"{named}: instance {huge[0].instance_id} has {huge[0].kv_capacity_blocks:,} KV cache blocks "
             f"({len(huge)} such instance{'s' if len(huge) > 1 else ''}); the simulated engine numbers at most "
             f"{MAX_BLOCKS:,} (block ids are C ints, as in vLLM's block tables): set a smaller "
             "kv_capacity_blocks for the instance in the topology, or a larger block_size_tokens for the model"
         )
-    problems += [f"{topology.name}: {line}" for line in latency_model_problems(topology, model)]
+    problems += [f"{named}: {line}" for line in latency_model_problems(topology, model)]
     return problems
 
 
@@ -618,6 +621,26 @@ def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[s
     if simulable or problems:
         raise SimCheckError(simulable, problems)
     return drains, scale_outs
+
+
+def check_prefix_aware(options: SimOptions, config: HilumConfig, *, source: str = "the configuration") -> None:
+    """Refuse prefix-aware dispatch asked for by the options when prefix caching is off, by the options
+    (``prefix_caching`` false) or by the configuration (its ``prefix_cache.enabled`` false, the options silent):
+    no engine then holds a prefix for dispatch to count. ``source`` names the configuration in the message.
+
+    Raises ValueError."""
+    if not options.prefix_aware_dispatch:
+        return
+    if options.prefix_caching is False:
+        raise ValueError(
+            "prefix_aware_dispatch (--prefix-aware) needs prefix caching: with prefix_caching false "
+            "(--no-prefix-caching) no engine holds a prefix for dispatch to count; leave one of the two out"
+        )
+    if options.prefix_caching is None and not config.prefix_cache.enabled:
+        raise ValueError(
+            f"prefix_aware_dispatch (--prefix-aware) needs prefix caching, and {source} has prefix_cache.enabled "
+            "false: no engine holds a prefix for dispatch to count"
+        )
 
 
 def check_autoscale(

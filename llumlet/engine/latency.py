@@ -415,7 +415,13 @@ def load_latency_model(model: str, gpu: str, tp: int) -> LatencyModel:
     table = _load_table()["models"]
     key = _model_key(_normalize_model(model), _normalize_gpu(gpu), tp)
     if key not in table:
-        combos = ", ".join(f"{m}/{g}/tp{t}" for m, g, t in supported_latency_models())
+        by_model: dict[str, dict[str, list[int]]] = {}  # model -> GPU -> TP degrees measured
+        for m, g, t in supported_latency_models():
+            by_model.setdefault(m, {}).setdefault(g, []).append(t)
+        combos = "; ".join(  # "llama-2-7b: a100 at TP1/2, h100 at TP1/2; ..."
+            f"{m}: " + ", ".join(f"{g} at TP{'/'.join(map(str, tps))}" for g, tps in gpus.items())
+            for m, gpus in by_model.items()
+        )
         raise UnsupportedLatencyModelError(
             f"no latency model for model={model!r} gpu={gpu!r} tp={tp} (looked up {key!r}); supported: {combos}"
         )
@@ -494,7 +500,13 @@ def gpu_latency_model(model: str, gpu: str, tp: int, hbm_bytes_per_s: float) -> 
             why = f"none is measured for it on {family} (the family of {gpu}), nor on h100 (scaled by HBM bandwidth)"
         else:
             why = f"{gpu} is not measured, and h100 (scaled to it by HBM bandwidth) has none for it"
-        combos = ", ".join(f"{m}/{g}/tp{t}" for m, g, t in supported_latency_models())
+        by_model: dict[str, dict[str, list[int]]] = {}  # model -> GPU -> TP degrees measured
+        for m, g, t in supported_latency_models():
+            by_model.setdefault(m, {}).setdefault(g, []).append(t)
+        combos = "; ".join(  # "llama-2-7b: a100 at TP1/2, h100 at TP1/2; ..."
+            f"{m}: " + ", ".join(f"{g} at TP{'/'.join(map(str, tps))}" for g, tps in gpus.items())
+            for m, gpus in by_model.items()
+        )
         raise UnsupportedLatencyModelError(
             f"no step-time model for {model} at TP{tp} on {gpu}: {why}; measured: {combos}"
         ) from None
@@ -536,17 +548,18 @@ def instance_latency_model(topology: Topology, instance_id: str) -> tuple[Latenc
 def _timings(topology: Topology, model: str | None) -> Iterator[tuple[str, tuple[LatencyModel, str | None] | str]]:
     """Per model, GPU type and TP degree of ``topology``'s instances (those serving ``model``; None: all), in the
     file's order: ``"model/gpu/tpN"`` and :func:`instance_latency_model`'s answer for its first instance, or its
-    error's text."""
-    seen: set[tuple[str, str, int]] = set()
+    error's text, which counts the other instances of the combination (``instance a3 (and 2 more): ...``)."""
+    groups: dict[tuple[str, str, int], list[str]] = {}  # combination -> its instances, in the file's order
     for spec in topology.instances:
-        key = (spec.model, spec.gpu_type, spec.tensor_parallel_size)
-        if (model is None or spec.model == model) and key not in seen:
-            seen.add(key)
-            try:
-                timed: tuple[LatencyModel, str | None] | str = instance_latency_model(topology, spec.instance_id)
-            except UnsupportedLatencyModelError as exc:
-                timed = str(exc)
-            yield f"{spec.model}/{spec.gpu_type}/tp{spec.tensor_parallel_size}", timed
+        if model is None or spec.model == model:
+            groups.setdefault((spec.model, spec.gpu_type, spec.tensor_parallel_size), []).append(spec.instance_id)
+    for (name, gpu, tp), ids in groups.items():
+        try:
+            timed: tuple[LatencyModel, str | None] | str = instance_latency_model(topology, ids[0])
+        except UnsupportedLatencyModelError as exc:
+            more = f" (and {len(ids) - 1} more)" if len(ids) > 1 else ""
+            timed = f"instance {ids[0]}{more}: " + str(exc).removeprefix(f"instance {ids[0]}: ")
+        yield f"{name}/{gpu}/tp{tp}", timed
 
 
 def latency_model_problems(topology: Topology, model: str | None = None) -> list[str]:

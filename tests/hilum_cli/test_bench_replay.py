@@ -177,7 +177,7 @@ def test_every_option_and_path_is_checked_before_the_first_request(tmp_path: Pat
         ({"compare_sim": str(other_model)}, f"--compare-sim {other_model}: its instances run llama-2-7b, not m", ""),
         (  # refused before the load (it ran, then the simulation failed)
             {"compare_sim": str(served)},
-            f"--compare-sim {served}: the simulator cannot time it: instance a0: ",
+            f"--compare-sim {served}: the simulator cannot time it: instance a0 (and 3 more): ",
             "no step-time model for m at TP1",
         ),
         ({"out": str(a_file / "results")}, f"--out {a_file / 'results'}: cannot write there", ""),

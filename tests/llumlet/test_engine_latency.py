@@ -52,7 +52,9 @@ def test_supported_combinations_and_aliases() -> None:
 
 
 def test_unsupported_combination_lists_supported() -> None:
-    with pytest.raises(UnsupportedLatencyModelError, match=r"supported: .*llama-2-70b/h100/tp8"):
+    with pytest.raises(
+        UnsupportedLatencyModelError, match=r"supported: .*llama-2-70b: a100 at TP2/4/8, h100 at TP2/4/8;"
+    ):
         load_latency_model("llama-2-7b", "a100", 8)
 
 
@@ -189,9 +191,10 @@ def test_gpu_latency_model_takes_the_measured_model_or_scales_one_by_hbm() -> No
     assert l4.gpu_scale == pytest.approx(load_latency_model("llama-2-7b", "h100", 1).gpu_scale * 3.35e12 / 0.3e12)
     with pytest.raises(UnsupportedLatencyModelError) as exc:
         gpu_latency_model("llama-2-7b", "a100-80gb", 4, 2.039e12)  # neither A100 nor H100 measured at TP4
-    assert str(exc.value).startswith(
+    assert str(exc.value) == (
         "no step-time model for llama-2-7b at TP4 on a100-80gb: none is measured for it on a100 (the family of "
-        "a100-80gb), nor on h100 (scaled by HBM bandwidth); measured: llama-2-13b/a100/tp1, "
+        "a100-80gb), nor on h100 (scaled by HBM bandwidth); measured: llama-2-13b: a100 at TP1/2/4, h100 at TP1/2; "
+        "llama-2-70b: a100 at TP2/4/8, h100 at TP2/4/8; llama-2-7b: a100 at TP1/2, h100 at TP1/2"
     )
     with pytest.raises(UnsupportedLatencyModelError, match=r"^no step-time model for mistral-7b at TP1 on l4: l4 is"):
         gpu_latency_model("mistral-7b", "l4", 1, 0.3e12)

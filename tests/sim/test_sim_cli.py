@@ -225,7 +225,7 @@ def test_gamma_arrivals_for_a_length_only_trace(capsys: pytest.CaptureFixture[st
         (["--arrival", "gamma", "--arrival-cv", "-1"], "--arrival-cv must be from 0.001 to 1000"),
         (["--arrival", "gamma", "--arrival-cv", "inf"], "--arrival-cv must be from 0.001 to 1000"),  # said "> 0"
         (["--arrival", "gamma", "--arrival-cv", "1e6"], "--arrival-cv must be from 0.001 to 1000 (the Gamma"),
-        (["--no-prefix-caching", "--prefix-aware"], "--prefix-aware needs prefix caching"),  # accepted, meant nothing
+        (["--no-prefix-caching", "--prefix-aware"], "(--prefix-aware) needs prefix caching: with prefix_caching false"),
         (["--arrival", "poisson", "--rate", "0"], "--rate must be a number of requests per second > 0, got 0.0"),
         (["--rate", "3"], "azure-conv (bundled trace): rate_per_s (--rate) applies only to synthetic arrivals"),
         (["--policy", "hilum,llumnix,hilum"], "--policy names hilum more than once"),
@@ -288,7 +288,7 @@ def test_an_instance_with_more_blocks_than_the_engine_can_number_exits_2_naming_
     huge.write_text(text.replace("model: llama-2-7b}", "model: llama-2-7b, kv_capacity_blocks: 3000000000}"))
     assert main(["sim", "--max-requests", "5", "--topology", str(huge)]) == 2
     err = capsys.readouterr().err.replace("\n", "")
-    assert "hilum sim: error: 1x8-a100: instance node-0-i0 has 3,000,000,000 KV cache blocks (8 such" in err
+    assert f"hilum sim: error: 1x8-a100 ({huge}): instance node-0-i0 has 3,000,000,000 KV cache blocks (8 such" in err
     assert "at most 2,147,483,647" in err and "a smaller kv_capacity_blocks" in err and "Traceback" not in err
     huge.write_text(text.replace("memory_gib: 80\n", "memory_gib: 80000000\n"))  # 80 PiB a GPU: past any GPU
     assert main(["sim", "--max-requests", "5", "--topology", str(huge)]) == 2
@@ -479,7 +479,7 @@ def test_prefix_aware_dispatch_without_a_prefix_cache_is_refused_by_the_configur
     config.write_text("prefix_cache: {enabled: false}\n")
     assert main(["sim", "--config", str(config), "--prefix-aware", "--max-requests", "5"]) == 2
     err = capsys.readouterr().err.replace("\n", "")
-    assert "--prefix-aware needs prefix caching, and the configuration (--config) has prefix_cache.enabled false" in err
+    assert "(--prefix-aware) needs prefix caching, and --config " in err and "has prefix_cache.enabled false" in err
 
 
 def test_ctrl_c_in_a_sizing_or_a_sweep_exits_130_and_leaves_no_empty_out_folder(
@@ -696,20 +696,23 @@ def test_an_instance_with_no_step_time_model_is_refused_by_name(
 ) -> None:
     """Llama-2-7B is measured at TP1 and TP2 only: a TP4 one ended the run with a traceback, naming an H100 the
     file does not have (the GPU its model would have been scaled from)."""
-    assert main(["sim", "--topology", str(_tp4_topology(tmp_path)), "--max-requests", "5"]) == 2
+    tp4 = _tp4_topology(tmp_path)
+    assert main(["sim", "--topology", str(tp4), "--max-requests", "5"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(
-        "hilum sim: error: 2x8-a100: instance node-1-tp4: no step-time model for llama-2-7b at TP4 on a100-80gb: none "
-        "is measured for it on a100 (the family of a100-80gb), nor on h100 (scaled by HBM bandwidth); measured: "
+    assert err.startswith(  # the file named (the copy keeps the bundled file's name), and how many more it has
+        f"hilum sim: error: 2x8-a100 ({tp4}): instance node-0-tp4 (and 1 more): no step-time model for llama-2-7b at "
+        "TP4 on a100-80gb: none is measured for it on a100 (the family of a100-80gb), nor on h100 (scaled by HBM "
+        "bandwidth); measured: llama-2-13b: a100 at TP1/2/4, h100 at TP1/2; "
     ), err
     assert "Traceback" not in err
 
 
 def _tp4_topology(tmp_path: Path) -> Path:
-    """2x8-a100 with a TP4 Llama-2-7B instance in its second domain, which the simulator cannot time."""
+    """2x8-a100 with a TP4 Llama-2-7B instance in each domain, which the simulator cannot time."""
     data = yaml.safe_load((Path(__file__).resolve().parents[2] / "topology" / "examples" / "2x8-a100.yaml").read_text())
-    data["domains"][1]["instances"][4:] = [{"id": "node-1-tp4", "gpus": [4, 5, 6, 7], "tensor_parallel_size": 4,
-                                            "model": "llama-2-7b"}]  # fmt: skip
+    for d in (0, 1):
+        data["domains"][d]["instances"][4:] = [{"id": f"node-{d}-tp4", "gpus": [4, 5, 6, 7], "tensor_parallel_size": 4,
+                                                "model": "llama-2-7b"}]  # fmt: skip
     path = tmp_path / "tp4.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -723,7 +726,7 @@ def test_every_problem_of_the_options_is_reported_at_once(tmp_path: Path, capsys
     assert main(argv) == 2
     lines = capsys.readouterr().err.splitlines()
     starts = [
-        "2x8-a100: instance node-1-tp4: no step-time model for llama-2-7b at TP4",  # the topology's own problem first
+        "2x8-a100 (",  # the topology's own problem first
         "cold_start_s (--cold-start-s) applies only with autoscale (--autoscale)",
         "drain (--drain) takes one INSTANCE@S; give --drain once per instance (got 'node-0-i0@5,node-0-i2@6')",
         "drain (--drain) names unknown instance 'nowhere'; llama-2-7b instances of 2x8-a100: node-0-i0, node-0-i1,",
@@ -749,14 +752,17 @@ def test_a_sweep_names_a_topology_it_cannot_time_under_its_entry(
     err = capsys.readouterr().err.removeprefix("hilum sim sweep: error: ")
     lines = [line.removeprefix(f"{config}: ") for line in err.splitlines()]  # each line led by the file
     assert [line.split(": ", 1)[0] for line in lines] == [
-        "options, on topologies[0] (2x8-a100)",
-        "options, on topologies[0] (2x8-a100)",
         "topologies[1]",
-        f"options, on topologies[1] ({tp4})",
+        "options, on topologies[0] (2x8-a100)",
+        "options",  # the same on every topology: said once
         f"options, on topologies[1] ({tp4})",
     ], lines
-    assert lines[2].startswith("topologies[1]: 2x8-a100: instance node-1-tp4: no step-time model for llama-2-7b"), lines
-    assert "names unknown instance 'nowhere'" in lines[3] and "node-0-i0 more than once" in lines[4], lines
+    assert lines[0].startswith(f"topologies[1]: 2x8-a100 ({tp4}): instance node-0-tp4 (and 1 more): no step-time"), (
+        lines
+    )
+    assert lines[1].startswith("options, on topologies[0] (2x8-a100): drain names unknown instance 'nowhere'"), lines
+    assert lines[2] == "options: drain names node-0-i0 more than once; give each instance once", lines  # no flag
+    assert "drain names unknown instance 'nowhere'" in lines[3], lines
 
 
 @pytest.mark.parametrize(
@@ -778,7 +784,12 @@ def test_a_sweep_names_a_topology_it_cannot_time_under_its_entry(
         (  # an option the topology cannot run, named with the topology
             "trace: azure-conv\ntopologies: [1x8-a100]\npolicies: [hilum]\nrate_scales: [1]\n"
             "options: {drain: [node-1-i0@5]}\n",
-            "options, on topologies[0] (1x8-a100): drain (--drain) names unknown instance 'node-1-i0'",
+            "options, on topologies[0] (1x8-a100): drain names unknown instance 'node-1-i0'",
+        ),
+        (  # hilum sim refused the pair; a sweep ran it
+            "trace: azure-conv\ntopologies: [2x8-a100]\npolicies: [hilum]\nrate_scales: [1]\n"
+            "options: {prefix_caching: false, prefix_aware_dispatch: true}\n",
+            "options.prefix_aware_dispatch needs prefix caching: with prefix_caching false no engine holds a prefix",
         ),
         (  # the list's entry named (it said "invalid topology" alone)
             "trace: azure-conv\ntopologies: [2x8-a100, nowhere]\npolicies: [hilum]\nrate_scales: [1]\n",
@@ -1214,11 +1225,11 @@ def test_a_sweep_file_gets_every_problem_at_once(tmp_path: Path, capsys: pytest.
         "policies[1]",
         "rate_scales[1] = 1e-06, seed 0",
         "rate_scales[2] = 2e-06, seed 0",
-        "options, on topologies[0] (1x8-a100)",  # node-1-i0 is not in it; 2x8-a100 has it
         "topologies[1]",
+        "options, on topologies[0] (1x8-a100)",  # node-1-i0 is not in it; 2x8-a100 has it
     ], err
     assert all(line.startswith(f"{config}: ") for line in lines)
-    assert "drain (--drain) names unknown instance 'node-1-i0'" in lines[3] and "file not found" in lines[4]
+    assert "file not found" in lines[3] and "drain names unknown instance 'node-1-i0'" in lines[4]
     assert not (tmp_path / "o").exists()
 
 
