@@ -203,7 +203,7 @@ class EngineDriver:
                     busy = self.engine.has_work()
                     result = await self.call_locked(self.engine.step) if busy else None
                     if result is not None:
-                        self._apply(result)
+                        self._apply(result, self._tokens_due(result, t0))
             except Exception as exc:  # the engine is broken: fail the instance rather than hang its requests
                 _log.exception("%s: engine step failed", self.instance_id)
                 self.fail(f"engine step raised {type(exc).__name__}: {exc}")
@@ -218,8 +218,19 @@ class EngineDriver:
             await asyncio.sleep(max(0.0, rest_s))
             self._recent_step_s = self.clock() - t0
 
-    def _apply(self, result: StepResult) -> None:
-        """Push the step's tokens (numbered), retire finished requests. Runs under the engine lock."""
+    def _tokens_due(self, result: StepResult, t0: float) -> float:
+        """When the tokens of the step that began at ``t0`` (:attr:`clock`) exist, in event-loop time: a modelled
+        step's (the sim engine's, ``time_scale`` > 0) at its modelled end, as a GPU's at the end of its step, so a
+        first token comes after its prefill (pushed at once, a live TTFT left the prefill out: a 3,000-token
+        prompt's first token at 12 ms, its second at 611 ms); a real engine's at once (0)."""
+        if self.backend.time_scale <= 0 or result.is_idle:
+            return 0.0
+        rest_s = self.backend.step_wall_s(result) - (self.clock() - t0)
+        return asyncio.get_running_loop().time() + max(0.0, rest_s)
+
+    def _apply(self, result: StepResult, tokens_due: float = 0.0) -> None:
+        """Push the step's tokens (numbered; held by the pusher until ``tokens_due``, event-loop time, 0: at once),
+        retire finished requests. Runs under the engine lock."""
         finished = set(result.finished)
         for rid, n in result.new_tokens.items():
             rec = self.owned.get(rid)
@@ -232,7 +243,9 @@ class EngineDriver:
             done = rid in finished
             reason = result.finish_reasons.get(rid, "length") if done else ""
             logprobs = list(result.logprobs.get(rid, ()))
-            chunk = TokenChunkOut(rid, rec.next_seq, ids, rec.epoch, done, reason, logprobs=logprobs)
+            chunk = TokenChunkOut(
+                rid, rec.next_seq, ids, rec.epoch, done, reason, logprobs=logprobs, not_before_s=tokens_due
+            )
             self.pusher.push(rec.origin, chunk)
             rec.next_seq += len(ids)
         for rid in result.finished:
@@ -241,7 +254,8 @@ class EngineDriver:
                 continue
             if result.new_tokens.get(rid, 0) <= 0:
                 reason = result.finish_reasons.get(rid, "length")
-                self.pusher.push(rec.origin, TokenChunkOut(rid, rec.next_seq, [], rec.epoch, True, reason))
+                end = TokenChunkOut(rid, rec.next_seq, [], rec.epoch, True, reason, not_before_s=tokens_due)
+                self.pusher.push(rec.origin, end)
             self._finished_seq += 1
             self._finished.append((self._finished_seq, rec.next_seq))
         if result.new_tokens or result.finished or result.preempted:

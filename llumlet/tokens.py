@@ -9,6 +9,11 @@ Outcomes a llumlet must act on are reported to ``on_failure(request_id, outcome,
 not expect the request (``UNKNOWN``: the client is gone), a newer owner epoch holds it (``SUPERSEDED``: it
 migrated and this copy must stop), or the origin stayed unreachable (``UNREACHABLE``). After any of them the
 request's further chunks are dropped.
+
+A chunk may wait before it is sent (``TokenChunkOut.not_before_s``): the sim engine computes a step at once and
+its tokens exist only once the modelled step has run, so they are held until then. A request's chunks leave in
+the order they were queued (one held holds those after it), and :meth:`TokenPusher.flush` sends a request's held
+chunks at once (a migration suspends the request mid-step and must hand its tokens over).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class TokenChunkOut:
     merged: int = field(default=1)  # queued chunks this one stands for
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token when the request asked, else []
     resumable: bool = False  # finished with an error of the instance, not the request: the origin may replay it
+    not_before_s: float = 0.0  # event-loop time before which it is not sent (a modelled step's end); 0: at once
 
     @property
     def end_seq(self) -> int:
@@ -134,7 +140,9 @@ class TokenPusher:
         self._backoff_s = backoff_s
         self._timeout_s = timeout_s
         self._lanes: dict[str, _Lane] = {}
-        self._pending: dict[str, int] = {}  # request_id -> queued or in-flight chunks
+        # request_id -> [chunks queued, chunks done (sent or given up)], while some are queued or in flight; a flush
+        # holds on to the list it found, so chunks queued after it do not hold it (new ones come every step)
+        self._books: dict[str, list[int]] = {}
         self._failed: dict[str, PushOutcome] = {}  # request_id -> how its pushes ended (not ACKED)
         self._changed = asyncio.Condition()
         self._closed = False
@@ -148,7 +156,7 @@ class TokenPusher:
             lane = self._lanes[origin] = _Lane(origin)
             lane.task = asyncio.get_running_loop().create_task(self._drain(lane), name=f"push->{origin}")
         lane.queue.append(chunk)
-        self._pending[chunk.request_id] = self._pending.get(chunk.request_id, 0) + 1
+        self._books.setdefault(chunk.request_id, [0, 0])[0] += 1
         lane.wake.set()
 
     def outcome(self, request_id: str) -> PushOutcome:
@@ -156,9 +164,19 @@ class TokenPusher:
         return self._failed.get(request_id, PushOutcome.ACKED)
 
     async def flush(self, request_id: str) -> PushOutcome:
-        """Wait until every chunk queued for ``request_id`` is acknowledged (or its pushes failed)."""
+        """Send ``request_id``'s held chunks at once, and wait until every chunk queued for it so far is acknowledged
+        (or its pushes failed); chunks queued after the call do not hold it."""
+        for lane in self._lanes.values():
+            held = [c for c in lane.queue if c.request_id == request_id and c.not_before_s > 0]
+            for chunk in held:
+                chunk.not_before_s = 0.0
+            if held:
+                lane.wake.set()
         async with self._changed:
-            await self._changed.wait_for(lambda: self._pending.get(request_id, 0) == 0)
+            book = self._books.get(request_id)
+            if book is not None:
+                queued = book[0]  # the chunks queued so far
+                await self._changed.wait_for(lambda: book[1] >= queued)
         return self.outcome(request_id)
 
     def forget(self, request_id: str) -> None:
@@ -179,11 +197,27 @@ class TokenPusher:
         self._lanes.clear()
 
     async def _drain(self, lane: _Lane) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             while not lane.queue:
                 lane.wake.clear()
                 await lane.wake.wait()
-            batch, lane.queue = lane.queue, []
+            now = loop.time()
+            held: set[str] = set()  # requests with a chunk held: their later chunks wait behind it
+            batch, kept = [], []
+            for chunk in lane.queue:
+                if chunk.not_before_s > now or chunk.request_id in held:
+                    held.add(chunk.request_id)
+                    kept.append(chunk)
+                else:
+                    batch.append(chunk)
+            if not batch:  # all held: until the first is due, or a push or a flush wakes the lane
+                lane.wake.clear()
+                due_s = min(c.not_before_s for c in kept) - now
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(lane.wake.wait(), max(0.0, due_s))
+                continue
+            lane.queue = kept
             groups = _merge(batch)
             await asyncio.gather(*(self._send_runs(lane, runs) for runs in groups.values()))
 
@@ -198,11 +232,11 @@ class TokenPusher:
                     )
                     self._on_failure(chunk.request_id, outcome, reason)
             async with self._changed:
-                left = self._pending.get(chunk.request_id, 0) - chunk.merged
-                if left > 0:
-                    self._pending[chunk.request_id] = left
-                else:
-                    self._pending.pop(chunk.request_id, None)
+                book = self._books.get(chunk.request_id)
+                if book is not None:
+                    book[1] += chunk.merged
+                    if book[1] >= book[0]:
+                        del self._books[chunk.request_id]
                 self._changed.notify_all()
 
     async def _send(self, lane: _Lane, chunk: TokenChunkOut) -> tuple[PushOutcome, str]:

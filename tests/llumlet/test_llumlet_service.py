@@ -60,6 +60,39 @@ def test_tokens_are_pushed_numbered_and_blocks_return() -> None:
     run(body)
 
 
+def test_a_modelled_steps_tokens_come_at_its_end() -> None:
+    """The sim engine pushed a step's tokens when the step began, then slept its modelled time: a long prompt's
+    first token came in milliseconds and its prefill after it (a live TTFT without the prefill)."""
+
+    async def main() -> None:
+        col = TokenCollector()
+        await col.start()
+        cfg = BackendConfig(instance_id="i0", num_blocks=512, block_size_tokens=16, time_scale=1.0)
+        node = await start_llumlet("i0", backend=cfg)
+        try:
+            prefill_s = node.llumlet.engine.latency_model.step_time_s([(3000, 0)], [])
+            decode_s = node.llumlet.engine.latency_model.step_time_s([], [3001])
+            assert prefill_s > 0.1 and prefill_s > 5 * decode_s  # a step long enough to tell the two apart
+            col.expect("r", node.address)
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            assert (
+                await node.client.submit("r", col.address, SamplingParams(max_tokens=3), prompt_tokens=3000)
+            ).accepted
+            arrived: list[float] = []  # when the stream held its 1st, 2nd, 3rd token
+            while len(arrived) < 3:
+                arrived += [loop.time() - start] * (len(col.get("r").token_ids) - len(arrived))
+                await asyncio.sleep(0.002)
+            # the first token after the prefill step (it was at about 0.01 s), the second one decode step later
+            assert arrived[0] >= 0.95 * prefill_s, (arrived, prefill_s)
+            assert arrived[1] - arrived[0] < prefill_s / 2, (arrived, prefill_s)
+        finally:
+            await node.stop()
+            await col.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
 def test_submit_errors_are_clear() -> None:
     async def body(col: TokenCollector, node: RunningLlumlet) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -40,7 +40,7 @@ from llumlet.engine.types import (
     TokenLogprobs,
 )
 from llumlet.sink import TokenCollector
-from llumlet.tokens import TokenChunkOut, _merge
+from llumlet.tokens import PushOutcome, TokenChunkOut, _merge
 from llumlet.transport import (
     GrpcStreamTransport,
     LocalTransport,
@@ -400,6 +400,39 @@ def test_collector_orders_deduplicates_and_follows_the_owner_epoch() -> None:
         assert (await col.wait("q", 0.01)).error == "instance died"
         with pytest.raises(ValueError, match="already expected"):
             col.expect("q")
+
+    asyncio.run(main())
+
+
+def test_a_held_chunk_waits_until_due_holds_its_requests_later_chunks_and_a_flush_sends_it() -> None:
+    """The sim engine's tokens exist at the end of a modelled step: pushed with ``not_before_s``, they reach the sink
+    then, in order with the request's later chunks; other requests are not held; a flush (a migration) sends them."""
+    import random as _random
+
+    from llumlet.tokens import TokenPusher
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        col = TokenCollector()
+        await col.start()
+        pusher = TokenPusher("i0", "i0:1", lambda *_: None, _random.Random(0))
+        try:
+            for rid in ("r", "s", "m"):
+                col.expect(rid, "i0:1")
+            start = loop.time()
+            pusher.push(col.address, TokenChunkOut("r", 0, [0], 0, not_before_s=start + 0.3))
+            pusher.push(col.address, TokenChunkOut("r", 1, [1], 0, True, "length"))  # due at once, but behind seq 0
+            pusher.push(col.address, TokenChunkOut("s", 0, [0], 0, True, "length"))  # another request: not held
+            assert (await col.wait("s", 1.0)).token_ids == (0,) and col.get("r").token_ids == ()
+            got = await col.wait("r", 2.0)
+            assert got.token_ids == (0, 1) and loop.time() - start >= 0.3  # not before it was due, then in order
+            pusher.push(col.address, TokenChunkOut("m", 0, [0, 1], 0, not_before_s=loop.time() + 30))
+            flushed = loop.time()
+            assert await asyncio.wait_for(pusher.flush("m"), 2.0) is PushOutcome.ACKED  # sent at once, not in 30 s
+            assert col.get("m").token_ids == (0, 1) and loop.time() - flushed < 2.0
+        finally:
+            await pusher.close()
+            await col.stop()
 
     asyncio.run(main())
 
