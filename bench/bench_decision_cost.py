@@ -118,8 +118,10 @@ def measure(num_instances: int, repeat: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="16,64,256,1024,4096")
-    parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument(
+        "--sizes", default="16,64,256,1024,4096", help="cluster sizes in instances, comma-separated (multiples of 8)"
+    )
+    parser.add_argument("--repeat", type=int, default=200, help="timed calls per decision and size (default 200)")
     args = parser.parse_args()
     header = (
         f"{'instances':>9} | {'dispatch flat':>13} {'hilum':>8} {'ratio':>7} | {'refresh flat':>12} {'hilum':>8} "

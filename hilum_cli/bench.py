@@ -497,6 +497,11 @@ def run_bench(ns: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sy
     title = f"hilum bench: {trace.name} against {ns.url}"
     print(format_table(summaries, title=title, columns=("reqs", *LATENCY_COLUMNS)), file=out, end="")
     print(format_table(summaries, title="migrations and cost", columns=MIGRATION_COLUMNS), file=out, end="")
+    derived = runs[-1].config.get("derived_latency_models") if len(runs) > 1 else None
+    if isinstance(derived, list) and derived:  # the simulated row's GPUs, as hilum sim says them
+        from llumlet.engine.latency import scaled_note
+
+        print(f"step times of the simulated row: {scaled_note([str(s) for s in derived])}", file=out)
     if failed:
         print(f"hilum bench: {len(failed)} request(s) failed; first: {failed[0].error}", file=err)
     if checked.out is not None:

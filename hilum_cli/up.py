@@ -550,6 +550,13 @@ def _scaled(topology: Topology) -> list[str]:
     return scaled_latency_models(topology)
 
 
+def _scaled_note(scaled: Sequence[str]) -> str:
+    """``llumlet.engine.latency.scaled_note``: the words of the step times line, as ``hilum sim`` prints them."""
+    from llumlet.engine.latency import scaled_note
+
+    return scaled_note(scaled)
+
+
 def _check_sim_latency(topology: Topology) -> None:
     """Raise UpUsageError, naming each, when an instance's model, GPU type and TP degree have no step-time model for
     the sim engine (``llumlet.engine.latency.latency_model_problems``, as ``hilum sim`` checks): its llumlet would
@@ -1067,11 +1074,7 @@ def describe(
     fate = "a temporary directory, removed at exit: --keep-run-dir keeps it" if temporary_run_dir else "kept"
     lines += [
         f"  run dir       {info['run_dir']}   (logs, topology.yaml, cluster.json; {fate})",
-        *(
-            [f'  step times    {", ".join(scaled)} (not measured on that GPU: docs/simulator.md, "Engine")']
-            if scaled
-            else []
-        ),
+        *([f"  step times    {_scaled_note(scaled)}"] if scaled else []),
         "",
         f"query it:  hilumctl --coordinator {','.join(coordinators.values())} status",
         f"try it:    curl {info['gateway_url']}/v1/completions -H 'Content-Type: application/json' "

@@ -30,7 +30,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 from hilum_config import CONFIG_ENV, DEFAULTS_SOURCE, ConfigError, HilumConfig, load_config
 from hilum_config import add_argument as add_config_argument
-from llumlet.engine.latency import scaled_latency_models
+from llumlet.engine.latency import scaled_latency_models, scaled_note
 from topology.load import BUNDLED_NAMES
 
 from .results import RESULTS_FILE_NAME, atomic_file
@@ -609,9 +609,13 @@ def run_cli(args: argparse.Namespace) -> int:
         gone = f" (removed an earlier run's {', '.join(staged.removed)})" if staged.removed else ""
         err.print(f"results: {path}; plots in {out}/{gone}", highlight=False)
     summaries = [summarize(r) for r in runs]
-    if args.json:  # with the count of requests cut to the model's context (results.json: the run's config)
+    if args.json:  # with the requests cut to the model's context and the scaled step times (results.json: config)
         rows = [
-            {**asdict(s), "truncated_requests": r.config.get("truncated_requests", 0)}
+            {
+                **asdict(s),
+                "truncated_requests": r.config.get("truncated_requests", 0),
+                "derived_latency_models": r.config.get("derived_latency_models", []),
+            }
             for s, r in zip(summaries, runs, strict=True)
         ]
         print(json.dumps(rows, indent=2, default=str))
@@ -684,7 +688,7 @@ def _print_scaled(console: Console, scaled: Sequence[str], where: str = "") -> N
     approximation (prefill is compute-bound), which results files also record (``derived_latency_models``)."""
     if scaled:
         console.print(
-            f'step times{where}: {", ".join(scaled)} (not measured on that GPU: docs/simulator.md, "Engine")',
+            f"step times{where}: {scaled_note(scaled)}",
             style="dim",
             highlight=False,
             soft_wrap=not console.is_terminal,
@@ -811,7 +815,11 @@ def run_size_cli(args: argparse.Namespace) -> int:
             "meets": t.meets,
             "miss": t.miss,
             "chosen": t.instances == s.chosen,
-            "summary": {**summary_to_dict(t.summary), "truncated_requests": truncated[0]},
+            "summary": {
+                **summary_to_dict(t.summary),
+                "truncated_requests": truncated[0],
+                "derived_latency_models": scaled,
+            },
         }
         for s in sizings
         for t in s.trials

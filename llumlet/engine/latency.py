@@ -56,6 +56,7 @@ __all__ = [
     "packed_doubles",
     "packed_from_numpy",
     "scaled_latency_models",
+    "scaled_note",
     "steps_ended_guess",
     "supported_latency_models",
 ]
@@ -568,6 +569,14 @@ def latency_model_problems(topology: Topology, model: str | None = None) -> list
     first instance; none when every one can. What ``hilum sim`` and ``hilum up --engine sim`` refuse before
     anything runs."""
     return [timed for _, timed in _timings(topology, model) if isinstance(timed, str)]
+
+
+def scaled_note(scaled: Sequence[str]) -> str:
+    """The words after ``step times:`` for :func:`scaled_latency_models`' list ``scaled``, as ``hilum sim``, its sweeps
+    and sizings, and ``hilum up`` print them: the list, then why (one GPU type or several)."""
+    gpus = {entry.split("/")[1] for entry in scaled if entry.count("/") >= 2}
+    those = "that GPU type" if len(gpus) <= 1 else "those GPU types"
+    return f'{", ".join(scaled)} (no step times measured on {those}: docs/simulator.md, "Model")'
 
 
 def scaled_latency_models(topology: Topology, model: str | None = None) -> list[str]:

@@ -226,6 +226,28 @@ def test_a_failed_comparison_keeps_the_live_results(tmp_path: Path, monkeypatch:
     assert f"results written to {tmp_path / 'out' / 'results.json'}" in err.getvalue()
 
 
+def test_the_simulated_rows_scaled_step_times_are_said(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """hilum sim says which step times are another GPU's scaled by HBM; --compare-sim showed such a row as measured."""
+    topo = tmp_path / "m.yaml"
+    topo.write_text(LOCAL_TOPOLOGY.replace("llama-2-7b", "m"))
+    real = bench.simulate
+
+    def simulated(trace: Any, topology: str, *args: Any) -> Any:  # the echo gateway's "m" timed as an A100-40GB's
+        run = real(trace, "2x8-a100-40gb", *args)
+        assert run.config["derived_latency_models"] == ["llama-2-13b/a100-40gb/tp1 scaled from a100 by HBM"]
+        return run
+
+    monkeypatch.setattr(bench, "simulate", simulated)
+    monkeypatch.setattr("llumlet.engine.latency.latency_model_problems", lambda *args: [])
+    out, err = io.StringIO(), io.StringIO()
+    with echo_gateway() as (url, _backend):
+        assert run_bench(bench_args(url, compare_sim=str(topo)), out=out, err=err) == 0, err.getvalue()
+    assert (
+        "step times of the simulated row: llama-2-13b/a100-40gb/tp1 scaled from a100 by HBM (no step times measured "
+        "on that GPU type" in out.getvalue()
+    )
+
+
 def test_a_gateway_with_api_keys_is_benched_with_one(tmp_path: Path) -> None:
     keys = parse_api_keys({"keys": [{"name": "bench", "key": "sk-bench"}]})
     with echo_gateway(keys) as (url, backend):

@@ -90,6 +90,8 @@ def test_the_sim_engines_scaled_step_times_are_said_as_hilum_sim_says_them() -> 
     scaled = _scaled(load_topology("2x8-a100-40gb"))
     assert scaled == ["llama-2-13b/a100-40gb/tp1 scaled from a100 by HBM"]
     lines = [line for line in describe(info, scaled=scaled).splitlines() if "step times" in line]
-    assert lines == [f'  step times    {scaled[0]} (not measured on that GPU: docs/simulator.md, "Engine")']
+    assert lines == [
+        f'  step times    {scaled[0]} (no step times measured on that GPU type: docs/simulator.md, "Model")'
+    ]
     assert _scaled(load_topology("2x8-a100")) == []
     assert "step times" not in describe(info)

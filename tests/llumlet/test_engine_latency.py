@@ -173,6 +173,21 @@ def test_scaled_latency_models_lists_each_scaled_combination_once_in_the_files_o
     assert seventy and seventy == [m for m in every if m.startswith("llama-2-70b/")]
 
 
+def test_the_scaled_step_times_line_says_one_gpu_type_or_several() -> None:
+    from llumlet.engine.latency import scaled_latency_models, scaled_note
+    from topology.load import load_topology
+
+    one = scaled_latency_models(load_topology("2x8-a100-40gb"))
+    assert scaled_note(one) == (
+        "llama-2-13b/a100-40gb/tp1 scaled from a100 by HBM (no step times measured on that GPU type: "
+        'docs/simulator.md, "Model")'
+    )
+    mixed = load_topology(Path(__file__).resolve().parents[2] / "examples" / "mixed-gpu.yaml")
+    two = scaled_latency_models(mixed)  # the A100-40GB scaled from the A100, the L40S from the H100
+    assert [entry.split(" ")[0] for entry in two] == ["llama-2-13b/a100-40gb/tp1", "llama-2-13b/l40s/tp1"]
+    assert "(no step times measured on those GPU types:" in scaled_note(two)
+
+
 def test_gpu_latency_model_takes_the_measured_model_or_scales_one_by_hbm() -> None:
     from llumlet.engine.latency import (
         CALIBRATED_HBM_BYTES_PER_S,

@@ -1240,7 +1240,7 @@ def test_step_times_of_a_gpu_without_measured_data_are_said_below_the_tables(
     assert main(["sim", "--max-requests", "20", "--policy", "round-robin"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert (
-        "step times: llama-2-13b/a100-40gb/tp1 scaled from a100 by HBM (not measured on that GPU: docs/simulator" in out
+        "step times: llama-2-13b/a100-40gb/tp1 scaled from a100 by HBM (no step times measured on that GPU type" in out
     )
     assert main(["sim", "--topology", "2x8-a100", "--max-requests", "20", "--policy", "round-robin"]) == 0
     assert "step times:" not in capsys.readouterr().out  # the A100-80GB is measured
@@ -1254,9 +1254,12 @@ def test_a_sizing_and_a_sweep_say_which_step_times_are_scaled_too(
     scaled = "llama-2-13b/a100-40gb/tp1 scaled from a100 by HBM"
     argv = ["sim", "size", "--target-p99-ttft-ms", "60000", "--max-requests", "30", "--policy", "round-robin"]
     assert main([*argv, "--out", str(tmp_path / "size")]) == 0
-    assert f"step times: {scaled} (not measured" in " ".join(capsys.readouterr().out.split())
+    assert f"step times: {scaled} (no step times measured" in " ".join(capsys.readouterr().out.split())
     sized = json.loads((tmp_path / "size" / "sizing.json").read_text())
     assert sized["derived_latency_models"] == [scaled]
+    assert {r["summary"]["derived_latency_models"] == [scaled] for r in sized["rows"]} == {True}  # as --json prints
+    assert main(["sim", "--max-requests", "20", "--policy", "round-robin", "--json"]) == 0
+    assert [row["derived_latency_models"] for row in json.loads(capsys.readouterr().out)] == [[scaled]]
     config = tmp_path / "sweep.yaml"
     config.write_text(
         "trace: azure-conv\ntopologies: [2x8-a100-40gb, 2x8-a100]\npolicies: [round-robin]\nrate_scales: [1]\n"
@@ -1264,7 +1267,7 @@ def test_a_sizing_and_a_sweep_say_which_step_times_are_scaled_too(
     )
     assert main(["sim", "sweep", str(config), "--out", str(tmp_path / "sweep")]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert f"step times on 2x8-a100-40gb: {scaled} (not measured" in out and "on 2x8-a100:" not in out
+    assert f"step times on 2x8-a100-40gb: {scaled} (no step times measured" in out and "on 2x8-a100:" not in out
     rows = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["rows"]
     assert [(r["topology"], r["derived_latency_models"]) for r in rows] == [
         ("2x8-a100-40gb", [scaled]),
