@@ -416,13 +416,7 @@ def load_latency_model(model: str, gpu: str, tp: int) -> LatencyModel:
     table = _load_table()["models"]
     key = _model_key(_normalize_model(model), _normalize_gpu(gpu), tp)
     if key not in table:
-        by_model: dict[str, dict[str, list[int]]] = {}  # model -> GPU -> TP degrees measured
-        for m, g, t in supported_latency_models():
-            by_model.setdefault(m, {}).setdefault(g, []).append(t)
-        combos = "; ".join(  # "llama-2-7b: a100 at TP1/2, h100 at TP1/2; ..."
-            f"{m}: " + ", ".join(f"{g} at TP{'/'.join(map(str, tps))}" for g, tps in gpus.items())
-            for m, gpus in by_model.items()
-        )
+        combos = _measured_combinations()
         raise UnsupportedLatencyModelError(
             f"no latency model for model={model!r} gpu={gpu!r} tp={tp} (looked up {key!r}); supported: {combos}"
         )
@@ -467,6 +461,17 @@ def derive_latency_model(
     return dataclasses.replace(base, gpu=gpu, gpu_scale=base.gpu_scale * factor)
 
 
+def _measured_combinations() -> str:
+    """:func:`supported_latency_models` in words, by model: ``"llama-2-7b: a100 at TP1/2, h100 at TP1/2; ..."``."""
+    by_model: dict[str, dict[str, list[int]]] = {}  # model -> GPU -> TP degrees measured
+    for m, g, t in supported_latency_models():
+        by_model.setdefault(m, {}).setdefault(g, []).append(t)
+    return "; ".join(
+        f"{m}: " + ", ".join(f"{g} at TP{'/'.join(map(str, tps))}" for g, tps in gpus.items())
+        for m, gpus in by_model.items()
+    )
+
+
 def gpu_latency_model(model: str, gpu: str, tp: int, hbm_bytes_per_s: float) -> tuple[LatencyModel, str | None]:
     """The step-time model of ``model`` at tensor-parallel degree ``tp`` on the GPU type ``gpu``, whose HBM bandwidth
     is ``hbm_bytes_per_s`` (bytes/s): the one rule the simulator and the live sim engine (``llumlet.backends.sim``)
@@ -501,13 +506,7 @@ def gpu_latency_model(model: str, gpu: str, tp: int, hbm_bytes_per_s: float) -> 
             why = f"none is measured for it on {family} (the family of {gpu}), nor on h100 (scaled by HBM bandwidth)"
         else:
             why = f"{gpu} is not measured, and h100 (scaled to it by HBM bandwidth) has none for it"
-        by_model: dict[str, dict[str, list[int]]] = {}  # model -> GPU -> TP degrees measured
-        for m, g, t in supported_latency_models():
-            by_model.setdefault(m, {}).setdefault(g, []).append(t)
-        combos = "; ".join(  # "llama-2-7b: a100 at TP1/2, h100 at TP1/2; ..."
-            f"{m}: " + ", ".join(f"{g} at TP{'/'.join(map(str, tps))}" for g, tps in gpus.items())
-            for m, gpus in by_model.items()
-        )
+        combos = _measured_combinations()
         raise UnsupportedLatencyModelError(
             f"no step-time model for {model} at TP{tp} on {gpu}: {why}; measured: {combos}"
         ) from None
