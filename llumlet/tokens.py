@@ -213,7 +213,7 @@ class TokenPusher:
                     batch.append(chunk)
             if not batch:  # all held: until the first is due, or a push or a flush wakes the lane
                 lane.wake.clear()
-                due_s = min(c.not_before_s for c in kept) - now
+                due_s = min(c.not_before_s for c in kept if c.not_before_s > now) - now  # not those held behind
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(lane.wake.wait(), max(0.0, due_s))
                 continue

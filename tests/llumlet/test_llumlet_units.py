@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from pathlib import Path
 
 import grpc
@@ -424,7 +425,9 @@ def test_a_held_chunk_waits_until_due_holds_its_requests_later_chunks_and_a_flus
             pusher.push(col.address, TokenChunkOut("r", 1, [1], 0, True, "length"))  # due at once, but behind seq 0
             pusher.push(col.address, TokenChunkOut("s", 0, [0], 0, True, "length"))  # another request: not held
             assert (await col.wait("s", 1.0)).token_ids == (0,) and col.get("r").token_ids == ()
+            cpu = time.process_time()
             got = await col.wait("r", 2.0)
+            assert time.process_time() - cpu < 0.05  # the lane slept until seq 0 was due (it spun behind it)
             assert got.token_ids == (0, 1) and loop.time() - start >= 0.3  # not before it was due, then in order
             pusher.push(col.address, TokenChunkOut("m", 0, [0, 1], 0, not_before_s=loop.time() + 30))
             flushed = loop.time()
