@@ -501,7 +501,8 @@ def run_bench(ns: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sy
     if isinstance(derived, list) and derived:  # the simulated row's GPUs, as hilum sim says them
         from llumlet.engine.latency import scaled_note
 
-        print(f"step times of the simulated row: {scaled_note([str(s) for s in derived])}", file=out)
+        note = scaled_note([str(s) for s in derived])
+        print(f"step times of the simulated row (and of a live row of sim engines): {note}", file=out)
     if failed:
         print(f"hilum bench: {len(failed)} request(s) failed; first: {failed[0].error}", file=err)
     if checked.out is not None:

@@ -572,7 +572,8 @@ def check_options(topology: Topology, options: SimOptions) -> tuple[list[tuple[s
     for flag, raw in (("--drain", options.drain), ("--scale-out", options.scale_out)):
         for value in raw:
             if "," in value:
-                problems.append(f"{label[flag]} takes one INSTANCE@S; give {flag} once per instance (got {value!r})")
+                one = f"{label[flag]} takes one INSTANCE@S an entry"  # in a sweep file's list, or a flag's value
+                problems.append(f"{one}, got {value!r}: give each instance its own")
                 continue
             parsed[flag].append(_parse_event(value))  # well-formed: SimOptions checked each
     drains, scale_outs = parsed["--drain"], parsed["--scale-out"]

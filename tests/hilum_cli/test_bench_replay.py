@@ -243,7 +243,8 @@ def test_the_simulated_rows_scaled_step_times_are_said(tmp_path: Path, monkeypat
     with echo_gateway() as (url, _backend):
         assert run_bench(bench_args(url, compare_sim=str(topo)), out=out, err=err) == 0, err.getvalue()
     assert (
-        "step times of the simulated row: llama-2-13b/a100-40gb/tp1 scaled from a100 by HBM (no step times measured "
+        "step times of the simulated row (and of a live row of sim engines): llama-2-13b/a100-40gb/tp1 scaled from "
+        "a100 by HBM (no step times measured "
         "on that GPU type" in out.getvalue()
     )
 

@@ -256,7 +256,7 @@ def test_bad_options_and_unknown_instances_are_clear_errors() -> None:
         _run("hilum", drain=("n0@1",))
     with pytest.raises(
         ValueError,
-        match=r"drain \(--drain\) takes one INSTANCE@S; give --drain once per instance \(got 'n0-i0@1,n0-i1@2'\)",
+        match=r"drain \(--drain\) takes one INSTANCE@S an entry, got 'n0-i0@1,n0-i1@2': give each instance its own",
     ):
         _run("hilum", drain=("n0-i0@1,n0-i1@2",))
     with pytest.raises(ValueError, match="colour"):

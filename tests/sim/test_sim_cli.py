@@ -728,7 +728,7 @@ def test_every_problem_of_the_options_is_reported_at_once(tmp_path: Path, capsys
     starts = [
         "2x8-a100 (",  # the topology's own problem first
         "cold_start_s (--cold-start-s) applies only with autoscale (--autoscale)",
-        "drain (--drain) takes one INSTANCE@S; give --drain once per instance (got 'node-0-i0@5,node-0-i2@6')",
+        "drain (--drain) takes one INSTANCE@S an entry, got 'node-0-i0@5,node-0-i2@6': give each instance its own",
         "drain (--drain) names unknown instance 'nowhere'; llama-2-7b instances of 2x8-a100: node-0-i0, node-0-i1,",
         "scale_out (--scale-out) names node-0-i1 more than once; give each instance once",
     ]
