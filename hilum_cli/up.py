@@ -550,13 +550,6 @@ def _scaled(topology: Topology) -> list[str]:
     return scaled_latency_models(topology)
 
 
-def _scaled_note(scaled: Sequence[str]) -> str:
-    """``llumlet.engine.latency.scaled_note``: the words of the step times line, as ``hilum sim`` prints them."""
-    from llumlet.engine.latency import scaled_note
-
-    return scaled_note(scaled)
-
-
 def _check_sim_latency(topology: Topology) -> None:
     """Raise UpUsageError, naming each, when an instance's model, GPU type and TP degree have no step-time model for
     the sim engine (``llumlet.engine.latency.latency_model_problems``, as ``hilum sim`` checks): its llumlet would
@@ -1057,6 +1050,8 @@ def describe(
     topology's instances, so the printed ``hilum bench`` line compares with it (``--compare-sim``); ``scaled``: the
     sim engines' step times that are another GPU's scaled by HBM bandwidth
     (``llumlet.engine.latency.scaled_latency_models``), said as ``hilum sim`` says them."""
+    from llumlet.engine.latency import scaled_note
+
     model = info["models"][0]
     coordinators = info["coordinators"]
     standby = " (one leads, the others stand by)" if len(coordinators) > 1 else ""
@@ -1074,7 +1069,7 @@ def describe(
     fate = "a temporary directory, removed at exit: --keep-run-dir keeps it" if temporary_run_dir else "kept"
     lines += [
         f"  run dir       {info['run_dir']}   (logs, topology.yaml, cluster.json; {fate})",
-        *([f"  step times    {_scaled_note(scaled)}"] if scaled else []),
+        *([f"  step times    {scaled_note(scaled)}"] if scaled else []),
         "",
         f"query it:  hilumctl --coordinator {','.join(coordinators.values())} status",
         f"try it:    curl {info['gateway_url']}/v1/completions -H 'Content-Type: application/json' "

@@ -511,7 +511,7 @@ class SimCheckError(ValueError):
     def __init__(self, topology_problems: Sequence[str], option_problems: Sequence[str]) -> None:
         self.topology_problems = list(topology_problems)
         self.option_problems = list(option_problems)
-        super().__init__("\n".join([*self.topology_problems, *self.option_problems]))
+        super().__init__("\n".join(self.lines()))
 
     def lines(self) -> list[str]:
         """Every problem, one a line: the topology's, then the options'."""
